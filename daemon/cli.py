@@ -1,0 +1,156 @@
+"""`specd` command line. Each subcommand's flags are a contract scripts rely on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from daemon.runtime import Runtime, RuntimeError_, RuntimeOptions
+from speculative.checkpoint import CheckpointError, ModelNotFoundError
+from speculative.config import UnsupportedModelError
+from speculative.generation import ContextFullError, Generation
+from speculative.sampling import SamplingParams
+
+# Errors a user can cause: reported as one line on stderr, exit status 2.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ModelNotFoundError,
+    CheckpointError,
+    UnsupportedModelError,
+    RuntimeError_,
+    ContextFullError,
+    FileNotFoundError,
+    ValueError,
+)
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--prompt-ids takes comma-separated integers, got {text!r}"
+        ) from None
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="target: a Hugging Face model folder or hub id")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--context", type=int, default=None, help="KV cache length (default: the model's)")
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> None:
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="text, tokenized as the model's tokenizer says")
+    src.add_argument("--prompt-ids", type=_prompt_ids, default=None, help="ids fed exactly: 1,2,3")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
+    return RuntimeOptions(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        context=args.context,
+    )
+
+
+def sampling_params(args: argparse.Namespace, seed: int | None) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    runtime = Runtime(runtime_options(args))
+    tok = runtime.tokenizer
+    if args.prompt_ids is not None:
+        prompt_ids = list(args.prompt_ids)
+    else:
+        prompt_ids = tok.encode(args.prompt or "")
+    vocab = runtime.target.config.vocab_size
+    bad = [i for i in prompt_ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"--prompt-ids {bad[:5]} outside the vocabulary [0, {vocab})")
+    strategy = runtime.strategy()
+    session = runtime.new_session(strategy)
+    gen = Generation(
+        strategy,
+        session,
+        tok,
+        prompt_ids,
+        sampling_params(args, args.seed),
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    if args.json:
+        gen.run()
+        print(json.dumps(generation_record(gen)))
+    else:
+        for chunk in gen:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    return 0
+
+
+def generation_record(gen: Generation) -> dict:
+    return {
+        "prompt_ids": gen.prompt_ids,
+        "token_ids": gen.token_ids,
+        "text": gen.text,
+        "finish_reason": gen.finish_reason,
+        "stats": gen.stats.to_dict(),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specd",
+        description="Local OpenAI-compatible inference with lossless tree speculation.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream a generation to the terminal")
+    add_generate_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as exc:
+        print(f"specd: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

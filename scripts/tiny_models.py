@@ -1,0 +1,174 @@
+"""Tiny random checkpoints in real Hugging Face layout, for tests and benchmarks.
+
+The folders are written by `transformers` itself (config.json, safetensors, generation
+config), so their layout is exactly what users have; the tokenizer is a real
+`tokenizer.json` built with `tokenizers`. transformers is a test/bench dependency only.
+
+    python scripts/tiny_models.py OUT_DIR --family qwen3 --vocab 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama"},
+    "llama3": {
+        "model_type": "llama",
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
+    "mistral": {"model_type": "mistral", "sliding_window": None},
+    "qwen2": {"model_type": "qwen2"},
+    "qwen3": {"model_type": "qwen3", "head_dim": 16},
+}
+
+_CORPUS = (
+    "Once upon a time there was a little robot who loved to count. "
+    "One, two, three! The robot counted stars, cats and café tables. "
+    "Naïve dragons say 你好 and 😀 to everyone they meet. "
+    "def add(a, b):\n    return a + b\n"
+) * 4
+
+
+def build_tokenizer(vocab_size: int):  # type: ignore[no-untyped-def]
+    """A real tokenizer with exactly `vocab_size` entries (ids 0..2 are <unk>, <s>, </s>).
+    Small vocabularies get a character-level word tokenizer; larger ones a byte-level BPE."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    if vocab_size < 300:
+        letters = [chr(ord("a") + i) if i < 26 else f"t{i}" for i in range(vocab_size - 3)]
+        vocab = {tok: i for i, tok in enumerate(specials + letters)}
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.decoder = decoders.WordPiece(prefix="##")  # joins with spaces
+    else:
+        tok = Tokenizer(models.BPE(unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator([_CORPUS], trainer=trainer)
+        # Pad with unused tokens if the corpus is too small to reach the size.
+        missing = vocab_size - tok.get_vocab_size()
+        if missing > 0:
+            tok.add_tokens([f"<extra_{i}>" for i in range(missing)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
+    assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
+    return tok
+
+
+def make_checkpoint(
+    path: str | Path,
+    family: str = "llama",
+    *,
+    vocab_size: int = 320,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 256,
+    tie_word_embeddings: bool = False,
+    init_std: float = 0.2,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    chat_template: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a random checkpoint of `family` to `path` and return the path.
+
+    `init_std` well above the usual 0.02 gives peaked, model-like next-token distributions;
+    `max_shard_size` (e.g. "20KB") writes sharded safetensors with an index."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    spec = dict(FAMILIES[family])
+    model_type = spec.pop("model_type")
+    fields: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=init_std,
+        bos_token_id=1,
+        eos_token_id=2,
+        rms_norm_eps=1e-6,
+    )
+    fields.update(spec)
+    fields.update(overrides)
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.no_grad():  # norms at 1 make every family look alike; vary them
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    kwargs: dict[str, Any] = {}
+    if max_shard_size:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(path, **kwargs)
+    build_tokenizer(vocab_size).save(str(path / "tokenizer.json"))
+    tok_config: dict[str, Any] = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "model_max_length": max_position_embeddings,
+    }
+    if chat_template:
+        tok_config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="llama")
+    ap.add_argument("--vocab", type=int, default=320)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--tie", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    out = make_checkpoint(
+        args.out,
+        args.family,
+        vocab_size=args.vocab,
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        tie_word_embeddings=args.tie,
+        seed=args.seed,
+    )
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

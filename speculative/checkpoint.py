@@ -1,0 +1,233 @@
+"""Checkpoints: a local Hugging Face folder or a hub id → config, weights, tokenizer.
+
+Weights are read tensor by tensor from memory-mapped safetensors into a model built on the
+meta device, so loading never holds a second full copy of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from speculative.config import ModelConfig, UnsupportedModelError
+from speculative.model import Transformer, rope_inv_freq
+from speculative.tokenizer import Tokenizer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_WEIGHT_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
+# Buffers some exporters store that are recomputed here.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model reference that is neither a usable folder nor a reachable hub id."""
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's tensors do not match its config (missing, unexpected, wrong shape)."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    generation_defaults: dict[str, Any]
+
+    def weight_files(self) -> list[Path]:
+        return weight_files(self.path)
+
+
+def resolve(ref: str | os.PathLike[str]) -> Path:
+    """A local folder, or a hub id downloaded into (or found in) the huggingface_hub cache.
+    `HF_HUB_OFFLINE=1` is honoured: only the cache is consulted."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is a folder but has no config.json: not a model folder")
+        return path
+    text = str(ref)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise ModelNotFoundError(
+            f"model {text!r} not found: give a Hugging Face model folder or a hub id like 'org/name'"
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id=text, allow_patterns=_WEIGHT_PATTERNS))
+    except LocalEntryNotFoundError as exc:
+        raise ModelNotFoundError(
+            f"model {text!r} is not in the local Hugging Face cache and cannot be downloaded "
+            f"now (offline, or the hub is unreachable): run `specd pull {text}` where the hub "
+            f"is reachable, or point --model at a local folder"
+        ) from exc
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelNotFoundError(f"model {text!r} could not be fetched from the hub: {first}") from exc
+
+
+def open_checkpoint(ref: str | os.PathLike[str]) -> Checkpoint:
+    """Resolve and read the metadata only (config and generation defaults): cheap enough for
+    planning before anything is loaded."""
+    path = resolve(ref)
+    config_path = path / "config.json"
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelNotFoundError(f"{config_path}: cannot read config ({exc})") from exc
+    config = ModelConfig.from_hf(raw, source=str(config_path))
+    gen_path = path / "generation_config.json"
+    defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    return Checkpoint(path=path, config=config, generation_defaults=defaults)
+
+
+def weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: shard files missing: {', '.join(missing)}")
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        bins = sorted(p.name for p in path.glob("*.bin"))
+        hint = f" (found {', '.join(bins)}: convert to safetensors)" if bins else ""
+        raise CheckpointError(f"{path}: no *.safetensors weights{hint}")
+    return files
+
+
+def _hf_name_to_ours(name: str) -> str:
+    return name[len("model.") :] if name.startswith("model.") else name
+
+
+def load_model(
+    checkpoint: Checkpoint,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    progress: bool | None = None,
+) -> Transformer:
+    """Build the decoder on the meta device and materialise each tensor once, straight from
+    the memory-mapped file into its final dtype and device."""
+    cfg = checkpoint.config
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {name: p.shape for name, p in model.named_parameters()}  # tied: embed only
+    tied = cfg.tie_word_embeddings
+    files = weight_files(checkpoint.path)
+    total = sum(f.stat().st_size for f in files)
+    show = progress if progress is not None else (sys.stderr.isatty() and total > 256 * 2**20)
+    reporter = _Progress(total, checkpoint.path.name) if show else None
+
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    wrong_shape: list[str] = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                name = _hf_name_to_ours(hf_name)
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if tied and name == "lm_head.weight":
+                    # Tied: the head is the embedding. Stored alone it is loaded as the
+                    # embedding; stored next to it, the embedding (loaded before or after) wins.
+                    if "embed_tokens.weight" in seen:
+                        continue
+                    name = "embed_tokens.weight"
+                if name not in expected:
+                    unexpected.append(hf_name)
+                    continue
+                sl = f.get_slice(hf_name)
+                shape = tuple(sl.get_shape())
+                if shape != tuple(expected[name]):
+                    wrong_shape.append(f"{hf_name} {shape} (expected {tuple(expected[name])})")
+                    continue
+                tensor = f.get_tensor(hf_name).to(device=device, dtype=dtype)
+                _assign(model, name, tensor)
+                seen.add(name)
+                if reporter:
+                    reporter.advance(tensor.numel() * tensor.element_size())
+    if reporter:
+        reporter.done()
+    missing = sorted(set(expected) - seen)
+    problems = []
+    if missing:
+        problems.append("missing tensors: " + ", ".join(_hf_names(missing)))
+    if unexpected:
+        problems.append("unexpected tensors: " + ", ".join(sorted(unexpected)))
+    if wrong_shape:
+        problems.append("wrongly shaped tensors: " + "; ".join(wrong_shape))
+    if problems:
+        raise CheckpointError(f"{checkpoint.path}: " + "; ".join(problems))
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
+    return model.eval()
+
+
+def _hf_names(names: list[str]) -> list[str]:
+    return [n if n.startswith("lm_head") else f"model.{n}" for n in names]
+
+
+def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+
+
+class _Progress:
+    """A one-line byte counter on stderr for loads that take a while."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.label, self.done_bytes = total, label, 0
+        self.last = 0.0
+
+    def advance(self, n: int) -> None:
+        self.done_bytes += n
+        now = time.monotonic()
+        if now - self.last > 0.2:
+            self.last = now
+            pct = 100 * self.done_bytes / max(self.total, 1)
+            gb = self.done_bytes / 1e9
+            print(f"\rloading {self.label}: {gb:.2f} GB ({pct:.0f}%)", end="", file=sys.stderr)
+
+    def done(self) -> None:
+        print(f"\rloading {self.label}: {self.total / 1e9:.2f} GB (100%)", file=sys.stderr)
+
+
+def load(
+    ref: str | os.PathLike[str],
+    dtype: str | torch.dtype = "fp32",
+    device: torch.device | str = "cpu",
+) -> tuple[Transformer, Tokenizer, Checkpoint]:
+    """Everything needed to generate from one model reference."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    ckpt = open_checkpoint(ref)
+    tokenizer = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
+    model = load_model(ckpt, dtype=dtype, device=device)
+    return model, tokenizer, ckpt
+
+
+__all__ = [
+    "DTYPES",
+    "Checkpoint",
+    "CheckpointError",
+    "ModelNotFoundError",
+    "UnsupportedModelError",
+    "load",
+    "load_model",
+    "open_checkpoint",
+    "resolve",
+]

@@ -1,0 +1,297 @@
+"""What every decoding strategy shares: the per-sequence session, round statistics, the
+strategy interface, and `Generation`, which turns rounds of token ids into text with
+EOS, stop strings and `max_tokens` applied.
+
+The round invariant (see DESIGN.md): at the start of a round both caches hold the committed
+sequence x_1..x_{L-1}; the last token x_L is known but not yet fed to either model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator as PyGenerator
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from speculative.detok import IncrementalDetokenizer, StopMatcher
+from speculative.kv_cache import KVCache
+from speculative.model import Transformer
+from speculative.sampling import SamplingParams, make_generator
+
+PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds activation memory
+
+
+class ContextFullError(ValueError):
+    """The prompt does not fit the context (a request error, never silently truncated)."""
+
+
+@dataclass
+class RoundStats:
+    """What one round cost and bought. Strategies fill what applies to them."""
+
+    target_passes: int = 0
+    prefill_passes: int = 0
+    draft_passes: int = 0
+    drafted: int = 0  # tokens proposed by the draft (linear) or tree nodes besides the root
+    accepted: int = 0  # drafted tokens the target agreed with
+    tree_nodes: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    budget: int | None = None
+
+
+@dataclass
+class Round:
+    tokens: list[int]  # emitted this round, in order; each is an exact target sample
+    stats: RoundStats
+
+
+@dataclass
+class GenerationStats:
+    strategy: str = ""
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # reused from the session's KV cache, not prefilled
+    generated_tokens: int = 0
+    rounds: int = 0
+    target_passes: int = 0
+    prefill_passes: int = 0
+    draft_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tree_nodes_total: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    total_seconds: float = 0.0
+    first_token_seconds: float | None = None
+    budget: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. the streamer's figures
+
+    def add(self, r: RoundStats) -> None:
+        self.rounds += 1
+        self.target_passes += r.target_passes
+        self.prefill_passes += r.prefill_passes
+        self.draft_passes += r.draft_passes
+        self.drafted += r.drafted
+        self.accepted += r.accepted
+        self.tree_nodes_total += r.tree_nodes
+        self.draft_seconds += r.draft_seconds
+        self.verify_seconds += r.verify_seconds
+        self.prefill_seconds += r.prefill_seconds
+        if r.budget is not None:
+            self.budget = r.budget
+
+    @property
+    def decode_passes(self) -> int:
+        return self.target_passes - self.prefill_passes
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        extra = d.pop("extra")
+        decode_seconds = self.total_seconds - self.prefill_seconds
+        d.update(
+            tokens_per_target_pass=self.generated_tokens / max(self.decode_passes, 1),
+            acceptance_rate=(self.accepted / self.drafted) if self.drafted else None,
+            tree_nodes=(self.tree_nodes_total / self.rounds) if self.tree_nodes_total else 0.0,
+            tokens_per_second=self.generated_tokens / decode_seconds if decode_seconds > 0 else None,
+        )
+        d.update(extra)
+        return d
+
+
+class Session:
+    """One sequence's state on the models: each model's KV cache and the token ids whose
+    entries it holds. A conversation keeps its session so the next request prefills only
+    what is new."""
+
+    def __init__(self, target: Transformer, capacity: int, draft: Transformer | None = None):
+        self.capacity = capacity
+        self.target_cache: KVCache = target.new_cache(capacity)
+        self.target_tokens: list[int] = []
+        self.draft_cache: KVCache | None = draft.new_cache(capacity) if draft is not None else None
+        self.draft_tokens: list[int] = []
+
+    def reuse_prefix(self, prompt_ids: Sequence[int]) -> int:
+        """Roll both caches back to their longest common prefix with `prompt_ids`, keeping at
+        least the last prompt token unfed (it is the first round's root). Returns how many
+        prompt tokens the target cache still holds."""
+        limit = max(len(prompt_ids) - 1, 0)
+        kept = _common_prefix(self.target_tokens, prompt_ids, limit)
+        self.target_cache.truncate(kept)
+        del self.target_tokens[kept:]
+        if self.draft_cache is not None:
+            d = _common_prefix(self.draft_tokens, prompt_ids, limit)
+            self.draft_cache.truncate(d)
+            del self.draft_tokens[d:]
+        return kept
+
+    def clear(self) -> None:
+        self.reuse_prefix(())
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if n >= limit or x != y:
+            break
+        n += 1
+    return n
+
+
+def feed(
+    model: Transformer, cache: KVCache, fed: list[int], tokens: Sequence[int], chunk: int = PREFILL_CHUNK
+) -> int:
+    """Feed `tokens` after what the cache holds (positions continue from `len(fed)`), in
+    chunks; returns the number of passes. Logits are not needed, so only the last row's
+    head is computed."""
+    passes = 0
+    for i in range(0, len(tokens), chunk):
+        part = list(tokens[i : i + chunk])
+        start = len(fed)
+        model(
+            torch.tensor(part, dtype=torch.long, device=model.device),
+            torch.arange(start, start + len(part), device=model.device),
+            cache,
+            last_only=True,
+        )
+        fed.extend(part)
+        passes += 1
+    return passes
+
+
+def prefill_target(target: Transformer, session: Session, prompt_ids: Sequence[int]) -> RoundStats:
+    """Bring the target cache to prompt[:-1] (reusing what it holds); the last prompt token
+    is the first root."""
+    stats = RoundStats()
+    todo = list(prompt_ids[len(session.target_tokens) : len(prompt_ids) - 1])
+    if todo:
+        t0 = time.perf_counter()
+        n = feed(target, session.target_cache, session.target_tokens, todo)
+        stats.prefill_passes = stats.target_passes = n
+        stats.prefill_seconds = time.perf_counter() - t0
+    return stats
+
+
+class Strategy(Protocol):
+    """A decoding strategy: rounds of exact target samples. Autoregressive, linear and tree
+    speculation all implement this; `Generation` applies stopping rules on top."""
+
+    name: str
+    target: Transformer
+
+    def new_session(self, capacity: int) -> Session: ...
+
+    def rounds(
+        self,
+        session: Session,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        generator: torch.Generator,
+    ) -> PyGenerator[Round, None, None]: ...
+
+
+@dataclass
+class Chunk:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+class Generation:
+    """Iterate for text chunks as rounds complete; afterwards `token_ids`, `text`,
+    `finish_reason` and `stats` describe the whole generation."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        session: Session,
+        tokenizer: Any,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+    ) -> None:
+        if not prompt_ids:
+            raise ContextFullError("the prompt is empty: at least one token is needed")
+        room = session.capacity - len(prompt_ids)
+        if room < 1:
+            raise ContextFullError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {session.capacity}"
+                " (prompt plus at least one new token must fit)"
+            )
+        self.strategy, self.session, self.tokenizer = strategy, session, tokenizer
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.max_tokens = min(max_tokens, room)
+        self.stop = list(stop)
+        eos = tuple(stop_token_ids) if stop_token_ids is not None else tokenizer.eos_token_ids
+        self.stop_token_ids = set() if ignore_eos else set(eos)
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stopped_by_token = False
+        self.stats = GenerationStats(strategy=strategy.name, prompt_tokens=len(self.prompt_ids))
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens the model produced, including the stop token that is not shown."""
+        return len(self.token_ids) + int(self.stopped_by_token)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        t0 = time.perf_counter()
+        self.stats.cached_prompt_tokens = self.session.reuse_prefix(self.prompt_ids)
+        detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
+        stops = StopMatcher(self.stop)
+        generator = make_generator(self.params.seed, self.strategy.target.device)
+        rounds = self.strategy.rounds(
+            self.session, self.prompt_ids, self.params, self.max_tokens, generator
+        )
+        try:
+            for rnd in rounds:
+                self.stats.add(rnd.stats)
+                if self.stats.first_token_seconds is None and rnd.tokens:
+                    self.stats.first_token_seconds = time.perf_counter() - t0
+                taken: list[int] = []
+                text = ""
+                for tok in rnd.tokens:
+                    if tok in self.stop_token_ids:
+                        self.finish_reason, self.stopped_by_token = "stop", True
+                        break
+                    taken.append(tok)
+                    text += stops.push(detok.push([tok]))
+                    if stops.stopped:
+                        self.finish_reason = "stop"
+                        break
+                    if len(self.token_ids) + len(taken) >= self.max_tokens:
+                        self.finish_reason = "length"
+                        break
+                self.token_ids += taken
+                if self.finish_reason is not None:
+                    text += stops.push(detok.flush()) + stops.flush()
+                self.text += text
+                self.stats.generated_tokens = self.completion_tokens
+                self.stats.total_seconds = time.perf_counter() - t0
+                if text or taken or self.finish_reason:
+                    yield Chunk(text, taken, self.finish_reason)
+                if self.finish_reason is not None:
+                    return
+            # The strategy ran out of room (end of context) before any stop rule fired.
+            self.finish_reason = "length"
+            tail = stops.push(detok.flush()) + stops.flush()
+            self.text += tail
+            yield Chunk(tail, [], self.finish_reason)
+        finally:
+            rounds.close()
+            self.stats.total_seconds = time.perf_counter() - t0
+
+    def run(self) -> Generation:
+        for _ in self:
+            pass
+        return self

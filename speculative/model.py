@@ -1,0 +1,235 @@
+"""One Llama-family decoder: Llama 2/3/3.1/3.2, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
+
+`forward(tokens, positions, cache, mask)` serves prefill, decode, linear verification and
+tree verification alike: positions are explicit (tree nodes share positions), and the
+optional boolean mask says which cache slots each new token may attend to. Blocks are
+visited with `for layer in self.layers`, so the offloader can swap in a streaming list.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from speculative.config import ModelConfig, RopeConfig
+from speculative.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, scale in the model dtype, as the reference does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with Llama 3.1's piecewise scaling when asked."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.kind == "linear":
+        return inv / rope.factor
+    if rope.kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        old_ctx = rope.original_max_position_embeddings
+        low_wavelen = old_ctx / rope.low_freq_factor
+        high_wavelen = old_ctx / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old_ctx / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled)
+    return inv
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, hidden)
+        cos: torch.Tensor,  # (T, head_dim)
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # (kv_heads, slots, head_dim), this layer's view
+        v_cache: torch.Tensor,
+        start: int,  # first slot the T new entries are written to
+        mask: torch.Tensor | None,  # (T, start + T) bool, True = may attend
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim).transpose(0, 1)  # (H, T, hd)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)  # (Hkv, T, hd)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        end = start + t
+        k_cache[:, start:end] = k
+        v_cache[:, start:end] = v
+        out = F.scaled_dot_product_attention(
+            q, k_cache[:, :end], v_cache[:, :end], attn_mask=mask, enable_gqa=True
+        )  # (H, T, hd)
+        return self.o_proj(out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        start: int,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Parameter names follow the Hugging Face layout minus the `model.` prefix of the
+    decoder stack, so checkpoints map one to one (see checkpoint.py)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers: nn.ModuleList | LayerSequence = nn.ModuleList(
+            DecoderLayer(cfg) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def set_layers(self, layers: nn.ModuleList | LayerSequence) -> None:
+        """Replace the block list (e.g. by a streamer that brings each layer's weights to
+        the device just in time); `forward` only iterates it."""
+        self._modules.pop("layers", None)
+        self.__dict__.pop("layers", None)
+        if isinstance(layers, nn.Module):
+            self._modules["layers"] = layers
+        else:
+            object.__setattr__(self, "layers", layers)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.config, capacity, dtype=self.dtype, device=self.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # (T,) token ids
+        positions: torch.Tensor,  # (T,) RoPE positions
+        cache: KVCache,
+        mask: torch.Tensor | None = None,  # (T, T) among new tokens, or (T, cache.length + T)
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Append T tokens to `cache` and return fp32 logits, (T, vocab) or (1, vocab).
+
+        Without a mask the new tokens are causal among themselves and see the whole cache.
+        A (T, T) mask is among the new tokens only (each sees every cached entry); a
+        (T, cache.length + T) mask is over all slots (used when a draft tree grows in batches)."""
+        t = tokens.shape[0]
+        start = cache.reserve(t)
+        attn_mask = full_mask(mask, start, t, tokens.device)
+        cos, sin = self.rope(positions.to(self.device))
+        x = self.embed_tokens(tokens.to(self.device))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, attn_mask)
+        cache.commit_append(t)
+        if last_only:
+            x = x[-1:]
+        return self.lm_head(self.norm(x)).float()
+
+
+def full_mask(
+    mask: torch.Tensor | None, start: int, t: int, device: torch.device
+) -> torch.Tensor | None:
+    """The (T, start + T) boolean attention mask the layers use, or None when no masking is
+    needed (a single new token sees everything)."""
+    if mask is None:
+        if t == 1:
+            return None
+        rows = torch.arange(t, device=device)[:, None] + start
+        return torch.arange(start + t, device=device)[None, :] <= rows
+    mask = mask.to(device=device, dtype=torch.bool)
+    if mask.shape == (t, t) and start:
+        prefix = torch.ones(t, start, dtype=torch.bool, device=device)
+        return torch.cat((prefix, mask), dim=1)
+    if mask.shape != (t, start + t):
+        raise ValueError(
+            f"attention mask has shape {tuple(mask.shape)}; expected ({t}, {t}) or ({t}, {start + t})"
+        )
+    return mask
+
+
+class LayerSequence(Protocol):
+    """What `Transformer.layers` may be replaced with (see `Transformer.set_layers`): an
+    iterable over callable layers in order, with a length. The offload streamer is one."""
+
+    def __iter__(self) -> Iterator[Callable[..., torch.Tensor]]: ...
+
+    def __len__(self) -> int: ...

@@ -1,0 +1,144 @@
+"""Logits → the final sampling distribution, as pure, batched functions.
+
+Order (as in transformers and vLLM): penalties, temperature, top-k, top-p, min-p, softmax.
+Temperature 0 is greedy: the distribution is one-hot on the (penalised) argmax, so the
+speculative acceptance rules need no special case for it. Every request samples with its
+own seeded `torch.Generator`; nothing touches the global RNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF/CTRL style, over prompt and generated tokens
+    presence_penalty: float = 0.0  # OpenAI style, over generated tokens
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("temperature", 0.0 <= self.temperature <= 100.0, "between 0 and 100"),
+            ("top_k", self.top_k >= 0, "0 (off) or a positive integer"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "in (0, 10]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is out of range: must be {allowed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+class PenaltyContext:
+    """Token counts that penalties depend on: which tokens the prompt holds, and how often
+    each was generated so far. Speculative strategies extend it along draft paths."""
+
+    def __init__(self, vocab_size: int, prompt_ids: Sequence[int], device: torch.device | str):
+        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        if len(prompt_ids):
+            self.in_prompt[torch.as_tensor(list(prompt_ids), device=device)] = True
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+
+    def append(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.counts[t] += 1
+
+    def rows(self, extra_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counts, seen) for N rows: the generated counts so far plus `extra_counts` (N, V),
+        the tokens on each row's own draft path."""
+        counts = self.counts[None, :] if extra_counts is None else self.counts + extra_counts
+        return counts, (counts > 0) | self.in_prompt
+
+
+def apply_penalties(
+    logits: torch.Tensor,  # (N, V)
+    params: SamplingParams,
+    counts: torch.Tensor,  # (N, V) or (1, V): times each token was generated
+    seen: torch.Tensor,  # (N, V) or (1, V) bool: in the prompt or generated
+) -> torch.Tensor:
+    if params.repetition_penalty != 1.0:
+        # Shrink the logits of seen tokens towards "less likely" whatever their sign.
+        penalised = torch.where(
+            logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty
+        )
+        logits = torch.where(seen, penalised, logits)
+    if params.frequency_penalty:
+        logits = logits - params.frequency_penalty * counts
+    if params.presence_penalty:
+        logits = logits - params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def probabilities(
+    logits: torch.Tensor,  # (N, V) fp32
+    params: SamplingParams,
+    penalties: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The exact distribution a token is drawn from, (N, V), rows summing to 1."""
+    logits = logits.float()
+    if penalties is not None and params.has_penalties:
+        logits = apply_penalties(logits, params, *penalties)
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        probs = top_p_filter(probs, params.top_p)
+    if params.min_p > 0.0:
+        keep = probs >= params.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches `top_p` (always at
+    least the top token), renormalised."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    keep_sorted = mass_before < top_p
+    keep_sorted[..., 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    probs = probs * keep
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own RNG; without a seed it is seeded from the OS."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs` (N, V) → (N,)."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,55 @@
+"""Plain decoding: one target pass per token. The reference every speculative strategy
+must reproduce exactly."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+
+import torch
+
+from speculative.generation import Round, RoundStats, Session, prefill_target
+from speculative.model import Transformer
+from speculative.sampling import PenaltyContext, SamplingParams, probabilities, sample
+
+
+class Autoregressive:
+    name = "autoregressive"
+
+    def __init__(self, target: Transformer) -> None:
+        self.target = target
+
+    def new_session(self, capacity: int) -> Session:
+        return Session(self.target, capacity)
+
+    def rounds(
+        self,
+        session: Session,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        generator: torch.Generator,
+    ) -> Generator[Round, None, None]:
+        target, cache = self.target, session.target_cache
+        stats = prefill_target(target, session, prompt_ids)
+        penalties = PenaltyContext(target.config.vocab_size, prompt_ids, target.device)
+        root = prompt_ids[-1]
+        for _ in range(max_new_tokens):
+            if cache.free < 1:
+                return
+            t0 = time.perf_counter()
+            pos = len(session.target_tokens)
+            logits = target(
+                torch.tensor([root], device=target.device),
+                torch.tensor([pos], device=target.device),
+                cache,
+            )
+            session.target_tokens.append(root)
+            probs = probabilities(logits, params, penalties.rows())
+            token = int(sample(probs, generator)[0])
+            penalties.append([token])
+            stats.target_passes += 1
+            stats.verify_seconds += time.perf_counter() - t0
+            yield Round([token], stats)
+            stats = RoundStats()
+            root = token

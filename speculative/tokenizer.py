@@ -1,0 +1,157 @@
+"""Tokenizer (`tokenizer.json` via `tokenizers`), BOS/EOS policy and chat templates.
+
+Chat templates come from the checkpoint (`tokenizer_config.json` or `chat_template.jinja`)
+and are rendered in a sandboxed Jinja environment: a template is code shipped by whoever
+published the model, so it may not touch attributes or call anything unsafe.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from speculative.config import ModelConfig
+
+
+class ChatTemplateError(ValueError):
+    """The chat template failed to render the given messages."""
+
+
+# For base models without a template: a plain transcript the model can continue.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
+    "{% else %}Assistant: {{ m['content'] }}\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos: bool | None = None,
+        eos_token_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+    ) -> None:
+        self.backend = tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
+        self.add_bos = add_bos  # None: whatever tokenizer.json's post-processor does
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        self.chat_template = chat_template
+        self.has_chat_template = chat_template is not None
+        self._template = _compile(chat_template or FALLBACK_CHAT_TEMPLATE)
+
+    @classmethod
+    def from_folder(
+        cls, path: Path, config: ModelConfig, generation_defaults: dict[str, Any] | None = None
+    ) -> Tokenizer:
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"{path} has no tokenizer.json (specd reads tokenizers in the `tokenizers` format)"
+            )
+        backend = HFTokenizer.from_file(str(file))
+        tc_path = path / "tokenizer_config.json"
+        tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+        bos = _token_text(tc.get("bos_token"))
+        eos = _token_text(tc.get("eos_token"))
+        # EOS ids: the generation config's (may be a list) and the model config's, plus the
+        # tokenizer's eos token; any of them ends a generation.
+        eos_ids: list[int] = []
+        gen_eos = (generation_defaults or {}).get("eos_token_id")
+        if isinstance(gen_eos, list):
+            eos_ids += gen_eos
+        elif gen_eos is not None:
+            eos_ids.append(gen_eos)
+        eos_ids += list(config.eos_token_ids)
+        if eos and backend.token_to_id(eos) is not None:
+            eos_ids.append(backend.token_to_id(eos))
+        if bos is None and config.bos_token_id is not None:
+            bos = backend.id_to_token(config.bos_token_id)
+        template = tc.get("chat_template")
+        if isinstance(template, list):  # named templates: use the default one
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = path / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        add_bos = tc.get("add_bos_token")
+        return cls(
+            backend,
+            bos_token=bos,
+            eos_token=eos,
+            add_bos=bool(add_bos) if add_bos is not None else None,
+            eos_token_ids=eos_ids,
+            chat_template=template,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for `text`; with `add_special_tokens`, BOS as the tokenizer config asks."""
+        if not add_special_tokens:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos is None:
+            return self.backend.encode(text, add_special_tokens=True).ids
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Prompt ids for a conversation, ready for the assistant's turn."""
+        text = self.render_chat(messages)
+        if self.has_chat_template:
+            return self.encode(text, add_special_tokens=False)  # the template writes BOS itself
+        return self.encode(text, add_special_tokens=True)
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _compile(source: str):  # type: ignore[no-untyped-def]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(
+        value, indent=indent, ensure_ascii=False
+    )
+    return env.from_string(source)

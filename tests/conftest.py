@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random checkpoints in real Hugging Face layout, and the small real
+checkpoints in ../shared/models."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # scripts/ (the tiny model factory) is not an installed package
+
+from scripts.tiny_models import make_checkpoint  # noqa: E402
+
+SHARED_MODELS = Path(os.environ.get("SPECD_SHARED_MODELS", ROOT.parent / "shared" / "models"))
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def shared_models() -> Path:
+    if not (SHARED_MODELS / "stories260k" / "config.json").is_file():
+        pytest.fail(f"the real checkpoints are missing: expected {SHARED_MODELS}/stories260k")
+    return SHARED_MODELS
+
+
+@pytest.fixture(scope="session")
+def stories_target(shared_models: Path) -> Path:
+    return shared_models / "stories260k"
+
+
+@pytest.fixture(scope="session")
+def stories_draft(shared_models: Path) -> Path:
+    return shared_models / "stories260k-draft"
+
+
+@pytest.fixture(scope="session")
+def stories_reference(stories_target: Path) -> dict:
+    return json.loads((stories_target / "reference.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`tiny_checkpoint(family="llama", **options)` → a folder, built once per option set."""
+    made: dict[str, Path] = {}
+
+    def build(family: str = "llama", **options) -> Path:
+        key = json.dumps([family, sorted(options.items())], default=str)
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{family}")
+            made[key] = make_checkpoint(path, family, **options)
+        return made[key]
+
+    return build
