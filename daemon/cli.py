@@ -38,7 +38,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="target: a Hugging Face model folder or hub id")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--context", type=int, default=None, help="KV cache length (default: the model's)")
+    p.add_argument(
+        "--context", type=int, default=None, help="KV cache length (default: the model's)"
+    )
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -58,11 +60,52 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument(
+        "--samples",
+        type=int,
+        default=1,
+        help="N independent samples (seeds S, S+1, …), one JSON line each",
+    )
+    add_speculation_args(p)
+
+
+def _budget(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--budget takes a node count or 'auto', got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--budget must be at least 1, got {value}")
+    return value
+
+
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--draft", default=None, help="draft model folder / hub id, or 'ngram' (prompt lookup)"
+    )
+    p.add_argument(
+        "--strategy",
+        choices=("autoregressive", "linear", "tree"),
+        default=None,
+        help="default: tree with a draft, autoregressive without",
+    )
+    p.add_argument("--spec-length", type=int, default=4, help="linear: tokens drafted per round")
+    p.add_argument("--budget", type=_budget, default="auto", help="tree: node budget or 'auto'")
+    p.add_argument("--max-depth", type=int, default=None, help="tree: depth limit")
 
 
 def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
     return RuntimeOptions(
         model=args.model,
+        draft=args.draft,
+        strategy=args.strategy,
+        spec_length=args.spec_length,
+        budget=args.budget,
+        max_depth=args.max_depth,
         dtype=args.dtype,
         device=args.device,
         context=args.context,

@@ -6,6 +6,7 @@ model pair behaves the same in a script and behind the REST endpoint.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ from speculative.model import Transformer
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.tokenizer import Tokenizer
 
-STRATEGIES = ("autoregressive",)
+NGRAM = "ngram"  # --draft ngram: prompt-lookup drafting, no draft model
 
 
 class RuntimeError_(RuntimeError):
@@ -26,11 +27,20 @@ class RuntimeError_(RuntimeError):
 @dataclass
 class RuntimeOptions:
     model: str
-    draft: str | None = None
+    draft: str | None = None  # a model folder / hub id, "ngram", or None
     strategy: str | None = None  # None: tree with a draft, autoregressive without
+    spec_length: int = 4  # linear: tokens drafted per round
+    budget: int | str = "auto"  # tree: node budget, or "auto" (chosen from measured costs)
+    max_depth: int | None = None  # tree: depth limit (None: chosen with the budget)
     dtype: str = "fp32"
     device: str = "auto"
     context: int | None = None  # None: the model's own maximum
+    # Offload (see offload/): where the target's layers live and how they reach the device.
+    offload: str = "auto"  # none | stream | auto
+    resident_layers: int | str = "auto"
+    slots: int = 2
+    gpu_budget: str = "auto"  # a size ("24GB", "512MiB") or auto
+    host_tier: str = "auto"  # ram | disk | auto
 
 
 def pick_device(device: str) -> torch.device:
@@ -39,6 +49,25 @@ def pick_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError_("--device cuda was asked for but no CUDA device is available")
     return torch.device(device)
+
+
+def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_ref: str) -> None:
+    """Speculation compares token ids, so both models must mean the same thing by each id."""
+    if target.backend.get_vocab(with_added_tokens=True) != draft.backend.get_vocab(
+        with_added_tokens=True
+    ):
+        raise RuntimeError_(
+            f"draft {draft_ref!r} uses a different tokenizer/vocabulary than the target: "
+            "speculation needs both models to share one vocabulary (pick a draft from the "
+            "same model family)"
+        )
+
+
+# name → builder; the speculative strategies register themselves below.
+StrategyBuilder = Callable[["Runtime"], Strategy]
+STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
+    "autoregressive": lambda rt: Autoregressive(rt.target),
+}
 
 
 class Runtime:
@@ -51,24 +80,45 @@ class Runtime:
         self.target: Transformer = target
         self.tokenizer: Tokenizer = tokenizer
         self.checkpoint: Checkpoint = ckpt
-        self.draft: Transformer | None = None
         limit = ckpt.config.max_context
         if options.context is not None and options.context > limit:
             raise RuntimeError_(
                 f"context {options.context} is longer than {options.model} supports ({limit})"
             )
         self.context = options.context or limit
-        self.default_strategy = options.strategy or "autoregressive"
-        if self.default_strategy not in STRATEGIES:
+
+        self.draft: Transformer | None = None
+        self.draft_kind: str | None = None  # "model", "ngram" or None
+        if options.draft == NGRAM:
+            self.draft_kind = NGRAM
+        elif options.draft:
+            draft, draft_tok, draft_ckpt = load(options.draft, options.dtype, self.device)
+            check_same_vocabulary(tokenizer, draft_tok, options.draft)
+            if draft_ckpt.config.vocab_size != ckpt.config.vocab_size:
+                raise RuntimeError_(
+                    f"draft {options.draft!r} has vocab_size {draft_ckpt.config.vocab_size}, "
+                    f"the target {ckpt.config.vocab_size}: they must be equal"
+                )
+            self.draft, self.draft_kind = draft, "model"
+
+        default = "tree" if self.draft_kind else "autoregressive"
+        self.default_strategy = options.strategy or default
+        self._check_strategy(self.default_strategy)
+
+    def _check_strategy(self, name: str) -> None:
+        if name not in STRATEGY_BUILDERS:
             raise RuntimeError_(
-                f"unknown strategy {self.default_strategy!r}; choose one of {', '.join(STRATEGIES)}"
+                f"unknown strategy {name!r}; choose one of {', '.join(STRATEGY_BUILDERS)}"
+            )
+        if name != "autoregressive" and self.draft_kind is None:
+            raise RuntimeError_(
+                f"strategy {name!r} needs a draft: pass --draft MODEL or --draft ngram"
             )
 
     def strategy(self, name: str | None = None) -> Strategy:
         name = name or self.default_strategy
-        if name == "autoregressive":
-            return Autoregressive(self.target)
-        raise RuntimeError_(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+        self._check_strategy(name)
+        return STRATEGY_BUILDERS[name](self)
 
     def new_session(self, strategy: Strategy) -> Session:
         return strategy.new_session(self.context)

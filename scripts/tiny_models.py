@@ -69,9 +69,7 @@ def build_tokenizer(vocab_size: int):  # type: ignore[no-untyped-def]
         missing = vocab_size - tok.get_vocab_size()
         if missing > 0:
             tok.add_tokens([f"<extra_{i}>" for i in range(missing)])
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", 1)]
-    )
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
     return tok
 
@@ -149,7 +147,9 @@ def make_checkpoint(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("out")
     ap.add_argument("--family", choices=sorted(FAMILIES), default="llama")
     ap.add_argument("--vocab", type=int, default=320)

@@ -52,7 +52,9 @@ def resolve(ref: str | os.PathLike[str]) -> Path:
     path = Path(ref).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelNotFoundError(f"{path} is a folder but has no config.json: not a model folder")
+            raise ModelNotFoundError(
+                f"{path} is a folder but has no config.json: not a model folder"
+            )
         return path
     text = str(ref)
     if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
@@ -72,7 +74,9 @@ def resolve(ref: str | os.PathLike[str]) -> Path:
         ) from exc
     except (HfHubHTTPError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelNotFoundError(f"model {text!r} could not be fetched from the hub: {first}") from exc
+        raise ModelNotFoundError(
+            f"model {text!r} could not be fetched from the hub: {first}"
+        ) from exc
 
 
 def open_checkpoint(ref: str | os.PathLike[str]) -> Checkpoint:

@@ -70,7 +70,9 @@ class ModelConfig:
             )
         act = raw.get("hidden_act", "silu")
         if act != "silu":
-            raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+            raise UnsupportedModelError(
+                f"{source}: hidden_act {act!r} is not supported (only 'silu')"
+            )
 
         def need(key: str) -> Any:
             if key not in raw:
@@ -115,17 +117,9 @@ class ModelConfig:
 
     def parameter_count(self) -> int:
         """Exact number of parameters, from the shapes alone (used by the memory planner)."""
-        d, h, kv, hd, f, v = (
-            self.hidden_size,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.intermediate_size,
-            self.vocab_size,
-        )
-        embed = v * d
-        head = 0 if self.tie_word_embeddings else v * d
-        return embed + head + d + self.num_layers * self.layer_parameter_count()
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else embed
+        return embed + head + self.hidden_size + self.num_layers * self.layer_parameter_count()
 
     def layer_parameter_count(self) -> int:
         d, h, kv, hd, f = (

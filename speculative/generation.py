@@ -97,7 +97,9 @@ class GenerationStats:
             tokens_per_target_pass=self.generated_tokens / max(self.decode_passes, 1),
             acceptance_rate=(self.accepted / self.drafted) if self.drafted else None,
             tree_nodes=(self.tree_nodes_total / self.rounds) if self.tree_nodes_total else 0.0,
-            tokens_per_second=self.generated_tokens / decode_seconds if decode_seconds > 0 else None,
+            tokens_per_second=self.generated_tokens / decode_seconds
+            if decode_seconds > 0
+            else None,
         )
         d.update(extra)
         return d
@@ -135,7 +137,7 @@ class Session:
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if n >= limit or x != y:
             break
         n += 1
@@ -143,7 +145,11 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 
 
 def feed(
-    model: Transformer, cache: KVCache, fed: list[int], tokens: Sequence[int], chunk: int = PREFILL_CHUNK
+    model: Transformer,
+    cache: KVCache,
+    fed: list[int],
+    tokens: Sequence[int],
+    chunk: int = PREFILL_CHUNK,
 ) -> int:
     """Feed `tokens` after what the cache holds (positions continue from `len(fed)`), in
     chunks; returns the number of passes. Logits are not needed, so only the last row's

@@ -26,7 +26,9 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (config.num_layers, config.num_kv_heads, capacity, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, kv_heads, slots, head_dim)
+        self.k = torch.zeros(
+            shape, dtype=dtype, device=device
+        )  # (layers, kv_heads, slots, head_dim)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0  # slots [0, length) hold valid entries
@@ -64,7 +66,9 @@ class KVCache:
         idx = torch.as_tensor(indices, dtype=torch.long, device=self.k.device)
         n = int(idx.numel())
         if n and int(idx.max()) >= self.length:
-            raise ValueError(f"keep() index {int(idx.max())} is beyond the cache length {self.length}")
+            raise ValueError(
+                f"keep() index {int(idx.max())} is beyond the cache length {self.length}"
+            )
         # Gather first, then write: source and destination ranges may overlap.
         self.k[:, :, :n] = self.k[:, :, idx]
         self.v[:, :, :n] = self.v[:, :, idx]

@@ -148,9 +148,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer(
-            "inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False
-        )
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
 
     @property
     def device(self) -> torch.device:
@@ -169,6 +167,13 @@ class Transformer(nn.Module):
             self._modules["layers"] = layers
         else:
             object.__setattr__(self, "layers", layers)
+
+    def prefetch(self) -> None:
+        """Hint that a target pass is coming: a streaming layer list starts copying its first
+        layers to the device now (strategies call this before drafting). No-op otherwise."""
+        hook = getattr(self.layers, "prefetch", None)
+        if hook is not None:
+            hook()
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.config, capacity, dtype=self.dtype, device=self.device)

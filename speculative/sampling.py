@@ -37,7 +37,9 @@ class SamplingParams:
         ]
         for name, ok, allowed in checks:
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} is out of range: must be {allowed}")
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is out of range: must be {allowed}"
+                )
 
     @property
     def greedy(self) -> bool:

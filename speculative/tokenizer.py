@@ -124,7 +124,9 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
         try:
             return self._template.render(
                 messages=messages,
