@@ -1,0 +1,60 @@
+"""Prompt-lookup drafting: propose continuations by matching the last few tokens against
+earlier context. No draft model, no weights: text that repeats itself (code, quotes, lists,
+chat that echoes the question) is guessed for free.
+
+Losslessness does not depend on the guesses being good: a deterministic proposal is a
+point mass q(t) = 1 for the proposed token, and rejection sampling against that q is exact.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def ngram_continuations(
+    context: Sequence[int],
+    *,
+    max_ngram: int = 3,
+    min_ngram: int = 1,
+    max_len: int = 8,
+    max_candidates: int = 8,
+) -> list[list[int]]:
+    """Continuations that followed earlier occurrences of the context's longest suffix
+    n-gram (n from `max_ngram` down to `min_ngram`; the first n that occurs earlier wins).
+
+    Returns up to `max_candidates` distinct continuations, each 1..`max_len` tokens, most
+    frequent first (how many earlier occurrences were followed by exactly it), ties broken
+    by recency (the latest occurrence first). Empty when nothing matches.
+    """
+    if max_len < 1 or max_candidates < 1 or min_ngram < 1 or max_ngram < min_ngram:
+        return []
+    ids = np.asarray(context, dtype=np.int64)  # (L,)
+    length = len(ids)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = ids[length - n :]  # (n,)
+        # An occurrence starting at i must leave at least one token after it that is not
+        # part of the suffix itself, so windows start in [0, L - n - 1].
+        windows = sliding_window_view(ids[: length - 1], n)  # (L - n, n)
+        starts = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(starts) == 0:
+            continue
+        counts: Counter[tuple[int, ...]] = Counter()
+        latest: dict[tuple[int, ...], int] = {}
+        for start in starts[::-1]:  # most recent first
+            begin = int(start) + n
+            cont = tuple(ids[begin : begin + max_len].tolist())
+            counts[cont] += 1
+            latest.setdefault(cont, int(start))
+        ranked = sorted(counts, key=lambda c: (-counts[c], -latest[c]))
+        return [list(c) for c in ranked[:max_candidates]]
+    return []
+
+
+def ngram_proposal(context: Sequence[int], length: int, *, max_ngram: int = 3) -> list[int]:
+    """One chain of up to `length` tokens for linear speculation: the best continuation."""
+    found = ngram_continuations(context, max_ngram=max_ngram, max_len=length, max_candidates=1)
+    return found[0] if found else []
