@@ -1,0 +1,160 @@
+"""Logit parity with transformers (an implementation nobody here wrote) on tiny random
+checkpoints of every supported family, and greedy generation parity on the real ones.
+
+Each case runs the same three kinds of pass the strategies use: a prefill, several cached
+single-token decode steps, and one multi-token step with a tree-shaped (non-causal) mask.
+A masked row must equal transformers run on that row's own ancestor path."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from speculative.checkpoint import load
+from speculative.generation import Generation
+from speculative.sampling import SamplingParams
+from speculative.strategies.autoregressive import Autoregressive
+
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+ATOL = 1e-4
+
+# A small draft tree under the last decoded token: node i's parent (-1 = hangs off the
+# committed prefix). Two branches of depth 3 and 2 plus a lone leaf: rows are not causal.
+TREE_PARENTS = [-1, 0, 1, -1, 3, 0, -1]
+
+
+def _ancestors(parents: list[int]) -> list[list[int]]:
+    paths = []
+    for i in range(len(parents)):
+        path, node = [], i
+        while node != -1:
+            path.append(node)
+            node = parents[node]
+        paths.append(path[::-1])
+    return paths
+
+
+def _tree_mask(parents: list[int]) -> torch.Tensor:
+    mask = torch.zeros(len(parents), len(parents), dtype=torch.bool)  # (T, T)
+    for i, path in enumerate(_ancestors(parents)):
+        mask[i, path] = True
+    return mask
+
+
+def _hf_model(path: Path, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers(tiny_checkpoint, family: str, tie: bool) -> None:
+    path = tiny_checkpoint(family, tie_word_embeddings=tie, vocab_size=96)
+    ours, _, ckpt = load(path)
+    assert ckpt.config.tie_word_embeddings is tie
+    ref = _hf_model(path)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{family}-{tie}".encode()))
+    prompt = torch.randint(3, 96, (19,), generator=gen)  # (P,)
+    decode = torch.randint(3, 96, (4,), generator=gen)  # (D,)
+    tree = torch.randint(3, 96, (len(TREE_PARENTS),), generator=gen)  # (N,)
+
+    # 1. prefill
+    cache = ours.new_cache(64)
+    got = ours(prompt, torch.arange(len(prompt)), cache)  # (P, V)
+    with torch.no_grad():
+        out = ref(input_ids=prompt[None], use_cache=True)
+    torch.testing.assert_close(got, out.logits[0].float(), atol=ATOL, rtol=0)
+    past = out.past_key_values
+
+    # 2. cached single-token decode steps
+    fed = prompt.tolist()
+    for tok in decode.tolist():
+        got = ours(torch.tensor([tok]), torch.tensor([len(fed)]), cache)  # (1, V)
+        with torch.no_grad():
+            out = ref(input_ids=torch.tensor([[tok]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        torch.testing.assert_close(got, out.logits[0].float(), atol=ATOL, rtol=0)
+        fed.append(tok)
+
+    # 3. a tree step: positions are L + depth, the mask is each node's ancestor path
+    paths = _ancestors(TREE_PARENTS)
+    positions = torch.tensor([len(fed) + len(p) - 1 for p in paths])  # (N,)
+    got = ours(tree, positions, cache, mask=_tree_mask(TREE_PARENTS))  # (N, V)
+    assert cache.length == len(fed) + len(tree)
+    for row, path in enumerate(paths):
+        seq = torch.tensor(fed + tree[path].tolist())
+        with torch.no_grad():
+            want = ref(input_ids=seq[None]).logits[0, -1].float()
+        torch.testing.assert_close(got[row], want, atol=ATOL, rtol=0, msg=f"tree row {row}")
+
+
+def test_full_width_mask_matches_short_mask(tiny_checkpoint) -> None:
+    """The (T, cache.length + T) mask form says the same as the (T, T) form when every
+    row sees the whole prefix."""
+    path = tiny_checkpoint("llama", vocab_size=96)
+    model, _, _ = load(path)
+    prompt = torch.arange(3, 15)
+    tree = torch.arange(20, 20 + len(TREE_PARENTS))
+    depth = torch.tensor([len(p) - 1 for p in _ancestors(TREE_PARENTS)])
+    short = _tree_mask(TREE_PARENTS)
+    wide = torch.cat((torch.ones(len(tree), len(prompt), dtype=torch.bool), short), dim=1)
+    results = []
+    for mask in (short, wide):
+        cache = model.new_cache(32)
+        model(prompt, torch.arange(len(prompt)), cache)
+        results.append(model(tree, len(prompt) + depth, cache, mask=mask))
+    torch.testing.assert_close(results[0], results[1], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="attention mask has shape"):
+        model(tree, len(prompt) + depth, model.new_cache(32), mask=torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_smoke(stories_target, stories_reference, dtype: str) -> None:
+    """Half precision runs end to end, keeps its dtype in the weights and the cache, and
+    stays close to fp32 (same first greedy token on every reference prompt)."""
+    half, _, _ = load(stories_target, dtype=dtype)
+    full, _, _ = load(stories_target)
+    assert half.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    for item in stories_reference["items"]:
+        ids = torch.tensor(item["prompt_ids"])
+        cache = half.new_cache(16)
+        assert cache.k.dtype == half.dtype
+        got = half(ids, torch.arange(len(ids)), cache, last_only=True)[0]  # (V,)
+        want = full(ids, torch.arange(len(ids)), full.new_cache(16), last_only=True)[0]
+        assert got.dtype == torch.float32 and torch.isfinite(got).all()
+        assert (got - want).abs().max() < 0.5
+        assert int(got.argmax()) == int(want.argmax())
+
+
+def _checkpoints_with_weights(shared: Path) -> list[Path]:
+    return sorted(p for p in shared.iterdir() if (p / "model.safetensors").is_file())
+
+
+def test_greedy_generation_matches_transformers_generate(shared_models: Path) -> None:
+    """Every real checkpoint in ../shared/models: our greedy tokens equal HF generate's."""
+    folders = _checkpoints_with_weights(shared_models)
+    assert folders, f"no checkpoints in {shared_models}"
+    prompts = ["Once upon a time", "The little dog", ""]
+    for folder in folders:
+        model, tok, _ = load(folder)
+        ref = _hf_model(folder)
+        strategy = Autoregressive(model)
+        for prompt in prompts:
+            ids = tok.encode(prompt)
+            ours = Generation(
+                strategy,
+                strategy.new_session(128),
+                tok,
+                ids,
+                SamplingParams(temperature=0.0),
+                max_tokens=40,
+                ignore_eos=True,
+            ).run()
+            with torch.no_grad():
+                out = ref.generate(
+                    torch.tensor([ids]), max_new_tokens=40, do_sample=False, eos_token_id=None
+                )
+            assert ours.token_ids == out[0, len(ids) :].tolist(), (folder.name, prompt)
