@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from speculative.checkpoint import DTYPES, Checkpoint, load
+from speculative.drafting import Drafter, ModelDrafter, NgramDrafter
 from speculative.generation import Session, Strategy
 from speculative.model import Transformer
 from speculative.strategies.autoregressive import Autoregressive
+from speculative.strategies.linear import Linear
 from speculative.tokenizer import Tokenizer
 
 NGRAM = "ngram"  # --draft ngram: prompt-lookup drafting, no draft model
@@ -63,10 +65,18 @@ def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_ref: str) -
         )
 
 
+def linear_drafter(rt: Runtime) -> Drafter:
+    """The draft model when one is loaded, else prompt lookup (--draft ngram)."""
+    if rt.draft is not None:
+        return ModelDrafter(rt.draft)
+    return NgramDrafter(rt.target.config.vocab_size)
+
+
 # name → builder; the speculative strategies register themselves below.
 StrategyBuilder = Callable[["Runtime"], Strategy]
 STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
     "autoregressive": lambda rt: Autoregressive(rt.target),
+    "linear": lambda rt: Linear(rt.target, linear_drafter(rt), rt.options.spec_length),
 }
 
 

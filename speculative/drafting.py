@@ -1,0 +1,138 @@
+"""Where linear speculation's guesses come from: a resident draft model, or prompt lookup.
+
+A drafter proposes up to `k` tokens after the committed sequence x_1..x_L together with the
+distribution q_i each token was drawn from. Rejection sampling needs q only at the proposed
+token and, on rejection, the whole row; a deterministic proposal (n-gram lookup) is the
+point mass q_i = one_hot(t_i), for which the same rule stays exact.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from speculative.generation import PREFILL_CHUNK, Session, feed
+from speculative.model import Transformer
+from speculative.ngram import ngram_proposal
+from speculative.sampling import PenaltyContext, SamplingParams, probabilities, sample
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]  # t_1..t_k, k may be 0 (nothing to propose)
+    q: torch.Tensor  # (k, V) the final distribution each t_i was drawn from
+    passes: int  # draft model forward passes spent
+    seconds: float
+
+
+class Drafter(Protocol):
+    def new_session(self, target: Transformer, capacity: int) -> Session: ...
+
+    def propose(
+        self,
+        session: Session,
+        sequence: Sequence[int],  # x_1..x_L; x_L (the root) is fed to no model yet
+        k: int,
+        params: SamplingParams,
+        penalties: PenaltyContext,
+        generator: torch.Generator,
+    ) -> Proposal: ...
+
+    def rollback(self, session: Session, committed: int) -> None:
+        """Forget draft state beyond the first `committed` tokens of the sequence."""
+        ...
+
+
+class ModelDrafter:
+    """Samples t_i ~ q_i autoregressively from a small resident model. Its cache is filled
+    lazily: whatever part of the sequence it does not hold yet (the prompt on the first
+    round, the last accepted draft token after a fully accepted round) goes in with the
+    first drafting pass."""
+
+    def __init__(self, draft: Transformer) -> None:
+        self.draft = draft
+
+    def new_session(self, target: Transformer, capacity: int) -> Session:
+        return Session(target, capacity, self.draft)
+
+    def propose(
+        self,
+        session: Session,
+        sequence: Sequence[int],
+        k: int,
+        params: SamplingParams,
+        penalties: PenaltyContext,
+        generator: torch.Generator,
+    ) -> Proposal:
+        t0 = time.perf_counter()
+        draft, cache, fed = self.draft, session.draft_cache, session.draft_tokens
+        assert cache is not None, "a ModelDrafter session has a draft cache"
+        vocab = draft.config.vocab_size
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        passes = 0
+        pending = list(sequence[len(fed) :])  # always holds at least the root
+        if len(pending) > PREFILL_CHUNK:  # a long prompt: all but the last chunk in bulk
+            passes += feed(draft, cache, fed, pending[:-PREFILL_CHUNK])
+            pending = pending[-PREFILL_CHUNK:]
+        path_counts = torch.zeros(1, vocab, device=draft.device)  # (1, V) drafted so far
+        for _ in range(k):
+            start = len(fed)
+            logits = draft(
+                torch.tensor(pending, dtype=torch.long, device=draft.device),
+                torch.arange(start, start + len(pending), device=draft.device),
+                cache,
+                last_only=True,
+            )  # (1, V)
+            fed.extend(pending)
+            passes += 1
+            q = probabilities(logits, params, penalties.rows(path_counts))  # (1, V)
+            token = int(sample(q, generator)[0])
+            tokens.append(token)
+            rows.append(q[0])
+            path_counts[0, token] += 1
+            pending = [token]  # t_k itself is fed next round, and only if it is accepted
+        q_all = torch.stack(rows) if rows else torch.empty(0, vocab, device=draft.device)
+        return Proposal(tokens, q_all, passes, time.perf_counter() - t0)
+
+    def rollback(self, session: Session, committed: int) -> None:
+        assert session.draft_cache is not None
+        keep = min(committed, len(session.draft_tokens))
+        session.draft_cache.truncate(keep)
+        del session.draft_tokens[keep:]
+
+
+class NgramDrafter:
+    """Prompt-lookup drafting: the continuation that followed the latest earlier occurrence
+    of the sequence's suffix. Deterministic, so q is a point mass on each proposed token."""
+
+    def __init__(self, vocab_size: int, max_ngram: int = 3) -> None:
+        self.vocab_size = vocab_size
+        self.max_ngram = max_ngram
+
+    def new_session(self, target: Transformer, capacity: int) -> Session:
+        return Session(target, capacity)
+
+    def propose(
+        self,
+        session: Session,
+        sequence: Sequence[int],
+        k: int,
+        params: SamplingParams,
+        penalties: PenaltyContext,
+        generator: torch.Generator,
+    ) -> Proposal:
+        t0 = time.perf_counter()
+        tokens = ngram_proposal(sequence, k, max_ngram=self.max_ngram) if k > 0 else []
+        device = penalties.counts.device
+        q = torch.nn.functional.one_hot(
+            torch.tensor(tokens, dtype=torch.long, device=device), self.vocab_size
+        ).float()  # (k, V)
+        return Proposal(tokens, q, 0, time.perf_counter() - t0)
+
+    def rollback(self, session: Session, committed: int) -> None:
+        pass  # nothing is cached between rounds

@@ -1,0 +1,137 @@
+"""Linear speculation (Leviathan et al. 2023; Chen et al. 2023): the drafter proposes a
+chain t_1..t_k, the target scores [x_L, t_1..t_k] in one pass, and rejection sampling keeps
+the longest prefix the target agrees with plus one token of its own.
+
+The rule, with p_i the target's and q_i the drafter's FINAL sampling distributions (after
+penalties, temperature, top-k/top-p/min-p; the penalty counts grow along the chain):
+accept t_i with probability min(1, p_i(t_i) / q_i(t_i)); at the first rejection emit a
+sample of norm(max(0, p_i - q_i)) and stop; if all k are accepted, emit a bonus sample of
+p_{k+1}. Every emitted token is then distributed exactly as the target's. Greedy is the
+special case of one-hot p and q: accept while the target's argmax equals the draft token,
+then emit the target's argmax.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+
+import torch
+
+from speculative.drafting import Drafter
+from speculative.generation import Round, RoundStats, Session, prefill_target
+from speculative.model import Transformer
+from speculative.sampling import PenaltyContext, SamplingParams, probabilities, sample
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) for one rejected position, (V,). A rejection can only happen
+    where p(t) < q(t), so the residual has mass; rounding aside, where it has none, p is
+    the answer (then p == q)."""
+    residual = torch.clamp(p - q, min=0.0)  # (V,)
+    mass = residual.sum()
+    return residual / mass if mass > 0 else p
+
+
+def path_counts(tokens: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(len(tokens) + 1, V): row j counts t_1..t_j, the drafted tokens before position j;
+    the penalties at each verified position see exactly the chain above it."""
+    counts = torch.zeros(len(tokens) + 1, vocab_size, device=device)  # (k+1, V)
+    for j, t in enumerate(tokens):
+        counts[j + 1 :, t] += 1
+    return counts
+
+
+class Linear:
+    name = "linear"
+
+    def __init__(self, target: Transformer, drafter: Drafter, spec_length: int = 4) -> None:
+        if spec_length < 1:
+            raise ValueError(f"--spec-length must be at least 1, got {spec_length}")
+        self.target = target
+        self.drafter = drafter
+        self.spec_length = spec_length
+
+    def new_session(self, capacity: int) -> Session:
+        return self.drafter.new_session(self.target, capacity)
+
+    def correction_distribution(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """What a rejected position emits (the residual; tests swap it for a wrong one)."""
+        return residual_distribution(p, q)
+
+    def verify(
+        self,
+        p: torch.Tensor,  # (k+1, V) target distributions after x_L, t_1, .., t_k
+        q: torch.Tensor,  # (k, V) drafter distributions t_1..t_k were drawn from
+        drafted: Sequence[int],
+        generator: torch.Generator,
+    ) -> tuple[int, int]:
+        """Rejection sampling: (number of drafted tokens accepted, the target's own token)."""
+        k = len(drafted)
+        accepted = k
+        if k:
+            rows = torch.arange(k, device=p.device)
+            tokens = torch.tensor(list(drafted), dtype=torch.long, device=p.device)
+            ratio = p[rows, tokens] / q[rows, tokens]  # (k,) q > 0: each t_i was drawn from q_i
+            u = torch.rand(k, generator=generator, device=p.device)  # (k,)
+            # u < ratio holds with probability min(1, ratio); strict, so p(t) = 0 never passes.
+            rejected = torch.nonzero(u >= ratio)
+            if len(rejected):
+                accepted = int(rejected[0, 0])
+        if accepted < k:
+            dist = self.correction_distribution(p[accepted], q[accepted])
+        else:
+            dist = p[k]  # every draft token accepted: a bonus token from the last row
+        return accepted, int(sample(dist[None], generator)[0])
+
+    def rounds(
+        self,
+        session: Session,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        generator: torch.Generator,
+    ) -> Generator[Round, None, None]:
+        target, cache = self.target, session.target_cache
+        vocab = target.config.vocab_size
+        stats = prefill_target(target, session, prompt_ids)
+        penalties = PenaltyContext(vocab, prompt_ids, target.device)
+        sequence = list(prompt_ids)  # x_1..x_L; the target cache holds all but x_L
+        emitted = 0
+        while emitted < max_new_tokens:
+            if cache.free < 1:
+                return  # the context is full: Generation reports "length"
+            # The block [x_L, t_1..t_k] must fit the cache, and emitting more than k + 1
+            # tokens is never useful; at k = 0 this is one plain autoregressive step.
+            k = min(self.spec_length, cache.free - 1, max_new_tokens - emitted - 1)
+            proposal = self.drafter.propose(session, sequence, k, params, penalties, generator)
+            drafted = proposal.tokens
+            stats.draft_passes += proposal.passes
+            stats.draft_seconds += proposal.seconds
+            stats.drafted += len(drafted)
+
+            t0 = time.perf_counter()
+            block = [sequence[-1], *drafted]
+            start = len(session.target_tokens)
+            logits = target(
+                torch.tensor(block, dtype=torch.long, device=target.device),
+                torch.arange(start, start + len(block), device=target.device),
+                cache,
+            )  # (k+1, V)
+            counts = path_counts(drafted, vocab, target.device)  # (k+1, V)
+            p = probabilities(logits, params, penalties.rows(counts))  # (k+1, V)
+            accepted, token = self.verify(p, proposal.q, drafted, generator)
+
+            # Roll the target back to x_1..x_L, t_1..t_a; the new token is the next root.
+            cache.truncate(start + 1 + accepted)
+            session.target_tokens.extend(block[: 1 + accepted])
+            new = [*drafted[:accepted], token]
+            sequence.extend(new)
+            self.drafter.rollback(session, len(sequence) - 1)
+            penalties.append(new)
+            stats.target_passes += 1
+            stats.accepted += accepted
+            stats.verify_seconds += time.perf_counter() - t0
+            emitted += len(new)
+            yield Round(new, stats)
+            stats = RoundStats()
