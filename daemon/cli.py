@@ -128,6 +128,8 @@ def sampling_params(args: argparse.Namespace, seed: int | None) -> SamplingParam
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.samples < 1:
+        raise ValueError(f"--samples must be at least 1, got {args.samples}")
     runtime = Runtime(runtime_options(args))
     tok = runtime.tokenizer
     if args.prompt_ids is not None:
@@ -140,16 +142,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--prompt-ids {bad[:5]} outside the vocabulary [0, {vocab})")
     strategy = runtime.strategy()
     session = runtime.new_session(strategy)
-    gen = Generation(
-        strategy,
-        session,
-        tok,
-        prompt_ids,
-        sampling_params(args, args.seed),
-        max_tokens=args.max_tokens,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
+
+    def generation(seed: int | None) -> Generation:
+        return Generation(
+            strategy,
+            session,
+            tok,
+            prompt_ids,
+            sampling_params(args, seed),
+            max_tokens=args.max_tokens,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+        )
+
+    if args.samples > 1:
+        # One loaded runtime and one session for all samples: the session keeps the
+        # prompt's KV entries, so only the first sample pays the prefill. Without --seed
+        # every sample draws its own OS seed, which keeps them independent too.
+        for i in range(args.samples):
+            gen = generation(None if args.seed is None else args.seed + i).run()
+            print(json.dumps(generation_record(gen)), flush=True)
+        return 0
+    gen = generation(args.seed)
     if args.json:
         gen.run()
         print(json.dumps(generation_record(gen)))
