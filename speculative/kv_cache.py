@@ -60,16 +60,20 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
         self.length = n
 
-    def keep(self, indices: torch.Tensor | list[int]) -> None:
+    def keep(self, indices: torch.Tensor | list[int], start: int = 0) -> None:
         """Keep only the entries at `indices` (ascending slots), compacted into slots
-        [0, len(indices)) in the given order."""
+        [start, start + len(indices)) in the given order. Slots [0, start) stay as they are
+        (a tree commit keeps the prefix untouched and moves only the accepted path)."""
         idx = torch.as_tensor(indices, dtype=torch.long, device=self.k.device)
         n = int(idx.numel())
-        if n and int(idx.max()) >= self.length:
+        if n and (int(idx.max()) >= self.length or int(idx.min()) < start):
             raise ValueError(
-                f"keep() index {int(idx.max())} is beyond the cache length {self.length}"
+                f"keep() indices must lie in [{start}, {self.length}), got "
+                f"[{int(idx.min())}, {int(idx.max())}]"
             )
+        if not 0 <= start <= self.length:
+            raise ValueError(f"keep() start {start} is outside the cache length {self.length}")
         # Gather first, then write: source and destination ranges may overlap.
-        self.k[:, :, :n] = self.k[:, :, idx]
-        self.v[:, :, :n] = self.v[:, :, idx]
-        self.length = n
+        self.k[:, :, start : start + n] = self.k[:, :, idx]
+        self.v[:, :, start : start + n] = self.v[:, :, idx]
+        self.length = start + n

@@ -191,8 +191,10 @@ class Transformer(nn.Module):
         cache: KVCache,
         mask: torch.Tensor | None = None,  # (T, T) among new tokens, or (T, cache.length + T)
         last_only: bool = False,
+        logits_from: int = 0,
     ) -> torch.Tensor:
-        """Append T tokens to `cache` and return fp32 logits, (T, vocab) or (1, vocab).
+        """Append T tokens to `cache` and return fp32 logits, (T, vocab), (1, vocab) with
+        `last_only`, or (T - logits_from, vocab).
 
         Without a mask the new tokens are causal among themselves and see the whole cache.
         A (T, T) mask is among the new tokens only (each sees every cached entry); a
@@ -207,6 +209,10 @@ class Transformer(nn.Module):
         cache.commit_append(t)
         if last_only:
             x = x[-1:]
+        elif logits_from:
+            # Rows before `logits_from` only fill the cache (e.g. a prompt folded into a tree
+            # verification pass): skip their (T, vocab) head.
+            x = x[logits_from:]
         return self.lm_head(self.norm(x)).float()
 
 
