@@ -153,11 +153,21 @@ def _active_sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
 
 
 def _rope_config(raw: dict[str, Any], source: str) -> RopeConfig:
-    # transformers 4.x writes rope_theta + rope_scaling; 5.x may write rope_parameters.
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    # transformers 4.x writes rope_theta + rope_scaling; 5.x writes rope_parameters. When a
+    # config carries both, transformers lets a non-empty rope_scaling win outright (its
+    # `convert_rope_params_to_dict`), so the logits we must match come from that one.
+    parameters = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    params = scaling or parameters
+    theta = float(
+        params.get("rope_theta", raw.get("rope_theta", parameters.get("rope_theta", 10000.0)))
+    )
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedModelError(
+            f"{source}: partial_rotary_factor {partial} is not supported (RoPE over the "
+            "whole head only)"
+        )
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(

@@ -1,0 +1,298 @@
+"""Checkpoint loading: tensor checks with messages that name the tensor, config refusals,
+tied embeddings stored under either name, sharded indexes, and hub ids through the
+huggingface_hub cache in offline mode."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from speculative.checkpoint import (
+    CheckpointError,
+    ModelNotFoundError,
+    load,
+    open_checkpoint,
+    resolve,
+    weight_files,
+)
+from speculative.config import ModelConfig, UnsupportedModelError
+
+VOCAB = 96
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite_weights(folder: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    file = folder / "model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _edit_config(folder: Path, **changes: object) -> None:
+    path = folder / "config.json"
+    raw = json.loads(path.read_text())
+    raw.update(changes)
+    path.write_text(json.dumps(raw))
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    t = torch.tensor(ids)
+    return model(t, torch.arange(len(ids)), model.new_cache(32))  # (T, V)
+
+
+@pytest.fixture
+def llama(tiny_checkpoint, tmp_path: Path) -> Path:
+    return _copy(tiny_checkpoint("llama", vocab_size=VOCAB), tmp_path / "llama")
+
+
+def test_missing_tensor_is_named(llama: Path) -> None:
+    _rewrite_weights(llama, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensors: model\.layers\.1\.mlp\.up_proj"):
+        load(llama)
+
+
+def test_wrong_shape_is_named(llama: Path) -> None:
+    def shrink(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 64)
+
+    _rewrite_weights(llama, shrink)
+    with pytest.raises(
+        CheckpointError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight \(8, 64\)"
+    ):
+        load(llama)
+
+
+def test_unexpected_tensor_is_named(llama: Path) -> None:
+    def extra(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.0.self_attn.rope_bonus"] = torch.zeros(3)
+
+    _rewrite_weights(llama, extra)
+    with pytest.raises(
+        CheckpointError, match=r"unexpected tensors: model\.layers\.0\.self_attn\.rope_bonus"
+    ):
+        load(llama)
+
+
+def test_stored_rotary_inv_freq_is_ignored(llama: Path) -> None:
+    """Older exporters store the RoPE buffer; it is recomputed, not an unexpected tensor."""
+    want = _logits(load(llama)[0], [5, 6, 7])
+
+    def add_buffer(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+
+    _rewrite_weights(llama, add_buffer)
+    torch.testing.assert_close(_logits(load(llama)[0], [5, 6, 7]), want, atol=0, rtol=0)
+
+
+def test_unknown_model_type_is_named(llama: Path) -> None:
+    _edit_config(llama, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(UnsupportedModelError, match=r"'gpt2' \(GPT2LMHeadModel\)"):
+        open_checkpoint(llama)
+
+
+@pytest.mark.parametrize("layout", ["rope_parameters", "rope_scaling"])
+def test_unsupported_rope_type_is_named(llama: Path, layout: str) -> None:
+    """Both config layouts: transformers 5.x `rope_parameters`, 4.x `rope_scaling`."""
+    raw = json.loads((llama / "config.json").read_text())
+    raw.pop("rope_parameters", None)
+    raw[layout] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (llama / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModelError, match="rope scaling type 'yarn'"):
+        open_checkpoint(llama)
+
+
+def test_rope_scaling_wins_over_rope_parameters_as_in_transformers() -> None:
+    """A config carrying both layouts: transformers applies the non-empty rope_scaling."""
+    from transformers import LlamaConfig
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    raw = {
+        "model_type": "llama",
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "rope_theta": 500000.0,
+        "rope_scaling": scaling,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    reference = LlamaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    ours = ModelConfig.from_hf(raw).rope
+    assert ours.kind == reference.rope_parameters["rope_type"] == "llama3"
+    assert ours.theta == reference.rope_parameters["rope_theta"] == 500000.0
+    assert ours.factor == 8.0 and ours.original_max_position_embeddings == 64
+
+
+def test_partial_rotary_factor_is_refused() -> None:
+    with pytest.raises(UnsupportedModelError, match=r"partial_rotary_factor 0\.5"):
+        _config(partial_rotary_factor=0.5)
+
+
+def test_unsupported_activation_is_named(llama: Path) -> None:
+    _edit_config(llama, hidden_act="gelu")
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'gelu'"):
+        open_checkpoint(llama)
+
+
+def _config(**changes: object) -> ModelConfig:
+    raw = {
+        "model_type": "mistral",
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 4096,
+    }
+    raw.update(changes)
+    return ModelConfig.from_hf(raw)
+
+
+def test_sliding_window_limits_the_context() -> None:
+    """Full attention is exact only up to the window, so a smaller window is the context."""
+    assert _config(sliding_window=1024).max_context == 1024
+    assert _config(sliding_window=1024).sliding_window == 1024
+    assert _config(sliding_window=8192).max_context == 4096  # window covers everything
+    assert _config(sliding_window=None).max_context == 4096
+    # Qwen2/3 carry a window but use it only with use_sliding_window.
+    assert _config(model_type="qwen2", sliding_window=1024).max_context == 4096
+    qwen = _config(model_type="qwen2", sliding_window=1024, use_sliding_window=True)
+    assert qwen.max_context == 1024
+
+
+def test_sliding_window_checkpoint_loads_with_window_context(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("mistral", vocab_size=VOCAB, sliding_window=32)
+    _, _, ckpt = load(path)
+    assert ckpt.config.max_context == 32
+
+
+def test_parameter_count_matches_the_weights(tiny_checkpoint) -> None:
+    for family, tie in [("llama", False), ("qwen2", True), ("qwen3", False)]:
+        path = tiny_checkpoint(family, tie_word_embeddings=tie, vocab_size=VOCAB)
+        model, _, ckpt = load(path)
+        unique = {id(p): p.numel() for p in model.parameters()}
+        assert ckpt.config.parameter_count() == sum(unique.values()), family
+
+
+@pytest.mark.parametrize("stored_as", ["lm_head.weight", "model.embed_tokens.weight", "both"])
+def test_tied_embedding_under_either_name(tiny_checkpoint, tmp_path: Path, stored_as: str) -> None:
+    src = tiny_checkpoint("llama", vocab_size=VOCAB, tie_word_embeddings=True)
+    want = _logits(load(src)[0], [3, 9, 4, 1])
+    folder = _copy(src, tmp_path / "tied")
+
+    def restore(t: dict[str, torch.Tensor]) -> None:
+        embedding = t.pop("model.embed_tokens.weight", None)
+        if embedding is None:
+            embedding = t.pop("lm_head.weight")
+        if stored_as in ("lm_head.weight", "both"):
+            t["lm_head.weight"] = embedding.clone()
+        if stored_as in ("model.embed_tokens.weight", "both"):
+            t["model.embed_tokens.weight"] = embedding.clone()
+
+    _rewrite_weights(folder, restore)
+    model, _, _ = load(folder)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    torch.testing.assert_close(_logits(model, [3, 9, 4, 1]), want, atol=0, rtol=0)
+
+
+def test_untied_checkpoint_without_head_is_refused(tiny_checkpoint, tmp_path: Path) -> None:
+    folder = _copy(tiny_checkpoint("qwen2", vocab_size=VOCAB), tmp_path / "nohead")
+    _rewrite_weights(folder, lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensors: lm_head\.weight"):
+        load(folder)
+
+
+def test_sharded_index_loads_like_a_single_file(tiny_checkpoint) -> None:
+    single = tiny_checkpoint("llama", vocab_size=VOCAB, seed=3)
+    sharded = tiny_checkpoint("llama", vocab_size=VOCAB, seed=3, max_shard_size="20KB")
+    files = weight_files(sharded)
+    assert len(files) > 1 and (sharded / "model.safetensors.index.json").is_file()
+    torch.testing.assert_close(
+        _logits(load(sharded)[0], [4, 5, 6]), _logits(load(single)[0], [4, 5, 6]), atol=0, rtol=0
+    )
+
+
+def test_sharded_index_with_a_missing_shard(tiny_checkpoint, tmp_path: Path) -> None:
+    folder = _copy(
+        tiny_checkpoint("llama", vocab_size=VOCAB, max_shard_size="20KB"), tmp_path / "s"
+    )
+    victim = sorted(folder.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=f"shard files missing: {victim.name}"):
+        load(folder)
+
+
+def test_pytorch_bin_only_folder_says_convert(llama: Path) -> None:
+    (llama / "model.safetensors").rename(llama / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="convert to safetensors"):
+        load(llama)
+
+
+# ---- model references: folders, bad paths and hub ids --------------------------------------
+
+
+def test_bad_path_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="not found: give a Hugging Face model folder"):
+        resolve(tmp_path / "no-such-model")
+    with pytest.raises(ModelNotFoundError, match=r"has no config\.json"):
+        resolve(tmp_path)
+
+
+def _hub_cache(root: Path, repo_id: str, source: Path) -> Path:
+    """Lay out a huggingface_hub cache entry by hand: refs/main names a snapshot folder."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(source, snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def offline_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """huggingface_hub reads its environment at import time, so patch its constants."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def test_hub_id_resolves_from_the_offline_cache(offline_hub: Path, llama: Path) -> None:
+    snapshot = _hub_cache(offline_hub, "tiny-org/tiny-llama", llama)
+    assert resolve("tiny-org/tiny-llama").resolve() == snapshot.resolve()
+    model, tok, ckpt = load("tiny-org/tiny-llama")
+    assert ckpt.config.model_type == "llama"
+    torch.testing.assert_close(
+        _logits(model, [4, 5]), _logits(load(llama)[0], [4, 5]), atol=0, rtol=0
+    )
+    assert tok.vocab_size == VOCAB
+
+
+def test_hub_id_not_in_the_cache(offline_hub: Path) -> None:
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve("nobody/not-cached")
+    message = str(info.value)
+    assert "'nobody/not-cached' is not in the local Hugging Face cache" in message
+    assert "specd pull nobody/not-cached" in message
