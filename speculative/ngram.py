@@ -49,9 +49,24 @@ def ngram_continuations(
             cont = tuple(ids[begin : begin + max_len].tolist())
             counts[cont] += 1
             latest.setdefault(cont, int(start))
+        _merge_truncated(counts, latest, max_len)
         ranked = sorted(counts, key=lambda c: (-counts[c], -latest[c]))
         return [list(c) for c in ranked[:max_candidates]]
     return []
+
+
+def _merge_truncated(
+    counts: Counter[tuple[int, ...]], latest: dict[tuple[int, ...], int], max_len: int
+) -> None:
+    """Occurrences near the end of the context have continuations cut short by the end;
+    in a repeating pattern those are prefixes of older, longer ones. Count them for the
+    best longer continuation they begin, so a short cut-off guess does not outrank it."""
+    for short in sorted((c for c in counts if len(c) < max_len), key=len):
+        longer = [c for c in counts if len(c) > len(short) and c[: len(short)] == short]
+        if longer:
+            best = max(longer, key=lambda c: (counts[c], latest[c]))
+            counts[best] += counts.pop(short)
+            latest[best] = max(latest[best], latest.pop(short))
 
 
 def ngram_proposal(context: Sequence[int], length: int, *, max_ngram: int = 3) -> list[int]:

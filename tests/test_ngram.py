@@ -1,0 +1,71 @@
+"""Prompt-lookup drafting: which continuations are found, in which order, and that the
+n-gram drafter's proposal is a point mass on what it proposes."""
+
+from __future__ import annotations
+
+import torch
+
+from speculative.drafting import NgramDrafter
+from speculative.ngram import ngram_continuations, ngram_proposal
+from speculative.sampling import PenaltyContext, SamplingParams
+
+
+def test_longest_suffix_wins_and_most_recent_comes_first():
+    #          0  1  2  3  4  5  6  7  8  9 10
+    context = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3]
+    # Suffix (1, 2, 3) occurred at 0 and 4: the continuation after 4 is more recent.
+    assert ngram_continuations(context) == [[5, 1, 2, 3], [4, 1, 2, 3, 5, 1, 2, 3]]
+    assert ngram_continuations(context, max_len=2) == [[5, 1], [4, 1]]
+    assert ngram_continuations(context, max_len=2, max_candidates=1) == [[5, 1]]
+
+
+def test_a_shorter_ngram_is_used_only_when_the_longer_never_occurred():
+    context = [7, 8, 9, 5, 6, 8, 9]
+    # The 3-gram (6, 8, 9) never occurred before; the 2-gram (8, 9) did, at 1.
+    assert ngram_continuations(context, max_len=3) == [[5, 6, 8]]
+    # With min_ngram above what matches there is nothing to propose.
+    assert ngram_continuations(context, min_ngram=3) == []
+
+
+def test_frequent_continuations_rank_above_recent_ones():
+    # After token 4: "9" twice (positions 1 and 5), then "6" once most recently (position 9).
+    context = [4, 9, 0, 0, 4, 9, 0, 0, 4, 6, 0, 0, 4]
+    assert ngram_continuations(context, max_ngram=1, max_len=1) == [[9], [6]]
+
+
+def test_no_match_and_degenerate_inputs():
+    assert ngram_continuations([]) == []
+    assert ngram_continuations([5]) == []
+    assert ngram_continuations([1, 2, 3]) == []
+    assert ngram_continuations([1, 2, 1], max_len=0) == []
+    # A run of one token continues itself; the match may not be the suffix itself.
+    assert ngram_continuations([3, 3, 3, 3]) == [[3]]
+    # Continuations cut short by the end of the context count for the longer ones they
+    # begin, so the proposal is as long as the context allows.
+    assert ngram_proposal([3, 3, 3, 3, 3, 3], 4) == [3, 3, 3]
+
+
+def test_truncated_continuations_merge_and_candidates_are_bounded():
+    context = [1, 2] * 20 + [1]
+    assert ngram_continuations(context, max_len=5) == [[2, 1, 2, 1, 2]]
+    context = [1, 5, 0, 1, 5, 0, 1, 6, 0, 1, 7, 0, 1, 8, 0, 1]
+    found = ngram_continuations(context, max_ngram=1, max_len=2, max_candidates=3)
+    assert found == [[5, 0], [8, 0], [7, 0]]  # 5 follows twice, then by recency
+
+
+def test_ngram_drafter_proposal_is_a_point_mass():
+    drafter = NgramDrafter(vocab_size=10)
+    penalties = PenaltyContext(10, [1, 2, 3], "cpu")
+    proposal = drafter.propose(
+        None,  # type: ignore[arg-type]  # the n-gram drafter keeps no per-session state
+        [1, 2, 3, 4, 1, 2, 3],
+        3,
+        SamplingParams(),
+        penalties,
+        torch.Generator(),
+    )
+    assert proposal.tokens == [4, 1, 2]
+    assert proposal.passes == 0
+    assert torch.equal(proposal.q, torch.nn.functional.one_hot(torch.tensor([4, 1, 2]), 10).float())
+    empty = drafter.propose(None, [1, 2, 3], 3, SamplingParams(), penalties, torch.Generator())  # type: ignore[arg-type]
+    assert empty.tokens == [] and empty.q.shape == (0, 10)
