@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -149,8 +150,18 @@ def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's sandbox answers an unsafe attribute (`fn.__globals__`) with an undefined value
+    that prints as an empty string; a template that probes internals is refused outright."""
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+        raise SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+        )
+
+
 def _compile(source: str):  # type: ignore[no-untyped-def]
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.filters["tojson"] = lambda value, indent=None: json.dumps(

@@ -1,0 +1,183 @@
+"""Tokenizer policy: BOS as the tokenizer config says, EOS lists, sandboxed chat templates,
+and the fallback template for base models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from speculative.checkpoint import open_checkpoint
+from speculative.tokenizer import FALLBACK_CHAT_TEMPLATE, ChatTemplateError, Tokenizer
+
+TEXTS = ["Once upon a time", "  two  spaces", "café 😀 naïve", "line\nbreak", ""]
+
+
+def _tokenizer(folder: Path) -> Tokenizer:
+    ckpt = open_checkpoint(folder)
+    return Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
+
+
+def _with_tokenizer_config(src: Path, dst: Path, **changes: object) -> Path:
+    shutil.copytree(src, dst)
+    path = dst / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+    return dst
+
+
+def test_stories_encoding_matches_transformers(stories_target: Path) -> None:
+    from transformers import AutoTokenizer
+
+    ours = _tokenizer(stories_target)
+    ref = AutoTokenizer.from_pretrained(stories_target)
+    assert ours.bos_id == 1 and ours.add_bos is True
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == ref(text)["input_ids"], text
+        assert ids[0] == 1
+        assert ours.encode(text, add_special_tokens=False) == ids[1:]
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("add_bos", [True, False, None])
+def test_bos_policy(tiny_checkpoint, tmp_path: Path, add_bos: bool | None) -> None:
+    """add_bos_token true/false decides; absent, tokenizer.json's post-processor does
+    (the tiny tokenizer's prepends <s>)."""
+    folder = _with_tokenizer_config(tiny_checkpoint("llama"), tmp_path / "t", add_bos_token=add_bos)
+    tok = _tokenizer(folder)
+    plain = tok.encode("Once upon a time", add_special_tokens=False)
+    assert plain and plain[0] != tok.bos_id
+    with_specials = tok.encode("Once upon a time")
+    if add_bos is False:
+        assert with_specials == plain
+    else:
+        assert with_specials == [1, *plain]
+    # BOS is never doubled when the text already starts with it.
+    if add_bos:
+        assert tok.encode("<s>Once upon a time") == [1, *plain]
+
+
+def test_bos_from_model_config_when_tokenizer_config_has_none(tiny_checkpoint, tmp_path: Path):
+    folder = _with_tokenizer_config(
+        tiny_checkpoint("llama"), tmp_path / "t", bos_token=None, add_bos_token=True
+    )
+    tok = _tokenizer(folder)
+    assert tok.bos_token == "<s>" and tok.bos_id == 1
+    assert tok.encode("one")[0] == 1
+
+
+def test_eos_may_be_a_list(tiny_checkpoint, tmp_path: Path) -> None:
+    folder = tmp_path / "t"
+    shutil.copytree(tiny_checkpoint("llama"), folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2, 9]}))
+    tok = _tokenizer(folder)
+    assert set(tok.eos_token_ids) == {2, 7, 9}
+    assert len(tok.eos_token_ids) == 3  # deduplicated: 2 is also config.json's and </s>
+
+
+def test_chat_template_from_tokenizer_config(tiny_checkpoint, tmp_path: Path) -> None:
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+        "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    folder = _with_tokenizer_config(
+        tiny_checkpoint("llama"), tmp_path / "t", chat_template=template
+    )
+    tok = _tokenizer(folder)
+    assert tok.has_chat_template
+    messages = [{"role": "user", "content": "hi"}]
+    text = tok.render_chat(messages)
+    assert text == "<s><|user|>hi</s><|assistant|>"
+    # The template writes BOS itself: encode_chat must not add a second one.
+    ids = tok.encode_chat(messages)
+    assert ids == tok.encode(text, add_special_tokens=False)
+    assert ids[0] == 1 and ids[1] != 1
+
+
+def test_named_templates_use_the_default(tiny_checkpoint, tmp_path: Path) -> None:
+    named = [
+        {"name": "tool_use", "template": "TOOLS"},
+        {"name": "default", "template": "DEFAULT{{ messages | length }}"},
+    ]
+    folder = _with_tokenizer_config(tiny_checkpoint("llama"), tmp_path / "t", chat_template=named)
+    assert _tokenizer(folder).render_chat([{"role": "user", "content": "x"}]) == "DEFAULT1"
+
+
+def test_chat_template_jinja_file(tiny_checkpoint, tmp_path: Path) -> None:
+    folder = tmp_path / "t"
+    shutil.copytree(tiny_checkpoint("llama"), folder)
+    (folder / "chat_template.jinja").write_text("{{ messages[0]['content'] | tojson }}")
+    assert _tokenizer(folder).render_chat([{"role": "user", "content": "é"}]) == '"é"'
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ raise_exception.__globals__ }}",
+        "{{ messages.__class__.__init__.__globals__['os'] }}",
+        "{% set x = messages.append({'role': 'x'}) %}",
+    ],
+)
+def test_malicious_template_is_refused(template: str) -> None:
+    tok = _stub_tokenizer(template)
+    with pytest.raises(ChatTemplateError, match="chat template failed"):
+        tok.render_chat([{"role": "user", "content": "hi"}])
+
+
+def test_template_can_raise_a_clear_error() -> None:
+    tok = _stub_tokenizer("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        tok.render_chat([{"role": "user", "content": "hi"}])
+
+
+def _stub_tokenizer(template: str) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    backend = HFTokenizer(models.WordLevel(vocab={"<unk>": 0, "<s>": 1}, unk_token="<unk>"))
+    return Tokenizer(backend, bos_token="<s>", chat_template=template)
+
+
+def test_fallback_template_for_base_models(stories_target: Path) -> None:
+    tok = _tokenizer(stories_target)
+    assert not tok.has_chat_template
+    messages = [
+        {"role": "system", "content": "Tell a story."},
+        {"role": "user", "content": "A cat"},
+    ]
+    text = tok.render_chat(messages)
+    assert text == "Tell a story.\n\nUser: A cat\nAssistant:"
+    assert tok.chat_template is None and FALLBACK_CHAT_TEMPLATE
+    # A base model's prompt starts with BOS, as plain text encoding does.
+    assert tok.encode_chat(messages) == tok.encode(text)
+    assert tok.encode_chat(messages)[0] == 1
+
+
+def test_missing_tokenizer_json_is_a_clear_error(tiny_checkpoint, tmp_path: Path) -> None:
+    folder = tmp_path / "t"
+    shutil.copytree(tiny_checkpoint("llama"), folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"has no tokenizer\.json"):
+        _tokenizer(folder)
+
+
+def test_typical_template_features_still_work() -> None:
+    """Refusing underscored attributes must not break what real templates use: methods on
+    strings, attribute-style dict access, namespace, loop variables, tojson."""
+    template = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+        "{% if loop.first %}[{{ m.role | upper }}]{% endif %}{{ m['content'].strip() }}|"
+        "{% endfor %}{{ ns.n }}{{ {'k': 1} | tojson }}"
+    )
+    tok = _stub_tokenizer(template)
+    messages = [{"role": "user", "content": " a "}, {"role": "assistant", "content": "b"}]
+    assert tok.render_chat(messages) == '[USER]a|b|2{"k": 1}'
