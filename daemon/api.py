@@ -1,0 +1,432 @@
+"""The HTTP layer (aiohttp): routes, security middleware, SSE streaming.
+
+It translates; it does not think. Requests are validated by `openai_wire`, tokenized, and
+handed to the `Engine`; engine events become JSON bodies or SSE chunks. Domain errors are
+mapped to the OpenAI error shape here, at the edge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from daemon.engine import (
+    Engine,
+    EngineNotReady,
+    Failed,
+    Finished,
+    GenerationRequest,
+    Job,
+    QueueFullError,
+    ServerShuttingDown,
+)
+from daemon.metrics import Metrics
+from daemon.openai_wire import (
+    SSE_DONE,
+    SSE_KEEPALIVE,
+    ApiError,
+    CompletionRequest,
+    ResponseShape,
+    WireLimits,
+    bad_request,
+    parse_chat,
+    parse_completion,
+    parse_json_object,
+    sse,
+    usage,
+)
+from speculative.generation import Chunk
+from speculative.tokenizer import ChatTemplateError
+
+log = logging.getLogger("specd.api")
+
+LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
+LOADING_RETRY_AFTER = "5"
+QUEUE_RETRY_AFTER = "1"
+
+
+@dataclass
+class ApiConfig:
+    model_name: str
+    limits: WireLimits
+    max_body_bytes: int
+    keepalive_seconds: float = 5.0
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+
+
+ENGINE = web.AppKey("engine", Engine)
+METRICS = web.AppKey("metrics", Metrics)
+CONFIG = web.AppKey("config", ApiConfig)
+DRAINING = web.AppKey("draining", asyncio.Event)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+def _host_name(host_header: str) -> str:
+    if host_header.startswith("["):  # [::1]:8080
+        return host_header.split("]")[0] + "]"
+    return host_header.rsplit(":", 1)[0] if host_header.count(":") == 1 else host_header
+
+
+def _cors_headers(origin: str) -> dict[str, str]:
+    return {
+        "Access-Control-Allow-Origin": origin,
+        "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+        "Access-Control-Allow-Headers": "Authorization, Content-Type",
+        "Vary": "Origin",
+    }
+
+
+@web.middleware
+async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Security checks, then the handler; every failure leaves in the OpenAI error shape."""
+    config = request.app[CONFIG]
+    resource = request.match_info.route.resource
+    endpoint = resource.canonical if resource is not None else "other"
+    try:
+        response = await _guarded(request, handler, config)
+    except (ConnectionResetError, asyncio.CancelledError):
+        request.app[METRICS].count_request(endpoint, 499)  # the client closed the connection
+        raise
+    except ApiError as err:
+        response = error_response(err)
+    except web.HTTPRequestEntityTooLarge:
+        response = error_response(
+            ApiError(
+                413,
+                f"the request body is larger than {config.max_body_bytes} bytes "
+                "(limits.max_body_bytes)",
+                type="invalid_request_error",
+                code="request_too_large",
+            )
+        )
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = error_response(
+            ApiError(exc.status, exc.reason, type="invalid_request_error", code=str(exc.status))
+        )
+    except Exception:
+        log.exception("internal error on %s", request.path)
+        response = error_response(
+            ApiError(500, "internal server error (see the daemon's log)", type="server_error")
+        )
+    request.app[METRICS].count_request(endpoint, response.status)
+    origin = request.headers.get("Origin")
+    if origin and origin in config.cors_origins and not response.prepared:
+        response.headers.update(_cors_headers(origin))
+    return response
+
+
+async def _guarded(request: web.Request, handler: Handler, config: ApiConfig) -> web.StreamResponse:
+    host = _host_name(request.headers.get("Host", "")).lower()
+    allowed = LOOPBACK_HOSTS | {h.lower() for h in config.allowed_hosts}
+    if host not in allowed and not host.endswith(".localhost"):
+        raise ApiError(
+            403,
+            f"Host header {host!r} is not allowed (DNS rebinding protection); add it to "
+            "server.allowed_hosts to serve it",
+            type="permission_error",
+            code="host_not_allowed",
+        )
+    origin = request.headers.get("Origin")
+    if origin is not None and origin not in config.cors_origins:
+        raise ApiError(
+            403,
+            f"origin {origin!r} is not allowed; add it to server.cors_origins",
+            type="permission_error",
+            code="origin_not_allowed",
+        )
+    if request.method == "OPTIONS" and origin is not None:
+        return web.Response(status=204, headers=_cors_headers(origin))
+    if config.api_key is not None and request.path != "/health":
+        given = request.headers.get("Authorization", "")
+        expected = f"Bearer {config.api_key}"
+        if not secrets.compare_digest(given.encode(), expected.encode()):
+            raise ApiError(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer KEY'",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+    if request.content_length is not None and request.content_length > config.max_body_bytes:
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=config.max_body_bytes, actual_size=request.content_length
+        )
+    return await handler(request)
+
+
+def _require_ready(app: web.Application) -> Engine:
+    engine = app[ENGINE]
+    if app[DRAINING].is_set() or engine.state == "stopping":
+        raise ApiError(
+            503,
+            "the server is shutting down",
+            type="service_unavailable",
+            code="shutting_down",
+            headers={"Retry-After": LOADING_RETRY_AFTER},
+        )
+    if engine.state == "failed":
+        raise ApiError(500, f"the models failed to load: {engine.load_error}", type="server_error")
+    if engine.runtime is None:
+        raise ApiError(
+            503,
+            "the models are still loading; retry shortly",
+            type="service_unavailable",
+            code="model_loading",
+            headers={"Retry-After": LOADING_RETRY_AFTER},
+        )
+    return engine
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    state = "stopping" if request.app[DRAINING].is_set() else engine.state
+    body = {
+        "status": state,
+        "model": request.app[CONFIG].model_name,
+        "active": engine.active_count,
+        "queued": engine.queued,
+    }
+    if state == "ready":
+        return web.json_response(body)
+    message = {
+        "loading": "the models are still loading",
+        "failed": f"the models failed to load: {engine.load_error}",
+        "stopping": "the server is shutting down",
+    }[state]
+    body["error"] = {
+        "message": message,
+        "type": "service_unavailable",
+        "param": None,
+        "code": state,
+    }
+    return web.json_response(body, status=503, headers={"Retry-After": LOADING_RETRY_AFTER})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(
+        text=request.app[METRICS].render(), content_type="text/plain", charset="utf-8"
+    )
+
+
+async def models(request: web.Request) -> web.Response:
+    name = request.app[CONFIG].model_name
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "specd"}],
+        }
+    )
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=False)
+
+
+async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
+    app = request.app
+    config = app[CONFIG]
+    body = parse_json_object(await request.read())
+    req = parse_chat(body, config.limits) if chat else parse_completion(body, config.limits)
+    if req.model is not None and req.model != config.model_name:
+        raise ApiError(
+            404,
+            f"model {req.model!r} is not served here; this daemon serves {config.model_name!r}",
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+    engine = _require_ready(app)
+    prompt_ids = _prompt_ids(engine, req)
+    try:
+        job = engine.submit(
+            GenerationRequest(
+                prompt_ids=prompt_ids,
+                params=req.params,
+                max_tokens=req.max_tokens,
+                stop=req.stop,
+                strategy=req.strategy,
+                budget=req.budget,
+                ignore_eos=req.ignore_eos,
+            ),
+            asyncio.get_running_loop(),
+        )
+    except QueueFullError as exc:
+        raise ApiError(
+            503, str(exc), type="service_unavailable", code="queue_full",
+            headers={"Retry-After": QUEUE_RETRY_AFTER},
+        ) from None  # fmt: skip
+    except EngineNotReady:
+        _require_ready(app)
+        raise
+    shape = ResponseShape(chat=chat, model=config.model_name)
+    try:
+        if req.stream:
+            return await _stream(request, job, shape, req, config.keepalive_seconds)
+        return await _collect(request, job, shape, config.keepalive_seconds)
+    finally:
+        if not job.done:
+            job.cancel()  # the client went away (or we failed): free the engine's slot
+
+
+def _prompt_ids(engine: Engine, req: CompletionRequest) -> list[int]:
+    runtime = engine.runtime
+    assert runtime is not None
+    tok = runtime.tokenizer
+    if req.messages is not None:
+        try:
+            ids = tok.encode_chat(req.messages)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages") from None
+    elif isinstance(req.prompt, str):
+        ids = tok.encode(req.prompt)
+    else:
+        assert req.prompt is not None
+        vocab = runtime.target.config.vocab_size
+        bad = [t for t in req.prompt if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"prompt token ids {bad[:5]} are outside [0, {vocab})", "prompt")
+        ids = list(req.prompt)
+    param = "messages" if req.messages is not None else "prompt"
+    if not ids:
+        raise bad_request("the prompt is empty: at least one token is needed", param)
+    if len(ids) + 1 > runtime.context:
+        raise bad_request(
+            f"the prompt has {len(ids)} tokens but the context holds {runtime.context} "
+            "(prompt plus at least one new token must fit); shorten the prompt or raise "
+            "context.length",
+            param,
+            code="context_length_exceeded",
+        )
+    return ids
+
+
+async def _next_event(job: Job, request: web.Request, timeout: float):  # type: ignore[no-untyped-def]
+    """The job's next event, or None after `timeout` seconds without one."""
+    try:
+        return await asyncio.wait_for(job.events.get(), timeout)
+    except asyncio.TimeoutError:
+        return None
+
+
+def _failure(error: BaseException) -> ApiError:
+    if isinstance(error, ServerShuttingDown):
+        return ApiError(503, str(error), type="service_unavailable", code="shutting_down")
+    if isinstance(error, ValueError):  # ContextFullError and friends: the request's fault
+        return bad_request(str(error))
+    return ApiError(500, f"generation failed: {error}", type="server_error")
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _collect(
+    request: web.Request, job: Job, shape: ResponseShape, keepalive: float
+) -> web.Response:
+    text: list[str] = []
+    while True:
+        event = await _next_event(job, request, keepalive)
+        if event is None:
+            if _client_gone(request):
+                job.cancel()
+                raise ConnectionResetError("client disconnected")
+            continue
+        if isinstance(event, Chunk):
+            text.append(event.text)
+        elif isinstance(event, Finished):
+            cached = int(event.stats.get("cached_prompt_tokens", 0))
+            u = usage(event.prompt_tokens, event.completion_tokens, cached)
+            return web.json_response(shape.full("".join(text), event.finish_reason, u, event.stats))
+        elif isinstance(event, Failed):
+            raise _failure(event.error)
+
+
+async def _stream(
+    request: web.Request,
+    job: Job,
+    shape: ResponseShape,
+    req: CompletionRequest,
+    keepalive: float,
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
+    origin = request.headers.get("Origin")
+    if origin and origin in request.app[CONFIG].cors_origins:
+        response.headers.update(_cors_headers(origin))
+    await response.prepare(request)
+    first = True
+    if shape.chat:  # the role arrives before any text, as OpenAI's own stream does
+        await response.write(sse(shape.chunk("", first=True)))
+        first = False
+    try:
+        while True:
+            event = await _next_event(job, request, keepalive)
+            if event is None:
+                # SSE comment: keeps proxies and clients from timing out during a long pass.
+                await response.write(SSE_KEEPALIVE)
+                continue
+            if isinstance(event, Chunk):
+                if event.text:
+                    await response.write(sse(shape.chunk(event.text, first=first)))
+                    first = False
+            elif isinstance(event, Finished):
+                await response.write(
+                    sse(shape.chunk("", finish_reason=event.finish_reason, stats=event.stats))
+                )
+                if req.include_usage:
+                    cached = int(event.stats.get("cached_prompt_tokens", 0))
+                    u = usage(event.prompt_tokens, event.completion_tokens, cached)
+                    await response.write(sse(shape.usage_chunk(u, event.stats)))
+                break
+            elif isinstance(event, Failed):
+                await response.write(sse(_failure(event.error).body()))
+                break
+        await response.write(SSE_DONE)
+        await response.write_eof()
+    except (ConnectionResetError, asyncio.CancelledError):
+        job.cancel()
+        raise
+    return response
+
+
+def create_app(engine: Engine, metrics_: Metrics, config: ApiConfig) -> web.Application:
+    app = web.Application(middlewares=[edge_middleware], client_max_size=config.max_body_bytes)
+    app[ENGINE] = engine
+    app[METRICS] = metrics_
+    app[CONFIG] = config
+    app[DRAINING] = asyncio.Event()
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_route("OPTIONS", "/v1/{tail:.*}", _preflight_only)
+    return app
+
+
+async def _preflight_only(request: web.Request) -> web.Response:
+    # Reached only for OPTIONS without an Origin (the middleware answers real preflights).
+    return web.Response(status=204)

@@ -1,0 +1,351 @@
+"""The engine: one worker thread owns the models; HTTP handlers hand it jobs through a
+bounded queue and read results from a per-job asyncio queue.
+
+Fairness: a `Generation` is an iterator whose `next()` runs one round, so the worker
+round-robins over the active generations, one round each in turn; nobody's first token
+waits for another request's whole generation. A cancelled job (client gone) is dropped
+before its next round and its KV cache is freed.
+
+Conversation reuse: finished sessions are kept in a small LRU pool; a new request takes the
+idle session holding the longest common prefix with its prompt, so only the new suffix is
+prefilled (`Generation` reports it as `stats.cached_prompt_tokens`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from daemon.metrics import Metrics
+from daemon.runtime import Runtime, RuntimeOptions
+from speculative.generation import Chunk, Generation, GenerationStats, Session, Strategy
+from speculative.sampling import SamplingParams
+
+log = logging.getLogger("specd.engine")
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than `limits.queue_size` allows (the client should retry)."""
+
+
+class EngineNotReady(RuntimeError):
+    """The models are still loading, failed to load, or the engine is shutting down."""
+
+
+class ServerShuttingDown(RuntimeError):
+    """The daemon is stopping; in-flight generations end with this error."""
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    strategy: str | None = None  # None: the runtime's default
+    budget: int | None = None  # tree budget for this request only
+    ignore_eos: bool = False
+
+
+@dataclass
+class Finished:
+    """The last event of a job that completed: everything the response's usage needs."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: dict[str, Any]
+
+
+@dataclass
+class Failed:
+    error: BaseException
+
+
+Event = Chunk | Finished | Failed
+
+
+class Job:
+    """One request inside the engine. `events` is read on the event loop; the worker posts
+    to it with `call_soon_threadsafe`."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.loop = loop
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.submitted = time.perf_counter()
+        self._cancelled = threading.Event()
+        self.done = False
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def post(self, event: Event) -> None:
+        if isinstance(event, Finished | Failed):
+            self.done = True
+        # A closed event loop raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+@dataclass
+class _Active:
+    job: Job
+    generation: Generation
+    chunks: Iterator[Chunk]
+    session: Session
+    pool_key: str
+    first_token_seen: bool = False
+
+
+@dataclass
+class EngineLimits:
+    queue_size: int = 32
+    max_concurrent: int = 8
+    cached_sessions: int = 4
+
+
+class Engine:
+    """Owns the runtime on its worker thread. `start()` loads the models in that thread so
+    the HTTP server can answer /health (503) while they load."""
+
+    def __init__(
+        self,
+        options: RuntimeOptions,
+        limits: EngineLimits,
+        metrics: Metrics,
+        runtime_factory: Callable[[RuntimeOptions], Runtime] = Runtime,
+    ) -> None:
+        self.options = options
+        self.limits = limits
+        self.metrics = metrics
+        self._runtime_factory = runtime_factory
+        self.runtime: Runtime | None = None
+        self.load_error: BaseException | None = None
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=limits.queue_size)
+        self._active: deque[_Active] = deque()
+        self._idle: list[tuple[str, Session]] = []  # LRU order: oldest first
+        self._strategies: dict[tuple[str, int | None], Strategy] = {}
+        self._stopping = threading.Event()
+        self.loaded = threading.Event()  # set once loading finished, successfully or not
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._work, name="specd-engine", daemon=True)
+
+    # ---- called from the event loop ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.runtime is not None and not self._stopping.is_set()
+
+    @property
+    def state(self) -> str:
+        if self._stopping.is_set():
+            return "stopping"
+        if self.load_error is not None:
+            return "failed"
+        return "ready" if self.runtime is not None else "loading"
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
+        if not self.ready:
+            raise EngineNotReady(f"the engine is {self.state}")
+        job = Job(request, loop)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFullError(
+                f"{self.limits.queue_size} requests are already waiting; retry shortly"
+            ) from None
+        self.metrics.queue_depth.set(self._queue.qsize())
+        with self._wake:
+            self._wake.notify()
+        return job
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the worker: queued and active jobs end with `ServerShuttingDown`."""
+        self._stopping.set()
+        with self._wake:
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- introspection (tests, /health) ----
+
+    @property
+    def active_count(self) -> int:
+        return len(self._active)
+
+    @property
+    def idle_sessions(self) -> int:
+        return len(self._idle)
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    # ---- the worker thread ----
+
+    def _work(self) -> None:
+        try:
+            self.runtime = self._runtime_factory(self.options)
+            log.info("models loaded: %s", self.options.model)
+        except BaseException as exc:  # reported by /health and every request
+            self.load_error = exc
+            log.error("loading the models failed: %s", exc)
+            return
+        finally:
+            self.loaded.set()
+        while not self._stopping.is_set():
+            self._admit()
+            if not self._active:
+                with self._wake:
+                    if self._queue.empty() and not self._stopping.is_set():
+                        self._wake.wait(timeout=0.5)
+                continue
+            self._step()
+        self._fail_everything(ServerShuttingDown("the server is shutting down"))
+
+    def _admit(self) -> None:
+        while len(self._active) < self.limits.max_concurrent:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self.metrics.queue_depth.set(self._queue.qsize())
+            if job.cancelled:
+                self.metrics.cancelled.inc()
+                continue
+            try:
+                self._active.append(self._begin(job))
+            except Exception as exc:  # a bad request that got past validation
+                job.post(Failed(exc))
+
+    def _begin(self, job: Job) -> _Active:
+        assert self.runtime is not None
+        req = job.request
+        strategy = self._strategy(req.strategy, req.budget)
+        pool_key = strategy.name
+        session = self._take_session(pool_key, req.prompt_ids) or self.runtime.new_session(strategy)
+        gen = Generation(
+            strategy,
+            session,
+            self.runtime.tokenizer,
+            req.prompt_ids,
+            req.params,
+            max_tokens=req.max_tokens,
+            stop=req.stop,
+            ignore_eos=req.ignore_eos,
+        )
+        return _Active(job, gen, iter(gen), session, pool_key)
+
+    def _strategy(self, name: str | None, budget: int | None) -> Strategy:
+        """Strategies are built once per (name, budget). A per-request budget is applied by
+        building with a copy of the options; only this thread builds, so that is safe."""
+        assert self.runtime is not None
+        name = name or self.runtime.default_strategy
+        key = (name, budget)
+        if key not in self._strategies:
+            if budget is None:
+                self._strategies[key] = self.runtime.strategy(name)
+            else:
+                saved = self.runtime.options
+                self.runtime.options = dataclasses.replace(saved, budget=budget)
+                try:
+                    self._strategies[key] = self.runtime.strategy(name)
+                finally:
+                    self.runtime.options = saved
+        return self._strategies[key]
+
+    def _take_session(self, pool_key: str, prompt_ids: list[int]) -> Session | None:
+        best, best_len = None, -1
+        for i, (key, session) in enumerate(self._idle):
+            if key != pool_key:
+                continue
+            n = _common_prefix_len(session.target_tokens, prompt_ids)
+            if n > best_len:
+                best, best_len = i, n
+        if best is None:
+            return None
+        return self._idle.pop(best)[1]
+
+    def _release_session(self, pool_key: str, session: Session) -> None:
+        if self.limits.cached_sessions == 0:
+            return
+        self._idle.append((pool_key, session))
+        while len(self._idle) > self.limits.cached_sessions:
+            self._idle.pop(0)  # the least recently used conversation
+
+    def _step(self) -> None:
+        """One round of the generation at the head of the line, then it goes to the back."""
+        active = self._active.popleft()
+        job = active.job
+        if job.cancelled:
+            self.metrics.cancelled.inc()
+            return  # the session (and its KV cache) is dropped with `active`
+        try:
+            chunk = next(active.chunks)
+        except StopIteration:
+            self._finish(active)
+            return
+        except Exception as exc:
+            log.exception("generation failed")
+            self.metrics.failed.inc()
+            job.post(Failed(exc))
+            return
+        if not active.first_token_seen and chunk.token_ids:
+            active.first_token_seen = True
+            self.metrics.time_to_first_token.observe(time.perf_counter() - job.submitted)
+        job.post(chunk)
+        if chunk.finish_reason is not None:
+            self._finish(active)
+        else:
+            self._active.append(active)
+
+    def _finish(self, active: _Active) -> None:
+        gen = active.generation
+        stats: GenerationStats = gen.stats
+        self.metrics.record_generation(stats, gen.completion_tokens)
+        active.job.post(
+            Finished(
+                finish_reason=gen.finish_reason or "length",
+                prompt_tokens=len(gen.prompt_ids),
+                completion_tokens=gen.completion_tokens,
+                stats=stats.to_dict(),
+            )
+        )
+        self._release_session(active.pool_key, active.session)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        while self._active:
+            self._active.popleft().job.post(Failed(error))
+        while True:
+            try:
+                self._queue.get_nowait().post(Failed(error))
+            except queue.Empty:
+                break
+        self._idle.clear()
+        self.metrics.queue_depth.set(0)
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,388 @@
+"""The OpenAI wire format: request validation into typed records, and response bodies.
+
+Named `openai_wire` so that it never shadows the `openai` client package in tests. Nothing
+here touches HTTP or the models: the API layer parses with these functions and renders
+what the engine produced.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from speculative.sampling import SamplingParams
+
+STRATEGIES = ("autoregressive", "linear", "tree")
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_STOP_STRINGS = 16
+
+
+class ApiError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+        if status == 400:
+            # The OpenAI client retries some statuses; a bad request will not get better.
+            self.headers.setdefault("x-should-retry", "false")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass
+class WireLimits:
+    default_max_tokens: int
+    max_tokens: int
+
+
+@dataclass
+class CompletionRequest:
+    """A validated chat or text completion request (exactly one of messages/prompt set)."""
+
+    model: str | None
+    messages: list[dict[str, str]] | None
+    prompt: str | list[int] | None
+    params: SamplingParams
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    strategy: str | None = None
+    budget: int | None = None
+    ignore_eos: bool = False
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(
+            f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, *, open_lo=False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = _is_number(value) and (lo < value if open_lo else lo <= value) and value <= hi
+    if not ok:
+        bracket = "(" if open_lo else "["
+        raise bad_request(f"{name} must be a number in {bracket}{lo}, {hi}], got {value!r}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or not lo <= value <= hi:
+        raise bad_request(f"{name} must be an integer from {lo} to {hi}, got {value!r}", name)
+    return value
+
+
+def _refuse_unsupported(body: dict, extra: tuple[str, ...] = ()) -> None:
+    """Fields whose meaning specd cannot honour are refused rather than silently ignored."""
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad_request("n > 1 is not supported: specd returns one choice per request", "n")
+    for name in ("tools", "functions", "logit_bias"):
+        if body.get(name):
+            raise bad_request(f"{name} is not supported by specd", name)
+    if body.get("tool_choice") not in (None, "none"):
+        raise bad_request("tool_choice is not supported by specd (no tool calling)", "tool_choice")
+    if body.get("function_call") not in (None, "none"):
+        raise bad_request("function_call is not supported by specd", "function_call")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise bad_request("logprobs are not supported by specd", "logprobs")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise bad_request("response_format other than text is not supported", "response_format")
+    for name in extra:
+        if body.get(name) not in (None, False, "", 1):
+            raise bad_request(f"{name} is not supported by specd", name)
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if (
+        not isinstance(stop, list)
+        or len(stop) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise bad_request(
+            f"stop must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them",
+            "stop",
+        )
+    return stop
+
+
+def _common(body: dict, limits: WireLimits) -> dict[str, Any]:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model must be a string", "model")
+    max_tokens = _integer(body, "max_completion_tokens", 1, limits.max_tokens)
+    if max_tokens is None:
+        max_tokens = _integer(body, "max_tokens", 1, limits.max_tokens)
+    top_k = body.get("top_k")
+    if top_k == -1:  # vLLM's spelling of "off"
+        top_k = 0
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+        raise bad_request(f"top_k must be a non-negative integer (0 = off), got {top_k!r}", "top_k")
+    seed = body.get("seed")
+    if seed is not None and not _is_int(seed):
+        raise bad_request(f"seed must be an integer, got {seed!r}", "seed")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("stream must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    include_usage = bool((options or {}).get("include_usage", False))
+    strategy = body.get("strategy")
+    if strategy is not None and strategy not in STRATEGIES:
+        raise bad_request(f"strategy must be one of {', '.join(STRATEGIES)}", "strategy")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad_request("ignore_eos must be true or false", "ignore_eos")
+    params = SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True),
+        top_k=top_k or 0,
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, open_lo=True),
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        seed=seed,
+    )
+    return dict(
+        model=model,
+        params=params,
+        max_tokens=max_tokens if max_tokens is not None else limits.default_max_tokens,
+        stop=_stop(body),
+        stream=stream,
+        include_usage=include_usage,
+        strategy=strategy,
+        budget=_integer(body, "budget", 1, 65536),
+        ignore_eos=ignore_eos,
+    )
+
+
+def _message_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad_request(f"{where}: only text content parts are supported", where)
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}: a text part needs a string 'text'", where)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"{where} must be a string or a list of text parts", where)
+
+
+def parse_chat(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
+    _refuse_unsupported(body)
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("messages is required", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("messages must be a non-empty list", "messages")
+    normalised = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise bad_request(f"{where} must be an object with role and content", where)
+        role = msg.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(
+                f"{where}.role must be one of system, developer, user, assistant; got {role!r}",
+                f"{where}.role",
+            )
+        content = _message_text(msg.get("content"), f"{where}.content")
+        normalised.append({"role": CHAT_ROLES[role], "content": content})
+    return CompletionRequest(messages=normalised, prompt=None, **_common(body, limits))
+
+
+def parse_completion(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
+    _refuse_unsupported(body, extra=("echo", "suffix", "best_of"))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        pass  # token ids, fed exactly
+    elif not isinstance(prompt, str):
+        raise bad_request(
+            "prompt must be a string or a list of token ids (one prompt per request)", "prompt"
+        )
+    return CompletionRequest(messages=None, prompt=prompt, **_common(body, limits))
+
+
+# ---- responses ----
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+SPECD_STAT_KEYS = (
+    "strategy",
+    "tokens_per_target_pass",
+    "acceptance_rate",
+    "target_passes",
+    "prefill_passes",
+    "drafted",
+    "accepted",
+    "tree_nodes",
+    "budget",
+    "draft_seconds",
+    "verify_seconds",
+    "prefill_seconds",
+    "total_seconds",
+    "first_token_seconds",
+    "tokens_per_second",
+    "cached_prompt_tokens",
+)
+
+
+def specd_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """specd's own figures, sent in an extension field ("specd") that clients ignore."""
+    return {k: stats[k] for k in SPECD_STAT_KEYS if k in stats}
+
+
+@dataclass
+class ResponseShape:
+    """Constant parts of one response: every streamed chunk repeats the same id/created."""
+
+    chat: bool
+    model: str
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self) -> None:
+        self.id = self.id or new_id("chatcmpl" if self.chat else "cmpl")
+        self.created = self.created or int(time.time())
+
+    def _envelope(self, stream: bool) -> dict[str, Any]:
+        if self.chat:
+            obj = "chat.completion.chunk" if stream else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(
+        self, text: str, finish_reason: str, usage_: dict[str, Any], stats: dict[str, Any]
+    ) -> dict[str, Any]:
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": None,
+            }
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        return {
+            **self._envelope(stream=False),
+            "choices": [choice],
+            "usage": usage_,
+            "specd": specd_stats(stats),
+        }
+
+    def chunk(
+        self,
+        text: str,
+        *,
+        first: bool = False,
+        finish_reason: str | None = None,
+        stats: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+            if not first and text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        out = {**self._envelope(stream=True), "choices": [choice]}
+        if stats is not None:
+            out["specd"] = specd_stats(stats)
+        return out
+
+    def usage_chunk(self, usage_: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **self._envelope(stream=True),
+            "choices": [],
+            "usage": usage_,
+            "specd": specd_stats(stats),
+        }
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, default=str)
+    return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_KEEPALIVE = b": keep-alive\n\n"

@@ -1,0 +1,151 @@
+"""Running the daemon: settings → engine + app → a listening socket, and an orderly stop.
+
+`serve()` is what `specd serve` runs in the foreground. `BackgroundServer` runs the same
+thing on a thread with its own event loop (tests and scripts/bench_server.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from aiohttp import web
+
+from daemon.api import DRAINING, ApiConfig, create_app
+from daemon.engine import Engine, EngineLimits
+from daemon.metrics import Metrics
+from daemon.openai_wire import WireLimits
+from daemon.runtime import Runtime, RuntimeOptions
+from daemon.settings import Settings, SettingsError
+
+log = logging.getLogger("specd.server")
+
+
+def read_api_key(path: str | None) -> str | None:
+    if path is None:
+        return None
+    file = Path(path).expanduser()
+    try:
+        key = file.read_text().strip()
+    except OSError as exc:
+        raise SettingsError(f"server.api_key_file {file} cannot be read: {exc.strerror}") from None
+    if not key:
+        raise SettingsError(f"server.api_key_file {file} is empty: put the API key in it")
+    return key
+
+
+def api_config(settings: Settings) -> ApiConfig:
+    return ApiConfig(
+        model_name=settings.served_model_name,
+        limits=WireLimits(
+            default_max_tokens=settings.limits.default_max_tokens,
+            max_tokens=settings.limits.max_tokens,
+        ),
+        max_body_bytes=settings.limits.max_body_bytes,
+        keepalive_seconds=settings.server.keepalive_seconds,
+        api_key=read_api_key(settings.server.api_key_file),
+        cors_origins=tuple(settings.server.cors_origins),
+        allowed_hosts=tuple(settings.server.allowed_hosts),
+    )
+
+
+def build_engine(settings: Settings, metrics: Metrics, runtime: Runtime | None = None) -> Engine:
+    limits = EngineLimits(
+        queue_size=settings.limits.queue_size,
+        max_concurrent=settings.limits.max_concurrent,
+        cached_sessions=settings.limits.cached_sessions,
+    )
+
+    def factory(options: RuntimeOptions) -> Runtime:
+        return runtime if runtime is not None else Runtime(options)
+
+    return Engine(settings.runtime_options(), limits, metrics, runtime_factory=factory)
+
+
+class Server:
+    """One daemon: the engine, the aiohttp app and its listening site."""
+
+    def __init__(self, settings: Settings, runtime: Runtime | None = None) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.engine = build_engine(settings, self.metrics, runtime)
+        self.app = create_app(self.engine, self.metrics, api_config(settings))
+        self.runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    async def start(self) -> None:
+        self.runner = web.AppRunner(
+            self.app,
+            handle_signals=False,
+            access_log=log if self.settings.logging.access_log else None,
+            shutdown_timeout=10.0,
+        )
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, self.settings.server.host, self.settings.server.port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+        log.info("listening on http://%s:%d", self.settings.server.host, self.port)
+        self.engine.start()  # models load on the engine thread; /health says 503 until then
+
+    async def stop(self) -> None:
+        """Stop accepting, end in-flight generations with an error event, close."""
+        self.app[DRAINING].set()
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+async def serve(settings: Settings) -> int:
+    """Run until SIGTERM/SIGINT (exit 0) or until the models fail to load (exit 2)."""
+    server = Server(settings)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    loaded = loop.run_in_executor(None, server.engine.loaded.wait)
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loaded, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if loaded.done() and server.engine.load_error is not None:
+        log.error("specd cannot serve: %s", server.engine.load_error)
+        stopper.cancel()
+        await server.stop()
+        return 2
+    if not stopper.done():
+        log.info("ready: serving %s", settings.served_model_name)
+        await stopper
+    log.info("stopping: ending in-flight requests")
+    await server.stop()
+    log.info("stopped")
+    return 0
+
+
+class BackgroundServer:
+    """A `Server` on its own thread and event loop; `with BackgroundServer(s) as srv:`."""
+
+    def __init__(self, settings: Settings, runtime: Runtime | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.server = Server(settings, runtime)
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.server.settings.server.host}:{self.server.port}"
+
+    def __enter__(self) -> BackgroundServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(timeout=30)
+        if not self.server.engine.loaded.wait(timeout=120):
+            raise TimeoutError("the models did not load within 120 s")
+        if self.server.engine.load_error is not None:
+            raise self.server.engine.load_error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(timeout=60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.loop.close()
