@@ -1,0 +1,174 @@
+"""Sampling: exact filtered distributions, exact penalty values, greedy as one-hot, and
+seeded generators that never touch the global RNG."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from speculative.sampling import (
+    PenaltyContext,
+    SamplingParams,
+    apply_penalties,
+    make_generator,
+    probabilities,
+    sample,
+    top_p_filter,
+)
+
+BASE = torch.tensor([[0.5, 0.3, 0.15, 0.05]])  # (1, V), already sorted for readability
+
+
+def _probs(params: SamplingParams, base: torch.Tensor = BASE) -> torch.Tensor:
+    return probabilities(base.log(), params)
+
+
+def _renormalised(keep: list[int], base: torch.Tensor = BASE) -> torch.Tensor:
+    out = torch.zeros_like(base)
+    out[0, keep] = base[0, keep]
+    return out / out.sum()
+
+
+@pytest.mark.parametrize(
+    ("top_p", "kept"),
+    [
+        (0.8, [0, 1]),  # 0.5 + 0.3 reaches 0.8 exactly: the third is not needed
+        (0.81, [0, 1, 2]),
+        (0.95, [0, 1, 2]),
+        (0.96, [0, 1, 2, 3]),
+        (0.1, [0]),  # the top token is always kept
+        (1.0, [0, 1, 2, 3]),
+    ],
+)
+def test_top_p_keeps_the_smallest_set_reaching_p(top_p: float, kept: list[int]) -> None:
+    got = _probs(SamplingParams(top_p=top_p))
+    torch.testing.assert_close(got, _renormalised(kept))
+
+
+def test_top_p_does_not_depend_on_token_order() -> None:
+    perm = torch.tensor([2, 0, 3, 1])
+    got = top_p_filter(BASE[:, perm], 0.8)
+    torch.testing.assert_close(got, _renormalised([0, 1])[:, perm])
+
+
+def test_top_k() -> None:
+    torch.testing.assert_close(_probs(SamplingParams(top_k=2)), _renormalised([0, 1]))
+    torch.testing.assert_close(_probs(SamplingParams(top_k=1)), _renormalised([0]))
+    torch.testing.assert_close(_probs(SamplingParams(top_k=10)), BASE)
+
+
+def test_min_p_is_relative_to_the_top_token() -> None:
+    # min_p 0.5: keep tokens with p >= 0.25 (half the top's 0.5)
+    torch.testing.assert_close(_probs(SamplingParams(min_p=0.5)), _renormalised([0, 1]))
+    torch.testing.assert_close(_probs(SamplingParams(min_p=0.3)), _renormalised([0, 1, 2]))
+
+
+def test_temperature_scales_logits() -> None:
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.0]])
+    for t in (0.5, 1.0, 3.0):
+        got = probabilities(logits, SamplingParams(temperature=t))
+        torch.testing.assert_close(got, torch.softmax(logits / t, -1))
+
+
+def test_filters_apply_after_temperature() -> None:
+    """top-p sees the tempered distribution (transformers' order)."""
+    logits = BASE.log()
+    hot = torch.softmax(logits / 2.0, -1)  # flatter: 0.8 needs three tokens now
+    got = probabilities(logits, SamplingParams(temperature=2.0, top_p=0.8))
+    assert hot[0, :2].sum() < 0.8 <= hot[0, :3].sum()
+    torch.testing.assert_close(got, _renormalised([0, 1, 2], hot))
+
+
+def test_greedy_is_one_hot_argmax() -> None:
+    logits = torch.tensor([[0.1, 2.0, 1.9], [5.0, -1.0, 4.0]])
+    got = probabilities(logits, SamplingParams(temperature=0.0))
+    torch.testing.assert_close(got, torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))
+    # Filters do not matter under greedy; penalties do (they change the argmax).
+    assert SamplingParams(temperature=0.0, top_p=0.1, top_k=1).greedy
+
+
+# Logits, prompt tokens and generated tokens for the penalty tests.
+LOGITS = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])  # (1, V)
+PROMPT = [1]
+GENERATED = [0, 0, 2]
+
+
+def _context() -> PenaltyContext:
+    ctx = PenaltyContext(5, PROMPT, "cpu")
+    ctx.append(GENERATED)
+    return ctx
+
+
+def test_repetition_penalty_exact_values() -> None:
+    """HF/CTRL: seen tokens (prompt or generated) divide positive, multiply negative logits."""
+    params = SamplingParams(repetition_penalty=2.0)
+    got = apply_penalties(LOGITS, params, *_context().rows())
+    torch.testing.assert_close(got, torch.tensor([[1.0, -2.0, 0.25, 3.0, 1.0]]))
+
+
+def test_frequency_and_presence_penalties_exact_values() -> None:
+    """OpenAI: logit - frequency * count - presence * [count > 0], generated tokens only."""
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    got = apply_penalties(LOGITS, params, *_context().rows())
+    want = torch.tensor([[2.0 - 1.0 - 0.25, -1.0, 0.5 - 0.5 - 0.25, 3.0, 1.0]])
+    torch.testing.assert_close(got, want)
+
+
+def test_penalties_flow_into_the_distribution() -> None:
+    params = SamplingParams(temperature=1.0, frequency_penalty=2.0)
+    got = probabilities(LOGITS, params, _context().rows())
+    torch.testing.assert_close(got, torch.softmax(LOGITS - 2.0 * torch.tensor([2, 0, 1, 0, 0]), -1))
+    # Greedy follows the penalised argmax: token 3 (3.0) generated twice drops to 0.0
+    # under frequency 1.5, below token 4's untouched 1.0.
+    ctx = _context()
+    ctx.append([3, 3])
+    params = SamplingParams(temperature=0.0, frequency_penalty=1.5)
+    greedy = probabilities(LOGITS, params, ctx.rows())
+    assert greedy[0].tolist() == [0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_penalty_rows_add_each_rows_draft_path() -> None:
+    ctx = _context()
+    extra = torch.zeros(2, 5)
+    extra[1, 4] = 1.0  # row 1's own draft path holds token 4 once
+    counts, seen = ctx.rows(extra)
+    assert counts.shape == (2, 5) and seen.shape == (2, 5)
+    assert counts[0].tolist() == [2.0, 0.0, 1.0, 0.0, 0.0]
+    assert counts[1].tolist() == [2.0, 0.0, 1.0, 0.0, 1.0]
+    assert seen[0].tolist() == [True, True, True, False, False]
+    assert seen[1].tolist() == [True, True, True, False, True]
+
+
+def test_invalid_params_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"top_p=0\.0 is out of range"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature=-1 is out of range"):
+        SamplingParams(temperature=-1)
+
+
+def test_seeded_sampling_is_reproducible_and_leaves_the_global_rng_alone() -> None:
+    probs = torch.softmax(torch.randn(64, 50), -1)
+    state = torch.random.get_rng_state()
+    a = sample(probs, make_generator(1234))
+    b = sample(probs, make_generator(1234))
+    c = sample(probs, make_generator(1235))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    unseeded = make_generator(None)
+    sample(probs, unseeded)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_sample_frequencies_match_the_distribution() -> None:
+    """20,000 draws in one vectorised call; each count within 5 sigma of its expectation."""
+    n = 20_000
+    probs = _probs(SamplingParams(top_p=0.95))  # (1, V): 0 on the last token
+    tokens = sample(probs.expand(n, -1), make_generator(7))
+    counts = torch.bincount(tokens, minlength=4).float()
+    expected = probs[0] * n
+    sigma = (n * probs[0] * (1 - probs[0])).sqrt()
+    assert counts[3] == 0
+    assert ((counts - expected).abs() <= 5 * sigma + 1e-9).all(), (counts, expected)
+    assert math.isclose(float(counts.sum()), n)
