@@ -1,0 +1,143 @@
+"""Where the target's weights live: the bridge between `speculative` (which knows the model)
+and `offload` (which knows memory). Footprints come from meta-device models built from
+config.json alone, so a plan needs no weights; placing a loaded target hands its layers to
+the streamer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from offload.placement import build_streamer
+from offload.plan import Budget, MemoryPlan, ModelFootprint, PlanRequest, make_plan, module_bytes
+from offload.storage import TensorSources, tensor_files
+from offload.stream import LayerStreamer
+from speculative.checkpoint import DTYPES, Checkpoint, load, open_checkpoint
+from speculative.config import ModelConfig
+from speculative.generation import PREFILL_CHUNK
+from speculative.kv_cache import KVCache
+from speculative.model import Transformer
+from speculative.tokenizer import Tokenizer
+
+# Bytes per (new token, visible slot) pair: the boolean mask and the additive bias fused
+# attention kernels build from it. Per-head scores are not materialised by those kernels.
+ATTENTION_BYTES_PER_PAIR = 1 + 4
+
+
+def footprint(config: ModelConfig, dtype: torch.dtype, name: str) -> ModelFootprint:
+    """Sizes of one model in `dtype`, from a meta-device instance (no memory, no weights)."""
+    with torch.device("meta"):
+        model = Transformer(config).to(dtype)
+    layer = module_bytes(model.layers[0])
+    total = module_bytes(model)
+    item = torch.empty((), dtype=dtype).element_size()
+    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    # One token's live tensors in a layer: residual, norm output and attention output (d
+    # each), q/k/v and the attention result (q + 2kv + q), the MLP's gate/up/product (3f);
+    # plus its logits in the model dtype and in fp32.
+    per_token = item * (3 * d + 2 * q + 2 * kv + 3 * f) + config.vocab_size * (item + 4)
+    return ModelFootprint(
+        name=name,
+        dtype=str(dtype).removeprefix("torch."),
+        resident_bytes=total - config.num_layers * layer,
+        layer_bytes=layer,
+        num_layers=config.num_layers,
+        kv_bytes_per_token=KVCache.bytes_for(config, 1, dtype),
+        activation_bytes_per_token=per_token,
+        attention_bytes_per_pair=ATTENTION_BYTES_PER_PAIR,
+    )
+
+
+@dataclass(frozen=True)
+class OffloadRequest:
+    """The offload options of a run (RuntimeOptions / CLI flags / config keys)."""
+
+    offload: str = "auto"
+    resident_layers: int | str = "auto"
+    slots: int = 2
+    host_tier: str = "auto"
+
+
+def plan_request(
+    target: ModelFootprint,
+    draft: ModelFootprint | None,
+    context: int,
+    options: OffloadRequest,
+    tree_budget: int | str = "auto",
+) -> PlanRequest:
+    # The largest pass is a prefill chunk, or a tree when the budget asks for more nodes.
+    largest = (
+        PREFILL_CHUNK if not isinstance(tree_budget, int) else max(PREFILL_CHUNK, tree_budget + 1)
+    )
+    resident = options.resident_layers
+    return PlanRequest(
+        target=target,
+        draft=draft,
+        context=context,
+        pass_tokens=min(largest, context),
+        offload=options.offload,
+        resident_layers=None if resident == "auto" else int(resident),
+        slots=options.slots,
+        host_tier=options.host_tier,
+    )
+
+
+def disk_sources(
+    checkpoint: Checkpoint, layers: list[int], layer_names: list[str]
+) -> TensorSources:
+    """For the disk tier: which file and key hold each streamed layer's tensors."""
+    where = tensor_files(checkpoint.weight_files())
+    sources: dict[int, dict] = {}
+    for i in layers:
+        keys = {name: f"model.layers.{i}.{name}" for name in layer_names}
+        missing = [k for k in keys.values() if k not in where]
+        if missing:
+            raise ValueError(f"{checkpoint.path}: disk tier cannot find {missing[:3]}")
+        sources[i] = {name: (where[key], key) for name, key in keys.items()}
+    return sources
+
+
+def place_target(
+    model: Transformer, checkpoint: Checkpoint, plan: MemoryPlan, device: torch.device
+) -> LayerStreamer:
+    """`model` is loaded on the CPU; afterwards its non-layer parts and resident layers are
+    on `device` and its layer list is a streamer over the rest."""
+    layers = list(model.layers)
+    resident = list(range(plan.resident_layers))
+    streamed = list(range(plan.resident_layers, len(layers)))
+    sources = None
+    if plan.host_tier == "disk":
+        names = [name for name, _ in layers[0].named_parameters()]
+        sources = disk_sources(checkpoint, streamed, names)
+    streamer = build_streamer(
+        layers, resident, device, plan.slots, plan.host_tier or "ram", sources
+    )
+    model.set_layers(streamer)
+    model.to(device)  # embeddings, norm, head, RoPE table; the streamer is not a module
+    return streamer
+
+
+def load_target(
+    model_ref: str,
+    dtype: str,
+    device: torch.device,
+    context: int | None,
+    draft_config: ModelConfig | None,
+    options: OffloadRequest,
+    budget: Budget,
+    tree_budget: int | str = "auto",
+) -> tuple[Transformer, Tokenizer, Checkpoint, MemoryPlan, LayerStreamer | None]:
+    """Plan before loading; then load to the device, or to the CPU and place it."""
+    ckpt = open_checkpoint(model_ref)
+    torch_dtype = DTYPES[dtype]
+    target_fp = footprint(ckpt.config, torch_dtype, str(ckpt.path))
+    draft_fp = footprint(draft_config, torch_dtype, "draft") if draft_config else None
+    ctx = min(context or ckpt.config.max_context, ckpt.config.max_context)
+    plan = make_plan(plan_request(target_fp, draft_fp, ctx, options, tree_budget), budget)
+    if not plan.streamed_layers:
+        model, tokenizer, ckpt = load(model_ref, dtype, device)
+        return model, tokenizer, ckpt, plan, None
+    model, tokenizer, ckpt = load(model_ref, dtype, "cpu")
+    return model, tokenizer, ckpt, plan, place_target(model, ckpt, plan, device)

@@ -1,0 +1,439 @@
+"""The memory plan: which target layers stay on the compute device, which stream, through
+how many slots, from which host tier, and what a target pass is expected to cost.
+
+Everything is arithmetic on sizes known before any weight is loaded (a `ModelFootprint` per
+model, computed from a meta-device model by the caller) and on the machine's budgets, which
+may be measured here or given for another machine ("a 70B on a 24 GB card with 64 GB RAM").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import psutil
+import torch
+from torch import nn
+
+from offload.units import format_size, parse_rate, parse_size
+
+OFFLOAD_MODES = ("none", "stream", "auto")
+TIER_CHOICES = ("ram", "disk", "auto")
+MIN_SLOTS = 2
+
+
+class PlanError(ValueError):
+    """The models cannot be placed within the budgets; the message says what would fit."""
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """What one model needs, in bytes, independent of where it is placed."""
+
+    name: str
+    dtype: str
+    resident_bytes: int  # everything but the decoder layers: embeddings, final norm, head
+    layer_bytes: int  # one decoder layer (all layers share one shape)
+    num_layers: int
+    kv_bytes_per_token: int  # K and V of every layer for one cached token
+    activation_bytes_per_token: int  # working set of one new token in a pass (incl. logits)
+    attention_bytes_per_pair: int  # mask and bias per (new token, visible slot) pair
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.resident_bytes + self.num_layers * self.layer_bytes
+
+    def kv_bytes(self, context: int) -> int:
+        return self.kv_bytes_per_token * context
+
+    def activation_bytes(self, tokens: int, context: int) -> int:
+        return tokens * self.activation_bytes_per_token + (
+            tokens * context * self.attention_bytes_per_pair
+        )
+
+
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers (tied tensors once); meta modules work."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+@dataclass(frozen=True)
+class Budget:
+    device: str  # "cuda" or "cpu": where the models compute
+    device_bytes: int
+    device_source: str
+    ram_bytes: int
+    ram_source: str
+    bandwidth: float | None  # host→device bytes/s
+    bandwidth_source: str
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    target: ModelFootprint
+    draft: ModelFootprint | None
+    context: int
+    pass_tokens: int  # the largest pass: a prefill chunk or the largest tree
+    offload: str = "auto"  # none | stream | auto
+    resident_layers: int | None = None  # None: as many as fit
+    slots: int = MIN_SLOTS
+    host_tier: str = "auto"  # ram | disk | auto
+
+
+@dataclass
+class MemoryPlan:
+    request: PlanRequest
+    budget: Budget
+    device_parts: dict[str, int]  # part → bytes on the compute device
+    resident_layers: int
+    streamed_layers: int
+    slots: int  # 0 when nothing streams
+    host_tier: str | None  # None when nothing streams
+    host_tier_reason: str
+    host_bytes: int  # RAM the host tier holds (pinned layers or staging)
+    streamed_bytes_per_pass: int
+    seconds_per_pass: float | None  # transfer-bound estimate at the budget's bandwidth
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.device_parts.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "target": asdict(self.request.target),
+            "draft": asdict(self.request.draft) if self.request.draft else None,
+            "context": self.request.context,
+            "pass_tokens": self.request.pass_tokens,
+            "offload": self.request.offload,
+            "budget": asdict(self.budget),
+            "device_parts": dict(self.device_parts),
+            "device_bytes": self.device_bytes,
+            "resident_layers": self.resident_layers,
+            "streamed_layers": self.streamed_layers,
+            "slots": self.slots,
+            "host_tier": self.host_tier,
+            "host_tier_reason": self.host_tier_reason,
+            "host_bytes": self.host_bytes,
+            "streamed_bytes_per_pass": self.streamed_bytes_per_pass,
+            "seconds_per_pass": self.seconds_per_pass,
+            "notes": list(self.notes),
+        }
+
+    def render(self) -> str:
+        r, b, t = self.request, self.budget, self.request.target
+        lines = [
+            "specd memory plan",
+            f"  target   {t.name}: {t.num_layers} layers × {format_size(t.layer_bytes)}, "
+            f"{format_size(t.weight_bytes)} in {t.dtype}",
+        ]
+        if r.draft:
+            lines.append(f"  draft    {r.draft.name}: {format_size(r.draft.weight_bytes)}")
+        lines += [
+            f"  context  {r.context} tokens; largest pass {r.pass_tokens} tokens",
+            f"  budget   {b.device} {format_size(b.device_bytes)} ({b.device_source}); "
+            f"RAM {format_size(b.ram_bytes)} ({b.ram_source})",
+            f"  host→device {_rate(b.bandwidth)} ({b.bandwidth_source})",
+            "",
+            f"  on the {b.device}:",
+        ]
+        width = max(len(k) for k in self.device_parts)
+        for part, n in self.device_parts.items():
+            lines.append(f"    {part:<{width}}  {format_size(n):>10}")
+        lines.append(
+            f"    {'total':<{width}}  {format_size(self.device_bytes):>10}"
+            f"  of {format_size(b.device_bytes)}"
+        )
+        lines.append("")
+        lines.append(
+            f"  layers   {self.resident_layers} resident, {self.streamed_layers} streamed"
+            + (f" through {self.slots} slots" if self.streamed_layers else "")
+        )
+        if self.host_tier:
+            lines.append(
+                f"  host     tier {self.host_tier}: {format_size(self.host_bytes)} of RAM "
+                f"({self.host_tier_reason})"
+            )
+            per_pass = format_size(self.streamed_bytes_per_pass)
+            if self.seconds_per_pass is None:
+                lines.append(f"  expected {per_pass} streamed per target pass")
+            else:
+                lines.append(
+                    f"  expected {self.seconds_per_pass:.3g} s per target pass "
+                    f"({per_pass} at {_rate(b.bandwidth)})"
+                )
+        else:
+            lines.append(f"  host     nothing streams ({self.host_tier_reason})")
+        lines += [f"  note     {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _rate(bandwidth: float | None) -> str:
+    return "unknown" if bandwidth is None else f"{bandwidth / 1e9:.3g} GB/s"
+
+
+def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
+    """Decide resident/streamed layers and the host tier, or raise PlanError saying why not
+    and what would fit."""
+    r, t = request, request.target
+    if r.offload not in OFFLOAD_MODES:
+        raise PlanError(f"offload {r.offload!r} is not one of {', '.join(OFFLOAD_MODES)}")
+    if r.host_tier not in TIER_CHOICES:
+        raise PlanError(f"host tier {r.host_tier!r} is not one of {', '.join(TIER_CHOICES)}")
+    if r.slots < MIN_SLOTS:
+        raise PlanError(f"--slots must be at least {MIN_SLOTS} (got {r.slots})")
+    n, layer = t.num_layers, t.layer_bytes
+    if r.resident_layers is not None and not 0 <= r.resident_layers <= n:
+        raise PlanError(f"--resident-layers {r.resident_layers} is outside 0..{n}")
+    fixed = _fixed_parts(r)
+    fixed_bytes = sum(fixed.values())
+    room = budget.device_bytes - fixed_bytes
+
+    everything_fits = room >= n * layer
+    all_resident = r.offload == "none" or (
+        r.offload == "auto"
+        and (r.resident_layers == n or (r.resident_layers is None and everything_fits))
+    )
+    if all_resident:
+        if not everything_fits:
+            raise PlanError(_no_fit_message(r, budget, fixed, streaming=False))
+        parts = {**fixed, f"target layers ({n}, all resident)": n * layer}
+        return MemoryPlan(r, budget, parts, n, 0, 0, None, _why_resident(r), 0, 0, 0.0)
+
+    # Streaming.
+    if r.resident_layers is not None:
+        resident = r.resident_layers
+        if resident == n:
+            raise PlanError(
+                f"--resident-layers {n} with --offload stream leaves nothing to stream: "
+                "use --offload none, or fewer resident layers"
+            )
+    else:
+        fit = (room - r.slots * layer) // layer if layer else n
+        resident = max(0, min(int(fit), n - 1))
+    streamed = n - resident
+    parts = dict(fixed)
+    if resident:
+        parts[f"resident target layers ({resident})"] = resident * layer
+    parts[f"streaming slots ({r.slots} × layer)"] = r.slots * layer
+    if sum(parts.values()) > budget.device_bytes:
+        raise PlanError(_no_fit_message(r, budget, fixed, streaming=True, resident=resident))
+
+    tier, reason, host_bytes = _host_tier(r, budget, streamed, sum(parts.values()))
+    # With no more streamed layers than slots, every layer keeps its slot after the first
+    # pass: nothing crosses the bus in steady state.
+    per_pass = streamed * layer if streamed > r.slots else 0
+    seconds = per_pass / budget.bandwidth if budget.bandwidth else None
+    notes = []
+    if tier == "disk":
+        notes.append(
+            "disk tier: each pass also reads the streamed layers from the weight files; "
+            "the expected time assumes the disk (or page cache) keeps up with the bus"
+        )
+    return MemoryPlan(
+        r, budget, parts, resident, streamed, r.slots, tier, reason, host_bytes, per_pass,
+        seconds, notes,
+    )  # fmt: skip
+
+
+def _fixed_parts(r: PlanRequest) -> dict[str, int]:
+    t, d = r.target, r.draft
+    parts: dict[str, int] = {}
+    if d is not None:
+        parts["draft weights"] = d.weight_bytes
+    parts["target embeddings, norm, head"] = t.resident_bytes
+    parts[f"target KV cache ({r.context} tokens)"] = t.kv_bytes(r.context)
+    if d is not None:
+        parts[f"draft KV cache ({r.context} tokens)"] = d.kv_bytes(r.context)
+    act = t.activation_bytes(r.pass_tokens, r.context)
+    if d is not None:
+        act = max(act, d.activation_bytes(r.pass_tokens, r.context))
+    parts[f"activations and mask ({r.pass_tokens}-token pass)"] = act
+    return parts
+
+
+def _why_resident(r: PlanRequest) -> str:
+    if r.offload == "none":
+        return "--offload none"
+    if r.resident_layers is not None:
+        return "--resident-layers: all"
+    return "the whole target fits on the device"
+
+
+def _host_tier(
+    r: PlanRequest, budget: Budget, streamed: int, device_bytes: int
+) -> tuple[str, str, int]:
+    layer = r.target.layer_bytes
+    ram = budget.ram_bytes
+    if budget.device == "cpu":
+        ram -= device_bytes  # one pool: the "device" parts live in the same RAM
+    in_ram = streamed * layer
+    staging = r.slots * layer
+    if r.host_tier == "ram":
+        if in_ram > ram:
+            raise PlanError(
+                f"host tier ram: the {streamed} streamed layers need {format_size(in_ram)} of "
+                f"RAM but {format_size(max(ram, 0))} is available: use --host-tier disk "
+                "(read from the weight files), or keep more layers resident"
+            )
+        return "ram", "--host-tier ram", in_ram
+    if r.host_tier == "auto" and in_ram <= ram:
+        return "ram", "the streamed layers fit in RAM (pinned)", in_ram
+    if staging > ram:
+        raise PlanError(
+            f"even the disk tier needs {format_size(staging)} of RAM for {r.slots} staging "
+            f"buffers but {format_size(max(ram, 0))} is available: free RAM or use --slots 2"
+        )
+    if r.host_tier == "disk":
+        return "disk", "--host-tier disk", staging
+    return (
+        "disk",
+        f"the streamed layers need {format_size(in_ram)} but RAM has {format_size(max(ram, 0))}",
+        staging,
+    )
+
+
+def _no_fit_message(
+    r: PlanRequest, budget: Budget, fixed: dict[str, int], streaming: bool, resident: int = 0
+) -> str:
+    t = r.target
+    layer = t.layer_bytes
+    if streaming:
+        need = sum(fixed.values()) + (r.slots + resident) * layer
+        how = f"with {resident} resident layers and {r.slots} streaming slots"
+    else:
+        need = sum(fixed.values()) + t.num_layers * layer
+        how = "with every layer resident (--offload none)"
+    biggest = ", ".join(f"{k} {format_size(v)}" for k, v in fixed.items())
+    msg = (
+        f"the models do not fit: {how} the {budget.device} needs {format_size(need)} but the "
+        f"budget is {format_size(budget.device_bytes)} ({biggest}). "
+    )
+    options = _what_would_fit(r, budget)
+    if not streaming:
+        options.insert(0, "--offload stream or auto (stream layers from host memory)")
+    if streaming and resident:
+        options.insert(0, "fewer --resident-layers")
+    if options:
+        return msg + "What would fit: " + "; ".join(options) + "."
+    return msg + (
+        "Nothing smaller fits either: a device with at least "
+        f"{format_size(_minimal_streamed(r, r.context, MIN_SLOTS))} is needed."
+    )
+
+
+def _minimal_streamed(r: PlanRequest, context: int, slots: int, draft: bool = True) -> int:
+    trial = PlanRequest(
+        r.target, r.draft if draft else None, context, min(r.pass_tokens, context), slots=slots
+    )
+    return sum(_fixed_parts(trial).values()) + slots * r.target.layer_bytes
+
+
+def _what_would_fit(r: PlanRequest, budget: Budget) -> list[str]:
+    cap = budget.device_bytes
+    options = []
+    if r.resident_layers and _minimal_streamed(r, r.context, r.slots) <= cap:
+        return [f"--resident-layers {_max_resident(r, cap)} or fewer"]
+    if r.slots > MIN_SLOTS and _minimal_streamed(r, r.context, MIN_SLOTS) <= cap:
+        options.append(f"--slots {MIN_SLOTS}")
+    lo, hi = 1, r.context
+    if _minimal_streamed(r, lo, MIN_SLOTS) <= cap:
+        while lo < hi:  # the longest context that fits with streaming
+            mid = (lo + hi + 1) // 2
+            if _minimal_streamed(r, mid, MIN_SLOTS) <= cap:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo < r.context:
+            options.append(f"--context {lo} (streamed, {MIN_SLOTS} slots)")
+    if r.draft is not None:
+        without = _minimal_streamed(r, r.context, MIN_SLOTS, draft=False)
+        if without <= cap:
+            room = cap - without
+            options.append(
+                f"a smaller draft (at most {format_size(room)} of draft weights, KV cache and "
+                f"activations; this one needs "
+                f"{format_size(_minimal_streamed(r, r.context, MIN_SLOTS) - without)}), or no draft"
+            )
+    return options
+
+
+def _max_resident(r: PlanRequest, cap: int) -> int:
+    spare = cap - _minimal_streamed(r, r.context, r.slots)
+    return max(0, spare // max(r.target.layer_bytes, 1))
+
+
+# Measuring the machine.
+
+
+def measure_bandwidth(device: torch.device | str, size: int = 256 * 2**20) -> tuple[float, str]:
+    """Host→device copy rate in bytes/s: pinned RAM → GPU on CUDA, a RAM memcpy on CPU.
+    Best of three copies of `size` bytes."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        src = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(size, dtype=torch.uint8, device=device)
+        dst.copy_(src, non_blocking=True)  # warm-up
+        torch.cuda.synchronize(device)
+        best = float("inf")
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1000.0)
+        return size / best, "measured: pinned host→GPU copy"
+    size = min(size, 64 * 2**20)
+    src = torch.ones(size, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return size / best, "measured: RAM copy (CPU device)"
+
+
+def detect_budget(
+    device: torch.device | str,
+    device_budget: str | int = "auto",
+    ram_budget: str | int = "auto",
+    bandwidth: str | float | None = None,
+    measure: bool = True,
+) -> Budget:
+    """Budgets from the user's values, or measured on this machine: free GPU memory minus a
+    reserve (CUDA context, allocator slack), available RAM minus a reserve for everything
+    else on the machine."""
+    device = torch.device(device)
+    vm = psutil.virtual_memory()
+    ram_reserve = max(2**30, vm.total // 10)
+    if ram_budget == "auto":
+        ram, ram_source = max(vm.available - ram_reserve, 0), "available RAM minus a reserve"
+    else:
+        ram, ram_source = parse_size(ram_budget, "--ram-budget"), "configured"
+    # A configured device budget plans for a GPU (possibly another machine's).
+    kind = "cuda" if device.type == "cuda" or device_budget != "auto" else "cpu"
+    if device_budget != "auto":
+        dev, dev_source = parse_size(device_budget, "--gpu-budget"), "configured"
+    elif kind == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        reserve = max(512 * 2**20, total // 20)
+        dev, dev_source = max(free - reserve, 0), "free GPU memory minus a reserve"
+    else:
+        dev, dev_source = ram, "CPU device: available RAM"
+    if bandwidth is not None:
+        rate: float | None = parse_rate(bandwidth, "--bandwidth")
+        rate_source = "configured"
+    elif measure:
+        rate, rate_source = measure_bandwidth(device)
+    else:
+        rate, rate_source = None, "not measured"
+    return Budget(kind, dev, dev_source, ram, ram_source, rate, rate_source)
