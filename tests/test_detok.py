@@ -1,0 +1,112 @@
+"""Incremental detokenization never emits half a character and concatenates to exactly the
+full decode; stop strings spanning tokens are held back until resolved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from speculative.checkpoint import open_checkpoint
+from speculative.detok import REPLACEMENT, IncrementalDetokenizer, StopMatcher
+from speculative.tokenizer import Tokenizer
+
+TEXTS = [
+    "Once upon a time, a café served crème brûlée.",
+    "Emoji 😀🎉 and 你好 and naïve façade",
+    " leading space and trailing ",
+    "é",
+]
+
+
+def _tokenizer(folder: Path) -> Tokenizer:
+    ckpt = open_checkpoint(folder)
+    return Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
+
+
+@pytest.fixture(params=["stories-byte-fallback", "tiny-byte-level-bpe"])
+def tokenizer(request, stories_target, tiny_checkpoint) -> Tokenizer:  # type: ignore[no-untyped-def]
+    if request.param == "stories-byte-fallback":
+        return _tokenizer(stories_target)
+    return _tokenizer(tiny_checkpoint("llama", vocab_size=320))
+
+
+def _deltas(tok: Tokenizer, context: list[int], ids: list[int], step: int = 1) -> list[str]:
+    detok = IncrementalDetokenizer(tok, context)
+    out = [detok.push(ids[i : i + step]) for i in range(0, len(ids), step)]
+    out.append(detok.flush())
+    return out
+
+
+@pytest.mark.parametrize("step", [1, 3])
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_concatenate_to_the_full_decode(tokenizer: Tokenizer, text: str, step: int):
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    # Multi-byte characters really are split over several tokens here.
+    pieces = [tokenizer.decode([i]) for i in ids]
+    if "😀" in text:
+        assert any(REPLACEMENT in p for p in pieces)
+    deltas = _deltas(tokenizer, [], ids, step)
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert not any(REPLACEMENT in d for d in deltas)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_after_a_prompt(tokenizer: Tokenizer, text: str) -> None:
+    """With a prompt as context, the first token's leading space is kept (a decoder that
+    sees a token first would strip it)."""
+    prompt = tokenizer.encode("The story begins.")
+    ids = tokenizer.encode(" " + text, add_special_tokens=False)
+    deltas = _deltas(tokenizer, prompt, ids)
+    full, before = tokenizer.decode(prompt + ids), tokenizer.decode(prompt)
+    assert "".join(deltas) == full[len(before) :]
+    assert not any(REPLACEMENT in d for d in deltas)
+
+
+def test_incomplete_character_at_the_end_is_flushed_as_replacement(stories_target) -> None:
+    tok = _tokenizer(stories_target)
+    ids = tok.encode("😀", add_special_tokens=False)
+    assert len(ids) > 2  # byte fallback: one token per byte (after the space piece)
+    detok = IncrementalDetokenizer(tok)
+    held = "".join(detok.push([i]) for i in ids[:-1])
+    assert REPLACEMENT not in held
+    assert held + detok.flush() == tok.decode(ids[:-1])
+
+
+def _run(stops: list[str], pieces: list[str]) -> tuple[list[str], str, bool]:
+    matcher = StopMatcher(stops)
+    out = [matcher.push(p) for p in pieces]
+    return out, matcher.flush(), matcher.stopped
+
+
+def test_stop_string_across_pieces_is_held_back() -> None:
+    out, tail, stopped = _run(["THE END"], ["and so", " TH", "E E", "ND more"])
+    assert out == ["and so", " ", "", ""]
+    assert stopped and tail == ""
+
+
+def test_held_text_is_released_when_it_cannot_be_a_stop() -> None:
+    out, tail, stopped = _run(["THE END"], ["a TH", "E", " BEGINNING"])
+    assert out == ["a ", "", "THE BEGINNING"]
+    assert not stopped and tail == ""
+
+
+def test_partial_stop_at_the_end_is_flushed() -> None:
+    out, tail, stopped = _run(["</answer>"], ["x </ans"])
+    assert out == ["x "] and tail == "</ans" and not stopped
+
+
+def test_earliest_of_several_stops_wins() -> None:
+    out, _, stopped = _run(["world", "lo"], ["hel", "lo world"])
+    assert "".join(out) == "hel" and stopped
+
+
+def test_nothing_after_a_stop() -> None:
+    matcher = StopMatcher(["."])
+    assert matcher.push("One. Two.") == "One"
+    assert matcher.push("more") == "" and matcher.flush() == ""
+
+
+def test_no_stops_passes_everything() -> None:
+    out, tail, stopped = _run([], ["a", "b"])
+    assert out == ["a", "b"] and tail == "" and not stopped
