@@ -7,7 +7,10 @@ import json
 import sys
 from collections.abc import Sequence
 
+from daemon import bench_cmd, chat_cmd, plan_cmd, pull_cmd, serve_cmd, service_cmd
+from daemon.pull_cmd import PullError
 from daemon.runtime import Runtime, RuntimeError_, RuntimeOptions
+from daemon.service import ServiceError
 from speculative.checkpoint import CheckpointError, ModelNotFoundError
 from speculative.config import UnsupportedModelError
 from speculative.generation import ContextFullError, Generation
@@ -22,6 +25,8 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     ContextFullError,
     FileNotFoundError,
     ValueError,
+    ServiceError,
+    PullError,
 )
 
 
@@ -67,6 +72,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
         help="N independent samples (seeds S, S+1, …), one JSON line each",
     )
     add_speculation_args(p)
+    plan_cmd.add_offload_args(p)
 
 
 def _budget(text: str) -> int | str:
@@ -99,6 +105,10 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
 
 
 def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
+    return plan_cmd.apply_offload_args(_base_runtime_options(args), args)
+
+
+def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:
     return RuntimeOptions(
         model=args.model,
         draft=args.draft,
@@ -161,11 +171,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # every sample draws its own OS seed, which keeps them independent too.
         for i in range(args.samples):
             gen = generation(None if args.seed is None else args.seed + i).run()
+            gen.stats.extra.update(runtime.offload_stats())
             print(json.dumps(generation_record(gen)), flush=True)
         return 0
     gen = generation(args.seed)
     if args.json:
         gen.run()
+        gen.stats.extra.update(runtime.offload_stats())
         print(json.dumps(generation_record(gen)))
     else:
         for chunk in gen:
@@ -194,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a generation to the terminal")
     add_generate_args(gen)
     gen.set_defaults(func=cmd_generate)
+    for commands in (serve_cmd, service_cmd, chat_cmd, pull_cmd, bench_cmd, plan_cmd):
+        commands.register(sub)
     return parser
 
 

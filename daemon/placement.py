@@ -6,11 +6,20 @@ the streamer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from offload.placement import build_streamer
-from offload.plan import Budget, MemoryPlan, ModelFootprint, PlanRequest, make_plan, module_bytes
+from offload.plan import (
+    Budget,
+    MemoryPlan,
+    ModelFootprint,
+    PlanRequest,
+    detect_budget,
+    make_plan,
+    module_bytes,
+)
 from offload.storage import TensorSources, tensor_files
 from offload.stream import LayerStreamer
 from speculative.checkpoint import DTYPES, Checkpoint, load, open_checkpoint
@@ -141,3 +150,43 @@ def load_target(
         return model, tokenizer, ckpt, plan, None
     model, tokenizer, ckpt = load(model_ref, dtype, "cpu")
     return model, tokenizer, ckpt, plan, place_target(model, ckpt, plan, device)
+
+
+class OffloadOptions(Protocol):
+    """The fields of RuntimeOptions that placement reads."""
+
+    model: str
+    draft: str | None
+    dtype: str
+    context: int | None
+    budget: int | str
+    offload: str
+    resident_layers: int | str
+    slots: int
+    gpu_budget: str
+    host_tier: str
+    ram_budget: str
+    bandwidth: str | None
+
+
+def load_placed_target(
+    options: OffloadOptions, device: torch.device, draft_is_model: bool
+) -> tuple[Transformer, Tokenizer, Checkpoint, MemoryPlan | None, LayerStreamer | None]:
+    """The Runtime's target: loaded straight to the device with --offload none, otherwise
+    planned first (so a model that cannot fit fails before anything is loaded)."""
+    if options.offload == "none":
+        model, tokenizer, ckpt = load(options.model, options.dtype, device)
+        return model, tokenizer, ckpt, None, None
+    draft_config = (
+        open_checkpoint(options.draft).config if draft_is_model and options.draft else None
+    )
+    budget = detect_budget(
+        device, options.gpu_budget, options.ram_budget, options.bandwidth, measure=False
+    )
+    request = OffloadRequest(
+        options.offload, options.resident_layers, options.slots, options.host_tier
+    )
+    return load_target(
+        options.model, options.dtype, device, options.context, draft_config, request, budget,
+        options.budget,
+    )  # fmt: skip

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
+from daemon.placement import load_placed_target
 from speculative.checkpoint import DTYPES, Checkpoint, load
 from speculative.drafting import Drafter, ModelDrafter, NgramDrafter
 from speculative.generation import Session, Strategy
 from speculative.model import Transformer
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear
+from speculative.strategies.tree import TreeSpeculation
 from speculative.tokenizer import Tokenizer
 
 NGRAM = "ngram"  # --draft ngram: prompt-lookup drafting, no draft model
@@ -43,6 +45,8 @@ class RuntimeOptions:
     slots: int = 2
     gpu_budget: str = "auto"  # a size ("24GB", "512MiB") or auto
     host_tier: str = "auto"  # ram | disk | auto
+    ram_budget: str = "auto"  # a size or auto (available RAM minus a reserve)
+    bandwidth: str | None = None  # host→device rate for the plan's estimate ("25GB/s")
 
 
 def pick_device(device: str) -> torch.device:
@@ -77,6 +81,10 @@ StrategyBuilder = Callable[["Runtime"], Strategy]
 STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
     "autoregressive": lambda rt: Autoregressive(rt.target),
     "linear": lambda rt: Linear(rt.target, linear_drafter(rt), rt.options.spec_length),
+    # Build once and reuse: with --budget auto it learns costs and acceptance across requests.
+    "tree": lambda rt: TreeSpeculation(
+        rt.target, rt.draft, budget=rt.options.budget, max_depth=rt.options.max_depth
+    ),
 }
 
 
@@ -86,7 +94,9 @@ class Runtime:
         self.device = pick_device(options.device)
         if options.dtype not in DTYPES:
             raise RuntimeError_(f"dtype {options.dtype!r} is not one of {', '.join(DTYPES)}")
-        target, tokenizer, ckpt = load(options.model, options.dtype, self.device)
+        target, tokenizer, ckpt, self.plan, self.streamer = load_placed_target(
+            options, self.device, draft_is_model=bool(options.draft) and options.draft != NGRAM
+        )
         self.target: Transformer = target
         self.tokenizer: Tokenizer = tokenizer
         self.checkpoint: Checkpoint = ckpt
@@ -132,3 +142,12 @@ class Runtime:
 
     def new_session(self, strategy: Strategy) -> Session:
         return strategy.new_session(self.context)
+
+    def offload_stats(self) -> dict[str, float | int | str]:
+        """The streamer's figures since the last call (for GenerationStats.extra), or {}
+        when nothing streams."""
+        if self.streamer is None:
+            return {}
+        stats = self.streamer.stats()
+        self.streamer.reset_counters()
+        return stats

@@ -1,0 +1,155 @@
+"""`specd plan`: the memory plan for a model pair, printed before anything is loaded.
+
+Only config.json is read, so a folder holding just that file is enough, and the budgets can
+describe another machine:
+
+    specd plan --model ./Llama-3.1-70B --gpu-budget 24GB --ram-budget 64GB \\
+        --bandwidth 25GB/s --dtype bf16 --context 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from daemon.placement import OffloadRequest, footprint, plan_request
+from daemon.runtime import RuntimeOptions, pick_device
+from offload.plan import detect_budget, make_plan
+from offload.units import parse_rate, parse_size
+from speculative.checkpoint import DTYPES, open_checkpoint
+
+
+def _resident(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a layer count or 'auto', got {text!r}"
+        ) from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--resident-layers must be >= 0, got {value}")
+    return value
+
+
+def _size_or_auto(text: str) -> str:
+    if text != "auto":
+        try:
+            parse_size(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _rate(text: str) -> str:
+    try:
+        parse_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def add_offload_args(p: argparse.ArgumentParser) -> None:
+    """Offload flags shared by `generate` and `plan` (defaults None: 'not given', so a
+    config file's values survive; RuntimeOptions holds the real defaults)."""
+    g = p.add_argument_group("offload")
+    g.add_argument("--offload", choices=("none", "stream", "auto"), default=None)
+    g.add_argument("--resident-layers", type=_resident, default=None, help="N or auto")
+    g.add_argument("--slots", type=int, default=None, help="streaming slots on the device (>= 2)")
+    g.add_argument("--gpu-budget", type=_size_or_auto, default=None, help="24GB, 512MiB or auto")
+    g.add_argument("--ram-budget", type=_size_or_auto, default=None, help="64GB or auto")
+    g.add_argument("--host-tier", choices=("ram", "disk", "auto"), default=None)
+    g.add_argument("--bandwidth", type=_rate, default=None, help="host→device rate, e.g. 25GB/s")
+
+
+_OFFLOAD_FIELDS = (
+    "offload",
+    "resident_layers",
+    "slots",
+    "gpu_budget",
+    "ram_budget",
+    "host_tier",
+    "bandwidth",
+)
+
+
+def apply_offload_args(options: RuntimeOptions, args: argparse.Namespace) -> RuntimeOptions:
+    given = {f: getattr(args, f) for f in _OFFLOAD_FIELDS if getattr(args, f, None) is not None}
+    return dataclasses.replace(options, **given)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("plan", help="show where the models' memory goes (nothing is loaded)")
+    p.add_argument("--config", type=Path, default=None, help="a specd YAML config file")
+    p.add_argument("--model", default=None, help="target folder (config.json is enough) or hub id")
+    p.add_argument("--draft", default=None, help="draft folder / hub id, or 'ngram'")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
+    p.add_argument("--context", type=int, default=None, help="KV cache length")
+    p.add_argument("--budget", type=int, default=None, help="largest tree (nodes)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_offload_args(p)
+    p.set_defaults(func=cmd_plan)
+
+
+def plan_options(args: argparse.Namespace) -> RuntimeOptions:
+    """Flags over the config file over built-in defaults."""
+    if args.config is not None:
+        from daemon.settings import load_settings  # only needed with --config
+
+        overrides = {"models.target": (args.model, "--model")} if args.model else None
+        options = load_settings(config_file=args.config, overrides=overrides).runtime_options()
+    elif args.model:
+        options = RuntimeOptions(model=args.model)
+    else:
+        raise ValueError("specd plan needs --model MODEL or --config FILE")
+    for name in ("model", "draft", "dtype", "device", "context", "budget"):
+        value = getattr(args, name)
+        if value is not None:
+            options = dataclasses.replace(options, **{name: value})
+    return apply_offload_args(options, args)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    options = plan_options(args)
+    device = pick_device(options.device)
+    dtype = DTYPES[options.dtype]
+    target = open_checkpoint(options.model)
+    draft_fp = None
+    if options.draft and options.draft != "ngram":
+        draft_fp = footprint(open_checkpoint(options.draft).config, dtype, options.draft)
+    context = options.context or target.config.max_context
+    if context > target.config.max_context:
+        raise ValueError(
+            f"--context {context} is longer than {options.model} supports "
+            f"({target.config.max_context})"
+        )
+    # Measuring this machine's bus only makes sense when planning for this machine.
+    this_machine = options.gpu_budget == "auto"
+    budget = detect_budget(
+        device,
+        options.gpu_budget,
+        options.ram_budget,
+        options.bandwidth,
+        measure=this_machine and options.bandwidth is None,
+    )
+    request = plan_request(
+        footprint(target.config, dtype, str(options.model)),
+        draft_fp,
+        context,
+        OffloadRequest(options.offload, options.resident_layers, options.slots, options.host_tier),
+        options.budget,
+    )
+    plan = make_plan(request, budget)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(plan.render())
+    return 0
+
+
+__all__ = ["add_offload_args", "apply_offload_args", "cmd_plan", "register"]
