@@ -1,0 +1,124 @@
+"""`specd serve` (the daemon in the foreground) and `specd config show | validate`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from daemon.settings import (
+    Settings,
+    load_settings,
+    render_effective,
+    user_config_file,
+    validate_file,
+)
+
+# flag dest → settings key; a flag left at None does not override anything.
+FLAG_KEYS = {
+    "model": "models.target",
+    "draft": "models.draft",
+    "name": "models.name",
+    "dtype": "models.dtype",
+    "device": "models.device",
+    "strategy": "speculation.strategy",
+    "budget": "speculation.budget",
+    "offload": "offload.mode",
+    "context": "context.length",
+    "host": "server.host",
+    "port": "server.port",
+    "api_key_file": "server.api_key_file",
+    "log_level": "logging.level",
+}
+
+
+def _budget(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def add_settings_args(p: argparse.ArgumentParser) -> None:
+    """Flags that override the configuration (see config/specd.yaml for each key)."""
+    p.add_argument("--config", type=Path, default=None, help="config file (default: user config)")
+    p.add_argument("--model", default=None, help="target model folder or hub id")
+    p.add_argument("--draft", default=None, help="draft model folder / hub id, or 'ngram'")
+    p.add_argument("--name", default=None, help="model id served at /v1/models")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
+    p.add_argument("--strategy", choices=("autoregressive", "linear", "tree"), default=None)
+    p.add_argument("--budget", type=_budget, default=None, help="tree node budget or 'auto'")
+    p.add_argument("--offload", choices=("auto", "none", "stream"), default=None)
+    p.add_argument("--context", type=int, default=None, help="KV cache length in tokens")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--api-key-file", default=None, help="require this file's key as Bearer")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, tuple[Any, str]] = {}
+    for dest, key in FLAG_KEYS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            overrides[key] = (value, "--" + dest.replace("_", "-"))
+    return load_settings(getattr(args, "config", None), overrides)
+
+
+def flag_argv(args: argparse.Namespace) -> list[str]:
+    """The settings flags of `args` as argv again (`specd start` hands them to `serve`)."""
+    argv: list[str] = []
+    if getattr(args, "config", None) is not None:
+        argv += ["--config", str(Path(args.config).resolve())]
+    for dest in FLAG_KEYS:
+        value = getattr(args, dest, None)
+        if value is not None:
+            argv += ["--" + dest.replace("_", "-"), str(value)]
+    return argv
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from daemon.server import read_api_key, serve
+
+    settings = settings_from_args(args)
+    settings.runtime_options()  # fail now, in one line, if no model is configured
+    read_api_key(settings.server.api_key_file)
+    setup_logging(settings.logging.level)
+    return asyncio.run(serve(settings))
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    print(f"# user config file: {user_config_file()}")
+    sys.stdout.write(render_effective(settings))
+    return 0
+
+
+def cmd_config_validate(args: argparse.Namespace) -> int:
+    validate_file(args.file)
+    print(f"{args.file}: ok")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="run the daemon in the foreground (logs to stderr)")
+    add_settings_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    config = sub.add_parser("config", help="show or validate the configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="the effective config and where each value is from")
+    add_settings_args(show)
+    show.set_defaults(func=cmd_config_show)
+    validate = config_sub.add_parser("validate", help="check a config file")
+    validate.add_argument("file", type=Path)
+    validate.set_defaults(func=cmd_config_validate)

@@ -1,0 +1,249 @@
+"""The daemon as a background process: pid and log files (platformdirs), start/stop/status,
+and service files for systemd (user unit) and launchd (agent). Rendering a service file
+never runs systemctl or launchctl; the user is told the commands to enable it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from xml.sax.saxutils import escape
+
+import platformdirs
+
+SERVICE_NAME = "specd"
+LAUNCHD_LABEL = "dev.specd.daemon"
+
+
+class ServiceError(RuntimeError):
+    """The background daemon cannot be started, stopped or reached as asked."""
+
+
+@dataclass(frozen=True)
+class ServicePaths:
+    state_dir: Path
+    log_dir: Path
+
+    @property
+    def pid_file(self) -> Path:
+        return self.state_dir / "specd.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.log_dir / "specd.log"
+
+
+def default_paths() -> ServicePaths:
+    return ServicePaths(
+        Path(platformdirs.user_state_dir(SERVICE_NAME)),
+        Path(platformdirs.user_log_dir(SERVICE_NAME)),
+    )
+
+
+@dataclass
+class DaemonRecord:
+    """What `specd start` leaves in the pid file for `stop` and `status`."""
+
+    pid: int
+    url: str
+
+    @classmethod
+    def read(cls, paths: ServicePaths) -> DaemonRecord | None:
+        try:
+            data = json.loads(paths.pid_file.read_text())
+            return cls(int(data["pid"]), str(data["url"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def write(self, paths: ServicePaths) -> None:
+        paths.state_dir.mkdir(parents=True, exist_ok=True)
+        paths.pid_file.write_text(json.dumps({"pid": self.pid, "url": self.url}))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def fetch_health(url: str, timeout: float = 2.0) -> tuple[int, dict]:
+    """(status, body) of GET /health; (0, {}) when nothing answers."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        try:
+            return err.code, json.loads(err.read() or b"{}")
+        except ValueError:
+            return err.code, {}
+    except (OSError, ValueError):
+        return 0, {}
+
+
+def serve_command(flags: list[str]) -> list[str]:
+    return [sys.executable, "-m", "daemon.cli", "serve", *flags]
+
+
+def start(paths: ServicePaths, flags: list[str], url: str, wait_seconds: float) -> DaemonRecord:
+    """Start `specd serve` detached, logging to the log file; wait until /health says ready."""
+    record = DaemonRecord.read(paths)
+    if record is not None and alive(record.pid):
+        raise ServiceError(f"specd is already running (pid {record.pid}, {record.url})")
+    paths.log_dir.mkdir(parents=True, exist_ok=True)
+    with open(paths.log_file, "ab") as log:
+        proc = subprocess.Popen(
+            serve_command(flags),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # survives the terminal that started it
+            cwd=os.getcwd(),
+        )
+    record = DaemonRecord(proc.pid, url)
+    record.write(paths)
+    deadline = time.monotonic() + wait_seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            paths.pid_file.unlink(missing_ok=True)
+            raise ServiceError(
+                f"specd exited during start-up (status {proc.returncode}); last log lines:\n"
+                + tail(paths.log_file, 15)
+            )
+        status, _ = fetch_health(url, timeout=1.0)
+        if status == 200:
+            return record
+        time.sleep(0.2)  # polling a child process's readiness; not in tests' hot path
+    raise ServiceError(
+        f"specd (pid {proc.pid}) did not become ready within {wait_seconds:.0f} s; "
+        f"see {paths.log_file} (it keeps loading in the background)"
+    )
+
+
+def stop(paths: ServicePaths, wait_seconds: float = 30.0) -> int | None:
+    """SIGTERM the daemon and wait for it; returns its pid, or None if none was running."""
+    record = DaemonRecord.read(paths)
+    if record is None or not alive(record.pid):
+        paths.pid_file.unlink(missing_ok=True)
+        return None
+    os.kill(record.pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_seconds
+    while alive(record.pid) and time.monotonic() < deadline:
+        _reap(record.pid)
+        time.sleep(0.1)
+    if alive(record.pid):
+        raise ServiceError(f"specd (pid {record.pid}) did not stop within {wait_seconds:.0f} s")
+    paths.pid_file.unlink(missing_ok=True)
+    return record.pid
+
+
+def _reap(pid: int) -> None:
+    """If the daemon is our own child (started in this process), collect its exit status."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def tail(file: Path, lines: int) -> str:
+    try:
+        text = file.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+# ---- service files ----
+
+
+def render_systemd_unit(argv: list[str], working_dir: Path) -> str:
+    return f"""[Unit]
+Description=specd: local OpenAI-compatible inference with lossless tree speculation
+After=network.target
+
+[Service]
+Type=simple
+WorkingDirectory={working_dir}
+ExecStart={shlex.join(argv)}
+Restart=on-failure
+RestartSec=5
+# specd serve exits 0 on SIGTERM after ending in-flight streams.
+KillSignal=SIGTERM
+TimeoutStopSec=30
+
+[Install]
+WantedBy=default.target
+"""
+
+
+def render_launchd_plist(argv: list[str], working_dir: Path, log_file: Path) -> str:
+    args = "\n".join(f"        <string>{escape(a)}</string>" for a in argv)
+    return f"""<?xml version="1.0" encoding="UTF-8"?>
+<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">
+<plist version="1.0">
+<dict>
+    <key>Label</key>
+    <string>{LAUNCHD_LABEL}</string>
+    <key>ProgramArguments</key>
+    <array>
+{args}
+    </array>
+    <key>WorkingDirectory</key>
+    <string>{escape(str(working_dir))}</string>
+    <key>RunAtLoad</key>
+    <true/>
+    <key>KeepAlive</key>
+    <dict>
+        <key>SuccessfulExit</key>
+        <false/>
+    </dict>
+    <key>StandardOutPath</key>
+    <string>{escape(str(log_file))}</string>
+    <key>StandardErrorPath</key>
+    <string>{escape(str(log_file))}</string>
+</dict>
+</plist>
+"""
+
+
+@dataclass
+class ServiceFile:
+    path: Path
+    content: str
+    enable_hint: str
+
+
+def service_file(
+    platform: str, flags: list[str], working_dir: Path, home: Path, paths: ServicePaths
+) -> ServiceFile:
+    argv = serve_command(flags)
+    if platform == "darwin":
+        path = home / "Library" / "LaunchAgents" / f"{LAUNCHD_LABEL}.plist"
+        return ServiceFile(
+            path,
+            render_launchd_plist(argv, working_dir, paths.log_file),
+            f"launchctl load -w {path}",
+        )
+    if platform.startswith("linux"):
+        config_home = Path(os.environ.get("XDG_CONFIG_HOME", home / ".config"))
+        path = config_home / "systemd" / "user" / f"{SERVICE_NAME}.service"
+        return ServiceFile(
+            path,
+            render_systemd_unit(argv, working_dir),
+            "systemctl --user daemon-reload && systemctl --user enable --now specd\n"
+            "  (logs: journalctl --user -u specd -f)",
+        )
+    raise ServiceError(
+        f"service install supports Linux (systemd) and macOS (launchd), not {platform!r}; "
+        "run `specd start` instead"
+    )

@@ -1,0 +1,117 @@
+"""`specd start | stop | status | logs` and `specd service install`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from daemon import service
+from daemon.serve_cmd import add_settings_args, flag_argv, settings_from_args
+from daemon.settings import Settings
+
+
+def _url(settings: Settings) -> str:
+    host = settings.server.host
+    if host in ("0.0.0.0", "::"):  # listening everywhere; ask through loopback
+        host = "127.0.0.1"
+    return f"http://{host}:{settings.server.port}"
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    settings.runtime_options()  # no model configured: say so before forking anything
+    paths = service.default_paths()
+    record = service.start(paths, flag_argv(args), _url(settings), args.wait)
+    print(f"specd is running (pid {record.pid}) at {record.url}; logs: {paths.log_file}")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    pid = service.stop(service.default_paths(), args.wait)
+    print("specd was not running" if pid is None else f"specd (pid {pid}) stopped")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    paths = service.default_paths()
+    record = service.DaemonRecord.read(paths)
+    url = record.url if record is not None else _url(settings_from_args(args))
+    running = record is not None and service.alive(record.pid)
+    status, body = service.fetch_health(url)
+    pid = f"pid {record.pid}" if running and record is not None else "no pid file"
+    if status == 200:
+        print(f"specd: ready at {url} ({pid}), serving {body.get('model')}, "
+              f"{body.get('active', 0)} active, {body.get('queued', 0)} queued")  # fmt: skip
+        return 0
+    if status:
+        print(f"specd: {body.get('status', 'unavailable')} at {url} ({pid})")
+        return 1
+    print(f"specd: not answering at {url} ({pid if running else 'not running'})")
+    return 3
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    log_file = service.default_paths().log_file
+    if not log_file.is_file():
+        print(f"no log yet at {log_file} (the daemon writes it once `specd start` runs)")
+        return 0
+    print(service.tail(log_file, args.lines))
+    if args.follow:
+        with open(log_file, errors="replace") as f:
+            f.seek(0, 2)
+            while True:
+                line = f.readline()
+                if line:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                else:
+                    time.sleep(0.5)  # following a file: nothing to wait on but time
+    return 0
+
+
+def cmd_service_install(args: argparse.Namespace) -> int:
+    settings_from_args(args)  # the flags must make a valid configuration
+    spec = service.service_file(
+        args.platform or sys.platform,
+        flag_argv(args),
+        Path.cwd(),
+        Path.home(),
+        service.default_paths(),
+    )
+    if args.print_only:
+        sys.stdout.write(spec.content)
+        return 0
+    spec.path.parent.mkdir(parents=True, exist_ok=True)
+    spec.path.write_text(spec.content)
+    print(f"wrote {spec.path}\nenable and start it with:\n  {spec.enable_hint}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    start = sub.add_parser("start", help="start the daemon in the background")
+    add_settings_args(start)
+    start.add_argument("--wait", type=float, default=120.0, help="seconds to wait for ready")
+    start.set_defaults(func=cmd_start)
+
+    stop = sub.add_parser("stop", help="stop the background daemon")
+    stop.add_argument("--wait", type=float, default=30.0)
+    stop.set_defaults(func=cmd_stop)
+
+    status = sub.add_parser("status", help="is the daemon running and ready (asks /health)")
+    add_settings_args(status)
+    status.set_defaults(func=cmd_status)
+
+    logs = sub.add_parser("logs", help="show the background daemon's log")
+    logs.add_argument("-n", "--lines", type=int, default=50)
+    logs.add_argument("-f", "--follow", action="store_true")
+    logs.set_defaults(func=cmd_logs)
+
+    svc = sub.add_parser("service", help="install specd as a user service")
+    svc_sub = svc.add_subparsers(dest="service_command", required=True)
+    install = svc_sub.add_parser("install", help="write a systemd user unit or launchd agent")
+    add_settings_args(install)
+    install.add_argument("--print", dest="print_only", action="store_true", help="only print it")
+    install.add_argument("--platform", choices=("linux", "darwin"), default=None)
+    install.set_defaults(func=cmd_service_install)
