@@ -319,6 +319,10 @@ class Engine:
     def _finish(self, active: _Active) -> None:
         gen = active.generation
         stats: GenerationStats = gen.stats
+        assert self.runtime is not None
+        # The streamer counts since its last report; with interleaved generations the
+        # figures are shared among them, but the totals in /metrics stay exact.
+        stats.extra.update(self.runtime.offload_stats())
         self.metrics.record_generation(stats, gen.completion_tokens)
         active.job.post(
             Finished(

@@ -15,8 +15,9 @@ from speculative.generation import GenerationStats
 
 # Keys the offload streamer may add to GenerationStats.extra: bytes moved host → device and
 # the seconds spent moving them during the generation.
-STREAM_BYTES_KEYS = ("stream_bytes", "streamed_bytes")
-STREAM_SECONDS_KEYS = ("stream_seconds", "transfer_seconds")
+# (offload.stream.LayerStreamer.stats, via Runtime.offload_stats)
+STREAM_BYTES_KEYS = ("streamed_bytes_total",)
+STREAM_SECONDS_KEYS = ("stream_seconds",)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from daemon.plan_cmd import add_offload_args
 from daemon.settings import (
     Settings,
     load_settings,
@@ -27,6 +28,12 @@ FLAG_KEYS = {
     "strategy": "speculation.strategy",
     "budget": "speculation.budget",
     "offload": "offload.mode",
+    "resident_layers": "offload.resident_layers",
+    "slots": "offload.slots",
+    "gpu_budget": "offload.gpu_budget",
+    "ram_budget": "offload.ram_budget",
+    "host_tier": "offload.host_tier",
+    "bandwidth": "offload.bandwidth",
     "context": "context.length",
     "host": "server.host",
     "port": "server.port",
@@ -49,12 +56,12 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
     p.add_argument("--strategy", choices=("autoregressive", "linear", "tree"), default=None)
     p.add_argument("--budget", type=_budget, default=None, help="tree node budget or 'auto'")
-    p.add_argument("--offload", choices=("auto", "none", "stream"), default=None)
     p.add_argument("--context", type=int, default=None, help="KV cache length in tokens")
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--api-key-file", default=None, help="require this file's key as Bearer")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None)
+    add_offload_args(p)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

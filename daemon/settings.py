@@ -10,7 +10,6 @@ variable), the key and what is allowed.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -20,6 +19,7 @@ import platformdirs
 import yaml
 
 from daemon.runtime import RuntimeOptions
+from offload.units import parse_rate, parse_size
 
 PACKAGED_DEFAULT = Path(__file__).resolve().parents[1] / "config" / "specd.yaml"
 PROFILES_DIR = PACKAGED_DEFAULT.parent / "profiles"
@@ -93,13 +93,24 @@ def flag(value: Any) -> Any:
     return value
 
 
-_SIZE = re.compile(r"^\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)$", re.IGNORECASE)
-
-
 def size_or_auto(value: Any) -> Any:
-    if value == "auto" or (isinstance(value, str) and _SIZE.match(value.strip())):
+    if value == "auto":
         return value
-    raise ValueError("'auto' or a size such as 24GB or 512MiB")
+    try:
+        parse_size(value)
+    except (ValueError, TypeError):
+        raise ValueError("'auto' or a size such as 24GB or 512MiB") from None
+    return value
+
+
+def rate_or_null(value: Any) -> Any:
+    if value is None:
+        return None
+    try:
+        parse_rate(value)
+    except (ValueError, TypeError):
+        raise ValueError("null (measured) or a rate such as 25GB/s") from None
+    return value
 
 
 def _key(default: Any, check: Check) -> Any:
@@ -133,6 +144,8 @@ class OffloadSettings:
     slots: int = _key(2, integer(2, 16))
     gpu_budget: str = _key("auto", size_or_auto)
     host_tier: str = _key("auto", choice("auto", "ram", "disk"))
+    ram_budget: str = _key("auto", size_or_auto)
+    bandwidth: str | None = _key(None, rate_or_null)
 
 
 @dataclass
@@ -209,6 +222,8 @@ class Settings:
             slots=self.offload.slots,
             gpu_budget=self.offload.gpu_budget,
             host_tier=self.offload.host_tier,
+            ram_budget=self.offload.ram_budget,
+            bandwidth=self.offload.bandwidth,
         )
 
     @property
