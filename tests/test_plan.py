@@ -1,0 +1,213 @@
+"""The memory plan's arithmetic on meta-device models shaped like real ones, its decisions
+(resident/streamed, host tier), its errors, and `specd plan` on a config.json-only folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from daemon import cli
+from daemon.placement import OffloadRequest, footprint, plan_request
+from daemon.runtime import Runtime, RuntimeOptions
+from offload.plan import Budget, PlanError, detect_budget, make_plan
+from offload.units import format_size, parse_rate, parse_size
+from speculative.config import ModelConfig
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def llama(hidden: int, inter: int, layers: int, heads: int, tie: bool, factor: float) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 8,
+        "head_dim": hidden // heads,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {**LLAMA3_ROPE, "factor": factor},
+        "tie_word_embeddings": tie,
+        "torch_dtype": "bfloat16",
+    }
+
+
+# Real configs (abridged to the keys that matter) and their published parameter counts.
+MODELS = {
+    "Llama-3.2-1B": (llama(2048, 8192, 16, 32, True, 32.0), 1_235_814_400),
+    "Llama-3.1-8B": (llama(4096, 14336, 32, 32, False, 8.0), 8_030_261_248),
+    "Llama-3.1-70B": (llama(8192, 28672, 80, 64, False, 8.0), 70_553_706_496),
+    "Qwen2.5-32B": (
+        {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "hidden_act": "silu",
+            "hidden_size": 5120,
+            "intermediate_size": 27648,
+            "num_hidden_layers": 64,
+            "num_attention_heads": 40,
+            "num_key_value_heads": 8,
+            "vocab_size": 152064,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "sliding_window": 131072,
+            "use_sliding_window": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+        },
+        32_763_876_352,
+    ),
+}
+
+
+def true_layer_params(raw: dict) -> int:
+    """Written out from the architecture, independently of ModelConfig."""
+    d, f = raw["hidden_size"], raw["intermediate_size"]
+    hd = raw.get("head_dim", d // raw["num_attention_heads"])
+    q, kv = raw["num_attention_heads"] * hd, raw["num_key_value_heads"] * hd
+    bias = (q + 2 * kv) if raw["model_type"] == "qwen2" else 0
+    return d * q + 2 * d * kv + q * d + bias + 3 * d * f + 2 * d
+
+
+def fp(name: str, dtype: torch.dtype = torch.bfloat16):
+    raw, _ = MODELS[name]
+    return footprint(ModelConfig.from_hf(raw), dtype, name)
+
+
+def budget(gpu: float, ram: float, bandwidth: float | None = 25e9) -> Budget:
+    return Budget("cuda", int(gpu), "configured", int(ram), "configured", bandwidth, "configured")
+
+
+def plan(name: str, gpu: float, ram: float, context: int = 8192, **options):
+    request = plan_request(fp(name), None, context, OffloadRequest(**options))
+    return make_plan(request, budget(gpu, ram))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_sizes_match_the_true_parameter_counts(name: str) -> None:
+    raw, published = MODELS[name]
+    f = fp(name)
+    assert f.num_layers == raw["num_hidden_layers"]
+    assert abs(f.layer_bytes - 2 * true_layer_params(raw)) <= 0.01 * 2 * true_layer_params(raw)
+    # RoPE's small fp table is the only non-parameter tensor counted.
+    assert abs(f.weight_bytes - 2 * published) <= 0.01 * 2 * published
+    hd = raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+    assert (
+        f.kv_bytes_per_token == 2 * raw["num_hidden_layers"] * raw["num_key_value_heads"] * hd * 2
+    )
+
+
+def test_a_model_that_fits_stays_resident() -> None:
+    p = plan("Llama-3.1-8B", gpu=24e9, ram=64e9)
+    assert (p.resident_layers, p.streamed_layers, p.host_tier) == (32, 0, None)
+    assert p.device_bytes <= 24e9
+
+
+def test_70b_on_a_24gb_card_streams_from_disk_when_ram_is_short() -> None:
+    p = plan("Llama-3.1-70B", gpu=24e9, ram=64e9)
+    layer = fp("Llama-3.1-70B").layer_bytes
+    assert p.resident_layers + p.streamed_layers == 80
+    assert p.streamed_layers > 60 and p.slots == 2
+    assert p.device_bytes <= 24e9 < p.device_bytes + layer  # as many resident as fit
+    assert p.host_tier == "disk"  # ~120 GB of streamed layers do not fit in 64 GB
+    assert p.host_bytes == 2 * layer  # staging only
+    assert p.streamed_bytes_per_pass == p.streamed_layers * layer
+    assert p.seconds_per_pass == pytest.approx(p.streamed_layers * layer / 25e9)
+    roomy = plan("Llama-3.1-70B", gpu=24e9, ram=256e9)
+    assert roomy.host_tier == "ram" and roomy.host_bytes == roomy.streamed_layers * layer
+    text = roomy.render()
+    assert "streamed through 2 slots" in text and "s per target pass" in text
+
+
+def test_forced_disk_tier_and_forced_ram_tier_that_cannot_fit() -> None:
+    assert plan("Qwen2.5-32B", 16e9, 256e9, host_tier="disk").host_tier == "disk"
+    with pytest.raises(PlanError, match="--host-tier disk"):
+        plan("Qwen2.5-32B", 16e9, 16e9, host_tier="ram")
+
+
+def test_explicit_resident_layers_and_slots() -> None:
+    p = plan("Llama-3.1-8B", 24e9, 64e9, offload="stream", resident_layers=10, slots=3)
+    assert (p.resident_layers, p.streamed_layers, p.slots) == (10, 22, 3)
+    with pytest.raises(PlanError, match="fewer --resident-layers"):
+        plan("Llama-3.1-70B", 24e9, 256e9, resident_layers=40)
+
+
+def test_a_budget_that_cannot_fit_says_what_would() -> None:
+    with pytest.raises(PlanError) as err:
+        plan("Llama-3.1-8B", gpu=4e9, ram=64e9, context=131072)
+    message = str(err.value)
+    assert "do not fit" in message and "--context" in message
+    context = int(message.split("--context ")[1].split()[0])
+    assert 0 < context < 131072
+    assert plan("Llama-3.1-8B", gpu=4e9, ram=64e9, context=context).streamed_layers > 0
+    with pytest.raises(PlanError, match="--offload stream"):
+        plan("Llama-3.1-70B", gpu=24e9, ram=64e9, offload="none")
+
+
+def test_a_draft_that_does_not_fit_is_named() -> None:
+    request = plan_request(fp("Llama-3.1-8B"), fp("Llama-3.1-8B"), 8192, OffloadRequest())
+    with pytest.raises(PlanError, match="smaller draft"):
+        make_plan(request, budget(17e9, 64e9))
+
+
+def test_sizes_as_people_write_them() -> None:
+    assert parse_size("24GB") == 24 * 10**9
+    assert parse_size("24 gb") == 24 * 10**9
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1.5G") == 1_500_000_000
+    assert parse_rate("25GB/s") == 25e9
+    assert format_size(1.5 * 2**30) == "1.5 GiB"
+    for bad in ("lots", "24XB", "-1GB", "0"):
+        with pytest.raises(ValueError, match="size"):
+            parse_size(bad)
+
+
+def test_measured_budget_on_this_machine() -> None:
+    b = detect_budget("cpu", "auto", "auto", None, measure=True)
+    assert b.device == "cpu" and b.device_bytes > 0 and b.ram_bytes > 0
+    assert b.bandwidth is not None and b.bandwidth > 0 and b.bandwidth_source.startswith("measured")
+
+
+def test_specd_plan_on_a_config_only_folder(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "Llama-3.1-70B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(MODELS["Llama-3.1-70B"][0]))
+    argv = ["plan", "--model", str(folder), "--dtype", "bf16", "--context", "8192"]
+    argv += ["--gpu-budget", "24GB", "--ram-budget", "64GB", "--bandwidth", "25GB/s"]
+    assert cli.main([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["host_tier"] == "disk" and out["resident_layers"] + out["streamed_layers"] == 80
+    assert out["budget"]["bandwidth"] == 25e9 and out["seconds_per_pass"] > 0
+    assert cli.main(argv) == 0
+    assert "layers" in capsys.readouterr().out
+    assert cli.main([*argv[:-6], "--gpu-budget", "2GB", "--offload", "none"]) == 2
+    assert "do not fit" in capsys.readouterr().err
+
+
+def test_runtime_streams_from_disk_when_forced(stories_target: Path) -> None:
+    base = {"model": str(stories_target), "device": "cpu", "context": 64}
+    runtime = Runtime(
+        RuntimeOptions(**base, offload="stream", resident_layers=1, host_tier="disk", slots=2)
+    )
+    assert runtime.plan is not None and runtime.plan.host_tier == "disk"
+    assert runtime.streamer is not None and runtime.streamer.storage.tier == "disk"
+    plain = Runtime(RuntimeOptions(**base, offload="none"))
+    tokens, positions = torch.tensor([1, 403, 407, 261]), torch.arange(4)
+    a = runtime.target(tokens, positions, runtime.target.new_cache(8))
+    b = plain.target(tokens, positions, plain.target.new_cache(8))
+    assert torch.equal(a, b)
