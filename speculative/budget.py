@@ -1,0 +1,215 @@
+"""How big a tree to build: fixed, or chosen from costs measured on the running machine.
+
+Throughput is (DESIGN.md)
+
+    tokens/s = E[tokens per round | tree] / (t_draft(tree) + t_target(1 + budget))
+
+`AutoBudget` learns all three terms from the rounds it sees, with no calibration passes:
+
+- t_target(n): seconds of a round outside drafting (the verification pass over n tokens
+  plus the walk and commit), as a line fitted through the sizes seen so far. A streamed
+  GPU target gives a nearly flat line, a CPU a steep one.
+- t_draft: seconds per draft pass (catch-up feeding excluded), times the passes a shape
+  needs (one per level: the root's pass plus depth - 1).
+- E[tokens | budget b, depth d]: every round's tree is a best-first tree whose first b nodes
+  are the tree budget b would have grown, and each node's sample is drawn independently of
+  the tree's shape, so one round tells how many tokens every smaller tree would have
+  accepted: the leading path nodes with index <= b, at most d of them.
+
+It picks the shape with the best predicted rate, including budget 0 (a plain target step,
+no drafting at all) when speculation does not pay. Exploring bigger trees costs time, so
+it is rationed: after the first round, exploration rounds may take at most
+`explore_share` of the time spent so far.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from speculative.tree import default_depth
+
+BUDGET_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+DEPTH_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    budget: int  # nodes besides the root; 0 = no tree, a plain target step
+    depth: int
+
+    @property
+    def draft_passes(self) -> int:
+        return self.depth if self.budget else 0
+
+
+@dataclass
+class RoundRecord:
+    """What a finished round tells the planner."""
+
+    shape: TreeShape  # what was asked for
+    nodes: int  # nodes actually built (room and drafts may give fewer)
+    path: list[int]  # accepted node indices, root excluded, in path order
+    verify_tokens: int  # tokens in the target pass (pending + root + nodes)
+    round_seconds: float  # the whole round, drafting included
+    draft_seconds: float  # tree growth only, catch-up feeding excluded
+    draft_passes: int
+
+
+class BudgetPlanner(Protocol):
+    def next_shape(self) -> TreeShape: ...
+
+    def observe(self, record: RoundRecord) -> None: ...
+
+
+@dataclass
+class FixedBudget:
+    budget: int
+    depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget < 0:
+            raise ValueError(f"tree budget must be >= 0 nodes, got {self.budget}")
+        if self.depth is not None and self.depth < 1:
+            raise ValueError(f"--max-depth must be at least 1, got {self.depth}")
+
+    def next_shape(self) -> TreeShape:
+        depth = self.depth if self.depth is not None else default_depth(self.budget)
+        return TreeShape(self.budget, min(depth, self.budget))
+
+    def observe(self, record: RoundRecord) -> None:
+        pass
+
+
+@dataclass
+class CostLine:
+    """seconds ≈ a + b·n, fitted through per-size running means (recent rounds weigh
+    more, so drift on a shared machine is followed)."""
+
+    decay: float = 0.9
+    means: dict[int, float] = field(default_factory=dict)
+    weights: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, n: int, seconds: float) -> None:
+        if n in self.means:
+            self.means[n] = self.decay * self.means[n] + (1 - self.decay) * seconds
+            self.weights[n] = min(self.weights[n] + 1.0, 20.0)
+        else:
+            self.means[n], self.weights[n] = seconds, 1.0
+
+    def __bool__(self) -> bool:
+        return bool(self.means)
+
+    def predict(self, n: int) -> float:
+        if not self.means:
+            raise ValueError("no measurements yet")
+        if len(self.means) == 1:
+            return next(iter(self.means.values()))  # one size seen: assume flat
+        w = self.weights
+        total = sum(w.values())
+        mx = sum(w[k] * k for k in w) / total
+        my = sum(w[k] * self.means[k] for k in w) / total
+        var = sum(w[k] * (k - mx) ** 2 for k in w)
+        slope = max(0.0, sum(w[k] * (k - mx) * (self.means[k] - my) for k in w) / var)
+        return max(my + slope * (n - mx), 1e-9)
+
+
+def choose_shape(
+    expected_tokens: dict[TreeShape, float],
+    target: CostLine,
+    draft_seconds: Callable[[TreeShape], float],
+) -> TreeShape:
+    """The shape with the best predicted tokens per second. Budget 0, a plain target step
+    that yields exactly one token and drafts nothing, is always a candidate."""
+    best = TreeShape(0, 0)
+    best_rate = 1.0 / target.predict(1)
+    for shape, tokens in expected_tokens.items():
+        rate = tokens / (target.predict(1 + shape.budget) + draft_seconds(shape))
+        if rate > best_rate:
+            best, best_rate = shape, rate
+    return best
+
+
+class AutoBudget:
+    def __init__(
+        self,
+        max_budget: int = 256,
+        max_depth: int | None = None,
+        explore_share: float = 0.02,
+        uses_draft_model: bool = True,
+    ) -> None:
+        self.max_budget = max_budget
+        self.depth_cap = max_depth if max_depth is not None else DEPTH_GRID[-1]
+        self.explore_share = explore_share
+        self.uses_draft_model = uses_draft_model
+        self.target = CostLine()  # round seconds outside drafting vs tokens verified
+        self.draft_unit_seconds = 0.0  # per draft pass, or per n-gram lookup
+        self._draft_samples = 0
+        self._sums: dict[TreeShape, float] = {}
+        self._counts: dict[TreeShape, int] = {}
+        self.total_seconds = 0.0
+        self.explore_seconds = 0.0
+        self._explore_budget = min(32, max_budget)
+        self._exploring = False
+        self.chosen = TreeShape(0, 0)
+
+    def draft_seconds(self, shape: TreeShape) -> float:
+        if not shape.budget:
+            return 0.0
+        units = shape.draft_passes if self.uses_draft_model else 1
+        return units * self.draft_unit_seconds
+
+    def _explore_shape(self) -> TreeShape:
+        b = self._explore_budget
+        return TreeShape(b, min(b, self.depth_cap, default_depth(b)))
+
+    def next_shape(self) -> TreeShape:
+        self._exploring = False
+        if self.max_budget < 1:
+            return TreeShape(0, 0)
+        if not self._counts:  # nothing learnt yet: the first round explores
+            self._exploring = True
+            return self._explore_shape()
+        if 1 not in self.target.means:
+            return TreeShape(0, 0)  # one plain step measures what no tree costs
+        rationed = self.explore_seconds <= self.explore_share * self.total_seconds
+        if rationed and self._explore_budget > self.chosen.budget:
+            self._exploring = True
+            return self._explore_shape()
+        return self.chosen
+
+    def expected_tokens(self) -> dict[TreeShape, float]:
+        return {s: 1.0 + self._sums[s] / self._counts[s] for s in self._counts}
+
+    def observe(self, record: RoundRecord) -> None:
+        self.total_seconds += record.round_seconds
+        if self._exploring:
+            self.explore_seconds += record.round_seconds
+            if record.nodes >= self._explore_budget:  # next time, look further
+                self._explore_budget = min(self._explore_budget * 2, self.max_budget)
+        self.target.observe(record.verify_tokens, record.round_seconds - record.draft_seconds)
+        if record.nodes:
+            unit = record.draft_seconds
+            if self.uses_draft_model:
+                unit /= max(record.draft_passes, 1)
+            n = self._draft_samples = min(self._draft_samples + 1, 20)
+            self.draft_unit_seconds += (unit - self.draft_unit_seconds) / n
+            self._learn_acceptance(record)
+        self.chosen = choose_shape(self.expected_tokens(), self.target, self.draft_seconds)
+
+    def _learn_acceptance(self, record: RoundRecord) -> None:
+        for b in BUDGET_GRID:
+            if b > record.nodes:
+                break
+            leading = 0  # accepted nodes within the first b (path depths are 1, 2, ...)
+            for node in record.path:
+                if node > b:
+                    break
+                leading += 1
+            for d in DEPTH_GRID:
+                if d > min(record.shape.depth, b, self.depth_cap):
+                    break
+                shape = TreeShape(b, d)
+                self._sums[shape] = self._sums.get(shape, 0.0) + min(leading, d)
+                self._counts[shape] = self._counts.get(shape, 0) + 1

@@ -1,0 +1,264 @@
+"""Tree speculation (SpecExec, Svirschevski et al. 2024): the draft grows a tree of likely
+continuations under a node budget, the target scores the whole tree in one pass with an
+ancestor mask, and exact sampling walks down the target's own distributions.
+
+The walk, and why it is lossless: at the root, draw a token from the target's FINAL
+distribution there (penalties, temperature, top-k/p, min-p; argmax when greedy). If the
+token is a child in the tree, the target's distribution after it is already known: move
+there and draw again. The first token that is not a child is emitted too and ends the
+round (it becomes the next root). Every emitted token is a draw from the target's
+distribution given everything before it, whatever the draft proposed; the draft only
+decides how far one target pass reaches. Draws at different nodes are independent, so all
+nodes are drawn at once and the walk just follows them.
+
+Round layout (see DESIGN.md): the caches hold x_1..x_{L-1}. One target pass takes the
+committed tokens it has not seen yet (the prompt on the first round: prefill folded into
+verification, one streamed pass instead of two), the root x_L, and the nodes, at positions
+L - 1 + depth. The commit keeps the prefix, the root and the accepted path, in place.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Sequence
+
+import torch
+
+from speculative.budget import AutoBudget, BudgetPlanner, FixedBudget, RoundRecord
+from speculative.generation import PREFILL_CHUNK, Round, RoundStats, Session, feed
+from speculative.model import Transformer
+from speculative.ngram import ngram_continuations
+from speculative.prefix_cache import PrefixCache
+from speculative.sampling import PenaltyContext, SamplingParams, probabilities, sample
+from speculative.tree import DraftTree, grow_tree, tree_from_continuations, verification_mask
+
+NGRAM_CANDIDATES = 8  # continuations merged into an n-gram tree
+
+
+class TreeSpeculation:
+    name = "tree"
+
+    def __init__(
+        self,
+        target: Transformer,
+        draft: Transformer | None,
+        budget: int | str = "auto",
+        max_depth: int | None = None,
+        prefix_cache: PrefixCache | None = None,
+        ngram_max: int = 3,
+    ) -> None:
+        """`draft` None means n-gram drafting (prompt lookup)."""
+        if max_depth is not None and max_depth < 1:
+            raise ValueError(f"--max-depth must be at least 1, got {max_depth}")
+        self.target, self.draft = target, draft
+        self.ngram_max = ngram_max
+        self.planner: BudgetPlanner
+        if budget == "auto":
+            self.planner = AutoBudget(max_depth=max_depth, uses_draft_model=draft is not None)
+        elif isinstance(budget, int):
+            self.planner = FixedBudget(budget, max_depth)
+        else:
+            raise ValueError(f"tree budget must be a node count or 'auto', got {budget!r}")
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
+
+    def new_session(self, capacity: int) -> Session:
+        return Session(self.target, capacity, self.draft)
+
+    def rounds(
+        self,
+        session: Session,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        generator: torch.Generator,
+    ) -> Generator[Round, None, None]:
+        target, cache, pcache = self.target, session.target_cache, self.prefix_cache
+        vocab = target.config.vocab_size
+        seq = list(prompt_ids)  # committed x_1..x_L; x_L is the root
+        stats = RoundStats()
+        bulk = len(seq) - 1 - len(session.target_tokens) - PREFILL_CHUNK
+        if bulk > 0:  # a long prompt: all but the last chunk in plain prefill passes
+            t0 = time.perf_counter()
+            todo = seq[len(session.target_tokens) : len(session.target_tokens) + bulk]
+            stats.prefill_passes = stats.target_passes = feed(
+                target, cache, session.target_tokens, todo
+            )
+            stats.prefill_seconds = time.perf_counter() - t0
+        penalties = PenaltyContext(vocab, prompt_ids, target.device)
+        key = pcache.key(seq)  # the prefix cache's id of x_1..x_L
+        emitted = 0
+        while emitted < max_new_tokens:
+            t_round = time.perf_counter()
+            tokens: list[int] = []
+            # Continuations verified in earlier rounds or requests need no target pass.
+            while emitted + len(tokens) < max_new_tokens:
+                logits = pcache.get(key)
+                if logits is None or len(seq) - len(session.target_tokens) >= cache.free:
+                    break
+                probs = probabilities(logits[None, :], params, penalties.rows())  # (1, V)
+                tok = int(probs.argmax(-1)[0] if params.greedy else sample(probs, generator)[0])
+                penalties.append([tok])
+                tokens.append(tok)
+                seq.append(tok)
+                key = pcache.child(key, tok)
+            left = max_new_tokens - emitted - len(tokens)
+            pending = seq[len(session.target_tokens) : -1]
+            room = cache.free - len(pending) - 1  # tree nodes that still fit the context
+            if left == 0 or room < 0:
+                if tokens:
+                    stats.verify_seconds += time.perf_counter() - t_round
+                    yield Round(tokens, stats)
+                return
+            shape = self.planner.next_shape()
+            budget = min(shape.budget, room)
+            depth = min(shape.depth, left - 1)
+            if depth < 1:
+                budget = 0
+            target.prefetch()
+            tree, catch_up_seconds = self._draft(session, seq, budget, depth, stats)
+            draft_seconds = stats.draft_seconds
+
+            t0 = time.perf_counter()
+            p = len(pending)
+            base = len(session.target_tokens) + p  # the root's slot and position
+            nodes = tree.size
+            verify_tokens = torch.cat(
+                (
+                    torch.tensor(pending, dtype=torch.long, device=tree.tokens.device),
+                    tree.tokens[:nodes],
+                )
+            )  # (P + N,)
+            positions = torch.cat(
+                (
+                    torch.arange(base - p, base, device=tree.tokens.device),
+                    base + tree.depths[:nodes],
+                )
+            )  # (P + N,)
+            mask = verification_mask(tree.mask, p) if nodes > 1 else None
+            logits = target(verify_tokens, positions, cache, mask=mask, logits_from=p)  # (N, V)
+            extra = tree.path_counts(vocab) if params.has_penalties and nodes > 1 else None
+            probs = probabilities(logits, params, penalties.rows(extra))  # (N, V)
+            draws = (probs.argmax(-1) if params.greedy else sample(probs, generator)).tolist()
+
+            node, path = 0, []
+            children = tree.children() if nodes > 1 else {}
+            while True:
+                tok = draws[node]
+                tokens.append(tok)
+                child = children.get((node, tok))
+                if child is None:
+                    break
+                path.append(child)
+                node = child
+            self._remember(tree, logits, key)
+            key = self._path_key(tree, path, key)
+            key = pcache.child(key, tokens[-1])
+
+            # Commit: prefix, root, accepted path; both caches in place.
+            node_tokens = tree.token_list()
+            session.target_tokens.extend(pending)
+            session.target_tokens.append(seq[-1])
+            cache.keep([base + i for i in path], start=base + 1)
+            session.target_tokens.extend(node_tokens[i] for i in path)
+            self._commit_draft(session, tree, path, node_tokens)
+            new = tokens[len(tokens) - len(path) - 1 :]
+            penalties.append(new)
+            seq.extend(new)
+
+            stats.target_passes += 1
+            stats.drafted += nodes - 1
+            stats.accepted += len(path)
+            stats.tree_nodes += nodes - 1
+            stats.budget = shape.budget
+            stats.verify_seconds += time.perf_counter() - t0
+            self.planner.observe(
+                RoundRecord(
+                    shape=shape,
+                    nodes=nodes - 1,
+                    path=path,
+                    verify_tokens=p + nodes,
+                    round_seconds=time.perf_counter() - t_round - catch_up_seconds,
+                    draft_seconds=draft_seconds - catch_up_seconds,
+                    draft_passes=stats.draft_passes,
+                )
+            )
+            emitted += len(tokens)
+            yield Round(tokens, stats)
+            stats = RoundStats()
+
+    def _draft(
+        self, session: Session, seq: list[int], budget: int, depth: int, stats: RoundStats
+    ) -> tuple[DraftTree, float]:
+        """The round's tree (just the root when budget is 0) and the seconds spent feeding
+        the draft what it had not seen (not a cost of the tree's size)."""
+        device = self.target.device
+        root = seq[-1]
+        if budget < 1:
+            return DraftTree(root, 1, device), 0.0
+        t0 = time.perf_counter()
+        if self.draft is None:
+            found = ngram_continuations(
+                seq, max_ngram=self.ngram_max, max_len=depth, max_candidates=NGRAM_CANDIDATES
+            )
+            tree = tree_from_continuations(root, found, budget, depth, device)
+            stats.draft_seconds += time.perf_counter() - t0
+            return tree, 0.0
+        draft, dcache, fed = self.draft, session.draft_cache, session.draft_tokens
+        assert dcache is not None, "a tree session with a draft model has a draft cache"
+        todo = seq[len(fed) :]  # at least the root
+        catch_up = 0.0
+        if len(todo) > PREFILL_CHUNK:
+            stats.draft_passes += feed(draft, dcache, fed, todo[:-PREFILL_CHUNK])
+            todo = todo[-PREFILL_CHUNK:]
+        if len(todo) > 1:
+            catch_up = time.perf_counter() - t0  # bulk feeding so far; the last pass below
+        start = len(fed)
+        root_logits = draft(
+            torch.tensor(todo, dtype=torch.long, device=draft.device),
+            torch.arange(start, start + len(todo), device=draft.device),
+            dcache,
+            last_only=True,
+        )[0]  # (V,)
+        fed.extend(todo)
+        tree = DraftTree(root, budget + 1, device)
+        passes = grow_tree(draft, dcache, tree, root_logits, len(seq) - 1, budget, depth)
+        stats.draft_passes += passes + 1
+        stats.draft_seconds += time.perf_counter() - t0
+        return tree, catch_up
+
+    def _commit_draft(
+        self, session: Session, tree: DraftTree, path: list[int], node_tokens: list[int]
+    ) -> None:
+        """Keep the accepted nodes the draft has K/V for (a prefix of the path: the last
+        level is never fed); the rest is fed next round with the new root."""
+        dcache = session.draft_cache
+        if dcache is None or tree.size == 1:
+            return  # no draft model, or it drafted nothing this round
+        root_slot = len(session.draft_tokens) - 1
+        slot_of = {n: j for j, n in enumerate(tree.fed.tolist())}
+        kept: list[int] = []
+        for n in path:
+            if n not in slot_of:
+                break
+            kept.append(n)
+        dcache.keep([root_slot + slot_of[n] for n in kept], start=root_slot + 1)
+        session.draft_tokens.extend(node_tokens[n] for n in kept)
+
+    def _remember(self, tree: DraftTree, logits: torch.Tensor, root_key: int) -> None:
+        """Cache the target's logits at every verified node under its prefix's key."""
+        pcache = self.prefix_cache
+        if tree.size == 1:
+            pcache.put_rows([root_key], logits)
+            return
+        keys = [root_key]
+        for parent, tok in zip(
+            tree.parents[1 : tree.size].tolist(), tree.tokens[1 : tree.size].tolist(), strict=True
+        ):
+            keys.append(pcache.child(keys[parent], tok))
+        pcache.put_rows(keys, logits)
+
+    def _path_key(self, tree: DraftTree, path: list[int], key: int) -> int:
+        tokens = tree.tokens
+        for n in path:
+            key = self.prefix_cache.child(key, int(tokens[n]))
+        return key
