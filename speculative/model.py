@@ -93,10 +93,37 @@ class Attention(nn.Module):
         end = start + t
         k_cache[:, start:end] = k
         v_cache[:, start:end] = v
-        out = F.scaled_dot_product_attention(
-            q, k_cache[:, :end], v_cache[:, :end], attn_mask=mask, enable_gqa=True
-        )  # (H, T, hd)
+        out = attend(q, k_cache[:, :end], v_cache[:, :end], mask)  # (H, T, hd)
         return self.o_proj(out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
+
+
+# Above this many attention scores a pass goes through SDPA (memory-efficient kernels)
+# rather than materialising the score matrix.
+_EXPLICIT_ATTENTION_MAX_SCORES = 1 << 22
+
+
+def attend(
+    q: torch.Tensor,  # (H, T, hd)
+    k: torch.Tensor,  # (Hkv, S, hd), a strided view of the cache
+    v: torch.Tensor,  # (Hkv, S, hd)
+    mask: torch.Tensor | None,  # (T, S) bool, True = may attend; None = see everything
+) -> torch.Tensor:
+    """Grouped-query attention, softmax in fp32. On CPU, and for the small passes of decoding
+    and verification, SDPA's `enable_gqa` path costs milliseconds per call (it copies the
+    strided cache views); folding each kv head's query group into one matmul is the same
+    arithmetic at a fraction of the cost. Large passes (long prefills) use SDPA."""
+    heads, t, hd = q.shape
+    kv_heads, s = k.shape[0], k.shape[1]
+    group = heads // kv_heads
+    if heads * t * s > _EXPLICIT_ATTENTION_MAX_SCORES:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    # Query heads h = kv * group + g share kv head `kv` (transformers' repeat_kv order).
+    qg = q.reshape(kv_heads, group * t, hd)  # (Hkv, g*T, hd)
+    scores = torch.matmul(qg, k.transpose(1, 2)).float() * (hd**-0.5)  # (Hkv, g*T, S)
+    if mask is not None:
+        scores = scores.view(kv_heads, group, t, s).masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores.view(kv_heads, group * t, s), dim=-1).to(v.dtype)
+    return torch.matmul(weights, v).view(heads, t, hd)  # (H, T, hd)
 
 
 class MLP(nn.Module):
