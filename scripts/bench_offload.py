@@ -1,0 +1,183 @@
+"""Streamed target pass time against the pure transfer time, next to accelerate's cpu_offload.
+
+On a GPU: random weights in real shapes (8B- and 32B-shaped layers, bf16), every decoder layer
+streamed (the GPU budget forced to the non-layer parts plus the slots). It measures pinned
+host→device bandwidth, then the time of one target pass over 1, 64, 256 and 1024 new tokens,
+and reports
+
+    overlap ratio = pass_time / (streamed_bytes / bandwidth)     (goal: <= 1.15 up to 256)
+
+and accelerate's `cpu_offload` of the same layers in the same run, as a time ratio.
+
+Without a GPU it runs the same code path on the CPU with small shapes and says plainly that
+the overlap figures need a GPU (on a CPU "host→device" is a RAM copy and compute dominates).
+
+    python scripts/bench_offload.py --out bench_offload.json
+    python scripts/bench_offload.py --shapes 8b --layers 8 --tokens 1,64,256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from offload.placement import build_streamer  # noqa: E402
+from offload.plan import measure_bandwidth  # noqa: E402
+from speculative.config import ModelConfig  # noqa: E402
+from speculative.model import Transformer, rope_inv_freq  # noqa: E402
+
+SHAPES = {
+    # hidden, intermediate, heads, kv heads, vocab (Llama-3.1-8B and Qwen2.5-32B layers)
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, model_type="llama"),
+    "32b": dict(hidden_size=5120, intermediate_size=27648, num_attention_heads=40,
+                num_key_value_heads=8, vocab_size=152064, model_type="qwen2"),
+    "small": dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=4096, model_type="llama"),
+}  # fmt: skip
+
+
+def random_model(shape: str, layers: int, dtype: torch.dtype) -> Transformer:
+    raw = {**SHAPES[shape], "num_hidden_layers": layers, "max_position_embeddings": 4096}
+    cfg = ModelConfig.from_hf(raw, source=f"{shape}-shaped")
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device="cpu").to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.02, 0.02)
+    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)  # fp32, as the loader sets it
+    return model.eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_pass(model: Transformer, tokens: int, device: torch.device, repeats: int) -> float:
+    """Median seconds of one target pass over `tokens` new tokens (causal, empty cache)."""
+    ids = torch.randint(0, model.config.vocab_size, (tokens,), device=device)
+    positions = torch.arange(tokens, device=device)
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        cache = model.new_cache(tokens)
+        sync(device)
+        t0 = time.perf_counter()
+        model(ids, positions, cache)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[1:])
+    return times[len(times) // 2]
+
+
+def bench_shape(args: argparse.Namespace, shape: str, device: torch.device) -> list[dict]:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    model = random_model(shape, args.layers, dtype)
+    layers = list(model.layers)
+    streamer = build_streamer(layers, [], device, args.slots)
+    model.set_layers(streamer)
+    model.to(device)
+    bandwidth, how = measure_bandwidth(device)
+    streamed = streamer.layout.nbytes * len(layers)
+    transfer = streamed / bandwidth
+    print(
+        f"\n{shape}-shaped, {args.layers} layers × {streamer.layout.nbytes / 1e9:.3f} GB "
+        f"({args.dtype}), {args.slots} slots; bandwidth {bandwidth / 1e9:.2f} GB/s ({how}); "
+        f"pure transfer {transfer * 1e3:.1f} ms"
+    )
+    rows = []
+    for n in args.tokens:
+        t = time_pass(model, n, device, args.repeats)
+        rows.append(
+            {
+                "shape": shape,
+                "device": device.type,
+                "dtype": args.dtype,
+                "layers": args.layers,
+                "slots": args.slots,
+                "tokens": n,
+                "streamed_bytes": streamed,
+                "bandwidth_gbps": bandwidth / 1e9,
+                "transfer_seconds": transfer,
+                "pass_seconds": t,
+                "overlap_ratio": t / transfer,
+            }
+        )
+    if args.accelerate:
+        compare_accelerate(args, shape, dtype, device, rows)
+    for r in rows:
+        acc = r.get("accelerate_over_streamer")
+        acc_text = f"{acc:8.2f}x" if acc is not None else "       -"
+        print(
+            f"  tokens {r['tokens']:5d}  pass {r['pass_seconds'] * 1e3:9.1f} ms  "
+            f"ratio {r['overlap_ratio']:6.2f}  accelerate/ours {acc_text}"
+        )
+    del model, streamer
+    return rows
+
+
+def compare_accelerate(
+    args: argparse.Namespace, shape: str, dtype: torch.dtype, device: torch.device, rows: list
+) -> None:
+    """accelerate's cpu_offload on the same layers (embeddings, norm, head on the device)."""
+    if device.type != "cuda":
+        return  # cpu_offload moves weights to an execution device; on CPU there is none
+    from accelerate import cpu_offload
+
+    model = random_model(shape, args.layers, dtype)
+    for layer in model.layers:
+        cpu_offload(layer, execution_device=device)
+    model.embed_tokens.to(device)
+    model.norm.to(device)
+    model.lm_head.to(device)
+    model.inv_freq = model.inv_freq.to(device)
+    for r in rows:
+        t = time_pass(model, r["tokens"], device, max(1, args.repeats // 2))
+        r["accelerate_seconds"] = t
+        r["accelerate_over_streamer"] = t / r["pass_seconds"]
+    del model
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=None, help="comma list of 8b,32b,small (default by device)")
+    p.add_argument("--layers", type=int, default=None, help="layers per model (all streamed)")
+    p.add_argument("--tokens", default="1,64,256,1024")
+    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-accelerate", dest="accelerate", action="store_false")
+    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    args = p.parse_args()
+    args.tokens = [int(x) for x in args.tokens.split(",")]
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    shapes = (args.shapes or ("8b,32b" if gpu else "small")).split(",")
+    args.layers = args.layers or (8 if gpu else 6)
+    if not gpu:
+        args.dtype = "fp32" if args.dtype == "bf16" else args.dtype
+        args.tokens = [t for t in args.tokens if t <= 256]
+        print(
+            "No CUDA device: running the CPU path with small shapes. The overlap figures "
+            "(pass time over transfer time, accelerate comparison) need a GPU: on a CPU the "
+            "'transfer' is a RAM copy and the pass is compute-bound."
+        )
+    rows = [r for shape in shapes for r in bench_shape(args, shape, device)]
+    if args.out:
+        args.out.write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=2))
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
