@@ -423,10 +423,5 @@ def create_app(engine: Engine, metrics_: Metrics, config: ApiConfig) -> web.Appl
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
-    app.router.add_route("OPTIONS", "/v1/{tail:.*}", _preflight_only)
+    # CORS preflights (OPTIONS with an allowed Origin) are answered by the middleware.
     return app
-
-
-async def _preflight_only(request: web.Request) -> web.Response:
-    # Reached only for OPTIONS without an Origin (the middleware answers real preflights).
-    return web.Response(status=204)

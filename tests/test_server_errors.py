@@ -1,0 +1,248 @@
+"""Bad input over raw HTTP: each gets the right status and the OpenAI error shape, and the
+server still answers the next request. One server, with an API key, a small body limit and
+a short context so that every limit is reachable cheaply."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.server import BackgroundServer, Server
+from daemon.settings import load_settings
+
+KEY = "test-key-123"
+MODEL = "stories260k"
+CONTEXT = 64
+BODY_LIMIT = 4096
+
+
+@pytest.fixture(scope="module")
+def server(
+    stories_target: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BackgroundServer]:
+    key_file = tmp_path_factory.mktemp("key") / "api-key"
+    key_file.write_text(KEY + "\n")
+    settings = load_settings(
+        environ={},
+        overrides={
+            "models.target": (str(stories_target), "test"),
+            "server.port": (0, "test"),
+            "server.api_key_file": (str(key_file), "test"),
+            "server.cors_origins": (["http://app.localhost:3000"], "test"),
+            "context.length": (CONTEXT, "test"),
+            "limits.max_body_bytes": (BODY_LIMIT, "test"),
+            "limits.max_tokens": (1000, "test"),
+        },
+    )
+    with BackgroundServer(settings) as srv:
+        yield srv
+
+
+def call(
+    server: BackgroundServer,
+    body: bytes | dict[str, Any] | None,
+    path: str = "/v1/chat/completions",
+    headers: dict[str, str] | None = None,
+    method: str = "POST",
+) -> tuple[int, dict[str, str], dict[str, Any]]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.port, timeout=30)
+    sent = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    sent.update(headers or {})
+    raw = json.dumps(body).encode() if isinstance(body, dict) else body
+    conn.request(method, path, body=raw, headers=sent)
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(data or b"{}")
+
+
+def good() -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        "temperature": 0,
+    }
+
+
+def assert_error(
+    response: tuple[int, dict[str, str], dict[str, Any]], status: int, param: str | None = None
+) -> dict[str, Any]:
+    got, headers, body = response
+    assert got == status, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param
+    if status == 400:
+        assert headers["x-should-retry"] == "false"
+    return error
+
+
+@pytest.fixture(autouse=True)
+def still_answers(server: BackgroundServer) -> Iterator[None]:
+    yield
+    status, _, body = call(server, good())
+    assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_malformed_json(server: BackgroundServer) -> None:
+    error = assert_error(call(server, b'{"model": "stories260k", "messages": ['), 400)
+    assert "JSON" in error["message"]
+    assert_error(call(server, b"[1, 2]"), 400)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", "hot"),
+        ("messages", "hello"),
+        ("max_tokens", "5"),
+        ("stream", "yes"),
+        ("seed", 1.5),
+        ("stop", [1, 2]),
+        ("top_k", -3),
+        ("model", 7),
+    ],
+)
+def test_wrong_types_name_the_field(server: BackgroundServer, field: str, value: Any) -> None:
+    error = assert_error(call(server, {**good(), field: value}), 400, field)
+    assert field in error["message"]
+
+
+def test_missing_messages_and_bad_roles(server: BackgroundServer) -> None:
+    body = good()
+    del body["messages"]
+    assert_error(call(server, body), 400, "messages")
+    assert_error(call(server, {**good(), "messages": []}), 400, "messages")
+    bad_role = {**good(), "messages": [{"role": "wizard", "content": "x"}]}
+    assert_error(call(server, bad_role), 400, "messages[0].role")
+    image = {**good(), "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    assert_error(call(server, image), 400)
+
+
+@pytest.mark.parametrize("value", [-1, 0, 10**9])
+def test_negative_or_huge_max_tokens(server: BackgroundServer, value: int) -> None:
+    error = assert_error(call(server, {**good(), "max_tokens": value}), 400, "max_tokens")
+    assert "1000" in error["message"]
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", 2.5), ("temperature", -0.1),
+                                              ("top_p", 0), ("presence_penalty", 3)])  # fmt: skip
+def test_sampling_values_out_of_range(server: BackgroundServer, field: str, value: float) -> None:
+    assert_error(call(server, {**good(), field: value}), 400, field)
+
+
+@pytest.mark.parametrize(("field", "value"), [("n", 2), ("tools", [{"type": "function"}]),
+                                              ("logprobs", True)])  # fmt: skip
+def test_fields_that_cannot_be_honoured(server: BackgroundServer, field: str, value: Any) -> None:
+    error = assert_error(call(server, {**good(), field: value}), 400, field)
+    assert "not supported" in error["message"]
+
+
+def test_unknown_fields_are_ignored(server: BackgroundServer) -> None:
+    status, _, _ = call(server, {**good(), "user": "me", "some_future_field": {"a": 1}})
+    assert status == 200
+
+
+def test_unknown_model(server: BackgroundServer) -> None:
+    error = assert_error(call(server, {**good(), "model": "gpt-9"}), 404, "model")
+    assert error["code"] == "model_not_found" and MODEL in error["message"]
+
+
+def test_oversized_body(server: BackgroundServer) -> None:
+    body = {**good(), "messages": [{"role": "user", "content": "x" * (BODY_LIMIT * 2)}]}
+    error = assert_error(call(server, body), 413)
+    assert str(BODY_LIMIT) in error["message"]
+
+
+def test_prompt_longer_than_the_context(server: BackgroundServer) -> None:
+    body = {**good(), "messages": [{"role": "user", "content": "the dog ran " * 40}]}
+    error = assert_error(call(server, body), 400, "messages")
+    assert error["code"] == "context_length_exceeded" and str(CONTEXT) in error["message"]
+    ids = {"model": MODEL, "prompt": list(range(3, 3 + CONTEXT)), "max_tokens": 2}
+    assert_error(call(server, ids, "/v1/completions"), 400, "prompt")
+
+
+def test_bad_host_header(server: BackgroundServer) -> None:
+    error = assert_error(call(server, good(), headers={"Host": "evil.example.com"}), 403)
+    assert error["code"] == "host_not_allowed"
+    status, _, _ = call(server, good(), headers={"Host": f"localhost:{server.server.port}"})
+    assert status == 200
+
+
+def test_origin_and_cors(server: BackgroundServer) -> None:
+    error = assert_error(call(server, good(), headers={"Origin": "http://evil.example.com"}), 403)
+    assert error["code"] == "origin_not_allowed"
+    status, headers, _ = call(server, good(), headers={"Origin": "http://app.localhost:3000"})
+    assert status == 200
+    assert headers["access-control-allow-origin"] == "http://app.localhost:3000"
+    preflight = {"Origin": "http://app.localhost:3000", "Authorization": ""}
+    status, headers, _ = call(server, None, headers=preflight, method="OPTIONS")
+    assert status == 204 and "POST" in headers["access-control-allow-methods"]
+
+
+def test_api_key_required(server: BackgroundServer) -> None:
+    assert_error(call(server, good(), headers={"Authorization": ""}), 401)
+    error = assert_error(call(server, good(), headers={"Authorization": "Bearer wrong"}), 401)
+    assert error["type"] == "authentication_error"
+    # /health stays open so that `specd status` works without the key.
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.port, timeout=10)
+    conn.request("GET", "/health")
+    assert conn.getresponse().status == 200
+
+
+def test_unknown_route(server: BackgroundServer) -> None:
+    assert_error(call(server, None, "/v1/embeddings"), 404)
+
+
+def test_health_is_503_while_loading(stories_target: Path) -> None:
+    """The HTTP side is up before the models: /health and requests say 503 + Retry-After."""
+    settings = load_settings(
+        environ={},
+        overrides={"models.target": (str(stories_target), "test"), "server.port": (0, "test")},
+    )
+    server = Server(settings)
+    release = threading.Event()
+    real_factory = server.engine._runtime_factory
+
+    def slow_factory(options):  # type: ignore[no-untyped-def]
+        release.wait(timeout=60)
+        return real_factory(options)
+
+    server.engine._runtime_factory = slow_factory
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=30)
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 503 and resp.getheader("Retry-After")
+        assert body["status"] == "loading" and body["error"]["code"] == "loading"
+        conn.request("POST", "/v1/chat/completions", body=json.dumps(good()))
+        resp = conn.getresponse()
+        error = json.loads(resp.read())["error"]
+        assert resp.status == 503 and resp.getheader("Retry-After")
+        assert error["code"] == "model_loading"
+        release.set()
+        assert server.engine.loaded.wait(timeout=60)
+        conn.request("GET", "/health")
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200
+    finally:
+        release.set()
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
