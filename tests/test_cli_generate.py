@@ -1,0 +1,128 @@
+"""`specd generate`: called in-process through `daemon.cli.main`, plus one run of the real
+console script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon.cli import main
+
+
+def _json_run(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["generate", *argv, "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1
+    return json.loads(out[0])
+
+
+def _reference(stories_reference: dict, prompt: str) -> dict:
+    return next(i for i in stories_reference["items"] if i["prompt"] == prompt)
+
+
+def test_json_record_and_greedy_reference(capsys, stories_target, stories_reference) -> None:
+    item = _reference(stories_reference, "The little dog")
+    n = 24
+    record = _json_run(
+        capsys,
+        "--model",
+        str(stories_target),
+        "--prompt",
+        "The little dog",
+        "--max-tokens",
+        str(n),
+        "--ignore-eos",
+    )
+    assert record["prompt_ids"] == item["prompt_ids"]  # --prompt adds BOS: the config says so
+    assert record["token_ids"] == item["new_token_ids"][:n]
+    assert record["finish_reason"] == "length"
+    assert item["full_text"].startswith("The little dog" + record["text"])
+    assert record["stats"]["target_passes"] == n + record["stats"]["prefill_passes"]
+    assert record["stats"]["generated_tokens"] == n
+
+
+def test_prompt_ids_are_fed_exactly(capsys, stories_target, stories_reference) -> None:
+    """No BOS is added to --prompt-ids: without it the continuation differs from the
+    reference, with it (given explicitly) it matches."""
+    item = _reference(stories_reference, "Lily and Tom")
+    ids = item["prompt_ids"]
+    assert ids[0] == 1
+    with_bos = _json_run(
+        capsys,
+        "--model",
+        str(stories_target),
+        "--prompt-ids",
+        ",".join(map(str, ids)),
+        "--max-tokens",
+        "8",
+    )
+    assert with_bos["prompt_ids"] == ids
+    assert with_bos["token_ids"] == item["new_token_ids"][:8]
+    without = _json_run(
+        capsys,
+        "--model",
+        str(stories_target),
+        "--prompt-ids",
+        ",".join(map(str, ids[1:])),
+        "--max-tokens",
+        "8",
+    )
+    assert without["prompt_ids"] == ids[1:]
+    assert without["stats"]["prompt_tokens"] == len(ids) - 1
+
+
+def test_text_output_streams_the_story(capsys, stories_target, stories_reference) -> None:
+    item = _reference(stories_reference, "Once upon a time")
+    argv = ["generate", "--model", str(stories_target), "--prompt", "Once upon a time"]
+    assert main([*argv, "--max-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert item["full_text"].startswith("Once upon a time" + out.rstrip("\n"))
+    assert len(out) > 20
+
+
+@pytest.mark.parametrize(
+    ("model", "expect"),
+    [
+        ("/no/such/model/folder", "not found: give a Hugging Face model folder"),
+        ("nobody-here/not-a-cached-model", "'nobody-here/not-a-cached-model'"),
+    ],
+)
+def test_bad_model_is_one_clear_line(capsys, monkeypatch, tmp_path, model: str, expect: str):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert main(["generate", "--model", model, "--prompt", "hi"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("specd: error: ") and expect in lines[0]
+    assert "Traceback" not in captured.err and captured.out == ""
+
+
+def test_prompt_ids_outside_the_vocabulary(capsys, stories_target) -> None:
+    argv = ["generate", "--model", str(stories_target), "--prompt-ids", "1,99999"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "outside the vocabulary" in err[0]
+
+
+def test_console_script(stories_target: Path, stories_reference: dict) -> None:
+    """The installed `specd` entry point, as a user runs it."""
+    item = _reference(stories_reference, "One day, a big")
+    script = Path(sys.executable).with_name("specd")
+    argv = [str(script), "generate", "--model", str(stories_target), "--json"]
+    argv += ["--prompt", "One day, a big", "--max-tokens", "12", "--device", "cpu"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(done.stdout)
+    assert record["token_ids"] == item["new_token_ids"][:12]
+
+    bad = [str(script), "generate", "--model", str(stories_target / "missing"), "--prompt", "x"]
+    failed = subprocess.run(bad, capture_output=True, text=True, timeout=120, check=False)
+    assert failed.returncode == 2
+    assert failed.stderr.count("\n") == 1 and failed.stderr.startswith("specd: error: ")
