@@ -1,0 +1,185 @@
+"""Several clients at once: correct outputs, interleaved rounds (nobody's first token waits
+for another's whole generation), and a client that disconnects is cancelled and freed."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from daemon import engine as engine_module
+from daemon.runtime import Runtime, RuntimeOptions
+from daemon.server import BackgroundServer
+from daemon.settings import load_settings
+from speculative.generation import Chunk, Generation
+from speculative.sampling import SamplingParams
+
+MODEL = "stories260k"
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom",
+    "One day, a big",
+    "The sun was",
+    "Tim had a red",
+    "In the park",
+    "Mom said",
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models decode fastest on one thread, and two OpenMP threads stall badly when
+    the shared CPUs are busy; restored for the modules that follow."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def server(stories_target: Path) -> Iterator[BackgroundServer]:
+    settings = load_settings(
+        environ={},
+        overrides={
+            "models.target": (str(stories_target), "test"),
+            "server.port": (0, "test"),
+            "server.keepalive_seconds": (0.05, "test"),
+            "limits.max_concurrent": (8, "test"),
+        },
+    )
+    with BackgroundServer(settings) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference(stories_target: Path) -> Runtime:
+    return Runtime(RuntimeOptions(model=str(stories_target), device="cpu"))
+
+
+def expected_text(runtime: Runtime, prompt: str, max_tokens: int) -> str:
+    strategy = runtime.strategy("autoregressive")
+    gen = Generation(
+        strategy,
+        runtime.new_session(strategy),
+        runtime.tokenizer,
+        runtime.tokenizer.encode(prompt),
+        SamplingParams(temperature=0.0),
+        max_tokens=max_tokens,
+    )
+    return gen.run().text
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, prompt: str) -> str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0, "stream": True}
+    text = []
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            assert "error" not in event
+            text.append(event["choices"][0]["text"])
+    return "".join(text)
+
+
+def test_eight_concurrent_streams_are_all_correct(
+    server: BackgroundServer, reference: Runtime
+) -> None:
+    async def run_all() -> list[str]:
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(
+                *(stream_completion(session, server.url, p) for p in PROMPTS)
+            )
+
+    results = asyncio.run(run_all())
+    assert results == [expected_text(reference, p, 40) for p in PROMPTS]
+    assert server.server.engine.active_count == 0
+
+
+def test_rounds_are_interleaved(server: BackgroundServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three jobs submitted together: the later ones get their first tokens long before
+    the first one, which asks for many more tokens, finishes."""
+    order: list[tuple[int, str]] = []
+    lock = threading.Lock()
+    real_post = engine_module.Job.post
+
+    def recording_post(self, event):  # type: ignore[no-untyped-def]
+        with lock:
+            kind = "chunk" if isinstance(event, Chunk) else type(event).__name__
+            order.append((self.request.max_tokens, kind))
+        real_post(self, event)
+
+    monkeypatch.setattr(engine_module.Job, "post", recording_post)
+    engine = server.server.engine
+    tok = engine.runtime.tokenizer  # type: ignore[union-attr]
+
+    async def submit_three() -> None:
+        loop = asyncio.get_running_loop()
+        jobs = [
+            engine.submit(
+                engine_module.GenerationRequest(
+                    prompt_ids=tok.encode(prompt),
+                    params=SamplingParams(temperature=0.0),
+                    max_tokens=n,
+                    ignore_eos=True,
+                ),
+                loop,
+            )
+            for prompt, n in (("Once upon a time", 200), ("The little dog", 5), ("Mom", 6))
+        ]
+        for job in jobs:
+            while not isinstance(await job.events.get(), engine_module.Finished):
+                pass
+
+    asyncio.run(submit_three())
+    long_done = order.index((200, "Finished"))
+    assert order.index((5, "chunk")) < long_done and order.index((6, "chunk")) < long_done
+    assert order.index((5, "Finished")) < long_done and order.index((6, "Finished")) < long_done
+
+
+def test_disconnected_client_is_cancelled_and_freed(server: BackgroundServer) -> None:
+    engine = server.server.engine
+    cancelled_before = engine.metrics.cancelled.value
+    completed_before = engine.metrics.completion_tokens.value
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.port, timeout=30)
+    body = {
+        "model": MODEL,
+        "prompt": [1],
+        "max_tokens": 500,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    first = resp.readline()
+    assert first.startswith(b"data: ")
+    conn.sock.close()  # the client goes away mid-stream
+    conn.close()
+    deadline = time.monotonic() + 20
+    while engine.metrics.cancelled.value == cancelled_before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.metrics.cancelled.value == cancelled_before + 1
+    assert engine.active_count == 0
+    # Its tokens were never counted as a completed generation, and it left no cached session.
+    assert engine.metrics.completion_tokens.value == completed_before
+    assert engine.idle_sessions <= server.server.settings.limits.cached_sessions
+    status_conn = http.client.HTTPConnection("127.0.0.1", server.server.port, timeout=30)
+    status_conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"model": MODEL, "prompt": "Lily", "max_tokens": 3, "temperature": 0}),
+    )
+    assert status_conn.getresponse().status == 200
