@@ -32,7 +32,11 @@ class Autoregressive:
     ) -> Generator[Round, None, None]:
         target, cache = self.target, session.target_cache
         stats = prefill_target(target, session, prompt_ids)
-        penalties = PenaltyContext(target.config.vocab_size, prompt_ids, target.device)
+        penalties = (
+            PenaltyContext(target.config.vocab_size, prompt_ids, target.device)
+            if params.has_penalties
+            else None
+        )
         root = prompt_ids[-1]
         for _ in range(max_new_tokens):
             if cache.free < 1:
@@ -45,9 +49,14 @@ class Autoregressive:
                 cache,
             )
             session.target_tokens.append(root)
-            probs = probabilities(logits, params, penalties.rows())
-            token = int(sample(probs, generator)[0])
-            penalties.append([token])
+            if params.greedy and penalties is None:
+                # The one-hot greedy distribution samples its argmax: skip building it.
+                token = int(logits[0].argmax())
+            else:
+                probs = probabilities(logits, params, penalties.rows() if penalties else None)
+                token = int(sample(probs, generator)[0])
+            if penalties is not None:
+                penalties.append([token])
             stats.target_passes += 1
             stats.verify_seconds += time.perf_counter() - t0
             yield Round([token], stats)
