@@ -1,0 +1,79 @@
+"""SIGTERM during a stream: a real `specd serve` subprocess ends the stream with an error
+event and [DONE], and exits 0."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)  # polling a child process's start-up
+    raise TimeoutError("specd serve did not become ready")
+
+
+def test_sigterm_ends_streams_with_an_error_event_and_exits_0(tiny_checkpoint, tmp_path) -> None:
+    # A long context so that the generation cannot finish before the signal arrives.
+    model = tiny_checkpoint("llama", max_position_embeddings=8192, seed=3)
+    port = free_port()
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "daemon.cli", "serve", "--model", str(model), "--port", str(port),
+         "--device", "cpu"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        wait_ready(port, proc)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = {
+            "prompt": [1, 5, 9],
+            "max_tokens": 8000,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        conn.request("POST", "/v1/completions", json.dumps(body))
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")
+        proc.send_signal(signal.SIGTERM)
+        rest = resp.read().decode()
+        events = [line[len("data: ") :] for line in rest.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "shutting_down" and set(error) == {
+            "message",
+            "type",
+            "param",
+            "code",
+        }
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
