@@ -1,0 +1,85 @@
+"""Background service plumbing: service files rendered (never enabled in tests), pid
+records, and start/stop/status behaviour when nothing is running."""
+
+from __future__ import annotations
+
+import plistlib
+from pathlib import Path
+
+import pytest
+
+from daemon import service
+from daemon.cli import main
+
+
+@pytest.fixture
+def dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for var in ("XDG_CONFIG_HOME", "XDG_STATE_HOME"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    return tmp_path
+
+
+def test_systemd_unit(dirs: Path) -> None:
+    spec = service.service_file(
+        "linux", ["--model", "/m/x", "--port", "9000"], Path("/srv"), dirs, service.default_paths()
+    )
+    assert spec.path == dirs / "xdg_config_home" / "systemd" / "user" / "specd.service"
+    assert (
+        "ExecStart=" in spec.content
+        and "-m daemon.cli serve --model /m/x --port 9000" in spec.content
+    )
+    assert "WorkingDirectory=/srv" in spec.content and "WantedBy=default.target" in spec.content
+    assert "systemctl --user enable --now specd" in spec.enable_hint
+
+
+def test_launchd_plist_is_valid_xml(dirs: Path) -> None:
+    paths = service.default_paths()
+    spec = service.service_file("darwin", ["--model", "a&b"], Path("/srv"), dirs, paths)
+    plist = plistlib.loads(spec.content.encode())
+    assert plist["Label"] == service.LAUNCHD_LABEL
+    assert plist["ProgramArguments"][-3:] == ["serve", "--model", "a&b"]
+    assert plist["RunAtLoad"] is True and plist["StandardErrorPath"] == str(paths.log_file)
+    assert spec.path.name.endswith(".plist") and "LaunchAgents" in str(spec.path)
+
+
+def test_unsupported_platform(dirs: Path) -> None:
+    with pytest.raises(service.ServiceError, match="specd start"):
+        service.service_file("win32", [], Path("/"), dirs, service.default_paths())
+
+
+def test_service_install_writes_the_unit(
+    dirs: Path, capsys: pytest.CaptureFixture[str], stories_target: Path
+) -> None:
+    assert main(["service", "install", "--platform", "linux", "--model", str(stories_target)]) == 0
+    out = capsys.readouterr().out
+    unit = dirs / "xdg_config_home" / "systemd" / "user" / "specd.service"
+    assert f"wrote {unit}" in out and "systemctl --user" in out
+    assert f"--model {stories_target}" in unit.read_text()
+    assert main(["service", "install", "--platform", "darwin", "--print", "--model", "m"]) == 0
+    assert "<plist" in capsys.readouterr().out
+
+
+def test_pid_record_round_trip(dirs: Path) -> None:
+    paths = service.default_paths()
+    assert service.DaemonRecord.read(paths) is None
+    service.DaemonRecord(1234, "http://127.0.0.1:1").write(paths)
+    assert service.DaemonRecord.read(paths) == service.DaemonRecord(1234, "http://127.0.0.1:1")
+    assert paths.pid_file.parent == dirs / "xdg_state_home" / "specd"
+
+
+def test_stop_and_status_when_not_running(dirs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = service.default_paths()
+    service.DaemonRecord(2**22 + 12345, "http://127.0.0.1:9").write(paths)  # a stale pid
+    assert main(["stop"]) == 0
+    assert "was not running" in capsys.readouterr().out
+    assert not paths.pid_file.exists()
+    assert main(["status", "--port", "9"]) == 3
+    assert "not answering" in capsys.readouterr().out
+
+
+def test_start_without_a_model_fails_before_forking(
+    dirs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["start"]) == 2
+    assert "no target model configured" in capsys.readouterr().err
+    assert not service.default_paths().pid_file.exists()
