@@ -66,6 +66,13 @@ def apply_rope(
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` without nn.Module's call machinery (hooks are never used here), which at
+    decode sizes costs as much as the matmul itself. Reads the parameters at call time, so
+    a streamer that rebinds them keeps working."""
+    return F.linear(x, module.weight, module.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -89,9 +96,13 @@ class Attention(nn.Module):
         mask: torch.Tensor | None,  # (T, start + T) bool, True = may attend
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim).transpose(0, 1)  # (H, T, hd)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)  # (Hkv, T, hd)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        q = (
+            _linear(self.q_proj, x).view(t, self.num_heads, self.head_dim).transpose(0, 1)
+        )  # (H, T, hd)
+        k = (
+            _linear(self.k_proj, x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        )  # (Hkv, T, hd)
+        v = _linear(self.v_proj, x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin)
@@ -100,7 +111,7 @@ class Attention(nn.Module):
         k_cache[:, start:end] = k
         v_cache[:, start:end] = v
         out = attend(q, k_cache[:, :end], v_cache[:, :end], mask)  # (H, T, hd)
-        return self.o_proj(out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
+        return _linear(self.o_proj, out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
 
 
 # Above this many attention scores a pass goes through SDPA (memory-efficient kernels)
@@ -141,7 +152,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return _linear(
+            self.down_proj, F.silu(_linear(self.gate_proj, x)) * _linear(self.up_proj, x)
+        )
 
 
 class DecoderLayer(nn.Module):
