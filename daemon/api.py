@@ -319,6 +319,8 @@ def _prompt_ids(engine: Engine, req: CompletionRequest) -> list[int]:
 
 async def _next_event(job: Job, request: web.Request, timeout: float):  # type: ignore[no-untyped-def]
     """The job's next event, or None after `timeout` seconds without one."""
+    if not job.events.empty():
+        return job.events.get_nowait()
     try:
         return await asyncio.wait_for(job.events.get(), timeout)
     except asyncio.TimeoutError:
@@ -388,11 +390,17 @@ async def _stream(
                 # SSE comment: keeps proxies and clients from timing out during a long pass.
                 await response.write(SSE_KEEPALIVE)
                 continue
-            if isinstance(event, Chunk):
-                if event.text:
-                    await response.write(sse(shape.chunk(event.text, first=first)))
-                    first = False
-            elif isinstance(event, Finished):
+            # Take whatever else already arrived: when rounds outpace the client, one write
+            # carries several rounds' text instead of one write per round.
+            batch = [event]
+            while not job.events.empty():
+                batch.append(job.events.get_nowait())
+            text = "".join(e.text for e in batch if isinstance(e, Chunk))
+            if text:
+                await response.write(sse(shape.chunk(text, first=first)))
+                first = False
+            event = batch[-1]
+            if isinstance(event, Finished):
                 await response.write(
                     sse(shape.chunk("", finish_reason=event.finish_reason, stats=event.stats))
                 )
