@@ -1,0 +1,205 @@
+"""Statistical losslessness: every registered strategy samples exactly the target's
+distribution.
+
+On a vocabulary of 8 tokens the target's exact distribution over the first n generated
+tokens is computed by enumeration (the target run on every prefix, the same final sampling
+transform applied). Each strategy then generates from the same prompt RUNS times with
+different seeds, and the total-variation distance between the empirical and the exact
+distribution must stay below a bound that follows from RUNS alone:
+
+    E[TV] <= 1/2 * sum_x sqrt(P(x) (1 - P(x)) / RUNS)       (Jensen, cell by cell)
+    P(TV - E[TV] > t) <= exp(-2 RUNS t^2)                  (McDiarmid: one run moves TV
+                                                             by at most 1/RUNS)
+
+so TV < E-bound + sqrt(ln(1/DELTA) / (2 RUNS)) fails a correct sampler with probability
+below DELTA. A sampler that skips the residual step on rejection (resamples from p instead
+of norm(max(0, p - q))) is a negative control the same bound must reject.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
+from speculative.generation import Strategy
+from speculative.model import Transformer
+from speculative.sampling import PenaltyContext, SamplingParams, probabilities
+from speculative.strategies.linear import Linear
+
+VOCAB = 8
+PROMPT = [1, 3, 4, 5, 3, 4]  # repeats itself, so n-gram drafting has something to propose
+CONTEXT = 16
+RUNS = 1200
+DELTA = 1e-4
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    max_position_embeddings=32,
+)
+# name → (sampling parameters, number of generated tokens whose joint law is compared)
+SETTINGS: dict[str, tuple[SamplingParams, int]] = {
+    "temperature-1": (SamplingParams(temperature=1.0), 2),
+    "top-k-top-p-presence": (
+        SamplingParams(temperature=1.0, top_k=4, top_p=0.9, presence_penalty=0.7),
+        3,
+    ),
+}
+# (strategy, draft): every strategy the daemon registers, with each kind of drafter.
+CASES = [
+    ("autoregressive", None),
+    ("linear", "model"),
+    ("linear", "ngram"),
+    ("tree", "model"),
+    ("tree", "ngram"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Thousands of tiny forward passes: a second intra-op thread only adds synchronisation
+    # (and spin-waiting on a shared machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_checkpoint) -> tuple[Path, Path]:
+    # A peaked-but-not-degenerate target, and an unrelated, more confident draft: it
+    # disagrees often, so rejections (and the residual) carry real probability mass.
+    target = tiny_checkpoint(init_std=0.5, seed=11, **TINY)
+    draft = tiny_checkpoint(init_std=1.0, seed=14, **TINY)
+    return target, draft
+
+
+def runtime(pair: tuple[Path, Path], strategy: str, draft: str | None) -> Runtime:
+    target, draft_path = pair
+    options = RuntimeOptions(
+        model=str(target),
+        draft={"model": str(draft_path), "ngram": "ngram", None: None}[draft],
+        strategy=strategy,
+        spec_length=2,
+        budget=6,
+        max_depth=3,
+        context=CONTEXT,
+    )
+    return Runtime(options)
+
+
+def exact_distribution(
+    target: Transformer, prompt: Sequence[int], params: SamplingParams, n: int
+) -> torch.Tensor:
+    """(V**n,) the target's probability of each n-token continuation, index = base-V number."""
+    next_token: dict[tuple[int, ...], torch.Tensor] = {}  # generated prefix → (V,)
+
+    def distribution_after(generated: tuple[int, ...]) -> torch.Tensor:
+        if generated not in next_token:
+            ids = [*prompt, *generated]
+            logits = target(
+                torch.tensor(ids),
+                torch.arange(len(ids)),
+                target.new_cache(len(ids)),
+                last_only=True,
+            )  # (1, V)
+            penalties = PenaltyContext(VOCAB, prompt, "cpu")
+            penalties.append(generated)
+            next_token[generated] = probabilities(logits, params, penalties.rows())[0].double()
+        return next_token[generated]
+
+    joint = torch.zeros(VOCAB**n, dtype=torch.float64)
+    for seq in itertools.product(range(VOCAB), repeat=n):
+        prob = 1.0
+        for i in range(n):
+            prob *= float(distribution_after(seq[:i])[seq[i]])
+            if prob == 0.0:
+                break
+        joint[_index(seq)] = prob
+    return joint
+
+
+def _index(seq: Sequence[int]) -> int:
+    index = 0
+    for t in seq:
+        index = index * VOCAB + t
+    return index
+
+
+def empirical_distribution(
+    strategy: Strategy, prompt: Sequence[int], params: SamplingParams, n: int, runs: int
+) -> torch.Tensor:
+    """(V**n,) frequencies of the first n tokens over `runs` seeded generations. One session
+    serves every run (reuse_prefix rolls it back to the prompt), as the daemon reuses one."""
+    session = strategy.new_session(CONTEXT)
+    counts = torch.zeros(VOCAB**n, dtype=torch.float64)
+    for seed in range(runs):
+        session.reuse_prefix(prompt)
+        rounds = strategy.rounds(session, prompt, params, n, torch.Generator().manual_seed(seed))
+        tokens: list[int] = []
+        for rnd in rounds:
+            tokens += rnd.tokens
+            if len(tokens) >= n:
+                break
+        rounds.close()
+        assert len(tokens) >= n, "the context has room for n tokens"
+        counts[_index(tokens[:n])] += 1
+    return counts / runs
+
+
+def tv_bound(exact: torch.Tensor, runs: int, delta: float = DELTA) -> float:
+    expected = 0.5 * float(torch.sqrt(exact * (1 - exact) / runs).sum())
+    return expected + math.sqrt(math.log(1 / delta) / (2 * runs))
+
+
+def total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a - b).abs().sum())
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize(("strategy_name", "draft"), CASES)
+def test_strategy_samples_exactly_the_target_distribution(pair, strategy_name, draft, setting):
+    assert strategy_name in STRATEGY_BUILDERS, (
+        f"strategy {strategy_name!r} is not registered in daemon/runtime.py"
+    )
+    params, n = SETTINGS[setting]
+    rt = runtime(pair, strategy_name, draft)
+    strategy = rt.strategy(strategy_name)
+    exact = exact_distribution(rt.target, PROMPT, params, n)
+    assert abs(float(exact.sum()) - 1.0) < 1e-6
+    empirical = empirical_distribution(strategy, PROMPT, params, n, RUNS)
+    tv, bound = total_variation(empirical, exact), tv_bound(exact, RUNS)
+    assert tv < bound, f"{strategy_name}/{draft} {setting}: TV {tv:.4f} >= bound {bound:.4f}"
+
+
+def test_every_registered_strategy_is_covered():
+    assert {name for name, _ in CASES} >= set(STRATEGY_BUILDERS)
+
+
+class ResamplesFromTarget(Linear):
+    """Wrong on purpose: on rejection it samples p again instead of norm(max(0, p - q)),
+    which double-counts the mass the accepted draft tokens already gave min(p, q)."""
+
+    def correction_distribution(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return p
+
+
+def test_the_bound_rejects_a_sampler_that_skips_the_residual(pair):
+    params, n = SETTINGS["top-k-top-p-presence"]
+    rt = runtime(pair, "linear", "model")
+    linear = rt.strategy("linear")
+    assert isinstance(linear, Linear)
+    wrong = ResamplesFromTarget(linear.target, linear.drafter, linear.spec_length)
+    exact = exact_distribution(rt.target, PROMPT, params, n)
+    empirical = empirical_distribution(wrong, PROMPT, params, n, RUNS)
+    tv, bound = total_variation(empirical, exact), tv_bound(exact, RUNS)
+    assert tv > bound, f"the negative control passed: TV {tv:.4f} <= bound {bound:.4f}"
