@@ -158,3 +158,24 @@ def test_greedy_generation_matches_transformers_generate(shared_models: Path) ->
                     torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None
                 )
             assert ours.token_ids == out[0, len(ids) :].tolist(), (folder.name, prompt)
+
+
+def test_large_pass_attention_path_agrees(tiny_checkpoint, monkeypatch) -> None:
+    """Long prefills go through SDPA instead of the explicit grouped matmul: same logits."""
+    import speculative.model as model_module
+
+    path = tiny_checkpoint("qwen2", vocab_size=96)
+    model, _, _ = load(path)
+    tokens = torch.arange(3, 40)
+    tree = torch.arange(50, 50 + len(TREE_PARENTS))
+    depth = torch.tensor([len(p) - 1 for p in _ancestors(TREE_PARENTS)])
+
+    def run() -> torch.Tensor:
+        cache = model.new_cache(64)
+        causal = model(tokens, torch.arange(len(tokens)), cache)
+        masked = model(tree, len(tokens) + depth, cache, mask=_tree_mask(TREE_PARENTS))
+        return torch.cat((causal, masked))
+
+    explicit = run()
+    monkeypatch.setattr(model_module, "_EXPLICIT_ATTENTION_MAX_SCORES", 0)
+    torch.testing.assert_close(run(), explicit, atol=1e-5, rtol=0)
