@@ -179,3 +179,30 @@ def test_large_pass_attention_path_agrees(tiny_checkpoint, monkeypatch) -> None:
     explicit = run()
     monkeypatch.setattr(model_module, "_EXPLICIT_ATTENTION_MAX_SCORES", 0)
     torch.testing.assert_close(run(), explicit, atol=1e-5, rtol=0)
+
+
+def test_keep_compacts_an_accepted_tree_path(tiny_checkpoint) -> None:
+    """After a tree pass, keeping prefix + one root-to-leaf path leaves the cache exactly as
+    if that path had been fed in order: the next token's logits agree with a fresh run."""
+    model, _, _ = load(tiny_checkpoint("llama", vocab_size=96))
+    prefix = torch.arange(3, 14)
+    tree = torch.arange(30, 30 + len(TREE_PARENTS))
+    paths = _ancestors(TREE_PARENTS)
+    accepted = paths[2]  # nodes 0 -> 1 -> 2
+    depth = torch.tensor([len(p) - 1 for p in paths])
+    cache = model.new_cache(64)
+    model(prefix, torch.arange(len(prefix)), cache)
+    model(tree, len(prefix) + depth, cache, mask=_tree_mask(TREE_PARENTS))
+    cache.keep(list(range(len(prefix))) + [len(prefix) + i for i in accepted])
+    assert cache.length == len(prefix) + len(accepted)
+    nxt = torch.tensor([77])
+    got = model(nxt, torch.tensor([cache.length]), cache)
+
+    fresh = model.new_cache(64)
+    sequence = torch.cat((prefix, tree[accepted], nxt))
+    want = model(sequence, torch.arange(len(sequence)), fresh)[-1:]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    cache.truncate(len(prefix))
+    assert cache.length == len(prefix)
+    with pytest.raises(ValueError, match="beyond the cache length"):
+        cache.keep([0, len(prefix)])
