@@ -93,6 +93,8 @@ class CostLine:
 
     def observe(self, n: int, seconds: float) -> None:
         if n in self.means:
+            # A shared machine stalls now and then: one stall must not move the estimate far.
+            seconds = min(seconds, 3.0 * self.means[n])
             self.means[n] = self.decay * self.means[n] + (1 - self.decay) * seconds
             self.weights[n] = min(self.weights[n] + 1.0, 20.0)
         else:
