@@ -53,10 +53,27 @@ def _hf_model(path: Path, dtype: torch.dtype = torch.float32):  # type: ignore[n
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(tiny_checkpoint, family: str, tie: bool) -> None:
     path = tiny_checkpoint(family, tie_word_embeddings=tie, vocab_size=96)
-    ours, _, ckpt = load(path)
-    assert ckpt.config.tie_word_embeddings is tie
+    assert load(path)[2].config.tie_word_embeddings is tie
+    _check_parity(path, f"{family}-{tie}")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"attention_bias": True, "mlp_bias": True},  # Llama with every bias
+        {"num_kv_heads": 4},  # plain multi-head attention (no grouping)
+        {"num_kv_heads": 1, "num_heads": 8},  # multi-query attention
+    ],
+    ids=["llama-biases", "llama-mha", "llama-mqa"],
+)
+def test_logits_match_transformers_variants(tiny_checkpoint, options: dict) -> None:
+    _check_parity(tiny_checkpoint("llama", vocab_size=96, **options), str(sorted(options)))
+
+
+def _check_parity(path: Path, seed_key: str) -> None:
+    ours, _, _ = load(path)
     ref = _hf_model(path)
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{family}-{tie}".encode()))
+    gen = torch.Generator().manual_seed(zlib.crc32(seed_key.encode()))
     prompt = torch.randint(3, 96, (19,), generator=gen)  # (P,)
     decode = torch.randint(3, 96, (4,), generator=gen)  # (D,)
     tree = torch.randint(3, 96, (len(TREE_PARENTS),), generator=gen)  # (N,)
