@@ -6,6 +6,7 @@ the streamer."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -128,6 +129,12 @@ def place_target(
     return streamer
 
 
+def _is_streamed_layer(name: str, first_streamed: int) -> bool:
+    """'layers.7.mlp.up_proj.weight' is streamed when 7 >= first_streamed."""
+    parts = name.split(".")
+    return parts[0] == "layers" and int(parts[1]) >= first_streamed
+
+
 def load_target(
     model_ref: str,
     dtype: str,
@@ -148,7 +155,11 @@ def load_target(
     if not plan.streamed_layers:
         model, tokenizer, ckpt = load(model_ref, dtype, device)
         return model, tokenizer, ckpt, plan, None
-    model, tokenizer, ckpt = load(model_ref, dtype, "cpu")
+    skip = None
+    if plan.host_tier == "disk":
+        # Streamed layers are read from the files at every pass: never load them into RAM.
+        skip = partial(_is_streamed_layer, first_streamed=plan.resident_layers)
+    model, tokenizer, ckpt = load(model_ref, dtype, "cpu", skip=skip)
     return model, tokenizer, ckpt, plan, place_target(model, ckpt, plan, device)
 
 

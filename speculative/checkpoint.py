@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,9 +120,14 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     progress: bool | None = None,
+    skip: Callable[[str], bool] | None = None,
 ) -> Transformer:
     """Build the decoder on the meta device and materialise each tensor once, straight from
-    the memory-mapped file into its final dtype and device."""
+    the memory-mapped file into its final dtype and device.
+
+    Parameters whose name `skip` accepts (e.g. "layers.7.mlp.up_proj.weight") are checked
+    against the file but left on the meta device in `dtype`: the disk offload tier reads
+    those layers from the files itself, so they never take host memory."""
     cfg = checkpoint.config
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -155,9 +161,12 @@ def load_model(
                 if shape != tuple(expected[name]):
                     wrong_shape.append(f"{hf_name} {shape} (expected {tuple(expected[name])})")
                     continue
+                seen.add(name)
+                if skip is not None and skip(name):
+                    _assign(model, name, torch.empty(shape, dtype=dtype, device="meta"))
+                    continue
                 tensor = f.get_tensor(hf_name).to(device=device, dtype=dtype)
                 _assign(model, name, tensor)
-                seen.add(name)
                 if reporter:
                     reporter.advance(tensor.numel() * tensor.element_size())
     if reporter:
@@ -212,15 +221,16 @@ def load(
     ref: str | os.PathLike[str],
     dtype: str | torch.dtype = "fp32",
     device: torch.device | str = "cpu",
+    skip: Callable[[str], bool] | None = None,
 ) -> tuple[Transformer, Tokenizer, Checkpoint]:
-    """Everything needed to generate from one model reference."""
+    """Everything needed to generate from one model reference (see `load_model` for `skip`)."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     ckpt = open_checkpoint(ref)
     tokenizer = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
-    model = load_model(ckpt, dtype=dtype, device=device)
+    model = load_model(ckpt, dtype=dtype, device=device, skip=skip)
     return model, tokenizer, ckpt
 
 

@@ -296,3 +296,19 @@ def test_hub_id_not_in_the_cache(offline_hub: Path) -> None:
     message = str(info.value)
     assert "'nobody/not-cached' is not in the local Hugging Face cache" in message
     assert "specd pull nobody/not-cached" in message
+
+
+def test_skipped_parameters_stay_on_meta_and_the_rest_loads(tiny_checkpoint):
+    """The disk offload tier loads a target without its streamed layers: they must take no
+    memory (meta) yet keep their dtype and shape so the streamer can lay them out."""
+    from speculative.checkpoint import load_model, open_checkpoint
+
+    ckpt = open_checkpoint(tiny_checkpoint("llama"))
+    model = load_model(ckpt, dtype=torch.bfloat16, skip=lambda n: n.startswith("layers.1."))
+    for name, p in model.named_parameters():
+        if name.startswith("layers.1."):
+            assert p.is_meta and p.dtype == torch.bfloat16, name
+        else:
+            assert not p.is_meta, name
+    full = load_model(ckpt, dtype=torch.bfloat16)
+    assert torch.equal(model.layers[0].mlp.up_proj.weight, full.layers[0].mlp.up_proj.weight)
