@@ -88,7 +88,7 @@ def default_depth(budget: int) -> int:
     draft's runs of agreement, shallow enough to leave room for siblings."""
     if budget <= 0:
         return 0
-    return min(budget, max(2, int(math.log2(budget)) + 3))
+    return min(budget, max(2, int(math.log2(budget)) + 6))
 
 
 def grow_tree(
@@ -99,19 +99,25 @@ def grow_tree(
     root_position: int,
     budget: int,
     max_depth: int,
+    batch: int | None = None,
+    score_temperature: float = 1.0,
 ) -> int:
     """Best-first growth of `tree` (holding only its root, already fed to `cache` in the last
-    slot) to `budget` nodes of depth <= `max_depth`. Each iteration adds the best
-    `ceil(budget / max_depth)` frontier candidates by cumulative draft log-probability,
+    slot) to `budget` nodes of depth <= `max_depth`. Each iteration adds the best `batch`
+    (default `ceil(budget / max_depth)`) frontier candidates by cumulative draft log-probability,
     then runs one draft pass over those that may still have children, with the ancestor
-    mask. Nodes added are fed to the draft cache in index order, except those that will
+    mask. Candidates are ranked by cumulative log-probability under the draft's logits
+    divided by `score_temperature` (below 1 favours deep confident chains over siblings,
+    which pays when the target is greedy). Nodes added are fed to the draft cache in index order, except those that will
     never be expanded (`tree.fed` lists those held); returns the number of draft passes,
     the root's not counted."""
     device = tree.tokens.device
     root_slot = cache.length - 1
-    batch = max(1, math.ceil(budget / max(max_depth, 1)))
+    if batch is None:
+        batch = max(1, math.ceil(budget / max(max_depth, 1)))
     fed = torch.zeros(1, dtype=torch.long, device=device)  # (F,) node 0, the root
-    cand_logp, cand_token = _top_children(root_logits[None, :], tree.logprobs[:1], budget)
+    scale = 1.0 / score_temperature
+    cand_logp, cand_token = _top_children(root_logits[None, :] * scale, tree.logprobs[:1], budget)
     cand_parent = torch.zeros_like(cand_token)
     passes = 0
     added = 0
@@ -138,7 +144,7 @@ def grow_tree(
             tree.tokens[idx], root_position + tree.depths[idx], cache, mask=mask
         )  # (t, V)
         passes += 1
-        logp, tok = _top_children(logits, tree.logprobs[idx], budget - added)
+        logp, tok = _top_children(logits * scale, tree.logprobs[idx], budget - added)
         cand_logp = torch.cat((cand_logp, logp))
         cand_token = torch.cat((cand_token, tok))
         cand_parent = torch.cat((cand_parent, idx.repeat_interleave(tok.numel() // t)))

@@ -119,6 +119,6 @@ def test_auto_learns_a_big_tree_for_a_streamed_target():
 
 
 def test_fixed_budget_shape():
-    assert FixedBudget(64).next_shape() == TreeShape(64, 8 + 1)
+    assert FixedBudget(64).next_shape() == TreeShape(64, 12)
     assert FixedBudget(64, 4).next_shape() == TreeShape(64, 4)
     assert FixedBudget(0).next_shape() == TreeShape(0, 0)
