@@ -6,9 +6,10 @@ Throughput is (DESIGN.md)
 
 `AutoBudget` learns all three terms from the rounds it sees, with no calibration passes:
 
-- t_target(n): seconds of a round outside drafting (the verification pass over n tokens
-  plus the walk and commit), as a line fitted through the sizes seen so far. A streamed
-  GPU target gives a nearly flat line, a CPU a steep one.
+- t_target(n): seconds of a tree round outside drafting (the verification pass over n
+  tokens plus the walk and commit), as a line fitted through the sizes seen so far. A
+  streamed GPU target gives a nearly flat line, a CPU a steep one. A plain step (budget 0)
+  is measured on its own: it skips all tree bookkeeping.
 - t_draft: seconds per draft pass (catch-up feeding excluded), times the passes a shape
   needs (one per level: the root's pass plus depth - 1).
 - E[tokens | budget b, depth d]: every round's tree is a best-first tree whose first b nodes
@@ -32,6 +33,7 @@ from speculative.tree import default_depth
 
 BUDGET_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEPTH_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
+PLAIN_REFRESH_EVERY = 16  # rounds between plain steps while a tree is chosen
 
 
 @dataclass(frozen=True)
@@ -73,10 +75,11 @@ class FixedBudget:
             raise ValueError(f"tree budget must be >= 0 nodes, got {self.budget}")
         if self.depth is not None and self.depth < 1:
             raise ValueError(f"--max-depth must be at least 1, got {self.depth}")
+        depth = self.depth if self.depth is not None else default_depth(self.budget)
+        self.shape = TreeShape(self.budget, min(depth, self.budget))
 
     def next_shape(self) -> TreeShape:
-        depth = self.depth if self.depth is not None else default_depth(self.budget)
-        return TreeShape(self.budget, min(depth, self.budget))
+        return self.shape
 
     def observe(self, record: RoundRecord) -> None:
         pass
@@ -121,11 +124,14 @@ def choose_shape(
     expected_tokens: dict[TreeShape, float],
     target: CostLine,
     draft_seconds: Callable[[TreeShape], float],
+    plain_seconds: float | None = None,
 ) -> TreeShape:
     """The shape with the best predicted tokens per second. Budget 0, a plain target step
-    that yields exactly one token and drafts nothing, is always a candidate."""
+    that yields exactly one token and drafts nothing, is always a candidate; its measured
+    cost (`plain_seconds`, else the line at one token) is used as is, since a plain step
+    skips the tree bookkeeping that every tree round pays."""
     best = TreeShape(0, 0)
-    best_rate = 1.0 / target.predict(1)
+    best_rate = 1.0 / (plain_seconds if plain_seconds is not None else target.predict(1))
     for shape, tokens in expected_tokens.items():
         rate = tokens / (target.predict(1 + shape.budget) + draft_seconds(shape))
         if rate > best_rate:
@@ -145,7 +151,8 @@ class AutoBudget:
         self.depth_cap = max_depth if max_depth is not None else DEPTH_GRID[-1]
         self.explore_share = explore_share
         self.uses_draft_model = uses_draft_model
-        self.target = CostLine()  # round seconds outside drafting vs tokens verified
+        self.target = CostLine()  # tree rounds: seconds outside drafting vs tokens verified
+        self.plain = CostLine()  # plain steps (budget 0)
         self.draft_unit_seconds = 0.0  # per draft pass, or per n-gram lookup
         self._draft_samples = 0
         self._sums: dict[TreeShape, float] = {}
@@ -154,6 +161,7 @@ class AutoBudget:
         self.explore_seconds = 0.0
         self._explore_budget = min(32, max_budget)
         self._exploring = False
+        self._rounds = 0
         self.chosen = TreeShape(0, 0)
 
     def draft_seconds(self, shape: TreeShape) -> float:
@@ -173,8 +181,11 @@ class AutoBudget:
         if not self._counts:  # nothing learnt yet: the first round explores
             self._exploring = True
             return self._explore_shape()
-        if 1 not in self.target.means:
-            return TreeShape(0, 0)  # one plain step measures what no tree costs
+        self._rounds += 1
+        if not self.plain or (self.chosen.budget and self._rounds % PLAIN_REFRESH_EVERY == 0):
+            # A plain step measures what no tree costs (and re-measures it now and then: a
+            # stall during the first one must not keep trees looking cheap forever).
+            return TreeShape(0, 0)
         rationed = self.explore_seconds <= self.explore_share * self.total_seconds
         if rationed and self._explore_budget > self.chosen.budget:
             self._exploring = True
@@ -186,11 +197,15 @@ class AutoBudget:
 
     def observe(self, record: RoundRecord) -> None:
         self.total_seconds += record.round_seconds
+        if not record.nodes and not self._exploring and self._rounds % PLAIN_REFRESH_EVERY:
+            self.plain.observe(1, record.round_seconds)  # the common no-tree step: stay cheap
+            return
         if self._exploring:
             self.explore_seconds += record.round_seconds
             if record.nodes >= self._explore_budget:  # next time, look further
                 self._explore_budget = min(self._explore_budget * 2, self.max_budget)
-        self.target.observe(record.verify_tokens, record.round_seconds - record.draft_seconds)
+        line = self.target if record.nodes else self.plain
+        line.observe(record.verify_tokens, record.round_seconds - record.draft_seconds)
         if record.nodes:
             unit = record.draft_seconds
             if self.uses_draft_model:
@@ -198,7 +213,14 @@ class AutoBudget:
             n = self._draft_samples = min(self._draft_samples + 1, 20)
             self.draft_unit_seconds += (unit - self.draft_unit_seconds) / n
             self._learn_acceptance(record)
-        self.chosen = choose_shape(self.expected_tokens(), self.target, self.draft_seconds)
+        if record.nodes or self._rounds % PLAIN_REFRESH_EVERY == 0:
+            # Plain rounds only refine t_target(1): re-deciding now and then is enough, and
+            # keeps the no-tree path as cheap as plain decoding.
+            plain = self.plain.predict(1) if self.plain else None
+            if self.target:
+                self.chosen = choose_shape(
+                    self.expected_tokens(), self.target, self.draft_seconds, plain
+                )
 
     def _learn_acceptance(self, record: RoundRecord) -> None:
         for b in BUDGET_GRID:

@@ -92,7 +92,7 @@ class TreeSpeculation:
             t_round = time.perf_counter()
             tokens: list[int] = []
             # Continuations verified in earlier rounds or requests need no target pass.
-            while emitted + len(tokens) < max_new_tokens:
+            while pcache.max_bytes and emitted + len(tokens) < max_new_tokens:
                 logits = pcache.get(key)
                 if logits is None or len(seq) - len(session.target_tokens) >= cache.free:
                     break
@@ -115,6 +115,22 @@ class TreeSpeculation:
             depth = min(shape.depth, left - 1)
             if depth < 1:
                 budget = 0
+            if budget == 0 and not pending:
+                tok = self._plain_step(session, seq[-1], params, penalties, generator, key)
+                if pcache.max_bytes:
+                    key = pcache.child(key, tok)
+                penalties.append([tok])
+                seq.append(tok)
+                tokens.append(tok)
+                stats.target_passes += 1
+                stats.budget = shape.budget
+                seconds = time.perf_counter() - t_round
+                stats.verify_seconds += seconds
+                self.planner.observe(RoundRecord(shape, 0, [], 1, seconds, 0.0, 0))
+                emitted += len(tokens)
+                yield Round(tokens, stats)
+                stats = RoundStats()
+                continue
             target.prefetch()
             tree, catch_up_seconds = self._draft(session, seq, budget, depth, params, stats)
             draft_seconds = stats.draft_seconds
@@ -186,6 +202,30 @@ class TreeSpeculation:
             emitted += len(tokens)
             yield Round(tokens, stats)
             stats = RoundStats()
+
+    def _plain_step(
+        self,
+        session: Session,
+        root: int,
+        params: SamplingParams,
+        penalties: PenaltyContext,
+        generator: torch.Generator,
+        key: int,
+    ) -> int:
+        """No tree: one target step on the root, as cheap as autoregressive decoding (auto
+        falls back to this where speculation does not pay)."""
+        target = self.target
+        pos = len(session.target_tokens)
+        logits = target(
+            torch.tensor([root], device=target.device),
+            torch.tensor([pos], device=target.device),
+            session.target_cache,
+        )  # (1, V)
+        session.target_tokens.append(root)
+        if self.prefix_cache.max_bytes:
+            self.prefix_cache.put_rows([key], logits)
+        probs = probabilities(logits, params, penalties.rows())  # (1, V)
+        return int(probs.argmax(-1)[0] if params.greedy else sample(probs, generator)[0])
 
     def _draft(
         self,
