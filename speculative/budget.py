@@ -94,7 +94,11 @@ class CostLine:
     means: dict[int, float] = field(default_factory=dict)
     weights: dict[int, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self._fit: tuple[float, float, float] | None = None  # (mean n, mean s, slope)
+
     def observe(self, n: int, seconds: float) -> None:
+        self._fit = None
         if n in self.means:
             # A shared machine stalls now and then: one stall must not move the estimate far.
             seconds = min(seconds, 3.0 * self.means[n])
@@ -111,12 +115,15 @@ class CostLine:
             raise ValueError("no measurements yet")
         if len(self.means) == 1:
             return next(iter(self.means.values()))  # one size seen: assume flat
-        w = self.weights
-        total = sum(w.values())
-        mx = sum(w[k] * k for k in w) / total
-        my = sum(w[k] * self.means[k] for k in w) / total
-        var = sum(w[k] * (k - mx) ** 2 for k in w)
-        slope = max(0.0, sum(w[k] * (k - mx) * (self.means[k] - my) for k in w) / var)
+        if self._fit is None:  # the planner predicts many sizes per observation: fit once
+            w = self.weights
+            total = sum(w.values())
+            mx = sum(w[k] * k for k in w) / total
+            my = sum(w[k] * self.means[k] for k in w) / total
+            var = sum(w[k] * (k - mx) ** 2 for k in w)
+            slope = max(0.0, sum(w[k] * (k - mx) * (self.means[k] - my) for k in w) / var)
+            self._fit = (mx, my, slope)
+        mx, my, slope = self._fit
         return max(my + slope * (n - mx), 1e-9)
 
 

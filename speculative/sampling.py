@@ -119,6 +119,22 @@ def probabilities(
     return probs
 
 
+def draw(
+    logits: torch.Tensor,  # (N, V) fp32
+    params: SamplingParams,
+    penalties: PenaltyContext | None,
+    generator: torch.Generator,
+    extra_counts: torch.Tensor | None = None,  # (N, V): tokens on each row's own draft path
+) -> torch.Tensor:
+    """One token per row from its final distribution, (N,). Greedy without penalties is the
+    raw argmax: exactly what the one-hot distribution would give, without building it."""
+    if params.greedy and not params.has_penalties:
+        return logits.argmax(-1)
+    rows = penalties.rows(extra_counts) if penalties is not None else None
+    probs = probabilities(logits, params, rows)
+    return probs.argmax(-1) if params.greedy else sample(probs, generator)
+
+
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches `top_p` (always at
     least the top token), renormalised."""

@@ -10,7 +10,7 @@ import torch
 
 from speculative.generation import Round, RoundStats, Session, prefill_target
 from speculative.model import Transformer
-from speculative.sampling import PenaltyContext, SamplingParams, probabilities, sample
+from speculative.sampling import PenaltyContext, SamplingParams, draw
 
 
 class Autoregressive:
@@ -49,12 +49,7 @@ class Autoregressive:
                 cache,
             )
             session.target_tokens.append(root)
-            if params.greedy and penalties is None:
-                # The one-hot greedy distribution samples its argmax: skip building it.
-                token = int(logits[0].argmax())
-            else:
-                probs = probabilities(logits, params, penalties.rows() if penalties else None)
-                token = int(sample(probs, generator)[0])
+            token = int(draw(logits, params, penalties, generator)[0])
             if penalties is not None:
                 penalties.append([token])
             stats.target_passes += 1

@@ -29,7 +29,7 @@ from speculative.generation import PREFILL_CHUNK, Round, RoundStats, Session, fe
 from speculative.model import Transformer
 from speculative.ngram import ngram_continuations
 from speculative.prefix_cache import PrefixCache
-from speculative.sampling import PenaltyContext, SamplingParams, probabilities, sample
+from speculative.sampling import PenaltyContext, SamplingParams, draw
 from speculative.tree import DraftTree, grow_tree, tree_from_continuations, verification_mask
 
 NGRAM_CANDIDATES = 8  # continuations merged into an n-gram tree
@@ -85,7 +85,9 @@ class TreeSpeculation:
                 target, cache, session.target_tokens, todo
             )
             stats.prefill_seconds = time.perf_counter() - t0
-        penalties = PenaltyContext(vocab, prompt_ids, target.device)
+        penalties = (
+            PenaltyContext(vocab, prompt_ids, target.device) if params.has_penalties else None
+        )
         key = pcache.key(seq)  # the prefix cache's id of x_1..x_L
         emitted = 0
         while emitted < max_new_tokens:
@@ -96,9 +98,9 @@ class TreeSpeculation:
                 logits = pcache.get(key)
                 if logits is None or len(seq) - len(session.target_tokens) >= cache.free:
                     break
-                probs = probabilities(logits[None, :], params, penalties.rows())  # (1, V)
-                tok = int(probs.argmax(-1)[0] if params.greedy else sample(probs, generator)[0])
-                penalties.append([tok])
+                tok = int(draw(logits[None, :], params, penalties, generator)[0])
+                if penalties is not None:
+                    penalties.append([tok])
                 tokens.append(tok)
                 seq.append(tok)
                 key = pcache.child(key, tok)
@@ -119,7 +121,8 @@ class TreeSpeculation:
                 tok = self._plain_step(session, seq[-1], params, penalties, generator, key)
                 if pcache.max_bytes:
                     key = pcache.child(key, tok)
-                penalties.append([tok])
+                if penalties is not None:
+                    penalties.append([tok])
                 seq.append(tok)
                 tokens.append(tok)
                 stats.target_passes += 1
@@ -153,9 +156,8 @@ class TreeSpeculation:
             )  # (P + N,)
             mask = verification_mask(tree.mask, p) if nodes > 1 else None
             logits = target(verify_tokens, positions, cache, mask=mask, logits_from=p)  # (N, V)
-            extra = tree.path_counts(vocab) if params.has_penalties and nodes > 1 else None
-            probs = probabilities(logits, params, penalties.rows(extra))  # (N, V)
-            draws = (probs.argmax(-1) if params.greedy else sample(probs, generator)).tolist()
+            extra = tree.path_counts(vocab) if penalties is not None and nodes > 1 else None
+            draws = draw(logits, params, penalties, generator, extra).tolist()  # (N,)
 
             node, path = 0, []
             children = tree.children() if nodes > 1 else {}
@@ -179,7 +181,8 @@ class TreeSpeculation:
             session.target_tokens.extend(node_tokens[i] for i in path)
             self._commit_draft(session, tree, path, node_tokens)
             new = tokens[len(tokens) - len(path) - 1 :]
-            penalties.append(new)
+            if penalties is not None:
+                penalties.append(new)
             seq.extend(new)
 
             stats.target_passes += 1
@@ -208,7 +211,7 @@ class TreeSpeculation:
         session: Session,
         root: int,
         params: SamplingParams,
-        penalties: PenaltyContext,
+        penalties: PenaltyContext | None,
         generator: torch.Generator,
         key: int,
     ) -> int:
@@ -224,8 +227,7 @@ class TreeSpeculation:
         session.target_tokens.append(root)
         if self.prefix_cache.max_bytes:
             self.prefix_cache.put_rows([key], logits)
-        probs = probabilities(logits, params, penalties.rows())  # (1, V)
-        return int(probs.argmax(-1)[0] if params.greedy else sample(probs, generator)[0])
+        return int(draw(logits, params, penalties, generator)[0])
 
     def _draft(
         self,
