@@ -57,6 +57,7 @@ def build_engine(settings: Settings, metrics: Metrics, runtime: Runtime | None =
         queue_size=settings.limits.queue_size,
         max_concurrent=settings.limits.max_concurrent,
         cached_sessions=settings.limits.cached_sessions,
+        stream_interval=settings.server.stream_interval_ms / 1000.0,
     )
 
     def factory(options: RuntimeOptions) -> Runtime:

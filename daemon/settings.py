@@ -161,6 +161,7 @@ class ServerSettings:
     cors_origins: list[str] = field(default=(), metadata={"check": text_list})
     allowed_hosts: list[str] = field(default=(), metadata={"check": text_list})
     keepalive_seconds: float = _key(5.0, number(0.05, 300.0))
+    stream_interval_ms: int = _key(20, integer(0, 1000))
 
 
 @dataclass

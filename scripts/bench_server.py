@@ -4,7 +4,7 @@ the same generation run in-process, on the same model, in one run.
     .venv/bin/python scripts/bench_server.py [--model M] [--draft D] [--strategy S]
         [--max-tokens 256] [--repeats 3] [--json bench_server.json]
 
-Each repeat runs the in-process generation and the streamed request back to back (the
+The daemon runs as its own `specd serve` process, as users run it. Each repeat runs the in-process generation and the streamed request back to back (the
 order alternates), greedy, ignoring EOS so both produce exactly --max-tokens tokens; the
 medians are reported with their ratio (goal: REST ≥ 0.9 of in-process throughput).
 """
@@ -14,7 +14,11 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,8 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from daemon.runtime import Runtime, RuntimeOptions  # noqa: E402
-from daemon.server import BackgroundServer  # noqa: E402
-from daemon.settings import load_settings  # noqa: E402
 from speculative.generation import Generation  # noqa: E402
 from speculative.sampling import SamplingParams  # noqa: E402
 
@@ -85,6 +87,37 @@ def through_rest(port: int, strategy: str, prompt_ids: list[int], n: int) -> dic
     return {"tokens": tokens, "ttft": first, "seconds": total, "text": "".join(text)}
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_daemon(args: argparse.Namespace, port: int) -> subprocess.Popen:
+    """`specd serve` in its own process, as users run it: the client here does not share
+    the daemon's interpreter (or its GIL)."""
+    cmd = [sys.executable, "-m", "daemon.cli", "serve", "--model", args.model,
+           "--device", "cpu", "--port", str(port), "--log-level", "warning"]  # fmt: skip
+    if args.draft:
+        cmd += ["--draft", args.draft]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "SPECD_LIMITS_CACHED_SESSIONS": "0"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"specd serve exited with status {proc.returncode}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.terminate()
+    raise TimeoutError("specd serve did not become healthy within 120 s")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=str(SHARED / "stories260k"))
@@ -98,23 +131,12 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    options = RuntimeOptions(model=args.model, draft=args.draft, device="cpu")
-    runtime = Runtime(options)
-    settings = load_settings(
-        environ={},
-        overrides={
-            "models.target": (args.model, "bench"),
-            "models.draft": (args.draft, "bench"),
-            "models.device": ("cpu", "bench"),
-            "server.port": (0, "bench"),
-            "limits.cached_sessions": (0, "bench"),  # every request prefills, like in-process
-        },
-    )
+    runtime = Runtime(RuntimeOptions(model=args.model, draft=args.draft, device="cpu"))
     prompt_ids = runtime.tokenizer.encode(args.prompt)
     local, rest = [], []
-    with BackgroundServer(settings) as srv:
-        port = srv.server.port
-        assert port is not None
+    port = free_port()
+    daemon = start_daemon(args, port)
+    try:
         in_process(runtime, args.strategy, prompt_ids, 16)  # warm-up both paths
         through_rest(port, args.strategy, prompt_ids, 16)
         for i in range(args.repeats):
@@ -126,6 +148,9 @@ def main() -> int:
             ]
             for run in pair if i % 2 == 0 else pair[::-1]:
                 run()
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=30)
     assert all(r["text"] == local[0]["text"] for r in local + rest), "outputs differ"
 
     def summary(runs: list[dict]) -> dict:
