@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from daemon import bench_cmd, chat_cmd, plan_cmd, pull_cmd, serve_cmd, service_cmd
+from daemon.argtypes import count_or_auto
 from daemon.pull_cmd import PullError
 from daemon.runtime import Runtime, RuntimeError_, RuntimeOptions
 from daemon.service import ServiceError
@@ -75,20 +76,6 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     plan_cmd.add_offload_args(p)
 
 
-def _budget(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--budget takes a node count or 'auto', got {text!r}"
-        ) from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--budget must be at least 1, got {value}")
-    return value
-
-
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft", default=None, help="draft model folder / hub id, or 'ngram' (prompt lookup)"
@@ -100,7 +87,12 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
         help="default: tree with a draft, autoregressive without",
     )
     p.add_argument("--spec-length", type=int, default=4, help="linear: tokens drafted per round")
-    p.add_argument("--budget", type=_budget, default="auto", help="tree: node budget or 'auto'")
+    p.add_argument(
+        "--budget",
+        type=count_or_auto("--budget", 1),
+        default="auto",
+        help="tree: node budget or 'auto'",
+    )
     p.add_argument("--max-depth", type=int, default=None, help="tree: depth limit")
 
 

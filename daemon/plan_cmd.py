@@ -15,25 +15,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from daemon.argtypes import count_or_auto
 from daemon.placement import OffloadRequest, footprint, plan_request
 from daemon.runtime import RuntimeOptions, pick_device
 from offload.plan import detect_budget, make_plan
 from offload.units import parse_rate, parse_size
 from speculative.checkpoint import DTYPES, open_checkpoint
-
-
-def _resident(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a layer count or 'auto', got {text!r}"
-        ) from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--resident-layers must be >= 0, got {value}")
-    return value
 
 
 def _size_or_auto(text: str) -> str:
@@ -58,7 +45,12 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
     config file's values survive; RuntimeOptions holds the real defaults)."""
     g = p.add_argument_group("offload")
     g.add_argument("--offload", choices=("none", "stream", "auto"), default=None)
-    g.add_argument("--resident-layers", type=_resident, default=None, help="N or auto")
+    g.add_argument(
+        "--resident-layers",
+        type=count_or_auto("--resident-layers", 0),
+        default=None,
+        help="N or auto",
+    )
     g.add_argument("--slots", type=int, default=None, help="streaming slots on the device (>= 2)")
     g.add_argument("--gpu-budget", type=_size_or_auto, default=None, help="24GB, 512MiB or auto")
     g.add_argument("--ram-budget", type=_size_or_auto, default=None, help="64GB or auto")

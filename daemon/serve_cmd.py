@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from daemon.argtypes import count_or_auto
 from daemon.plan_cmd import add_offload_args
 from daemon.settings import (
     Settings,
@@ -42,10 +43,6 @@ FLAG_KEYS = {
 }
 
 
-def _budget(text: str) -> int | str:
-    return text if text == "auto" else int(text)
-
-
 def add_settings_args(p: argparse.ArgumentParser) -> None:
     """Flags that override the configuration (see config/specd.yaml for each key)."""
     p.add_argument("--config", type=Path, default=None, help="config file (default: user config)")
@@ -55,7 +52,12 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
     p.add_argument("--strategy", choices=("autoregressive", "linear", "tree"), default=None)
-    p.add_argument("--budget", type=_budget, default=None, help="tree node budget or 'auto'")
+    p.add_argument(
+        "--budget",
+        type=count_or_auto("--budget", 1),
+        default=None,
+        help="tree node budget or 'auto'",
+    )
     p.add_argument("--context", type=int, default=None, help="KV cache length in tokens")
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None)

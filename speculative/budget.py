@@ -18,9 +18,14 @@ Throughput is (DESIGN.md)
   accepted: the leading path nodes with index <= b, at most d of them.
 
 It picks the shape with the best predicted rate, including budget 0 (a plain target step,
-no drafting at all) when speculation does not pay. Exploring bigger trees costs time, so
-it is rationed: after the first round, exploration rounds may take at most
-`explore_share` of the time spent so far.
+no drafting at all) when speculation does not pay. Bigger trees are explored (budget
+doubling from a small first tree) only while they could still win: a tree of depth d
+yields at most d + 1 tokens, so once the costs are measured a shape whose best case
+`(d + 1) / (t_target + t_draft)` loses to the current choice is not tried. What exploring
+loses (its time minus what its tokens would have cost at the chosen rate) is rationed to
+`explore_share` of the time spent. A streamed target, where a bigger tree costs about the
+same pass, loses nothing by exploring and so learns quickly; a CPU, where drafting costs as
+much as the target, stops after one small tree.
 """
 
 from __future__ import annotations
@@ -166,8 +171,9 @@ class AutoBudget:
         self._counts: dict[TreeShape, int] = {}
         self.total_seconds = 0.0
         self.explore_seconds = 0.0
-        self._explore_budget = min(32, max_budget)
+        self._explore_budget = min(2, max_budget)
         self._exploring = False
+        self._rate_before = 0.0  # predicted tokens/s of the choice when exploring began
         self._rounds = 0
         self.chosen = TreeShape(0, 0)
 
@@ -195,9 +201,29 @@ class AutoBudget:
             return TreeShape(0, 0)
         rationed = self.explore_seconds <= self.explore_share * self.total_seconds
         if rationed and self._explore_budget > self.chosen.budget:
-            self._exploring = True
-            return self._explore_shape()
+            shape = self._explore_shape()
+            best = self.predicted_rate(self.chosen)
+            if self._best_case_rate(shape) > best:
+                self._exploring, self._rate_before = True, best
+                return shape
         return self.chosen
+
+    def predicted_rate(self, shape: TreeShape) -> float:
+        """Tokens per second the planner expects from `shape` (0 when it cannot tell)."""
+        if not shape.budget:
+            return 1.0 / self.plain.predict(1) if self.plain else 0.0
+        tokens = self.expected_tokens().get(shape)
+        if tokens is None or not self.target:
+            return 0.0
+        return tokens / (self.target.predict(1 + shape.budget) + self.draft_seconds(shape))
+
+    def _best_case_rate(self, shape: TreeShape) -> float:
+        """Every drafted level accepted: the most a tree of this shape could yield."""
+        if not self.target:
+            return float("inf")
+        return (shape.depth + 1) / (
+            self.target.predict(1 + shape.budget) + self.draft_seconds(shape)
+        )
 
     def expected_tokens(self) -> dict[TreeShape, float]:
         return {s: 1.0 + self._sums[s] / self._counts[s] for s in self._counts}
@@ -208,7 +234,12 @@ class AutoBudget:
             self.plain.observe(1, record.round_seconds)  # the common no-tree step: stay cheap
             return
         if self._exploring:
-            self.explore_seconds += record.round_seconds
+            # The net loss: this round's time minus what its tokens would have cost at the
+            # chosen rate. Negative when exploring paid off, which leaves room for more.
+            # The first round has nothing to compare with: it costs no ration.
+            if self._rate_before:
+                gained = (len(record.path) + 1) / self._rate_before
+                self.explore_seconds += record.round_seconds - gained
             if record.nodes >= self._explore_budget:  # next time, look further
                 self._explore_budget = min(self._explore_budget * 2, self.max_budget)
         line = self.target if record.nodes else self.plain

@@ -9,7 +9,6 @@ import json
 from collections.abc import Sequence
 
 import pytest
-import torch
 
 from daemon.cli import main
 from daemon.runtime import Runtime, RuntimeOptions
@@ -46,16 +45,6 @@ def generate(
         ignore_eos=options.pop("ignore_eos", True),
         **options,
     ).run()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Hundreds of tiny forward passes: a second intra-op thread only adds synchronisation
-    # (and spin-waiting on a shared machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

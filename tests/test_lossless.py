@@ -64,16 +64,6 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Thousands of tiny forward passes: a second intra-op thread only adds synchronisation
-    # (and spin-waiting on a shared machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def pair(tiny_checkpoint) -> tuple[Path, Path]:
     # A peaked-but-not-degenerate target, and an unrelated, more confident draft: it

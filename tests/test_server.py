@@ -10,7 +10,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 
 from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
 from daemon.server import BackgroundServer
@@ -19,16 +18,6 @@ from speculative.generation import Generation
 from speculative.sampling import SamplingParams
 
 MODEL = "stories260k"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models decode fastest on one thread, and two OpenMP threads stall badly when
-    the shared CPUs are busy; restored for the modules that follow."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import torch
 
 from daemon import engine as engine_module
 from daemon.runtime import Runtime, RuntimeOptions
@@ -33,16 +32,6 @@ PROMPTS = [
     "In the park",
     "Mom said",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models decode fastest on one thread, and two OpenMP threads stall badly when
-    the shared CPUs are busy; restored for the modules that follow."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")

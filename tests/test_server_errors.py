@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from daemon.server import BackgroundServer, Server
 from daemon.settings import load_settings
@@ -22,16 +21,6 @@ KEY = "test-key-123"
 MODEL = "stories260k"
 CONTEXT = 64
 BODY_LIMIT = 4096
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models decode fastest on one thread, and two OpenMP threads stall badly when
-    the shared CPUs are busy; restored for the modules that follow."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="module")
