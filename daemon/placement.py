@@ -11,13 +11,13 @@ from typing import Protocol
 
 import torch
 
+from offload.machine import detect_budget
 from offload.placement import build_streamer
 from offload.plan import (
     Budget,
     MemoryPlan,
     ModelFootprint,
     PlanRequest,
-    detect_budget,
     make_plan,
     module_bytes,
 )

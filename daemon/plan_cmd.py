@@ -18,7 +18,8 @@ from typing import Any
 from daemon.argtypes import count_or_auto
 from daemon.placement import OffloadRequest, footprint, plan_request
 from daemon.runtime import RuntimeOptions, pick_device
-from offload.plan import detect_budget, make_plan
+from offload.machine import detect_budget
+from offload.plan import make_plan
 from offload.units import parse_rate, parse_size
 from speculative.checkpoint import DTYPES, open_checkpoint
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from daemon.api import DRAINING, ApiConfig, create_app
+from daemon.api import create_app
+from daemon.edge import DRAINING, ApiConfig
 from daemon.engine import Engine, EngineLimits
 from daemon.metrics import Metrics
 from daemon.openai_wire import WireLimits

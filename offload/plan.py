@@ -8,15 +8,12 @@ may be measured here or given for another machine ("a 70B on a 24 GB card with 6
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import psutil
-import torch
 from torch import nn
 
-from offload.units import format_size, parse_rate, parse_size
+from offload.units import format_size
 
 OFFLOAD_MODES = ("none", "stream", "auto")
 TIER_CHOICES = ("ram", "disk", "auto")
@@ -368,72 +365,3 @@ def _what_would_fit(r: PlanRequest, budget: Budget) -> list[str]:
 def _max_resident(r: PlanRequest, cap: int) -> int:
     spare = cap - _minimal_streamed(r, r.context, r.slots)
     return max(0, spare // max(r.target.layer_bytes, 1))
-
-
-# Measuring the machine.
-
-
-def measure_bandwidth(device: torch.device | str, size: int = 256 * 2**20) -> tuple[float, str]:
-    """Host→device copy rate in bytes/s: pinned RAM → GPU on CUDA, a RAM memcpy on CPU.
-    Best of three copies of `size` bytes."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        src = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        dst = torch.empty(size, dtype=torch.uint8, device=device)
-        dst.copy_(src, non_blocking=True)  # warm-up
-        torch.cuda.synchronize(device)
-        best = float("inf")
-        for _ in range(3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1000.0)
-        return size / best, "measured: pinned host→GPU copy"
-    size = min(size, 64 * 2**20)
-    src = torch.ones(size, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return size / best, "measured: RAM copy (CPU device)"
-
-
-def detect_budget(
-    device: torch.device | str,
-    device_budget: str | int = "auto",
-    ram_budget: str | int = "auto",
-    bandwidth: str | float | None = None,
-    measure: bool = True,
-) -> Budget:
-    """Budgets from the user's values, or measured on this machine: free GPU memory minus a
-    reserve (CUDA context, allocator slack), available RAM minus a reserve for everything
-    else on the machine."""
-    device = torch.device(device)
-    vm = psutil.virtual_memory()
-    ram_reserve = max(2**30, vm.total // 10)
-    if ram_budget == "auto":
-        ram, ram_source = max(vm.available - ram_reserve, 0), "available RAM minus a reserve"
-    else:
-        ram, ram_source = parse_size(ram_budget, "--ram-budget"), "configured"
-    # A configured device budget plans for a GPU (possibly another machine's).
-    kind = "cuda" if device.type == "cuda" or device_budget != "auto" else "cpu"
-    if device_budget != "auto":
-        dev, dev_source = parse_size(device_budget, "--gpu-budget"), "configured"
-    elif kind == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        reserve = max(512 * 2**20, total // 20)
-        dev, dev_source = max(free - reserve, 0), "free GPU memory minus a reserve"
-    else:
-        dev, dev_source = ram, "CPU device: available RAM"
-    if bandwidth is not None:
-        rate: float | None = parse_rate(bandwidth, "--bandwidth")
-        rate_source = "configured"
-    elif measure:
-        rate, rate_source = measure_bandwidth(device)
-    else:
-        rate, rate_source = None, "not measured"
-    return Budget(kind, dev, dev_source, ram, ram_source, rate, rate_source)

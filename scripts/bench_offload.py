@@ -29,8 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from offload.machine import measure_bandwidth  # noqa: E402
 from offload.placement import build_streamer  # noqa: E402
-from offload.plan import measure_bandwidth  # noqa: E402
 from speculative.config import ModelConfig  # noqa: E402
 from speculative.model import Transformer, rope_inv_freq  # noqa: E402
 

@@ -11,9 +11,11 @@ SPECD=.venv/bin/specd
 $SPECD start --model "$MODELS/stories260k" --draft "$MODELS/stories260k-draft" --port "$PORT"
 trap '$SPECD stop' EXIT
 $SPECD status
-echo "--- POST /v1/chat/completions (curl, not streamed) ---"
-curl -s "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: application/json' \
-    -d '{"model": "stories260k", "messages": [{"role": "user", "content": "Tell me a story about a dog."}], "max_tokens": 64, "temperature": 0}'
-echo
+if command -v curl >/dev/null; then
+    echo "--- POST /v1/chat/completions (curl, not streamed) ---"
+    curl -s "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: application/json' \
+        -d '{"model": "stories260k", "messages": [{"role": "user", "content": "Tell me a story about a dog."}], "max_tokens": 64, "temperature": 0}'
+    echo
+fi
 echo "--- specd chat --once (streamed over SSE) ---"
 $SPECD chat --url "http://127.0.0.1:$PORT" --once "Once upon a time" --max-tokens 64

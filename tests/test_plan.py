@@ -12,7 +12,8 @@ import torch
 from daemon import cli
 from daemon.placement import OffloadRequest, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
-from offload.plan import Budget, PlanError, detect_budget, make_plan
+from offload.machine import detect_budget
+from offload.plan import Budget, PlanError, make_plan
 from offload.units import format_size, parse_rate, parse_size
 from speculative.config import ModelConfig
 
