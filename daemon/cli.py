@@ -45,6 +45,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
+        "--threads",
+        type=count_or_auto("--threads", 1),
+        default="auto",
+        help="CPU compute threads, or auto (1 for tiny models, else the physical cores)",
+    )
+    p.add_argument(
         "--context", type=int, default=None, help="KV cache length (default: the model's)"
     )
 
@@ -111,6 +117,7 @@ def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:
         dtype=args.dtype,
         device=args.device,
         context=args.context,
+        threads=args.threads,
     )
 
 

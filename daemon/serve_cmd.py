@@ -26,6 +26,7 @@ FLAG_KEYS = {
     "name": "models.name",
     "dtype": "models.dtype",
     "device": "models.device",
+    "threads": "models.threads",
     "strategy": "speculation.strategy",
     "budget": "speculation.budget",
     "offload": "offload.mode",
@@ -51,6 +52,9 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="model id served at /v1/models")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
+    p.add_argument(
+        "--threads", type=count_or_auto("--threads", 1), default=None, help="CPU threads or auto"
+    )
     p.add_argument("--strategy", choices=("autoregressive", "linear", "tree"), default=None)
     p.add_argument(
         "--budget",

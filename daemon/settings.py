@@ -127,6 +127,7 @@ class ModelsSettings:
     name: str | None = _key(None, text(nullable=True))
     dtype: str = _key("fp32", choice("fp32", "bf16", "fp16"))
     device: str = _key("auto", choice("auto", "cpu", "cuda"))
+    threads: int | str = _key("auto", integer(1, 1024, auto=True))
 
 
 @dataclass
@@ -225,6 +226,7 @@ class Settings:
             host_tier=self.offload.host_tier,
             ram_budget=self.offload.ram_budget,
             bandwidth=self.offload.bandwidth,
+            threads=self.models.threads,
         )
 
     @property
