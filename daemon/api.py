@@ -45,6 +45,7 @@ from daemon.openai_wire import (
     sse,
     usage,
 )
+from daemon.runtime import RuntimeError_
 from speculative.generation import Chunk
 from speculative.tokenizer import ChatTemplateError
 
@@ -140,6 +141,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             code="model_not_found",
         )
     engine = _require_ready(app)
+    _check_strategy(engine, req)
     prompt_ids = _prompt_ids(engine, req)
     try:
         job = engine.submit(
@@ -170,6 +172,18 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     finally:
         if not job.done:
             job.cancel()  # the client went away (or we failed): free the engine's slot
+
+
+def _check_strategy(engine: Engine, req: CompletionRequest) -> None:
+    """A strategy this daemon cannot run (speculation without a draft) is the request's
+    fault: refuse it here rather than fail in the engine with a 500."""
+    assert engine.runtime is not None
+    if req.strategy is None:
+        return
+    try:
+        engine.runtime._check_strategy(req.strategy)
+    except RuntimeError_ as exc:
+        raise bad_request(str(exc), "strategy") from None
 
 
 def _prompt_ids(engine: Engine, req: CompletionRequest) -> list[int]:

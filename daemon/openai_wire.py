@@ -176,8 +176,8 @@ def _common(body: dict, limits: WireLimits) -> dict[str, Any]:
     if top_k is not None and (not _is_int(top_k) or top_k < 0):
         raise bad_request(f"top_k must be a non-negative integer (0 = off), got {top_k!r}", "top_k")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise bad_request(f"seed must be an integer, got {seed!r}", "seed")
+    if seed is not None and not (_is_int(seed) and -(2**63) <= seed < 2**64):
+        raise bad_request(f"seed must be a 64-bit integer, got {seed!r}", "seed")
     stream = body.get("stream", False)
     if stream is None:
         stream = False

@@ -34,6 +34,7 @@ class SamplingParams:
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "in (0, 10]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, "a 64-bit integer"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -105,7 +106,7 @@ def probabilities(
         logits = apply_penalties(logits, params, *penalties)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    logits = _scale(logits, params.temperature)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -117,6 +118,21 @@ def probabilities(
         probs = probs * keep
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+# Below this temperature, logits / T may overflow float32 (and a scalar under ~1e-45 rounds
+# to 0): inf - inf is NaN in the softmax. Such temperatures take the overflow-free path.
+TINY_TEMPERATURE = 1e-4
+
+
+def _scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T, (N, V). For a tiny T the logits are shifted so the row maximum is 0 first
+    (softmax does not change) and the maximum stays exactly 0 even when T underflows, so the
+    result is the greedy limit (uniform over tied maxima) instead of NaN."""
+    if temperature >= TINY_TEMPERATURE:
+        return logits / temperature
+    shifted = logits - logits.max(dim=-1, keepdim=True).values  # (N, V) <= 0
+    return torch.where(shifted == 0, shifted, shifted / temperature)
 
 
 def draw(

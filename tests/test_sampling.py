@@ -172,3 +172,25 @@ def test_sample_frequencies_match_the_distribution() -> None:
     assert counts[3] == 0
     assert ((counts - expected).abs() <= 5 * sigma + 1e-9).all(), (counts, expected)
     assert math.isclose(float(counts.sum()), n)
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 1e-30, 1e-45, 5e-324])
+def test_vanishing_temperature_is_the_greedy_limit(temperature: float) -> None:
+    """logits / T overflowing float32 gave inf - inf = NaN rows (multinomial then raised)."""
+    logits = torch.tensor([[1.0, 30.0, 2.0, -5.0], [7.0, 7.0, -1.0, 3.0]])
+    probs = probabilities(logits, SamplingParams(temperature=temperature, top_p=0.9, min_p=0.1))
+    assert torch.isfinite(probs).all()
+    expected = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]])  # ties share
+    assert torch.allclose(probs, expected)
+    # Above the threshold nothing changes: the plain division.
+    assert torch.equal(
+        probabilities(logits, SamplingParams(temperature=0.7)), torch.softmax(logits / 0.7, -1)
+    )
+
+
+def test_seed_must_fit_64_bits() -> None:
+    SamplingParams(seed=-(2**63))
+    SamplingParams(seed=2**64 - 1)
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError, match="seed"):
+            SamplingParams(seed=seed)

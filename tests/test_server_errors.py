@@ -246,3 +246,34 @@ def test_health_is_503_while_loading(stories_target: Path) -> None:
         asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=60)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
+
+
+def test_strategy_that_needs_a_missing_draft_is_a_400(server: BackgroundServer) -> None:
+    """This daemon has no draft: asking for speculation is the request's fault, not a 500."""
+    for name in ("linear", "tree"):
+        error = assert_error(call(server, {**good(), "strategy": name}), 400, "strategy")
+        assert "draft" in error["message"]
+    status, _, _ = call(server, {**good(), "strategy": "autoregressive"})
+    assert status == 200
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_seed_outside_64_bits_is_a_400(server: BackgroundServer, seed: int) -> None:
+    error = assert_error(call(server, {**good(), "seed": seed}), 400, "seed")
+    assert "seed" in error["message"]
+
+
+def test_seeds_at_the_64_bit_edges_work(server: BackgroundServer) -> None:
+    for seed in (-(2**63), 2**64 - 1):
+        status, _, body = call(server, {**good(), "seed": seed, "temperature": 0.8})
+        assert status == 200, body
+
+
+def test_vanishing_temperature_samples_the_argmax(server: BackgroundServer) -> None:
+    """A temperature so small that logits / T overflows float32 is the greedy limit, not a
+    NaN distribution (which made torch.multinomial fail with a 500)."""
+    greedy = call(server, good())[2]["choices"][0]["message"]["content"]
+    for temperature in (1e-30, 1e-45, 5e-324):
+        status, _, body = call(server, {**good(), "temperature": temperature})
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] == greedy
