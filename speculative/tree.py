@@ -101,6 +101,7 @@ def grow_tree(
     max_depth: int,
     batch: int | None = None,
     score_temperature: float = 1.0,
+    max_branch: int = MAX_BRANCH,
 ) -> int:
     """Best-first growth of `tree` (holding only its root, already fed to `cache` in the last
     slot) to `budget` nodes of depth <= `max_depth`. Each iteration adds the best `batch`
@@ -117,7 +118,9 @@ def grow_tree(
         batch = max(1, math.ceil(budget / max(max_depth, 1)))
     fed = torch.zeros(1, dtype=torch.long, device=device)  # (F,) node 0, the root
     scale = 1.0 / score_temperature
-    cand_logp, cand_token = _top_children(root_logits[None, :] * scale, tree.logprobs[:1], budget)
+    cand_logp, cand_token = _top_children(
+        root_logits[None, :] * scale, tree.logprobs[:1], budget, max_branch
+    )
     cand_parent = torch.zeros_like(cand_token)
     passes = 0
     added = 0
@@ -144,7 +147,7 @@ def grow_tree(
             tree.tokens[idx], root_position + tree.depths[idx], cache, mask=mask
         )  # (t, V)
         passes += 1
-        logp, tok = _top_children(logits * scale, tree.logprobs[idx], budget - added)
+        logp, tok = _top_children(logits * scale, tree.logprobs[idx], budget - added, max_branch)
         cand_logp = torch.cat((cand_logp, logp))
         cand_token = torch.cat((cand_token, tok))
         cand_parent = torch.cat((cand_parent, idx.repeat_interleave(tok.numel() // t)))
@@ -156,9 +159,10 @@ def _top_children(
     logits: torch.Tensor,  # (n, V)
     parent_logp: torch.Tensor,  # (n,)
     room: int,
+    max_branch: int = MAX_BRANCH,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The best children of n nodes as flat (cumulative log-prob, token) candidates."""
-    k = max(1, min(MAX_BRANCH, room, logits.shape[-1]))
+    k = max(1, min(max_branch, room, logits.shape[-1]))
     logp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
     top = torch.topk(logp, k, dim=-1)  # (n, k)
     return (parent_logp[:, None] + top.values).reshape(-1), top.indices.reshape(-1)

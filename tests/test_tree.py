@@ -271,3 +271,37 @@ def test_prefix_cache_serves_a_repeated_prompt_without_target_passes(stories):
     again, _ = _generate(tree, tok, ids, max_tokens=40, ignore_eos=True)
     assert again.token_ids == first.token_ids
     assert again.stats.target_passes == 0
+
+
+def test_expected_tokens_is_one_plus_the_reach_probabilities():
+    from scripts.tree_acceptance import expected_tokens
+
+    tree = DraftTree(0, 4)
+    tree.add(torch.tensor([1, 2]), torch.tensor([0, 0]), torch.zeros(2))  # root → 1, root → 2
+    tree.add(torch.tensor([3]), torch.tensor([1]), torch.zeros(1))  # 1 → 3
+    probs = torch.zeros(4, 5)  # (N, V) target distribution at each node
+    probs[0, 1], probs[0, 2], probs[0, 4] = 0.5, 0.25, 0.25
+    probs[1, 3], probs[1, 4] = 0.4, 0.6
+    probs[2:, 4] = 1.0
+    assert expected_tokens(tree, probs) == pytest.approx(1 + 0.5 + 0.25 + 0.5 * 0.4)
+
+
+def test_walk_emits_the_analytic_expectation(stories):
+    """Each round's walk must reach node v with probability prod p_target along v's path: a
+    greedy round emits exactly that sum (one-hot distributions), and at temperature 1 the
+    mean over many rounds matches it within sampling noise."""
+    from scripts.tree_acceptance import record_rounds
+
+    target, draft, tok = stories
+    prompts = [tok.encode(p) for p in PROMPTS]
+    for r in record_rounds(target, draft, prompts[:2], GREEDY, 16, 48, seed=0):
+        assert r.tokens == round(r.analytic)
+    logs = []
+    for seed in range(3):
+        logs += record_rounds(
+            target, draft, prompts, SamplingParams(temperature=1.0), 16, 48, seed=100 * seed
+        )
+    emitted = torch.tensor([float(r.tokens) for r in logs])
+    analytic = torch.tensor([r.analytic for r in logs])
+    se = emitted.std() / len(logs) ** 0.5
+    assert abs(emitted.mean() - analytic.mean()) < 4 * se, (emitted.mean(), analytic.mean(), se)
