@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +31,11 @@ from speculative.generation import Chunk, Generation, GenerationStats, Session, 
 from speculative.sampling import SamplingParams
 
 log = logging.getLogger("specd.engine")
+
+# Strategies kept for per-request tree budgets. Without a bound, a client cycling through
+# budgets grew one strategy (and one prefix cache of logits, up to 64 MiB on the device)
+# per distinct value, forever.
+REQUEST_BUDGET_STRATEGIES = 4
 
 
 class QueueFullError(RuntimeError):
@@ -144,7 +149,11 @@ class Engine:
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=limits.queue_size)
         self._active: deque[_Active] = deque()
         self._idle: list[tuple[str, Session]] = []  # LRU order: oldest first
+        # (name, None): the configured strategies, kept. (name, budget): built for requests
+        # that set a tree budget, least recently used first and at most
+        # REQUEST_BUDGET_STRATEGIES of them (each holds its own prefix cache of target logits).
         self._strategies: dict[tuple[str, int | None], Strategy] = {}
+        self._budget_strategies: OrderedDict[tuple[str, int], Strategy] = OrderedDict()
         self._stopping = threading.Event()
         self.loaded = threading.Event()  # set once loading finished, successfully or not
         self._wake = threading.Condition()
@@ -264,18 +273,24 @@ class Engine:
         building with a copy of the options; only this thread builds, so that is safe."""
         assert self.runtime is not None
         name = name or self.runtime.default_strategy
+        if budget is None:
+            if (name, None) not in self._strategies:
+                self._strategies[(name, None)] = self.runtime.strategy(name)
+            return self._strategies[(name, None)]
         key = (name, budget)
-        if key not in self._strategies:
-            if budget is None:
-                self._strategies[key] = self.runtime.strategy(name)
-            else:
-                saved = self.runtime.options
-                self.runtime.options = dataclasses.replace(saved, budget=budget)
-                try:
-                    self._strategies[key] = self.runtime.strategy(name)
-                finally:
-                    self.runtime.options = saved
-        return self._strategies[key]
+        strategy = self._budget_strategies.get(key)
+        if strategy is None:
+            saved = self.runtime.options
+            self.runtime.options = dataclasses.replace(saved, budget=budget)
+            try:
+                strategy = self.runtime.strategy(name)
+            finally:
+                self.runtime.options = saved
+            self._budget_strategies[key] = strategy
+            while len(self._budget_strategies) > REQUEST_BUDGET_STRATEGIES:
+                self._budget_strategies.popitem(last=False)  # active jobs keep their own
+        self._budget_strategies.move_to_end(key)
+        return strategy
 
     def _take_session(self, pool_key: str, prompt_ids: list[int]) -> Session | None:
         best, best_len = None, -1

@@ -1,0 +1,30 @@
+"""The engine's strategy table: per-request tree budgets must not grow it without bound
+(each tree strategy holds a prefix cache of target logits on the device)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from daemon.engine import REQUEST_BUDGET_STRATEGIES, Engine, EngineLimits
+from daemon.metrics import Metrics
+from daemon.runtime import Runtime, RuntimeOptions
+
+
+def test_per_request_budgets_are_bounded_and_reused(
+    stories_target: Path, stories_draft: Path
+) -> None:
+    runtime = Runtime(
+        RuntimeOptions(model=str(stories_target), draft=str(stories_draft), device="cpu")
+    )
+    engine = Engine(runtime.options, EngineLimits(), Metrics(), runtime_factory=lambda _: runtime)
+    engine.runtime = runtime  # the worker thread is not started: call it directly
+    default = engine._strategy(None, None)
+    first = engine._strategy("tree", 3)
+    assert engine._strategy("tree", 3) is first  # built once, then reused
+    for budget in range(10, 60):
+        strategy = engine._strategy("tree", budget)
+        assert strategy.planner.next_shape().budget == budget  # type: ignore[attr-defined]
+    held = [*engine._strategies.values(), *getattr(engine, "_budget_strategies", {}).values()]
+    assert len(held) <= 1 + REQUEST_BUDGET_STRATEGIES, len(held)
+    assert all(s is not first for s in held)  # the least recently used went first
+    assert engine._strategy(None, None) is default  # the configured strategy stays
