@@ -11,10 +11,12 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, nodes
 from jinja2.exceptions import SecurityError
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -61,7 +63,12 @@ class Tokenizer:
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
         self.has_chat_template = chat_template is not None
-        self._template = _compile(chat_template or FALLBACK_CHAT_TEMPLATE)
+        try:
+            self._template = _compile(chat_template or FALLBACK_CHAT_TEMPLATE)
+        except TemplateError as exc:
+            raise ChatTemplateError(
+                f"the checkpoint's chat template does not compile: {exc}"
+            ) from exc
 
     @classmethod
     def from_folder(
@@ -132,6 +139,9 @@ class Tokenizer:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                # As transformers renders: defined but None (`tools is not none` is False).
+                tools=None,
+                documents=None,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
@@ -160,11 +170,41 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
         )
 
 
+class _GenerationBlock(Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's reply with
+    it (for training masks); rendering it is rendering its body."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' tojson: plain json.dumps (Jinja's own escapes HTML characters)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
 def _compile(source: str):  # type: ignore[no-untyped-def]
-    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True)
+    # The environment transformers renders Hub templates in: loop controls ({% break %})
+    # and the generation block are in real templates, which otherwise fail to compile.
+    env = _StrictSandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols]
+    )
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(
-        value, indent=indent, ensure_ascii=False
-    )
+    env.filters["tojson"] = _tojson
     return env.from_string(source)

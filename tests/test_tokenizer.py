@@ -181,3 +181,50 @@ def test_typical_template_features_still_work() -> None:
     tok = _stub_tokenizer(template)
     messages = [{"role": "user", "content": " a "}, {"role": "assistant", "content": "b"}]
     assert tok.render_chat(messages) == '[USER]a|b|2{"k": 1}'
+
+
+# Constructs real Hub templates use that transformers' renderer supports (its environment:
+# loopcontrols, the {% generation %} block, tools/documents passed as None, full tojson).
+HUB_TEMPLATE_FEATURES = [
+    # loop controls: {% break %} / {% continue %}
+    (
+        "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "{{ m.content }}{% if loop.index > 1 %}{% break %}{% endif %}{% endfor %}",
+        "a",
+    ),
+    # assistant-mask training templates wrap the reply in {% generation %}
+    (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+        "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}",
+        "sabc",
+    ),
+    # tools is None when the request has none (not undefined: `is not none` must be False)
+    ("{% if tools is not none %}TOOLS{% endif %}{% if documents is none %}ok{% endif %}", "ok"),
+    # tojson with the keyword arguments transformers exposes
+    ("{{ {'b': 1, 'a': [1, 2]} | tojson(separators=(',', ':'), sort_keys=true) }}",
+     '{"a":[1,2],"b":1}'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("template", "expected"), HUB_TEMPLATE_FEATURES)
+def test_hub_template_features_render_as_transformers_does(template: str, expected: str) -> None:
+    tok = _stub_tokenizer(template)
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
+    assert tok.render_chat(messages) == expected
+    # The same answer as the reference renderer (a test-only dependency).
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        conversations=[messages], chat_template=template, add_generation_prompt=True
+    )
+    assert rendered[0] == expected
+
+
+def test_template_that_does_not_compile_is_a_chat_template_error() -> None:
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        _stub_tokenizer("{% for m in messages %}{{ m.content }}")
