@@ -14,7 +14,10 @@ from speculative.config import ModelConfig
 
 
 class CacheFullError(RuntimeError):
-    """An append would write past the preallocated capacity."""
+    """An append would write past the cache's capacity (the context length)."""
+
+
+INITIAL_SLOTS = 512  # slots allocated up front; more are allocated (doubling) as needed
 
 
 class KVCache:
@@ -24,14 +27,17 @@ class KVCache:
         capacity: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        initial: int = INITIAL_SLOTS,
     ) -> None:
-        shape = (config.num_layers, config.num_kv_heads, capacity, config.head_dim)
-        self.k = torch.zeros(
-            shape, dtype=dtype, device=device
-        )  # (layers, kv_heads, slots, head_dim)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        """`capacity` is the most entries the cache may ever hold (the context length);
+        memory for them is allocated as the sequence grows, `initial` slots at first and
+        then doubling, so a 128k-token context costs nothing until it is used."""
         self.capacity = capacity
         self.length = 0  # slots [0, length) hold valid entries
+        slots = min(capacity, max(initial, 1))
+        shape = (config.num_layers, config.num_kv_heads, slots, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, kv_heads, slots, hd)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_for(config: ModelConfig, capacity: int, dtype: torch.dtype) -> int:
@@ -42,6 +48,24 @@ class KVCache:
     def free(self) -> int:
         return self.capacity - self.length
 
+    @property
+    def allocated(self) -> int:
+        """Slots currently backed by memory (≤ capacity)."""
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def _grow(self, needed: int) -> None:
+        slots = min(self.capacity, max(needed, 2 * self.allocated))
+        shape = (*self.k.shape[:2], slots, self.k.shape[3])
+        k = torch.zeros(shape, dtype=self.k.dtype, device=self.k.device)
+        v = torch.zeros(shape, dtype=self.v.dtype, device=self.v.device)
+        k[:, :, : self.length] = self.k[:, :, : self.length]
+        v[:, :, : self.length] = self.v[:, :, : self.length]
+        self.k, self.v = k, v
+
     def reserve(self, n: int) -> int:
         """Check room for `n` new entries and return the first slot they will occupy.
         The model writes them layer by layer, then calls `commit_append(n)`."""
@@ -49,6 +73,8 @@ class KVCache:
             raise CacheFullError(
                 f"KV cache full: {self.length} + {n} entries exceed the capacity of {self.capacity}"
             )
+        if self.length + n > self.allocated:
+            self._grow(self.length + n)
         return self.length
 
     def commit_append(self, n: int) -> None:

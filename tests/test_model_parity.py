@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from speculative.checkpoint import load
 from speculative.generation import Generation
+from speculative.kv_cache import CacheFullError, KVCache
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
 
@@ -223,3 +224,22 @@ def test_keep_compacts_an_accepted_tree_path(tiny_checkpoint) -> None:
     assert cache.length == len(prefix)
     with pytest.raises(ValueError, match=r"keep\(\) indices must lie in"):
         cache.keep([0, len(prefix)])
+
+
+def test_the_kv_cache_grows_on_demand_without_changing_logits(tiny_checkpoint):
+    """A 128k-token context must not allocate 128k slots up front: the cache starts small
+    and doubles as the sequence grows, and growth is invisible to the logits."""
+    model, _, _ = load(tiny_checkpoint("llama"))
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(0))
+    small = KVCache(model.config, capacity=200, initial=4)
+    big = KVCache(model.config, capacity=200, initial=200)
+    assert small.allocated == 4 and small.nbytes < big.nbytes
+    outs = []
+    for cache in (small, big):
+        prefill = model(ids[:30], torch.arange(30), cache)
+        steps = [model(ids[i : i + 1], torch.tensor([i]), cache) for i in range(30, 40)]
+        outs.append(torch.cat([prefill, *steps]))
+    assert small.allocated >= 40 and small.length == big.length == 40
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(CacheFullError):
+        KVCache(model.config, capacity=8, initial=2).reserve(9)
