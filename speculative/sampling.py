@@ -135,12 +135,42 @@ def _scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.where(shifted == 0, shifted, shifted / temperature)
 
 
+class PositionNoise:
+    """Randomness keyed by absolute position, for strategies that sample the target exactly
+    (autoregressive, the tree walk, the prefix-cache walk).
+
+    The token at sequence position t is argmax(log p_t + g_t), with Gumbel noise g_t made
+    from (seed, t) alone: the Gumbel-max trick, so it is exactly a draw from p_t, and g_t is
+    independent of p_t (which depends only on earlier positions). Two tree nodes at the same
+    depth share g_t, but a walk visits one node per position, so draws stay independent
+    along any path. What this buys: with the same seed, the text no longer depends on which
+    strategy produced p_t, on how the tree happened to be shaped, or on whether the session
+    was fresh — autoregressive and tree decoding give the same sample."""
+
+    def __init__(self, generator: torch.Generator, vocab_size: int) -> None:
+        # One draw from the request's generator fixes every position's noise.
+        self.seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+        self.vocab_size = vocab_size
+        self.device = generator.device
+
+    def gumbel(self, positions: Sequence[int]) -> torch.Tensor:
+        """(N, V) float64 Gumbel noise for the given absolute positions."""
+        rows = []
+        for t in positions:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed((self.seed * 0x9E3779B97F4A7C15 + t) % 2**64)
+            u = torch.rand(self.vocab_size, generator=gen, device=self.device, dtype=torch.float64)
+            rows.append(-torch.log(-torch.log(u)))
+        return torch.stack(rows)
+
+
 def draw(
     logits: torch.Tensor,  # (N, V) fp32
     params: SamplingParams,
     penalties: PenaltyContext | None,
-    generator: torch.Generator,
+    noise: PositionNoise | torch.Generator,
     extra_counts: torch.Tensor | None = None,  # (N, V): tokens on each row's own draft path
+    positions: Sequence[int] | None = None,  # with PositionNoise: each row's token position
 ) -> torch.Tensor:
     """One token per row from its final distribution, (N,). Greedy without penalties is the
     raw argmax: exactly what the one-hot distribution would give, without building it."""
@@ -148,7 +178,13 @@ def draw(
         return logits.argmax(-1)
     rows = penalties.rows(extra_counts) if penalties is not None else None
     probs = probabilities(logits, params, rows)
-    return probs.argmax(-1) if params.greedy else sample(probs, generator)
+    if params.greedy:
+        return probs.argmax(-1)
+    if isinstance(noise, PositionNoise):
+        if positions is None or len(positions) != probs.shape[0]:
+            raise ValueError("position-keyed sampling needs one position per row")
+        return (probs.double().log() + noise.gumbel(positions)).argmax(-1)
+    return sample(probs, noise)
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:

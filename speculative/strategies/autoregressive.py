@@ -10,7 +10,7 @@ import torch
 
 from speculative.generation import Round, RoundStats, Session, prefill_target
 from speculative.model import Transformer
-from speculative.sampling import PenaltyContext, SamplingParams, draw
+from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, draw
 
 
 class Autoregressive:
@@ -37,6 +37,7 @@ class Autoregressive:
             if params.has_penalties
             else None
         )
+        noise = PositionNoise(generator, target.config.vocab_size)
         root = prompt_ids[-1]
         for _ in range(max_new_tokens):
             if cache.free < 1:
@@ -49,7 +50,7 @@ class Autoregressive:
                 cache,
             )
             session.target_tokens.append(root)
-            token = int(draw(logits, params, penalties, generator)[0])
+            token = int(draw(logits, params, penalties, noise, positions=[pos + 1])[0])
             if penalties is not None:
                 penalties.append([token])
             stats.target_passes += 1
