@@ -8,8 +8,10 @@ token is a child in the tree, the target's distribution after it is already know
 there and draw again. The first token that is not a child is emitted too and ends the
 round (it becomes the next root). Every emitted token is a draw from the target's
 distribution given everything before it, whatever the draft proposed; the draft only
-decides how far one target pass reaches. Draws at different nodes are independent, so all
-nodes are drawn at once and the walk just follows them.
+decides how far one target pass reaches. Every node is drawn at once (the walk then just
+follows the draws) with noise keyed by the token's sequence position (`PositionNoise`):
+one walk visits one node per position, so its draws are independent, and a seed gives the
+same text as autoregressive decoding whatever the tree looked like.
 
 Round layout (see DESIGN.md): the caches hold x_1..x_{L-1}. One target pass takes the
 committed tokens it has not seen yet (the prompt on the first round: prefill folded into
@@ -29,7 +31,7 @@ from speculative.generation import PREFILL_CHUNK, Round, RoundStats, Session, fe
 from speculative.model import Transformer
 from speculative.ngram import ngram_continuations
 from speculative.prefix_cache import PrefixCache
-from speculative.sampling import PenaltyContext, SamplingParams, draw
+from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, draw
 from speculative.tree import DraftTree, grow_tree, tree_from_continuations, verification_mask
 
 NGRAM_CANDIDATES = 8  # continuations merged into an n-gram tree
@@ -88,6 +90,7 @@ class TreeSpeculation:
         penalties = (
             PenaltyContext(vocab, prompt_ids, target.device) if params.has_penalties else None
         )
+        noise = PositionNoise(generator, vocab)  # the same draws autoregressive decoding makes
         key = pcache.key(seq)  # the prefix cache's id of x_1..x_L
         emitted = 0
         while emitted < max_new_tokens:
@@ -98,7 +101,7 @@ class TreeSpeculation:
                 logits = pcache.get(key)
                 if logits is None or len(seq) - len(session.target_tokens) >= cache.free:
                     break
-                tok = int(draw(logits[None, :], params, penalties, generator)[0])
+                tok = int(draw(logits[None, :], params, penalties, noise, positions=[len(seq)])[0])
                 if penalties is not None:
                     penalties.append([tok])
                 tokens.append(tok)
@@ -118,7 +121,7 @@ class TreeSpeculation:
             if depth < 1:
                 budget = 0
             if budget == 0 and not pending:
-                tok = self._plain_step(session, seq[-1], params, penalties, generator, key)
+                tok = self._plain_step(session, seq[-1], params, penalties, noise, key)
                 if pcache.max_bytes:
                     key = pcache.child(key, tok)
                 if penalties is not None:
@@ -157,7 +160,9 @@ class TreeSpeculation:
             mask = verification_mask(tree.mask, p) if nodes > 1 else None
             logits = target(verify_tokens, positions, cache, mask=mask, logits_from=p)  # (N, V)
             extra = tree.path_counts(vocab) if penalties is not None and nodes > 1 else None
-            draws = draw(logits, params, penalties, generator, extra).tolist()  # (N,)
+            # Node v draws the token at sequence position len(seq) + depth(v).
+            at = None if params.greedy else (len(seq) + tree.depths[:nodes]).tolist()
+            draws = draw(logits, params, penalties, noise, extra, positions=at).tolist()  # (N,)
 
             node, path = 0, []
             children = tree.children() if nodes > 1 else {}
@@ -212,7 +217,7 @@ class TreeSpeculation:
         root: int,
         params: SamplingParams,
         penalties: PenaltyContext | None,
-        generator: torch.Generator,
+        noise: PositionNoise,
         key: int,
     ) -> int:
         """No tree: one target step on the root, as cheap as autoregressive decoding (auto
@@ -227,7 +232,7 @@ class TreeSpeculation:
         session.target_tokens.append(root)
         if self.prefix_cache.max_bytes:
             self.prefix_cache.put_rows([key], logits)
-        return int(draw(logits, params, penalties, generator)[0])
+        return int(draw(logits, params, penalties, noise, positions=[pos + 1])[0])
 
     def _draft(
         self,
