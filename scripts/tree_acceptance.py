@@ -34,21 +34,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from scripts.bench_speculative import PROMPTS  # noqa: E402
 from speculative.checkpoint import load  # noqa: E402
 from speculative.model import Transformer  # noqa: E402
 from speculative.prefix_cache import PrefixCache  # noqa: E402
 from speculative.sampling import SamplingParams, make_generator, probabilities  # noqa: E402
 from speculative.strategies.tree import TreeSpeculation  # noqa: E402
 from speculative.tree import DraftTree, default_depth, grow_tree, verification_mask  # noqa: E402
-
-PROMPTS = [
-    "Once upon a time",
-    "The little dog",
-    "Lily and Tom",
-    "One day, a big",
-    "Tim had a red ball",
-    "The sun was hot",
-]
 
 
 def expected_tokens(tree: DraftTree, probs: torch.Tensor) -> float:
