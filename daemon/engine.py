@@ -312,21 +312,26 @@ class Engine:
             self._idle.pop(0)  # the least recently used conversation
 
     def _step(self) -> None:
-        """One round of the generation at the head of the line, then it goes to the back."""
+        """One round of the generation at the head of the line, then it goes to the back.
+        Whatever fails fails this job only: the worker must keep serving the others."""
         active = self._active.popleft()
         job = active.job
         if job.cancelled:
             self.metrics.cancelled.inc()
             return  # the session (and its KV cache) is dropped with `active`
         try:
-            chunk = next(active.chunks)
-        except StopIteration:
-            self._finish(active)
-            return
+            self._advance(active)
         except Exception as exc:
             log.exception("generation failed")
             self.metrics.failed.inc()
             job.post(Failed(exc))
+
+    def _advance(self, active: _Active) -> None:
+        job = active.job
+        try:
+            chunk = next(active.chunks)
+        except StopIteration:
+            self._finish(active)
             return
         now = time.perf_counter()
         first = not active.first_token_seen and bool(chunk.token_ids)
