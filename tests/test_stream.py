@@ -222,3 +222,32 @@ def test_greedy_generation_identical_with_streaming(
             **{**base.__dict__, "offload": "stream", "resident_layers": resident, "slots": slots}
         )
         assert greedy(options, strategy, prompt) == plain
+
+
+@pytest.mark.parametrize("strategy", ["linear", "tree"])
+def test_speculative_rounds_prefetch_the_target_before_drafting(
+    stories_target: Path, stories_draft: Path, strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the draft works the streamer should already be copying the target's first
+    streamed layers: every drafting round starts with `Transformer.prefetch()`."""
+    runtime = Runtime(
+        RuntimeOptions(
+            model=str(stories_target), draft=str(stories_draft), strategy=strategy,
+            budget=8, device="cpu", offload="stream", resident_layers=1,
+        )
+    )  # fmt: skip
+    calls: list[int] = []
+    real = runtime.target.prefetch
+    monkeypatch.setattr(runtime.target, "prefetch", lambda: calls.append(1) or real())
+    strat = runtime.strategy()
+    gen = Generation(
+        strat,
+        runtime.new_session(strat),
+        runtime.tokenizer,
+        runtime.tokenizer.encode("Once upon a time"),
+        SamplingParams(temperature=0.0),
+        max_tokens=24,
+        ignore_eos=True,
+    ).run()
+    # Every round drafts except, at most, the last (one token left: a plain target step).
+    assert gen.stats.rounds > 1 and len(calls) >= gen.stats.rounds - 1

@@ -104,6 +104,7 @@ class Linear:
             # The block [x_L, t_1..t_k] must fit the cache, and emitting more than k + 1
             # tokens is never useful; at k = 0 this is one plain autoregressive step.
             k = min(self.spec_length, cache.free - 1, max_new_tokens - emitted - 1)
+            target.prefetch()  # a streamed target's first layers copy while the draft works
             proposal = self.drafter.propose(session, sequence, k, params, penalties, generator)
             drafted = proposal.tokens
             stats.draft_passes += proposal.passes
