@@ -26,8 +26,8 @@ def stream_chat(
     url: str, body: dict[str, Any], api_key: str | None = None, timeout: float = 600.0
 ) -> Iterator[str]:
     """POST /v1/chat/completions with stream=true; yields text deltas as they arrive."""
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    host, port = daemon_address(url)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -56,6 +56,19 @@ def stream_chat(
         ) from None
     finally:
         conn.close()
+
+
+def daemon_address(url: str) -> tuple[str, int]:
+    """(host, port) of an http:// daemon URL. The daemon speaks plain HTTP, and a URL
+    without a scheme ("localhost:8716") parses with no host at all."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ChatError(f"cannot use daemon URL {url!r}: give it as http://HOST:PORT")
+    try:
+        port = parts.port or 80
+    except ValueError as exc:  # a port that is not a number or out of range
+        raise ChatError(f"cannot use daemon URL {url!r}: {exc}") from None
+    return parts.hostname, port
 
 
 def _error_message(status: int, raw: bytes) -> str:
@@ -98,6 +111,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(answer)})
 
     try:
+        daemon_address(url)  # a bad --url fails now, not after the first message is typed
         if args.once is not None:
             turn(args.once)
             return 0

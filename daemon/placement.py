@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
+from torch import nn
 
 from offload.machine import detect_budget
 from offload.placement import build_streamer
@@ -39,7 +40,8 @@ def footprint(config: ModelConfig, dtype: torch.dtype, name: str) -> ModelFootpr
     """Sizes of one model in `dtype`, from a meta-device instance (no memory, no weights)."""
     with torch.device("meta"):
         model = Transformer(config).to(dtype)
-    layer = module_bytes(model.layers[0])
+    # A freshly built Transformer holds its own blocks: a ModuleList, never a streamer.
+    layer = module_bytes(cast(nn.ModuleList, model.layers)[0])
     total = module_bytes(model)
     item = torch.empty((), dtype=dtype).element_size()
     d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
@@ -114,6 +116,10 @@ def place_target(
 ) -> LayerStreamer:
     """`model` is loaded on the CPU; afterwards its non-layer parts and resident layers are
     on `device` and its layer list is a streamer over the rest."""
+    if not isinstance(model.layers, nn.ModuleList):
+        raise ValueError(
+            "the target's layers are already a streamer: place a freshly loaded model only once"
+        )
     layers = list(model.layers)
     resident = list(range(plan.resident_layers))
     streamed = list(range(plan.resident_layers, len(layers)))

@@ -107,7 +107,7 @@ STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
 
 class Runtime:
     def __init__(self, options: RuntimeOptions) -> None:
-        self.options = options
+        self.options: RuntimeOptions = options
         self.device = pick_device(options.device)
         if options.dtype not in DTYPES:
             raise RuntimeError_(f"dtype {options.dtype!r} is not one of {', '.join(DTYPES)}")

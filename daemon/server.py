@@ -108,8 +108,8 @@ async def serve(settings: Settings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
-    loaded = loop.run_in_executor(None, server.engine.loaded.wait)
-    stopper = asyncio.ensure_future(stop.wait())
+    loaded: asyncio.Future[bool] = loop.run_in_executor(None, server.engine.loaded.wait)
+    stopper: asyncio.Future[bool] = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loaded, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if loaded.done() and server.engine.load_error is not None:
         log.error("specd cannot serve: %s", server.engine.load_error)

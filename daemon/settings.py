@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -159,8 +159,8 @@ class ServerSettings:
     host: str = _key("127.0.0.1", text())
     port: int = _key(8716, integer(0, 65535))
     api_key_file: str | None = _key(None, text(nullable=True))
-    cors_origins: list[str] = field(default=(), metadata={"check": text_list})
-    allowed_hosts: list[str] = field(default=(), metadata={"check": text_list})
+    cors_origins: list[str] = field(default_factory=list, metadata={"check": text_list})
+    allowed_hosts: list[str] = field(default_factory=list, metadata={"check": text_list})
     keepalive_seconds: float = _key(5.0, number(0.05, 300.0))
     stream_interval_ms: int = _key(20, integer(0, 1000))
 
@@ -333,6 +333,13 @@ def load_settings(
     return build(values)
 
 
+def _built_in(f: Field[Any]) -> Any:
+    """A key's value when no layer sets it: its default, or a fresh one (lists)."""
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return f.default
+
+
 def build(values: Mapping[str, tuple[Any, str]]) -> Settings:
     sections: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -340,7 +347,7 @@ def build(values: Mapping[str, tuple[Any, str]]) -> Settings:
         kwargs: dict[str, Any] = {}
         for f in fields(cls):
             key = f"{name}.{f.name}"
-            raw, source = values.get(key, (f.default, "built-in"))
+            raw, source = values.get(key, (_built_in(f), "built-in"))
             try:
                 kwargs[f.name] = f.metadata["check"](raw)
             except ValueError as exc:

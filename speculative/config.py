@@ -159,9 +159,11 @@ def _rope_config(raw: dict[str, Any], source: str) -> RopeConfig:
     parameters = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
     params = scaling or parameters
-    theta = float(
-        params.get("rope_theta", raw.get("rope_theta", parameters.get("rope_theta", 10000.0)))
-    )
+    # Precedence: the chosen block, the top level, rope_parameters, 10000. Each step's
+    # default is a float, not Any (an Any default reads as dict.get's Optional overload).
+    theta: float = parameters.get("rope_theta", 10000.0)
+    theta = raw.get("rope_theta", theta)
+    theta = float(params.get("rope_theta", theta))
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     if partial is not None and float(partial) != 1.0:
         raise UnsupportedModelError(

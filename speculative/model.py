@@ -9,7 +9,7 @@ visited with `for layer in self.layers`, so the offloader can swap in a streamin
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import torch
@@ -183,6 +183,8 @@ class Transformer(nn.Module):
     """Parameter names follow the Hugging Face layout minus the `model.` prefix of the
     decoder stack, so checkpoints map one to one (see checkpoint.py)."""
 
+    inv_freq: torch.Tensor  # registered buffer (nn.Module's __getattr__ types it loosely)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -255,7 +257,9 @@ class Transformer(nn.Module):
         attn_mask = full_mask(mask, start, t, tokens.device)
         cos, sin = self.rope(positions.to(self.device))
         x = self.embed_tokens(tokens.to(self.device))
-        for i, layer in enumerate(self.layers):
+        # A ModuleList's modules and a LayerSequence's layers are both callable blocks.
+        blocks: Iterable[Callable[..., torch.Tensor]] = self.layers
+        for i, layer in enumerate(blocks):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], start, attn_mask)
         cache.commit_append(t)
         if last_only:

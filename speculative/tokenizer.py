@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from jinja2 import TemplateError, nodes
 from jinja2.exceptions import SecurityError
@@ -93,8 +93,9 @@ class Tokenizer:
         elif gen_eos is not None:
             eos_ids.append(gen_eos)
         eos_ids += list(config.eos_token_ids)
-        if eos and backend.token_to_id(eos) is not None:
-            eos_ids.append(backend.token_to_id(eos))
+        eos_id = backend.token_to_id(eos) if eos else None
+        if eos_id is not None:
+            eos_ids.append(eos_id)
         if bos is None and config.bos_token_id is not None:
             bos = backend.id_to_token(config.bos_token_id)
         template = tc.get("chat_template")
@@ -174,7 +175,9 @@ class _GenerationBlock(Extension):
     """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's reply with
     it (for training masks); rendering it is rendering its body."""
 
-    tags: ClassVar[set[str]] = {"generation"}
+    # jinja's Extension declares `tags` as a plain (instance-typed) attribute, so a ClassVar
+    # override conflicts with it; the set is never mutated.
+    tags: set[str] = {"generation"}  # noqa: RUF012
 
     def parse(self, parser: Parser) -> nodes.Node:
         lineno = next(parser.stream).lineno
