@@ -16,6 +16,7 @@ from typing import Any
 
 from daemon import service
 from daemon.serve_cmd import add_settings_args, settings_from_args
+from daemon.settings import daemon_url
 
 
 class ChatError(RuntimeError):
@@ -83,7 +84,7 @@ def _default_url(args: argparse.Namespace) -> str:
     if record is not None and service.alive(record.pid):
         return record.url
     settings = settings_from_args(args)
-    return f"http://{settings.server.host}:{settings.server.port}"
+    return daemon_url(settings.server.host, settings.server.port)
 
 
 def _api_key(path: str | None) -> str | None:

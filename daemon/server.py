@@ -20,7 +20,7 @@ from daemon.engine import Engine, EngineLimits
 from daemon.metrics import Metrics
 from daemon.openai_wire import WireLimits
 from daemon.runtime import Runtime, RuntimeOptions
-from daemon.settings import Settings, SettingsError
+from daemon.settings import Settings, SettingsError, daemon_url
 
 log = logging.getLogger("specd.server")
 
@@ -135,7 +135,7 @@ class BackgroundServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.server.settings.server.host}:{self.server.port}"
+        return daemon_url(self.server.settings.server.host, self.server.port)
 
     def __enter__(self) -> BackgroundServer:
         self._thread.start()

@@ -9,14 +9,11 @@ from pathlib import Path
 
 from daemon import service
 from daemon.serve_cmd import add_settings_args, flag_argv, settings_from_args
-from daemon.settings import Settings
+from daemon.settings import Settings, daemon_url
 
 
 def _url(settings: Settings) -> str:
-    host = settings.server.host
-    if host in ("0.0.0.0", "::"):  # listening everywhere; ask through loopback
-        host = "127.0.0.1"
-    return f"http://{host}:{settings.server.port}"
+    return daemon_url(settings.server.host, settings.server.port)
 
 
 def cmd_start(args: argparse.Namespace) -> int:

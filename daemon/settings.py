@@ -377,3 +377,13 @@ def render_effective(settings: Settings) -> str:
             shown = shown.removesuffix("\n...").removesuffix("...").strip()
             lines.append(f"  {key}: {shown}  # {settings.sources[f'{section}.{key}']}")
     return "\n".join(lines) + "\n"
+
+
+def daemon_url(host: str, port: int | None) -> str:
+    """The base URL a client uses to reach a daemon bound to `host`: an address that listens
+    everywhere is reached through loopback, and IPv6 literals are bracketed."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"

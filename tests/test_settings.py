@@ -127,3 +127,13 @@ def test_config_show_and_validate_commands(
     assert main(["config", "validate", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "unknown key limits.queue" in err and str(bad) in err
+
+
+def test_daemon_url_brackets_ipv6_and_reaches_wildcards_through_loopback():
+    from daemon.settings import daemon_url
+
+    assert daemon_url("127.0.0.1", 8716) == "http://127.0.0.1:8716"
+    assert daemon_url("::1", 8716) == "http://[::1]:8716"
+    assert daemon_url("0.0.0.0", 9000) == "http://127.0.0.1:9000"
+    assert daemon_url("::", 9000) == "http://127.0.0.1:9000"
+    assert daemon_url("localhost", 1) == "http://localhost:1"
