@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from daemon.argtypes import count_or_auto
 from daemon.placement import OffloadRequest, footprint, plan_request
 from daemon.runtime import RuntimeOptions, pick_device
@@ -107,9 +109,22 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
     return apply_offload_args(options, args)
 
 
+def _plan_device(options: RuntimeOptions) -> torch.device:
+    """A plan may be for another machine: planning for CUDA where there is none is fine as
+    long as the GPU budget is given (nothing is ever placed on the device)."""
+    if options.device == "cuda" and not torch.cuda.is_available():
+        if options.gpu_budget == "auto":
+            raise ValueError(
+                "this machine has no CUDA device to measure: to plan for a GPU elsewhere pass "
+                "--gpu-budget SIZE (and --ram-budget, --bandwidth for that machine)"
+            )
+        return torch.device("cuda")
+    return pick_device(options.device)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     options = plan_options(args)
-    device = pick_device(options.device)
+    device = _plan_device(options)
     dtype = DTYPES[options.dtype]
     target = open_checkpoint(options.model)
     draft_fp = None

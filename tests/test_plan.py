@@ -212,3 +212,20 @@ def test_runtime_streams_from_disk_when_forced(stories_target: Path) -> None:
     a = runtime.target(tokens, positions, runtime.target.new_cache(8))
     b = plain.target(tokens, positions, plain.target.new_cache(8))
     assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks planning from a machine without CUDA")
+def test_plan_a_gpu_profile_from_a_machine_without_one(tmp_path: Path, capsys) -> None:
+    """The 24 GB profile says device: cuda; planning it on a laptop must work (its GPU
+    budget is in the file), and without a GPU budget the error says what to pass."""
+    folder = tmp_path / "Llama-3.1-70B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(MODELS["Llama-3.1-70B"][0]))
+    profile = Path(__file__).resolve().parents[1] / "config" / "profiles" / "gpu-24gb.yaml"
+    argv = ["plan", "--config", str(profile), "--model", str(folder), "--draft", "ngram"]
+    assert cli.main([*argv, "--ram-budget", "64GB", "--bandwidth", "25GB/s", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["streamed_layers"] > 0 and out["budget"]["device"] == "cuda"
+    bare = ["plan", "--model", str(folder), "--device", "cuda", "--dtype", "bf16"]
+    assert cli.main(bare) == 2
+    assert "--gpu-budget" in capsys.readouterr().err
