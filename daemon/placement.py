@@ -70,6 +70,7 @@ class OffloadRequest:
     resident_layers: int | str = "auto"
     slots: int = 2
     host_tier: str = "auto"
+    sequences: int = 1  # KV caches that may coexist (see PlanRequest)
 
 
 def plan_request(
@@ -93,6 +94,7 @@ def plan_request(
         resident_layers=None if resident == "auto" else int(resident),
         slots=options.slots,
         host_tier=options.host_tier,
+        sequences=options.sequences,
     )
 
 
@@ -184,6 +186,7 @@ class OffloadOptions(Protocol):
     host_tier: str
     ram_budget: str
     bandwidth: str | None
+    sequences: int
 
 
 def load_placed_target(
@@ -201,8 +204,9 @@ def load_placed_target(
         device, options.gpu_budget, options.ram_budget, options.bandwidth, measure=False
     )
     request = OffloadRequest(
-        options.offload, options.resident_layers, options.slots, options.host_tier
-    )
+        options.offload, options.resident_layers, options.slots, options.host_tier,
+        options.sequences,
+    )  # fmt: skip
     return load_target(
         options.model, options.dtype, device, options.context, draft_config, request, budget,
         options.budget,

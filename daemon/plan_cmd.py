@@ -149,7 +149,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         footprint(target.config, dtype, str(options.model)),
         draft_fp,
         context,
-        OffloadRequest(options.offload, options.resident_layers, options.slots, options.host_tier),
+        OffloadRequest(
+            options.offload,
+            options.resident_layers,
+            options.slots,
+            options.host_tier,
+            options.sequences,
+        ),
         options.budget,
     )
     plan = make_plan(request, budget)

@@ -49,6 +49,7 @@ class RuntimeOptions:
     ram_budget: str = "auto"  # a size or auto (available RAM minus a reserve)
     bandwidth: str | None = None  # host→device rate for the plan's estimate ("25GB/s")
     threads: int | str = "auto"  # CPU compute threads (torch intra-op), or auto
+    sequences: int = 1  # KV caches that may coexist (the daemon: active + kept conversations)
 
 
 # Below this many weights per decoder layer a CPU step is a few hundred tiny kernels: extra

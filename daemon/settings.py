@@ -227,6 +227,7 @@ class Settings:
             ram_budget=self.offload.ram_budget,
             bandwidth=self.offload.bandwidth,
             threads=self.models.threads,
+            sequences=self.limits.max_concurrent + self.limits.cached_sessions,
         )
 
     @property

@@ -82,6 +82,10 @@ class PlanRequest:
     resident_layers: int | None = None  # None: as many as fit
     slots: int = MIN_SLOTS
     host_tier: str = "auto"  # ram | disk | auto
+    # Sequences whose KV caches may coexist (a daemon's active plus kept conversations).
+    # Caches grow with use, so the plan reserves one full-context sequence and warns when
+    # all of them at full length would not fit.
+    sequences: int = 1
 
 
 @dataclass
@@ -202,7 +206,8 @@ def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
         if not everything_fits:
             raise PlanError(_no_fit_message(r, budget, fixed, streaming=False))
         parts = {**fixed, f"target layers ({n}, all resident)": n * layer}
-        return MemoryPlan(r, budget, parts, n, 0, 0, None, _why_resident(r), 0, 0, 0.0)
+        notes = _sequences_note(r, budget, sum(parts.values()))
+        return MemoryPlan(r, budget, parts, n, 0, 0, None, _why_resident(r), 0, 0, 0.0, notes)
 
     # Streaming.
     if r.resident_layers is not None:
@@ -228,7 +233,7 @@ def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
     # pass: nothing crosses the bus in steady state.
     per_pass = streamed * layer if streamed > r.slots else 0
     seconds = per_pass / budget.bandwidth if budget.bandwidth else None
-    notes = []
+    notes = _sequences_note(r, budget, sum(parts.values()))
     if tier == "disk":
         notes.append(
             "disk tier: each pass also reads the streamed layers from the weight files; "
@@ -254,6 +259,25 @@ def _fixed_parts(r: PlanRequest) -> dict[str, int]:
         act = max(act, d.activation_bytes(r.pass_tokens, r.context))
     parts[f"activations and mask ({r.pass_tokens}-token pass)"] = act
     return parts
+
+
+def _sequences_note(r: PlanRequest, budget: Budget, planned: int) -> list[str]:
+    """A warning when every possible conversation at full length would overflow the
+    device; the plan itself holds one (caches are allocated as sequences grow)."""
+    if r.sequences <= 1:
+        return []
+    per_sequence = r.target.kv_bytes(r.context) + (r.draft.kv_bytes(r.context) if r.draft else 0)
+    worst = planned + (r.sequences - 1) * per_sequence
+    if worst <= budget.device_bytes:
+        return []
+    fit = 1 + max(0, budget.device_bytes - planned) // max(per_sequence, 1)
+    return [
+        f"KV caches grow with use and this plan holds one {r.context}-token sequence; "
+        f"{r.sequences} conversations (limits.max_concurrent + limits.cached_sessions) at "
+        f"full length would need {format_size(worst)} of the {format_size(budget.device_bytes)} "
+        f"budget (about {fit} fit): lower those limits or context.length if conversations "
+        "run long"
+    ]
 
 
 def _why_resident(r: PlanRequest) -> str:

@@ -13,7 +13,7 @@ from daemon import cli
 from daemon.placement import OffloadRequest, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
 from offload.machine import detect_budget
-from offload.plan import Budget, PlanError, make_plan
+from offload.plan import Budget, PlanError, PlanRequest, make_plan
 from offload.units import format_size, parse_rate, parse_size
 from speculative.config import ModelConfig
 
@@ -229,3 +229,18 @@ def test_plan_a_gpu_profile_from_a_machine_without_one(tmp_path: Path, capsys) -
     bare = ["plan", "--model", str(folder), "--device", "cuda", "--dtype", "bf16"]
     assert cli.main(bare) == 2
     assert "--gpu-budget" in capsys.readouterr().err
+
+
+def test_the_plan_warns_when_every_conversation_at_full_length_would_not_fit() -> None:
+    """Caches grow with use: the plan holds one full-context sequence and warns (does not
+    refuse) when a daemon's active and kept conversations at full length would overflow."""
+    target = footprint(ModelConfig.from_hf(MODELS["Llama-3.1-8B"][0]), torch.bfloat16, "8B")
+    budget = Budget("cuda", 24 * 2**30, "test", 64 * 2**30, "test", 25e9, "test")
+
+    def plan_for(sequences: int):
+        request = PlanRequest(target, None, 32768, 2048, sequences=sequences)
+        return make_plan(request, budget)
+
+    assert not any("conversations" in n for n in plan_for(1).notes)
+    notes = [n for n in plan_for(12).notes if "conversations" in n]
+    assert len(notes) == 1 and "12 conversations" in notes[0] and "about" in notes[0]
