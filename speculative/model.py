@@ -254,7 +254,7 @@ class Transformer(nn.Module):
         (T, cache.length + T) mask is over all slots (used when a draft tree grows in batches)."""
         t = tokens.shape[0]
         start = cache.reserve(t)
-        attn_mask = full_mask(mask, start, t, tokens.device)
+        attn_mask = full_mask(mask, start, t, self.device)
         cos, sin = self.rope(positions.to(self.device))
         x = self.embed_tokens(tokens.to(self.device))
         # A ModuleList's modules and a LayerSequence's layers are both callable blocks.
