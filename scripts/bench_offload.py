@@ -126,21 +126,34 @@ def bench_shape(args: argparse.Namespace, shape: str, device: torch.device) -> l
     return rows
 
 
+def accelerate_offloaded(
+    shape: str, layers: int, dtype: torch.dtype, device: torch.device
+) -> Transformer:
+    """The same random model with every decoder layer under accelerate's `cpu_offload` and
+    the rest on `device`. The layers read their Linear weights directly (`F.linear(x,
+    module.weight)`), so accelerate's per-submodule hooks would never fire and the weights
+    would stay on the meta device: `preload_module_classes` makes each layer load all of
+    its weights at the start of its forward, which is what accelerate documents for such
+    modules."""
+    from accelerate import cpu_offload
+
+    model = random_model(shape, layers, dtype)
+    for layer in model.layers:
+        cpu_offload(layer, execution_device=device, preload_module_classes=["DecoderLayer"])
+    model.embed_tokens.to(device)
+    model.norm.to(device)
+    model.lm_head.to(device)
+    model.inv_freq = model.inv_freq.to(device)
+    return model
+
+
 def compare_accelerate(
     args: argparse.Namespace, shape: str, dtype: torch.dtype, device: torch.device, rows: list
 ) -> None:
     """accelerate's cpu_offload on the same layers (embeddings, norm, head on the device)."""
     if device.type != "cuda":
         return  # cpu_offload moves weights to an execution device; on CPU there is none
-    from accelerate import cpu_offload
-
-    model = random_model(shape, args.layers, dtype)
-    for layer in model.layers:
-        cpu_offload(layer, execution_device=device)
-    model.embed_tokens.to(device)
-    model.norm.to(device)
-    model.lm_head.to(device)
-    model.inv_freq = model.inv_freq.to(device)
+    model = accelerate_offloaded(shape, args.layers, dtype, device)
     for r in rows:
         t = time_pass(model, r["tokens"], device, max(1, args.repeats // 2))
         r["accelerate_seconds"] = t
