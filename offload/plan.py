@@ -288,6 +288,12 @@ def _why_resident(r: PlanRequest) -> str:
     return "the whole target fits on the device"
 
 
+def pinned_bytes(nbytes: int) -> int:
+    """RAM one pinned host buffer of `nbytes` takes: PyTorch's caching host allocator rounds
+    every pinned allocation up to a power of two (a 1.71 GB 70B layer takes 2 GiB)."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
 def _host_tier(
     r: PlanRequest, budget: Budget, streamed: int, device_bytes: int
 ) -> tuple[str, str, int]:
@@ -295,6 +301,8 @@ def _host_tier(
     ram = budget.ram_bytes
     if budget.device == "cpu":
         ram -= device_bytes  # one pool: the "device" parts live in the same RAM
+    else:
+        layer = pinned_bytes(layer)  # host buffers for a GPU are pinned, one per layer/slot
     in_ram = streamed * layer
     staging = r.slots * layer
     if r.host_tier == "ram":
