@@ -92,10 +92,18 @@ class LayerStreamer:
         self._clock = 0  # for least-recently-filled slot choice
         self._filled_at: dict[int, int] = {}
         self.slots = [self._make_slot(i, template, storage.needs_staging) for i in range(slots)]
+        if self.copy_stream is not None:
+            # The slot buffers come from the compute stream's memory pool, whose earlier
+            # tenants may still be in use by queued kernels: the first copies wait for them.
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def _make_slot(self, index: int, template: nn.Module, staging: bool) -> _Slot:
         module = copy.deepcopy(template)
         flat = self.layout.empty(self.device)
+        if self.copy_stream is not None:
+            # Written on the copy stream: when freed, the allocator must not hand the memory
+            # to the compute stream before the copies queued into it have finished.
+            flat.record_stream(self.copy_stream)
         self.layout.bind(module, flat)
         stage = self.layout.empty("cpu", pin=self.cuda) if staging else None
         return _Slot(index, module.eval(), flat, stage)

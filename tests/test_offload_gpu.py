@@ -67,3 +67,56 @@ def test_streamed_logits_on_gpu_equal_resident(
     # Slot buffers live on the GPU; nothing else of the streamed layers does.
     assert all(b.device.type == "cuda" for b in streamer.device_buffers())
     assert len(streamer.device_buffers()) == slots
+
+
+# About 10 ms of spinning on an H100/H200 (~2 GHz): far longer than any copy or layer here,
+# so a missing stream dependency shows up as wrong logits instead of passing by luck.
+SPIN_CYCLES = 20_000_000
+
+
+class SlowCompute:
+    """Yields the streamer's layers with a spin kernel queued on the compute stream before
+    each one: the copy into a slot must wait for the (late) compute that reads it."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __iter__(self):
+        for layer in self.inner:
+            torch.cuda._sleep(SPIN_CYCLES)
+            yield layer
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+@pytest.mark.parametrize(("tier", "slow"), [("ram", "compute"), ("ram", "copy"), ("disk", "copy")])
+def test_stream_dependencies_hold_when_one_stream_lags(
+    stories_target: Path, tier: str, slow: str
+) -> None:
+    """Slow compute: slots are not overwritten before their layer ran (the `released` wait).
+    Slow copies: layers do not run before their copy landed (the `ready` wait), and the disk
+    tier does not refill a staging buffer a pending copy still reads."""
+    reference, _, _ = load(stories_target, "fp32", "cuda")
+    model, _, ckpt = load(stories_target, "fp32", "cpu")
+    layers = list(model.layers)
+    streamed = list(range(len(layers)))
+    names = [n for n, _ in layers[0].named_parameters()]
+    sources = disk_sources(ckpt, streamed, names) if tier == "disk" else None
+    streamer = build_streamer(layers, [], "cuda", 2, tier, sources)
+    model.to("cuda")
+    if slow == "compute":
+        model.set_layers(SlowCompute(streamer))
+    else:
+        fill = streamer.storage.host_buffer
+
+        def late_fill(layer: int, staging: torch.Tensor | None) -> torch.Tensor:
+            with torch.cuda.stream(streamer.copy_stream):
+                torch.cuda._sleep(SPIN_CYCLES)  # queued ahead of this layer's copy
+            return fill(layer, staging)
+
+        streamer.storage.host_buffer = late_fill  # type: ignore[method-assign]
+        model.set_layers(streamer)
+    for want, got in zip(logits(reference), logits(model), strict=True):
+        assert torch.equal(want, got)
+    assert streamer.counters.copies > len(streamed)  # slots were reused within passes
