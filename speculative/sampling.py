@@ -154,14 +154,20 @@ class PositionNoise:
         self.device = generator.device
 
     def gumbel(self, positions: Sequence[int]) -> torch.Tensor:
-        """(N, V) float64 Gumbel noise for the given absolute positions."""
+        """(N, V) float64 Gumbel noise for the given absolute positions. A tree has many
+        nodes per depth, so each distinct position is generated once and rows are shared."""
+        distinct = sorted(set(positions))
         rows = []
-        for t in positions:
+        for t in distinct:
             gen = torch.Generator(device=self.device)
             gen.manual_seed((self.seed * 0x9E3779B97F4A7C15 + t) % 2**64)
             u = torch.rand(self.vocab_size, generator=gen, device=self.device, dtype=torch.float64)
             rows.append(-torch.log(-torch.log(u)))
-        return torch.stack(rows)
+        noise = torch.stack(rows)  # (distinct, V)
+        if len(distinct) == len(positions) and list(positions) == distinct:
+            return noise
+        index = {t: i for i, t in enumerate(distinct)}
+        return noise[torch.tensor([index[t] for t in positions], device=noise.device)]
 
 
 def draw(

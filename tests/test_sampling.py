@@ -194,3 +194,13 @@ def test_seed_must_fit_64_bits() -> None:
     for seed in (2**64, -(2**63) - 1):
         with pytest.raises(ValueError, match="seed"):
             SamplingParams(seed=seed)
+
+
+def test_position_noise_depends_on_the_position_only_and_is_shared_per_position():
+    from speculative.sampling import PositionNoise
+
+    noise = PositionNoise(make_generator(5), vocab_size=16)
+    rows = noise.gumbel([7, 8, 7, 9, 8])
+    assert torch.equal(rows[0], rows[2]) and torch.equal(rows[1], rows[4])
+    assert not torch.equal(rows[0], rows[1])
+    assert torch.equal(noise.gumbel([9])[0], rows[3])  # the same draw, whatever the batch
