@@ -131,9 +131,6 @@ class Session:
             del self.draft_tokens[d:]
         return kept
 
-    def clear(self) -> None:
-        self.reuse_prefix(())
-
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     n = 0
