@@ -76,3 +76,62 @@ def detect_budget(
     else:
         rate, rate_source = None, "not measured"
     return Budget(kind, dev, dev_source, ram, ram_source, rate, rate_source)
+
+
+class PeakMemory:
+    """Peak memory a block of code adds, on the device it computes on:
+
+        with PeakMemory(device) as peak:
+            model(tokens, positions, cache)
+        peak.bytes  # the high-water mark above what was in use when the block began
+
+    CUDA: `torch.cuda.max_memory_allocated`, reset on entry (exact for PyTorch tensors).
+    CPU: the process's peak resident set (Linux VmHWM, reset on entry through
+    /proc/self/clear_refs) minus the resident set on entry. PyTorch's CPU allocator does not
+    cache, and glibc returns large blocks to the system when freed, so this follows what
+    tensors really hold; small allocator slack makes it a slight over-estimate, never an
+    under-estimate of what was touched. Elsewhere (no /proc) `bytes` is None."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.bytes: int | None = None
+        self._base = 0
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        elif _reset_peak_rss():
+            self._base = _status_bytes("VmRSS") or 0
+        else:
+            self._base = -1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+        elif self._base >= 0:
+            peak = _status_bytes("VmHWM")
+            self.bytes = None if peak is None else max(peak - self._base, 0)
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        return False
+    return True
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        return None
+    return None
