@@ -38,10 +38,11 @@ def build_streamer(
         layout.check(layer)
     storage: LayerStorage
     if tier == "ram":
-        ram = RamStorage(layout, pin=device.type == "cuda")
+        ram = RamStorage(layout, streamed)
         for i in streamed:
             ram.add(i, layers[i])
             layers[i].to("meta")
+        ram.pin(device)  # page-locks the whole arena at once, now that it is filled
         storage = ram
     else:
         if disk_sources is None:

@@ -1,34 +1,54 @@
 """Host tiers: where streamed layers wait between target passes.
 
-- `RamStorage` (tier "ram"): each streamed layer packed once into its own flat buffer,
-  pinned when the compute device is a GPU so the host→device copy is a single DMA.
-- `DiskStorage` (tier "disk"): nothing kept in RAM; each time a layer is needed its tensors
-  are read from the memory-mapped safetensors files into a pinned staging buffer (one per
-  slot) and copied from there. Slower (bounded by the disk), but RAM holds only the staging.
+- `RamStorage` (tier "ram"): every streamed layer packed once into its slice of one host
+  arena (offload/arena.py), page-locked when the compute device is a GPU so that each
+  host→device copy is a single DMA, with no per-layer allocator rounding.
+- `DiskStorage` (tier "disk"): nothing kept in RAM; each time a layer is needed its bytes are
+  read from the safetensors files into the slot's staging buffer, on a reader thread of its
+  own, straight from the file at the offsets the file's header gives (one copy per byte; a
+  cast when the file's dtype is not the run's). Slower (bounded by the disk), but RAM holds
+  only the staging buffers.
 
-Both hand the streamer a flat host buffer laid out by the same `FlatLayout`.
+Both hand the streamer a `Future` of the layer's flat host bytes laid out by the same
+`FlatLayout`: already resolved for RAM, resolved by the reader thread for disk.
 """
 
 from __future__ import annotations
 
+import json
+import mmap
+import struct
+import threading
+from collections import deque
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import BinaryIO, Protocol
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from offload.layout import FlatLayout
+from offload.arena import HostArena
+from offload.layout import FlatLayout, TensorSlot
+
+
+class CompletionEvent(Protocol):
+    """What a tier waits on before overwriting a staging buffer (a CUDA event)."""
+
+    def synchronize(self) -> None: ...
 
 
 class LayerStorage(Protocol):
     tier: str  # "ram" | "disk"
     layout: FlatLayout
-    needs_staging: bool  # True: `host_buffer` fills the staging buffer it is given
+    needs_staging: bool  # True: `fetch` fills the staging buffer it is given
 
-    def host_buffer(self, layer: int, staging: torch.Tensor | None) -> torch.Tensor:
-        """Layer `layer`'s flat bytes in host memory, ready to copy to the device."""
+    def fetch(
+        self, layer: int, staging: torch.Tensor | None, after: CompletionEvent | None = None
+    ) -> Future[torch.Tensor]:
+        """Layer `layer`'s flat bytes in host memory, ready to copy to the device. `after`:
+        the last copy out of `staging`, which must finish before `staging` is overwritten."""
         ...
 
     @property
@@ -36,38 +56,119 @@ class LayerStorage(Protocol):
         """RAM this tier holds (not counting staging)."""
         ...
 
+    @property
+    def pinned(self) -> bool:
+        """Whether the host bytes it hands out are page-locked (real asynchronous DMA)."""
+        ...
+
+    def close(self) -> None: ...
+
 
 class RamStorage:
     tier = "ram"
     needs_staging = False
 
-    def __init__(self, layout: FlatLayout, pin: bool) -> None:
+    def __init__(self, layout: FlatLayout, layers: Sequence[int]) -> None:
+        """Room for `layers` (their indices), one arena slice each, allocated once."""
         self.layout = layout
-        self.pinned = pin
+        self.arena = HostArena(layout.nbytes, len(layers))
+        self._slice = {layer: k for k, layer in enumerate(layers)}
         self.buffers: dict[int, torch.Tensor] = {}
 
     def add(self, index: int, module: nn.Module) -> None:
-        """Pack layer `index` into its own flat host buffer. The module is not kept: the
-        caller can free it right after (packing one layer at a time bounds peak RAM)."""
-        flat = self.layout.empty("cpu", pin=self.pinned)
+        """Pack layer `index` into its arena slice. The module is not kept: the caller can
+        free it right after (packing one layer at a time bounds peak RAM)."""
+        flat = self.arena.view(self._slice[index])
         self.layout.pack(module, flat)
         self.buffers[index] = flat
 
-    def host_buffer(self, layer: int, staging: torch.Tensor | None) -> torch.Tensor:
-        return self.buffers[layer]
+    def pin(self, device: torch.device) -> bool:
+        """Page-lock the packed layers for `device` (after packing: registering first would
+        commit every page of the arena while the loaded model still holds its copy)."""
+        return self.arena.pin(device)
+
+    def fetch(
+        self, layer: int, staging: torch.Tensor | None, after: CompletionEvent | None = None
+    ) -> Future[torch.Tensor]:
+        done: Future[torch.Tensor] = Future()
+        done.set_result(self.buffers[layer])
+        return done
 
     @property
     def host_bytes(self) -> int:
-        return sum(int(b.numel()) for b in self.buffers.values())
+        return self.arena.nbytes
+
+    @property
+    def pinned(self) -> bool:
+        return self.arena.pinned
+
+    def close(self) -> None:
+        self.arena.close()
 
 
 # layer index → {tensor name in the layer (as in the layout) → (safetensors file, key)}
 TensorSources = Mapping[int, Mapping[str, tuple[Path, str]]]
 
+# safetensors dtype names (the format's spec) → torch dtypes
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    """Where one tensor's bytes are in a safetensors file."""
+
+    path: Path
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+
+def read_header(path: Path) -> dict[str, FileTensor]:
+    """A safetensors file's tensor index: an 8-byte little-endian header length, then a JSON
+    header of {key: {dtype, shape, data_offsets}} with offsets relative to the data that
+    follows the header."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    base = 8 + length
+    out: dict[str, FileTensor] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if info["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {key} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        out[key] = FileTensor(
+            path, key, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), base + start,
+            base + end,
+        )  # fmt: skip
+    return out
+
+
+class LayerReadError(RuntimeError):
+    """Reading a streamed layer from the weight files failed (raised on the compute thread,
+    where the layer was needed; the reader thread's error is its cause)."""
+
 
 class DiskStorage:
     tier = "disk"
     needs_staging = True
+    pinned = False  # the staging buffers belong to the streamer, which pins them
 
     def __init__(self, layout: FlatLayout, sources: TensorSources) -> None:
         self.layout = layout
@@ -78,34 +179,122 @@ class DiskStorage:
                 raise ValueError(
                     f"disk tier: layer {index} has no file source for {sorted(missing)[:3]}"
                 )
-        self.sources = {i: dict(s) for i, s in sources.items()}
-        self._files: dict[Path, Any] = {}  # open safetensors handles (memory-mapped)
+        headers: dict[Path, dict[str, FileTensor]] = {}
+        self.plan: dict[int, list[tuple[TensorSlot, FileTensor]]] = {}
+        for index, names in sources.items():
+            reads = []
+            for entry in layout.tensors:
+                path, key = names[entry.name]
+                if path not in headers:
+                    headers[path] = read_header(path)
+                src = headers[path].get(key)
+                if src is None:
+                    raise ValueError(f"disk tier: {path} has no tensor {key} (layer {index})")
+                if src.shape != entry.shape:
+                    raise ValueError(
+                        f"disk tier: {path} holds {key} with shape {list(src.shape)}, the "
+                        f"model expects {list(entry.shape)} (layer {index})"
+                    )
+                reads.append((entry, src))
+            self.plan[index] = reads
+        # One reader: reads of one disk do not get faster in parallel, and FIFO order means
+        # a staging buffer's reads land in the order they were asked for.
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="specd-disk-read")
+        self._files: dict[Path, BinaryIO] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._lock = threading.Lock()  # `read` may also be called directly (tests, tools)
+        self.read_threads: set[int] = set()  # idents of the threads that did reads
+        self.read_log: deque[int] = deque(maxlen=4096)  # layers in the order they were read
 
-    def _file(self, path: Path) -> Any:
-        handle = self._files.get(path)
-        if handle is None:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-            self._files[path] = handle
-        return handle
-
-    def host_buffer(self, layer: int, staging: torch.Tensor | None) -> torch.Tensor:
+    def fetch(
+        self, layer: int, staging: torch.Tensor | None, after: CompletionEvent | None = None
+    ) -> Future[torch.Tensor]:
         if staging is None:
             raise ValueError("the disk tier reads through a staging buffer; none was given")
-        views = self.layout.views(staging)
-        for name, (path, key) in self.sources[layer].items():
-            views[name].copy_(self._file(path).get_tensor(key))  # casts to the run dtype
+        return self._reader.submit(self.read, layer, staging, after)
+
+    def read(
+        self, layer: int, staging: torch.Tensor, after: CompletionEvent | None = None
+    ) -> torch.Tensor:
+        """Fill `staging` with layer `layer` (on the calling thread)."""
+        if after is not None:
+            after.synchronize()  # the device is done copying the staging's previous layer
+        with self._lock:
+            self.read_threads.add(threading.get_ident())
+            for entry, src in self.plan[layer]:
+                dest = staging[entry.offset : entry.offset + entry.nbytes]  # uint8 view
+                try:
+                    self._read_tensor(src, dest, entry)
+                except Exception as e:  # re-raised with the layer and file named
+                    raise LayerReadError(
+                        f"disk tier: reading layer {layer} ({entry.name}) from {src.path} "
+                        f"[{src.key}, bytes {src.start}..{src.end}] failed: "
+                        f"{type(e).__name__}: {e}"
+                    ) from e
+            self.read_log.append(layer)
         return staging
+
+    def _read_tensor(self, src: FileTensor, dest: torch.Tensor, entry: TensorSlot) -> None:
+        if src.dtype == entry.dtype:
+            # Same dtype: the file's bytes are the layout's bytes. readinto a view of the
+            # staging tensor: the kernel copies from the page cache straight into staging,
+            # the only host copy of each byte.
+            if src.end - src.start != entry.nbytes:
+                raise ValueError(f"{src.end - src.start} bytes in the file for {entry.nbytes}")
+            _read_exactly(self._file(src.path), src.start, dest.numpy().data)
+        else:
+            # A cast is unavoidable: one copy_ from the mapped file bytes, casting on the way.
+            count = (src.end - src.start) // torch.empty((), dtype=src.dtype).element_size()
+            mapped = torch.frombuffer(
+                self._map(src.path), dtype=src.dtype, count=count, offset=src.start
+            )
+            dest.view(entry.dtype).view(entry.shape).copy_(mapped.view(src.shape))
+
+    def _file(self, path: Path) -> BinaryIO:
+        f = self._files.get(path)
+        if f is None:
+            f = open(path, "rb", buffering=0)  # noqa: SIM115 - kept open, closed in close()
+            self._files[path] = f
+        return f
+
+    def _map(self, path: Path) -> mmap.mmap:
+        m = self._maps.get(path)
+        if m is None:
+            # Copy-on-write so torch sees a writable buffer (no warning); never written.
+            m = mmap.mmap(self._file(path).fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[path] = m
+        return m
 
     @property
     def host_bytes(self) -> int:
         return 0
+
+    def close(self) -> None:
+        """Finish queued reads and release the files."""
+        self._reader.shutdown(wait=True)
+        with self._lock:
+            for m in self._maps.values():
+                m.close()
+            for f in self._files.values():
+                f.close()
+            self._maps.clear()
+            self._files.clear()
+
+
+def _read_exactly(f: BinaryIO, offset: int, into: memoryview) -> None:
+    f.seek(offset)
+    done = 0
+    while done < len(into):  # one read() returns at most ~2 GiB on Linux
+        got = f.readinto(into[done:])  # type: ignore[attr-defined]
+        if not got:
+            raise EOFError(f"the file ends {len(into) - done} bytes short of the tensor")
+        done += got
 
 
 def tensor_files(files: Sequence[Path]) -> dict[str, Path]:
     """Which safetensors file holds each checkpoint key (headers only, no tensor data)."""
     where: dict[str, Path] = {}
     for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                where[key] = path
+        for key in read_header(path):
+            where[key] = path
     return where

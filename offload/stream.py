@@ -18,8 +18,17 @@ How a pass goes (S streamed layers, N >= 2 slots):
 - With S <= N every streamed layer keeps its own slot and nothing is copied after the
   first pass.
 
+- A slot's host bytes arrive as a future from the host tier: at once for RAM, from the
+  disk tier's reader thread otherwise. The read starts when the slot is assigned (so the
+  wrap-around and `prefetch()` read ahead too) and is joined, on the compute thread, right
+  before the slot's host→device copy is issued: when the layer is needed, or earlier at any
+  step that finds the read already done.
+- Copy timings are folded into the counters as their events complete, so each slot holds at
+  most `MAX_TIMED_COPIES` event pairs however long a generation runs.
+
 On a CPU device the same code runs with host "slots" and synchronous copies, so the
-bookkeeping (slot reuse, order, prefetch, wrap-around) is tested on every machine.
+bookkeeping (slot reuse, order, prefetch, wrap-around, read-ahead, timing) is tested on every
+machine.
 """
 
 from __future__ import annotations
@@ -28,13 +37,22 @@ import copy
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from offload.arena import HostArena
 from offload.layout import FlatLayout
 from offload.storage import LayerStorage
+
+# Copies a slot may have timed but not yet folded into the counters. A copy stream runs its
+# copies in order, so waiting for the oldest of more than this many only throttles a compute
+# thread that has run that far ahead of the bus.
+MAX_TIMED_COPIES = 4
 
 
 @dataclass
@@ -45,16 +63,70 @@ class StreamCounters:
     copy_seconds: float = 0.0  # time the copies took (CUDA: copy-stream events)
 
 
+class TimingEvent(Protocol):
+    """A `torch.cuda.Event(enable_timing=True)`, or its host stand-in `HostMark`."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+    # milliseconds from this event to `end_event` (an event of the same kind)
+    def elapsed_time(self, end_event: Any) -> float: ...
+
+
+class HostMark:
+    """A host-side timing event: complete as soon as it exists (host copies are synchronous),
+    so the CPU path runs the same timing bookkeeping as CUDA events do."""
+
+    def __init__(self) -> None:
+        self.time = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end_event: Any) -> float:
+        assert isinstance(end_event, HostMark)
+        return (end_event.time - self.time) * 1000.0
+
+
+@dataclass
+class CopyTimes:
+    """A slot's timed copies whose time is not yet counted, oldest first."""
+
+    pending: deque[tuple[TimingEvent, TimingEvent]] = field(default_factory=deque)
+
+    def add(self, start: TimingEvent, end: TimingEvent) -> float:
+        """Record one copy; return the seconds of the copies that could be folded now."""
+        self.pending.append((start, end))
+        return self.fold()
+
+    def fold(self, wait: bool = False) -> float:
+        """Seconds of the completed copies, which are forgotten; `wait`: all of them."""
+        seconds = 0.0
+        while self.pending:
+            start, end = self.pending[0]
+            if not (wait or len(self.pending) > MAX_TIMED_COPIES or end.query()):
+                break  # copies complete in order: the later ones are not done either
+            end.synchronize()
+            seconds += start.elapsed_time(end) / 1000.0
+            self.pending.popleft()
+        return seconds
+
+
 @dataclass
 class _Slot:
     index: int
     module: nn.Module
     flat: torch.Tensor  # (layout.nbytes,) uint8 on the compute device
-    staging: torch.Tensor | None  # pinned host bytes for tiers that read through staging
+    staging: torch.Tensor | None  # host bytes for tiers that read through staging
     layer: int | None = None  # which layer the slot holds (or is being filled with)
+    pending: Future[torch.Tensor] | None = None  # host bytes on their way, copy not issued
     ready: torch.cuda.Event | None = None  # recorded on the copy stream after the copy
     released: torch.cuda.Event | None = None  # recorded on the compute stream after use
-    timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    timing: CopyTimes = field(default_factory=CopyTimes)
 
 
 class LayerStreamer:
@@ -91,13 +163,18 @@ class LayerStreamer:
         self._holder: dict[int, _Slot] = {}
         self._clock = 0  # for least-recently-filled slot choice
         self._filled_at: dict[int, int] = {}
-        self.slots = [self._make_slot(i, template, storage.needs_staging) for i in range(slots)]
+        # One arena for every slot's staging (page-locked on a GPU), sized like the plan's.
+        self.staging: HostArena | None = None
+        if storage.needs_staging:
+            self.staging = HostArena(self.layout.nbytes, slots)
+            self.staging.pin(self.device)
+        self.slots = [self._make_slot(i, template) for i in range(slots)]
         if self.copy_stream is not None:
             # The slot buffers come from the compute stream's memory pool, whose earlier
             # tenants may still be in use by queued kernels: the first copies wait for them.
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def _make_slot(self, index: int, template: nn.Module, staging: bool) -> _Slot:
+    def _make_slot(self, index: int, template: nn.Module) -> _Slot:
         module = copy.deepcopy(template)
         flat = self.layout.empty(self.device)
         if self.copy_stream is not None:
@@ -105,7 +182,7 @@ class LayerStreamer:
             # to the compute stream before the copies queued into it have finished.
             flat.record_stream(self.copy_stream)
         self.layout.bind(module, flat)
-        stage = self.layout.empty("cpu", pin=self.cuda) if staging else None
+        stage = self.staging.view(index) if self.staging is not None else None
         return _Slot(index, module.eval(), flat, stage)
 
     def __len__(self) -> int:
@@ -114,6 +191,18 @@ class LayerStreamer:
     @property
     def streamed_layers(self) -> int:
         return len(self.order)
+
+    @property
+    def host_bytes(self) -> int:
+        """RAM the host tier allocated: its layers, or the staging buffers (what the plan's
+        `host_bytes` predicts)."""
+        staging = self.staging.nbytes if self.staging is not None else 0
+        return self.storage.host_bytes + staging
+
+    @property
+    def host_pinned(self) -> bool:
+        """Whether the host bytes copied from are page-locked (asynchronous DMA)."""
+        return self.staging.pinned if self.staging is not None else self.storage.pinned
 
     def prefetch(self) -> None:
         """Start copying the first streamed layers of the next pass (no-op if under way)."""
@@ -131,6 +220,8 @@ class LayerStreamer:
                     continue
                 self._fill(pos)
                 slot = self._holder[index]
+                if slot.pending is not None:
+                    self._land(slot)  # joins the read: a reader error surfaces here
                 if compute is not None and slot.ready is not None:
                     compute.wait_event(slot.ready)
                 yield slot.module
@@ -155,7 +246,8 @@ class LayerStreamer:
         return event
 
     def _fill(self, pos: int) -> None:
-        """Make sure the next N streamed layers from position `pos` (cyclic) have slots."""
+        """Make sure the next N streamed layers from position `pos` (cyclic) have slots, and
+        issue the device copies of those whose host bytes are ready."""
         count = min(len(self.slots), len(self.order))
         window = [self.order[(pos + k) % len(self.order)] for k in range(count)]
         for layer in window:
@@ -164,14 +256,39 @@ class LayerStreamer:
             free = [s for s in self.slots if s.layer not in window]
             # Prefer an empty slot, then the one filled longest ago.
             slot = min(free, key=lambda s: (s.layer is not None, self._filled_at.get(s.index, -1)))
-            self._copy(layer, slot)
+            self._assign(layer, slot)
+        for slot in self.slots:
+            # A failed read is left pending: it is raised where its layer is needed.
+            if slot.pending is not None and slot.pending.done() and not slot.pending.exception():
+                self._land(slot)
 
-    def _copy(self, layer: int, slot: _Slot) -> None:
+    def _assign(self, layer: int, slot: _Slot) -> None:
+        """Give `slot` to `layer` and start getting its host bytes (disk: a background read)."""
         if slot.layer is not None:
             del self._holder[slot.layer]
-        if slot.staging is not None and slot.ready is not None:
-            slot.ready.synchronize()  # the previous copy out of this staging buffer is done
-        source = self.storage.host_buffer(layer, slot.staging)  # (nbytes,) uint8, host
+        if slot.pending is not None:
+            # A read for a layer no longer wanted (an aborted pass moved the window). If it
+            # already runs, the new read into the same staging is queued behind it.
+            slot.pending.cancel()
+        # The staging buffer is overwritten only once the device copied its previous layer.
+        slot.pending = self.storage.fetch(layer, slot.staging, slot.ready)
+        slot.layer = layer
+        self._holder[layer] = slot
+        self._clock += 1
+        self._filled_at[slot.index] = self._clock
+        self.fetch_log.append(layer)
+
+    def _land(self, slot: _Slot) -> None:
+        """Join the slot's host bytes and issue their copy into the slot."""
+        assert slot.pending is not None and slot.layer is not None
+        pending, slot.pending = slot.pending, None
+        try:
+            source = pending.result()  # (nbytes,) uint8, host
+        except BaseException:
+            # Nothing usable landed: forget the layer so the next pass fetches it again.
+            del self._holder[slot.layer]
+            slot.layer = None
+            raise
         if self.copy_stream is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self.copy_stream):
@@ -181,28 +298,37 @@ class LayerStreamer:
                 slot.flat.copy_(source, non_blocking=True)
                 end.record(self.copy_stream)
             slot.ready = end
-            slot.timing.append((start, end))
+            self.counters.copy_seconds += slot.timing.add(start, end)
         else:
-            t0 = time.perf_counter()
+            begin = HostMark()
             slot.flat.copy_(source)
-            self.counters.copy_seconds += time.perf_counter() - t0
-        slot.layer = layer
-        self._holder[layer] = slot
-        self._clock += 1
-        self._filled_at[slot.index] = self._clock
-        self.fetch_log.append(layer)
+            self.counters.copy_seconds += slot.timing.add(begin, HostMark())
         self.counters.copies += 1
         self.counters.bytes_copied += self.layout.nbytes
 
     def synchronize(self) -> None:
-        """Wait for every copy issued so far and fold the CUDA copy timings into counters."""
-        if self.copy_stream is None:
-            return
-        self.copy_stream.synchronize()
+        """Wait for the reads and copies under way and fold every copy's time into the
+        counters. A failed read stays pending, raised where its layer is needed."""
+        pending = [s.pending for s in self.slots if s.pending is not None]
+        wait_futures(pending)
         for slot in self.slots:
-            for start, end in slot.timing:
-                self.counters.copy_seconds += start.elapsed_time(end) / 1000.0
-            slot.timing.clear()
+            if slot.pending is not None and not slot.pending.exception():
+                self._land(slot)
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        for slot in self.slots:
+            self.counters.copy_seconds += slot.timing.fold(wait=True)
+
+    def timed_copies_pending(self) -> int:
+        """Timing event pairs held, not yet folded (bounded: N slots × MAX_TIMED_COPIES)."""
+        return sum(len(s.timing.pending) for s in self.slots)
+
+    def close(self) -> None:
+        """Finish what is under way and release the host tier (unpinning its memory)."""
+        self.synchronize()
+        self.storage.close()
+        if self.staging is not None:
+            self.staging.close()
 
     def reset_counters(self) -> None:
         self.synchronize()
@@ -216,6 +342,8 @@ class LayerStreamer:
             "streamed_layers": len(self.order),
             "stream_slots": len(self.slots),
             "host_tier": self.storage.tier,
+            "host_bytes": self.host_bytes,
+            "host_pinned": int(self.host_pinned),
             "stream_passes": c.passes,
             # Steady state: with more streamed layers than slots each pass copies them all;
             # otherwise they stay in their slots after the first pass.
