@@ -12,6 +12,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
+from offload.layout import FlatLayout
 from offload.machine import detect_budget
 from offload.placement import build_streamer
 from offload.plan import (
@@ -41,8 +42,11 @@ def footprint(config: ModelConfig, dtype: torch.dtype, name: str) -> ModelFootpr
     with torch.device("meta"):
         model = Transformer(config).to(dtype)
     # A freshly built Transformer holds its own blocks: a ModuleList, never a streamer.
-    layer = module_bytes(cast(nn.ModuleList, model.layers)[0])
-    total = module_bytes(model)
+    block = cast(nn.ModuleList, model.layers)[0]
+    # A layer's bytes as the streamer lays them out (slots, host arenas): the parameters
+    # with each tensor's alignment padding, so the plan's figures are what gets allocated.
+    layer = FlatLayout.of(block).nbytes
+    outside_layers = module_bytes(model) - config.num_layers * module_bytes(block)
     item = torch.empty((), dtype=dtype).element_size()
     d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_heads * hd, config.num_kv_heads * hd
@@ -53,7 +57,7 @@ def footprint(config: ModelConfig, dtype: torch.dtype, name: str) -> ModelFootpr
     return ModelFootprint(
         name=name,
         dtype=str(dtype).removeprefix("torch."),
-        resident_bytes=total - config.num_layers * layer,
+        resident_bytes=outside_layers,
         layer_bytes=layer,
         num_layers=config.num_layers,
         kv_bytes_per_token=KVCache.bytes_for(config, 1, dtype),

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from offload.arena import arena_bytes
 from offload.units import format_size
 
 OFFLOAD_MODES = ("none", "stream", "auto")
@@ -288,10 +289,11 @@ def _why_resident(r: PlanRequest) -> str:
     return "the whole target fits on the device"
 
 
-def pinned_bytes(nbytes: int) -> int:
-    """RAM one pinned host buffer of `nbytes` takes: PyTorch's caching host allocator rounds
-    every pinned allocation up to a power of two (a 1.71 GB 70B layer takes 2 GiB)."""
-    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+def host_tier_bytes(layer_bytes: int, layers: int) -> int:
+    """RAM a host tier allocates for `layers` flat layers (the streamed layers, or one staging
+    buffer per slot): one page-aligned arena, page-locked in place on a GPU, so the figure is
+    exact; no per-allocation rounding (see offload/arena.py)."""
+    return arena_bytes(layer_bytes, layers)
 
 
 def _host_tier(
@@ -301,10 +303,8 @@ def _host_tier(
     ram = budget.ram_bytes
     if budget.device == "cpu":
         ram -= device_bytes  # one pool: the "device" parts live in the same RAM
-    else:
-        layer = pinned_bytes(layer)  # host buffers for a GPU are pinned, one per layer/slot
-    in_ram = streamed * layer
-    staging = r.slots * layer
+    in_ram = host_tier_bytes(layer, streamed)
+    staging = host_tier_bytes(layer, r.slots)
     if r.host_tier == "ram":
         if in_ram > ram:
             raise PlanError(

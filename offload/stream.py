@@ -209,6 +209,7 @@ class LayerStreamer:
         self._fill(0)
 
     def __iter__(self) -> Iterator[nn.Module]:
+        self._retry_failed_reads()
         self._fill(0)  # the first slots fill while resident layers compute
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         pos = 0
@@ -262,11 +263,20 @@ class LayerStreamer:
             if slot.pending is not None and slot.pending.done() and not slot.pending.exception():
                 self._land(slot)
 
+    def _retry_failed_reads(self) -> None:
+        """Read again what a previous pass's read-ahead failed to read: a failure is raised
+        where its layer is needed, and a new pass needs it from a fresh read (the file may
+        be readable again), not the stale error."""
+        for slot in self.slots:
+            if slot.pending is not None and slot.pending.done() and slot.pending.exception():
+                assert slot.layer is not None
+                self._assign(slot.layer, slot)
+
     def _assign(self, layer: int, slot: _Slot) -> None:
         """Give `slot` to `layer` and start getting its host bytes (disk: a background read)."""
         if slot.layer is not None:
             del self._holder[slot.layer]
-        if slot.pending is not None:
+        if slot.pending is not None and not slot.pending.done():
             # A read for a layer no longer wanted (an aborted pass moved the window). If it
             # already runs, the new read into the same staging is queued behind it.
             slot.pending.cancel()

@@ -13,7 +13,7 @@ from daemon import cli
 from daemon.placement import OffloadRequest, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
 from offload.machine import detect_budget
-from offload.plan import Budget, PlanError, PlanRequest, make_plan, pinned_bytes
+from offload.plan import Budget, PlanError, PlanRequest, host_tier_bytes, make_plan
 from offload.units import format_size, parse_rate, parse_size
 from speculative.config import ModelConfig
 
@@ -126,29 +126,32 @@ def test_70b_on_a_24gb_card_streams_from_disk_when_ram_is_short() -> None:
     assert p.streamed_layers > 60 and p.slots == 2
     assert p.device_bytes <= 24e9 < p.device_bytes + layer  # as many resident as fit
     assert p.host_tier == "disk"  # ~120 GB of streamed layers do not fit in 64 GB
-    assert p.host_bytes == 2 * pinned_bytes(layer)  # staging only
+    assert p.host_bytes == host_tier_bytes(layer, 2)  # staging only
     assert p.streamed_bytes_per_pass == p.streamed_layers * layer
     assert p.seconds_per_pass == pytest.approx(p.streamed_layers * layer / 25e9)
     roomy = plan("Llama-3.1-70B", gpu=24e9, ram=256e9)
     assert roomy.host_tier == "ram"
-    assert roomy.host_bytes == roomy.streamed_layers * pinned_bytes(layer)
+    assert roomy.host_bytes == host_tier_bytes(layer, roomy.streamed_layers)
     text = roomy.render()
     assert "streamed through 2 slots" in text and "s per target pass" in text
 
 
-def test_pinned_layers_are_counted_as_the_allocator_rounds_them() -> None:
-    # PyTorch pins host memory in power-of-two blocks: a 70B layer (1.71 GB) takes 2 GiB.
+def test_host_tier_bytes_are_one_arena_without_pinned_rounding() -> None:
+    # One page-aligned arena per tier, page-locked in place: a 70B layer (1.59 GiB) is not
+    # rounded up to the caching host allocator's 2 GiB.
     layer = fp("Llama-3.1-70B").layer_bytes
-    assert pinned_bytes(layer) == 2**31 and pinned_bytes(2**20) == 2**20
-    tight = plan("Llama-3.1-70B", gpu=24e9, ram=80 * layer)  # the raw layers would fit
-    assert tight.host_tier == "disk" and tight.host_bytes == 2 * 2**31
+    assert 0 <= host_tier_bytes(layer, 80) - 80 * layer < 4096 * 16
+    fits = plan("Llama-3.1-70B", gpu=24e9, ram=80 * layer + 2**20)
+    assert fits.host_tier == "ram"
+    assert fits.host_bytes == host_tier_bytes(layer, fits.streamed_layers)
     with pytest.raises(PlanError, match="--host-tier disk"):
-        plan("Llama-3.1-70B", gpu=24e9, ram=80 * layer, host_tier="ram")
-    # A CPU device pins nothing: its host tier holds the layers at their size.
+        plan("Llama-3.1-70B", gpu=24e9, ram=fits.streamed_layers * layer // 2, host_tier="ram")
+    # A CPU device pins nothing; its host tier is the same arena.
     cpu = Budget("cpu", int(300e9), "configured", int(300e9), "configured", None, "configured")
     request = plan_request(fp("Llama-3.1-70B"), None, 8192, OffloadRequest(offload="stream"))
     on_cpu = make_plan(request, cpu)
-    assert on_cpu.host_tier == "ram" and on_cpu.host_bytes == on_cpu.streamed_layers * layer
+    assert on_cpu.host_tier == "ram"
+    assert on_cpu.host_bytes == host_tier_bytes(layer, on_cpu.streamed_layers)
 
 
 def test_forced_disk_tier_and_forced_ram_tier_that_cannot_fit() -> None:
