@@ -65,7 +65,7 @@ class HostArena:
         if self.pinned or device.type != "cuda":
             return self.pinned
         ptr = self.flat.data_ptr()
-        error = _register(ptr, self.nbytes)
+        error = _register(ptr, self.nbytes, device)
         if error is not None:
             log.warning(
                 "could not page-lock %d bytes of host memory for streaming (%s); copies "
@@ -95,12 +95,20 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def _register(ptr: int, nbytes: int) -> str | None:
+# cudaHostRegisterPortable: page-locked for every CUDA context, not only the registering
+# thread's current device (the registration runs on a thread of its own, see below).
+HOST_REGISTER_PORTABLE = 1
+
+
+def _register(ptr: int, nbytes: int, device: torch.device) -> str | None:
     """cudaHostRegister; returns the error text, or None on success."""
 
     def call() -> str | None:
         try:
-            code = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))  # 0: default flags
+            with torch.cuda.device(device):
+                code = int(
+                    torch.cuda.cudart().cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE)
+                )
         except (RuntimeError, AssertionError, AttributeError) as e:  # no CUDA runtime here
             return f"{type(e).__name__}: {e}"
         return None if code == 0 else f"cudaHostRegister error {code}"
@@ -113,8 +121,9 @@ def _unregister(ptr: int, device: torch.device) -> None:
         try:
             # A copy queued from this memory may still be running: unregistering under an
             # in-flight DMA is undefined, so wait for the device first.
-            torch.cuda.synchronize(device)
-            code = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+            with torch.cuda.device(device):
+                torch.cuda.synchronize(device)
+                code = int(torch.cuda.cudart().cudaHostUnregister(ptr))
         except RuntimeError as e:
             return f"{type(e).__name__}: {e}"
         return None if code == 0 else f"cudaHostUnregister error {code}"

@@ -258,10 +258,19 @@ class LayerStreamer:
             # Prefer an empty slot, then the one filled longest ago.
             slot = min(free, key=lambda s: (s.layer is not None, self._filled_at.get(s.index, -1)))
             self._assign(layer, slot)
+        self._land_finished_reads()
+
+    def _land_finished_reads(self) -> None:
         for slot in self.slots:
             # A failed read is left pending: it is raised where its layer is needed.
             if slot.pending is not None and slot.pending.done() and not slot.pending.exception():
                 self._land(slot)
+
+    def wait_reads(self) -> None:
+        """Wait for the host tier's reads under way (read-ahead included) and issue their
+        copies."""
+        wait_futures([s.pending for s in self.slots if s.pending is not None])
+        self._land_finished_reads()
 
     def _retry_failed_reads(self) -> None:
         """Read again what a previous pass's read-ahead failed to read: a failure is raised
@@ -317,13 +326,10 @@ class LayerStreamer:
         self.counters.bytes_copied += self.layout.nbytes
 
     def synchronize(self) -> None:
-        """Wait for the reads and copies under way and fold every copy's time into the
-        counters. A failed read stays pending, raised where its layer is needed."""
-        pending = [s.pending for s in self.slots if s.pending is not None]
-        wait_futures(pending)
-        for slot in self.slots:
-            if slot.pending is not None and not slot.pending.exception():
-                self._land(slot)
+        """Wait for every copy issued so far and fold every copy's time into the counters.
+        Reads already done get their copies issued first; reads still under way are not
+        waited for (stats at the end of a request should not wait for the disk)."""
+        self._land_finished_reads()
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
         for slot in self.slots:
@@ -335,6 +341,7 @@ class LayerStreamer:
 
     def close(self) -> None:
         """Finish what is under way and release the host tier (unpinning its memory)."""
+        self.wait_reads()
         self.synchronize()
         self.storage.close()
         if self.staging is not None:

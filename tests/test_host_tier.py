@@ -144,10 +144,10 @@ def test_disk_tier_reads_on_the_reader_thread_and_reads_ahead(
 
     # The wrap-around read the next pass's first layers in the background, unasked: a pass
     # reads the rest, then (wrapping around) the first two again for the pass after.
-    streamer.synchronize()
+    streamer.wait_reads()
     storage.read_log.clear()
     one_pass(model)
-    streamer.synchronize()
+    streamer.wait_reads()
     assert list(storage.read_log) == [2, 3, 4, 0, 1]
 
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from daemon.placement import disk_sources
+from offload.arena import HostArena, arena_bytes
 from offload.placement import build_streamer
+from offload.stream import MAX_TIMED_COPIES
 from speculative.checkpoint import load
 
 pytestmark = [
@@ -53,11 +55,16 @@ def test_streamed_logits_on_gpu_equal_resident(
     for want, got in zip(logits(reference), logits(model), strict=True):
         assert torch.equal(want, got)
 
-    # Host buffers (or staging) are pinned: the copies are real asynchronous DMA.
+    # Host buffers (or staging) are slices of one arena page-locked in place
+    # (cudaHostRegister): the copies are real asynchronous DMA, with no pinned rounding.
+    assert streamer.host_pinned and streamer.stats()["host_pinned"] == 1
     if tier == "ram":
+        assert streamer.storage.pinned
         assert all(b.is_pinned() for b in streamer.storage.buffers.values())
+        assert streamer.host_bytes == arena_bytes(streamer.layout.nbytes, len(streamed))
     else:
         assert all(s.staging is not None and s.staging.is_pinned() for s in streamer.slots)
+        assert streamer.host_bytes == arena_bytes(streamer.layout.nbytes, slots)
     # The copies ran on the dedicated stream, timed by events recorded there.
     assert streamer.copy_stream is not None
     assert streamer.copy_stream != torch.cuda.current_stream()
@@ -108,15 +115,56 @@ def test_stream_dependencies_hold_when_one_stream_lags(
     if slow == "compute":
         model.set_layers(SlowCompute(streamer))
     else:
-        fill = streamer.storage.host_buffer
+        # Disk: the sleep is queued by the reader thread, ahead of the copy the compute thread
+        # issues once the read is joined.
+        name = "read" if tier == "disk" else "fetch"
+        fill = getattr(streamer.storage, name)
 
-        def late_fill(layer: int, staging: torch.Tensor | None) -> torch.Tensor:
+        def late_fill(layer: int, staging: torch.Tensor | None, after=None):
             with torch.cuda.stream(streamer.copy_stream):
                 torch.cuda._sleep(SPIN_CYCLES)  # queued ahead of this layer's copy
-            return fill(layer, staging)
+            return fill(layer, staging, after)
 
-        streamer.storage.host_buffer = late_fill  # type: ignore[method-assign]
+        setattr(streamer.storage, name, late_fill)
         model.set_layers(streamer)
     for want, got in zip(logits(reference), logits(model), strict=True):
         assert torch.equal(want, got)
     assert streamer.counters.copies > len(streamed)  # slots were reused within passes
+
+
+def test_arena_is_page_locked_in_place_and_unlocked_on_close() -> None:
+    arena = HostArena(3 * 2**20 + 64, 3)  # not a power of two: nothing rounds it up
+    assert arena.pin(torch.device("cuda")) and arena.pinned
+    assert all(arena.view(k).is_pinned() for k in range(3))
+    data = torch.randint(0, 256, (arena.slice_bytes,), dtype=torch.uint8)
+    arena.view(1).copy_(data)
+    device = torch.empty(arena.slice_bytes, dtype=torch.uint8, device="cuda")
+    device.copy_(arena.view(1), non_blocking=True)
+    assert torch.equal(device.cpu(), data)
+    arena.close()
+    assert not arena.pinned and not arena.view(1).is_pinned()
+    assert torch.equal(arena.view(1), data)  # still valid memory, now pageable
+
+
+@pytest.mark.parametrize("tier", ["ram", "disk"])
+def test_timing_events_stay_bounded_over_many_passes(stories_target: Path, tier: str) -> None:
+    """Each copy is timed by two CUDA events; they are folded into the counters as they
+    complete, so a long generation does not accumulate them."""
+    model, _, ckpt = load(stories_target, "fp32", "cpu")
+    layers = list(model.layers)
+    streamed = list(range(len(layers)))
+    names = [n for n, _ in layers[0].named_parameters()]
+    sources = disk_sources(ckpt, streamed, names) if tier == "disk" else None
+    streamer = build_streamer(layers, [], "cuda", 2, tier, sources)
+    model.set_layers(streamer)
+    model.to("cuda")
+    cache = model.new_cache(8)
+    passes = 300
+    for _ in range(passes):  # no host synchronisation: the compute thread may run ahead
+        cache.truncate(0)
+        model(torch.tensor([1, 2, 3]), torch.arange(3), cache)
+        assert streamer.timed_copies_pending() <= len(streamer.slots) * MAX_TIMED_COPIES
+    stats = streamer.stats()
+    assert streamer.timed_copies_pending() == 0
+    assert streamer.counters.copies == passes * len(streamed) + 2
+    assert stats["stream_seconds"] > 0
