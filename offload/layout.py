@@ -56,8 +56,9 @@ class FlatLayout:
                 f"can share streaming slots (expected {want[:3]}..., got {got[:3]}...)"
             )
 
-    def empty(self, device: torch.device | str, pin: bool = False) -> torch.Tensor:
-        return torch.empty(self.nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+    def empty(self, device: torch.device | str) -> torch.Tensor:
+        """A device buffer for one layer (host buffers come from a `HostArena`)."""
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each tensor as a view into `flat` (a uint8 buffer of `nbytes`)."""
