@@ -150,6 +150,11 @@ def test_disk_tier_reads_on_the_reader_thread_and_reads_ahead(
     streamer.wait_reads()
     assert list(storage.read_log) == [2, 3, 4, 0, 1]
 
+    streamer.close()  # reads finished, reader stopped, files released
+    assert storage.read_log[-1] == 1
+    with pytest.raises(RuntimeError, match="shutdown"):
+        storage.fetch(0, streamer.slots[0].staging)
+
 
 def test_a_reader_error_surfaces_on_the_compute_thread_naming_layer_and_file(
     stories_target: Path, reference_logits: list[torch.Tensor], tmp_path: Path
