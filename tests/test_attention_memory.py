@@ -170,6 +170,9 @@ def measure_pass(
     return {"shape": name, "measured": measured, "planned": planned}
 
 
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="the CPU peak probe needs Linux /proc"
+)
 def test_the_plans_activation_figure_matches_what_a_pass_allocates() -> None:
     # A child process with glibc's mmap threshold fixed at 64 KiB (by default it rises
     # up to 32 MiB as blocks are freed): every tensor but the smallest is then its own
