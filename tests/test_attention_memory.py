@@ -121,22 +121,25 @@ def test_the_plan_follows_the_models_chunking() -> None:
     assert fp.attention_bytes(2048, 131072) <= ATTENTION_CHUNK_BYTES + 2048 * 2 * 2 * 256
 
 
-# (name, vocab, cached tokens before the pass, pass tokens, tree pass?, chunk bound).
+# (name, dtype, vocab, cached tokens before the pass, pass tokens, tree pass?, chunk bound).
 # - prefill: one logit row; its attention spans several query chunks, whose working set
 #   dominates the peak;
 # - tree: the largest auto-budget tree (256 nodes and the root) with Llama 3's vocabulary:
 #   a logit row per node dominates; one query chunk (the direct path);
 # - layer: a prefill chunk with a small chunk bound, so that the per-token temporaries of
 #   a layer (the MLP's) dominate, as they do for 8B-70B models with 128 MiB chunks.
+# bf16 adds the fp32 copies (`.float()` of scores, norms and logits) that fp32 skips.
 SHAPES = [
-    ("prefill", 32000, 1024, 1024, False, ATTENTION_CHUNK_BYTES),
-    ("tree", 128256, 2048, 257, True, ATTENTION_CHUNK_BYTES),
-    ("layer", 32000, 1024, 1024, False, 2 * 2**20),
+    ("prefill", "float32", 32000, 1024, 1024, False, ATTENTION_CHUNK_BYTES),
+    ("tree", "float32", 128256, 2048, 257, True, ATTENTION_CHUNK_BYTES),
+    ("prefill", "bfloat16", 32000, 1024, 1024, False, ATTENTION_CHUNK_BYTES),
+    ("tree", "bfloat16", 128256, 2048, 257, True, ATTENTION_CHUNK_BYTES),
+    ("layer", "bfloat16", 32000, 1024, 1024, False, 2 * 2**20),
 ]
 
 
 def measure_pass(
-    name: str, vocab: int, start: int, t: int, is_tree: bool, chunk_bytes: int
+    name: str, dtype: str, vocab: int, start: int, t: int, is_tree: bool, chunk_bytes: int
 ) -> dict:
     """In a child process (see the test): the peak one pass shape adds, and the plan's
     figure for it."""
@@ -145,7 +148,7 @@ def measure_pass(
 
     model_module.ATTENTION_CHUNK_BYTES = chunk_bytes  # this child process only
     torch.manual_seed(0)
-    model = Transformer(config(vocab)).eval()
+    model = Transformer(config(vocab)).eval().to(getattr(torch, dtype))
     tokens = torch.randint(0, vocab, (t,))
     positions = torch.arange(start, start + t)
     mask = tree_mask(tree_parents(t, 5), 0) if is_tree else None  # (N, N) tree mask
@@ -167,7 +170,7 @@ def measure_pass(
     measured = min(run(), run())
     plan = replace(activation_footprint(model.config, model.dtype), chunk_bytes=chunk_bytes)
     planned = plan.pass_bytes(t, t if is_tree else 1, start + t)
-    return {"shape": name, "measured": measured, "planned": planned}
+    return {"shape": name, "dtype": dtype, "measured": measured, "planned": planned}
 
 
 @pytest.mark.skipif(
