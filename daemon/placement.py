@@ -12,6 +12,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
+from offload.activations import ActivationFootprint
 from offload.layout import FlatLayout
 from offload.machine import detect_budget
 from offload.placement import build_streamer
@@ -25,16 +26,13 @@ from offload.plan import (
 )
 from offload.storage import TensorSources, tensor_files
 from offload.stream import LayerStreamer
+from speculative.budget import AUTO_MAX_BUDGET
 from speculative.checkpoint import DTYPES, Checkpoint, load, open_checkpoint
 from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
 from speculative.kv_cache import KVCache
-from speculative.model import Transformer
+from speculative.model import ATTENTION_CHUNK_BYTES, Transformer, attention_row_bytes
 from speculative.tokenizer import Tokenizer
-
-# Bytes per (new token, visible slot) pair: the boolean mask and the additive bias fused
-# attention kernels build from it. Per-head scores are not materialised by those kernels.
-ATTENTION_BYTES_PER_PAIR = 1 + 4
 
 
 def footprint(config: ModelConfig, dtype: torch.dtype, name: str) -> ModelFootprint:
@@ -47,13 +45,6 @@ def footprint(config: ModelConfig, dtype: torch.dtype, name: str) -> ModelFootpr
     # with each tensor's alignment padding, so the plan's figures are what gets allocated.
     layer = FlatLayout.of(block).nbytes
     outside_layers = module_bytes(model) - config.num_layers * module_bytes(block)
-    item = torch.empty((), dtype=dtype).element_size()
-    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
-    q, kv = config.num_heads * hd, config.num_kv_heads * hd
-    # One token's live tensors in a layer: residual, norm output and attention output (d
-    # each), q/k/v and the attention result (q + 2kv + q), the MLP's gate/up/product (3f);
-    # plus its logits in the model dtype and in fp32.
-    per_token = item * (3 * d + 2 * q + 2 * kv + 3 * f) + config.vocab_size * (item + 4)
     return ModelFootprint(
         name=name,
         dtype=str(dtype).removeprefix("torch."),
@@ -61,8 +52,50 @@ def footprint(config: ModelConfig, dtype: torch.dtype, name: str) -> ModelFootpr
         layer_bytes=layer,
         num_layers=config.num_layers,
         kv_bytes_per_token=KVCache.bytes_for(config, 1, dtype),
-        activation_bytes_per_token=per_token,
-        attention_bytes_per_pair=ATTENTION_BYTES_PER_PAIR,
+        activations=activation_footprint(config, dtype),
+    )
+
+
+def activation_footprint(config: ModelConfig, dtype: torch.dtype) -> ActivationFootprint:
+    """What a pass of speculative.model allocates, traced through its code. Per token, in
+    bytes; `x` is a layer's input (held by the caller while the layer runs), `h` its norm."""
+    item = torch.empty((), dtype=dtype).element_size()
+    d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    fp32_copy = 4 if item != 4 else 0  # `.float()` copies unless the model is fp32 already
+    to_dtype = item if item != 4 else 0  # `.to(dtype)` of fp32 copies unless fp32
+
+    def norm(n: int) -> int:
+        # RMSNorm's peak: the fp32 input and x²; then the normalised fp32, its cast and
+        # the weighted output.
+        return max(fp32_copy + 4, 4 + to_dtype + item) * n
+
+    phases = [
+        item * d + norm(d),  # input norm
+        item * (2 * d + 4 * q + 2 * kv),  # x, h, q/k/v, RoPE on q: x*cos, roll, roll*sin
+        item * (2 * d + q + 5 * kv),  # RoPE on k (q done)
+        item * (3 * d + 3 * q + 2 * kv),  # output, its (T, H*hd) copy and o_proj
+        3 * item * d,  # residual add
+        2 * item * d + norm(d),  # post-attention norm (x and the new residual alive)
+        item * (3 * d + 3 * f),  # MLP: x, residual, h, then silu(gate), up, their product
+        4 * item * d,  # the last residual add
+    ]
+    if config.qk_norm:
+        phases += [
+            item * (2 * d + q + 2 * kv) + norm(q),  # q norm
+            item * (2 * d + 2 * q + 2 * kv) + norm(kv),  # k norm (q and its norm alive)
+        ]
+    return ActivationFootprint(
+        persistent_bytes_per_token=2 * hd * item,  # RoPE cos and sin
+        layer_bytes_per_token=max(phases),
+        attention_bytes_per_token=item * (2 * d + 2 * q + 2 * kv),  # x, h, q, k, v, output
+        mask_bytes_per_pair=1,  # torch.bool
+        score_bytes_per_key=attention_row_bytes(config.num_heads, 1),
+        score_bytes_per_query=2 * item * q,  # a chunk's copy of its queries and its output
+        chunk_bytes=ATTENTION_CHUNK_BYTES,
+        hidden_bytes_per_token=item * d,
+        # The head's output in the model dtype and its fp32 copy, after the final norm.
+        logit_bytes_per_row=max(norm(d), item * d + config.vocab_size * (item + fp32_copy)),
     )
 
 
@@ -84,16 +117,17 @@ def plan_request(
     options: OffloadRequest,
     tree_budget: int | str = "auto",
 ) -> PlanRequest:
-    # The largest pass is a prefill chunk, or a tree when the budget asks for more nodes.
-    largest = (
-        PREFILL_CHUNK if not isinstance(tree_budget, int) else max(PREFILL_CHUNK, tree_budget + 1)
-    )
+    # The largest pass is a prefill chunk, or a tree when the budget asks for more nodes; a
+    # prefill chunk returns one logit row, a tree pass one per node (root included).
+    nodes = (tree_budget if isinstance(tree_budget, int) else AUTO_MAX_BUDGET) + 1
+    tokens = min(max(PREFILL_CHUNK, nodes), context)
     resident = options.resident_layers
     return PlanRequest(
         target=target,
         draft=draft,
         context=context,
-        pass_tokens=min(largest, context),
+        pass_tokens=tokens,
+        logit_rows=min(nodes, tokens),
         offload=options.offload,
         resident_layers=None if resident == "auto" else int(resident),
         slots=options.slots,

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from offload.activations import ActivationFootprint
 from offload.arena import arena_bytes
 from offload.units import format_size
 
@@ -35,8 +36,7 @@ class ModelFootprint:
     layer_bytes: int  # one decoder layer (all layers share one shape)
     num_layers: int
     kv_bytes_per_token: int  # K and V of every layer for one cached token
-    activation_bytes_per_token: int  # working set of one new token in a pass (incl. logits)
-    attention_bytes_per_pair: int  # mask and bias per (new token, visible slot) pair
+    activations: ActivationFootprint  # what a pass allocates, by its shape
 
     @property
     def weight_bytes(self) -> int:
@@ -45,10 +45,10 @@ class ModelFootprint:
     def kv_bytes(self, context: int) -> int:
         return self.kv_bytes_per_token * context
 
-    def activation_bytes(self, tokens: int, context: int) -> int:
-        return tokens * self.activation_bytes_per_token + (
-            tokens * context * self.attention_bytes_per_pair
-        )
+    def activation_bytes(self, tokens: int, logit_rows: int, context: int) -> int:
+        """Peak of a pass of `tokens` tokens returning `logit_rows` logit rows, attending
+        to `context` slots."""
+        return self.activations.pass_bytes(tokens, logit_rows, context)
 
 
 def module_bytes(module: nn.Module) -> int:
@@ -79,6 +79,9 @@ class PlanRequest:
     draft: ModelFootprint | None
     context: int
     pass_tokens: int  # the largest pass: a prefill chunk or the largest tree
+    # The most logit rows a pass returns: 1 for a prefill chunk (last row only), every node
+    # of the largest tree for a verification pass.
+    logit_rows: int = 1
     offload: str = "auto"  # none | stream | auto
     resident_layers: int | None = None  # None: as many as fit
     slots: int = MIN_SLOTS
@@ -114,6 +117,7 @@ class MemoryPlan:
             "draft": asdict(self.request.draft) if self.request.draft else None,
             "context": self.request.context,
             "pass_tokens": self.request.pass_tokens,
+            "logit_rows": self.request.logit_rows,
             "offload": self.request.offload,
             "budget": asdict(self.budget),
             "device_parts": dict(self.device_parts),
@@ -139,7 +143,8 @@ class MemoryPlan:
         if r.draft:
             lines.append(f"  draft    {r.draft.name}: {format_size(r.draft.weight_bytes)}")
         lines += [
-            f"  context  {r.context} tokens; largest pass {r.pass_tokens} tokens",
+            f"  context  {r.context} tokens; largest pass {r.pass_tokens} tokens, "
+            f"{r.logit_rows} logit rows",
             f"  budget   {b.device} {format_size(b.device_bytes)} ({b.device_source}); "
             f"RAM {format_size(b.ram_bytes)} ({b.ram_source})",
             f"  host→device {_rate(b.bandwidth)} ({b.bandwidth_source})",
@@ -255,10 +260,10 @@ def _fixed_parts(r: PlanRequest) -> dict[str, int]:
     parts[f"target KV cache ({r.context} tokens)"] = t.kv_bytes(r.context)
     if d is not None:
         parts[f"draft KV cache ({r.context} tokens)"] = d.kv_bytes(r.context)
-    act = t.activation_bytes(r.pass_tokens, r.context)
+    act = t.activation_bytes(r.pass_tokens, r.logit_rows, r.context)
     if d is not None:
-        act = max(act, d.activation_bytes(r.pass_tokens, r.context))
-    parts[f"activations and mask ({r.pass_tokens}-token pass)"] = act
+        act = max(act, d.activation_bytes(r.pass_tokens, r.logit_rows, r.context))
+    parts[f"activations ({r.pass_tokens}-token pass, {r.logit_rows} logit rows)"] = act
     return parts
 
 
@@ -359,9 +364,11 @@ def _no_fit_message(
 
 
 def _minimal_streamed(r: PlanRequest, context: int, slots: int, draft: bool = True) -> int:
+    tokens = min(r.pass_tokens, context)
     trial = PlanRequest(
-        r.target, r.draft if draft else None, context, min(r.pass_tokens, context), slots=slots
-    )
+        r.target, r.draft if draft else None, context, tokens, min(r.logit_rows, tokens),
+        slots=slots,
+    )  # fmt: skip
     return sum(_fixed_parts(trial).values()) + slots * r.target.layer_bytes
 
 

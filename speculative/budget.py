@@ -39,6 +39,8 @@ from speculative.tree import default_depth
 BUDGET_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEPTH_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
 PLAIN_REFRESH_EVERY = 16  # rounds between plain steps while a tree is chosen
+# The largest tree auto budgeting grows; the memory plan reserves logits for its nodes.
+AUTO_MAX_BUDGET = 256
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,7 @@ def choose_shape(
 class AutoBudget:
     def __init__(
         self,
-        max_budget: int = 256,
+        max_budget: int = AUTO_MAX_BUDGET,
         max_depth: int | None = None,
         explore_share: float = 0.02,
         uses_draft_model: bool = True,

@@ -114,9 +114,29 @@ class Attention(nn.Module):
         return _linear(self.o_proj, out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
 
 
-# Above this many attention scores a pass goes through SDPA (memory-efficient kernels)
-# rather than materialising the score matrix.
-_EXPLICIT_ATTENTION_MAX_SCORES = 1 << 22
+# The most bytes one chunk of queries may hold in attention working memory. Masked passes
+# (prefill chunks, tree verification) would otherwise hold (heads, queries, keys) fp32 scores
+# per layer: a 2,048-token chunk at context 8,192 is ~4 GB. 128 MiB still holds one query
+# row of a 64-head model at 128k context (64 MiB of scores), is ~0.5% of a 24 GB card, and
+# one chunk's work (~16M scores, billions of flops on a real model) dwarfs the few kernel
+# launches a chunk adds. The plan reserves exactly this working set (daemon/placement.py).
+ATTENTION_CHUNK_BYTES = 128 * 2**20
+# Bytes per (head, query, key) at a chunk's peak: the fp32 scores and their fp32 softmax
+# live together; the model-dtype matmul output before them and the cast weights after
+# them are never alive with both (see `_attend_chunk`).
+SCORE_BYTES = 8
+
+
+def attention_row_bytes(heads: int, keys: int) -> int:
+    """Working bytes one query row adds to a chunk: its scores over every key for every
+    head (SCORE_BYTES each) and its row of the inverted boolean mask."""
+    return keys * (heads * SCORE_BYTES + 1)
+
+
+def query_chunk(heads: int, keys: int) -> int:
+    """Queries per chunk so that one chunk's working set stays under ATTENTION_CHUNK_BYTES;
+    at least 1 (a single row over a huge context is the irreducible minimum)."""
+    return max(1, ATTENTION_CHUNK_BYTES // attention_row_bytes(heads, keys))
 
 
 def attend(
@@ -125,22 +145,44 @@ def attend(
     v: torch.Tensor,  # (Hkv, S, hd)
     mask: torch.Tensor | None,  # (T, S) bool, True = may attend; None = see everything
 ) -> torch.Tensor:
-    """Grouped-query attention, softmax in fp32. On CPU, and for the small passes of decoding
-    and verification, SDPA's `enable_gqa` path costs milliseconds per call (it copies the
-    strided cache views); folding each kv head's query group into one matmul is the same
-    arithmetic at a fraction of the cost. Large passes (long prefills) use SDPA."""
+    """Grouped-query attention, softmax in fp32, over chunks of queries so that no pass holds
+    more than ATTENTION_CHUNK_BYTES of scores. Decoding and verification passes fit in one
+    chunk and take the direct path. Each kv head's query group is folded into one matmul:
+    on CPU, SDPA's `enable_gqa` path costs milliseconds per call (it copies the strided cache
+    views), and with a boolean mask it falls back to the math kernel, which materialises the
+    whole (heads, T, S) score matrix, so SDPA would be neither faster nor bounded here."""
+    heads, t = q.shape[0], q.shape[1]
+    chunk = query_chunk(heads, k.shape[1])
+    if t <= chunk:
+        return _attend_chunk(q, k, v, mask)
+    out = torch.empty_like(q)  # (H, T, hd)
+    for t0 in range(0, t, chunk):
+        t1 = min(t0 + chunk, t)
+        rows = None if mask is None else mask[t0:t1]  # (c, S)
+        out[:, t0:t1] = _attend_chunk(q[:, t0:t1], k, v, rows)
+    return out
+
+
+def _attend_chunk(
+    q: torch.Tensor,  # (H, c, hd)
+    k: torch.Tensor,  # (Hkv, S, hd)
+    v: torch.Tensor,  # (Hkv, S, hd)
+    mask: torch.Tensor | None,  # (c, S) bool
+) -> torch.Tensor:
     heads, t, hd = q.shape
     kv_heads, s = k.shape[0], k.shape[1]
     group = heads // kv_heads
-    if heads * t * s > _EXPLICIT_ATTENTION_MAX_SCORES:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    # Query heads h = kv * group + g share kv head `kv` (transformers' repeat_kv order).
-    qg = q.reshape(kv_heads, group * t, hd)  # (Hkv, g*T, hd)
-    scores = torch.matmul(qg, k.transpose(1, 2)).float() * (hd**-0.5)  # (Hkv, g*T, S)
+    # Query heads h = kv * group + g share kv head `kv` (transformers' repeat_kv order). A
+    # slice of a longer pass is not contiguous across heads: reshape copies it (c rows only).
+    qg = q.reshape(kv_heads, group * t, hd)  # (Hkv, g*c, hd)
+    scores = torch.matmul(qg, k.transpose(1, 2)).float()  # (Hkv, g*c, S) fp32
+    scores.mul_(hd**-0.5)  # in place: the same values as `* scale`, no second fp32 copy
     if mask is not None:
-        scores = scores.view(kv_heads, group, t, s).masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores.view(kv_heads, group * t, s), dim=-1).to(v.dtype)
-    return torch.matmul(weights, v).view(heads, t, hd)  # (H, T, hd)
+        scores.view(kv_heads, group, t, s).masked_fill_(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # (Hkv, g*c, S) fp32
+    # Free the scores before casting: the peak stays at two fp32 copies (SCORE_BYTES).
+    del scores
+    return torch.matmul(weights.to(v.dtype), v).view(heads, t, hd)  # (H, c, hd)
 
 
 class MLP(nn.Module):
@@ -283,8 +325,10 @@ def full_mask(
         return torch.arange(start + t, device=device)[None, :] <= rows
     mask = mask.to(device=device, dtype=torch.bool)
     if mask.shape == (t, t) and start:
-        prefix = torch.ones(t, start, dtype=torch.bool, device=device)
-        return torch.cat((prefix, mask), dim=1)
+        # Written into one (T, start + T) tensor: a cat would hold a (T, start) prefix too.
+        full = torch.ones(t, start + t, dtype=torch.bool, device=device)
+        full[:, start:] = mask
+        return full
     if mask.shape != (t, start + t):
         raise ValueError(
             f"attention mask has shape {tuple(mask.shape)}; expected ({t}, {t}) or ({t}, {start + t})"

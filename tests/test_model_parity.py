@@ -178,8 +178,9 @@ def test_greedy_generation_matches_transformers_generate(shared_models: Path) ->
             assert ours.token_ids == out[0, len(ids) :].tolist(), (folder.name, prompt)
 
 
-def test_large_pass_attention_path_agrees(tiny_checkpoint, monkeypatch) -> None:
-    """Long prefills go through SDPA instead of the explicit grouped matmul: same logits."""
+def test_query_chunked_attention_agrees(tiny_checkpoint, monkeypatch) -> None:
+    """Long passes attend over chunks of queries (bounded score memory): with a bound so
+    small that every query row is its own chunk, the logits are those of one chunk."""
     import speculative.model as model_module
 
     path = tiny_checkpoint("qwen2", vocab_size=96)
@@ -194,9 +195,9 @@ def test_large_pass_attention_path_agrees(tiny_checkpoint, monkeypatch) -> None:
         masked = model(tree, len(tokens) + depth, cache, mask=_tree_mask(TREE_PARENTS))
         return torch.cat((causal, masked))
 
-    explicit = run()
-    monkeypatch.setattr(model_module, "_EXPLICIT_ATTENTION_MAX_SCORES", 0)
-    torch.testing.assert_close(run(), explicit, atol=1e-5, rtol=0)
+    whole = run()
+    monkeypatch.setattr(model_module, "ATTENTION_CHUNK_BYTES", 1)
+    torch.testing.assert_close(run(), whole, atol=1e-5, rtol=0)
 
 
 def test_keep_compacts_an_accepted_tree_path(tiny_checkpoint) -> None:

@@ -15,7 +15,10 @@ from daemon.runtime import Runtime, RuntimeOptions
 from offload.machine import detect_budget
 from offload.plan import Budget, PlanError, PlanRequest, host_tier_bytes, make_plan
 from offload.units import format_size, parse_rate, parse_size
+from speculative.budget import AUTO_MAX_BUDGET
 from speculative.config import ModelConfig
+from speculative.generation import PREFILL_CHUNK
+from speculative.model import ATTENTION_CHUNK_BYTES
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -263,3 +266,33 @@ def test_the_plan_warns_when_every_conversation_at_full_length_would_not_fit() -
     assert not any("conversations" in n for n in plan_for(1).notes)
     notes = [n for n in plan_for(12).notes if "conversations" in n]
     assert len(notes) == 1 and "12 conversations" in notes[0] and "about" in notes[0]
+
+
+def test_the_plan_reserves_the_largest_pass_and_its_logit_rows() -> None:
+    """A prefill chunk returns one logit row, a tree pass one per node: the plan holds the
+    largest pass with the most rows (auto budgeting grows trees up to AUTO_MAX_BUDGET)."""
+    target = fp("Llama-3.1-8B")
+    auto = plan_request(target, None, 8192, OffloadRequest())
+    assert (auto.pass_tokens, auto.logit_rows) == (PREFILL_CHUNK, AUTO_MAX_BUDGET + 1)
+    big = plan_request(target, None, 8192, OffloadRequest(), tree_budget=4095)
+    assert (big.pass_tokens, big.logit_rows) == (4096, 4096)
+    short = plan_request(target, None, 100, OffloadRequest(), tree_budget=4095)
+    assert (short.pass_tokens, short.logit_rows) == (100, 100)
+    p = make_plan(auto, budget(24e9, 64e9))
+    part = f"activations ({PREFILL_CHUNK}-token pass, {AUTO_MAX_BUDGET + 1} logit rows)"
+    assert p.device_parts[part] == target.activation_bytes(PREFILL_CHUNK, 257, 8192)
+    assert p.to_dict()["logit_rows"] == 257 and "257 logit rows" in p.render()
+    # Logit rows cost a vocabulary each (model dtype, then fp32): a 1,025-node tree's
+    # 1,025 rows outweigh a 2,048-token prefill chunk's single row.
+    assert target.activation_bytes(1025, 1025, 8192) > target.activation_bytes(2048, 1, 8192)
+
+
+def test_attention_scores_are_bounded_at_long_context() -> None:
+    """Scores are held one query chunk at a time: a 70B's 2,048-token pass at 128k context
+    holds one chunk of scores and the (T, S) boolean mask, not (heads, T, S) fp32 scores."""
+    f = fp("Llama-3.1-70B")
+    assert f.activations.attention_bytes(2048, 131072) <= ATTENTION_CHUNK_BYTES
+    short, long = f.activation_bytes(2048, 1, 8192), f.activation_bytes(2048, 1, 131072)
+    assert long - short <= 2048 * (131072 - 8192) + ATTENTION_CHUNK_BYTES  # the mask grows
+    all_scores = 64 * 2048 * 131072 * 4  # what one unchunked pass would hold: 64 GiB
+    assert long < all_scores / 50
