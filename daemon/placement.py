@@ -131,16 +131,18 @@ def choose_plan(
     if context != "auto" and int(context) > limit:
         raise PlanError(f"context {context} is longer than {name} supports ({limit})")
     candidates = dtype_candidates(dtype, target, device_type)
+    length = limit if context == "auto" else int(context)
     for i, (key, reason) in enumerate(candidates):
         last = i == len(candidates) - 1
+        target_fp = footprint(target, DTYPES[key], name)
+        draft_fp = footprint(draft, DTYPES[key], draft_name) if draft else None
 
-        def attempt(nodes: int | str, key: str = key) -> MemoryPlan:
-            torch_dtype = DTYPES[key]
-            draft_fp = footprint(draft, torch_dtype, draft_name) if draft else None
-            length = limit if context == "auto" else int(context)
-            request = plan_request(
-                footprint(target, torch_dtype, name), draft_fp, length, options, nodes
-            )
+        def attempt(
+            nodes: int | str,
+            target_fp: ModelFootprint = target_fp,
+            draft_fp: ModelFootprint | None = draft_fp,
+        ) -> MemoryPlan:
+            request = plan_request(target_fp, draft_fp, length, options, nodes)
             if context == "auto":
                 return plan_auto_context(request, budget)
             return make_plan(request, budget)
@@ -178,9 +180,9 @@ def _with_budget_hint(
     if best is None:
         return error
     return PlanError(
-        f"--budget {tree_budget} (speculation.budget) plans a target pass of "
-        f"{PREFILL_CHUNK + 1 + tree_budget} tokens that does not fit; the largest tree budget "
-        f"that fits is {best}: use --budget {best} or less, or auto. ({error})"
+        f"--budget {tree_budget} (speculation.budget) does not fit: the plan holds a target "
+        f"pass of a prompt chunk, the root and {tree_budget} tree nodes. The largest tree "
+        f"budget that fits is {best}: use --budget {best} or less, or auto. ({error})"
     )
 
 
