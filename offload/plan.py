@@ -432,7 +432,10 @@ def plan_auto_context(request: PlanRequest, budget: Budget) -> MemoryPlan:
                     f"auto: the longest with every target layer on the {budget.device}"
                     + (
                         f"; streaming would allow {streamed_limit}"
-                        if r.offload == "auto" and streamed_limit and streamed_limit > resident
+                        if r.offload == "auto"
+                        and r.resident_layers is None
+                        and streamed_limit
+                        and streamed_limit > resident
                         else ""
                     )
                     + f"; the model allows {r.context}"

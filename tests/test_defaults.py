@@ -273,3 +273,14 @@ def test_a_cli_budget_the_plan_cannot_hold_names_the_largest_that_fits(
     assert cli.main([*argv, "--budget", str(largest)]) == 0
     capsys.readouterr()
     assert cli.main([*argv, "--budget", str(largest + 1)]) == 2
+
+
+def test_generate_takes_auto_for_both_flags(
+    bf16_checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["generate", "--model", str(bf16_checkpoint), "--prompt-ids", "1,5,9"]
+    argv += ["--max-tokens", "2", "--json", "--device", "cpu"]
+    assert cli.main([*argv, "--dtype", "auto", "--context", "auto"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 2
+    assert cli.main([*argv, "--context", "100000"]) == 2
+    assert "longer than" in capsys.readouterr().err
