@@ -22,6 +22,7 @@ from daemon.edge import (
     edge_middleware,
 )
 from daemon.engine import (
+    BudgetTooLargeError,
     Engine,
     EngineNotReady,
     Failed,
@@ -164,6 +165,8 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     except EngineNotReady:
         _require_ready(app)
         raise
+    except BudgetTooLargeError as exc:
+        raise bad_request(str(exc), "budget", code="budget_too_large") from None
     shape = ResponseShape(chat=chat, model=config.model_name)
     try:
         if req.stream:

@@ -12,7 +12,7 @@ from daemon.argtypes import count_or_auto
 from daemon.pull_cmd import PullError
 from daemon.runtime import Runtime, RuntimeError_, RuntimeOptions
 from daemon.service import ServiceError
-from speculative.checkpoint import CheckpointError, ModelNotFoundError
+from speculative.checkpoint import DTYPE_CHOICES, CheckpointError, ModelNotFoundError
 from speculative.config import UnsupportedModelError
 from speculative.generation import ContextFullError, Generation
 from speculative.sampling import SamplingParams
@@ -42,7 +42,12 @@ def _prompt_ids(text: str) -> list[int]:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="target: a Hugging Face model folder or hub id")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="auto: the checkpoint's dtype on CUDA; fp32 on a CPU when the model fits in fp32",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
         "--threads",
@@ -51,7 +56,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="CPU compute threads, or auto (1 for tiny models, else the physical cores)",
     )
     p.add_argument(
-        "--context", type=int, default=None, help="KV cache length (default: the model's)"
+        "--context",
+        type=count_or_auto("--context", 1),
+        default="auto",
+        help="KV cache length, or auto: the longest up to the model's that fits (>= 4096)",
     )
 
 

@@ -50,6 +50,17 @@ class ServerShuttingDown(RuntimeError):
     """The daemon is stopping; in-flight generations end with this error."""
 
 
+class BudgetTooLargeError(ValueError):
+    """A request's tree budget above what the memory plan holds (the request's fault)."""
+
+    def __init__(self, budget: int, maximum: int) -> None:
+        super().__init__(
+            f"budget {budget} is above the largest tree this daemon planned memory for "
+            f"({maximum} nodes, from speculation.budget): ask for at most {maximum}"
+        )
+        self.budget, self.maximum = budget, maximum
+
+
 @dataclass
 class GenerationRequest:
     prompt_ids: list[int]
@@ -179,6 +190,11 @@ class Engine:
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
         if not self.ready:
             raise EngineNotReady(f"the engine is {self.state}")
+        assert self.runtime is not None
+        # A tree bigger than the plan's largest pass would allocate past the budget (its
+        # ancestor mask alone is budget² bytes): refuse it before it is queued.
+        if request.budget is not None and request.budget > self.runtime.max_tree_budget:
+            raise BudgetTooLargeError(request.budget, self.runtime.max_tree_budget)
         job = Job(request, loop)
         try:
             self._queue.put_nowait(job)

@@ -5,6 +5,7 @@ the streamer."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol, cast
@@ -20,14 +21,24 @@ from offload.plan import (
     Budget,
     MemoryPlan,
     ModelFootprint,
+    PlanError,
     PlanRequest,
+    largest_fitting,
     make_plan,
     module_bytes,
+    plan_auto_context,
 )
 from offload.storage import TensorSources, tensor_files
 from offload.stream import LayerStreamer
-from speculative.budget import AUTO_MAX_BUDGET
-from speculative.checkpoint import DTYPES, Checkpoint, load, open_checkpoint
+from speculative.budget import max_tree_budget
+from speculative.checkpoint import (
+    DTYPES,
+    Checkpoint,
+    dtype_candidates,
+    dtype_key,
+    load,
+    open_checkpoint,
+)
 from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
 from speculative.kv_cache import KVCache
@@ -117,9 +128,10 @@ def plan_request(
     options: OffloadRequest,
     tree_budget: int | str = "auto",
 ) -> PlanRequest:
-    # The largest pass is a prefill chunk, or a tree when the budget asks for more nodes; a
-    # prefill chunk returns one logit row, a tree pass one per node (root included).
-    nodes = (tree_budget if isinstance(tree_budget, int) else AUTO_MAX_BUDGET) + 1
+    # The largest pass is a prefill chunk, or a tree when the budget asks for more nodes (the
+    # tree strategy folds pending prompt tokens into verification only while they fit this);
+    # a prefill chunk returns one logit row, a tree pass one per node (root included).
+    nodes = max_tree_budget(tree_budget) + 1
     tokens = min(max(PREFILL_CHUNK, nodes), context)
     resident = options.resident_layers
     return PlanRequest(
@@ -133,6 +145,82 @@ def plan_request(
         slots=options.slots,
         host_tier=options.host_tier,
         sequences=options.sequences,
+    )
+
+
+def choose_plan(
+    target: ModelConfig,
+    draft: ModelConfig | None,
+    name: str,
+    dtype: str,
+    context: int | str,
+    device_type: str,
+    options: OffloadRequest,
+    budget: Budget,
+    tree_budget: int | str = "auto",
+    draft_name: str = "draft",
+) -> MemoryPlan:
+    """The memory plan with `dtype` and `context` settled: given values are checked, `auto`
+    ones chosen, and the plan says which and why (`dtype_reason`, `context_reason`).
+
+    `device_type` is where the models will compute ("cuda" when planning for another
+    machine's GPU), which decides what dtype `auto` means. Raises PlanError."""
+    limit = target.max_context
+    if context != "auto" and int(context) > limit:
+        raise PlanError(f"context {context} is longer than {name} supports ({limit})")
+    candidates = dtype_candidates(dtype, target, device_type)
+    length = limit if context == "auto" else int(context)
+    for i, (key, reason) in enumerate(candidates):
+        last = i == len(candidates) - 1
+        target_fp = footprint(target, DTYPES[key], name)
+        draft_fp = footprint(draft, DTYPES[key], draft_name) if draft else None
+
+        def attempt(
+            nodes: int | str,
+            target_fp: ModelFootprint = target_fp,
+            draft_fp: ModelFootprint | None = draft_fp,
+        ) -> MemoryPlan:
+            request = plan_request(target_fp, draft_fp, length, options, nodes)
+            if context == "auto":
+                return plan_auto_context(request, budget)
+            return make_plan(request, budget)
+
+        try:
+            plan = attempt(tree_budget)
+        except PlanError as exc:
+            if not last:
+                continue
+            raise _with_budget_hint(exc, attempt, tree_budget) from None
+        # An earlier candidate (fp32 on a CPU) only when the model fits without streaming.
+        if plan.streamed_layers and options.offload != "stream" and not last:
+            continue
+        plan.dtype_reason = reason
+        return plan
+    raise AssertionError("dtype_candidates returned no candidate")
+
+
+def _with_budget_hint(
+    error: PlanError, attempt: Callable[[int], MemoryPlan], tree_budget: int | str
+) -> PlanError:
+    """A fixed tree budget whose pass is what does not fit: say so, and the largest that
+    does, rather than only the context and draft options the plan knows about."""
+    if not isinstance(tree_budget, int) or tree_budget <= 1:
+        return error
+
+    def fits(nodes: int) -> bool:
+        try:
+            attempt(nodes)
+        except PlanError:
+            return False
+        return True
+
+    best = largest_fitting(fits, 1, tree_budget - 1)
+    if best is None:
+        return error
+    return PlanError(
+        f"--budget {tree_budget} (speculation.budget) does not fit: the plan holds a target "
+        f"pass of the root and {tree_budget} tree nodes, each with its logits. The largest tree "
+        f"budget that fits is {best}: use --budget {best} or less, or auto. ({error})"
     )
 
 
@@ -181,23 +269,31 @@ def _is_streamed_layer(name: str, first_streamed: int) -> bool:
     return parts[0] == "layers" and int(parts[1]) >= first_streamed
 
 
+def plan_dtype(plan: MemoryPlan) -> str:
+    """The DTYPES key the plan was made for."""
+    key = dtype_key(plan.request.target.dtype)
+    assert key is not None, plan.request.target.dtype  # footprints are only made in DTYPES
+    return key
+
+
 def load_target(
     model_ref: str,
     dtype: str,
     device: torch.device,
-    context: int | None,
+    context: int | str,
     draft_config: ModelConfig | None,
     options: OffloadRequest,
     budget: Budget,
     tree_budget: int | str = "auto",
 ) -> tuple[Transformer, Tokenizer, Checkpoint, MemoryPlan, LayerStreamer | None]:
-    """Plan before loading; then load to the device, or to the CPU and place it."""
+    """Plan before loading (choosing `auto` dtype and context); then load to the device, or
+    to the CPU and place it."""
     ckpt = open_checkpoint(model_ref)
-    torch_dtype = DTYPES[dtype]
-    target_fp = footprint(ckpt.config, torch_dtype, str(ckpt.path))
-    draft_fp = footprint(draft_config, torch_dtype, "draft") if draft_config else None
-    ctx = min(context or ckpt.config.max_context, ckpt.config.max_context)
-    plan = make_plan(plan_request(target_fp, draft_fp, ctx, options, tree_budget), budget)
+    plan = choose_plan(
+        ckpt.config, draft_config, str(ckpt.path), dtype, context, device.type, options, budget,
+        tree_budget,
+    )  # fmt: skip
+    dtype = plan_dtype(plan)
     if not plan.streamed_layers:
         model, tokenizer, ckpt = load(model_ref, dtype, device)
         return model, tokenizer, ckpt, plan, None
@@ -215,7 +311,7 @@ class OffloadOptions(Protocol):
     model: str
     draft: str | None
     dtype: str
-    context: int | None
+    context: int | str
     budget: int | str
     offload: str
     resident_layers: int | str
@@ -229,12 +325,9 @@ class OffloadOptions(Protocol):
 
 def load_placed_target(
     options: OffloadOptions, device: torch.device, draft_is_model: bool
-) -> tuple[Transformer, Tokenizer, Checkpoint, MemoryPlan | None, LayerStreamer | None]:
-    """The Runtime's target: loaded straight to the device with --offload none, otherwise
-    planned first (so a model that cannot fit fails before anything is loaded)."""
-    if options.offload == "none":
-        model, tokenizer, ckpt = load(options.model, options.dtype, device)
-        return model, tokenizer, ckpt, None, None
+) -> tuple[Transformer, Tokenizer, Checkpoint, MemoryPlan, LayerStreamer | None]:
+    """The Runtime's target, planned first (so a model that cannot fit fails before anything
+    is loaded, and `auto` dtype and context are settled), then loaded and placed."""
     draft_config = (
         open_checkpoint(options.draft).config if draft_is_model and options.draft else None
     )

@@ -3,8 +3,11 @@
 Only config.json is read, so a folder holding just that file is enough, and the budgets can
 describe another machine:
 
-    specd plan --model ./Llama-3.1-70B --gpu-budget 24GB --ram-budget 64GB \\
-        --bandwidth 25GB/s --dtype bf16 --context 8192
+    specd plan --model ./Llama-3.1-70B --draft ./Llama-3.2-1B --gpu-budget 24GB \\
+        --ram-budget 160GB --bandwidth 25GB/s            # dtype and context auto
+
+A GPU budget given on a machine without CUDA plans for that GPU machine: CUDA, and `auto`
+picks the checkpoint's dtype there, not this machine's CPU choices.
 """
 
 from __future__ import annotations
@@ -18,12 +21,11 @@ from typing import Any
 import torch
 
 from daemon.argtypes import count_or_auto
-from daemon.placement import OffloadRequest, footprint, plan_request
+from daemon.placement import OffloadRequest, choose_plan
 from daemon.runtime import RuntimeOptions, pick_device
 from offload.machine import detect_budget
-from offload.plan import make_plan
 from offload.units import parse_rate, parse_size
-from speculative.checkpoint import DTYPES, open_checkpoint
+from speculative.checkpoint import DTYPE_CHOICES, open_checkpoint
 
 
 def _size_or_auto(text: str) -> str:
@@ -82,10 +84,20 @@ def register(subparsers: Any) -> None:
     p.add_argument("--config", type=Path, default=None, help="a specd YAML config file")
     p.add_argument("--model", default=None, help="target folder (config.json is enough) or hub id")
     p.add_argument("--draft", default=None, help="draft folder / hub id, or 'ngram'")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=None)
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default auto")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
-    p.add_argument("--context", type=int, default=None, help="KV cache length")
-    p.add_argument("--budget", type=int, default=None, help="largest tree (nodes)")
+    p.add_argument(
+        "--context",
+        type=count_or_auto("--context", 1),
+        default=None,
+        help="KV cache length, or auto (default: the longest that fits, at least 4096)",
+    )
+    p.add_argument(
+        "--budget",
+        type=count_or_auto("--budget", 1),
+        default=None,
+        help="tree node budget or auto (the plan holds the largest tree)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_offload_args(p)
     p.set_defaults(func=cmd_plan)
@@ -125,17 +137,10 @@ def _plan_device(options: RuntimeOptions) -> torch.device:
 def cmd_plan(args: argparse.Namespace) -> int:
     options = plan_options(args)
     device = _plan_device(options)
-    dtype = DTYPES[options.dtype]
     target = open_checkpoint(options.model)
-    draft_fp = None
+    draft = None
     if options.draft and options.draft != "ngram":
-        draft_fp = footprint(open_checkpoint(options.draft).config, dtype, options.draft)
-    context = options.context or target.config.max_context
-    if context > target.config.max_context:
-        raise ValueError(
-            f"--context {context} is longer than {options.model} supports "
-            f"({target.config.max_context})"
-        )
+        draft = open_checkpoint(options.draft).config
     # Measuring this machine's bus only makes sense when planning for this machine.
     this_machine = options.gpu_budget == "auto"
     budget = detect_budget(
@@ -145,20 +150,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         options.bandwidth,
         measure=this_machine and options.bandwidth is None,
     )
-    request = plan_request(
-        footprint(target.config, dtype, str(options.model)),
-        draft_fp,
-        context,
-        OffloadRequest(
-            options.offload,
-            options.resident_layers,
-            options.slots,
-            options.host_tier,
-            options.sequences,
-        ),
-        options.budget,
+    offload = OffloadRequest(
+        options.offload,
+        options.resident_layers,
+        options.slots,
+        options.host_tier,
+        options.sequences,
     )
-    plan = make_plan(request, budget)
+    # budget.device is the machine planned for: "cuda" when a GPU budget describes another
+    # machine's card, so `auto` picks that machine's dtype.
+    plan = choose_plan(
+        target.config, draft, str(options.model), options.dtype, options.context,
+        budget.device, offload, budget, options.budget, str(options.draft),
+    )  # fmt: skip
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:

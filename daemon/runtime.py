@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from daemon.placement import load_placed_target
-from speculative.checkpoint import DTYPES, Checkpoint, load
+from daemon.placement import load_placed_target, plan_dtype
+from speculative.budget import max_tree_budget
+from speculative.checkpoint import DTYPE_CHOICES, Checkpoint, load
 from speculative.drafting import Drafter, ModelDrafter, NgramDrafter
 from speculative.generation import Session, Strategy
 from speculative.model import Transformer
@@ -37,9 +38,13 @@ class RuntimeOptions:
     spec_length: int = 4  # linear: tokens drafted per round
     budget: int | str = "auto"  # tree: node budget, or "auto" (chosen from measured costs)
     max_depth: int | None = None  # tree: depth limit (None: chosen with the budget)
-    dtype: str = "fp32"
+    # fp32 | bf16 | fp16, or auto: the checkpoint's dtype on CUDA; fp32 on a CPU when the
+    # model fits in fp32 there (see speculative.checkpoint.dtype_candidates).
+    dtype: str = "auto"
     device: str = "auto"
-    context: int | None = None  # None: the model's own maximum
+    # KV cache length in tokens, or auto: the longest up to the model's maximum that fits
+    # the budget, never below 4,096 (offload.plan.plan_auto_context).
+    context: int | str = "auto"
     # Offload (see offload/): where the target's layers live and how they reach the device.
     offload: str = "auto"  # none | stream | auto
     resident_layers: int | str = "auto"
@@ -110,11 +115,18 @@ class Runtime:
     def __init__(self, options: RuntimeOptions) -> None:
         self.options: RuntimeOptions = options
         self.device = pick_device(options.device)
-        if options.dtype not in DTYPES:
-            raise RuntimeError_(f"dtype {options.dtype!r} is not one of {', '.join(DTYPES)}")
+        if options.dtype not in DTYPE_CHOICES:
+            raise RuntimeError_(f"dtype {options.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
+        if options.context != "auto" and not isinstance(options.context, int):
+            raise RuntimeError_(f"context must be a token count or 'auto', got {options.context!r}")
         target, tokenizer, ckpt, self.plan, self.streamer = load_placed_target(
             options, self.device, draft_is_model=bool(options.draft) and options.draft != NGRAM
         )
+        # What `auto` settled on (or what was asked for): the plan holds both.
+        self.dtype: str = plan_dtype(self.plan)
+        self.context: int = self.plan.request.context
+        # The largest tree a request may ask for: what the plan's largest pass holds.
+        self.max_tree_budget: int = max_tree_budget(options.budget)
         self.target: Transformer = target
         self.tokenizer: Tokenizer = tokenizer
         # CPU compute (a CPU device, or the host side of a streamed GPU run is not compute):
@@ -123,19 +135,13 @@ class Runtime:
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
         self.checkpoint: Checkpoint = ckpt
-        limit = ckpt.config.max_context
-        if options.context is not None and options.context > limit:
-            raise RuntimeError_(
-                f"context {options.context} is longer than {options.model} supports ({limit})"
-            )
-        self.context = options.context or limit
 
         self.draft: Transformer | None = None
         self.draft_kind: str | None = None  # "model", "ngram" or None
         if options.draft == NGRAM:
             self.draft_kind = NGRAM
         elif options.draft:
-            draft, draft_tok, draft_ckpt = load(options.draft, options.dtype, self.device)
+            draft, draft_tok, draft_ckpt = load(options.draft, self.dtype, self.device)
             check_same_vocabulary(tokenizer, draft_tok, options.draft)
             if draft_ckpt.config.vocab_size != ckpt.config.vocab_size:
                 raise RuntimeError_(

@@ -18,6 +18,7 @@ from daemon.settings import (
     user_config_file,
     validate_file,
 )
+from speculative.checkpoint import DTYPE_CHOICES
 
 # flag dest → settings key; a flag left at None does not override anything.
 FLAG_KEYS = {
@@ -50,7 +51,7 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target model folder or hub id")
     p.add_argument("--draft", default=None, help="draft model folder / hub id, or 'ngram'")
     p.add_argument("--name", default=None, help="model id served at /v1/models")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default auto")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
     p.add_argument(
         "--threads", type=count_or_auto("--threads", 1), default=None, help="CPU threads or auto"
@@ -62,7 +63,12 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tree node budget or 'auto'",
     )
-    p.add_argument("--context", type=int, default=None, help="KV cache length in tokens")
+    p.add_argument(
+        "--context",
+        type=count_or_auto("--context", 16),
+        default=None,
+        help="KV cache length in tokens, or auto",
+    )
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--api-key-file", default=None, help="require this file's key as Bearer")

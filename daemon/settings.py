@@ -125,7 +125,7 @@ class ModelsSettings:
     target: str | None = _key(None, text(nullable=True))
     draft: str | None = _key(None, text(nullable=True))
     name: str | None = _key(None, text(nullable=True))
-    dtype: str = _key("fp32", choice("fp32", "bf16", "fp16"))
+    dtype: str = _key("auto", choice("auto", "fp32", "bf16", "fp16"))
     device: str = _key("auto", choice("auto", "cpu", "cuda"))
     threads: int | str = _key("auto", integer(1, 1024, auto=True))
 
@@ -151,7 +151,9 @@ class OffloadSettings:
 
 @dataclass
 class ContextSettings:
-    length: int | None = _key(None, integer(16, 1 << 20, nullable=True))
+    # auto: the longest that fits (at least 4096); null is read as auto (it used to mean the
+    # model's maximum, which auto picks whenever that fits).
+    length: int | str | None = _key("auto", integer(16, 1 << 20, nullable=True, auto=True))
 
 
 @dataclass
@@ -218,7 +220,7 @@ class Settings:
             max_depth=self.speculation.max_depth,
             dtype=self.models.dtype,
             device=self.models.device,
-            context=self.context.length,
+            context="auto" if self.context.length is None else self.context.length,
             offload=self.offload.mode,
             resident_layers=self.offload.resident_layers,
             slots=self.offload.slots,

@@ -8,7 +8,8 @@ may be measured here or given for another machine ("a 70B on a 24 GB card with 6
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -20,6 +21,9 @@ from offload.units import format_size
 OFFLOAD_MODES = ("none", "stream", "auto")
 TIER_CHOICES = ("ram", "disk", "auto")
 MIN_SLOTS = 2
+# `context auto` never plans fewer tokens than this (unless the model's maximum is smaller):
+# a chat of a few turns with a system prompt already needs a few thousand.
+MIN_AUTO_CONTEXT = 4096
 
 
 class PlanError(ValueError):
@@ -106,6 +110,10 @@ class MemoryPlan:
     streamed_bytes_per_pass: int
     seconds_per_pass: float | None  # transfer-bound estimate at the budget's bandwidth
     notes: list[str] = field(default_factory=list)
+    # Why this context and dtype: "as requested", or what `auto` weighed (set by the caller
+    # that chose them: `plan_auto_context` here, the daemon for the dtype).
+    context_reason: str = "as requested"
+    dtype_reason: str = "as requested"
 
     @property
     def device_bytes(self) -> int:
@@ -116,6 +124,9 @@ class MemoryPlan:
             "target": asdict(self.request.target),
             "draft": asdict(self.request.draft) if self.request.draft else None,
             "context": self.request.context,
+            "context_reason": self.context_reason,
+            "dtype": self.request.target.dtype,
+            "dtype_reason": self.dtype_reason,
             "pass_tokens": self.request.pass_tokens,
             "logit_rows": self.request.logit_rows,
             "offload": self.request.offload,
@@ -143,8 +154,9 @@ class MemoryPlan:
         if r.draft:
             lines.append(f"  draft    {r.draft.name}: {format_size(r.draft.weight_bytes)}")
         lines += [
-            f"  context  {r.context} tokens; largest pass {r.pass_tokens} tokens, "
-            f"{r.logit_rows} logit rows",
+            f"  dtype    {t.dtype} ({self.dtype_reason})",
+            f"  context  {r.context} tokens ({self.context_reason})",
+            f"  pass     largest {r.pass_tokens} tokens, {r.logit_rows} logit rows",
             f"  budget   {b.device} {format_size(b.device_bytes)} ({b.device_source}); "
             f"RAM {format_size(b.ram_bytes)} ({b.ram_source})",
             f"  host→device {_rate(b.bandwidth)} ({b.bandwidth_source})",
@@ -372,6 +384,105 @@ def _minimal_streamed(r: PlanRequest, context: int, slots: int, draft: bool = Tr
     return sum(_fixed_parts(trial).values()) + slots * r.target.layer_bytes
 
 
+def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
+    """The largest n in [lo, hi] with fits(n), for a `fits` that only turns false as n grows;
+    None when not even lo fits."""
+    if lo > hi or not fits(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def longest_context(r: PlanRequest, cap: int, layers: int, lo: int = 1) -> int | None:
+    """The longest context, up to `r.context`, at which the parts that grow with it (KV
+    caches, the attention mask) fit in `cap` bytes beside the draft, the target's other
+    fixed parts, the activations and `layers` target layers' worth of buffers (the
+    streaming slots, or every layer when all stay resident); None when not even `lo` fits."""
+    return largest_fitting(
+        lambda context: _minimal_streamed(r, context, layers) <= cap, lo, r.context
+    )
+
+
+def _with_context(r: PlanRequest, context: int) -> PlanRequest:
+    return replace(r, context=context, pass_tokens=min(r.pass_tokens, context))
+
+
+def plan_auto_context(request: PlanRequest, budget: Budget) -> MemoryPlan:
+    """`context auto`: `request.context` is the model's maximum; plan the longest context up
+    to it that fits, never below MIN_AUTO_CONTEXT (or the maximum, when that is smaller).
+
+    When the whole target fits on the device with at least the floor, the context is the
+    longest that keeps every layer resident: a resident pass costs milliseconds, a streamed
+    one the whole target's transfer, so giving up long contexts no one asked for is the
+    better default (the reason names the longer context streaming would allow). Otherwise
+    the context takes what the draft, the streaming slots and the activations leave, and
+    resident target layers take what the context leaves (each one saves only its share of
+    the transfer). On a CPU device the budget is RAM and the rule is the same."""
+    r, t = request, request.target
+    floor = min(MIN_AUTO_CONTEXT, r.context)
+    cap, n = budget.device_bytes, t.num_layers
+    streamed_limit = longest_context(r, cap, r.slots + (r.resident_layers or 0), floor)
+    if r.offload != "stream" and r.resident_layers in (None, n):
+        resident = longest_context(r, cap, n, floor)
+        if resident is not None:
+            plan = make_plan(_with_context(r, resident), budget)
+            if resident == r.context:
+                plan.context_reason = "auto: the model's maximum; everything fits"
+            else:
+                plan.context_reason = (
+                    f"auto: the longest with every target layer on the {budget.device}"
+                    + (
+                        f"; streaming would allow {streamed_limit}"
+                        if r.offload == "auto"
+                        and r.resident_layers is None
+                        and streamed_limit
+                        and streamed_limit > resident
+                        else ""
+                    )
+                    + f"; the model allows {r.context}"
+                )
+            return plan
+        if r.offload == "none" or r.resident_layers == n:
+            raise _floor_error(r, budget, floor, streaming=False)
+    if streamed_limit is None:
+        raise _floor_error(r, budget, floor, streaming=True)
+    plan = make_plan(_with_context(r, streamed_limit), budget)
+    if streamed_limit == r.context:
+        plan.context_reason = "auto: the model's maximum; it fits beside the streaming slots"
+    else:
+        plan.context_reason = (
+            f"auto: the longest that fits beside the draft, {plan.slots} streaming slots and "
+            f"the activations; the model allows {r.context}"
+        )
+    if r.resident_layers is None and streamed_limit > floor:
+        # The trade the user may prefer: a shorter context, fewer layers over the bus.
+        short = make_plan(_with_context(r, floor), budget)
+        if short.resident_layers > plan.resident_layers:
+            plan.context_reason += (
+                f"; --context {floor} would keep {short.resident_layers} target layers resident "
+                f"instead of {plan.resident_layers}"
+            )
+    return plan
+
+
+def _floor_error(r: PlanRequest, budget: Budget, floor: int, streaming: bool) -> PlanError:
+    """`context auto` when not even `floor` tokens fit: what would (a shorter --context
+    among the options)."""
+    at_floor = _with_context(r, floor)
+    fixed = _fixed_parts(at_floor)
+    detail = _no_fit_message(
+        at_floor, budget, fixed, streaming=streaming, resident=r.resident_layers or 0
+    )
+    return PlanError(
+        f"context auto plans at least {floor} tokens and even that does not fit: {detail}"
+    )
+
+
 def _what_would_fit(r: PlanRequest, budget: Budget) -> list[str]:
     cap = budget.device_bytes
     options = []
@@ -379,16 +490,9 @@ def _what_would_fit(r: PlanRequest, budget: Budget) -> list[str]:
         return [f"--resident-layers {_max_resident(r, cap)} or fewer"]
     if r.slots > MIN_SLOTS and _minimal_streamed(r, r.context, MIN_SLOTS) <= cap:
         options.append(f"--slots {MIN_SLOTS}")
-    lo, hi = 1, r.context
-    if _minimal_streamed(r, lo, MIN_SLOTS) <= cap:
-        while lo < hi:  # the longest context that fits with streaming
-            mid = (lo + hi + 1) // 2
-            if _minimal_streamed(r, mid, MIN_SLOTS) <= cap:
-                lo = mid
-            else:
-                hi = mid - 1
-        if lo < r.context:
-            options.append(f"--context {lo} (streamed, {MIN_SLOTS} slots)")
+    longest = longest_context(r, cap, MIN_SLOTS)
+    if longest is not None and longest < r.context:
+        options.append(f"--context {longest} (streamed, {MIN_SLOTS} slots)")
     if r.draft is not None:
         without = _minimal_streamed(r, r.context, MIN_SLOTS, draft=False)
         if without <= cap:

@@ -39,8 +39,15 @@ from speculative.tree import default_depth
 BUDGET_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEPTH_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
 PLAIN_REFRESH_EVERY = 16  # rounds between plain steps while a tree is chosen
-# The largest tree auto budgeting grows; the memory plan reserves logits for its nodes.
+# The largest tree `auto` explores: the memory plan reserves a pass this big, and requests
+# may not ask for more nodes than the plan holds (see `max_tree_budget`).
 AUTO_MAX_BUDGET = 256
+
+
+def max_tree_budget(budget: int | str) -> int:
+    """The most tree nodes a strategy built with `budget` (a node count, or "auto") verifies
+    in one pass: what memory must be planned for."""
+    return AUTO_MAX_BUDGET if budget == "auto" else int(budget)
 
 
 @dataclass(frozen=True)

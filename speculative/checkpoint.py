@@ -24,6 +24,8 @@ from speculative.model import Transformer, rope_inv_freq
 from speculative.tokenizer import Tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# --dtype / models.dtype: one of DTYPES, or auto (see `dtype_candidates`).
+DTYPE_CHOICES = ("auto", *DTYPES)
 _WEIGHT_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
 # Buffers some exporters store that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -93,6 +95,45 @@ def open_checkpoint(ref: str | os.PathLike[str]) -> Checkpoint:
     gen_path = path / "generation_config.json"
     defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     return Checkpoint(path=path, config=config, generation_defaults=defaults)
+
+
+def dtype_key(name: str | None) -> str | None:
+    """'bfloat16' or 'torch.bfloat16' (as config.json and torch spell it) → 'bf16'; None
+    for anything that is not one of DTYPES."""
+    if not name:
+        return None
+    name = name.removeprefix("torch.")
+    return next((key for key, dtype in DTYPES.items() if str(dtype) == f"torch.{name}"), None)
+
+
+def dtype_candidates(
+    requested: str, config: ModelConfig, device_type: str
+) -> list[tuple[str, str]]:
+    """The dtypes to try, best first, each with the reason it is chosen.
+
+    A given dtype is the only candidate. `auto` is the checkpoint's own dtype (config.json's
+    `torch_dtype`, or `dtype` in newer exports) on CUDA: widening bf16 weights to fp32
+    doubles memory and transfers for no gain in what the checkpoint can express. On a CPU,
+    where bf16 matmuls are slow and fp32 is what the reference computes, fp32 comes first
+    and the checkpoint's dtype second, for when the model does not fit in RAM in fp32 (the
+    caller decides that). A config without a known dtype is taken as fp32."""
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise ValueError(f"dtype {requested!r} is not one of {', '.join(DTYPE_CHOICES)}")
+        return [(requested, "as requested")]
+    stored = dtype_key(config.torch_dtype)
+    if stored is None:
+        return [("fp32", "auto: config.json names no dtype fp32, bf16 or fp16, so fp32")]
+    own = f"auto: the checkpoint's dtype (config.json: {config.torch_dtype})"
+    if device_type != "cpu" or stored == "fp32":
+        return [(stored, f"{own} on {device_type.upper()}")]
+    return [
+        (
+            "fp32",
+            f"auto: fp32 on the CPU, where the model fits in fp32 (the checkpoint is {stored})",
+        ),
+        (stored, f"{own}: in fp32 the model does not fit in the CPU's RAM budget"),
+    ]
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -236,10 +277,13 @@ def load(
 
 __all__ = [
     "DTYPES",
+    "DTYPE_CHOICES",
     "Checkpoint",
     "CheckpointError",
     "ModelNotFoundError",
     "UnsupportedModelError",
+    "dtype_candidates",
+    "dtype_key",
     "load",
     "load_model",
     "open_checkpoint",

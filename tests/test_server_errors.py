@@ -16,6 +16,7 @@ import pytest
 
 from daemon.server import BackgroundServer, Server
 from daemon.settings import load_settings
+from speculative.budget import AUTO_MAX_BUDGET
 
 KEY = "test-key-123"
 MODEL = "stories260k"
@@ -277,3 +278,17 @@ def test_vanishing_temperature_samples_the_argmax(server: BackgroundServer) -> N
         status, _, body = call(server, {**good(), "temperature": temperature})
         assert status == 200, body
         assert body["choices"][0]["message"]["content"] == greedy
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_budget_above_the_planned_tree_is_a_400(server: BackgroundServer, stream: bool) -> None:
+    """speculation.budget is auto here: the plan holds the largest tree auto explores, and a
+    request asking for more (whose ancestor mask alone is budget² bytes) is refused, naming
+    the field and the maximum, before anything is queued."""
+    for budget in (AUTO_MAX_BUDGET + 1, 65536):
+        body = {**good(), "budget": budget, "stream": stream}
+        error = assert_error(call(server, body), 400, "budget")
+        assert error["code"] == "budget_too_large"
+        assert str(AUTO_MAX_BUDGET) in error["message"] and str(budget) in error["message"]
+    status, _, _ = call(server, {**good(), "budget": AUTO_MAX_BUDGET})
+    assert status == 200
