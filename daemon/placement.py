@@ -79,6 +79,7 @@ def plan_request(
     context: int,
     options: OffloadRequest,
     tree_budget: int | str = "auto",
+    prefix_cache_bytes: int = 0,
 ) -> PlanRequest:
     # The largest pass is a prefill chunk, or a tree when the budget asks for more nodes.
     largest = (
@@ -95,6 +96,7 @@ def plan_request(
         slots=options.slots,
         host_tier=options.host_tier,
         sequences=options.sequences,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
 
 
@@ -152,6 +154,7 @@ def load_target(
     options: OffloadRequest,
     budget: Budget,
     tree_budget: int | str = "auto",
+    prefix_cache_bytes: int = 0,
 ) -> tuple[Transformer, Tokenizer, Checkpoint, MemoryPlan, LayerStreamer | None]:
     """Plan before loading; then load to the device, or to the CPU and place it."""
     ckpt = open_checkpoint(model_ref)
@@ -159,7 +162,8 @@ def load_target(
     target_fp = footprint(ckpt.config, torch_dtype, str(ckpt.path))
     draft_fp = footprint(draft_config, torch_dtype, "draft") if draft_config else None
     ctx = min(context or ckpt.config.max_context, ckpt.config.max_context)
-    plan = make_plan(plan_request(target_fp, draft_fp, ctx, options, tree_budget), budget)
+    request = plan_request(target_fp, draft_fp, ctx, options, tree_budget, prefix_cache_bytes)
+    plan = make_plan(request, budget)
     if not plan.streamed_layers:
         model, tokenizer, ckpt = load(model_ref, dtype, device)
         return model, tokenizer, ckpt, plan, None
@@ -187,6 +191,7 @@ class OffloadOptions(Protocol):
     ram_budget: str
     bandwidth: str | None
     sequences: int
+    prefix_cache: int
 
 
 def load_placed_target(
@@ -209,5 +214,5 @@ def load_placed_target(
     )  # fmt: skip
     return load_target(
         options.model, options.dtype, device, options.context, draft_config, request, budget,
-        options.budget,
+        options.budget, options.prefix_cache,
     )  # fmt: skip

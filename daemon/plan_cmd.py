@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from daemon.argtypes import count_or_auto
+from daemon.argtypes import count_or_auto, size_bytes, size_or_off
 from daemon.placement import OffloadRequest, footprint, plan_request
 from daemon.runtime import RuntimeOptions, pick_device
 from offload.machine import detect_budget
@@ -86,6 +86,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
     p.add_argument("--context", type=int, default=None, help="KV cache length")
     p.add_argument("--budget", type=int, default=None, help="largest tree (nodes)")
+    p.add_argument(
+        "--prefix-cache",
+        type=size_or_off("--prefix-cache"),
+        default=None,
+        metavar="SIZE",
+        help="cached target logits (1GiB, 0 = off)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_offload_args(p)
     p.set_defaults(func=cmd_plan)
@@ -106,6 +113,8 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
         value = getattr(args, name)
         if value is not None:
             options = dataclasses.replace(options, **{name: value})
+    if args.prefix_cache is not None:
+        options = dataclasses.replace(options, prefix_cache=size_bytes(args.prefix_cache))
     return apply_offload_args(options, args)
 
 
@@ -157,6 +166,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             options.sequences,
         ),
         options.budget,
+        options.prefix_cache,
     )
     plan = make_plan(request, budget)
     if args.json:

@@ -17,6 +17,7 @@ from speculative.checkpoint import DTYPES, Checkpoint, load
 from speculative.drafting import Drafter, ModelDrafter, NgramDrafter
 from speculative.generation import Session, Strategy
 from speculative.model import Transformer
+from speculative.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear
 from speculative.strategies.tree import TreeSpeculation
@@ -37,6 +38,7 @@ class RuntimeOptions:
     spec_length: int = 4  # linear: tokens drafted per round
     budget: int | str = "auto"  # tree: node budget, or "auto" (chosen from measured costs)
     max_depth: int | None = None  # tree: depth limit (None: chosen with the budget)
+    prefix_cache: int = DEFAULT_MAX_BYTES  # tree: bytes of cached target logits (0: off)
     dtype: str = "fp32"
     device: str = "auto"
     context: int | None = None  # None: the model's own maximum
@@ -101,7 +103,11 @@ STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
     "linear": lambda rt: Linear(rt.target, linear_drafter(rt), rt.options.spec_length),
     # Build once and reuse: with --budget auto it learns costs and acceptance across requests.
     "tree": lambda rt: TreeSpeculation(
-        rt.target, rt.draft, budget=rt.options.budget, max_depth=rt.options.max_depth
+        rt.target,
+        rt.draft,
+        budget=rt.options.budget,
+        max_depth=rt.options.max_depth,
+        prefix_cache=rt.prefix_cache,
     ),
 }
 
@@ -117,6 +123,11 @@ class Runtime:
         )
         self.target: Transformer = target
         self.tokenizer: Tokenizer = tokenizer
+        # One cache of verified target logits for every tree strategy built here (keys are
+        # token sequences, whatever the budget). Rows live in host RAM, pinned for a GPU.
+        self.prefix_cache: PrefixCache = PrefixCache(
+            options.prefix_cache, dtype=target.dtype, pin=self.device.type == "cuda"
+        )
         # CPU compute (a CPU device, or the host side of a streamed GPU run is not compute):
         # pick the thread count once the model's size is known.
         self.threads = cpu_threads(options.threads, ckpt.config.layer_parameter_count())
