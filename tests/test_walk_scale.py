@@ -169,3 +169,16 @@ def test_big_vocabulary_walk_allocates_no_node_by_vocabulary_temporaries() -> No
         pytest.skip("no /proc: peak memory cannot be measured here")
     # A handful of (V,) rows in fp32/fp64: a few MB, far below one (N, V) block.
     assert peak.bytes < logits.numel() * logits.element_size() // 8, peak.bytes
+
+
+def test_a_cache_grown_inside_the_forward_can_be_compacted_outside() -> None:
+    """The model grows its KV cache inside its inference-mode forward; a tree commit then
+    compacts it outside (a budget-1,024 round grows past the first 512 slots at once)."""
+    from speculative.kv_cache import KVCache
+
+    model = _big_vocab_model(1000)
+    cache = KVCache(model.config, capacity=64, initial=4)
+    model(torch.arange(20), torch.arange(20), cache)
+    assert cache.allocated >= 20 and not cache.k.is_inference()
+    cache.keep([10, 15], start=8)
+    assert cache.length == 10
