@@ -103,6 +103,7 @@ class PrefixCache:
         self._vocab = 0
         self._next_id = EMPTY_PREFIX + 1  # ids are never reused, not even after clear()
         self._store = 0  # put_rows calls so far
+        self._capacity = (0, 0)  # (row bytes, rows that fit)
         self.stats = PrefixCacheStats()
 
     def __len__(self) -> int:
@@ -123,7 +124,9 @@ class PrefixCache:
     def capacity_rows(self, vocab_size: int, dtype: torch.dtype) -> int:
         """How many rows of `vocab_size` logits in `dtype` the slots can hold."""
         row = vocab_size * torch.empty((), dtype=self.dtype or dtype).element_size()
-        return sum(size // row for size in chunk_sizes(self.slot_bytes(row)))
+        if self._capacity[0] != row:  # asked every round: computed once per row size
+            self._capacity = (row, sum(size // row for size in chunk_sizes(self.slot_bytes(row))))
+        return self._capacity[1]
 
     def child(self, prefix: int, token: int) -> int:
         """The id of `prefix` extended by `token` (interned on first use)."""
@@ -183,7 +186,7 @@ class PrefixCache:
         rows = range(len(keys)) if rows is None else rows
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} keys for {len(rows)} rows")
-        if any(not 0 <= r < logits.shape[0] for r in rows):
+        if len(rows) and not 0 <= min(rows) <= max(rows) < logits.shape[0]:
             raise ValueError(f"row index outside the {logits.shape[0]} rows of logits")
         if not self.max_bytes or not keys:
             return 0

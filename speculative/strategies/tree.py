@@ -346,12 +346,18 @@ def walk(
     penalty counts of the tokens on its path, exactly what drawing every node would give
     there. `penalties` is advanced by every emitted token."""
     children = tree.children() if tree.size > 1 else {}
+    # Plain greedy is one argmax per row, (N,), no (N, V) temporary: one op instead of a
+    # synchronising op per step of the walk.
+    argmax = logits.argmax(-1).tolist() if params.greedy and not params.has_penalties else None
     tokens: list[int] = []
     path: list[int] = []
     node = 0
     while True:
         at = [position + len(path)]  # node's depth is len(path)
-        tok = int(draw(logits[node : node + 1], params, penalties, noise, positions=at)[0])
+        if argmax is not None:
+            tok = argmax[node]
+        else:
+            tok = int(draw(logits[node : node + 1], params, penalties, noise, positions=at)[0])
         tokens.append(tok)
         if penalties is not None:
             penalties.append([tok])  # counted for the child's draw, and for later rounds
