@@ -226,7 +226,7 @@ class TreeSpeculation:
         )  # (1, V)
         session.target_tokens.append(root)
         if self.prefix_cache.max_bytes:
-            self.prefix_cache.put_rows([key], logits)
+            self.prefix_cache.put_rows([key], logits, walked=1)  # drawn from below
         return int(draw(logits, params, penalties, noise, positions=[pos + 1])[0])
 
     def _draft(
