@@ -181,3 +181,15 @@ def test_api_stats_and_metrics_through_one_shared_cache(
             text = resp.read().decode()
     hits = next(line for line in text.splitlines() if line.startswith("specd_prefix_cache_hits_"))
     assert int(hits.split()[-1]) == second["prefix_cache_hits"] + first["prefix_cache_hits"]
+
+
+def test_bench_prints_the_hit_rate(stories_target: Path, stories_draft: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    argv = ["bench", "--model", str(stories_target), "--draft", str(stories_draft)]
+    argv += ["--max-tokens", "16", "--strategies", "autoregressive", "tree", "--budget", "8"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "prefix hits" in lines[0]
+    autoregressive = next(line for line in lines if line.startswith("autoregressive"))
+    tree = next(line for line in lines if line.startswith("tree"))
+    assert autoregressive.split()[-2] == "-"  # no prefix cache consulted
+    assert tree.split()[-2].endswith("%")
