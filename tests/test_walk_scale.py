@@ -127,7 +127,7 @@ def _sample(strategy: TreeSpeculation, session, prompt, params, n):  # type: ign
 
 @torch.no_grad()
 def test_big_vocabulary_tree_rows_are_cached_and_reused_exactly() -> None:
-    vocab, budget, n = 131_072, 256, 24
+    vocab, budget, n = 131_072, 256, 16
     model = _big_vocab_model(vocab)
     prompt = [1, 50, 700, 9000, 120_000, 33]
     cache = PrefixCache(max_bytes=64 << 20, dtype=model.dtype)  # the old default
@@ -136,13 +136,16 @@ def test_big_vocabulary_tree_rows_are_cached_and_reused_exactly() -> None:
     plain = TreeSpeculation(model, model, budget=budget, max_depth=8, prefix_cache=PrefixCache(0))
     session, plain_session = cached.new_session(256), plain.new_session(256)
     runs = []
+    expected = {}
     for seed in (5, 5, 6):  # like --samples: the same session, the same strategy
         params = SamplingParams(temperature=0.7, seed=seed)
+        if seed not in expected:
+            expected[seed], no_hits, _, _ = _sample(plain, plain_session, prompt, params, n)
+            assert no_hits == 0
         before = cache.stats.hits
         tokens, hits, misses, passes = _sample(cached, session, prompt, params, n)
-        expected, no_hits, _, _ = _sample(plain, plain_session, prompt, params, n)
-        assert tokens == expected, seed  # the cache never changes the sample
-        assert no_hits == 0 and hits == cache.stats.hits - before
+        assert tokens == expected[seed], seed  # the cache never changes the sample
+        assert hits == cache.stats.hits - before
         assert cache.bytes <= cache.max_bytes and cache.rows > 0
         runs.append((hits, misses, passes))
     (hits0, misses0, passes0), (hits1, _, passes1), (hits2, _, _) = runs
