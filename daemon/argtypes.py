@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from offload.units import parse_size
+
 
 def count_or_auto(flag: str, minimum: int) -> Callable[[str], int | str]:
     """A type for flags like `--budget 64|auto`: an integer >= `minimum`, or 'auto'."""
@@ -21,5 +23,29 @@ def count_or_auto(flag: str, minimum: int) -> Callable[[str], int | str]:
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{flag} must be at least {minimum}, got {value}")
         return value
+
+    return parse
+
+
+def size_bytes(value: int | str, what: str = "size") -> int:
+    """Bytes of a size that may be off: 0 / '0', or a size such as 1GiB or 512MB."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{what} {value!r} is not a size")
+    if value in (0, "0"):
+        return 0
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{what} {value} must not be negative")
+    return parse_size(value, what)
+
+
+def size_or_off(flag: str) -> Callable[[str], str]:
+    """A type for flags like `--prefix-cache 1GiB|0`: the text, checked."""
+
+    def parse(text: str) -> str:
+        try:
+            size_bytes(text, flag)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{exc} (or 0 for off)") from None
+        return text
 
     return parse

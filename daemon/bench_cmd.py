@@ -31,6 +31,12 @@ def run_strategy(runtime: Runtime, name: str, prompt_ids: list[int], max_tokens:
     return {"strategy": name, "token_ids": gen.token_ids, **gen.stats.to_dict()}
 
 
+def prefix_cache_hit_rate(stats: dict) -> float | None:
+    """Hits over look-ups of the tree's prefix cache, or None when it was not consulted."""
+    looked = stats.get("prefix_cache_hits", 0) + stats.get("prefix_cache_misses", 0)
+    return stats["prefix_cache_hits"] / looked if looked else None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     runtime = Runtime(settings.runtime_options())
@@ -41,15 +47,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
     run_strategy(runtime, "autoregressive", prompt_ids, 8)  # warm-up: first-call overheads
     rows = [run_strategy(runtime, n, prompt_ids, args.max_tokens) for n in names]
     base = next((r for r in rows if r["strategy"] == "autoregressive"), None)
-    print(f"{'strategy':<16}{'tokens/s':>10}{'vs AR':>8}{'tok/pass':>10}{'accept':>8}  same")
+    print(
+        f"{'strategy':<16}{'tokens/s':>10}{'vs AR':>8}{'tok/pass':>10}{'accept':>8}"
+        f"{'prefix hits':>13}  same"
+    )
     for r in rows:
         tps = r["tokens_per_second"] or 0.0
         ratio = tps / base["tokens_per_second"] if base and base["tokens_per_second"] else None
         same = "yes" if base is None or r["token_ids"] == base["token_ids"] else "NO"
         accept = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"
+        hit_rate = prefix_cache_hit_rate(r)
+        hits = "-" if hit_rate is None else f"{hit_rate:.0%}"
         print(
             f"{r['strategy']:<16}{tps:>10.1f}{'-' if ratio is None else f'{ratio:.2f}':>8}"
-            f"{r['tokens_per_target_pass']:>10.2f}{accept:>8}  {same}"
+            f"{r['tokens_per_target_pass']:>10.2f}{accept:>8}{hits:>13}  {same}"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

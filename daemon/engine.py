@@ -33,8 +33,8 @@ from speculative.sampling import SamplingParams
 log = logging.getLogger("specd.engine")
 
 # Strategies kept for per-request tree budgets. Without a bound, a client cycling through
-# budgets grew one strategy (and one prefix cache of logits, up to 64 MiB on the device)
-# per distinct value, forever.
+# budgets grew one strategy (with its learned costs) per distinct value, forever; they all
+# share the runtime's one prefix cache.
 REQUEST_BUDGET_STRATEGIES = 4
 
 
@@ -162,7 +162,7 @@ class Engine:
         self._idle: list[tuple[str, Session]] = []  # LRU order: oldest first
         # (name, None): the configured strategies, kept. (name, budget): built for requests
         # that set a tree budget, least recently used first and at most
-        # REQUEST_BUDGET_STRATEGIES of them (each holds its own prefix cache of target logits).
+        # REQUEST_BUDGET_STRATEGIES of them (all share the runtime's prefix cache).
         self._strategies: dict[tuple[str, int | None], Strategy] = {}
         self._budget_strategies: OrderedDict[tuple[str, int], Strategy] = OrderedDict()
         self._stopping = threading.Event()

@@ -106,6 +106,14 @@ class Metrics:
         self.accepted = Counter(
             "specd_draft_tokens_accepted_total", "Draft tokens the target accepted."
         )
+        self.prefix_cache_hits = Counter(
+            "specd_prefix_cache_hits_total",
+            "Tokens drawn from cached target logits of verified tree nodes (no target pass).",
+        )
+        self.prefix_cache_misses = Counter(
+            "specd_prefix_cache_misses_total",
+            "Prefix cache look-ups that found no cached target logits.",
+        )
         self.cancelled = Counter(
             "specd_cancelled_total", "Generations dropped because the client went away."
         )
@@ -136,6 +144,8 @@ class Metrics:
         self.prefill_passes.inc(stats.prefill_passes)
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        self.prefix_cache_misses.inc(stats.prefix_cache_misses)
         for key in STREAM_BYTES_KEYS:
             if isinstance(stats.extra.get(key), int | float):
                 self.stream_bytes.inc(stats.extra[key])
@@ -159,6 +169,8 @@ class Metrics:
             self.prefill_passes,
             self.drafted,
             self.accepted,
+            self.prefix_cache_hits,
+            self.prefix_cache_misses,
             self.cancelled,
             self.failed,
             self.queue_depth,

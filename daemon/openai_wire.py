@@ -303,6 +303,8 @@ SPECD_STAT_KEYS = (
     "first_token_seconds",
     "tokens_per_second",
     "cached_prompt_tokens",
+    "prefix_cache_hits",
+    "prefix_cache_misses",
 )
 
 

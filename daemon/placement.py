@@ -119,6 +119,7 @@ class OffloadRequest:
     slots: int = 2
     host_tier: str = "auto"
     sequences: int = 1  # KV caches that may coexist (see PlanRequest)
+    prefix_cache_bytes: int = 0  # the tree strategy's cache of target logits (0: off)
 
 
 def plan_request(
@@ -145,6 +146,7 @@ def plan_request(
         slots=options.slots,
         host_tier=options.host_tier,
         sequences=options.sequences,
+        prefix_cache_bytes=options.prefix_cache_bytes,
     )
 
 
@@ -321,6 +323,7 @@ class OffloadOptions(Protocol):
     ram_budget: str
     bandwidth: str | None
     sequences: int
+    prefix_cache: int
 
 
 def load_placed_target(
@@ -336,7 +339,7 @@ def load_placed_target(
     )
     request = OffloadRequest(
         options.offload, options.resident_layers, options.slots, options.host_tier,
-        options.sequences,
+        options.sequences, options.prefix_cache,
     )  # fmt: skip
     return load_target(
         options.model, options.dtype, device, options.context, draft_config, request, budget,

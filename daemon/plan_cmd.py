@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from daemon.argtypes import count_or_auto
+from daemon.argtypes import count_or_auto, size_bytes, size_or_off
 from daemon.placement import OffloadRequest, choose_plan
 from daemon.runtime import RuntimeOptions, pick_device
 from offload.machine import detect_budget
@@ -98,6 +98,13 @@ def register(subparsers: Any) -> None:
         default=None,
         help="tree node budget or auto (the plan holds the largest tree)",
     )
+    p.add_argument(
+        "--prefix-cache",
+        type=size_or_off("--prefix-cache"),
+        default=None,
+        metavar="SIZE",
+        help="cached target logits (1GiB, 0 = off)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_offload_args(p)
     p.set_defaults(func=cmd_plan)
@@ -118,6 +125,8 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
         value = getattr(args, name)
         if value is not None:
             options = dataclasses.replace(options, **{name: value})
+    if args.prefix_cache is not None:
+        options = dataclasses.replace(options, prefix_cache=size_bytes(args.prefix_cache))
     return apply_offload_args(options, args)
 
 
@@ -156,6 +165,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         options.slots,
         options.host_tier,
         options.sequences,
+        options.prefix_cache,
     )
     # budget.device is the machine planned for: "cuda" when a GPU budget describes another
     # machine's card, so `auto` picks that machine's dtype.

@@ -18,6 +18,7 @@ from speculative.checkpoint import DTYPE_CHOICES, Checkpoint, load
 from speculative.drafting import Drafter, ModelDrafter, NgramDrafter
 from speculative.generation import Session, Strategy
 from speculative.model import Transformer
+from speculative.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear
 from speculative.strategies.tree import TreeSpeculation
@@ -38,6 +39,7 @@ class RuntimeOptions:
     spec_length: int = 4  # linear: tokens drafted per round
     budget: int | str = "auto"  # tree: node budget, or "auto" (chosen from measured costs)
     max_depth: int | None = None  # tree: depth limit (None: chosen with the budget)
+    prefix_cache: int = DEFAULT_MAX_BYTES  # tree: bytes of cached target logits (0: off)
     # fp32 | bf16 | fp16, or auto: the checkpoint's dtype on CUDA; fp32 on a CPU when the
     # model fits in fp32 there (see speculative.checkpoint.dtype_candidates).
     dtype: str = "auto"
@@ -106,7 +108,11 @@ STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
     "linear": lambda rt: Linear(rt.target, linear_drafter(rt), rt.options.spec_length),
     # Build once and reuse: with --budget auto it learns costs and acceptance across requests.
     "tree": lambda rt: TreeSpeculation(
-        rt.target, rt.draft, budget=rt.options.budget, max_depth=rt.options.max_depth
+        rt.target,
+        rt.draft,
+        budget=rt.options.budget,
+        max_depth=rt.options.max_depth,
+        prefix_cache=rt.prefix_cache,
     ),
 }
 
@@ -129,6 +135,11 @@ class Runtime:
         self.max_tree_budget: int = max_tree_budget(options.budget)
         self.target: Transformer = target
         self.tokenizer: Tokenizer = tokenizer
+        # One cache of verified target logits for every tree strategy built here (keys are
+        # token sequences, whatever the budget). Rows live in host RAM, pinned for a GPU.
+        self.prefix_cache: PrefixCache = PrefixCache(
+            options.prefix_cache, dtype=target.dtype, pin=self.device.type == "cuda"
+        )
         # CPU compute (a CPU device, or the host side of a streamed GPU run is not compute):
         # pick the thread count once the model's size is known.
         self.threads = cpu_threads(options.threads, ckpt.config.layer_parameter_count())

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from daemon.argtypes import count_or_auto
+from daemon.argtypes import count_or_auto, size_or_off
 from daemon.plan_cmd import add_offload_args
 from daemon.settings import (
     Settings,
@@ -30,6 +30,7 @@ FLAG_KEYS = {
     "threads": "models.threads",
     "strategy": "speculation.strategy",
     "budget": "speculation.budget",
+    "prefix_cache": "speculation.prefix_cache",
     "offload": "offload.mode",
     "resident_layers": "offload.resident_layers",
     "slots": "offload.slots",
@@ -68,6 +69,13 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
         type=count_or_auto("--context", 16),
         default=None,
         help="KV cache length in tokens, or auto",
+    )
+    p.add_argument(
+        "--prefix-cache",
+        type=size_or_off("--prefix-cache"),
+        default=None,
+        metavar="SIZE",
+        help="tree: host memory for cached target logits (1GiB, 512MB, 0 = off)",
     )
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None)

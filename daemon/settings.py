@@ -18,6 +18,7 @@ from typing import Any
 import platformdirs
 import yaml
 
+from daemon.argtypes import size_bytes
 from daemon.runtime import RuntimeOptions
 from offload.units import parse_rate, parse_size
 
@@ -103,6 +104,14 @@ def size_or_auto(value: Any) -> Any:
     return value
 
 
+def size_or_zero(value: Any) -> Any:
+    try:
+        size_bytes(value)
+    except (ValueError, TypeError):
+        raise ValueError("0 (off) or a size such as 1GiB or 512MB") from None
+    return value
+
+
 def rate_or_null(value: Any) -> Any:
     if value is None:
         return None
@@ -136,6 +145,7 @@ class SpeculationSettings:
     budget: int | str = _key("auto", integer(1, 65536, auto=True))
     max_depth: int | None = _key(None, integer(1, 1024, nullable=True))
     spec_length: int = _key(4, integer(1, 64))
+    prefix_cache: int | str = _key("1GiB", size_or_zero)
 
 
 @dataclass
@@ -192,6 +202,9 @@ SECTIONS: dict[str, type] = {
     "limits": LimitsSettings,
     "logging": LoggingSettings,
 }
+# Other spellings of a section. "speculative" because the issue that added
+# speculative.prefix_cache named it so; a file may use one spelling, not both.
+SECTION_ALIASES = {"speculative": "speculation"}
 
 
 @dataclass
@@ -218,6 +231,7 @@ class Settings:
             spec_length=self.speculation.spec_length,
             budget=self.speculation.budget,
             max_depth=self.speculation.max_depth,
+            prefix_cache=size_bytes(self.speculation.prefix_cache),
             dtype=self.models.dtype,
             device=self.models.device,
             context="auto" if self.context.length is None else self.context.length,
@@ -271,18 +285,25 @@ def _names() -> str:
 def flatten(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
     """{"server": {"port": 1}} → {"server.port": 1}, rejecting unknown sections and keys."""
     flat: dict[str, Any] = {}
-    for section, body in data.items():
+    for alias, section in SECTION_ALIASES.items():
+        if alias in data and section in data:
+            raise SettingsError(
+                f"{origin}: sections {section!r} and {alias!r} are one section spelled two "
+                "ways; keep one of them"
+            )
+    for spelled, body in data.items():
+        section = SECTION_ALIASES.get(spelled, spelled)
         if section not in SECTIONS:
-            raise SettingsError(f"{origin}: unknown section {section!r}; sections are {_names()}")
+            raise SettingsError(f"{origin}: unknown section {spelled!r}; sections are {_names()}")
         if body is None:
             continue
         if not isinstance(body, dict):
-            raise SettingsError(f"{origin}: section {section!r} must be a mapping of keys")
+            raise SettingsError(f"{origin}: section {spelled!r} must be a mapping of keys")
         known = [f.name for f in fields(SECTIONS[section])]
         for key, value in body.items():
             if key not in known:
                 raise SettingsError(
-                    f"{origin}: unknown key {section}.{key}; {section} keys are {', '.join(known)}"
+                    f"{origin}: unknown key {spelled}.{key}; {spelled} keys are {', '.join(known)}"
                 )
             flat[f"{section}.{key}"] = value
     return flat
@@ -297,10 +318,11 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
         if not var.startswith(ENV_PREFIX):
             continue
         rest = var[len(ENV_PREFIX) :].lower()
-        section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
-        if section is None:
+        spelled = next((s for s in [*SECTIONS, *SECTION_ALIASES] if rest.startswith(s + "_")), None)
+        if spelled is None:
             continue
-        key = rest[len(section) + 1 :]
+        section = SECTION_ALIASES.get(spelled, spelled)
+        key = rest[len(spelled) + 1 :]
         known = [f.name for f in fields(SECTIONS[section])]
         if key not in known:
             raise SettingsError(
@@ -311,6 +333,11 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
             value = yaml.safe_load(raw) if raw != "" else None
         except yaml.YAMLError:
             value = raw
+        if f"{section}.{key}" in layer:
+            raise SettingsError(
+                f"environment variables {layer[f'{section}.{key}'][1].removeprefix('env ')} "
+                f"and {var} set the same key {section}.{key}; unset one of them"
+            )
         layer[f"{section}.{key}"] = (value, f"env {var}")
     return layer
 

@@ -94,6 +94,9 @@ class PlanRequest:
     # Caches grow with use, so the plan reserves one full-context sequence and warns when
     # all of them at full length would not fit.
     sequences: int = 1
+    # Cached target logits (speculation.prefix_cache). Rows are copied off the device as
+    # they are stored: on a GPU they take pinned host RAM, on a CPU the one pool.
+    prefix_cache_bytes: int = 0
 
 
 @dataclass
@@ -106,7 +109,7 @@ class MemoryPlan:
     slots: int  # 0 when nothing streams
     host_tier: str | None  # None when nothing streams
     host_tier_reason: str
-    host_bytes: int  # RAM the host tier holds (pinned layers or staging)
+    host_bytes: int  # host RAM: the tier's (pinned layers or staging) + a GPU's prefix cache
     streamed_bytes_per_pass: int
     seconds_per_pass: float | None  # transfer-bound estimate at the budget's bandwidth
     notes: list[str] = field(default_factory=list)
@@ -139,6 +142,7 @@ class MemoryPlan:
             "host_tier": self.host_tier,
             "host_tier_reason": self.host_tier_reason,
             "host_bytes": self.host_bytes,
+            "prefix_cache_bytes": self.request.prefix_cache_bytes,
             "streamed_bytes_per_pass": self.streamed_bytes_per_pass,
             "seconds_per_pass": self.seconds_per_pass,
             "notes": list(self.notes),
@@ -175,10 +179,13 @@ class MemoryPlan:
             f"  layers   {self.resident_layers} resident, {self.streamed_layers} streamed"
             + (f" through {self.slots} slots" if self.streamed_layers else "")
         )
+        pinned_cache = _host_cache_bytes(r, b)
+        if pinned_cache:
+            lines.append(f"  host     prefix cache: {format_size(pinned_cache)} of pinned RAM")
         if self.host_tier:
             lines.append(
-                f"  host     tier {self.host_tier}: {format_size(self.host_bytes)} of RAM "
-                f"({self.host_tier_reason})"
+                f"  host     tier {self.host_tier}: "
+                f"{format_size(self.host_bytes - pinned_cache)} of RAM ({self.host_tier_reason})"
             )
             per_pass = format_size(self.streamed_bytes_per_pass)
             if self.seconds_per_pass is None:
@@ -212,6 +219,15 @@ def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
     if r.resident_layers is not None and not 0 <= r.resident_layers <= n:
         raise PlanError(f"--resident-layers {r.resident_layers} is outside 0..{n}")
     fixed = _fixed_parts(r)
+    if budget.device == "cpu" and r.prefix_cache_bytes:
+        fixed["prefix cache"] = r.prefix_cache_bytes  # the device is RAM: one pool
+    host_cache = _host_cache_bytes(r, budget)
+    if host_cache > budget.ram_bytes:
+        raise PlanError(
+            f"the prefix cache ({format_size(host_cache)} of pinned RAM) is larger than the "
+            f"RAM budget ({format_size(budget.ram_bytes)}): lower --prefix-cache "
+            "(speculation.prefix_cache; 0 turns it off)"
+        )
     fixed_bytes = sum(fixed.values())
     room = budget.device_bytes - fixed_bytes
 
@@ -225,7 +241,9 @@ def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
             raise PlanError(_no_fit_message(r, budget, fixed, streaming=False))
         parts = {**fixed, f"target layers ({n}, all resident)": n * layer}
         notes = _sequences_note(r, budget, sum(parts.values()))
-        return MemoryPlan(r, budget, parts, n, 0, 0, None, _why_resident(r), 0, 0, 0.0, notes)
+        return MemoryPlan(
+            r, budget, parts, n, 0, 0, None, _why_resident(r), host_cache, 0, 0.0, notes
+        )
 
     # Streaming.
     if r.resident_layers is not None:
@@ -247,6 +265,7 @@ def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
         raise PlanError(_no_fit_message(r, budget, fixed, streaming=True, resident=resident))
 
     tier, reason, host_bytes = _host_tier(r, budget, streamed, sum(parts.values()))
+    host_bytes += host_cache
     # With no more streamed layers than slots, every layer keeps its slot after the first
     # pass: nothing crosses the bus in steady state.
     per_pass = streamed * layer if streamed > r.slots else 0
@@ -313,11 +332,18 @@ def host_tier_bytes(layer_bytes: int, layers: int) -> int:
     return arena_bytes(layer_bytes, layers)
 
 
+def _host_cache_bytes(r: PlanRequest, budget: Budget) -> int:
+    """Host RAM the prefix cache takes besides the device parts: all of it with a GPU (its
+    slots are pinned chunks of power-of-two sizes, which the allocator does not round up),
+    none on a CPU (there it is a device part)."""
+    return 0 if budget.device == "cpu" else r.prefix_cache_bytes
+
+
 def _host_tier(
     r: PlanRequest, budget: Budget, streamed: int, device_bytes: int
 ) -> tuple[str, str, int]:
     layer = r.target.layer_bytes
-    ram = budget.ram_bytes
+    ram = budget.ram_bytes - _host_cache_bytes(r, budget)
     if budget.device == "cpu":
         ram -= device_bytes  # one pool: the "device" parts live in the same RAM
     in_ram = host_tier_bytes(layer, streamed)

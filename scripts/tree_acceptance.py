@@ -71,9 +71,11 @@ class Recorder(TreeSpeculation):
         super().__init__(*args, **kwargs)
         self.captured: list[tuple[DraftTree, torch.Tensor]] = []
 
-    def _remember(self, tree: DraftTree, logits: torch.Tensor, root_key: int) -> None:
+    def _remember(
+        self, tree: DraftTree, logits: torch.Tensor, root_key: int, path: list[int]
+    ) -> None:
         self.captured.append((tree, logits.clone()))
-        super()._remember(tree, logits, root_key)
+        super()._remember(tree, logits, root_key, path)
 
 
 def record_rounds(

@@ -42,6 +42,8 @@ class RoundStats:
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
     budget: int | None = None
+    prefix_cache_hits: int = 0  # tokens drawn from cached target logits (no target pass)
+    prefix_cache_misses: int = 0  # look-ups that found nothing
 
 
 @dataclass
@@ -69,6 +71,8 @@ class GenerationStats:
     total_seconds: float = 0.0
     first_token_seconds: float | None = None
     budget: int | None = None
+    prefix_cache_hits: int = 0
+    prefix_cache_misses: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. the streamer's figures
 
     def add(self, r: RoundStats) -> None:
@@ -82,6 +86,8 @@ class GenerationStats:
         self.draft_seconds += r.draft_seconds
         self.verify_seconds += r.verify_seconds
         self.prefill_seconds += r.prefill_seconds
+        self.prefix_cache_hits += r.prefix_cache_hits
+        self.prefix_cache_misses += r.prefix_cache_misses
         if r.budget is not None:
             self.budget = r.budget
 

@@ -57,7 +57,11 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    @torch.inference_mode(False)
     def _grow(self, needed: int) -> None:
+        # The model grows the cache inside its inference-mode forward; tensors made there
+        # are inference tensors, which `keep` (called outside, by the strategies) may not
+        # update in place. The cache's storage is always made as a normal tensor.
         slots = min(self.capacity, max(needed, 2 * self.allocated))
         shape = (*self.k.shape[:2], slots, self.k.shape[3])
         k = torch.zeros(shape, dtype=self.k.dtype, device=self.k.device)

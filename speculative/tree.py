@@ -75,16 +75,6 @@ class DraftTree:
         parents = self.parents[1 : self.size].tolist()
         return {(p, t): i + 1 for i, (p, t) in enumerate(zip(parents, tokens, strict=True))}
 
-    def path_counts(self, vocab_size: int) -> torch.Tensor:
-        """(N, V): how often each token occurs on the path root → node, root excluded (the
-        root is already counted by the penalty context); penalties at a node see exactly
-        the guesses above it."""
-        n = self.size
-        onehot = torch.zeros(n, vocab_size, device=self.tokens.device)  # (N, V)
-        onehot[torch.arange(1, n, device=onehot.device), self.tokens[1:n]] = 1.0
-        onehot[0].zero_()
-        return self.mask.float() @ onehot  # (N, N) @ (N, V)
-
 
 def default_depth(budget: int) -> int:
     """Depth limit for a fixed budget when none is given: deep enough for a well-matched

@@ -1,5 +1,6 @@
 """The engine's strategy table: per-request tree budgets must not grow it without bound
-(each tree strategy holds a prefix cache of target logits on the device)."""
+(each strategy keeps what it learned), and every tree strategy shares the runtime's one
+prefix cache."""
 
 from __future__ import annotations
 
@@ -28,3 +29,5 @@ def test_per_request_budgets_are_bounded_and_reused(
     assert len(held) <= 1 + REQUEST_BUDGET_STRATEGIES, len(held)
     assert all(s is not first for s in held)  # the least recently used went first
     assert engine._strategy(None, None) is default  # the configured strategy stays
+    caches = {id(s.prefix_cache) for s in [*held, first]}  # type: ignore[attr-defined]
+    assert caches == {id(runtime.prefix_cache)}

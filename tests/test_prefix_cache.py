@@ -1,10 +1,12 @@
-"""PrefixCache: exact prefix keys, LRU order, and a byte bound on the memory really held."""
+"""PrefixCache: exact prefix keys, rows as the unit of storage and LRU eviction, the model's
+dtype kept, and a byte bound on the memory really held."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from speculative.prefix_cache import ENTRY_OVERHEAD, PrefixCache
+from speculative.prefix_cache import ENTRY_OVERHEAD, ENTRY_SHARE, PrefixCache, chunk_sizes
 
 
 def test_keys_are_exact_prefix_identities():
@@ -19,36 +21,76 @@ def test_put_and_get_rows():
     cache = PrefixCache()
     keys = [cache.key([5]), cache.key([5, 6]), cache.key([5, 7])]
     logits = torch.arange(12.0).view(3, 4)
-    cache.put_rows(keys, logits)
-    assert torch.equal(cache.get(keys[2]), logits[2])
+    assert cache.put_rows(keys, logits) == 3
+    got = cache.get(keys[2])
+    assert got is not None and torch.equal(got, logits[2]) and got.dtype == torch.float32
     assert cache.get(cache.key([5, 8])) is None
     assert cache.stats.hits == 1 and cache.stats.misses == 1
 
 
-def test_lru_eviction_keeps_bytes_bounded():
-    row_bytes = 4 * 100
-    cache = PrefixCache(max_bytes=3 * (row_bytes + ENTRY_OVERHEAD))
-    keys = []
-    for t in range(6):
-        k = cache.key([t])
-        keys.append(k)
-        cache.put_rows([k], torch.full((1, 100), float(t)))
-        cache.get(keys[0])  # keep the first one fresh
-        assert cache.bytes <= cache.max_bytes
-    assert cache.get(keys[0]) is not None  # recently used: kept
-    assert cache.get(keys[1]) is None  # oldest: evicted
-    assert cache.get(keys[5]) is not None
+def test_a_hit_is_a_copy_not_a_view_of_the_slot():
+    cache = PrefixCache()
+    k = cache.key([1])
+    cache.put_rows([k], torch.ones(1, 4))
+    got = cache.get(k)
+    assert got is not None
+    got += 1
+    again = cache.get(k)
+    assert again is not None and torch.equal(again, torch.ones(4))
 
 
-def test_block_bytes_count_until_its_last_row_goes():
-    cache = PrefixCache(max_bytes=10_000)
-    keys = [cache.key([i]) for i in range(4)]
-    cache.put_rows(keys, torch.zeros(4, 100))  # 1,600 bytes
-    assert cache.bytes == 4 * ENTRY_OVERHEAD + 1600
-    cache.put_rows(keys[:3], torch.ones(3, 100))  # rows move; old block lives through keys[3]
-    assert cache.bytes == 4 * ENTRY_OVERHEAD + 1600 + 1200
-    cache.put_rows(keys[3:], torch.ones(1, 100))
-    assert cache.bytes == 4 * ENTRY_OVERHEAD + 1200 + 400
+def test_rows_are_kept_in_the_models_dtype_exactly():
+    """The head computes in bf16 and the model casts to fp32: storing bf16 loses nothing."""
+    head_out = torch.randn(3, 1000).to(torch.bfloat16)
+    logits = head_out.float()  # what forward() returns
+    cache = PrefixCache(dtype=torch.bfloat16)
+    keys = [cache.key([i]) for i in range(3)]
+    cache.put_rows(keys, logits)
+    assert cache.row_bytes == 1000 * 2
+    assert cache.bytes == 3 * (2000 + ENTRY_OVERHEAD)
+    for i, k in enumerate(keys):
+        got = cache.get(k)
+        assert got is not None and torch.equal(got, logits[i])
+
+
+def test_a_store_larger_than_the_cache_keeps_its_first_rows():
+    """The old cache dropped a whole (N, V) block larger than itself; rows are stored one
+    by one, the most valuable (first) ones, and they never evict each other."""
+    cache = PrefixCache(max_bytes=10 * (400 + ENTRY_OVERHEAD))
+    old = cache.key([99])
+    cache.put_rows([old], torch.zeros(1, 100))
+    keys = [cache.key([1, i]) for i in range(50)]
+    logits = torch.arange(50.0)[:, None].expand(50, 100)  # (50, 100) row i is all i
+    order = list(reversed(range(50)))  # value order: row 49 first
+    stored = cache.put_rows([keys[i] for i in order], logits, order)
+    assert stored == cache.rows and 0 < stored < 50
+    assert cache.bytes <= cache.max_bytes
+    assert cache.get(old) is None  # an older row made room
+    kept = [i for i in range(50) if cache.get(keys[i]) is not None]
+    assert kept == list(range(50 - stored, 50))  # the first `stored` of the value order
+    row = cache.get(keys[49])
+    assert row is not None and float(row[0]) == 49
+
+
+def test_slot_memory_is_powers_of_two_within_the_bound():
+    assert chunk_sizes(100 << 20) == [32 << 20] * 3 + [4 << 20]
+    assert sum(chunk_sizes(1_234_567)) == 1_234_567
+    assert all(s & (s - 1) == 0 for s in chunk_sizes(1_234_567))
+    cache = PrefixCache(max_bytes=1 << 20)
+    slots = ((1 << 20) - (1 << 20) // ENTRY_SHARE) * 4000 // (4000 + ENTRY_OVERHEAD)
+    assert cache.capacity_rows(1000, torch.float32) == sum(s // 4000 for s in chunk_sizes(slots))
+    keys = [cache.key([i]) for i in range(400)]
+    cache.put_rows(keys, torch.randn(400, 1000))
+    held = sum(c.numel() * c.element_size() for c in cache._chunks)
+    assert held <= cache.max_bytes
+    assert cache.bytes <= cache.max_bytes
+
+
+def test_a_row_larger_than_the_cache_is_not_stored():
+    cache = PrefixCache(max_bytes=1000)
+    k = cache.key([1])
+    assert cache.put_rows([k], torch.zeros(1, 1000)) == 0
+    assert cache.get(k) is None and cache.bytes <= cache.max_bytes
 
 
 def test_zero_sized_cache_holds_nothing():
@@ -56,3 +98,97 @@ def test_zero_sized_cache_holds_nothing():
     k = cache.key([1, 2])
     cache.put_rows([k], torch.zeros(1, 8))
     assert cache.get(k) is None and cache.bytes == 0 and len(cache) == 0
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match=">= 0"):
+        PrefixCache(max_bytes=-1)
+    cache = PrefixCache()
+    with pytest.raises(ValueError, match="keys"):
+        cache.put_rows([cache.key([1])], torch.zeros(2, 4), [0, 1])
+    with pytest.raises(ValueError, match="outside"):
+        cache.put_rows([cache.key([1])], torch.zeros(2, 4), [2])
+
+
+V = 4096  # 16 KiB fp32 rows: interned prefixes (128 B each) are small beside them
+
+
+def _cache_for_rows(max_bytes: int = 1 << 20) -> tuple[PrefixCache, int]:
+    cache = PrefixCache(max_bytes=max_bytes)
+    return cache, cache.capacity_rows(V, torch.float32)
+
+
+def test_lru_by_row_and_the_byte_bound():
+    cache, capacity = _cache_for_rows()
+    assert 10 < capacity < (1 << 20) // (4 * V)
+    keys = []
+    for t in range(capacity + 5):
+        keys.append(cache.key([t]))
+        cache.put_rows(keys[-1:], torch.full((1, V), float(t)))
+        assert cache.get(keys[0]) is not None  # used by every sample: kept
+        assert cache.bytes <= cache.max_bytes and cache.rows <= capacity
+    assert cache.rows == capacity
+    assert [t for t in range(1, 8) if cache.get(keys[t]) is None] == [1, 2, 3, 4, 5]
+    for t in (6, capacity + 4):
+        row = cache.get(keys[t])
+        assert row is not None and float(row[0]) == t
+    assert cache.stats.evictions == 5
+
+
+def test_the_most_valuable_row_of_a_store_is_the_last_to_go():
+    cache, capacity = _cache_for_rows()
+    a = [cache.key([1, i]) for i in range(capacity)]
+    cache.put_rows(a, torch.zeros(capacity, V))  # a[0] most valuable
+    b = cache.key([2])
+    cache.put_rows([b], torch.zeros(1, V))  # needs one slot: the least valuable row's
+    assert cache.get(a[-1]) is None
+    assert all(cache.get(k) is not None for k in [*a[:-1], b])
+
+
+def test_walked_rows_outlive_rows_that_were_only_verified():
+    """A round stores its walked path first; later rounds' unwalked nodes must not push
+    earlier paths out, or the next sample of a prompt finds nothing to walk."""
+    cache, capacity = _cache_for_rows()
+    paths = []
+    for r in range(3):
+        keys = [cache.key([r, i]) for i in range(capacity)]  # a tree as large as the cache
+        assert cache.put_rows(keys, torch.full((capacity, V), float(r)), walked=2) > 2
+        paths.append(keys[:2])
+    for r, path in enumerate(paths):
+        for k in path:
+            row = cache.get(k)
+            assert row is not None and float(row[0]) == r
+    assert cache.rows == capacity and cache.bytes <= cache.max_bytes
+
+
+def test_a_hit_protects_its_row():
+    cache, capacity = _cache_for_rows()
+    first = [cache.key([0, i]) for i in range(capacity)]
+    cache.put_rows(first, torch.zeros(capacity, V))  # nothing walked
+    assert cache.get(first[-1]) is not None  # a sample walked through it
+    later = [cache.key([1, i]) for i in range(capacity)]
+    assert cache.put_rows(later, torch.ones(capacity, V)) == capacity - 1
+    assert cache.get(first[-1]) is not None
+    assert all(cache.get(k) is None for k in first[:-1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rows_from_a_gpu_live_in_pinned_host_memory_and_come_back_exactly():
+    logits = torch.randn(300, 32_000, device="cuda").to(torch.bfloat16).float()  # (N, V)
+    cache = PrefixCache(max_bytes=8 << 20, dtype=torch.bfloat16, pin=True)
+    keys = [cache.key([i]) for i in range(300)]
+    stored = cache.put_rows(keys, logits)
+    assert 0 < stored < 300  # 8 MiB holds ~130 rows of 64 KB
+    assert all(chunk.is_pinned() and chunk.device.type == "cpu" for chunk in cache._chunks)
+    assert torch.cuda.memory_allocated() < 2 * logits.numel() * 4  # no device copy kept
+    for i in range(stored):
+        row = cache.get(keys[i])
+        assert row is not None and row.device.type == "cuda" and torch.equal(row, logits[i])
+    # A slot reused by a later store must not change a row already handed out.
+    held = cache.get(keys[0])
+    assert held is not None
+    more = [cache.key([1000 + i]) for i in range(300)]
+    cache.put_rows(more, -logits)
+    torch.cuda.synchronize()
+    assert torch.equal(held, logits[0])

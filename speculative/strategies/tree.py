@@ -8,10 +8,11 @@ token is a child in the tree, the target's distribution after it is already know
 there and draw again. The first token that is not a child is emitted too and ends the
 round (it becomes the next root). Every emitted token is a draw from the target's
 distribution given everything before it, whatever the draft proposed; the draft only
-decides how far one target pass reaches. Every node is drawn at once (the walk then just
-follows the draws) with noise keyed by the token's sequence position (`PositionNoise`):
-one walk visits one node per position, so its draws are independent, and a seed gives the
-same text as autoregressive decoding whatever the tree looked like.
+decides how far one target pass reaches. Only the nodes the walk visits are drawn (at
+most depth + 1 rows, never (nodes × vocabulary) temporaries), with noise keyed by the
+token's sequence position (`PositionNoise`): one walk visits one node per position, so its
+draws are independent, and a seed gives the same text as autoregressive decoding whatever
+the tree looked like.
 
 Round layout (see DESIGN.md): the caches hold x_1..x_{L-1}. One target pass takes the
 committed tokens it has not seen yet (the prompt on the first round: prefill folded into
@@ -62,7 +63,11 @@ class TreeSpeculation:
             self.planner = FixedBudget(budget, max_depth)
         else:
             raise ValueError(f"tree budget must be a node count or 'auto', got {budget!r}")
-        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
+        # The runtime passes its own, shared by every strategy it builds (keys are tokens
+        # only, so one cache serves every budget and request).
+        self.prefix_cache = (
+            prefix_cache if prefix_cache is not None else PrefixCache(dtype=target.dtype)
+        )
 
     def new_session(self, capacity: int) -> Session:
         return Session(self.target, capacity, self.draft)
@@ -97,11 +102,17 @@ class TreeSpeculation:
             t_round = time.perf_counter()
             tokens: list[int] = []
             # Continuations verified in earlier rounds or requests need no target pass.
-            while pcache.max_bytes and emitted + len(tokens) < max_new_tokens:
-                logits = pcache.get(key)
-                if logits is None or len(seq) - len(session.target_tokens) >= cache.free:
+            while (
+                pcache.max_bytes
+                and emitted + len(tokens) < max_new_tokens
+                and len(seq) - len(session.target_tokens) < cache.free
+            ):
+                row = pcache.get(key)  # (V,)
+                if row is None:
+                    stats.prefix_cache_misses += 1
                     break
-                tok = int(draw(logits[None, :], params, penalties, noise, positions=[len(seq)])[0])
+                stats.prefix_cache_hits += 1
+                tok = int(draw(row[None, :], params, penalties, noise, positions=[len(seq)])[0])
                 if penalties is not None:
                     penalties.append([tok])
                 tokens.append(tok)
@@ -159,22 +170,9 @@ class TreeSpeculation:
             )  # (P + N,)
             mask = verification_mask(tree.mask, p) if nodes > 1 else None
             logits = target(verify_tokens, positions, cache, mask=mask, logits_from=p)  # (N, V)
-            extra = tree.path_counts(vocab) if penalties is not None and nodes > 1 else None
-            # Node v draws the token at sequence position len(seq) + depth(v).
-            at = None if params.greedy else (len(seq) + tree.depths[:nodes]).tolist()
-            draws = draw(logits, params, penalties, noise, extra, positions=at).tolist()  # (N,)
-
-            node, path = 0, []
-            children = tree.children() if nodes > 1 else {}
-            while True:
-                tok = draws[node]
-                tokens.append(tok)
-                child = children.get((node, tok))
-                if child is None:
-                    break
-                path.append(child)
-                node = child
-            self._remember(tree, logits, key)
+            new, path = walk(tree, logits, params, penalties, noise, len(seq))
+            tokens.extend(new)
+            self._remember(tree, logits, key, path)
             key = self._path_key(tree, path, key)
             key = pcache.child(key, tokens[-1])
 
@@ -185,10 +183,7 @@ class TreeSpeculation:
             cache.keep([base + i for i in path], start=base + 1)
             session.target_tokens.extend(node_tokens[i] for i in path)
             self._commit_draft(session, tree, path, node_tokens)
-            new = tokens[len(tokens) - len(path) - 1 :]
-            if penalties is not None:
-                penalties.append(new)
-            seq.extend(new)
+            seq.extend(new)  # (the walk counted them in `penalties` already)
 
             stats.target_passes += 1
             stats.drafted += nodes - 1
@@ -231,7 +226,7 @@ class TreeSpeculation:
         )  # (1, V)
         session.target_tokens.append(root)
         if self.prefix_cache.max_bytes:
-            self.prefix_cache.put_rows([key], logits)
+            self.prefix_cache.put_rows([key], logits, walked=1)  # drawn from below
         return int(draw(logits, params, penalties, noise, positions=[pos + 1])[0])
 
     def _draft(
@@ -310,21 +305,64 @@ class TreeSpeculation:
         dcache.keep([root_slot + slot_of[n] for n in kept], start=root_slot + 1)
         session.draft_tokens.extend(node_tokens[n] for n in kept)
 
-    def _remember(self, tree: DraftTree, logits: torch.Tensor, root_key: int) -> None:
-        """Cache the target's logits at every verified node under its prefix's key."""
+    def _remember(
+        self, tree: DraftTree, logits: torch.Tensor, root_key: int, path: list[int]
+    ) -> None:
+        """Cache the target's logits at the verified nodes under their prefixes' keys, as
+        many as the cache holds, most valuable first: the root and the walked path (the
+        next sample of this prompt with this seed walks exactly there), then the other
+        nodes in the tree's best-first order (node indices: the builder adds the highest
+        cumulative draft probability first). Parents come before their children in that
+        order, so every stored node's prefix is interned."""
         pcache = self.prefix_cache
-        if tree.size == 1:
-            pcache.put_rows([root_key], logits)
+        if not pcache.max_bytes:
             return
-        keys = [root_key]
-        for parent, tok in zip(
-            tree.parents[1 : tree.size].tolist(), tree.tokens[1 : tree.size].tolist(), strict=True
-        ):
-            keys.append(pcache.child(keys[parent], tok))
-        pcache.put_rows(keys, logits)
+        on_path = set(path)
+        order = [0, *path, *(v for v in range(1, tree.size) if v not in on_path)]
+        order = order[: pcache.capacity_rows(logits.shape[1], self.target.dtype)]
+        parents, tokens = tree.parents[: tree.size].tolist(), tree.token_list()
+        keys = {0: root_key}
+        for v in order[1:]:
+            keys[v] = pcache.child(keys[parents[v]], tokens[v])
+        pcache.put_rows([keys[v] for v in order], logits, order, walked=1 + len(path))
 
     def _path_key(self, tree: DraftTree, path: list[int], key: int) -> int:
         tokens = tree.tokens
         for n in path:
             key = self.prefix_cache.child(key, int(tokens[n]))
         return key
+
+
+def walk(
+    tree: DraftTree,
+    logits: torch.Tensor,  # (N, V) the target's logits at every node
+    params: SamplingParams,
+    penalties: PenaltyContext | None,
+    noise: PositionNoise,
+    position: int,  # sequence position of the token drawn at the root
+) -> tuple[list[int], list[int]]:
+    """Exact sampling down the tree: (tokens emitted, accepted node indices). Only the rows
+    the walk visits are drawn: node v at depth d draws position `position + d` with the
+    penalty counts of the tokens on its path, exactly what drawing every node would give
+    there. `penalties` is advanced by every emitted token."""
+    children = tree.children() if tree.size > 1 else {}
+    # Plain greedy is one argmax per row, (N,), no (N, V) temporary: one op instead of a
+    # synchronising op per step of the walk.
+    argmax = logits.argmax(-1).tolist() if params.greedy and not params.has_penalties else None
+    tokens: list[int] = []
+    path: list[int] = []
+    node = 0
+    while True:
+        at = [position + len(path)]  # node's depth is len(path)
+        if argmax is not None:
+            tok = argmax[node]
+        else:
+            tok = int(draw(logits[node : node + 1], params, penalties, noise, positions=at)[0])
+        tokens.append(tok)
+        if penalties is not None:
+            penalties.append([tok])  # counted for the child's draw, and for later rounds
+        child = children.get((node, tok))
+        if child is None:
+            return tokens, path
+        path.append(child)
+        node = child
