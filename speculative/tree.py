@@ -173,7 +173,7 @@ def _top_children(
     """The best children of n nodes as flat (cumulative log-prob, token, row in 0..n-1)
     candidates. A child of zero draft probability is never a candidate: a draft narrower
     than the target has -inf logits for the ids it lacks (`Transformer.set_vocab_width`),
-    and a tiny vocabulary may have fewer such children than k."""
+    and a tiny vocabulary may have fewer possible children than k."""
     n = logits.shape[0]
     k = max(1, min(max_branch, room, logits.shape[-1]))
     logp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
