@@ -94,6 +94,21 @@ def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_ref: str) -
         )
 
 
+def check_embeddings_cover(
+    tokenizer: Tokenizer, target_rows: int, draft_rows: int, draft_ref: str
+) -> None:
+    """Both embeddings must hold a row for every id the shared tokenizer can produce; past
+    that, sizes may differ (Qwen2.5 0.5B-3B have 151,936 rows, 14B-72B 152,064: padding)
+    and the draft is adapted to the target's width (`Transformer.set_vocab_width`)."""
+    need = tokenizer.id_limit
+    for name, rows in (("target", target_rows), (f"draft {draft_ref!r}", draft_rows)):
+        if rows < need:
+            raise RuntimeError_(
+                f"the {name} has {rows} embedding rows but its tokenizer produces ids up to "
+                f"{need - 1} ({need} needed): the checkpoint does not match its tokenizer"
+            )
+
+
 def linear_drafter(rt: Runtime) -> Drafter:
     """The draft model when one is loaded, else prompt lookup (--draft ngram)."""
     if rt.draft is not None:
@@ -154,11 +169,10 @@ class Runtime:
         elif options.draft:
             draft, draft_tok, draft_ckpt = load(options.draft, self.dtype, self.device)
             check_same_vocabulary(tokenizer, draft_tok, options.draft)
-            if draft_ckpt.config.vocab_size != ckpt.config.vocab_size:
-                raise RuntimeError_(
-                    f"draft {options.draft!r} has vocab_size {draft_ckpt.config.vocab_size}, "
-                    f"the target {ckpt.config.vocab_size}: they must be equal"
-                )
+            check_embeddings_cover(
+                tokenizer, ckpt.config.vocab_size, draft_ckpt.config.vocab_size, options.draft
+            )
+            draft.set_vocab_width(target.vocab_width)  # no-op when the sizes are equal
             self.draft, self.draft_kind = draft, "model"
 
         default = "tree" if self.draft_kind else "autoregressive"

@@ -79,6 +79,7 @@ def make_checkpoint(
     family: str = "llama",
     *,
     vocab_size: int = 320,
+    tokenizer_size: int | None = None,
     hidden_size: int = 64,
     intermediate_size: int = 128,
     num_layers: int = 2,
@@ -95,7 +96,9 @@ def make_checkpoint(
 ) -> Path:
     """Write a random checkpoint of `family` to `path` and return the path.
 
-    `init_std` well above the usual 0.02 gives peaked, model-like next-token distributions;
+    `vocab_size` is the embedding rows; the tokenizer has `tokenizer_size` entries (default
+    the same): fewer gives Qwen2.5-style padding rows, more a checkpoint that does not cover
+    its tokenizer. `init_std` well above the usual 0.02 gives peaked, model-like next-token distributions;
     `max_shard_size` (e.g. "20KB") writes sharded safetensors with an index."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -132,7 +135,7 @@ def make_checkpoint(
     if max_shard_size:
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(path, **kwargs)
-    build_tokenizer(vocab_size).save(str(path / "tokenizer.json"))
+    build_tokenizer(tokenizer_size or vocab_size).save(str(path / "tokenizer.json"))
     tok_config: dict[str, Any] = {
         "bos_token": "<s>",
         "eos_token": "</s>",
@@ -152,7 +155,8 @@ def main() -> None:
     )
     ap.add_argument("out")
     ap.add_argument("--family", choices=sorted(FAMILIES), default="llama")
-    ap.add_argument("--vocab", type=int, default=320)
+    ap.add_argument("--vocab", type=int, default=320, help="embedding rows")
+    ap.add_argument("--tokenizer-size", type=int, default=None, help="default: --vocab")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--tie", action="store_true")
@@ -162,6 +166,7 @@ def main() -> None:
         args.out,
         args.family,
         vocab_size=args.vocab,
+        tokenizer_size=args.tokenizer_size,
         num_layers=args.layers,
         hidden_size=args.hidden,
         tie_word_embeddings=args.tie,

@@ -47,6 +47,18 @@ class Drafter(Protocol):
         ...
 
 
+def check_draft_width(draft: Transformer, target: Transformer) -> None:
+    """A draft's distributions meet the target's id for id, so it must speak the target's
+    width; unequal embedding sizes are adapted by `Transformer.set_vocab_width` once the
+    tokenizers are known to agree (daemon/runtime.py does both)."""
+    if draft.vocab_width != target.vocab_width:
+        raise ValueError(
+            f"the draft speaks {draft.vocab_width} token ids, the target {target.vocab_width}: "
+            "call draft.set_vocab_width(target.vocab_width) after checking both share one "
+            "tokenizer"
+        )
+
+
 class ModelDrafter:
     """Samples t_i ~ q_i autoregressively from a small resident model. Its cache is filled
     lazily: whatever part of the sequence it does not hold yet (the prompt on the first
@@ -57,6 +69,7 @@ class ModelDrafter:
         self.draft = draft
 
     def new_session(self, target: Transformer, capacity: int) -> Session:
+        check_draft_width(self.draft, target)
         return Session(target, capacity, self.draft)
 
     def propose(
@@ -71,7 +84,10 @@ class ModelDrafter:
         t0 = time.perf_counter()
         draft, cache, fed = self.draft, session.draft_cache, session.draft_tokens
         assert cache is not None, "a ModelDrafter session has a draft cache"
-        vocab = draft.config.vocab_size
+        # The target's width (`Transformer.set_vocab_width`): q meets the target's p and
+        # the penalty context, both sized by the target, and gives ids the draft has no
+        # row for, or the target lacks, zero probability.
+        vocab = draft.vocab_width
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         passes = 0

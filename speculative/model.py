@@ -239,6 +239,9 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
+        # Token ids `forward` speaks: its logits are (T, vocab_width). Equal to the embedding
+        # rows unless this model drafts for a target of another width (`set_vocab_width`).
+        self.vocab_width = cfg.vocab_size
 
     @property
     def device(self) -> torch.device:
@@ -257,6 +260,20 @@ class Transformer(nn.Module):
             self._modules["layers"] = layers
         else:
             object.__setattr__(self, "layers", layers)
+
+    def set_vocab_width(self, width: int) -> None:
+        """Speak a vocabulary of `width` ids, a target's, while this model has
+        `config.vocab_size` embedding rows (a Qwen2.5 0.5B draft has 151,936 rows, the 72B
+        target 152,064; the tokenizer is the same and both cover it, the rest is padding).
+
+        Logits come back (T, width): columns for ids this model has no row for are -inf and
+        its rows beyond `width` are dropped before any softmax, so every distribution built
+        from them gives those ids exactly zero probability and nothing drafted can be an id
+        the target lacks. An input id without a row (one of the target's padding ids, which
+        no tokenizer produces but a target may still sample) is embedded as id 0: what the
+        draft guesses after it changes only how much speculation is accepted, never the
+        output, which is always the target's."""
+        self.vocab_width = width
 
     def prefetch(self) -> None:
         """Hint that a target pass is coming: a streaming layer list starts copying its first
@@ -288,8 +305,8 @@ class Transformer(nn.Module):
         last_only: bool = False,
         logits_from: int = 0,
     ) -> torch.Tensor:
-        """Append T tokens to `cache` and return fp32 logits, (T, vocab), (1, vocab) with
-        `last_only`, or (T - logits_from, vocab).
+        """Append T tokens to `cache` and return fp32 logits, (T, V), (1, V) with
+        `last_only`, or (T - logits_from, V); V is `vocab_width`.
 
         Without a mask the new tokens are causal among themselves and see the whole cache.
         A (T, T) mask is among the new tokens only (each sees every cached entry); a
@@ -298,7 +315,11 @@ class Transformer(nn.Module):
         start = cache.reserve(t)
         attn_mask = full_mask(mask, start, t, self.device)
         cos, sin = self.rope(positions.to(self.device))
-        x = self.embed_tokens(tokens.to(self.device))
+        tokens = tokens.to(self.device)
+        rows = self.config.vocab_size
+        if self.vocab_width > rows:  # a target's padding id has no row here (set_vocab_width)
+            tokens = torch.where(tokens < rows, tokens, 0)
+        x = self.embed_tokens(tokens)
         # A ModuleList's modules and a LayerSequence's layers are both callable blocks.
         blocks: Iterable[Callable[..., torch.Tensor]] = self.layers
         for i, layer in enumerate(blocks):
@@ -310,7 +331,19 @@ class Transformer(nn.Module):
             # Rows before `logits_from` only fill the cache (e.g. a prompt folded into a tree
             # verification pass): skip their (T, vocab) head.
             x = x[logits_from:]
-        return self.lm_head(self.norm(x)).float()
+        return self._to_vocab_width(self.lm_head(self.norm(x)).float())
+
+    def _to_vocab_width(self, logits: torch.Tensor) -> torch.Tensor:
+        """(T, rows) → (T, vocab_width): surplus rows cut, missing ids at -inf."""
+        rows, width = self.config.vocab_size, self.vocab_width
+        if width == rows:
+            return logits
+        if width < rows:
+            return logits[:, :width]
+        missing = torch.full(
+            (logits.shape[0], width - rows), float("-inf"), device=logits.device
+        )  # (T, width - rows)
+        return torch.cat((logits, missing), dim=-1)
 
 
 def full_mask(

@@ -119,6 +119,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def id_limit(self) -> int:
+        """One past the largest id the tokenizer can produce, added tokens included: the
+        embedding rows a model needs (ids may have gaps, so not always `vocab_size`)."""
+        return max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`; with `add_special_tokens`, BOS as the tokenizer config asks."""
         if not add_special_tokens:

@@ -111,10 +111,9 @@ def grow_tree(
         batch = max(1, math.ceil(budget / max(max_depth, 1)))
     fed = torch.zeros(1, dtype=torch.long, device=device)  # (F,) node 0, the root
     scale = 1.0 / score_temperature
-    cand_logp, cand_token = _top_children(
+    cand_logp, cand_token, cand_parent = _top_children(
         root_logits[None, :] * scale, tree.logprobs[:1], budget, max_branch
-    )
-    cand_parent = torch.zeros_like(cand_token)
+    )  # the root's row is 0, its node index
     passes = 0
     added = 0
     while added < budget and cand_logp.numel():
@@ -140,10 +139,12 @@ def grow_tree(
             tree.tokens[idx], root_position + tree.depths[idx], cache, mask=mask
         )  # (t, V)
         passes += 1
-        logp, tok = _top_children(logits * scale, tree.logprobs[idx], budget - added, max_branch)
+        logp, tok, row = _top_children(
+            logits * scale, tree.logprobs[idx], budget - added, max_branch
+        )
         cand_logp = torch.cat((cand_logp, logp))
         cand_token = torch.cat((cand_token, tok))
-        cand_parent = torch.cat((cand_parent, idx.repeat_interleave(tok.numel() // t)))
+        cand_parent = torch.cat((cand_parent, idx[row]))
         room = budget - added
         if cand_logp.numel() > room:  # only the best `room` can ever be added: keep it short
             keep_idx = torch.topk(cand_logp, room).indices  # (room,)
@@ -158,12 +159,19 @@ def _top_children(
     parent_logp: torch.Tensor,  # (n,)
     room: int,
     max_branch: int = MAX_BRANCH,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The best children of n nodes as flat (cumulative log-prob, token) candidates."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The best children of n nodes as flat (cumulative log-prob, token, row in 0..n-1)
+    candidates. A child of zero draft probability is never a candidate: a draft narrower
+    than the target has -inf logits for the ids it lacks (`Transformer.set_vocab_width`),
+    and a tiny vocabulary may have fewer possible children than k."""
+    n = logits.shape[0]
     k = max(1, min(max_branch, room, logits.shape[-1]))
     logp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
     top = torch.topk(logp, k, dim=-1)  # (n, k)
-    return (parent_logp[:, None] + top.values).reshape(-1), top.indices.reshape(-1)
+    possible = (top.values > float("-inf")).reshape(-1)  # (n * k,)
+    rows = torch.arange(n, device=logits.device).repeat_interleave(k)  # (n * k,)
+    cumulative = (parent_logp[:, None] + top.values).reshape(-1)  # (n * k,)
+    return cumulative[possible], top.indices.reshape(-1)[possible], rows[possible]
 
 
 def tree_from_continuations(

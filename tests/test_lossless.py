@@ -73,6 +73,23 @@ def pair(tiny_checkpoint) -> tuple[Path, Path]:
     return target, draft
 
 
+@pytest.fixture(scope="module")
+def unequal_pairs(tiny_checkpoint) -> dict[str, tuple[Path, Path]]:
+    """Pairs sharing the VOCAB-entry tokenizer with embeddings of different sizes (Qwen2.5
+    0.5B vs 72B: 151,936 vs 152,064 rows). Random padding rows are far from unused here: a
+    wider target samples ids the draft has no row for, a wider draft would propose ids the
+    target lacks unless they are masked."""
+    sizes = {"target-wider": (VOCAB + 2, VOCAB), "draft-wider": (VOCAB, VOCAB + 4)}
+    tiny = {k: v for k, v in TINY.items() if k != "vocab_size"}
+    return {
+        name: (
+            tiny_checkpoint(init_std=0.5, seed=11, vocab_size=t, tokenizer_size=VOCAB, **tiny),
+            tiny_checkpoint(init_std=1.0, seed=14, vocab_size=d, tokenizer_size=VOCAB, **tiny),
+        )
+        for name, (t, d) in sizes.items()
+    }
+
+
 def runtime(pair: tuple[Path, Path], strategy: str, draft: str | None) -> Runtime:
     target, draft_path = pair
     options = RuntimeOptions(
@@ -90,7 +107,9 @@ def runtime(pair: tuple[Path, Path], strategy: str, draft: str | None) -> Runtim
 def exact_distribution(
     target: Transformer, prompt: Sequence[int], params: SamplingParams, n: int
 ) -> torch.Tensor:
-    """(V**n,) the target's probability of each n-token continuation, index = base-V number."""
+    """(V**n,) the target's probability of each n-token continuation, index = base-V number;
+    V is the target's width (its embedding rows, which may exceed the tokenizer)."""
+    vocab = target.config.vocab_size
     next_token: dict[tuple[int, ...], torch.Tensor] = {}  # generated prefix → (V,)
 
     def distribution_after(generated: tuple[int, ...]) -> torch.Tensor:
@@ -102,26 +121,26 @@ def exact_distribution(
                 target.new_cache(len(ids)),
                 last_only=True,
             )  # (1, V)
-            penalties = PenaltyContext(VOCAB, prompt, "cpu")
+            penalties = PenaltyContext(vocab, prompt, "cpu")
             penalties.append(generated)
             next_token[generated] = probabilities(logits, params, penalties.rows())[0].double()
         return next_token[generated]
 
-    joint = torch.zeros(VOCAB**n, dtype=torch.float64)
-    for seq in itertools.product(range(VOCAB), repeat=n):
+    joint = torch.zeros(vocab**n, dtype=torch.float64)
+    for seq in itertools.product(range(vocab), repeat=n):
         prob = 1.0
         for i in range(n):
             prob *= float(distribution_after(seq[:i])[seq[i]])
             if prob == 0.0:
                 break
-        joint[_index(seq)] = prob
+        joint[_index(seq, vocab)] = prob
     return joint
 
 
-def _index(seq: Sequence[int]) -> int:
+def _index(seq: Sequence[int], vocab: int) -> int:
     index = 0
     for t in seq:
-        index = index * VOCAB + t
+        index = index * vocab + t
     return index
 
 
@@ -130,8 +149,9 @@ def empirical_distribution(
 ) -> torch.Tensor:
     """(V**n,) frequencies of the first n tokens over `runs` seeded generations. One session
     serves every run (reuse_prefix rolls it back to the prompt), as the daemon reuses one."""
+    vocab = strategy.target.config.vocab_size
     session = strategy.new_session(CONTEXT)
-    counts = torch.zeros(VOCAB**n, dtype=torch.float64)
+    counts = torch.zeros(vocab**n, dtype=torch.float64)
     for seed in range(runs):
         session.reuse_prefix(prompt)
         rounds = strategy.rounds(session, prompt, params, n, torch.Generator().manual_seed(seed))
@@ -142,7 +162,7 @@ def empirical_distribution(
                 break
         rounds.close()
         assert len(tokens) >= n, "the context has room for n tokens"
-        counts[_index(tokens[:n])] += 1
+        counts[_index(tokens[:n], vocab)] += 1
     return counts / runs
 
 
@@ -169,6 +189,25 @@ def test_strategy_samples_exactly_the_target_distribution(pair, strategy_name, d
     empirical = empirical_distribution(strategy, PROMPT, params, n, RUNS)
     tv, bound = total_variation(empirical, exact), tv_bound(exact, RUNS)
     assert tv < bound, f"{strategy_name}/{draft} {setting}: TV {tv:.4f} >= bound {bound:.4f}"
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("strategy_name", ["linear", "tree"])
+@pytest.mark.parametrize("widths", ["target-wider", "draft-wider"])
+def test_unequal_embedding_widths_sample_exactly_the_target_distribution(
+    unequal_pairs, widths, strategy_name, setting
+):
+    params, n = SETTINGS[setting]
+    rt = runtime(unequal_pairs[widths], strategy_name, "model")
+    assert rt.draft is not None and rt.draft.vocab_width == rt.target.config.vocab_size
+    strategy = rt.strategy(strategy_name)
+    exact = exact_distribution(rt.target, PROMPT, params, n)
+    assert abs(float(exact.sum()) - 1.0) < 1e-6
+    if widths == "target-wider":  # the ids the draft lacks really are sampled
+        assert float(exact.view(-1, rt.target.config.vocab_size)[:, VOCAB:].sum()) > 0.01
+    empirical = empirical_distribution(strategy, PROMPT, params, n, RUNS)
+    tv, bound = total_variation(empirical, exact), tv_bound(exact, RUNS)
+    assert tv < bound, f"{strategy_name} {widths} {setting}: TV {tv:.4f} >= bound {bound:.4f}"
 
 
 def test_every_registered_strategy_is_covered():

@@ -28,6 +28,7 @@ from collections.abc import Generator, Sequence
 import torch
 
 from speculative.budget import AutoBudget, BudgetPlanner, FixedBudget, RoundRecord
+from speculative.drafting import check_draft_width
 from speculative.generation import PREFILL_CHUNK, Round, RoundStats, Session, feed
 from speculative.model import Transformer
 from speculative.ngram import ngram_continuations
@@ -54,6 +55,8 @@ class TreeSpeculation:
         """`draft` None means n-gram drafting (prompt lookup)."""
         if max_depth is not None and max_depth < 1:
             raise ValueError(f"--max-depth must be at least 1, got {max_depth}")
+        if draft is not None:
+            check_draft_width(draft, target)
         self.target, self.draft = target, draft
         self.ngram_max = ngram_max
         self.planner: BudgetPlanner
