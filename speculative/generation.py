@@ -223,6 +223,7 @@ class Strategy(Protocol):
 
     name: str
     target: Transformer
+    prefill_chunk: int  # prompt tokens per prefill step (PREFILL_CHUNK; tests use tiny ones)
 
     def new_session(self, capacity: int) -> Session: ...
 
