@@ -210,7 +210,8 @@ def prefill(
             draft_end = max(len(sequence) - chunk, 0)
             draft_todo = list(sequence[len(session.draft_tokens) : draft_end][:chunk])
             if draft_todo:
-                stats.draft_passes = feed(draft, draft_cache, session.draft_tokens, draft_todo)
+                fed = session.draft_tokens
+                stats.draft_passes = feed(draft, draft_cache, fed, draft_todo, chunk)
                 stats.draft_seconds = time.perf_counter() - t1
         if not todo and not draft_todo:
             return
