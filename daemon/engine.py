@@ -313,8 +313,9 @@ class Engine:
             self._idle.pop(0)  # the least recently used conversation
 
     def _step(self) -> None:
-        """One round of the generation at the head of the line, then it goes to the back.
-        Whatever fails fails this job only: the worker must keep serving the others."""
+        """One round (or one prefill chunk) of the generation at the head of the line, then
+        it goes to the back. Whatever fails fails this job only: the worker must keep
+        serving the others."""
         active = self._active.popleft()
         job = active.job
         if job.cancelled:
