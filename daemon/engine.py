@@ -1,10 +1,11 @@
 """The engine: one worker thread owns the models; HTTP handlers hand it jobs through a
 bounded queue and read results from a per-job asyncio queue.
 
-Fairness: a `Generation` is an iterator whose `next()` runs one round, so the worker
-round-robins over the active generations, one round each in turn; nobody's first token
-waits for another request's whole generation. A cancelled job (client gone) is dropped
-before its next round and its KV cache is freed.
+Fairness: a `Generation` is an iterator whose `next()` runs one round, or one chunk of a
+long prompt's prefill (an empty chunk), so the worker round-robins over the active
+generations, one step each in turn; nobody's first token waits for another request's whole
+generation or whole prompt. A cancelled job (client gone) is dropped before its next step,
+so within one prefill chunk, and its KV cache is freed.
 
 Conversation reuse: finished sessions are kept in a small LRU pool; a new request takes the
 idle session holding the longest common prefix with its prompt, so only the new suffix is
@@ -328,8 +329,9 @@ class Engine:
             self._idle.pop(0)  # the least recently used conversation
 
     def _step(self) -> None:
-        """One round of the generation at the head of the line, then it goes to the back.
-        Whatever fails fails this job only: the worker must keep serving the others."""
+        """One round (or one prefill chunk) of the generation at the head of the line, then
+        it goes to the back. Whatever fails fails this job only: the worker must keep
+        serving the others."""
         active = self._active.popleft()
         job = active.job
         if job.cancelled:
@@ -350,13 +352,16 @@ class Engine:
             self._finish(active)
             return
         now = time.perf_counter()
+        # An empty chunk is progress only (a prefill chunk ran): nothing to add, but text
+        # held back from earlier rounds must not wait for the rest of a long prefill.
         first = not active.first_token_seen and bool(chunk.token_ids)
         if first:
             active.first_token_seen = True
             self.metrics.time_to_first_token.observe(now - job.submitted)
-        active.held.append(chunk)
+        if chunk.text or chunk.token_ids or chunk.finish_reason is not None:
+            active.held.append(chunk)
         due = now - active.last_post >= self.limits.stream_interval
-        if first or due or chunk.finish_reason is not None:
+        if active.held and (first or due or chunk.finish_reason is not None):
             job.post(_merge(active.held))
             active.held = []
             active.last_post = now

@@ -94,6 +94,8 @@ def record_rounds(
         seq = list(ids)
         gen = make_generator(seed + i)
         for rnd in strategy.rounds(session, ids, params, n, gen):
+            if not rnd.tokens:
+                continue  # a prefill step: no tree was verified
             if strategy.captured:
                 tree, logits = strategy.captured.pop()
                 analytic = expected_tokens(tree, probabilities(logits, params))

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from speculative.generation import PREFILL_CHUNK, Session, feed
+from speculative.generation import Session
 from speculative.model import Transformer
 from speculative.ngram import ngram_proposal
 from speculative.sampling import PenaltyContext, SamplingParams, probabilities, sample
@@ -30,6 +30,10 @@ class Proposal:
 
 
 class Drafter(Protocol):
+    # The draft model whose cache the session holds (None: nothing to prefill), so the
+    # strategy's `prefill` steps can feed it a long prompt chunk by chunk.
+    draft: Transformer | None
+
     def new_session(self, target: Transformer, capacity: int) -> Session: ...
 
     def propose(
@@ -61,14 +65,16 @@ def check_draft_width(draft: Transformer, target: Transformer) -> None:
 
 class ModelDrafter:
     """Samples t_i ~ q_i autoregressively from a small resident model. Its cache is filled
-    lazily: whatever part of the sequence it does not hold yet (the prompt on the first
-    round, the last accepted draft token after a fully accepted round) goes in with the
-    first drafting pass."""
+    lazily: whatever part of the sequence it does not hold yet (the prompt's last chunk on
+    the first round, the last accepted draft token after a fully accepted round) goes in
+    with the first drafting pass. The strategy's `prefill` feeds a longer prompt before,
+    one chunk per step, so that pass never exceeds a chunk."""
 
     def __init__(self, draft: Transformer) -> None:
-        self.draft = draft
+        self.draft: Transformer | None = draft
 
     def new_session(self, target: Transformer, capacity: int) -> Session:
+        assert self.draft is not None, "a ModelDrafter always has its model"
         check_draft_width(self.draft, target)
         return Session(target, capacity, self.draft)
 
@@ -83,7 +89,7 @@ class ModelDrafter:
     ) -> Proposal:
         t0 = time.perf_counter()
         draft, cache, fed = self.draft, session.draft_cache, session.draft_tokens
-        assert cache is not None, "a ModelDrafter session has a draft cache"
+        assert draft is not None and cache is not None, "a ModelDrafter session has a draft"
         # The target's width (`Transformer.set_vocab_width`): q meets the target's p and
         # the penalty context, both sized by the target, and gives ids the draft has no
         # row for, or the target lacks, zero probability.
@@ -92,9 +98,6 @@ class ModelDrafter:
         rows: list[torch.Tensor] = []
         passes = 0
         pending = list(sequence[len(fed) :])  # always holds at least the root
-        if len(pending) > PREFILL_CHUNK:  # a long prompt: all but the last chunk in bulk
-            passes += feed(draft, cache, fed, pending[:-PREFILL_CHUNK])
-            pending = pending[-PREFILL_CHUNK:]
         path_counts = torch.zeros(1, vocab, device=draft.device)  # (1, V) drafted so far
         for _ in range(k):
             start = len(fed)
@@ -127,6 +130,7 @@ class NgramDrafter:
     of the sequence's suffix. Deterministic, so q is a point mass on each proposed token."""
 
     def __init__(self, vocab_size: int, max_ngram: int = 3) -> None:
+        self.draft: Transformer | None = None
         self.vocab_size = vocab_size
         self.max_ngram = max_ngram
 

@@ -49,6 +49,7 @@ class RoundStats:
 @dataclass
 class Round:
     tokens: list[int]  # emitted this round, in order; each is an exact target sample
+    # (none after a prefill step: see `prefill`)
     stats: RoundStats
 
 
@@ -75,8 +76,10 @@ class GenerationStats:
     prefix_cache_misses: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. the streamer's figures
 
-    def add(self, r: RoundStats) -> None:
-        self.rounds += 1
+    def add(self, r: RoundStats, decoded: bool = True) -> None:
+        """`decoded` False: a prefill step, which is not a round (`tree_nodes` averages
+        over rounds)."""
+        self.rounds += int(decoded)
         self.target_passes += r.target_passes
         self.prefill_passes += r.prefill_passes
         self.draft_passes += r.draft_passes
@@ -172,17 +175,53 @@ def feed(
     return passes
 
 
-def prefill_target(target: Transformer, session: Session, prompt_ids: Sequence[int]) -> RoundStats:
-    """Bring the target cache to prompt[:-1] (reusing what it holds); the last prompt token
-    is the first root."""
-    stats = RoundStats()
-    todo = list(prompt_ids[len(session.target_tokens) : len(prompt_ids) - 1])
-    if todo:
+def prefill(
+    session: Session,
+    sequence: Sequence[int],
+    target: Transformer,
+    draft: Transformer | None = None,
+    *,
+    fold: int = 0,
+    chunk: int = PREFILL_CHUNK,
+) -> PyGenerator[Round, None, None]:
+    """Bring the caches up to the committed `sequence` x_1..x_L (reusing what they hold),
+    ONE chunk per model per step, yielding a Round with no tokens after each step. A
+    streamed 70B spends seconds on a chunk: fed in one go, a long prompt froze every
+    other generation and could not be cancelled; between steps the engine serves the
+    others and drops a cancelled job.
+
+    The target stops `fold` tokens short of x_{L-1}: the caller's next pass carries them
+    with the root (and a tree's nodes), which saves a streamed pass. The draft stops
+    `chunk - 1` tokens short: its first drafting pass takes them with the root, so no
+    draft pass exceeds a chunk either. A step runs both models' chunks: the draft is
+    resident and small, so its chunk costs a fraction of a streamed target chunk, and
+    pairing them keeps the steps as few as the target's chunks (the draft alone only
+    when the target already holds the prompt). `draft` None leaves the draft cache as it
+    is (no draft model, or the caller will not draft yet)."""
+    if chunk < 1:
+        raise ValueError(f"a prefill chunk holds at least one token, got {chunk}")
+    draft_cache = session.draft_cache if draft is not None else None
+    while True:
+        stats = RoundStats()
         t0 = time.perf_counter()
-        n = feed(target, session.target_cache, session.target_tokens, todo)
-        stats.prefill_passes = stats.target_passes = n
-        stats.prefill_seconds = time.perf_counter() - t0
-    return stats
+        end = max(len(sequence) - 1 - fold, 0)
+        todo = list(sequence[len(session.target_tokens) : end][:chunk])
+        if todo:
+            n = feed(target, session.target_cache, session.target_tokens, todo, chunk)
+            stats.prefill_passes = stats.target_passes = n
+            stats.prefill_seconds = time.perf_counter() - t0
+        draft_todo: list[int] = []
+        if draft is not None and draft_cache is not None:
+            t1 = time.perf_counter()
+            draft_end = max(len(sequence) - chunk, 0)
+            draft_todo = list(sequence[len(session.draft_tokens) : draft_end][:chunk])
+            if draft_todo:
+                fed = session.draft_tokens
+                stats.draft_passes = feed(draft, draft_cache, fed, draft_todo, chunk)
+                stats.draft_seconds = time.perf_counter() - t1
+        if not todo and not draft_todo:
+            return
+        yield Round([], stats)
 
 
 class Strategy(Protocol):
@@ -191,6 +230,7 @@ class Strategy(Protocol):
 
     name: str
     target: Transformer
+    prefill_chunk: int  # prompt tokens per prefill step (PREFILL_CHUNK; tests use tiny ones)
 
     def new_session(self, capacity: int) -> Session: ...
 
@@ -206,6 +246,8 @@ class Strategy(Protocol):
 
 @dataclass
 class Chunk:
+    """Text and tokens a round added; both empty after a prefill step (progress only)."""
+
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
@@ -264,7 +306,7 @@ class Generation:
         )
         try:
             for rnd in rounds:
-                self.stats.add(rnd.stats)
+                self.stats.add(rnd.stats, decoded=bool(rnd.tokens))
                 if self.stats.first_token_seconds is None and rnd.tokens:
                     self.stats.first_token_seconds = time.perf_counter() - t0
                 taken: list[int] = []
@@ -287,8 +329,9 @@ class Generation:
                 self.text += text
                 self.stats.generated_tokens = self.completion_tokens
                 self.stats.total_seconds = time.perf_counter() - t0
-                if text or taken or self.finish_reason:
-                    yield Chunk(text, taken, self.finish_reason)
+                # A round with no tokens (a prefill step) still yields an empty chunk: the
+                # caller gets control back between chunks of a long prompt.
+                yield Chunk(text, taken, self.finish_reason)
                 if self.finish_reason is not None:
                     return
             # The strategy ran out of room (end of context) before any stop rule fired.

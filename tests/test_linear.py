@@ -129,7 +129,9 @@ def test_draft_identical_to_target_round_by_round(stories):
     session = linear.new_session(512)
     prompt = [1, 403, 407, 261, 378]
     session.reuse_prefix(prompt)
-    rounds = list(linear.rounds(session, prompt, GREEDY, 30, make_generator(0)))
+    steps = list(linear.rounds(session, prompt, GREEDY, 30, make_generator(0)))
+    assert [len(r.tokens) for r in steps[:1]] == [0]  # the prompt's prefill step
+    rounds = steps[1:]
     sizes = [len(r.tokens) for r in rounds]
     assert sizes[:-1] == [k + 1] * (len(sizes) - 1) and sum(sizes) == 30
     assert all(r.stats.accepted == r.stats.drafted for r in rounds)
@@ -215,6 +217,8 @@ def test_prompt_at_the_end_of_the_context_shrinks_k_then_steps_plainly(
     session = linear.new_session(capacity)
     session.reuse_prefix(prompt)
     rounds = list(linear.rounds(session, prompt, GREEDY, 100, make_generator(0)))
+    assert not rounds[0].tokens and rounds[0].stats.prefill_passes == 1  # the prompt
+    rounds = rounds[1:]
     assert [r.stats.drafted for r in rounds] == drafted_per_round
     tokens = [t for r in rounds for t in r.tokens]
     assert len(tokens) == free  # every slot used, nothing written past the cache

@@ -8,7 +8,7 @@ from collections.abc import Generator, Sequence
 
 import torch
 
-from speculative.generation import Round, RoundStats, Session, prefill_target
+from speculative.generation import PREFILL_CHUNK, Round, RoundStats, Session, prefill
 from speculative.model import Transformer
 from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, draw
 
@@ -16,8 +16,9 @@ from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, 
 class Autoregressive:
     name = "autoregressive"
 
-    def __init__(self, target: Transformer) -> None:
+    def __init__(self, target: Transformer, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.target = target
+        self.prefill_chunk = prefill_chunk
 
     def new_session(self, capacity: int) -> Session:
         return Session(self.target, capacity)
@@ -31,7 +32,8 @@ class Autoregressive:
         generator: torch.Generator,
     ) -> Generator[Round, None, None]:
         target, cache = self.target, session.target_cache
-        stats = prefill_target(target, session, prompt_ids)
+        yield from prefill(session, prompt_ids, target, chunk=self.prefill_chunk)
+        stats = RoundStats()
         penalties = (
             PenaltyContext(target.config.vocab_size, prompt_ids, target.device)
             if params.has_penalties

@@ -19,7 +19,7 @@ from collections.abc import Generator, Sequence
 import torch
 
 from speculative.drafting import Drafter
-from speculative.generation import Round, RoundStats, Session, prefill_target
+from speculative.generation import PREFILL_CHUNK, Round, RoundStats, Session, prefill
 from speculative.model import Transformer
 from speculative.sampling import PenaltyContext, SamplingParams, probabilities, sample
 
@@ -45,12 +45,19 @@ def path_counts(tokens: Sequence[int], vocab_size: int, device: torch.device) ->
 class Linear:
     name = "linear"
 
-    def __init__(self, target: Transformer, drafter: Drafter, spec_length: int = 4) -> None:
+    def __init__(
+        self,
+        target: Transformer,
+        drafter: Drafter,
+        spec_length: int = 4,
+        prefill_chunk: int = PREFILL_CHUNK,
+    ) -> None:
         if spec_length < 1:
             raise ValueError(f"--spec-length must be at least 1, got {spec_length}")
         self.target = target
         self.drafter = drafter
         self.spec_length = spec_length
+        self.prefill_chunk = prefill_chunk
 
     def new_session(self, capacity: int) -> Session:
         return self.drafter.new_session(self.target, capacity)
@@ -94,7 +101,12 @@ class Linear:
     ) -> Generator[Round, None, None]:
         target, cache = self.target, session.target_cache
         vocab = target.config.vocab_size
-        stats = prefill_target(target, session, prompt_ids)
+        # The draft model (if any) catches up on the prompt in the same steps; its
+        # first proposal then feeds at most one chunk together with the root.
+        yield from prefill(
+            session, prompt_ids, target, self.drafter.draft, chunk=self.prefill_chunk
+        )
+        stats = RoundStats()
         penalties = PenaltyContext(vocab, prompt_ids, target.device)
         sequence = list(prompt_ids)  # x_1..x_L; the target cache holds all but x_L
         emitted = 0

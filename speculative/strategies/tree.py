@@ -29,7 +29,7 @@ import torch
 
 from speculative.budget import AutoBudget, BudgetPlanner, FixedBudget, RoundRecord
 from speculative.drafting import check_draft_width
-from speculative.generation import PREFILL_CHUNK, Round, RoundStats, Session, feed
+from speculative.generation import PREFILL_CHUNK, Round, RoundStats, Session, prefill
 from speculative.model import Transformer
 from speculative.ngram import ngram_continuations
 from speculative.prefix_cache import PrefixCache
@@ -51,6 +51,7 @@ class TreeSpeculation:
         max_depth: int | None = None,
         prefix_cache: PrefixCache | None = None,
         ngram_max: int = 3,
+        prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         """`draft` None means n-gram drafting (prompt lookup)."""
         if max_depth is not None and max_depth < 1:
@@ -59,6 +60,7 @@ class TreeSpeculation:
             check_draft_width(draft, target)
         self.target, self.draft = target, draft
         self.ngram_max = ngram_max
+        self.prefill_chunk = prefill_chunk
         self.planner: BudgetPlanner
         if budget == "auto":
             self.planner = AutoBudget(max_depth=max_depth, uses_draft_model=draft is not None)
@@ -87,14 +89,6 @@ class TreeSpeculation:
         vocab = target.config.vocab_size
         seq = list(prompt_ids)  # committed x_1..x_L; x_L is the root
         stats = RoundStats()
-        bulk = len(seq) - 1 - len(session.target_tokens) - PREFILL_CHUNK
-        if bulk > 0:  # a long prompt: all but the last chunk in plain prefill passes
-            t0 = time.perf_counter()
-            todo = seq[len(session.target_tokens) : len(session.target_tokens) + bulk]
-            stats.prefill_passes = stats.target_passes = feed(
-                target, cache, session.target_tokens, todo
-            )
-            stats.prefill_seconds = time.perf_counter() - t0
         penalties = (
             PenaltyContext(vocab, prompt_ids, target.device) if params.has_penalties else None
         )
@@ -134,6 +128,26 @@ class TreeSpeculation:
             depth = min(shape.depth, left - 1)
             if depth < 1:
                 budget = 0
+            # The pass below carries the pending committed tokens, the root and the tree:
+            # fold in only as many pending tokens as keep it within the planned largest
+            # pass, max(chunk, budget + 1). The rest (a long prompt, a long walk through
+            # the prefix cache) goes first, one plain chunk per step, with the draft's
+            # catch-up when this round drafts with a model.
+            fold = max(self.prefill_chunk, budget + 1) - (budget + 1)
+            steps = prefill(
+                session,
+                seq,
+                target,
+                self.draft if budget else None,
+                fold=fold,
+                chunk=self.prefill_chunk,
+            )
+            for step in steps:
+                step.tokens, tokens = tokens, []  # tokens walked above go out first
+                emitted += len(step.tokens)
+                yield step
+                t_round = time.perf_counter()  # others ran meanwhile: not this round's cost
+            pending = seq[len(session.target_tokens) : -1]
             if budget == 0 and not pending:
                 tok = self._plain_step(session, seq[-1], params, penalties, noise, key)
                 if pcache.max_bytes:
@@ -152,7 +166,7 @@ class TreeSpeculation:
                 stats = RoundStats()
                 continue
             target.prefetch()
-            tree, catch_up_seconds = self._draft(session, seq, budget, depth, params, stats)
+            tree = self._draft(session, seq, budget, depth, params, stats)
             draft_seconds = stats.draft_seconds
 
             t0 = time.perf_counter()
@@ -200,8 +214,8 @@ class TreeSpeculation:
                     nodes=nodes - 1,
                     path=path,
                     verify_tokens=p + nodes,
-                    round_seconds=time.perf_counter() - t_round - catch_up_seconds,
-                    draft_seconds=draft_seconds - catch_up_seconds,
+                    round_seconds=time.perf_counter() - t_round,
+                    draft_seconds=draft_seconds,
                     draft_passes=stats.draft_passes,
                 )
             )
@@ -240,13 +254,14 @@ class TreeSpeculation:
         depth: int,
         params: SamplingParams,
         stats: RoundStats,
-    ) -> tuple[DraftTree, float]:
-        """The round's tree (just the root when budget is 0) and the seconds spent feeding
-        the draft what it had not seen (not a cost of the tree's size)."""
+    ) -> DraftTree:
+        """The round's tree (just the root when budget is 0). The draft model's first pass
+        takes what it has not seen with the root: at most a chunk, `prefill` fed the rest
+        in earlier steps."""
         device = self.target.device
         root = seq[-1]
         if budget < 1:
-            return DraftTree(root, 1, device), 0.0
+            return DraftTree(root, 1, device)
         t0 = time.perf_counter()
         if self.draft is None:
             found = ngram_continuations(
@@ -254,16 +269,10 @@ class TreeSpeculation:
             )
             tree = tree_from_continuations(root, found, budget, depth, device)
             stats.draft_seconds += time.perf_counter() - t0
-            return tree, 0.0
+            return tree
         draft, dcache, fed = self.draft, session.draft_cache, session.draft_tokens
         assert dcache is not None, "a tree session with a draft model has a draft cache"
         todo = seq[len(fed) :]  # at least the root
-        catch_up = 0.0
-        if len(todo) > PREFILL_CHUNK:
-            stats.draft_passes += feed(draft, dcache, fed, todo[:-PREFILL_CHUNK])
-            todo = todo[-PREFILL_CHUNK:]
-        if len(todo) > 1:
-            catch_up = time.perf_counter() - t0  # bulk feeding so far; the last pass below
         start = len(fed)
         root_logits = draft(
             torch.tensor(todo, dtype=torch.long, device=draft.device),
@@ -288,7 +297,7 @@ class TreeSpeculation:
         )
         stats.draft_passes += passes + 1
         stats.draft_seconds += time.perf_counter() - t0
-        return tree, catch_up
+        return tree
 
     def _commit_draft(
         self, session: Session, tree: DraftTree, path: list[int], node_tokens: list[int]
