@@ -20,14 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from speculative.config import ModelConfig, RopeConfig
-from speculative.model import Transformer, rope_inv_freq
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # this checkout's packages first, also when run as a script
+
+from speculative.config import ModelConfig, RopeConfig  # noqa: E402
+from speculative.model import Transformer, rope_inv_freq  # noqa: E402
 
 _LLAMA31_ROPE = RopeConfig(
     theta=500000.0,
@@ -65,21 +70,23 @@ class Shape:
         return self.hidden_size // self.num_heads
 
 
+# fmt: off
 PRESETS: dict[str, Shape] = {
     "llama-3.1-8b": Shape("llama", 4096, 32, 8, 14336, 128256, 131072, _LLAMA31_ROPE, 32),
     "llama-3.1-70b": Shape("llama", 8192, 64, 8, 28672, 128256, 131072, _LLAMA31_ROPE, 80),
     "qwen2.5-72b": Shape(
-        "qwen2", 8192, 64, 8, 29568, 152064, 32768, _QWEN25_ROPE, 80, qkv_bias=True,
-        rms_norm_eps=1e-6,
-    ),  # fmt: skip
+        "qwen2", 8192, 64, 8, 29568, 152064, 32768, _QWEN25_ROPE, 80,
+        qkv_bias=True, rms_norm_eps=1e-6,
+    ),
     "llama-3.2-1b": Shape(
         "llama", 2048, 32, 8, 8192, 128256, 131072, _LLAMA32_ROPE, 16, tie_word_embeddings=True
     ),
     "qwen2.5-0.5b": Shape(
-        "qwen2", 896, 14, 2, 4864, 151936, 32768, _QWEN25_ROPE, 24, tie_word_embeddings=True,
-        qkv_bias=True, rms_norm_eps=1e-6,
-    ),  # fmt: skip
+        "qwen2", 896, 14, 2, 4864, 151936, 32768, _QWEN25_ROPE, 24,
+        tie_word_embeddings=True, qkv_bias=True, rms_norm_eps=1e-6,
+    ),
 }
+# fmt: on
 
 # Target → the draft it is served with (the same tokenizer family).
 PAIRS: dict[str, str] = {
@@ -157,7 +164,9 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
     """config.json for `config`, as transformers writes it for these families."""
     rope = config.rope
     raw: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if config.model_type == "qwen2" else "LlamaForCausalLM"],
+        "architectures": [
+            "Qwen2ForCausalLM" if config.model_type == "qwen2" else "LlamaForCausalLM"
+        ],
         "model_type": config.model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
