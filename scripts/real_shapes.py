@@ -43,7 +43,7 @@ _LLAMA31_ROPE = RopeConfig(
     original_max_position_embeddings=8192,
 )
 _LLAMA32_ROPE = replace(_LLAMA31_ROPE, factor=32.0)
-_QWEN25_ROPE = RopeConfig(theta=1000000.0)
+_QWEN25_ROPE = RopeConfig(theta=1000000.0, original_max_position_embeddings=32768)
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,6 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         "tie_word_embeddings": config.tie_word_embeddings,
         "bos_token_id": config.bos_token_id,
         "eos_token_id": list(config.eos_token_ids),
-        "torch_dtype": "float32",
     }
     if rope.kind == "llama3":
         raw["rope_scaling"] = {

@@ -12,12 +12,14 @@ The bound is the plan's own figures (scripts/bench_scale.py's `pass_plan` and
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from offload.machine import PeakMemory
 from scripts.bench_scale import pass_plan, plan_figures
-from scripts.real_shapes import build_model, model_config
+from scripts.real_shapes import build_model, model_config, write_folder
 from speculative.generation import Session, prefill_target
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
@@ -121,3 +123,20 @@ def test_greedy_tree_output_is_the_autoregressive_output(
     expected = _generate(plain, _session(plain, None), greedy, 6)
     tree = TreeSpeculation(target, draft, budget=BUDGET)
     assert _generate(tree, _session(tree, draft), greedy, 6) == expected
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "llama-3.1-8b"])
+def test_preset_folder_loads_with_a_tokenizer_of_its_vocabulary(
+    preset: str, tmp_path: Path
+) -> None:
+    from speculative.checkpoint import load
+
+    config = model_config(preset, layers=1, hidden_scale=1 / 16)
+    model = build_model(config, seed=3)
+    loaded, tokenizer, checkpoint = load(write_folder(config, tmp_path, model))
+    assert checkpoint.config == config
+    assert tokenizer.vocab_size == config.vocab_size
+    tokens = torch.tensor(tokenizer.encode("Once upon a time"))
+    positions = torch.arange(len(tokens))
+    expected = model(tokens, positions, model.new_cache(8))
+    assert torch.equal(loaded(tokens, positions, loaded.new_cache(8)), expected)
