@@ -28,6 +28,7 @@ narrow width (`--hidden-scale`, same vocabulary and head counts) and a short pre
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import sys
@@ -128,6 +129,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def probe(device: torch.device) -> PeakMemory:
+    """A PeakMemory for the next phase. On Linux CPU, memory the previous phases freed is
+    handed back to the system first (glibc `malloc_trim`): otherwise glibc's heap keeps those
+    pages resident, a phase that reuses them raises no peak, and small phases read 0."""
+    _sync(device)
+    if device.type == "cpu" and sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return PeakMemory(device)
+
+
 def full_cache(model: Transformer, context: int, hold: int, generator: torch.Generator) -> KVCache:
     """A cache allocated for the whole context and written everywhere with random K/V (as a
     long conversation leaves it), holding `hold` tokens: a 32k context without a 32k prefill."""
@@ -165,28 +176,30 @@ def run_scenario(
         )
 
     gen = torch.Generator(device=device).manual_seed(seed)
-    vocab = tcfg.vocab_size
+    vocab = min(tcfg.vocab_size, dcfg.vocab_size)  # ids both models embed (Qwen's differ)
     history = torch.randint(3, vocab, (hold + prefill_tokens,), generator=gen, device=device)
     history_ids = history.tolist()
 
     strategy = TreeSpeculation(target, draft, budget=budget, prefix_cache=PrefixCache())
     session = strategy.new_session(context)  # its small initial caches are replaced below
     t0 = time.perf_counter()
-    with PeakMemory(device) as peak:
-        session.target_cache = full_cache(target, context, hold, gen)
-        session.draft_cache = full_cache(draft, context, hold, gen)
+    with probe(device) as peak:
+        tcache = full_cache(target, context, hold, gen)
+        dcache = full_cache(draft, context, hold, gen)
         _sync(device)
     seconds = time.perf_counter() - t0
+    session.target_cache, session.draft_cache = tcache, dcache
     session.target_tokens = list(history_ids[:hold])
     session.draft_tokens = list(history_ids[:hold])
     kv_plan = pass_plan(tcfg, dcfg, dtype, context, prefill_tokens)
-    row("kv", plan_figures(kv_plan)["kv"], peak, seconds)
+    allocated = tcache.nbytes + dcache.nbytes
+    row("kv", plan_figures(kv_plan)["kv"], peak, seconds, allocated_bytes=allocated)
 
     chunk = history_ids[hold:]
     t0 = time.perf_counter()
-    with PeakMemory(device) as peak:
-        feed(target, session.target_cache, session.target_tokens, chunk, chunk=len(chunk))
-        feed(draft, session.draft_cache, session.draft_tokens, chunk, chunk=len(chunk))
+    with probe(device) as peak:
+        feed(target, tcache, session.target_tokens, chunk, chunk=len(chunk))
+        feed(draft, dcache, session.draft_tokens, chunk, chunk=len(chunk))
         _sync(device)
     seconds = time.perf_counter() - t0
     row("prefill", plan_figures(kv_plan)["activations"], peak, seconds, tokens=len(chunk))
@@ -204,7 +217,7 @@ def run_scenario(
         )
         hits = pcache.stats.hits
         t0 = time.perf_counter()
-        with PeakMemory(device) as peak:
+        with probe(device) as peak:
             done = next(rounds)
             _sync(device)
         seconds = time.perf_counter() - t0
@@ -301,9 +314,8 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if any")
     ap.add_argument(
         "--presets",
-        default=None,
-        help=f"targets, comma-separated, or 'all' ({', '.join(PAIRS)}); "
-        "each runs with its draft. Default: all on cuda, llama-3.1-8b on cpu",
+        default="all",
+        help=f"targets, comma-separated, or 'all' ({', '.join(PAIRS)}); each runs with its draft",
     )
     ap.add_argument(
         "--budgets", default=None, help="tree budgets (default 64,256,1024; cpu 64,256)"
@@ -325,8 +337,7 @@ def main() -> None:
     cpu = device.type == "cpu"
     if args.threads:
         torch.set_num_threads(args.threads)
-    presets = args.presets or ("llama-3.1-8b" if cpu else "all")
-    targets = list(PAIRS) if presets == "all" else presets.split(",")
+    targets = list(PAIRS) if args.presets == "all" else args.presets.split(",")
     unknown = [t for t in targets if t not in PAIRS]
     if unknown:
         sys.exit(f"unknown target preset(s) {unknown}; choose from {', '.join(PAIRS)} or all")
