@@ -145,7 +145,7 @@ def full_cache(model: Transformer, context: int, hold: int, generator: torch.Gen
     cache = KVCache(model.config, context, model.dtype, model.device, initial=context)
     cache.k.normal_(generator=generator)
     cache.v.normal_(generator=generator)
-    cache.length = hold
+    cache.commit_append(hold)
     return cache
 
 
@@ -263,10 +263,10 @@ def render(rows: list[Row]) -> str:
         )
     measured = [r for r in rows if r.measured is not None]
     bound = sum(bool(r.upper_bound) for r in measured)
-    goal = sum(bool(r.within_goal) for r in measured)
+    tight = sum(bool(r.within_goal) for r in measured)
     lines.append(
         f"plan is an upper bound in {bound}/{len(measured)} rows; within {TIGHTNESS:g}x of the "
-        f"measured peak (goal) in {goal}/{len(measured)}"
+        f"measured peak (goal) in {tight}/{len(measured)}"
     )
     return "\n".join(lines)
 

@@ -20,7 +20,7 @@ import torch
 from offload.machine import PeakMemory
 from scripts.bench_scale import pass_plan, plan_figures
 from scripts.real_shapes import build_model, model_config, write_folder
-from speculative.generation import Session, prefill_target
+from speculative.generation import Round, Session, prefill_target
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
 from speculative.sampling import SamplingParams, make_generator
@@ -30,6 +30,7 @@ from speculative.strategies.tree import TreeSpeculation
 VOCAB = 128256
 BUDGET = 1024
 CONTEXT = 2048
+ROUND_TOKENS = 64  # a request long enough not to cap the first tree's depth
 PROMPT = [1, 9907, 11, 1268, 527, 499, 3432, 30, 358, 1097, 7060, 13, 5112, 1070, 574, 264]
 
 pytestmark = pytest.mark.skipif(
@@ -72,16 +73,22 @@ def _generate(
     return out[:tokens]
 
 
+def _first_round(strategy: TreeSpeculation, session: Session, params: SamplingParams) -> Round:
+    """The first round of a request for PROMPT (its tree as deep as the default depth)."""
+    session.reuse_prefix(PROMPT)
+    rounds = strategy.rounds(session, PROMPT, params, ROUND_TOKENS, make_generator(params.seed))
+    first = next(rounds)
+    rounds.close()
+    return first
+
+
 def test_tree_round_peak_is_within_the_plan(pair: tuple[Transformer, Transformer]) -> None:
     target, draft = pair
     strategy = TreeSpeculation(target, draft, budget=BUDGET)
     session = _session(strategy, draft)
     prefill_target(target, session, PROMPT)  # the round below is the tree pass alone
-    params = SamplingParams(temperature=1.0, seed=0)
-    rounds = strategy.rounds(session, PROMPT, params, 64, make_generator(0))
     with PeakMemory("cpu") as peak:
-        first = next(rounds)
-    rounds.close()
+        first = _first_round(strategy, session, SamplingParams(temperature=1.0, seed=0))
     assert first.stats.tree_nodes == BUDGET, "the draft grew a full 1,024-node tree"
 
     planned = plan_figures(
@@ -102,10 +109,11 @@ def test_second_sample_of_a_prompt_hits_the_prefix_cache(
     target, draft = pair
     strategy = TreeSpeculation(target, draft, budget=BUDGET)
     session = _session(strategy, draft)
-    _generate(strategy, session, SamplingParams(temperature=1.0, seed=0), 4)
+    first = _first_round(strategy, session, SamplingParams(temperature=1.0, seed=0))
+    assert first.stats.tree_nodes == BUDGET, "the first sample verified a full 1,024-node tree"
     hits = strategy.prefix_cache.stats.hits
-    _generate(strategy, session, SamplingParams(temperature=1.0, seed=1), 4)
-    # At least the prompt's own row (the root of the first round) was verified before.
+    _first_round(strategy, session, SamplingParams(temperature=1.0, seed=1))
+    # At least the prompt's own row (the root of the first tree) was verified before.
     assert strategy.prefix_cache.stats.hits > hits, (
         f"no prefix-cache hit on a regenerated prompt: the cache holds "
         f"{len(strategy.prefix_cache)} prefixes in {strategy.prefix_cache.bytes} bytes "
