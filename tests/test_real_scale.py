@@ -33,10 +33,6 @@ CONTEXT = 2048
 ROUND_TOKENS = 64  # a request long enough not to cap the first tree's depth
 PROMPT = [1, 9907, 11, 1268, 527, 499, 3432, 30, 358, 1097, 7060, 13, 5112, 1070, 574, 264]
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="PeakMemory reads Linux's VmHWM"
-)
-
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[Transformer, Transformer]:
@@ -82,6 +78,7 @@ def _first_round(strategy: TreeSpeculation, session: Session, params: SamplingPa
     return first
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PeakMemory reads VmHWM")
 def test_tree_round_peak_is_within_the_plan(pair: tuple[Transformer, Transformer]) -> None:
     target, draft = pair
     strategy = TreeSpeculation(target, draft, budget=BUDGET)
