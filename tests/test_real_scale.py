@@ -1,0 +1,147 @@
+"""The real regime on a CPU: vocabulary 128,256 (Llama 3) and a 1,024-node tree.
+
+Narrow random models (scripts/real_shapes.py: Llama-3.1-8B target, Llama-3.2-1B draft, one
+layer, real vocabulary and head counts) check what only shows at real sizes: a tree round's
+peak memory stays inside what the memory plan reserves for that pass, the prefix cache can
+hold a 1,025-row verification at this vocabulary, and tree decoding stays exact.
+
+The bound is the plan's own figures (scripts/bench_scale.py's `pass_plan` and
+`plan_figures`, the one place that reads plan parts), never a constant here.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload.machine import PeakMemory
+from scripts.bench_scale import pass_plan, plan_figures
+from scripts.real_shapes import build_model, model_config, write_folder
+from speculative.generation import Round, Session, prefill_target
+from speculative.kv_cache import KVCache
+from speculative.model import Transformer
+from speculative.sampling import SamplingParams, make_generator
+from speculative.strategies.autoregressive import Autoregressive
+from speculative.strategies.tree import TreeSpeculation
+
+VOCAB = 128256
+BUDGET = 1024
+CONTEXT = 2048
+ROUND_TOKENS = 64  # a request long enough not to cap the first tree's depth
+PROMPT = [1, 9907, 11, 1268, 527, 499, 3432, 30, 358, 1097, 7060, 13, 5112, 1070, 574, 264]
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Transformer, Transformer]:
+    target = build_model(model_config("llama-3.1-8b", layers=1, hidden_scale=1 / 32), seed=0)
+    draft = build_model(model_config("llama-3.2-1b", layers=1, hidden_scale=1 / 32), seed=1)
+    assert target.config.vocab_size == draft.config.vocab_size == VOCAB
+    return target, draft
+
+
+def _session(strategy: TreeSpeculation | Autoregressive, draft: Transformer | None) -> Session:
+    """A session whose caches are allocated and touched for the whole context up front, so
+    a measured round's peak is the pass's own memory, not the caches growing."""
+    session = strategy.new_session(CONTEXT)
+    for name, model in (("target_cache", strategy.target), ("draft_cache", draft)):
+        if model is not None:
+            cache = KVCache(model.config, CONTEXT, model.dtype, model.device, initial=CONTEXT)
+            cache.k.fill_(0.0)
+            cache.v.fill_(0.0)
+            setattr(session, name, cache)
+    return session
+
+
+def _generate(
+    strategy: TreeSpeculation | Autoregressive,
+    session: Session,
+    params: SamplingParams,
+    tokens: int,
+) -> list[int]:
+    session.reuse_prefix(PROMPT)
+    out: list[int] = []
+    rounds = strategy.rounds(session, PROMPT, params, tokens, make_generator(params.seed))
+    for r in rounds:
+        out += r.tokens
+    return out[:tokens]
+
+
+def _first_round(strategy: TreeSpeculation, session: Session, params: SamplingParams) -> Round:
+    """The first round of a request for PROMPT (its tree as deep as the default depth)."""
+    session.reuse_prefix(PROMPT)
+    rounds = strategy.rounds(session, PROMPT, params, ROUND_TOKENS, make_generator(params.seed))
+    first = next(rounds)
+    rounds.close()
+    return first
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PeakMemory reads VmHWM")
+def test_tree_round_peak_is_within_the_plan(pair: tuple[Transformer, Transformer]) -> None:
+    target, draft = pair
+    strategy = TreeSpeculation(target, draft, budget=BUDGET)
+    session = _session(strategy, draft)
+    prefill_target(target, session, PROMPT)  # the round below is the tree pass alone
+    with PeakMemory("cpu") as peak:
+        first = _first_round(strategy, session, SamplingParams(temperature=1.0, seed=0))
+    assert first.stats.tree_nodes == BUDGET, "the draft grew a full 1,024-node tree"
+
+    planned = plan_figures(
+        pass_plan(target.config, draft.config, target.dtype, CONTEXT, BUDGET + 1)
+    )
+    bound = planned["activations"] + planned["prefix_cache"]
+    assert peak.bytes is not None
+    assert peak.bytes <= bound, (
+        f"a {BUDGET}-node tree round at vocabulary {VOCAB} peaked at {peak.bytes / 2**20:.0f} MiB; "
+        f"the plan reserves {planned['activations'] / 2**20:.0f} MiB of activations and "
+        f"{planned['prefix_cache'] / 2**20:.0f} MiB of prefix cache for that pass"
+    )
+
+
+def test_second_sample_of_a_prompt_hits_the_prefix_cache(
+    pair: tuple[Transformer, Transformer],
+) -> None:
+    target, draft = pair
+    strategy = TreeSpeculation(target, draft, budget=BUDGET)
+    session = _session(strategy, draft)
+    first = _first_round(strategy, session, SamplingParams(temperature=1.0, seed=0))
+    assert first.stats.tree_nodes == BUDGET, "the first sample verified a full 1,024-node tree"
+    hits = strategy.prefix_cache.stats.hits
+    _first_round(strategy, session, SamplingParams(temperature=1.0, seed=1))
+    # At least the prompt's own row (the root of the first tree) was verified before.
+    assert strategy.prefix_cache.stats.hits > hits, (
+        f"no prefix-cache hit on a regenerated prompt: the cache holds "
+        f"{len(strategy.prefix_cache)} prefixes in {strategy.prefix_cache.bytes} bytes "
+        f"(limit {strategy.prefix_cache.max_bytes}); one {BUDGET + 1}-row verification is "
+        f"{(BUDGET + 1) * VOCAB * 4} bytes of fp32 logits"
+    )
+
+
+def test_greedy_tree_output_is_the_autoregressive_output(
+    pair: tuple[Transformer, Transformer],
+) -> None:
+    target, draft = pair
+    greedy = SamplingParams(temperature=0.0)
+    plain = Autoregressive(target)
+    expected = _generate(plain, _session(plain, None), greedy, 6)
+    tree = TreeSpeculation(target, draft, budget=BUDGET)
+    assert _generate(tree, _session(tree, draft), greedy, 6) == expected
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "llama-3.1-8b"])
+def test_preset_folder_loads_with_a_tokenizer_of_its_vocabulary(
+    preset: str, tmp_path: Path
+) -> None:
+    from speculative.checkpoint import load
+
+    config = model_config(preset, layers=1, hidden_scale=1 / 16)
+    model = build_model(config, seed=3)
+    loaded, tokenizer, checkpoint = load(write_folder(config, tmp_path, model))
+    assert checkpoint.config == config
+    assert tokenizer.vocab_size == config.vocab_size
+    tokens = torch.tensor(tokenizer.encode("Once upon a time"))
+    positions = torch.arange(len(tokens))
+    expected = model(tokens, positions, model.new_cache(8))
+    assert torch.equal(loaded(tokens, positions, loaded.new_cache(8)), expected)
