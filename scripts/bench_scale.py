@@ -59,26 +59,41 @@ from speculative.strategies.tree import TreeSpeculation  # noqa: E402
 
 TIGHTNESS = 1.25  # the issue's goal: plan <= 1.25 x measured, and >= measured
 ROUND_TOKENS = 64  # max new tokens a measured round may aim for (depth is capped by it)
-_UNBOUNDED = Budget("any", 1 << 60, "bench", 1 << 60, "bench", None, "none")
+
+
+def _unbounded(device: str) -> Budget:
+    """Budgets that never limit: the bench holds the plan's figures against measurements."""
+    return Budget(device, 1 << 60, "bench", 1 << 60, "bench", None, "none")
 
 
 # --- reading the plan: the one place that knows the plan's part names ---------------------
 
 
 def pass_plan(
-    target: ModelConfig, draft: ModelConfig, dtype: torch.dtype, context: int, tokens: int
+    target: ModelConfig,
+    draft: ModelConfig,
+    dtype: torch.dtype,
+    context: int,
+    tokens: int,
+    logit_rows: int = 1,
+    prefix_cache_bytes: int = 0,
+    device: str = "cpu",
 ) -> MemoryPlan:
-    """The daemon's plan for this pair and context, with its largest pass set to `tokens`
-    (a prefill chunk, or a tree of `tokens - 1` nodes), everything resident."""
+    """The daemon's plan for this pair and context, everything resident, with its largest
+    pass set to `tokens` tokens returning `logit_rows` rows of logits (a prefill chunk: 1; a
+    tree of N nodes: N + 1 tokens and rows) and a prefix cache of `prefix_cache_bytes`, for
+    a `device` ("cpu": the cache is a device part; "cuda": it lives in pinned host RAM)."""
     t = footprint(target, dtype, "target")
     d = footprint(draft, dtype, "draft")
-    request = plan_request(t, d, context, OffloadRequest(offload="none"), tree_budget=tokens - 1)
-    return make_plan(dataclasses.replace(request, pass_tokens=tokens), _UNBOUNDED)
+    options = OffloadRequest(offload="none", prefix_cache_bytes=prefix_cache_bytes)
+    request = plan_request(t, d, context, options, tree_budget=max(logit_rows - 1, 1))
+    exact = dataclasses.replace(request, pass_tokens=tokens, logit_rows=logit_rows)
+    return make_plan(exact, _unbounded(device))
 
 
 def plan_figures(plan: MemoryPlan) -> dict[str, int]:
-    """The plan's bytes for the parts this bench measures. A part the plan does not have
-    (today: no prefix cache) reads 0, which the table then shows as missed."""
+    """The plan's bytes for the parts this bench measures (a part the plan does not have
+    reads 0, which the table then shows as missed)."""
     figures = {"kv": 0, "activations": 0, "prefix_cache": 0}
     for name, n in plan.device_parts.items():
         if "KV cache" in name:
@@ -159,6 +174,7 @@ def run_scenario(
 ) -> list[Row]:
     """kv, prefill, tree and regenerate rows for one pair, context and budget."""
     target, draft = models
+    draft.set_vocab_width(target.vocab_width)  # Qwen's draft embeds fewer rows (one tokenizer)
     device, dtype = target.device, target.dtype
     tcfg, dcfg = target.config, draft.config
     room = prefill_tokens + budget + 1 + ROUND_TOKENS  # what the measured passes append
@@ -180,7 +196,12 @@ def run_scenario(
     history = torch.randint(3, vocab, (hold + prefill_tokens,), generator=gen, device=device)
     history_ids = history.tolist()
 
-    strategy = TreeSpeculation(target, draft, budget=budget, prefix_cache=PrefixCache())
+    # A prefix cache that holds one verified tree (the rows of `budget + 1` nodes in the
+    # model dtype): the plan counts the configured size, so size it as one would to keep
+    # the last answer regenerable.
+    cache_bytes = (budget + 1) * tcfg.vocab_size * torch.empty((), dtype=dtype).element_size()
+    pcache = PrefixCache(cache_bytes, dtype=dtype, pin=device.type == "cuda")
+    strategy = TreeSpeculation(target, draft, budget=budget, prefix_cache=pcache)
     session = strategy.new_session(context)  # its small initial caches are replaced below
     t0 = time.perf_counter()
     with probe(device) as peak:
@@ -191,7 +212,7 @@ def run_scenario(
     session.target_cache, session.draft_cache = tcache, dcache
     session.target_tokens = list(history_ids[:hold])
     session.draft_tokens = list(history_ids[:hold])
-    kv_plan = pass_plan(tcfg, dcfg, dtype, context, prefill_tokens)
+    kv_plan = pass_plan(tcfg, dcfg, dtype, context, prefill_tokens, device=device.type)
     allocated = tcache.nbytes + dcache.nbytes
     row("kv", plan_figures(kv_plan)["kv"], peak, seconds, allocated_bytes=allocated)
 
@@ -204,11 +225,13 @@ def run_scenario(
     seconds = time.perf_counter() - t0
     row("prefill", plan_figures(kv_plan)["activations"], peak, seconds, tokens=len(chunk))
 
-    tree_figures = plan_figures(pass_plan(tcfg, dcfg, dtype, context, budget + 1))
+    tree_plan = pass_plan(
+        tcfg, dcfg, dtype, context, budget + 1, budget + 1, cache_bytes, device.type
+    )
+    tree_figures = plan_figures(tree_plan)
     tree_planned = tree_figures["activations"] + tree_figures["prefix_cache"]
     root = int(torch.randint(3, vocab, (1,), generator=gen, device=device))
     prompt = [*history_ids, root]
-    pcache = strategy.prefix_cache
     for phase, sample_seed in (("tree", seed), ("regenerate", seed + 1)):
         session.reuse_prefix(prompt)  # the regenerate: back to the prompt, as a new request
         params = SamplingParams(temperature=1.0, seed=sample_seed)

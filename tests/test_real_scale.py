@@ -20,7 +20,7 @@ import torch
 from offload.machine import PeakMemory
 from scripts.bench_scale import pass_plan, plan_figures
 from scripts.real_shapes import build_model, model_config, write_folder
-from speculative.generation import Round, Session, prefill_target
+from speculative.generation import Round, Session, feed
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
 from speculative.sampling import SamplingParams, make_generator
@@ -83,13 +83,21 @@ def test_tree_round_peak_is_within_the_plan(pair: tuple[Transformer, Transformer
     target, draft = pair
     strategy = TreeSpeculation(target, draft, budget=BUDGET)
     session = _session(strategy, draft)
-    prefill_target(target, session, PROMPT)  # the round below is the tree pass alone
+    feed(target, session.target_cache, session.target_tokens, PROMPT[:-1])  # tree pass alone
     with PeakMemory("cpu") as peak:
         first = _first_round(strategy, session, SamplingParams(temperature=1.0, seed=0))
     assert first.stats.tree_nodes == BUDGET, "the draft grew a full 1,024-node tree"
 
     planned = plan_figures(
-        pass_plan(target.config, draft.config, target.dtype, CONTEXT, BUDGET + 1)
+        pass_plan(
+            target.config,
+            draft.config,
+            target.dtype,
+            CONTEXT,
+            BUDGET + 1,
+            BUDGET + 1,
+            strategy.prefix_cache.max_bytes,
+        )
     )
     bound = planned["activations"] + planned["prefix_cache"]
     assert peak.bytes is not None
