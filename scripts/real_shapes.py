@@ -128,6 +128,13 @@ def model_config(preset: str, layers: int = 1, hidden_scale: float = 1.0) -> Mod
     )
 
 
+def full_config(preset: str) -> ModelConfig:
+    """The preset at its real depth and width, as its published checkpoint declares it
+    (bf16): what plans for the real model are made from (nothing is ever built from it)."""
+    config = model_config(preset, layers=PRESETS[preset].num_layers)
+    return replace(config, torch_dtype="bfloat16")
+
+
 @torch.no_grad()
 def build_model(
     config: ModelConfig,
@@ -193,6 +200,8 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
         }
     if config.model_type == "qwen2":
         raw["use_sliding_window"] = False
+    if config.torch_dtype is not None:
+        raw["torch_dtype"] = config.torch_dtype
     return raw
 
 

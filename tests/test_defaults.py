@@ -17,44 +17,20 @@ from daemon.placement import OffloadRequest, choose_plan, footprint, plan_reques
 from daemon.runtime import Runtime, RuntimeOptions
 from daemon.settings import load_settings
 from offload.plan import MIN_AUTO_CONTEXT, Budget, PlanError, longest_context, make_plan
+from scripts.real_shapes import full_config, hf_config
 from speculative.budget import AUTO_MAX_BUDGET
 from speculative.checkpoint import dtype_candidates, dtype_key
 from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
 
-
-def llama(hidden: int, inter: int, layers: int, heads: int, tie: bool, factor: float) -> dict:
-    """A Llama 3.x config.json (the keys that matter) with real shapes."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": 8,
-        "head_dim": hidden // heads,
-        "vocab_size": 128256,
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "rope_scaling": {
-            "rope_type": "llama3",
-            "factor": factor,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-        "tie_word_embeddings": tie,
-        "torch_dtype": "bfloat16",
-    }
-
-
+# Llama-3.1-8B/70B and Llama-3.2-1B as their config.json files declare them (bf16).
 MODELS = {
-    "Llama-3.2-1B": llama(2048, 8192, 16, 32, True, 32.0),
-    "Llama-3.1-8B": llama(4096, 14336, 32, 32, False, 8.0),
-    "Llama-3.1-70B": llama(8192, 28672, 80, 64, False, 8.0),
+    name: hf_config(full_config(preset))
+    for name, preset in (
+        ("Llama-3.2-1B", "llama-3.2-1b"),
+        ("Llama-3.1-8B", "llama-3.1-8b"),
+        ("Llama-3.1-70B", "llama-3.1-70b"),
+    )
 }
 
 

@@ -24,6 +24,7 @@ from offload.machine import PeakMemory
 from offload.plan import Budget, make_plan
 from offload.storage import DiskStorage, LayerReadError, RamStorage, read_header
 from offload.stream import MAX_TIMED_COPIES, CopyTimes
+from scripts.real_shapes import full_config
 from speculative.config import ModelConfig
 from speculative.model import Transformer
 from tests.test_stream import one_pass, passes, reference_logits, streamed_model
@@ -31,28 +32,10 @@ from tests.test_stream import one_pass, passes, reference_logits, streamed_model
 __all__ = ["reference_logits"]  # the fixture, shared with test_stream
 
 
-def llama(hidden: int, inter: int, layers: int, heads: int) -> ModelConfig:
-    return ModelConfig.from_hf(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_act": "silu",
-            "hidden_size": hidden,
-            "intermediate_size": inter,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": 8,
-            "vocab_size": 128256,
-            "max_position_embeddings": 131072,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0,
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
-        }
-    )
-
-
-SHAPES = {"Llama-3.1-8B": llama(4096, 14336, 32, 32), "Llama-3.1-70B": llama(8192, 28672, 80, 64)}
+SHAPES = {
+    "Llama-3.1-8B": full_config("llama-3.1-8b"),
+    "Llama-3.1-70B": full_config("llama-3.1-70b"),
+}
 
 
 def meta_layer(config: ModelConfig) -> nn.Module:
