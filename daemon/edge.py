@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
 from daemon.engine import Engine
@@ -105,6 +105,12 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
         raise
     except ApiError as err:
         response = error_response(err)
+    except (HttpProcessingError, RequestPayloadError) as exc:
+        # The body could not be read: a bad chunk after the headers, a Content-Encoding
+        # that does not decode. The request's fault; the connection cannot be reused.
+        response = error_response(_parser_error(400, exc))
+        response.force_close()
+        request.content.feed_eof()  # nothing more will be read: aiohttp need not drain it
     except web.HTTPRequestEntityTooLarge:
         response = error_response(
             ApiError(
@@ -170,10 +176,12 @@ async def _guarded(request: web.Request, handler: Handler, config: ApiConfig) ->
 # ---- requests the HTTP parser refuses ----
 
 
-def _parser_error(status: int, exc: BaseException | None, message: str | None) -> ApiError:
+def _parser_error(status: int, exc: BaseException | None) -> ApiError:
+    if isinstance(exc, RequestPayloadError) and exc.__cause__ is not None:
+        exc = exc.__cause__  # aiohttp's wrapper around a body's decoding error
     if isinstance(exc, HttpProcessingError):
         # aiohttp's message, first line only (the rest is a caret under the bad byte).
-        detail = (message or exc.message or "").strip().splitlines()
+        detail = exc.message.strip().splitlines()
         reason = detail[0].rstrip(":") if detail else type(exc).__name__
         code = {BadHttpMethod: "invalid_method", LineTooLong: "line_too_long"}.get(
             type(exc), "malformed_request"
@@ -209,12 +217,28 @@ class OpenAIErrorRequestHandler(RequestHandler):
         if isinstance(exc, HttpProcessingError):
             # Routine on any port a stranger can reach: one line, no traceback.
             log.info("refused a malformed HTTP request from %s: %s", request.remote, exc.message)
+        elif isinstance(exc, ConnectionError):  # the client left mid-request: nobody to tell
+            log.debug("client %s disconnected: %s", request.remote, exc)
         else:
             log.error("error handling a request from %s", request.remote, exc_info=exc)
-        err = _parser_error(status, exc, message)
+        err = _parser_error(status, exc)
         response = web.json_response(err.body(), status=status, headers=err.headers)
         response.force_close()
         return response
+
+    def data_received(self, data: bytes) -> None:
+        queued = len(self._messages)
+        super().data_received(data)
+        # A parse error in the body of a request the application is already reading (a bad
+        # chunk size after the headers) is queued by aiohttp as the *next* request, and the
+        # body being read never ends: the handler would wait until the client hangs up.
+        # End that body with the error instead, so that the handler answers a 400.
+        request = self._current_request
+        if request is None or len(self._messages) <= queued:
+            return
+        error = self._messages[-1][0]
+        if isinstance(error, _ErrInfo) and not request.content.is_eof():
+            request.content.set_exception(error.exc)
 
 
 class _OpenAIErrorServer(web.Server):
