@@ -227,6 +227,8 @@ class OpenAIErrorRequestHandler(RequestHandler):
         return response
 
     def data_received(self, data: bytes) -> None:
+        # (aiohttp internals: the parsed-message queue, the request being handled and the
+        # record of a parse error; tests/test_hostile_input.py checks this on upgrades.)
         queued = len(self._messages)
         super().data_received(data)
         # A parse error in the body of a request the application is already reading (a bad

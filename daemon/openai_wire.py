@@ -101,7 +101,8 @@ class OversizedNumber:
 
 
 def _parse_int(literal: str) -> int | OversizedNumber:
-    return OversizedNumber(literal) if len(literal) > MAX_INT_DIGITS else int(literal)
+    oversized = len(literal.lstrip("-")) > MAX_INT_DIGITS
+    return OversizedNumber(literal) if oversized else int(literal)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:

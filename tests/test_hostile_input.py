@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from daemon.hostname import allowed_host_names, host_name
 from daemon.server import BackgroundServer
 from daemon.settings import load_settings
 
@@ -176,6 +177,18 @@ def assert_openai_error(reply: Reply, status: int, code: str | None = None,
 
 
 # ---- the Host header (DNS rebinding) ----
+
+
+def test_host_name_parsing() -> None:
+    assert host_name("LocalHost.:8716") == "localhost"
+    assert host_name("[0:0::1]:80") == "[::1]"
+    for bad in ("[::1].evil.example", "[::1]x", "::1", "a b", "h:1:2", "h:x", "u@h", "h..", ""):
+        assert host_name(bad) is None, bad
+    names = allowed_host_names(["::1", "MyHost.LAN.", "other:8080", "[fe80::1]"])
+    assert names == {"localhost", "127.0.0.1", "[::1]", "myhost.lan", "other", "[fe80::1]"}
+    with pytest.raises(ValueError, match="evil"):
+        allowed_host_names(["[::1].evil"])
+
 
 REFUSED_HOSTS = [
     "[::1].evil.example",
