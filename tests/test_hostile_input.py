@@ -402,3 +402,14 @@ def test_a_body_that_does_not_decode(server: BackgroundServer) -> None:
     raw = request("POST", "/v1/completions", [("Content-Encoding", "gzip")], b"0123456789")
     error = assert_openai_error(exchange(port(server), raw), 400, "malformed_request")
     assert "gzip" in error["message"]
+
+
+def test_non_ascii_bytes_elsewhere_in_the_head(server: BackgroundServer) -> None:
+    """Bytes outside ASCII in the path (the parser), an Origin header (CORS) or NUL in a
+    header (the parser): each refused in the OpenAI shape."""
+    raw = request(target="/v1/mod\xe9ls")
+    assert_openai_error(exchange(port(server), raw), 400, "malformed_request")
+    raw = request(headers=[("Origin", b"http://\xe9vil.example")])
+    assert_openai_error(exchange(port(server), raw), 403, "origin_not_allowed")
+    raw = request(headers=[("X-Nul", b"a\x00b")])
+    assert_openai_error(exchange(port(server), raw), 400, "malformed_request")
