@@ -1,6 +1,7 @@
 """The edge of the HTTP layer: the checks every request passes before a handler runs
-(Host header against DNS rebinding, CORS origins, the API key, the body size), and the
-mapping of every failure to the OpenAI error shape."""
+(Host header and request target against DNS rebinding, CORS origins, the API key, the body
+size), and the mapping of every failure to the OpenAI error shape, including the requests
+aiohttp's HTTP parser refuses before the application sees them (`AppRunner`)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,20 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
+from aiohttp.web_request import BaseRequest
 
 from daemon.engine import Engine
+from daemon.hostname import allowed_host_names, host_name
 from daemon.metrics import Metrics
-from daemon.openai_wire import ApiError, WireLimits
+from daemon.openai_wire import ApiError, WireLimits, bad_request
 
 log = logging.getLogger("specd.api")
-
-LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
 
 
 @dataclass
@@ -30,6 +34,11 @@ class ApiConfig:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
+    # The host names a request may name (Host header, absolute-form target), normalised.
+    host_names: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.host_names = allowed_host_names(self.allowed_hosts)
 
 
 ENGINE = web.AppKey("engine", Engine)
@@ -44,10 +53,34 @@ def error_response(err: ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=err.headers)
 
 
-def _host_name(host_header: str) -> str:
-    if host_header.startswith("["):  # [::1]:8080
-        return host_header.split("]")[0] + "]"
-    return host_header.rsplit(":", 1)[0] if host_header.count(":") == 1 else host_header
+def _check_host(value: str, where: str, config: ApiConfig) -> None:
+    if host_name(value) not in config.host_names:
+        raise ApiError(
+            403,
+            f"{where} {value[:200]!r} is not an allowed host (DNS rebinding protection); add "
+            "the name to server.allowed_hosts to serve it",
+            type="permission_error",
+            code="host_not_allowed",
+        )
+
+
+def _check_target(request: web.Request, config: ApiConfig) -> None:
+    """An absolute-form request target (`GET http://host/path HTTP/1.1`) names the host
+    the client meant, and takes precedence over the Host header (RFC 9112 3.2.2): its
+    authority must be allowed too."""
+    target = request.raw_path
+    if target.startswith("/"):
+        return
+    try:
+        parts = urlsplit(target)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme.lower() not in ("http", "https") or "@" in parts.netloc:
+        raise bad_request(
+            "the request target must be a path (or an absolute http URL)",
+            code="invalid_request_target",
+        )
+    _check_host(parts.netloc, "the request target's host", config)
 
 
 def cors_headers(origin: str) -> dict[str, str]:
@@ -72,6 +105,12 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
         raise
     except ApiError as err:
         response = error_response(err)
+    except (HttpProcessingError, RequestPayloadError) as exc:
+        # The body could not be read: a bad chunk after the headers, a Content-Encoding
+        # that does not decode. The request's fault; the connection cannot be reused.
+        response = error_response(_parser_error(400, exc))
+        response.force_close()
+        request.content.feed_eof()  # nothing more will be read: aiohttp need not drain it
     except web.HTTPRequestEntityTooLarge:
         response = error_response(
             ApiError(
@@ -101,16 +140,9 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 
 async def _guarded(request: web.Request, handler: Handler, config: ApiConfig) -> web.StreamResponse:
-    host = _host_name(request.headers.get("Host", "")).lower()
-    allowed = LOOPBACK_HOSTS | {h.lower() for h in config.allowed_hosts}
-    if host not in allowed and not host.endswith(".localhost"):
-        raise ApiError(
-            403,
-            f"Host header {host!r} is not allowed (DNS rebinding protection); add it to "
-            "server.allowed_hosts to serve it",
-            type="permission_error",
-            code="host_not_allowed",
-        )
+    # (aiohttp's parser refuses an HTTP/1.1 request with no Host header or with two.)
+    _check_host(request.headers.get("Host", ""), "Host header", config)
+    _check_target(request, config)
     origin = request.headers.get("Origin")
     if origin is not None and origin not in config.cors_origins:
         raise ApiError(
@@ -124,7 +156,10 @@ async def _guarded(request: web.Request, handler: Handler, config: ApiConfig) ->
     if config.api_key is not None and request.path != "/health":
         given = request.headers.get("Authorization", "")
         expected = f"Bearer {config.api_key}"
-        if not secrets.compare_digest(given.encode(), expected.encode()):
+        # Header bytes that are not UTF-8 arrive as surrogate escapes: compare them as the
+        # bytes they were (a latin-1 key is simply a wrong key, never a 500).
+        given_bytes = given.encode("utf-8", "surrogateescape")
+        if not secrets.compare_digest(given_bytes, expected.encode()):
             raise ApiError(
                 401,
                 "a valid API key is required: send 'Authorization: Bearer KEY'",
@@ -136,3 +171,89 @@ async def _guarded(request: web.Request, handler: Handler, config: ApiConfig) ->
             max_size=config.max_body_bytes, actual_size=request.content_length
         )
     return await handler(request)
+
+
+# ---- requests the HTTP parser refuses ----
+
+
+def _parser_error(status: int, exc: BaseException | None) -> ApiError:
+    if isinstance(exc, RequestPayloadError) and exc.__cause__ is not None:
+        exc = exc.__cause__  # aiohttp's wrapper around a body's decoding error
+    if isinstance(exc, HttpProcessingError):
+        # aiohttp's message, first line only (the rest is a caret under the bad byte).
+        detail = exc.message.strip().splitlines()
+        reason = detail[0].rstrip(":") if detail else type(exc).__name__
+        code = {BadHttpMethod: "invalid_method", LineTooLong: "line_too_long"}.get(
+            type(exc), "malformed_request"
+        )
+        return ApiError(status, f"malformed HTTP request: {reason}", code=code)
+    if status == 504:
+        return ApiError(504, "the request timed out", type="server_error")
+    return ApiError(status, "internal server error (see the daemon's log)", type="server_error")
+
+
+class OpenAIErrorRequestHandler(RequestHandler):
+    """aiohttp's connection protocol, with `handle_error` answering in the OpenAI error shape.
+
+    aiohttp calls `handle_error` for what happens outside the application: a request its
+    parser refused (bad method, over-long request line or header, too many headers,
+    Content-Length with Transfer-Encoding, a bad chunk size while the headers are being
+    read) and an exception escaping the application (which `edge_middleware` prevents).
+    No middleware sees these; the status stays aiohttp's (400 for parser errors) and the
+    connection is closed, as aiohttp does."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if request.writer.output_size > 0:
+            # A response was already started: there is no sending another (aiohttp's rule).
+            raise ConnectionError("a response was already sent; cannot send the error")
+        if isinstance(exc, HttpProcessingError):
+            # Routine on any port a stranger can reach: one line, no traceback.
+            log.info("refused a malformed HTTP request from %s: %s", request.remote, exc.message)
+        elif isinstance(exc, ConnectionError):  # the client left mid-request: nobody to tell
+            log.debug("client %s disconnected: %s", request.remote, exc)
+        else:
+            log.error("error handling a request from %s", request.remote, exc_info=exc)
+        err = _parser_error(status, exc)
+        response = web.json_response(err.body(), status=status, headers=err.headers)
+        response.force_close()
+        return response
+
+    def data_received(self, data: bytes) -> None:
+        # (aiohttp internals: the parsed-message queue, the request being handled and the
+        # record of a parse error; tests/test_hostile_input.py checks this on upgrades.)
+        queued = len(self._messages)
+        super().data_received(data)
+        # A parse error in the body of a request the application is already reading (a bad
+        # chunk size after the headers) is queued by aiohttp as the *next* request, and the
+        # body being read never ends: the handler would wait until the client hangs up.
+        # End that body with the error instead, so that the handler answers a 400.
+        request = self._current_request
+        if request is None or len(self._messages) <= queued:
+            return
+        error = self._messages[-1][0]
+        if isinstance(error, _ErrInfo) and not request.content.is_eof():
+            request.content.set_exception(error.exc)
+
+
+class _OpenAIErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class AppRunner(web.AppRunner):
+    """`web.AppRunner` whose connections answer parser errors in the OpenAI error shape."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        # aiohttp has no option for the protocol class; the server it built for the app
+        # (handler, request factory, settings) stays as it is and only makes our protocol.
+        server.__class__ = _OpenAIErrorServer
+        return server

@@ -83,9 +83,31 @@ class CompletionRequest:
     ignore_eos: bool = False
 
 
+# No field of the API needs an integer longer than this (seeds are 20 digits); longer ones
+# are kept as their size only. int() of a long digit string costs quadratic time and
+# raises past Python's limit (4,300 digits) inside json.loads, before any field is known.
+MAX_INT_DIGITS = 100
+
+
+class OversizedNumber:
+    """An integer literal too long to convert, in place of its value: every field check
+    refuses it (it is no int or float), so the 400 names the field that carried it."""
+
+    def __init__(self, literal: str) -> None:
+        self.digits = len(literal.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+
+def _parse_int(literal: str) -> int | OversizedNumber:
+    oversized = len(literal.lstrip("-")) > MAX_INT_DIGITS
+    return OversizedNumber(literal) if oversized else int(literal)
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=_parse_int)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(
             f"the request body is not valid JSON: {exc}", code="invalid_json"
@@ -123,7 +145,7 @@ def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
     return value
 
 
-def _refuse_unsupported(body: dict, extra: tuple[str, ...] = ()) -> None:
+def _refuse_unsupported(body: dict) -> None:
     """Fields whose meaning specd cannot honour are refused rather than silently ignored."""
     n = body.get("n")
     if n is not None and n != 1:
@@ -140,9 +162,6 @@ def _refuse_unsupported(body: dict, extra: tuple[str, ...] = ()) -> None:
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad_request("response_format other than text is not supported", "response_format")
-    for name in extra:
-        if body.get(name) not in (None, False, "", 1):
-            raise bad_request(f"{name} is not supported by specd", name)
 
 
 def _stop(body: dict) -> list[str]:
@@ -256,8 +275,24 @@ def parse_chat(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
     return CompletionRequest(messages=normalised, prompt=None, **_common(body, limits))
 
 
+def _refuse_unsupported_completion(body: dict) -> None:
+    """The legacy completion fields specd does not implement, refused unless they ask for
+    the default (`echo: true` used to pass as "1" and was silently dropped)."""
+    echo = body.get("echo")
+    if echo is not None and echo is not False:
+        raise bad_request(
+            "echo is not supported by specd (the answer never repeats the prompt)", "echo"
+        )
+    if body.get("suffix") not in (None, ""):
+        raise bad_request("suffix is not supported by specd (no insertion)", "suffix")
+    best_of = body.get("best_of")
+    if best_of is not None and not (_is_int(best_of) and best_of == 1):
+        raise bad_request("best_of other than 1 is not supported by specd", "best_of")
+
+
 def parse_completion(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
-    _refuse_unsupported(body, extra=("echo", "suffix", "best_of"))
+    _refuse_unsupported(body)
+    _refuse_unsupported_completion(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one

@@ -15,7 +15,7 @@ from pathlib import Path
 from aiohttp import web
 
 from daemon.api import create_app
-from daemon.edge import DRAINING, ApiConfig
+from daemon.edge import DRAINING, ApiConfig, AppRunner
 from daemon.engine import Engine, EngineLimits
 from daemon.metrics import Metrics
 from daemon.openai_wire import WireLimits
@@ -75,11 +75,11 @@ class Server:
         self.metrics = Metrics()
         self.engine = build_engine(settings, self.metrics, runtime)
         self.app = create_app(self.engine, self.metrics, api_config(settings))
-        self.runner: web.AppRunner | None = None
+        self.runner: AppRunner | None = None
         self.port: int | None = None
 
     async def start(self) -> None:
-        self.runner = web.AppRunner(
+        self.runner = AppRunner(
             self.app,
             handle_signals=False,
             access_log=log if self.settings.logging.access_log else None,

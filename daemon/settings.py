@@ -19,6 +19,7 @@ import platformdirs
 import yaml
 
 from daemon.argtypes import size_bytes
+from daemon.hostname import allowed_host_names
 from daemon.runtime import RuntimeOptions
 from offload.units import parse_rate, parse_size
 
@@ -86,6 +87,15 @@ def text_list(value: Any) -> Any:
     if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
         raise ValueError("a list of strings, e.g. [http://localhost:3000]")
     return list(value)
+
+
+def host_list(value: Any) -> Any:
+    value = text_list(value)
+    try:
+        allowed_host_names(value)
+    except ValueError as exc:
+        raise ValueError(f"a list of host names, e.g. [myhost.lan]; {exc}") from None
+    return value
 
 
 def flag(value: Any) -> Any:
@@ -172,7 +182,7 @@ class ServerSettings:
     port: int = _key(8716, integer(0, 65535))
     api_key_file: str | None = _key(None, text(nullable=True))
     cors_origins: list[str] = field(default_factory=list, metadata={"check": text_list})
-    allowed_hosts: list[str] = field(default_factory=list, metadata={"check": text_list})
+    allowed_hosts: list[str] = field(default_factory=list, metadata={"check": host_list})
     keepalive_seconds: float = _key(5.0, number(0.05, 300.0))
     stream_interval_ms: int = _key(20, integer(0, 1000))
 

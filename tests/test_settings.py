@@ -61,6 +61,8 @@ def test_user_config_dir_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         ("offload:\n  gpu_budget: lots\n", ["offload.gpu_budget", "24GB"]),
         ("speculation:\n  budget: 0\n", ["speculation.budget", "'auto'"]),
         ("server: [1, 2]\n", ["section 'server' must be a mapping"]),
+        ("server:\n  allowed_hosts: [http://myhost]\n", ["server.allowed_hosts", "myhost.lan"]),
+        ("server:\n  allowed_hosts: ['[::1].evil']\n", ["server.allowed_hosts", "not a host"]),
         ("server:\n  port: [\n", ["not valid YAML"]),
     ],
 )
