@@ -114,6 +114,12 @@ class PrefixCache:
         """Rows held now."""
         return len(self._walked) + len(self._unwalked)
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Slot memory allocated so far (chunks are allocated as rows need them and kept
+        until `clear`): at most `max_bytes`, what the memory plan reserves."""
+        return sum(chunk.nbytes for chunk in self._chunks)
+
     def slot_bytes(self, row_bytes: int) -> int:
         """Bytes for row slots: what is left when a share is kept for interned prefixes
         without a row (which would otherwise be evicted first, and with them the way to
