@@ -6,10 +6,12 @@ hand, it measures with `offload.machine.PeakMemory` (CUDA allocator peak; CPU pe
 what each phase ADDS to what is already held when it starts:
 
     kv          both KV caches allocated for the whole context and written (random K/V,
-                no 32k prefill: the cache is then set to hold `context - room` tokens)
-    prefill     one prefill chunk at the end of that context (target, then draft: `feed`)
+                no 32k prefill: the caches are then set to hold `context - chunk` tokens)
+    prefill     one prefill chunk that ends the context (target, then draft: `feed`), so
+                that it attends to as many keys as the plan allows
     tree        one full tree round (TreeSpeculation: draft tree of the budget, target
-                verification, walk, prefix-cache store, commit), sampled
+                verification, walk, prefix-cache store, commit), sampled, on a prompt
+                that leaves the context room for the tree and the round's tokens
     regenerate  the same prompt again with another seed: one round; prefix-cache hits
 
 and sets each beside the plan's figure for what that phase may add (daemon.placement.
@@ -213,7 +215,7 @@ def run_scenario(
     target, draft = models
     draft.set_vocab_width(target.vocab_width)  # Qwen's draft embeds fewer rows (one tokenizer)
     tcfg = target.config
-    room = prefill_tokens + budget + 1 + ROUND_TOKENS  # what the measured passes append
+    room = max(prefill_tokens, budget + 1 + ROUND_TOKENS)  # what the measured passes append
     if context - room < 1:
         raise ValueError(
             f"context {context} is too short for a {prefill_tokens}-token prefill chunk and a "
@@ -251,13 +253,12 @@ def _measure(
     pcache = strategy.prefix_cache
     device, dtype = target.device, target.dtype
     tcfg, dcfg = target.config, draft.config
-    hold = context - (prefill_tokens + budget + 1 + ROUND_TOKENS)
+    hold = context - prefill_tokens  # the prefill chunk ends the context: the most keys
     found: list[Measured] = []
 
     gen = torch.Generator(device=device).manual_seed(seed)
     vocab = min(tcfg.vocab_size, dcfg.vocab_size)  # ids both models embed (Qwen's differ)
-    history = torch.randint(3, vocab, (hold + prefill_tokens,), generator=gen, device=device)
-    history_ids = history.tolist()
+    history_ids = torch.randint(3, vocab, (context,), generator=gen, device=device).tolist()
 
     session = strategy.new_session(context)  # its small initial caches are replaced below
     t0 = time.perf_counter()
@@ -287,12 +288,18 @@ def _measure(
     prefill_planned = plan_figures(kv_plan)["activations"]
     found.append(("prefill", prefill_planned, peak.bytes, seconds, {"tokens": len(chunk)}))
 
+    # The rounds' prompt: the history up to where the tree and the round's tokens fit.
+    prompt_length = context - (budget + 1 + ROUND_TOKENS)
+    for cache, fed in ((tcache, session.target_tokens), (dcache, session.draft_tokens)):
+        cache.truncate(prompt_length)
+        del fed[prompt_length:]
+
     tree_plan = pass_plan(
         tcfg, dcfg, dtype, context, budget + 1, budget + 1, pcache.max_bytes, device.type
     )
     tree_figures = plan_figures(tree_plan)
     root = int(torch.randint(3, vocab, (1,), generator=gen, device=device))
-    prompt = [*history_ids, root]
+    prompt = [*history_ids[:prompt_length], root]
     for phase, sample_seed in (("tree", seed), ("regenerate", seed + 1)):
         session.reuse_prefix(prompt)  # the regenerate: back to the prompt, as a new request
         params = SamplingParams(temperature=1.0, seed=sample_seed)

@@ -11,6 +11,9 @@ The bound is the plan's own figures (scripts/bench_scale.py's `pass_plan` and
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +23,7 @@ import torch
 from offload.machine import PeakMemory
 from scripts.bench_scale import pass_plan, plan_figures
 from scripts.real_shapes import build_model, model_config, write_folder
+from speculative.config import ModelConfig
 from speculative.generation import Round, Session, feed
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
@@ -153,3 +157,66 @@ def test_preset_folder_loads_with_a_tokenizer_of_its_vocabulary(
     positions = torch.arange(len(tokens))
     expected = model(tokens, positions, model.new_cache(8))
     assert torch.equal(loaded(tokens, positions, loaded.new_cache(8)), expected)
+
+
+# A pair small enough for seconds at vocabulary 32,000, measured by scripts/bench_scale.py
+# itself (its phases, its reading of the plan) in a child process with glibc's mmap
+# threshold fixed (`fix_heap`), so that the peak resident set follows the tensors.
+SMALL = ModelConfig(
+    model_type="llama",
+    vocab_size=32000,
+    hidden_size=256,
+    intermediate_size=704,
+    num_layers=1,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=32,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=4096,
+)
+SMALL_CONTEXT = 1024
+SMALL_PREFILL = 256
+
+
+def bench_rows() -> list[dict]:
+    """In the child: bench_scale's warm rows for the small pair at budgets 64 and 256."""
+    from scripts.bench_scale import fix_heap, run_scenario
+
+    fix_heap()
+    torch.set_num_threads(1)
+    models = (build_model(SMALL, seed=0), build_model(SMALL, seed=1))
+    rows = []
+    for budget in (64, 256):
+        found = run_scenario(("small", "small"), models, SMALL_CONTEXT, budget, SMALL_PREFILL, 0)
+        rows += [r.to_dict() for r in found]
+    return rows
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="the CPU peak probe needs Linux /proc"
+)
+def test_every_phase_of_a_tree_round_is_within_the_plan() -> None:
+    """The plan is an upper bound on what each phase adds and within 25% of it: the KV
+    caches, a prefill chunk, a tree round (draft growth, verification, walk, prefix-cache
+    store into a full cache) and a regenerated round, at tree budgets 64 and 256."""
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.run(
+        [sys.executable, __file__],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr
+    rows = json.loads(child.stdout)
+    assert {(r["budget"], r["phase"]) for r in rows} == {
+        (b, p) for b in (64, 256) for p in ("kv", "prefill", "tree", "regenerate")
+    }
+    for r in rows:
+        assert r["measured"], r
+        assert r["notes"].get("tree_nodes", r["budget"]) == r["budget"], r
+        assert r["measured"] <= r["planned"] <= 1.25 * r["measured"], r
+
+
+if __name__ == "__main__":
+    print(json.dumps(bench_rows()))
