@@ -60,12 +60,13 @@ class ActivationFootprint:
         """The score working set of the largest query chunk of a `tokens`-query pass over at
         most `keys` keys. A pass over fewer keys (a cache not yet full) may hold MORE: its
         chunks have more rows, and rows are rounded down, so a chunk's scores come closer
-        to `chunk_bytes` and its per-query part grows. The maximum over every key count is
-        at the largest key count of each chunk size, which this visits."""
+        to `chunk_bytes` and its per-query part grows. The maximum over every key count
+        from `tokens` (a pass attends at least to itself) is at the largest key count of
+        each chunk size, which this visits."""
         per_key, per_query = self.score_bytes_per_key, self.score_bytes_per_query
         first = self.query_chunk(keys)
         best = min(tokens, first) * (keys * per_key + per_query)
-        for rows in range(first + 1, min(tokens, self.query_chunk(1)) + 1):
+        for rows in range(first + 1, min(tokens, self.query_chunk(tokens)) + 1):
             most = self.chunk_bytes // (rows * per_key)  # keys at which `rows` rows fit
             best = max(best, rows * (most * per_key + per_query))
         return best
