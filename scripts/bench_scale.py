@@ -26,10 +26,10 @@ footprint + plan_request + offload.plan.make_plan, read in `plan_figures` only):
     regenerate  each) plus the planned prefix cache minus the slot memory the cache has
                 already allocated when the round starts (`PrefixCache.allocated_bytes`)
 
-Each scenario runs twice on one prefix cache, on two histories. The first (cold) run is the
-first time the process sees these pass shapes (the BLAS library sizes a workspace once per
-shape and keeps it: a few MiB that are not tensors of the plan) and starts with an empty
-prefix cache that the tree round fills. The second (warm) run is a running daemon's: the
+Each scenario runs twice on one prefix cache, on two histories. The first (cold) run may be
+the process's first passes (the first matrix products leave the BLAS library's buffers
+and code resident: about 7 MiB with MKL on a CPU, kept for the process's life, not tensors
+of the plan) and starts with an empty prefix cache that the tree round fills. The second (warm) run is a running daemon's: the
 cache is full of another conversation's rows, which the round's store replaces. The table
 reports the warm run; each row's notes keep the cold run's planned and measured bytes.
 
