@@ -309,8 +309,11 @@ def _measure(
         hits = pcache.stats.hits
         # What the round may add: its pass's activations, and the part of the planned
         # prefix cache that is not allocated yet (rows stored into it during the round).
+        # With a GPU the cache is pinned host RAM, not a device part: the plan's figure for
+        # it on the device is 0, and what it holds is not on the device either.
         held = pcache.allocated_bytes
-        planned = tree_figures["activations"] + tree_figures["prefix_cache"] - held
+        cache_part = tree_figures["prefix_cache"]
+        planned = tree_figures["activations"] + (cache_part - held if cache_part else 0)
         t0 = time.perf_counter()
         with probe(device) as peak:
             done = next(rounds)
