@@ -24,7 +24,8 @@ footprint + plan_request + offload.plan.make_plan, read in `plan_figures` only):
                 the two passes run one after the other and keep nothing)
     tree,       the activations of a pass of the tree (root and budget nodes, a logit row
     regenerate  each) plus the planned prefix cache minus the slot memory the cache has
-                already allocated when the round starts (`PrefixCache.allocated_bytes`)
+                already allocated when the round starts (`PrefixCache.allocated_bytes`;
+                on a GPU the cache is pinned host RAM: the activations alone)
 
 Each scenario runs twice on one prefix cache, on two histories. The first (cold) run may be
 the process's first passes (the first matrix products leave the BLAS library's buffers
