@@ -43,6 +43,7 @@ from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
 from speculative.kv_cache import KVCache
 from speculative.model import ATTENTION_CHUNK_BYTES, Transformer, attention_row_bytes
+from speculative.sampling import DRAW_BYTES_PER_ENTRY
 from speculative.tokenizer import Tokenizer
 
 
@@ -107,6 +108,8 @@ def activation_footprint(config: ModelConfig, dtype: torch.dtype) -> ActivationF
         hidden_bytes_per_token=item * d,
         # The head's output in the model dtype and its fp32 copy, after the final norm.
         logit_bytes_per_row=max(norm(d), item * d + config.vocab_size * (item + fp32_copy)),
+        fp32_row_bytes=4 * config.vocab_size,
+        draw_bytes_per_row=DRAW_BYTES_PER_ENTRY * config.vocab_size,
     )
 
 

@@ -170,6 +170,18 @@ class PositionNoise:
         return noise[torch.tensor([index[t] for t in positions], device=noise.device)]
 
 
+# Bytes per vocabulary entry that drawing ONE row allocates at its peak, traced through
+# `draw` on its largest path: penalties on (their `seen` mask, 1, lives until the draw
+# returns), then the Gumbel draw of PositionNoise: the final distribution (fp32, 4), its
+# fp64 log (8), and while the noise row is made the fp64 uniforms with two fp64
+# temporaries of -log(-log u) (24). The top-p filter's peak is below it (the logits and
+# the distribution, sorted values, int64 order, mass before each, three boolean masks and
+# two renormalised copies: 36 with `seen`), so is everything before it. The walks (tree,
+# prefix cache, a plain step) draw one row at a time beside the pass's logits: the memory
+# plan reserves this for that draw (daemon/placement.py).
+DRAW_BYTES_PER_ENTRY = 37
+
+
 def draw(
     logits: torch.Tensor,  # (N, V) fp32
     params: SamplingParams,

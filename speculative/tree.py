@@ -139,9 +139,13 @@ def grow_tree(
             tree.tokens[idx], root_position + tree.depths[idx], cache, mask=mask
         )  # (t, V)
         passes += 1
-        logp, tok, row = _top_children(
-            logits * scale, tree.logprobs[idx], budget - added, max_branch
-        )
+        # Scaled in place (the same values as `logits * scale`): this pass's logits and
+        # their log-softmax are then the only (t, V) fp32 tensors alive, which the memory
+        # plan's tree-sized draft pass covers (t is at most half the budget: nodes at the
+        # depth limit are never fed, so a pass happens only with max_depth >= 2).
+        with torch.inference_mode():  # the pass returned an inference tensor
+            logits.mul_(scale)
+        logp, tok, row = _top_children(logits, tree.logprobs[idx], budget - added, max_branch)
         cand_logp = torch.cat((cand_logp, logp))
         cand_token = torch.cat((cand_token, tok))
         cand_parent = torch.cat((cand_parent, idx[row]))

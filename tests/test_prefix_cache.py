@@ -3,9 +3,12 @@ dtype kept, and a byte bound on the memory really held."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from offload.machine import PeakMemory
 from speculative.prefix_cache import ENTRY_OVERHEAD, ENTRY_SHARE, PrefixCache, chunk_sizes
 
 
@@ -110,7 +113,7 @@ def test_bad_arguments_are_refused():
         cache.put_rows([cache.key([1])], torch.zeros(2, 4), [2])
 
 
-V = 4096  # 16 KiB fp32 rows: interned prefixes (128 B each) are small beside them
+V = 16384  # 64 KiB fp32 rows: interned prefixes (ENTRY_OVERHEAD each) are small beside them
 
 
 def _cache_for_rows(max_bytes: int = 1 << 20) -> tuple[PrefixCache, int]:
@@ -192,3 +195,19 @@ def test_rows_from_a_gpu_live_in_pinned_host_memory_and_come_back_exactly():
     cache.put_rows(more, -logits)
     torch.cuda.synchronize()
     assert torch.equal(held, logits[0])
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="the CPU peak probe needs Linux /proc"
+)
+def test_the_charge_per_prefix_covers_what_interning_allocates():
+    """The cache's byte bound counts ENTRY_OVERHEAD per interned prefix; the records, tuples
+    and dict slots of 100k fresh prefixes (a long prompt's worth, several times) must not
+    take more than that, dict growth included, or the bound (and the memory plan, which
+    reserves the configured size) would not hold."""
+    n = 100_000
+    cache = PrefixCache(max_bytes=1 << 40)  # never evicts here
+    with PeakMemory("cpu") as peak:
+        cache.key(range(1_000, 1_000 + n))
+    assert len(cache) == n and cache.bytes == n * ENTRY_OVERHEAD
+    assert peak.bytes is not None and peak.bytes <= n * ENTRY_OVERHEAD, peak.bytes / n

@@ -11,6 +11,9 @@ The bound is the plan's own figures (scripts/bench_scale.py's `pass_plan` and
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -153,3 +156,57 @@ def test_preset_folder_loads_with_a_tokenizer_of_its_vocabulary(
     positions = torch.arange(len(tokens))
     expected = model(tokens, positions, model.new_cache(8))
     assert torch.equal(loaded(tokens, positions, loaded.new_cache(8)), expected)
+
+
+# The pair above at a short context, measured by scripts/bench_scale.py itself (its phases,
+# its reading of the plan) in a child process with glibc's mmap threshold fixed
+# (`fix_heap`), so that the peak resident set follows the tensors. At vocabulary 128,256 a
+# 64-node tree's rows (32 MiB) dwarf the probe's noise (Python objects, page rounding).
+BENCH_CONTEXT = 1024
+BENCH_PREFILL = 256
+
+
+def bench_rows() -> list[dict]:
+    """In the child: bench_scale's warm rows for the pair at budgets 64 and 256."""
+    from scripts.bench_scale import fix_heap, run_scenario
+
+    fix_heap()
+    torch.set_num_threads(1)
+    target = build_model(model_config("llama-3.1-8b", layers=1, hidden_scale=1 / 32), seed=0)
+    draft = build_model(model_config("llama-3.2-1b", layers=1, hidden_scale=1 / 32), seed=1)
+    rows = []
+    for budget in (64, 256):
+        names = ("llama-3.1-8b", "llama-3.2-1b")
+        found = run_scenario(names, (target, draft), BENCH_CONTEXT, budget, BENCH_PREFILL, 0)
+        rows += [r.to_dict() for r in found]
+    return rows
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/clear_refs").exists(), reason="the CPU peak probe needs Linux /proc"
+)
+def test_every_phase_of_a_tree_round_is_within_the_plan() -> None:
+    """The plan is an upper bound on what each phase adds and within 25% of it: the KV
+    caches, a prefill chunk, a tree round (draft growth, verification, walk, prefix-cache
+    store into a full cache) and a regenerated round, at tree budgets 64 and 256."""
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.run(
+        [sys.executable, __file__],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr
+    rows = json.loads(child.stdout)
+    assert {(r["budget"], r["phase"]) for r in rows} == {
+        (b, p) for b in (64, 256) for p in ("kv", "prefill", "tree", "regenerate")
+    }
+    for r in rows:
+        assert r["measured"], r
+        assert r["notes"].get("tree_nodes", r["budget"]) == r["budget"], r
+        assert r["measured"] <= r["planned"] <= 1.25 * r["measured"], r
+
+
+if __name__ == "__main__":
+    print(json.dumps(bench_rows()))
