@@ -46,7 +46,7 @@ ENTRY_OVERHEAD = 512
 # budget 1,024, or every row of a few hundred rounds of a small budget.
 DEFAULT_MAX_BYTES = 1 << 30
 CHUNK_BYTES = 32 << 20  # slot memory is allocated in pieces of at most this many bytes
-ENTRY_SHARE = 64  # 1/64 of the size is kept for interned prefixes (16 MiB: 32k of them)
+ENTRY_SHARE = 64  # leaf prefixes (no row, no children) may take 1/64 of the size
 
 
 @dataclass(slots=True)
@@ -56,6 +56,7 @@ class _Entry:
     store: int = 0  # the put_rows call that wrote the row
     walked: bool = False  # a walk went through this row: kept before unwalked rows
     children: int = 0  # interned prefixes one token longer
+    used: int = 0  # when it was last interned, looked up, stored or hit (the cache's clock)
 
 
 @dataclass
@@ -109,6 +110,7 @@ class PrefixCache:
         self._vocab = 0
         self._next_id = EMPTY_PREFIX + 1  # ids are never reused, not even after clear()
         self._store = 0  # put_rows calls so far
+        self._clock = 0  # ticks on every use of an entry (`_Entry.used`)
         self._capacity = (0, 0)  # (row bytes, rows that fit)
         self.stats = PrefixCacheStats()
 
@@ -148,7 +150,7 @@ class PrefixCache:
             key = self._next_id
             self._next_id += 1
             self._ids[edge] = key
-            self._entries[key] = _Entry(edge)
+            self._entries[key] = _Entry(edge, used=self._tick())
             self._bare[key] = None
             parent = self._entries.get(prefix)
             if parent is not None:
@@ -156,9 +158,15 @@ class PrefixCache:
                 self._bare.pop(prefix, None)  # an inner prefix now
             self.bytes += ENTRY_OVERHEAD
             self._evict()
-        elif key in self._bare:
-            self._bare.move_to_end(key)  # in use: a prompt or path still goes through it
+        else:
+            self._entries[key].used = self._tick()  # a prompt or path still goes through it
+            if key in self._bare:
+                self._bare.move_to_end(key)
         return key
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
 
     def key(self, tokens: Sequence[int], prefix: int = EMPTY_PREFIX) -> int:
         """The id of `prefix` extended by all of `tokens`."""
@@ -174,6 +182,7 @@ class PrefixCache:
             self.stats.misses += 1
             return None
         self._segment(entry).pop(key)
+        entry.used = self._tick()
         entry.walked = True  # a sample walks through it: worth keeping
         self._walked[key] = None
         self.stats.hits += 1
@@ -222,6 +231,7 @@ class PrefixCache:
             else:
                 self._segment(entry).pop(key)
             entry.store = self._store
+            entry.used = self._tick()
             entry.walked = entry.walked or i < walked
             self._segment(entry)[key] = None  # at the back: this store's rows go last
             chunk, row = entry.slot
@@ -299,24 +309,30 @@ class PrefixCache:
         return slot
 
     def _evict(self) -> None:
-        """Until the byte bound holds: least recently used bare leaves (prefixes with neither
-        a row nor children; their parent may become one) while bare prefixes take more than
-        their share, else rows, unwalked ones first (their prefixes stay, without a row: a
-        tree's keys are interned before its rows are stored, and must survive that). Leaves
-        only: a long prompt's prefixes are interned before the rows below them, so evicting
-        by age alone would drop the prompt's first prefix and with it every row of its trees."""
+        """Until the byte bound holds, drop the least recently used of: a bare leaf (a prefix
+        with neither a row nor children; its parent may become one) and a row (unwalked
+        rows before walked ones; the prefix stays, without a row). Leaves go first anyway
+        while they take more than their share. Only leaves: a long prompt's prefixes are
+        interned before the rows below them, so dropping the oldest prefix would cut every
+        row of its trees off; and by age: a stale chain of prefixes (a finished request's
+        prompt, its rows gone) goes before newer rows, while a tree's keys, interned just
+        before its rows are stored, outlive older rows."""
         share = self.max_bytes // ENTRY_SHARE
         while self.bytes > self.max_bytes:
             rows = self._unwalked or self._walked
-            bare = len(self._entries) - len(self._walked) - len(self._unwalked)
-            if self._bare and (bare * ENTRY_OVERHEAD > share or not rows):
-                key, _ = self._bare.popitem(last=False)
-                self._drop_prefix(key)
-                continue
-            if not rows:
+            leaf = next(iter(self._bare), None)
+            row = next(iter(rows), None)
+            if leaf is not None and (
+                row is None
+                or len(self._bare) * ENTRY_OVERHEAD > share
+                or self._entries[leaf].used < self._entries[row].used
+            ):
+                del self._bare[leaf]
+                self._drop_prefix(leaf)
+            elif row is not None:
+                self._free.append(self._take_row(row, self._entries[row]))
+            else:
                 break  # nothing evictable (a bare inner prefix always has a leaf or row below)
-            key = next(iter(rows))
-            self._free.append(self._take_row(key, self._entries[key]))
 
     def _drop_prefix(self, key: int) -> None:
         entry = self._entries.pop(key)

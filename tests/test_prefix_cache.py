@@ -183,6 +183,24 @@ def test_a_long_prompt_keeps_the_path_to_its_rows():
     assert cache.key([10**6, 0]) != stale[0]
 
 
+def test_a_finished_long_prompt_makes_room_for_the_next_one():
+    """Two long prompts in turn, each with a tree: the first one's prefixes (its rows gone)
+    are older than anything the second stores, and must go before the second's rows, or a
+    cache that holds one prompt's prefixes and tree stores nothing for the second."""
+    cache, capacity = _cache_for_rows()
+    length = cache.max_bytes // 2 // ENTRY_OVERHEAD  # each prompt: half the cache in prefixes
+    roots = []
+    for p in range(2):
+        prompt = [10**6 * (p + 1) + i for i in range(length)]
+        root = cache.key(prompt)
+        tree = [root, *(cache.child(root, i) for i in range(capacity))]
+        assert cache.put_rows(tree, torch.ones(len(tree), V), walked=1) >= 1
+        assert cache.bytes <= cache.max_bytes
+        roots.append((prompt, root))
+    prompt, root = roots[1]
+    assert cache.key(prompt) == root and cache.get(root) is not None  # regenerate: a hit
+
+
 def test_a_hit_protects_its_row():
     cache, capacity = _cache_for_rows()
     first = [cache.key([0, i]) for i in range(capacity)]
