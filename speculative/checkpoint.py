@@ -23,6 +23,15 @@ from speculative.config import ModelConfig, UnsupportedModelError
 from speculative.model import Transformer, rope_inv_freq
 from speculative.tokenizer import Tokenizer
 
+# The safetensors names of the dtypes packed tensors are stored in.
+_SAFETENSORS_NAMES = {
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+}
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # --dtype / models.dtype: one of DTYPES, or auto (see `dtype_candidates`).
 DTYPE_CHOICES = ("auto", *DTYPES)
@@ -173,6 +182,10 @@ def load_model(
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {name: p.shape for name, p in model.named_parameters()}  # tied: embed only
+    # Packed projections' stored tensors (speculative/quant.py) are buffers kept in the
+    # dtype the format stores them in; parameters take the compute dtype.
+    stored = dict(_stored_buffers(model))
+    expected.update({name: b.shape for name, b in stored.items()})
     tied = cfg.tie_word_embeddings
     files = weight_files(checkpoint.path)
     total = sum(f.stat().st_size for f in files)
@@ -182,6 +195,7 @@ def load_model(
     seen: set[str] = set()
     unexpected: list[str] = []
     wrong_shape: list[str] = []
+    wrong_dtype: list[str] = []
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
@@ -202,11 +216,15 @@ def load_model(
                 if shape != tuple(expected[name]):
                     wrong_shape.append(f"{hf_name} {shape} (expected {tuple(expected[name])})")
                     continue
+                want = stored[name].dtype if name in stored else dtype
+                if name in stored and sl.get_dtype() != _SAFETENSORS_NAMES.get(want):
+                    wrong_dtype.append(f"{hf_name} {sl.get_dtype()} (expected {want})")
+                    continue
                 seen.add(name)
                 if skip is not None and skip(name):
-                    _assign(model, name, torch.empty(shape, dtype=dtype, device="meta"))
+                    _assign(model, name, torch.empty(shape, dtype=want, device="meta"))
                     continue
-                tensor = f.get_tensor(hf_name).to(device=device, dtype=dtype)
+                tensor = f.get_tensor(hf_name).to(device=device, dtype=want)
                 _assign(model, name, tensor)
                 if reporter:
                     reporter.advance(tensor.numel() * tensor.element_size())
@@ -220,6 +238,8 @@ def load_model(
         problems.append("unexpected tensors: " + ", ".join(sorted(unexpected)))
     if wrong_shape:
         problems.append("wrongly shaped tensors: " + "; ".join(wrong_shape))
+    if wrong_dtype:
+        problems.append("packed tensors of another dtype: " + "; ".join(wrong_dtype))
     if problems:
         raise CheckpointError(f"{checkpoint.path}: " + "; ".join(problems))
     if tied:
@@ -232,10 +252,23 @@ def _hf_names(names: list[str]) -> list[str]:
     return [n if n.startswith("lm_head") else f"model.{n}" for n in names]
 
 
+def _stored_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The persistent buffers (a checkpoint stores them; RoPE tables are recomputed)."""
+    return [
+        (f"{owner}.{name}" if owner else name, buf)
+        for owner, module in model.named_modules()
+        for name, buf in module._buffers.items()
+        if buf is not None and name not in module._non_persistent_buffers_set
+    ]
+
+
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner_name, _, attr = name.rpartition(".")
     owner = model.get_submodule(owner_name)
-    owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+    if attr in owner._buffers:
+        owner._buffers[attr] = tensor
+    else:
+        owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
 
 
 class _Progress:
