@@ -114,10 +114,14 @@ class GPTQLinear(PackedLinear):
     ) -> None:
         super().__init__(in_features, out_features, bias, bits)
         groups = in_features // group
-        self.register_buffer("qweight", torch.zeros(in_features * bits // 32, out_features, dtype=torch.int32))
-        self.register_buffer("qzeros", torch.zeros(groups, out_features * bits // 32, dtype=torch.int32))
+        self.register_buffer(
+            "qweight", torch.zeros(in_features * bits // 32, out_features, dtype=torch.int32)
+        )
+        self.register_buffer(
+            "qzeros", torch.zeros(groups, out_features * bits // 32, dtype=torch.int32)
+        )
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
-        self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32))  # fmt: skip
+        self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32))
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         work = _work_dtype(self.scales.dtype, dtype)
@@ -142,9 +146,11 @@ class AWQLinear(PackedLinear):
         super().__init__(in_features, out_features, bias, 4)
         groups = in_features // group
         self.group = group
-        self.register_buffer("qweight", torch.zeros(in_features, out_features // 8, dtype=torch.int32))
+        self.register_buffer(
+            "qweight", torch.zeros(in_features, out_features // 8, dtype=torch.int32)
+        )
         self.register_buffer("qzeros", torch.zeros(groups, out_features // 8, dtype=torch.int32))
-        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))  # fmt: skip
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
 
     def _natural(self, words: torch.Tensor) -> torch.Tensor:
         """(rows, out/8) words → (rows, out) codes in output order."""
@@ -185,11 +191,15 @@ class CompressedLinear(PackedLinear):
         super().__init__(in_features, out_features, bias, bits)
         groups = in_features // group
         self.group = group
-        self.register_buffer("weight_packed", torch.zeros(out_features, in_features * bits // 32, dtype=torch.int32))
+        self.register_buffer(
+            "weight_packed", torch.zeros(out_features, in_features * bits // 32, dtype=torch.int32)
+        )
         self.register_buffer("weight_scale", torch.zeros(out_features, groups, dtype=scale_dtype))
         self.register_buffer("weight_shape", torch.zeros(2, dtype=torch.int64))
-        zero = None if symmetric else torch.zeros(out_features * bits // 32, groups, dtype=torch.int32)
-        self.register_buffer("weight_zero_point", zero)  # fmt: skip
+        zero = (
+            None if symmetric else torch.zeros(out_features * bits // 32, groups, dtype=torch.int32)
+        )
+        self.register_buffer("weight_zero_point", zero)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         work = _work_dtype(self.weight_scale.dtype, dtype)
