@@ -21,6 +21,7 @@ from torch import nn
 
 from speculative.config import ModelConfig, UnsupportedModelError
 from speculative.model import Transformer, rope_inv_freq
+from speculative.quant import SUPPORTED_FORMATS
 from speculative.tokenizer import Tokenizer
 
 # The safetensors names of the dtypes packed tensors are stored in.
@@ -156,7 +157,13 @@ def weight_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         bins = sorted(p.name for p in path.glob("*.bin"))
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
         hint = f" (found {', '.join(bins)}: convert to safetensors)" if bins else ""
+        if ggufs:
+            hint = (
+                f" (found {', '.join(ggufs)}: GGUF is not supported; specd loads safetensors, "
+                f"quantized as {'; '.join(SUPPORTED_FORMATS)})"
+            )
         raise CheckpointError(f"{path}: no *.safetensors weights{hint}")
     return files
 

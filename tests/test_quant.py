@@ -15,11 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-from daemon.placement import footprint
+from daemon.placement import OffloadRequest, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
 from offload.layout import FlatLayout
+from offload.plan import Budget, make_plan
 from scripts.real_shapes import full_config
-from speculative.checkpoint import load, open_checkpoint
+from speculative.checkpoint import CheckpointError, load, open_checkpoint
 from speculative.config import ModelConfig
 from speculative.generation import Generation
 from speculative.model import Transformer
@@ -310,3 +311,29 @@ def test_plan_counts_packed_bytes_per_layer(shape: str, method: str) -> None:
     with torch.device("meta"):
         layer = Transformer(config).to(torch.bfloat16).layers[0]  # type: ignore[index]
     assert FlatLayout.of(layer).nbytes == packed.layer_bytes
+
+
+def test_a_4bit_70b_streams_from_ram_on_a_desktop() -> None:
+    """24 GB GPU, 64 GB RAM, a 1B draft: the bf16 70B's streamed layers do not fit in RAM
+    (disk tier); the 4-bit one's do."""
+    draft = footprint(full_config("llama-3.2-1b"), torch.bfloat16, "1B")
+    gpu = Budget("cuda", int(24e9), "configured", int(64e9), "configured", 25e9, "configured")
+    tiers = {}
+    for label, config in (
+        ("bf16", full_config("llama-3.1-70b")),
+        ("gptq-4bit", quantized_config("llama-3.1-70b", FORMATS["gptq"])),
+    ):
+        target = footprint(config, torch.bfloat16, label)
+        plan = make_plan(plan_request(target, draft, 8192, OffloadRequest()), gpu)
+        assert plan.streamed_layers > 0
+        tiers[label] = plan.host_tier
+    assert tiers == {"bf16": "disk", "gptq-4bit": "ram"}
+
+
+def test_a_gguf_folder_is_refused_naming_gguf(quantized: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    shutil.copy(quantized / "gptq-w4-g32" / "config.json", folder / "config.json")
+    (folder / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
+    with pytest.raises(CheckpointError, match=r"model-Q4_K_M\.gguf: GGUF is not supported.*awq"):
+        load(folder, "fp32")
