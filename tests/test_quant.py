@@ -336,4 +336,4 @@ def test_a_gguf_folder_is_refused_naming_gguf(quantized: Path, tmp_path: Path) -
     shutil.copy(quantized / "gptq-w4-g32" / "config.json", folder / "config.json")
     (folder / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
     with pytest.raises(CheckpointError, match=r"model-Q4_K_M\.gguf: GGUF is not supported.*awq"):
-        load(folder, "fp32")
+        open_checkpoint(folder).weight_files()
