@@ -21,7 +21,7 @@ from torch import nn
 
 from speculative.config import ModelConfig, UnsupportedModelError
 from speculative.model import Transformer, rope_inv_freq
-from speculative.quant import SUPPORTED_FORMATS
+from speculative.quant import SUPPORTED_FORMATS, PackedLinear
 from speculative.tokenizer import Tokenizer
 
 # The safetensors names of the dtypes packed tensors are stored in.
@@ -215,6 +215,12 @@ def load_model(
                     if "embed_tokens.weight" in seen:
                         continue
                     name = "embed_tokens.weight"
+                if name not in expected and _is_unused_packed_bias(model, name):
+                    # GPTQ exporters (AutoGPTQ, GPTQ-for-LLaMa) store a bias for every
+                    # quantized projection, zeros where the model has none.
+                    if torch.count_nonzero(f.get_tensor(hf_name)):
+                        unexpected.append(f"{hf_name} (non-zero, the config has no such bias)")
+                    continue
                 if name not in expected:
                     unexpected.append(hf_name)
                     continue
@@ -267,6 +273,15 @@ def _stored_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         for name, buf in module._buffers.items()
         if buf is not None and name not in module._non_persistent_buffers_set
     ]
+
+
+def _is_unused_packed_bias(model: nn.Module, name: str) -> bool:
+    owner_name, _, attr = name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+    except AttributeError:
+        return False
+    return attr == "bias" and isinstance(owner, PackedLinear) and owner.bias is None
 
 
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

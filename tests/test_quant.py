@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from daemon.placement import OffloadRequest, footprint, plan_request
@@ -337,3 +338,31 @@ def test_a_gguf_folder_is_refused_naming_gguf(quantized: Path, tmp_path: Path) -
     (folder / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
     with pytest.raises(CheckpointError, match=r"model-Q4_K_M\.gguf: GGUF is not supported.*awq"):
         open_checkpoint(folder).weight_files()
+
+
+def with_biases(folder: Path, tmp_path: Path, value: float) -> Path:
+    """The folder with a `<m>.bias` stored for every quantized projection, as AutoGPTQ and
+    GPTQ-for-LLaMa export Llama checkpoints (zeros: Llama has no projection bias)."""
+    copy = tmp_path / f"{folder.name}-bias"
+    shutil.copytree(folder, copy)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for key in [k for k in tensors if k.endswith(".scales")]:
+        out = tensors[key].shape[1]
+        tensors[key.removesuffix("scales") + "bias"] = torch.full((out,), value).half()
+    (copy / "model.safetensors").chmod(0o644)
+    save_file(tensors, str(copy / "model.safetensors"))
+    return copy
+
+
+def test_gptq_exporters_zero_biases_are_accepted(quantized: Path, tmp_path: Path) -> None:
+    folder = quantized / "gptq-w4-g32"
+    model, _, _ = load(with_biases(folder, tmp_path, 0.0), "fp32")
+    reference, _, _ = load(folder, "fp32")
+    ids = torch.tensor(expected(folder)[0][0])
+    positions = torch.arange(len(ids))
+    assert torch.equal(
+        model(ids, positions, model.new_cache(16)),
+        reference(ids, positions, reference.new_cache(16)),
+    )
+    with pytest.raises(CheckpointError, match=r"down_proj\.bias \(non-zero"):
+        load(with_biases(folder, tmp_path / "nonzero", 0.5), "fp32")
