@@ -14,6 +14,7 @@ What differs is which dimension is packed, the code order and the zero point's c
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,16 +57,18 @@ def unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return codes.reshape(sizes)
 
 
-class PackedLinear(nn.Module):
-    """A Linear whose weight is stored packed; `dequantize(dtype)` rebuilds it ([out, in])."""
+class PackedLinear(nn.Module, ABC):
+    """A Linear whose weight is stored packed; `dequantize(dtype)` rebuilds it ([out, in])
+    for one use. Each format is a subclass holding that format's stored tensors."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int) -> None:
         super().__init__()
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
+    @abstractmethod
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError  # each format below
+        """The weight, [out, in], in `dtype`: a temporary, never kept."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.dequantize(x.dtype), self.bias)
