@@ -33,28 +33,35 @@ SUPPORTED_FORMATS = (
 _SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 # AWQ GEMM stores output 8c + AWQ_ORDER[i] of word c in code i (even outputs in the low
-# nibbles); code AWQ_UNDO[j] holds output 8c + j.
+# nibbles, odd ones in the high).
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-AWQ_UNDO = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 class UnsupportedQuantizationError(ValueError):
     """config.json's quantization_config names a format or option specd cannot load."""
 
 
-def unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """The codes of int32 `words`, each word's 32/bits codes expanded in place along `dim`
-    (code 0 first), as int32 in 0 .. 2^bits - 1."""
+def unpack(
+    words: torch.Tensor,
+    bits: int,
+    dim: int,
+    dtype: torch.dtype = torch.int32,
+    order: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """The codes of int32 `words` (values 0 .. 2^bits - 1) as `dtype`, each word's 32/bits
+    codes expanded in place along `dim`: code i at position `order[i]` within its word's
+    run (code i at i by default). One code position at a time, so the only temporaries are
+    a word-sized slice, not an int32 copy of the whole weight."""
     per_word = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)  # (per_word,)
+    order = order or tuple(range(per_word))
     dim = dim % words.dim()
-    shape = [1] * (words.dim() + 1)
-    shape[dim + 1] = per_word
-    # An arithmetic shift fills the high bits with the sign; the mask drops them.
-    codes = (words.unsqueeze(dim + 1) >> shifts.view(shape)) & ((1 << bits) - 1)
     sizes = list(words.shape)
-    sizes[dim] *= per_word
-    return codes.reshape(sizes)
+    sizes.insert(dim + 1, per_word)
+    out = torch.empty(sizes, dtype=dtype, device=words.device)
+    for code, position in enumerate(order):
+        # An arithmetic shift fills the high bits with the sign; the mask drops them.
+        out.select(dim + 1, position).copy_((words >> (code * bits)) & ((1 << bits) - 1))
+    return out.flatten(dim, dim + 1)
 
 
 class PackedLinear(nn.Module, ABC):
@@ -128,10 +135,11 @@ class GPTQLinear(PackedLinear):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         work = _work_dtype(self.scales.dtype, dtype)
-        codes = unpack(self.qweight, self.bits, 0)  # (in, out)
-        zeros = unpack(self.qzeros, self.bits, 1) + 1  # (G, out): v1 stores zero - 1
         group = self.g_idx.long()  # (in,)
-        weight = (codes - zeros[group]).to(work) * self.scales[group].to(work)  # (in, out)
+        zeros = unpack(self.qzeros, self.bits, 1, work) + 1  # (G, out): v1 stores zero - 1
+        weight = unpack(self.qweight, self.bits, 0, work)  # (in, out) codes
+        weight -= zeros[group]  # integers: exact
+        weight *= self.scales.to(work)[group]  # the one rounding
         return weight.t().to(dtype)  # (out, in)
 
 
@@ -155,18 +163,14 @@ class AWQLinear(PackedLinear):
         self.register_buffer("qzeros", torch.zeros(groups, out_features // 8, dtype=torch.int32))
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
 
-    def _natural(self, words: torch.Tensor) -> torch.Tensor:
-        """(rows, out/8) words → (rows, out) codes in output order."""
-        codes = unpack(words, 4, 1).view(words.shape[0], -1, 8)  # (rows, out/8, 8)
-        undo = torch.tensor(AWQ_UNDO, device=words.device)
-        return codes.index_select(2, undo).reshape(words.shape[0], -1)
-
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         work = _work_dtype(self.scales.dtype, dtype)
-        codes = self._natural(self.qweight)  # (in, out)
-        zeros = self._natural(self.qzeros).repeat_interleave(self.group, 0)  # (in, out)
-        scales = self.scales.repeat_interleave(self.group, 0).to(work)  # (in, out)
-        return ((codes - zeros).to(work) * scales).t().to(dtype)  # (out, in)
+        weight = unpack(self.qweight, 4, 1, work, AWQ_ORDER)  # (in, out) codes
+        zeros = unpack(self.qzeros, 4, 1, work, AWQ_ORDER)  # (G, out)
+        by_group = weight.view(zeros.shape[0], self.group, -1)  # (G, group, out)
+        by_group -= zeros[:, None, :]
+        by_group *= self.scales.to(work)[:, None, :]
+        return weight.t().to(dtype)  # (out, in)
 
 
 class CompressedLinear(PackedLinear):
@@ -206,13 +210,16 @@ class CompressedLinear(PackedLinear):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         work = _work_dtype(self.weight_scale.dtype, dtype)
-        offset = 1 << (self.bits - 1)
-        values = unpack(self.weight_packed, self.bits, 1) - offset  # (out, in)
-        if self.weight_zero_point is not None:
-            zeros = unpack(self.weight_zero_point, self.bits, 0) - offset  # (out, G)
-            values = values - zeros.repeat_interleave(self.group, 1)
-        scales = self.weight_scale.repeat_interleave(self.group, 1).to(work)  # (out, in)
-        return (values.to(work) * scales).to(dtype)
+        offset = 1 << (self.bits - 1)  # codes are the signed value + 2^(b-1)
+        weight = unpack(self.weight_packed, self.bits, 1, work)  # (out, in) codes
+        by_group = weight.view(self.out_features, -1, self.group)  # (out, G, group)
+        if self.weight_zero_point is None:
+            by_group -= offset
+        else:
+            # value - zero = (code - offset) - (zero code - offset) = code - zero code
+            by_group -= unpack(self.weight_zero_point, self.bits, 0, work)[:, :, None]
+        by_group *= self.weight_scale.to(work)[:, :, None]
+        return weight.to(dtype)
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,13 @@ from speculative.generation import Generation
 from speculative.model import Transformer
 from speculative.quant import (
     AWQ_ORDER,
-    AWQ_UNDO,
     AWQLinear,
     CompressedLinear,
     GPTQLinear,
     PackedLinear,
     UnsupportedQuantizationError,
     parse_quantization,
+    unpack,
 )
 from speculative.sampling import SamplingParams
 
@@ -242,8 +242,16 @@ def test_packed_tensors_keep_their_stored_dtypes_through_to(quantized: Path) -> 
     assert torch.equal(down(x), torch.nn.functional.linear(x, exact))
 
 
-def test_awq_interleave_is_undone() -> None:
-    assert [AWQ_ORDER[AWQ_UNDO[j]] for j in range(8)] == list(range(8))
+def test_awq_interleave_puts_even_outputs_in_the_low_nibbles() -> None:
+    # One word whose code i holds the value i: output 8c + AWQ_ORDER[i] gets i.
+    word = sum(i << (4 * i) for i in range(8))  # 0x76543210
+    codes = unpack(torch.tensor([[word]], dtype=torch.int32), 4, 1, order=AWQ_ORDER)
+    assert codes.tolist() == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    assert AWQ_ORDER == (0, 2, 4, 6, 1, 3, 5, 7)
+    # Top bit set: the stored int32 is negative, the codes are still unsigned nibbles.
+    word = sum((15 - i) << (4 * i) for i in range(8)) - (1 << 32)
+    codes = unpack(torch.tensor([[word]], dtype=torch.int32), 4, 1)
+    assert codes.tolist() == [[15, 14, 13, 12, 11, 10, 9, 8]]
 
 
 # --- the plan: packed bytes from config.json alone -------------------------------------
