@@ -55,6 +55,7 @@ class _Entry:
     slot: tuple[int, int] | None = None  # (chunk, row) holding the logits after this prefix
     store: int = 0  # the put_rows call that wrote the row
     walked: bool = False  # a walk went through this row: kept before unwalked rows
+    children: int = 0  # interned prefixes one token longer
 
 
 @dataclass
@@ -94,8 +95,9 @@ class PrefixCache:
         self.row_bytes = 0  # set by the first store (vocabulary × dtype size)
         self._ids: dict[tuple[int, int], int] = {}
         self._entries: dict[int, _Entry] = {}  # every interned prefix
-        # Interned prefixes without a row, least recently used first, and those holding a
-        # row: walked ones and unwalked ones, least recently used first.
+        # Interned prefixes without a row and without children (the only bare ones that may
+        # go: dropping an inner prefix would cut every row below it off), least recently
+        # used first; and those holding a row: walked and unwalked, least recently used first.
         self._bare: OrderedDict[int, None] = OrderedDict()
         self._walked: OrderedDict[int, None] = OrderedDict()
         self._unwalked: OrderedDict[int, None] = OrderedDict()
@@ -148,6 +150,10 @@ class PrefixCache:
             self._ids[edge] = key
             self._entries[key] = _Entry(edge)
             self._bare[key] = None
+            parent = self._entries.get(prefix)
+            if parent is not None:
+                parent.children += 1
+                self._bare.pop(prefix, None)  # an inner prefix now
             self.bytes += ENTRY_OVERHEAD
             self._evict()
         elif key in self._bare:
@@ -211,7 +217,7 @@ class PrefixCache:
                 entry.slot = self._slot(take_walked=entry.walked or i < walked)
                 if entry.slot is None:
                     break  # every slot it may take holds a more valuable row
-                del self._bare[key]
+                self._bare.pop(key, None)  # (an inner prefix is in no index)
                 self.bytes += self.row_bytes
             else:
                 self._segment(entry).pop(key)
@@ -286,23 +292,39 @@ class PrefixCache:
         assert slot is not None, "only entries holding a row are in a row segment"
         del self._segment(entry)[key]
         entry.slot = None
-        self._bare[key] = None
+        if not entry.children:
+            self._bare[key] = None
         self.bytes -= self.row_bytes
         self.stats.evictions += 1
         return slot
 
     def _evict(self) -> None:
-        """Until the byte bound holds: least recently used prefixes without a row while they
-        take more than their share (their edges go; what hung below becomes unreachable
-        and ages out), else rows, unwalked ones first (their prefixes stay, without a row:
-        a tree's keys are interned before its rows are stored, and must survive that)."""
+        """Until the byte bound holds: least recently used bare leaves (prefixes with neither
+        a row nor children; their parent may become one) while bare prefixes take more than
+        their share, else rows, unwalked ones first (their prefixes stay, without a row: a
+        tree's keys are interned before its rows are stored, and must survive that). Leaves
+        only: a long prompt's prefixes are interned before the rows below them, so evicting
+        by age alone would drop the prompt's first prefix and with it every row of its trees."""
         share = self.max_bytes // ENTRY_SHARE
         while self.bytes > self.max_bytes:
             rows = self._unwalked or self._walked
-            if self._bare and (len(self._bare) * ENTRY_OVERHEAD > share or not rows):
+            bare = len(self._entries) - len(self._walked) - len(self._unwalked)
+            if self._bare and (bare * ENTRY_OVERHEAD > share or not rows):
                 key, _ = self._bare.popitem(last=False)
-                del self._ids[self._entries.pop(key).edge]
-                self.bytes -= ENTRY_OVERHEAD
+                self._drop_prefix(key)
                 continue
+            if not rows:
+                break  # nothing evictable (a bare inner prefix always has a leaf or row below)
             key = next(iter(rows))
             self._free.append(self._take_row(key, self._entries[key]))
+
+    def _drop_prefix(self, key: int) -> None:
+        entry = self._entries.pop(key)
+        del self._ids[entry.edge]
+        self.bytes -= ENTRY_OVERHEAD
+        parent = self._entries.get(entry.edge[0])
+        if parent is not None:
+            parent.children -= 1
+            if not parent.children and parent.slot is None:
+                self._bare[entry.edge[0]] = None  # a leaf now, as old as its last child was
+                self._bare.move_to_end(entry.edge[0], last=False)

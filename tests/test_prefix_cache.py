@@ -164,6 +164,25 @@ def test_walked_rows_outlive_rows_that_were_only_verified():
     assert cache.rows == capacity and cache.bytes <= cache.max_bytes
 
 
+def test_a_long_prompt_keeps_the_path_to_its_rows():
+    """A prompt's prefixes are interned before any row below them; with more of them than
+    the index's share (a 32k-token prompt is 16 MiB of prefixes) the cache must drop bare
+    leaves, never the prompt's first prefixes: that cut every row of its trees off, and a
+    regenerated answer found nothing (bench_scale at context 32,768: 0 hits)."""
+    cache, capacity = _cache_for_rows()
+    prompt = list(range(3 * cache.max_bytes // ENTRY_SHARE // ENTRY_OVERHEAD))
+    root = cache.key(prompt)
+    stale = [cache.key([10**6, i]) for i in range(50)]  # bare leaves of an older request
+    tree = [root, *(cache.child(root, 10**6 + i) for i in range(capacity - 1))]
+    cache.put_rows(tree, torch.ones(capacity, V), walked=1)
+    assert cache.bytes <= cache.max_bytes
+    assert cache.key(prompt) == root, "the prompt's prefixes are still interned"
+    assert cache.get(root) is not None
+    # Bare leaves went first, the oldest first: the stale request's, then the tree's own
+    # unwalked nodes' rows if room was still short.
+    assert cache.key([10**6, 0]) != stale[0]
+
+
 def test_a_hit_protects_its_row():
     cache, capacity = _cache_for_rows()
     first = [cache.key([0, i]) for i in range(capacity)]
