@@ -258,7 +258,8 @@ def place_target(
     streamed = list(range(plan.resident_layers, len(layers)))
     sources = None
     if plan.host_tier == "disk":
-        names = [name for name, _ in layers[0].named_parameters()]
+        # Every tensor the streamer moves, packed projections' buffers included.
+        names = [entry.name for entry in FlatLayout.of(layers[0]).tensors]
         sources = disk_sources(checkpoint, streamed, names)
     streamer = build_streamer(
         layers, resident, device, plan.slots, plan.host_tier or "ram", sources

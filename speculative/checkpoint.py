@@ -21,7 +21,17 @@ from torch import nn
 
 from speculative.config import ModelConfig, UnsupportedModelError
 from speculative.model import Transformer, rope_inv_freq
+from speculative.quant import SUPPORTED_FORMATS, PackedLinear
 from speculative.tokenizer import Tokenizer
+
+# The safetensors names of the dtypes packed tensors are stored in.
+_SAFETENSORS_NAMES = {
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+}
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # --dtype / models.dtype: one of DTYPES, or auto (see `dtype_candidates`).
@@ -147,7 +157,13 @@ def weight_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         bins = sorted(p.name for p in path.glob("*.bin"))
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
         hint = f" (found {', '.join(bins)}: convert to safetensors)" if bins else ""
+        if ggufs:
+            hint = (
+                f" (found {', '.join(ggufs)}: GGUF is not supported; specd loads safetensors, "
+                f"quantized as {'; '.join(SUPPORTED_FORMATS)})"
+            )
         raise CheckpointError(f"{path}: no *.safetensors weights{hint}")
     return files
 
@@ -173,6 +189,10 @@ def load_model(
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {name: p.shape for name, p in model.named_parameters()}  # tied: embed only
+    # Packed projections' stored tensors (speculative/quant.py) are buffers kept in the
+    # dtype the format stores them in; parameters take the compute dtype.
+    stored = dict(_stored_buffers(model))
+    expected.update({name: b.shape for name, b in stored.items()})
     tied = cfg.tie_word_embeddings
     files = weight_files(checkpoint.path)
     total = sum(f.stat().st_size for f in files)
@@ -182,6 +202,7 @@ def load_model(
     seen: set[str] = set()
     unexpected: list[str] = []
     wrong_shape: list[str] = []
+    wrong_dtype: list[str] = []
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
@@ -194,6 +215,12 @@ def load_model(
                     if "embed_tokens.weight" in seen:
                         continue
                     name = "embed_tokens.weight"
+                if name not in expected and _is_unused_packed_bias(model, name):
+                    # GPTQ exporters (AutoGPTQ, GPTQ-for-LLaMa) store a bias for every
+                    # quantized projection, zeros where the model has none.
+                    if torch.count_nonzero(f.get_tensor(hf_name)):
+                        unexpected.append(f"{hf_name} (non-zero, the config has no such bias)")
+                    continue
                 if name not in expected:
                     unexpected.append(hf_name)
                     continue
@@ -202,11 +229,15 @@ def load_model(
                 if shape != tuple(expected[name]):
                     wrong_shape.append(f"{hf_name} {shape} (expected {tuple(expected[name])})")
                     continue
+                want = stored[name].dtype if name in stored else dtype
+                if name in stored and sl.get_dtype() != _SAFETENSORS_NAMES.get(want):
+                    wrong_dtype.append(f"{hf_name} {sl.get_dtype()} (expected {want})")
+                    continue
                 seen.add(name)
                 if skip is not None and skip(name):
-                    _assign(model, name, torch.empty(shape, dtype=dtype, device="meta"))
+                    _assign(model, name, torch.empty(shape, dtype=want, device="meta"))
                     continue
-                tensor = f.get_tensor(hf_name).to(device=device, dtype=dtype)
+                tensor = f.get_tensor(hf_name).to(device=device, dtype=want)
                 _assign(model, name, tensor)
                 if reporter:
                     reporter.advance(tensor.numel() * tensor.element_size())
@@ -220,6 +251,8 @@ def load_model(
         problems.append("unexpected tensors: " + ", ".join(sorted(unexpected)))
     if wrong_shape:
         problems.append("wrongly shaped tensors: " + "; ".join(wrong_shape))
+    if wrong_dtype:
+        problems.append("packed tensors of another dtype: " + "; ".join(wrong_dtype))
     if problems:
         raise CheckpointError(f"{checkpoint.path}: " + "; ".join(problems))
     if tied:
@@ -232,10 +265,32 @@ def _hf_names(names: list[str]) -> list[str]:
     return [n if n.startswith("lm_head") else f"model.{n}" for n in names]
 
 
+def _stored_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The persistent buffers (a checkpoint stores them; RoPE tables are recomputed)."""
+    return [
+        (f"{owner}.{name}" if owner else name, buf)
+        for owner, module in model.named_modules()
+        for name, buf in module._buffers.items()
+        if buf is not None and name not in module._non_persistent_buffers_set
+    ]
+
+
+def _is_unused_packed_bias(model: nn.Module, name: str) -> bool:
+    owner_name, _, attr = name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+    except AttributeError:
+        return False
+    return attr == "bias" and isinstance(owner, PackedLinear) and owner.bias is None
+
+
 def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner_name, _, attr = name.rpartition(".")
     owner = model.get_submodule(owner_name)
-    owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+    if attr in owner._buffers:
+        owner._buffers[attr] = tensor
+    else:
+        owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
 
 
 class _Progress:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from speculative.quant import QuantizationSpec, parse_quantization
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
@@ -50,6 +52,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    # config.json's quantization_config: its projections are packed (speculative/quant.py)
+    quantization: QuantizationSpec | None = None
 
     @property
     def max_context(self) -> int:
@@ -113,6 +117,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            quantization=parse_quantization(raw, source),
         )
 
     def parameter_count(self) -> int:

@@ -18,6 +18,7 @@ from torch import nn
 
 from speculative.config import ModelConfig, RopeConfig
 from speculative.kv_cache import KVCache
+from speculative.quant import PackedLinear
 
 
 class RMSNorm(nn.Module):
@@ -66,11 +67,21 @@ def apply_rope(
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def _linear(module: nn.Linear | PackedLinear, x: torch.Tensor) -> torch.Tensor:
     """`module(x)` without nn.Module's call machinery (hooks are never used here), which at
-    decode sizes costs as much as the matmul itself. Reads the parameters at call time, so
-    a streamer that rebinds them keeps working."""
+    decode sizes costs as much as the matmul itself. Reads the tensors at call time, so a
+    streamer that rebinds them keeps working. A packed projection's weight is rebuilt in
+    the compute dtype for this call only."""
+    if isinstance(module, PackedLinear):
+        return F.linear(x, module.dequantize(x.dtype), module.bias)
     return F.linear(x, module.weight, module.bias)
+
+
+def _projection(cfg: ModelConfig, n_in: int, n_out: int, bias: bool) -> nn.Linear | PackedLinear:
+    """A decoder projection: packed as config.json's quantization_config says, else plain."""
+    if cfg.quantization is not None:
+        return cfg.quantization.linear(n_in, n_out, bias)
+    return nn.Linear(n_in, n_out, bias=bias)
 
 
 class Attention(nn.Module):
@@ -78,10 +89,10 @@ class Attention(nn.Module):
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
-        self.q_proj = nn.Linear(d, cfg.num_heads * hd, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(d, cfg.num_kv_heads * hd, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=cfg.o_bias)
+        self.q_proj = _projection(cfg, d, cfg.num_heads * hd, cfg.qkv_bias)
+        self.k_proj = _projection(cfg, d, cfg.num_kv_heads * hd, cfg.qkv_bias)
+        self.v_proj = _projection(cfg, d, cfg.num_kv_heads * hd, cfg.qkv_bias)
+        self.o_proj = _projection(cfg, cfg.num_heads * hd, d, cfg.o_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -189,9 +200,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(d, f, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(f, d, bias=cfg.mlp_bias)
+        self.gate_proj = _projection(cfg, d, f, cfg.mlp_bias)
+        self.up_proj = _projection(cfg, d, f, cfg.mlp_bias)
+        self.down_proj = _projection(cfg, f, d, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(

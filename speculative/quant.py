@@ -1,0 +1,347 @@
+"""Quantized checkpoints as published: GPTQ (v1), AWQ (GEMM) and compressed-tensors
+`pack-quantized`, kept packed.
+
+Each quantized projection is a `PackedLinear` holding the checkpoint's own tensors, under
+their own names and in their stored dtypes, as buffers: the offloader packs, streams and
+reads them from the files like any other tensors, so a layer moves at its packed size. The
+weight is rebuilt just before use (`dequantize`, plain PyTorch ops) and never kept.
+
+In all three formats an int32 word holds 32/b codes of b bits, code i at bits i·b (code 0
+lowest); the dequantized weight is (code - zero point) × scale per output row and group.
+What differs is which dimension is packed, the code order and the zero point's convention
+(../shared/models/quantized/README.md describes each on real files).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_FORMATS = (
+    "gptq (checkpoint_format gptq, 4 or 8 bits)",
+    "awq (version gemm, 4 bits, zero point)",
+    "compressed-tensors (format pack-quantized, int weights of 4 or 8 bits)",
+)
+
+# The float tensors of a packed module keep their stored dtype through `module.to(dtype)`:
+# for the move they are viewed as integers of the same width (see PackedLinear._apply).
+_SAME_WIDTH_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+# AWQ GEMM stores output 8c + AWQ_ORDER[i] of word c in code i (even outputs in the low
+# nibbles, odd ones in the high).
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+class UnsupportedQuantizationError(ValueError):
+    """config.json's quantization_config names a format or option specd cannot load."""
+
+
+def unpack(
+    words: torch.Tensor,
+    bits: int,
+    dim: int,
+    dtype: torch.dtype = torch.int32,
+    order: tuple[int, ...] | None = None,
+) -> torch.Tensor:
+    """The codes of int32 `words` (values 0 .. 2^bits - 1) as `dtype`, each word's 32/bits
+    codes expanded in place along `dim`: code i at position `order[i]` within its word's
+    run (code i at i by default). One code position at a time, so the only temporaries are
+    a word-sized slice, not an int32 copy of the whole weight."""
+    per_word = 32 // bits
+    order = order or tuple(range(per_word))
+    dim = dim % words.dim()
+    sizes = list(words.shape)
+    sizes.insert(dim + 1, per_word)
+    out = torch.empty(sizes, dtype=dtype, device=words.device)
+    for code, position in enumerate(order):
+        # An arithmetic shift fills the high bits with the sign; the mask drops them.
+        out.select(dim + 1, position).copy_((words >> (code * bits)) & ((1 << bits) - 1))
+    return out.flatten(dim, dim + 1)
+
+
+class PackedLinear(nn.Module, ABC):
+    """A Linear whose weight is stored packed; `dequantize(dtype)` rebuilds it ([out, in])
+    for one use. Each format is a subclass holding that format's stored tensors."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, bits: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    @abstractmethod
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight, [out, in], in `dtype`: a temporary, never kept."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.dequantize(x.dtype), self.bias)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        # `model.to(bf16)` sets the compute dtype; the packed tensors are data in the
+        # checkpoint's layout (fp16 scales stay fp16: the plan counts and the disk tier
+        # reads their stored bytes). Hidden as same-width integers, they move but keep
+        # their bits.
+        floats = {}
+        for name, buf in self._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                floats[name] = buf.dtype
+                self._buffers[name] = buf.view(_SAME_WIDTH_INT[buf.element_size()])
+        super()._apply(fn, recurse)
+        for name, dtype in floats.items():
+            buf = self._buffers[name]
+            assert buf is not None
+            self._buffers[name] = buf.view(dtype)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}"
+
+
+def _work_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """Dequantize in a dtype that holds both the stored scales and the compute dtype exactly
+    ((code - zero) × scale then rounds once), e.g. fp32 for fp16 scales and bf16 compute."""
+    return torch.promote_types(stored, dtype) if stored != dtype else dtype
+
+
+class GPTQLinear(PackedLinear):
+    """GPTQ v1: `qweight` int32 [in·b/32, out] packed along the input (input 8r+i in code i
+    of row r, 4-bit), `qzeros` int32 [G, out·b/32] packed along the output and storing the
+    zero point minus one, `scales` [G, out], `g_idx` int32 [in]: the group of each input
+    (permuted under desc_act, so it is looked up per input, never assumed contiguous).
+    weight[j, k] = scales[g_idx[k], j] × (code[k, j] - (qzeros code[g_idx[k], j] + 1))."""
+
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+    g_idx: torch.Tensor
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, bits: int, group: int
+    ) -> None:
+        super().__init__(in_features, out_features, bias, bits)
+        groups = in_features // group
+        self.register_buffer(
+            "qweight", torch.zeros(in_features * bits // 32, out_features, dtype=torch.int32)
+        )
+        self.register_buffer(
+            "qzeros", torch.zeros(groups, out_features * bits // 32, dtype=torch.int32)
+        )
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
+        self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        work = _work_dtype(self.scales.dtype, dtype)
+        group = self.g_idx.long()  # (in,)
+        zeros = unpack(self.qzeros, self.bits, 1, work) + 1  # (G, out): v1 stores zero - 1
+        weight = unpack(self.qweight, self.bits, 0, work)  # (in, out) codes
+        weight -= zeros[group]  # integers: exact
+        weight *= self.scales.to(work)[group]  # the one rounding
+        return weight.t().to(dtype)  # (out, in)
+
+
+class AWQLinear(PackedLinear):
+    """AWQ GEMM, 4-bit: `qweight` int32 [in, out/8] packed along the output with the
+    interleave AWQ_ORDER, `qzeros` int32 [G, out/8] packed the same way (unsigned, no
+    offset), `scales` [G, out], groups contiguous along the input.
+    weight[j, k] = (code[k, j] - zero[k div group, j]) × scales[k div group, j]."""
+
+    qweight: torch.Tensor
+    qzeros: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group: int) -> None:
+        super().__init__(in_features, out_features, bias, 4)
+        groups = in_features // group
+        self.group = group
+        self.register_buffer(
+            "qweight", torch.zeros(in_features, out_features // 8, dtype=torch.int32)
+        )
+        self.register_buffer("qzeros", torch.zeros(groups, out_features // 8, dtype=torch.int32))
+        self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        work = _work_dtype(self.scales.dtype, dtype)
+        weight = unpack(self.qweight, 4, 1, work, AWQ_ORDER)  # (in, out) codes
+        zeros = unpack(self.qzeros, 4, 1, work, AWQ_ORDER)  # (G, out)
+        by_group = weight.view(zeros.shape[0], self.group, -1)  # (G, group, out)
+        by_group -= zeros[:, None, :]
+        by_group *= self.scales.to(work)[:, None, :]
+        return weight.t().to(dtype)  # (out, in)
+
+
+class CompressedLinear(PackedLinear):
+    """compressed-tensors `pack-quantized`: `weight_packed` int32 [out, in·b/32] packed
+    along the input in plain order, codes stored as the signed value + 2^(b-1);
+    `weight_scale` [out, G]; `weight_shape` int64 [2]; asymmetric: `weight_zero_point` int32
+    [out·b/32, G], packed along the output, also stored + 2^(b-1).
+    weight[j, k] = (value[j, k] - zero[j, k div group]) × weight_scale[j, k div group]."""
+
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_shape: torch.Tensor
+    weight_zero_point: torch.Tensor | None
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        bits: int,
+        group: int,
+        symmetric: bool,
+        scale_dtype: torch.dtype,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, bits)
+        groups = in_features // group
+        self.group = group
+        self.register_buffer(
+            "weight_packed", torch.zeros(out_features, in_features * bits // 32, dtype=torch.int32)
+        )
+        self.register_buffer("weight_scale", torch.zeros(out_features, groups, dtype=scale_dtype))
+        self.register_buffer("weight_shape", torch.zeros(2, dtype=torch.int64))
+        zero = (
+            None if symmetric else torch.zeros(out_features * bits // 32, groups, dtype=torch.int32)
+        )
+        self.register_buffer("weight_zero_point", zero)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        work = _work_dtype(self.weight_scale.dtype, dtype)
+        offset = 1 << (self.bits - 1)  # codes are the signed value + 2^(b-1)
+        weight = unpack(self.weight_packed, self.bits, 1, work)  # (out, in) codes
+        by_group = weight.view(self.out_features, -1, self.group)  # (out, G, group)
+        if self.weight_zero_point is None:
+            by_group -= offset
+        else:
+            # value - zero = (code - offset) - (zero code - offset) = code - zero code
+            by_group -= unpack(self.weight_zero_point, self.bits, 0, work)[:, :, None]
+        by_group *= self.weight_scale.to(work)[:, :, None]
+        return weight.to(dtype)
+
+
+@dataclass(frozen=True)
+class QuantizationSpec:
+    """What config.json's quantization_config says, enough to build every packed module
+    (planning works from config.json alone)."""
+
+    method: str  # "gptq" | "awq" | "compressed-tensors"
+    bits: int
+    group_size: int  # -1: one group spanning the whole input
+    symmetric: bool
+    scale_dtype: torch.dtype  # the stored scales' dtype
+
+    def linear(self, in_features: int, out_features: int, bias: bool) -> PackedLinear:
+        group = in_features if self.group_size == -1 else self.group_size
+        if in_features % group or in_features * self.bits % 32 or out_features * self.bits % 32:
+            raise UnsupportedQuantizationError(
+                f"a {in_features} → {out_features} projection cannot be packed as {self.method} "
+                f"with {self.bits} bits and group size {self.group_size}"
+            )
+        if self.method == "gptq":
+            return GPTQLinear(in_features, out_features, bias, self.bits, group)
+        if self.method == "awq":
+            return AWQLinear(in_features, out_features, bias, group)
+        return CompressedLinear(
+            in_features, out_features, bias, self.bits, group, self.symmetric, self.scale_dtype
+        )
+
+
+_FLOAT_NAMES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _refuse(source: str, what: str) -> UnsupportedQuantizationError:
+    return UnsupportedQuantizationError(
+        f"{source}: quantization_config {what} is not supported; specd loads "
+        + "; ".join(SUPPORTED_FORMATS)
+    )
+
+
+def parse_quantization(raw: dict[str, Any], source: str) -> QuantizationSpec | None:
+    """config.json's quantization_config as a spec, None when there is none; anything this
+    module cannot load exactly is refused here, naming the format."""
+    q = raw.get("quantization_config")
+    if not q:
+        return None
+    method = str(q.get("quant_method", "")).lower()
+    if method == "gptq":
+        return _gptq(q, source)
+    if method == "awq":
+        return _awq(q, source)
+    if method == "compressed-tensors":
+        return _compressed(q, raw, source)
+    raise _refuse(source, f"quant_method {method!r}")
+
+
+def _bits(q: dict[str, Any], key: str, allowed: tuple[int, ...], source: str, fmt: str) -> int:
+    bits = int(q.get(key, 0))
+    if bits not in allowed:
+        raise _refuse(source, f"{fmt} with {bits} bits")
+    return bits
+
+
+def _gptq(q: dict[str, Any], source: str) -> QuantizationSpec:
+    fmt = str(q.get("checkpoint_format") or q.get("format") or "gptq").lower()
+    if fmt != "gptq":
+        raise _refuse(source, f"gptq checkpoint_format {fmt!r} (only 'gptq', the v1 layout)")
+    if q.get("lm_head"):
+        raise _refuse(source, "gptq with a quantized lm_head")
+    if q.get("dynamic"):
+        raise _refuse(source, "gptq with per-module 'dynamic' overrides")
+    if str(q.get("pack_dtype", "int32")) != "int32":
+        raise _refuse(source, f"gptq with pack_dtype {q.get('pack_dtype')!r}")
+    bits = _bits(q, "bits", (4, 8), source, "gptq")
+    return QuantizationSpec(
+        "gptq", bits, int(q.get("group_size", 128)), bool(q.get("sym", True)), torch.float16
+    )
+
+
+def _awq(q: dict[str, Any], source: str) -> QuantizationSpec:
+    version = str(q.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise _refuse(source, f"awq version {version!r} (only 'gemm')")
+    if not q.get("zero_point", True):
+        raise _refuse(source, "awq without zero point")
+    if q.get("modules_to_not_convert"):
+        raise _refuse(source, f"awq modules_to_not_convert {q['modules_to_not_convert']}")
+    bits = _bits(q, "bits", (4,), source, "awq")
+    return QuantizationSpec("awq", bits, int(q.get("group_size", 128)), False, torch.float16)
+
+
+def _compressed(q: dict[str, Any], raw: dict[str, Any], source: str) -> QuantizationSpec:
+    groups = q.get("config_groups") or {}
+    if len(groups) != 1:
+        raise _refuse(source, f"compressed-tensors with {len(groups)} config groups")
+    group = next(iter(groups.values()))
+    fmt = str(group.get("format") or q.get("format") or "")
+    if fmt != "pack-quantized":
+        raise _refuse(source, f"compressed-tensors format {fmt!r} (only 'pack-quantized')")
+    if q.get("sparsity_config") or q.get("transform_config"):
+        raise _refuse(source, "compressed-tensors with sparsity or transforms")
+    if group.get("input_activations") or group.get("output_activations"):
+        raise _refuse(source, "compressed-tensors with quantized activations")
+    if [t for t in group.get("targets", []) if t != "Linear"]:
+        raise _refuse(source, f"compressed-tensors targets {group['targets']}")
+    if [m for m in q.get("ignore", []) if m != "lm_head"]:
+        raise _refuse(source, f"compressed-tensors ignore list {q['ignore']} (only lm_head)")
+    w = group.get("weights") or {}
+    if w.get("type", "int") != "int" or w.get("dynamic") or w.get("block_structure"):
+        raise _refuse(source, "compressed-tensors weights other than static int")
+    if w.get("actorder") not in (None, "static", "weight"):
+        raise _refuse(source, f"compressed-tensors actorder {w['actorder']!r}")
+    strategy = w.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise _refuse(source, f"compressed-tensors weight strategy {strategy!r}")
+    bits = _bits(w, "num_bits", (4, 8), source, "compressed-tensors")
+    scale_name = str(w.get("scale_dtype") or raw.get("torch_dtype") or raw.get("dtype") or "")
+    scale_dtype = _FLOAT_NAMES.get(scale_name.removeprefix("torch."), torch.float32)
+    group_size = int(w["group_size"]) if strategy == "group" else -1
+    return QuantizationSpec(
+        "compressed-tensors", bits, group_size, bool(w.get("symmetric", True)), scale_dtype
+    )
