@@ -146,6 +146,10 @@ def grow_tree(
         with torch.inference_mode():  # the pass returned an inference tensor
             logits.mul_(scale)
         logp, tok, row = _top_children(logits, tree.logprobs[idx], budget - added, max_branch)
+        # Freed before the next pass: held through it, this pass's (t, V) fp32 logits would
+        # add to that pass's attention working set, which at a long context fills the
+        # whole attention chunk (the plan reserves one pass's activations, not two).
+        del logits
         cand_logp = torch.cat((cand_logp, logp))
         cand_token = torch.cat((cand_token, tok))
         cand_parent = torch.cat((cand_parent, idx[row]))

@@ -3,6 +3,8 @@ edge cases (EOS inside the tree, max_tokens mid-round, end of context, penalties
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -93,6 +95,34 @@ def test_draft_tree_rows_are_parent_plus_self():
     assert torch.equal(tree.mask, expected)
     assert tree.depths.tolist() == [0, 1, 1, 2, 2]
     assert tree.children() == {(0, 1): 1, (0, 2): 2, (1, 3): 3, (1, 4): 4}
+
+
+def test_grow_tree_holds_one_draft_pass_of_logits_at_a_time(tiny_pair):
+    """A draft pass's (t, V) fp32 logits are freed before the next pass runs. The plan
+    reserves one pass's activations; at a long context a draft pass's attention fills the
+    whole query chunk (ATTENTION_CHUNK_BYTES), so the previous pass's logits held through
+    it were memory the plan does not have (9 MiB above it at vocabulary 128,256, context
+    32,768, budget 256: scripts/bench_scale.py)."""
+    target, draft = tiny_pair
+    returned: list[weakref.ref] = []
+    alive_at_call: list[int] = []
+    forward = draft.forward
+
+    def counting_forward(*args, **kwargs):
+        # Only grow_tree's own passes: the prefix and the root were fed first.
+        alive_at_call.append(sum(ref() is not None for ref in returned[2:]))
+        logits = forward(*args, **kwargs)
+        returned.append(weakref.ref(logits))
+        return logits
+
+    draft.forward = counting_forward  # type: ignore[method-assign]
+    try:
+        tree, _ = _grown_tree(target, draft, [1, 5, 9, 13], budget=24, depth=4)
+    finally:
+        del draft.forward
+    passes = len(alive_at_call) - 2
+    assert passes >= 2 and tree.size == 25
+    assert alive_at_call[2:] == [0] * passes
 
 
 def test_trie_from_continuations_shares_prefixes_and_respects_budget():
