@@ -71,11 +71,20 @@ class Recorder(TreeSpeculation):
         super().__init__(*args, **kwargs)
         self.captured: list[tuple[DraftTree, torch.Tensor]] = []
 
+    def _draft(self, *args: Any, **kwargs: Any) -> DraftTree:
+        self._tree = super()._draft(*args, **kwargs)
+        return self._tree
+
     def _remember(
-        self, tree: DraftTree, logits: torch.Tensor, root_key: int, path: list[int]
-    ) -> None:
-        self.captured.append((tree, logits.clone()))
-        super()._remember(tree, logits, root_key, path)
+        self,
+        logits: torch.Tensor,
+        root_key: int,
+        path: list[int],
+        tokens: list[int],
+        parents: list[int],
+    ) -> int:
+        self.captured.append((self._tree, logits.clone()))  # this round's tree (`_draft`)
+        return super()._remember(logits, root_key, path, tokens, parents)
 
 
 def record_rounds(

@@ -342,19 +342,21 @@ class Transformer(nn.Module):
             # Rows before `logits_from` only fill the cache (e.g. a prompt folded into a tree
             # verification pass): skip their (T, vocab) head.
             x = x[logits_from:]
-        return self._to_vocab_width(self.lm_head(self.norm(x)).float())
+        return self._to_vocab_width(self.lm_head(self.norm(x)))
 
-    def _to_vocab_width(self, logits: torch.Tensor) -> torch.Tensor:
-        """(T, rows) → (T, vocab_width): surplus rows cut, missing ids at -inf."""
+    def _to_vocab_width(self, head: torch.Tensor) -> torch.Tensor:
+        """The head's (T, rows) output in the model dtype → fp32 logits (T, vocab_width):
+        surplus rows cut before the cast, missing ids at -inf, the cast written straight
+        into the result (a cat after `.float()` held two fp32 copies: 8 bytes per entry
+        where the plan counts the head's output and one fp32 copy)."""
         rows, width = self.config.vocab_size, self.vocab_width
-        if width == rows:
-            return logits
-        if width < rows:
-            return logits[:, :width]
-        missing = torch.full(
-            (logits.shape[0], width - rows), float("-inf"), device=logits.device
-        )  # (T, width - rows)
-        return torch.cat((logits, missing), dim=-1)
+        if width <= rows:
+            return head[:, :width].float()
+        out = torch.full(
+            (head.shape[0], width), float("-inf"), dtype=torch.float32, device=head.device
+        )  # (T, width)
+        out[:, :rows].copy_(head)
+        return out
 
 
 def full_mask(

@@ -187,14 +187,17 @@ class TreeSpeculation:
             )  # (P + N,)
             mask = verification_mask(tree.mask, p) if nodes > 1 else None
             logits = target(verify_tokens, positions, cache, mask=mask, logits_from=p)  # (N, V)
-            new, path = walk(tree, logits, params, penalties, noise, len(seq))
+            # The tree's structure on the host, fetched once for the walk, the cache's keys
+            # and the commit.
+            node_tokens, parents = tree.token_list(), tree.parents[:nodes].tolist()
+            children = {(parents[v], node_tokens[v]): v for v in range(1, nodes)}
+            new, path = walk(tree, logits, params, penalties, noise, len(seq), children)
             tokens.extend(new)
-            self._remember(tree, logits, key, path)
-            key = self._path_key(tree, path, key)
-            key = pcache.child(key, tokens[-1])
+            key = self._remember(logits, key, path, node_tokens, parents)
+            if pcache.max_bytes:
+                key = pcache.child(key, tokens[-1])
 
             # Commit: prefix, root, accepted path; both caches in place.
-            node_tokens = tree.token_list()
             session.target_tokens.extend(pending)
             session.target_tokens.append(seq[-1])
             cache.keep([base + i for i in path], start=base + 1)
@@ -318,31 +321,31 @@ class TreeSpeculation:
         session.draft_tokens.extend(node_tokens[n] for n in kept)
 
     def _remember(
-        self, tree: DraftTree, logits: torch.Tensor, root_key: int, path: list[int]
-    ) -> None:
+        self,
+        logits: torch.Tensor,  # (N, V) the target's logits at every node
+        root_key: int,
+        path: list[int],
+        tokens: list[int],  # (N,) each node's token
+        parents: list[int],  # (N,) each node's parent (the root's is unused)
+    ) -> int:
         """Cache the target's logits at the verified nodes under their prefixes' keys, as
         many as the cache holds, most valuable first: the root and the walked path (the
         next sample of this prompt with this seed walks exactly there), then the other
         nodes in the tree's best-first order (node indices: the builder adds the highest
         cumulative draft probability first). Parents come before their children in that
-        order, so every stored node's prefix is interned."""
+        order, so every stored node's prefix is interned. Returns the key of the walk's
+        last node (the root's with the cache off: keys are not needed then)."""
         pcache = self.prefix_cache
         if not pcache.max_bytes:
-            return
-        on_path = set(path)
-        order = [0, *path, *(v for v in range(1, tree.size) if v not in on_path)]
-        order = order[: pcache.capacity_rows(logits.shape[1], self.target.dtype)]
-        parents, tokens = tree.parents[: tree.size].tolist(), tree.token_list()
+            return root_key
         keys = {0: root_key}
-        for v in order[1:]:
+        on_path = set(path)
+        order = [0, *path, *(v for v in range(1, len(tokens)) if v not in on_path)]
+        stored = order[: pcache.capacity_rows(logits.shape[1], self.target.dtype)]
+        for v in order[1 : max(len(stored), 1 + len(path))]:
             keys[v] = pcache.child(keys[parents[v]], tokens[v])
-        pcache.put_rows([keys[v] for v in order], logits, order, walked=1 + len(path))
-
-    def _path_key(self, tree: DraftTree, path: list[int], key: int) -> int:
-        tokens = tree.tokens
-        for n in path:
-            key = self.prefix_cache.child(key, int(tokens[n]))
-        return key
+        pcache.put_rows([keys[v] for v in stored], logits, stored, walked=1 + len(path))
+        return keys[path[-1]] if path else root_key
 
 
 def walk(
@@ -352,12 +355,14 @@ def walk(
     penalties: PenaltyContext | None,
     noise: PositionNoise,
     position: int,  # sequence position of the token drawn at the root
+    children: dict[tuple[int, int], int] | None = None,  # tree.children(), if fetched already
 ) -> tuple[list[int], list[int]]:
     """Exact sampling down the tree: (tokens emitted, accepted node indices). Only the rows
     the walk visits are drawn: node v at depth d draws position `position + d` with the
     penalty counts of the tokens on its path, exactly what drawing every node would give
     there. `penalties` is advanced by every emitted token."""
-    children = tree.children() if tree.size > 1 else {}
+    if children is None:
+        children = tree.children() if tree.size > 1 else {}
     # Plain greedy is one argmax per row, (N,), no (N, V) temporary: one op instead of a
     # synchronising op per step of the walk.
     argmax = logits.argmax(-1).tolist() if params.greedy and not params.has_penalties else None
