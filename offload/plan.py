@@ -218,9 +218,7 @@ def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
     n, layer = t.num_layers, t.layer_bytes
     if r.resident_layers is not None and not 0 <= r.resident_layers <= n:
         raise PlanError(f"--resident-layers {r.resident_layers} is outside 0..{n}")
-    fixed = _fixed_parts(r)
-    if budget.device == "cpu" and r.prefix_cache_bytes:
-        fixed["prefix cache"] = r.prefix_cache_bytes  # the device is RAM: one pool
+    fixed = _fixed_parts(r, budget.device)
     host_cache = _host_cache_bytes(r, budget)
     if host_cache > budget.ram_bytes:
         raise PlanError(
@@ -282,7 +280,9 @@ def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
     )  # fmt: skip
 
 
-def _fixed_parts(r: PlanRequest) -> dict[str, int]:
+def _fixed_parts(r: PlanRequest, device: str) -> dict[str, int]:
+    """What the device holds besides the target's layers. On a CPU the prefix cache is one
+    of them (the device is RAM: one pool); with a GPU it is pinned host RAM."""
     t, d = r.target, r.draft
     parts: dict[str, int] = {}
     if d is not None:
@@ -295,6 +295,8 @@ def _fixed_parts(r: PlanRequest) -> dict[str, int]:
     if d is not None:
         act = max(act, d.activation_bytes(r.pass_tokens, r.logit_rows, r.context))
     parts[f"activations ({r.pass_tokens}-token pass, {r.logit_rows} logit rows)"] = act
+    if device == "cpu" and r.prefix_cache_bytes:
+        parts["prefix cache"] = r.prefix_cache_bytes
     return parts
 
 
@@ -397,17 +399,17 @@ def _no_fit_message(
         return msg + "What would fit: " + "; ".join(options) + "."
     return msg + (
         "Nothing smaller fits either: a device with at least "
-        f"{format_size(_minimal_streamed(r, r.context, MIN_SLOTS))} is needed."
+        f"{format_size(_minimal_streamed(r, r.context, MIN_SLOTS, budget.device))} is needed."
     )
 
 
-def _minimal_streamed(r: PlanRequest, context: int, slots: int, draft: bool = True) -> int:
-    tokens = min(r.pass_tokens, context)
-    trial = PlanRequest(
-        r.target, r.draft if draft else None, context, tokens, min(r.logit_rows, tokens),
-        slots=slots,
-    )  # fmt: skip
-    return sum(_fixed_parts(trial).values()) + slots * r.target.layer_bytes
+def _minimal_streamed(
+    r: PlanRequest, context: int, slots: int, device: str, draft: bool = True
+) -> int:
+    """Device bytes of `r` at `context` with `slots` layers' worth of target buffers (and
+    without the draft when `draft` is False)."""
+    trial = replace(_with_context(r, context), slots=slots, draft=r.draft if draft else None)
+    return sum(_fixed_parts(trial, device).values()) + slots * r.target.layer_bytes
 
 
 def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
@@ -424,17 +426,22 @@ def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int | None
     return lo
 
 
-def longest_context(r: PlanRequest, cap: int, layers: int, lo: int = 1) -> int | None:
+def longest_context(r: PlanRequest, budget: Budget, layers: int, lo: int = 1) -> int | None:
     """The longest context, up to `r.context`, at which the parts that grow with it (KV
-    caches, the attention mask) fit in `cap` bytes beside the draft, the target's other
+    caches, the attention mask) fit in the device budget beside the draft, the target's other
     fixed parts, the activations and `layers` target layers' worth of buffers (the
     streaming slots, or every layer when all stay resident); None when not even `lo` fits."""
     return largest_fitting(
-        lambda context: _minimal_streamed(r, context, layers) <= cap, lo, r.context
+        lambda context: _minimal_streamed(r, context, layers, budget.device) <= budget.device_bytes,
+        lo,
+        r.context,
     )
 
 
 def _with_context(r: PlanRequest, context: int) -> PlanRequest:
+    """`r` at another context: the largest pass shrinks with it; its logit rows (the largest
+    tree + 1) stay, so a tree budget the device cannot hold is an error naming the budget
+    rather than a context too short for the tree that was asked for."""
     return replace(r, context=context, pass_tokens=min(r.pass_tokens, context))
 
 
@@ -451,10 +458,10 @@ def plan_auto_context(request: PlanRequest, budget: Budget) -> MemoryPlan:
     the transfer). On a CPU device the budget is RAM and the rule is the same."""
     r, t = request, request.target
     floor = min(MIN_AUTO_CONTEXT, r.context)
-    cap, n = budget.device_bytes, t.num_layers
-    streamed_limit = longest_context(r, cap, r.slots + (r.resident_layers or 0), floor)
+    n = t.num_layers
+    streamed_limit = longest_context(r, budget, r.slots + (r.resident_layers or 0), floor)
     if r.offload != "stream" and r.resident_layers in (None, n):
-        resident = longest_context(r, cap, n, floor)
+        resident = longest_context(r, budget, n, floor)
         if resident is not None:
             plan = make_plan(_with_context(r, resident), budget)
             if resident == r.context:
@@ -500,7 +507,7 @@ def _floor_error(r: PlanRequest, budget: Budget, floor: int, streaming: bool) ->
     """`context auto` when not even `floor` tokens fit: what would (a shorter --context
     among the options)."""
     at_floor = _with_context(r, floor)
-    fixed = _fixed_parts(at_floor)
+    fixed = _fixed_parts(at_floor, budget.device)
     detail = _no_fit_message(
         at_floor, budget, fixed, streaming=streaming, resident=r.resident_layers or 0
     )
@@ -510,27 +517,27 @@ def _floor_error(r: PlanRequest, budget: Budget, floor: int, streaming: bool) ->
 
 
 def _what_would_fit(r: PlanRequest, budget: Budget) -> list[str]:
-    cap = budget.device_bytes
+    cap, device = budget.device_bytes, budget.device
     options = []
-    if r.resident_layers and _minimal_streamed(r, r.context, r.slots) <= cap:
-        return [f"--resident-layers {_max_resident(r, cap)} or fewer"]
-    if r.slots > MIN_SLOTS and _minimal_streamed(r, r.context, MIN_SLOTS) <= cap:
+    if r.resident_layers and _minimal_streamed(r, r.context, r.slots, device) <= cap:
+        return [f"--resident-layers {_max_resident(r, budget)} or fewer"]
+    if r.slots > MIN_SLOTS and _minimal_streamed(r, r.context, MIN_SLOTS, device) <= cap:
         options.append(f"--slots {MIN_SLOTS}")
-    longest = longest_context(r, cap, MIN_SLOTS)
+    longest = longest_context(r, budget, MIN_SLOTS)
     if longest is not None and longest < r.context:
         options.append(f"--context {longest} (streamed, {MIN_SLOTS} slots)")
     if r.draft is not None:
-        without = _minimal_streamed(r, r.context, MIN_SLOTS, draft=False)
+        without = _minimal_streamed(r, r.context, MIN_SLOTS, device, draft=False)
         if without <= cap:
             room = cap - without
+            need = _minimal_streamed(r, r.context, MIN_SLOTS, device) - without
             options.append(
                 f"a smaller draft (at most {format_size(room)} of draft weights, KV cache and "
-                f"activations; this one needs "
-                f"{format_size(_minimal_streamed(r, r.context, MIN_SLOTS) - without)}), or no draft"
+                f"activations; this one needs {format_size(need)}), or no draft"
             )
     return options
 
 
-def _max_resident(r: PlanRequest, cap: int) -> int:
-    spare = cap - _minimal_streamed(r, r.context, r.slots)
+def _max_resident(r: PlanRequest, budget: Budget) -> int:
+    spare = budget.device_bytes - _minimal_streamed(r, r.context, r.slots, budget.device)
     return max(0, spare // max(r.target.layer_bytes, 1))

@@ -146,7 +146,7 @@ def test_context_auto_keeps_a_target_that_fits_resident() -> None:
     )
     # The longest: one more token would not fit with every layer resident.
     r = plan.request
-    assert longest_context(replace(r, context=131072), int(24e9), r.target.num_layers) == r.context
+    assert longest_context(replace(r, context=131072), gpu(24e9), r.target.num_layers) == r.context
 
 
 def test_70b_with_a_1b_draft_on_a_24gb_card_plans_a_long_context_in_bf16(
@@ -219,6 +219,17 @@ def test_settings_default_to_auto_and_an_integer_forces(tmp_path: Path) -> None:
         overrides={"models.target": ("m", "test")},
     ).runtime_options()
     assert (forced.dtype, forced.context) == ("bf16", 8192)
+
+
+def test_context_auto_on_a_cpu_counts_the_prefix_cache_in_its_search() -> None:
+    """On a CPU the prefix cache is RAM beside the model: the search for the longest
+    context must see it, or it picks a context whose plan then does not fit."""
+    cache = OffloadRequest(prefix_cache_bytes=4 << 30)
+    plan = choose_plan(
+        config("Llama-3.1-8B"), None, "8B", "bf16", "auto", "cpu", cache, cpu(24e9)
+    )  # fmt: skip
+    assert plan.streamed_layers == 0 and plan.device_parts["prefix cache"] == 4 << 30
+    assert plan.device_bytes <= 24e9 and plan.request.context >= MIN_AUTO_CONTEXT
 
 
 # ---- the largest tree ----
