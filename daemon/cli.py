@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 
 from daemon import bench_cmd, chat_cmd, plan_cmd, pull_cmd, serve_cmd, service_cmd
-from daemon.argtypes import count_or_auto, size_bytes, size_or_off
+from daemon.argtypes import count_or_auto
 from daemon.pull_cmd import PullError
 from daemon.runtime import Runtime, RuntimeError_, RuntimeOptions
 from daemon.service import ServiceError
@@ -56,12 +55,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="CPU compute threads, or auto (1 for tiny models, else the physical cores)",
     )
-    p.add_argument(
-        "--context",
-        type=count_or_auto("--context", 1),
-        default="auto",
-        help="KV cache length, or auto: the longest up to the model's that fits (>= 4096)",
-    )
+    plan_cmd.add_context_arg(p, default="auto")
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -109,25 +103,11 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
         help="tree: node budget or 'auto'",
     )
     p.add_argument("--max-depth", type=int, default=None, help="tree: depth limit")
-    add_prefix_cache_arg(p)
-
-
-def add_prefix_cache_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--prefix-cache",
-        type=size_or_off("--prefix-cache"),
-        default=None,
-        metavar="SIZE",
-        help="tree: host memory for cached target logits, e.g. 1GiB, or 0 (off); "
-        "default speculation.prefix_cache (1GiB)",
-    )
+    plan_cmd.add_prefix_cache_arg(p)
 
 
 def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
-    options = plan_cmd.apply_offload_args(_base_runtime_options(args), args)
-    if args.prefix_cache is not None:
-        options = dataclasses.replace(options, prefix_cache=size_bytes(args.prefix_cache))
-    return options
+    return plan_cmd.apply_offload_args(_base_runtime_options(args), args)
 
 
 def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:

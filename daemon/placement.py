@@ -341,11 +341,25 @@ def load_placed_target(
     budget = detect_budget(
         device, options.gpu_budget, options.ram_budget, options.bandwidth, measure=False
     )
-    request = OffloadRequest(
-        options.offload, options.resident_layers, options.slots, options.host_tier,
-        options.sequences, options.prefix_cache,
-    )  # fmt: skip
     return load_target(
-        options.model, options.dtype, device, options.context, draft_config, request, budget,
-        options.budget,
+        options.model, options.dtype, device, options.context, draft_config,
+        offload_request(options), budget, planned_tree_budget(options),
     )  # fmt: skip
+
+
+def offload_request(options: OffloadOptions) -> OffloadRequest:
+    """The plan's offload options for a run. Without a draft only autoregressive decoding
+    runs: no tree strategy, so no prefix cache to reserve."""
+    return OffloadRequest(
+        offload=options.offload,
+        resident_layers=options.resident_layers,
+        slots=options.slots,
+        host_tier=options.host_tier,
+        sequences=options.sequences,
+        prefix_cache_bytes=options.prefix_cache if options.draft else 0,
+    )
+
+
+def planned_tree_budget(options: OffloadOptions) -> int | str:
+    """The tree the plan's largest pass must hold: none without a draft (`ngram` drafts)."""
+    return options.budget if options.draft else 0

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from daemon.argtypes import count_or_auto, size_bytes, size_or_off
-from daemon.placement import OffloadRequest, choose_plan
+from daemon.placement import choose_plan, offload_request, planned_tree_budget
 from daemon.runtime import RuntimeOptions, pick_device
 from offload.machine import detect_budget
 from offload.units import parse_rate, parse_size
@@ -43,6 +43,29 @@ def _rate(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def add_context_arg(p: argparse.ArgumentParser, default: str | None) -> None:
+    """--context, for `generate`, `plan` and the daemon commands (16.. as the config key)."""
+    p.add_argument(
+        "--context",
+        type=count_or_auto("--context", 16),
+        default=default,
+        help="KV cache length in tokens, or auto: the longest up to the model's that fits "
+        "(at least 4096)",
+    )
+
+
+def add_prefix_cache_arg(p: argparse.ArgumentParser) -> None:
+    """--prefix-cache, for `generate`, `plan` and the daemon commands."""
+    p.add_argument(
+        "--prefix-cache",
+        type=size_or_off("--prefix-cache"),
+        default=None,
+        metavar="SIZE",
+        help="tree: host memory for cached target logits, e.g. 1GiB, or 0 (off); "
+        "default speculation.prefix_cache (1GiB)",
+    )
 
 
 def add_offload_args(p: argparse.ArgumentParser) -> None:
@@ -75,7 +98,10 @@ _OFFLOAD_FIELDS = (
 
 
 def apply_offload_args(options: RuntimeOptions, args: argparse.Namespace) -> RuntimeOptions:
+    """The offload flags and --prefix-cache that were given, over `options`."""
     given = {f: getattr(args, f) for f in _OFFLOAD_FIELDS if getattr(args, f, None) is not None}
+    if getattr(args, "prefix_cache", None) is not None:
+        given["prefix_cache"] = size_bytes(args.prefix_cache)
     return dataclasses.replace(options, **given)
 
 
@@ -86,25 +112,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--draft", default=None, help="draft folder / hub id, or 'ngram'")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default auto")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
-    p.add_argument(
-        "--context",
-        type=count_or_auto("--context", 1),
-        default=None,
-        help="KV cache length, or auto (default: the longest that fits, at least 4096)",
-    )
+    add_context_arg(p, default=None)
     p.add_argument(
         "--budget",
         type=count_or_auto("--budget", 1),
         default=None,
         help="tree node budget or auto (the plan holds the largest tree)",
     )
-    p.add_argument(
-        "--prefix-cache",
-        type=size_or_off("--prefix-cache"),
-        default=None,
-        metavar="SIZE",
-        help="cached target logits (1GiB, 0 = off)",
-    )
+    add_prefix_cache_arg(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_offload_args(p)
     p.set_defaults(func=cmd_plan)
@@ -125,8 +140,6 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
         value = getattr(args, name)
         if value is not None:
             options = dataclasses.replace(options, **{name: value})
-    if args.prefix_cache is not None:
-        options = dataclasses.replace(options, prefix_cache=size_bytes(args.prefix_cache))
     return apply_offload_args(options, args)
 
 
@@ -159,19 +172,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         options.bandwidth,
         measure=this_machine and options.bandwidth is None,
     )
-    offload = OffloadRequest(
-        options.offload,
-        options.resident_layers,
-        options.slots,
-        options.host_tier,
-        options.sequences,
-        options.prefix_cache,
-    )
     # budget.device is the machine planned for: "cuda" when a GPU budget describes another
     # machine's card, so `auto` picks that machine's dtype.
     plan = choose_plan(
         target.config, draft, str(options.model), options.dtype, options.context,
-        budget.device, offload, budget, options.budget, str(options.draft),
+        budget.device, offload_request(options), budget, planned_tree_budget(options),
+        str(options.draft),
     )  # fmt: skip
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))

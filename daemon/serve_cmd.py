@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from daemon.argtypes import count_or_auto, size_or_off
-from daemon.plan_cmd import add_offload_args
+from daemon.argtypes import count_or_auto
+from daemon.plan_cmd import add_context_arg, add_offload_args, add_prefix_cache_arg
 from daemon.settings import (
     Settings,
     load_settings,
@@ -64,19 +64,8 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tree node budget or 'auto'",
     )
-    p.add_argument(
-        "--context",
-        type=count_or_auto("--context", 16),
-        default=None,
-        help="KV cache length in tokens, or auto",
-    )
-    p.add_argument(
-        "--prefix-cache",
-        type=size_or_off("--prefix-cache"),
-        default=None,
-        metavar="SIZE",
-        help="tree: host memory for cached target logits (1GiB, 512MB, 0 = off)",
-    )
+    add_context_arg(p, default=None)
+    add_prefix_cache_arg(p)
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--api-key-file", default=None, help="require this file's key as Bearer")
