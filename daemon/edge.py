@@ -189,6 +189,8 @@ def _parser_error(status: int, exc: BaseException | None) -> ApiError:
         return ApiError(status, f"malformed HTTP request: {reason}", code=code)
     if status == 504:
         return ApiError(504, "the request timed out", type="server_error")
+    if status < 500:  # the request's fault, whatever aiohttp wrapped it in
+        return ApiError(status, "malformed HTTP request", code="malformed_request")
     return ApiError(status, "internal server error (see the daemon's log)", type="server_error")
 
 

@@ -83,9 +83,10 @@ class CompletionRequest:
     ignore_eos: bool = False
 
 
-# No field of the API needs an integer longer than this (seeds are 20 digits); longer ones
-# are kept as their size only. int() of a long digit string costs quadratic time and
-# raises past Python's limit (4,300 digits) inside json.loads, before any field is known.
+# No field of the API needs an integer longer than this (seeds are 20 digits). A body is
+# parsed with json's own int first (a callback per integer costs 4x on a long list of
+# prompt ids); only when that raises past Python's limit (4,300 digits), before any field
+# is known, is it parsed again keeping longer integers as their size only.
 MAX_INT_DIGITS = 100
 
 
@@ -107,7 +108,12 @@ def _parse_int(literal: str) -> int | OversizedNumber:
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw, parse_int=_parse_int)
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            if isinstance(exc, json.JSONDecodeError | UnicodeDecodeError):
+                raise
+            body = json.loads(raw, parse_int=_parse_int)  # an integer past int()'s limit
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(
             f"the request body is not valid JSON: {exc}", code="invalid_json"

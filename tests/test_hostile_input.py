@@ -413,3 +413,13 @@ def test_non_ascii_bytes_elsewhere_in_the_head(server: BackgroundServer) -> None
     assert_openai_error(exchange(port(server), raw), 403, "origin_not_allowed")
     raw = request(headers=[("X-Nul", b"a\x00b")])
     assert_openai_error(exchange(port(server), raw), 400, "malformed_request")
+
+
+def test_a_request_side_parser_error_without_detail_is_not_called_internal() -> None:
+    from aiohttp.web_protocol import RequestPayloadError
+
+    from daemon.edge import _parser_error
+
+    err = _parser_error(400, RequestPayloadError("the body ended early"))
+    assert err.status == 400 and err.body()["error"]["code"] == "malformed_request"
+    assert "internal" not in err.body()["error"]["message"]
