@@ -205,7 +205,8 @@ def prefill(
         stats = RoundStats()
         t0 = time.perf_counter()
         end = max(len(sequence) - 1 - fold, 0)
-        todo = list(sequence[len(session.target_tokens) : end][:chunk])
+        done = len(session.target_tokens)
+        todo = list(sequence[done : min(end, done + chunk)])
         if todo:
             n = feed(target, session.target_cache, session.target_tokens, todo, chunk)
             stats.prefill_passes = stats.target_passes = n
@@ -214,7 +215,8 @@ def prefill(
         if draft is not None and draft_cache is not None:
             t1 = time.perf_counter()
             draft_end = max(len(sequence) - chunk, 0)
-            draft_todo = list(sequence[len(session.draft_tokens) : draft_end][:chunk])
+            fed_draft = len(session.draft_tokens)
+            draft_todo = list(sequence[fed_draft : min(draft_end, fed_draft + chunk)])
             if draft_todo:
                 fed = session.draft_tokens
                 stats.draft_passes = feed(draft, draft_cache, fed, draft_todo, chunk)
