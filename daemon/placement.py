@@ -47,8 +47,12 @@ from speculative.sampling import DRAW_BYTES_PER_ENTRY
 from speculative.tokenizer import Tokenizer
 
 
-def footprint(config: ModelConfig, dtype: torch.dtype, name: str) -> ModelFootprint:
-    """Sizes of one model in `dtype`, from a meta-device instance (no memory, no weights)."""
+def footprint(
+    config: ModelConfig, dtype: torch.dtype, name: str, vocab_width: int | None = None
+) -> ModelFootprint:
+    """Sizes of one model in `dtype`, from a meta-device instance (no memory, no weights).
+    `vocab_width`: the width its logits are given (a draft speaks its target's, see
+    `Transformer.set_vocab_width`); None: its own vocabulary."""
     with torch.device("meta"):
         model = Transformer(config).to(dtype)
     # A freshly built Transformer holds its own blocks: a ModuleList, never a streamer.
@@ -64,11 +68,13 @@ def footprint(config: ModelConfig, dtype: torch.dtype, name: str) -> ModelFootpr
         layer_bytes=layer,
         num_layers=config.num_layers,
         kv_bytes_per_token=KVCache.bytes_for(config, 1, dtype),
-        activations=activation_footprint(config, dtype),
+        activations=activation_footprint(config, dtype, vocab_width),
     )
 
 
-def activation_footprint(config: ModelConfig, dtype: torch.dtype) -> ActivationFootprint:
+def activation_footprint(
+    config: ModelConfig, dtype: torch.dtype, vocab_width: int | None = None
+) -> ActivationFootprint:
     """What a pass of speculative.model allocates, traced through its code. Per token, in
     bytes; `x` is a layer's input (held by the caller while the layer runs), `h` its norm."""
     item = torch.empty((), dtype=dtype).element_size()
@@ -76,6 +82,11 @@ def activation_footprint(config: ModelConfig, dtype: torch.dtype) -> ActivationF
     q, kv = config.num_heads * hd, config.num_kv_heads * hd
     fp32_copy = 4 if item != 4 else 0  # `.float()` copies unless the model is fp32 already
     to_dtype = item if item != 4 else 0  # `.to(dtype)` of fp32 copies unless fp32
+    # Logits (Transformer._to_vocab_width): the head's rows, then fp32 at the given width: a
+    # copy unless the model is fp32 and not widened (a wider result is always a new tensor).
+    rows = config.vocab_size
+    width = vocab_width or rows
+    fp32_logits = 4 * width if width > rows or item != 4 else 0
 
     def norm(n: int) -> int:
         # RMSNorm's peak: the fp32 input and x²; then the normalised fp32, its cast and
@@ -106,10 +117,10 @@ def activation_footprint(config: ModelConfig, dtype: torch.dtype) -> ActivationF
         score_bytes_per_query=2 * item * q,  # a chunk's copy of its queries and its output
         chunk_bytes=ATTENTION_CHUNK_BYTES,
         hidden_bytes_per_token=item * d,
-        # The head's output in the model dtype and its fp32 copy, after the final norm.
-        logit_bytes_per_row=max(norm(d), item * d + config.vocab_size * (item + fp32_copy)),
-        fp32_row_bytes=4 * config.vocab_size,
-        draw_bytes_per_row=DRAW_BYTES_PER_ENTRY * config.vocab_size,
+        # The head's output in the model dtype and its fp32 logits, after the final norm.
+        logit_bytes_per_row=max(norm(d), item * d + item * rows + fp32_logits),
+        fp32_row_bytes=4 * width,
+        draw_bytes_per_row=DRAW_BYTES_PER_ENTRY * width,
     )
 
 
@@ -178,7 +189,11 @@ def choose_plan(
     for i, (key, reason) in enumerate(candidates):
         last = i == len(candidates) - 1
         target_fp = footprint(target, DTYPES[key], name)
-        draft_fp = footprint(draft, DTYPES[key], draft_name) if draft else None
+        draft_fp = (
+            footprint(draft, DTYPES[key], draft_name, vocab_width=target.vocab_size)
+            if draft
+            else None
+        )
 
         def attempt(
             nodes: int | str,
