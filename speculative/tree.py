@@ -172,14 +172,17 @@ def _top_children(
     candidates. A child of zero draft probability is never a candidate: a draft narrower
     than the target has -inf logits for the ids it lacks (`Transformer.set_vocab_width`),
     and a tiny vocabulary may have fewer possible children than k."""
-    n = logits.shape[0]
     k = max(1, min(max_branch, room, logits.shape[-1]))
     logp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
     top = torch.topk(logp, k, dim=-1)  # (n, k)
-    possible = (top.values > float("-inf")).reshape(-1)  # (n * k,)
-    rows = torch.arange(n, device=logits.device).repeat_interleave(k)  # (n * k,)
+    # One nonzero (one device sync) selects the possible candidates for all three outputs.
+    keep = (top.values > float("-inf")).reshape(-1).nonzero().squeeze(1)  # (m,)
     cumulative = (parent_logp[:, None] + top.values).reshape(-1)  # (n * k,)
-    return cumulative[possible], top.indices.reshape(-1)[possible], rows[possible]
+    return (
+        cumulative.index_select(0, keep),
+        top.indices.reshape(-1).index_select(0, keep),
+        torch.div(keep, k, rounding_mode="floor"),  # the row each candidate came from
+    )
 
 
 def tree_from_continuations(
