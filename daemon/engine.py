@@ -1,11 +1,21 @@
 """The engine: one worker thread owns the models; HTTP handlers hand it jobs through a
 bounded queue and read results from a per-job asyncio queue.
 
-Fairness: a `Generation` is an iterator whose `next()` runs one round, or one chunk of a
-long prompt's prefill (an empty chunk), so the worker round-robins over the active
-generations, one step each in turn; nobody's first token waits for another request's whole
-generation or whole prompt. A cancelled job (client gone) is dropped before its next step,
-so within one prefill chunk, and its KV cache is freed.
+Batched passes (DESIGN.md, "Many requests, one pass"): a generation is a step-wise
+generator (`Generation.steps`) that yields a `Forward` whenever it needs a model pass.
+Each engine step advances every active generation to its next request, runs the draft
+model's requests as one batched pass per tree depth until every generation waits on the
+target, then runs ONE target pass over all of them (a streamed target's weights cross the
+bus once for every client), and hands each generation its logits to walk and commit on its
+own. A pass holds at most `max_pass_tokens` tokens and the plan's logit rows: requests
+that do not fit wait for the next pass, and tree generations share the pass's node budget
+(`Session.node_share`). A long prompt is prefilled one chunk per pass inside the same
+passes, so an arrival never stalls the streams in flight. A cancelled job leaves before
+the next step and its KV cache is freed; a fault fails its own job only (a batched pass
+that raises is rerun one generation at a time to find whose it was).
+
+`batch_passes` False restores the interleaved engine (one generation's round at a time,
+each pass its own) for side-by-side measurement (scripts/bench_concurrency.py).
 
 Conversation reuse: finished sessions are kept in a small LRU pool; a new request takes the
 idle session holding the longest common prefix with its prompt, so only the new suffix is
@@ -22,13 +32,15 @@ import queue
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Generator as PyGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.metrics import Metrics
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.generation import Chunk, Generation, GenerationStats, Session, Strategy
+from speculative.passes import Forward, execute
 from speculative.sampling import SamplingParams
 
 log = logging.getLogger("specd.engine")
@@ -118,16 +130,21 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Active:
     job: Job
     generation: Generation
-    chunks: Iterator[Chunk]
+    steps: PyGenerator[Chunk | Forward, Any, None]
     session: Session
     pool_key: str
     first_token_seen: bool = False
     held: list[Chunk] = field(default_factory=list)  # coalesced, not yet posted
     last_post: float = 0.0
+    request: Forward | None = None  # the pass it waits for
+    chunks: int = 0  # chunks taken (rounds and prefill steps)
+    target_passes: int = 0  # target passes it rode in
+    pass_generations: int = 0  # generations in those passes, summed
+    shared_passes: int = 0  # those that also carried another generation's work
 
 
 @dataclass
@@ -139,6 +156,11 @@ class EngineLimits:
     # go at once). Each event costs the loop thread some Python work, and that work holds
     # the GIL the decoder needs: one event per round would slow a fast decoder down.
     stream_interval: float = 0.02
+    # One pass per model per step for every active generation (False: the interleaved
+    # engine, one generation's round at a time, kept for measurement).
+    batch_passes: bool = True
+    # Tokens one batched pass may carry; None: the plan's largest pass.
+    max_pass_tokens: int | None = None
 
 
 class Engine:
@@ -159,6 +181,9 @@ class Engine:
         self.runtime: Runtime | None = None
         self.load_error: BaseException | None = None
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=limits.queue_size)
+        # A pass's bounds (set once the runtime's plan is known): tokens, and logit rows.
+        self.max_pass_tokens = limits.max_pass_tokens or 0
+        self.max_pass_rows = 0
         self._active: deque[_Active] = deque()
         self._idle: list[tuple[str, Session]] = []  # LRU order: oldest first
         # (name, None): the configured strategies, kept. (name, budget): built for requests
@@ -235,6 +260,8 @@ class Engine:
     def _work(self) -> None:
         try:
             self.runtime = self._runtime_factory(self.options)
+            self.max_pass_tokens = self.limits.max_pass_tokens or self.runtime.max_pass_tokens
+            self.max_pass_rows = self.runtime.max_pass_rows
             log.info("models loaded: %s", self.options.model)
         except BaseException as exc:  # reported by /health and every request
             self.load_error = exc
@@ -283,7 +310,7 @@ class Engine:
             stop=req.stop,
             ignore_eos=req.ignore_eos,
         )
-        return _Active(job, gen, iter(gen), session, pool_key)
+        return _Active(job, gen, gen.steps(), session, pool_key)
 
     def _strategy(self, name: str | None, budget: int | None) -> Strategy:
         """Strategies are built once per (name, budget). A per-request budget is applied by
@@ -329,28 +356,124 @@ class Engine:
             self._idle.pop(0)  # the least recently used conversation
 
     def _step(self) -> None:
-        """One round (or one prefill chunk) of the generation at the head of the line, then
-        it goes to the back. Whatever fails fails this job only: the worker must keep
-        serving the others."""
-        active = self._active.popleft()
-        job = active.job
-        if job.cancelled:
-            self.metrics.cancelled.inc()
-            return  # the session (and its KV cache) is dropped with `active`
-        try:
+        """One step: cancelled jobs leave, then either one batched pass per model for every
+        active generation, or (interleaved) one round of the generation at the head of the
+        line, which then goes to the back."""
+        for active in list(self._active):
+            if active.job.cancelled:
+                self._active.remove(active)
+                active.steps.close()  # the session (and its KV cache) is dropped with it
+                self.metrics.cancelled.inc()
+        if not self._active:
+            return
+        if not self.limits.batch_passes:
+            self._step_alone()
+            return
+        assert self.runtime is not None
+        # Trees share the pass's logit rows (the plan holds one tree's): the node budget
+        # is split among the generations the pass may carry; alone, a tree is unbounded here.
+        n = len(self._active)
+        share = None if n == 1 else max(1, self.max_pass_rows // n - 1)
+        for active in self._active:
+            active.session.node_share = share
+        self._active.rotate(-1)  # whoever waited behind the bound goes first next time
+        for active in list(self._active):
+            if active.request is None:
+                self._advance(active)
+        target = self.runtime.target
+        while True:  # the draft's passes, one per depth for every tree growing
+            drafting = [a for a in self._active if a.request and a.request.model is not target]
+            if not drafting:
+                break
+            self._run_pass(drafting)
+        verifying = [a for a in self._active if a.request is not None]
+        if verifying:
+            self._run_pass(verifying)
+
+    def _step_alone(self) -> None:
+        """The interleaved engine: the head generation runs one round (or one prefill
+        step), each of its passes on its own."""
+        active = self._active[0]
+        self._active.rotate(-1)
+        if active.request is None:
             self._advance(active)
+        chunks = active.chunks
+        while active.chunks == chunks and active.request is not None:
+            self._run_pass([active])
+
+    def _run_pass(self, waiting: list[_Active]) -> None:
+        """One pass per model over the requests that fit the bounds (always the first),
+        then each generation takes its result and runs on to its next request."""
+        chosen: list[_Active] = []
+        tokens = rows = 0
+        for active in waiting:
+            assert active.request is not None
+            seg = active.request.segment
+            fits = tokens + seg.length <= self.max_pass_tokens
+            if chosen and not (fits and rows + seg.logit_rows <= max(self.max_pass_rows, 1)):
+                continue
+            chosen.append(active)
+            tokens, rows = tokens + seg.length, rows + seg.logit_rows
+        requests = [a.request for a in chosen if a.request is not None]
+        try:
+            execute(requests)
         except Exception as exc:
-            log.exception("generation failed")
-            self.metrics.failed.inc()
-            job.post(Failed(exc))
+            if len(chosen) == 1:
+                self._fail(chosen[0], exc)
+                return
+            # Whose fault? Each alone: the others' results are as good as batched ones
+            # (caches are only committed once a pass completes).
+            for active in chosen:
+                self._retry_alone(active)
+            return
+        if self.runtime is not None and requests[0].model is self.runtime.target:
+            self.metrics.record_pass(len(chosen), tokens)
+        for active in chosen:
+            self._deliver(active)
+
+    def _retry_alone(self, active: _Active) -> None:
+        assert active.request is not None
+        try:
+            execute([active.request])
+        except Exception as exc:
+            self._fail(active, exc)
+            return
+        self._deliver(active)
+
+    def _deliver(self, active: _Active) -> None:
+        """The generation's pass ran: it takes the result and runs on."""
+        assert active.request is not None and self.runtime is not None
+        result = active.request.result
+        assert result is not None
+        if active.request.model is self.runtime.target:
+            active.target_passes += 1
+            active.pass_generations += result.sequences
+            active.shared_passes += int(result.sequences > 1)
+        active.request = None
+        self._advance(active)
 
     def _advance(self, active: _Active) -> None:
-        job = active.job
+        """Run a generation on to its next pass request, posting the chunks it makes on the
+        way. Whatever fails fails this job only: the worker keeps serving the others."""
         try:
-            chunk = next(active.chunks)
-        except StopIteration:
-            self._finish(active)
-            return
+            while True:
+                try:
+                    item = next(active.steps)
+                except StopIteration:
+                    self._finish(active)
+                    return
+                if isinstance(item, Forward):
+                    active.request = item
+                    return
+                if self._take(active, item):
+                    return
+        except Exception as exc:
+            self._fail(active, exc)
+
+    def _take(self, active: _Active, chunk: Chunk) -> bool:
+        """Post (or hold) a chunk; True when it ended the generation."""
+        job = active.job
+        active.chunks += 1
         now = time.perf_counter()
         # An empty chunk is progress only (a prefill chunk ran): nothing to add, but text
         # held back from earlier rounds must not wait for the rest of a long prefill.
@@ -367,13 +490,27 @@ class Engine:
             active.last_post = now
         if chunk.finish_reason is not None:
             self._finish(active)
-        else:
-            self._active.append(active)
+            return True
+        return False
+
+    def _fail(self, active: _Active, exc: BaseException) -> None:
+        log.error("generation failed", exc_info=exc)
+        self.metrics.failed.inc()
+        if active in self._active:
+            self._active.remove(active)
+        with contextlib.suppress(Exception):
+            active.steps.close()
+        active.job.post(Failed(exc))
 
     def _finish(self, active: _Active) -> None:
+        if active in self._active:
+            self._active.remove(active)
+        active.steps.close()
         gen = active.generation
         stats: GenerationStats = gen.stats
         assert self.runtime is not None
+        stats.extra["batch_size"] = active.pass_generations / max(active.target_passes, 1)
+        stats.extra["shared_passes"] = active.shared_passes
         # The streamer counts since its last report; with interleaved generations the
         # figures are shared among them, but the totals in /metrics stay exact.
         stats.extra.update(self.runtime.offload_stats())
@@ -386,6 +523,7 @@ class Engine:
                 stats=stats.to_dict(),
             )
         )
+        active.session.node_share = None
         self._release_session(active.pool_key, active.session)
 
     def _fail_everything(self, error: BaseException) -> None:

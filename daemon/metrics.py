@@ -125,6 +125,20 @@ class Metrics:
         self.stream_seconds = Counter(
             "specd_stream_seconds_total", "Seconds spent streaming target weights."
         )
+        self.passes = Counter(
+            "specd_passes_total",
+            "Target passes the engine ran (one serves every generation batched into it).",
+        )
+        self.generations_per_pass = Histogram(
+            "specd_generations_per_pass",
+            "Generations whose work one target pass carried.",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+        )
+        self.tokens_per_pass = Histogram(
+            "specd_tokens_per_pass",
+            "Tokens one target pass carried, over all its generations.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+        )
         self.time_to_first_token = Histogram(
             "specd_time_to_first_token_seconds",
             "Seconds from a request entering the engine to its first generated token.",
@@ -135,6 +149,11 @@ class Metrics:
         with self._lock:
             key = (endpoint, status)
             self.requests[key] = self.requests.get(key, 0) + 1
+
+    def record_pass(self, generations: int, tokens: int) -> None:
+        self.passes.inc()
+        self.generations_per_pass.observe(generations)
+        self.tokens_per_pass.observe(tokens)
 
     def record_generation(self, stats: GenerationStats, completion_tokens: int) -> None:
         self.prompt_tokens.inc(stats.prompt_tokens)
@@ -176,6 +195,7 @@ class Metrics:
             self.queue_depth,
             self.stream_bytes,
             self.stream_seconds,
+            self.passes,
         ):
             lines += metric.render()
         per_pass = (
@@ -198,5 +218,7 @@ class Metrics:
             "Average host-to-device bandwidth of target weight streaming.",
             bandwidth,
         ).render()
+        lines += self.generations_per_pass.render()
+        lines += self.tokens_per_pass.render()
         lines += self.time_to_first_token.render()
         return "\n".join(lines) + "\n"

@@ -145,16 +145,19 @@ def plan_request(
 ) -> PlanRequest:
     # The largest pass is a prefill chunk, or a tree when the budget asks for more nodes (the
     # tree strategy folds pending prompt tokens into verification only while they fit this);
-    # a prefill chunk returns one logit row, a tree pass one per node (root included).
+    # a prefill chunk returns one logit row, a tree pass one per node (root included). A
+    # pass batched over several generations returns one row per generation at least, and
+    # their trees share the one tree's nodes (daemon/engine.py splits them).
     nodes = max_tree_budget(tree_budget) + 1
     tokens = min(max(PREFILL_CHUNK, nodes), context)
+    rows = max(nodes, options.sequences)
     resident = options.resident_layers
     return PlanRequest(
         target=target,
         draft=draft,
         context=context,
         pass_tokens=tokens,
-        logit_rows=min(nodes, tokens),
+        logit_rows=min(rows, tokens),
         offload=options.offload,
         resident_layers=None if resident == "auto" else int(resident),
         slots=options.slots,

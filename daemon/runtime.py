@@ -148,6 +148,10 @@ class Runtime:
         self.context: int = self.plan.request.context
         # The largest tree a request may ask for: what the plan's largest pass holds.
         self.max_tree_budget: int = max_tree_budget(options.budget)
+        # The largest pass the plan holds, which a batched pass of many generations may
+        # not exceed either: its tokens, and its rows of logits.
+        self.max_pass_tokens: int = self.plan.request.pass_tokens
+        self.max_pass_rows: int = self.plan.request.logit_rows
         self.target: Transformer = target
         self.tokenizer: Tokenizer = tokenizer
         # One cache of verified target logits for every tree strategy built here (keys are

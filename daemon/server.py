@@ -59,6 +59,8 @@ def build_engine(settings: Settings, metrics: Metrics, runtime: Runtime | None =
         max_concurrent=settings.limits.max_concurrent,
         cached_sessions=settings.limits.cached_sessions,
         stream_interval=settings.server.stream_interval_ms / 1000.0,
+        batch_passes=settings.limits.batch_passes,
+        max_pass_tokens=settings.limits.max_pass_tokens,
     )
 
     def factory(options: RuntimeOptions) -> Runtime:

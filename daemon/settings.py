@@ -195,6 +195,10 @@ class LimitsSettings:
     cached_sessions: int = _key(4, integer(0, 1024))
     default_max_tokens: int = _key(512, integer(1, 1 << 20))
     max_tokens: int = _key(8192, integer(1, 1 << 20))
+    # One target pass per step for all active generations (false: interleaved rounds).
+    batch_passes: bool = _key(True, flag)
+    # Tokens one batched pass may carry; null: the memory plan's largest pass.
+    max_pass_tokens: int | None = _key(None, integer(1, 1 << 20, nullable=True))
 
 
 @dataclass

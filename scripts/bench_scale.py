@@ -76,7 +76,7 @@ from offload.units import format_size  # noqa: E402
 from scripts.real_shapes import PAIRS, build_model, model_config  # noqa: E402
 from speculative.checkpoint import DTYPES  # noqa: E402
 from speculative.config import ModelConfig  # noqa: E402
-from speculative.generation import feed  # noqa: E402
+from speculative.generation import alone, feed  # noqa: E402
 from speculative.kv_cache import KVCache  # noqa: E402
 from speculative.model import Transformer  # noqa: E402
 from speculative.prefix_cache import PrefixCache  # noqa: E402
@@ -304,8 +304,10 @@ def _measure(
     for phase, sample_seed in (("tree", seed), ("regenerate", seed + 1)):
         session.reuse_prefix(prompt)  # the regenerate: back to the prompt, as a new request
         params = SamplingParams(temperature=1.0, seed=sample_seed)
-        rounds = strategy.rounds(
-            session, prompt, params, ROUND_TOKENS, make_generator(sample_seed, device)
+        rounds = alone(
+            strategy.steps(
+                session, prompt, params, ROUND_TOKENS, make_generator(sample_seed, device)
+            )
         )
         hits = pcache.stats.hits
         # What the round may add: its pass's activations, and the part of the planned

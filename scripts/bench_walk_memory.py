@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 from offload.machine import PeakMemory  # noqa: E402
 from offload.units import format_size, parse_size  # noqa: E402
 from speculative.config import ModelConfig  # noqa: E402
+from speculative.generation import alone  # noqa: E402
 from speculative.model import Transformer  # noqa: E402
 from speculative.prefix_cache import PrefixCache  # noqa: E402
 from speculative.sampling import SamplingParams, make_generator  # noqa: E402
@@ -60,7 +61,7 @@ def main() -> None:
     session = strategy.new_session(4 * args.budget)
     # Sampling with penalties and top-k: every per-node temporary the old draw rule built.
     params = SamplingParams(temperature=1.0, top_k=50, repetition_penalty=1.1, seed=0)
-    rounds = strategy.rounds(session, list(range(1, 9)), params, 64, make_generator(0))
+    rounds = alone(strategy.steps(session, list(range(1, 9)), params, 64, make_generator(0)))
     next(rounds)
     with PeakMemory("cpu") as peak:
         rnd = next(rounds)

@@ -36,7 +36,9 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.bench_speculative import PROMPTS  # noqa: E402
 from speculative.checkpoint import load  # noqa: E402
+from speculative.generation import alone  # noqa: E402
 from speculative.model import Transformer  # noqa: E402
+from speculative.passes import Steps  # noqa: E402
 from speculative.prefix_cache import PrefixCache  # noqa: E402
 from speculative.sampling import SamplingParams, make_generator, probabilities  # noqa: E402
 from speculative.strategies.tree import TreeSpeculation  # noqa: E402
@@ -71,8 +73,8 @@ class Recorder(TreeSpeculation):
         super().__init__(*args, **kwargs)
         self.captured: list[tuple[DraftTree, torch.Tensor]] = []
 
-    def _draft(self, *args: Any, **kwargs: Any) -> DraftTree:
-        self._tree = super()._draft(*args, **kwargs)
+    def _draft(self, *args: Any, **kwargs: Any) -> Steps[DraftTree]:
+        self._tree = yield from super()._draft(*args, **kwargs)
         return self._tree
 
     def _remember(
@@ -102,7 +104,7 @@ def record_rounds(
         session = strategy.new_session(len(ids) + n + budget + 8)
         seq = list(ids)
         gen = make_generator(seed + i)
-        for rnd in strategy.rounds(session, ids, params, n, gen):
+        for rnd in alone(strategy.steps(session, ids, params, n, gen)):
             if not rnd.tokens:
                 continue  # a prefill step: no tree was verified
             if strategy.captured:

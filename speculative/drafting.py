@@ -18,6 +18,7 @@ import torch
 from speculative.generation import Session
 from speculative.model import Transformer
 from speculative.ngram import ngram_proposal
+from speculative.passes import Steps, forward
 from speculative.sampling import PenaltyContext, SamplingParams, probabilities, sample
 
 
@@ -44,7 +45,9 @@ class Drafter(Protocol):
         params: SamplingParams,
         penalties: PenaltyContext,
         generator: torch.Generator,
-    ) -> Proposal: ...
+    ) -> Steps[Proposal]:
+        """Step-wise (`yield from` it): the draft model's passes are requested, not run."""
+        ...
 
     def rollback(self, session: Session, committed: int) -> None:
         """Forget draft state beyond the first `committed` tokens of the sequence."""
@@ -86,7 +89,7 @@ class ModelDrafter:
         params: SamplingParams,
         penalties: PenaltyContext,
         generator: torch.Generator,
-    ) -> Proposal:
+    ) -> Steps[Proposal]:
         t0 = time.perf_counter()
         draft, cache, fed = self.draft, session.draft_cache, session.draft_tokens
         assert draft is not None and cache is not None, "a ModelDrafter session has a draft"
@@ -101,12 +104,14 @@ class ModelDrafter:
         path_counts = torch.zeros(1, vocab, device=draft.device)  # (1, V) drafted so far
         for _ in range(k):
             start = len(fed)
-            logits = draft(
+            done = yield from forward(
+                draft,
                 torch.tensor(pending, dtype=torch.long, device=draft.device),
                 torch.arange(start, start + len(pending), device=draft.device),
                 cache,
-                last_only=True,
-            )  # (1, V)
+                logits_from=len(pending) - 1,
+            )
+            logits = done.logits  # (1, V)
             fed.extend(pending)
             passes += 1
             q = probabilities(logits, params, penalties.rows(path_counts))  # (1, V)
@@ -145,13 +150,14 @@ class NgramDrafter:
         params: SamplingParams,
         penalties: PenaltyContext,
         generator: torch.Generator,
-    ) -> Proposal:
+    ) -> Steps[Proposal]:
         t0 = time.perf_counter()
         tokens = ngram_proposal(sequence, k, max_ngram=self.max_ngram) if k > 0 else []
         device = penalties.counts.device
         q = torch.nn.functional.one_hot(
             torch.tensor(tokens, dtype=torch.long, device=device), self.vocab_size
         ).float()  # (k, V)
+        yield from ()  # step-wise like every drafter, though lookup requests no pass
         return Proposal(tokens, q, 0, time.perf_counter() - t0)
 
     def rollback(self, session: Session, committed: int) -> None:

@@ -12,16 +12,19 @@ import time
 from collections.abc import Generator as PyGenerator
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from speculative.detok import IncrementalDetokenizer, StopMatcher
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
+from speculative.passes import Forward, Steps, execute, forward, run_alone
 from speculative.sampling import SamplingParams, make_generator
 
 PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds activation memory
+
+R = TypeVar("R")
 
 
 class ContextFullError(ValueError):
@@ -125,6 +128,10 @@ class Session:
         self.target_tokens: list[int] = []
         self.draft_cache: KVCache | None = draft.new_cache(capacity) if draft is not None else None
         self.draft_tokens: list[int] = []
+        # The most tree nodes this sequence may add to its next target pass: the engine's
+        # share of a pass's node budget when the pass serves several generations; None
+        # lets the strategy's own budget decide (a generation alone).
+        self.node_share: int | None = None
 
     def reuse_prefix(self, prompt_ids: Sequence[int]) -> int:
         """Roll both caches back to their longest common prefix with `prompt_ids`, keeping at
@@ -150,6 +157,32 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     return n
 
 
+def feed_steps(
+    model: Transformer,
+    cache: KVCache,
+    fed: list[int],
+    tokens: Sequence[int],
+    chunk: int = PREFILL_CHUNK,
+) -> Steps[int]:
+    """Feed `tokens` after what the cache holds (positions continue from `len(fed)`), in
+    chunks, one requested pass each; returns the number of passes. Logits are not needed,
+    so only the last row's head is computed."""
+    passes = 0
+    for i in range(0, len(tokens), chunk):
+        part = list(tokens[i : i + chunk])
+        start = len(fed)
+        yield from forward(
+            model,
+            torch.tensor(part, dtype=torch.long, device=model.device),
+            torch.arange(start, start + len(part), device=model.device),
+            cache,
+            logits_from=len(part) - 1,
+        )
+        fed.extend(part)
+        passes += 1
+    return passes
+
+
 def feed(
     model: Transformer,
     cache: KVCache,
@@ -157,22 +190,8 @@ def feed(
     tokens: Sequence[int],
     chunk: int = PREFILL_CHUNK,
 ) -> int:
-    """Feed `tokens` after what the cache holds (positions continue from `len(fed)`), in
-    chunks; returns the number of passes. Logits are not needed, so only the last row's
-    head is computed."""
-    passes = 0
-    for i in range(0, len(tokens), chunk):
-        part = list(tokens[i : i + chunk])
-        start = len(fed)
-        model(
-            torch.tensor(part, dtype=torch.long, device=model.device),
-            torch.arange(start, start + len(part), device=model.device),
-            cache,
-            last_only=True,
-        )
-        fed.extend(part)
-        passes += 1
-    return passes
+    """`feed_steps` run alone: one pass per chunk, now."""
+    return run_alone(feed_steps(model, cache, fed, tokens, chunk))
 
 
 def prefill(
@@ -183,7 +202,7 @@ def prefill(
     *,
     fold: int = 0,
     chunk: int = PREFILL_CHUNK,
-) -> PyGenerator[Round, None, None]:
+) -> RoundSteps:
     """Bring the caches up to the committed `sequence` x_1..x_L (reusing what they hold),
     ONE chunk per model per step, yielding a Round with no tokens after each step. A
     streamed 70B spends seconds on a chunk: fed in one go, a long prompt froze every
@@ -208,7 +227,9 @@ def prefill(
         done = len(session.target_tokens)
         todo = list(sequence[done : min(end, done + chunk)])
         if todo:
-            n = feed(target, session.target_cache, session.target_tokens, todo, chunk)
+            n = yield from feed_steps(
+                target, session.target_cache, session.target_tokens, todo, chunk
+            )
             stats.prefill_passes = stats.target_passes = n
             stats.prefill_seconds = time.perf_counter() - t0
         draft_todo: list[int] = []
@@ -219,11 +240,19 @@ def prefill(
             draft_todo = list(sequence[fed_draft : min(draft_end, fed_draft + chunk)])
             if draft_todo:
                 fed = session.draft_tokens
-                stats.draft_passes = feed(draft, draft_cache, fed, draft_todo, chunk)
+                stats.draft_passes = yield from feed_steps(
+                    draft, draft_cache, fed, draft_todo, chunk
+                )
                 stats.draft_seconds = time.perf_counter() - t1
         if not todo and not draft_todo:
             return
         yield Round([], stats)
+
+
+# A strategy's rounds, step-wise: it yields a `Forward` wherever it needs a model pass (and
+# takes the result from it when resumed), a `Round` when tokens are committed. See
+# speculative/passes.py for who runs the passes.
+RoundSteps = PyGenerator[Round | Forward, None, None]
 
 
 class Strategy(Protocol):
@@ -236,14 +265,27 @@ class Strategy(Protocol):
 
     def new_session(self, capacity: int) -> Session: ...
 
-    def rounds(
+    def steps(
         self,
         session: Session,
         prompt_ids: Sequence[int],
         params: SamplingParams,
         max_new_tokens: int,
         generator: torch.Generator,
-    ) -> PyGenerator[Round, None, None]: ...
+    ) -> RoundSteps: ...
+
+
+def alone(steps: PyGenerator[Forward | R, None, None]) -> Iterator[R]:
+    """Drive a step-wise generator on its own: each `Forward` runs at once as a pass of
+    its own, everything else is passed on (a strategy's Rounds, a Generation's Chunks)."""
+    try:
+        for item in steps:
+            if isinstance(item, Forward):
+                execute([item])
+            else:
+                yield item
+    finally:
+        steps.close()
 
 
 @dataclass
@@ -298,16 +340,27 @@ class Generation:
         return len(self.token_ids) + int(self.stopped_by_token)
 
     def __iter__(self) -> Iterator[Chunk]:
+        """The generation on its own: every pass it needs runs at once."""
+        return alone(self.steps())
+
+    def steps(self) -> PyGenerator[Chunk | Forward, None, None]:
+        """The generation step-wise: passes it needs are yielded as `Forward`s for the
+        driver to run (the engine batches them with other generations'); a Chunk after
+        each round."""
         t0 = time.perf_counter()
         self.stats.cached_prompt_tokens = self.session.reuse_prefix(self.prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
         stops = StopMatcher(self.stop)
         generator = make_generator(self.params.seed, self.strategy.target.device)
-        rounds = self.strategy.rounds(
+        rounds = self.strategy.steps(
             self.session, self.prompt_ids, self.params, self.max_tokens, generator
         )
         try:
-            for rnd in rounds:
+            for item in rounds:
+                if isinstance(item, Forward):
+                    yield item  # the driver runs it; the strategy takes the result
+                    continue
+                rnd = item
                 self.stats.add(rnd.stats, decoded=bool(rnd.tokens))
                 if self.stats.first_token_seconds is None and rnd.tokens:
                     self.stats.first_token_seconds = time.perf_counter() - t0

@@ -9,7 +9,8 @@ visited with `for layer in self.layers`, so the offloader can swap in a streamin
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -19,6 +20,48 @@ from torch import nn
 from speculative.config import ModelConfig, RopeConfig
 from speculative.kv_cache import KVCache
 from speculative.quant import PackedLinear
+
+
+@dataclass
+class Segment:
+    """One sequence's share of a model pass: its new tokens, their RoPE positions, the
+    sequence's own KV cache, and the mask over that cache (None: causal among the new
+    tokens, seeing the whole cache; (T, T): among the new tokens only, each seeing the
+    whole cache; (T, cache.length + T): over every slot, e.g. a draft tree growing in
+    batches). Logits are returned for rows `logits_from`.. only (T - 1: the last)."""
+
+    tokens: torch.Tensor  # (T,) token ids
+    positions: torch.Tensor  # (T,)
+    cache: KVCache
+    mask: torch.Tensor | None = None
+    logits_from: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.logits_from < max(self.length, 1):
+            raise ValueError(
+                f"logits_from {self.logits_from} is outside a segment of {self.length} tokens"
+            )
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def logit_rows(self) -> int:
+        return self.length - self.logits_from
+
+
+@dataclass
+class SequenceSlots:
+    """Where one segment sits inside a pass, as the layers see it: rows [row, row + count)
+    of the pass's activations, written to `cache` from slot `start`, attending under
+    `mask` ((count, start + count) bool, or None for a single token)."""
+
+    row: int
+    count: int
+    cache: KVCache
+    start: int
+    mask: torch.Tensor | None
 
 
 class RMSNorm(nn.Module):
@@ -98,14 +141,14 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # (T, hidden)
+        x: torch.Tensor,  # (T, hidden): every sequence's new tokens, concatenated
         cos: torch.Tensor,  # (T, head_dim)
         sin: torch.Tensor,  # (T, head_dim), first half negated (see apply_rope)
-        k_cache: torch.Tensor,  # (kv_heads, slots, head_dim), this layer's view
-        v_cache: torch.Tensor,
-        start: int,  # first slot the T new entries are written to
-        mask: torch.Tensor | None,  # (T, start + T) bool, True = may attend
+        sequences: Sequence[SequenceSlots],
+        layer: int,
     ) -> torch.Tensor:
+        """Projections over all T rows at once; each sequence's rows write its own cache
+        and attend to it under its own mask (ragged: no cache is padded to another's)."""
         t = x.shape[0]
         q = (
             _linear(self.q_proj, x).view(t, self.num_heads, self.head_dim).transpose(0, 1)
@@ -118,10 +161,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        end = start + t
-        k_cache[:, start:end] = k
-        v_cache[:, start:end] = v
-        out = attend(q, k_cache[:, :end], v_cache[:, :end], mask)  # (H, T, hd)
+        outs = []
+        for seq in sequences:
+            rows = slice(seq.row, seq.row + seq.count)
+            k_cache, v_cache = seq.cache.k[layer], seq.cache.v[layer]  # (Hkv, slots, hd)
+            end = seq.start + seq.count
+            k_cache[:, seq.start : end] = k[:, rows]
+            v_cache[:, seq.start : end] = v[:, rows]
+            outs.append(attend(q[:, rows], k_cache[:, :end], v_cache[:, :end], seq.mask))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # (H, T, hd)
         return _linear(self.o_proj, out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
 
 
@@ -220,15 +268,13 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor,  # (T, hidden)
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        start: int,
-        mask: torch.Tensor | None,
+        sequences: Sequence[SequenceSlots],
+        layer: int,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start, mask)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, sequences, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -306,7 +352,6 @@ class Transformer(nn.Module):
             torch.cat((-sin, sin), dim=-1).to(self.dtype),
         )
 
-    @torch.inference_mode()
     def forward(
         self,
         tokens: torch.Tensor,  # (T,) token ids
@@ -316,33 +361,59 @@ class Transformer(nn.Module):
         last_only: bool = False,
         logits_from: int = 0,
     ) -> torch.Tensor:
-        """Append T tokens to `cache` and return fp32 logits, (T, V), (1, V) with
-        `last_only`, or (T - logits_from, V); V is `vocab_width`.
+        """One sequence's pass: `forward_batch` with a batch of one (see `Segment` for the
+        arguments). Returns fp32 logits (T, V), (1, V) with `last_only`, or
+        (T - logits_from, V); V is `vocab_width`."""
+        t = int(tokens.shape[0])
+        seg = Segment(tokens, positions, cache, mask, t - 1 if last_only else logits_from)
+        return self.forward_batch([seg])[0]
 
-        Without a mask the new tokens are causal among themselves and see the whole cache.
-        A (T, T) mask is among the new tokens only (each sees every cached entry); a
-        (T, cache.length + T) mask is over all slots (used when a draft tree grows in batches)."""
-        t = tokens.shape[0]
-        start = cache.reserve(t)
-        attn_mask = full_mask(mask, start, t, self.device)
+    @torch.inference_mode()
+    def forward_batch(self, segments: Sequence[Segment]) -> list[torch.Tensor]:
+        """Append each segment's tokens to its own cache and return its fp32 logits,
+        (T_i - logits_from_i, V). Weights are applied once to all segments' tokens
+        together (embedding, projections, MLP, norms, head): a streamed layer crosses the
+        bus once for all of them; attention runs per segment, against its own cache with
+        its own mask. Every segment needs its own cache."""
+        if len({id(seg.cache) for seg in segments}) != len(segments):
+            raise ValueError("two segments of one pass share a KV cache")
+        slots: list[SequenceSlots] = []
+        row = 0
+        for seg in segments:
+            t = seg.length
+            start = seg.cache.reserve(t)
+            slots.append(
+                SequenceSlots(row, t, seg.cache, start, full_mask(seg.mask, start, t, self.device))
+            )
+            row += t
+        positions = (
+            torch.cat([seg.positions for seg in segments])
+            if len(segments) > 1
+            else (segments[0].positions)
+        )
+        tokens = torch.cat([seg.tokens.to(self.device) for seg in segments])  # (T,)
         cos, sin = self.rope(positions.to(self.device))
-        tokens = tokens.to(self.device)
         rows = self.config.vocab_size
         if self.vocab_width > rows:  # a target's padding id has no row here (set_vocab_width)
             tokens = torch.where(tokens < rows, tokens, 0)
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens)  # (T, hidden)
         # A ModuleList's modules and a LayerSequence's layers are both callable blocks.
         blocks: Iterable[Callable[..., torch.Tensor]] = self.layers
         for i, layer in enumerate(blocks):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, attn_mask)
-        cache.commit_append(t)
-        if last_only:
-            x = x[-1:]
-        elif logits_from:
-            # Rows before `logits_from` only fill the cache (e.g. a prompt folded into a tree
-            # verification pass): skip their (T, vocab) head.
-            x = x[logits_from:]
-        return self._to_vocab_width(self.lm_head(self.norm(x)))
+            x = layer(x, cos, sin, slots, i)
+        for seg, sl in zip(segments, slots, strict=True):
+            sl.cache.commit_append(seg.length)
+        # Rows before a segment's `logits_from` only fill its cache (a prompt chunk, the
+        # pending tokens folded into a tree pass): no (T, vocab) head for them.
+        wanted = [
+            x[sl.row + seg.logits_from : sl.row + sl.count]
+            for seg, sl in zip(segments, slots, strict=True)
+        ]
+        head_in = wanted[0] if len(wanted) == 1 else torch.cat(wanted)
+        logits = self._to_vocab_width(self.lm_head(self.norm(head_in)))  # (R, V)
+        if len(segments) == 1:
+            return [logits]
+        return list(logits.split([seg.logit_rows for seg in segments]))
 
     def _to_vocab_width(self, head: torch.Tensor) -> torch.Tensor:
         """The head's (T, rows) output in the model dtype → fp32 logits (T, vocab_width):

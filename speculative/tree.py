@@ -20,6 +20,7 @@ import torch
 
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
+from speculative.passes import Steps, forward, run_alone
 
 # Children scored per expanded node. Sampling at T=1 spreads the target over many tokens:
 # the 17th..32nd child of a flat node can beat a deep guess (budget 64: 3.44 -> 3.48 tokens
@@ -88,7 +89,7 @@ def grow_tree(
     draft: Transformer,
     cache: KVCache,
     tree: DraftTree,
-    root_logits: torch.Tensor,  # (V,) the draft's logits after the root
+    root_logits: torch.Tensor,  # (V,)
     root_position: int,
     budget: int,
     max_depth: int,
@@ -96,6 +97,34 @@ def grow_tree(
     score_temperature: float = 1.0,
     max_branch: int = MAX_BRANCH,
 ) -> int:
+    """`grow_tree_steps` run alone: each draft pass runs at once."""
+    steps = grow_tree_steps(
+        draft,
+        cache,
+        tree,
+        root_logits,
+        root_position,
+        budget,
+        max_depth,
+        batch=batch,
+        score_temperature=score_temperature,
+        max_branch=max_branch,
+    )
+    return run_alone(steps)
+
+
+def grow_tree_steps(
+    draft: Transformer,
+    cache: KVCache,
+    tree: DraftTree,
+    root_logits: torch.Tensor,  # (V,) the draft's logits after the root
+    root_position: int,
+    budget: int,
+    max_depth: int,
+    batch: int | None = None,
+    score_temperature: float = 1.0,
+    max_branch: int = MAX_BRANCH,
+) -> Steps[int]:
     """Best-first growth of `tree` (holding only its root, already fed to `cache` in the last
     slot) to `budget` nodes of depth <= `max_depth`. Each iteration adds the best `batch`
     (default `ceil(budget / max_depth)`) frontier candidates by cumulative draft log-probability,
@@ -135,9 +164,10 @@ def grow_tree(
         mask = torch.zeros(t, cache.length + t, dtype=torch.bool, device=device)  # (t, slots)
         mask[:, :root_slot] = True  # the committed prefix
         mask[:, root_slot:] = tree.ancestors[idx][:, fed]  # ancestors among fed tree nodes
-        logits = draft(
-            tree.tokens[idx], root_position + tree.depths[idx], cache, mask=mask
-        )  # (t, V)
+        done = yield from forward(
+            draft, tree.tokens[idx], root_position + tree.depths[idx], cache, mask=mask
+        )
+        logits = done.logits  # (t, V)
         passes += 1
         # Scaled in place (the same values as `logits * scale`): this pass's logits and
         # their log-softmax are then the only (t, V) fp32 tensors alive, which the memory
@@ -146,6 +176,7 @@ def grow_tree(
         with torch.inference_mode():  # the pass returned an inference tensor
             logits.mul_(scale)
         logp, tok, row = _top_children(logits, tree.logprobs[idx], budget - added, max_branch)
+        del done  # (its logits with it)
         # Freed before the next pass: held through it, this pass's (t, V) fp32 logits would
         # add to that pass's attention working set, which at a long context fills the
         # whole attention chunk (the plan reserves one pass's activations, not two).

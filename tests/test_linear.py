@@ -14,7 +14,7 @@ from daemon.cli import main
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.checkpoint import load
 from speculative.drafting import ModelDrafter, NgramDrafter
-from speculative.generation import Generation, Strategy
+from speculative.generation import Generation, Strategy, alone
 from speculative.sampling import SamplingParams, make_generator
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear
@@ -129,7 +129,7 @@ def test_draft_identical_to_target_round_by_round(stories):
     session = linear.new_session(512)
     prompt = [1, 403, 407, 261, 378]
     session.reuse_prefix(prompt)
-    steps = list(linear.rounds(session, prompt, GREEDY, 30, make_generator(0)))
+    steps = list(alone(linear.steps(session, prompt, GREEDY, 30, make_generator(0))))
     assert [len(r.tokens) for r in steps[:1]] == [0]  # the prompt's prefill step
     rounds = steps[1:]
     sizes = [len(r.tokens) for r in rounds]
@@ -216,7 +216,7 @@ def test_prompt_at_the_end_of_the_context_shrinks_k_then_steps_plainly(
     linear = Linear(target, ModelDrafter(target), spec_length=4)
     session = linear.new_session(capacity)
     session.reuse_prefix(prompt)
-    rounds = list(linear.rounds(session, prompt, GREEDY, 100, make_generator(0)))
+    rounds = list(alone(linear.steps(session, prompt, GREEDY, 100, make_generator(0))))
     assert not rounds[0].tokens and rounds[0].stats.prefill_passes == 1  # the prompt
     rounds = rounds[1:]
     assert [r.stats.drafted for r in rounds] == drafted_per_round
@@ -226,7 +226,7 @@ def test_prompt_at_the_end_of_the_context_shrinks_k_then_steps_plainly(
     reference = Autoregressive(target)
     ref_session = reference.new_session(capacity)
     ref_session.reuse_prefix(prompt)
-    ref = reference.rounds(ref_session, prompt, GREEDY, 100, make_generator(0))
+    ref = alone(reference.steps(ref_session, prompt, GREEDY, 100, make_generator(0)))
     assert tokens == [t for r in ref for t in r.tokens]
 
 

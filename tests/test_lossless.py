@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
-from speculative.generation import Strategy
+from speculative.generation import Strategy, alone
 from speculative.model import Transformer
 from speculative.sampling import PenaltyContext, SamplingParams, probabilities
 from speculative.strategies.linear import Linear
@@ -154,7 +154,9 @@ def empirical_distribution(
     counts = torch.zeros(vocab**n, dtype=torch.float64)
     for seed in range(runs):
         session.reuse_prefix(prompt)
-        rounds = strategy.rounds(session, prompt, params, n, torch.Generator().manual_seed(seed))
+        rounds = alone(
+            strategy.steps(session, prompt, params, n, torch.Generator().manual_seed(seed))
+        )
         tokens: list[int] = []
         for rnd in rounds:
             tokens += rnd.tokens

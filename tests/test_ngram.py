@@ -7,6 +7,7 @@ import torch
 
 from speculative.drafting import NgramDrafter
 from speculative.ngram import ngram_continuations, ngram_proposal
+from speculative.passes import run_alone
 from speculative.sampling import PenaltyContext, SamplingParams
 
 
@@ -56,16 +57,20 @@ def test_truncated_continuations_merge_and_candidates_are_bounded():
 def test_ngram_drafter_proposal_is_a_point_mass():
     drafter = NgramDrafter(vocab_size=10)
     penalties = PenaltyContext(10, [1, 2, 3], "cpu")
-    proposal = drafter.propose(
-        None,  # type: ignore[arg-type]  # the n-gram drafter keeps no per-session state
-        [1, 2, 3, 4, 1, 2, 3],
-        3,
-        SamplingParams(),
-        penalties,
-        torch.Generator(),
+    proposal = run_alone(
+        drafter.propose(
+            None,  # type: ignore[arg-type]  # the n-gram drafter keeps no per-session state
+            [1, 2, 3, 4, 1, 2, 3],
+            3,
+            SamplingParams(),
+            penalties,
+            torch.Generator(),
+        )
     )
     assert proposal.tokens == [4, 1, 2]
     assert proposal.passes == 0
     assert torch.equal(proposal.q, torch.nn.functional.one_hot(torch.tensor([4, 1, 2]), 10).float())
-    empty = drafter.propose(None, [1, 2, 3], 3, SamplingParams(), penalties, torch.Generator())  # type: ignore[arg-type]
+    empty = run_alone(
+        drafter.propose(None, [1, 2, 3], 3, SamplingParams(), penalties, torch.Generator())
+    )  # type: ignore[arg-type]
     assert empty.tokens == [] and empty.q.shape == (0, 10)

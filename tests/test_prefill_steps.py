@@ -22,7 +22,7 @@ from speculative.checkpoint import load
 from speculative.drafting import ModelDrafter, NgramDrafter
 from speculative.generation import Chunk, Generation, Session, Strategy
 from speculative.kv_cache import KVCache
-from speculative.model import Transformer
+from speculative.model import Segment, Transformer
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
@@ -39,23 +39,27 @@ STORY = (
 
 
 class Passes:
-    """Wraps a model's forward: records the token count of every pass and the cache it
-    writes; `on_pass(n)` runs at the start of the n-th pass (on the caller's thread)."""
+    """Wraps a model's batched forward: records the token count and cache of every
+    sequence's segment (one per pass when a generation runs alone) and the segments of
+    each pass; `on_pass(n)` runs at the start of the n-th pass (on the caller's thread)."""
 
     def __init__(self, model: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:
         self.sizes: list[int] = []
         self.caches: list[KVCache] = []
+        self.passes: list[int] = []  # segments per pass
         self.on_pass: Callable[[int], None] | None = None
-        real = model.forward
+        real = model.forward_batch
 
-        def forward(tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, *a, **kw):  # type: ignore[no-untyped-def]
-            self.sizes.append(int(tokens.shape[0]))
-            self.caches.append(cache)
+        def forward_batch(segments: list[Segment]) -> list[torch.Tensor]:
+            self.passes.append(len(segments))
+            for seg in segments:
+                self.sizes.append(seg.length)
+                self.caches.append(seg.cache)
             if self.on_pass is not None:
-                self.on_pass(len(self.sizes))
-            return real(tokens, positions, cache, *a, **kw)
+                self.on_pass(len(self.passes))
+            return real(segments)
 
-        monkeypatch.setattr(model, "forward", forward)
+        monkeypatch.setattr(model, "forward_batch", forward_batch)
 
     def of(self, session: Session) -> list[int]:
         """Sizes of the passes that wrote this session's target or draft cache."""
@@ -177,13 +181,15 @@ def test_a_walk_through_the_prefix_cache_is_caught_up_in_chunks(
 
 @pytest.fixture(scope="module")
 def plain_runtime(stories_target: Path) -> Runtime:
-    return Runtime(RuntimeOptions(model=str(stories_target), device="cpu"))
+    return Runtime(RuntimeOptions(model=str(stories_target), device="cpu", sequences=12))
 
 
 @pytest.fixture(scope="module")
 def tree_runtime(stories_target: Path, stories_draft: Path) -> Runtime:
     return Runtime(
-        RuntimeOptions(model=str(stories_target), draft=str(stories_draft), device="cpu")
+        RuntimeOptions(
+            model=str(stories_target), draft=str(stories_draft), device="cpu", sequences=12
+        )
     )
 
 
@@ -240,7 +246,7 @@ def engines() -> Iterator[list[Engine]]:
         engine.shutdown()
 
 
-def test_other_generations_advance_between_the_chunks_of_a_long_prompt(
+def test_other_generations_share_the_passes_of_a_long_prompts_chunks(
     plain_runtime: Runtime, monkeypatch: pytest.MonkeyPatch, engines: list[Engine]
 ) -> None:
     runtime = plain_runtime
@@ -268,14 +274,15 @@ def test_other_generations_advance_between_the_chunks_of_a_long_prompt(
     long_session, _ = sessions
     owner = ["long" if c is long_session.target_cache else "short" for c in passes.caches]
     assert "short" in owner and set(owner) == {"long", "short"}
-    # Round robin, one step each: the long prompt's chunks alternate with the short
-    # request's prefill and decode steps until it has finished.
+    # Batched passes: from the pass after the short request arrived, every target pass
+    # carries both the long prompt's next chunk and the short request's next step (its
+    # prefill, then one token a pass) until the short one has finished.
     short_prompt = runtime.tokenizer.encode("Lily")
     short_steps = math.ceil((len(short_prompt) - 1) / CHUNK) + short_tokens
-    assert owner[: 2 + 2 * short_steps] == ["long", "long"] + ["short", "long"] * short_steps
+    assert passes.passes[: 1 + short_steps] == [1] + [2] * short_steps
     assert math.ceil((len(runtime.tokenizer.encode(STORY)) - 1) / CHUNK) > short_steps + 1
     long_sizes = passes.of(long_session)
-    assert long_sizes[: short_steps + 2] == [CHUNK] * (short_steps + 2)  # all prefill chunks
+    assert long_sizes[: short_steps + 1] == [CHUNK] * (short_steps + 1)  # all prefill chunks
     # Prefill steps post nothing: every event carries text, tokens or the end.
     for events in (long_events, short_events):
         chunks = [e for e in events if isinstance(e, Chunk)]

@@ -23,7 +23,7 @@ import torch
 from offload.machine import PeakMemory
 from scripts.bench_scale import pass_plan, plan_figures
 from scripts.real_shapes import build_model, model_config, write_folder
-from speculative.generation import Round, Session, feed
+from speculative.generation import Round, Session, alone, feed
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
 from speculative.sampling import SamplingParams, make_generator
@@ -66,7 +66,7 @@ def _generate(
 ) -> list[int]:
     session.reuse_prefix(PROMPT)
     out: list[int] = []
-    rounds = strategy.rounds(session, PROMPT, params, tokens, make_generator(params.seed))
+    rounds = alone(strategy.steps(session, PROMPT, params, tokens, make_generator(params.seed)))
     for r in rounds:
         out += r.tokens
     return out[:tokens]
@@ -75,7 +75,9 @@ def _generate(
 def _first_round(strategy: TreeSpeculation, session: Session, params: SamplingParams) -> Round:
     """The first round of a request for PROMPT (its tree as deep as the default depth)."""
     session.reuse_prefix(PROMPT)
-    rounds = strategy.rounds(session, PROMPT, params, ROUND_TOKENS, make_generator(params.seed))
+    rounds = alone(
+        strategy.steps(session, PROMPT, params, ROUND_TOKENS, make_generator(params.seed))
+    )
     first = next(rounds)
     rounds.close()
     return first

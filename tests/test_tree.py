@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from speculative.checkpoint import load
-from speculative.generation import Generation, Session
+from speculative.generation import Generation, Session, alone
 from speculative.model import Transformer
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import SamplingParams
@@ -106,20 +106,20 @@ def test_grow_tree_holds_one_draft_pass_of_logits_at_a_time(tiny_pair):
     target, draft = tiny_pair
     returned: list[weakref.ref] = []
     alive_at_call: list[int] = []
-    forward = draft.forward
+    forward_batch = draft.forward_batch
 
-    def counting_forward(*args, **kwargs):
+    def counting_forward(segments):
         # Only grow_tree's own passes: the prefix and the root were fed first.
         alive_at_call.append(sum(ref() is not None for ref in returned[2:]))
-        logits = forward(*args, **kwargs)
+        (logits,) = forward_batch(segments)
         returned.append(weakref.ref(logits))
-        return logits
+        return [logits]
 
-    draft.forward = counting_forward  # type: ignore[method-assign]
+    draft.forward_batch = counting_forward  # type: ignore[method-assign]
     try:
         tree, _ = _grown_tree(target, draft, [1, 5, 9, 13], budget=24, depth=4)
     finally:
-        del draft.forward
+        del draft.forward_batch
     passes = len(alive_at_call) - 2
     assert passes >= 2 and tree.size == 25
     assert alive_at_call[2:] == [0] * passes
@@ -159,7 +159,7 @@ def test_kv_compaction_matches_fresh_prefill(tiny_pair):
     strategy = TreeSpeculation(target, draft, budget=16, max_depth=4)
     session = strategy.new_session(256)
     gen = torch.Generator().manual_seed(0)
-    rounds = strategy.rounds(session, [1, 4, 8, 2], SamplingParams(temperature=1.0), 40, gen)
+    rounds = alone(strategy.steps(session, [1, 4, 8, 2], SamplingParams(temperature=1.0), 40, gen))
     for _ in range(5):
         next(rounds)
         _assert_caches_consistent(strategy, session)
@@ -237,7 +237,7 @@ def test_draft_identical_to_target_accepts_every_greedy_token(stories):
         )
         gen = torch.Generator().manual_seed(0)
         emitted = 0
-        for rnd in strategy.rounds(strategy.new_session(512), ids, GREEDY, 50, gen):
+        for rnd in alone(strategy.steps(strategy.new_session(512), ids, GREEDY, 50, gen)):
             if 50 - emitted > 1:  # the last token of the request drafts nothing
                 assert rnd.stats.accepted >= 1
                 if budget == 1:

@@ -22,6 +22,7 @@ from scripts.real_shapes import build_model, model_config
 from speculative.checkpoint import load
 from speculative.drafting import ModelDrafter
 from speculative.generation import Generation, Strategy
+from speculative.passes import run_alone
 from speculative.sampling import PenaltyContext, SamplingParams, make_generator
 from speculative.strategies.tree import TreeSpeculation
 from speculative.tree import DraftTree, grow_tree
@@ -131,7 +132,9 @@ def test_a_wider_draft_never_proposes_an_id_the_target_lacks(pairs):
     for seed in range(20):
         drafter.rollback(session, 0)
         penalties = PenaltyContext(width, [1, 5], rt.target.device)
-        proposal = drafter.propose(session, [1, 5], 6, params, penalties, make_generator(seed))
+        proposal = run_alone(
+            drafter.propose(session, [1, 5], 6, params, penalties, make_generator(seed))
+        )
         assert proposal.q.shape == (6, width)
         assert torch.allclose(proposal.q.sum(-1), torch.ones(6))
         assert max(proposal.tokens) < width

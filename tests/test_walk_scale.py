@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from speculative.config import ModelConfig
+from speculative.generation import alone
 from speculative.model import Transformer
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, draw, make_generator
@@ -117,7 +118,7 @@ def _sample(strategy: TreeSpeculation, session, prompt, params, n):  # type: ign
     tokens: list[int] = []
     hits = misses = passes = 0
     gen = make_generator(params.seed)
-    for rnd in strategy.rounds(session, prompt, params, n, gen):
+    for rnd in alone(strategy.steps(session, prompt, params, n, gen)):
         tokens += rnd.tokens
         hits += rnd.stats.prefix_cache_hits
         misses += rnd.stats.prefix_cache_misses

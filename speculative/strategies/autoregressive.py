@@ -4,12 +4,20 @@ must reproduce exactly."""
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from speculative.generation import PREFILL_CHUNK, Round, RoundStats, Session, prefill
+from speculative.generation import (
+    PREFILL_CHUNK,
+    Round,
+    RoundStats,
+    RoundSteps,
+    Session,
+    prefill,
+)
 from speculative.model import Transformer
+from speculative.passes import forward
 from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, draw
 
 
@@ -23,14 +31,14 @@ class Autoregressive:
     def new_session(self, capacity: int) -> Session:
         return Session(self.target, capacity)
 
-    def rounds(
+    def steps(
         self,
         session: Session,
         prompt_ids: Sequence[int],
         params: SamplingParams,
         max_new_tokens: int,
         generator: torch.Generator,
-    ) -> Generator[Round, None, None]:
+    ) -> RoundSteps:
         target, cache = self.target, session.target_cache
         yield from prefill(session, prompt_ids, target, chunk=self.prefill_chunk)
         stats = RoundStats()
@@ -46,11 +54,13 @@ class Autoregressive:
                 return
             t0 = time.perf_counter()
             pos = len(session.target_tokens)
-            logits = target(
+            done = yield from forward(
+                target,
                 torch.tensor([root], device=target.device),
                 torch.tensor([pos], device=target.device),
                 cache,
             )
+            logits = done.logits  # (1, V)
             session.target_tokens.append(root)
             token = int(draw(logits, params, penalties, noise, positions=[pos + 1])[0])
             if penalties is not None:

@@ -14,13 +14,21 @@ then emit the target's argmax.
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from speculative.drafting import Drafter
-from speculative.generation import PREFILL_CHUNK, Round, RoundStats, Session, prefill
+from speculative.generation import (
+    PREFILL_CHUNK,
+    Round,
+    RoundStats,
+    RoundSteps,
+    Session,
+    prefill,
+)
 from speculative.model import Transformer
+from speculative.passes import forward
 from speculative.sampling import PenaltyContext, SamplingParams, probabilities, sample
 
 
@@ -91,14 +99,14 @@ class Linear:
             dist = p[k]  # every draft token accepted: a bonus token from the last row
         return accepted, int(sample(dist[None], generator)[0])
 
-    def rounds(
+    def steps(
         self,
         session: Session,
         prompt_ids: Sequence[int],
         params: SamplingParams,
         max_new_tokens: int,
         generator: torch.Generator,
-    ) -> Generator[Round, None, None]:
+    ) -> RoundSteps:
         target, cache = self.target, session.target_cache
         vocab = target.config.vocab_size
         # The draft model (if any) catches up on the prompt in the same steps; its
@@ -117,7 +125,9 @@ class Linear:
             # tokens is never useful; at k = 0 this is one plain autoregressive step.
             k = min(self.spec_length, cache.free - 1, max_new_tokens - emitted - 1)
             target.prefetch()  # a streamed target's first layers copy while the draft works
-            proposal = self.drafter.propose(session, sequence, k, params, penalties, generator)
+            proposal = yield from self.drafter.propose(
+                session, sequence, k, params, penalties, generator
+            )
             drafted = proposal.tokens
             stats.draft_passes += proposal.passes
             stats.draft_seconds += proposal.seconds
@@ -126,11 +136,13 @@ class Linear:
             t0 = time.perf_counter()
             block = [sequence[-1], *drafted]
             start = len(session.target_tokens)
-            logits = target(
+            done = yield from forward(
+                target,
                 torch.tensor(block, dtype=torch.long, device=target.device),
                 torch.arange(start, start + len(block), device=target.device),
                 cache,
-            )  # (k+1, V)
+            )
+            logits = done.logits  # (k+1, V)
             counts = path_counts(drafted, vocab, target.device)  # (k+1, V)
             p = probabilities(logits, params, penalties.rows(counts))  # (k+1, V)
             accepted, token = self.verify(p, proposal.q, drafted, generator)

@@ -23,21 +23,57 @@ L - 1 + depth. The commit keeps the prefix, the root and the accepted path, in p
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from speculative.budget import AutoBudget, BudgetPlanner, FixedBudget, RoundRecord
 from speculative.drafting import check_draft_width
-from speculative.generation import PREFILL_CHUNK, Round, RoundStats, Session, prefill
+from speculative.generation import (
+    PREFILL_CHUNK,
+    Round,
+    RoundStats,
+    RoundSteps,
+    Session,
+    prefill,
+)
+from speculative.kv_cache import KVCache
 from speculative.model import Transformer
 from speculative.ngram import ngram_continuations
+from speculative.passes import Steps, forward
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, draw
-from speculative.tree import DraftTree, grow_tree, tree_from_continuations, verification_mask
+from speculative.tree import (
+    DraftTree,
+    grow_tree_steps,
+    tree_from_continuations,
+    verification_mask,
+)
 
 NGRAM_CANDIDATES = 8  # continuations merged into an n-gram tree
 GREEDY_SCORE_TEMPERATURE = 0.5
+
+
+@dataclass
+class _Walker:
+    """One generation's sampling state across rounds: the committed sequence x_1..x_L (x_L
+    is the root), its prefix-cache key, the penalty counts and the position-keyed noise."""
+
+    seq: list[int]
+    key: int
+    penalties: PenaltyContext | None
+    noise: PositionNoise
+    params: SamplingParams
+    emitted: int = 0
+
+    def draw(self, logits: torch.Tensor, position: int) -> int:
+        """One exact sample from a (1, V) row at sequence `position`, counted for the
+        penalties of the draws after it."""
+        tok = int(draw(logits, self.params, self.penalties, self.noise, positions=[position])[0])
+        if self.penalties is not None:
+            self.penalties.append([tok])
+        return tok
 
 
 class TreeSpeculation:
@@ -77,47 +113,35 @@ class TreeSpeculation:
     def new_session(self, capacity: int) -> Session:
         return Session(self.target, capacity, self.draft)
 
-    def rounds(
+    def steps(
         self,
         session: Session,
         prompt_ids: Sequence[int],
         params: SamplingParams,
         max_new_tokens: int,
         generator: torch.Generator,
-    ) -> Generator[Round, None, None]:
-        target, cache, pcache = self.target, session.target_cache, self.prefix_cache
-        vocab = target.config.vocab_size
-        seq = list(prompt_ids)  # committed x_1..x_L; x_L is the root
-        stats = RoundStats()
-        penalties = (
-            PenaltyContext(vocab, prompt_ids, target.device) if params.has_penalties else None
+    ) -> RoundSteps:
+        """Rounds, composed of the phases below: walk what the prefix cache already knows,
+        bring the caches up (prefill steps), draft a tree, request its verification, walk
+        and commit. Each model pass is a requested `Forward`: alone or batched with other
+        generations', the round is the same."""
+        vocab = self.target.config.vocab_size
+        state = _Walker(
+            seq=list(prompt_ids),
+            key=self.prefix_cache.key(prompt_ids),
+            penalties=PenaltyContext(vocab, prompt_ids, self.target.device)
+            if params.has_penalties
+            else None,
+            noise=PositionNoise(generator, vocab),  # the draws autoregressive decoding makes
+            params=params,
         )
-        noise = PositionNoise(generator, vocab)  # the same draws autoregressive decoding makes
-        key = pcache.key(seq)  # the prefix cache's id of x_1..x_L
-        emitted = 0
-        while emitted < max_new_tokens:
+        stats = RoundStats()
+        while state.emitted < max_new_tokens:
             t_round = time.perf_counter()
-            tokens: list[int] = []
-            # Continuations verified in earlier rounds or requests need no target pass.
-            while (
-                pcache.max_bytes
-                and emitted + len(tokens) < max_new_tokens
-                and len(seq) - len(session.target_tokens) < cache.free
-            ):
-                row = pcache.get(key)  # (V,)
-                if row is None:
-                    stats.prefix_cache_misses += 1
-                    break
-                stats.prefix_cache_hits += 1
-                tok = int(draw(row[None, :], params, penalties, noise, positions=[len(seq)])[0])
-                if penalties is not None:
-                    penalties.append([tok])
-                tokens.append(tok)
-                seq.append(tok)
-                key = pcache.child(key, tok)
-            left = max_new_tokens - emitted - len(tokens)
-            pending = seq[len(session.target_tokens) : -1]
-            room = cache.free - len(pending) - 1  # tree nodes that still fit the context
+            tokens = self._walk_cached(session, state, stats, max_new_tokens)
+            left = max_new_tokens - state.emitted - len(tokens)
+            pending = state.seq[len(session.target_tokens) : -1]
+            room = session.target_cache.free - len(pending) - 1  # nodes that still fit
             if left == 0 or room < 0:
                 if tokens:
                     stats.verify_seconds += time.perf_counter() - t_round
@@ -125,6 +149,8 @@ class TreeSpeculation:
                 return
             shape = self.planner.next_shape()
             budget = min(shape.budget, room)
+            if session.node_share is not None:  # the engine's split of a shared pass
+                budget = min(budget, session.node_share)
             depth = min(shape.depth, left - 1)
             if depth < 1:
                 budget = 0
@@ -134,120 +160,147 @@ class TreeSpeculation:
             # the prefix cache) goes first, one plain chunk per step, with the draft's
             # catch-up when this round drafts with a model.
             fold = max(self.prefill_chunk, budget + 1) - (budget + 1)
-            steps = prefill(
-                session,
-                seq,
-                target,
-                self.draft if budget else None,
-                fold=fold,
-                chunk=self.prefill_chunk,
+            draft = self.draft if budget else None
+            caught_up = prefill(
+                session, state.seq, self.target, draft, fold=fold, chunk=self.prefill_chunk
             )
-            for step in steps:
-                step.tokens, tokens = tokens, []  # tokens walked above go out first
-                emitted += len(step.tokens)
-                yield step
-                t_round = time.perf_counter()  # others ran meanwhile: not this round's cost
-            pending = seq[len(session.target_tokens) : -1]
+            for step in caught_up:
+                if isinstance(step, Round):
+                    step.tokens, tokens = tokens, []  # tokens walked above go out first
+                    state.emitted += len(step.tokens)
+                    yield step
+                    t_round = time.perf_counter()  # others ran meanwhile: not this round's
+                else:
+                    yield step  # a prefill pass, its result ignored
+            pending = state.seq[len(session.target_tokens) : -1]
             if budget == 0 and not pending:
-                tok = self._plain_step(session, seq[-1], params, penalties, noise, key)
-                if pcache.max_bytes:
-                    key = pcache.child(key, tok)
-                if penalties is not None:
-                    penalties.append([tok])
-                seq.append(tok)
-                tokens.append(tok)
+                tokens.append((yield from self._plain_step(session, state)))
                 stats.target_passes += 1
                 stats.budget = shape.budget
                 seconds = time.perf_counter() - t_round
                 stats.verify_seconds += seconds
                 self.planner.observe(RoundRecord(shape, 0, [], 1, seconds, 0.0, 0))
-                emitted += len(tokens)
-                yield Round(tokens, stats)
-                stats = RoundStats()
-                continue
-            target.prefetch()
-            tree = self._draft(session, seq, budget, depth, params, stats)
-            draft_seconds = stats.draft_seconds
-
-            t0 = time.perf_counter()
-            p = len(pending)
-            base = len(session.target_tokens) + p  # the root's slot and position
-            nodes = tree.size
-            verify_tokens = torch.cat(
-                (
-                    torch.tensor(pending, dtype=torch.long, device=tree.tokens.device),
-                    tree.tokens[:nodes],
+            else:
+                self.target.prefetch()  # a streamed target's first layers copy meanwhile
+                tree = yield from self._draft(session, state.seq, budget, depth, params, stats)
+                t0 = time.perf_counter()
+                verified = yield from forward(
+                    self.target, *self._verification(session, state.seq, tree)
                 )
-            )  # (P + N,)
-            positions = torch.cat(
-                (
-                    torch.arange(base - p, base, device=tree.tokens.device),
-                    base + tree.depths[:nodes],
+                path = self._accept(session, state, tree, verified.logits, tokens)
+                stats.target_passes += 1
+                stats.drafted += tree.size - 1
+                stats.accepted += len(path)
+                stats.tree_nodes += tree.size - 1
+                stats.budget = shape.budget
+                stats.verify_seconds += time.perf_counter() - t0
+                self.planner.observe(
+                    RoundRecord(
+                        shape=shape,
+                        nodes=tree.size - 1,
+                        path=path,
+                        # What the pass carried for every generation in it: its cost.
+                        verify_tokens=verified.tokens,
+                        round_seconds=time.perf_counter() - t_round,
+                        draft_seconds=stats.draft_seconds,
+                        draft_passes=stats.draft_passes,
+                    )
                 )
-            )  # (P + N,)
-            mask = verification_mask(tree.mask, p) if nodes > 1 else None
-            logits = target(verify_tokens, positions, cache, mask=mask, logits_from=p)  # (N, V)
-            # The tree's structure on the host, fetched once for the walk, the cache's keys
-            # and the commit.
-            node_tokens, parents = tree.token_list(), tree.parents[:nodes].tolist()
-            children = {(parents[v], node_tokens[v]): v for v in range(1, nodes)}
-            new, path = walk(tree, logits, params, penalties, noise, len(seq), children)
-            tokens.extend(new)
-            key = self._remember(logits, key, path, node_tokens, parents)
-            if pcache.max_bytes:
-                key = pcache.child(key, tokens[-1])
-
-            # Commit: prefix, root, accepted path; both caches in place.
-            session.target_tokens.extend(pending)
-            session.target_tokens.append(seq[-1])
-            cache.keep([base + i for i in path], start=base + 1)
-            session.target_tokens.extend(node_tokens[i] for i in path)
-            self._commit_draft(session, tree, path, node_tokens)
-            seq.extend(new)  # (the walk counted them in `penalties` already)
-
-            stats.target_passes += 1
-            stats.drafted += nodes - 1
-            stats.accepted += len(path)
-            stats.tree_nodes += nodes - 1
-            stats.budget = shape.budget
-            stats.verify_seconds += time.perf_counter() - t0
-            self.planner.observe(
-                RoundRecord(
-                    shape=shape,
-                    nodes=nodes - 1,
-                    path=path,
-                    verify_tokens=p + nodes,
-                    round_seconds=time.perf_counter() - t_round,
-                    draft_seconds=draft_seconds,
-                    draft_passes=stats.draft_passes,
-                )
-            )
-            emitted += len(tokens)
+            state.emitted += len(tokens)
             yield Round(tokens, stats)
             stats = RoundStats()
 
-    def _plain_step(
+    def _walk_cached(
+        self, session: Session, state: _Walker, stats: RoundStats, max_new_tokens: int
+    ) -> list[int]:
+        """Phase 1: continuations verified in earlier rounds or requests need no target
+        pass; draw them from the prefix cache while it knows the next row."""
+        pcache = self.prefix_cache
+        tokens: list[int] = []
+        while (
+            pcache.max_bytes
+            and state.emitted + len(tokens) < max_new_tokens
+            and len(state.seq) - len(session.target_tokens) < session.target_cache.free
+        ):
+            row = pcache.get(state.key)  # (V,)
+            if row is None:
+                stats.prefix_cache_misses += 1
+                break
+            stats.prefix_cache_hits += 1
+            tokens.append(state.draw(row[None, :], len(state.seq)))
+            state.seq.append(tokens[-1])
+            state.key = pcache.child(state.key, tokens[-1])
+        return tokens
+
+    def _verification(
+        self, session: Session, seq: list[int], tree: DraftTree
+    ) -> tuple[torch.Tensor, torch.Tensor, KVCache, torch.Tensor | None, int]:
+        """Phase 3, what this generation wants verified: the committed tokens the target
+        has not seen (causal), the root and the tree (ancestor mask), logits for the tree
+        only. Arguments of `forward`."""
+        pending = seq[len(session.target_tokens) : -1]
+        p, nodes, device = len(pending), tree.size, tree.tokens.device
+        base = len(session.target_tokens) + p  # the root's slot and position
+        tokens = torch.cat(
+            (torch.tensor(pending, dtype=torch.long, device=device), tree.tokens[:nodes])
+        )  # (P + N,)
+        positions = torch.cat(
+            (torch.arange(base - p, base, device=device), base + tree.depths[:nodes])
+        )  # (P + N,)
+        mask = verification_mask(tree.mask, p) if nodes > 1 else None
+        return tokens, positions, session.target_cache, mask, p
+
+    def _accept(
         self,
         session: Session,
-        root: int,
-        params: SamplingParams,
-        penalties: PenaltyContext | None,
-        noise: PositionNoise,
-        key: int,
-    ) -> int:
+        state: _Walker,
+        tree: DraftTree,
+        logits: torch.Tensor,  # (N, V) the target's logits at every node
+        tokens: list[int],  # this round's emitted tokens so far: extended
+    ) -> list[int]:
+        """Phase 4, what to do with the target's output: walk the tree, remember the
+        verified rows, commit prefix + root + accepted path to both caches. Returns the
+        accepted path (node indices)."""
+        pending = state.seq[len(session.target_tokens) : -1]
+        base = len(session.target_tokens) + len(pending)
+        # The tree's structure on the host, fetched once for the walk, the cache's keys
+        # and the commit.
+        node_tokens, parents = tree.token_list(), tree.parents[: tree.size].tolist()
+        children = {(parents[v], node_tokens[v]): v for v in range(1, tree.size)}
+        new, path = walk(
+            tree, logits, state.params, state.penalties, state.noise, len(state.seq), children
+        )
+        tokens.extend(new)
+        state.key = self._remember(logits, state.key, path, node_tokens, parents)
+        if self.prefix_cache.max_bytes:
+            state.key = self.prefix_cache.child(state.key, new[-1])
+        session.target_tokens.extend(pending)
+        session.target_tokens.append(state.seq[-1])
+        session.target_cache.keep([base + i for i in path], start=base + 1)
+        session.target_tokens.extend(node_tokens[i] for i in path)
+        self._commit_draft(session, tree, path, node_tokens)
+        state.seq.extend(new)  # (the walk counted them in `penalties` already)
+        return path
+
+    def _plain_step(self, session: Session, state: _Walker) -> Steps[int]:
         """No tree: one target step on the root, as cheap as autoregressive decoding (auto
         falls back to this where speculation does not pay)."""
         target = self.target
         pos = len(session.target_tokens)
-        logits = target(
-            torch.tensor([root], device=target.device),
+        done = yield from forward(
+            target,
+            torch.tensor([state.seq[-1]], device=target.device),
             torch.tensor([pos], device=target.device),
             session.target_cache,
         )  # (1, V)
-        session.target_tokens.append(root)
+        session.target_tokens.append(state.seq[-1])
         if self.prefix_cache.max_bytes:
-            self.prefix_cache.put_rows([key], logits, walked=1)  # drawn from below
-        return int(draw(logits, params, penalties, noise, positions=[pos + 1])[0])
+            self.prefix_cache.put_rows([state.key], done.logits, walked=1)  # drawn from below
+        tok = state.draw(done.logits, pos + 1)
+        if self.prefix_cache.max_bytes:
+            state.key = self.prefix_cache.child(state.key, tok)
+        state.seq.append(tok)
+        return tok
 
     def _draft(
         self,
@@ -257,10 +310,10 @@ class TreeSpeculation:
         depth: int,
         params: SamplingParams,
         stats: RoundStats,
-    ) -> DraftTree:
-        """The round's tree (just the root when budget is 0). The draft model's first pass
-        takes what it has not seen with the root: at most a chunk, `prefill` fed the rest
-        in earlier steps."""
+    ) -> Steps[DraftTree]:
+        """Phase 2: the round's tree (just the root when budget is 0). The draft model's
+        first pass takes what it has not seen with the root: at most a chunk, `prefill`
+        fed the rest in earlier steps."""
         device = self.target.device
         root = seq[-1]
         if budget < 1:
@@ -277,22 +330,23 @@ class TreeSpeculation:
         assert dcache is not None, "a tree session with a draft model has a draft cache"
         todo = seq[len(fed) :]  # at least the root
         start = len(fed)
-        root_logits = draft(
+        first = yield from forward(
+            draft,
             torch.tensor(todo, dtype=torch.long, device=draft.device),
             torch.arange(start, start + len(todo), device=draft.device),
             dcache,
-            last_only=True,
-        )[0]  # (V,)
+            logits_from=len(todo) - 1,
+        )
         fed.extend(todo)
         tree = DraftTree(root, budget + 1, device)
         # Rank guesses as the target will choose: sharply when greedy (0.5 measured best on
         # the stories pair), at the request's temperature when sampling.
         score_temperature = GREEDY_SCORE_TEMPERATURE if params.greedy else params.temperature
-        passes = grow_tree(
+        passes = yield from grow_tree_steps(
             draft,
             dcache,
             tree,
-            root_logits,
+            first.logits[0],
             len(seq) - 1,
             budget,
             depth,
