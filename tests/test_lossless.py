@@ -27,8 +27,9 @@ import pytest
 import torch
 
 from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
-from speculative.generation import Strategy, alone
+from speculative.generation import RoundSteps, Strategy, alone
 from speculative.model import Transformer
+from speculative.passes import Forward, execute
 from speculative.sampling import PenaltyContext, SamplingParams, probabilities
 from speculative.strategies.linear import Linear
 
@@ -234,3 +235,71 @@ def test_the_bound_rejects_a_sampler_that_skips_the_residual(pair):
     empirical = empirical_distribution(wrong, PROMPT, params, n, RUNS)
     tv, bound = total_variation(empirical, exact), tv_bound(exact, RUNS)
     assert tv > bound, f"the negative control passed: TV {tv:.4f} <= bound {bound:.4f}"
+
+
+def empirical_in_batches(
+    strategy: Strategy,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    n: int,
+    runs: int,
+    batch: int = 8,
+    node_share: int = 2,
+) -> torch.Tensor:
+    """`empirical_distribution` with the runs sampled `batch` at a time inside shared
+    passes, as the engine runs them: every generation advances to its next pass request,
+    the draft's requests run batched until all wait on the target, then one target pass
+    carries them all; tree generations get `node_share` nodes each."""
+    vocab = strategy.target.config.vocab_size
+    counts = torch.zeros(vocab**n, dtype=torch.float64)
+    for first in range(0, runs, batch):
+        streams: dict[int, RoundSteps] = {}
+        for seed in range(first, min(first + batch, runs)):
+            session = strategy.new_session(CONTEXT)
+            session.node_share = node_share
+            gen = torch.Generator().manual_seed(seed)
+            streams[seed] = strategy.steps(session, prompt, params, n, gen)
+        tokens: dict[int, list[int]] = {seed: [] for seed in streams}
+        waiting: dict[int, Forward] = {}
+        for seed in list(streams):
+            _run_to_request(seed, streams, tokens, waiting, n)
+        while waiting:
+            drafting = [s for s, r in waiting.items() if r.model is not strategy.target]
+            group = drafting or list(waiting)
+            execute([waiting[s] for s in group])
+            for seed in group:
+                del waiting[seed]
+                _run_to_request(seed, streams, tokens, waiting, n)
+        for got in tokens.values():
+            assert len(got) >= n, "the context has room for n tokens"
+            counts[_index(got[:n], vocab)] += 1
+    return counts / runs
+
+
+def _run_to_request(
+    seed: int,
+    streams: dict[int, RoundSteps],
+    tokens: dict[int, list[int]],
+    waiting: dict[int, Forward],
+    n: int,
+) -> None:
+    """Run one generation on to its next pass request, or close it once it has n tokens."""
+    for item in streams[seed]:
+        if isinstance(item, Forward):
+            waiting[seed] = item
+            return
+        tokens[seed] += item.tokens
+        if len(tokens[seed]) >= n:
+            break
+    streams.pop(seed).close()
+
+
+@pytest.mark.parametrize("strategy_name", ["linear", "tree"])
+def test_a_request_sampled_inside_a_batch_has_the_target_distribution(pair, strategy_name):
+    params, n = SETTINGS["top-k-top-p-presence"]
+    rt = runtime(pair, strategy_name, "model")
+    strategy = rt.strategy(strategy_name)
+    exact = exact_distribution(rt.target, PROMPT, params, n)
+    empirical = empirical_in_batches(strategy, PROMPT, params, n, RUNS)
+    tv, bound = total_variation(empirical, exact), tv_bound(exact, RUNS)
+    assert tv < bound, f"{strategy_name} in batches: TV {tv:.4f} >= bound {bound:.4f}"

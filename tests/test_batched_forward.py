@@ -1,0 +1,173 @@
+"""`Transformer.forward_batch`: one pass over several sequences equals each sequence's own
+pass (logits within 1e-5 in fp32, the caches' new entries the same), for ragged caches
+(different lengths, nothing padded), tree masks, prefill chunks with `logits_from`, Qwen's
+biases and Qwen3's q/k norms, and streamed layers (host slots: each layer is fetched once
+per batched pass, not once per sequence)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload.placement import build_streamer
+from speculative.checkpoint import load
+from speculative.kv_cache import KVCache
+from speculative.model import Segment, Transformer
+from speculative.passes import Forward, execute
+
+TREE_PARENTS = [-1, 0, 0, 1, 1, 3]  # root, two children, two grandchildren, one below
+
+
+def tree_segment(model: Transformer, cache: KVCache, seed: int) -> Segment:
+    """The root and five nodes after what `cache` holds, with the ancestor mask over
+    every slot."""
+    cached, t = cache.length, len(TREE_PARENTS)
+    mask = torch.zeros(t, cached + t, dtype=torch.bool)  # (T, slots)
+    mask[:, :cached] = True
+    depth = [0] * t
+    for i, parent in enumerate(TREE_PARENTS):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+            depth[i] = depth[parent] + 1
+        mask[i, cached + i] = True
+    tokens = torch.randint(
+        1, model.config.vocab_size, (t,), generator=torch.Generator().manual_seed(seed)
+    )
+    return Segment(tokens, cached + torch.tensor(depth), cache, mask)
+
+
+def prefilled(model: Transformer, length: int, seed: int) -> KVCache:
+    cache = model.new_cache(256)
+    if length:
+        gen = torch.Generator().manual_seed(seed)
+        model(
+            torch.randint(1, model.config.vocab_size, (length,), generator=gen),
+            torch.arange(length),
+            cache,
+        )
+    return cache
+
+
+def clone(cache: KVCache) -> KVCache:
+    copy = KVCache.__new__(KVCache)
+    copy.capacity, copy.length = cache.capacity, cache.length
+    copy.k, copy.v = cache.k.clone(), cache.v.clone()
+    return copy
+
+
+def mixed_segments(model: Transformer) -> list[Segment]:
+    """Four sequences with caches of 0, 3, 17 and 40 entries: a prefill chunk (logits for
+    its last row only), a decode step, a causal chain (linear verification) and a tree."""
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    chunk = torch.randint(1, vocab, (9,), generator=gen)
+    c0, c3, c17, c40 = (prefilled(model, n, seed=n) for n in (0, 3, 17, 40))
+    return [
+        Segment(chunk, torch.arange(9), c0, logits_from=8),
+        Segment(torch.tensor([5]), torch.tensor([3]), c3),
+        Segment(torch.randint(1, vocab, (5,), generator=gen), torch.arange(17, 22), c17),
+        tree_segment(model, c40, seed=1),
+    ]
+
+
+def check_batch_equals_alone(model: Transformer) -> None:
+    segments = mixed_segments(model)
+    alone_caches = [clone(s.cache) for s in segments]
+    alone = [
+        model.forward_batch(
+            [
+                Segment(
+                    s.tokens,
+                    s.positions,
+                    c,
+                    None if s.mask is None else s.mask.clone(),
+                    s.logits_from,
+                )
+            ]
+        )[0]
+        for s, c in zip(segments, alone_caches, strict=True)
+    ]
+    batched = model.forward_batch(segments)
+    for s, a, b, c in zip(segments, alone, batched, alone_caches, strict=True):
+        assert b.shape == a.shape == (s.logit_rows, model.vocab_width)
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        assert s.cache.length == c.length
+        n = c.length
+        torch.testing.assert_close(s.cache.k[:, :, :n], c.k[:, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s.cache.v[:, :, :n], c.v[:, :, :n], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "family, options",
+    [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("llama", {"num_kv_heads": 4})],
+)
+def test_a_batched_pass_equals_each_sequence_alone(
+    tiny_checkpoint: Callable[..., Path], family: str, options: dict
+) -> None:
+    model, _, _ = load(tiny_checkpoint(family, **options), "fp32", "cpu")
+    check_batch_equals_alone(model)
+
+
+def test_a_streamed_batched_pass_fetches_each_layer_once(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    path = tiny_checkpoint("llama", num_layers=4)
+    resident, _, _ = load(path, "fp32", "cpu")
+    model, _, _ = load(path, "fp32", "cpu")
+    streamer = build_streamer(list(model.layers), [0], "cpu", 2, "ram", None)
+    model.set_layers(streamer)
+    segments = mixed_segments(model)
+    reference = [clone(s.cache) for s in segments]
+    expected = [
+        resident.forward_batch([Segment(s.tokens, s.positions, c, s.mask, s.logits_from)])[0]
+        for s, c in zip(segments, reference, strict=True)
+    ]
+    streamer.fetch_log.clear()
+    got = model.forward_batch(segments)
+    # The three streamed layers, once each (the ring reads ahead across passes: any order).
+    assert sorted(streamer.fetch_log) == [1, 2, 3]
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_execute_runs_one_pass_per_model_and_hands_each_request_its_rows(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    target, _, _ = load(tiny_checkpoint("llama"), "fp32", "cpu")
+    draft, _, _ = load(tiny_checkpoint("llama", num_layers=1, seed=3), "fp32", "cpu")
+    calls: list[tuple[str, int]] = []
+    for name, model in (("target", target), ("draft", draft)):
+        real = model.forward_batch
+
+        def counted(segments: list[Segment], name: str = name, real=real) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+            calls.append((name, len(segments)))
+            return real(segments)
+
+        model.forward_batch = counted  # type: ignore[method-assign]
+    requests = [
+        Forward(target, Segment(torch.tensor([3, 4]), torch.arange(2), target.new_cache(16))),
+        Forward(draft, Segment(torch.tensor([5]), torch.arange(1), draft.new_cache(16))),
+        Forward(
+            target,
+            Segment(torch.tensor([6, 7, 8]), torch.arange(3), target.new_cache(16), logits_from=2),
+        ),
+    ]
+    execute(requests)
+    assert calls == [("target", 2), ("draft", 1)]
+    rows = [r.take() for r in requests]
+    assert [r.logits.shape[0] for r in rows] == [2, 1, 1]
+    assert [(r.tokens, r.sequences) for r in rows] == [(5, 2), (1, 1), (5, 2)]
+    with pytest.raises(RuntimeError, match="without running it"):
+        requests[0].take()  # handed over once
+
+
+def test_segments_sharing_a_cache_are_refused(tiny_checkpoint: Callable[..., Path]) -> None:
+    model, _, _ = load(tiny_checkpoint("llama"), "fp32", "cpu")
+    cache = model.new_cache(16)
+    one = Segment(torch.tensor([1]), torch.tensor([0]), cache)
+    with pytest.raises(ValueError, match="share a KV cache"):
+        model.forward_batch([one, Segment(torch.tensor([2]), torch.tensor([1]), cache)])
+    assert cache.length == 0  # refused before anything was written
