@@ -161,15 +161,21 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        outs = []
+        # Several sequences write their rows of one output: the plan counts one output
+        # per token plus one chunk's (a cat of per-sequence outputs would hold two).
+        out = torch.empty_like(q) if len(sequences) > 1 else None  # (H, T, hd)
         for seq in sequences:
             rows = slice(seq.row, seq.row + seq.count)
             k_cache, v_cache = seq.cache.k[layer], seq.cache.v[layer]  # (Hkv, slots, hd)
             end = seq.start + seq.count
             k_cache[:, seq.start : end] = k[:, rows]
             v_cache[:, seq.start : end] = v[:, rows]
-            outs.append(attend(q[:, rows], k_cache[:, :end], v_cache[:, :end], seq.mask))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)  # (H, T, hd)
+            own = attend(q[:, rows], k_cache[:, :end], v_cache[:, :end], seq.mask)
+            if out is None:
+                out = own
+            else:
+                out[:, rows] = own
+        assert out is not None, "a pass has at least one sequence"
         return _linear(self.o_proj, out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
 
 
@@ -409,7 +415,8 @@ class Transformer(nn.Module):
             x[sl.row + seg.logits_from : sl.row + sl.count]
             for seg, sl in zip(segments, slots, strict=True)
         ]
-        head_in = wanted[0] if len(wanted) == 1 else torch.cat(wanted)
+        head_in = wanted[0] if len(wanted) == 1 else torch.cat(wanted)  # (R, hidden)
+        del x, wanted  # several segments: the rows were copied, the rest is not needed
         logits = self._to_vocab_width(self.lm_head(self.norm(head_in)))  # (R, V)
         if len(segments) == 1:
             return [logits]

@@ -129,7 +129,11 @@ def test_the_plan_follows_the_models_chunking() -> None:
 # - layer: a prefill chunk with a small chunk bound, so that the per-token temporaries of
 #   a layer (the MLP's) dominate, as they do for 8B-70B models with 128 MiB chunks.
 # bf16 adds the fp32 copies (`.float()` of scores, norms and logits) that fp32 skips.
+# - batched: one pass over 8 sequences (each its own cache of the stated length): their
+#   trees sharing the pass's 264 rows, or 8 prefill chunks (daemon/engine.py).
 SHAPES = [
+    ("batched-tree", "bfloat16", 128256, 2048, 264, True, ATTENTION_CHUNK_BYTES, 8),
+    ("batched-prefill", "float32", 32000, 512, 1024, False, ATTENTION_CHUNK_BYTES, 8),
     ("prefill", "float32", 32000, 1024, 1024, False, ATTENTION_CHUNK_BYTES),
     ("tree", "float32", 128256, 2048, 257, True, ATTENTION_CHUNK_BYTES),
     ("prefill", "bfloat16", 32000, 1024, 1024, False, ATTENTION_CHUNK_BYTES),
@@ -139,27 +143,40 @@ SHAPES = [
 
 
 def measure_pass(
-    name: str, dtype: str, vocab: int, start: int, t: int, is_tree: bool, chunk_bytes: int
+    name: str,
+    dtype: str,
+    vocab: int,
+    start: int,
+    t: int,
+    is_tree: bool,
+    chunk_bytes: int,
+    sequences: int = 1,
 ) -> dict:
     """In a child process (see the test): the peak one pass shape adds, and the plan's
-    figure for it."""
+    figure for it. `sequences` > 1 splits the pass's t tokens evenly among that many
+    sequences, each with its own cache (a batched pass)."""
     from offload.machine import PeakMemory
-    from speculative.model import Transformer
+    from speculative.model import Segment, Transformer
 
     model_module.ATTENTION_CHUNK_BYTES = chunk_bytes  # this child process only
     torch.manual_seed(0)
     model = Transformer(config(vocab)).eval().to(getattr(torch, dtype))
-    tokens = torch.randint(0, vocab, (t,))
-    positions = torch.arange(start, start + t)
-    mask = tree_mask(tree_parents(t, 5), 0) if is_tree else None  # (N, N) tree mask
+    each = t // sequences
+    tokens = torch.randint(0, vocab, (each,))
+    positions = torch.arange(start, start + each)
+    mask = tree_mask(tree_parents(each, 5), 0) if is_tree else None  # (N, N) tree mask
 
     def run() -> int:
-        cache = model.new_cache(start + t)
-        cache.reserve(start + t)  # allocate every slot now, not during the pass
-        cache.commit_append(start)  # a pre-filled context (contents do not matter)
+        segments = []
+        for _ in range(sequences):
+            cache = model.new_cache(start + each)
+            cache.reserve(start + each)  # allocate every slot now, not during the pass
+            cache.commit_append(start)  # a pre-filled context (contents do not matter)
+            segments.append(Segment(tokens, positions, cache, mask, 0 if is_tree else each - 1))
         with PeakMemory("cpu") as peak:
-            logits = model(tokens, positions, cache, mask=mask, last_only=not is_tree)
-        assert logits.shape == ((t if is_tree else 1), vocab) and peak.bytes is not None
+            logits = model.forward_batch(segments)
+        rows = each if is_tree else 1
+        assert [x.shape for x in logits] == [(rows, vocab)] * sequences and peak.bytes is not None
         return peak.bytes
 
     # The first pass of a shape lets the BLAS library size its workspace once per process
@@ -169,7 +186,7 @@ def measure_pass(
     run()
     measured = min(run(), run())
     plan = replace(activation_footprint(model.config, model.dtype), chunk_bytes=chunk_bytes)
-    planned = plan.pass_bytes(t, t if is_tree else 1, start + t)
+    planned = plan.pass_bytes(t, t if is_tree else sequences, start + t)
     return {"shape": name, "dtype": dtype, "measured": measured, "planned": planned}
 
 
@@ -190,7 +207,8 @@ def test_the_plans_activation_figure_matches_what_a_pass_allocates() -> None:
     for r in json.loads(child.stdout):
         print(r)
         assert r["planned"] >= r["measured"], r
-        assert r["planned"] <= 1.25 * r["measured"], r
+        if r["shape"] != "batched-prefill":  # the plan's worst case is one long sequence:
+            assert r["planned"] <= 1.25 * r["measured"], r  # 8 short ones attend far less
 
 
 if __name__ == "__main__":
