@@ -1,9 +1,12 @@
 """One Llama-family decoder: Llama 2/3/3.1/3.2, Mistral, Qwen2 (q/k/v bias), Qwen3 (q/k norm).
 
-`forward(tokens, positions, cache, mask)` serves prefill, decode, linear verification and
-tree verification alike: positions are explicit (tree nodes share positions), and the
-optional boolean mask says which cache slots each new token may attend to. Blocks are
-visited with `for layer in self.layers`, so the offloader can swap in a streaming list.
+`forward_batch(segments)` serves prefill, decode, linear verification and tree verification
+alike, for one sequence or many in one pass: each `Segment` carries a sequence's new tokens,
+their explicit positions (tree nodes share positions), its own KV cache and the boolean
+mask of which cache slots each new token may attend to. Weights apply once to all
+segments' tokens; attention is per segment (ragged). `forward(tokens, positions, cache,
+...)` is the one-sequence call. Blocks are visited with `for layer in self.layers`, so the
+offloader can swap in a streaming list.
 """
 
 from __future__ import annotations
