@@ -8,8 +8,10 @@ model's requests as one batched pass per tree depth until every generation waits
 target, then runs ONE target pass over all of them (a streamed target's weights cross the
 bus once for every client), and hands each generation its logits to walk and commit on its
 own. A pass holds at most `max_pass_tokens` tokens and the plan's logit rows: requests
-that do not fit wait for the next pass, and tree generations share the pass's node budget
-(`Session.node_share`). A long prompt is prefilled one chunk per pass inside the same
+that do not fit wait for the next pass. Trees growing for one pass share its node budget
+in one best-first order over the whole forest (SpecExec's Dijkstra across trees): at each
+depth step the candidates of every tree are ranked together by cumulative draft
+log-probability and the best get the nodes, whichever request they belong to. A long prompt is prefilled one chunk per pass inside the same
 passes, so an arrival never stalls the streams in flight. A cancelled job leaves before
 the next step and its KV cache is freed; a fault fails its own job only (a batched pass
 that raises is rerun one generation at a time to find whose it was).
@@ -40,7 +42,7 @@ from typing import Any
 from daemon.metrics import Metrics
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.generation import Chunk, Generation, GenerationStats, Session, Strategy
-from speculative.passes import Forward, execute
+from speculative.passes import Allot, Forward, Request, allot, execute
 from speculative.sampling import SamplingParams
 
 log = logging.getLogger("specd.engine")
@@ -134,13 +136,13 @@ class Job:
 class _Active:
     job: Job
     generation: Generation
-    steps: PyGenerator[Chunk | Forward, Any, None]
+    steps: PyGenerator[Chunk | Request, None, None]
     session: Session
     pool_key: str
     first_token_seen: bool = False
     held: list[Chunk] = field(default_factory=list)  # coalesced, not yet posted
     last_post: float = 0.0
-    request: Forward | None = None  # the pass it waits for
+    request: Request | None = None  # the pass (or the tree nodes) it waits for
     chunks: int = 0  # chunks taken (rounds and prefill steps)
     target_passes: int = 0  # target passes it rode in
     pass_generations: int = 0  # generations in those passes, summed
@@ -370,36 +372,55 @@ class Engine:
             self._step_alone()
             return
         assert self.runtime is not None
-        # Trees share the pass's logit rows (the plan holds one tree's): the node budget
-        # is split among the generations the pass may carry; alone, a tree is unbounded here.
-        n = len(self._active)
-        share = None if n == 1 else max(1, self.max_pass_rows // n - 1)
-        for active in self._active:
-            active.session.node_share = share
+        # The nodes every tree growing for this pass may add together: the plan's logit
+        # rows (one tree's) less one row per generation (its root, or its token). Alone,
+        # that is at least the tree's own budget.
+        forest = max(0, self.max_pass_rows - len(self._active))
         self._active.rotate(-1)  # whoever waited behind the bound goes first next time
         for active in list(self._active):
             if active.request is None:
                 self._advance(active)
         target = self.runtime.target
-        while True:  # the draft's passes, one per depth for every tree growing
-            drafting = [a for a in self._active if a.request and a.request.model is not target]
-            if not drafting:
+        while True:  # trees grow in lockstep: nodes granted, then one draft pass per depth
+            asking = [a for a in self._active if isinstance(a.request, Allot)]
+            if asking:
+                forest -= self._allot(asking, forest)
+            drafting = [
+                a
+                for a in self._active
+                if isinstance(a.request, Forward) and a.request.model is not target
+            ]
+            if drafting:
+                self._run_pass(drafting)
+            elif not asking:
                 break
-            self._run_pass(drafting)
         verifying = [a for a in self._active if a.request is not None]
         if verifying:
             self._run_pass(verifying)
 
     def _step_alone(self) -> None:
         """The interleaved engine: the head generation runs one round (or one prefill
-        step), each of its passes on its own."""
+        step), each of its passes on its own, every node its tree asks for granted."""
         active = self._active[0]
         self._active.rotate(-1)
         if active.request is None:
             self._advance(active)
         chunks = active.chunks
         while active.chunks == chunks and active.request is not None:
-            self._run_pass([active])
+            if isinstance(active.request, Allot):
+                self._allot([active], active.request.wanted)
+            else:
+                self._run_pass([active])
+
+    def _allot(self, asking: list[_Active], budget: int) -> int:
+        """Grant the growing trees their nodes in one best-first order over all of them
+        (`passes.allot`); each runs on to its next request. Returns the nodes granted."""
+        requests = [a.request for a in asking if isinstance(a.request, Allot)]
+        granted = allot(requests, budget)
+        for active in asking:
+            active.request = None
+            self._advance(active)
+        return granted
 
     def _run_pass(self, waiting: list[_Active]) -> None:
         """One pass per model over the requests that fit the bounds (always the first),
@@ -407,14 +428,14 @@ class Engine:
         chosen: list[_Active] = []
         tokens = rows = 0
         for active in waiting:
-            assert active.request is not None
+            assert isinstance(active.request, Forward)
             seg = active.request.segment
             fits = tokens + seg.length <= self.max_pass_tokens
             if chosen and not (fits and rows + seg.logit_rows <= max(self.max_pass_rows, 1)):
                 continue
             chosen.append(active)
             tokens, rows = tokens + seg.length, rows + seg.logit_rows
-        requests = [a.request for a in chosen if a.request is not None]
+        requests = [a.request for a in chosen if isinstance(a.request, Forward)]
         try:
             execute(requests)
         except Exception as exc:
@@ -432,7 +453,7 @@ class Engine:
             self._deliver(active)
 
     def _retry_alone(self, active: _Active) -> None:
-        assert active.request is not None
+        assert isinstance(active.request, Forward)
         try:
             execute([active.request])
         except Exception as exc:
@@ -442,7 +463,7 @@ class Engine:
 
     def _deliver(self, active: _Active) -> None:
         """The generation's pass ran: it takes the result and runs on."""
-        assert active.request is not None and self.runtime is not None
+        assert isinstance(active.request, Forward) and self.runtime is not None
         result = active.request.result
         assert result is not None
         if active.request.model is self.runtime.target:
@@ -462,7 +483,7 @@ class Engine:
                 except StopIteration:
                     self._finish(active)
                     return
-                if isinstance(item, Forward):
+                if isinstance(item, Forward | Allot):
                     active.request = item
                     return
                 if self._take(active, item):
@@ -523,7 +544,6 @@ class Engine:
                 stats=stats.to_dict(),
             )
         )
-        active.session.node_share = None
         self._release_session(active.pool_key, active.session)
 
     def _fail_everything(self, error: BaseException) -> None:

@@ -19,7 +19,15 @@ import torch
 from speculative.detok import IncrementalDetokenizer, StopMatcher
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
-from speculative.passes import Forward, Steps, execute, forward, run_alone
+from speculative.passes import (
+    Allot,
+    Forward,
+    Request,
+    Steps,
+    forward,
+    run_alone,
+    serve_alone,
+)
 from speculative.sampling import SamplingParams, make_generator
 
 PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds activation memory
@@ -128,10 +136,6 @@ class Session:
         self.target_tokens: list[int] = []
         self.draft_cache: KVCache | None = draft.new_cache(capacity) if draft is not None else None
         self.draft_tokens: list[int] = []
-        # The most tree nodes this sequence may add to its next target pass: the engine's
-        # share of a pass's node budget when the pass serves several generations; None
-        # lets the strategy's own budget decide (a generation alone).
-        self.node_share: int | None = None
 
     def reuse_prefix(self, prompt_ids: Sequence[int]) -> int:
         """Roll both caches back to their longest common prefix with `prompt_ids`, keeping at
@@ -252,7 +256,7 @@ def prefill(
 # A strategy's rounds, step-wise: it yields a `Forward` wherever it needs a model pass (and
 # takes the result from it when resumed), a `Round` when tokens are committed. See
 # speculative/passes.py for who runs the passes.
-RoundSteps = PyGenerator[Round | Forward, None, None]
+RoundSteps = PyGenerator[Round | Request, None, None]
 
 
 class Strategy(Protocol):
@@ -275,13 +279,14 @@ class Strategy(Protocol):
     ) -> RoundSteps: ...
 
 
-def alone(steps: PyGenerator[Forward | R, None, None]) -> Iterator[R]:
-    """Drive a step-wise generator on its own: each `Forward` runs at once as a pass of
-    its own, everything else is passed on (a strategy's Rounds, a Generation's Chunks)."""
+def alone(steps: PyGenerator[Request | R, None, None]) -> Iterator[R]:
+    """Drive a step-wise generator on its own: each request is served at once as if no
+    other generation existed (`serve_alone`), everything else is passed on (a strategy's
+    Rounds, a Generation's Chunks)."""
     try:
         for item in steps:
-            if isinstance(item, Forward):
-                execute([item])
+            if isinstance(item, Forward | Allot):
+                serve_alone(item)
             else:
                 yield item
     finally:
@@ -343,10 +348,10 @@ class Generation:
         """The generation on its own: every pass it needs runs at once."""
         return alone(self.steps())
 
-    def steps(self) -> PyGenerator[Chunk | Forward, None, None]:
-        """The generation step-wise: passes it needs are yielded as `Forward`s for the
-        driver to run (the engine batches them with other generations'); a Chunk after
-        each round."""
+    def steps(self) -> PyGenerator[Chunk | Request, None, None]:
+        """The generation step-wise: the passes it needs (and its trees' requests for
+        nodes) are yielded for the driver to serve (the engine batches them with other
+        generations'); a Chunk after each round."""
         t0 = time.perf_counter()
         self.stats.cached_prompt_tokens = self.session.reuse_prefix(self.prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
@@ -357,8 +362,8 @@ class Generation:
         )
         try:
             for item in rounds:
-                if isinstance(item, Forward):
-                    yield item  # the driver runs it; the strategy takes the result
+                if isinstance(item, Forward | Allot):
+                    yield item  # the driver serves it; the strategy takes the result
                     continue
                 rnd = item
                 self.stats.add(rnd.stats, decoded=bool(rnd.tokens))

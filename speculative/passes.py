@@ -9,6 +9,12 @@ generator decides how the requests run: `run_alone` runs each as a pass of its o
 generation: the CLI, tests), the engine gathers the requests of every active generation
 and runs them as one batched pass per model (`execute`), so a streamed target's weights
 cross the bus once for all of them. The strategy's code is the same either way.
+
+The second request, `Allot`, is how tree nodes are spent when several trees grow for one
+pass (SpecExec's best-first order over the whole forest): at each growth step a tree offers
+the cumulative draft log-probabilities of its candidates, and the driver grants it a number
+of nodes. Alone, a tree gets what it asked for; the engine ranks every tree's offers
+together and grants the best ones, within the pass's node budget (`allot`).
 """
 
 from __future__ import annotations
@@ -51,8 +57,31 @@ class Pass:
     sequences: int  # segments in the pass
 
 
+@dataclass(eq=False)
+class Allot:
+    """A growing tree asks how many of its best candidates it may add now: `wanted` when
+    alone. The driver sets `granted`: a count (0: wait, others' candidates were better;
+    ask again next step) or None (the pass's nodes are spent: stop growing)."""
+
+    offers: torch.Tensor  # (m,) cumulative draft log-probabilities of the candidates
+    wanted: int
+    granted: int | None = None
+    answered: bool = False
+
+    def grant(self, count: int | None) -> None:
+        self.granted, self.answered = count, True
+
+    def take(self) -> int | None:
+        if not self.answered:
+            raise RuntimeError("nodes were asked for but the driver resumed without answering")
+        self.offers = self.offers[:0]  # the driver keeps no reference to the candidates
+        return self.granted
+
+
+Request = Forward | Allot
+
 # What a step-wise routine yields (it is resumed with None): it returns T when done.
-Steps = Generator[Forward, None, T]
+Steps = Generator[Request, None, T]
 
 
 def forward(
@@ -84,12 +113,46 @@ def execute(requests: Sequence[Forward]) -> None:
             requests[i].result = Pass(out, tokens, len(segments))
 
 
+def serve_alone(request: Request) -> None:
+    """Answer one request as if its generation were the only one: a pass of its own, or
+    every node it asked for."""
+    if isinstance(request, Forward):
+        execute([request])
+    else:
+        request.grant(request.wanted)
+
+
+def allot(requests: Sequence[Allot], budget: int) -> int:
+    """Grant trees growing for one pass their nodes in one best-first order over all of
+    them: this step adds at most the nodes they want together, and at most `budget`, and
+    they go to the candidates with the highest cumulative draft log-probability, whichever
+    tree they are in (the draft's estimate of how likely the target is to walk there).
+    With nothing left every tree is told to stop. Returns the nodes granted."""
+    if budget <= 0:
+        for request in requests:
+            request.grant(None)
+        return 0
+    # As many nodes as the trees would add alone this step, placed by rank: a tree whose
+    # candidates beat the others' gets more than it asked for (up to what it offers, which
+    # never exceeds its own budget), one whose candidates lose waits.
+    offers = torch.cat([r.offers for r in requests])  # (M,)
+    owners = torch.cat(
+        [torch.full((r.offers.numel(),), i, device=offers.device) for i, r in enumerate(requests)]
+    )  # (M,)
+    count = min(budget, sum(r.wanted for r in requests), int(offers.numel()))
+    best = torch.topk(offers, count).indices  # (count,)
+    granted = torch.bincount(owners[best], minlength=len(requests)).tolist()
+    for request, n in zip(requests, granted, strict=True):
+        request.grant(n)
+    return count
+
+
 def run_alone(steps: Steps[T]) -> T:
-    """Drive a step-wise routine to its result, each request a pass of its own."""
+    """Drive a step-wise routine to its result, each request served alone."""
     try:
         request = next(steps)
         while True:
-            execute([request])
+            serve_alone(request)
             request = next(steps)
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]

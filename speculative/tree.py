@@ -20,7 +20,7 @@ import torch
 
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
-from speculative.passes import Steps, forward, run_alone
+from speculative.passes import Allot, Steps, forward, run_alone
 
 # Children scored per expanded node. Sampling at T=1 spreads the target over many tokens:
 # the 17th..32nd child of a flat node can beat a deep guess (budget 64: 3.44 -> 3.48 tokens
@@ -146,7 +146,16 @@ def grow_tree_steps(
     passes = 0
     added = 0
     while added < budget and cand_logp.numel():
-        take = min(batch, budget - added, int(cand_logp.numel()))
+        # Alone a tree takes `batch` nodes a step; growing beside others for one pass, the
+        # driver ranks all their candidates together (speculative/passes.py `allot`).
+        request = Allot(cand_logp, min(batch, budget - added, int(cand_logp.numel())))
+        yield request
+        granted = request.take()
+        if granted is None:
+            break  # the pass's nodes are spent
+        take = min(granted, budget - added, int(cand_logp.numel()))
+        if take == 0:
+            continue  # others' candidates were better this step: ask again
         best = torch.topk(cand_logp, take).indices  # (take,)
         nodes = tree.add(cand_token[best], cand_parent[best], cand_logp[best])
         keep = torch.ones_like(cand_logp, dtype=torch.bool)

@@ -16,7 +16,8 @@ from offload.placement import build_streamer
 from speculative.checkpoint import load
 from speculative.kv_cache import KVCache
 from speculative.model import Segment, Transformer
-from speculative.passes import Forward, execute
+from speculative.passes import Allot, Forward, allot, execute
+from speculative.tree import DraftTree, grow_tree_steps
 
 TREE_PARENTS = [-1, 0, 0, 1, 1, 3]  # root, two children, two grandchildren, one below
 
@@ -171,3 +172,55 @@ def test_segments_sharing_a_cache_are_refused(tiny_checkpoint: Callable[..., Pat
     with pytest.raises(ValueError, match="share a KV cache"):
         model.forward_batch([one, Segment(torch.tensor([2]), torch.tensor([1]), cache)])
     assert cache.length == 0  # refused before anything was written
+
+
+def test_allot_ranks_every_trees_candidates_together() -> None:
+    def asks(*offers: list[float], wanted: int = 2) -> list[Allot]:
+        return [Allot(torch.tensor(o), wanted) for o in offers]
+
+    confident, unsure = [-0.1, -0.2, -0.3], [-1.0, -2.0, -3.0]
+    requests = asks(confident, unsure)
+    # As many nodes as both would take alone (2 + 2), to the best candidates: 3 + 1.
+    assert allot(requests, budget=10) == 4
+    assert [r.take() for r in requests] == [3, 1]
+    requests = asks(unsure, confident)
+    assert allot(requests, budget=1) == 1  # the forest's last node goes to the best one
+    assert [r.take() for r in requests] == [0, 1]  # the other waits
+    requests = asks(confident, unsure)
+    assert allot(requests, budget=0) == 0
+    assert [r.take() for r in requests] == [None, None]  # spent: stop growing
+    with pytest.raises(RuntimeError, match="without answering"):
+        Allot(torch.tensor([0.0]), 1).take()
+
+
+def test_trees_growing_for_one_pass_get_nodes_where_the_draft_is_surest(
+    tiny_checkpoint: Callable[..., Path],
+) -> None:
+    """Two trees grown in lockstep under one node budget: the tree whose draft is sure of
+    its continuations (a peaked model) takes more of the forest than the unsure one, and
+    together they never exceed the budget; alone, each would take its own budget."""
+    peaked, _, _ = load(tiny_checkpoint("llama", init_std=1.0, seed=5), "fp32", "cpu")
+    flat, _, _ = load(tiny_checkpoint("llama", init_std=0.01, seed=6), "fp32", "cpu")
+    budget, forest = 24, 24
+    trees, streams = [], []
+    for model in (peaked, flat):
+        cache = model.new_cache(64)
+        root_logits = model(torch.tensor([1, 7, 3]), torch.arange(3), cache, last_only=True)[0]
+        tree = DraftTree(3, budget + 1)
+        trees.append(tree)
+        streams.append(grow_tree_steps(model, cache, tree, root_logits, 2, budget, 4))
+    waiting = [next(s) for s in streams]
+    while any(w is not None for w in waiting):
+        asking = [w for w in waiting if isinstance(w, Allot)]
+        if asking:
+            forest -= allot(asking, forest)
+        execute([w for w in waiting if isinstance(w, Forward)])
+        for i, stream in enumerate(streams):
+            if waiting[i] is not None:
+                try:
+                    waiting[i] = next(stream)
+                except StopIteration:
+                    waiting[i] = None
+    sure, unsure = (t.size - 1 for t in trees)
+    assert sure + unsure <= 24 and forest >= 0
+    assert sure > unsure > 0

@@ -29,7 +29,7 @@ import torch
 from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
 from speculative.generation import RoundSteps, Strategy, alone
 from speculative.model import Transformer
-from speculative.passes import Forward, execute
+from speculative.passes import Allot, Forward, Request, allot, execute
 from speculative.sampling import PenaltyContext, SamplingParams, probabilities
 from speculative.strategies.linear import Linear
 
@@ -244,29 +244,41 @@ def empirical_in_batches(
     n: int,
     runs: int,
     batch: int = 8,
-    node_share: int = 2,
+    forest: int = 12,
 ) -> torch.Tensor:
     """`empirical_distribution` with the runs sampled `batch` at a time inside shared
     passes, as the engine runs them: every generation advances to its next pass request,
     the draft's requests run batched until all wait on the target, then one target pass
-    carries them all; tree generations get `node_share` nodes each."""
+    carries them all; the trees share `forest` nodes per pass, granted in one best-first
+    order over all of them."""
     vocab = strategy.target.config.vocab_size
     counts = torch.zeros(vocab**n, dtype=torch.float64)
     for first in range(0, runs, batch):
         streams: dict[int, RoundSteps] = {}
         for seed in range(first, min(first + batch, runs)):
             session = strategy.new_session(CONTEXT)
-            session.node_share = node_share
             gen = torch.Generator().manual_seed(seed)
             streams[seed] = strategy.steps(session, prompt, params, n, gen)
         tokens: dict[int, list[int]] = {seed: [] for seed in streams}
-        waiting: dict[int, Forward] = {}
+        waiting: dict[int, Request] = {}
         for seed in list(streams):
             _run_to_request(seed, streams, tokens, waiting, n)
+        budget = forest
         while waiting:
-            drafting = [s for s, r in waiting.items() if r.model is not strategy.target]
-            group = drafting or list(waiting)
-            execute([waiting[s] for s in group])
+            asking = [s for s, r in waiting.items() if isinstance(r, Allot)]
+            if asking:
+                budget -= allot([r for s in asking if isinstance(r := waiting[s], Allot)], budget)
+            drafting = [
+                s
+                for s, r in waiting.items()
+                if isinstance(r, Forward) and r.model is not strategy.target
+            ]
+            if asking or drafting:
+                group = asking + drafting
+                execute([r for s in drafting if isinstance(r := waiting[s], Forward)])
+            else:  # every generation waits on the target: one pass for all, a new forest
+                group, budget = list(waiting), forest
+                execute([r for r in waiting.values() if isinstance(r, Forward)])
             for seed in group:
                 del waiting[seed]
                 _run_to_request(seed, streams, tokens, waiting, n)
@@ -280,12 +292,12 @@ def _run_to_request(
     seed: int,
     streams: dict[int, RoundSteps],
     tokens: dict[int, list[int]],
-    waiting: dict[int, Forward],
+    waiting: dict[int, Request],
     n: int,
 ) -> None:
     """Run one generation on to its next pass request, or close it once it has n tokens."""
     for item in streams[seed]:
-        if isinstance(item, Forward):
+        if isinstance(item, Forward | Allot):
             waiting[seed] = item
             return
         tokens[seed] += item.tokens

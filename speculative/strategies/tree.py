@@ -149,8 +149,6 @@ class TreeSpeculation:
                 return
             shape = self.planner.next_shape()
             budget = min(shape.budget, room)
-            if session.node_share is not None:  # the engine's split of a shared pass
-                budget = min(budget, session.node_share)
             depth = min(shape.depth, left - 1)
             if depth < 1:
                 budget = 0
