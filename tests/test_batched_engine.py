@@ -1,0 +1,296 @@
+"""The batched engine (one target pass per step for every active generation) on the real
+small pair: outputs equal each request run alone, greedy and seeded, whatever ran beside
+it; concurrent generations share target passes; an arrival, a cancellation or a fault
+touches its own generation only; the metrics count the passes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from daemon.engine import Engine, EngineLimits, Failed, Finished, GenerationRequest, Job
+from daemon.metrics import Metrics
+from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
+from speculative.drafting import NgramDrafter
+from speculative.generation import (
+    PREFILL_CHUNK,
+    Chunk,
+    Generation,
+    Round,
+    RoundSteps,
+    Session,
+    Strategy,
+)
+from speculative.kv_cache import KVCache
+from speculative.model import Segment, Transformer
+from speculative.prefix_cache import PrefixCache
+from speculative.sampling import SamplingParams
+from speculative.strategies.linear import Linear
+from speculative.strategies.tree import TreeSpeculation
+
+GREEDY = SamplingParams(temperature=0.0)
+BUDGET = 8  # the n-gram tree's node budget
+CHUNK = 4  # prefill chunk where a long prompt must take many passes
+STORY = (
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the"
+    " park with her friends. One day, she saw a big red ball under a tree."
+)
+
+
+@dataclass
+class Spec:
+    strategy: str
+    prompt: str
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+# Every strategy, short and long prompts, stop strings, different lengths.
+MIX = [
+    Spec("tree", STORY, 24),
+    Spec("autoregressive", "Lily", 10),
+    Spec("linear", "Tom was sad because", 16, ["."]),
+    Spec("tree-ngram", "The dog ran. The dog ran. The dog", 20),
+    Spec("linear-ngram", "Once upon a time, there was a big", 14, ignore_eos=True),
+    Spec("tree", "One day, Sue went to the park", 18, ["!", "park"]),
+    Spec("linear", STORY, 12),
+    Spec("autoregressive", "Ben had a toy", 20, ["."]),
+]
+
+
+@pytest.fixture(scope="module")
+def runtime(stories_target: Path, stories_draft: Path) -> Runtime:
+    # sequences: one KV cache per concurrent generation, or the plan's logit rows would
+    # bound the batch. No prefix cache: each run's passes stay its own (the tree strategy
+    # would otherwise walk rows another test verified).
+    return Runtime(
+        RuntimeOptions(
+            model=str(stories_target),
+            draft=str(stories_draft),
+            device="cpu",
+            sequences=12,
+            prefix_cache=0,
+        )
+    )
+
+
+class Faulty:
+    """A real strategy whose rounds raise once it has committed `rounds` rounds of tokens."""
+
+    def __init__(self, inner: Strategy, rounds: int = 2) -> None:
+        self.inner, self.rounds = inner, rounds
+        self.name, self.target = "faulty", inner.target
+        self.prefill_chunk = inner.prefill_chunk
+
+    def new_session(self, capacity: int) -> Session:
+        return self.inner.new_session(capacity)
+
+    def steps(
+        self,
+        session: Session,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_new_tokens: int,
+        generator: torch.Generator,
+    ) -> RoundSteps:
+        done = 0
+        for item in self.inner.steps(session, prompt_ids, params, max_new_tokens, generator):
+            yield item
+            if isinstance(item, Round) and item.tokens:
+                done += 1
+                if done == self.rounds:
+                    raise RuntimeError("the strategy broke after its second round")
+
+
+def build_strategy(runtime: Runtime, name: str, chunk: int = PREFILL_CHUNK) -> Strategy:
+    """A fresh strategy: the runtime's builders, plus n-gram variants and a faulty one."""
+    target, vocab = runtime.target, runtime.target.config.vocab_size
+    strategy: Strategy
+    if name == "linear-ngram":
+        strategy = Linear(target, NgramDrafter(vocab))
+    elif name == "tree-ngram":
+        strategy = TreeSpeculation(target, None, BUDGET, prefix_cache=PrefixCache(0))
+    elif name == "faulty":
+        strategy = Faulty(build_strategy(runtime, "linear"))
+    else:
+        strategy = STRATEGY_BUILDERS[name](runtime)
+    strategy.prefill_chunk = chunk
+    return strategy
+
+
+class Passes:
+    """Wraps a model's batched forward: the caches of each pass's segments, in order;
+    `on_pass(n)` runs on the worker at the start of the n-th pass."""
+
+    def __init__(self, model: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.caches: list[list[KVCache]] = []
+        self.on_pass: Callable[[int], None] | None = None
+        real = model.forward_batch
+
+        def forward_batch(segments: list[Segment]) -> list[torch.Tensor]:
+            self.caches.append([seg.cache for seg in segments])
+            if self.on_pass is not None:
+                self.on_pass(len(self.caches))
+            return real(segments)
+
+        monkeypatch.setattr(model, "forward_batch", forward_batch)
+
+    def carrying(self, cache: KVCache) -> list[int]:
+        """Indices of the passes that carried a segment of this cache."""
+        return [i for i, caches in enumerate(self.caches) if any(c is cache for c in caches)]
+
+
+@dataclass
+class Outcome:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stats: dict
+    error: BaseException | None = None
+
+
+def alone(runtime: Runtime, spec: Spec, params: SamplingParams) -> Outcome:
+    """The request run on its own, with a freshly built strategy and session."""
+    strategy = build_strategy(runtime, spec.strategy)
+    gen = Generation(
+        strategy,
+        strategy.new_session(runtime.context),
+        runtime.tokenizer,
+        runtime.tokenizer.encode(spec.prompt),
+        params,
+        spec.max_tokens,
+        stop=spec.stop,
+        ignore_eos=spec.ignore_eos,
+    ).run()
+    return Outcome(gen.token_ids, gen.text, gen.finish_reason, gen.stats.to_dict())
+
+
+def request(runtime: Runtime, spec: Spec, params: SamplingParams) -> GenerationRequest:
+    return GenerationRequest(
+        prompt_ids=runtime.tokenizer.encode(spec.prompt),
+        params=params,
+        max_tokens=spec.max_tokens,
+        stop=spec.stop,
+        strategy=spec.strategy,
+        ignore_eos=spec.ignore_eos,
+    )
+
+
+async def outcome(job: Job) -> Outcome:
+    events = []
+    while not events or not isinstance(events[-1], Finished | Failed):
+        events.append(await asyncio.wait_for(job.events.get(), 60))
+    chunks = [e for e in events if isinstance(e, Chunk)]
+    token_ids = [t for c in chunks for t in c.token_ids]
+    text = "".join(c.text for c in chunks)
+    last = events[-1]
+    if isinstance(last, Failed):
+        return Outcome(token_ids, text, None, {}, last.error)
+    assert chunks[-1].finish_reason == last.finish_reason
+    return Outcome(token_ids, text, last.finish_reason, last.stats)
+
+
+def same(got: Outcome, expected: Outcome) -> tuple:
+    return (got.token_ids, got.text, got.finish_reason, got.error) == (
+        expected.token_ids,
+        expected.text,
+        expected.finish_reason,
+        None,
+    ), (got, expected)
+
+
+@pytest.fixture
+def make_engine(
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[..., tuple[Engine, list[Session]]]]:
+    """`make_engine(chunk=..., batch_passes=...)` → a started engine over the module's
+    runtime and the list of sessions it creates, in admission order."""
+    started: list[Engine] = []
+
+    def make(chunk: int = PREFILL_CHUNK, batch_passes: bool = True) -> tuple[Engine, list[Session]]:
+        sessions: list[Session] = []
+        new_session = runtime.new_session
+
+        def session(strategy: Strategy) -> Session:
+            sessions.append(new_session(strategy))
+            return sessions[-1]
+
+        def strategy(name: str | None = None) -> Strategy:
+            return build_strategy(runtime, name or runtime.default_strategy, chunk)
+
+        monkeypatch.setattr(runtime, "strategy", strategy)
+        monkeypatch.setattr(runtime, "new_session", session)
+        limits = EngineLimits(
+            stream_interval=0.0, cached_sessions=0, max_concurrent=10, batch_passes=batch_passes
+        )
+        engine = Engine(runtime.options, limits, Metrics(), runtime_factory=lambda _: runtime)
+        engine.start()
+        started.append(engine)
+        assert engine.loaded.wait(30) and engine.ready
+        return engine, sessions
+
+    yield make
+    for engine in started:
+        engine.shutdown()
+
+
+async def run_together(
+    engine: Engine, passes: Passes, requests: list[GenerationRequest]
+) -> tuple[list[Job], list[Outcome]]:
+    """Submit the first request, then the others from the worker during its first target
+    pass: all are admitted at the next step and run side by side from there."""
+    loop = asyncio.get_running_loop()
+    jobs = [engine.submit(requests[0], loop)]
+
+    def submit_the_rest(n: int) -> None:
+        if n == 1:
+            jobs.extend(engine.submit(r, loop) for r in requests[1:])
+
+    passes.on_pass = submit_the_rest
+    first = await outcome(jobs[0])  # its first pass (and the submissions) came before
+    assert len(jobs) == len(requests)
+    return jobs, [first, *[await outcome(job) for job in jobs[1:]]]
+
+
+SEEDED = [SamplingParams(temperature=1.0, seed=100 + i) for i in range(len(MIX))]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_concurrent_outputs_equal_each_request_alone(
+    n: int,
+    sampling: str,
+    runtime: Runtime,
+    make_engine: Callable,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    specs = MIX[:n]
+    params = [GREEDY] * n if sampling == "greedy" else SEEDED[:n]
+    expected = [alone(runtime, s, p) for s, p in zip(specs, params, strict=True)]
+    engine, _ = make_engine()
+    passes = Passes(runtime.target, monkeypatch)
+    requests = [request(runtime, s, p) for s, p in zip(specs, params, strict=True)]
+    _, got = asyncio.run(run_together(engine, passes, requests))
+    for g, e in zip(got, expected, strict=True):
+        assert same(g, e)
+    if n == 1:
+        assert got[0].stats["batch_size"] == 1 and got[0].stats["shared_passes"] == 0
+        return
+    for g in got:  # each rode in passes that carried others' work
+        assert g.stats["batch_size"] > 1 and g.stats["shared_passes"] > 0
+    assert max(len(p) for p in passes.caches) == n
+    metrics = engine.metrics
+    per_pass = metrics.generations_per_pass
+    assert per_pass.observations == metrics.passes.value == len(passes.caches)
+    assert per_pass.total / per_pass.observations > 1
+    assert per_pass.total == sum(len(p) for p in passes.caches)
+    rendered = metrics.render()
+    assert f"specd_passes_total {len(passes.caches)}" in rendered
+    assert "specd_generations_per_pass_count" in rendered
+    assert "specd_tokens_per_pass_sum" in rendered
