@@ -196,13 +196,14 @@ async def outcome(job: Job) -> Outcome:
     return Outcome(token_ids, text, last.finish_reason, last.stats)
 
 
-def same(got: Outcome, expected: Outcome) -> tuple:
-    return (got.token_ids, got.text, got.finish_reason, got.error) == (
+def assert_same(got: Outcome, expected: Outcome) -> None:
+    """The same tokens, text and finish reason, and no error."""
+    assert got.error is None, got.error
+    assert (got.token_ids, got.text, got.finish_reason) == (
         expected.token_ids,
         expected.text,
         expected.finish_reason,
-        None,
-    ), (got, expected)
+    )
 
 
 @pytest.fixture
@@ -278,7 +279,7 @@ def test_concurrent_outputs_equal_each_request_alone(
     requests = [request(runtime, s, p) for s, p in zip(specs, params, strict=True)]
     _, got = asyncio.run(run_together(engine, passes, requests))
     for g, e in zip(got, expected, strict=True):
-        assert same(g, e)
+        assert_same(g, e)
     if n == 1:
         assert got[0].stats["batch_size"] == 1 and got[0].stats["shared_passes"] == 0
         return
@@ -294,3 +295,23 @@ def test_concurrent_outputs_equal_each_request_alone(
     assert f"specd_passes_total {len(passes.caches)}" in rendered
     assert "specd_generations_per_pass_count" in rendered
     assert "specd_tokens_per_pass_sum" in rendered
+
+
+def test_two_tree_generations_take_about_the_passes_of_one(
+    runtime: Runtime, make_engine: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    specs = [Spec("tree", STORY, 30, ignore_eos=True)] * 2
+    expected = alone(runtime, specs[0], GREEDY)
+    engine, _ = make_engine()
+    passes = Passes(runtime.target, monkeypatch)
+    requests = [request(runtime, s, GREEDY) for s in specs]
+    _, got = asyncio.run(run_together(engine, passes, requests))
+    for g in got:
+        assert_same(g, expected)
+    own = [g.stats["target_passes"] for g in got]
+    assert min(own) >= 10
+    # One pass serves both: the engine ran about the passes of one, not of two.
+    assert engine.metrics.passes.value == len(passes.caches)
+    assert engine.metrics.passes.value <= 0.6 * sum(own), (engine.metrics.passes.value, own)
+    assert all(g.stats["shared_passes"] > 0 for g in got)
+    assert engine.metrics.generations_per_pass.total == sum(own)
