@@ -315,3 +315,53 @@ def test_two_tree_generations_take_about_the_passes_of_one(
     assert engine.metrics.passes.value <= 0.6 * sum(own), (engine.metrics.passes.value, own)
     assert all(g.stats["shared_passes"] > 0 for g in got)
     assert engine.metrics.generations_per_pass.total == sum(own)
+
+
+def test_a_long_prompt_arriving_never_stalls_the_streams(
+    runtime: Runtime, make_engine: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    streams = [
+        Spec("autoregressive", "Lily", 16, ignore_eos=True),
+        Spec("linear", "Tom", 16, ignore_eos=True),
+        Spec("tree", "Sue", 16, ignore_eos=True),
+        Spec("tree-ngram", "Ben", 16, ignore_eos=True),
+    ]
+    late = Spec("tree", f"{STORY} {STORY}", 4, ignore_eos=True)
+    expected = [alone(runtime, s, GREEDY) for s in [*streams, late]]
+    engine, sessions = make_engine(chunk=CHUNK)
+    passes = Passes(runtime.target, monkeypatch)
+    arrival = 3  # the long prompt is submitted during this target pass
+
+    async def run() -> list[Outcome]:
+        loop = asyncio.get_running_loop()
+        jobs = [engine.submit(request(runtime, streams[0], GREEDY), loop)]
+
+        def submit(n: int) -> None:
+            if n == 1:
+                jobs.extend(engine.submit(request(runtime, s, GREEDY), loop) for s in streams[1:])
+            if n == arrival:
+                jobs.append(engine.submit(request(runtime, late, GREEDY), loop))
+
+        passes.on_pass = submit
+        first = await outcome(jobs[0])  # it streams past the arrival: all are submitted
+        assert len(jobs) == 5
+        return [first, *[await outcome(job) for job in jobs[1:]]]
+
+    got = asyncio.run(run())
+    for g, e in zip(got, expected, strict=True):
+        assert_same(g, e)
+    *stream_sessions, long_session = sessions
+    prefill_chunks = -(-(len(runtime.tokenizer.encode(late.prompt)) - 1) // CHUNK)
+    carried = [passes.carrying(s.target_cache) for s in stream_sessions]
+    first = passes.carrying(long_session.target_cache)[0]
+    assert first == arrival  # admitted at the step after it arrived (passes count from 0)
+    for mine in carried:
+        assert mine[-1] > first  # still streaming when the long prompt came in
+        # From the arrival to its end, the stream rode in every target pass.
+        assert [i for i in mine if i >= first] == list(range(first, mine[-1] + 1))
+    end = max(mine[-1] for mine in carried)
+    # The prompt's chunks went on meanwhile, one per pass, beside the streams.
+    assert passes.carrying(long_session.target_cache)[: end - first + 1] == list(
+        range(first, end + 1)
+    )
+    assert prefill_chunks > end - first + 1  # the prefill was still running when they ended
