@@ -365,3 +365,53 @@ def test_a_long_prompt_arriving_never_stalls_the_streams(
         range(first, end + 1)
     )
     assert prefill_chunks > end - first + 1  # the prefill was still running when they ended
+
+
+def test_a_cancelled_generation_leaves_the_batch_and_the_others_finish(
+    runtime: Runtime, make_engine: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    specs = [
+        Spec("tree", STORY, 24, ignore_eos=True),
+        Spec("linear", "Tom was sad because", 24, ignore_eos=True),
+        Spec("autoregressive", "Lily", 20, ignore_eos=True),
+    ]
+    expected = [alone(runtime, s, GREEDY) for s in specs]
+    engine, sessions = make_engine()
+    passes = Passes(runtime.target, monkeypatch)
+    cancel_at = 5  # target pass during which the client goes away
+    posted: list[tuple[bool, object]] = []  # (cancelled by then, event) for the victim
+    jobs: list[Job] = []
+
+    async def run() -> list[Outcome]:
+        loop = asyncio.get_running_loop()
+        jobs.append(engine.submit(request(runtime, specs[0], GREEDY), loop))
+
+        def on_pass(n: int) -> None:
+            if n == 1:
+                jobs.extend(engine.submit(request(runtime, s, GREEDY), loop) for s in specs[1:])
+                post = jobs[1].post
+
+                def record(event: object) -> None:
+                    posted.append((jobs[1].cancelled, event))
+                    post(event)  # type: ignore[arg-type]
+
+                jobs[1].post = record  # type: ignore[method-assign]
+            if n == cancel_at:
+                jobs[1].cancel()
+
+        passes.on_pass = on_pass
+        first = await outcome(jobs[0])
+        return [first, await outcome(jobs[2])]
+
+    got = asyncio.run(run())
+    assert_same(got[0], expected[0])
+    assert_same(got[1], expected[2])
+    assert engine.metrics.cancelled.value == 1
+    victim = sessions[1]
+    # Its last pass is the one in flight when it was cancelled; it left before the next.
+    assert passes.carrying(victim.target_cache)[-1] == cancel_at - 1
+    # Nothing was posted once it was cancelled, not even the round of the pass in flight.
+    assert posted and not any(cancelled for cancelled, _ in posted), posted
+    assert not any(isinstance(e, Finished | Failed) for _, e in posted)
+    assert len(passes.caches) > cancel_at + 3  # the others went on for a while
+    assert engine.active_count == 0
