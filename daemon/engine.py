@@ -450,6 +450,10 @@ class Engine:
             active.pass_generations += result.sequences
             active.shared_passes += int(result.sequences > 1)
         active.request = None
+        if active.job.cancelled:
+            # The client left during the pass: its round is neither walked nor posted;
+            # the next step drops the job (and its KV cache).
+            return
         self._advance(active)
 
     def _advance(self, active: _Active) -> None:
