@@ -415,3 +415,96 @@ def test_a_cancelled_generation_leaves_the_batch_and_the_others_finish(
     assert not any(isinstance(e, Finished | Failed) for _, e in posted)
     assert len(passes.caches) > cancel_at + 3  # the others went on for a while
     assert engine.active_count == 0
+
+
+GOOD = [
+    Spec("tree", STORY, 24, ignore_eos=True),
+    Spec("autoregressive", "Lily", 20, ignore_eos=True),
+]
+AFTER = Spec("linear-ngram", "Once upon a time, there was a big", 14)
+
+
+def run_beside_good_ones(
+    runtime: Runtime, engine: Engine, passes: Passes, victim: Spec
+) -> tuple[list[Outcome], Outcome]:
+    """The victim runs between the two good requests; then one more request, alone."""
+    requests = [request(runtime, s, GREEDY) for s in (GOOD[0], victim, GOOD[1])]
+
+    async def run() -> tuple[list[Outcome], Outcome]:
+        _, got = await run_together(engine, passes, requests)
+        after = engine.submit(request(runtime, AFTER, GREEDY), asyncio.get_running_loop())
+        return got, await outcome(after)
+
+    return asyncio.run(run())
+
+
+def test_a_faulty_strategy_fails_its_own_request_only(
+    runtime: Runtime, make_engine: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = [alone(runtime, s, GREEDY) for s in [*GOOD, AFTER]]
+    engine, _ = make_engine()
+    passes = Passes(runtime.target, monkeypatch)
+    victim = Spec("faulty", "Tom was sad because", 24, ignore_eos=True)
+    (first, broken, second), after = run_beside_good_ones(runtime, engine, passes, victim)
+    assert isinstance(broken.error, RuntimeError), broken
+    assert "second round" in str(broken.error)
+    assert broken.token_ids  # its first two rounds were streamed before it broke
+    assert_same(first, expected[0])
+    assert_same(second, expected[1])
+    assert first.stats["shared_passes"] > 0 and second.stats["shared_passes"] > 0
+    assert engine.metrics.failed.value == 1
+    assert_same(after, expected[2])  # the engine serves on
+    assert engine.active_count == 0
+
+
+@pytest.mark.parametrize("where", ["before", "head"])
+def test_a_fault_in_the_batched_pass_fails_its_own_request_only(
+    where: str, runtime: Runtime, make_engine: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A target pass that raises whenever it carries one generation's segment (from that
+    generation's 4th pass on): the batched pass is rerun one generation at a time, the
+    culprit fails, the others go on as if nothing happened. "before": it raises before the
+    layers touch any cache; "head": in the head, after the layers wrote and committed
+    every segment's keys and values (where a GPU runs out of memory for the logits)."""
+    expected = [alone(runtime, s, GREEDY) for s in [*GOOD, AFTER]]
+    engine, sessions = make_engine()
+    passes = Passes(runtime.target, monkeypatch)
+    victim = Spec("linear", "Tom was sad because", 24, ignore_eos=True)
+    aboard = [0]  # passes that carried the culprit's segment
+
+    def fault(caches: list[KVCache]) -> None:
+        if len(sessions) > 1 and any(c is sessions[1].target_cache for c in caches):
+            aboard[0] += 1
+            if aboard[0] >= 4:
+                raise RuntimeError("the pass broke on this generation's segment")
+
+    if where == "before":
+        recorded = runtime.target.forward_batch  # Passes' wrapper
+
+        def forward_batch(segments: list[Segment]) -> list[torch.Tensor]:
+            fault([seg.cache for seg in segments])
+            return recorded(segments)
+
+        monkeypatch.setattr(runtime.target, "forward_batch", forward_batch)
+    else:
+        real_head = runtime.target._to_vocab_width
+
+        def to_vocab_width(head: torch.Tensor) -> torch.Tensor:
+            fault(passes.caches[-1])  # the pass in progress
+            return real_head(head)
+
+        monkeypatch.setattr(runtime.target, "_to_vocab_width", to_vocab_width)
+    (first, broken, second), after = run_beside_good_ones(runtime, engine, passes, victim)
+    assert isinstance(broken.error, RuntimeError), broken
+    assert "broke on this generation" in str(broken.error)
+    assert aboard[0] == 5  # the batched pass, then the culprit's own
+    assert_same(first, expected[0])
+    assert_same(second, expected[1])
+    # Each cache holds exactly its committed tokens: the rerun appended nothing twice
+    # (a duplicated key is one more vote in attention; the tiny model's greedy text
+    # happens to survive it, a real model's need not).
+    for session in (sessions[0], sessions[2]):
+        assert session.target_cache.length == len(session.target_tokens)
+    assert engine.metrics.failed.value == 1
+    assert_same(after, expected[2])
+    assert engine.active_count == 0
