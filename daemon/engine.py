@@ -415,14 +415,19 @@ class Engine:
             chosen.append(active)
             tokens, rows = tokens + seg.length, rows + seg.logit_rows
         requests = [a.request for a in chosen if a.request is not None]
+        lengths = [(r.segment.cache, r.segment.cache.length) for r in requests]
         try:
             execute(requests)
         except Exception as exc:
+            # The layers commit every segment's keys and values before the head runs: a
+            # pass that raised there (out of memory for the logits) left them appended.
+            # Back to where each cache stood, or the rerun below appends them twice.
+            for cache, length in lengths:
+                cache.truncate(length)
             if len(chosen) == 1:
                 self._fail(chosen[0], exc)
                 return
-            # Whose fault? Each alone: the others' results are as good as batched ones
-            # (caches are only committed once a pass completes).
+            # Whose fault? Each alone: the others' results are as good as batched ones.
             for active in chosen:
                 self._retry_alone(active)
             return
