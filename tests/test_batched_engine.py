@@ -508,3 +508,23 @@ def test_a_fault_in_the_batched_pass_fails_its_own_request_only(
     assert engine.metrics.failed.value == 1
     assert_same(after, expected[2])
     assert engine.active_count == 0
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_interleaved_passes_give_the_same_outputs(
+    sampling: str, runtime: Runtime, make_engine: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    params = [GREEDY] * len(MIX) if sampling == "greedy" else SEEDED
+    expected = [alone(runtime, s, p) for s, p in zip(MIX, params, strict=True)]
+    engine, sessions = make_engine(batch_passes=False)
+    passes = Passes(runtime.target, monkeypatch)
+    requests = [request(runtime, s, p) for s, p in zip(MIX, params, strict=True)]
+    _, got = asyncio.run(run_together(engine, passes, requests))
+    for g, e in zip(got, expected, strict=True):
+        assert_same(g, e)
+        assert g.stats["batch_size"] == 1 and g.stats["shared_passes"] == 0
+    assert {len(p) for p in passes.caches} == {1}  # every pass its own
+    mine = passes.carrying(sessions[0].target_cache)
+    assert mine != list(range(mine[0], mine[-1] + 1))  # the others' rounds came between
+    assert engine.metrics.passes.value == len(passes.caches)
+    assert engine.metrics.generations_per_pass.total == len(passes.caches)
