@@ -130,11 +130,15 @@ class Passes:
 
     def __init__(self, model: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:
         self.caches: list[list[KVCache]] = []
+        self.tokens: list[int] = []  # tokens of each pass, over all its segments
+        self.rows: list[int] = []  # logit rows of each pass
         self.on_pass: Callable[[int], None] | None = None
         real = model.forward_batch
 
         def forward_batch(segments: list[Segment]) -> list[torch.Tensor]:
             self.caches.append([seg.cache for seg in segments])
+            self.tokens.append(sum(seg.length for seg in segments))
+            self.rows.append(sum(seg.logit_rows for seg in segments))
             if self.on_pass is not None:
                 self.on_pass(len(self.caches))
             return real(segments)
@@ -210,11 +214,13 @@ def assert_same(got: Outcome, expected: Outcome) -> None:
 def make_engine(
     runtime: Runtime, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Callable[..., tuple[Engine, list[Session]]]]:
-    """`make_engine(chunk=..., batch_passes=...)` → a started engine over the module's
+    """`make_engine(chunk=, batch_passes=, max_pass_tokens=)` → a started engine over the module's
     runtime and the list of sessions it creates, in admission order."""
     started: list[Engine] = []
 
-    def make(chunk: int = PREFILL_CHUNK, batch_passes: bool = True) -> tuple[Engine, list[Session]]:
+    def make(
+        chunk: int = PREFILL_CHUNK, batch_passes: bool = True, max_pass_tokens: int | None = None
+    ) -> tuple[Engine, list[Session]]:
         sessions: list[Session] = []
         new_session = runtime.new_session
 
@@ -228,7 +234,11 @@ def make_engine(
         monkeypatch.setattr(runtime, "strategy", strategy)
         monkeypatch.setattr(runtime, "new_session", session)
         limits = EngineLimits(
-            stream_interval=0.0, cached_sessions=0, max_concurrent=10, batch_passes=batch_passes
+            stream_interval=0.0,
+            cached_sessions=0,
+            max_concurrent=10,
+            batch_passes=batch_passes,
+            max_pass_tokens=max_pass_tokens,
         )
         engine = Engine(runtime.options, limits, Metrics(), runtime_factory=lambda _: runtime)
         engine.start()
@@ -528,3 +538,28 @@ def test_interleaved_passes_give_the_same_outputs(
     assert mine != list(range(mine[0], mine[-1] + 1))  # the others' rounds came between
     assert engine.metrics.passes.value == len(passes.caches)
     assert engine.metrics.generations_per_pass.total == len(passes.caches)
+
+
+@pytest.mark.parametrize("bound", ["tokens", "rows"])
+def test_a_pass_stays_within_its_bounds_and_outputs_are_unchanged(
+    bound: str, runtime: Runtime, make_engine: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests that do not fit a pass's tokens wait for the next one (the first in line
+    always goes, whatever its size); trees share the logit rows (`Session.node_share`)."""
+    limit = 12
+    expected = [alone(runtime, s, GREEDY) for s in MIX]
+    engine, _ = make_engine(max_pass_tokens=limit if bound == "tokens" else None)
+    if bound == "rows":
+        engine.max_pass_rows = 3 * limit  # the worker reads it at its next step
+    passes = Passes(runtime.target, monkeypatch)
+    requests = [request(runtime, s, GREEDY) for s in MIX]
+    _, got = asyncio.run(run_together(engine, passes, requests))
+    for g, e in zip(got, expected, strict=True):
+        assert_same(g, e)
+    sizes = passes.tokens if bound == "tokens" else passes.rows
+    bound_value = limit if bound == "tokens" else 3 * limit
+    shared = [n for n, caches in zip(sizes, passes.caches, strict=True) if len(caches) > 1]
+    assert shared and max(shared) <= bound_value
+    assert max(len(caches) for caches in passes.caches) > 1
+    if bound == "tokens":  # some requests waited: fewer in a pass than were active
+        assert max(len(caches) for caches in passes.caches) < len(MIX)
