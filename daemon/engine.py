@@ -436,14 +436,19 @@ class Engine:
             chosen.append(active)
             tokens, rows = tokens + seg.length, rows + seg.logit_rows
         requests = [a.request for a in chosen if isinstance(a.request, Forward)]
+        lengths = [(r.segment.cache, r.segment.cache.length) for r in requests]
         try:
             execute(requests)
         except Exception as exc:
+            # The layers commit every segment's keys and values before the head runs: a
+            # pass that raised there (out of memory for the logits) left them appended.
+            # Back to where each cache stood, or the rerun below appends them twice.
+            for cache, length in lengths:
+                cache.truncate(length)
             if len(chosen) == 1:
                 self._fail(chosen[0], exc)
                 return
-            # Whose fault? Each alone: the others' results are as good as batched ones
-            # (caches are only committed once a pass completes).
+            # Whose fault? Each alone: the others' results are as good as batched ones.
             for active in chosen:
                 self._retry_alone(active)
             return
@@ -471,6 +476,10 @@ class Engine:
             active.pass_generations += result.sequences
             active.shared_passes += int(result.sequences > 1)
         active.request = None
+        if active.job.cancelled:
+            # The client left during the pass: its round is neither walked nor posted;
+            # the next step drops the job (and its KV cache).
+            return
         self._advance(active)
 
     def _advance(self, active: _Active) -> None:
