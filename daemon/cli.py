@@ -48,6 +48,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: the checkpoint's dtype on CUDA; fp32 on a CPU when the model fits in fp32",
     )
+    plan_cmd.add_quantize_args(p, default=None)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
         "--threads",
@@ -119,6 +120,8 @@ def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:
         budget=args.budget,
         max_depth=args.max_depth,
         dtype=args.dtype,
+        quantize=args.quantize,
+        draft_quantize=args.draft_quantize,
         device=args.device,
         context=args.context,
         threads=args.threads,

@@ -6,7 +6,7 @@ the streamer."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Protocol, cast
 
@@ -43,6 +43,7 @@ from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
 from speculative.kv_cache import KVCache
 from speculative.model import ATTENTION_CHUNK_BYTES, Transformer, attention_row_bytes
+from speculative.quant import PackedLinear
 from speculative.sampling import DRAW_BYTES_PER_ENTRY
 from speculative.tokenizer import Tokenizer
 
@@ -61,6 +62,12 @@ def footprint(
     # with each tensor's alignment padding, so the plan's figures are what gets allocated.
     layer = FlatLayout.of(block).nbytes
     outside_layers = module_bytes(model) - config.num_layers * module_bytes(block)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    dense_layer = 0
+    if config.quantization is not None:
+        with torch.device("meta"):
+            dense = Transformer(replace(config, quantization=None)).to(dtype)
+        dense_layer = FlatLayout.of(cast(nn.ModuleList, dense.layers)[0]).nbytes
     return ModelFootprint(
         name=name,
         dtype=str(dtype).removeprefix("torch."),
@@ -69,6 +76,9 @@ def footprint(
         num_layers=config.num_layers,
         kv_bytes_per_token=KVCache.bytes_for(config, 1, dtype),
         activations=activation_footprint(config, dtype, vocab_width),
+        quantization=config.quantization.label if config.quantization is not None else "",
+        dense_layer_bytes=dense_layer,
+        dequant_bytes=max((m.rebuild_bytes(dtype) for m in packed), default=0),
     )
 
 
@@ -309,23 +319,30 @@ def load_target(
     options: OffloadRequest,
     budget: Budget,
     tree_budget: int | str = "auto",
+    quantize: str | None = None,
 ) -> tuple[Transformer, Tokenizer, Checkpoint, MemoryPlan, LayerStreamer | None]:
     """Plan before loading (choosing `auto` dtype and context); then load to the device, or
     to the CPU and place it."""
-    ckpt = open_checkpoint(model_ref)
+    ckpt = open_checkpoint(model_ref, quantize)
     plan = choose_plan(
         ckpt.config, draft_config, str(ckpt.path), dtype, context, device.type, options, budget,
         tree_budget,
     )  # fmt: skip
     dtype = plan_dtype(plan)
     if not plan.streamed_layers:
-        model, tokenizer, ckpt = load(model_ref, dtype, device)
+        model, tokenizer, ckpt = load(model_ref, dtype, device, quantize=quantize)
         return model, tokenizer, ckpt, plan, None
+    if quantize is not None and plan.host_tier == "disk":
+        raise PlanError(
+            f"--quantize {quantize} keeps the quantized layers in RAM, but they do not fit "
+            f"there ({plan.host_tier_reason}): give more --ram-budget, or use a pre-quantized "
+            "GPTQ, AWQ or compressed-tensors checkpoint, whose packed layers stream from disk"
+        )
     skip = None
     if plan.host_tier == "disk":
         # Streamed layers are read from the files at every pass: never load them into RAM.
         skip = partial(_is_streamed_layer, first_streamed=plan.resident_layers)
-    model, tokenizer, ckpt = load(model_ref, dtype, "cpu", skip=skip)
+    model, tokenizer, ckpt = load(model_ref, dtype, "cpu", skip=skip, quantize=quantize)
     return model, tokenizer, ckpt, plan, place_target(model, ckpt, plan, device)
 
 
@@ -346,6 +363,8 @@ class OffloadOptions(Protocol):
     bandwidth: str | None
     sequences: int
     prefix_cache: int
+    quantize: str | None
+    draft_quantize: str | None
 
 
 def load_placed_target(
@@ -354,14 +373,16 @@ def load_placed_target(
     """The Runtime's target, planned first (so a model that cannot fit fails before anything
     is loaded, and `auto` dtype and context are settled), then loaded and placed."""
     draft_config = (
-        open_checkpoint(options.draft).config if draft_is_model and options.draft else None
+        open_checkpoint(options.draft, options.draft_quantize).config
+        if draft_is_model and options.draft
+        else None
     )
     budget = detect_budget(
         device, options.gpu_budget, options.ram_budget, options.bandwidth, measure=False
     )
     return load_target(
         options.model, options.dtype, device, options.context, draft_config,
-        offload_request(options), budget, planned_tree_budget(options),
+        offload_request(options), budget, planned_tree_budget(options), options.quantize,
     )  # fmt: skip
 
 

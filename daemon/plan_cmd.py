@@ -26,6 +26,7 @@ from daemon.runtime import RuntimeOptions, pick_device
 from offload.machine import detect_budget
 from offload.units import parse_rate, parse_size
 from speculative.checkpoint import DTYPE_CHOICES, open_checkpoint
+from speculative.quant import QUANTIZE_CHOICES, QUANTIZE_GROUP
 
 
 def _size_or_auto(text: str) -> str:
@@ -54,6 +55,18 @@ def add_context_arg(p: argparse.ArgumentParser, default: str | None) -> None:
         help="KV cache length in tokens, or auto: the longest up to the model's that fits "
         "(at least 4096)",
     )
+
+
+def add_quantize_args(p: argparse.ArgumentParser, default: str | None) -> None:
+    """--quantize and --draft-quantize, for `generate`, `plan` and the daemon commands."""
+    for flag, whose in (("--quantize", "target"), ("--draft-quantize", "draft")):
+        p.add_argument(
+            flag,
+            choices=QUANTIZE_CHOICES,
+            default=default,
+            help=f"quantize the {whose}'s full-precision projections as they load (groups of "
+            f"{QUANTIZE_GROUP} inputs, symmetric; packed in RAM, on the bus and in the slots)",
+        )
 
 
 def add_prefix_cache_arg(p: argparse.ArgumentParser) -> None:
@@ -111,6 +124,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", default=None, help="target folder (config.json is enough) or hub id")
     p.add_argument("--draft", default=None, help="draft folder / hub id, or 'ngram'")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default auto")
+    add_quantize_args(p, default=None)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
     add_context_arg(p, default=None)
     p.add_argument(
@@ -136,7 +150,16 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
         options = RuntimeOptions(model=args.model)
     else:
         raise ValueError("specd plan needs --model MODEL or --config FILE")
-    for name in ("model", "draft", "dtype", "device", "context", "budget"):
+    for name in (
+        "model",
+        "draft",
+        "dtype",
+        "quantize",
+        "draft_quantize",
+        "device",
+        "context",
+        "budget",
+    ):
         value = getattr(args, name)
         if value is not None:
             options = dataclasses.replace(options, **{name: value})
@@ -159,10 +182,10 @@ def _plan_device(options: RuntimeOptions) -> torch.device:
 def cmd_plan(args: argparse.Namespace) -> int:
     options = plan_options(args)
     device = _plan_device(options)
-    target = open_checkpoint(options.model)
+    target = open_checkpoint(options.model, options.quantize)
     draft = None
     if options.draft and options.draft != "ngram":
-        draft = open_checkpoint(options.draft).config
+        draft = open_checkpoint(options.draft, options.draft_quantize).config
     # Measuring this machine's bus only makes sense when planning for this machine.
     this_machine = options.gpu_budget == "auto"
     budget = detect_budget(

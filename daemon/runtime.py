@@ -43,6 +43,8 @@ class RuntimeOptions:
     # fp32 | bf16 | fp16, or auto: the checkpoint's dtype on CUDA; fp32 on a CPU when the
     # model fits in fp32 there (see speculative.checkpoint.dtype_candidates).
     dtype: str = "auto"
+    quantize: str | None = None  # int8 | int4: the target's projections, quantized on load
+    draft_quantize: str | None = None  # the same for the draft
     device: str = "auto"
     # KV cache length in tokens, or auto: the longest up to the model's maximum that fits
     # the budget, never below 4,096 (offload.plan.plan_auto_context).
@@ -171,7 +173,9 @@ class Runtime:
         if options.draft == NGRAM:
             self.draft_kind = NGRAM
         elif options.draft:
-            draft, draft_tok, draft_ckpt = load(options.draft, self.dtype, self.device)
+            draft, draft_tok, draft_ckpt = load(
+                options.draft, self.dtype, self.device, quantize=options.draft_quantize
+            )
             check_same_vocabulary(tokenizer, draft_tok, options.draft)
             check_embeddings_cover(
                 tokenizer, ckpt.config.vocab_size, draft_ckpt.config.vocab_size, options.draft

@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from daemon.argtypes import count_or_auto
-from daemon.plan_cmd import add_context_arg, add_offload_args, add_prefix_cache_arg
+from daemon.plan_cmd import (
+    add_context_arg,
+    add_offload_args,
+    add_prefix_cache_arg,
+    add_quantize_args,
+)
 from daemon.settings import (
     Settings,
     load_settings,
@@ -26,6 +31,8 @@ FLAG_KEYS = {
     "draft": "models.draft",
     "name": "models.name",
     "dtype": "models.dtype",
+    "quantize": "models.quantize",
+    "draft_quantize": "models.draft_quantize",
     "device": "models.device",
     "threads": "models.threads",
     "strategy": "speculation.strategy",
@@ -53,6 +60,7 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft model folder / hub id, or 'ngram'")
     p.add_argument("--name", default=None, help="model id served at /v1/models")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default auto")
+    add_quantize_args(p, default=None)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
     p.add_argument(
         "--threads", type=count_or_auto("--threads", 1), default=None, help="CPU threads or auto"

@@ -145,6 +145,10 @@ class ModelsSettings:
     draft: str | None = _key(None, text(nullable=True))
     name: str | None = _key(None, text(nullable=True))
     dtype: str = _key("auto", choice("auto", "fp32", "bf16", "fp16"))
+    # int8 | int4: quantize a full-precision checkpoint's projections as they load (null:
+    # load as stored; GPTQ/AWQ/compressed-tensors checkpoints are always loaded as stored).
+    quantize: str | None = _key(None, choice(None, "int8", "int4"))
+    draft_quantize: str | None = _key(None, choice(None, "int8", "int4"))
     device: str = _key("auto", choice("auto", "cpu", "cuda"))
     threads: int | str = _key("auto", integer(1, 1024, auto=True))
 
@@ -247,6 +251,8 @@ class Settings:
             max_depth=self.speculation.max_depth,
             prefix_cache=size_bytes(self.speculation.prefix_cache),
             dtype=self.models.dtype,
+            quantize=self.models.quantize,
+            draft_quantize=self.models.draft_quantize,
             device=self.models.device,
             context="auto" if self.context.length is None else self.context.length,
             offload=self.offload.mode,

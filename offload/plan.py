@@ -41,6 +41,12 @@ class ModelFootprint:
     num_layers: int
     kv_bytes_per_token: int  # K and V of every layer for one cached token
     activations: ActivationFootprint  # what a pass allocates, by its shape
+    # Packed weights (speculative/quant.py): the format, one layer's bytes if it were
+    # dequantized, and the most a projection's rebuild holds at once (the plan reserves it:
+    # one projection is rebuilt at a time, for its matmul only).
+    quantization: str = ""
+    dense_layer_bytes: int = 0
+    dequant_bytes: int = 0
 
     @property
     def weight_bytes(self) -> int:
@@ -155,8 +161,16 @@ class MemoryPlan:
             f"  target   {t.name}: {t.num_layers} layers × {format_size(t.layer_bytes)}, "
             f"{format_size(t.weight_bytes)} in {t.dtype}",
         ]
+        if t.quantization:
+            lines.append(
+                f"  packed   {t.quantization}: a layer is {format_size(t.layer_bytes)} "
+                f"({format_size(t.dense_layer_bytes)} dequantized); one projection at a "
+                f"time is rebuilt for its matmul ({format_size(t.dequant_bytes)} at most)"
+            )
         if r.draft:
-            lines.append(f"  draft    {r.draft.name}: {format_size(r.draft.weight_bytes)}")
+            d = r.draft
+            packed = f" ({d.quantization})" if d.quantization else ""
+            lines.append(f"  draft    {d.name}: {format_size(d.weight_bytes)}{packed}")
         lines += [
             f"  dtype    {t.dtype} ({self.dtype_reason})",
             f"  context  {r.context} tokens ({self.context_reason})",
@@ -295,6 +309,9 @@ def _fixed_parts(r: PlanRequest, device: str) -> dict[str, int]:
     if d is not None:
         act = max(act, d.activation_bytes(r.pass_tokens, r.logit_rows, r.context))
     parts[f"activations ({r.pass_tokens}-token pass, {r.logit_rows} logit rows)"] = act
+    rebuild = max(t.dequant_bytes, d.dequant_bytes if d is not None else 0)
+    if rebuild:
+        parts["dequantization (largest projection)"] = rebuild
     if device == "cpu" and r.prefix_cache_bytes:
         parts["prefix cache"] = r.prefix_cache_bytes
     return parts

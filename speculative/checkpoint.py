@@ -11,7 +11,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,13 @@ from torch import nn
 
 from speculative.config import ModelConfig, UnsupportedModelError
 from speculative.model import Transformer, rope_inv_freq
-from speculative.quant import SUPPORTED_FORMATS, PackedLinear
+from speculative.quant import (
+    SUPPORTED_FORMATS,
+    CompressedLinear,
+    PackedLinear,
+    UnsupportedQuantizationError,
+    on_load_quantization,
+)
 from speculative.tokenizer import Tokenizer
 
 # The safetensors names of the dtypes packed tensors are stored in.
@@ -92,9 +98,11 @@ def resolve(ref: str | os.PathLike[str]) -> Path:
         ) from exc
 
 
-def open_checkpoint(ref: str | os.PathLike[str]) -> Checkpoint:
+def open_checkpoint(ref: str | os.PathLike[str], quantize: str | None = None) -> Checkpoint:
     """Resolve and read the metadata only (config and generation defaults): cheap enough for
-    planning before anything is loaded."""
+    planning before anything is loaded. `quantize` ("int8" | "int4"): a full-precision
+    checkpoint's projections are to be quantized as they load (`on_load_quantization`);
+    the config then describes the packed model, so the plan counts packed bytes."""
     path = resolve(ref)
     config_path = path / "config.json"
     try:
@@ -102,6 +110,13 @@ def open_checkpoint(ref: str | os.PathLike[str]) -> Checkpoint:
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelNotFoundError(f"{config_path}: cannot read config ({exc})") from exc
     config = ModelConfig.from_hf(raw, source=str(config_path))
+    if quantize is not None:
+        if config.quantization is not None:
+            raise UnsupportedQuantizationError(
+                f"{config_path}: --quantize {quantize}: the checkpoint is already quantized "
+                f"({config.quantization.label}); it loads as it is, without --quantize"
+            )
+        config = replace(config, quantization=on_load_quantization(quantize))
     gen_path = path / "generation_config.json"
     defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     return Checkpoint(path=path, config=config, generation_defaults=defaults)
@@ -193,6 +208,21 @@ def load_model(
     # dtype the format stores them in; parameters take the compute dtype.
     stored = dict(_stored_buffers(model))
     expected.update({name: b.shape for name, b in stored.items()})
+    # `--quantize`: the file holds full-precision projections, each packed as it is read.
+    quantized_on_load: dict[str, CompressedLinear] = {}
+    if cfg.quantization is not None and cfg.quantization.on_load:
+        if skip is not None:
+            raise CheckpointError(
+                f"{checkpoint.path}: layers quantized on load live in RAM; the disk tier "
+                "streams a checkpoint's own bytes (use a pre-quantized GPTQ, AWQ or "
+                "compressed-tensors checkpoint to stream 4-bit layers from disk)"
+            )
+        for owner, module in model.named_modules():
+            if isinstance(module, CompressedLinear):
+                quantized_on_load[f"{owner}.weight"] = module
+                for attr in ("weight_packed", "weight_scale", "weight_shape"):
+                    del expected[f"{owner}.{attr}"], stored[f"{owner}.{attr}"]
+                expected[f"{owner}.weight"] = torch.Size((module.out_features, module.in_features))
     tied = cfg.tie_word_embeddings
     files = weight_files(checkpoint.path)
     total = sum(f.stat().st_size for f in files)
@@ -234,6 +264,13 @@ def load_model(
                     wrong_dtype.append(f"{hf_name} {sl.get_dtype()} (expected {want})")
                     continue
                 seen.add(name)
+                if name in quantized_on_load:
+                    weight = f.get_tensor(hf_name).to(device=device)
+                    quantized_on_load[name].quantize_from(weight)
+                    if reporter:
+                        reporter.advance(weight.numel() * weight.element_size())
+                    del weight
+                    continue
                 if skip is not None and skip(name):
                     _assign(model, name, torch.empty(shape, dtype=want, device="meta"))
                     continue
@@ -318,13 +355,15 @@ def load(
     dtype: str | torch.dtype = "fp32",
     device: torch.device | str = "cpu",
     skip: Callable[[str], bool] | None = None,
+    quantize: str | None = None,
 ) -> tuple[Transformer, Tokenizer, Checkpoint]:
-    """Everything needed to generate from one model reference (see `load_model` for `skip`)."""
+    """Everything needed to generate from one model reference (see `load_model` for `skip`,
+    `open_checkpoint` for `quantize`)."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
-    ckpt = open_checkpoint(ref)
+    ckpt = open_checkpoint(ref, quantize)
     tokenizer = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
     model = load_model(ckpt, dtype=dtype, device=device, skip=skip)
     return model, tokenizer, ckpt
