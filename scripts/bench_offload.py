@@ -9,11 +9,17 @@ and reports
 
 and accelerate's `cpu_offload` of the same layers in the same run, as a time ratio.
 
+`--quantize none,int8,int4` adds the same model with packed int8 / int4 projections (the
+`--quantize` layout): bytes per layer, the time to dequantize one layer's projections, and
+each pass's time as a ratio to the unquantized pass of the same shape and tokens (the
+issue's goal on a GPU: int4 ≤ 0.3 × bf16 at 64–256 tree tokens).
+
 Without a GPU it runs the same code path on the CPU with small shapes and says plainly that
 the overlap figures need a GPU (on a CPU "host→device" is a RAM copy and compute dominates).
 
     python scripts/bench_offload.py --out bench_offload.json
     python scripts/bench_offload.py --shapes 8b --layers 8 --tokens 1,64,256
+    python scripts/bench_offload.py --quantize none,int8,int4 --no-accelerate
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -33,6 +40,7 @@ from offload.machine import measure_bandwidth  # noqa: E402
 from offload.placement import build_streamer  # noqa: E402
 from speculative.config import ModelConfig  # noqa: E402
 from speculative.model import Transformer, rope_inv_freq  # noqa: E402
+from speculative.quant import CompressedLinear, PackedLinear, on_load_quantization  # noqa: E402
 
 SHAPES = {
     # hidden, intermediate, heads, kv heads, vocab (Llama-3.1-8B and Qwen2.5-32B layers)
@@ -45,9 +53,13 @@ SHAPES = {
 }  # fmt: skip
 
 
-def random_model(shape: str, layers: int, dtype: torch.dtype) -> Transformer:
+def random_model(
+    shape: str, layers: int, dtype: torch.dtype, quantize: str | None = None
+) -> Transformer:
     raw = {**SHAPES[shape], "num_hidden_layers": layers, "max_position_embeddings": 4096}
     cfg = ModelConfig.from_hf(raw, source=f"{shape}-shaped")
+    if quantize is not None:
+        cfg = replace(cfg, quantization=on_load_quantization(quantize))
     torch.manual_seed(0)
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -55,6 +67,9 @@ def random_model(shape: str, layers: int, dtype: torch.dtype) -> Transformer:
     with torch.no_grad():
         for p in model.parameters():
             p.uniform_(-0.02, 0.02)
+        for m in model.modules():
+            if isinstance(m, CompressedLinear):
+                m.quantize_from(torch.empty(m.out_features, m.in_features).uniform_(-0.02, 0.02))
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)  # fp32, as the loader sets it
     return model.eval()
 
@@ -80,9 +95,31 @@ def time_pass(model: Transformer, tokens: int, device: torch.device, repeats: in
     return times[len(times) // 2]
 
 
-def bench_shape(args: argparse.Namespace, shape: str, device: torch.device) -> list[dict]:
+def dequantize_seconds(layer: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> float:
+    """Median seconds to rebuild every packed projection of one (resident) layer."""
+    packed = [m for m in layer.modules() if isinstance(m, PackedLinear)]
+    if not packed:
+        return 0.0
+    layer.to(device)
+    times = []
+    for _ in range(4):
+        sync(device)
+        t0 = time.perf_counter()
+        for m in packed:
+            m.dequantize(dtype)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    layer.to("cpu")
+    return sorted(times[1:])[1]
+
+
+def bench_shape(
+    args: argparse.Namespace, shape: str, device: torch.device, quantize: str | None = None
+) -> list[dict]:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    model = random_model(shape, args.layers, dtype)
+    model = random_model(shape, args.layers, dtype, quantize)
+    weights = quantize or args.dtype
+    rebuild = dequantize_seconds(random_model(shape, 1, dtype, quantize).layers[0], dtype, device)
     layers = list(model.layers)
     streamer = build_streamer(layers, [], device, args.slots)
     model.set_layers(streamer)
@@ -92,8 +129,9 @@ def bench_shape(args: argparse.Namespace, shape: str, device: torch.device) -> l
     transfer = streamed / bandwidth
     print(
         f"\n{shape}-shaped, {args.layers} layers × {streamer.layout.nbytes / 1e9:.3f} GB "
-        f"({args.dtype}), {args.slots} slots; bandwidth {bandwidth / 1e9:.2f} GB/s ({how}); "
-        f"pure transfer {transfer * 1e3:.1f} ms"
+        f"({weights}, compute {args.dtype}), {args.slots} slots; bandwidth "
+        f"{bandwidth / 1e9:.2f} GB/s ({how}); pure transfer {transfer * 1e3:.1f} ms; "
+        f"dequantize a layer {rebuild * 1e3:.2f} ms"
     )
     rows = []
     for n in args.tokens:
@@ -103,6 +141,9 @@ def bench_shape(args: argparse.Namespace, shape: str, device: torch.device) -> l
                 "shape": shape,
                 "device": device.type,
                 "dtype": args.dtype,
+                "weights": weights,
+                "layer_bytes": streamer.layout.nbytes,
+                "dequantize_layer_seconds": rebuild,
                 "layers": args.layers,
                 "slots": args.slots,
                 "tokens": n,
@@ -113,7 +154,7 @@ def bench_shape(args: argparse.Namespace, shape: str, device: torch.device) -> l
                 "overlap_ratio": t / transfer,
             }
         )
-    if args.accelerate:
+    if args.accelerate and quantize is None:
         compare_accelerate(args, shape, dtype, device, rows)
     for r in rows:
         acc = r.get("accelerate_over_streamer")
@@ -170,6 +211,11 @@ def main() -> int:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-accelerate", dest="accelerate", action="store_false")
+    p.add_argument(
+        "--quantize",
+        default="none",
+        help="comma list of none,int8,int4: the weights to compare, side by side",
+    )
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = p.parse_args()
     args.tokens = [int(x) for x in args.tokens.split(",")]
@@ -185,7 +231,22 @@ def main() -> int:
             "(pass time over transfer time, accelerate comparison) need a GPU: on a CPU the "
             "'transfer' is a RAM copy and the pass is compute-bound."
         )
-    rows = [r for shape in shapes for r in bench_shape(args, shape, device)]
+    kinds = [None if k == "none" else k for k in args.quantize.split(",")]
+    rows = [r for shape in shapes for k in kinds for r in bench_shape(args, shape, device, k)]
+    base = {
+        (r["shape"], r["tokens"]): r["pass_seconds"] for r in rows if r["weights"] == args.dtype
+    }
+    if len(kinds) > 1 and base:
+        print(f"\npass time against the {args.dtype} pass of the same shape and tokens:")
+        for r in rows:
+            ref = base.get((r["shape"], r["tokens"]))
+            if ref:
+                r["pass_over_unquantized"] = r["pass_seconds"] / ref
+                print(
+                    f"  {r['shape']:>5} {r['weights']:>5} tokens {r['tokens']:5d}  "
+                    f"layer {r['layer_bytes'] / 1e6:8.2f} MB  "
+                    f"{r['pass_over_unquantized']:5.2f}x"
+                )
     if args.out:
         args.out.write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=2))
         print(f"\nwrote {args.out}")
