@@ -147,18 +147,38 @@ class GPTQLinear(PackedLinear):
         )
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
         self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32))
+        self._contiguous: bool | None = None  # see _groups_contiguous
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         work = _work_dtype(self.scales.dtype, dtype)
-        group = self.g_idx.long()  # (in,)
         zeros = unpack(self.qzeros, self.bits, 1, work) + 1  # (G, out): v1 stores zero - 1
         weight = unpack(self.qweight, self.bits, 0, work)  # (in, out) codes
-        weight -= zeros[group]  # integers: exact
-        weight *= self.scales.to(work)[group]  # the one rounding
+        if self._groups_contiguous():
+            # Without desc_act every group is a run of inputs: broadcast per group in
+            # place (the same values as the gathers below, about twice as fast).
+            by_group = weight.view(zeros.shape[0], -1, self.out_features)  # (G, group, out)
+            by_group -= zeros[:, None, :]
+            by_group *= self.scales.to(work)[:, None, :]
+        else:
+            group = self.g_idx.long()  # (in,)
+            weight -= zeros[group]  # integers: exact
+            weight *= self.scales.to(work)[group]  # the one rounding
         return weight.t().to(dtype)  # (out, in)
 
+    def _groups_contiguous(self) -> bool:
+        """Whether g_idx is input // group (no desc_act permutation); checked once, the
+        stored g_idx never changes (a streamer only moves it)."""
+        if self._contiguous is None:
+            groups = self.qzeros.shape[0]
+            run = torch.arange(self.in_features, device=self.g_idx.device) // (
+                self.in_features // groups
+            )
+            self._contiguous = bool(torch.equal(self.g_idx.long(), run))
+        return self._contiguous
+
     def rebuild_bytes(self, dtype: torch.dtype) -> int:
-        # The codes, and beside them a per-input gather of the zeros, then of the scales,
+        # Planned for desc_act (config.json does not say whether g_idx is a permutation):
+        # the codes, and beside them a per-input gather of the zeros, then of the scales,
         # (in, out) each in the work dtype; then the codes and the result in `dtype`.
         work = _work_dtype(self.scales.dtype, dtype)
         n = self.in_features * self.out_features

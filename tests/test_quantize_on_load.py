@@ -227,3 +227,17 @@ def test_the_planned_rebuild_bytes_cover_what_dequantize_allocates() -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     print(json.dumps([measure(k, d) for k in KINDS for d in ("bfloat16", "float32")]))
+
+
+def test_gptq_contiguous_groups_rebuild_exactly_like_the_per_input_gather() -> None:
+    module = build("gptq-desc-act")
+    assert isinstance(module, GPTQLinear)
+    module.g_idx = torch.arange(module.in_features, dtype=torch.int32) // 128  # no desc_act
+    fast = module.dequantize(torch.bfloat16)
+    assert module._contiguous is True
+    module._contiguous = False  # force the gather
+    assert torch.equal(module.dequantize(torch.bfloat16), fast)
+    permuted = build("gptq-desc-act")
+    assert isinstance(permuted, GPTQLinear)
+    permuted.dequantize(torch.float32)
+    assert permuted._contiguous is False
