@@ -331,6 +331,8 @@ def load_target(
     dtype = plan_dtype(plan)
     if not plan.streamed_layers:
         model, tokenizer, ckpt = load(model_ref, dtype, device, quantize=quantize)
+        if plan.dequantized_resident:
+            model.dequantize_layers()
         return model, tokenizer, ckpt, plan, None
     if quantize is not None and plan.host_tier == "disk":
         raise PlanError(

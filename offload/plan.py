@@ -123,6 +123,9 @@ class MemoryPlan:
     # that chose them: `plan_auto_context` here, the daemon for the dtype).
     context_reason: str = "as requested"
     dtype_reason: str = "as requested"
+    # Packed target layers that all fit the device even dequantized are kept so (no
+    # rebuild per pass); streamed plans keep them packed (the device is full by design).
+    dequantized_resident: bool = False
 
     @property
     def device_bytes(self) -> int:
@@ -152,6 +155,7 @@ class MemoryPlan:
             "streamed_bytes_per_pass": self.streamed_bytes_per_pass,
             "seconds_per_pass": self.seconds_per_pass,
             "notes": list(self.notes),
+            "dequantized_resident": self.dequantized_resident,
         }
 
     def render(self) -> str:
@@ -251,11 +255,21 @@ def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
     if all_resident:
         if not everything_fits:
             raise PlanError(_no_fit_message(r, budget, fixed, streaming=False))
-        parts = {**fixed, f"target layers ({n}, all resident)": n * layer}
+        dense = t.dense_layer_bytes
+        keep_dense = layer < dense and room >= n * dense
+        label = f"target layers ({n}, all resident{', dequantized' if keep_dense else ''})"
+        parts = {**fixed, label: n * (dense if keep_dense else layer)}
         notes = _sequences_note(r, budget, sum(parts.values()))
-        return MemoryPlan(
+        if keep_dense:
+            notes.append(
+                f"packed layers kept dequantized ({format_size(dense)} each instead of "
+                f"{format_size(layer)}): there is room, and no layer is rebuilt per pass"
+            )
+        plan = MemoryPlan(
             r, budget, parts, n, 0, 0, None, _why_resident(r), host_cache, 0, 0.0, notes
         )
+        plan.dequantized_resident = keep_dense
+        return plan
 
     # Streaming.
     if r.resident_layers is not None:

@@ -341,6 +341,24 @@ class Transformer(nn.Module):
         output, which is always the target's."""
         self.vocab_width = width
 
+    @torch.no_grad()
+    def dequantize_layers(self) -> None:
+        """Replace every packed projection of the decoder by a plain Linear holding its
+        rebuilt weight (the plan's choice when the dense layers fit: no rebuild per pass).
+        One projection at a time, so the peak is the dense model plus one packed one."""
+        if not isinstance(self.layers, nn.ModuleList):
+            raise ValueError("dequantize_layers needs the model's own layers, not a streamer")
+        for owner in list(self.layers.modules()):
+            for name, child in list(owner.named_children()):
+                if not isinstance(child, PackedLinear):
+                    continue
+                bias = child.bias
+                with torch.device("meta"):  # no throwaway weight: it is set just below
+                    dense = nn.Linear(child.in_features, child.out_features, bias=False)
+                dense.weight = nn.Parameter(child.dequantize(self.dtype), requires_grad=False)
+                dense.bias = bias  # type: ignore[assignment]  # None or the packed one's
+                setattr(owner, name, dense)
+
     def prefetch(self) -> None:
         """Hint that a target pass is coming: a streaming layer list starts copying its first
         layers to the device now (strategies call this before drafting). No-op otherwise."""

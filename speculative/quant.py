@@ -183,7 +183,8 @@ class GPTQLinear(PackedLinear):
         work = _work_dtype(self.scales.dtype, dtype)
         n = self.in_features * self.out_features
         gathered = n * _itemsize(work)
-        return max(self._codes_bytes(work), 2 * gathered, gathered + n * _itemsize(dtype))
+        peak = max(self._codes_bytes(work), 2 * gathered, gathered + n * _itemsize(dtype))
+        return peak + _per_group_bytes(self.qzeros.shape[0], self.out_features, work)
 
 
 class AWQLinear(PackedLinear):
@@ -216,7 +217,8 @@ class AWQLinear(PackedLinear):
         return weight.t().to(dtype)  # (out, in)
 
     def rebuild_bytes(self, dtype: torch.dtype) -> int:
-        return _grouped_rebuild_bytes(self, self.scales.dtype, dtype)
+        groups = self.qzeros.shape[0]
+        return _grouped_rebuild_bytes(self, self.scales.dtype, dtype, groups)
 
 
 class CompressedLinear(PackedLinear):
@@ -269,12 +271,14 @@ class CompressedLinear(PackedLinear):
         return weight.to(dtype)
 
     def rebuild_bytes(self, dtype: torch.dtype) -> int:
-        grouped = _grouped_rebuild_bytes(self, self.weight_scale.dtype, dtype)
+        groups = self.weight_scale.shape[1]
+        grouped = _grouped_rebuild_bytes(self, self.weight_scale.dtype, dtype, groups)
         if self.weight_packed.shape[1] * 32 // self.bits == self.in_features:
             return grouped
         # A padded last word: the unpacked codes and their unpadded copy, side by side.
         work = _work_dtype(self.weight_scale.dtype, dtype)
-        return max(grouped, 2 * self.in_features * self.out_features * _itemsize(work))
+        pair = 2 * self.in_features * self.out_features * _itemsize(work)
+        return max(grouped, pair + _per_group_bytes(groups, self.out_features, work))
 
     @torch.no_grad()
     def quantize_from(self, weight: torch.Tensor, rows: int = 1024) -> None:
@@ -311,14 +315,22 @@ class CompressedLinear(PackedLinear):
         self._buffers["weight_shape"] = torch.tensor([out, inp], device=weight.device)
 
 
-def _grouped_rebuild_bytes(module: PackedLinear, stored: torch.dtype, dtype: torch.dtype) -> int:
+def _per_group_bytes(groups: int, out_features: int, work: torch.dtype) -> int:
+    """The small tensors beside the codes: zero points and scales in the work dtype."""
+    return 2 * groups * out_features * _itemsize(work)
+
+
+def _grouped_rebuild_bytes(
+    module: PackedLinear, stored: torch.dtype, dtype: torch.dtype, groups: int
+) -> int:
     """Formats with contiguous groups: the codes are shifted and scaled in place by
     broadcast (group-sized temporaries only); then the codes and the result in `dtype`
     (none when the work dtype is `dtype`: `.to` returns the codes)."""
     work = _work_dtype(stored, dtype)
     n = module.in_features * module.out_features
     result = n * _itemsize(dtype) if work != dtype else 0
-    return max(module._codes_bytes(work), n * _itemsize(work) + result)
+    peak = max(module._codes_bytes(work), n * _itemsize(work) + result)
+    return peak + _per_group_bytes(groups, module.out_features, work)
 
 
 @dataclass(frozen=True)

@@ -143,8 +143,9 @@ def test_the_plan_counts_on_load_int4_as_packed_and_keeps_a_70b_in_ram() -> None
         "int" not in fp.quantization and "4-bit, group 128 (quantized on load)" in fp.quantization
     )
     # The largest projection (28672 → 8192) rebuilt in bf16 from fp16 scales: fp32 codes,
-    # then the bf16 result beside them.
-    assert fp.dequant_bytes == 28672 * 8192 * (4 + 2)
+    # then the bf16 result beside them, and its 224 groups' scales in fp32 (twice: the
+    # formula's allowance for zero points too).
+    assert fp.dequant_bytes == 28672 * 8192 * (4 + 2) + 2 * 224 * 8192 * 4
     draft = footprint(full_config("llama-3.2-1b"), torch.bfloat16, "1B")
     gpu = Budget("cuda", int(24e9), "configured", int(64e9), "configured", 25e9, "configured")
     plan = make_plan(plan_request(fp, draft, 8192, OffloadRequest()), gpu)
@@ -241,3 +242,27 @@ def test_gptq_contiguous_groups_rebuild_exactly_like_the_per_input_gather() -> N
     assert isinstance(permuted, GPTQLinear)
     permuted.dequantize(torch.float32)
     assert permuted._contiguous is False
+
+
+def test_packed_layers_are_kept_dequantized_when_the_plan_has_room(stories_target: Path) -> None:
+    """All resident with room to spare: the plan says so and the layers hold plain weights
+    (the same values: logits as with the packed ones); without room they stay packed."""
+    roomy = Runtime(
+        RuntimeOptions(model=str(stories_target), quantize="int4", dtype="fp32", device="cpu")
+    )
+    assert roomy.plan.dequantized_resident
+    assert any("kept dequantized" in n for n in roomy.plan.notes)
+    assert not [m for m in roomy.target.modules() if isinstance(m, PackedLinear)]
+    tight = Runtime(
+        RuntimeOptions(
+            model=str(stories_target), quantize="int4", dtype="fp32", offload="none",
+            device="cpu", ram_budget="19MiB", context=512, prefix_cache=0,
+        )
+    )  # fmt: skip
+    assert not tight.plan.dequantized_resident
+    assert [m for m in tight.target.modules() if isinstance(m, PackedLinear)]
+    ids = roomy.tokenizer.encode(PROMPT)
+    x, pos = torch.tensor(ids), torch.arange(len(ids))
+    a = roomy.target(x, pos, roomy.target.new_cache(64))
+    b = tight.target(x, pos, tight.target.new_cache(64))
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
