@@ -413,12 +413,11 @@ class Transformer(nn.Module):
                 SequenceSlots(row, t, seg.cache, start, full_mask(seg.mask, start, t, self.device))
             )
             row += t
-        positions = (
-            torch.cat([seg.positions for seg in segments])
-            if len(segments) > 1
-            else (segments[0].positions)
-        )
-        tokens = torch.cat([seg.tokens.to(self.device) for seg in segments])  # (T,)
+        if len(segments) == 1:  # the common case: no concatenation copies
+            tokens, positions = segments[0].tokens.to(self.device), segments[0].positions
+        else:
+            tokens = torch.cat([seg.tokens.to(self.device) for seg in segments])  # (T,)
+            positions = torch.cat([seg.positions.to(self.device) for seg in segments])
         cos, sin = self.rope(positions.to(self.device))
         rows = self.config.vocab_size
         if self.vocab_width > rows:  # a target's padding id has no row here (set_vocab_width)
