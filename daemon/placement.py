@@ -155,12 +155,13 @@ def plan_request(
 ) -> PlanRequest:
     # The largest pass is a prefill chunk, or a tree when the budget asks for more nodes (the
     # tree strategy folds pending prompt tokens into verification only while they fit this);
-    # a prefill chunk returns one logit row, a tree pass one per node (root included). A
-    # pass batched over several generations returns one row per generation at least, and
-    # their trees share the one tree's nodes (daemon/engine.py splits them).
+    # a prefill chunk returns one logit row, a tree pass one per node (root included). The
+    # tree budget is a pass's node budget: a pass batched over several generations holds
+    # the budget's nodes, shared by their trees (daemon/engine.py), and a row per
+    # generation (its root, or its one token).
     nodes = max_tree_budget(tree_budget) + 1
     tokens = min(max(PREFILL_CHUNK, nodes), context)
-    rows = max(nodes, options.sequences)
+    rows = nodes - 1 + options.sequences
     resident = options.resident_layers
     return PlanRequest(
         target=target,

@@ -164,22 +164,32 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        # Several sequences write their rows of one output: the plan counts one output
-        # per token plus one chunk's (a cat of per-sequence outputs would hold two).
-        out = torch.empty_like(q) if len(sequences) > 1 else None  # (H, T, hd)
-        for seq in sequences:
-            rows = slice(seq.row, seq.row + seq.count)
-            k_cache, v_cache = seq.cache.k[layer], seq.cache.v[layer]  # (Hkv, slots, hd)
-            end = seq.start + seq.count
-            k_cache[:, seq.start : end] = k[:, rows]
-            v_cache[:, seq.start : end] = v[:, rows]
-            own = attend(q[:, rows], k_cache[:, :end], v_cache[:, :end], seq.mask)
-            if out is None:
-                out = own
-            else:
-                out[:, rows] = own
-        assert out is not None, "a pass has at least one sequence"
+        if len(sequences) == 1:  # one sequence (most passes): no row slices
+            out = _attend_sequence(sequences[0], layer, q, k, v)
+        else:
+            # Each sequence writes its rows of one output: the plan counts one output per
+            # token plus one chunk's (a cat of per-sequence outputs would hold two).
+            out = torch.empty_like(q)  # (H, T, hd)
+            for seq in sequences:
+                rows = slice(seq.row, seq.row + seq.count)
+                out[:, rows] = _attend_sequence(seq, layer, q[:, rows], k[:, rows], v[:, rows])
         return _linear(self.o_proj, out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
+
+
+def _attend_sequence(
+    seq: SequenceSlots,
+    layer: int,
+    q: torch.Tensor,  # (H, count, hd) this sequence's queries
+    k: torch.Tensor,  # (Hkv, count, hd) its new keys, RoPE applied
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """Write one sequence's new keys and values to its cache and attend to the cache under
+    its own mask: (H, count, hd)."""
+    k_cache, v_cache = seq.cache.k[layer], seq.cache.v[layer]  # (Hkv, slots, hd)
+    end = seq.start + seq.count
+    k_cache[:, seq.start : end] = k
+    v_cache[:, seq.start : end] = v
+    return attend(q, k_cache[:, :end], v_cache[:, :end], seq.mask)
 
 
 # The most bytes one chunk of queries may hold in attention working memory. Masked passes
@@ -402,7 +412,7 @@ class Transformer(nn.Module):
         together (embedding, projections, MLP, norms, head): a streamed layer crosses the
         bus once for all of them; attention runs per segment, against its own cache with
         its own mask. Every segment needs its own cache."""
-        if len({id(seg.cache) for seg in segments}) != len(segments):
+        if len(segments) > 1 and len({id(seg.cache) for seg in segments}) != len(segments):
             raise ValueError("two segments of one pass share a KV cache")
         slots: list[SequenceSlots] = []
         row = 0

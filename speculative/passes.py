@@ -101,6 +101,11 @@ def forward(
 def execute(requests: Sequence[Forward]) -> None:
     """Run requests as one pass per model (in the order models first appear), each
     model's segments batched together; each request gets its `result`."""
+    if len(requests) == 1:  # a generation alone: no grouping
+        (request,) = requests
+        (logits,) = request.model.forward_batch([request.segment])
+        request.result = Pass(logits, request.segment.length, 1)
+        return
     models: dict[int, list[int]] = {}
     for i, req in enumerate(requests):
         models.setdefault(id(req.model), []).append(i)
