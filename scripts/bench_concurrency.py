@@ -2,7 +2,7 @@
 generation) against the interleaved one (`limits.batch_passes: false`), in one run.
 
     .venv/bin/python scripts/bench_concurrency.py [--clients 1,2,4,8] [--max-tokens 128]
-        [--repeats 3] [--rest/--no-rest] [--json PATH] [--plot PATH] [--quick]
+        [--repeats 5] [--rest/--no-rest] [--json PATH] [--plot PATH] [--quick]
 
 For each client count N, N greedy generations (fixed prompts of mixed lengths, tree
 speculation with the draft, --max-tokens each, EOS ignored) run at once, in-process through
@@ -616,7 +616,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft", default=str(SHARED / "stories260k-draft"))
     p.add_argument("--clients", default="1,2,4,8", help="comma list of client counts")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--budget", default="auto", help="tree node budget, or auto")
     p.add_argument("--stream-interval-ms", type=int, default=20, help="server.stream_interval_ms")
     p.add_argument("--rest", action=argparse.BooleanOptionalAction, default=None,
