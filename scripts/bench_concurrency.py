@@ -669,7 +669,11 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     print(f"{elapsed:.0f} s in all")
     if args.plot:
-        how = plot(summary, args.plot, f"{Path(args.model).name} + draft, streamed on CPU")
+        title = (
+            f"{Path(args.model).name} + {Path(args.draft).name}, tree budget {args.budget}, "
+            f"{args.max_tokens} tokens per client, target streamed from host RAM (CPU)"
+        )
+        how = plot(summary, args.plot, title)
         print(f"wrote {args.plot} ({how})")
     if args.json:
         record = {
