@@ -683,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.plot} ({how})")
     if args.json:
         record = {
-            "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
+            "command": " ".join(["scripts/bench_concurrency.py", *(argv or sys.argv[1:])]),
             "model": args.model,
             "draft": args.draft,
             "max_tokens": args.max_tokens,
