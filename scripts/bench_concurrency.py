@@ -2,7 +2,8 @@
 generation) against the interleaved one (`limits.batch_passes: false`), in one run.
 
     .venv/bin/python scripts/bench_concurrency.py [--clients 1,2,4,8] [--max-tokens 128]
-        [--repeats 5] [--rest/--no-rest] [--json PATH] [--plot PATH] [--quick]
+        [--repeats 5] [--budget auto|N] [--rest/--no-rest] [--json PATH] [--plot PATH]
+        [--quick]
 
 For each client count N, N greedy generations (fixed prompts of mixed lengths, tree
 speculation with the draft, --max-tokens each, EOS ignored) run at once, in-process through
@@ -83,7 +84,7 @@ class ClientRun:
     text: str
     tokens: int
     gaps: list[float]  # seconds between chunks that carried tokens
-    target_passes: int = 0  # the target passes it rode in (in-process stats)
+    target_passes: int = 0  # the target passes it rode in (its stats, `specd` over REST)
     streamed_bytes: int = 0  # the streamer's count its stats took when it finished
     budget: int | None = None  # the tree budget of its last round (auto chooses it)
 
