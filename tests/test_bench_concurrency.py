@@ -9,7 +9,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from scripts import bench_concurrency
+from scripts import bench_concurrency, concurrency_plot
 
 
 def test_bench_concurrency_script_quick(tmp_path: Path) -> None:
@@ -37,7 +37,7 @@ def test_plot_without_matplotlib_is_an_svg(tmp_path: Path, monkeypatch) -> None:
         for p in ("in-process", "rest") for e in ("batched", "interleaved") for n in (1, 2, 4, 8)
     ]  # fmt: skip
     path = tmp_path / "plot.svg"
-    assert "svg" in bench_concurrency.plot(summary, path, "a <title>")
+    assert "svg" in concurrency_plot.plot(summary, path, "a <title>")
     root = ET.fromstring(path.read_text())
     lines = root.findall("{http://www.w3.org/2000/svg}polyline")
     assert len(lines) == 8  # two panels × (two paths × two engines)
