@@ -27,6 +27,21 @@ def count_or_auto(flag: str, minimum: int) -> Callable[[str], int | str]:
     return parse
 
 
+def count(flag: str, minimum: int) -> Callable[[str], int]:
+    """A type for flags like `--concurrency 4`: an integer >= `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{flag} must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def size_bytes(value: int | str, what: str = "size") -> int:
     """Bytes of a size that may be off: 0 / '0', or a size such as 1GiB or 512MB."""
     if isinstance(value, bool) or not isinstance(value, int | str):

@@ -1,17 +1,29 @@
 """`specd bench`: a quick side-by-side of the decoding strategies on the configured model
 pair, in-process, greedy, with tokens/s relative to autoregressive decoding.
 
-Every strategy must produce the same greedy tokens (lossless); the table says so."""
+Every strategy must produce the same greedy tokens (lossless); the table says so.
+
+`--concurrency N` (N > 1) also runs each strategy as N generations at once through the
+daemon's engine (batched passes: one target pass per step serves every generation) and
+reports aggregate tokens/s and generated tokens per target pass beside the single-stream
+table; each of the N must produce the single stream's tokens."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import json
+import time
 from pathlib import Path
 
+from daemon.argtypes import count
+from daemon.engine import Engine, EngineLimits, Failed, Finished, GenerationRequest
+from daemon.metrics import Metrics
 from daemon.runtime import STRATEGY_BUILDERS, Runtime
 from daemon.serve_cmd import add_settings_args, settings_from_args
-from speculative.generation import Generation
+from daemon.settings import Settings
+from speculative.generation import Chunk, Generation
 from speculative.sampling import SamplingParams
 
 
@@ -37,9 +49,96 @@ def prefix_cache_hit_rate(stats: dict) -> float | None:
     return stats["prefix_cache_hits"] / looked if looked else None
 
 
+def run_concurrent(
+    engine: Engine, name: str, prompt_ids: list[int], max_tokens: int, n: int
+) -> dict:
+    """`n` generations of one strategy at once through the engine: aggregate tokens/s over
+    the wall time, and generated tokens per target pass the engine ran."""
+    request = GenerationRequest(
+        prompt_ids, SamplingParams(temperature=0.0), max_tokens, strategy=name, ignore_eos=True
+    )
+
+    async def one(loop: asyncio.AbstractEventLoop) -> tuple[list[int], dict]:
+        job = engine.submit(request, loop)
+        token_ids: list[int] = []
+        while True:
+            event = await job.events.get()
+            if isinstance(event, Chunk):
+                token_ids += event.token_ids
+            elif isinstance(event, Finished):
+                return token_ids, event.stats
+            elif isinstance(event, Failed):
+                raise event.error
+
+    async def all_of_them() -> list[tuple[list[int], dict]]:
+        loop = asyncio.get_running_loop()
+        return list(await asyncio.gather(*(one(loop) for _ in range(n))))
+
+    passes = engine.metrics.passes.value
+    t0 = time.perf_counter()
+    done = asyncio.run(all_of_them())
+    seconds = time.perf_counter() - t0
+    passes = engine.metrics.passes.value - passes
+    outputs = [token_ids for token_ids, _ in done]
+    tokens = sum(len(o) for o in outputs)
+    return {
+        "strategy": name,
+        "concurrency": n,
+        "outputs": outputs,
+        "tokens": tokens,
+        "seconds": seconds,
+        "target_passes": int(passes),  # every pass the engine ran, prefill included
+        "tokens_per_second": tokens / seconds,
+        "tokens_per_target_pass": tokens / max(passes, 1),
+        "prefix_cache_hits": sum(stats["prefix_cache_hits"] for _, stats in done),
+        "prefix_cache_misses": sum(stats["prefix_cache_misses"] for _, stats in done),
+    }
+
+
+def concurrent_engine(settings: Settings, runtime: Runtime, n: int) -> Engine:
+    """The daemon's engine over this runtime, batched, with room for `n` generations and no
+    kept conversations (each generation starts from its own prompt)."""
+    limits = EngineLimits(
+        queue_size=max(settings.limits.queue_size, n),
+        max_concurrent=n,
+        cached_sessions=0,
+        stream_interval=settings.server.stream_interval_ms / 1000.0,
+        batch_passes=True,
+        max_pass_tokens=settings.limits.max_pass_tokens,
+    )
+    engine = Engine(runtime.options, limits, Metrics(), runtime_factory=lambda _: runtime)
+    engine.start()
+    engine.loaded.wait()
+    return engine
+
+
+def print_concurrent(rows: list[dict], single: list[dict]) -> None:
+    alone = {r["strategy"]: r for r in single}
+    n = rows[0]["concurrency"]
+    print(
+        f"\n{n} concurrent generations of the same prompt, batched passes (in-process engine); "
+        "tok/pass counts every target pass, prefill included"
+    )
+    print(f"{'strategy':<16}{'tokens/s':>10}{'vs 1':>8}{'tok/pass':>10}{'prefix hits':>13}  same")
+    for r in rows:
+        one = alone[r["strategy"]]
+        ratio = r["tokens_per_second"] / one["tokens_per_second"] if one["tokens_per_second"] else 0
+        same = "yes" if all(o == one["token_ids"] for o in r["outputs"]) else "NO"
+        # The generations share a prompt: one may draw logits another verified.
+        hit_rate = prefix_cache_hit_rate(r)
+        hits = "-" if hit_rate is None else f"{hit_rate:.0%}"
+        print(
+            f"{r['strategy']:<16}{r['tokens_per_second']:>10.1f}{ratio:>8.2f}"
+            f"{r['tokens_per_target_pass']:>10.2f}{hits:>13}  {same}"
+        )
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    runtime = Runtime(settings.runtime_options())
+    options = settings.runtime_options()
+    if args.concurrency > 1:  # the plan holds a pass's logit rows for every generation
+        options = dataclasses.replace(options, sequences=max(options.sequences, args.concurrency))
+    runtime = Runtime(options)
     names = args.strategies or [
         n for n in STRATEGY_BUILDERS if n == "autoregressive" or runtime.draft_kind is not None
     ]
@@ -62,9 +161,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"{r['strategy']:<16}{tps:>10.1f}{'-' if ratio is None else f'{ratio:.2f}':>8}"
             f"{r['tokens_per_target_pass']:>10.2f}{accept:>8}{hits:>13}  {same}"
         )
+    lossless = all(r["token_ids"] == rows[0]["token_ids"] for r in rows)
+    record: list[dict] | dict = rows
+    if args.concurrency > 1:
+        engine = concurrent_engine(settings, runtime, args.concurrency)
+        try:
+            # The tree's prefix cache holds the single streams' logits: it would answer.
+            runtime.prefix_cache.clear()
+            run_concurrent(engine, "autoregressive", prompt_ids, 8, args.concurrency)  # warm-up
+            together = []
+            for n in names:
+                runtime.prefix_cache.clear()
+                together.append(
+                    run_concurrent(engine, n, prompt_ids, args.max_tokens, args.concurrency)
+                )
+        finally:
+            engine.shutdown()
+        print_concurrent(together, rows)
+        lossless = lossless and all(
+            o == rows[0]["token_ids"] for r in together for o in r["outputs"]
+        )
+        record = {"single": rows, "concurrent": together}
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    return 0 if all(r["token_ids"] == rows[0]["token_ids"] for r in rows) else 1
+        args.json.write_text(json.dumps(record, indent=1))
+    return 0 if lossless else 1
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -73,5 +193,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--prompt", default="Once upon a time")
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--strategies", nargs="+", default=None, help="default: all that apply")
+    bench.add_argument(
+        "--concurrency",
+        type=count("--concurrency", 1),
+        default=1,
+        help="also run N generations at once through the batched engine (default 1: no)",
+    )
     bench.add_argument("--json", type=Path, default=None, help="also write the rows here")
     bench.set_defaults(func=cmd_bench)
