@@ -346,6 +346,8 @@ SPECD_STAT_KEYS = (
     "cached_prompt_tokens",
     "prefix_cache_hits",
     "prefix_cache_misses",
+    "batch_size",  # mean generations per target pass this request rode in
+    "shared_passes",  # its target passes that also carried another request's work
 )
 
 

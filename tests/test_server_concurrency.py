@@ -1,5 +1,6 @@
-"""Several clients at once: correct outputs, interleaved rounds (nobody's first token waits
-for another's whole generation), and a client that disconnects is cancelled and freed."""
+"""Several clients at once: correct outputs, shared target passes (nobody's first token
+waits for another's whole generation), and a client that disconnects is cancelled and
+freed."""
 
 from __future__ import annotations
 
@@ -96,7 +97,9 @@ def test_eight_concurrent_streams_are_all_correct(
     assert server.server.engine.active_count == 0
 
 
-def test_rounds_are_interleaved(server: BackgroundServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nobody_waits_for_another_whole_generation(
+    server: BackgroundServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three jobs submitted together: the later ones get their first tokens long before
     the first one, which asks for many more tokens, finishes."""
     order: list[tuple[int, str]] = []
@@ -172,3 +175,29 @@ def test_disconnected_client_is_cancelled_and_freed(server: BackgroundServer) ->
         json.dumps({"model": MODEL, "prompt": "Lily", "max_tokens": 3, "temperature": 0}),
     )
     assert status_conn.getresponse().status == 200
+
+
+def test_concurrent_requests_share_passes_and_say_so(
+    server: BackgroundServer, reference: Runtime
+) -> None:
+    """Non-streamed requests sent together ride in shared target passes: each answer is
+    what it would be alone, and the `specd` stats report the batch."""
+
+    async def one(session: aiohttp.ClientSession, prompt: str) -> dict:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 30, "temperature": 0}
+        async with session.post(server.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            return await resp.json()
+
+    async def run_all() -> list[dict]:
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(one(session, p) for p in PROMPTS[:4]))
+
+    answers = asyncio.run(run_all())
+    assert [a["choices"][0]["text"] for a in answers] == [
+        expected_text(reference, p, 30) for p in PROMPTS[:4]
+    ]
+    stats = [a["specd"] for a in answers]
+    assert all(s["batch_size"] >= 1 and s["shared_passes"] >= 0 for s in stats)
+    assert max(s["batch_size"] for s in stats) > 1  # they were in flight together
+    assert max(s["shared_passes"] for s in stats) > 0
