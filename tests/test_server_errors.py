@@ -292,3 +292,29 @@ def test_a_budget_above_the_planned_tree_is_a_400(server: BackgroundServer, stre
         assert str(AUTO_MAX_BUDGET) in error["message"] and str(budget) in error["message"]
     status, _, _ = call(server, {**good(), "budget": AUTO_MAX_BUDGET})
     assert status == 200
+
+
+# ---- bad input that used to reach a 500, and errors that are ours ----
+
+
+def test_a_body_nested_past_the_parser_s_depth_is_a_400(server: BackgroundServer) -> None:
+    """json's decoder recurses once per level: 2,000 levels (all that fits the small body
+    limit here; tests/test_hostile_input.py sends 20,000) were a RecursionError and a 500."""
+    deep = "[" * 2000 + "]" * 2000
+    assert len(deep) < BODY_LIMIT
+    error = assert_error(call(server, deep.encode()), 400)
+    assert error["code"] == "invalid_json" and "deeply" in error["message"]
+
+
+def test_a_lone_surrogate_in_the_content_is_a_400_naming_the_field(
+    server: BackgroundServer,
+) -> None:
+    """JSON may spell "\\ud800", which decodes to no text (the tokenizer raised a TypeError
+    and the client got a 500)."""
+    body = {**good(), "messages": [{"role": "user", "content": "Hi \ud800 there"}]}
+    assert b"\\ud800" in json.dumps(body).encode()
+    error = assert_error(call(server, body), 400, "messages[0].content")
+    assert error["code"] == "invalid_unicode" and "surrogate" in error["message"]
+    # A pair is a character: served.
+    status, _, _ = call(server, {**good(), "messages": [{"role": "user", "content": "\U0001f600"}]})
+    assert status == 200
