@@ -47,6 +47,7 @@ from daemon.openai_wire import (
     usage,
 )
 from daemon.runtime import RuntimeError_
+from speculative.errors import RequestError
 from speculative.generation import Chunk
 from speculative.tokenizer import ChatTemplateError
 
@@ -232,11 +233,17 @@ async def _next_event(job: Job, request: web.Request, timeout: float):  # type: 
 
 
 def _failure(error: BaseException) -> ApiError:
+    """The answer to a job the engine failed. Only a `RequestError` is the request's fault;
+    anything else is ours (the engine logged its traceback)."""
     if isinstance(error, ServerShuttingDown):
         return ApiError(503, str(error), type="service_unavailable", code="shutting_down")
-    if isinstance(error, ValueError):  # ContextFullError and friends: the request's fault
-        return bad_request(str(error))
-    return ApiError(500, f"generation failed: {error}", type="server_error")
+    if isinstance(error, RequestError):
+        return bad_request(str(error), error.param, error.code)
+    return ApiError(
+        500,
+        f"generation failed: {type(error).__name__}: {error} (see the daemon's log)",
+        type="server_error",
+    )
 
 
 def _client_gone(request: web.Request) -> bool:
