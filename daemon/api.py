@@ -55,6 +55,7 @@ log = logging.getLogger("specd.api")
 
 LOADING_RETRY_AFTER = "5"
 QUEUE_RETRY_AFTER = "1"
+DISCONNECT_POLL_SECONDS = 0.25
 
 
 def _require_ready(app: web.Application) -> Engine:
@@ -172,7 +173,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     try:
         if req.stream:
             return await _stream(request, job, shape, req, config.keepalive_seconds)
-        return await _collect(request, job, shape, config.keepalive_seconds)
+        return await _collect(request, job, shape)
     finally:
         if not job.done:
             job.cancel()  # the client went away (or we failed): free the engine's slot
@@ -251,16 +252,17 @@ def _client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def _collect(
-    request: web.Request, job: Job, shape: ResponseShape, keepalive: float
-) -> web.Response:
+async def _collect(request: web.Request, job: Job, shape: ResponseShape) -> web.Response:
+    """The whole answer in one body. Nothing is written before the end, so a client that
+    left is not noticed by a failed write as a stream's is: its connection is looked at
+    after every event and every `DISCONNECT_POLL_SECONDS`, and the job cancelled."""
     text: list[str] = []
     while True:
-        event = await _next_event(job, request, keepalive)
+        event = await _next_event(job, request, DISCONNECT_POLL_SECONDS)
+        if _client_gone(request):
+            job.cancel()
+            raise ConnectionResetError("client disconnected")
         if event is None:
-            if _client_gone(request):
-                job.cancel()
-                raise ConnectionResetError("client disconnected")
             continue
         if isinstance(event, Chunk):
             text.append(event.text)

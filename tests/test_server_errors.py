@@ -8,7 +8,9 @@ import asyncio
 import http.client
 import json
 import logging
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -420,3 +422,47 @@ def test_errors_escaping_a_handler(
     error = assert_error(call(server, good()), 500)
     assert "a bug" not in error["message"]  # the log has it, not the client
     assert logged_tracebacks(specd_log, "a bug in a handler")
+
+
+def test_a_non_streaming_client_that_disconnects_is_cancelled(
+    server: BackgroundServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing is written before a non-streamed answer is complete, so no failed write
+    tells the handler that its client left: it must look, and cancel the job as a stream
+    does (it used to generate every token for nobody)."""
+    engine = server.server.engine
+    real_execute = engine_module.execute
+    passes = []
+
+    def slow_execute(requests):  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        passes.append(len(requests))
+        return real_execute(requests)
+
+    monkeypatch.setattr(engine_module, "execute", slow_execute)
+    cancelled = engine.metrics.cancelled.value
+    completed = engine.metrics.completion_tokens.value
+    max_tokens = CONTEXT - 4
+    body = {"model": MODEL, "prompt": [1], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    raw = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.server.port), timeout=30)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+        + KEY.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(raw)).encode()
+        + b"\r\n\r\n"
+        + raw
+    )
+    deadline = time.monotonic() + 20
+    while len(passes) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(passes) >= 3, "the generation did not start"
+    sock.close()  # the client goes away 60 ms in
+    while engine.metrics.cancelled.value == cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.metrics.cancelled.value == cancelled + 1
+    assert engine.active_count == 0
+    assert len(passes) < max_tokens // 2  # stopped early, not run to the end for nobody
+    assert engine.metrics.completion_tokens.value == completed
