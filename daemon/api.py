@@ -47,6 +47,7 @@ from daemon.openai_wire import (
     usage,
 )
 from daemon.runtime import RuntimeError_
+from speculative.errors import RequestError
 from speculative.generation import Chunk
 from speculative.tokenizer import ChatTemplateError
 
@@ -54,6 +55,7 @@ log = logging.getLogger("specd.api")
 
 LOADING_RETRY_AFTER = "5"
 QUEUE_RETRY_AFTER = "1"
+DISCONNECT_POLL_SECONDS = 0.25
 
 
 def _require_ready(app: web.Application) -> Engine:
@@ -171,7 +173,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     try:
         if req.stream:
             return await _stream(request, job, shape, req, config.keepalive_seconds)
-        return await _collect(request, job, shape, config.keepalive_seconds)
+        return await _collect(request, job, shape)
     finally:
         if not job.done:
             job.cancel()  # the client went away (or we failed): free the engine's slot
@@ -232,11 +234,17 @@ async def _next_event(job: Job, request: web.Request, timeout: float):  # type: 
 
 
 def _failure(error: BaseException) -> ApiError:
+    """The answer to a job the engine failed. Only a `RequestError` is the request's fault;
+    anything else is ours (the engine logged its traceback)."""
     if isinstance(error, ServerShuttingDown):
         return ApiError(503, str(error), type="service_unavailable", code="shutting_down")
-    if isinstance(error, ValueError):  # ContextFullError and friends: the request's fault
-        return bad_request(str(error))
-    return ApiError(500, f"generation failed: {error}", type="server_error")
+    if isinstance(error, RequestError):
+        return bad_request(str(error), error.param, error.code)
+    return ApiError(
+        500,
+        f"generation failed: {type(error).__name__}: {error} (see the daemon's log)",
+        type="server_error",
+    )
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -244,16 +252,17 @@ def _client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def _collect(
-    request: web.Request, job: Job, shape: ResponseShape, keepalive: float
-) -> web.Response:
+async def _collect(request: web.Request, job: Job, shape: ResponseShape) -> web.Response:
+    """The whole answer in one body. Nothing is written before the end, so a client that
+    left is not noticed by a failed write as a stream's is: its connection is looked at
+    after every event and every `DISCONNECT_POLL_SECONDS`, and the job cancelled."""
     text: list[str] = []
     while True:
-        event = await _next_event(job, request, keepalive)
+        event = await _next_event(job, request, DISCONNECT_POLL_SECONDS)
+        if _client_gone(request):
+            job.cancel()
+            raise ConnectionResetError("client disconnected")
         if event is None:
-            if _client_gone(request):
-                job.cancel()
-                raise ConnectionResetError("client disconnected")
             continue
         if isinstance(event, Chunk):
             text.append(event.text)

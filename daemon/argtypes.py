@@ -8,6 +8,37 @@ from collections.abc import Callable
 from offload.units import parse_size
 
 
+def text(flag: str) -> Callable[[str], str]:
+    """A type for free-text flags (`--prompt`, `--stop`): bytes of the command line that are
+    not UTF-8 arrive as lone surrogates (Python's surrogateescape), which no tokenizer takes."""
+
+    def parse(value: str) -> str:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise argparse.ArgumentTypeError(
+                f"{flag} is not valid UTF-8 text (is the terminal's encoding UTF-8?)"
+            ) from None
+        return value
+
+    return parse
+
+
+def count(flag: str, minimum: int) -> Callable[[str], int]:
+    """A type for flags like `--max-depth 8`: an integer >= `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a number, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{flag} must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def count_or_auto(flag: str, minimum: int) -> Callable[[str], int | str]:
     """A type for flags like `--budget 64|auto`: an integer >= `minimum`, or 'auto'."""
 

@@ -8,24 +8,31 @@ import sys
 from collections.abc import Sequence
 
 from daemon import bench_cmd, chat_cmd, plan_cmd, pull_cmd, serve_cmd, service_cmd
-from daemon.argtypes import count_or_auto
+from daemon.argtypes import count, count_or_auto, text
 from daemon.pull_cmd import PullError
 from daemon.runtime import Runtime, RuntimeError_, RuntimeOptions
 from daemon.service import ServiceError
+from daemon.settings import SettingsError
+from offload.plan import PlanError
 from speculative.checkpoint import DTYPE_CHOICES, CheckpointError, ModelNotFoundError
 from speculative.config import UnsupportedModelError
-from speculative.generation import ContextFullError, Generation
+from speculative.errors import RequestError
+from speculative.generation import Generation
+from speculative.quant import UnsupportedQuantizationError
 from speculative.sampling import SamplingParams
 
-# Errors a user can cause: reported as one line on stderr, exit status 2.
+# Errors a user can cause: reported as one line on stderr, exit status 2. Anything else is
+# a bug and keeps its traceback: a bare ValueError is not taken for the user's fault.
 USER_ERRORS: tuple[type[BaseException], ...] = (
+    RequestError,
     ModelNotFoundError,
     CheckpointError,
     UnsupportedModelError,
+    UnsupportedQuantizationError,
     RuntimeError_,
-    ContextFullError,
+    SettingsError,
+    PlanError,
     FileNotFoundError,
-    ValueError,
     ServiceError,
     PullError,
 )
@@ -62,7 +69,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     add_model_args(p)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default=None, help="text, tokenized as the model's tokenizer says")
+    src.add_argument(
+        "--prompt",
+        type=text("--prompt"),
+        default=None,
+        help="text, tokenized as the model's tokenizer says",
+    )
     src.add_argument("--prompt-ids", type=_prompt_ids, default=None, help="ids fed exactly: 1,2,3")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -73,7 +85,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--stop", type=text("--stop"), action="append", default=[], help="stop string (repeatable)"
+    )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument(
@@ -96,14 +110,21 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="default: tree with a draft, autoregressive without",
     )
-    p.add_argument("--spec-length", type=int, default=4, help="linear: tokens drafted per round")
+    p.add_argument(
+        "--spec-length",
+        type=count("--spec-length", 1),
+        default=4,
+        help="linear: tokens drafted per round",
+    )
     p.add_argument(
         "--budget",
         type=count_or_auto("--budget", 1),
         default="auto",
         help="tree: node budget or 'auto'",
     )
-    p.add_argument("--max-depth", type=int, default=None, help="tree: depth limit")
+    p.add_argument(
+        "--max-depth", type=count("--max-depth", 1), default=None, help="tree: depth limit"
+    )
     plan_cmd.add_prefix_cache_arg(p)
 
 
@@ -143,9 +164,9 @@ def sampling_params(args: argparse.Namespace, seed: int | None) -> SamplingParam
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+        raise RequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.samples < 1:
-        raise ValueError(f"--samples must be at least 1, got {args.samples}")
+        raise RequestError(f"--samples must be at least 1, got {args.samples}")
     runtime = Runtime(runtime_options(args))
     tok = runtime.tokenizer
     if args.prompt_ids is not None:
@@ -155,7 +176,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     vocab = runtime.target.config.vocab_size
     bad = [i for i in prompt_ids if not 0 <= i < vocab]
     if bad:
-        raise ValueError(f"--prompt-ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        raise RequestError(f"--prompt-ids {bad[:5]} outside the vocabulary [0, {vocab})")
     strategy = runtime.strategy()
     session = runtime.new_session(strategy)
 

@@ -21,6 +21,7 @@ from daemon.engine import Engine
 from daemon.hostname import allowed_host_names, host_name
 from daemon.metrics import Metrics
 from daemon.openai_wire import ApiError, WireLimits, bad_request
+from speculative.errors import RequestError
 
 log = logging.getLogger("specd.api")
 
@@ -105,6 +106,8 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
         raise
     except ApiError as err:
         response = error_response(err)
+    except RequestError as err:  # a domain error that is the request's fault
+        response = error_response(bad_request(str(err), err.param, err.code))
     except (HttpProcessingError, RequestPayloadError) as exc:
         # The body could not be read: a bad chunk after the headers, a Content-Encoding
         # that does not decode. The request's fault; the connection cannot be reused.

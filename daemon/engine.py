@@ -41,6 +41,7 @@ from typing import Any
 
 from daemon.metrics import Metrics
 from daemon.runtime import Runtime, RuntimeOptions
+from speculative.errors import RequestError
 from speculative.generation import Chunk, Generation, GenerationStats, Session, Strategy
 from speculative.passes import Allot, Forward, Request, allot, execute
 from speculative.sampling import SamplingParams
@@ -65,7 +66,7 @@ class ServerShuttingDown(RuntimeError):
     """The daemon is stopping; in-flight generations end with this error."""
 
 
-class BudgetTooLargeError(ValueError):
+class BudgetTooLargeError(RequestError):
     """A request's tree budget above what the memory plan holds (the request's fault)."""
 
     def __init__(self, budget: int, maximum: int) -> None:
@@ -293,7 +294,9 @@ class Engine:
                 continue
             try:
                 self._active.append(self._begin(job))
-            except Exception as exc:  # a bad request that got past validation
+            except Exception as exc:  # a bad request that got past validation, or a bug
+                if not isinstance(exc, RequestError):
+                    log.error("starting a generation failed", exc_info=exc)
                 job.post(Failed(exc))
 
     def _begin(self, job: Job) -> _Active:

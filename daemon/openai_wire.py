@@ -118,6 +118,12 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise bad_request(
             f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
+    except RecursionError:
+        # json's decoder recurses once per level: `[[[[…` twenty thousand deep exhausts
+        # the stack. No field of this API nests more than three levels.
+        raise bad_request(
+            "the request body nests arrays or objects too deeply to parse", code="invalid_json"
+        ) from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     return body
@@ -185,7 +191,7 @@ def _stop(body: dict) -> list[str]:
             f"stop must be a non-empty string or a list of up to {MAX_STOP_STRINGS} of them",
             "stop",
         )
-    return stop
+    return [_text(s, "stop") for s in stop]
 
 
 def _common(body: dict, limits: WireLimits) -> dict[str, Any]:
@@ -241,19 +247,35 @@ def _common(body: dict, limits: WireLimits) -> dict[str, Any]:
     )
 
 
+def _text(value: str, where: str) -> str:
+    """`value` if it is text. JSON may spell a lone UTF-16 surrogate (`"\\ud800"`), which
+    Python decodes to a string that no tokenizer can encode: refused, naming the field."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"{where} holds a lone surrogate ({value[exc.start]!r} at character {exc.start}), "
+            "which is not text: characters outside the Basic Multilingual Plane are sent as "
+            "a surrogate pair (\\ud83d\\ude00) or as UTF-8",
+            where,
+            code="invalid_unicode",
+        ) from None
+    return value
+
+
 def _message_text(content: Any, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return _text(content, where)
     if isinstance(content, list):
         parts = []
-        for part in content:
+        for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":
                 raise bad_request(f"{where}: only text content parts are supported", where)
             if not isinstance(part.get("text"), str):
                 raise bad_request(f"{where}: a text part needs a string 'text'", where)
-            parts.append(part["text"])
+            parts.append(_text(part["text"], f"{where}[{i}].text"))
         return "".join(parts)
     raise bad_request(f"{where} must be a string or a list of text parts", where)
 
@@ -304,7 +326,9 @@ def parse_completion(body: dict[str, Any], limits: WireLimits) -> CompletionRequ
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         pass  # token ids, fed exactly
-    elif not isinstance(prompt, str):
+    elif isinstance(prompt, str):
+        _text(prompt, "prompt")
+    else:
         raise bad_request(
             "prompt must be a string or a list of token ids (one prompt per request)", "prompt"
         )

@@ -34,6 +34,7 @@ from speculative.budget import max_tree_budget
 from speculative.checkpoint import (
     DTYPES,
     Checkpoint,
+    CheckpointError,
     dtype_candidates,
     dtype_key,
     load,
@@ -268,7 +269,7 @@ def disk_sources(
         keys = {name: f"model.layers.{i}.{name}" for name in layer_names}
         missing = [k for k in keys.values() if k not in where]
         if missing:
-            raise ValueError(f"{checkpoint.path}: disk tier cannot find {missing[:3]}")
+            raise CheckpointError(f"{checkpoint.path}: disk tier cannot find {missing[:3]}")
         sources[i] = {name: (where[key], key) for name, key in keys.items()}
     return sources
 

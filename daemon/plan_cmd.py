@@ -26,6 +26,7 @@ from daemon.runtime import RuntimeOptions, pick_device
 from offload.machine import detect_budget
 from offload.units import parse_rate, parse_size
 from speculative.checkpoint import DTYPE_CHOICES, open_checkpoint
+from speculative.errors import RequestError
 from speculative.quant import QUANTIZE_CHOICES, QUANTIZE_GROUP
 
 
@@ -149,7 +150,7 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
     elif args.model:
         options = RuntimeOptions(model=args.model)
     else:
-        raise ValueError("specd plan needs --model MODEL or --config FILE")
+        raise RequestError("specd plan needs --model MODEL or --config FILE")
     for name in (
         "model",
         "draft",
@@ -171,7 +172,7 @@ def _plan_device(options: RuntimeOptions) -> torch.device:
     long as the GPU budget is given (nothing is ever placed on the device)."""
     if options.device == "cuda" and not torch.cuda.is_available():
         if options.gpu_budget == "auto":
-            raise ValueError(
+            raise RequestError(
                 "this machine has no CUDA device to measure: to plan for a GPU elsewhere pass "
                 "--gpu-budget SIZE (and --ram-budget, --bandwidth for that machine)"
             )

@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from speculative.detok import IncrementalDetokenizer, StopMatcher
+from speculative.errors import RequestError
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
 from speculative.passes import (
@@ -35,7 +36,7 @@ PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds activation memory
 R = TypeVar("R")
 
 
-class ContextFullError(ValueError):
+class ContextFullError(RequestError):
     """The prompt does not fit the context (a request error, never silently truncated)."""
 
 

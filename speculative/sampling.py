@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from speculative.errors import RequestError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -38,8 +40,8 @@ class SamplingParams:
         ]
         for name, ok, allowed in checks:
             if not ok:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} is out of range: must be {allowed}"
+                raise RequestError(
+                    f"{name}={getattr(self, name)!r} is out of range: must be {allowed}", name
                 )
 
     @property

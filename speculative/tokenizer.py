@@ -21,9 +21,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from speculative.config import ModelConfig
+from speculative.errors import RequestError
 
 
-class ChatTemplateError(ValueError):
+class ChatTemplateError(RequestError):
     """The chat template failed to render the given messages."""
 
 

@@ -126,3 +126,61 @@ def test_console_script(stories_target: Path, stories_reference: dict) -> None:
     failed = subprocess.run(bad, capture_output=True, text=True, timeout=120, check=False)
     assert failed.returncode == 2
     assert failed.stderr.count("\n") == 1 and failed.stderr.startswith("specd: error: ")
+
+
+# ---- the user's mistakes are one line; our bugs keep their traceback ----
+
+
+@pytest.mark.parametrize(
+    ("flags", "expect"),
+    [
+        (["--temperature", "500"], "temperature=500.0 is out of range"),
+        (["--top-p", "0"], "top_p=0.0 is out of range"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["--context", "100000"], "longer than"),
+    ],
+)
+def test_a_user_error_is_one_line_and_exit_2(capsys, stories_target, flags, expect) -> None:
+    argv = ["generate", "--model", str(stories_target), "--prompt", "hi", "--device", "cpu"]
+    assert main([*argv, *flags]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specd: error: ") and expect in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "expect"),
+    [
+        (["--max-depth", "0"], "--max-depth must be at least 1"),
+        (["--spec-length", "0"], "--spec-length must be at least 1"),
+        (["--prompt", "a\udcff"], "--prompt is not valid UTF-8"),  # argv's byte 0xff
+        (["--prompt", "a", "--stop", "\udcff"], "--stop is not valid UTF-8"),
+    ],
+)
+def test_flag_values_the_strategies_refuse_are_usage_errors(
+    capsys, stories_target, flags, expect
+) -> None:
+    """These reached the strategies (or the tokenizer) as a bare ValueError (a TypeError),
+    which the command line took for the user's fault only by accident."""
+    argv = ["generate", "--model", str(stories_target), "--device", "cpu"]
+    if "--prompt" not in flags:
+        argv += ["--prompt", "hi"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, *flags])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert expect in err and "Traceback" not in err
+
+
+def test_an_internal_error_keeps_its_traceback(monkeypatch, stories_target) -> None:
+    """A ValueError that is not a RequestError is a bug: it is not dressed up as one line
+    blaming the user (the interpreter prints its traceback, exit status 1)."""
+    from daemon import cli
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ValueError("an invariant broke")
+
+    monkeypatch.setattr(cli, "Generation", broken)
+    argv = ["generate", "--model", str(stories_target), "--prompt", "hi", "--device", "cpu"]
+    with pytest.raises(ValueError, match="an invariant broke"):
+        main(argv)

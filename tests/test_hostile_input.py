@@ -423,3 +423,77 @@ def test_a_request_side_parser_error_without_detail_is_not_called_internal() -> 
     err = _parser_error(400, RequestPayloadError("the body ended early"))
     assert err.status == 400 and err.body()["error"]["code"] == "malformed_request"
     assert "internal" not in err.body()["error"]["message"]
+
+
+# ---- bodies that used to reach a 500 ----
+
+
+def nested(depth: int, brackets: str) -> str:
+    opening, closing = {"[]": ("[", "]"), "{}": ('{"a": ', "}")}[brackets]
+    return opening * depth + "1" + closing * depth
+
+
+@pytest.mark.parametrize("brackets", ["[]", "{}"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_body_nested_20000_deep_is_a_400(
+    server: BackgroundServer, path: str, brackets: str
+) -> None:
+    """json's decoder recurses once per level: 20,000 levels were a RecursionError and a
+    500. The whole body, or one field of a streamed request: the same 400."""
+    deep = nested(20_000, brackets)
+    field = "messages" if path.endswith("chat/completions") else "prompt"
+    for raw in (deep, f'{{"model": "{MODEL}", "stream": true, "{field}": {deep}}}'):
+        reply = exchange(port(server), request("POST", path, body=raw.encode()))
+        error = assert_openai_error(reply, 400, "invalid_json")
+        assert "deeply" in error["message"]
+
+
+@pytest.mark.parametrize("depth", [500, 900, 1000, 2000])
+def test_nesting_around_the_parser_s_limit_is_never_a_500(
+    server: BackgroundServer, depth: int
+) -> None:
+    """Just inside the parser's depth, a nested value is a field's wrong type (whose
+    message shows it) or an ignored unknown field; just past it, the parser's 400."""
+    for field in ("temperature", "messages", "stop", "model", "stream_options", "unknown"):
+        raw = json.dumps(chat()).replace('"model"', f'"{field}": {nested(depth, "[]")}, "model"')
+        reply = exchange(port(server), request("POST", "/v1/chat/completions", body=raw.encode()))
+        assert reply.status in (200, 400), (field, depth, reply.body[:200])
+        if reply.status == 400:
+            assert_openai_error(reply, 400)
+
+
+SURROGATES = {
+    "content": (chat(messages=[{"role": "user", "content": "Hi \ud800"}]), "messages[0].content"),
+    "second message": (
+        chat(messages=[{"role": "system", "content": "Be kind"},
+                       {"role": "user", "content": "\udfff"}]),
+        "messages[1].content",
+    ),
+    "text part": (
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                    {"type": "text", "text": "\udc80b"}]}]),
+        "messages[0].content[1].text",
+    ),
+    "prompt": (completion(prompt="Once \ud800 upon"), "prompt"),
+    "stop": (completion(stop=["\ud800"]), "stop"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SURROGATES))
+def test_a_lone_surrogate_is_a_400_naming_the_field(server: BackgroundServer, case: str) -> None:
+    """`"\\ud800"` is valid JSON but no text: the tokenizer raised a TypeError (a 500)."""
+    body, field = SURROGATES[case]
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    for stream in (False, True):
+        raw = json.dumps({**body, "stream": stream}).encode()
+        assert b"\\ud" in raw  # sent as the escape, as a client's JSON encoder does
+        error = assert_openai_error(exchange(port(server), request("POST", path, body=raw)), 400)
+        assert error["param"] == field and error["code"] == "invalid_unicode"
+        assert field in error["message"] and "surrogate" in error["message"]
+
+
+def test_a_surrogate_pair_is_a_character(server: BackgroundServer) -> None:
+    raw = json.dumps(chat(messages=[{"role": "user", "content": "smile \U0001f600"}])).encode()
+    assert b"\\ud83d\\ude00" in raw
+    reply = exchange(port(server), request("POST", "/v1/chat/completions", body=raw))
+    assert reply.status == 200, reply.body

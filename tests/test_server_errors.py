@@ -7,16 +7,23 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from daemon import api as api_module
+from daemon import engine as engine_module
 from daemon.server import BackgroundServer, Server
 from daemon.settings import load_settings
 from speculative.budget import AUTO_MAX_BUDGET
+from speculative.errors import RequestError
+from speculative.generation import ContextFullError
 
 KEY = "test-key-123"
 MODEL = "stories260k"
@@ -62,6 +69,17 @@ def call(
     data = resp.read()
     conn.close()
     return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(data or b"{}")
+
+
+def call_raw(server: BackgroundServer, body: dict[str, Any]) -> tuple[int, str]:
+    """A request whose answer is not one JSON body (a stream): status and text."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.port, timeout=30)
+    sent = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(), headers=sent)
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    return resp.status, text
 
 
 def good() -> dict[str, Any]:
@@ -292,3 +310,159 @@ def test_a_budget_above_the_planned_tree_is_a_400(server: BackgroundServer, stre
         assert str(AUTO_MAX_BUDGET) in error["message"] and str(budget) in error["message"]
     status, _, _ = call(server, {**good(), "budget": AUTO_MAX_BUDGET})
     assert status == 200
+
+
+# ---- bad input that used to reach a 500, and errors that are ours ----
+
+
+def test_a_body_nested_past_the_parser_s_depth_is_a_400(server: BackgroundServer) -> None:
+    """json's decoder recurses once per level: 2,000 levels (all that fits the small body
+    limit here; tests/test_hostile_input.py sends 20,000) were a RecursionError and a 500."""
+    deep = "[" * 2000 + "]" * 2000
+    assert len(deep) < BODY_LIMIT
+    error = assert_error(call(server, deep.encode()), 400)
+    assert error["code"] == "invalid_json" and "deeply" in error["message"]
+
+
+def test_a_lone_surrogate_in_the_content_is_a_400_naming_the_field(
+    server: BackgroundServer,
+) -> None:
+    """JSON may spell "\\ud800", which decodes to no text (the tokenizer raised a TypeError
+    and the client got a 500)."""
+    body = {**good(), "messages": [{"role": "user", "content": "Hi \ud800 there"}]}
+    assert b"\\ud800" in json.dumps(body).encode()
+    error = assert_error(call(server, body), 400, "messages[0].content")
+    assert error["code"] == "invalid_unicode" and "surrogate" in error["message"]
+    # A pair is a character: served.
+    status, _, _ = call(server, {**good(), "messages": [{"role": "user", "content": "\U0001f600"}]})
+    assert status == 200
+
+
+@pytest.fixture
+def specd_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.INFO, logger="specd")
+    return caplog
+
+
+def logged_tracebacks(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    return [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.ERROR and r.exc_info and text in str(r.exc_info[1])
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_internal_value_error_is_a_500_with_its_traceback_logged(
+    server: BackgroundServer,
+    monkeypatch: pytest.MonkeyPatch,
+    specd_log: pytest.LogCaptureFixture,
+    stream: bool,
+) -> None:
+    """A ValueError is not the request's fault unless it is a RequestError: an invariant
+    that breaks inside a pass (or before the generation starts) is ours."""
+
+    def broken_pass(requests):  # type: ignore[no-untyped-def]
+        raise ValueError("an invariant broke inside the pass")
+
+    monkeypatch.setattr(engine_module, "execute", broken_pass)
+    body = {**good(), "stream": stream}
+    if stream:
+        status, text = call_raw(server, body)
+        assert status == 200
+        error = json.loads(text.split("data: ")[2])["error"]  # after the role chunk
+    else:
+        error = assert_error(call(server, body), 500)
+    assert error["type"] == "server_error" and "invariant" in error["message"]
+    assert logged_tracebacks(specd_log, "an invariant broke inside the pass")
+    monkeypatch.undo()
+
+    def broken_start(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ValueError("an invariant broke before the first pass")
+
+    monkeypatch.setattr(engine_module, "Generation", broken_start)
+    error = assert_error(call(server, good()), 500)
+    assert error["type"] == "server_error"
+    assert logged_tracebacks(specd_log, "an invariant broke before the first pass")
+
+
+def test_a_request_error_from_the_engine_is_still_a_400(
+    server: BackgroundServer,
+    monkeypatch: pytest.MonkeyPatch,
+    specd_log: pytest.LogCaptureFixture,
+) -> None:
+    def too_long(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ContextFullError("the prompt has 70 tokens but the context holds 64")
+
+    monkeypatch.setattr(engine_module, "Generation", too_long)
+    error = assert_error(call(server, good()), 400)
+    assert "context holds 64" in error["message"]
+    assert not logged_tracebacks(specd_log, "context holds 64")  # the client's, not a bug
+
+
+def test_errors_escaping_a_handler(
+    server: BackgroundServer,
+    monkeypatch: pytest.MonkeyPatch,
+    specd_log: pytest.LogCaptureFixture,
+) -> None:
+    """At the edge: a RequestError is a 400 naming its field; any other exception a 500
+    with the traceback logged, never a 400."""
+
+    def refuse(engine, req):  # type: ignore[no-untyped-def]
+        raise RequestError("strategy refused for a test", "strategy", "test_refusal")
+
+    monkeypatch.setattr(api_module, "_check_strategy", refuse)
+    error = assert_error(call(server, good()), 400, "strategy")
+    assert error["code"] == "test_refusal"
+
+    def broken(engine, req):  # type: ignore[no-untyped-def]
+        raise ValueError("a bug in a handler")
+
+    monkeypatch.setattr(api_module, "_check_strategy", broken)
+    error = assert_error(call(server, good()), 500)
+    assert "a bug" not in error["message"]  # the log has it, not the client
+    assert logged_tracebacks(specd_log, "a bug in a handler")
+
+
+def test_a_non_streaming_client_that_disconnects_is_cancelled(
+    server: BackgroundServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing is written before a non-streamed answer is complete, so no failed write
+    tells the handler that its client left: it must look, and cancel the job as a stream
+    does (it used to generate every token for nobody)."""
+    engine = server.server.engine
+    real_execute = engine_module.execute
+    passes = []
+
+    def slow_execute(requests):  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        passes.append(len(requests))
+        return real_execute(requests)
+
+    monkeypatch.setattr(engine_module, "execute", slow_execute)
+    cancelled = engine.metrics.cancelled.value
+    completed = engine.metrics.completion_tokens.value
+    max_tokens = CONTEXT - 4
+    body = {"model": MODEL, "prompt": [1], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    raw = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.server.port), timeout=30)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+        + KEY.encode()
+        + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(raw)).encode()
+        + b"\r\n\r\n"
+        + raw
+    )
+    deadline = time.monotonic() + 20
+    while len(passes) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(passes) >= 3, "the generation did not start"
+    sock.close()  # the client goes away 60 ms in
+    while engine.metrics.cancelled.value == cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.metrics.cancelled.value == cancelled + 1
+    assert engine.active_count == 0
+    assert len(passes) < max_tokens // 2  # stopped early, not run to the end for nobody
+    assert engine.metrics.completion_tokens.value == completed

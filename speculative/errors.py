@@ -1,0 +1,21 @@
+"""The one exception family for the caller's mistakes.
+
+A `RequestError` says that what was asked for cannot be served as asked, and that asking
+differently would help: a prompt longer than the context, a tree budget above the plan,
+sampling values out of range, a command-line value out of range. The HTTP layer answers
+it with a 400 in the OpenAI error shape, the command line with one line and a non-zero
+exit. Anything else that escapes is a bug of ours: a 500 (or a traceback) with the
+traceback in the log, never "your fault".
+"""
+
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    """The request's fault. `param` names the offending field when one is to blame (the
+    OpenAI error shape's `param`), `code` is a stable machine-readable reason."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
