@@ -25,7 +25,7 @@ def text(flag: str) -> Callable[[str], str]:
 
 
 def count(flag: str, minimum: int) -> Callable[[str], int]:
-    """A type for flags like `--max-depth 8`: an integer >= `minimum`."""
+    """A type for flags like `--max-depth 8` or `--concurrency 4`: an integer >= `minimum`."""
 
     def parse(text: str) -> int:
         try:
@@ -51,21 +51,6 @@ def count_or_auto(flag: str, minimum: int) -> Callable[[str], int | str]:
             raise argparse.ArgumentTypeError(
                 f"{flag} takes a number or 'auto', got {text!r}"
             ) from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{flag} must be at least {minimum}, got {value}")
-        return value
-
-    return parse
-
-
-def count(flag: str, minimum: int) -> Callable[[str], int]:
-    """A type for flags like `--concurrency 4`: an integer >= `minimum`."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a number, got {text!r}") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{flag} must be at least {minimum}, got {value}")
         return value
