@@ -103,8 +103,8 @@ def execute(requests: Sequence[Forward]) -> None:
     model's segments batched together; each request gets its `result`."""
     if len(requests) == 1:  # a generation alone: no grouping
         (request,) = requests
-        (logits,) = request.model.forward_batch([request.segment])
-        request.result = Pass(logits, request.segment.length, 1)
+        (alone,) = request.model.forward_batch([request.segment])
+        request.result = Pass(alone, request.segment.length, 1)
         return
     models: dict[int, list[int]] = {}
     for i, req in enumerate(requests):
