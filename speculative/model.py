@@ -22,7 +22,7 @@ from torch import nn
 
 from speculative.config import ModelConfig, RopeConfig
 from speculative.kv_cache import KVCache
-from speculative.quant import PackedLinear
+from speculative.quant import PackedLinear, RebuildScratch
 
 
 @dataclass
@@ -314,6 +314,11 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Packed projections rebuild their weights into one shared scratch (speculative/quant.py).
+        self.rebuild_scratch = RebuildScratch()
+        for module in self.layers.modules():
+            if isinstance(module, PackedLinear):
+                module.scratch = self.rebuild_scratch
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
         # Token ids `forward` speaks: its logits are (T, vocab_width). Equal to the embedding
         # rows unless this model drafts for a target of another width (`set_vocab_width`).
@@ -365,7 +370,9 @@ class Transformer(nn.Module):
                 bias = child.bias
                 with torch.device("meta"):  # no throwaway weight: it is set just below
                     dense = nn.Linear(child.in_features, child.out_features, bias=False)
-                dense.weight = nn.Parameter(child.dequantize(self.dtype), requires_grad=False)
+                # A copy: the rebuilt weight lives in the shared scratch.
+                weight = child.dequantize(self.dtype).clone()
+                dense.weight = nn.Parameter(weight, requires_grad=False)
                 dense.bias = bias  # type: ignore[assignment]  # None or the packed one's
                 setattr(owner, name, dense)
 

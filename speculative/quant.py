@@ -14,6 +14,7 @@ What differs is which dimension is packed, the code order and the zero point's c
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,21 +48,58 @@ def unpack(
     dim: int,
     dtype: torch.dtype = torch.int32,
     order: tuple[int, ...] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The codes of int32 `words` (values 0 .. 2^bits - 1) as `dtype`, each word's 32/bits
     codes expanded in place along `dim`: code i at position `order[i]` within its word's
     run (code i at i by default). One code position at a time, so the only temporaries are
-    a word-sized slice, not an int32 copy of the whole weight."""
+    a word-sized slice, not an int32 copy of the whole weight. `out`: a flat buffer of
+    `dtype` with room for the codes (a `RebuildScratch`'s), else a new tensor."""
     per_word = 32 // bits
     order = order or tuple(range(per_word))
     dim = dim % words.dim()
     sizes = list(words.shape)
     sizes.insert(dim + 1, per_word)
-    out = torch.empty(sizes, dtype=dtype, device=words.device)
+    if out is None:
+        codes = torch.empty(sizes, dtype=dtype, device=words.device)
+    else:
+        codes = out[: math.prod(sizes)].view(sizes)
     for code, position in enumerate(order):
         # An arithmetic shift fills the high bits with the sign; the mask drops them.
-        out.select(dim + 1, position).copy_((words >> (code * bits)) & ((1 << bits) - 1))
-    return out.flatten(dim, dim + 1)
+        codes.select(dim + 1, position).copy_((words >> (code * bits)) & ((1 << bits) - 1))
+    return codes.flatten(dim, dim + 1)
+
+
+class RebuildScratch:
+    """The flat buffers packed projections rebuild their weights into: one for the codes
+    (in the work dtype) and one for the result (in the compute dtype) per device. A model's
+    projections share one scratch (`Transformer` hands it to them), so rebuilding costs the
+    largest projection's bytes once (the plan's `dequant_bytes`), allocated once rather
+    than per projection per pass; each rebuilt weight is used by its matmul before the next
+    projection overwrites it. Shared, never copied: deep-copying a module (the streamer's
+    slots are copies of a layer) keeps the same scratch."""
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RebuildScratch:
+        return self
+
+    @torch.inference_mode(False)  # reused outside passes too (tests, kept-dense layers)
+    def take(self, role: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat buffer of at least `n` elements for `role` ("codes" | "result"), grown
+        to the largest request seen."""
+        key = (role, dtype, device)
+        flat = self._flat.get(key)
+        if flat is None or flat.numel() < n:
+            self._flat.pop(key, None)  # the smaller one goes before the larger one comes
+            flat = torch.empty(n, dtype=dtype, device=device)
+            self._flat[key] = flat
+        return flat
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
 
 
 class PackedLinear(nn.Module, ABC):
@@ -72,6 +110,22 @@ class PackedLinear(nn.Module, ABC):
         super().__init__()
         self.in_features, self.out_features, self.bits = in_features, out_features, bits
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        # Where `dequantize` writes (set by the model that owns this projection); None: a
+        # new tensor per call.
+        self.scratch: RebuildScratch | None = None
+
+    def _codes_buffer(self, n: int, work: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        return None if self.scratch is None else self.scratch.take("codes", n, work, device)
+
+    def _finish(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rebuilt [out, in] weight in `dtype`: the codes themselves when they are in
+        `dtype` already, else converted into the scratch's result buffer (or a new one)."""
+        if weight.dtype == dtype:
+            return weight
+        if self.scratch is None:
+            return weight.to(dtype)
+        flat = self.scratch.take("result", weight.numel(), dtype, weight.device)
+        return flat[: weight.numel()].view(weight.shape).copy_(weight)
 
     @abstractmethod
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -152,7 +206,9 @@ class GPTQLinear(PackedLinear):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         work = _work_dtype(self.scales.dtype, dtype)
         zeros = unpack(self.qzeros, self.bits, 1, work) + 1  # (G, out): v1 stores zero - 1
-        weight = unpack(self.qweight, self.bits, 0, work)  # (in, out) codes
+        n = self.in_features * self.out_features
+        codes = self._codes_buffer(n, work, self.qweight.device)
+        weight = unpack(self.qweight, self.bits, 0, work, out=codes)  # (in, out) codes
         if self._groups_contiguous():
             # Without desc_act every group is a run of inputs: broadcast per group in
             # place (the same values as the gathers below, about twice as fast).
@@ -163,7 +219,7 @@ class GPTQLinear(PackedLinear):
             group = self.g_idx.long()  # (in,)
             weight -= zeros[group]  # integers: exact
             weight *= self.scales.to(work)[group]  # the one rounding
-        return weight.t().to(dtype)  # (out, in)
+        return self._finish(weight.t(), dtype)  # (out, in)
 
     def _groups_contiguous(self) -> bool:
         """Whether g_idx is input // group (no desc_act permutation); checked once, the
@@ -209,12 +265,14 @@ class AWQLinear(PackedLinear):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         work = _work_dtype(self.scales.dtype, dtype)
-        weight = unpack(self.qweight, 4, 1, work, AWQ_ORDER)  # (in, out) codes
+        n = self.in_features * self.out_features
+        codes = self._codes_buffer(n, work, self.qweight.device)
+        weight = unpack(self.qweight, 4, 1, work, AWQ_ORDER, out=codes)  # (in, out) codes
         zeros = unpack(self.qzeros, 4, 1, work, AWQ_ORDER)  # (G, out)
         by_group = weight.view(zeros.shape[0], self.group, -1)  # (G, group, out)
         by_group -= zeros[:, None, :]
         by_group *= self.scales.to(work)[:, None, :]
-        return weight.t().to(dtype)  # (out, in)
+        return self._finish(weight.t(), dtype)  # (out, in)
 
     def rebuild_bytes(self, dtype: torch.dtype) -> int:
         groups = self.qzeros.shape[0]
@@ -258,7 +316,9 @@ class CompressedLinear(PackedLinear):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         work = _work_dtype(self.weight_scale.dtype, dtype)
         offset = 1 << (self.bits - 1)  # codes are the signed value + 2^(b-1)
-        weight = unpack(self.weight_packed, self.bits, 1, work)  # (out, in) codes
+        n = self.out_features * self.weight_packed.shape[1] * (32 // self.bits)
+        codes = self._codes_buffer(n, work, self.weight_packed.device)
+        weight = unpack(self.weight_packed, self.bits, 1, work, out=codes)  # (out, in) codes
         if weight.shape[1] != self.in_features:  # a padded last word (on-load only)
             weight = weight[:, : self.in_features].contiguous()
         by_group = weight.view(self.out_features, -1, self.group)  # (out, G, group)
@@ -268,7 +328,7 @@ class CompressedLinear(PackedLinear):
             # value - zero = (code - offset) - (zero code - offset) = code - zero code
             by_group -= unpack(self.weight_zero_point, self.bits, 0, work)[:, :, None]
         by_group *= self.weight_scale.to(work)[:, :, None]
-        return weight.to(dtype)
+        return self._finish(weight, dtype)
 
     def rebuild_bytes(self, dtype: torch.dtype) -> int:
         groups = self.weight_scale.shape[1]

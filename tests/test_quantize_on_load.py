@@ -266,3 +266,25 @@ def test_packed_layers_are_kept_dequantized_when_the_plan_has_room(stories_targe
     a = roomy.target(x, pos, roomy.target.new_cache(64))
     b = tight.target(x, pos, tight.target.new_cache(64))
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_every_projection_rebuilds_into_one_shared_scratch(stories_target: Path) -> None:
+    """Streamed (slots are deep copies of a layer) or resident, a model's packed projections
+    write their rebuilt weights into one scratch, allocated once at the largest
+    projection's size and within the plan's figure for it."""
+    rt = Runtime(
+        RuntimeOptions(
+            model=str(stories_target), quantize="int4", dtype="bf16", device="cpu",
+            offload="stream", resident_layers=1, slots=2, host_tier="ram",
+        )
+    )  # fmt: skip
+    model = rt.target
+    packed = [m for layer in model.layers for m in layer.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(m.scratch is model.rebuild_scratch for m in packed)
+    ids = rt.tokenizer.encode(PROMPT)
+    model(torch.tensor(ids), torch.arange(len(ids)), model.new_cache(64))
+    buffers = dict(model.rebuild_scratch._flat)
+    assert set(role for role, _, _ in buffers) == {"codes", "result"}
+    model(torch.tensor(ids), torch.arange(len(ids)), model.new_cache(64))
+    assert all(model.rebuild_scratch._flat[k] is v for k, v in buffers.items())  # reused
+    assert 0 < model.rebuild_scratch.nbytes <= rt.plan.request.target.dequant_bytes
