@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from offload.machine import measure_bandwidth  # noqa: E402
 from offload.placement import build_streamer  # noqa: E402
+from offload.stream import LayerStreamer  # noqa: E402
 from speculative.config import ModelConfig  # noqa: E402
 from speculative.model import Transformer, rope_inv_freq  # noqa: E402
 from speculative.quant import CompressedLinear, PackedLinear, on_load_quantization  # noqa: E402
@@ -202,6 +203,45 @@ def compare_accelerate(
     del model
 
 
+def compare_weights(
+    args: argparse.Namespace, shape: str, device: torch.device, kinds: list[str | None]
+) -> list[dict]:
+    """Each kind of weights streamed side by side: for every token count the kinds take
+    turns pass by pass, and each kind's pass is divided by the unquantized pass of the same
+    turn (a shared machine drifts; a paired ratio does not)."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    kinds = [None, *(k for k in kinds if k is not None)]  # the unquantized pass is the base
+    models = {}
+    for kind in kinds:
+        model = random_model(shape, args.layers, dtype, kind)
+        model.set_layers(build_streamer(list(model.layers), [], device, args.slots))
+        models[kind] = model.to(device)
+    rows = []
+    for n in args.tokens:
+        ratios: dict[str | None, list[float]] = {kind: [] for kind in kinds}
+        for _ in range(args.repeats + 1):
+            times = {kind: time_pass(m, n, device, 1) for kind, m in models.items()}
+            for kind in kinds:
+                ratios[kind].append(times[kind] / times[None])
+        for kind in kinds:
+            if kind is None:
+                continue
+            paired = sorted(ratios[kind][1:])  # the first turn warms up
+            layers = models[kind].layers
+            assert isinstance(layers, LayerStreamer)
+            rows.append(
+                {
+                    "shape": shape,
+                    "weights": kind,
+                    "tokens": n,
+                    "layer_bytes": layers.layout.nbytes,
+                    "pass_over_unquantized": paired[len(paired) // 2],
+                    "paired": True,
+                }
+            )
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=None, help="comma list of 8b,32b,small (default by device)")
@@ -233,19 +273,17 @@ def main() -> int:
         )
     kinds = [None if k == "none" else k for k in args.quantize.split(",")]
     rows = [r for shape in shapes for k in kinds for r in bench_shape(args, shape, device, k)]
-    base = {
-        (r["shape"], r["tokens"]): r["pass_seconds"] for r in rows if r["weights"] == args.dtype
-    }
-    if len(kinds) > 1 and base:
-        print(f"\npass time against the {args.dtype} pass of the same shape and tokens:")
-        for r in rows:
-            ref = base.get((r["shape"], r["tokens"]))
-            if ref:
-                r["pass_over_unquantized"] = r["pass_seconds"] / ref
+    if len(kinds) > 1:
+        print(
+            f"\npass time against the {args.dtype} pass of the same shape and tokens, the "
+            "weights alternating pass by pass (median of the paired ratios):"
+        )
+        for shape in shapes:
+            for r in compare_weights(args, shape, device, kinds):
+                rows.append(r)
                 print(
                     f"  {r['shape']:>5} {r['weights']:>5} tokens {r['tokens']:5d}  "
-                    f"layer {r['layer_bytes'] / 1e6:8.2f} MB  "
-                    f"{r['pass_over_unquantized']:5.2f}x"
+                    f"layer {r['layer_bytes'] / 1e6:8.2f} MB  {r['pass_over_unquantized']:5.2f}x"
                 )
     if args.out:
         args.out.write_text(json.dumps({"gpu": gpu, "rows": rows}, indent=2))
