@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon import service
+from daemon.argtypes import temperature
 from daemon.serve_cmd import add_settings_args, settings_from_args
 from daemon.settings import daemon_url
 
@@ -137,6 +138,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     chat.add_argument("--once", default=None, help="send one message, print the answer, exit")
     chat.add_argument("--system", default=None, help="system prompt")
     chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument(
+        "--temperature", type=temperature, default=0.0, help="0 = greedy (default), up to 2"
+    )
     chat.add_argument("--seed", type=int, default=None)
     chat.set_defaults(func=cmd_chat)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
-from daemon.argtypes import count_or_auto
+from daemon.argtypes import DTYPE_CHOICES, count_or_auto
 from daemon.plan_cmd import add_context_arg, add_offload_args, add_prefix_cache_arg
 from daemon.settings import (
     Settings,
@@ -18,7 +17,6 @@ from daemon.settings import (
     user_config_file,
     validate_file,
 )
-from speculative.checkpoint import DTYPE_CHOICES
 
 # flag dest → settings key; a flag left at None does not override anything.
 FLAG_KEYS = {
@@ -103,6 +101,8 @@ def setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
     from daemon.server import read_api_key, serve
 
     settings = settings_from_args(args)

@@ -18,7 +18,7 @@ def _url(settings: Settings) -> str:
 
 def cmd_start(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    settings.runtime_options()  # no model configured: say so before forking anything
+    settings.require_target()  # no model configured: say so before forking anything
     paths = service.default_paths()
     record = service.start(paths, flag_argv(args), _url(settings), args.wait)
     print(f"specd is running (pid {record.pid}) at {record.url}; logs: {paths.log_file}")

@@ -13,15 +13,17 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import platformdirs
 import yaml
 
 from daemon.argtypes import size_bytes
 from daemon.hostname import allowed_host_names
-from daemon.runtime import RuntimeOptions
 from offload.units import parse_rate, parse_size
+
+if TYPE_CHECKING:  # daemon.runtime imports torch; commands that only read settings do not
+    from daemon.runtime import RuntimeOptions
 
 PACKAGED_DEFAULT = Path(__file__).resolve().parents[1] / "config" / "specd.yaml"
 PROFILES_DIR = PACKAGED_DEFAULT.parent / "profiles"
@@ -233,13 +235,10 @@ class Settings:
     sources: dict[str, str]  # "section.key" → where the effective value came from
 
     def runtime_options(self) -> RuntimeOptions:
-        if not self.models.target:
-            raise SettingsError(
-                "no target model configured: pass --model MODEL, set SPECD_MODELS_TARGET, or "
-                f"set models.target in {user_config_file()}"
-            )
+        from daemon.runtime import RuntimeOptions
+
         return RuntimeOptions(
-            model=self.models.target,
+            model=self.require_target(),
             draft=self.models.draft,
             strategy=self.speculation.strategy,
             spec_length=self.speculation.spec_length,
@@ -259,6 +258,15 @@ class Settings:
             threads=self.models.threads,
             sequences=self.limits.max_concurrent + self.limits.cached_sessions,
         )
+
+    def require_target(self) -> str:
+        """The target model, or a SettingsError that says how to configure one."""
+        if not self.models.target:
+            raise SettingsError(
+                "no target model configured: pass --model MODEL, set SPECD_MODELS_TARGET, or "
+                f"set models.target in {user_config_file()}"
+            )
+        return self.models.target
 
     @property
     def served_model_name(self) -> str:
