@@ -12,6 +12,7 @@ from daemon.argtypes import DTYPE_CHOICES, count_or_auto
 from daemon.plan_cmd import add_context_arg, add_offload_args, add_prefix_cache_arg
 from daemon.settings import (
     Settings,
+    SettingsError,
     load_settings,
     render_effective,
     user_config_file,
@@ -120,7 +121,14 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
-    validate_file(args.file)
+    """Every problem in the file, one line each (`FILE: KEY: what is wrong; what is
+    allowed`), exit status 2; or `FILE: ok`."""
+    try:
+        validate_file(args.file)
+    except SettingsError as exc:
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return 2
     print(f"{args.file}: ok")
     return 0
 

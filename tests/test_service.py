@@ -83,3 +83,19 @@ def test_start_without_a_model_fails_before_forking(
     assert main(["start"]) == 2
     assert "no target model configured" in capsys.readouterr().err
     assert not service.default_paths().pid_file.exists()
+
+
+def test_a_broken_user_config_does_not_stop_stop_or_status(
+    dirs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = dirs / "xdg_config_home" / "specd" / "specd.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("models:\n  dtype: fp8\n")
+    service.DaemonRecord(2**22 + 12345, "http://127.0.0.1:9").write(service.default_paths())
+    assert main(["stop"]) == 0
+    assert "was not running" in capsys.readouterr().out
+    assert main(["status", "--port", "9"]) == 3
+    captured = capsys.readouterr()
+    assert "not answering at http://127.0.0.1:9" in captured.out
+    assert f"{config}: models.dtype: 'fp8' is not allowed" in captured.err
+    assert "configuration ignored" in captured.err
