@@ -37,7 +37,8 @@ def cmd_start(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     settings.require_target()  # no model configured: say so before forking anything
     paths = service.default_paths()
-    record = service.start(paths, flag_argv(args), _url(settings), args.wait)
+    listen = (settings.server.host, settings.server.port)
+    record = service.start(paths, flag_argv(args), _url(settings), args.wait, listen)
     print(f"specd is running (pid {record.pid}) at {record.url}; logs: {paths.log_file}")
     return 0
 
