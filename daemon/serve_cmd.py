@@ -45,9 +45,16 @@ FLAG_KEYS = {
 }
 
 
+def add_address_args(p: argparse.ArgumentParser) -> None:
+    """Where the daemon listens: all that the commands which only talk to it need."""
+    p.add_argument("--config", type=Path, default=None, help="config file (default: user config)")
+    p.add_argument("--host", default=None, help="the address it listens on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="default 8716")
+
+
 def add_settings_args(p: argparse.ArgumentParser) -> None:
     """Flags that override the configuration (see config/specd.yaml for each key)."""
-    p.add_argument("--config", type=Path, default=None, help="config file (default: user config)")
+    add_address_args(p)
     p.add_argument("--model", default=None, help="target model folder or hub id")
     p.add_argument("--draft", default=None, help="draft model folder / hub id, or 'ngram'")
     p.add_argument("--name", default=None, help="model id served at /v1/models")
@@ -65,8 +72,6 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     )
     add_context_arg(p, default=None)
     add_prefix_cache_arg(p)
-    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None)
     p.add_argument("--api-key-file", default=None, help="require this file's key as Bearer")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None)
     add_offload_args(p)

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from daemon import service
-from daemon.serve_cmd import add_settings_args, flag_argv, settings_from_args
+from daemon.serve_cmd import add_address_args, add_settings_args, flag_argv, settings_from_args
 from daemon.settings import ServerSettings, Settings, SettingsError, daemon_url
 
 
@@ -115,7 +115,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     stop.set_defaults(func=cmd_stop)
 
     status = sub.add_parser("status", help="is the daemon running and ready (asks /health)")
-    add_settings_args(status)
+    add_address_args(status)
     status.set_defaults(func=cmd_status)
 
     logs = sub.add_parser("logs", help="show the background daemon's log")

@@ -85,6 +85,16 @@ def test_abbreviated_flags_are_refused(argv: list[str], capsys: pytest.CaptureFi
     assert "unrecognized arguments" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["chat", "status"])
+def test_client_commands_list_no_model_flags(command: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "--port" in out and "--config" in out
+    for flag in ("--model", "--draft", "--offload", "--budget", "--gpu-budget", "--dtype"):
+        assert flag not in out, f"{command} --help lists {flag}"
+
+
 @pytest.mark.parametrize(
     "argv",
     [
