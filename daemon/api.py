@@ -261,6 +261,7 @@ async def _collect(request: web.Request, job: Job, shape: ResponseShape) -> web.
         event = await _next_event(job, request, DISCONNECT_POLL_SECONDS)
         if _client_gone(request):
             job.cancel()
+            log.debug("%s: the client disconnected; generation cancelled", shape.id)
             raise ConnectionResetError("client disconnected")
         if event is None:
             continue
@@ -328,7 +329,9 @@ async def _stream(
         await response.write(SSE_DONE)
         await response.write_eof()
     except (ConnectionResetError, asyncio.CancelledError):
+        # Normal operation (the client hung up): one debug line, the job cancelled.
         job.cancel()
+        log.debug("%s: the client disconnected mid-stream; generation cancelled", shape.id)
         raise
     return response
 

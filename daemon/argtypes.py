@@ -7,6 +7,31 @@ from collections.abc import Callable
 
 from offload.units import parse_size
 
+# speculative.checkpoint.DTYPE_CHOICES, restated so that building the command line does not
+# import torch; tests/test_cli_startup.py checks that the two agree.
+DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
+# speculative.quant's QUANTIZE_CHOICES and QUANTIZE_GROUP, restated for the same reason.
+QUANTIZE_CHOICES = ("int8", "int4")
+QUANTIZE_GROUP = 128
+
+# The temperatures specd accepts anywhere, the OpenAI API's range: the REST API refuses
+# others (daemon/openai_wire.py), and so do `specd generate` and `specd chat`.
+TEMPERATURE_RANGE = (0.0, 2.0)
+
+
+def temperature(text: str) -> float:
+    """A type for --temperature, with the API's range and the API's message."""
+    lo, hi = TEMPERATURE_RANGE
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(
+            f"temperature must be a number in [{lo}, {hi}], got {text}"
+        )
+    return value
+
 
 def text(flag: str) -> Callable[[str], str]:
     """A type for free-text flags (`--prompt`, `--stop`): bytes of the command line that are

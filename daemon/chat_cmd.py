@@ -1,62 +1,121 @@
 """`specd chat`: an interactive streaming client of the daemon's REST endpoint.
 
 It speaks plain HTTP + SSE through the standard library, so it needs nothing the daemon
-does not already install, and it exercises exactly what any OpenAI client would."""
+does not already install, and it exercises exactly what any OpenAI client would.
+
+The conversation outlives the context: when the daemon answers that the prompt does not
+fit, the oldest turns are dropped (the system prompt is kept) and the turn is sent again.
+Ctrl-C stops the answer being written by closing its connection, which is how the daemon
+learns to cancel the generation; the chat goes on."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import sys
 import urllib.parse
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from daemon import service
-from daemon.serve_cmd import add_settings_args, settings_from_args
+from daemon.argtypes import temperature
+from daemon.serve_cmd import add_address_args, settings_from_args
 from daemon.settings import daemon_url
+
+# The daemon's error code for a prompt longer than its context (daemon/api.py).
+CONTEXT_FULL = "context_length_exceeded"
+COMMANDS = "/reset starts the conversation over, /exit (or Ctrl-D) quits"
 
 
 class ChatError(RuntimeError):
     """The daemon answered with an error (its message is shown to the user)."""
 
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
-def stream_chat(
-    url: str, body: dict[str, Any], api_key: str | None = None, timeout: float = 600.0
-) -> Iterator[str]:
-    """POST /v1/chat/completions with stream=true; yields text deltas as they arrive."""
-    host, port = daemon_address(url)
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    try:
-        conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}), headers)
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise ChatError(_error_message(resp.status, resp.read()))
-        for raw in resp:
-            line = raw.decode("utf-8").rstrip("\r\n")
-            if not line.startswith("data: "):
-                continue  # blank separators and ": keep-alive" comments
-            data = line[len("data: ") :]
-            if data == "[DONE]":
-                return
-            event = json.loads(data)
-            if "error" in event:
-                raise ChatError(event["error"].get("message", "error"))
-            for choice in event.get("choices", []):
-                text = choice.get("delta", {}).get("content")
-                if text:
-                    yield text
-    except ConnectionError as exc:
-        raise ChatError(
-            f"cannot reach specd at {url}: {exc} (is it running? `specd status`)"
-        ) from None
-    finally:
-        conn.close()
+
+@dataclass
+class Answer:
+    """One streamed answer as far as it arrived."""
+
+    text: str = ""
+    finish_reason: str | None = None  # stop | length; None while streaming or when cut off
+    completion_tokens: int | None = None
+    stats: dict[str, Any] = field(default_factory=dict)  # the daemon's "specd" figures
+    stopped: bool = False  # Ctrl-C stopped it
+
+
+class ChatStream:
+    """POST /v1/chat/completions with stream=true. Iterating yields text deltas as they
+    arrive and fills `answer`; `close()` drops the connection, and with it the generation."""
+
+    def __init__(
+        self, url: str, body: dict[str, Any], api_key: str | None = None, timeout: float = 600.0
+    ) -> None:
+        self.url = url
+        self.answer = Answer()
+        host, port = daemon_address(url)
+        self._conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            self._conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
+            self._response = self._conn.getresponse()
+            if self._response.status != 200:
+                raise _http_error(self._response.status, self._response.read())
+        except OSError as exc:
+            self.close()
+            raise ChatError(
+                f"cannot reach specd at {url}: {exc} (is it running? `specd status`)"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            for raw in self._response:
+                line = raw.decode("utf-8").rstrip("\r\n")
+                if not line.startswith("data: "):
+                    continue  # blank separators and ": keep-alive" comments
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    return
+                yield from self._event(json.loads(data))
+        except OSError as exc:
+            raise ChatError(f"the connection to specd at {self.url} broke: {exc}") from None
+        finally:
+            self.close()
+
+    def _event(self, event: dict[str, Any]) -> Iterator[str]:
+        if "error" in event:
+            error = event["error"]
+            raise ChatError(error.get("message", "error"), error.get("code"))
+        self.answer.stats.update(event.get("specd") or {})
+        if event.get("usage"):
+            self.answer.completion_tokens = event["usage"].get("completion_tokens")
+        for choice in event.get("choices", []):
+            self.answer.finish_reason = choice.get("finish_reason") or self.answer.finish_reason
+            text = choice.get("delta", {}).get("content")
+            if text:
+                self.answer.text += text
+                yield text
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> ChatStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def daemon_address(url: str) -> tuple[str, int]:
@@ -72,11 +131,122 @@ def daemon_address(url: str) -> tuple[str, int]:
     return parts.hostname, port
 
 
-def _error_message(status: int, raw: bytes) -> str:
+def _http_error(status: int, raw: bytes) -> ChatError:
     try:
-        return f"HTTP {status}: {json.loads(raw)['error']['message']}"
+        error = json.loads(raw)["error"]
+        return ChatError(f"HTTP {status}: {error['message']}", error.get("code"))
     except (ValueError, KeyError, TypeError):
-        return f"HTTP {status}: {raw[:200]!r}"
+        return ChatError(f"HTTP {status}: {raw[:200]!r}")
+
+
+class Conversation:
+    """The messages sent with each turn: the system prompt, always, then the turns."""
+
+    def __init__(self, system: str | None) -> None:
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.turns: list[list[dict[str, str]]] = []  # [user, assistant] pairs, oldest first
+
+    def messages(self, user_text: str) -> list[dict[str, str]]:
+        turns = [message for turn in self.turns for message in turn]
+        return [*self.system, *turns, {"role": "user", "content": user_text}]
+
+    def add(self, user_text: str, answer: str) -> None:
+        self.turns.append(
+            [{"role": "user", "content": user_text}, {"role": "assistant", "content": answer}]
+        )
+
+    def drop_oldest(self) -> bool:
+        """Forget the oldest turn; False when there is none left to forget."""
+        if not self.turns:
+            return False
+        del self.turns[0]
+        return True
+
+    def reset(self) -> None:
+        self.turns.clear()
+
+
+class Screen:
+    """The chat's output: answers as they stream and notes, one dim line each. It tracks
+    whether the cursor is at the start of a line, so that nothing (a note, the next prompt,
+    the shell's prompt after exit) is glued to the end of an answer."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.at_line_start = True
+        self.styled = out.isatty()
+
+    def write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self.at_line_start = text.endswith("\n")
+
+    def end_line(self) -> None:
+        if not self.at_line_start:
+            self.write("\n")
+
+    def note(self, text: str) -> None:
+        self.end_line()
+        self.write(f"\033[2m{text}\033[0m\n" if self.styled else f"{text}\n")
+
+
+@dataclass
+class ChatOptions:
+    url: str
+    api_key: str | None
+    request: dict[str, Any]  # max_tokens, temperature, seed
+    stats: bool = False
+
+
+def ask(options: ChatOptions, conversation: Conversation, user_text: str, screen: Screen) -> Answer:
+    """One turn: stream the answer to `screen` and add the turn to the conversation.
+    Ctrl-C (KeyboardInterrupt) stops the answer; the part already written is kept."""
+    dropped = 0
+    try:
+        while True:
+            body = {**options.request, "messages": conversation.messages(user_text)}
+            try:
+                stream = ChatStream(options.url, body, options.api_key)
+                break
+            except ChatError as exc:
+                if exc.code != CONTEXT_FULL or not conversation.drop_oldest():
+                    raise
+                dropped += 1
+    except KeyboardInterrupt:  # before the first token: nothing to keep
+        screen.note("[stopped]")
+        return Answer(stopped=True)
+    if dropped:
+        turns = "turn" if dropped == 1 else "turns"
+        screen.note(f"[context full: dropped the oldest {dropped} {turns} of the conversation]")
+    answer = stream.answer
+    with stream:
+        try:
+            for text in stream:
+                screen.write(text)
+        except KeyboardInterrupt:
+            answer.stopped = True
+    conversation.add(user_text, answer.text)
+    screen.end_line()
+    if answer.stopped:
+        screen.note("[stopped]")
+    elif answer.finish_reason == "length":
+        max_tokens = options.request["max_tokens"]
+        if answer.completion_tokens is not None and answer.completion_tokens < max_tokens:
+            screen.note("[cut: the context is full]")
+        else:
+            screen.note(f"[cut at --max-tokens {max_tokens}]")
+    if options.stats and not answer.stopped:
+        screen.note(stats_line(answer.stats))
+    return answer
+
+
+def stats_line(stats: dict[str, Any]) -> str:
+    tps = stats.get("tokens_per_second")
+    per_pass = stats.get("tokens_per_target_pass")
+    shown_tps = "-" if tps is None else f"{tps:.1f}"
+    shown_pass = "-" if per_pass is None else f"{per_pass:.2f}"
+    return f"[{shown_tps} tokens/s, {shown_pass} tokens per target pass]"
 
 
 def _default_url(args: argparse.Namespace) -> str:
@@ -91,52 +261,98 @@ def _api_key(path: str | None) -> str | None:
     return Path(path).expanduser().read_text().strip() if path else None
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    url = args.url or _default_url(args)
-    key = _api_key(args.api_key_file)
-    history: list[dict[str, str]] = []
-    if args.system:
-        history.append({"role": "system", "content": args.system})
-    request = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    if args.seed is not None:
-        request["seed"] = args.seed
-
-    def turn(user_text: str) -> None:
-        history.append({"role": "user", "content": user_text})
-        answer = []
-        for text in stream_chat(url, {**request, "messages": history}, key):
-            answer.append(text)
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": "".join(answer)})
-
+@contextlib.contextmanager
+def line_editing() -> Iterator[None]:
+    """Editing keys and history for input(): importing readline turns them on. On a
+    terminal the history is kept between chats in the state directory."""
     try:
+        import readline
+    except ImportError:  # no readline on this platform: plain input()
+        yield
+        return
+    if not sys.stdin.isatty():
+        yield
+        return
+    history = service.default_paths().state_dir / "chat_history"
+    with contextlib.suppress(OSError):
+        readline.read_history_file(history)
+    readline.set_history_length(1000)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            history.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(history)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    screen = Screen(sys.stdout)
+    try:
+        url = args.url or _default_url(args)
         daemon_address(url)  # a bad --url fails now, not after the first message is typed
-        if args.once is not None:
-            turn(args.once)
-            return 0
-        print(f"specd chat at {url} (Ctrl-D to quit)")
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
-                print()
-                return 0
-            if line.strip():
-                turn(line)
+        request: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+        if args.seed is not None:
+            request["seed"] = args.seed
+        options = ChatOptions(url, _api_key(args.api_key_file), request, args.stats)
     except ChatError as exc:
         print(f"specd: error: {exc}", file=sys.stderr)
         return 1
+    conversation = Conversation(args.system)
+    if args.once is not None:
+        try:
+            answer = ask(options, conversation, args.once, screen)
+        except ChatError as exc:
+            screen.end_line()
+            print(f"specd: error: {exc}", file=sys.stderr)
+            return 1
+        return 130 if answer.stopped else 0
+    print(f"specd chat at {url} ({COMMANDS})")
+    with line_editing():
+        return _loop(options, conversation, screen)
+
+
+def _loop(options: ChatOptions, conversation: Conversation, screen: Screen) -> int:
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            screen.at_line_start = False  # the cursor is after the prompt
+            screen.end_line()
+            return 0
+        except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
+            screen.at_line_start = False
+            screen.note(f"[{COMMANDS}]")
+            continue
+        text = line.strip()
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            conversation.reset()
+            screen.note("[conversation reset]")
+            continue
+        if not text:
+            continue
+        try:
+            ask(options, conversation, line, screen)  # Ctrl-C stops the answer, not the chat
+        except ChatError as exc:
+            # The daemon refused this turn or is gone: say so, keep the conversation.
+            screen.end_line()
+            print(f"specd: error: {exc}", file=sys.stderr)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     chat = sub.add_parser("chat", help="chat with the running daemon (streams the answer)")
-    add_settings_args(chat)
+    add_address_args(chat)
     chat.add_argument("--url", default=None, help="daemon URL (default: the running one)")
+    chat.add_argument("--api-key-file", default=None, help="file holding the daemon's API key")
     chat.add_argument("--once", default=None, help="send one message, print the answer, exit")
-    chat.add_argument("--system", default=None, help="system prompt")
-    chat.add_argument("--max-tokens", type=int, default=256)
-    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--system", default=None, help="system prompt (kept when turns are dropped)")
+    chat.add_argument("--max-tokens", type=int, default=256, help="per answer (default 256)")
+    chat.add_argument(
+        "--temperature", type=temperature, default=0.0, help="0 = greedy (default), up to 2"
+    )
     chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument(
+        "--stats", action="store_true", help="tokens/s and tokens per target pass after each answer"
+    )
     chat.set_defaults(func=cmd_chat)

@@ -1,4 +1,8 @@
-"""`specd` command line. Each subcommand's flags are a contract scripts rely on."""
+"""`specd` command line. Each subcommand's flags are a contract scripts rely on.
+
+Nothing here imports torch at module level: `specd --help`, `status`, `stop`, `chat` and
+`config` answer in a fraction of a second, and only the commands that load or plan a model
+pay for it (see tests/test_cli_startup.py)."""
 
 from __future__ import annotations
 
@@ -6,36 +10,59 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from daemon import bench_cmd, chat_cmd, plan_cmd, pull_cmd, serve_cmd, service_cmd
-from daemon.argtypes import count, count_or_auto, text
+from daemon import chat_cmd, plan_cmd, pull_cmd, serve_cmd, service_cmd
+from daemon.argtypes import DTYPE_CHOICES, count, count_or_auto, temperature, text
 from daemon.pull_cmd import PullError
-from daemon.runtime import Runtime, RuntimeError_, RuntimeOptions
 from daemon.service import ServiceError
 from daemon.settings import SettingsError
-from offload.plan import PlanError
-from speculative.checkpoint import DTYPE_CHOICES, CheckpointError, ModelNotFoundError
-from speculative.config import UnsupportedModelError
 from speculative.errors import RequestError
-from speculative.generation import Generation
-from speculative.quant import UnsupportedQuantizationError
-from speculative.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from daemon.runtime import RuntimeOptions
+    from speculative.generation import Generation
+    from speculative.sampling import SamplingParams
 
 # Errors a user can cause: reported as one line on stderr, exit status 2. Anything else is
-# a bug and keeps its traceback: a bare ValueError is not taken for the user's fault.
+# a bug and keeps its traceback: a bare ValueError is not taken for the user's fault. The
+# ones defined next to the models are named by module: an exception can only be of a class
+# whose module is loaded, so `user_error_types` looks there and never imports torch to
+# find out.
 USER_ERRORS: tuple[type[BaseException], ...] = (
     RequestError,
-    ModelNotFoundError,
-    CheckpointError,
-    UnsupportedModelError,
-    UnsupportedQuantizationError,
-    RuntimeError_,
     SettingsError,
-    PlanError,
     FileNotFoundError,
     ServiceError,
     PullError,
 )
+MODEL_USER_ERRORS = {
+    "speculative.checkpoint": ("ModelNotFoundError", "CheckpointError"),
+    "speculative.config": ("UnsupportedModelError",),
+    "speculative.quant": ("UnsupportedQuantizationError",),
+    "offload.plan": ("PlanError",),
+    "daemon.runtime": ("RuntimeError_",),
+}
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    loaded = [
+        getattr(sys.modules[module], name)
+        for module, names in MODEL_USER_ERRORS.items()
+        if module in sys.modules
+        for name in names
+    ]
+    return (*USER_ERRORS, *loaded)
+
+
+class Parser(argparse.ArgumentParser):
+    """Every specd parser and subparser (subparsers take their parent's class): long options
+    must be spelled out, so `--max-token 5` is an error rather than a guess, and a flag
+    added later cannot change what an existing script means."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -77,7 +104,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
     )
     src.add_argument("--prompt-ids", type=_prompt_ids, default=None, help="ids fed exactly: 1,2,3")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument(
+        "--temperature", type=temperature, default=0.0, help="0 = greedy (default), up to 2"
+    )
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
@@ -129,10 +158,13 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
 
 
 def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
+
     return plan_cmd.apply_offload_args(_base_runtime_options(args), args)
 
 
 def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:
+    from daemon.runtime import RuntimeOptions
+
     return RuntimeOptions(
         model=args.model,
         draft=args.draft,
@@ -150,6 +182,8 @@ def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:
 
 
 def sampling_params(args: argparse.Namespace, seed: int | None) -> SamplingParams:
+    from speculative.sampling import SamplingParams
+
     return SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -167,6 +201,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise RequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.samples < 1:
         raise RequestError(f"--samples must be at least 1, got {args.samples}")
+    from daemon.runtime import Runtime
+    from speculative.generation import Generation
+
     runtime = Runtime(runtime_options(args))
     tok = runtime.tokenizer
     if args.prompt_ids is not None:
@@ -224,8 +261,13 @@ def generation_record(gen: Generation) -> dict:
     }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+BENCH_HELP = "compare strategies on the configured model pair"
+
+
+def build_parser(command: str | None = "bench") -> argparse.ArgumentParser:
+    """The whole command line. `specd bench`'s module imports torch when it is imported, so
+    its flags are registered only when `command` is bench; otherwise a placeholder lists it."""
+    parser = Parser(
         prog="specd",
         description="Local OpenAI-compatible inference with lossless tree speculation.",
     )
@@ -233,17 +275,33 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a generation to the terminal")
     add_generate_args(gen)
     gen.set_defaults(func=cmd_generate)
-    for commands in (serve_cmd, service_cmd, chat_cmd, pull_cmd, bench_cmd, plan_cmd):
+    for commands in (serve_cmd, service_cmd, chat_cmd, pull_cmd):
         commands.register(sub)
+    if command == "bench":
+        from daemon import bench_cmd
+
+        bench_cmd.register(sub)
+    else:
+        sub.add_parser("bench", help=BENCH_HELP)
+    plan_cmd.register(sub)
     return parser
 
 
+def _command(argv: Sequence[str]) -> str | None:
+    """The subcommand named in argv: the top-level parser has no option that takes a value,
+    so it is the first word that is not an option."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command(argv))
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except USER_ERRORS as exc:
+    except Exception as exc:
+        if not isinstance(exc, user_error_types()):
+            raise
         print(f"specd: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -16,18 +16,23 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from daemon.argtypes import count_or_auto, size_bytes, size_or_off
-from daemon.placement import choose_plan, offload_request, planned_tree_budget
-from daemon.runtime import RuntimeOptions, pick_device
-from offload.machine import detect_budget
+from daemon.argtypes import (
+    DTYPE_CHOICES,
+    QUANTIZE_CHOICES,
+    QUANTIZE_GROUP,
+    count_or_auto,
+    size_bytes,
+    size_or_off,
+)
 from offload.units import parse_rate, parse_size
-from speculative.checkpoint import DTYPE_CHOICES, open_checkpoint
 from speculative.errors import RequestError
-from speculative.quant import QUANTIZE_CHOICES, QUANTIZE_GROUP
+
+if TYPE_CHECKING:  # these import torch: only `specd plan` itself needs them
+    import torch
+
+    from daemon.runtime import RuntimeOptions
 
 
 def _size_or_auto(text: str) -> str:
@@ -142,6 +147,8 @@ def register(subparsers: Any) -> None:
 
 def plan_options(args: argparse.Namespace) -> RuntimeOptions:
     """Flags over the config file over built-in defaults."""
+    from daemon.runtime import RuntimeOptions
+
     if args.config is not None:
         from daemon.settings import load_settings  # only needed with --config
 
@@ -170,6 +177,10 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
 def _plan_device(options: RuntimeOptions) -> torch.device:
     """A plan may be for another machine: planning for CUDA where there is none is fine as
     long as the GPU budget is given (nothing is ever placed on the device)."""
+    import torch
+
+    from daemon.runtime import pick_device
+
     if options.device == "cuda" and not torch.cuda.is_available():
         if options.gpu_budget == "auto":
             raise RequestError(
@@ -181,6 +192,10 @@ def _plan_device(options: RuntimeOptions) -> torch.device:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from daemon.placement import choose_plan, offload_request, planned_tree_budget
+    from offload.machine import detect_budget
+    from speculative.checkpoint import open_checkpoint
+
     options = plan_options(args)
     device = _plan_device(options)
     target = open_checkpoint(options.model, options.quantize)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
-from daemon.argtypes import count_or_auto
+from daemon.argtypes import DTYPE_CHOICES, count_or_auto
 from daemon.plan_cmd import (
     add_context_arg,
     add_offload_args,
@@ -18,12 +17,12 @@ from daemon.plan_cmd import (
 )
 from daemon.settings import (
     Settings,
+    SettingsError,
     load_settings,
     render_effective,
     user_config_file,
     validate_file,
 )
-from speculative.checkpoint import DTYPE_CHOICES
 
 # flag dest → settings key; a flag left at None does not override anything.
 FLAG_KEYS = {
@@ -53,9 +52,16 @@ FLAG_KEYS = {
 }
 
 
+def add_address_args(p: argparse.ArgumentParser) -> None:
+    """Where the daemon listens: all that the commands which only talk to it need."""
+    p.add_argument("--config", type=Path, default=None, help="config file (default: user config)")
+    p.add_argument("--host", default=None, help="the address it listens on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="default 8716")
+
+
 def add_settings_args(p: argparse.ArgumentParser) -> None:
     """Flags that override the configuration (see config/specd.yaml for each key)."""
-    p.add_argument("--config", type=Path, default=None, help="config file (default: user config)")
+    add_address_args(p)
     p.add_argument("--model", default=None, help="target model folder or hub id")
     p.add_argument("--draft", default=None, help="draft model folder / hub id, or 'ngram'")
     p.add_argument("--name", default=None, help="model id served at /v1/models")
@@ -74,8 +80,6 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     )
     add_context_arg(p, default=None)
     add_prefix_cache_arg(p)
-    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None)
     p.add_argument("--api-key-file", default=None, help="require this file's key as Bearer")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None)
     add_offload_args(p)
@@ -111,6 +115,8 @@ def setup_logging(level: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
     from daemon.server import read_api_key, serve
 
     settings = settings_from_args(args)
@@ -128,7 +134,14 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
-    validate_file(args.file)
+    """Every problem in the file, one line each (`FILE: KEY: what is wrong; what is
+    allowed`), exit status 2; or `FILE: ok`."""
+    try:
+        validate_file(args.file)
+    except SettingsError as exc:
+        for problem in exc.problems:
+            print(problem, file=sys.stderr)
+        return 2
     print(f"{args.file}: ok")
     return 0
 

@@ -20,6 +20,7 @@ from daemon.engine import Engine, EngineLimits
 from daemon.metrics import Metrics
 from daemon.openai_wire import WireLimits
 from daemon.runtime import Runtime, RuntimeOptions
+from daemon.service import ListenError
 from daemon.settings import Settings, SettingsError, daemon_url
 
 log = logging.getLogger("specd.server")
@@ -88,8 +89,13 @@ class Server:
             shutdown_timeout=10.0,
         )
         await self.runner.setup()
-        site = web.TCPSite(self.runner, self.settings.server.host, self.settings.server.port)
-        await site.start()
+        host, port = self.settings.server.host, self.settings.server.port
+        site = web.TCPSite(self.runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:  # the port is taken, the host is not this machine's, …
+            await self.runner.cleanup()
+            raise ListenError(host, port, exc) from None
         self.port = self.runner.addresses[0][1]
         log.info("listening on http://%s:%d", self.settings.server.host, self.port)
         self.engine.start()  # models load on the engine thread; /health says 503 until then

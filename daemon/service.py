@@ -5,10 +5,12 @@ never runs systemctl or launchctl; the user is told the commands to enable it.""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +28,37 @@ LAUNCHD_LABEL = "dev.specd.daemon"
 
 class ServiceError(RuntimeError):
     """The background daemon cannot be started, stopped or reached as asked."""
+
+
+class ListenError(ServiceError):
+    """The daemon's address cannot be listened on (taken by another program, or not ours)."""
+
+    def __init__(self, host: str, port: int, error: OSError) -> None:
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if error.errno == errno.EADDRINUSE:
+            why = "the address is already in use (another specd, or another program)"
+        else:
+            why = error.strerror or str(error)
+        super().__init__(
+            f"cannot listen on {where}: {why}; pick another port with --port PORT "
+            "or server.port in the config"
+        )
+
+
+def check_listen(host: str, port: int) -> None:
+    """Raise ListenError if `host:port` cannot be bound now, as the daemon would bind it
+    (every address the name resolves to, SO_REUSEADDR as asyncio sets it). Port 0 (any
+    free port) always can."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in infos:
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(address)
+    except OSError as exc:
+        raise ListenError(host, port, exc) from None
 
 
 @dataclass(frozen=True)
@@ -97,13 +130,24 @@ def serve_command(flags: list[str]) -> list[str]:
     return [sys.executable, "-m", "daemon.cli", "serve", *flags]
 
 
-def start(paths: ServicePaths, flags: list[str], url: str, wait_seconds: float) -> DaemonRecord:
-    """Start `specd serve` detached, logging to the log file; wait until /health says ready."""
+def start(
+    paths: ServicePaths,
+    flags: list[str],
+    url: str,
+    wait_seconds: float,
+    listen: tuple[str, int] | None = None,
+) -> DaemonRecord:
+    """Start `specd serve` detached, logging to the log file; wait until /health says ready.
+    `listen` (host, port) is checked first, so a taken port is one line, not a failed start."""
     record = DaemonRecord.read(paths)
     if record is not None and alive(record.pid):
         raise ServiceError(f"specd is already running (pid {record.pid}, {record.url})")
+    if listen is not None:
+        check_listen(*listen)
     paths.log_dir.mkdir(parents=True, exist_ok=True)
     with open(paths.log_file, "ab") as log:
+        # The log keeps every run; a failed start shows only what this run wrote.
+        this_run = log.tell()
         proc = subprocess.Popen(
             serve_command(flags),
             stdin=subprocess.DEVNULL,
@@ -119,8 +163,8 @@ def start(paths: ServicePaths, flags: list[str], url: str, wait_seconds: float) 
         if proc.poll() is not None:
             paths.pid_file.unlink(missing_ok=True)
             raise ServiceError(
-                f"specd exited during start-up (status {proc.returncode}); last log lines:\n"
-                + tail(paths.log_file, 15)
+                f"specd exited during start-up (status {proc.returncode}); its log:\n"
+                + tail(paths.log_file, 15, start=this_run)
             )
         status, _ = fetch_health(url, timeout=1.0)
         if status == 200:
@@ -155,9 +199,12 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
-def tail(file: Path, lines: int) -> str:
+def tail(file: Path, lines: int, start: int = 0) -> str:
+    """The last `lines` lines of `file`, reading from byte offset `start`."""
     try:
-        text = file.read_text(errors="replace")
+        with open(file, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])

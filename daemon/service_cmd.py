@@ -8,19 +8,37 @@ import time
 from pathlib import Path
 
 from daemon import service
-from daemon.serve_cmd import add_settings_args, flag_argv, settings_from_args
-from daemon.settings import Settings, daemon_url
+from daemon.serve_cmd import add_address_args, add_settings_args, flag_argv, settings_from_args
+from daemon.settings import ServerSettings, Settings, SettingsError, daemon_url
 
 
 def _url(settings: Settings) -> str:
     return daemon_url(settings.server.host, settings.server.port)
 
 
+def _configured_url(args: argparse.Namespace) -> str:
+    """The configured daemon's URL. A broken configuration does not stop `status` (it is
+    how one looks at a daemon still running with the old one): the problems are shown and
+    the flags over the built-in address are asked."""
+    try:
+        return _url(settings_from_args(args))
+    except SettingsError as exc:
+        for problem in exc.problems:
+            print(f"specd: warning: {problem}", file=sys.stderr)
+        built_in = ServerSettings()
+        host = args.host if args.host is not None else built_in.host
+        port = args.port if args.port is not None else built_in.port
+        url = daemon_url(host, port)
+        print(f"specd: warning: configuration ignored; asking {url}", file=sys.stderr)
+        return url
+
+
 def cmd_start(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    settings.runtime_options()  # no model configured: say so before forking anything
+    settings.require_target()  # no model configured: say so before forking anything
     paths = service.default_paths()
-    record = service.start(paths, flag_argv(args), _url(settings), args.wait)
+    listen = (settings.server.host, settings.server.port)
+    record = service.start(paths, flag_argv(args), _url(settings), args.wait, listen)
     print(f"specd is running (pid {record.pid}) at {record.url}; logs: {paths.log_file}")
     return 0
 
@@ -34,7 +52,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     paths = service.default_paths()
     record = service.DaemonRecord.read(paths)
-    url = record.url if record is not None else _url(settings_from_args(args))
+    url = record.url if record is not None else _configured_url(args)
     running = record is not None and service.alive(record.pid)
     status, body = service.fetch_health(url)
     pid = f"pid {record.pid}" if running and record is not None else "no pid file"
@@ -97,7 +115,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     stop.set_defaults(func=cmd_stop)
 
     status = sub.add_parser("status", help="is the daemon running and ready (asks /health)")
-    add_settings_args(status)
+    add_address_args(status)
     status.set_defaults(func=cmd_status)
 
     logs = sub.add_parser("logs", help="show the background daemon's log")

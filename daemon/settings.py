@@ -3,25 +3,28 @@
 Layers, lowest first: the packaged default (config/specd.yaml), the user config file
 (platformdirs' config dir, or `--config FILE`), `SPECD_<SECTION>_<KEY>` environment
 variables, and command-line flags. A later layer replaces single keys, never whole sections.
-Unknown keys, wrong types and out-of-range values are `SettingsError`s naming the file (or
-variable), the key and what is allowed.
+Unknown keys, wrong types and out-of-range values are `SettingsError`s that list every
+problem at once, one line each: `WHERE: KEY: what is wrong; what is allowed`, where WHERE is
+the file, `env VARIABLE` or the `--flag`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import platformdirs
 import yaml
 
 from daemon.argtypes import size_bytes
 from daemon.hostname import allowed_host_names
-from daemon.runtime import RuntimeOptions
 from offload.units import parse_rate, parse_size
+
+if TYPE_CHECKING:  # daemon.runtime imports torch; commands that only read settings do not
+    from daemon.runtime import RuntimeOptions
 
 PACKAGED_DEFAULT = Path(__file__).resolve().parents[1] / "config" / "specd.yaml"
 PROFILES_DIR = PACKAGED_DEFAULT.parent / "profiles"
@@ -29,7 +32,12 @@ ENV_PREFIX = "SPECD_"
 
 
 class SettingsError(ValueError):
-    """A configuration value that cannot be used (says where it came from and the fix)."""
+    """Configuration that cannot be used: one line per problem in `problems`, each saying
+    where the value came from, the key, what is wrong and what is allowed."""
+
+    def __init__(self, problems: str | list[str]) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
 
 
 # ---- value checks: each returns the normalised value or raises ValueError(allowed) ----
@@ -237,13 +245,10 @@ class Settings:
     sources: dict[str, str]  # "section.key" → where the effective value came from
 
     def runtime_options(self) -> RuntimeOptions:
-        if not self.models.target:
-            raise SettingsError(
-                "no target model configured: pass --model MODEL, set SPECD_MODELS_TARGET, or "
-                f"set models.target in {user_config_file()}"
-            )
+        from daemon.runtime import RuntimeOptions
+
         return RuntimeOptions(
-            model=self.models.target,
+            model=self.require_target(),
             draft=self.models.draft,
             strategy=self.speculation.strategy,
             spec_length=self.speculation.spec_length,
@@ -265,6 +270,15 @@ class Settings:
             threads=self.models.threads,
             sequences=self.limits.max_concurrent + self.limits.cached_sessions,
         )
+
+    def require_target(self) -> str:
+        """The target model, or a SettingsError that says how to configure one."""
+        if not self.models.target:
+            raise SettingsError(
+                "no target model configured: pass --model MODEL, set SPECD_MODELS_TARGET, or "
+                f"set models.target in {user_config_file()}"
+            )
+        return self.models.target
 
     @property
     def served_model_name(self) -> str:
@@ -288,13 +302,20 @@ def read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
-        raise SettingsError(f"config file {path} does not exist") from None
+        raise SettingsError(f"{path}: the file does not exist; give an existing file") from None
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot be read: {exc.strerror}") from None
     except yaml.YAMLError as exc:
-        raise SettingsError(f"{path} is not valid YAML: {exc}") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SettingsError(f"{path}: {where}not valid YAML ({problem}); fix the syntax") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise SettingsError(f"{path}: the top level must be a mapping of sections ({_names()})")
+        raise SettingsError(
+            f"{path}: the top level is {_kind(data)}; it must be a mapping of sections ({_names()})"
+        )
     return data
 
 
@@ -302,39 +323,55 @@ def _names() -> str:
     return ", ".join(SECTIONS)
 
 
-def flatten(data: Mapping[str, Any], origin: str) -> dict[str, Any]:
-    """{"server": {"port": 1}} → {"server.port": 1}, rejecting unknown sections and keys."""
+def _kind(value: Any) -> str:
+    return {list: "a list", str: "a string", int: "a number", float: "a number"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def flatten(data: Mapping[str, Any], origin: str) -> tuple[dict[str, Any], list[str]]:
+    """{"server": {"port": 1}} → {"server.port": 1}, and a line for each unknown section,
+    unknown key or section that is not a mapping (the rest of the file is still read)."""
     flat: dict[str, Any] = {}
+    problems: list[str] = []
     for alias, section in SECTION_ALIASES.items():
         if alias in data and section in data:
-            raise SettingsError(
-                f"{origin}: sections {section!r} and {alias!r} are one section spelled two "
-                "ways; keep one of them"
+            problems.append(
+                f"{origin}: {alias}: the section {section!r} spelled another way; keep one of "
+                "the two"
             )
     for spelled, body in data.items():
         section = SECTION_ALIASES.get(spelled, spelled)
         if section not in SECTIONS:
-            raise SettingsError(f"{origin}: unknown section {spelled!r}; sections are {_names()}")
+            problems.append(f"{origin}: {spelled}: unknown section; sections are {_names()}")
+            continue
         if body is None:
             continue
         if not isinstance(body, dict):
-            raise SettingsError(f"{origin}: section {spelled!r} must be a mapping of keys")
+            problems.append(
+                f"{origin}: {spelled}: {_kind(body)} is not a section; a section is a "
+                "mapping of keys"
+            )
+            continue
         known = [f.name for f in fields(SECTIONS[section])]
         for key, value in body.items():
             if key not in known:
-                raise SettingsError(
-                    f"{origin}: unknown key {spelled}.{key}; {spelled} keys are {', '.join(known)}"
+                problems.append(
+                    f"{origin}: {spelled}.{key}: unknown key; {spelled} keys are {', '.join(known)}"
                 )
+                continue
             flat[f"{section}.{key}"] = value
-    return flat
+    return flat, problems
 
 
-def env_layer(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
-    """SPECD_SERVER_PORT=9000 → {"server.port": (9000, "env SPECD_SERVER_PORT")}. Values are
-    parsed as YAML scalars/lists. Variables whose second part is not a section (such as
-    SPECD_TORCH_SPEC, used by the set-up script) belong to other tools and are ignored."""
+def env_layer(environ: Mapping[str, str]) -> tuple[dict[str, tuple[Any, str]], list[str]]:
+    """SPECD_SERVER_PORT=9000 → {"server.port": (9000, "env SPECD_SERVER_PORT")}, and a line
+    for each variable that cannot be used. Values are parsed as YAML scalars/lists.
+    Variables whose second part is not a section (such as SPECD_TORCH_SPEC, used by the
+    set-up script) belong to other tools and are ignored."""
     layer: dict[str, tuple[Any, str]] = {}
-    for var, raw in environ.items():
+    problems: list[str] = []
+    for var, raw in sorted(environ.items()):
         if not var.startswith(ENV_PREFIX):
             continue
         rest = var[len(ENV_PREFIX) :].lower()
@@ -345,21 +382,41 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
         key = rest[len(spelled) + 1 :]
         known = [f.name for f in fields(SECTIONS[section])]
         if key not in known:
-            raise SettingsError(
-                f"environment variable {var}: unknown key {section}.{key}; "
-                f"{section} keys are {', '.join(known)}"
+            problems.append(
+                f"env {var}: {section}.{key}: unknown key; {section} keys are {', '.join(known)}"
             )
+            continue
         try:
             value = yaml.safe_load(raw) if raw != "" else None
         except yaml.YAMLError:
             value = raw
         if f"{section}.{key}" in layer:
-            raise SettingsError(
-                f"environment variables {layer[f'{section}.{key}'][1].removeprefix('env ')} "
-                f"and {var} set the same key {section}.{key}; unset one of them"
+            other = layer[f"{section}.{key}"][1].removeprefix("env ")
+            problems.append(
+                f"env {var}: {section}.{key}: also set by {other}; unset one of the two"
             )
+            continue
         layer[f"{section}.{key}"] = (value, f"env {var}")
-    return layer
+    return layer, problems
+
+
+def _file_layer(path: Path, values: dict[str, tuple[Any, str]], problems: list[str]) -> None:
+    """Put `path`'s keys over `values`; its problems go to `problems`."""
+    try:
+        flat, found = flatten(read_yaml(path), str(path))
+    except SettingsError as exc:  # the file as a whole: missing, not YAML, not a mapping
+        problems += exc.problems
+        return
+    problems += found
+    for key, value in flat.items():
+        values[key] = (value, f"file {path}")
+
+
+def _default_layer() -> dict[str, tuple[Any, str]]:
+    flat, problems = flatten(read_yaml(PACKAGED_DEFAULT), str(PACKAGED_DEFAULT))
+    if problems:
+        raise SettingsError(problems)
+    return {key: (value, "default") for key, value in flat.items()}
 
 
 def load_settings(
@@ -368,19 +425,20 @@ def load_settings(
     environ: Mapping[str, str] | None = None,
 ) -> Settings:
     """The effective settings. `config_file` replaces the user config file as its layer;
-    `overrides` maps "section.key" → (value, source), e.g. from command-line flags."""
-    values: dict[str, tuple[Any, str]] = {}
-    for key, value in flatten(read_yaml(PACKAGED_DEFAULT), str(PACKAGED_DEFAULT)).items():
-        values[key] = (value, "default")
+    `overrides` maps "section.key" → (value, source), e.g. from command-line flags.
+    Every problem in every layer is reported in one SettingsError."""
+    values = _default_layer()
+    problems: list[str] = []
     user = config_file if config_file is not None else user_config_file()
     if config_file is not None or user.is_file():
-        for key, value in flatten(read_yaml(user), str(user)).items():
-            values[key] = (value, f"file {user}")
-    values.update(env_layer(os.environ if environ is None else environ))
+        _file_layer(user, values, problems)
+    env, env_problems = env_layer(os.environ if environ is None else environ)
+    values.update(env)
+    problems += env_problems
     for key, (value, source) in (overrides or {}).items():
         if value is not None:
             values[key] = (value, source)
-    return build(values)
+    return build(values, problems)
 
 
 def _built_in(f: Field[Any]) -> Any:
@@ -390,7 +448,10 @@ def _built_in(f: Field[Any]) -> Any:
     return f.default
 
 
-def build(values: Mapping[str, tuple[Any, str]]) -> Settings:
+def build(values: Mapping[str, tuple[Any, str]], problems: Sequence[str] = ()) -> Settings:
+    """Settings from "section.key" → (value, source); raises a SettingsError listing
+    `problems` (found while reading the layers) and every value that is not allowed."""
+    problems = list(problems)
     sections: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for name, cls in SECTIONS.items():
@@ -401,20 +462,23 @@ def build(values: Mapping[str, tuple[Any, str]]) -> Settings:
             try:
                 kwargs[f.name] = f.metadata["check"](raw)
             except ValueError as exc:
-                raise SettingsError(
-                    f"{source}: {key} = {raw!r} is not allowed; expected {exc}"
-                ) from None
+                where = source.removeprefix("file ")
+                problems.append(f"{where}: {key}: {raw!r} is not allowed; expected {exc}")
             sources[key] = source
-        sections[name] = cls(**kwargs)
+        if not problems:
+            sections[name] = cls(**kwargs)
+    if problems:
+        raise SettingsError(problems)
     return Settings(**sections, sources=sources)
 
 
 def validate_file(path: Path) -> Settings:
-    """Check one file on its own (on top of the packaged default, no env or flags)."""
-    values = {k: (v, "default") for k, v in flatten(read_yaml(PACKAGED_DEFAULT), "").items()}
-    for key, value in flatten(read_yaml(path), str(path)).items():
-        values[key] = (value, f"file {path}")
-    return build(values)
+    """Check one file on its own (on top of the packaged default, no env or flags); the
+    SettingsError lists every problem in it."""
+    values = _default_layer()
+    problems: list[str] = []
+    _file_layer(path, values, problems)
+    return build(values, problems)
 
 
 def render_effective(settings: Settings) -> str:

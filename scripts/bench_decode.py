@@ -75,7 +75,7 @@ def run_transformers(model, prompt_ids: list[int], n: int) -> tuple[float, list[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--prompt", default="Once upon a time")
     ap.add_argument("--max-tokens", type=int, default=128)

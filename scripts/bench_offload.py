@@ -243,7 +243,7 @@ def compare_weights(
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--shapes", default=None, help="comma list of 8b,32b,small (default by device)")
     p.add_argument("--layers", type=int, default=None, help="layers per model (all streamed)")
     p.add_argument("--tokens", default="1,64,256,1024")

@@ -408,7 +408,9 @@ def _ints(text: str) -> list[int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda if any")
     ap.add_argument(

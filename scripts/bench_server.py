@@ -119,7 +119,7 @@ def start_daemon(args: argparse.Namespace, port: int) -> subprocess.Popen:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--model", default=str(SHARED / "stories260k"))
     ap.add_argument("--draft", default=None)
     ap.add_argument("--strategy", default="autoregressive")

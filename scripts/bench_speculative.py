@@ -135,7 +135,7 @@ def run_assisted(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--target", default=str(ROOT.parent / "shared/models/stories260k"))
     ap.add_argument("--draft", default=str(ROOT.parent / "shared/models/stories260k-draft"))
     ap.add_argument("--prompts", type=int, default=3, help=f"how many of {len(PROMPTS)} prompts")

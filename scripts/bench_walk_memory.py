@@ -47,7 +47,7 @@ def random_model(vocab: int, seed: int) -> Transformer:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--vocab", type=int, default=128_256)
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--prefix-cache", default="0", help="size, e.g. 1GiB, or 0")

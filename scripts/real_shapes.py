@@ -239,7 +239,9 @@ def write_folder(
 
 def main() -> None:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     ap.add_argument("out")
     ap.add_argument("--preset", choices=sorted(PRESETS), required=True)

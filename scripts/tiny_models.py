@@ -151,7 +151,9 @@ def make_checkpoint(
 
 def main() -> None:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     ap.add_argument("out")
     ap.add_argument("--family", choices=sorted(FAMILIES), default="llama")

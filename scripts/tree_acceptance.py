@@ -182,7 +182,7 @@ def parse_variant(text: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--target", default=str(ROOT.parent / "shared/models/stories260k"))
     ap.add_argument("--draft", default=str(ROOT.parent / "shared/models/stories260k-draft"))
     ap.add_argument("--prompts", type=int, default=3)

@@ -29,7 +29,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         checks = [
-            ("temperature", 0.0 <= self.temperature <= 100.0, "between 0 and 100"),
+            ("temperature", 0.0 <= self.temperature <= 2.0, "in [0, 2], as the OpenAI API"),
             ("top_k", self.top_k >= 0, "0 (off) or a positive integer"),
             ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),

@@ -43,13 +43,17 @@ def test_default_size_and_both_section_spellings(tmp_path: Path) -> None:
 
 
 def test_bad_values_and_double_sections_name_the_key(tmp_path: Path) -> None:
-    with pytest.raises(SettingsError, match=r"speculation\.prefix_cache = 'lots'.*0 \(off\)"):
+    with pytest.raises(
+        SettingsError, match=r"speculation\.prefix_cache: 'lots' is not allowed.*0 \(off\)"
+    ):
         _settings(tmp_path, "speculative:\n  prefix_cache: lots\n")
-    with pytest.raises(SettingsError, match=r"speculation\.prefix_cache = -5"):
+    with pytest.raises(SettingsError, match=r"speculation\.prefix_cache: -5 is not allowed"):
         _settings(tmp_path, "speculation:\n  prefix_cache: -5\n")
-    with pytest.raises(SettingsError, match="'speculation' and 'speculative'"):
+    with pytest.raises(
+        SettingsError, match="speculative: the section 'speculation' spelled another way"
+    ):
         _settings(tmp_path, "speculation:\n  budget: 8\nspeculative:\n  prefix_cache: 1GB\n")
-    with pytest.raises(SettingsError, match=r"unknown key speculative\.prefix_cash"):
+    with pytest.raises(SettingsError, match=r"speculative\.prefix_cash: unknown key"):
         _settings(tmp_path, "speculative:\n  prefix_cash: 1GB\n")
 
 

@@ -4,6 +4,9 @@ records, and start/stop/status behaviour when nothing is running."""
 from __future__ import annotations
 
 import plistlib
+import socket
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -83,3 +86,71 @@ def test_start_without_a_model_fails_before_forking(
     assert main(["start"]) == 2
     assert "no target model configured" in capsys.readouterr().err
     assert not service.default_paths().pid_file.exists()
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_start_on_a_taken_port_is_one_line_before_forking(
+    dirs: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, taken_port: int
+) -> None:
+    def no_fork(*args: object, **kwargs: object) -> None:
+        raise AssertionError("specd start forked a daemon onto a taken port")
+
+    monkeypatch.setattr(service.subprocess, "Popen", no_fork)
+    assert main(["start", "--model", "m", "--port", str(taken_port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"specd: error: cannot listen on 127.0.0.1:{taken_port}: the address is already in use "
+        "(another specd, or another program); pick another port with --port PORT or "
+        "server.port in the config"
+    ]
+    assert not service.default_paths().pid_file.exists()
+
+
+def test_serve_on_a_taken_port_is_one_line(
+    dirs: Path, capsys: pytest.CaptureFixture[str], stories_target: Path, taken_port: int
+) -> None:
+    # The daemon binds before it loads any model: the failure comes at once.
+    argv = ["serve", "--model", str(stories_target), "--port", str(taken_port)]
+    assert main([*argv, "--log-level", "error"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"specd: error: cannot listen on 127.0.0.1:{taken_port}: ")
+    assert len(err.strip().splitlines()) == 1 and "--port PORT or server.port" in err
+
+
+def test_a_failed_start_shows_only_its_own_log_lines(
+    dirs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = service.default_paths()
+    paths.log_dir.mkdir(parents=True)
+    paths.log_file.write_text("specd: error: the previous attempt's failure\n")
+    failing = [sys.executable, "-c", "print('specd: error: this attempt'); raise SystemExit(2)"]
+    monkeypatch.setattr(service, "serve_command", lambda flags: failing)
+    with pytest.raises(service.ServiceError) as info:
+        service.start(paths, [], "http://127.0.0.1:9", wait_seconds=60)
+    message = str(info.value)
+    assert "exited during start-up (status 2)" in message
+    assert "this attempt" in message and "previous attempt" not in message
+    assert "previous attempt" in paths.log_file.read_text()  # the log itself keeps both
+
+
+def test_a_broken_user_config_does_not_stop_stop_or_status(
+    dirs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = dirs / "xdg_config_home" / "specd" / "specd.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("models:\n  dtype: fp8\n")
+    service.DaemonRecord(2**22 + 12345, "http://127.0.0.1:9").write(service.default_paths())
+    assert main(["stop"]) == 0
+    assert "was not running" in capsys.readouterr().out
+    assert main(["status", "--port", "9"]) == 3
+    captured = capsys.readouterr()
+    assert "not answering at http://127.0.0.1:9" in captured.out
+    assert f"{config}: models.dtype: 'fp8' is not allowed" in captured.err
+    assert "configuration ignored" in captured.err

@@ -53,14 +53,14 @@ def test_user_config_dir_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize(
     ("text", "needles"),
     [
-        ("servr:\n  port: 1\n", ["unknown section 'servr'", "server"]),
-        ("server:\n  prot: 1\n", ["unknown key server.prot", "port"]),
+        ("servr:\n  port: 1\n", ["servr: unknown section", "server"]),
+        ("server:\n  prot: 1\n", ["server.prot: unknown key", "port"]),
         ("server:\n  port: high\n", ["server.port", "'high'", "integer from 0 to 65535"]),
         ("server:\n  port: 70000\n", ["server.port", "70000", "0 to 65535"]),
         ("models:\n  dtype: fp8\n", ["models.dtype", "fp32, bf16, fp16"]),
         ("offload:\n  gpu_budget: lots\n", ["offload.gpu_budget", "24GB"]),
         ("speculation:\n  budget: 0\n", ["speculation.budget", "'auto'"]),
-        ("server: [1, 2]\n", ["section 'server' must be a mapping"]),
+        ("server: [1, 2]\n", ["server: a list is not a section", "mapping of keys"]),
         ("server:\n  allowed_hosts: [http://myhost]\n", ["server.allowed_hosts", "myhost.lan"]),
         ("server:\n  allowed_hosts: ['[::1].evil']\n", ["server.allowed_hosts", "not a host"]),
         ("server:\n  port: [\n", ["not valid YAML"]),
@@ -79,7 +79,7 @@ def test_errors_name_file_key_and_allowed_values(
 
 
 def test_environment_errors_name_the_variable(tmp_path: Path) -> None:
-    with pytest.raises(SettingsError, match=r"SPECD_SERVER_PROT.*unknown key server\.prot"):
+    with pytest.raises(SettingsError, match=r"env SPECD_SERVER_PROT: server\.prot: unknown key"):
         load_settings(write(tmp_path, ""), environ={"SPECD_SERVER_PROT": "1"})
     with pytest.raises(SettingsError, match=r"env SPECD_LIMITS_QUEUE_SIZE.*limits\.queue_size"):
         load_settings(write(tmp_path, ""), environ={"SPECD_LIMITS_QUEUE_SIZE": "-4"})
@@ -128,7 +128,64 @@ def test_config_show_and_validate_commands(
     bad.write_text("limits:\n  queue: 4\n")
     assert main(["config", "validate", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert "unknown key limits.queue" in err and str(bad) in err
+    assert err == f"{bad}: limits.queue: unknown key; limits keys are {LIMITS_KEYS}\n"
+
+
+LIMITS_KEYS = (
+    "max_body_bytes, queue_size, max_concurrent, cached_sessions, default_max_tokens, "
+    "max_tokens, batch_passes, max_pass_tokens"
+)
+
+
+def test_validate_reports_every_problem_at_once_in_one_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = write(
+        tmp_path,
+        "servr:\n  port: 1\nserver:\n  port: high\n  prot: 3\nmodels:\n  dtype: fp8\nlimits: 7\n",
+    )
+    assert main(["config", "validate", str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        f"{bad}: servr: unknown section; sections are models, speculation, offload, context, "
+        "server, limits, logging",
+        f"{bad}: server.prot: unknown key; server keys are host, port, api_key_file, "
+        "cors_origins, allowed_hosts, keepalive_seconds, stream_interval_ms",
+        f"{bad}: limits: a number is not a section; a section is a mapping of keys",
+        f"{bad}: models.dtype: 'fp8' is not allowed; expected one of auto, fp32, bf16, fp16",
+        f"{bad}: server.port: 'high' is not allowed; expected an integer from 0 to 65535",
+    ]
+
+
+def test_every_layer_reports_in_the_same_format(tmp_path: Path) -> None:
+    file = write(tmp_path, "server:\n  port: -1\n")
+    env = {"SPECD_LIMITS_QUEUE_SIZE": "0", "SPECD_SERVER_PROT": "1"}
+    with pytest.raises(SettingsError) as info:
+        load_settings(file, overrides={"models.dtype": ("fp8", "--dtype")}, environ=env)
+    problems = info.value.problems
+    assert str(info.value) == "\n".join(problems)
+    assert sorted(p.split(": ")[0] for p in problems) == sorted(
+        ["env SPECD_SERVER_PROT", "--dtype", str(file), "env SPECD_LIMITS_QUEUE_SIZE"]
+    )
+    for problem in problems:
+        _where, key, rest = problem.split(": ", 2)
+        assert "." in key and "; " in rest, problem
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("server:\n  port: [\n", "line 3: not valid YAML"),
+        ("[1, 2]\n", "the top level is a list; it must be a mapping of sections"),
+    ],
+)
+def test_a_file_that_cannot_be_read_is_one_line(tmp_path: Path, text: str, needle: str) -> None:
+    file = write(tmp_path, text)
+    with pytest.raises(SettingsError) as info:
+        validate_file(file)
+    assert info.value.problems == [str(info.value)]
+    assert str(info.value).startswith(f"{file}: {needle}")
 
 
 def test_daemon_url_brackets_ipv6_and_reaches_wildcards_through_loopback():

@@ -1,0 +1,61 @@
+"""A client that hangs up mid-stream is normal operation: the daemon cancels its generation
+and logs no error (it used to log `ERROR aiohttp.server … Cannot write to closing
+transport` with a traceback)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from daemon.server import BackgroundServer
+from daemon.settings import load_settings
+
+
+@pytest.fixture(scope="module")
+def server(stories_target: Path) -> Iterator[BackgroundServer]:
+    overrides = {"models.target": (str(stories_target), "--model"), "server.port": (0, "--port")}
+    with BackgroundServer(load_settings(overrides=overrides, environ={})) as srv:
+        yield srv
+
+
+def _hang_up_mid_stream(server: BackgroundServer) -> str:
+    """Start a long stream, read its first event, hang up; the stream's id."""
+    engine = server.server.engine
+    cancelled = engine.metrics.cancelled.value
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.port, timeout=30)
+    body = {"prompt": [1], "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}))
+    response = conn.getresponse()
+    assert response.status == 200
+    first = json.loads(response.readline().decode().removeprefix("data: "))
+    conn.sock.close()
+    conn.close()
+    deadline = time.monotonic() + 20
+    while engine.metrics.cancelled.value == cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)  # the engine notices between passes
+    assert engine.metrics.cancelled.value == cancelled + 1
+    return first["id"]
+
+
+def test_a_client_hanging_up_mid_stream_logs_no_error(
+    server: BackgroundServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    _hang_up_mid_stream(server)
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert loud == [], [r.getMessage() for r in loud]
+
+
+def test_a_client_hanging_up_mid_stream_is_one_debug_line_with_the_request_id(
+    server: BackgroundServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    stream_id = _hang_up_mid_stream(server)
+    lines = [r for r in caplog.records if stream_id in r.getMessage()]
+    assert [r.levelno for r in lines] == [logging.DEBUG]
