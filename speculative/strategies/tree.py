@@ -172,12 +172,14 @@ class TreeSpeculation:
                     yield step  # a prefill pass, its result ignored
             pending = state.seq[len(session.target_tokens) : -1]
             if budget == 0 and not pending:
-                tokens.append((yield from self._plain_step(session, state)))
+                tok, alone = yield from self._plain_step(session, state)
+                tokens.append(tok)
                 stats.target_passes += 1
                 stats.budget = shape.budget
                 seconds = time.perf_counter() - t_round
                 stats.verify_seconds += seconds
-                self.planner.observe(RoundRecord(shape, 0, [], 1, seconds, 0.0, 0))
+                if alone:
+                    self.planner.observe(RoundRecord(shape, 0, [], 1, seconds, 0.0, 0))
             else:
                 self.target.prefetch()  # a streamed target's first layers copy meanwhile
                 tree = yield from self._draft(session, state.seq, budget, depth, params, stats)
@@ -192,18 +194,23 @@ class TreeSpeculation:
                 stats.tree_nodes += tree.size - 1
                 stats.budget = shape.budget
                 stats.verify_seconds += time.perf_counter() - t0
-                self.planner.observe(
-                    RoundRecord(
-                        shape=shape,
-                        nodes=tree.size - 1,
-                        path=path,
-                        # What the pass carried for every generation in it: its cost.
-                        verify_tokens=verified.tokens,
-                        round_seconds=time.perf_counter() - t_round,
-                        draft_seconds=stats.draft_seconds,
-                        draft_passes=stats.draft_passes,
+                # `auto` learns from rounds whose passes this generation had alone: in a
+                # shared pass the round's time is every generation's work (measured: fed
+                # those rounds, it learned that big trees cost nothing and chose 256-node
+                # trees for a lone client on a CPU, 0.47x the speed), and the pass's nodes
+                # are placed across the trees by the engine (`passes.allot`) anyway.
+                if verified.sequences == 1:
+                    self.planner.observe(
+                        RoundRecord(
+                            shape=shape,
+                            nodes=tree.size - 1,
+                            path=path,
+                            verify_tokens=verified.tokens,
+                            round_seconds=time.perf_counter() - t_round,
+                            draft_seconds=stats.draft_seconds,
+                            draft_passes=stats.draft_passes,
+                        )
                     )
-                )
             state.emitted += len(tokens)
             yield Round(tokens, stats)
             stats = RoundStats()
@@ -280,7 +287,7 @@ class TreeSpeculation:
         state.seq.extend(new)  # (the walk counted them in `penalties` already)
         return path
 
-    def _plain_step(self, session: Session, state: _Walker) -> Steps[int]:
+    def _plain_step(self, session: Session, state: _Walker) -> Steps[tuple[int, bool]]:
         """No tree: one target step on the root, as cheap as autoregressive decoding (auto
         falls back to this where speculation does not pay)."""
         target = self.target
@@ -298,7 +305,7 @@ class TreeSpeculation:
         if self.prefix_cache.max_bytes:
             state.key = self.prefix_cache.child(state.key, tok)
         state.seq.append(tok)
-        return tok
+        return tok, done.sequences == 1  # (the token, whether the pass was this one's alone)
 
     def _draft(
         self,
