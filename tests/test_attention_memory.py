@@ -5,9 +5,6 @@ random-weight model with a real-ish shape for a prefill-shaped and a tree-shaped
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,6 +15,7 @@ import speculative.model as model_module
 from daemon.placement import activation_footprint
 from speculative.config import ModelConfig
 from speculative.model import ATTENTION_CHUNK_BYTES, attend, attention_row_bytes, query_chunk
+from tests.peak_probe import needs_proc, run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 16
@@ -190,21 +188,9 @@ def measure_pass(
     return {"shape": name, "dtype": dtype, "measured": measured, "planned": planned}
 
 
-@pytest.mark.skipif(
-    not Path("/proc/self/clear_refs").exists(), reason="the CPU peak probe needs Linux /proc"
-)
+@needs_proc
 def test_the_plans_activation_figure_matches_what_a_pass_allocates() -> None:
-    # A child process with glibc's mmap threshold fixed at 64 KiB (by default it rises
-    # up to 32 MiB as blocks are freed): every tensor but the smallest is then its own
-    # mapping, returned to the system when freed, so the peak resident set follows the
-    # tensors alive at once instead of the heap's history.
-    malloc = {"MALLOC_MMAP_THRESHOLD_": str(2**16), "MALLOC_TRIM_THRESHOLD_": str(2**16)}
-    env = {**os.environ, **malloc, "PYTHONPATH": str(ROOT)}
-    child = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert child.returncode == 0, child.stderr
-    for r in json.loads(child.stdout):
+    for r in run_child(__file__):
         print(r)
         assert r["planned"] >= r["measured"], r
         if r["shape"] != "batched-prefill":  # the plan's worst case is one long sequence:

@@ -18,26 +18,20 @@ from speculative.kv_cache import KVCache
 from speculative.model import Segment, Transformer
 from speculative.passes import Allot, Forward, allot, execute
 from speculative.tree import DraftTree, grow_tree_steps
-
-TREE_PARENTS = [-1, 0, 0, 1, 1, 3]  # root, two children, two grandchildren, one below
+from tests.test_stream import TREE_PARENTS, tree_mask
 
 
 def tree_segment(model: Transformer, cache: KVCache, seed: int) -> Segment:
-    """The root and five nodes after what `cache` holds, with the ancestor mask over
-    every slot."""
-    cached, t = cache.length, len(TREE_PARENTS)
-    mask = torch.zeros(t, cached + t, dtype=torch.bool)  # (T, slots)
-    mask[:, :cached] = True
-    depth = [0] * t
-    for i, parent in enumerate(TREE_PARENTS):
-        if parent >= 0:
-            mask[i] |= mask[parent]
-            depth[i] = depth[parent] + 1
-        mask[i, cached + i] = True
+    """The root and five nodes (tests/test_stream.py's tree) after what `cache` holds,
+    with the ancestor mask over every slot."""
+    mask, positions = tree_mask(cache.length)  # (T, slots), (T,)
     tokens = torch.randint(
-        1, model.config.vocab_size, (t,), generator=torch.Generator().manual_seed(seed)
+        1,
+        model.config.vocab_size,
+        (len(TREE_PARENTS),),
+        generator=torch.Generator().manual_seed(seed),
     )
-    return Segment(tokens, cached + torch.tensor(depth), cache, mask)
+    return Segment(tokens, positions, cache, mask)
 
 
 def prefilled(model: Transformer, length: int, seed: int) -> KVCache:

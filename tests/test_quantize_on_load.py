@@ -6,9 +6,6 @@ projection for its matmul allocates, against the plan's `dequant_bytes`."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +27,7 @@ from speculative.quant import (
     on_load_quantization,
 )
 from speculative.sampling import SamplingParams
+from tests.peak_probe import needs_proc, run_child
 from tests.test_quant import FORMATS, quantized_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,19 +206,9 @@ def measure(kind: str, dtype: str) -> dict:
     }
 
 
-@pytest.mark.skipif(
-    not Path("/proc/self/clear_refs").exists(), reason="the CPU peak probe needs Linux /proc"
-)
+@needs_proc
 def test_the_planned_rebuild_bytes_cover_what_dequantize_allocates() -> None:
-    # As in test_attention_memory: a child with glibc's mmap threshold fixed low, so the
-    # resident set follows the tensors alive at once.
-    malloc = {"MALLOC_MMAP_THRESHOLD_": str(2**16), "MALLOC_TRIM_THRESHOLD_": str(2**16)}
-    env = {**os.environ, **malloc, "PYTHONPATH": str(ROOT)}
-    child = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert child.returncode == 0, child.stderr
-    for r in json.loads(child.stdout):
+    for r in run_child(__file__):
         print(r)
         assert r["measured"] <= r["planned"] <= 1.25 * r["measured"], r
 
