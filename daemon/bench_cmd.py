@@ -43,6 +43,20 @@ def run_strategy(runtime: Runtime, name: str, prompt_ids: list[int], max_tokens:
     return {"strategy": name, "token_ids": gen.token_ids, **gen.stats.to_dict()}
 
 
+def row_sentence(r: dict) -> str:
+    """What a row of the table means, in words (the budget's reason when a tree ran)."""
+    passes = r["target_passes"] - r["prefill_passes"]
+    said = (
+        f"{r['generated_tokens']} tokens in {passes} target passes "
+        f"({r['tokens_per_target_pass']:.2f} a pass)"
+    )
+    if r["drafted"]:
+        said += f", {r['accepted']} of {r['drafted']} drafted tokens accepted"
+    if r.get("budget_reason"):
+        said += f"; budget {r['budget']}: {r['budget_reason']}"
+    return said
+
+
 def prefix_cache_hit_rate(stats: dict) -> float | None:
     """Hits over look-ups of the tree's prefix cache, or None when it was not consulted."""
     looked = stats.get("prefix_cache_hits", 0) + stats.get("prefix_cache_misses", 0)
@@ -147,6 +161,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows = [run_strategy(runtime, n, prompt_ids, args.max_tokens) for n in names]
     base = next((r for r in rows if r["strategy"] == "autoregressive"), None)
     print(
+        f"workload: prompt {args.prompt!r} ({len(prompt_ids)} tokens), {args.max_tokens} new "
+        f"tokens each, greedy, EOS ignored; tree budget {options.budget}, "
+        f"linear length {options.spec_length}; draft {options.draft or 'none'}"
+    )
+    print(
         f"{'strategy':<16}{'tokens/s':>10}{'vs AR':>8}{'tok/pass':>10}{'accept':>8}"
         f"{'prefix hits':>13}  same"
     )
@@ -161,6 +180,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"{r['strategy']:<16}{tps:>10.1f}{'-' if ratio is None else f'{ratio:.2f}':>8}"
             f"{r['tokens_per_target_pass']:>10.2f}{accept:>8}{hits:>13}  {same}"
         )
+    for r in rows:
+        print(f"  {r['strategy']}: {row_sentence(r)}")
     lossless = all(r["token_ids"] == rows[0]["token_ids"] for r in rows)
     record: list[dict] | dict = rows
     if args.concurrency > 1:

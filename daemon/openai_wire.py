@@ -361,6 +361,7 @@ SPECD_STAT_KEYS = (
     "accepted",
     "tree_nodes",
     "budget",
+    "budget_reason",
     "draft_seconds",
     "verify_seconds",
     "prefill_seconds",

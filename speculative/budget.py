@@ -74,6 +74,9 @@ class RoundRecord:
 
 
 class BudgetPlanner(Protocol):
+    # Why the last `next_shape` chose what it did, in a sentence (the stats' budget_reason).
+    reason: str
+
     def next_shape(self) -> TreeShape: ...
 
     def observe(self, record: RoundRecord) -> None: ...
@@ -91,6 +94,11 @@ class FixedBudget:
             raise ValueError(f"--max-depth must be at least 1, got {self.depth}")
         depth = self.depth if self.depth is not None else default_depth(self.budget)
         self.shape = TreeShape(self.budget, min(depth, self.budget))
+        self.reason = (
+            f"fixed: speculation.budget {self.budget}"
+            if self.budget
+            else "fixed: budget 0, plain decoding"
+        )
 
     def next_shape(self) -> TreeShape:
         return self.shape
@@ -185,6 +193,7 @@ class AutoBudget:
         self._rate_before = 0.0  # predicted tokens/s of the choice when exploring began
         self._rounds = 0
         self.chosen = TreeShape(0, 0)
+        self.reason = "auto: nothing measured yet"
 
     def draft_seconds(self, shape: TreeShape) -> float:
         if not shape.budget:
@@ -199,14 +208,17 @@ class AutoBudget:
     def next_shape(self) -> TreeShape:
         self._exploring = False
         if self.max_budget < 1:
+            self.reason = "auto: the plan holds no tree"
             return TreeShape(0, 0)
         if not self._counts:  # nothing learnt yet: the first round explores
             self._exploring = True
+            self.reason = "auto: a first small tree, to measure what speculation buys here"
             return self._explore_shape()
         self._rounds += 1
         if not self.plain or (self.chosen.budget and self._rounds % PLAIN_REFRESH_EVERY == 0):
             # A plain step measures what no tree costs (and re-measures it now and then: a
             # stall during the first one must not keep trees looking cheap forever).
+            self.reason = "auto: a plain step, measuring what decoding without a tree costs"
             return TreeShape(0, 0)
         rationed = self.explore_seconds <= self.explore_share * self.total_seconds
         if rationed and self._explore_budget > self.chosen.budget:
@@ -214,8 +226,28 @@ class AutoBudget:
             best = self.predicted_rate(self.chosen)
             if self._best_case_rate(shape) > best:
                 self._exploring, self._rate_before = True, best
+                self.reason = (
+                    f"auto: trying a {shape.budget}-node tree (at best it would beat the "
+                    f"current choice's {best:.0f} tokens/s)"
+                )
                 return shape
+        self.reason = self._why_chosen()
         return self.chosen
+
+    def _why_chosen(self) -> str:
+        plain = self.predicted_rate(TreeShape(0, 0))
+        if self.chosen.budget:
+            return (
+                f"auto: a {self.chosen.budget}-node tree, predicted "
+                f"{self.predicted_rate(self.chosen):.0f} tokens/s against {plain:.0f} without one"
+            )
+        trees = [self.predicted_rate(s) for s in self.expected_tokens()]
+        best_tree = max(trees, default=0.0)
+        return (
+            f"auto: plain decoding, predicted {plain:.0f} tokens/s; the best tree measured "
+            f"so far would give {best_tree:.0f} (a draft pass costs "
+            f"{self.draft_unit_seconds * 1e3:.2f} ms here): speculation does not pay"
+        )
 
     def predicted_rate(self, shape: TreeShape) -> float:
         """Tokens per second the planner expects from `shape` (0 when it cannot tell)."""

@@ -54,6 +54,7 @@ class RoundStats:
     verify_seconds: float = 0.0
     prefill_seconds: float = 0.0
     budget: int | None = None
+    budget_reason: str | None = None  # why the planner chose the budget (tree strategy)
     prefix_cache_hits: int = 0  # tokens drawn from cached target logits (no target pass)
     prefix_cache_misses: int = 0  # look-ups that found nothing
 
@@ -84,6 +85,7 @@ class GenerationStats:
     total_seconds: float = 0.0
     first_token_seconds: float | None = None
     budget: int | None = None
+    budget_reason: str | None = None  # the last round's
     prefix_cache_hits: int = 0
     prefix_cache_misses: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. the streamer's figures
@@ -105,6 +107,8 @@ class GenerationStats:
         self.prefix_cache_misses += r.prefix_cache_misses
         if r.budget is not None:
             self.budget = r.budget
+        if r.budget_reason is not None:
+            self.budget_reason = r.budget_reason
 
     @property
     def decode_passes(self) -> int:

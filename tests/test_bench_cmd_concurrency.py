@@ -31,4 +31,8 @@ def test_bench_concurrency_one_keeps_the_single_table(stories_target: Path, caps
     argv = ["bench", "--model", str(stories_target), "--device", "cpu", "--max-tokens", "4"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "concurrent" not in out and out.startswith("strategy")
+    workload, header = out.splitlines()[:2]
+    assert "concurrent" not in out and header.startswith("strategy")
+    # What ran is said first, and each row in a sentence.
+    assert workload.startswith("workload: prompt 'Once upon a time'") and "4 new tokens" in workload
+    assert "  autoregressive: 4 tokens in 4 target passes" in out

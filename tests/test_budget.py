@@ -124,3 +124,37 @@ def test_fixed_budget_shape():
     assert FixedBudget(64).next_shape() == TreeShape(64, 12)
     assert FixedBudget(64, 4).next_shape() == TreeShape(64, 4)
     assert FixedBudget(0).next_shape() == TreeShape(0, 0)
+
+
+def test_the_planner_says_why_it_chose_its_budget():
+    fresh = AutoBudget()
+    fresh.next_shape()
+    assert "first small tree" in fresh.reason
+    cpu = _simulate(AutoBudget(), lambda n: 1.4e-3 + 20e-6 * n, 1.0e-3, 0.6, 400)
+    cpu._rounds = 1  # off the plain-step refresh
+    assert cpu.next_shape() == TreeShape(0, 0)
+    assert "plain decoding" in cpu.reason and "speculation does not pay" in cpu.reason
+    gpu = _simulate(AutoBudget(), lambda n: 5.0 + 1e-4 * n, 0.005, 0.7, 20)
+    gpu._rounds = 1
+    shape = gpu.next_shape()
+    assert f"{shape.budget}-node tree" in gpu.reason
+    assert "speculation.budget 64" in FixedBudget(64).reason
+    assert "plain decoding" in FixedBudget(0).reason
+
+
+def test_a_generations_stats_carry_the_budget_reason(tiny_checkpoint):
+    from speculative.checkpoint import load
+    from speculative.generation import Generation
+    from speculative.prefix_cache import PrefixCache
+    from speculative.sampling import SamplingParams
+    from speculative.strategies.tree import TreeSpeculation
+
+    target, tok, _ = load(tiny_checkpoint("llama"), "fp32", "cpu")
+    draft, _, _ = load(tiny_checkpoint("llama", seed=3), "fp32", "cpu")
+    for budget, expect in (("auto", "auto: "), (8, "fixed: speculation.budget 8")):
+        tree = TreeSpeculation(target, draft, budget, prefix_cache=PrefixCache(0))
+        gen = Generation(
+            tree, tree.new_session(64), tok, [1, 2, 3], SamplingParams(temperature=0.0), 6
+        ).run()
+        reason = gen.stats.to_dict()["budget_reason"]
+        assert reason is not None and reason.startswith(expect)

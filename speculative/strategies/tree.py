@@ -148,6 +148,7 @@ class TreeSpeculation:
                     yield Round(tokens, stats)
                 return
             shape = self.planner.next_shape()
+            stats.budget_reason = self.planner.reason
             budget = min(shape.budget, room)
             depth = min(shape.depth, left - 1)
             if depth < 1:
