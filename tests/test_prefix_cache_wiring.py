@@ -192,7 +192,7 @@ def test_bench_prints_the_hit_rate(stories_target: Path, stories_draft: Path, ca
     argv += ["--max-tokens", "16", "--strategies", "autoregressive", "tree", "--budget", "8"]
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "prefix hits" in lines[0]
+    assert lines[0].startswith("workload: ") and "prefix hits" in lines[1]
     autoregressive = next(line for line in lines if line.startswith("autoregressive"))
     tree = next(line for line in lines if line.startswith("tree"))
     assert autoregressive.split()[-2] == "-"  # no prefix cache consulted
