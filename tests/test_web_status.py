@@ -1,0 +1,111 @@
+"""The web chat's files and `GET /v1/specd/status` over a live daemon (no browser): what is
+public, what needs the key, the same-origin rule, and the plan the status reports."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from daemon.server import BackgroundServer
+from daemon.settings import load_settings
+from daemon.webchat import PAGE_FILES
+
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def server(
+    stories_target: Path, stories_draft: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BackgroundServer]:
+    key_file = tmp_path_factory.mktemp("key") / "api_key"
+    key_file.write_text(KEY + "\n")
+    settings = load_settings(
+        environ={},
+        overrides={
+            "models.target": (str(stories_target), "test"),
+            "models.draft": (str(stories_draft), "test"),
+            "server.port": (0, "test"),
+            "server.api_key_file": (str(key_file), "test"),
+        },
+    )
+    with BackgroundServer(settings) as srv:
+        yield srv
+
+
+def call(
+    url: str, body: dict | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers=headers or {})
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read()
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.mark.parametrize("path", sorted(PAGE_FILES))
+def test_page_files_are_public_and_locked_down(server: BackgroundServer, path: str) -> None:
+    status, headers, body = call(server.url + path)
+    assert status == 200 and body
+    assert headers["Content-Type"].startswith(PAGE_FILES[path][1])
+    csp = headers["Content-Security-Policy"]
+    assert "default-src 'none'" in csp and "frame-ancestors 'none'" in csp
+    assert headers["X-Content-Type-Options"] == "nosniff"
+
+
+def test_the_page_loads_nothing_from_elsewhere(server: BackgroundServer) -> None:
+    for path in PAGE_FILES:
+        text = call(server.url + path)[2].decode()
+        assert "http://" not in text and "https://" not in text, path
+
+
+def test_other_paths_are_not_served_or_need_the_key(server: BackgroundServer) -> None:
+    assert call(server.url + "/static/../pyproject.toml")[0] in (401, 404)
+    assert call(server.url + "/static/index.html")[0] in (401, 404)
+    assert call(server.url + "/v1/specd/status")[0] == 401
+
+
+def test_a_foreign_host_is_refused_even_for_the_page(server: BackgroundServer) -> None:
+    status, _, body = call(server.url + "/", headers={"Host": "evil.example"})
+    assert status == 403 and json.loads(body)["error"]["code"] == "host_not_allowed"
+
+
+def test_status_reports_the_plan_and_the_engine(server: BackgroundServer) -> None:
+    status, _, body = call(server.url + "/v1/specd/status", headers=AUTH)
+    assert status == 200
+    info = json.loads(body)
+    assert info["status"] == "ready" and info["model"] == "stories260k"
+    assert info["active"] == 0 and info["queued"] == 0
+    assert info["strategy"] == "tree" and info["draft"].endswith("stories260k-draft")
+    plan = info["plan"]
+    assert plan["resident_layers"] == 5 and plan["streamed_layers"] == 0
+    assert {"slots", "host_tier", "seconds_per_pass", "device_parts"} <= set(plan)
+    assert info["stream"]["gbps"] is None  # nothing streams on this machine's plan
+
+
+def chat(server: BackgroundServer, headers: dict[str, str]) -> tuple[int, dict]:
+    body = {"messages": [{"role": "user", "content": "Once"}], "max_tokens": 4}
+    status, _, raw = call(server.url + "/v1/chat/completions", body, headers)
+    return status, json.loads(raw)
+
+
+def test_the_page_origin_may_post_and_others_may_not(server: BackgroundServer) -> None:
+    # Browsers send Origin on same-origin POSTs: the daemon's own origin is allowed.
+    status, body = chat(server, {**AUTH, "Origin": server.url})
+    assert status == 200 and body["choices"][0]["message"]["content"]
+    status, body = chat(server, {**AUTH, "Origin": "http://evil.example"})
+    assert status == 403 and body["error"]["code"] == "origin_not_allowed"
+    # An origin on another port of this machine is another site.
+    other = server.url.rsplit(":", 1)[0] + ":1"
+    assert chat(server, {**AUTH, "Origin": other})[0] == 403
