@@ -435,8 +435,13 @@ async function refreshMachine() {
   const total = resident + streamed;
   const bar = el("div", { class: "layers", title: `${resident} resident, ${streamed} streamed layers` });
   if (total) {
-    bar.append(el("span", { class: "resident", style: `width:${(100 * resident) / total}%` }));
-    bar.append(el("span", { class: "streamed", style: `width:${(100 * streamed) / total}%` }));
+    // Widths through the CSSOM: the page's CSP refuses style attributes.
+    const part = (cls, n) => {
+      const span = el("span", { class: cls });
+      span.style.width = `${(100 * n) / total}%`;
+      return span;
+    };
+    bar.append(part("resident", resident), part("streamed", streamed));
   }
   box.replaceChildren(bar, dl);
 }
