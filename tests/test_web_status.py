@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon.cli import main
 from daemon.server import BackgroundServer
 from daemon.settings import load_settings
 from daemon.webchat import PAGE_FILES
@@ -19,11 +20,14 @@ KEY = "s3cret-key"
 
 
 @pytest.fixture(scope="module")
-def server(
-    stories_target: Path, stories_draft: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[BackgroundServer]:
-    key_file = tmp_path_factory.mktemp("key") / "api_key"
-    key_file.write_text(KEY + "\n")
+def key_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("key") / "api_key"
+    path.write_text(KEY + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(stories_target: Path, stories_draft: Path, key_file: Path) -> Iterator[BackgroundServer]:
     settings = load_settings(
         environ={},
         overrides={
@@ -109,3 +113,26 @@ def test_the_page_origin_may_post_and_others_may_not(server: BackgroundServer) -
     # An origin on another port of this machine is another site.
     other = server.url.rsplit(":", 1)[0] + ":1"
     assert chat(server, {**AUTH, "Origin": other})[0] == 403
+
+
+def test_specd_status_prints_the_machine(
+    server: BackgroundServer,
+    key_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for var in ("XDG_CONFIG_HOME", "XDG_STATE_HOME"):  # no pid file or config of the user's
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    port = str(server.server.port)
+    config = tmp_path / "specd.yaml"
+    config.write_text(f"server:\n  api_key_file: {key_file}\n")
+    assert main(["status", "--port", port, "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "specd: ready" in out and "serving stories260k" in out
+    assert "plan: 5 resident / 0 streamed layers, 0 slots" in out
+    assert "strategy tree, context 512 tokens" in out
+    assert "streaming: nothing streamed" in out
+    # Without the key the health line still comes, and the details say why they do not.
+    assert main(["status", "--port", port]) == 0
+    assert "no machine details: /v1/specd/status answered 401" in capsys.readouterr().out
