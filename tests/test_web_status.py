@@ -3,6 +3,7 @@ public, what needs the key, the same-origin rule, and the plan the status report
 
 from __future__ import annotations
 
+import itertools
 import json
 import urllib.error
 import urllib.request
@@ -136,3 +137,77 @@ def test_specd_status_prints_the_machine(
     # Without the key the health line still comes, and the details say why they do not.
     assert main(["status", "--port", port]) == 0
     assert "no machine details: /v1/specd/status answered 401" in capsys.readouterr().out
+
+
+def stream_events(server: BackgroundServer, body: dict) -> list[dict]:
+    req = urllib.request.Request(
+        server.url + "/v1/chat/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={**AUTH, "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        lines = resp.read().decode().splitlines()
+    data = [line[6:] for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def traces(events: list[dict]) -> list[dict]:
+    return [e["specd"]["trace"] for e in events if "trace" in e.get("specd", {})]
+
+
+TRACED = {
+    "messages": [{"role": "user", "content": "Lily and Ben went to the park."}],
+    "temperature": 0,
+    "max_tokens": 40,
+    "budget": 12,
+    "strategy": "tree",
+}
+
+
+def test_trace_adds_each_rounds_draft_tree(server: BackgroundServer) -> None:
+    events = stream_events(server, {**TRACED, "specd": {"trace": True}})
+    rounds = traces(events)
+    assert rounds and [r["round"] for r in rounds] == list(range(1, len(rounds) + 1))
+    final = next(e for e in events if e["choices"] and e["choices"][0]["finish_reason"])
+    assert len(rounds) == final["specd"]["target_passes"]  # one tree per verify pass
+    assert sum(r["accepted_count"] for r in rounds) == final["specd"]["accepted"]
+    for r in rounds:
+        n = len(r["tokens"])
+        assert n == r["nodes"] + 1 <= 13 and not r["truncated"]
+        assert r["parents"][0] == -1 and all(0 <= r["parents"][i] < i for i in range(1, n))
+        # The accepted path is a chain from the root, and its tokens were emitted, in order,
+        # followed by the target's own next token.
+        chain = [0, *r["accepted"]]
+        assert all(r["parents"][b] == a for a, b in itertools.pairwise(chain))
+        cached = r["prefix_cache_hits"]
+        accepted_text = [r["tokens"][v] for v in r["accepted"]]
+        assert r["emitted"][cached : cached + len(accepted_text)] == accepted_text
+        if r is not rounds[-1]:  # (the last round may be cut short by max_tokens)
+            assert len(r["emitted"]) == cached + len(accepted_text) + 1
+    # The text is what the same request gives without a trace (which sends no trees).
+    plain = stream_events(server, TRACED)
+    assert traces(plain) == []
+
+    def text(evs: list[dict]) -> str:
+        return "".join(e["choices"][0]["delta"].get("content", "") for e in evs if e["choices"])
+
+    assert text(events) == text(plain)
+
+
+def test_a_trace_is_bounded(server: BackgroundServer) -> None:
+    # (A prompt of its own: one the prefix cache knows would need no tree.)
+    messages = [{"role": "user", "content": "The cat sat on a big red mat."}]
+    body = {**TRACED, "messages": messages, "budget": 200, "specd": {"trace": True}}
+    rounds = traces(stream_events(server, body))
+    assert rounds and all(len(r["tokens"]) <= 64 for r in rounds)
+    assert any(r["truncated"] and r["nodes"] > 63 for r in rounds)
+
+
+@pytest.mark.parametrize("specd", [True, {"trace": "yes"}, []])
+def test_a_bad_specd_field_is_refused(server: BackgroundServer, specd: object) -> None:
+    status, _, raw = call(
+        server.url + "/v1/chat/completions", {**TRACED, "specd": specd}, headers=AUTH
+    )
+    error = json.loads(raw)["error"]
+    assert status == 400 and error["param"].startswith("specd")
