@@ -240,6 +240,39 @@ def test_regenerate_reports_prefix_cache_hits(browser: Any, server: BackgroundSe
     assert int(stat(again, "prefix-cache hits")) > 0
 
 
+def test_the_tree_view_renders_for_a_tree_request(
+    browser: Any, server: BackgroundServer, tmp_path: Path
+) -> None:
+    open_page(browser, server.url)
+    settings(browser, temperature="0", max_tokens="40", budget="12", strategy="tree")
+    send(browser, "Tom found a shiny stone by the river.")  # new to the prefix cache
+    answer = answered(browser, 1)
+    tree = answer.find_element(By.CSS_SELECTOR, "details.tree")
+    assert tree.get_attribute("open") is not None
+    summary = tree.find_element(By.TAG_NAME, "summary").text
+    match = re.search(r"round (\d+).*: (\d+) nodes, (\d+) accepted", summary)
+    assert match, summary
+    nodes, accepted = int(match.group(2)), int(match.group(3))
+    assert 1 <= nodes <= 12
+    # Every node drawn once, the root marked, the accepted path (and the root) highlighted.
+    assert len(tree.find_elements(By.CSS_SELECTOR, ".tok")) == nodes + 1
+    assert len(tree.find_elements(By.CSS_SELECTOR, ".tok.root")) == 1
+    assert len(tree.find_elements(By.CSS_SELECTOR, ".tok.accepted")) == accepted + 1
+    # The page shows the round that bought the most tokens; the others are a click away.
+    shown = re.search(r"\(tree (\d+) of (\d+) kept\)", summary)
+    assert shown, summary
+    for _ in range(int(shown.group(1)) - 1):
+        tree.find_element(By.CSS_SELECTOR, '[aria-label="Previous round"]').click()
+    assert f"(tree 1 of {shown.group(2)} kept)" in tree.find_element(By.TAG_NAME, "summary").text
+    for _ in range(int(shown.group(1)) - 1):
+        tree.find_element(By.CSS_SELECTOR, '[aria-label="Next round"]').click()
+    assert tree.find_element(By.TAG_NAME, "summary").text == summary
+    browser.find_element(By.CSS_SELECTOR, "#settings summary").click()  # closed for the picture
+    browser.execute_script("arguments[0].scrollIntoView()", answer)
+    browser.save_screenshot(str(tmp_path / "web-chat-tree.png"))
+    assert severe(browser) == []
+
+
 @pytest.fixture
 def slow_engine(server: BackgroundServer) -> Iterator[None]:
     """Each engine step waits a little, so that a generation is still running when the page

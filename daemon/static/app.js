@@ -87,15 +87,24 @@ function deleteChat() {
 
 // ---- settings ----
 
-const SETTINGS = ["temperature", "top-p", "max-tokens", "seed", "strategy", "budget"];
+const SETTINGS = ["temperature", "top-p", "max-tokens", "seed", "strategy", "budget", "trace"];
+const MAX_TREES = 16; // rounds' trees kept per answer (the server sends at most 128)
+
+function settingValue(id) {
+  return $(id).type === "checkbox" ? $(id).checked : $(id).value;
+}
 
 function restoreSettings() {
   const saved = load(STORE.settings, {});
-  for (const id of SETTINGS) if (saved[id] !== undefined) $(id).value = saved[id];
+  for (const id of SETTINGS) {
+    if (saved[id] === undefined) continue;
+    if ($(id).type === "checkbox") $(id).checked = saved[id];
+    else $(id).value = saved[id];
+  }
   for (const id of SETTINGS) {
     $(id).addEventListener("change", () => {
       const values = {};
-      for (const k of SETTINGS) values[k] = $(k).value;
+      for (const k of SETTINGS) values[k] = settingValue(k);
       localStorage.setItem(STORE.settings, JSON.stringify(values));
     });
   }
@@ -128,6 +137,7 @@ function requestBody(chat) {
   number("seed", "seed", true);
   number("budget", "budget", true);
   if ($("strategy").value) body.strategy = $("strategy").value;
+  if ($("trace").checked) body.specd = { trace: true }; // each round's draft tree
   return body;
 }
 
@@ -206,7 +216,7 @@ async function send(text) {
 
 async function answer(chat) {
   hideNotice();
-  const reply = { role: "assistant", content: "", state: "streaming", stats: null, error: null };
+  const reply = { role: "assistant", content: "", state: "streaming", stats: null, trees: [] };
   const body = requestBody(chat); // before the reply joins the conversation
   chat.messages.push(reply);
   save();
@@ -230,7 +240,11 @@ async function answer(chat) {
         reply.content += delta;
         updateReply(reply);
       }
-      if (event.specd) reply.stats = event.specd;
+      if (event.specd && event.specd.trace) {
+        if (reply.trees.length < MAX_TREES) reply.trees.push(event.specd.trace);
+      } else if (event.specd) {
+        reply.stats = event.specd;
+      }
       if (choice && choice.finish_reason) reply.finish = choice.finish_reason;
     });
     reply.state = "done";
@@ -338,6 +352,7 @@ function messageNode(m, index, chat) {
   node.append(el("div", { class: "content", text: m.content }));
   if (m.role !== "assistant" || m.state === "streaming") return node;
   if (m.stats) node.append(statsLine(m));
+  if (m.trees && m.trees.length) node.append(treeView(m.trees));
   const actions = el("div", { class: "actions" });
   actions.append(el("button", { type: "button", class: "small copy", text: "Copy",
     onclick: (e) => copy(m.content, e.target) }));
@@ -347,6 +362,55 @@ function messageNode(m, index, chat) {
   }
   node.append(actions);
   return node;
+}
+
+// ---- the draft tree of one round ----
+
+function shown(token) {
+  // Spaces and line breaks made visible: a token is often just " the".
+  return token.replace(/ /g, "\u00b7").replace(/\n/g, "\u21b5") || "\u2205";
+}
+
+function bestRound(trees) {
+  let best = 0;
+  trees.forEach((t, i) => { if (t.accepted_count > trees[best].accepted_count) best = i; });
+  return best;
+}
+
+function treeView(trees) {
+  const box = el("details", { class: "tree", open: "" });
+  let index = bestRound(trees);
+  const summary = el("summary");
+  const body = el("div", { class: "tree-body" });
+  const show = () => {
+    const t = trees[index];
+    summary.textContent = `Draft tree, round ${t.round}${trees.length > 1 ? ` (tree ${index + 1} of ${trees.length} kept)` : ""}: ` +
+      `${t.nodes} nodes, ${t.accepted_count} accepted` + (t.truncated ? ` (first ${t.tokens.length} nodes shown)` : "");
+    body.replaceChildren(treeList(t));
+  };
+  const nav = el("div", { class: "tree-nav" },
+    el("button", { type: "button", class: "small", text: "\u2039 round", "aria-label": "Previous round",
+      onclick: () => { index = Math.max(0, index - 1); show(); } }),
+    el("button", { type: "button", class: "small", text: "round \u203a", "aria-label": "Next round",
+      onclick: () => { index = Math.min(trees.length - 1, index + 1); show(); } }),
+    el("span", { class: "muted", text: "highlighted: the path the target accepted" }));
+  box.append(summary, nav, body);
+  show();
+  return box;
+}
+
+function treeList(t) {
+  const accepted = new Set([0, ...t.accepted]);
+  const children = t.tokens.map(() => []);
+  t.parents.forEach((p, i) => { if (p >= 0) children[p].push(i); });
+  const item = (i) => {
+    const label = el("span", { class: `tok${accepted.has(i) ? " accepted" : ""}${i === 0 ? " root" : ""}`,
+      text: shown(t.tokens[i]), title: i === 0 ? "root (the last token already emitted)" : `node ${i}` });
+    const li = el("li", {}, label);
+    if (children[i].length) li.append(el("ul", {}, ...children[i].map(item)));
+    return li;
+  };
+  return el("ul", { class: "tree-root" }, item(0));
 }
 
 async function copy(text, button) {
