@@ -326,17 +326,30 @@ def trace_round(number: int, rnd: Round, tree: DraftedTree, tokenizer: Any) -> d
     path, and the tokens the round emitted (cached ones first, then the walk's)."""
     kept = min(len(tree.tokens), TRACE_MAX_NODES)
 
-    def text(token: int) -> str:
-        return tokenizer.decode([token], skip_special_tokens=False)
+    def text(token: int, after: int | None = None) -> str:
+        # A token's text after the one before it: decoded alone, a SentencePiece token
+        # loses its leading space.
+        if after is None:
+            return tokenizer.decode([token], skip_special_tokens=False)
+        before = tokenizer.decode([after], skip_special_tokens=False)
+        return tokenizer.decode([after, token], skip_special_tokens=False)[len(before) :]
 
+    nodes = tree.tokens[:kept]
+    parents = tree.parents[:kept]
+    # What came before this round's first token: the root, unless the round began with
+    # tokens from the prefix cache (the root is the last of those).
+    first_after = tree.tokens[0] if rnd.stats.prefix_cache_hits == 0 else None
+    emitted = [first_after, *rnd.tokens]
     return {
         "round": number,
         "nodes": len(tree.tokens) - 1,  # drafted, besides the root
-        "tokens": [text(t) for t in tree.tokens[:kept]],
-        "parents": tree.parents[:kept],
+        "tokens": [
+            text(t, nodes[p] if p >= 0 else None) for t, p in zip(nodes, parents, strict=True)
+        ],
+        "parents": parents,
         "accepted": [v for v in tree.path if v < kept],
         "accepted_count": len(tree.path),
-        "emitted": [text(t) for t in rnd.tokens],
+        "emitted": [text(t, emitted[i]) for i, t in enumerate(rnd.tokens)],
         "prefix_cache_hits": rnd.stats.prefix_cache_hits,
         "truncated": kept < len(tree.tokens),
     }
