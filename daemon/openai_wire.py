@@ -236,7 +236,6 @@ def _common(body: dict, limits: WireLimits) -> dict[str, Any]:
         seed=seed,
     )
     return dict(
-        trace=_specd_options(body),
         model=model,
         params=params,
         max_tokens=max_tokens if max_tokens is not None else limits.default_max_tokens,
@@ -246,6 +245,7 @@ def _common(body: dict, limits: WireLimits) -> dict[str, Any]:
         strategy=strategy,
         budget=_integer(body, "budget", 1, 65536),
         ignore_eos=ignore_eos,
+        trace=_specd_options(body),
     )
 
 
