@@ -385,3 +385,47 @@ def test_the_api_key_prompt(
         browser.refresh()
         wait(browser, lambda d: d.find_element(By.CSS_SELECTOR, "#machine-body dl"))
         assert browser.find_element(By.ID, "key-dialog").get_attribute("open") is None
+
+
+def test_conversations_new_rename_delete(browser: Any, server: BackgroundServer) -> None:
+    open_page(browser, server.url)
+    settings(browser, temperature="0", max_tokens="3")
+    send(browser, "First story")
+    answered(browser, 1)
+    browser.find_element(By.ID, "new-chat").click()
+    send(browser, "Second story")
+    answered(browser, 1)
+    titles = [b.text for b in browser.find_elements(By.CSS_SELECTOR, "#conversations button")]
+    assert titles == ["Second story", "First story"]
+    browser.find_element(By.ID, "rename-chat").click()
+    prompt = browser.switch_to.alert
+    prompt.send_keys("Renamed")
+    prompt.accept()
+    assert browser.find_element(By.ID, "chat-title").text == "Renamed"
+    browser.find_element(By.ID, "delete-chat").click()
+    browser.switch_to.alert.accept()
+    titles = [b.text for b in browser.find_elements(By.CSS_SELECTOR, "#conversations button")]
+    assert titles == ["First story"]
+    assert browser.find_element(By.ID, "chat-title").text == "First story"
+    assert text_of(browser, answered(browser, 1))  # its answer is still there
+
+
+def test_keyboard_and_colour_scheme(browser: Any, server: BackgroundServer) -> None:
+    open_page(browser, server.url)
+    box = browser.find_element(By.ID, "input")
+    box.send_keys("one", Keys.SHIFT, Keys.ENTER, Keys.SHIFT, "two")  # Shift+Enter: a new line
+    assert box.get_attribute("value") == "one\ntwo"
+    assert browser.find_elements(By.CSS_SELECTOR, ".msg") == []
+
+    def background() -> str:
+        return browser.execute_script("return getComputedStyle(document.body).backgroundColor")
+
+    try:
+        for scheme, colour in (("light", "rgb(255, 255, 255)"), ("dark", "rgb(22, 24, 28)")):
+            browser.execute_cdp_cmd(
+                "Emulation.setEmulatedMedia",
+                {"features": [{"name": "prefers-color-scheme", "value": scheme}]},
+            )
+            assert background() == colour
+    finally:
+        browser.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
