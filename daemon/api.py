@@ -156,6 +156,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 strategy=req.strategy,
                 budget=req.budget,
                 ignore_eos=req.ignore_eos,
+                trace=req.trace,
             ),
             asyncio.get_running_loop(),
         )
@@ -309,6 +310,8 @@ async def _stream(
             batch = [event]
             while not job.events.empty():
                 batch.append(job.events.get_nowait())
+            for trace in (t for e in batch if isinstance(e, Chunk) for t in e.trace):
+                await response.write(sse(shape.trace_chunk(trace)))
             text = "".join(e.text for e in batch if isinstance(e, Chunk))
             if text:
                 await response.write(sse(shape.chunk(text, first=first)))

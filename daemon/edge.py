@@ -35,6 +35,9 @@ class ApiConfig:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
+    # Paths served without the API key: /health, and the web chat's static files (the page
+    # must load before it can ask for the key; the API it calls still needs it).
+    public_paths: frozenset[str] = frozenset({"/health"})
     # The host names a request may name (Host header, absolute-form target), normalised.
     host_names: frozenset[str] = field(init=False)
 
@@ -147,7 +150,10 @@ async def _guarded(request: web.Request, handler: Handler, config: ApiConfig) ->
     _check_host(request.headers.get("Host", ""), "Host header", config)
     _check_target(request, config)
     origin = request.headers.get("Origin")
-    if origin is not None and origin not in config.cors_origins:
+    # A browser sends Origin on a same-origin POST too (the web chat at /): the Host header
+    # it names was allowed above, so that origin is this daemon's own.
+    same_origin = origin == f"http://{request.headers.get('Host', '')}"
+    if origin is not None and origin not in config.cors_origins and not same_origin:
         raise ApiError(
             403,
             f"origin {origin!r} is not allowed; add it to server.cors_origins",
@@ -156,7 +162,7 @@ async def _guarded(request: web.Request, handler: Handler, config: ApiConfig) ->
         )
     if request.method == "OPTIONS" and origin is not None:
         return web.Response(status=204, headers=cors_headers(origin))
-    if config.api_key is not None and request.path != "/health":
+    if config.api_key is not None and request.path not in config.public_paths:
         given = request.headers.get("Authorization", "")
         expected = f"Bearer {config.api_key}"
         # Header bytes that are not UTF-8 arrive as surrogate escapes: compare them as the

@@ -86,6 +86,7 @@ class GenerationRequest:
     strategy: str | None = None  # None: the runtime's default
     budget: int | None = None  # tree budget for this request only
     ignore_eos: bool = False
+    trace: bool = False  # chunks carry each round's draft tree (speculative.generation)
 
 
 @dataclass
@@ -314,6 +315,7 @@ class Engine:
             max_tokens=req.max_tokens,
             stop=req.stop,
             ignore_eos=req.ignore_eos,
+            trace=req.trace,
         )
         return _Active(job, gen, gen.steps(), session, pool_key)
 
@@ -577,6 +579,7 @@ def _merge(chunks: list[Chunk]) -> Chunk:
         text="".join(c.text for c in chunks),
         token_ids=[t for c in chunks for t in c.token_ids],
         finish_reason=chunks[-1].finish_reason,
+        trace=[t for c in chunks for t in c.trace],
     )
 
 

@@ -81,6 +81,7 @@ class CompletionRequest:
     strategy: str | None = None
     budget: int | None = None
     ignore_eos: bool = False
+    trace: bool = False  # "specd": {"trace": true}: per-round draft trees in the stream
 
 
 # No field of the API needs an integer longer than this (seeds are 20 digits). A body is
@@ -244,6 +245,7 @@ def _common(body: dict, limits: WireLimits) -> dict[str, Any]:
         strategy=strategy,
         budget=_integer(body, "budget", 1, 65536),
         ignore_eos=ignore_eos,
+        trace=_specd_options(body),
     )
 
 
@@ -261,6 +263,19 @@ def _text(value: str, where: str) -> str:
             code="invalid_unicode",
         ) from None
     return value
+
+
+def _specd_options(body: dict) -> bool:
+    """specd's own request options, in an extension object `specd`: {"trace": bool}."""
+    options = body.get("specd")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise bad_request('specd must be an object, e.g. {"trace": true}', "specd")
+    trace = options.get("trace", False)
+    if not isinstance(trace, bool):
+        raise bad_request("specd.trace must be true or false", "specd.trace")
+    return trace
 
 
 def _message_text(content: Any, where: str) -> str:
@@ -439,6 +454,11 @@ class ResponseShape:
         if stats is not None:
             out["specd"] = specd_stats(stats)
         return out
+
+    def trace_chunk(self, trace: dict[str, Any]) -> dict[str, Any]:
+        """One round's draft tree: a chunk with no choices (clients skip it, as they skip
+        the usage chunk) and the tree in the `specd` extension field."""
+        return {**self._envelope(stream=True), "choices": [], "specd": {"trace": trace}}
 
     def usage_chunk(self, usage_: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
         return {

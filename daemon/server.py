@@ -14,6 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from daemon import webchat
 from daemon.api import create_app
 from daemon.edge import DRAINING, ApiConfig, AppRunner
 from daemon.engine import Engine, EngineLimits
@@ -51,6 +52,7 @@ def api_config(settings: Settings) -> ApiConfig:
         api_key=read_api_key(settings.server.api_key_file),
         cors_origins=tuple(settings.server.cors_origins),
         allowed_hosts=tuple(settings.server.allowed_hosts),
+        public_paths=frozenset({"/health", *webchat.PAGE_PATHS}),
     )
 
 
@@ -78,6 +80,7 @@ class Server:
         self.metrics = Metrics()
         self.engine = build_engine(settings, self.metrics, runtime)
         self.app = create_app(self.engine, self.metrics, api_config(settings))
+        webchat.add_routes(self.app)
         self.runner: AppRunner | None = None
         self.port: int | None = None
 

@@ -114,8 +114,16 @@ def alive(pid: int) -> bool:
 
 def fetch_health(url: str, timeout: float = 2.0) -> tuple[int, dict]:
     """(status, body) of GET /health; (0, {}) when nothing answers."""
+    return fetch_json(url + "/health", timeout=timeout)
+
+
+def fetch_json(url: str, api_key: str | None = None, timeout: float = 2.0) -> tuple[int, dict]:
+    """(status, body) of a GET that answers JSON; (0, {}) when nothing answers."""
+    request = urllib.request.Request(url)
+    if api_key is not None:
+        request.add_header("Authorization", f"Bearer {api_key}")
     try:
-        with urllib.request.urlopen(url + "/health", timeout=timeout) as resp:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read() or b"{}")
     except urllib.error.HTTPError as err:
         try:

@@ -59,12 +59,56 @@ def cmd_status(args: argparse.Namespace) -> int:
     if status == 200:
         print(f"specd: ready at {url} ({pid}), serving {body.get('model')}, "
               f"{body.get('active', 0)} active, {body.get('queued', 0)} queued")  # fmt: skip
+        print(machine_report(url, args))
         return 0
     if status:
         print(f"specd: {body.get('status', 'unavailable')} at {url} ({pid})")
         return 1
     print(f"specd: not answering at {url} ({pid if running else 'not running'})")
     return 3
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The configured API key, if one can be read (best effort: `status` asks anyway, and
+    says what the daemon answered). Read here rather than with `daemon.server.read_api_key`
+    so that `status` imports neither aiohttp nor torch."""
+    try:
+        path = settings_from_args(args).server.api_key_file
+    except SettingsError:
+        return None  # (the problems were shown already)
+    if path is None:
+        return None
+    try:
+        return Path(path).expanduser().read_text().strip() or None
+    except OSError:
+        return None
+
+
+def machine_report(url: str, args: argparse.Namespace) -> str:
+    """What `GET /v1/specd/status` says about the models and the memory plan (the web
+    chat's machine panel), or why it could not be asked."""
+    code, status = service.fetch_json(url + "/v1/specd/status", _api_key(args))
+    if code != 200:
+        reason = status.get("error", {}).get("message") if status else None
+        return f"  (no machine details: /v1/specd/status answered {code or 'nothing'}: {reason})"
+    return format_machine(status)
+
+
+def format_machine(status: dict) -> str:
+    plan = status.get("plan") or {}
+    stream = status.get("stream") or {}
+    gbps = stream.get("gbps")
+    seconds = plan.get("seconds_per_pass")
+    lines = [
+        f"  target {status.get('target')}, draft {status.get('draft') or 'none'}",
+        f"  {status.get('device')} {status.get('dtype')}, strategy {status.get('strategy')}, "
+        f"context {status.get('context')} tokens",
+        f"  plan: {plan.get('resident_layers')} resident / {plan.get('streamed_layers')} "
+        f"streamed layers, {plan.get('slots')} slots, host tier {plan.get('host_tier') or '-'}, "
+        + (f"{seconds:.3g} s per pass expected" if isinstance(seconds, float) else "no estimate"),
+        f"  streaming: {gbps:.2f} GB/s measured" if gbps else "  streaming: nothing streamed",
+    ]
+    return "\n".join(lines)
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -114,7 +158,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     stop.add_argument("--wait", type=float, default=30.0)
     stop.set_defaults(func=cmd_stop)
 
-    status = sub.add_parser("status", help="is the daemon running and ready (asks /health)")
+    status = sub.add_parser(
+        "status", help="is the daemon running and ready (asks /health, then /v1/specd/status)"
+    )
     add_address_args(status)
     status.set_defaults(func=cmd_status)
 

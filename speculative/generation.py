@@ -60,10 +60,20 @@ class RoundStats:
 
 
 @dataclass
+class DraftedTree:
+    """One round's draft tree as the target's walk saw it (host lists, for a trace)."""
+
+    tokens: list[int]  # node tokens, the root first; a parent comes before its children
+    parents: list[int]  # each node's parent index (-1 for the root)
+    path: list[int]  # the accepted nodes, root to leaf (the root itself not included)
+
+
+@dataclass
 class Round:
     tokens: list[int]  # emitted this round, in order; each is an exact target sample
     # (none after a prefill step: see `prefill`)
     stats: RoundStats
+    tree: DraftedTree | None = None  # the tree strategy's draft, when the round had one
 
 
 @dataclass
@@ -305,6 +315,48 @@ class Chunk:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    # With Generation(trace=True): one entry per round that drafted a tree (`trace_round`).
+    trace: list[dict[str, Any]] = field(default_factory=list)
+
+
+# A trace stays small whatever the budget and the answer's length: the first nodes of each
+# tree (a prefix of the node order is a tree: parents come first), the first rounds.
+TRACE_MAX_NODES = 64
+TRACE_MAX_ROUNDS = 128
+
+
+def trace_round(number: int, rnd: Round, tree: DraftedTree, tokenizer: Any) -> dict[str, Any]:
+    """One round's tree for a person to read: node tokens as text, parents, the accepted
+    path, and the tokens the round emitted (cached ones first, then the walk's)."""
+    kept = min(len(tree.tokens), TRACE_MAX_NODES)
+
+    def text(token: int, after: int | None = None) -> str:
+        # A token's text after the one before it: decoded alone, a SentencePiece token
+        # loses its leading space.
+        if after is None:
+            return tokenizer.decode([token], skip_special_tokens=False)
+        before = tokenizer.decode([after], skip_special_tokens=False)
+        return tokenizer.decode([after, token], skip_special_tokens=False)[len(before) :]
+
+    nodes = tree.tokens[:kept]
+    parents = tree.parents[:kept]
+    # What came before this round's first token: the root, unless the round began with
+    # tokens from the prefix cache (the root is the last of those).
+    first_after = tree.tokens[0] if rnd.stats.prefix_cache_hits == 0 else None
+    emitted = [first_after, *rnd.tokens]
+    return {
+        "round": number,
+        "nodes": len(tree.tokens) - 1,  # drafted, besides the root
+        "tokens": [
+            text(t, nodes[p] if p >= 0 else None) for t, p in zip(nodes, parents, strict=True)
+        ],
+        "parents": parents,
+        "accepted": [v for v in tree.path if v < kept],
+        "accepted_count": len(tree.path),
+        "emitted": [text(t, emitted[i]) for i, t in enumerate(rnd.tokens)],
+        "prefix_cache_hits": rnd.stats.prefix_cache_hits,
+        "truncated": kept < len(tree.tokens),
+    }
 
 
 class Generation:
@@ -322,6 +374,7 @@ class Generation:
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
+        trace: bool = False,
     ) -> None:
         if not prompt_ids:
             raise ContextFullError("the prompt is empty: at least one token is needed")
@@ -343,6 +396,8 @@ class Generation:
         self.finish_reason: str | None = None
         self.stopped_by_token = False
         self.stats = GenerationStats(strategy=strategy.name, prompt_tokens=len(self.prompt_ids))
+        self.trace = trace
+        self.traced_rounds = 0
 
     @property
     def completion_tokens(self) -> int:
@@ -394,9 +449,13 @@ class Generation:
                 self.text += text
                 self.stats.generated_tokens = self.completion_tokens
                 self.stats.total_seconds = time.perf_counter() - t0
+                trace = []
+                if self.trace and rnd.tree is not None and self.traced_rounds < TRACE_MAX_ROUNDS:
+                    self.traced_rounds += 1
+                    trace.append(trace_round(self.traced_rounds, rnd, rnd.tree, self.tokenizer))
                 # A round with no tokens (a prefill step) still yields an empty chunk: the
                 # caller gets control back between chunks of a long prompt.
-                yield Chunk(text, taken, self.finish_reason)
+                yield Chunk(text, taken, self.finish_reason, trace)
                 if self.finish_reason is not None:
                     return
             # The strategy ran out of room (end of context) before any stop rule fired.

@@ -32,6 +32,7 @@ from speculative.budget import AutoBudget, BudgetPlanner, FixedBudget, RoundReco
 from speculative.drafting import check_draft_width
 from speculative.generation import (
     PREFILL_CHUNK,
+    DraftedTree,
     Round,
     RoundStats,
     RoundSteps,
@@ -172,6 +173,7 @@ class TreeSpeculation:
                 else:
                     yield step  # a prefill pass, its result ignored
             pending = state.seq[len(session.target_tokens) : -1]
+            drafted = None
             if budget == 0 and not pending:
                 tok, alone = yield from self._plain_step(session, state)
                 tokens.append(tok)
@@ -188,7 +190,8 @@ class TreeSpeculation:
                 verified = yield from forward(
                     self.target, *self._verification(session, state.seq, tree)
                 )
-                path = self._accept(session, state, tree, verified.logits, tokens)
+                drafted = self._accept(session, state, tree, verified.logits, tokens)
+                path = drafted.path
                 stats.target_passes += 1
                 stats.drafted += tree.size - 1
                 stats.accepted += len(path)
@@ -213,7 +216,7 @@ class TreeSpeculation:
                         )
                     )
             state.emitted += len(tokens)
-            yield Round(tokens, stats)
+            yield Round(tokens, stats, drafted)
             stats = RoundStats()
 
     def _walk_cached(
@@ -263,10 +266,10 @@ class TreeSpeculation:
         tree: DraftTree,
         logits: torch.Tensor,  # (N, V) the target's logits at every node
         tokens: list[int],  # this round's emitted tokens so far: extended
-    ) -> list[int]:
+    ) -> DraftedTree:
         """Phase 4, what to do with the target's output: walk the tree, remember the
         verified rows, commit prefix + root + accepted path to both caches. Returns the
-        accepted path (node indices)."""
+        tree as host lists with the accepted path (node indices)."""
         pending = state.seq[len(session.target_tokens) : -1]
         base = len(session.target_tokens) + len(pending)
         # The tree's structure on the host, fetched once for the walk, the cache's keys
@@ -286,7 +289,7 @@ class TreeSpeculation:
         session.target_tokens.extend(node_tokens[i] for i in path)
         self._commit_draft(session, tree, path, node_tokens)
         state.seq.extend(new)  # (the walk counted them in `penalties` already)
-        return path
+        return DraftedTree(node_tokens, parents, path)
 
     def _plain_step(self, session: Session, state: _Walker) -> Steps[tuple[int, bool]]:
         """No tree: one target step on the root, as cheap as autoregressive decoding (auto

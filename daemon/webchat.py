@@ -1,0 +1,97 @@
+"""The built-in web chat (`GET /`, static files shipped in daemon/static/) and the machine
+status it shows (`GET /v1/specd/status`).
+
+The page is plain HTML, CSS and JavaScript: no build step, nothing fetched from the
+internet. It talks to the same OpenAI endpoint as any client, so it passes the same edge
+checks (Host, Origin, API key); only its own static files are public, since they hold no
+data and the page has to load before it can ask for the key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from daemon.edge import CONFIG, DRAINING, ENGINE, METRICS
+
+STATIC = Path(__file__).with_name("static")
+# path → (file, content type). Exact paths only: nothing else under static/ is served.
+PAGE_FILES = {
+    "/": ("index.html", "text/html"),
+    "/static/app.js": ("app.js", "text/javascript"),
+    "/static/style.css": ("style.css", "text/css"),
+}
+PAGE_PATHS = frozenset(PAGE_FILES)
+
+# The page loads nothing from elsewhere and may not be framed (clickjacking).
+PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+async def page_file(request: web.Request) -> web.Response:
+    name, content_type = PAGE_FILES[request.path]
+    return web.Response(
+        body=(STATIC / name).read_bytes(),
+        content_type=content_type,
+        charset="utf-8",
+        headers=PAGE_HEADERS,
+    )
+
+
+async def specd_status(request: web.Request) -> web.Response:
+    """What the daemon runs with: models, engine state, the memory plan, measured streaming."""
+    app = request.app
+    engine, metrics = app[ENGINE], app[METRICS]
+    state = "stopping" if app[DRAINING].is_set() else engine.state
+    body: dict[str, Any] = {
+        "status": state,
+        "model": app[CONFIG].model_name,
+        "active": engine.active_count,
+        "queued": engine.queued,
+        "target": engine.options.model,
+        "draft": engine.options.draft,
+    }
+    runtime = engine.runtime
+    if runtime is not None:
+        body.update(
+            device=str(runtime.device),
+            dtype=runtime.dtype,
+            context=runtime.context,
+            strategy=runtime.default_strategy,
+            max_tree_budget=runtime.max_tree_budget,
+            plan=runtime.plan.to_dict(),
+        )
+    stream_seconds = metrics.stream_seconds.value
+    body["stream"] = {
+        # Measured over every generation so far (the figures /metrics exports).
+        "bytes": int(metrics.stream_bytes.value),
+        "seconds": stream_seconds,
+        "gbps": metrics.stream_bytes.value / stream_seconds / 1e9 if stream_seconds else None,
+    }
+    passes = metrics.target_passes.value
+    body["totals"] = {
+        "completion_tokens": int(metrics.completion_tokens.value),
+        "target_passes": int(passes),
+        "tokens_per_target_pass": metrics.completion_tokens.value / passes if passes else None,
+        "prefix_cache_hits": int(metrics.prefix_cache_hits.value),
+        "cancelled": int(metrics.cancelled.value),
+    }
+    # (The plan holds a few non-JSON values, paths and enums: they go as strings.)
+    return web.json_response(body, dumps=lambda obj: json.dumps(obj, default=str))
+
+
+def add_routes(app: web.Application) -> None:
+    for path in PAGE_FILES:
+        app.router.add_get(path, page_file)
+    app.router.add_get("/v1/specd/status", specd_status)
