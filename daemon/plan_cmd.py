@@ -198,10 +198,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     options = plan_options(args)
     device = _plan_device(options)
-    target = open_checkpoint(options.model, options.quantize)
+    # A plan needs config.json only: a hub id's weights need not be downloaded yet.
+    target = open_checkpoint(options.model, options.quantize, config_only=True)
     draft = None
     if options.draft and options.draft != "ngram":
-        draft = open_checkpoint(options.draft, options.draft_quantize).config
+        draft = open_checkpoint(options.draft, options.draft_quantize, config_only=True).config
     # Measuring this machine's bus only makes sense when planning for this machine.
     this_machine = options.gpu_budget == "auto"
     budget = detect_budget(

@@ -12,6 +12,8 @@ CHECKPOINT_FILES = [
     "tokenizer.model",
     "*.jinja",
 ]
+# `--config-only`: what `specd plan` needs (speculative.checkpoint.CONFIG_FILES).
+CONFIG_FILES = ["config.json", "generation_config.json"]
 
 
 class PullError(RuntimeError):
@@ -19,23 +21,41 @@ class PullError(RuntimeError):
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
-    try:
-        path = snapshot_download(
-            repo_id=args.model,
-            revision=args.revision,
-            allow_patterns=CHECKPOINT_FILES,
+    if constants.HF_HUB_OFFLINE:
+        raise PullError(
+            f"cannot download {args.model!r}: HF_HUB_OFFLINE is set, so the hub is not "
+            "contacted; unset it (or run where the hub is reachable) to pull"
         )
+    what = CONFIG_FILES if args.config_only else CHECKPOINT_FILES
+    try:
+        path = snapshot_download(repo_id=args.model, revision=args.revision, allow_patterns=what)
     except RepositoryNotFoundError:
         raise PullError(
             f"{args.model!r} was not found on the hub (or it is gated: run "
             "`hf auth login` with an account that has access)"
         ) from None
+    except LocalEntryNotFoundError:
+        # huggingface_hub's answer when it cannot connect and nothing is cached.
+        raise PullError(
+            f"cannot download {args.model!r}: the hub cannot be reached from here (no "
+            "network, a proxy or a firewall); check the connection and run again"
+        ) from None
     except (HfHubHTTPError, OSError) as exc:
-        raise PullError(f"downloading {args.model!r} failed: {exc}; run again to resume") from None
-    print(f"{args.model} is in {path}\nuse it with: specd serve --model {args.model}")
+        raise PullError(
+            f"downloading {args.model!r} stopped: {exc}; run again to resume (finished files "
+            "are kept)"
+        ) from None
+    if args.config_only:
+        print(f"{args.model}'s config is in {path}\nplan with: specd plan --model {args.model}")
+    else:
+        print(f"{args.model} is in {path}\nuse it with: specd serve --model {args.model}")
     return 0
 
 
@@ -43,4 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     pull = sub.add_parser("pull", help="download a model from the Hugging Face hub (resumable)")
     pull.add_argument("model", help="hub id, e.g. meta-llama/Llama-3.2-1B-Instruct")
     pull.add_argument("--revision", default=None, help="branch, tag or commit")
+    pull.add_argument(
+        "--config-only",
+        action="store_true",
+        help="only config.json and generation_config.json: enough for `specd plan`",
+    )
     pull.set_defaults(func=cmd_pull)

@@ -43,6 +43,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # --dtype / models.dtype: one of DTYPES, or auto (see `dtype_candidates`).
 DTYPE_CHOICES = ("auto", *DTYPES)
 _WEIGHT_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
+# What planning reads: a plan needs no weights (`specd plan`, `specd pull --config-only`).
+CONFIG_FILES = ["config.json", "generation_config.json"]
 # Buffers some exporters store that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -65,9 +67,10 @@ class Checkpoint:
         return weight_files(self.path)
 
 
-def resolve(ref: str | os.PathLike[str]) -> Path:
+def resolve(ref: str | os.PathLike[str], config_only: bool = False) -> Path:
     """A local folder, or a hub id downloaded into (or found in) the huggingface_hub cache.
-    `HF_HUB_OFFLINE=1` is honoured: only the cache is consulted."""
+    `HF_HUB_OFFLINE=1` is honoured: only the cache is consulted. `config_only`: only the
+    config files are fetched (enough to plan for a download not made yet)."""
     path = Path(ref).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -83,12 +86,14 @@ def resolve(ref: str | os.PathLike[str]) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    patterns = CONFIG_FILES if config_only else _WEIGHT_PATTERNS
     try:
-        return Path(snapshot_download(repo_id=text, allow_patterns=_WEIGHT_PATTERNS))
+        return Path(snapshot_download(repo_id=text, allow_patterns=patterns))
     except LocalEntryNotFoundError as exc:
+        pull = f"specd pull --config-only {text}" if config_only else f"specd pull {text}"
         raise ModelNotFoundError(
             f"model {text!r} is not in the local Hugging Face cache and cannot be downloaded "
-            f"now (offline, or the hub is unreachable): run `specd pull {text}` where the hub "
+            f"now (offline, or the hub is unreachable): run `{pull}` where the hub "
             f"is reachable, or point --model at a local folder"
         ) from exc
     except (HfHubHTTPError, OSError, ValueError) as exc:
@@ -98,12 +103,15 @@ def resolve(ref: str | os.PathLike[str]) -> Path:
         ) from exc
 
 
-def open_checkpoint(ref: str | os.PathLike[str], quantize: str | None = None) -> Checkpoint:
+def open_checkpoint(
+    ref: str | os.PathLike[str], quantize: str | None = None, config_only: bool = False
+) -> Checkpoint:
     """Resolve and read the metadata only (config and generation defaults): cheap enough for
     planning before anything is loaded. `quantize` ("int8" | "int4"): a full-precision
     checkpoint's projections are to be quantized as they load (`on_load_quantization`);
-    the config then describes the packed model, so the plan counts packed bytes."""
-    path = resolve(ref)
+    the config then describes the packed model, so the plan counts packed bytes.
+    `config_only`: a hub id needs only its config files in the cache (see `resolve`)."""
+    path = resolve(ref, config_only)
     config_path = path / "config.json"
     try:
         raw = json.loads(config_path.read_text())

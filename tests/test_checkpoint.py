@@ -312,3 +312,56 @@ def test_skipped_parameters_stay_on_meta_and_the_rest_loads(tiny_checkpoint):
             assert not p.is_meta, name
     full = load_model(ckpt, dtype=torch.bfloat16)
     assert torch.equal(model.layers[0].mlp.up_proj.weight, full.layers[0].mlp.up_proj.weight)
+
+
+# ---- planning before downloading, and pull's messages ------------------------------------
+
+
+def test_plan_needs_only_the_config_of_a_hub_id(
+    offline_hub: Path, llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`specd pull --config-only ID` leaves config files in the cache: `specd plan` works
+    from them, with no weights downloaded."""
+    from daemon.cli import main
+
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(llama / "config.json", config_only / "config.json")
+    _hub_cache(offline_hub, "tiny-org/not-downloaded", config_only)
+    assert main(["plan", "--model", "tiny-org/not-downloaded", "--device", "cpu", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert (
+        plan["target"]["num_layers"]
+        == ModelConfig.from_hf(
+            json.loads((llama / "config.json").read_text()), source="x"
+        ).num_layers
+    )
+    # Not in the cache at all: the message names the config-only pull.
+    assert main(["plan", "--model", "tiny-org/absent", "--device", "cpu"]) == 2
+    assert "specd pull --config-only tiny-org/absent" in capsys.readouterr().err
+
+
+def test_pull_says_what_is_wrong_offline_and_without_a_network(
+    offline_hub: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from daemon import pull_cmd
+    from daemon.cli import main
+
+    assert main(["pull", "org/model"]) == 2
+    err = capsys.readouterr().err
+    assert "HF_HUB_OFFLINE is set" in err and "resume" not in err
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def unreachable(**kwargs: object) -> str:
+        raise LocalEntryNotFoundError("cannot reach the hub")
+
+    monkeypatch.setattr("huggingface_hub.snapshot_download", unreachable)
+    assert main(["pull", "--config-only", "org/model"]) == 2
+    err = capsys.readouterr().err
+    assert "the hub cannot be reached from here" in err and "resume" not in err
+    from speculative.checkpoint import CONFIG_FILES
+
+    assert pull_cmd.CONFIG_FILES == CONFIG_FILES  # restated: pull imports no torch
