@@ -221,7 +221,9 @@ def tail(file: Path, lines: int, start: int = 0) -> str:
 # ---- service files ----
 
 
-def render_systemd_unit(argv: list[str], working_dir: Path) -> str:
+def render_systemd_unit(argv: list[str], working_dir: Path, log_file: Path) -> str:
+    """The daemon's output goes to the same log file `specd start` writes, so `specd logs`
+    reads it for a service install too (systemd 240+: `append:`)."""
     return f"""[Unit]
 Description=specd: local OpenAI-compatible inference with lossless tree speculation
 After=network.target
@@ -230,6 +232,8 @@ After=network.target
 Type=simple
 WorkingDirectory={working_dir}
 ExecStart={shlex.join(argv)}
+StandardOutput=append:{log_file}
+StandardError=append:{log_file}
 Restart=on-failure
 RestartSec=5
 # specd serve exits 0 on SIGTERM after ending in-flight streams.
@@ -294,9 +298,9 @@ def service_file(
         path = config_home / "systemd" / "user" / f"{SERVICE_NAME}.service"
         return ServiceFile(
             path,
-            render_systemd_unit(argv, working_dir),
+            render_systemd_unit(argv, working_dir, paths.log_file),
             "systemctl --user daemon-reload && systemctl --user enable --now specd\n"
-            "  (logs: journalctl --user -u specd -f)",
+            f"  (logs: specd logs -f, from {paths.log_file})",
         )
     raise ServiceError(
         f"service install supports Linux (systemd) and macOS (launchd), not {platform!r}; "

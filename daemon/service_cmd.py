@@ -132,18 +132,17 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def cmd_service_install(args: argparse.Namespace) -> int:
     settings_from_args(args)  # the flags must make a valid configuration
+    paths = service.default_paths()
     spec = service.service_file(
-        args.platform or sys.platform,
-        flag_argv(args),
-        Path.cwd(),
-        Path.home(),
-        service.default_paths(),
+        args.platform or sys.platform, flag_argv(args), Path.cwd(), Path.home(), paths
     )
     if args.print_only:
         sys.stdout.write(spec.content)
         return 0
     spec.path.parent.mkdir(parents=True, exist_ok=True)
     spec.path.write_text(spec.content)
+    # The unit appends to the log file: systemd creates the file, not its folder.
+    paths.log_file.parent.mkdir(parents=True, exist_ok=True)
     print(f"wrote {spec.path}\nenable and start it with:\n  {spec.enable_hint}")
     return 0
 

@@ -33,6 +33,11 @@ def test_systemd_unit(dirs: Path) -> None:
     )
     assert "WorkingDirectory=/srv" in spec.content and "WantedBy=default.target" in spec.content
     assert "systemctl --user enable --now specd" in spec.enable_hint
+    # Its output goes where `specd logs` reads, not only to the journal.
+    log = service.default_paths().log_file
+    assert f"StandardOutput=append:{log}" in spec.content
+    assert f"StandardError=append:{log}" in spec.content
+    assert "specd logs" in spec.enable_hint
 
 
 def test_launchd_plist_is_valid_xml(dirs: Path) -> None:
@@ -58,6 +63,7 @@ def test_service_install_writes_the_unit(
     unit = dirs / "xdg_config_home" / "systemd" / "user" / "specd.service"
     assert f"wrote {unit}" in out and "systemctl --user" in out
     assert f"--model {stories_target}" in unit.read_text()
+    assert service.default_paths().log_file.parent.is_dir()  # systemd makes the file only
     assert main(["service", "install", "--platform", "darwin", "--print", "--model", "m"]) == 0
     assert "<plist" in capsys.readouterr().out
 
