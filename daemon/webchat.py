@@ -21,7 +21,13 @@ STATIC = Path(__file__).with_name("static")
 # path → (file, content type). Exact paths only: nothing else under static/ is served.
 PAGE_FILES = {
     "/": ("index.html", "text/html"),
+    # app.js is the entry module (<script type="module">); it imports the other five.
     "/static/app.js": ("app.js", "text/javascript"),
+    "/static/api.js": ("api.js", "text/javascript"),
+    "/static/chat.js": ("chat.js", "text/javascript"),
+    "/static/machine.js": ("machine.js", "text/javascript"),
+    "/static/page.js": ("page.js", "text/javascript"),
+    "/static/tree.js": ("tree.js", "text/javascript"),
     "/static/style.css": ("style.css", "text/css"),
 }
 PAGE_PATHS = frozenset(PAGE_FILES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ import pytest
 from daemon.cli import main
 from daemon.server import BackgroundServer
 from daemon.settings import load_settings
-from daemon.webchat import PAGE_FILES
+from daemon.webchat import PAGE_FILES, STATIC
 
 KEY = "s3cret-key"
 
@@ -73,6 +74,18 @@ def test_the_page_loads_nothing_from_elsewhere(server: BackgroundServer) -> None
     for path in PAGE_FILES:
         text = call(server.url + path)[2].decode()
         assert "http://" not in text and "https://" not in text, path
+
+
+def test_every_static_file_and_module_import_is_served() -> None:
+    # A module the page imports but the daemon does not serve breaks the whole page.
+    served = {name for name, _ in PAGE_FILES.values()}
+    assert served == {p.name for p in STATIC.iterdir() if p.is_file()}
+    imported = set()
+    for script in STATIC.glob("*.js"):
+        for name in re.findall(r'from "\./([\w-]+\.js)"', script.read_text()):
+            assert name in served, f"{script.name} imports {name}, which is not served"
+            imported.add(name)
+    assert imported == served - {"index.html", "app.js", "style.css"}
 
 
 def test_other_paths_are_not_served_or_need_the_key(server: BackgroundServer) -> None:

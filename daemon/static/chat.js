@@ -1,0 +1,318 @@
+// The conversations (kept in localStorage), the settings sent with each request, and the
+// answers streamed from the daemon's own OpenAI endpoint, each with what speculation did
+// for it (the final chunk's `specd` figures) and, when traced, its rounds' draft trees.
+import { ApiError, askForKey, errorOf, headers, readEvents } from "./api.js";
+import { $, STORE, el, fmt, load } from "./page.js";
+import { treeView } from "./tree.js";
+
+export const state = {
+  chats: load(STORE.chats, []),
+  currentId: localStorage.getItem(STORE.current),
+  controller: null, // AbortController of the answer being streamed
+};
+
+function save() {
+  localStorage.setItem(STORE.chats, JSON.stringify(state.chats));
+  if (state.currentId) localStorage.setItem(STORE.current, state.currentId);
+}
+
+// ---- conversations ----
+
+export function current() {
+  return state.chats.find((c) => c.id === state.currentId);
+}
+
+export function newChat() {
+  const chat = { id: `c${Date.now().toString(36)}${Math.random().toString(36).slice(2, 6)}`,
+    title: "New chat", system: "", messages: [] };
+  state.chats.unshift(chat);
+  state.currentId = chat.id;
+  save();
+  render();
+  $("input").focus();
+  return chat;
+}
+
+function selectChat(id) {
+  if (state.controller) return; // one answer at a time: stop it first
+  state.currentId = id;
+  save();
+  render();
+}
+
+export function renameChat() {
+  const chat = current();
+  if (!chat) return;
+  const title = window.prompt("Rename this conversation", chat.title);
+  if (title !== null && title.trim()) {
+    chat.title = title.trim();
+    save();
+    render();
+  }
+}
+
+export function deleteChat() {
+  const chat = current();
+  if (!chat || state.controller) return;
+  if (!window.confirm(`Delete "${chat.title}"?`)) return;
+  state.chats = state.chats.filter((c) => c.id !== chat.id);
+  state.currentId = state.chats.length ? state.chats[0].id : null;
+  if (!state.currentId) localStorage.removeItem(STORE.current);
+  save();
+  if (!state.chats.length) newChat();
+  else render();
+}
+
+// ---- settings ----
+
+const SETTINGS = ["temperature", "top-p", "max-tokens", "seed", "strategy", "budget", "trace"];
+const MAX_TREES = 16; // rounds' trees kept per answer (the server sends at most 128)
+
+function settingValue(id) {
+  return $(id).type === "checkbox" ? $(id).checked : $(id).value;
+}
+
+export function restoreSettings() {
+  const saved = load(STORE.settings, {});
+  for (const id of SETTINGS) {
+    if (saved[id] === undefined) continue;
+    if ($(id).type === "checkbox") $(id).checked = saved[id];
+    else $(id).value = saved[id];
+  }
+  for (const id of SETTINGS) {
+    $(id).addEventListener("change", () => {
+      const values = {};
+      for (const k of SETTINGS) values[k] = settingValue(k);
+      localStorage.setItem(STORE.settings, JSON.stringify(values));
+    });
+  }
+  $("system-prompt").addEventListener("change", () => {
+    const chat = current();
+    if (chat) {
+      chat.system = $("system-prompt").value;
+      save();
+    }
+  });
+}
+
+function requestBody(chat) {
+  const messages = [];
+  if (chat.system.trim()) messages.push({ role: "system", content: chat.system });
+  for (const m of chat.messages) {
+    if (m.role === "assistant" && m.state !== "done" && m.state !== "stopped") continue;
+    messages.push({ role: m.role, content: m.content });
+  }
+  const body = { messages, stream: true };
+  const number = (id, name, integer) => {
+    const raw = $(id).value.trim();
+    if (raw === "") return;
+    const value = integer ? parseInt(raw, 10) : parseFloat(raw);
+    if (!Number.isNaN(value)) body[name] = value;
+  };
+  number("temperature", "temperature", false);
+  number("top-p", "top_p", false);
+  number("max-tokens", "max_tokens", true);
+  number("seed", "seed", true);
+  number("budget", "budget", true);
+  if ($("strategy").value) body.strategy = $("strategy").value;
+  if ($("trace").checked) body.specd = { trace: true }; // each round's draft tree
+  return body;
+}
+
+// ---- sending ----
+
+export async function send(text) {
+  const chat = current() || newChat();
+  if (state.controller) return;
+  if (text !== undefined) {
+    chat.messages.push({ role: "user", content: text });
+    if (chat.title === "New chat") chat.title = text.slice(0, 40) || "New chat";
+  }
+  await answer(chat);
+}
+
+async function answer(chat) {
+  hideNotice();
+  const reply = { role: "assistant", content: "", state: "streaming", stats: null, trees: [] };
+  const body = requestBody(chat); // before the reply joins the conversation
+  chat.messages.push(reply);
+  save();
+  render();
+  const controller = new AbortController();
+  state.controller = controller;
+  setBusy(true);
+  const started = performance.now();
+  let firstAt = null;
+  try {
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST", headers: headers(), body: JSON.stringify(body), signal: controller.signal,
+    });
+    if (!response.ok) throw await errorOf(response);
+    await readEvents(response, (event) => {
+      if (event.error) throw new ApiError(500, event.error);
+      const choice = event.choices && event.choices[0];
+      const delta = choice && choice.delta && choice.delta.content;
+      if (delta) {
+        if (firstAt === null) firstAt = performance.now();
+        reply.content += delta;
+        updateReply(reply);
+      }
+      if (event.specd && event.specd.trace) {
+        if (reply.trees.length < MAX_TREES) reply.trees.push(event.specd.trace);
+      } else if (event.specd) {
+        reply.stats = event.specd;
+      }
+      if (choice && choice.finish_reason) reply.finish = choice.finish_reason;
+    });
+    reply.state = "done";
+    reply.clientSeconds = (performance.now() - started) / 1000;
+    if (firstAt !== null) reply.clientFirstToken = (firstAt - started) / 1000;
+  } catch (err) {
+    if (controller.signal.aborted) {
+      reply.state = "stopped";
+    } else {
+      chat.messages.pop(); // a failed answer is not part of the conversation
+      handleError(err, chat);
+    }
+  } finally {
+    state.controller = null;
+    setBusy(false);
+    save();
+    render();
+  }
+}
+
+function handleError(err, chat) {
+  if (err.status === 401) {
+    askForKey(() => answer(chat));
+  } else if (err.code === "context_length_exceeded") {
+    showNotice("The conversation no longer fits the model's context. " +
+      "Drop the oldest turn to make room (the page never does it on its own).", true);
+  } else {
+    showNotice(`The request failed: ${err.message}`, false);
+  }
+}
+
+export function dropOldestTurn() {
+  const chat = current();
+  if (!chat) return;
+  // The first user message and everything up to the next user message.
+  const next = chat.messages.findIndex((m, i) => i > 0 && m.role === "user");
+  if (next <= 0) {
+    showNotice("Only one turn is left and it does not fit: shorten it or the system prompt.", false);
+    return;
+  }
+  chat.messages.splice(0, next);
+  save();
+  render();
+  answer(chat);
+}
+
+function regenerate() {
+  const chat = current();
+  if (!chat || state.controller) return;
+  const last = chat.messages[chat.messages.length - 1];
+  if (last && last.role === "assistant") chat.messages.pop();
+  answer(chat);
+}
+
+export function stop() {
+  if (state.controller) state.controller.abort();
+}
+
+function setBusy(busy) {
+  $("send").hidden = busy;
+  $("stop").hidden = !busy;
+}
+
+function showNotice(text, offerDrop) {
+  $("notice-text").textContent = text;
+  $("drop-oldest").hidden = !offerDrop;
+  $("notice").hidden = false;
+}
+
+export function hideNotice() {
+  $("notice").hidden = true;
+}
+
+// ---- rendering ----
+
+function statsLine(reply) {
+  const s = reply.stats || {};
+  const items = [
+    ["tokens/s", fmt(s.tokens_per_second, 1)],
+    ["first token", s.first_token_seconds !== undefined ? `${fmt(s.first_token_seconds, 3)} s` : "–"],
+    ["tokens/pass", fmt(s.tokens_per_target_pass)],
+    ["accepted", typeof s.acceptance_rate === "number" ? `${(100 * s.acceptance_rate).toFixed(0)}%` : "–"],
+    ["strategy", s.strategy || "–"],
+    ["tree budget", s.budget !== undefined && s.budget !== null ? String(s.budget) : "–"],
+    ["prefix-cache hits", s.prefix_cache_hits !== undefined ? String(s.prefix_cache_hits) : "–"],
+    ["batch", fmt(s.batch_size, 1)],
+  ];
+  const line = el("div", { class: "stats" });
+  for (const [name, value] of items) {
+    const item = el("span", { "data-stat": name });
+    item.append(`${name} `, el("b", { text: value }));
+    line.append(item);
+  }
+  return line;
+}
+
+function messageNode(m, index, chat) {
+  const node = el("div", { class: `msg ${m.role}`, "data-index": String(index) });
+  if (m.role === "assistant") node.dataset.state = m.state || "done";
+  node.append(el("div", { class: "role", text: m.role === "user" ? "You" : "specd" }));
+  node.append(el("div", { class: "content", text: m.content }));
+  if (m.role !== "assistant" || m.state === "streaming") return node;
+  if (m.stats) node.append(statsLine(m));
+  if (m.trees && m.trees.length) node.append(treeView(m.trees));
+  const actions = el("div", { class: "actions" });
+  actions.append(el("button", { type: "button", class: "small copy", text: "Copy",
+    onclick: (e) => copy(m.content, e.target) }));
+  if (index === chat.messages.length - 1) {
+    actions.append(el("button", { type: "button", class: "small regenerate", text: "Regenerate",
+      onclick: regenerate }));
+  }
+  node.append(actions);
+  return node;
+}
+
+async function copy(text, button) {
+  try {
+    await navigator.clipboard.writeText(text);
+    button.textContent = "Copied";
+  } catch {
+    button.textContent = "Copy failed";
+  }
+  setTimeout(() => { button.textContent = "Copy"; }, 1500);
+}
+
+function updateReply(reply) {
+  const nodes = $("messages").querySelectorAll(".msg.assistant .content");
+  const node = nodes[nodes.length - 1];
+  if (node) node.textContent = reply.content;
+  scrollDown();
+}
+
+function scrollDown() {
+  const box = $("messages");
+  box.scrollTop = box.scrollHeight;
+}
+
+export function render() {
+  const list = $("conversations");
+  list.replaceChildren();
+  for (const chat of state.chats) {
+    const button = el("button", { type: "button", text: chat.title, title: chat.title,
+      onclick: () => selectChat(chat.id) });
+    if (chat.id === state.currentId) button.setAttribute("aria-current", "true");
+    list.append(el("li", {}, button));
+  }
+  const chat = current();
+  $("chat-title").textContent = chat ? chat.title : "specd";
+  $("system-prompt").value = chat ? chat.system : "";
+  const box = $("messages");
+  box.replaceChildren();
+  if (chat) chat.messages.forEach((m, i) => box.append(messageNode(m, i, chat)));
+  scrollDown();
+}
