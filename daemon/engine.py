@@ -7,8 +7,9 @@ Each engine step advances every active generation to its next request, runs the 
 model's requests as one batched pass per tree depth until every generation waits on the
 target, then runs ONE target pass over all of them (a streamed target's weights cross the
 bus once for every client), and hands each generation its logits to walk and commit on its
-own. A pass holds at most `max_pass_tokens` tokens and the plan's logit rows: requests
-that do not fit wait for the next pass. Trees growing for one pass share its node budget
+own. A pass holds at most `max_pass_tokens` tokens and the plan's logit rows (the first
+request in line always goes): requests that do not fit wait for the next pass, and the
+rows they hold are counted before any tree grows again. Trees growing for one pass share its node budget
 in one best-first order over the whole forest (SpecExec's Dijkstra across trees): at each
 depth step the candidates of every tree are ranked together by cumulative draft
 log-probability and the best get the nodes, whichever request they belong to. A long prompt is prefilled one chunk per pass inside the same
@@ -43,6 +44,7 @@ from daemon.metrics import Metrics
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.errors import RequestError
 from speculative.generation import Chunk, Generation, GenerationStats, Session, Strategy
+from speculative.model import Transformer
 from speculative.passes import Allot, Forward, Request, allot, execute
 from speculative.sampling import SamplingParams
 
@@ -149,6 +151,7 @@ class _Active:
     target_passes: int = 0  # target passes it rode in
     pass_generations: int = 0  # generations in those passes, summed
     shared_passes: int = 0  # those that also carried another generation's work
+    grown: int = 0  # tree nodes granted to this round so far (rows of the coming pass)
 
 
 @dataclass
@@ -280,7 +283,12 @@ class Engine:
                     if self._queue.empty() and not self._stopping.is_set():
                         self._wake.wait(timeout=0.5)
                 continue
-            self._step()
+            try:
+                self._step()
+            except Exception as exc:  # a bug outside any one generation: never stop serving
+                log.error("an engine step failed; its generations fail with it", exc_info=exc)
+                for active in list(self._active):
+                    self._fail(active, exc)
         self._fail_everything(ServerShuttingDown("the server is shutting down"))
 
     def _admit(self) -> None:
@@ -369,7 +377,8 @@ class Engine:
         for active in list(self._active):
             if active.job.cancelled:
                 self._active.remove(active)
-                active.steps.close()  # the session (and its KV cache) is dropped with it
+                with contextlib.suppress(Exception):  # the session and its KV cache go too
+                    active.steps.close()
                 self.metrics.cancelled.inc()
         if not self._active:
             return
@@ -377,19 +386,17 @@ class Engine:
             self._step_alone()
             return
         assert self.runtime is not None
-        # The nodes every tree growing for this pass may add together: the plan's logit
-        # rows (one tree's) less one row per generation (its root, or its token). Alone,
-        # that is at least the tree's own budget.
-        forest = max(0, self.max_pass_rows - len(self._active))
         self._active.rotate(-1)  # whoever waited behind the bound goes first next time
         for active in list(self._active):
             if active.request is None:
                 self._advance(active)
         target = self.runtime.target
-        while True:  # trees grow in lockstep: nodes granted, then one draft pass per depth
+        # Trees grow in lockstep: nodes granted, then one draft pass per depth. It ends:
+        # every turn grants a node or runs a draft pass, and the rows are finite.
+        while True:
             asking = [a for a in self._active if isinstance(a.request, Allot)]
             if asking:
-                forest -= self._allot(asking, forest)
+                self._allot(asking, self._forest_room(target))
             drafting = [
                 a
                 for a in self._active
@@ -417,12 +424,28 @@ class Engine:
             else:
                 self._run_pass([active])
 
+    def _forest_room(self, target: Transformer) -> int:
+        """Tree nodes the target pass being assembled can still take: the plan's logit rows
+        less what is already committed to it, the rows of the target requests waiting
+        (deferred ones included) and, for every other generation, the rows its strategy's
+        pass returns (a root, a token, a chain) and the nodes its tree holds so far.
+        Alone, at least the tree's budget."""
+        rows = 0
+        for active in self._active:
+            request = active.request
+            if isinstance(request, Forward) and request.model is target:
+                rows += request.segment.logit_rows
+            else:
+                rows += active.generation.strategy.pass_rows + active.grown
+        return max(0, self.max_pass_rows - rows)
+
     def _allot(self, asking: list[_Active], budget: int) -> int:
         """Grant the growing trees their nodes in one best-first order over all of them
         (`passes.allot`); each runs on to its next request. Returns the nodes granted."""
         requests = [a.request for a in asking if isinstance(a.request, Allot)]
         granted = allot(requests, budget)
-        for active in asking:
+        for active, request in zip(asking, requests, strict=True):
+            active.grown += request.granted or 0
             active.request = None
             self._advance(active)
         return granted
@@ -477,6 +500,7 @@ class Engine:
         result = active.request.result
         assert result is not None
         if active.request.model is self.runtime.target:
+            active.grown = 0  # the round's tree is verified: its rows are spent
             active.target_passes += 1
             active.pass_generations += result.sequences
             active.shared_passes += int(result.sequences > 1)

@@ -115,6 +115,7 @@ class ModelDrafter:
             fed.extend(pending)
             passes += 1
             q = probabilities(logits, params, penalties.rows(path_counts))  # (1, V)
+            del done, logits  # a view of the whole pass's logits: gone before the next pass
             token = int(sample(q, generator)[0])
             tokens.append(token)
             rows.append(q[0])

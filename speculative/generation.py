@@ -281,6 +281,9 @@ class Strategy(Protocol):
     name: str
     target: Transformer
     prefill_chunk: int  # prompt tokens per prefill step (PREFILL_CHUNK; tests use tiny ones)
+    # Logit rows its target pass returns besides a tree's nodes (which the engine grants
+    # from the pass's rows): the engine reserves them before any tree grows.
+    pass_rows: int
 
     def new_session(self, capacity: int) -> Session: ...
 

@@ -4,7 +4,8 @@ A strategy does not call its models. Its round is a generator that yields a `For
 this model over this segment of my sequence) wherever it needs logits; the driver runs it,
 stores a `Pass` (the segment's logits and what the whole pass carried) in the request and
 resumes the generator, which takes the result out (`Forward.take`): a driver still holding
-the request then holds no logits through the next pass (the plan counts one). Whoever drives the
+the request then holds no logits through the next pass (the plan counts one); the
+strategies drop theirs before they request the next pass too. Whoever drives the
 generator decides how the requests run: `run_alone` runs each as a pass of its own (one
 generation: the CLI, tests), the engine gathers the requests of every active generation
 and runs them as one batched pass per model (`execute`), so a streamed target's weights
@@ -55,6 +56,7 @@ class Pass:
     logits: torch.Tensor  # (segment.logit_rows, V) fp32
     tokens: int  # tokens of every segment in the pass
     sequences: int  # segments in the pass
+    segment_tokens: int  # this segment's own tokens
 
 
 @dataclass(eq=False)
@@ -104,7 +106,8 @@ def execute(requests: Sequence[Forward]) -> None:
     if len(requests) == 1:  # a generation alone: no grouping
         (request,) = requests
         (alone,) = request.model.forward_batch([request.segment])
-        request.result = Pass(alone, request.segment.length, 1)
+        n = request.segment.length
+        request.result = Pass(alone, n, 1, n)
         return
     models: dict[int, list[int]] = {}
     for i, req in enumerate(requests):
@@ -115,7 +118,7 @@ def execute(requests: Sequence[Forward]) -> None:
         logits = model.forward_batch(segments)
         tokens = sum(seg.length for seg in segments)
         for i, out in zip(indices, logits, strict=True):
-            requests[i].result = Pass(out, tokens, len(segments))
+            requests[i].result = Pass(out, tokens, len(segments), requests[i].segment.length)
 
 
 def serve_alone(request: Request) -> None:

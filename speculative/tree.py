@@ -180,8 +180,9 @@ def grow_tree_steps(
         passes += 1
         # Scaled in place (the same values as `logits * scale`): this pass's logits and
         # their log-softmax are then the only (t, V) fp32 tensors alive, which the memory
-        # plan's tree-sized draft pass covers (t is at most half the budget: nodes at the
-        # depth limit are never fed, so a pass happens only with max_depth >= 2).
+        # plan's tree-sized draft pass covers (t is at most the nodes granted this step,
+        # within the budget; in a shared pass every tree's t together are within the
+        # pass's rows, `passes.allot`).
         with torch.inference_mode():  # the pass returned an inference tensor
             logits.mul_(scale)
         logp, tok, row = _top_children(logits, tree.logprobs[idx], budget - added, max_branch)

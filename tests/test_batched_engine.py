@@ -86,7 +86,7 @@ class Faulty:
     def __init__(self, inner: Strategy, rounds: int = 2) -> None:
         self.inner, self.rounds = inner, rounds
         self.name, self.target = "faulty", inner.target
-        self.prefill_chunk = inner.prefill_chunk
+        self.prefill_chunk, self.pass_rows = inner.prefill_chunk, inner.pass_rows
 
     def new_session(self, capacity: int) -> Session:
         return self.inner.new_session(capacity)
@@ -116,6 +116,8 @@ def build_strategy(runtime: Runtime, name: str, chunk: int = PREFILL_CHUNK) -> S
         strategy = Linear(target, NgramDrafter(vocab))
     elif name == "tree-ngram":
         strategy = TreeSpeculation(target, None, BUDGET, prefix_cache=PrefixCache(0))
+    elif name == "tree-16":  # a fixed budget: every round grows a tree
+        strategy = TreeSpeculation(target, runtime.draft, 16, prefix_cache=PrefixCache(0))
     elif name == "faulty":
         strategy = Faulty(build_strategy(runtime, "linear"))
     else:
@@ -310,7 +312,7 @@ def test_concurrent_outputs_equal_each_request_alone(
 def test_two_tree_generations_take_about_the_passes_of_one(
     runtime: Runtime, make_engine: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    specs = [Spec("tree", STORY, 30, ignore_eos=True)] * 2
+    specs = [Spec("tree", STORY, 60, ignore_eos=True)] * 2
     expected = alone(runtime, specs[0], GREEDY)
     engine, _ = make_engine()
     passes = Passes(runtime.target, monkeypatch)
@@ -319,7 +321,7 @@ def test_two_tree_generations_take_about_the_passes_of_one(
     for g in got:
         assert_same(g, expected)
     own = [g.stats["target_passes"] for g in got]
-    assert min(own) >= 10
+    assert min(own) >= 6  # enough passes for the count to mean something
     # One pass serves both: the engine ran about the passes of one, not of two.
     assert engine.metrics.passes.value == len(passes.caches)
     assert engine.metrics.passes.value <= 0.6 * sum(own), (engine.metrics.passes.value, own)
@@ -563,3 +565,69 @@ def test_a_pass_stays_within_its_bounds_and_outputs_are_unchanged(
     assert max(len(caches) for caches in passes.caches) > 1
     if bound == "tokens":  # some requests waited: fewer in a pass than were active
         assert max(len(caches) for caches in passes.caches) < len(MIX)
+
+
+def test_mixed_strategies_keep_sharing_every_pass(
+    runtime: Runtime, make_engine: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trees beside linear chains (k + 1 rows each): the trees' nodes are granted within
+    what the other requests leave of the pass's rows, so after the first passes every
+    target pass carries every generation still running; nothing is deferred into passes
+    of one (a review found trees granted the whole forest beside a waiting chain, and
+    passes of one generation from then on)."""
+    mix = [
+        Spec("tree-16", "Once upon a time, there was a big", 24, ignore_eos=True),
+        Spec("tree-16", "One day, Sue went to the park", 24, ignore_eos=True),
+        Spec("tree-16", "Tom was sad because", 24, ignore_eos=True),
+        Spec("linear", "Ben had a toy", 24, ignore_eos=True),
+    ]
+    engine, sessions = make_engine()
+    engine.max_pass_rows = 20  # a small tree's rows (the worker reads it at each step)
+    passes = Passes(runtime.target, monkeypatch)
+    requests = [request(runtime, s, GREEDY) for s in mix]
+    _, got = asyncio.run(run_together(engine, passes, requests))
+    for g, spec in zip(got, mix, strict=True):
+        assert_same(g, alone(runtime, spec, GREEDY))
+    caches = [s.target_cache for s in sessions]
+    last_pass = {id(c): max(passes.carrying(c)) for c in caches}
+    short = [
+        i
+        for i, carried in enumerate(passes.caches)
+        if i > 2  # the first pass (the others were submitted during it) and admission
+        and len(carried) < sum(1 for c in caches if last_pass[id(c)] >= i)
+    ]
+    assert short == [], short
+    assert max(passes.rows) <= 20
+
+
+def test_a_failure_outside_any_generation_fails_its_step_and_the_engine_keeps_serving(
+    runtime: Runtime, make_engine: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in the step itself (here the node grant) fails the generations of that step
+    with the error and is logged; the worker thread survives and serves the next
+    request (a review found the thread died and every request hung)."""
+    from daemon import engine as engine_module
+
+    real = engine_module.allot
+    calls = {"n": 0}
+
+    def broken_once(requests, budget):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug in the step")
+        return real(requests, budget)
+
+    monkeypatch.setattr(engine_module, "allot", broken_once)
+    engine, _ = make_engine()
+    spec = Spec("tree-16", "Once upon a time, there was a big", 8, ignore_eos=True)
+
+    async def run() -> tuple[Outcome, Outcome]:
+        loop = asyncio.get_running_loop()
+        first = await outcome(engine.submit(request(runtime, spec, GREEDY), loop))
+        return first, await outcome(engine.submit(request(runtime, spec, GREEDY), loop))
+
+    failed, served = asyncio.run(run())
+    assert isinstance(failed.error, RuntimeError) and "a bug in the step" in str(failed.error)
+    assert_same(served, alone(runtime, spec, GREEDY))
+    assert engine.ready and engine._thread.is_alive()
+    assert engine.metrics.failed.value == 1

@@ -218,3 +218,44 @@ def test_trees_growing_for_one_pass_get_nodes_where_the_draft_is_surest(
     sure, unsure = (t.size - 1 for t in trees)
     assert sure + unsure <= 24 and forest >= 0
     assert sure > unsure > 0
+
+
+@pytest.mark.parametrize("name", ["autoregressive", "linear", "tree"])
+def test_no_strategy_holds_a_passs_logits_through_the_next_pass(
+    stories_target: Path, stories_draft: Path, name: str
+) -> None:
+    """The plan counts one pass's logits: every earlier pass's are freed by the time the
+    next target pass starts (a review found each strategy kept its last ones alive, which
+    in a batched pass keeps the whole pass's (rows, vocabulary) tensor)."""
+    import gc
+    import weakref
+
+    from daemon.runtime import Runtime, RuntimeOptions
+    from speculative.generation import Generation
+    from speculative.sampling import SamplingParams
+
+    rt = Runtime(
+        RuntimeOptions(
+            model=str(stories_target), draft=str(stories_draft), device="cpu", budget=8,
+            prefix_cache=0,
+        )
+    )  # fmt: skip
+    earlier: list[weakref.ref] = []
+    alive_at_pass: list[int] = []
+    real = rt.target.forward_batch
+
+    def watched(segments: list[Segment]) -> list[torch.Tensor]:
+        gc.collect()
+        alive_at_pass.append(sum(ref() is not None for ref in earlier))
+        out = real(segments)
+        earlier.extend(weakref.ref(t) for t in out)
+        return out
+
+    rt.target.forward_batch = watched  # type: ignore[method-assign]
+    strategy = rt.strategy(name)
+    ids = rt.tokenizer.encode("Once upon a time, there was a little girl")
+    Generation(
+        strategy, rt.new_session(strategy), rt.tokenizer, ids, SamplingParams(), 24,
+        ignore_eos=True,
+    ).run()  # fmt: skip
+    assert len(alive_at_pass) > 3 and set(alive_at_pass) == {0}, alive_at_pass

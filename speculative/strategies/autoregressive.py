@@ -23,6 +23,7 @@ from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, 
 
 class Autoregressive:
     name = "autoregressive"
+    pass_rows = 1  # the one token's
 
     def __init__(self, target: Transformer, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.target = target
@@ -63,6 +64,7 @@ class Autoregressive:
             logits = done.logits  # (1, V)
             session.target_tokens.append(root)
             token = int(draw(logits, params, penalties, noise, positions=[pos + 1])[0])
+            del done, logits  # a view of the whole pass's logits: gone before the next pass
             if penalties is not None:
                 penalties.append([token])
             stats.target_passes += 1

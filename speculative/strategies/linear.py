@@ -65,6 +65,7 @@ class Linear:
         self.target = target
         self.drafter = drafter
         self.spec_length = spec_length
+        self.pass_rows = spec_length + 1  # the root and the chain
         self.prefill_chunk = prefill_chunk
 
     def new_session(self, capacity: int) -> Session:
@@ -146,6 +147,7 @@ class Linear:
             counts = path_counts(drafted, vocab, target.device)  # (k+1, V)
             p = probabilities(logits, params, penalties.rows(counts))  # (k+1, V)
             accepted, token = self.verify(p, proposal.q, drafted, generator)
+            del done, logits, p, proposal  # (k+1, V) rows: gone before the next pass
 
             # Roll the target back to x_1..x_L, t_1..t_a; the new token is the next root.
             cache.truncate(start + 1 + accepted)

@@ -79,6 +79,7 @@ class _Walker:
 
 class TreeSpeculation:
     name = "tree"
+    pass_rows = 1  # the root's; the nodes' rows are granted per pass (passes.allot)
 
     def __init__(
         self,
@@ -175,14 +176,14 @@ class TreeSpeculation:
             pending = state.seq[len(session.target_tokens) : -1]
             drafted = None
             if budget == 0 and not pending:
-                tok, alone = yield from self._plain_step(session, state)
+                tok, sharing = yield from self._plain_step(session, state)
                 tokens.append(tok)
                 stats.target_passes += 1
                 stats.budget = shape.budget
                 seconds = time.perf_counter() - t_round
                 stats.verify_seconds += seconds
-                if alone:
-                    self.planner.observe(RoundRecord(shape, 0, [], 1, seconds, 0.0, 0))
+                # Charged its share of a pass it shared (see below).
+                self.planner.observe(RoundRecord(shape, 0, [], 1, seconds / sharing, 0.0, 0))
             else:
                 self.target.prefetch()  # a streamed target's first layers copy meanwhile
                 tree = yield from self._draft(session, state.seq, budget, depth, params, stats)
@@ -191,6 +192,8 @@ class TreeSpeculation:
                     self.target, *self._verification(session, state.seq, tree)
                 )
                 drafted = self._accept(session, state, tree, verified.logits, tokens)
+                own_tokens, sharing = verified.segment_tokens, verified.sequences
+                del verified  # its logits (a view of the whole pass's) go before the next pass
                 path = drafted.path
                 stats.target_passes += 1
                 stats.drafted += tree.size - 1
@@ -198,23 +201,23 @@ class TreeSpeculation:
                 stats.tree_nodes += tree.size - 1
                 stats.budget = shape.budget
                 stats.verify_seconds += time.perf_counter() - t0
-                # `auto` learns from rounds whose passes this generation had alone: in a
-                # shared pass the round's time is every generation's work (measured: fed
-                # those rounds, it learned that big trees cost nothing and chose 256-node
-                # trees for a lone client on a CPU, 0.47x the speed), and the pass's nodes
-                # are placed across the trees by the engine (`passes.allot`) anyway.
-                if verified.sequences == 1:
-                    self.planner.observe(
-                        RoundRecord(
-                            shape=shape,
-                            nodes=tree.size - 1,
-                            path=path,
-                            verify_tokens=verified.tokens,
-                            round_seconds=time.perf_counter() - t_round,
-                            draft_seconds=stats.draft_seconds,
-                            draft_passes=stats.draft_passes,
-                        )
+                # A round whose passes were shared by `sharing` generations is charged its
+                # share of their time, against its own tokens: the whole pass's time and
+                # tokens made `auto` take every generation's work for one tree's cost
+                # (measured: 256-node trees for a lone client on a CPU, 0.47x the speed).
+                # On a streamed target the share is the point: the stream costs the same
+                # whatever the pass carries, so a shared tree is cheaper.
+                self.planner.observe(
+                    RoundRecord(
+                        shape=shape,
+                        nodes=tree.size - 1,
+                        path=path,
+                        verify_tokens=own_tokens,
+                        round_seconds=(time.perf_counter() - t_round) / sharing,
+                        draft_seconds=stats.draft_seconds / sharing,
+                        draft_passes=stats.draft_passes,
                     )
+                )
             state.emitted += len(tokens)
             yield Round(tokens, stats, drafted)
             stats = RoundStats()
@@ -291,7 +294,7 @@ class TreeSpeculation:
         state.seq.extend(new)  # (the walk counted them in `penalties` already)
         return DraftedTree(node_tokens, parents, path)
 
-    def _plain_step(self, session: Session, state: _Walker) -> Steps[tuple[int, bool]]:
+    def _plain_step(self, session: Session, state: _Walker) -> Steps[tuple[int, int]]:
         """No tree: one target step on the root, as cheap as autoregressive decoding (auto
         falls back to this where speculation does not pay)."""
         target = self.target
@@ -309,7 +312,7 @@ class TreeSpeculation:
         if self.prefix_cache.max_bytes:
             state.key = self.prefix_cache.child(state.key, tok)
         state.seq.append(tok)
-        return tok, done.sequences == 1  # (the token, whether the pass was this one's alone)
+        return tok, done.sequences  # the token, and how many generations shared the pass
 
     def _draft(
         self,
@@ -351,11 +354,13 @@ class TreeSpeculation:
         # Rank guesses as the target will choose: sharply when greedy (0.5 measured best on
         # the stories pair), at the request's temperature when sampling.
         score_temperature = GREEDY_SCORE_TEMPERATURE if params.greedy else params.temperature
+        root_logits = first.logits[0].clone()  # (V,) alone: not a view of the whole pass
+        del first
         passes = yield from grow_tree_steps(
             draft,
             dcache,
             tree,
-            first.logits[0],
+            root_logits,
             len(seq) - 1,
             budget,
             depth,
