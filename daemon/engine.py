@@ -476,6 +476,10 @@ class Engine:
             if len(chosen) == 1:
                 self._fail(chosen[0], exc)
                 return
+            log.warning(
+                "a pass of %d generations failed (%s: %s); each is rerun alone",
+                len(chosen), type(exc).__name__, exc,
+            )  # fmt: skip
             # Whose fault? Each alone: the others' results are as good as batched ones.
             for active in chosen:
                 self._retry_alone(active)
@@ -492,6 +496,8 @@ class Engine:
         except Exception as exc:
             self._fail(active, exc)
             return
+        if self.runtime is not None and active.request.model is self.runtime.target:
+            self.metrics.record_pass(1, active.request.segment.length)
         self._deliver(active)
 
     def _deliver(self, active: _Active) -> None:
