@@ -182,8 +182,8 @@ class TreeSpeculation:
                 stats.budget = shape.budget
                 seconds = time.perf_counter() - t_round
                 stats.verify_seconds += seconds
-                # Charged its share of a pass it shared (see below).
-                self.planner.observe(RoundRecord(shape, 0, [], 1, seconds / sharing, 0.0, 0))
+                if sharing == 1:  # see below
+                    self.planner.observe(RoundRecord(shape, 0, [], 1, seconds, 0.0, 0))
             else:
                 self.target.prefetch()  # a streamed target's first layers copy meanwhile
                 tree = yield from self._draft(session, state.seq, budget, depth, params, stats)
@@ -201,23 +201,25 @@ class TreeSpeculation:
                 stats.tree_nodes += tree.size - 1
                 stats.budget = shape.budget
                 stats.verify_seconds += time.perf_counter() - t0
-                # A round whose passes were shared by `sharing` generations is charged its
-                # share of their time, against its own tokens: the whole pass's time and
-                # tokens made `auto` take every generation's work for one tree's cost
-                # (measured: 256-node trees for a lone client on a CPU, 0.47x the speed).
-                # On a streamed target the share is the point: the stream costs the same
-                # whatever the pass carries, so a shared tree is cheaper.
-                self.planner.observe(
-                    RoundRecord(
-                        shape=shape,
-                        nodes=tree.size - 1,
-                        path=path,
-                        verify_tokens=own_tokens,
-                        round_seconds=(time.perf_counter() - t_round) / sharing,
-                        draft_seconds=stats.draft_seconds / sharing,
-                        draft_passes=stats.draft_passes,
+                # `auto` learns from rounds whose passes this generation had alone. A shared
+                # round's time is every generation's work: fed whole (with the pass's
+                # tokens), `auto` took it for one tree's cost and chose 256-node trees for a
+                # lone client on a CPU (0.47x the speed); charged its share instead, it
+                # grew big trees for 8 clients on a CPU, where a pass's compute grows with
+                # every tree in it (1.6x the interleaved engine instead of 2.8x). Under
+                # concurrency the forest's grants place the pass's nodes.
+                if sharing == 1:
+                    self.planner.observe(
+                        RoundRecord(
+                            shape=shape,
+                            nodes=tree.size - 1,
+                            path=path,
+                            verify_tokens=own_tokens,
+                            round_seconds=time.perf_counter() - t_round,
+                            draft_seconds=stats.draft_seconds,
+                            draft_passes=stats.draft_passes,
+                        )
                     )
-                )
             state.emitted += len(tokens)
             yield Round(tokens, stats, drafted)
             stats = RoundStats()
