@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 
 from aiohttp import web
 
@@ -49,7 +50,8 @@ from daemon.openai_wire import (
 from daemon.runtime import RuntimeError_
 from speculative.errors import RequestError
 from speculative.generation import Chunk
-from speculative.tokenizer import ChatTemplateError
+from speculative.sampling import TokenLogprob
+from speculative.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("specd.api")
 
@@ -170,14 +172,27 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         raise
     except BudgetTooLargeError as exc:
         raise bad_request(str(exc), "budget", code="budget_too_large") from None
-    shape = ResponseShape(chat=chat, model=config.model_name)
+    decode = None
+    if req.params.logprobs is not None:
+        tokenizer = engine.runtime.tokenizer if engine.runtime is not None else None
+        if tokenizer is not None:
+            decode = partial(_token_text, tokenizer)
+    shape = ResponseShape(chat=chat, model=config.model_name, decode=decode)
     try:
         if req.stream:
-            return await _stream(request, job, shape, req, config.keepalive_seconds)
-        return await _collect(request, job, shape)
+            return await _stream(request, job, shape, req, config.keepalive_seconds, prompt_ids[-1])
+        return await _collect(request, job, shape, prompt_ids[-1])
     finally:
         if not job.done:
             job.cancel()  # the client went away (or we failed): free the engine's slot
+
+
+def _token_text(tokenizer: Tokenizer, previous: int, token: int) -> str:
+    """A token's text after `previous`, as the log-probabilities name it: decoded with
+    the token before it, so a word's leading space survives (a piece of a multi-byte
+    character still decodes to U+FFFD)."""
+    before = tokenizer.decode([previous], skip_special_tokens=False)
+    return tokenizer.decode([previous, token], skip_special_tokens=False)[len(before) :]
 
 
 def _check_strategy(engine: Engine, req: CompletionRequest) -> None:
@@ -253,11 +268,14 @@ def _client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def _collect(request: web.Request, job: Job, shape: ResponseShape) -> web.Response:
+async def _collect(
+    request: web.Request, job: Job, shape: ResponseShape, previous: int
+) -> web.Response:
     """The whole answer in one body. Nothing is written before the end, so a client that
     left is not noticed by a failed write as a stream's is: its connection is looked at
     after every event and every `DISCONNECT_POLL_SECONDS`, and the job cancelled."""
     text: list[str] = []
+    logprobs: list[TokenLogprob] = []
     while True:
         event = await _next_event(job, request, DISCONNECT_POLL_SECONDS)
         if _client_gone(request):
@@ -268,10 +286,14 @@ async def _collect(request: web.Request, job: Job, shape: ResponseShape) -> web.
             continue
         if isinstance(event, Chunk):
             text.append(event.text)
+            logprobs += event.logprobs
         elif isinstance(event, Finished):
             cached = int(event.stats.get("cached_prompt_tokens", 0))
             u = usage(event.prompt_tokens, event.completion_tokens, cached)
-            return web.json_response(shape.full("".join(text), event.finish_reason, u, event.stats))
+            body = shape.full(
+                "".join(text), event.finish_reason, u, event.stats, logprobs, previous
+            )
+            return web.json_response(body)
         elif isinstance(event, Failed):
             raise _failure(event.error)
 
@@ -282,6 +304,7 @@ async def _stream(
     shape: ResponseShape,
     req: CompletionRequest,
     keepalive: float,
+    previous: int,  # the prompt's last token (log-probabilities name tokens in context)
 ) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={
@@ -295,6 +318,7 @@ async def _stream(
         response.headers.update(cors_headers(origin))
     await response.prepare(request)
     first = True
+    offset = 0  # characters of text sent so far (the completions' text_offset)
     if shape.chat:  # the role arrives before any text, as OpenAI's own stream does
         await response.write(sse(shape.chunk("", first=True)))
         first = False
@@ -313,9 +337,15 @@ async def _stream(
             for trace in (t for e in batch if isinstance(e, Chunk) for t in e.trace):
                 await response.write(sse(shape.trace_chunk(trace)))
             text = "".join(e.text for e in batch if isinstance(e, Chunk))
-            if text:
-                await response.write(sse(shape.chunk(text, first=first)))
+            logprobs = [lp for e in batch if isinstance(e, Chunk) for lp in e.logprobs]
+            if text or logprobs:
+                chunk = shape.chunk(
+                    text, first=first, logprobs=logprobs, offset=offset, previous=previous
+                )
+                await response.write(sse(chunk))
                 first = False
+                offset += len(text)
+                previous = logprobs[-1].token if logprobs else previous
             event = batch[-1]
             if isinstance(event, Finished):
                 await response.write(

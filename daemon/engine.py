@@ -610,6 +610,7 @@ def _merge(chunks: list[Chunk]) -> Chunk:
         token_ids=[t for c in chunks for t in c.token_ids],
         finish_reason=chunks[-1].finish_reason,
         trace=[t for c in chunks for t in c.trace],
+        logprobs=[lp for c in chunks for lp in c.logprobs],
     )
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from speculative.sampling import SamplingParams
+from speculative.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
 
 STRATEGIES = ("autoregressive", "linear", "tree")
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -170,8 +170,6 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad_request("tool_choice is not supported by specd (no tool calling)", "tool_choice")
     if body.get("function_call") not in (None, "none"):
         raise bad_request("function_call is not supported by specd", "function_call")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise bad_request("logprobs are not supported by specd", "logprobs")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad_request("response_format other than text is not supported", "response_format")
@@ -195,7 +193,22 @@ def _stop(body: dict) -> list[str]:
     return [_text(s, "stop") for s in stop]
 
 
-def _common(body: dict, limits: WireLimits) -> dict[str, Any]:
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token the request wants with its tokens' log-probabilities
+    (None: none asked for). Chat: `logprobs` true, and `top_logprobs` 0..20; completions:
+    `logprobs` 0..20 (OpenAI's legacy limit is 5; specd allows as many as chat)."""
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise bad_request("logprobs must be true or false", "logprobs")
+        top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if top is not None and not wanted:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if wanted else None
+    return _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+
+
+def _common(body: dict, limits: WireLimits, chat: bool) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", "model")
@@ -234,6 +247,7 @@ def _common(body: dict, limits: WireLimits) -> dict[str, Any]:
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         seed=seed,
+        logprobs=_logprobs(body, chat),
     )
     return dict(
         model=model,
@@ -315,7 +329,7 @@ def parse_chat(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
             )
         content = _message_text(msg.get("content"), f"{where}.content")
         normalised.append({"role": CHAT_ROLES[role], "content": content})
-    return CompletionRequest(messages=normalised, prompt=None, **_common(body, limits))
+    return CompletionRequest(messages=normalised, prompt=None, **_common(body, limits, True))
 
 
 def _refuse_unsupported_completion(body: dict) -> None:
@@ -347,7 +361,7 @@ def parse_completion(body: dict[str, Any], limits: WireLimits) -> CompletionRequ
         raise bad_request(
             "prompt must be a string or a list of token ids (one prompt per request)", "prompt"
         )
-    return CompletionRequest(messages=None, prompt=prompt, **_common(body, limits))
+    return CompletionRequest(messages=None, prompt=prompt, **_common(body, limits, False))
 
 
 # ---- responses ----
@@ -404,6 +418,10 @@ class ResponseShape:
     model: str
     id: str = ""
     created: int = 0
+    # A token's text after the token before it (`decode(previous, token)`), when the
+    # request asked for log-probabilities (else None). In context: a SentencePiece word's
+    # leading space is lost when the piece is decoded on its own.
+    decode: Callable[[int, int], str] | None = None
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id("chatcmpl" if self.chat else "cmpl")
@@ -416,18 +434,64 @@ class ResponseShape:
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
+    def logprobs(
+        self, entries: list[TokenLogprob], previous: int, offset: int = 0
+    ) -> dict[str, Any] | None:
+        """OpenAI's shape of the tokens' log-probabilities: chat's `content` list, or the
+        completions' parallel lists (`text_offset` counted from `offset`). `previous`: the
+        token before the first entry's (the prompt's last, or the last one sent)."""
+        if self.decode is None:
+            return None
+        decode = self.decode
+        befores = [previous, *(e.token for e in entries[:-1])]
+        if self.chat:
+
+            def item(before: int, token: int, logprob: float) -> dict[str, Any]:
+                text = decode(before, token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {
+                "content": [
+                    {
+                        **item(b, e.token, e.logprob),
+                        "top_logprobs": [item(b, t, lp) for t, lp in e.top],
+                    }
+                    for b, e in zip(befores, entries, strict=True)
+                ]
+            }
+        tokens = [decode(b, e.token) for b, e in zip(befores, entries, strict=True)]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [
+                {decode(b, t): lp for t, lp in e.top} for b, e in zip(befores, entries, strict=True)
+            ],
+            "text_offset": offsets,
+        }
+
     def full(
-        self, text: str, finish_reason: str, usage_: dict[str, Any], stats: dict[str, Any]
+        self,
+        text: str,
+        finish_reason: str,
+        usage_: dict[str, Any],
+        stats: dict[str, Any],
+        logprobs: list[TokenLogprob] | None = None,
+        previous: int = 0,
     ) -> dict[str, Any]:
+        lp = self.logprobs(logprobs or [], previous)
         if self.chat:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": finish_reason,
-                "logprobs": None,
+                "logprobs": lp,
             }
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": lp}
         return {
             **self._envelope(stream=False),
             "choices": [choice],
@@ -442,14 +506,18 @@ class ResponseShape:
         first: bool = False,
         finish_reason: str | None = None,
         stats: dict[str, Any] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+        offset: int = 0,
+        previous: int = 0,
     ) -> dict[str, Any]:
+        lp = self.logprobs(logprobs, previous, offset) if logprobs else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if not first and text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": lp}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": lp}
         out = {**self._envelope(stream=True), "choices": [choice]}
         if stats is not None:
             out["specd"] = specd_stats(stats)

@@ -29,7 +29,7 @@ from speculative.passes import (
     run_alone,
     serve_alone,
 )
-from speculative.sampling import SamplingParams, make_generator
+from speculative.sampling import SamplingParams, TokenLogprob, make_generator
 
 PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds activation memory
 
@@ -74,6 +74,8 @@ class Round:
     # (none after a prefill step: see `prefill`)
     stats: RoundStats
     tree: DraftedTree | None = None  # the tree strategy's draft, when the round had one
+    # With params.logprobs set: one entry per token, in order (sampling.token_logprob).
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -320,6 +322,8 @@ class Chunk:
     finish_reason: str | None = None
     # With Generation(trace=True): one entry per round that drafted a tree (`trace_round`).
     trace: list[dict[str, Any]] = field(default_factory=list)
+    # With params.logprobs set: one entry per token of `token_ids`.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 # A trace stays small whatever the budget and the answer's length: the first nodes of each
@@ -458,7 +462,9 @@ class Generation:
                     trace.append(trace_round(self.traced_rounds, rnd, rnd.tree, self.tokenizer))
                 # A round with no tokens (a prefill step) still yields an empty chunk: the
                 # caller gets control back between chunks of a long prompt.
-                yield Chunk(text, taken, self.finish_reason, trace)
+                # The emitted tokens' log-probabilities, as many as were taken.
+                logprobs = (rnd.logprobs or [])[: len(taken)]
+                yield Chunk(text, taken, self.finish_reason, trace, logprobs)
                 if self.finish_reason is not None:
                     return
             # The strategy ran out of room (end of context) before any stop rule fired.

@@ -15,6 +15,31 @@ import torch
 
 from speculative.errors import RequestError
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target's next-token distribution at
+    its position (the model's own distribution: log-softmax of its logits, before
+    temperature, penalties or top-k/p), and the most likely alternatives there."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token, log-probability), most likely first
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`logits` (V,): the target's at the position `token` was drawn for."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (V,)
+    best = torch.topk(logp, top) if top else None
+    alternatives = (
+        list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+        if best is not None
+        else []
+    )
+    return TokenLogprob(token, float(logp[token]), alternatives)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -26,6 +51,10 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI style, over generated tokens
     frequency_penalty: float = 0.0
     seed: int | None = None
+    # Log-probabilities of each emitted token and of this many most likely alternatives
+    # (0..MAX_TOP_LOGPROBS); None: not asked for. Not a sampling setting: nothing sampled
+    # changes with it.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -37,6 +66,11 @@ class SamplingParams:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, "a 64-bit integer"),
+            (
+                "logprobs",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+                f"0..{MAX_TOP_LOGPROBS} alternatives, or None",
+            ),
         ]
         for name, ok, allowed in checks:
             if not ok:

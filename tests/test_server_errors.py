@@ -160,11 +160,50 @@ def test_sampling_values_out_of_range(server: BackgroundServer, field: str, valu
     assert_error(call(server, {**good(), field: value}), 400, field)
 
 
-@pytest.mark.parametrize(("field", "value"), [("n", 2), ("tools", [{"type": "function"}]),
-                                              ("logprobs", True)])  # fmt: skip
+@pytest.mark.parametrize(("field", "value"), [("n", 2), ("tools", [{"type": "function"}])])
 def test_fields_that_cannot_be_honoured(server: BackgroundServer, field: str, value: Any) -> None:
     error = assert_error(call(server, {**good(), field: value}), 400, field)
     assert "not supported" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": "yes"}, "logprobs"),
+    ],
+)
+def test_bad_logprobs_requests_name_the_field(
+    server: BackgroundServer, extra: dict[str, Any], field: str
+) -> None:
+    assert_error(call(server, {**good(), **extra}), 400, field)
+
+
+def test_chat_logprobs_in_openais_shape(server: BackgroundServer) -> None:
+    status, _, body = call(server, {**good(), "logprobs": True, "top_logprobs": 2})
+    assert status == 200
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"]
+    assert "".join(c["token"] for c in content) == body["choices"][0]["message"]["content"]
+    for entry in content:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["token"] == entry["token"]  # greedy: the top one
+        assert entry["bytes"] == list(entry["token"].encode())
+    status, _, plain = call(server, good())
+    assert plain["choices"][0]["logprobs"] is None
+
+
+def test_completion_logprobs_in_openais_shape(server: BackgroundServer) -> None:
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 4, "temperature": 0, "logprobs": 3}
+    status, _, out = call(server, body, path="/v1/completions")
+    assert status == 200
+    lp = out["choices"][0]["logprobs"]
+    text = out["choices"][0]["text"]
+    assert "".join(lp["tokens"]) == text and len(lp["token_logprobs"]) == len(lp["tokens"])
+    assert lp["text_offset"][0] == 0 and all(len(t) == 3 for t in lp["top_logprobs"])
+    assert all(lp["top_logprobs"][i][tok] == lp["token_logprobs"][i] for i, tok in
+               enumerate(lp["tokens"]))  # fmt: skip
 
 
 def test_unknown_fields_are_ignored(server: BackgroundServer) -> None:

@@ -18,7 +18,13 @@ from speculative.generation import (
 )
 from speculative.model import Transformer
 from speculative.passes import forward
-from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, draw
+from speculative.sampling import (
+    PenaltyContext,
+    PositionNoise,
+    SamplingParams,
+    draw,
+    token_logprob,
+)
 
 
 class Autoregressive:
@@ -64,11 +70,16 @@ class Autoregressive:
             logits = done.logits  # (1, V)
             session.target_tokens.append(root)
             token = int(draw(logits, params, penalties, noise, positions=[pos + 1])[0])
+            logprobs = (
+                [token_logprob(logits[0], token, params.logprobs)]
+                if params.logprobs is not None
+                else None
+            )
             del done, logits  # a view of the whole pass's logits: gone before the next pass
             if penalties is not None:
                 penalties.append([token])
             stats.target_passes += 1
             stats.verify_seconds += time.perf_counter() - t0
-            yield Round([token], stats)
+            yield Round([token], stats, logprobs=logprobs)
             stats = RoundStats()
             root = token

@@ -29,7 +29,13 @@ from speculative.generation import (
 )
 from speculative.model import Transformer
 from speculative.passes import forward
-from speculative.sampling import PenaltyContext, SamplingParams, probabilities, sample
+from speculative.sampling import (
+    PenaltyContext,
+    SamplingParams,
+    probabilities,
+    sample,
+    token_logprob,
+)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -147,6 +153,12 @@ class Linear:
             counts = path_counts(drafted, vocab, target.device)  # (k+1, V)
             p = probabilities(logits, params, penalties.rows(counts))  # (k+1, V)
             accepted, token = self.verify(p, proposal.q, drafted, generator)
+            emitted_tokens = [*drafted[:accepted], token]  # row j is where token j was drawn
+            logprobs = (
+                [token_logprob(logits[j], t, params.logprobs) for j, t in enumerate(emitted_tokens)]
+                if params.logprobs is not None
+                else None
+            )
             del done, logits, p, proposal  # (k+1, V) rows: gone before the next pass
 
             # Roll the target back to x_1..x_L, t_1..t_a; the new token is the next root.
@@ -160,5 +172,5 @@ class Linear:
             stats.accepted += accepted
             stats.verify_seconds += time.perf_counter() - t0
             emitted += len(new)
-            yield Round(new, stats)
+            yield Round(new, stats, logprobs=logprobs)
             stats = RoundStats()

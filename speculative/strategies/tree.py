@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,7 +44,14 @@ from speculative.model import Transformer
 from speculative.ngram import ngram_continuations
 from speculative.passes import Steps, forward
 from speculative.prefix_cache import PrefixCache
-from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, draw
+from speculative.sampling import (
+    PenaltyContext,
+    PositionNoise,
+    SamplingParams,
+    TokenLogprob,
+    draw,
+    token_logprob,
+)
 from speculative.tree import (
     DraftTree,
     grow_tree_steps,
@@ -67,6 +74,22 @@ class _Walker:
     noise: PositionNoise
     params: SamplingParams
     emitted: int = 0
+
+    # The round's emitted tokens' log-probabilities, when the request asked for them.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def note_logprob(self, row: torch.Tensor, token: int) -> None:
+        """Keep `token`'s log-probability under `row` (V,), the target's logits where it
+        was drawn, if the request asked for log-probabilities."""
+        if self.params.logprobs is not None:
+            self.logprobs.append(token_logprob(row, token, self.params.logprobs))
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        """What was noted since the last call (None when not asked for)."""
+        if self.params.logprobs is None:
+            return None
+        taken, self.logprobs = self.logprobs, []
+        return taken
 
     def draw(self, logits: torch.Tensor, position: int) -> int:
         """One exact sample from a (1, V) row at sequence `position`, counted for the
@@ -147,7 +170,7 @@ class TreeSpeculation:
             if left == 0 or room < 0:
                 if tokens:
                     stats.verify_seconds += time.perf_counter() - t_round
-                    yield Round(tokens, stats)
+                    yield Round(tokens, stats, logprobs=state.take_logprobs())
                 return
             shape = self.planner.next_shape()
             stats.budget_reason = self.planner.reason
@@ -168,6 +191,7 @@ class TreeSpeculation:
             for step in caught_up:
                 if isinstance(step, Round):
                     step.tokens, tokens = tokens, []  # tokens walked above go out first
+                    step.logprobs = state.take_logprobs()
                     state.emitted += len(step.tokens)
                     yield step
                     t_round = time.perf_counter()  # others ran meanwhile: not this round's
@@ -221,7 +245,7 @@ class TreeSpeculation:
                         )
                     )
             state.emitted += len(tokens)
-            yield Round(tokens, stats, drafted)
+            yield Round(tokens, stats, drafted, state.take_logprobs())
             stats = RoundStats()
 
     def _walk_cached(
@@ -242,6 +266,7 @@ class TreeSpeculation:
                 break
             stats.prefix_cache_hits += 1
             tokens.append(state.draw(row[None, :], len(state.seq)))
+            state.note_logprob(row, tokens[-1])
             state.seq.append(tokens[-1])
             state.key = pcache.child(state.key, tokens[-1])
         return tokens
@@ -285,6 +310,8 @@ class TreeSpeculation:
             tree, logits, state.params, state.penalties, state.noise, len(state.seq), children
         )
         tokens.extend(new)
+        for node, tok in zip([0, *path], new, strict=False):  # where each was drawn
+            state.note_logprob(logits[node], tok)
         state.key = self._remember(logits, state.key, path, node_tokens, parents)
         if self.prefix_cache.max_bytes:
             state.key = self.prefix_cache.child(state.key, new[-1])
@@ -311,6 +338,7 @@ class TreeSpeculation:
         if self.prefix_cache.max_bytes:
             self.prefix_cache.put_rows([state.key], done.logits, walked=1)  # drawn from below
         tok = state.draw(done.logits, pos + 1)
+        state.note_logprob(done.logits[0], tok)
         if self.prefix_cache.max_bytes:
             state.key = self.prefix_cache.child(state.key, tok)
         state.seq.append(tok)

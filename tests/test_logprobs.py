@@ -1,0 +1,95 @@
+"""Log-probabilities of the emitted tokens: the target's own next-token distribution at each
+emitted token (log-softmax of its logits), the same under every strategy, one entry per
+token a client receives; in OpenAI's shapes, streamed and not (tests/test_server_errors.py
+checks the non-streamed shapes and the 400s)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from daemon.runtime import Runtime, RuntimeOptions
+from daemon.server import BackgroundServer
+from daemon.settings import load_settings
+from speculative.generation import Generation
+from speculative.sampling import SamplingParams, TokenLogprob, token_logprob
+
+PROMPT = "Once upon a time, there was a little girl"
+
+
+@pytest.fixture(scope="module")
+def runtime(stories_target: Path, stories_draft: Path) -> Runtime:
+    options = RuntimeOptions(
+        model=str(stories_target), draft=str(stories_draft), device="cpu", budget=8,
+        prefix_cache=0,
+    )  # fmt: skip
+    return Runtime(options)
+
+
+def generate(runtime: Runtime, name: str, params: SamplingParams) -> tuple[list[int], list]:
+    strategy = runtime.strategy(name)
+    ids = runtime.tokenizer.encode(PROMPT)
+    gen = Generation(strategy, runtime.new_session(strategy), runtime.tokenizer, ids, params, 24)
+    chunks = list(gen)
+    return gen.token_ids, [lp for c in chunks for lp in c.logprobs]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_strategy_reports_the_targets_logprobs(runtime: Runtime, temperature: float) -> None:
+    params = SamplingParams(temperature=temperature, seed=7, logprobs=3)
+    runs = {name: generate(runtime, name, params) for name in ("autoregressive", "linear", "tree")}
+    for name, (tokens, logprobs) in runs.items():
+        assert [lp.token for lp in logprobs] == tokens, name  # one per token received
+        assert all(len(lp.top) == 3 and lp.logprob <= 0 for lp in logprobs), name
+        if temperature == 0.0:
+            assert all(lp.top[0][0] == lp.token for lp in logprobs), name  # greedy: the top
+    # Tree and autoregressive sample the same tokens (position-keyed noise), so all three
+    # agree at T=0 and these two at T=1: the log-probabilities agree to rounding.
+    pairs = itertools.combinations(runs, 2) if temperature == 0.0 else [("autoregressive", "tree")]
+    for a, b in pairs:
+        assert runs[a][0] == runs[b][0]
+        for x, y in zip(runs[a][1], runs[b][1], strict=True):
+            assert abs(x.logprob - y.logprob) < 1e-4
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def test_token_logprob_is_the_log_softmax_row() -> None:
+    logits = torch.tensor([2.0, 0.5, -1.0, 3.0])
+    lp = token_logprob(logits, 1, 2)
+    expected = torch.log_softmax(logits, -1)
+    assert lp == TokenLogprob(
+        1, float(expected[1]), [(3, float(expected[3])), (0, float(expected[0]))]
+    )
+    assert token_logprob(logits, 1, 0).top == []
+
+
+def test_streamed_chat_logprobs_equal_the_whole_answers(stories_target: Path) -> None:
+    settings = load_settings(
+        environ={},
+        overrides={"models.target": (str(stories_target), "t"), "server.port": (0, "t")},
+    )
+    import http.client
+
+    def post(body: dict) -> str:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server.port, timeout=30)
+        conn.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        return conn.getresponse().read().decode()
+
+    request = {
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+    }  # fmt: skip
+    with BackgroundServer(settings) as server:
+        whole = json.loads(post(request))
+        streamed = post({**request, "stream": True})
+    content = whole["choices"][0]["logprobs"]["content"]
+    events = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    parts = [c["logprobs"]["content"] for e in events for c in e["choices"] if c.get("logprobs")]
+    assert [x for p in parts for x in p] == content
+    assert "".join(x["token"] for x in content) == whole["choices"][0]["message"]["content"]
