@@ -323,6 +323,13 @@ def _fixed_parts(r: PlanRequest, device: str) -> dict[str, int]:
     if d is not None:
         act = max(act, d.activation_bytes(r.pass_tokens, r.logit_rows, r.context))
     parts[f"activations ({r.pass_tokens}-token pass, {r.logit_rows} logit rows)"] = act
+    if d is not None and r.sequences > 1:
+        # Every generation's draft tree holds its (budget + 1)² ancestor mask while the
+        # pass is assembled (`DraftTree`); the pass's activation figure counts one.
+        nodes = max(r.logit_rows - r.sequences + 1, 1)
+        parts[f"draft trees' ancestor masks ({r.sequences - 1} more)"] = (
+            r.sequences - 1
+        ) * nodes**2
     rebuild = max(t.dequant_bytes, d.dequant_bytes if d is not None else 0)
     if rebuild:
         parts["dequantization (largest projection)"] = rebuild

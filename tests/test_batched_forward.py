@@ -259,3 +259,21 @@ def test_no_strategy_holds_a_passs_logits_through_the_next_pass(
         ignore_eos=True,
     ).run()  # fmt: skip
     assert len(alive_at_pass) > 3 and set(alive_at_pass) == {0}, alive_at_pass
+
+
+def test_the_plan_holds_every_generations_tree_mask() -> None:
+    """Each concurrent generation's draft tree preallocates its (budget + 1)² ancestor
+    mask: the plan counts the other generations' besides the pass's one."""
+    from daemon.placement import OffloadRequest, footprint, plan_request
+    from offload.plan import Budget, make_plan
+    from scripts.real_shapes import full_config
+
+    target = footprint(full_config("llama-3.1-8b"), torch.bfloat16, "8b")
+    draft = footprint(full_config("llama-3.2-1b"), torch.bfloat16, "1b")
+    gpu = Budget("cuda", int(80e9), "test", int(64e9), "test", 25e9, "test")
+    parts = {}
+    for sequences in (1, 8):
+        request = plan_request(target, draft, 4096, OffloadRequest(sequences=sequences), 64)
+        parts[sequences] = make_plan(request, gpu).device_parts
+    assert not any("ancestor masks" in k for k in parts[1])
+    assert parts[8]["draft trees' ancestor masks (7 more)"] == 7 * 65**2
