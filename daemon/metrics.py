@@ -1,15 +1,18 @@
-"""Prometheus text exposition of the daemon's counters (GET /metrics).
+"""The daemon's counters, gauges and histograms, exposed at GET /metrics by
+`prometheus_client` (the exposition format, its escaping and the histogram semantics are
+the library's, as in every Python exporter).
 
-A handful of counters, gauges and one histogram, written by hand: the format is small, and
-the engine thread and the event loop both update them, so each update takes one lock.
+Each figure is one small object: the engine thread and the event loop both update them,
+and readers in the daemon (the web chat's status, tests) read `value`, `total` and
+`observations` from it rather than from the library's private fields.
 """
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+
+import prometheus_client as prom
 
 from speculative.generation import GenerationStats
 
@@ -20,135 +23,141 @@ STREAM_BYTES_KEYS = ("streamed_bytes_total",)
 STREAM_SECONDS_KEYS = ("stream_seconds",)
 
 
-@dataclass
 class Counter:
-    name: str
-    help: str
-    value: float = 0.0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    """A counter named as exposed (`..._total`)."""
+
+    def __init__(self, name: str, help: str, registry: prom.CollectorRegistry) -> None:
+        self.name, self.value = name, 0.0
+        self._lock = threading.Lock()
+        self._metric = prom.Counter(name.removesuffix("_total"), help, registry=registry)
 
     def inc(self, amount: float = 1.0) -> None:
-        with self.lock:
+        with self._lock:
             self.value += amount
-
-    def render(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter",
-                f"{self.name} {_num(self.value)}"]  # fmt: skip
+            self._metric.inc(amount)
 
 
-@dataclass
 class Gauge:
-    name: str
-    help: str
-    value: float = 0.0
+    def __init__(self, name: str, help: str, registry: prom.CollectorRegistry) -> None:
+        self.name, self.value = name, 0.0
+        self._metric = prom.Gauge(name, help, registry=registry)
 
     def set(self, value: float) -> None:
         self.value = value
-
-    def render(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} gauge",
-                f"{self.name} {_num(self.value)}"]  # fmt: skip
+        self._metric.set(value)
 
 
-@dataclass
 class Histogram:
-    name: str
-    help: str
-    buckets: Sequence[float]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    observations: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
+    def __init__(
+        self, name: str, help: str, buckets: Sequence[float], registry: prom.CollectorRegistry
+    ) -> None:
+        self.name, self.total, self.observations = name, 0.0, 0
+        self._lock = threading.Lock()
+        self._metric = prom.Histogram(name, help, buckets=tuple(buckets), registry=registry)
 
     def observe(self, value: float) -> None:
-        with self.lock:
-            i = bisect.bisect_left(self.buckets, value)
-            if i < len(self.counts):
-                self.counts[i] += 1
+        with self._lock:
             self.total += value
             self.observations += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        running = 0
-        for bound, count in zip(self.buckets, self.counts, strict=True):
-            running += count
-            lines.append(f'{self.name}_bucket{{le="{bound}"}} {running}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.observations}')
-        lines.append(f"{self.name}_sum {_num(self.total)}")
-        lines.append(f"{self.name}_count {self.observations}")
-        return lines
-
-
-def _num(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else repr(float(value))
+            self._metric.observe(value)
 
 
 class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        # One registry per daemon (tests run several): nothing in the library's global one.
+        self.registry = prom.CollectorRegistry(auto_describe=True)
+        r = self.registry
         self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) → count
-        self.prompt_tokens = Counter("specd_prompt_tokens_total", "Prompt tokens received.")
+        self._requests = prom.Counter(
+            "specd_requests", "HTTP requests by endpoint and status.",
+            ["endpoint", "status"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "specd_prompt_tokens_total", "Prompt tokens received.", registry=r
+        )
         self.cached_prompt_tokens = Counter(
-            "specd_cached_prompt_tokens_total", "Prompt tokens reused from a KV cache."
+            "specd_cached_prompt_tokens_total", "Prompt tokens reused from a KV cache.", registry=r
         )
         self.completion_tokens = Counter(
-            "specd_completion_tokens_total", "Tokens generated (including stop tokens)."
+            "specd_completion_tokens_total", "Tokens generated (including stop tokens).", registry=r
         )
         self.target_passes = Counter(
-            "specd_target_passes_total", "Decode (verification) passes of the target model."
+            "specd_target_passes_total",
+            "Decode (verification) passes of the target model.",
+            registry=r,
         )
-        self.prefill_passes = Counter("specd_prefill_passes_total", "Prefill passes.")
-        self.drafted = Counter("specd_draft_tokens_proposed_total", "Draft tokens proposed.")
+        self.prefill_passes = Counter("specd_prefill_passes_total", "Prefill passes.", registry=r)
+        self.drafted = Counter(
+            "specd_draft_tokens_proposed_total", "Draft tokens proposed.", registry=r
+        )
         self.accepted = Counter(
-            "specd_draft_tokens_accepted_total", "Draft tokens the target accepted."
+            "specd_draft_tokens_accepted_total", "Draft tokens the target accepted.", registry=r
         )
         self.prefix_cache_hits = Counter(
             "specd_prefix_cache_hits_total",
             "Tokens drawn from cached target logits of verified tree nodes (no target pass).",
+            registry=r,
         )
         self.prefix_cache_misses = Counter(
             "specd_prefix_cache_misses_total",
             "Prefix cache look-ups that found no cached target logits.",
+            registry=r,
         )
         self.cancelled = Counter(
-            "specd_cancelled_total", "Generations dropped because the client went away."
+            "specd_cancelled_total", "Generations dropped because the client went away.", registry=r
         )
-        self.failed = Counter("specd_failed_total", "Generations that ended in an error.")
-        self.queue_depth = Gauge("specd_queue_depth", "Requests waiting for the engine.")
+        self.failed = Counter(
+            "specd_failed_total", "Generations that ended in an error.", registry=r
+        )
+        self.queue_depth = Gauge(
+            "specd_queue_depth", "Requests waiting for the engine.", registry=r
+        )
         self.stream_bytes = Counter(
-            "specd_stream_bytes_total", "Target weight bytes streamed host to device."
+            "specd_stream_bytes_total", "Target weight bytes streamed host to device.", registry=r
         )
         self.stream_seconds = Counter(
-            "specd_stream_seconds_total", "Seconds spent streaming target weights."
+            "specd_stream_seconds_total", "Seconds spent streaming target weights.", registry=r
         )
         self.passes = Counter(
             "specd_passes_total",
             "Target passes the engine ran (one serves every generation batched into it).",
+            registry=r,
         )
         self.generations_per_pass = Histogram(
             "specd_generations_per_pass",
             "Generations whose work one target pass carried.",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=r,
         )
         self.tokens_per_pass = Histogram(
             "specd_tokens_per_pass",
             "Tokens one target pass carried, over all its generations.",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+            registry=r,
         )
         self.time_to_first_token = Histogram(
             "specd_time_to_first_token_seconds",
             "Seconds from a request entering the engine to its first generated token.",
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.tokens_per_target_pass = Gauge(
+            "specd_tokens_per_target_pass",
+            "Generated tokens per decode pass of the target, over all requests.",
+            r,
+        )
+        self.stream_bandwidth = Gauge(
+            "specd_stream_bandwidth_bytes_per_second",
+            "Average host-to-device bandwidth of target weight streaming.",
+            r,
         )
 
     def count_request(self, endpoint: str, status: int) -> None:
         with self._lock:
             key = (endpoint, status)
             self.requests[key] = self.requests.get(key, 0) + 1
+            self._requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def record_pass(self, generations: int, tokens: int) -> None:
         self.passes.inc()
@@ -173,52 +182,10 @@ class Metrics:
                 self.stream_seconds.inc(stats.extra[key])
 
     def render(self) -> str:
-        lines = [
-            "# HELP specd_requests_total HTTP requests by endpoint and status.",
-            "# TYPE specd_requests_total counter",
-        ]
-        with self._lock:
-            for (endpoint, status), n in sorted(self.requests.items()):
-                lines.append(f'specd_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
-        for metric in (
-            self.prompt_tokens,
-            self.cached_prompt_tokens,
-            self.completion_tokens,
-            self.target_passes,
-            self.prefill_passes,
-            self.drafted,
-            self.accepted,
-            self.prefix_cache_hits,
-            self.prefix_cache_misses,
-            self.cancelled,
-            self.failed,
-            self.queue_depth,
-            self.stream_bytes,
-            self.stream_seconds,
-            self.passes,
-        ):
-            lines += metric.render()
-        per_pass = (
-            self.completion_tokens.value / self.target_passes.value
-            if self.target_passes.value
-            else 0.0
-        )
-        lines += Gauge(
-            "specd_tokens_per_target_pass",
-            "Generated tokens per decode pass of the target, over all requests.",
-            per_pass,
-        ).render()
-        bandwidth = (
-            self.stream_bytes.value / self.stream_seconds.value
-            if self.stream_seconds.value
-            else 0.0
-        )
-        lines += Gauge(
-            "specd_stream_bandwidth_bytes_per_second",
-            "Average host-to-device bandwidth of target weight streaming.",
-            bandwidth,
-        ).render()
-        lines += self.generations_per_pass.render()
-        lines += self.tokens_per_pass.render()
-        lines += self.time_to_first_token.render()
-        return "\n".join(lines) + "\n"
+        """The Prometheus text exposition; the two derived gauges are brought up to date
+        first."""
+        passes = self.target_passes.value
+        self.tokens_per_target_pass.set(self.completion_tokens.value / passes if passes else 0.0)
+        seconds = self.stream_seconds.value
+        self.stream_bandwidth.set(self.stream_bytes.value / seconds if seconds else 0.0)
+        return prom.generate_latest(self.registry).decode()

@@ -183,8 +183,10 @@ def test_api_stats_and_metrics_through_one_shared_cache(
         assert replies[0].choices[0].text == replies[1].choices[0].text
         with urllib.request.urlopen(srv.url + "/metrics") as resp:
             text = resp.read().decode()
-    hits = next(line for line in text.splitlines() if line.startswith("specd_prefix_cache_hits_"))
-    assert int(hits.split()[-1]) == second["prefix_cache_hits"] + first["prefix_cache_hits"]
+    hits = next(
+        line for line in text.splitlines() if line.startswith("specd_prefix_cache_hits_total")
+    )
+    assert float(hits.split()[-1]) == second["prefix_cache_hits"] + first["prefix_cache_hits"]
 
 
 def test_bench_prints_the_hit_rate(stories_target: Path, stories_draft: Path, capsys) -> None:  # type: ignore[no-untyped-def]
