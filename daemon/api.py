@@ -34,18 +34,14 @@ from daemon.engine import (
     ServerShuttingDown,
 )
 from daemon.metrics import Metrics
+from daemon.openai_responses import SSE_DONE, SSE_KEEPALIVE, ResponseShape, sse, usage
 from daemon.openai_wire import (
-    SSE_DONE,
-    SSE_KEEPALIVE,
     ApiError,
     CompletionRequest,
-    ResponseShape,
     bad_request,
     parse_chat,
     parse_completion,
     parse_json_object,
-    sse,
-    usage,
 )
 from daemon.runtime import RuntimeError_
 from speculative.errors import RequestError

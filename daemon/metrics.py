@@ -64,11 +64,9 @@ class Histogram:
 
 class Metrics:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         # One registry per daemon (tests run several): nothing in the library's global one.
         self.registry = prom.CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) → count
         self._requests = prom.Counter(
             "specd_requests", "HTTP requests by endpoint and status.",
             ["endpoint", "status"], registry=r,
@@ -154,10 +152,7 @@ class Metrics:
         )
 
     def count_request(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            key = (endpoint, status)
-            self.requests[key] = self.requests.get(key, 0) + 1
-            self._requests.labels(endpoint=endpoint, status=str(status)).inc()
+        self._requests.labels(endpoint=endpoint, status=str(status)).inc()
 
     def record_pass(self, generations: int, tokens: int) -> None:
         self.passes.inc()

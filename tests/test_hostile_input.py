@@ -17,7 +17,7 @@ import pytest
 
 from daemon.hostname import allowed_host_names, host_name
 from daemon.server import BackgroundServer
-from daemon.settings import load_settings
+from tests.keyed_server import keyed_server
 
 KEY = "hostile-key-456"
 MODEL = "stories260k"
@@ -28,21 +28,12 @@ EXTRA_HOST = "myhost.lan"
 def server(
     stories_target: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[BackgroundServer]:
-    key_file = tmp_path_factory.mktemp("key") / "api-key"
-    key_file.write_text(KEY + "\n")
-    settings = load_settings(
-        environ={},
-        overrides={
-            "models.target": (str(stories_target), "test"),
-            "server.port": (0, "test"),
-            "server.api_key_file": (str(key_file), "test"),
-            "server.allowed_hosts": ([EXTRA_HOST], "test"),
-            "context.length": (64, "test"),
-            "limits.max_tokens": (1000, "test"),
-        },
+    yield from keyed_server(
+        stories_target,
+        tmp_path_factory,
+        KEY,
+        {"server.allowed_hosts": [EXTRA_HOST], "context.length": 64, "limits.max_tokens": 1000},
     )
-    with BackgroundServer(settings) as srv:
-        yield srv
 
 
 @dataclass

@@ -24,6 +24,7 @@ from daemon.settings import load_settings
 from speculative.budget import AUTO_MAX_BUDGET
 from speculative.errors import RequestError
 from speculative.generation import ContextFullError
+from tests.keyed_server import keyed_server
 
 KEY = "test-key-123"
 MODEL = "stories260k"
@@ -35,22 +36,17 @@ BODY_LIMIT = 4096
 def server(
     stories_target: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[BackgroundServer]:
-    key_file = tmp_path_factory.mktemp("key") / "api-key"
-    key_file.write_text(KEY + "\n")
-    settings = load_settings(
-        environ={},
-        overrides={
-            "models.target": (str(stories_target), "test"),
-            "server.port": (0, "test"),
-            "server.api_key_file": (str(key_file), "test"),
-            "server.cors_origins": (["http://app.localhost:3000"], "test"),
-            "context.length": (CONTEXT, "test"),
-            "limits.max_body_bytes": (BODY_LIMIT, "test"),
-            "limits.max_tokens": (1000, "test"),
+    yield from keyed_server(
+        stories_target,
+        tmp_path_factory,
+        KEY,
+        {
+            "server.cors_origins": ["http://app.localhost:3000"],
+            "context.length": CONTEXT,
+            "limits.max_body_bytes": BODY_LIMIT,
+            "limits.max_tokens": 1000,
         },
     )
-    with BackgroundServer(settings) as srv:
-        yield srv
 
 
 def call(

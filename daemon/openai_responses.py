@@ -1,0 +1,193 @@
+"""The OpenAI wire format's responses: whole answers, streamed chunks (SSE), usage and
+specd's own statistics in the `specd` extension field. Requests are parsed in
+daemon/openai_wire.py."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from speculative.sampling import TokenLogprob
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+SPECD_STAT_KEYS = (
+    "strategy",
+    "tokens_per_target_pass",
+    "acceptance_rate",
+    "target_passes",
+    "prefill_passes",
+    "drafted",
+    "accepted",
+    "tree_nodes",
+    "budget",
+    "budget_reason",
+    "draft_seconds",
+    "verify_seconds",
+    "prefill_seconds",
+    "total_seconds",
+    "first_token_seconds",
+    "tokens_per_second",
+    "cached_prompt_tokens",
+    "prefix_cache_hits",
+    "prefix_cache_misses",
+    "batch_size",  # mean generations per target pass this request rode in
+    "shared_passes",  # its target passes that also carried another request's work
+)
+
+
+def specd_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """specd's own figures, sent in an extension field ("specd") that clients ignore."""
+    return {k: stats[k] for k in SPECD_STAT_KEYS if k in stats}
+
+
+@dataclass
+class ResponseShape:
+    """Constant parts of one response: every streamed chunk repeats the same id/created."""
+
+    chat: bool
+    model: str
+    id: str = ""
+    created: int = 0
+    # A token's text after the token before it (`decode(previous, token)`), when the
+    # request asked for log-probabilities (else None). In context: a SentencePiece word's
+    # leading space is lost when the piece is decoded on its own.
+    decode: Callable[[int, int], str] | None = None
+
+    def __post_init__(self) -> None:
+        self.id = self.id or new_id("chatcmpl" if self.chat else "cmpl")
+        self.created = self.created or int(time.time())
+
+    def _envelope(self, stream: bool) -> dict[str, Any]:
+        if self.chat:
+            obj = "chat.completion.chunk" if stream else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def logprobs(
+        self, entries: list[TokenLogprob], previous: int, offset: int = 0
+    ) -> dict[str, Any] | None:
+        """OpenAI's shape of the tokens' log-probabilities: chat's `content` list, or the
+        completions' parallel lists (`text_offset` counted from `offset`). `previous`: the
+        token before the first entry's (the prompt's last, or the last one sent)."""
+        if self.decode is None:
+            return None
+        decode = self.decode
+        befores = [previous, *(e.token for e in entries[:-1])]
+        if self.chat:
+
+            def item(before: int, token: int, logprob: float) -> dict[str, Any]:
+                text = decode(before, token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            return {
+                "content": [
+                    {
+                        **item(b, e.token, e.logprob),
+                        "top_logprobs": [item(b, t, lp) for t, lp in e.top],
+                    }
+                    for b, e in zip(befores, entries, strict=True)
+                ]
+            }
+        tokens = [decode(b, e.token) for b, e in zip(befores, entries, strict=True)]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [
+                {decode(b, t): lp for t, lp in e.top} for b, e in zip(befores, entries, strict=True)
+            ],
+            "text_offset": offsets,
+        }
+
+    def full(
+        self,
+        text: str,
+        finish_reason: str,
+        usage_: dict[str, Any],
+        stats: dict[str, Any],
+        logprobs: list[TokenLogprob] | None = None,
+        previous: int = 0,
+    ) -> dict[str, Any]:
+        lp = self.logprobs(logprobs or [], previous)
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason,
+                "logprobs": lp,
+            }
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": lp}
+        return {
+            **self._envelope(stream=False),
+            "choices": [choice],
+            "usage": usage_,
+            "specd": specd_stats(stats),
+        }
+
+    def chunk(
+        self,
+        text: str,
+        *,
+        first: bool = False,
+        finish_reason: str | None = None,
+        stats: dict[str, Any] | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+        offset: int = 0,
+        previous: int = 0,
+    ) -> dict[str, Any]:
+        lp = self.logprobs(logprobs, previous, offset) if logprobs else None
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+            if not first and text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": lp}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": lp}
+        out = {**self._envelope(stream=True), "choices": [choice]}
+        if stats is not None:
+            out["specd"] = specd_stats(stats)
+        return out
+
+    def trace_chunk(self, trace: dict[str, Any]) -> dict[str, Any]:
+        """One round's draft tree: a chunk with no choices (clients skip it, as they skip
+        the usage chunk) and the tree in the `specd` extension field."""
+        return {**self._envelope(stream=True), "choices": [], "specd": {"trace": trace}}
+
+    def usage_chunk(self, usage_: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+        return {
+            **self._envelope(stream=True),
+            "choices": [],
+            "usage": usage_,
+            "specd": specd_stats(stats),
+        }
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, default=str)
+    return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_KEEPALIVE = b": keep-alive\n\n"
