@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=128_256)
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--prefix-cache", default="0", help="size, e.g. 1GiB, or 0")
+    p.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
     args = p.parse_args()
     torch.set_num_threads(1)
     target, draft = random_model(args.vocab, 0), random_model(args.vocab, 1)
@@ -60,7 +61,9 @@ def main() -> None:
     )
     session = strategy.new_session(4 * args.budget)
     # Sampling with penalties and top-k: every per-node temporary the old draw rule built.
-    params = SamplingParams(temperature=1.0, top_k=50, repetition_penalty=1.1, seed=0)
+    params = SamplingParams(
+        temperature=1.0, top_k=50, repetition_penalty=1.1, seed=0, logprobs=args.logprobs
+    )
     rounds = alone(strategy.steps(session, list(range(1, 9)), params, 64, make_generator(0)))
     next(rounds)
     with PeakMemory("cpu") as peak:
@@ -73,6 +76,7 @@ def main() -> None:
         "prefix_cache_bytes": cache_bytes,
         "round_peak_bytes": peak.bytes,
         "logits_bytes": logits,
+        "logprobs": args.logprobs,
     }
     shown = "unmeasured" if peak.bytes is None else format_size(peak.bytes)
     print(
