@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from torch import nn
 from speculative.config import ModelConfig, RopeConfig
 from speculative.kv_cache import KVCache
 from speculative.quant import PackedLinear, RebuildScratch
+
+if TYPE_CHECKING:
+    from speculative.compiled import CompiledPasses
 
 
 @dataclass
@@ -65,6 +68,55 @@ class SequenceSlots:
     cache: KVCache
     start: int
     mask: torch.Tensor | None
+
+    def store(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys/values (Hkv, count, hd) to their slots; return the keys and
+        values they attend to: slots [0, start + count) (views of the cache)."""
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # (Hkv, slots, hd)
+        end = self.start + self.count
+        k_cache[:, self.start : end] = k
+        v_cache[:, self.start : end] = v
+        return k_cache[:, :end], v_cache[:, :end]
+
+
+@dataclass
+class FixedSlots:
+    """A compiled pass's one sequence (speculative/compiled.py): shapes that do not depend on
+    where the sequence stands. New entries go to the slots `write` names, and every new
+    token attends over every allocated slot under `mask` ((count, slots) bool), so a
+    compiled graph serves any cache length of one allocation."""
+
+    count: int
+    k: torch.Tensor  # (layers, Hkv, slots, hd): the cache's whole allocation
+    v: torch.Tensor
+    write: torch.Tensor  # (count,) slot of each new token
+    mask: torch.Tensor  # (count, slots) bool
+    row: int = 0
+
+    def store(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k_cache, v_cache = self.k[layer], self.v[layer]  # (Hkv, slots, hd)
+        k_cache.index_copy_(1, self.write, k)
+        v_cache.index_copy_(1, self.write, v)
+        return k_cache, v_cache
+
+
+class Slots(Protocol):
+    """What the layers need of a sequence in a pass: its rows, its mask, and where its new
+    keys and values go (`SequenceSlots` eager, `FixedSlots` compiled)."""
+
+    row: int
+    count: int
+
+    @property
+    def mask(self) -> torch.Tensor | None: ...
+
+    def store(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class RMSNorm(nn.Module):
@@ -147,7 +199,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # (T, hidden): every sequence's new tokens, concatenated
         cos: torch.Tensor,  # (T, head_dim)
         sin: torch.Tensor,  # (T, head_dim), first half negated (see apply_rope)
-        sequences: Sequence[SequenceSlots],
+        sequences: Sequence[Slots],
         layer: int,
     ) -> torch.Tensor:
         """Projections over all T rows at once; each sequence's rows write its own cache
@@ -177,7 +229,7 @@ class Attention(nn.Module):
 
 
 def _attend_sequence(
-    seq: SequenceSlots,
+    seq: Slots,
     layer: int,
     q: torch.Tensor,  # (H, count, hd) this sequence's queries
     k: torch.Tensor,  # (Hkv, count, hd) its new keys, RoPE applied
@@ -185,11 +237,8 @@ def _attend_sequence(
 ) -> torch.Tensor:
     """Write one sequence's new keys and values to its cache and attend to the cache under
     its own mask: (H, count, hd)."""
-    k_cache, v_cache = seq.cache.k[layer], seq.cache.v[layer]  # (Hkv, slots, hd)
-    end = seq.start + seq.count
-    k_cache[:, seq.start : end] = k
-    v_cache[:, seq.start : end] = v
-    return attend(q, k_cache[:, :end], v_cache[:, :end], seq.mask)
+    keys, values = seq.store(layer, k, v)
+    return attend(q, keys, values, seq.mask)
 
 
 # The most bytes one chunk of queries may hold in attention working memory. Masked passes
@@ -290,7 +339,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # (T, hidden)
         cos: torch.Tensor,
         sin: torch.Tensor,
-        sequences: Sequence[SequenceSlots],
+        sequences: Sequence[Slots],
         layer: int,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, sequences, layer)
@@ -323,6 +372,8 @@ class Transformer(nn.Module):
         # Token ids `forward` speaks: its logits are (T, vocab_width). Equal to the embedding
         # rows unless this model drafts for a target of another width (`set_vocab_width`).
         self.vocab_width = cfg.vocab_size
+        # Compiled single-sequence passes, when enabled (speculative/compiled.py).
+        self.compiled: CompiledPasses | None = None
 
     @property
     def device(self) -> torch.device:
@@ -421,6 +472,11 @@ class Transformer(nn.Module):
         its own mask. Every segment needs its own cache."""
         if len(segments) > 1 and len({id(seg.cache) for seg in segments}) != len(segments):
             raise ValueError("two segments of one pass share a KV cache")
+        if self.compiled is not None and len(segments) == 1:
+            fixed = self.compiled.hidden_states(segments[0])
+            if fixed is not None:
+                segments[0].cache.commit_append(segments[0].length)
+                return [self._head(fixed[segments[0].logits_from :])]
         slots: list[SequenceSlots] = []
         row = 0
         for seg in segments:
@@ -431,19 +487,11 @@ class Transformer(nn.Module):
             )
             row += t
         if len(segments) == 1:  # the common case: no concatenation copies
-            tokens, positions = segments[0].tokens.to(self.device), segments[0].positions
+            tokens, positions = segments[0].tokens, segments[0].positions
         else:
             tokens = torch.cat([seg.tokens.to(self.device) for seg in segments])  # (T,)
             positions = torch.cat([seg.positions.to(self.device) for seg in segments])
-        cos, sin = self.rope(positions.to(self.device))
-        rows = self.config.vocab_size
-        if self.vocab_width > rows:  # a target's padding id has no row here (set_vocab_width)
-            tokens = torch.where(tokens < rows, tokens, 0)
-        x = self.embed_tokens(tokens)  # (T, hidden)
-        # A ModuleList's modules and a LayerSequence's layers are both callable blocks.
-        blocks: Iterable[Callable[..., torch.Tensor]] = self.layers
-        for i, layer in enumerate(blocks):
-            x = layer(x, cos, sin, slots, i)
+        x = self.hidden_states(tokens, positions, slots)
         for seg, sl in zip(segments, slots, strict=True):
             sl.cache.commit_append(seg.length)
         # Rows before a segment's `logits_from` only fill its cache (a prompt chunk, the
@@ -454,10 +502,35 @@ class Transformer(nn.Module):
         ]
         head_in = wanted[0] if len(wanted) == 1 else torch.cat(wanted)  # (R, hidden)
         del x, wanted  # several segments: the rows were copied, the rest is not needed
-        logits = self._to_vocab_width(self.lm_head(self.norm(head_in)))  # (R, V)
+        logits = self._head(head_in)  # (R, V)
         if len(segments) == 1:
             return [logits]
         return list(logits.split([seg.logit_rows for seg in segments]))
+
+    def hidden_states(
+        self,
+        tokens: torch.Tensor,  # (T,) every sequence's new tokens, concatenated
+        positions: torch.Tensor,  # (T,)
+        sequences: Sequence[Slots],
+    ) -> torch.Tensor:
+        """Embedding and every decoder block: the final hidden states (T, hidden), each
+        sequence's new keys and values stored as its `Slots` says. The eager pass and the
+        compiled one (speculative/compiled.py, which traces this) share it."""
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        cos, sin = self.rope(positions)
+        rows = self.config.vocab_size
+        if self.vocab_width > rows:  # a target's padding id has no row here (set_vocab_width)
+            tokens = torch.where(tokens < rows, tokens, 0)
+        x = self.embed_tokens(tokens)  # (T, hidden)
+        # A ModuleList's modules and a LayerSequence's layers are both callable blocks.
+        blocks: Iterable[Callable[..., torch.Tensor]] = self.layers
+        for i, layer in enumerate(blocks):
+            x = layer(x, cos, sin, sequences, i)
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and head over the rows that want logits: fp32 (R, vocab_width)."""
+        return self._to_vocab_width(self.lm_head(self.norm(x)))
 
     def _to_vocab_width(self, head: torch.Tensor) -> torch.Tensor:
         """The head's (T, rows) output in the model dtype → fp32 logits (T, vocab_width):
