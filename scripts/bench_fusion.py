@@ -1,10 +1,11 @@
 """Eager decode speed with stacked projections (q/k/v and gate/up one matmul each, the
 model's dense layout) against the same weights split back into separate projections.
 
-Both models live in one process and decode the same greedy continuation alternately
-(stacked, split, split, stacked, ...), so drift on a shared machine hits both alike. Each
-decode step is timed: the median step is the steadiest figure on a busy machine; the best
-whole run is reported too, with the logits' largest difference.
+Both models live in one process and decode the same greedy continuation in lockstep:
+step i of one, then step i of the other (the order alternating), so load on a shared
+machine hits both alike. The headline is the median over steps of the paired ratio; the
+median step and the best whole run of each are reported too, with the logits' largest
+difference.
 
     .venv/bin/python scripts/bench_fusion.py [--model DIR] [--max-tokens 200] [--repeats 5]
 """
@@ -56,19 +57,24 @@ def unstacked(model: Transformer) -> Transformer:
     return model
 
 
-def decode(model: Transformer, prompt: list[int], n: int) -> tuple[list[float], list[int]]:
-    """Greedy decode of `n` tokens after `prompt`: each decode step's seconds, the tokens."""
-    cache = model.new_cache(len(prompt) + n)
-    logits = model(torch.tensor(prompt), torch.arange(len(prompt)), cache, last_only=True)
-    token = int(logits[-1].argmax())
-    steps, tokens = [], [token]
-    for i in range(n - 1):
+class Decoder:
+    """One model's greedy decode, a step at a time (so two models can alternate steps)."""
+
+    def __init__(self, model: Transformer, prompt: list[int], n: int) -> None:
+        self.model, self.position = model, len(prompt)
+        self.cache = model.new_cache(len(prompt) + n)
+        logits = model(torch.tensor(prompt), torch.arange(len(prompt)), self.cache, last_only=True)
+        self.tokens = [int(logits[-1].argmax())]
+
+    def step(self) -> float:
+        """Feed the last token, pick the next; the seconds it took."""
         t0 = time.perf_counter()
-        logits = model(torch.tensor([token]), torch.tensor([len(prompt) + i]), cache)
-        token = int(logits[-1].argmax())
-        steps.append(time.perf_counter() - t0)
-        tokens.append(token)
-    return steps, tokens
+        pos = torch.tensor([self.position])
+        logits = self.model(torch.tensor([self.tokens[-1]]), pos, self.cache)
+        self.tokens.append(int(logits[-1].argmax()))
+        seconds = time.perf_counter() - t0
+        self.position += 1
+        return seconds
 
 
 def main() -> None:
@@ -86,33 +92,42 @@ def main() -> None:
     split = unstacked(copy.deepcopy(stacked))
     prompt = tokenizer.encode(args.prompt)
     n = args.max_tokens
-    models = {"stacked": stacked, "split": split}
-    tokens = {name: decode(m, prompt, n)[1] for name, m in models.items()}  # warm-up
-    runs: dict[str, list[float]] = {name: [] for name in models}  # seconds per decode run
-    steps: dict[str, list[float]] = {name: [] for name in models}  # seconds per step
-    for i in range(args.repeats):
-        for name in list(models) if i % 2 == 0 else list(reversed(models)):
-            times, _ = decode(models[name], prompt, n)
-            runs[name].append(sum(times))
-            steps[name] += times
+    names = ("stacked", "split")
+    steps: dict[str, list[float]] = {name: [] for name in names}  # seconds per step
+    runs: dict[str, list[float]] = {name: [] for name in names}  # seconds per decode
+    ratios: list[float] = []  # split / stacked, step by step
+    tokens: dict[str, list[int]] = {}
+    for r in range(args.repeats + 1):  # the first run is a warm-up
+        decoders = {"stacked": Decoder(stacked, prompt, n), "split": Decoder(split, prompt, n)}
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(n - 1):
+            # Step i of both back to back, in alternating order: both see the same load.
+            for name in names if i % 2 == 0 else reversed(names):
+                times[name].append(decoders[name].step())
+        tokens = {name: d.tokens for name, d in decoders.items()}
+        if r == 0:
+            continue
+        for name in names:
+            steps[name] += times[name]
+            runs[name].append(sum(times[name]))
+        ratios += [b / a for a, b in zip(times["stacked"], times["split"], strict=True)]
 
     ids = torch.tensor(prompt + tokens["stacked"][:-1])
     with torch.inference_mode():
-        whole = [m(ids, torch.arange(len(ids)), m.new_cache(len(ids))) for m in models.values()]
+        whole = [m(ids, torch.arange(len(ids)), m.new_cache(len(ids))) for m in (stacked, split)]
     diff = (whole[0] - whole[1]).abs().max().item()
     print(
         f"model {args.model}  dtype {args.dtype}  {n - 1} decode steps per run  "
-        f"threads {args.threads}  {args.repeats} runs each, interleaved"
+        f"threads {args.threads}  {args.repeats} runs, the two layouts' steps alternating"
     )
     print(f"{'layout':<9}{'best run tok/s':>15}{'median step ms':>16}{'median tok/s':>14}")
     median = {name: statistics.median(times) for name, times in steps.items()}
-    for name in models:
+    for name in names:
         best = (n - 1) / min(runs[name])
         print(f"{name:<9}{best:>15.1f}{1000 * median[name]:>16.3f}{1 / median[name]:>14.1f}")
-    best_ratio = min(runs["split"]) / min(runs["stacked"])
     print(
-        f"stacked / split tokens/s: best run {best_ratio:.3f}, median step "
-        f"{median['split'] / median['stacked']:.3f}   identical greedy tokens: "
+        f"stacked / split tokens/s: median of paired steps {statistics.median(ratios):.3f}, "
+        f"best run {min(runs['split']) / min(runs['stacked']):.3f}   identical greedy tokens: "
         f"{tokens['stacked'] == tokens['split']}   max |logit diff| (prefill of "
         f"{len(ids)} tokens): {diff:.2e}"
     )
