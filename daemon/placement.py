@@ -43,7 +43,12 @@ from speculative.checkpoint import (
 from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
 from speculative.kv_cache import KVCache
-from speculative.model import ATTENTION_CHUNK_BYTES, Transformer, attention_row_bytes
+from speculative.model import (
+    ATTENTION_CHUNK_BYTES,
+    Transformer,
+    attention_row_bytes,
+    stored_names,
+)
 from speculative.quant import PackedLinear
 from speculative.sampling import DRAW_BYTES_PER_ENTRY
 from speculative.tokenizer import Tokenizer
@@ -106,23 +111,31 @@ def activation_footprint(
 
     phases = [
         item * d + norm(d),  # input norm
-        item * (2 * d + 4 * q + 2 * kv),  # x, h, q/k/v, RoPE on q: x*cos, roll, roll*sin
-        item * (2 * d + q + 5 * kv),  # RoPE on k (q done)
-        item * (3 * d + 3 * q + 2 * kv),  # output, its (T, H*hd) copy and o_proj
+        # x, h, the stacked q/k/v output (q and k views of it), and RoPE on q and k in one
+        # go: x*cos, roll, roll*sin (the unstacked projections of packed models hold less)
+        item * (2 * d + 4 * q + 5 * kv),
+        # output, its (T, H*hd) copy and o_proj; the rotated q and k beside the stacked
+        # output, which v (a view of it) keeps alive
+        item * (3 * d + 4 * q + 3 * kv),
         3 * item * d,  # residual add
         2 * item * d + norm(d),  # post-attention norm (x and the new residual alive)
-        item * (3 * d + 3 * f),  # MLP: x, residual, h, then silu(gate), up, their product
+        # MLP: x, residual, h, then the stacked gate/up output and silu(gate), multiplied
+        # by up in place (unstacked: silu(gate), up, their product)
+        item * (3 * d + 3 * f),
         4 * item * d,  # the last residual add
     ]
     if config.qk_norm:
         phases += [
-            item * (2 * d + q + 2 * kv) + norm(q),  # q norm
+            item * (2 * d + q + 2 * kv) + norm(q),  # q norm (beside the q/k/v output)
             item * (2 * d + 2 * q + 2 * kv) + norm(kv),  # k norm (q and its norm alive)
+            item * (2 * d + 5 * q + 3 * kv),  # RoPE on q: normed q and k, three temporaries
+            item * (2 * d + 2 * q + 6 * kv),  # RoPE on k (q done)
         ]
     return ActivationFootprint(
         persistent_bytes_per_token=2 * hd * item,  # RoPE cos and sin
         layer_bytes_per_token=max(phases),
-        attention_bytes_per_token=item * (2 * d + 2 * q + 2 * kv),  # x, h, q, k, v, output
+        # x, h, the q/k/v output, rotated q and k, the attention output
+        attention_bytes_per_token=item * (2 * d + 3 * q + 3 * kv),
         mask_bytes_per_pair=1,  # torch.bool
         score_bytes_per_key=attention_row_bytes(config.num_heads, 1),
         score_bytes_per_query=2 * item * q,  # a chunk's copy of its queries and its output
@@ -266,11 +279,15 @@ def disk_sources(
     where = tensor_files(checkpoint.weight_files())
     sources: dict[int, dict] = {}
     for i in layers:
-        keys = {name: f"model.layers.{i}.{name}" for name in layer_names}
-        missing = [k for k in keys.values() if k not in where]
+        # A stacked projection (qkv_proj, gate_up_proj) is read from its stored parts.
+        keys = {
+            name: [f"model.layers.{i}.{part}" for part in stored_names(name)]
+            for name in layer_names
+        }
+        missing = [k for parts in keys.values() for k in parts if k not in where]
         if missing:
             raise CheckpointError(f"{checkpoint.path}: disk tier cannot find {missing[:3]}")
-        sources[i] = {name: (where[key], key) for name, key in keys.items()}
+        sources[i] = {name: [(where[k], k) for k in parts] for name, parts in keys.items()}
     return sources
 
 

@@ -16,6 +16,7 @@ Both hand the streamer a `Future` of the layer's flat host bytes laid out by the
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 import threading
@@ -106,8 +107,12 @@ class RamStorage:
         self.arena.close()
 
 
-# layer index → {tensor name in the layer (as in the layout) → (safetensors file, key)}
-TensorSources = Mapping[int, Mapping[str, tuple[Path, str]]]
+# Where one tensor of a layer is stored: a (safetensors file, key), or a list of them whose
+# tensors are stacked along the first dimension (a model may hold as one tensor what a
+# checkpoint stores as several: their bytes are consecutive in the layout's tensor).
+TensorSource = tuple[Path, str] | list[tuple[Path, str]]
+# layer index → {tensor name in the layer (as in the layout) → its source}
+TensorSources = Mapping[int, Mapping[str, TensorSource]]
 
 # safetensors dtype names (the format's spec) → torch dtypes
 SAFETENSORS_DTYPES = {
@@ -180,22 +185,29 @@ class DiskStorage:
                     f"disk tier: layer {index} has no file source for {sorted(missing)[:3]}"
                 )
         headers: dict[Path, dict[str, FileTensor]] = {}
-        self.plan: dict[int, list[tuple[TensorSlot, FileTensor]]] = {}
+        # Per layer: each layout tensor with the file tensors stacked into it, in order.
+        self.plan: dict[int, list[tuple[TensorSlot, list[FileTensor]]]] = {}
         for index, names in sources.items():
             reads = []
             for entry in layout.tensors:
-                path, key = names[entry.name]
-                if path not in headers:
-                    headers[path] = read_header(path)
-                src = headers[path].get(key)
-                if src is None:
-                    raise ValueError(f"disk tier: {path} has no tensor {key} (layer {index})")
-                if src.shape != entry.shape:
+                source = names[entry.name]
+                parts = source if isinstance(source, list) else [source]
+                srcs = []
+                for path, key in parts:
+                    if path not in headers:
+                        headers[path] = read_header(path)
+                    src = headers[path].get(key)
+                    if src is None:
+                        raise ValueError(f"disk tier: {path} has no tensor {key} (layer {index})")
+                    srcs.append(src)
+                stacked = (sum(s.shape[0] for s in srcs), *srcs[0].shape[1:]) if srcs else ()
+                if any(s.shape[1:] != srcs[0].shape[1:] for s in srcs) or stacked != entry.shape:
+                    held = " + ".join(f"{s.key} with shape {list(s.shape)}" for s in srcs)
                     raise ValueError(
-                        f"disk tier: {path} holds {key} with shape {list(src.shape)}, the "
-                        f"model expects {list(entry.shape)} (layer {index})"
+                        f"disk tier: {srcs[0].path} holds {held}, the model expects "
+                        f"{list(entry.shape)} for {entry.name} (layer {index})"
                     )
-                reads.append((entry, src))
+                reads.append((entry, srcs))
             self.plan[index] = reads
         # One reader: reads of one disk do not get faster in parallel, and FIFO order means
         # a staging buffer's reads land in the order they were asked for.
@@ -221,26 +233,31 @@ class DiskStorage:
             after.synchronize()  # the device is done copying the staging's previous layer
         with self._lock:
             self.read_threads.add(threading.get_ident())
-            for entry, src in self.plan[layer]:
-                dest = staging[entry.offset : entry.offset + entry.nbytes]  # uint8 view
-                try:
-                    self._read_tensor(src, dest, entry)
-                except Exception as e:  # re-raised with the layer and file named
-                    raise LayerReadError(
-                        f"disk tier: reading layer {layer} ({entry.name}) from {src.path} "
-                        f"[{src.key}, bytes {src.start}..{src.end}] failed: "
-                        f"{type(e).__name__}: {e}"
-                    ) from e
+            for entry, srcs in self.plan[layer]:
+                offset = entry.offset
+                for src in srcs:  # stacked parts: consecutive bytes of the layout's tensor
+                    nbytes = math.prod(src.shape) * entry.dtype.itemsize
+                    dest = staging[offset : offset + nbytes]  # uint8 view
+                    offset += nbytes
+                    try:
+                        self._read_tensor(src, dest, entry)
+                    except Exception as e:  # re-raised with the layer and file named
+                        raise LayerReadError(
+                            f"disk tier: reading layer {layer} ({entry.name}) from {src.path} "
+                            f"[{src.key}, bytes {src.start}..{src.end}] failed: "
+                            f"{type(e).__name__}: {e}"
+                        ) from e
             self.read_log.append(layer)
         return staging
 
     def _read_tensor(self, src: FileTensor, dest: torch.Tensor, entry: TensorSlot) -> None:
+        """Read `src` into `dest` (its bytes of the layout tensor `entry`)."""
         if src.dtype == entry.dtype:
             # Same dtype: the file's bytes are the layout's bytes. readinto a view of the
             # staging tensor: the kernel copies from the page cache straight into staging,
             # the only host copy of each byte.
-            if src.end - src.start != entry.nbytes:
-                raise ValueError(f"{src.end - src.start} bytes in the file for {entry.nbytes}")
+            if src.end - src.start != dest.numel():
+                raise ValueError(f"{src.end - src.start} bytes in the file for {dest.numel()}")
             _read_exactly(self._file(src.path), src.start, dest.numpy().data)
         else:
             # A cast is unavoidable: one copy_ from the mapped file bytes, casting on the way.
@@ -248,7 +265,7 @@ class DiskStorage:
             mapped = torch.frombuffer(
                 self._map(src.path), dtype=src.dtype, count=count, offset=src.start
             )
-            dest.view(entry.dtype).view(entry.shape).copy_(mapped.view(src.shape))
+            dest.view(entry.dtype).view(src.shape).copy_(mapped.view(src.shape))
 
     def _file(self, path: Path) -> BinaryIO:
         f = self._files.get(path)

@@ -32,7 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this checkout's packages first, also when run as a script
 
 from speculative.config import ModelConfig, RopeConfig  # noqa: E402
-from speculative.model import Transformer, rope_inv_freq  # noqa: E402
+from speculative.model import Transformer, rope_inv_freq, stored_state  # noqa: E402
 
 _LLAMA31_ROPE = RopeConfig(
     theta=500000.0,
@@ -219,7 +219,7 @@ def write_folder(
     if model is None:
         model = build_model(config, seed=seed)
     tensors = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in stored_state(model).items():  # q/k/v, gate/up as stored apart
         if name == "inv_freq" or (config.tie_word_embeddings and name == "lm_head.weight"):
             continue
         hf_name = name if name.startswith("lm_head") else f"model.{name}"

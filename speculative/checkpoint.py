@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from speculative.config import ModelConfig, UnsupportedModelError
-from speculative.model import Transformer, rope_inv_freq
+from speculative.model import Transformer, fused_parts, rope_inv_freq
 from speculative.quant import (
     SUPPORTED_FORMATS,
     CompressedLinear,
@@ -212,6 +212,12 @@ def load_model(
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = {name: p.shape for name, p in model.named_parameters()}  # tied: embed only
+    # Dense q/k/v and gate/up are stored apart and held stacked: each stored part is
+    # expected in its own shape and copied into its rows of the stacked tensor.
+    parts = fused_parts(model)
+    for part, (fused, row, end) in parts.items():
+        expected.pop(fused, None)
+        expected[part] = torch.Size((end - row, *model.get_parameter(fused).shape[1:]))
     # Packed projections' stored tensors (speculative/quant.py) are buffers kept in the
     # dtype the format stores them in; parameters take the compute dtype.
     stored = dict(_stored_buffers(model))
@@ -279,6 +285,19 @@ def load_model(
                         reporter.advance(weight.numel() * weight.element_size())
                     del weight
                     continue
+                if name in parts:
+                    fused = parts[name][0]
+                    if skip is not None and skip(fused):
+                        # Read by the disk tier, part by part: only its shape and dtype here.
+                        shape = model.get_parameter(fused).shape
+                        _assign(model, fused, torch.empty(shape, dtype=want, device="meta"))
+                        continue
+                    part = f.get_tensor(hf_name)
+                    _load_part(model, parts[name], part, device, want)
+                    if reporter:
+                        reporter.advance(part.numel() * part.element_size())
+                    del part
+                    continue
                 if skip is not None and skip(name):
                     _assign(model, name, torch.empty(shape, dtype=want, device="meta"))
                     continue
@@ -304,6 +323,24 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
     return model.eval()
+
+
+def _load_part(
+    model: nn.Module,
+    where: tuple[str, int, int],
+    tensor: torch.Tensor,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> None:
+    """Copy one stored projection into its rows of the stacked tensor, which the first
+    part to arrive allocates. Peak: the stacked tensor and the one part being copied."""
+    fused, row, end = where
+    stacked: torch.Tensor = model.get_parameter(fused)
+    if stacked.is_meta:  # the model was built on the meta device: this is the first part
+        stacked = torch.empty(stacked.shape, dtype=dtype, device=device)
+        _assign(model, fused, stacked)
+    with torch.no_grad():
+        stacked[row:end].copy_(tensor)
 
 
 def _hf_names(names: list[str]) -> list[str]:

@@ -182,14 +182,87 @@ def _projection(cfg: ModelConfig, n_in: int, n_out: int, bias: bool) -> nn.Linea
     return nn.Linear(n_in, n_out, bias=bias)
 
 
+# Projections of one input that a checkpoint stores apart and the model holds stacked along
+# the output, one matmul for all (`FusedLinear`): fused name → the stored parts, in order.
+FUSED_PROJECTIONS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+class FusedLinear(nn.Linear):
+    """Several dense projections of the same input stacked along the output ([sum(rows),
+    in]): one kernel where there were several, each part's output a view of the result.
+    Packed projections are never fused: fusing gate/up would double the rebuild scratch
+    (the largest projection's weight) and GPTQ/AWQ interleave outputs within words, so the
+    disk tier could not read their parts as consecutive bytes."""
+
+    def __init__(self, in_features: int, parts: Sequence[tuple[str, int]], bias: bool) -> None:
+        super().__init__(in_features, sum(rows for _, rows in parts), bias=bias)
+        self.parts = tuple(parts)  # (stored name, output rows), in stacking order
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", parts=" + "+".join(f"{n}:{r}" for n, r in self.parts)
+
+
+def stored_names(name: str) -> list[str]:
+    """The names a checkpoint stores tensor `name` under, rows stacked in this order:
+    "layers.3.self_attn.qkv_proj.weight" → [...q_proj.weight, ...k_proj.weight,
+    ...v_proj.weight]; any other name is stored as itself."""
+    owner, _, attr = name.rpartition(".")
+    parent, _, module = owner.rpartition(".")
+    parts = FUSED_PROJECTIONS.get(module)
+    if parts is None:
+        return [name]
+    prefix = f"{parent}." if parent else ""
+    return [f"{prefix}{part}.{attr}" for part in parts]
+
+
+def stored_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` under the names a checkpoint stores (inverse of loading): each
+    stacked tensor as its parts, copies of their rows (a file holds no shared storage)."""
+    state = model.state_dict()
+    for part, (fused, row, end) in fused_parts(model).items():
+        state[part] = state[fused][row:end].clone()
+    for fused in {fused for fused, _, _ in fused_parts(model).values()}:
+        del state[fused]
+    return state
+
+
+def fused_parts(model: nn.Module) -> dict[str, tuple[str, int, int]]:
+    """Every stored tensor that is part of a fused projection of `model` → (the fused
+    tensor's name, first row, end row) inside it."""
+    out: dict[str, tuple[str, int, int]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedLinear):
+            continue
+        attrs = ("weight", "bias") if module.bias is not None else ("weight",)
+        for attr in attrs:
+            row = 0
+            for stored, (_, rows) in zip(stored_names(f"{name}.{attr}"), module.parts, strict=True):
+                out[stored] = (f"{name}.{attr}", row, row + rows)
+                row += rows
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d, hd = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
-        self.q_proj = _projection(cfg, d, cfg.num_heads * hd, cfg.qkv_bias)
-        self.k_proj = _projection(cfg, d, cfg.num_kv_heads * hd, cfg.qkv_bias)
-        self.v_proj = _projection(cfg, d, cfg.num_kv_heads * hd, cfg.qkv_bias)
+        q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        # Dense: one stacked projection (see FusedLinear); packed: the checkpoint's three.
+        self.qkv_proj: FusedLinear | None = None
+        self.q_proj: nn.Linear | PackedLinear | None = None
+        self.k_proj: nn.Linear | PackedLinear | None = None
+        self.v_proj: nn.Linear | PackedLinear | None = None
+        if cfg.quantization is None:
+            parts = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+            self.qkv_proj = FusedLinear(d, parts, cfg.qkv_bias)
+        else:
+            self.q_proj = _projection(cfg, d, q, cfg.qkv_bias)
+            self.k_proj = _projection(cfg, d, kv, cfg.qkv_bias)
+            self.v_proj = _projection(cfg, d, kv, cfg.qkv_bias)
         self.o_proj = _projection(cfg, cfg.num_heads * hd, d, cfg.o_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -205,17 +278,26 @@ class Attention(nn.Module):
         """Projections over all T rows at once; each sequence's rows write its own cache
         and attend to it under its own mask (ragged: no cache is padded to another's)."""
         t = x.shape[0]
-        q = (
-            _linear(self.q_proj, x).view(t, self.num_heads, self.head_dim).transpose(0, 1)
-        )  # (H, T, hd)
-        k = (
-            _linear(self.k_proj, x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        )  # (Hkv, T, hd)
-        v = _linear(self.v_proj, x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            # One matmul; q, k and v are views of its (T, (H + 2 Hkv) hd) output.
+            qkv = _linear(self.qkv_proj, x).view(t, -1, hd).transpose(0, 1)  # (H+2Hkv, T, hd)
+            qk, v = qkv.split([heads + kv_heads, kv_heads])
+            if self.q_norm is None:
+                # RoPE is elementwise per head: q's and k's heads rotate in one go.
+                q, k = apply_rope(qk, cos, sin).split([heads, kv_heads])  # (H|Hkv, T, hd)
+            else:
+                q, k = qk.split([heads, kv_heads])
+        else:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            q = _linear(self.q_proj, x).view(t, heads, hd).transpose(0, 1)  # (H, T, hd)
+            k = _linear(self.k_proj, x).view(t, kv_heads, hd).transpose(0, 1)  # (Hkv, T, hd)
+            v = _linear(self.v_proj, x).view(t, kv_heads, hd).transpose(0, 1)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, after the split
+        if self.qkv_proj is None or self.q_norm is not None:
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
         if len(sequences) == 1:  # one sequence (most passes): no row slices
             out = _attend_sequence(sequences[0], layer, q, k, v)
         else:
@@ -316,11 +398,22 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = _projection(cfg, d, f, cfg.mlp_bias)
-        self.up_proj = _projection(cfg, d, f, cfg.mlp_bias)
+        self.gate_up_proj: FusedLinear | None = None
+        self.gate_proj: nn.Linear | PackedLinear | None = None
+        self.up_proj: nn.Linear | PackedLinear | None = None
+        if cfg.quantization is None:
+            self.gate_up_proj = FusedLinear(d, [("gate_proj", f), ("up_proj", f)], cfg.mlp_bias)
+        else:
+            self.gate_proj = _projection(cfg, d, f, cfg.mlp_bias)
+            self.up_proj = _projection(cfg, d, f, cfg.mlp_bias)
         self.down_proj = _projection(cfg, f, d, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = _linear(self.gate_up_proj, x).chunk(2, dim=-1)  # (T, f) views each
+            # In place: the peak stays gate/up and silu(gate), 3f per token, as unfused.
+            return _linear(self.down_proj, F.silu(gate).mul_(up))
+        assert self.gate_proj is not None and self.up_proj is not None
         return _linear(
             self.down_proj, F.silu(_linear(self.gate_proj, x)) * _linear(self.up_proj, x)
         )
@@ -346,9 +439,34 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@torch.no_grad()
+def _fuse_dense(owner: nn.Module, fused: str) -> None:
+    """Replace `owner`'s dense projections named by FUSED_PROJECTIONS[fused] with one
+    FusedLinear holding their stacked weights; nothing when `owner` has no such dense parts."""
+    names = FUSED_PROJECTIONS[fused]
+    parts = [getattr(owner, name, None) for name in names]
+    linears = [p for p in parts if isinstance(p, nn.Linear) and not isinstance(p, FusedLinear)]
+    if len(linears) != len(names):
+        return
+    bias = linears[0].bias is not None
+    with torch.device("meta"):  # no throwaway weight: it is set just below
+        module = FusedLinear(
+            linears[0].in_features,
+            [(n, p.out_features) for n, p in zip(names, linears, strict=True)],
+            bias,
+        )
+    module.weight = nn.Parameter(torch.cat([p.weight for p in linears]), requires_grad=False)
+    if bias:
+        module.bias = nn.Parameter(torch.cat([p.bias for p in linears]), requires_grad=False)
+    setattr(owner, fused, module)
+    for name in names:
+        setattr(owner, name, None)
+
+
 class Transformer(nn.Module):
     """Parameter names follow the Hugging Face layout minus the `model.` prefix of the
-    decoder stack, so checkpoints map one to one (see checkpoint.py)."""
+    decoder stack, except that dense q/k/v and gate/up are stacked (`qkv_proj`,
+    `gate_up_proj`, see FusedLinear): checkpoint.py loads each stored part into its rows."""
 
     inv_freq: torch.Tensor  # registered buffer (nn.Module's __getattr__ types it loosely)
 
@@ -410,8 +528,9 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def dequantize_layers(self) -> None:
         """Replace every packed projection of the decoder by a plain Linear holding its
-        rebuilt weight (the plan's choice when the dense layers fit: no rebuild per pass).
-        One projection at a time, so the peak is the dense model plus one packed one."""
+        rebuilt weight (the plan's choice when the dense layers fit: no rebuild per pass),
+        then stack q/k/v and gate/up as a dense checkpoint's are (`FusedLinear`). One
+        projection at a time, so the peak is the dense model plus one layer's parts."""
         if not isinstance(self.layers, nn.ModuleList):
             raise ValueError("dequantize_layers needs the model's own layers, not a streamer")
         for owner in list(self.layers.modules()):
@@ -426,6 +545,9 @@ class Transformer(nn.Module):
                 dense.weight = nn.Parameter(weight, requires_grad=False)
                 dense.bias = bias  # type: ignore[assignment]  # None or the packed one's
                 setattr(owner, name, dense)
+        for owner in list(self.layers.modules()):
+            for fused in FUSED_PROJECTIONS:
+                _fuse_dense(owner, fused)
 
     def prefetch(self) -> None:
         """Hint that a target pass is coming: a streaming layer list starts copying its first

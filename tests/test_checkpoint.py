@@ -311,7 +311,9 @@ def test_skipped_parameters_stay_on_meta_and_the_rest_loads(tiny_checkpoint):
         else:
             assert not p.is_meta, name
     full = load_model(ckpt, dtype=torch.bfloat16)
-    assert torch.equal(model.layers[0].mlp.up_proj.weight, full.layers[0].mlp.up_proj.weight)
+    assert torch.equal(
+        model.layers[0].mlp.gate_up_proj.weight, full.layers[0].mlp.gate_up_proj.weight
+    )
 
 
 # ---- planning before downloading, and pull's messages ------------------------------------
