@@ -9,6 +9,10 @@ Sections (all by default; `--sections decode,draft,profile`):
   against compiled, median microseconds.
 - profile: host time per decode step from torch.profiler, eager against compiled, with
   the profiler's top table for each.
+- shaped: a random draft in a real model's shape (`--shaped llama-3.2-1b`: 16 layers,
+  vocabulary 128,256), one draft step at 1-64 nodes over a 512-token cache, eager against
+  compiled (CUDA graphs on a GPU). Runs by default only where CUDA is; on a CPU ask for it
+  (`--sections shaped --hidden-scale 0.05`), scaled down.
 
 Ratios, not absolute times, are the result: the machine is shared.
 
@@ -108,19 +112,27 @@ def decode_section(pair: Pair, tokens: int, repeats: int) -> list[dict[str, Any]
     return rows
 
 
-def _step_seconds(model: Transformer, nodes: int, context: int, repeats: int) -> float:
+def _step_seconds(
+    model: Transformer,
+    nodes: int,
+    context: int,
+    repeats: int,
+    sync: Callable[[], None] = lambda: None,
+) -> float:
     """Median seconds of one draft step of `nodes` tree nodes over a `context`-token cache
     (the step is rolled back after each run, so every run sees the same cache)."""
+    device = model.device
     cache = model.new_cache(context + nodes)
     model.forward(torch.arange(context) % 100 + 3, torch.arange(context), cache)
-    mask = torch.ones(nodes, context + nodes, dtype=torch.bool)
+    mask = torch.ones(nodes, context + nodes, dtype=torch.bool, device=device)
     mask[:, context:] = torch.eye(nodes, dtype=torch.bool)  # siblings: each sees itself
-    tokens = torch.arange(nodes) + 7
-    positions = torch.full((nodes,), context)
+    tokens = torch.arange(nodes, device=device) + 7
+    positions = torch.full((nodes,), context, device=device)
     samples = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         model.forward(tokens, positions, cache, mask=mask)
+        sync()
         samples.append(time.perf_counter() - t0)
         cache.truncate(context)
     return statistics.median(samples[1:])
@@ -140,6 +152,36 @@ def draft_section(pair: Pair, repeats: int) -> list[dict[str, Any]]:
                 "eager_us": 1e6 * eager,
                 "compiled_us": 1e6 * compiled,
                 "ratio": eager / compiled,
+            }
+        )
+    return rows
+
+
+def shaped_section(
+    preset: str, hidden_scale: float, device: str, dtype: torch.dtype, repeats: int
+) -> list[dict[str, Any]]:
+    """Draft steps of a random real-shaped model at 1-64 nodes, eager against compiled."""
+    from scripts.real_shapes import PRESETS, build_model, model_config
+
+    config = model_config(preset, layers=PRESETS[preset].num_layers, hidden_scale=hidden_scale)
+    model = build_model(config, dtype, device)
+    passes = CompiledPasses(model)
+    passes.warm(lambda line: print(f"  {line}", flush=True))
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    rows = []
+    for nodes in (1, 2, 4, 8, 16, 32, 64):
+        seconds = {}
+        for on in (False, True):
+            model.compiled = passes if on else None
+            sync()
+            seconds[on] = _step_seconds(model, nodes, 512, repeats, sync)
+        model.compiled = None
+        rows.append(
+            {
+                "nodes": nodes,
+                "eager_us": 1e6 * seconds[False],
+                "compiled_us": 1e6 * seconds[True],
+                "ratio": seconds[False] / seconds[True],
             }
         )
     return rows
@@ -172,20 +214,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--target", type=Path, default=MODELS / "stories260k")
     ap.add_argument("--draft", type=Path, default=MODELS / "stories260k-draft")
-    ap.add_argument("--sections", default="decode,draft,profile")
+    ap.add_argument(
+        "--sections",
+        default=None,
+        help="comma-separated: decode,draft,profile,shaped (default: all; shaped only on CUDA)",
+    )
+    ap.add_argument("--shaped", default="llama-3.2-1b", help="real_shapes preset of the draft")
+    ap.add_argument("--hidden-scale", type=float, default=1.0, help="shaped: width scale")
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    sections = set(args.sections.split(","))
+    cuda = torch.cuda.is_available()
+    default = "decode,draft,profile" + (",shaped" if cuda else "")
+    sections = set((args.sections or default).split(","))
     torch.set_num_threads(args.threads)
 
     result: dict[str, Any] = {"torch": torch.__version__, "threads": args.threads}
-    print("warming the compiled passes (loaded from the disk cache after the first run)")
-    pair = Pair(args.target, args.draft)
-    result["warm_seconds"] = pair.warm_seconds
-    print(f"  warm-up took {pair.warm_seconds:.1f} s")
+    if sections & {"decode", "draft", "profile"}:
+        print("warming the compiled passes (loaded from the disk cache after the first run)")
+        pair = Pair(args.target, args.draft)
+        result["warm_seconds"] = pair.warm_seconds
+        print(f"  warm-up took {pair.warm_seconds:.1f} s")
     if "decode" in sections:
         rows = decode_section(pair, args.tokens, args.repeats)
         result["decode"] = rows
@@ -212,6 +263,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"{p['ops_per_step']:.0f} profiled ops per decode step")
             print(p["table"])
         print(f"host time per step, eager / compiled: {prof['ratio']:.2f}x")
+    if "shaped" in sections:
+        device = "cuda" if cuda else "cpu"
+        dtype = torch.bfloat16 if cuda else torch.float32
+        print(f"\n{args.shaped}-shaped draft (width x{args.hidden_scale}), {device}")
+        rows = shaped_section(args.shaped, args.hidden_scale, device, dtype, 50)
+        result["shaped"] = {"preset": args.shaped, "hidden_scale": args.hidden_scale,
+                            "device": device, "rows": rows}  # fmt: skip
+        print(f"{'nodes':>6}{'eager µs':>11}{'compiled µs':>13}{'ratio':>8}")
+        for r in rows:
+            print(f"{r['nodes']:>6}{r['eager_us']:>11.0f}{r['compiled_us']:>13.0f}{r['ratio']:>7.2f}x")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
