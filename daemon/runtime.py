@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from daemon.placement import load_placed_target, plan_dtype
+from daemon.memory_plan import load_placed_target, plan_dtype
 from speculative.budget import max_tree_budget
 from speculative.checkpoint import DTYPE_CHOICES, Checkpoint, load
 from speculative.drafting import Drafter, ModelDrafter, NgramDrafter

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 import platformdirs
 import yaml
 
-from daemon.argtypes import size_bytes
-from daemon.hostname import allowed_host_names
+from daemon.http.hostname import allowed_host_names
 from offload.units import parse_rate, parse_size
 
 if TYPE_CHECKING:  # daemon.runtime imports torch; commands that only read settings do not
@@ -28,6 +27,19 @@ if TYPE_CHECKING:  # daemon.runtime imports torch; commands that only read setti
 
 PACKAGED_DEFAULT = Path(__file__).resolve().parents[1] / "config" / "specd.yaml"
 PROFILES_DIR = PACKAGED_DEFAULT.parent / "profiles"
+
+
+def size_bytes(value: int | str, what: str = "size") -> int:
+    """Bytes of a size that may be off: 0 / '0', or a size such as 1GiB or 512MB."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"{what} {value!r} is not a size")
+    if value in (0, "0"):
+        return 0
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"{what} {value} must not be negative")
+    return parse_size(value, what)
+
+
 ENV_PREFIX = "SPECD_"
 
 

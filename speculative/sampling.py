@@ -214,7 +214,7 @@ class PositionNoise:
 # the distribution, sorted values, int64 order, mass before each, three boolean masks and
 # two renormalised copies: 36 with `seen`), so is everything before it. The walks (tree,
 # prefix cache, a plain step) draw one row at a time beside the pass's logits: the memory
-# plan reserves this for that draw (daemon/placement.py).
+# plan reserves this for that draw (daemon/memory_plan.py).
 DRAW_BYTES_PER_ENTRY = 37
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from daemon.server import BackgroundServer
+from daemon.http.server import BackgroundServer
 from daemon.settings import load_settings
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from daemon import chat_cmd
+from daemon.cli import chat as chat_cmd
 from daemon.cli import main
 
 CONTEXT_CHARS = 60  # the stand-in's "context": message characters it accepts in all

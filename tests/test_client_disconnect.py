@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.server import BackgroundServer
+from daemon.http.server import BackgroundServer
 from daemon.settings import load_settings
 
 

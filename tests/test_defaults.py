@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon import cli
-from daemon.placement import OffloadRequest, choose_plan, footprint, plan_request
+from daemon.cli import commands as cli
+from daemon.memory_plan import OffloadRequest, choose_plan, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
 from daemon.settings import load_settings
 from offload.plan import MIN_AUTO_CONTEXT, Budget, PlanError, longest_context, make_plan

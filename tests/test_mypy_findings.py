@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon import chat_cmd
-from daemon.chat_cmd import ChatError, daemon_address
-from daemon.placement import place_target
+from daemon.cli import chat as chat_cmd
+from daemon.cli.chat import ChatError, daemon_address
+from daemon.memory_plan import place_target
 from daemon.runtime import Runtime, RuntimeOptions
 from daemon.settings import build
 

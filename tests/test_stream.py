@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from daemon.placement import disk_sources
+from daemon.memory_plan import disk_sources
 from daemon.runtime import Runtime, RuntimeOptions
 from offload.placement import build_streamer
 from offload.stream import LayerStreamer

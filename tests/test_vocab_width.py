@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from daemon.placement import footprint
+from daemon.memory_plan import footprint
 from daemon.runtime import Runtime, RuntimeError_, RuntimeOptions
 from offload.machine import PeakMemory
 from scripts.real_shapes import build_model, model_config

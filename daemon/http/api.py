@@ -13,15 +13,6 @@ from functools import partial
 
 from aiohttp import web
 
-from daemon.edge import (
-    CONFIG,
-    DRAINING,
-    ENGINE,
-    METRICS,
-    ApiConfig,
-    cors_headers,
-    edge_middleware,
-)
 from daemon.engine import (
     BudgetTooLargeError,
     Engine,
@@ -33,9 +24,17 @@ from daemon.engine import (
     QueueFullError,
     ServerShuttingDown,
 )
-from daemon.metrics import Metrics
-from daemon.openai_responses import SSE_DONE, SSE_KEEPALIVE, ResponseShape, sse, usage
-from daemon.openai_wire import (
+from daemon.http.edge import (
+    CONFIG,
+    DRAINING,
+    ENGINE,
+    METRICS,
+    ApiConfig,
+    cors_headers,
+    edge_middleware,
+)
+from daemon.http.openai_responses import SSE_DONE, SSE_KEEPALIVE, ResponseShape, sse, usage
+from daemon.http.openai_wire import (
     ApiError,
     CompletionRequest,
     bad_request,
@@ -43,6 +42,7 @@ from daemon.openai_wire import (
     parse_completion,
     parse_json_object,
 )
+from daemon.metrics import Metrics
 from daemon.runtime import RuntimeError_
 from speculative.errors import RequestError
 from speculative.generation import Chunk

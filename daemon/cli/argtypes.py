@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from offload.units import parse_size
+from daemon.settings import size_bytes
 
 # speculative.checkpoint.DTYPE_CHOICES, restated so that building the command line does not
 # import torch; tests/test_cli_startup.py checks that the two agree.
@@ -15,7 +15,7 @@ QUANTIZE_CHOICES = ("int8", "int4")
 QUANTIZE_GROUP = 128
 
 # The temperatures specd accepts anywhere, the OpenAI API's range: the REST API refuses
-# others (daemon/openai_wire.py), and so do `specd generate` and `specd chat`.
+# others (daemon/http/openai_wire.py), and so do `specd generate` and `specd chat`.
 TEMPERATURE_RANGE = (0.0, 2.0)
 
 
@@ -81,17 +81,6 @@ def count_or_auto(flag: str, minimum: int) -> Callable[[str], int | str]:
         return value
 
     return parse
-
-
-def size_bytes(value: int | str, what: str = "size") -> int:
-    """Bytes of a size that may be off: 0 / '0', or a size such as 1GiB or 512MB."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"{what} {value!r} is not a size")
-    if value in (0, "0"):
-        return 0
-    if isinstance(value, int) and value < 0:
-        raise ValueError(f"{what} {value} must not be negative")
-    return parse_size(value, what)
 
 
 def size_or_off(flag: str) -> Callable[[str], str]:

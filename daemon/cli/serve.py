@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from daemon.argtypes import DTYPE_CHOICES, count_or_auto
-from daemon.plan_cmd import (
+from daemon.cli.argtypes import DTYPE_CHOICES, count_or_auto
+from daemon.cli.plan import (
     add_context_arg,
     add_offload_args,
     add_prefix_cache_arg,
@@ -117,7 +117,7 @@ def setup_logging(level: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from daemon.server import read_api_key, serve
+    from daemon.http.server import read_api_key, serve
 
     settings = settings_from_args(args)
     settings.runtime_options()  # fail now, in one line, if no model is configured

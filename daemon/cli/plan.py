@@ -18,14 +18,14 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daemon.argtypes import (
+from daemon.cli.argtypes import (
     DTYPE_CHOICES,
     QUANTIZE_CHOICES,
     QUANTIZE_GROUP,
     count_or_auto,
-    size_bytes,
     size_or_off,
 )
+from daemon.settings import size_bytes
 from offload.units import parse_rate, parse_size
 from speculative.errors import RequestError
 
@@ -192,7 +192,7 @@ def _plan_device(options: RuntimeOptions) -> torch.device:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from daemon.placement import choose_plan, offload_request, planned_tree_budget
+    from daemon.memory_plan import choose_plan, offload_request, planned_tree_budget
     from offload.machine import detect_budget
     from speculative.checkpoint import open_checkpoint
 
