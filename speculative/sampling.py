@@ -112,6 +112,15 @@ class PenaltyContext:
         return counts, (counts > 0) | self.in_prompt
 
 
+def path_counts(tokens: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(len(tokens) + 1, V): row j counts t_1..t_j, the drafted tokens before position j;
+    the penalties at each verified position see exactly the chain above it."""
+    counts = torch.zeros(len(tokens) + 1, vocab_size, device=device)  # (k+1, V)
+    for j, t in enumerate(tokens):
+        counts[j + 1 :, t] += 1
+    return counts
+
+
 def apply_penalties(
     logits: torch.Tensor,  # (N, V)
     params: SamplingParams,

@@ -67,18 +67,18 @@ def count(flag: str, minimum: int) -> Callable[[str], int]:
 def count_or_auto(flag: str, minimum: int) -> Callable[[str], int | str]:
     """A type for flags like `--budget 64|auto`: an integer >= `minimum`, or 'auto'."""
 
+    number = count(flag, minimum)
+
     def parse(text: str) -> int | str:
         if text == "auto":
             return text
         try:
-            value = int(text)
+            int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"{flag} takes a number or 'auto', got {text!r}"
             ) from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{flag} must be at least {minimum}, got {value}")
-        return value
+        return number(text)
 
     return parse
 

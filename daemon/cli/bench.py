@@ -19,7 +19,8 @@ from pathlib import Path
 
 from daemon.cli.argtypes import count
 from daemon.cli.serve import add_settings_args, settings_from_args
-from daemon.engine import Engine, EngineLimits, Failed, Finished, GenerationRequest
+from daemon.engine import Engine, EngineLimits
+from daemon.jobs import Failed, Finished, GenerationRequest
 from daemon.metrics import Metrics
 from daemon.runtime import STRATEGY_BUILDERS, Runtime
 from daemon.settings import Settings

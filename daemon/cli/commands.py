@@ -41,7 +41,7 @@ MODEL_USER_ERRORS = {
     "speculative.config": ("UnsupportedModelError",),
     "speculative.quant": ("UnsupportedQuantizationError",),
     "offload.plan": ("PlanError",),
-    "daemon.runtime": ("RuntimeError_",),
+    "daemon.runtime": ("RuntimeSetupError",),
 }
 
 

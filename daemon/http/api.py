@@ -13,17 +13,7 @@ from functools import partial
 
 from aiohttp import web
 
-from daemon.engine import (
-    BudgetTooLargeError,
-    Engine,
-    EngineNotReady,
-    Failed,
-    Finished,
-    GenerationRequest,
-    Job,
-    QueueFullError,
-    ServerShuttingDown,
-)
+from daemon.engine import Engine
 from daemon.http.edge import (
     CONFIG,
     DRAINING,
@@ -42,8 +32,18 @@ from daemon.http.openai_wire import (
     parse_completion,
     parse_json_object,
 )
+from daemon.jobs import (
+    BudgetTooLargeError,
+    EngineNotReady,
+    Failed,
+    Finished,
+    GenerationRequest,
+    Job,
+    QueueFullError,
+    ServerShuttingDown,
+)
 from daemon.metrics import Metrics
-from daemon.runtime import RuntimeError_
+from daemon.runtime import RuntimeSetupError
 from speculative.errors import RequestError
 from speculative.generation import Chunk
 from speculative.sampling import TokenLogprob
@@ -198,8 +198,8 @@ def _check_strategy(engine: Engine, req: CompletionRequest) -> None:
     if req.strategy is None:
         return
     try:
-        engine.runtime._check_strategy(req.strategy)
-    except RuntimeError_ as exc:
+        engine.runtime.check_strategy(req.strategy)
+    except RuntimeSetupError as exc:
         raise bad_request(str(exc), "strategy") from None
 
 
