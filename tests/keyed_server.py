@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from daemon.http.server import BackgroundServer
-from daemon.settings import load_settings
+from daemon.settings_loading import load_settings
 
 
 def keyed_server(

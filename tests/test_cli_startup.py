@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.cli.argtypes import DTYPE_CHOICES, TEMPERATURE_RANGE
+from daemon.cli.argtypes import TEMPERATURE_RANGE
 from daemon.cli.commands import BENCH_HELP, build_parser, main
+from daemon.settings import DTYPE_CHOICES, QUANTIZE_CHOICES, STRATEGY_CHOICES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,8 +63,14 @@ def test_quantize_choices_restate_the_loaders() -> None:
     from daemon.cli import argtypes
     from speculative import quant
 
-    assert argtypes.QUANTIZE_CHOICES == quant.QUANTIZE_CHOICES
+    assert QUANTIZE_CHOICES == quant.QUANTIZE_CHOICES
     assert argtypes.QUANTIZE_GROUP == quant.QUANTIZE_GROUP
+
+
+def test_strategy_choices_restate_the_runtimes() -> None:
+    from daemon.runtime import STRATEGY_BUILDERS
+
+    assert tuple(STRATEGY_BUILDERS) == STRATEGY_CHOICES
 
 
 def test_bench_placeholder_says_what_bench_says() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from daemon.http.server import BackgroundServer
-from daemon.settings import load_settings
+from daemon.settings_loading import load_settings
 
 
 @pytest.fixture(scope="module")

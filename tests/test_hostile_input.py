@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from daemon.http.hostname import allowed_host_names, host_name
+from daemon.hostname import allowed_host_names, host_name
 from daemon.http.server import BackgroundServer
 from tests.keyed_server import keyed_server
 

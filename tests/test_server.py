@@ -13,7 +13,7 @@ import pytest
 
 from daemon.http.server import BackgroundServer
 from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
-from daemon.settings import load_settings
+from daemon.settings_loading import load_settings
 from speculative.generation import Generation
 from speculative.sampling import SamplingParams
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from daemon.cli import main
-from daemon.settings import (
+from daemon.settings import SettingsError
+from daemon.settings_loading import (
     PACKAGED_DEFAULT,
     PROFILES_DIR,
-    SettingsError,
     build,
     load_settings,
     validate_file,

@@ -16,7 +16,7 @@ import pytest
 from daemon.cli import main
 from daemon.http.server import BackgroundServer
 from daemon.http.webchat import PAGE_FILES, STATIC
-from daemon.settings import load_settings
+from daemon.settings_loading import load_settings
 
 KEY = "s3cret-key"
 

@@ -7,11 +7,8 @@ from collections.abc import Callable
 
 from daemon.settings import size_bytes
 
-# speculative.checkpoint.DTYPE_CHOICES, restated so that building the command line does not
+# speculative.quant's QUANTIZE_GROUP, restated so that building the command line does not
 # import torch; tests/test_cli_startup.py checks that the two agree.
-DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
-# speculative.quant's QUANTIZE_CHOICES and QUANTIZE_GROUP, restated for the same reason.
-QUANTIZE_CHOICES = ("int8", "int4")
 QUANTIZE_GROUP = 128
 
 # The temperatures specd accepts anywhere, the OpenAI API's range: the REST API refuses

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from daemon.cli import chat, plan, pull, serve, service
-from daemon.cli.argtypes import DTYPE_CHOICES, count, count_or_auto, temperature, text
+from daemon.cli.argtypes import count, count_or_auto, temperature, text
 from daemon.cli.pull import PullError
 from daemon.service import ServiceError
-from daemon.settings import SettingsError
+from daemon.settings import DEVICE_CHOICES, DTYPE_CHOICES, STRATEGY_CHOICES, SettingsError
 from speculative.errors import RequestError
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="auto: the checkpoint's dtype on CUDA; fp32 on a CPU when the model fits in fp32",
     )
     plan.add_quantize_args(p, default=None)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     p.add_argument(
         "--threads",
         type=count_or_auto("--threads", 1),
@@ -135,7 +135,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--strategy",
-        choices=("autoregressive", "linear", "tree"),
+        choices=STRATEGY_CHOICES,
         default=None,
         help="default: tree with a draft, autoregressive without",
     )

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from daemon.cli.argtypes import DTYPE_CHOICES, count_or_auto
+from daemon.cli.argtypes import count_or_auto
 from daemon.cli.plan import (
     add_context_arg,
     add_offload_args,
@@ -16,13 +16,14 @@ from daemon.cli.plan import (
     add_quantize_args,
 )
 from daemon.settings import (
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    STRATEGY_CHOICES,
     Settings,
     SettingsError,
-    load_settings,
-    render_effective,
     user_config_file,
-    validate_file,
 )
+from daemon.settings_loading import load_settings, render_effective, validate_file
 
 # flag dest → settings key; a flag left at None does not override anything.
 FLAG_KEYS = {
@@ -67,11 +68,11 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="model id served at /v1/models")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default auto")
     add_quantize_args(p, default=None)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
+    p.add_argument("--device", choices=DEVICE_CHOICES, default=None)
     p.add_argument(
         "--threads", type=count_or_auto("--threads", 1), default=None, help="CPU threads or auto"
     )
-    p.add_argument("--strategy", choices=("autoregressive", "linear", "tree"), default=None)
+    p.add_argument("--strategy", choices=STRATEGY_CHOICES, default=None)
     p.add_argument(
         "--budget",
         type=count_or_auto("--budget", 1),

@@ -18,7 +18,7 @@ from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
 from daemon.engine import Engine
-from daemon.http.hostname import allowed_host_names, host_name
+from daemon.hostname import allowed_host_names, host_name
 from daemon.http.openai_wire import ApiError, WireLimits, bad_request
 from daemon.metrics import Metrics
 from speculative.errors import RequestError
