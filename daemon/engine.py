@@ -29,111 +29,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from collections.abc import Generator as PyGenerator
 from dataclasses import dataclass, field
-from typing import Any
 
+from daemon.jobs import (
+    BudgetTooLargeError,
+    EngineNotReady,
+    Failed,
+    Finished,
+    GenerationRequest,
+    Job,
+    QueueFullError,
+    ServerShuttingDown,
+    merge_chunks,
+)
 from daemon.metrics import Metrics
+from daemon.pools import SessionPool, StrategyPool
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.errors import RequestError
-from speculative.generation import Chunk, Generation, GenerationStats, Session, Strategy
+from speculative.generation import (
+    Chunk,
+    Generation,
+    GenerationStats,
+    Session,
+    Strategy,
+)
 from speculative.model import Transformer
 from speculative.passes import Allot, Forward, Request, allot, execute
-from speculative.sampling import SamplingParams
 
 log = logging.getLogger("specd.engine")
-
-# Strategies kept for per-request tree budgets. Without a bound, a client cycling through
-# budgets grew one strategy (with its learned costs) per distinct value, forever; they all
-# share the runtime's one prefix cache.
-REQUEST_BUDGET_STRATEGIES = 4
-
-
-class QueueFullError(RuntimeError):
-    """More requests are waiting than `limits.queue_size` allows (the client should retry)."""
-
-
-class EngineNotReady(RuntimeError):
-    """The models are still loading, failed to load, or the engine is shutting down."""
-
-
-class ServerShuttingDown(RuntimeError):
-    """The daemon is stopping; in-flight generations end with this error."""
-
-
-class BudgetTooLargeError(RequestError):
-    """A request's tree budget above what the memory plan holds (the request's fault)."""
-
-    def __init__(self, budget: int, maximum: int) -> None:
-        super().__init__(
-            f"budget {budget} is above the largest tree this daemon planned memory for "
-            f"({maximum} nodes, from speculation.budget): ask for at most {maximum}"
-        )
-        self.budget, self.maximum = budget, maximum
-
-
-@dataclass
-class GenerationRequest:
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    stop: list[str] = field(default_factory=list)
-    strategy: str | None = None  # None: the runtime's default
-    budget: int | None = None  # tree budget for this request only
-    ignore_eos: bool = False
-    trace: bool = False  # chunks carry each round's draft tree (speculative.generation)
-
-
-@dataclass
-class Finished:
-    """The last event of a job that completed: everything the response's usage needs."""
-
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    stats: dict[str, Any]
-
-
-@dataclass
-class Failed:
-    error: BaseException
-
-
-Event = Chunk | Finished | Failed
-
-
-class Job:
-    """One request inside the engine. `events` is read on the event loop; the worker posts
-    to it with `call_soon_threadsafe`."""
-
-    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
-        self.request = request
-        self.loop = loop
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.submitted = time.perf_counter()
-        self._cancelled = threading.Event()
-        self.done = False
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def post(self, event: Event) -> None:
-        if isinstance(event, Finished | Failed):
-            self.done = True
-        # A closed event loop raises RuntimeError: nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
 @dataclass(eq=False)
@@ -192,12 +122,8 @@ class Engine:
         self.max_pass_tokens = limits.max_pass_tokens or 0
         self.max_pass_rows = 0
         self._active: deque[_Active] = deque()
-        self._idle: list[tuple[str, Session]] = []  # LRU order: oldest first
-        # (name, None): the configured strategies, kept. (name, budget): built for requests
-        # that set a tree budget, least recently used first and at most
-        # REQUEST_BUDGET_STRATEGIES of them (all share the runtime's prefix cache).
-        self._strategies: dict[tuple[str, int | None], Strategy] = {}
-        self._budget_strategies: OrderedDict[tuple[str, int], Strategy] = OrderedDict()
+        self._idle = SessionPool(limits.cached_sessions)
+        self._strategies = StrategyPool()
         self._stopping = threading.Event()
         self.loaded = threading.Event()  # set once loading finished, successfully or not
         self._wake = threading.Condition()
@@ -313,7 +239,7 @@ class Engine:
         req = job.request
         strategy = self._strategy(req.strategy, req.budget)
         pool_key = strategy.name
-        session = self._take_session(pool_key, req.prompt_ids) or self.runtime.new_session(strategy)
+        session = self._idle.take(pool_key, req.prompt_ids) or self.runtime.new_session(strategy)
         gen = Generation(
             strategy,
             session,
@@ -328,47 +254,8 @@ class Engine:
         return _Active(job, gen, gen.steps(), session, pool_key)
 
     def _strategy(self, name: str | None, budget: int | None) -> Strategy:
-        """Strategies are built once per (name, budget). A per-request budget is applied by
-        building with a copy of the options; only this thread builds, so that is safe."""
         assert self.runtime is not None
-        name = name or self.runtime.default_strategy
-        if budget is None:
-            if (name, None) not in self._strategies:
-                self._strategies[(name, None)] = self.runtime.strategy(name)
-            return self._strategies[(name, None)]
-        key = (name, budget)
-        strategy = self._budget_strategies.get(key)
-        if strategy is None:
-            saved = self.runtime.options
-            self.runtime.options = dataclasses.replace(saved, budget=budget)
-            try:
-                strategy = self.runtime.strategy(name)
-            finally:
-                self.runtime.options = saved
-            self._budget_strategies[key] = strategy
-            while len(self._budget_strategies) > REQUEST_BUDGET_STRATEGIES:
-                self._budget_strategies.popitem(last=False)  # active jobs keep their own
-        self._budget_strategies.move_to_end(key)
-        return strategy
-
-    def _take_session(self, pool_key: str, prompt_ids: list[int]) -> Session | None:
-        best, best_len = None, -1
-        for i, (key, session) in enumerate(self._idle):
-            if key != pool_key:
-                continue
-            n = _common_prefix_len(session.target_tokens, prompt_ids)
-            if n > best_len:
-                best, best_len = i, n
-        if best is None:
-            return None
-        return self._idle.pop(best)[1]
-
-    def _release_session(self, pool_key: str, session: Session) -> None:
-        if self.limits.cached_sessions == 0:
-            return
-        self._idle.append((pool_key, session))
-        while len(self._idle) > self.limits.cached_sessions:
-            self._idle.pop(0)  # the least recently used conversation
+        return self._strategies.get(self.runtime, name, budget)
 
     def _step(self) -> None:
         """One step: cancelled jobs leave, then either one batched pass per model for every
@@ -550,7 +437,7 @@ class Engine:
             active.held.append(chunk)
         due = now - active.last_post >= self.limits.stream_interval
         if active.held and (first or due or chunk.finish_reason is not None):
-            job.post(_merge(active.held))
+            job.post(merge_chunks(active.held))
             active.held = []
             active.last_post = now
         if chunk.finish_reason is not None:
@@ -588,7 +475,7 @@ class Engine:
                 stats=stats.to_dict(),
             )
         )
-        self._release_session(active.pool_key, active.session)
+        self._idle.release(active.pool_key, active.session)
 
     def _fail_everything(self, error: BaseException) -> None:
         while self._active:
@@ -600,24 +487,3 @@ class Engine:
                 break
         self._idle.clear()
         self.metrics.queue_depth.set(0)
-
-
-def _merge(chunks: list[Chunk]) -> Chunk:
-    if len(chunks) == 1:
-        return chunks[0]
-    return Chunk(
-        text="".join(c.text for c in chunks),
-        token_ids=[t for c in chunks for t in c.token_ids],
-        finish_reason=chunks[-1].finish_reason,
-        trace=[t for c in chunks for t in c.trace],
-        logprobs=[lp for c in chunks for lp in c.logprobs],
-    )
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from daemon.placement import load_placed_target, plan_dtype
+from daemon.memory_plan import plan_dtype
+from daemon.target_loading import load_placed_target
 from speculative.budget import max_tree_budget
 from speculative.checkpoint import DTYPE_CHOICES, Checkpoint, load
 from speculative.drafting import Drafter, ModelDrafter, NgramDrafter
@@ -27,7 +28,7 @@ from speculative.tokenizer import Tokenizer
 NGRAM = "ngram"  # --draft ngram: prompt-lookup drafting, no draft model
 
 
-class RuntimeError_(RuntimeError):
+class RuntimeSetupError(RuntimeError):
     """A runtime that cannot be built as asked (a user error, reported in one line)."""
 
 
@@ -80,7 +81,7 @@ def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError_("--device cuda was asked for but no CUDA device is available")
+        raise RuntimeSetupError("--device cuda was asked for but no CUDA device is available")
     return torch.device(device)
 
 
@@ -89,7 +90,7 @@ def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_ref: str) -
     if target.backend.get_vocab(with_added_tokens=True) != draft.backend.get_vocab(
         with_added_tokens=True
     ):
-        raise RuntimeError_(
+        raise RuntimeSetupError(
             f"draft {draft_ref!r} uses a different tokenizer/vocabulary than the target: "
             "speculation needs both models to share one vocabulary (pick a draft from the "
             "same model family)"
@@ -105,7 +106,7 @@ def check_embeddings_cover(
     need = tokenizer.id_limit
     for name, rows in (("target", target_rows), (f"draft {draft_ref!r}", draft_rows)):
         if rows < need:
-            raise RuntimeError_(
+            raise RuntimeSetupError(
                 f"the {name} has {rows} embedding rows but its tokenizer produces ids up to "
                 f"{need - 1} ({need} needed): the checkpoint does not match its tokenizer"
             )
@@ -118,16 +119,16 @@ def linear_drafter(rt: Runtime) -> Drafter:
     return NgramDrafter(rt.target.config.vocab_size)
 
 
-# name → builder; the speculative strategies register themselves below.
-StrategyBuilder = Callable[["Runtime"], Strategy]
+# name → builder of a strategy with a tree budget (only the tree strategy reads it).
+StrategyBuilder = Callable[["Runtime", "int | str"], Strategy]
 STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
-    "autoregressive": lambda rt: Autoregressive(rt.target),
-    "linear": lambda rt: Linear(rt.target, linear_drafter(rt), rt.options.spec_length),
+    "autoregressive": lambda rt, budget: Autoregressive(rt.target),
+    "linear": lambda rt, budget: Linear(rt.target, linear_drafter(rt), rt.options.spec_length),
     # Build once and reuse: with --budget auto it learns costs and acceptance across requests.
-    "tree": lambda rt: TreeSpeculation(
+    "tree": lambda rt, budget: TreeSpeculation(
         rt.target,
         rt.draft,
-        budget=rt.options.budget,
+        budget=budget,
         max_depth=rt.options.max_depth,
         prefix_cache=rt.prefix_cache,
     ),
@@ -139,9 +140,13 @@ class Runtime:
         self.options: RuntimeOptions = options
         self.device = pick_device(options.device)
         if options.dtype not in DTYPE_CHOICES:
-            raise RuntimeError_(f"dtype {options.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
+            raise RuntimeSetupError(
+                f"dtype {options.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}"
+            )
         if options.context != "auto" and not isinstance(options.context, int):
-            raise RuntimeError_(f"context must be a token count or 'auto', got {options.context!r}")
+            raise RuntimeSetupError(
+                f"context must be a token count or 'auto', got {options.context!r}"
+            )
         target, tokenizer, ckpt, self.plan, self.streamer = load_placed_target(
             options, self.device, draft_is_model=bool(options.draft) and options.draft != NGRAM
         )
@@ -185,22 +190,26 @@ class Runtime:
 
         default = "tree" if self.draft_kind else "autoregressive"
         self.default_strategy = options.strategy or default
-        self._check_strategy(self.default_strategy)
+        self.check_strategy(self.default_strategy)
 
-    def _check_strategy(self, name: str) -> None:
+    def check_strategy(self, name: str) -> None:
+        """Refuse a strategy this runtime cannot build: an unknown name, or speculation
+        without a draft."""
         if name not in STRATEGY_BUILDERS:
-            raise RuntimeError_(
+            raise RuntimeSetupError(
                 f"unknown strategy {name!r}; choose one of {', '.join(STRATEGY_BUILDERS)}"
             )
         if name != "autoregressive" and self.draft_kind is None:
-            raise RuntimeError_(
+            raise RuntimeSetupError(
                 f"strategy {name!r} needs a draft: pass --draft MODEL or --draft ngram"
             )
 
-    def strategy(self, name: str | None = None) -> Strategy:
+    def strategy(self, name: str | None = None, budget: int | str | None = None) -> Strategy:
+        """A new strategy `name` (default: the configured one); `budget` replaces the
+        configured tree budget (a request's own), None keeps it."""
         name = name or self.default_strategy
-        self._check_strategy(name)
-        return STRATEGY_BUILDERS[name](self)
+        self.check_strategy(name)
+        return STRATEGY_BUILDERS[name](self, self.options.budget if budget is None else budget)
 
     def new_session(self, strategy: Strategy) -> Session:
         return strategy.new_session(self.context)

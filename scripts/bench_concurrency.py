@@ -49,7 +49,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from daemon.engine import Engine, EngineLimits, Failed, Finished, GenerationRequest  # noqa: E402
+from daemon.engine import Engine, EngineLimits  # noqa: E402
+from daemon.jobs import Failed, Finished, GenerationRequest  # noqa: E402
 from daemon.metrics import Metrics  # noqa: E402
 from daemon.runtime import Runtime, RuntimeOptions  # noqa: E402
 from scripts.concurrency_plot import plot  # noqa: E402

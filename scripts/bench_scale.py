@@ -14,7 +14,7 @@ what each phase ADDS to what is already held when it starts:
                 that leaves the context room for the tree and the round's tokens
     regenerate  the same prompt again with another seed: one round; prefix-cache hits
 
-and sets each beside the plan's figure for what that phase may add (daemon.placement.
+and sets each beside the plan's figure for what that phase may add (daemon.memory_plan.
 footprint + plan_request + offload.plan.make_plan, read in `plan_figures` only):
 
     kv          the plan's KV caches, against the caches' allocated bytes (exact; the
@@ -69,7 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from daemon.placement import OffloadRequest, footprint, plan_request  # noqa: E402
+from daemon.memory_plan import OffloadRequest, footprint, plan_request  # noqa: E402
 from offload.machine import PeakMemory  # noqa: E402
 from offload.plan import Budget, MemoryPlan, make_plan  # noqa: E402
 from offload.units import format_size  # noqa: E402

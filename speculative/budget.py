@@ -44,6 +44,12 @@ PLAIN_REFRESH_EVERY = 16  # rounds between plain steps while a tree is chosen
 AUTO_MAX_BUDGET = 256
 
 
+def check_max_depth(depth: int | None) -> None:
+    """A tree's depth limit: None (chosen with the budget) or at least one level."""
+    if depth is not None and depth < 1:
+        raise ValueError(f"--max-depth must be at least 1, got {depth}")
+
+
 def max_tree_budget(budget: int | str) -> int:
     """The most tree nodes a strategy built with `budget` (a node count, or "auto") verifies
     in one pass: what memory must be planned for."""
@@ -90,8 +96,7 @@ class FixedBudget:
     def __post_init__(self) -> None:
         if self.budget < 0:
             raise ValueError(f"tree budget must be >= 0 nodes, got {self.budget}")
-        if self.depth is not None and self.depth < 1:
-            raise ValueError(f"--max-depth must be at least 1, got {self.depth}")
+        check_max_depth(self.depth)
         depth = self.depth if self.depth is not None else default_depth(self.budget)
         self.shape = TreeShape(self.budget, min(depth, self.budget))
         self.reason = (
@@ -177,6 +182,7 @@ class AutoBudget:
         uses_draft_model: bool = True,
     ) -> None:
         self.max_budget = max_budget
+        check_max_depth(max_depth)
         self.depth_cap = max_depth if max_depth is not None else DEPTH_GRID[-1]
         self.explore_share = explore_share
         self.uses_draft_model = uses_draft_model

@@ -18,8 +18,14 @@ import torch
 from speculative.generation import Session
 from speculative.model import Transformer
 from speculative.ngram import ngram_proposal
-from speculative.passes import Steps, forward
-from speculative.sampling import PenaltyContext, SamplingParams, probabilities, sample
+from speculative.passes import Steps, feed_pass
+from speculative.sampling import (
+    PenaltyContext,
+    SamplingParams,
+    path_counts,
+    probabilities,
+    sample,
+)
 
 
 @dataclass
@@ -101,25 +107,16 @@ class ModelDrafter:
         rows: list[torch.Tensor] = []
         passes = 0
         pending = list(sequence[len(fed) :])  # always holds at least the root
-        path_counts = torch.zeros(1, vocab, device=draft.device)  # (1, V) drafted so far
         for _ in range(k):
-            start = len(fed)
-            done = yield from forward(
-                draft,
-                torch.tensor(pending, dtype=torch.long, device=draft.device),
-                torch.arange(start, start + len(pending), device=draft.device),
-                cache,
-                logits_from=len(pending) - 1,
-            )
+            done = yield from feed_pass(draft, cache, fed, pending)
             logits = done.logits  # (1, V)
-            fed.extend(pending)
             passes += 1
-            q = probabilities(logits, params, penalties.rows(path_counts))  # (1, V)
+            drafted = path_counts(tokens, vocab, draft.device)[-1:]  # (1, V) drafted so far
+            q = probabilities(logits, params, penalties.rows(drafted))  # (1, V)
             del done, logits  # a view of the whole pass's logits: gone before the next pass
             token = int(sample(q, generator)[0])
             tokens.append(token)
             rows.append(q[0])
-            path_counts[0, token] += 1
             pending = [token]  # t_k itself is fed next round, and only if it is accepted
         q_all = torch.stack(rows) if rows else torch.empty(0, vocab, device=draft.device)
         return Proposal(tokens, q_all, passes, time.perf_counter() - t0)

@@ -25,7 +25,7 @@ from speculative.passes import (
     Forward,
     Request,
     Steps,
-    forward,
+    feed_pass,
     run_alone,
     serve_alone,
 )
@@ -159,20 +159,21 @@ class Session:
         least the last prompt token unfed (it is the first round's root). Returns how many
         prompt tokens the target cache still holds."""
         limit = max(len(prompt_ids) - 1, 0)
-        kept = _common_prefix(self.target_tokens, prompt_ids, limit)
+        kept = common_prefix_len(self.target_tokens, prompt_ids, limit)
         self.target_cache.truncate(kept)
         del self.target_tokens[kept:]
         if self.draft_cache is not None:
-            d = _common_prefix(self.draft_tokens, prompt_ids, limit)
+            d = common_prefix_len(self.draft_tokens, prompt_ids, limit)
             self.draft_cache.truncate(d)
             del self.draft_tokens[d:]
         return kept
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """How many leading tokens `a` and `b` share, at most `limit` (None: no limit)."""
     n = 0
     for x, y in zip(a, b, strict=False):
-        if n >= limit or x != y:
+        if (limit is not None and n >= limit) or x != y:
             break
         n += 1
     return n
@@ -190,16 +191,7 @@ def feed_steps(
     so only the last row's head is computed."""
     passes = 0
     for i in range(0, len(tokens), chunk):
-        part = list(tokens[i : i + chunk])
-        start = len(fed)
-        yield from forward(
-            model,
-            torch.tensor(part, dtype=torch.long, device=model.device),
-            torch.arange(start, start + len(part), device=model.device),
-            cache,
-            logits_from=len(part) - 1,
-        )
-        fed.extend(part)
+        yield from feed_pass(model, cache, fed, tokens[i : i + chunk])
         passes += 1
     return passes
 

@@ -100,6 +100,23 @@ def forward(
     return request.take()
 
 
+def feed_pass(
+    model: Transformer, cache: KVCache, fed: list[int], tokens: Sequence[int]
+) -> Steps[Pass]:
+    """Request one pass over `tokens` after the `fed` tokens that `cache` holds (positions
+    continue from `len(fed)`), with logits for the last row only; `fed` then holds them."""
+    start = len(fed)
+    done = yield from forward(
+        model,
+        torch.tensor(list(tokens), dtype=torch.long, device=model.device),  # (T,)
+        torch.arange(start, start + len(tokens), device=model.device),  # (T,)
+        cache,
+        logits_from=len(tokens) - 1,
+    )
+    fed.extend(tokens)
+    return done
+
+
 def execute(requests: Sequence[Forward]) -> None:
     """Run requests as one pass per model (in the order models first appear), each
     model's segments batched together; each request gets its `result`."""

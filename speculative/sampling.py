@@ -112,6 +112,15 @@ class PenaltyContext:
         return counts, (counts > 0) | self.in_prompt
 
 
+def path_counts(tokens: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(len(tokens) + 1, V): row j counts t_1..t_j, the drafted tokens before position j;
+    the penalties at each verified position see exactly the chain above it."""
+    counts = torch.zeros(len(tokens) + 1, vocab_size, device=device)  # (k+1, V)
+    for j, t in enumerate(tokens):
+        counts[j + 1 :, t] += 1
+    return counts
+
+
 def apply_penalties(
     logits: torch.Tensor,  # (N, V)
     params: SamplingParams,
@@ -214,7 +223,7 @@ class PositionNoise:
 # the distribution, sorted values, int64 order, mass before each, three boolean masks and
 # two renormalised copies: 36 with `seen`), so is everything before it. The walks (tree,
 # prefix cache, a plain step) draw one row at a time beside the pass's logits: the memory
-# plan reserves this for that draw (daemon/placement.py).
+# plan reserves this for that draw (daemon/memory_plan.py).
 DRAW_BYTES_PER_ENTRY = 37
 
 

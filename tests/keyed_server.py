@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from daemon.server import BackgroundServer
-from daemon.settings import load_settings
+from daemon.http.server import BackgroundServer
+from daemon.settings_loading import load_settings
 
 
 def keyed_server(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import speculative.model as model_module
-from daemon.placement import activation_footprint
+from daemon.memory_plan import activation_footprint
 from speculative.config import ModelConfig
 from speculative.model import ATTENTION_CHUNK_BYTES, attend, attention_row_bytes, query_chunk
 from tests.peak_probe import needs_proc, run_child

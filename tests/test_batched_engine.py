@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.engine import Engine, EngineLimits, Failed, Finished, GenerationRequest, Job
+from daemon.engine import Engine, EngineLimits
+from daemon.jobs import Failed, Finished, GenerationRequest, Job
 from daemon.metrics import Metrics
 from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
 from speculative.drafting import NgramDrafter
@@ -108,8 +109,11 @@ class Faulty:
                     raise RuntimeError("the strategy broke after its second round")
 
 
-def build_strategy(runtime: Runtime, name: str, chunk: int = PREFILL_CHUNK) -> Strategy:
-    """A fresh strategy: the runtime's builders, plus n-gram variants and a faulty one."""
+def build_strategy(
+    runtime: Runtime, name: str, chunk: int = PREFILL_CHUNK, budget: int | None = None
+) -> Strategy:
+    """A fresh strategy: the runtime's builders (with `budget`, or the configured one),
+    plus n-gram variants and a faulty one."""
     target, vocab = runtime.target, runtime.target.config.vocab_size
     strategy: Strategy
     if name == "linear-ngram":
@@ -121,7 +125,8 @@ def build_strategy(runtime: Runtime, name: str, chunk: int = PREFILL_CHUNK) -> S
     elif name == "faulty":
         strategy = Faulty(build_strategy(runtime, "linear"))
     else:
-        strategy = STRATEGY_BUILDERS[name](runtime)
+        tree_budget = runtime.options.budget if budget is None else budget
+        strategy = STRATEGY_BUILDERS[name](runtime, tree_budget)
     strategy.prefill_chunk = chunk
     return strategy
 
@@ -230,8 +235,8 @@ def make_engine(
             sessions.append(new_session(strategy))
             return sessions[-1]
 
-        def strategy(name: str | None = None) -> Strategy:
-            return build_strategy(runtime, name or runtime.default_strategy, chunk)
+        def strategy(name: str | None = None, budget: int | None = None) -> Strategy:
+            return build_strategy(runtime, name or runtime.default_strategy, chunk, budget)
 
         monkeypatch.setattr(runtime, "strategy", strategy)
         monkeypatch.setattr(runtime, "new_session", session)

@@ -4,6 +4,7 @@ chat, cut answers are marked, /reset starts over, --stats, and the output ends a
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 from collections.abc import Iterator
@@ -12,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from daemon import chat_cmd
+from daemon.cli import chat as chat_cmd
 from daemon.cli import main
+from daemon.cli.chat import ChatError, daemon_address
 
 CONTEXT_CHARS = 60  # the stand-in's "context": message characters it accepts in all
 
@@ -200,3 +202,36 @@ def test_an_unreachable_daemon_is_one_line(capsys: pytest.CaptureFixture) -> Non
         assert main(["chat", "--url", f"http://127.0.0.1:{port}", "--once", "hi"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot reach specd" in err[0] and "specd status" in err[0]
+
+
+def test_daemon_address_of_an_http_url() -> None:
+    assert daemon_address("http://127.0.0.1:8716") == ("127.0.0.1", 8716)
+    assert daemon_address("http://localhost") == ("localhost", 80)
+    assert daemon_address("http://[::1]:9000/") == ("::1", 9000)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["localhost:8716", "127.0.0.1:8716", "https://localhost:8716", "http://", "http://h:99999"],
+)
+def test_unusable_daemon_url_is_a_chat_error(url: str) -> None:
+    # "localhost:8716" parses as scheme "localhost" with no host: it used to reach
+    # HTTPConnection(None) and end in a TypeError traceback.
+    with pytest.raises(ChatError, match="cannot use daemon URL"):
+        daemon_address(url)
+
+
+def test_chat_with_a_bad_url_fails_before_any_input(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_input(prompt: str = "") -> str:
+        raise AssertionError("chat asked for input despite an unusable --url")
+
+    monkeypatch.setattr("builtins.input", no_input)
+    args = argparse.Namespace(
+        url="localhost:8716", api_key_file=None, system=None, max_tokens=8, temperature=0.0,
+        seed=None, once=None,
+    )  # fmt: skip
+    assert chat_cmd.cmd_chat(args) == 1
+    err = capsys.readouterr().err
+    assert "cannot use daemon URL 'localhost:8716'" in err and "http://HOST:PORT" in err

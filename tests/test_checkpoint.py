@@ -349,8 +349,8 @@ def test_pull_says_what_is_wrong_offline_and_without_a_network(
     from huggingface_hub import constants
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from daemon import pull_cmd
     from daemon.cli import main
+    from daemon.cli import pull as pull_cmd
 
     assert main(["pull", "org/model"]) == 2
     err = capsys.readouterr().err

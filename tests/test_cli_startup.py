@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.argtypes import DTYPE_CHOICES, TEMPERATURE_RANGE
-from daemon.cli import BENCH_HELP, build_parser, main
+from daemon.cli.argtypes import TEMPERATURE_RANGE
+from daemon.cli.commands import BENCH_HELP, build_parser, main
+from daemon.settings import DTYPE_CHOICES, QUANTIZE_CHOICES, STRATEGY_CHOICES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,11 +60,17 @@ def test_dtype_choices_restate_the_checkpoints() -> None:
 
 
 def test_quantize_choices_restate_the_loaders() -> None:
-    from daemon import argtypes
+    from daemon.cli import argtypes
     from speculative import quant
 
-    assert argtypes.QUANTIZE_CHOICES == quant.QUANTIZE_CHOICES
+    assert QUANTIZE_CHOICES == quant.QUANTIZE_CHOICES
     assert argtypes.QUANTIZE_GROUP == quant.QUANTIZE_GROUP
+
+
+def test_strategy_choices_restate_the_runtimes() -> None:
+    from daemon.runtime import STRATEGY_BUILDERS
+
+    assert tuple(STRATEGY_BUILDERS) == STRATEGY_CHOICES
 
 
 def test_bench_placeholder_says_what_bench_says() -> None:
@@ -114,7 +121,7 @@ def test_client_commands_list_no_model_flags(command: str, capsys: pytest.Captur
 def test_temperature_has_the_apis_range_and_message(
     argv: list[str], value: str, capsys: pytest.CaptureFixture
 ) -> None:
-    from daemon.openai_wire import ApiError, WireLimits, parse_chat
+    from daemon.http.openai_wire import ApiError, WireLimits, parse_chat
 
     with pytest.raises(SystemExit):
         main([*argv, value])

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.server import BackgroundServer
-from daemon.settings import load_settings
+from daemon.http.server import BackgroundServer
+from daemon.settings_loading import load_settings
 
 
 @pytest.fixture(scope="module")

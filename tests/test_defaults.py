@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon import cli
-from daemon.placement import OffloadRequest, choose_plan, footprint, plan_request
+from daemon.cli import commands as cli
+from daemon.memory_plan import OffloadRequest, choose_plan, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
-from daemon.settings import load_settings
+from daemon.settings_loading import load_settings
 from offload.plan import MIN_AUTO_CONTEXT, Budget, PlanError, longest_context, make_plan
 from scripts.real_shapes import full_config, hf_config
 from speculative.budget import AUTO_MAX_BUDGET

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.engine import Engine, EngineLimits, Failed, Finished, GenerationRequest
+from daemon.engine import Engine, EngineLimits
+from daemon.jobs import Failed, Finished, GenerationRequest
 from daemon.metrics import Metrics
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.generation import Chunk

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from daemon.engine import REQUEST_BUDGET_STRATEGIES, Engine, EngineLimits
+from daemon.engine import Engine, EngineLimits
 from daemon.metrics import Metrics
+from daemon.pools import REQUEST_BUDGET_STRATEGIES
 from daemon.runtime import Runtime, RuntimeOptions
 
 
@@ -25,7 +26,7 @@ def test_per_request_budgets_are_bounded_and_reused(
     for budget in range(10, 60):
         strategy = engine._strategy("tree", budget)
         assert strategy.planner.next_shape().budget == budget  # type: ignore[attr-defined]
-    held = [*engine._strategies.values(), *getattr(engine, "_budget_strategies", {}).values()]
+    held = engine._strategies.held()
     assert len(held) <= 1 + REQUEST_BUDGET_STRATEGIES, len(held)
     assert all(s is not first for s in held)  # the least recently used went first
     assert engine._strategy(None, None) is default  # the configured strategy stays

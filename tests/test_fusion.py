@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from daemon.placement import disk_sources, footprint
+from daemon.memory_plan import footprint
+from daemon.target_loading import disk_sources
 from offload.arena import HostArena
 from offload.layout import FlatLayout
 from offload.placement import build_streamer

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from daemon.placement import OffloadRequest, footprint, plan_request
+from daemon.memory_plan import OffloadRequest, footprint, plan_request
 from offload import machine
 from offload.arena import PAGE, HostArena, arena_bytes
 from offload.layout import FlatLayout

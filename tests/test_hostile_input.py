@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from daemon.hostname import allowed_host_names, host_name
-from daemon.server import BackgroundServer
+from daemon.http.server import BackgroundServer
 from tests.keyed_server import keyed_server
 
 KEY = "hostile-key-456"
@@ -409,7 +409,7 @@ def test_non_ascii_bytes_elsewhere_in_the_head(server: BackgroundServer) -> None
 def test_a_request_side_parser_error_without_detail_is_not_called_internal() -> None:
     from aiohttp.web_protocol import RequestPayloadError
 
-    from daemon.edge import _parser_error
+    from daemon.http.edge import _parser_error
 
     err = _parser_error(400, RequestPayloadError("the body ended early"))
     assert err.status == 400 and err.body()["error"]["code"] == "malformed_request"

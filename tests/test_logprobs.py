@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from daemon.http.server import BackgroundServer
 from daemon.runtime import Runtime, RuntimeOptions
-from daemon.server import BackgroundServer
-from daemon.settings import load_settings
+from daemon.settings_loading import load_settings
 from speculative.generation import Generation
 from speculative.sampling import SamplingParams, TokenLogprob, token_logprob
 

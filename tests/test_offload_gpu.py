@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.placement import disk_sources
+from daemon.target_loading import disk_sources
 from offload.arena import HostArena, arena_bytes
 from offload.placement import build_streamer
 from offload.stream import MAX_TIMED_COPIES

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon import cli
-from daemon.placement import OffloadRequest, footprint, plan_request
+from daemon.cli import commands as cli
+from daemon.memory_plan import OffloadRequest, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
 from offload.machine import detect_budget
 from offload.plan import Budget, PlanError, PlanRequest, host_tier_bytes, make_plan

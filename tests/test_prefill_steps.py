@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.engine import Engine, EngineLimits, Finished, GenerationRequest, Job
+from daemon.engine import Engine, EngineLimits
+from daemon.jobs import Finished, GenerationRequest, Job
 from daemon.metrics import Metrics
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.checkpoint import load
@@ -200,8 +201,8 @@ def small_chunk_engine(
     sessions it creates, in admission order."""
     build_strategy, new_session = runtime.strategy, runtime.new_session
 
-    def strategy(name: str | None = None) -> Strategy:
-        built = build_strategy(name)
+    def strategy(name: str | None = None, budget: int | None = None) -> Strategy:
+        built = build_strategy(name, budget)
         built.prefill_chunk = CHUNK
         return built
 

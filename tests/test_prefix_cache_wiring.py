@@ -13,12 +13,13 @@ import openai
 import pytest
 import torch
 
-from daemon.bench_cmd import prefix_cache_hit_rate
 from daemon.cli import main
+from daemon.cli.bench import prefix_cache_hit_rate
+from daemon.http.server import BackgroundServer
+from daemon.memory_plan import OffloadRequest, footprint, plan_request
 from daemon.metrics import Metrics
-from daemon.placement import OffloadRequest, footprint, plan_request
-from daemon.server import BackgroundServer
-from daemon.settings import SettingsError, load_settings
+from daemon.settings import SettingsError
+from daemon.settings_loading import load_settings
 from offload.plan import Budget, PlanError, make_plan
 from speculative.config import ModelConfig
 from speculative.generation import GenerationStats, RoundStats

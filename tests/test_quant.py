@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from daemon.placement import OffloadRequest, footprint, plan_request
+from daemon.memory_plan import OffloadRequest, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
 from offload.layout import FlatLayout
 from offload.plan import Budget, make_plan

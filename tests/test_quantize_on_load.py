@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.placement import OffloadRequest, footprint, plan_request
+from daemon.memory_plan import OffloadRequest, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
 from offload.plan import Budget, make_plan
 from scripts.real_shapes import full_config

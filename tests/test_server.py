@@ -11,9 +11,9 @@ from pathlib import Path
 import openai
 import pytest
 
+from daemon.http.server import BackgroundServer
 from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
-from daemon.server import BackgroundServer
-from daemon.settings import load_settings
+from daemon.settings_loading import load_settings
 from speculative.generation import Generation
 from speculative.sampling import SamplingParams
 

@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 
 from daemon import engine as engine_module
+from daemon.http.server import BackgroundServer
 from daemon.runtime import Runtime, RuntimeOptions
-from daemon.server import BackgroundServer
-from daemon.settings import load_settings
+from daemon.settings_loading import load_settings
 from speculative.generation import Chunk, Generation
 from speculative.sampling import SamplingParams
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from daemon import api as api_module
 from daemon import engine as engine_module
-from daemon.server import BackgroundServer, Server
-from daemon.settings import load_settings
+from daemon.http import api as api_module
+from daemon.http.server import BackgroundServer, Server
+from daemon.settings_loading import load_settings
 from speculative.budget import AUTO_MAX_BUDGET
 from speculative.errors import RequestError
 from speculative.generation import ContextFullError

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from daemon.cli import main
-from daemon.settings import (
+from daemon.settings import SettingsError
+from daemon.settings_loading import (
     PACKAGED_DEFAULT,
     PROFILES_DIR,
-    SettingsError,
+    build,
     load_settings,
     validate_file,
 )
@@ -196,3 +197,11 @@ def test_daemon_url_brackets_ipv6_and_reaches_wildcards_through_loopback():
     assert daemon_url("0.0.0.0", 9000) == "http://127.0.0.1:9000"
     assert daemon_url("::", 9000) == "http://127.0.0.1:9000"
     assert daemon_url("localhost", 1) == "http://localhost:1"
+
+
+def test_list_keys_without_any_layer_are_empty_lists() -> None:
+    # No layer sets anything: every key takes its built-in value; the list keys come from
+    # a default factory (a dataclass field cannot hold a shared list default).
+    settings = build({})
+    assert settings.server.cors_origins == [] and settings.server.allowed_hosts == []
+    assert settings.sources["server.cors_origins"] == "built-in"

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from daemon.placement import disk_sources
 from daemon.runtime import Runtime, RuntimeOptions
+from daemon.target_loading import disk_sources
 from offload.placement import build_streamer
 from offload.stream import LayerStreamer
 from speculative.checkpoint import load

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from daemon.http.server import BackgroundServer
 from daemon.runtime import Runtime, RuntimeOptions
-from daemon.server import BackgroundServer
-from daemon.settings import load_settings
+from daemon.settings_loading import load_settings
 from speculative.generation import Generation
 from speculative.kv_cache import INITIAL_SLOTS
 from speculative.sampling import SamplingParams

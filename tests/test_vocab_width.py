@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from daemon.placement import footprint
-from daemon.runtime import Runtime, RuntimeError_, RuntimeOptions
+from daemon.memory_plan import footprint
+from daemon.runtime import Runtime, RuntimeOptions, RuntimeSetupError
 from offload.machine import PeakMemory
 from scripts.real_shapes import build_model, model_config
 from speculative.checkpoint import load
@@ -165,7 +165,7 @@ def test_strategies_refuse_an_unadapted_draft(pairs):
 
 def test_a_different_tokenizer_is_still_refused(tiny_checkpoint, pairs):
     other = _model(tiny_checkpoint, TOKENIZER + 8, tokenizer=TOKENIZER + 8, seed=5)
-    with pytest.raises(RuntimeError_, match="different tokenizer"):
+    with pytest.raises(RuntimeSetupError, match="different tokenizer"):
         _runtime(pairs["target-wider"][0], other)
 
 
@@ -175,7 +175,7 @@ def test_an_embedding_smaller_than_the_tokenizer_is_refused(tiny_checkpoint, sho
     small = _model(tiny_checkpoint, rows, seed=7)
     full = _model(tiny_checkpoint, TOKENIZER, seed=8)
     target, draft = (small, full) if short == "target" else (full, small)
-    with pytest.raises(RuntimeError_, match=rf"{short}.* {rows} embedding rows.*{TOKENIZER}"):
+    with pytest.raises(RuntimeSetupError, match=rf"{short}.* {rows} embedding rows.*{TOKENIZER}"):
         _runtime(target, draft)
 
 

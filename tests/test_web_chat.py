@@ -24,8 +24,8 @@ from typing import Any
 
 import pytest
 
-from daemon.server import BackgroundServer
-from daemon.settings import load_settings
+from daemon.http.server import BackgroundServer
+from daemon.settings_loading import load_settings
 
 pytestmark = pytest.mark.browser
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from daemon.cli import main
-from daemon.server import BackgroundServer
-from daemon.settings import load_settings
-from daemon.webchat import PAGE_FILES, STATIC
+from daemon.http.server import BackgroundServer
+from daemon.http.webchat import PAGE_FILES, STATIC
+from daemon.settings_loading import load_settings
 
 KEY = "s3cret-key"
 

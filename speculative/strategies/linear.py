@@ -32,6 +32,7 @@ from speculative.passes import forward
 from speculative.sampling import (
     PenaltyContext,
     SamplingParams,
+    path_counts,
     probabilities,
     sample,
     token_logprob,
@@ -45,15 +46,6 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     residual = torch.clamp(p - q, min=0.0)  # (V,)
     mass = residual.sum()
     return residual / mass if mass > 0 else p
-
-
-def path_counts(tokens: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """(len(tokens) + 1, V): row j counts t_1..t_j, the drafted tokens before position j;
-    the penalties at each verified position see exactly the chain above it."""
-    counts = torch.zeros(len(tokens) + 1, vocab_size, device=device)  # (k+1, V)
-    for j, t in enumerate(tokens):
-        counts[j + 1 :, t] += 1
-    return counts
 
 
 class Linear:

@@ -42,7 +42,7 @@ from speculative.generation import (
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
 from speculative.ngram import ngram_continuations
-from speculative.passes import Steps, forward
+from speculative.passes import Steps, feed_pass, forward
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import (
     PenaltyContext,
@@ -115,8 +115,6 @@ class TreeSpeculation:
         prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         """`draft` None means n-gram drafting (prompt lookup)."""
-        if max_depth is not None and max_depth < 1:
-            raise ValueError(f"--max-depth must be at least 1, got {max_depth}")
         if draft is not None:
             check_draft_width(draft, target)
         self.target, self.draft = target, draft
@@ -371,15 +369,7 @@ class TreeSpeculation:
         draft, dcache, fed = self.draft, session.draft_cache, session.draft_tokens
         assert dcache is not None, "a tree session with a draft model has a draft cache"
         todo = seq[len(fed) :]  # at least the root
-        start = len(fed)
-        first = yield from forward(
-            draft,
-            torch.tensor(todo, dtype=torch.long, device=draft.device),
-            torch.arange(start, start + len(todo), device=draft.device),
-            dcache,
-            logits_from=len(todo) - 1,
-        )
-        fed.extend(todo)
+        first = yield from feed_pass(draft, dcache, fed, todo)
         tree = DraftTree(root, budget + 1, device)
         # Rank guesses as the target will choose: sharply when greedy (0.5 measured best on
         # the stories pair), at the request's temperature when sampling.

@@ -13,7 +13,8 @@ from functools import partial
 
 from aiohttp import web
 
-from daemon.edge import (
+from daemon.engine import Engine
+from daemon.http.edge import (
     CONFIG,
     DRAINING,
     ENGINE,
@@ -22,9 +23,17 @@ from daemon.edge import (
     cors_headers,
     edge_middleware,
 )
-from daemon.engine import (
+from daemon.http.openai_responses import SSE_DONE, SSE_KEEPALIVE, ResponseShape, sse, usage
+from daemon.http.openai_wire import (
+    ApiError,
+    CompletionRequest,
+    bad_request,
+    parse_chat,
+    parse_completion,
+    parse_json_object,
+)
+from daemon.jobs import (
     BudgetTooLargeError,
-    Engine,
     EngineNotReady,
     Failed,
     Finished,
@@ -34,16 +43,7 @@ from daemon.engine import (
     ServerShuttingDown,
 )
 from daemon.metrics import Metrics
-from daemon.openai_responses import SSE_DONE, SSE_KEEPALIVE, ResponseShape, sse, usage
-from daemon.openai_wire import (
-    ApiError,
-    CompletionRequest,
-    bad_request,
-    parse_chat,
-    parse_completion,
-    parse_json_object,
-)
-from daemon.runtime import RuntimeError_
+from daemon.runtime import RuntimeSetupError
 from speculative.errors import RequestError
 from speculative.generation import Chunk
 from speculative.sampling import TokenLogprob
@@ -198,8 +198,8 @@ def _check_strategy(engine: Engine, req: CompletionRequest) -> None:
     if req.strategy is None:
         return
     try:
-        engine.runtime._check_strategy(req.strategy)
-    except RuntimeError_ as exc:
+        engine.runtime.check_strategy(req.strategy)
+    except RuntimeSetupError as exc:
         raise bad_request(str(exc), "strategy") from None
 
 

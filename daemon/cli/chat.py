@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from daemon import service
-from daemon.argtypes import temperature
-from daemon.serve_cmd import add_address_args, settings_from_args
+from daemon.cli.argtypes import temperature
+from daemon.cli.serve import add_address_args, settings_from_args
 from daemon.settings import daemon_url
 
-# The daemon's error code for a prompt longer than its context (daemon/api.py).
+# The daemon's error code for a prompt longer than its context (daemon/http/api.py).
 CONTEXT_FULL = "context_length_exceeded"
 COMMANDS = "/reset starts the conversation over, /exit (or Ctrl-D) quits"
 

@@ -12,11 +12,11 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from daemon import chat_cmd, plan_cmd, pull_cmd, serve_cmd, service_cmd
-from daemon.argtypes import DTYPE_CHOICES, count, count_or_auto, temperature, text
-from daemon.pull_cmd import PullError
+from daemon.cli import chat, plan, pull, serve, service
+from daemon.cli.argtypes import count, count_or_auto, temperature, text
+from daemon.cli.pull import PullError
 from daemon.service import ServiceError
-from daemon.settings import SettingsError
+from daemon.settings import DEVICE_CHOICES, DTYPE_CHOICES, STRATEGY_CHOICES, SettingsError
 from speculative.errors import RequestError
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ MODEL_USER_ERRORS = {
     "speculative.config": ("UnsupportedModelError",),
     "speculative.quant": ("UnsupportedQuantizationError",),
     "offload.plan": ("PlanError",),
-    "daemon.runtime": ("RuntimeError_",),
+    "daemon.runtime": ("RuntimeSetupError",),
 }
 
 
@@ -82,15 +82,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto: the checkpoint's dtype on CUDA; fp32 on a CPU when the model fits in fp32",
     )
-    plan_cmd.add_quantize_args(p, default=None)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    plan.add_quantize_args(p, default=None)
+    p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     p.add_argument(
         "--threads",
         type=count_or_auto("--threads", 1),
         default="auto",
         help="CPU compute threads, or auto (1 for tiny models, else the physical cores)",
     )
-    plan_cmd.add_context_arg(p, default="auto")
+    plan.add_context_arg(p, default="auto")
 
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -126,7 +126,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
         help="N independent samples (seeds S, S+1, …), one JSON line each",
     )
     add_speculation_args(p)
-    plan_cmd.add_offload_args(p)
+    plan.add_offload_args(p)
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
@@ -135,7 +135,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--strategy",
-        choices=("autoregressive", "linear", "tree"),
+        choices=STRATEGY_CHOICES,
         default=None,
         help="default: tree with a draft, autoregressive without",
     )
@@ -154,12 +154,12 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-depth", type=count("--max-depth", 1), default=None, help="tree: depth limit"
     )
-    plan_cmd.add_prefix_cache_arg(p)
+    plan.add_prefix_cache_arg(p)
 
 
 def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
 
-    return plan_cmd.apply_offload_args(_base_runtime_options(args), args)
+    return plan.apply_offload_args(_base_runtime_options(args), args)
 
 
 def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:
@@ -275,15 +275,15 @@ def build_parser(command: str | None = "bench") -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a generation to the terminal")
     add_generate_args(gen)
     gen.set_defaults(func=cmd_generate)
-    for commands in (serve_cmd, service_cmd, chat_cmd, pull_cmd):
+    for commands in (serve, service, chat, pull):
         commands.register(sub)
     if command == "bench":
-        from daemon import bench_cmd
+        from daemon.cli import bench
 
-        bench_cmd.register(sub)
+        bench.register(sub)
     else:
         sub.add_parser("bench", help=BENCH_HELP)
-    plan_cmd.register(sub)
+    plan.register(sub)
     return parser
 
 

@@ -5,17 +5,14 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from offload.units import parse_size
+from daemon.settings import size_bytes
 
-# speculative.checkpoint.DTYPE_CHOICES, restated so that building the command line does not
+# speculative.quant's QUANTIZE_GROUP, restated so that building the command line does not
 # import torch; tests/test_cli_startup.py checks that the two agree.
-DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
-# speculative.quant's QUANTIZE_CHOICES and QUANTIZE_GROUP, restated for the same reason.
-QUANTIZE_CHOICES = ("int8", "int4")
 QUANTIZE_GROUP = 128
 
 # The temperatures specd accepts anywhere, the OpenAI API's range: the REST API refuses
-# others (daemon/openai_wire.py), and so do `specd generate` and `specd chat`.
+# others (daemon/http/openai_wire.py), and so do `specd generate` and `specd chat`.
 TEMPERATURE_RANGE = (0.0, 2.0)
 
 
@@ -67,31 +64,20 @@ def count(flag: str, minimum: int) -> Callable[[str], int]:
 def count_or_auto(flag: str, minimum: int) -> Callable[[str], int | str]:
     """A type for flags like `--budget 64|auto`: an integer >= `minimum`, or 'auto'."""
 
+    number = count(flag, minimum)
+
     def parse(text: str) -> int | str:
         if text == "auto":
             return text
         try:
-            value = int(text)
+            int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"{flag} takes a number or 'auto', got {text!r}"
             ) from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{flag} must be at least {minimum}, got {value}")
-        return value
+        return number(text)
 
     return parse
-
-
-def size_bytes(value: int | str, what: str = "size") -> int:
-    """Bytes of a size that may be off: 0 / '0', or a size such as 1GiB or 512MB."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"{what} {value!r} is not a size")
-    if value in (0, "0"):
-        return 0
-    if isinstance(value, int) and value < 0:
-        raise ValueError(f"{what} {value} must not be negative")
-    return parse_size(value, what)
 
 
 def size_or_off(flag: str) -> Callable[[str], str]:

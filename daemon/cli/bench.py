@@ -17,11 +17,12 @@ import json
 import time
 from pathlib import Path
 
-from daemon.argtypes import count
-from daemon.engine import Engine, EngineLimits, Failed, Finished, GenerationRequest
+from daemon.cli.argtypes import count
+from daemon.cli.serve import add_settings_args, settings_from_args
+from daemon.engine import Engine, EngineLimits
+from daemon.jobs import Failed, Finished, GenerationRequest
 from daemon.metrics import Metrics
 from daemon.runtime import STRATEGY_BUILDERS, Runtime
-from daemon.serve_cmd import add_settings_args, settings_from_args
 from daemon.settings import Settings
 from speculative.generation import Chunk, Generation
 from speculative.sampling import SamplingParams

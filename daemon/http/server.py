@@ -14,12 +14,12 @@ from pathlib import Path
 
 from aiohttp import web
 
-from daemon import webchat
-from daemon.api import create_app
-from daemon.edge import DRAINING, ApiConfig, AppRunner
 from daemon.engine import Engine, EngineLimits
+from daemon.http import webchat
+from daemon.http.api import create_app
+from daemon.http.edge import DRAINING, ApiConfig, AppRunner
+from daemon.http.openai_wire import WireLimits
 from daemon.metrics import Metrics
-from daemon.openai_wire import WireLimits
 from daemon.runtime import Runtime, RuntimeOptions
 from daemon.service import ListenError
 from daemon.settings import Settings, SettingsError, daemon_url

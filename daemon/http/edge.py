@@ -19,8 +19,8 @@ from aiohttp.web_request import BaseRequest
 
 from daemon.engine import Engine
 from daemon.hostname import allowed_host_names, host_name
+from daemon.http.openai_wire import ApiError, WireLimits, bad_request
 from daemon.metrics import Metrics
-from daemon.openai_wire import ApiError, WireLimits, bad_request
 from speculative.errors import RequestError
 
 log = logging.getLogger("specd.api")

@@ -1,4 +1,4 @@
-"""The built-in web chat (`GET /`, static files shipped in daemon/static/) and the machine
+"""The built-in web chat (`GET /`, static files shipped in daemon/http/static/) and the machine
 status it shows (`GET /v1/specd/status`).
 
 The page is plain HTML, CSS and JavaScript: no build step, nothing fetched from the
@@ -15,7 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
-from daemon.edge import CONFIG, DRAINING, ENGINE, METRICS
+from daemon.http.edge import CONFIG, DRAINING, ENGINE, METRICS
 
 STATIC = Path(__file__).with_name("static")
 # path → (file, content type). Exact paths only: nothing else under static/ is served.

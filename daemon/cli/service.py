@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from daemon import service
-from daemon.serve_cmd import add_address_args, add_settings_args, flag_argv, settings_from_args
+from daemon.cli.serve import add_address_args, add_settings_args, flag_argv, settings_from_args
 from daemon.settings import ServerSettings, Settings, SettingsError, daemon_url
 
 
@@ -70,7 +70,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _api_key(args: argparse.Namespace) -> str | None:
     """The configured API key, if one can be read (best effort: `status` asks anyway, and
-    says what the daemon answered). Read here rather than with `daemon.server.read_api_key`
+    says what the daemon answered). Read here rather than with `daemon.http.server.read_api_key`
     so that `status` imports neither aiohttp nor torch."""
     try:
         path = settings_from_args(args).server.api_key_file

@@ -8,21 +8,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from daemon.argtypes import DTYPE_CHOICES, count_or_auto
-from daemon.plan_cmd import (
+from daemon.cli.argtypes import count_or_auto
+from daemon.cli.plan import (
     add_context_arg,
     add_offload_args,
     add_prefix_cache_arg,
     add_quantize_args,
 )
 from daemon.settings import (
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    STRATEGY_CHOICES,
     Settings,
     SettingsError,
-    load_settings,
-    render_effective,
     user_config_file,
-    validate_file,
 )
+from daemon.settings_loading import load_settings, render_effective, validate_file
 
 # flag dest → settings key; a flag left at None does not override anything.
 FLAG_KEYS = {
@@ -67,11 +68,11 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="model id served at /v1/models")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default auto")
     add_quantize_args(p, default=None)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
+    p.add_argument("--device", choices=DEVICE_CHOICES, default=None)
     p.add_argument(
         "--threads", type=count_or_auto("--threads", 1), default=None, help="CPU threads or auto"
     )
-    p.add_argument("--strategy", choices=("autoregressive", "linear", "tree"), default=None)
+    p.add_argument("--strategy", choices=STRATEGY_CHOICES, default=None)
     p.add_argument(
         "--budget",
         type=count_or_auto("--budget", 1),
@@ -117,7 +118,7 @@ def setup_logging(level: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from daemon.server import read_api_key, serve
+    from daemon.http.server import read_api_key, serve
 
     settings = settings_from_args(args)
     settings.runtime_options()  # fail now, in one line, if no model is configured

@@ -18,14 +18,12 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daemon.argtypes import (
-    DTYPE_CHOICES,
-    QUANTIZE_CHOICES,
+from daemon.cli.argtypes import (
     QUANTIZE_GROUP,
     count_or_auto,
-    size_bytes,
     size_or_off,
 )
+from daemon.settings import DEVICE_CHOICES, DTYPE_CHOICES, QUANTIZE_CHOICES, size_bytes
 from offload.units import parse_rate, parse_size
 from speculative.errors import RequestError
 
@@ -131,7 +129,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--draft", default=None, help="draft folder / hub id, or 'ngram'")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default auto")
     add_quantize_args(p, default=None)
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
+    p.add_argument("--device", choices=DEVICE_CHOICES, default=None)
     add_context_arg(p, default=None)
     p.add_argument(
         "--budget",
@@ -150,7 +148,7 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
     from daemon.runtime import RuntimeOptions
 
     if args.config is not None:
-        from daemon.settings import load_settings  # only needed with --config
+        from daemon.settings_loading import load_settings  # only needed with --config
 
         overrides = {"models.target": (args.model, "--model")} if args.model else None
         options = load_settings(config_file=args.config, overrides=overrides).runtime_options()
@@ -192,7 +190,7 @@ def _plan_device(options: RuntimeOptions) -> torch.device:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from daemon.placement import choose_plan, offload_request, planned_tree_budget
+    from daemon.memory_plan import choose_plan, offload_request, planned_tree_budget
     from offload.machine import detect_budget
     from speculative.checkpoint import open_checkpoint
 

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from daemon.settings import STRATEGY_CHOICES
 from speculative.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
-STRATEGIES = ("autoregressive", "linear", "tree")
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP_STRINGS = 16
 
@@ -231,8 +231,8 @@ def _common(body: dict, limits: WireLimits, chat: bool) -> dict[str, Any]:
         raise bad_request("stream_options must be an object", "stream_options")
     include_usage = bool((options or {}).get("include_usage", False))
     strategy = body.get("strategy")
-    if strategy is not None and strategy not in STRATEGIES:
-        raise bad_request(f"strategy must be one of {', '.join(STRATEGIES)}", "strategy")
+    if strategy is not None and strategy not in STRATEGY_CHOICES:
+        raise bad_request(f"strategy must be one of {', '.join(STRATEGY_CHOICES)}", "strategy")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad_request("ignore_eos must be true or false", "ignore_eos")

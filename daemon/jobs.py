@@ -1,0 +1,110 @@
+"""A generation request as it crosses between the event loop and the engine's worker
+thread: what is asked (`GenerationRequest`), the events the worker posts back (`Chunk`s,
+then `Finished` or `Failed`), the `Job` that carries them, and the refusals `submit` can
+raise before a job is queued."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from speculative.errors import RequestError
+from speculative.generation import Chunk
+from speculative.sampling import SamplingParams
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than `limits.queue_size` allows (the client should retry)."""
+
+
+class EngineNotReady(RuntimeError):
+    """The models are still loading, failed to load, or the engine is shutting down."""
+
+
+class ServerShuttingDown(RuntimeError):
+    """The daemon is stopping; in-flight generations end with this error."""
+
+
+class BudgetTooLargeError(RequestError):
+    """A request's tree budget above what the memory plan holds (the request's fault)."""
+
+    def __init__(self, budget: int, maximum: int) -> None:
+        super().__init__(
+            f"budget {budget} is above the largest tree this daemon planned memory for "
+            f"({maximum} nodes, from speculation.budget): ask for at most {maximum}"
+        )
+        self.budget, self.maximum = budget, maximum
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    strategy: str | None = None  # None: the runtime's default
+    budget: int | None = None  # tree budget for this request only
+    ignore_eos: bool = False
+    trace: bool = False  # chunks carry each round's draft tree (speculative.generation)
+
+
+@dataclass
+class Finished:
+    """The last event of a job that completed: everything the response's usage needs."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: dict[str, Any]
+
+
+@dataclass
+class Failed:
+    error: BaseException
+
+
+Event = Chunk | Finished | Failed
+
+
+class Job:
+    """One request inside the engine. `events` is read on the event loop; the worker posts
+    to it with `call_soon_threadsafe`."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.loop = loop
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.submitted = time.perf_counter()
+        self._cancelled = threading.Event()
+        self.done = False
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def post(self, event: Event) -> None:
+        if isinstance(event, Finished | Failed):
+            self.done = True
+        # A closed event loop raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+def merge_chunks(chunks: list[Chunk]) -> Chunk:
+    """Chunks held back by coalescing, as one event."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return Chunk(
+        text="".join(c.text for c in chunks),
+        token_ids=[t for c in chunks for t in c.token_ids],
+        finish_reason=chunks[-1].finish_reason,
+        trace=[t for c in chunks for t in c.trace],
+        logprobs=[lp for c in chunks for lp in c.logprobs],
+    )

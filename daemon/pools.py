@@ -1,0 +1,79 @@
+"""What the engine keeps between requests: the strategies it built (each keeps what it
+learned: a tree strategy with `--budget auto` its measured costs and acceptance) and the
+sessions of finished conversations (their KV caches, so that a follow-up prompt only
+prefills its new suffix)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from daemon.runtime import Runtime
+from speculative.generation import Session, Strategy, common_prefix_len
+
+# Strategies kept for per-request tree budgets. Without a bound, a client cycling through
+# budgets grew one strategy (with its learned costs) per distinct value, forever; they all
+# share the runtime's one prefix cache.
+REQUEST_BUDGET_STRATEGIES = 4
+
+
+class StrategyPool:
+    """Strategies built once per (name, budget): the configured budget's kept for good, a
+    request's own budget's in an LRU of at most REQUEST_BUDGET_STRATEGIES."""
+
+    def __init__(self) -> None:
+        self._configured: dict[str, Strategy] = {}
+        self._budgeted: OrderedDict[tuple[str, int], Strategy] = OrderedDict()
+
+    def get(self, runtime: Runtime, name: str | None, budget: int | None) -> Strategy:
+        name = name or runtime.default_strategy
+        if budget is None:
+            if name not in self._configured:
+                self._configured[name] = runtime.strategy(name)
+            return self._configured[name]
+        key = (name, budget)
+        strategy = self._budgeted.get(key)
+        if strategy is None:
+            strategy = runtime.strategy(name, budget=budget)
+            self._budgeted[key] = strategy
+            while len(self._budgeted) > REQUEST_BUDGET_STRATEGIES:
+                self._budgeted.popitem(last=False)  # active jobs keep their own
+        self._budgeted.move_to_end(key)
+        return strategy
+
+    def held(self) -> list[Strategy]:
+        return [*self._configured.values(), *self._budgeted.values()]
+
+
+class SessionPool:
+    """Sessions of finished generations, least recently used first, at most `capacity`
+    (0: none kept). A session is only reused by the strategy (`key`) that made it."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._idle: list[tuple[str, Session]] = []
+
+    def __len__(self) -> int:
+        return len(self._idle)
+
+    def take(self, key: str, prompt_ids: list[int]) -> Session | None:
+        """The idle session with the longest common prefix with `prompt_ids`, if any."""
+        best, best_len = None, -1
+        for i, (held_key, session) in enumerate(self._idle):
+            if held_key != key:
+                continue
+            n = common_prefix_len(session.target_tokens, prompt_ids)
+            if n > best_len:
+                best, best_len = i, n
+        if best is None:
+            return None
+        return self._idle.pop(best)[1]
+
+    def release(self, key: str, session: Session) -> None:
+        if self.capacity == 0:
+            return
+        self._idle.append((key, session))
+        while len(self._idle) > self.capacity:
+            self._idle.pop(0)  # the least recently used conversation
+
+    def clear(self) -> None:
+        self._idle.clear()

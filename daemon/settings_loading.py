@@ -1,0 +1,221 @@
+"""Loading the daemon's settings (daemon/settings.py): YAML → typed dataclasses, with every
+value's origin kept.
+
+Layers, lowest first: the packaged default (config/specd.yaml), the user config file
+(platformdirs' config dir, or `--config FILE`), `SPECD_<SECTION>_<KEY>` environment
+variables, and command-line flags. A later layer replaces single keys, never whole sections.
+Unknown keys, wrong types and out-of-range values are `SettingsError`s that list every
+problem at once, one line each: `WHERE: KEY: what is wrong; what is allowed`, where WHERE is
+the file, `env VARIABLE` or the `--flag`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, Field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from daemon.settings import SECTION_ALIASES, SECTIONS, Settings, SettingsError, user_config_file
+
+PACKAGED_DEFAULT = Path(__file__).resolve().parents[1] / "config" / "specd.yaml"
+PROFILES_DIR = PACKAGED_DEFAULT.parent / "profiles"
+ENV_PREFIX = "SPECD_"
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SettingsError(f"{path}: the file does not exist; give an existing file") from None
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot be read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise SettingsError(f"{path}: {where}not valid YAML ({problem}); fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(
+            f"{path}: the top level is {_kind(data)}; it must be a mapping of sections ({_names()})"
+        )
+    return data
+
+
+def _names() -> str:
+    return ", ".join(SECTIONS)
+
+
+def _kind(value: Any) -> str:
+    return {list: "a list", str: "a string", int: "a number", float: "a number"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def flatten(data: Mapping[str, Any], origin: str) -> tuple[dict[str, Any], list[str]]:
+    """{"server": {"port": 1}} → {"server.port": 1}, and a line for each unknown section,
+    unknown key or section that is not a mapping (the rest of the file is still read)."""
+    flat: dict[str, Any] = {}
+    problems: list[str] = []
+    for alias, section in SECTION_ALIASES.items():
+        if alias in data and section in data:
+            problems.append(
+                f"{origin}: {alias}: the section {section!r} spelled another way; keep one of "
+                "the two"
+            )
+    for spelled, body in data.items():
+        section = SECTION_ALIASES.get(spelled, spelled)
+        if section not in SECTIONS:
+            problems.append(f"{origin}: {spelled}: unknown section; sections are {_names()}")
+            continue
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            problems.append(
+                f"{origin}: {spelled}: {_kind(body)} is not a section; a section is a "
+                "mapping of keys"
+            )
+            continue
+        known = [f.name for f in fields(SECTIONS[section])]
+        for key, value in body.items():
+            if key not in known:
+                problems.append(
+                    f"{origin}: {spelled}.{key}: unknown key; {spelled} keys are {', '.join(known)}"
+                )
+                continue
+            flat[f"{section}.{key}"] = value
+    return flat, problems
+
+
+def env_layer(environ: Mapping[str, str]) -> tuple[dict[str, tuple[Any, str]], list[str]]:
+    """SPECD_SERVER_PORT=9000 → {"server.port": (9000, "env SPECD_SERVER_PORT")}, and a line
+    for each variable that cannot be used. Values are parsed as YAML scalars/lists.
+    Variables whose second part is not a section (such as SPECD_TORCH_SPEC, used by the
+    set-up script) belong to other tools and are ignored."""
+    layer: dict[str, tuple[Any, str]] = {}
+    problems: list[str] = []
+    for var, raw in sorted(environ.items()):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        rest = var[len(ENV_PREFIX) :].lower()
+        spelled = next((s for s in [*SECTIONS, *SECTION_ALIASES] if rest.startswith(s + "_")), None)
+        if spelled is None:
+            continue
+        section = SECTION_ALIASES.get(spelled, spelled)
+        key = rest[len(spelled) + 1 :]
+        known = [f.name for f in fields(SECTIONS[section])]
+        if key not in known:
+            problems.append(
+                f"env {var}: {section}.{key}: unknown key; {section} keys are {', '.join(known)}"
+            )
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        if f"{section}.{key}" in layer:
+            other = layer[f"{section}.{key}"][1].removeprefix("env ")
+            problems.append(
+                f"env {var}: {section}.{key}: also set by {other}; unset one of the two"
+            )
+            continue
+        layer[f"{section}.{key}"] = (value, f"env {var}")
+    return layer, problems
+
+
+def _file_layer(path: Path, values: dict[str, tuple[Any, str]], problems: list[str]) -> None:
+    """Put `path`'s keys over `values`; its problems go to `problems`."""
+    try:
+        flat, found = flatten(read_yaml(path), str(path))
+    except SettingsError as exc:  # the file as a whole: missing, not YAML, not a mapping
+        problems += exc.problems
+        return
+    problems += found
+    for key, value in flat.items():
+        values[key] = (value, f"file {path}")
+
+
+def _default_layer() -> dict[str, tuple[Any, str]]:
+    flat, problems = flatten(read_yaml(PACKAGED_DEFAULT), str(PACKAGED_DEFAULT))
+    if problems:
+        raise SettingsError(problems)
+    return {key: (value, "default") for key, value in flat.items()}
+
+
+def load_settings(
+    config_file: Path | None = None,
+    overrides: Mapping[str, tuple[Any, str]] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """The effective settings. `config_file` replaces the user config file as its layer;
+    `overrides` maps "section.key" → (value, source), e.g. from command-line flags.
+    Every problem in every layer is reported in one SettingsError."""
+    values = _default_layer()
+    problems: list[str] = []
+    user = config_file if config_file is not None else user_config_file()
+    if config_file is not None or user.is_file():
+        _file_layer(user, values, problems)
+    env, env_problems = env_layer(os.environ if environ is None else environ)
+    values.update(env)
+    problems += env_problems
+    for key, (value, source) in (overrides or {}).items():
+        if value is not None:
+            values[key] = (value, source)
+    return build(values, problems)
+
+
+def _built_in(f: Field[Any]) -> Any:
+    """A key's value when no layer sets it: its default, or a fresh one (lists)."""
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def build(values: Mapping[str, tuple[Any, str]], problems: Sequence[str] = ()) -> Settings:
+    """Settings from "section.key" → (value, source); raises a SettingsError listing
+    `problems` (found while reading the layers) and every value that is not allowed."""
+    problems = list(problems)
+    sections: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, cls in SECTIONS.items():
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            key = f"{name}.{f.name}"
+            raw, source = values.get(key, (_built_in(f), "built-in"))
+            try:
+                kwargs[f.name] = f.metadata["check"](raw)
+            except ValueError as exc:
+                where = source.removeprefix("file ")
+                problems.append(f"{where}: {key}: {raw!r} is not allowed; expected {exc}")
+            sources[key] = source
+        if not problems:
+            sections[name] = cls(**kwargs)
+    if problems:
+        raise SettingsError(problems)
+    return Settings(**sections, sources=sources)
+
+
+def validate_file(path: Path) -> Settings:
+    """Check one file on its own (on top of the packaged default, no env or flags); the
+    SettingsError lists every problem in it."""
+    values = _default_layer()
+    problems: list[str] = []
+    _file_layer(path, values, problems)
+    return build(values, problems)
+
+
+def render_effective(settings: Settings) -> str:
+    """YAML of the effective config, each value followed by where it came from."""
+    lines: list[str] = []
+    for section, body in settings.effective().items():
+        lines.append(f"{section}:")
+        for key, value in body.items():
+            shown = yaml.safe_dump(value, default_flow_style=True).strip()
+            shown = shown.removesuffix("\n...").removesuffix("...").strip()
+            lines.append(f"  {key}: {shown}  # {settings.sources[f'{section}.{key}']}")
+    return "\n".join(lines) + "\n"
