@@ -196,6 +196,8 @@ class Engine:
             self.max_pass_tokens = self.limits.max_pass_tokens or self.runtime.max_pass_tokens
             self.max_pass_rows = self.runtime.max_pass_rows
             log.info("models loaded: %s", self.options.model)
+            # Compiled passes warm on their own thread: requests run eager until then.
+            self.runtime.compile(serving=True).warm_in_background()
         except BaseException as exc:  # reported by /health and every request
             self.load_error = exc
             log.error("loading the models failed: %s", exc)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from daemon.compiling import SMALL_LAYER_PARAMETERS, CompiledModels
 from daemon.memory_plan import plan_dtype
 from daemon.target_loading import load_placed_target
 from speculative.budget import max_tree_budget
@@ -59,13 +60,10 @@ class RuntimeOptions:
     ram_budget: str = "auto"  # a size or auto (available RAM minus a reserve)
     bandwidth: str | None = None  # host→device rate for the plan's estimate ("25GB/s")
     threads: int | str = "auto"  # CPU compute threads (torch intra-op), or auto
+    # Compiled passes: auto | off | on (daemon/compiling.py). The configuration's default is
+    # auto; a runtime built directly (tests, scripts) compiles only when asked.
+    compile: str = "off"
     sequences: int = 1  # KV caches that may coexist (the daemon: active + kept conversations)
-
-
-# Below this many weights per decoder layer a CPU step is a few hundred tiny kernels: extra
-# intra-op threads only add wake-ups (and spin-waits when cores are shared), measured 10x
-# slower with 2 threads than 1 on the stories260k pair. Bigger layers get the physical cores.
-SMALL_LAYER_PARAMETERS = 1_000_000
 
 
 def cpu_threads(requested: int | str, layer_parameters: int) -> int:
@@ -191,6 +189,16 @@ class Runtime:
         default = "tree" if self.draft_kind else "autoregressive"
         self.default_strategy = options.strategy or default
         self.check_strategy(self.default_strategy)
+        self.compiled: CompiledModels | None = None
+
+    def compile(self, serving: bool) -> CompiledModels:
+        """Decide which models run compiled passes (`options.compile`); the caller warms
+        them (`warm()` in the foreground, `warm_in_background()` for the daemon)."""
+        models = {"target": self.target}
+        if self.draft is not None:
+            models["draft"] = self.draft
+        self.compiled = CompiledModels(self.options.compile, models, serving)
+        return self.compiled
 
     def check_strategy(self, name: str) -> None:
         """Refuse a strategy this runtime cannot build: an unknown name, or speculation

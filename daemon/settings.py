@@ -27,6 +27,7 @@ DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
 QUANTIZE_CHOICES = ("int8", "int4")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 STRATEGY_CHOICES = ("autoregressive", "linear", "tree")
+COMPILE_CHOICES = ("auto", "off", "on")
 
 
 def size_bytes(value: int | str, what: str = "size") -> int:
@@ -170,6 +171,21 @@ class ModelsSettings:
     threads: int | str = _key("auto", integer(1, 1024, auto=True))
 
 
+def compile_choice(value: Any) -> Any:
+    """auto | off | on. YAML reads a bare on/off as a boolean (in files and in SPECD_*
+    variables alike): true means on, false off."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value not in COMPILE_CHOICES:
+        raise ValueError(f"one of {', '.join(COMPILE_CHOICES)}")
+    return value
+
+
+@dataclass
+class RuntimeSettings:
+    compile: str = _key("auto", compile_choice)
+
+
 @dataclass
 class SpeculationSettings:
     strategy: str | None = _key(None, choice(None, *STRATEGY_CHOICES))
@@ -230,6 +246,7 @@ class LoggingSettings:
 
 SECTIONS: dict[str, type] = {
     "models": ModelsSettings,
+    "runtime": RuntimeSettings,
     "speculation": SpeculationSettings,
     "offload": OffloadSettings,
     "context": ContextSettings,
@@ -245,6 +262,7 @@ SECTION_ALIASES = {"speculative": "speculation"}
 @dataclass
 class Settings:
     models: ModelsSettings
+    runtime: RuntimeSettings
     speculation: SpeculationSettings
     offload: OffloadSettings
     context: ContextSettings
@@ -277,6 +295,7 @@ class Settings:
             ram_budget=self.offload.ram_budget,
             bandwidth=self.offload.bandwidth,
             threads=self.models.threads,
+            compile=self.runtime.compile,
             sequences=self.limits.max_concurrent + self.limits.cached_sessions,
         )
 

@@ -52,8 +52,6 @@ MAX_TOKENS = 64
 # Compiled steps the warm-up runs: one per graph (see the module's docstring).
 WARM_TOKENS = (1, 2)
 
-COMPILE_CHOICES = ("auto", "off", "on")
-
 
 def ineligible(model: Transformer) -> str | None:
     """Why `model`'s passes cannot be compiled, or None when they can."""
@@ -118,6 +116,11 @@ class CompiledPasses:
         options: dict[str, bool] = (
             {"triton.cudagraphs": True} if self.cuda else {"cpp_wrapper": True}
         )
+        # Every compiled model adds its two graphs to the one traced function's cache (its
+        # guards tell the models apart); past the limit PyTorch would run them eager.
+        limits = torch._dynamo.config
+        limits.recompile_limit = max(limits.recompile_limit, 64)
+        limits.accumulated_recompile_limit = max(limits.accumulated_recompile_limit, 256)
         self._graph: Callable[..., torch.Tensor] = torch.compile(
             self._traced, fullgraph=True, options=options
         )

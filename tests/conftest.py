@@ -19,6 +19,13 @@ from scripts.tiny_models import make_checkpoint  # noqa: E402
 
 SHARED_MODELS = Path(os.environ.get("SPECD_SHARED_MODELS", ROOT.parent / "shared" / "models"))
 
+# Daemons started by tests run eager: `auto` would compile the tiny models' passes on a
+# background thread, tens of seconds of the two cores on a cold compile cache. Subprocess
+# daemons inherit this; in-process servers built with `load_settings(environ={})` say
+# "runtime.compile": "off" in their overrides. Compiled passes have their own tests
+# (test_compiled.py, test_compiling.py), which ask for them explicitly.
+os.environ["SPECD_RUNTIME_COMPILE"] = "off"
+
 # Tiny models gain nothing from threads, and spinning OpenMP threads stall badly when the
 # two cores are busy; tests run single-threaded.
 torch.set_num_threads(1)

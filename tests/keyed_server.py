@@ -25,6 +25,7 @@ def keyed_server(
     key_file.write_text(key + "\n")
     overrides = {
         "models.target": (str(target), "test"),
+        "runtime.compile": ("off", "test"),
         "server.port": (0, "test"),
         "server.api_key_file": (str(key_file), "test"),
         **{name: (value, "test") for name, value in settings.items()},

@@ -19,7 +19,11 @@ from daemon.settings_loading import load_settings
 
 @pytest.fixture(scope="module")
 def server(stories_target: Path) -> Iterator[BackgroundServer]:
-    overrides = {"models.target": (str(stories_target), "--model"), "server.port": (0, "--port")}
+    overrides = {
+        "models.target": (str(stories_target), "--model"),
+        "runtime.compile": ("off", "test"),
+        "server.port": (0, "--port"),
+    }
     with BackgroundServer(load_settings(overrides=overrides, environ={})) as srv:
         yield srv
 

@@ -70,7 +70,11 @@ def test_token_logprob_is_the_log_softmax_row() -> None:
 def test_streamed_chat_logprobs_equal_the_whole_answers(stories_target: Path) -> None:
     settings = load_settings(
         environ={},
-        overrides={"models.target": (str(stories_target), "t"), "server.port": (0, "t")},
+        overrides={
+            "models.target": (str(stories_target), "t"),
+            "runtime.compile": ("off", "test"),
+            "server.port": (0, "t"),
+        },
     )
     import http.client
 

@@ -159,6 +159,7 @@ def test_api_stats_and_metrics_through_one_shared_cache(
         environ={},
         overrides={
             "models.target": (str(stories_target), "test"),
+            "runtime.compile": ("off", "test"),
             "models.draft": (str(stories_draft), "test"),
             "speculation.strategy": ("tree", "test"),
             "speculation.prefix_cache": ("32MiB", "test"),

@@ -26,6 +26,7 @@ def server(stories_target: Path, stories_draft: Path) -> Iterator[BackgroundServ
         environ={},
         overrides={
             "models.target": (str(stories_target), "test"),
+            "runtime.compile": ("off", "test"),
             "models.draft": (str(stories_draft), "test"),
             "speculation.strategy": ("autoregressive", "test"),  # others via the request field
             "server.port": (0, "test"),

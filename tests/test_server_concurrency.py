@@ -41,6 +41,7 @@ def server(stories_target: Path) -> Iterator[BackgroundServer]:
         environ={},
         overrides={
             "models.target": (str(stories_target), "test"),
+            "runtime.compile": ("off", "test"),
             "server.port": (0, "test"),
             "server.keepalive_seconds": (0.05, "test"),
             "limits.max_concurrent": (8, "test"),

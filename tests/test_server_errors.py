@@ -262,7 +262,11 @@ def test_health_is_503_while_loading(stories_target: Path) -> None:
     """The HTTP side is up before the models: /health and requests say 503 + Retry-After."""
     settings = load_settings(
         environ={},
-        overrides={"models.target": (str(stories_target), "test"), "server.port": (0, "test")},
+        overrides={
+            "models.target": (str(stories_target), "test"),
+            "runtime.compile": ("off", "test"),
+            "server.port": (0, "test"),
+        },
     )
     server = Server(settings)
     release = threading.Event()

@@ -67,6 +67,7 @@ def test_requests_with_trees_past_the_first_allocation(pair: tuple[Path, Path]) 
         environ={},
         overrides={
             "models.target": (str(target), "test"),
+            "runtime.compile": ("off", "test"),
             "models.draft": (str(draft), "test"),
             "models.device": ("cpu", "test"),
             "server.port": (0, "test"),

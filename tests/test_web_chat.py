@@ -82,6 +82,7 @@ def browser() -> Iterator[Any]:
 def start_server(target: Path, draft: Path, key_file: Path | None = None) -> BackgroundServer:
     overrides: dict[str, tuple[Any, str]] = {
         "models.target": (str(target), "test"),
+        "runtime.compile": ("off", "test"),
         "models.draft": (str(draft), "test"),
         "server.port": (0, "test"),
         "server.keepalive_seconds": (0.05, "test"),

@@ -34,6 +34,7 @@ def server(stories_target: Path, stories_draft: Path, key_file: Path) -> Iterato
         environ={},
         overrides={
             "models.target": (str(stories_target), "test"),
+            "runtime.compile": ("off", "test"),
             "models.draft": (str(stories_draft), "test"),
             "server.port": (0, "test"),
             "server.api_key_file": (str(key_file), "test"),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from daemon.cli.argtypes import count
 from daemon.cli.serve import add_settings_args, settings_from_args
+from daemon.compiling import print_progress
 from daemon.engine import Engine, EngineLimits
 from daemon.jobs import Failed, Finished, GenerationRequest
 from daemon.metrics import Metrics
@@ -154,6 +155,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.concurrency > 1:  # the plan holds a pass's logit rows for every generation
         options = dataclasses.replace(options, sequences=max(options.sequences, args.concurrency))
     runtime = Runtime(options)
+    runtime.compile(serving=False).warm(print_progress)  # --compile on: before measuring
     names = args.strategies or [
         n for n in STRATEGY_BUILDERS if n == "autoregressive" or runtime.draft_kind is not None
     ]

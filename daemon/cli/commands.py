@@ -16,7 +16,13 @@ from daemon.cli import chat, plan, pull, serve, service
 from daemon.cli.argtypes import count, count_or_auto, temperature, text
 from daemon.cli.pull import PullError
 from daemon.service import ServiceError
-from daemon.settings import DEVICE_CHOICES, DTYPE_CHOICES, STRATEGY_CHOICES, SettingsError
+from daemon.settings import (
+    COMPILE_CHOICES,
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    STRATEGY_CHOICES,
+    SettingsError,
+)
 from speculative.errors import RequestError
 
 if TYPE_CHECKING:
@@ -89,6 +95,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         type=count_or_auto("--threads", 1),
         default="auto",
         help="CPU compute threads, or auto (1 for tiny models, else the physical cores)",
+    )
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_CHOICES,
+        default="auto",
+        help="compiled passes: auto (the daemon only, where measured to pay), off, on",
     )
     plan.add_context_arg(p, default="auto")
 
@@ -178,6 +190,7 @@ def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:
         device=args.device,
         context=args.context,
         threads=args.threads,
+        compile=args.compile,
     )
 
 
@@ -201,10 +214,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise RequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.samples < 1:
         raise RequestError(f"--samples must be at least 1, got {args.samples}")
+    from daemon.compiling import print_progress
     from daemon.runtime import Runtime
     from speculative.generation import Generation
 
     runtime = Runtime(runtime_options(args))
+    runtime.compile(serving=False).warm(print_progress)  # --compile on: before the first token
     tok = runtime.tokenizer
     if args.prompt_ids is not None:
         prompt_ids = list(args.prompt_ids)

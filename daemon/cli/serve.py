@@ -16,6 +16,7 @@ from daemon.cli.plan import (
     add_quantize_args,
 )
 from daemon.settings import (
+    COMPILE_CHOICES,
     DEVICE_CHOICES,
     DTYPE_CHOICES,
     STRATEGY_CHOICES,
@@ -35,6 +36,7 @@ FLAG_KEYS = {
     "draft_quantize": "models.draft_quantize",
     "device": "models.device",
     "threads": "models.threads",
+    "compile": "runtime.compile",
     "strategy": "speculation.strategy",
     "budget": "speculation.budget",
     "prefix_cache": "speculation.prefix_cache",
@@ -71,6 +73,9 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=DEVICE_CHOICES, default=None)
     p.add_argument(
         "--threads", type=count_or_auto("--threads", 1), default=None, help="CPU threads or auto"
+    )
+    p.add_argument(
+        "--compile", choices=COMPILE_CHOICES, default=None, help="compiled passes (default auto)"
     )
     p.add_argument("--strategy", choices=STRATEGY_CHOICES, default=None)
     p.add_argument(

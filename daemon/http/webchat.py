@@ -77,6 +77,8 @@ async def specd_status(request: web.Request) -> web.Response:
             strategy=runtime.default_strategy,
             max_tree_budget=runtime.max_tree_budget,
             plan=runtime.plan.to_dict(),
+            # Per model: off, warming (passes run eager until ready), ready or failed.
+            compile=runtime.compiled.to_dict() if runtime.compiled is not None else {},
         )
     stream_seconds = metrics.stream_seconds.value
     body["stream"] = {

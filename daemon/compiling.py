@@ -1,0 +1,143 @@
+"""Which models run compiled passes (`--compile auto|off|on`, `runtime.compile`), and warming
+them: in the foreground for a one-shot command, on a thread of its own for the daemon, so
+that no request waits for the compiler (it runs eager until the graphs are ready).
+
+`auto` compiles where `scripts/bench_overhead.py` measured a gain that pays for compiling:
+the daemon (long-running; the graphs are compiled once and loaded from PyTorch's disk cache
+after a restart) on a CPU with small layers (under SMALL_LAYER_PARAMETERS weights, where a
+step is dispatch-bound: decode 1.4-3x faster on the stories pair). Not for a one-shot
+command (compiling takes longer than the generation), not for bigger layers on a CPU (a
+1B-shaped draft gained nothing: its step is arithmetic), and not yet on CUDA, where CUDA
+graphs should pay most but have not been measured on a GPU: `on` turns them on there.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from speculative.compiled import CompiledPasses, ineligible, use_cache_dir
+from speculative.model import Transformer
+
+log = logging.getLogger("specd.compile")
+
+# Below this many weights per decoder layer a CPU step is a few hundred tiny kernels, and
+# its time is dispatch: extra intra-op threads only add wake-ups (and spin-waits when cores
+# are shared; measured 10x slower with 2 threads than 1 on the stories260k pair), and
+# compiled passes pay (above). Bigger layers get the physical cores and run eager.
+SMALL_LAYER_PARAMETERS = 1_000_000
+
+
+@dataclass
+class CompileState:
+    """One model's compiled passes: `state` is off, warming, ready or failed; `reason` says
+    why (the choice, or the error)."""
+
+    role: str  # "target" or "draft"
+    state: str
+    reason: str
+    warm_seconds: float | None = None
+
+    def to_dict(self) -> dict[str, str | float | None]:
+        return {"state": self.state, "reason": self.reason, "warm_seconds": self.warm_seconds}
+
+
+def decide(choice: str, model: Transformer, serving: bool) -> tuple[bool, str]:
+    """(compile?, why) for one model under `choice` (auto | off | on)."""
+    if choice == "off":
+        return False, "off (--compile off)"
+    reason = ineligible(model)
+    if reason is not None:
+        return False, f"not compiled: {reason}"
+    if choice == "on":
+        return True, "on (--compile on)"
+    if not serving:
+        return False, "auto: a one-shot command (compiling takes longer than it saves)"
+    if model.device.type == "cuda":
+        return False, "auto: CUDA graphs are not measured on a GPU yet (--compile on to use them)"
+    params = model.config.layer_parameter_count()
+    if params >= SMALL_LAYER_PARAMETERS:
+        return False, f"auto: {params:,} weights per layer are compute-bound on a CPU"
+    return True, f"auto: a CPU step of {params:,} weights per layer is dispatch-bound"
+
+
+def print_progress(line: str) -> None:
+    """A one-shot command's compile progress: one line each on stderr."""
+    print(f"specd: compiling {line}", file=sys.stderr, flush=True)
+
+
+def compile_cache_dir() -> Path:
+    """Where PyTorch keeps compiled graphs for specd (platformdirs' cache folder)."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("specd")) / "compile"
+
+
+class CompiledModels:
+    """The runtime's models and their compiled passes."""
+
+    def __init__(
+        self,
+        choice: str,
+        models: dict[str, Transformer],
+        serving: bool,
+        cache_dir: Path | None = None,
+    ) -> None:
+        self.models = models
+        self.states: dict[str, CompileState] = {}
+        self._wanted: list[str] = []
+        for role, model in models.items():
+            on, reason = decide(choice, model, serving)
+            self.states[role] = CompileState(role, "warming" if on else "off", reason)
+            if on:
+                self._wanted.append(role)
+        if self._wanted:
+            use_cache_dir(cache_dir or compile_cache_dir())
+        self._thread: threading.Thread | None = None
+
+    @property
+    def wanted(self) -> bool:
+        return bool(self._wanted)
+
+    def warm(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compile every chosen model's graphs and attach them; a model whose compilation
+        fails keeps running eager (logged, and its state says why)."""
+        for role in self._wanted:
+            model, state = self.models[role], self.states[role]
+            say = (lambda line, r=role: progress(f"{r}: {line}")) if progress else None
+            try:
+                passes = CompiledPasses(model)
+                state.warm_seconds = passes.warm(say)
+            except Exception as exc:  # the compiler is optional: never fatal
+                state.state, state.reason = "failed", f"{type(exc).__name__}: {exc}"
+                log.warning("compiling the %s's passes failed; it runs eager: %s", role, exc)
+                continue
+            model.compiled = passes  # from now on its passes run compiled
+            state.state = "ready"
+            log.info("the %s's passes are compiled (%.1f s)", role, state.warm_seconds)
+
+    def warm_in_background(self) -> None:
+        """Warm on a thread of its own; passes run eager until each model is ready."""
+        if not self._wanted or self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._warm_quietly, name="specd-compile", daemon=True
+        )
+        self._thread.start()
+
+    def _warm_quietly(self) -> None:
+        with torch.inference_mode():
+            self.warm(lambda line: log.info("compiling: %s", line))
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def to_dict(self) -> dict[str, dict[str, str | float | None]]:
+        return {role: state.to_dict() for role, state in self.states.items()}

@@ -1,0 +1,162 @@
+"""`--compile auto|off|on` (`runtime.compile`): which models run compiled passes, the daemon
+warming them on a thread of its own while it serves, and one-shot commands warming first.
+
+The real stories260k draft serves as the target here: its graphs are in the compile cache
+once tests/test_compiled.py has compiled them, so these tests load rather than compile."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from daemon.cli.commands import main
+from daemon.compiling import SMALL_LAYER_PARAMETERS, CompiledModels, decide
+from daemon.http.server import BackgroundServer
+from daemon.runtime import Runtime, RuntimeOptions
+from daemon.settings import SettingsError
+from daemon.settings_loading import load_settings
+from speculative.checkpoint import load
+from speculative.config import ModelConfig
+from speculative.model import Transformer
+
+
+def _config(hidden: int, intermediate: int) -> ModelConfig:
+    return ModelConfig(
+        model_type="llama",
+        head_dim=hidden // 4,
+        rms_norm_eps=1e-5,
+        vocab_size=64,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=64,
+    )
+
+
+def test_auto_compiles_the_daemons_small_cpu_models_only(stories_draft: Path) -> None:
+    model = load(str(stories_draft))[0]
+    assert decide("off", model, serving=True) == (False, "off (--compile off)")
+    assert decide("on", model, serving=False) == (True, "on (--compile on)")
+    on, why = decide("auto", model, serving=True)
+    assert on and "dispatch-bound" in why
+    on, why = decide("auto", model, serving=False)
+    assert not on and "one-shot" in why
+    big = Transformer(_config(512, 1536))
+    assert big.config.layer_parameter_count() >= SMALL_LAYER_PARAMETERS
+    on, why = decide("auto", big, serving=True)
+    assert not on and "compute-bound" in why
+
+
+def test_models_that_cannot_compile_say_why_even_when_asked(tmp_path: Path) -> None:
+    model = Transformer(_config(64, 128))
+    model.set_layers(list(model.layers))  # what a streamer looks like to the model
+    compiled = CompiledModels("on", {"target": model}, serving=True, cache_dir=tmp_path)
+    assert not compiled.wanted
+    state = compiled.to_dict()["target"]
+    assert state["state"] == "off" and "streamed" in str(state["reason"])
+
+
+def test_a_failed_compile_leaves_the_model_eager(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = Transformer(_config(64, 128))
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr("daemon.compiling.CompiledPasses", broken)
+    compiled = CompiledModels("on", {"target": model}, serving=True, cache_dir=tmp_path)
+    compiled.warm()
+    assert model.compiled is None
+    assert compiled.to_dict()["target"]["state"] == "failed"
+    assert "no C++ compiler" in str(compiled.to_dict()["target"]["reason"])
+
+
+def test_runtime_compile_is_a_validated_setting(tmp_path: Path) -> None:
+    # YAML reads bare on/off as booleans, in a file and in an environment variable alike.
+    assert load_settings(environ={"SPECD_RUNTIME_COMPILE": "on"}).runtime.compile == "on"
+    off = tmp_path / "off.yaml"
+    off.write_text("models:\n  target: m\nruntime:\n  compile: off\n")
+    assert load_settings(config_file=off, environ={}).runtime.compile == "off"
+    assert load_settings(config_file=off, environ={}).runtime_options().compile == "off"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("runtime:\n  compile: fast\n")
+    with pytest.raises(SettingsError, match=r"runtime\.compile"):
+        load_settings(config_file=bad, environ={})
+
+
+def test_the_daemon_serves_while_compiling_then_serves_compiled(stories_draft: Path) -> None:
+    settings = load_settings(
+        environ={},
+        overrides={
+            "models.target": (str(stories_draft), "test"),
+            "runtime.compile": ("auto", "test"),
+            "server.port": (0, "test"),
+        },
+    )
+    eager = Runtime(RuntimeOptions(model=str(stories_draft)))
+    prompt = eager.tokenizer.encode("Once upon a time")
+    expected = _greedy(eager, prompt, 24)
+    with BackgroundServer(settings) as srv:
+        runtime = srv.server.engine.runtime
+        assert runtime is not None and runtime.compiled is not None
+        runtime.compiled.join(timeout=600)  # warmed on its own thread
+        status = _get(srv.url + "/v1/specd/status")
+        assert status["compile"]["target"]["state"] == "ready", status["compile"]
+        assert runtime.target.compiled is not None
+        before = runtime.target.compiled.passes
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        answer = _post(srv.url + "/v1/completions", body)
+        assert runtime.target.compiled.passes > before  # it ran compiled
+    assert answer["choices"][0]["text"] == eager.tokenizer.decode(expected)
+
+
+def test_generate_with_compile_on_warms_first_and_prints_the_same(
+    stories_draft: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["generate", "--model", str(stories_draft), "--prompt", "Once upon a time"]
+    args += ["--max-tokens", "24", "--json"]
+    assert main([*args, "--compile", "off"]) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert main([*args, "--compile", "on"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["token_ids"] == eager["token_ids"]
+    assert "specd: compiling target: compiling 1-token steps" in captured.err
+
+
+def _greedy(runtime: Runtime, prompt: list[int], n: int) -> list[int]:
+    from speculative.generation import Generation
+    from speculative.sampling import SamplingParams
+
+    strategy = runtime.strategy()
+    gen = Generation(
+        strategy,
+        runtime.new_session(strategy),
+        runtime.tokenizer,
+        prompt,
+        SamplingParams(temperature=0.0),
+        max_tokens=n,
+        ignore_eos=True,
+    )
+    gen.run()
+    return gen.token_ids
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
