@@ -253,14 +253,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("\ndraft step (one tree depth) over a 100-token cache, median")
         print(f"{'nodes':>6}{'eager µs':>11}{'compiled µs':>13}{'ratio':>8}")
         for r in rows:
-            print(f"{r['nodes']:>6}{r['eager_us']:>11.0f}{r['compiled_us']:>13.0f}{r['ratio']:>7.2f}x")
+            print(
+                f"{r['nodes']:>6}{r['eager_us']:>11.0f}{r['compiled_us']:>13.0f}{r['ratio']:>7.2f}x"
+            )
     if "profile" in sections:
         prof = profile_section(pair, 50)
         result["profile"] = prof
         for label in ("eager", "compiled"):
             p = prof[label]
-            print(f"\nprofile, {label}: {p['host_us_per_step']:.0f} µs host time and "
-                  f"{p['ops_per_step']:.0f} profiled ops per decode step")
+            print(
+                f"\nprofile, {label}: {p['host_us_per_step']:.0f} µs host time and "
+                f"{p['ops_per_step']:.0f} profiled ops per decode step"
+            )
             print(p["table"])
         print(f"host time per step, eager / compiled: {prof['ratio']:.2f}x")
     if "shaped" in sections:
@@ -272,7 +276,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             "device": device, "rows": rows}  # fmt: skip
         print(f"{'nodes':>6}{'eager µs':>11}{'compiled µs':>13}{'ratio':>8}")
         for r in rows:
-            print(f"{r['nodes']:>6}{r['eager_us']:>11.0f}{r['compiled_us']:>13.0f}{r['ratio']:>7.2f}x")
+            print(
+                f"{r['nodes']:>6}{r['eager_us']:>11.0f}{r['compiled_us']:>13.0f}{r['ratio']:>7.2f}x"
+            )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

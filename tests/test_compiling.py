@@ -158,5 +158,3 @@ def _post(url: str, body: dict) -> dict:
     )
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
-
-
