@@ -34,7 +34,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -113,7 +113,7 @@ class CompiledPasses:
         # Padding only buys something where graphs are recorded per shape (CUDA graphs);
         # tests turn it on on a CPU to check the padded path.
         self.pad = self.cuda if pad is None else pad
-        options: dict[str, bool] = (
+        options: dict[str, str | int | bool | Callable[..., Any]] = (
             {"triton.cudagraphs": True} if self.cuda else {"cpp_wrapper": True}
         )
         # Every compiled model adds its two graphs to the one traced function's cache (its

@@ -149,7 +149,7 @@ def test_validate_reports_every_problem_at_once_in_one_format(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.splitlines() == [
-        f"{bad}: servr: unknown section; sections are models, speculation, offload, context, "
+        f"{bad}: servr: unknown section; sections are models, runtime, speculation, offload, context, "
         "server, limits, logging",
         f"{bad}: server.prot: unknown key; server keys are host, port, api_key_file, "
         "cors_origins, allowed_hosts, keepalive_seconds, stream_interval_ms",
