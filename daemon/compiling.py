@@ -5,10 +5,11 @@ that no request waits for the compiler (it runs eager until the graphs are ready
 `auto` compiles where `scripts/bench_overhead.py` measured a gain that pays for compiling:
 the daemon (long-running; the graphs are compiled once and loaded from PyTorch's disk cache
 after a restart) on a CPU with small layers (under SMALL_LAYER_PARAMETERS weights, where a
-step is dispatch-bound: decode 1.4-3x faster on the stories pair). Not for a one-shot
+step is dispatch-bound: decode 1.8x faster on the stories pair). Not for a one-shot
 command (compiling takes longer than the generation), not for bigger layers on a CPU (a
-1B-shaped draft gained nothing: its step is arithmetic), and not yet on CUDA, where CUDA
-graphs should pay most but have not been measured on a GPU: `on` turns them on there.
+1B-shaped draft gained nothing: its step is arithmetic), and not yet on CUDA, where the
+compiled kernels are unmeasured and CUDA graphs are not built yet (speculative/compiled.py
+says what they need): `on` compiles there too.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def decide(choice: str, model: Transformer, serving: bool) -> tuple[bool, str]:
     if not serving:
         return False, "auto: a one-shot command (compiling takes longer than it saves)"
     if model.device.type == "cuda":
-        return False, "auto: CUDA graphs are not measured on a GPU yet (--compile on to use them)"
+        return False, "auto: not measured on a GPU yet (--compile on compiles the kernels)"
     params = model.config.layer_parameter_count()
     if params >= SMALL_LAYER_PARAMETERS:
         return False, f"auto: {params:,} weights per layer are compute-bound on a CPU"
@@ -92,14 +93,21 @@ class CompiledModels:
         self.models = models
         self.states: dict[str, CompileState] = {}
         self._wanted: list[str] = []
+        self._thread: threading.Thread | None = None
         for role, model in models.items():
             on, reason = decide(choice, model, serving)
             self.states[role] = CompileState(role, "warming" if on else "off", reason)
             if on:
                 self._wanted.append(role)
         if self._wanted:
-            use_cache_dir(cache_dir or compile_cache_dir())
-        self._thread: threading.Thread | None = None
+            try:
+                use_cache_dir(cache_dir or compile_cache_dir())
+            except OSError as exc:  # an unwritable cache folder: run eager, say why
+                log.warning("no compile cache folder (%s): the models run eager", exc)
+                for role in self._wanted:
+                    self.states[role].state = "failed"
+                    self.states[role].reason = f"compile cache folder: {exc}"
+                self._wanted = []
 
     @property
     def wanted(self) -> bool:

@@ -196,8 +196,10 @@ class Engine:
             self.max_pass_tokens = self.limits.max_pass_tokens or self.runtime.max_pass_tokens
             self.max_pass_rows = self.runtime.max_pass_rows
             log.info("models loaded: %s", self.options.model)
-            # Compiled passes warm on their own thread: requests run eager until then.
-            self.runtime.compile(serving=True).warm_in_background()
+            # Compiled passes warm on their own thread: requests run eager until then. A
+            # runtime whose owner decided already (`specd bench`) keeps its choice.
+            if self.runtime.compiled is None:
+                self.runtime.compile(serving=True).warm_in_background()
         except BaseException as exc:  # reported by /health and every request
             self.load_error = exc
             log.error("loading the models failed: %s", exc)

@@ -4,25 +4,30 @@ On a small model, and on a resident draft on a GPU, a step is a few hundred tiny
 its time goes to Python and PyTorch dispatch (and kernel launches), not to arithmetic; the
 draft runs one such step per tree depth, so its cost shrinks the tree the budget can afford.
 `torch.compile` traces `Transformer.hidden_states` into fused kernels (Inductor: C++ with a
-C++ wrapper on a CPU; on CUDA the graphs are replayed as CUDA graphs).
+C++ wrapper on a CPU, Triton on CUDA).
 
 A graph must not depend on where the sequence stands, so a compiled pass stores through
 `FixedSlots`: the new tokens' keys and values go to slots named by a tensor, and every new
 token attends over the cache's whole allocation under a (tokens, slots) mask. The
 allocation grows by doubling (speculative/kv_cache.py), and graphs are compiled with dynamic
 sizes, so two graphs serve every step: one for single tokens (the compiler specialises size
-1) and one for 2..MAX_TOKENS tokens, each over any allocation. On CUDA the token count is
-padded to a power of two, so that CUDA graphs are recorded for a handful of shapes; padding
-rows write free slots past the sequence's end (overwritten later, never committed) and
-attend only to themselves.
+1) and one for 2..MAX_TOKENS tokens, each over any allocation.
 
 Eligible: a model on its own layers (a streamer's list moves weights between calls), with
 no packed projections (rebuilt per call into a shared scratch), passes of one sequence with
-at most MAX_TOKENS tokens. Everything else runs eager. The head (norm, vocabulary
-projection) stays eager over the rows that want logits, so the memory plan is unchanged;
-attention over the whole allocation costs at most twice the eager attention's keys.
-Outputs equal eager ones up to float rounding (the fused kernels sum in another order):
-fp32 logits within 1e-5, greedy tokens identical in the tests.
+at most MAX_TOKENS tokens whose attention fits one query chunk over the allocation (the
+memory bound `attend` keeps, model.ATTENTION_CHUNK_BYTES). Everything else runs eager, and
+so does a model whose graph fails (logged once). The head (norm, vocabulary projection)
+stays eager over the rows that want logits, so the memory plan is unchanged; attention over
+the whole allocation costs at most twice the eager attention's keys, within the same bound.
+Outputs equal eager ones up to float rounding (the fused kernels sum in another order, as a
+batched pass does): greedy tokens identical in the tests, fp32 logits within 1e-5 plus 2e-6
+of the largest.
+
+Not here yet: CUDA graphs. Replaying one needs every input at a fixed address, and each
+session's KV cache is its own tensor that is reallocated as it grows, so PyTorch's graph
+trees would record again for every conversation and every growth, without bound; they need
+one KV arena per model at fixed addresses first, and a GPU to measure them on.
 
 Compiled code is cached on disk by PyTorch (Inductor's FX graph cache) under `cache_dir`,
 so a restarted daemon loads its graphs instead of compiling them again.
@@ -30,20 +35,21 @@ so a restarted daemon loads its graphs instead of compiling them again.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from speculative.kv_cache import KVCache
+from speculative.model import FixedSlots, Segment, Transformer, full_mask, query_chunk
 from speculative.quant import PackedLinear
 
-if TYPE_CHECKING:
-    from speculative.model import Segment, Transformer
+log = logging.getLogger("specd.compile")
 
 # Tokens of the largest compiled pass: a draft's frontier at one depth and a decode step fit;
 # a prefill chunk or a target's tree pass, with enough work per weight to hide dispatch,
@@ -71,13 +77,8 @@ def use_cache_dir(path: Path) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path))
 
 
-def _bucket(tokens: int) -> int:
-    """The padded token count of a CUDA-graphed pass: the next power of two."""
-    return 1 << (tokens - 1).bit_length()
-
-
 def _mark_sizes(
-    width: int,
+    t: int,
     cache: KVCache,
     tokens: torch.Tensor,
     positions: torch.Tensor,
@@ -92,7 +93,7 @@ def _mark_sizes(
     for tensor in (cache.k, cache.v):
         mark(tensor, 2)
     mark(mask, 1)
-    if width > 1:
+    if t > 1:
         for tensor in (tokens, positions, write, mask):
             mark(tensor, 0)
 
@@ -104,17 +105,13 @@ class CompiledPasses:
     hidden states, or None when the pass is not one it compiles (the model then runs it
     eager)."""
 
-    def __init__(self, model: Transformer, pad: bool | None = None) -> None:
+    def __init__(self, model: Transformer) -> None:
         reason = ineligible(model)
         if reason is not None:
             raise ValueError(f"cannot compile this model's passes: {reason}")
         self.model = model
-        self.cuda = model.device.type == "cuda"
-        # Padding only buys something where graphs are recorded per shape (CUDA graphs);
-        # tests turn it on on a CPU to check the padded path.
-        self.pad = self.cuda if pad is None else pad
         options: dict[str, str | int | bool | Callable[..., Any]] = (
-            {"triton.cudagraphs": True} if self.cuda else {"cpp_wrapper": True}
+            {"cpp_wrapper": True} if model.device.type == "cpu" else {}
         )
         # Every compiled model adds its two graphs to the one traced function's cache (its
         # guards tell the models apart); past the limit PyTorch would run them eager.
@@ -127,6 +124,7 @@ class CompiledPasses:
         self._slot_ids: dict[int, torch.Tensor] = {}  # allocation → arange(allocation)
         self.passes = 0  # passes that ran compiled
         self.warm_seconds: float | None = None
+        self.failure: BaseException | None = None  # set when a graph failed: eager since
 
     def _traced(
         self,
@@ -137,42 +135,38 @@ class CompiledPasses:
         write: torch.Tensor,  # (T,) slots
         mask: torch.Tensor,  # (T, slots) bool
     ) -> torch.Tensor:
-        from speculative.model import FixedSlots
-
         fixed = FixedSlots(int(tokens.shape[0]), k, v, write, mask)
         return self.model.hidden_states(tokens, positions, [fixed])
 
     def hidden_states(self, segment: Segment) -> torch.Tensor | None:
         """Append `segment` to its cache through the compiled graph: its final hidden states
         (T, hidden), the cache's new entries written but not committed (the caller commits,
-        as in the eager pass). None: not compiled, nothing done."""
+        as in the eager pass). None: not compiled, nothing committed."""
         t = segment.length
-        if not 1 <= t <= MAX_TOKENS:
-            return None
-        width = _bucket(t) if self.pad else t
         cache = segment.cache
-        if cache.length + width > cache.capacity:
-            return None  # the padding would not fit: the last steps of a full context
+        if self.failure is not None or not 1 <= t <= MAX_TOKENS:
+            return None
+        start = cache.reserve(t)
+        # One query chunk over the whole allocation: `attend` would split a bigger pass in
+        # a Python loop over token counts, which a graph with symbolic sizes cannot hold.
+        if t > query_chunk(self.model.config.num_heads, cache.allocated):
+            return None
         device = self.model.device
-        start = cache.reserve(width)
-        mask = self._mask(segment, cache, start, width)
+        mask = self._mask(segment, cache, start)
         # Copies made here, in the pass's inference mode: a graph's guards tell inference
         # tensors from normal ones, and callers hand both (a prompt, a sampled token).
         tokens = segment.tokens.to(device, copy=True)
         positions = segment.positions.to(device, copy=True)
-        if width > t:
-            tokens = torch.cat((tokens, tokens.new_zeros(width - t)))
-            positions = torch.cat((positions, positions.new_zeros(width - t)))
-        write = self._slots(cache)[start : start + width]
-        _mark_sizes(width, cache, tokens, positions, write, mask)
-        if self.cuda:
-            # CUDA graphs replay fixed addresses: the cache is updated in place, so it is
-            # marked static (a grown cache is a new tensor, marked on first use).
-            for tensor in (cache.k, cache.v):
-                torch._dynamo.mark_static_address(tensor)
-        x = self._graph(tokens, positions, cache.k, cache.v, write, mask)
+        write = self._slots(cache)[start : start + t]
+        _mark_sizes(t, cache, tokens, positions, write, mask)
+        try:
+            x = self._graph(tokens, positions, cache.k, cache.v, write, mask)
+        except Exception as exc:  # the compiler is an optimisation: fall back, say so once
+            self.failure = exc
+            log.error("a compiled pass failed; this model runs eager from now on", exc_info=exc)
+            return None  # the slots it may have written are past the length: unused
         self.passes += 1
-        return x[:t]
+        return x
 
     def _slots(self, cache: KVCache) -> torch.Tensor:
         n = cache.allocated
@@ -182,25 +176,17 @@ class CompiledPasses:
             self._slot_ids[n] = ids
         return ids
 
-    def _mask(self, segment: Segment, cache: KVCache, start: int, width: int) -> torch.Tensor:
-        """The (width, allocation) mask: each real token's row as the eager pass builds it
-        (full_mask), padding rows seeing only their own slot."""
-        from speculative.model import full_mask
-
-        t, slots = segment.length, cache.allocated
+    def _mask(self, segment: Segment, cache: KVCache, start: int) -> torch.Tensor:
+        """The (T, allocation) mask: each token's row as the eager pass builds it
+        (full_mask), the slots past it masked."""
+        t = segment.length
         ids = self._slots(cache)
-        if t == 1 and width == 1 and segment.mask is None:
+        if t == 1 and segment.mask is None:
             return (ids < start + 1)[None, :]  # (1, slots): a decode step sees its prefix
-        device = self.model.device
-        mask = torch.zeros(width, slots, dtype=torch.bool, device=device)
-        rows = full_mask(segment.mask, start, t, device)
-        if rows is None:  # one token, padded: it sees the whole prefix and itself
-            mask[0, : start + 1] = True
-        else:
-            mask[:t, : start + t] = rows
-        if width > t:
-            pad = torch.arange(t, width, device=device)
-            mask[pad, start + pad] = True
+        rows = full_mask(segment.mask, start, t, self.model.device)
+        assert rows is not None  # only a lone token needs no mask
+        mask = torch.zeros(t, cache.allocated, dtype=torch.bool, device=self.model.device)
+        mask[:, : start + t] = rows
         return mask
 
     def warm(self, progress: Callable[[str], None] | None = None) -> float:
@@ -209,9 +195,9 @@ class CompiledPasses:
         before. Returns the seconds it took."""
         t0 = time.perf_counter()
         model = self.model
+        # A KV cache's storage is never an inference tensor (speculative/kv_cache.py), so
+        # the warm-up's graphs are the ones a session's cache hits.
         cache = KVCache(model.config, MAX_TOKENS * 2, dtype=model.dtype, device=model.device)
-        from speculative.model import Segment
-
         for n in WARM_TOKENS:
             if progress is not None:
                 progress(f"compiling {n}-token steps")
@@ -220,7 +206,9 @@ class CompiledPasses:
             positions = torch.arange(n)
             with torch.inference_mode():
                 if self.hidden_states(Segment(tokens, positions, cache)) is None:
-                    raise RuntimeError(f"a {n}-token warm-up step did not compile")
+                    raise RuntimeError(
+                        f"a {n}-token warm-up step did not compile: {self.failure}"
+                    ) from self.failure
         self.passes = 0
         self.warm_seconds = time.perf_counter() - t0
         return self.warm_seconds

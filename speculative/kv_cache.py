@@ -21,6 +21,10 @@ INITIAL_SLOTS = 512  # slots allocated up front; more are allocated (doubling) a
 
 
 class KVCache:
+    # Storage is always made as normal tensors, also inside an inference-mode pass: `keep`
+    # (called outside, by the strategies) updates it in place, and compiled passes
+    # (speculative/compiled.py) are specialised to one kind.
+    @torch.inference_mode(False)
     def __init__(
         self,
         config: ModelConfig,

@@ -2,8 +2,7 @@
 
 One module-scoped compile of the real stories260k draft (two graphs, the warm-up's), shared
 by every test: compiling is the expensive part (tens of seconds on a cold disk cache), the
-steps afterwards are cheap. CUDA graphs need a GPU; their padding is checked here on the CPU
-by compiling with `pad=True`."""
+steps afterwards are cheap."""
 
 from __future__ import annotations
 
@@ -17,10 +16,13 @@ from torch._dynamo.utils import counters
 from scripts.tiny_models import make_checkpoint
 from speculative.checkpoint import load
 from speculative.compiled import MAX_TOKENS, CompiledPasses, ineligible
-from speculative.generation import Generation
-from speculative.model import Transformer
+from speculative.drafting import ModelDrafter
+from speculative.generation import Generation, Strategy
+from speculative.kv_cache import KVCache
+from speculative.model import ATTENTION_CHUNK_BYTES, Transformer, attention_row_bytes, query_chunk
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
+from speculative.strategies.linear import Linear
 from speculative.strategies.tree import TreeSpeculation
 
 # Inductor's fused kernels sum in another order than the eager kernels: measured up to
@@ -84,62 +86,112 @@ def test_compiled_steps_equal_eager(draft: Transformer, compiled: CompiledPasses
         _close(a, b)
 
 
-def test_padded_steps_equal_eager(draft: Transformer) -> None:
-    """CUDA graphs' padding (tokens to a power of two, extra rows writing free slots and
-    seeing only themselves) changes nothing the caller sees."""
-    draft.compiled = None
-    eager_tokens, eager_logits = _steps(draft)
-    draft.compiled = CompiledPasses(draft, pad=True)
+def test_a_warm_up_inside_inference_mode_compiles_the_sessions_graphs(
+    draft: Transformer, compiled: CompiledPasses
+) -> None:
+    """The daemon warms on a thread inside inference mode; a KV cache made there is still a
+    normal tensor, so the graphs it compiles are the ones sessions' caches hit (the
+    fixture's, compiled outside inference mode: nothing new is compiled)."""
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        CompiledPasses(draft).warm()
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_cache_growth_keeps_the_compiled_graphs(
+    draft: Transformer, compiled: CompiledPasses
+) -> None:
+    """Decoding past the first allocation (512 slots, then doubling) stays on the same
+    graphs: the allocation is a symbolic size."""
+    draft.compiled = compiled
     try:
-        tokens, logits = _steps(draft)
-        assert draft.compiled.passes == 32
+        graphs, before = counters["stats"]["unique_graphs"], compiled.passes
+        cache = draft.new_cache(1024)
+        token = torch.tensor([1])
+        for i in range(600):
+            token = draft.forward(token, torch.tensor([i]), cache).argmax(-1)
+        assert cache.allocated == 1024 and compiled.passes - before == 600
+        assert counters["stats"]["unique_graphs"] == graphs
     finally:
         draft.compiled = None
-    assert tokens == eager_tokens
-    for a, b in zip(logits, eager_logits, strict=True):
-        _close(a, b)
 
 
 def test_passes_outside_the_graphs_run_eager(draft: Transformer, compiled: CompiledPasses) -> None:
     draft.compiled = compiled
-    before = compiled.passes
-    cache = draft.new_cache(512)
-    long = draft.forward(torch.arange(MAX_TOKENS + 1), torch.arange(MAX_TOKENS + 1), cache)
-    assert compiled.passes == before  # a prefill chunk above MAX_TOKENS: eager
-    assert long.shape[0] == MAX_TOKENS + 1 and cache.length == MAX_TOKENS + 1
-    padded = CompiledPasses(draft, pad=True)
-    draft.compiled = padded
-    full = draft.new_cache(8)
-    draft.forward(torch.arange(5), torch.arange(5), full)
-    draft.forward(torch.tensor([3, 4, 5]), torch.arange(5, 8), full)  # padded to 4: no room
-    assert padded.passes == 1 and full.length == 8
-    draft.compiled = None
+    try:
+        before = compiled.passes
+        cache = draft.new_cache(512)
+        long = draft.forward(torch.arange(MAX_TOKENS + 1), torch.arange(MAX_TOKENS + 1), cache)
+        assert compiled.passes == before  # a prefill chunk above MAX_TOKENS: eager
+        assert long.shape[0] == MAX_TOKENS + 1 and cache.length == MAX_TOKENS + 1
+        # An allocation so long that MAX_TOKENS queries over it pass the attention chunk
+        # bound: eager (which splits the queries); a single token still fits one chunk.
+        heads = draft.config.num_heads
+        slots = 2 * ATTENTION_CHUNK_BYTES // attention_row_bytes(heads, 1) // MAX_TOKENS
+        assert query_chunk(heads, slots) < MAX_TOKENS
+        wide = KVCache(draft.config, slots, initial=slots)
+        draft.forward(torch.arange(3), torch.arange(3), wide)
+        assert compiled.passes == before + 1
+        big = draft.forward(torch.arange(MAX_TOKENS), torch.arange(3, 3 + MAX_TOKENS), wide)
+        assert compiled.passes == before + 1 and big.shape[0] == MAX_TOKENS
+        draft.forward(torch.tensor([5]), torch.tensor([3 + MAX_TOKENS]), wide)
+        assert compiled.passes == before + 2 and wide.length == MAX_TOKENS + 4
+    finally:
+        draft.compiled = None
+
+
+def test_a_failing_graph_falls_back_to_eager_for_good(
+    draft: Transformer, compiled: CompiledPasses, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    passes = CompiledPasses(draft)
+
+    def broken(*args: object) -> torch.Tensor:
+        raise RuntimeError("the compiled kernel failed")
+
+    monkeypatch.setattr(passes, "_graph", broken)
+    draft.compiled = passes
+    try:
+        cache = draft.new_cache(64)
+        eager_cache = draft.new_cache(64)
+        out = draft.forward(torch.arange(3), torch.arange(3), cache)
+        assert passes.failure is not None and passes.passes == 0
+        draft.compiled = None
+        _close(out, draft.forward(torch.arange(3), torch.arange(3), eager_cache))
+        assert cache.length == 3
+    finally:
+        draft.compiled = None
 
 
 def test_generations_through_compiled_drafts_stay_lossless(
     stories_target: Path, draft: Transformer, compiled: CompiledPasses
 ) -> None:
-    """A tree whose draft steps run compiled emits the target's greedy text, token for
-    token: the compiled draft only changes how much of each tree is accepted."""
+    """Speculation over a compiled draft emits what it emits over the eager draft, and the
+    draft proposes the same (the same tokens accepted per pass): greedy tree, and linear
+    sampled at temperature 1 with a seed (its accept/reject draws read the draft's
+    probabilities, so a different draft would change the text)."""
     target, tokenizer = load(str(stories_target))[:2]
     prompt = tokenizer.encode("Once upon a time")
 
-    def run(strategy: Autoregressive | TreeSpeculation) -> list[int]:
+    def run(strategy: Strategy, params: SamplingParams) -> tuple[list[int], int]:
         session = strategy.new_session(len(prompt) + 40)
-        gen = Generation(
-            strategy, session, tokenizer, prompt, SamplingParams(temperature=0.0), max_tokens=40
-        )
+        gen = Generation(strategy, session, tokenizer, prompt, params, max_tokens=40)
         gen.run()
-        return gen.token_ids
+        return gen.token_ids, gen.stats.decode_passes
 
-    reference = run(Autoregressive(target))
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=7)
+    reference = run(Autoregressive(target), greedy)[0]
+    eager_tree = run(TreeSpeculation(target, draft, budget=16), greedy)
+    eager_linear = run(Linear(target, ModelDrafter(draft), 4), sampled)
     draft.compiled = compiled
     before = compiled.passes
     try:
-        assert run(TreeSpeculation(target, draft, budget=16)) == reference
+        tree = run(TreeSpeculation(target, draft, budget=16), greedy)
+        linear = run(Linear(target, ModelDrafter(draft), 4), sampled)
     finally:
         draft.compiled = None
     assert compiled.passes > before
+    assert tree[0] == reference and tree == eager_tree
+    assert linear == eager_linear
 
 
 def test_streamed_or_packed_models_are_not_compiled(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from torch._dynamo.utils import counters
 
 from daemon.cli.commands import main
 from daemon.compiling import SMALL_LAYER_PARAMETERS, CompiledModels, decide
@@ -52,25 +53,23 @@ def test_auto_compiles_the_daemons_small_cpu_models_only(stories_draft: Path) ->
     assert not on and "compute-bound" in why
 
 
-def test_models_that_cannot_compile_say_why_even_when_asked(tmp_path: Path) -> None:
+def test_models_that_cannot_compile_say_why_even_when_asked() -> None:
     model = Transformer(_config(64, 128))
     model.set_layers(list(model.layers))  # what a streamer looks like to the model
-    compiled = CompiledModels("on", {"target": model}, serving=True, cache_dir=tmp_path)
+    compiled = CompiledModels("on", {"target": model}, serving=True)
     assert not compiled.wanted
     state = compiled.to_dict()["target"]
     assert state["state"] == "off" and "streamed" in str(state["reason"])
 
 
-def test_a_failed_compile_leaves_the_model_eager(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_failed_compile_leaves_the_model_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     model = Transformer(_config(64, 128))
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr("daemon.compiling.CompiledPasses", broken)
-    compiled = CompiledModels("on", {"target": model}, serving=True, cache_dir=tmp_path)
+    compiled = CompiledModels("on", {"target": model}, serving=True)
     compiled.warm()
     assert model.compiled is None
     assert compiled.to_dict()["target"]["state"] == "failed"
@@ -110,10 +109,22 @@ def test_the_daemon_serves_while_compiling_then_serves_compiled(stories_draft: P
         assert status["compile"]["target"]["state"] == "ready", status["compile"]
         assert runtime.target.compiled is not None
         before = runtime.target.compiled.passes
+        graphs = counters["stats"]["unique_graphs"]
         body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
         answer = _post(srv.url + "/v1/completions", body)
         assert runtime.target.compiled.passes > before  # it ran compiled
+        assert counters["stats"]["unique_graphs"] == graphs  # on the warm-up's graphs
     assert answer["choices"][0]["text"] == eager.tokenizer.decode(expected)
+
+
+def test_an_unwritable_compile_cache_leaves_the_models_eager(tmp_path: Path) -> None:
+    model = Transformer(_config(64, 128))
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    compiled = CompiledModels("on", {"draft": model}, serving=True, cache_dir=blocked / "x")
+    assert not compiled.wanted
+    state = compiled.to_dict()["draft"]
+    assert state["state"] == "failed" and "cache folder" in str(state["reason"])
 
 
 def test_generate_with_compile_on_warms_first_and_prints_the_same(
