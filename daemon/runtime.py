@@ -14,7 +14,7 @@ import torch
 
 from daemon.placement import load_placed_target, plan_dtype
 from speculative.budget import max_tree_budget
-from speculative.checkpoint import DTYPE_CHOICES, Checkpoint, load
+from speculative.checkpoint import DTYPE_CHOICES, Checkpoint, load, open_checkpoint
 from speculative.drafting import Drafter, ModelDrafter, NgramDrafter
 from speculative.generation import Session, Strategy
 from speculative.model import Transformer
@@ -142,8 +142,14 @@ class Runtime:
             raise RuntimeError_(f"dtype {options.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
         if options.context != "auto" and not isinstance(options.context, int):
             raise RuntimeError_(f"context must be a token count or 'auto', got {options.context!r}")
+        # The draft's checkpoint is opened once: its config is planned for, then it loads.
+        draft_ckpt = (
+            open_checkpoint(options.draft, options.draft_quantize)
+            if options.draft and options.draft != NGRAM
+            else None
+        )
         target, tokenizer, ckpt, self.plan, self.streamer = load_placed_target(
-            options, self.device, draft_is_model=bool(options.draft) and options.draft != NGRAM
+            options, self.device, draft_ckpt
         )
         # What `auto` settled on (or what was asked for): the plan holds both.
         self.dtype: str = plan_dtype(self.plan)
@@ -172,10 +178,8 @@ class Runtime:
         self.draft_kind: str | None = None  # "model", "ngram" or None
         if options.draft == NGRAM:
             self.draft_kind = NGRAM
-        elif options.draft:
-            draft, draft_tok, draft_ckpt = load(
-                options.draft, self.dtype, self.device, quantize=options.draft_quantize
-            )
+        elif options.draft and draft_ckpt is not None:
+            draft, draft_tok, draft_ckpt = load(draft_ckpt, self.dtype, self.device)
             check_same_vocabulary(tokenizer, draft_tok, options.draft)
             check_embeddings_cover(
                 tokenizer, ckpt.config.vocab_size, draft_ckpt.config.vocab_size, options.draft
