@@ -17,6 +17,7 @@ from daemon.argtypes import DTYPE_CHOICES, count, count_or_auto, temperature, te
 from daemon.pull_cmd import PullError
 from daemon.service import ServiceError
 from daemon.settings import SettingsError
+from daemon.startup import collector_paused
 from speculative.errors import RequestError
 
 if TYPE_CHECKING:
@@ -201,10 +202,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise RequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.samples < 1:
         raise RequestError(f"--samples must be at least 1, got {args.samples}")
-    from daemon.runtime import Runtime
-    from speculative.generation import Generation
+    with collector_paused():
+        from daemon.runtime import Runtime
+        from speculative.generation import Generation
 
-    runtime = Runtime(runtime_options(args))
+        runtime = Runtime(runtime_options(args))
     tok = runtime.tokenizer
     if args.prompt_ids is not None:
         prompt_ids = list(args.prompt_ids)

@@ -5,10 +5,11 @@
 
 startup: cold processes, as users start them. `specd generate` from the process's start to
 the first byte of text on its stdout (a pipe), `specd serve` from its start to /health
-answering 200 (polled every 5 ms), and what the interpreter alone, `import torch` alone
-and the imports `generate` needs (daemon.runtime, which pulls in torch) take in a fresh
-process, with their share of the time to the first token. Runs are interleaved so that
-load from other jobs falls on every measure alike; medians and minima are reported.
+answering 200 (polled every 5 ms), and how long a fresh interpreter takes to start, to
+import torch, and to import what `generate` needs (daemon.runtime pulls in torch), from
+its start to the import done (its exit not counted; the collector off, as `generate` has
+it), with their share of the time to the first token. Runs are interleaved so that load from other jobs falls on every measure
+alike; medians and minima are reported (the minimum is the least disturbed run).
 
 A section is a function `(args) -> list[Row]`; add one to SECTIONS.
 """
@@ -72,15 +73,15 @@ def generate_to_first_token(model: str, draft: str | None) -> tuple[float, float
     cmd = _specd("generate", "--model", model, "--prompt", "Once upon a time", "--max-tokens", "8")
     if draft:
         cmd += ["--draft", draft]
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE)
     assert proc.stdout is not None
     first = proc.stdout.read(1)
-    t_first = time.perf_counter() - t0
+    t_first = time.monotonic() - t0
     proc.stdout.read()
     if proc.wait() != 0 or not first:
         raise RuntimeError(f"specd generate failed (status {proc.returncode})")
-    return t_first, time.perf_counter() - t0
+    return t_first, time.monotonic() - t0
 
 
 def _free_port() -> int:
@@ -103,12 +104,12 @@ def serve_to_ready(model: str, draft: str | None, timeout: float = 120.0) -> flo
     port = _free_port()
     cmd = _specd("serve", "--model", model, "--device", "cpu", "--port", str(port))
     cmd += ["--log-level", "warning"] + (["--draft", draft] if draft else [])
-    t0 = time.perf_counter()
+    t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env())
     try:
-        while time.perf_counter() - t0 < timeout:
+        while time.monotonic() - t0 < timeout:
             if _health(port) == 200:
-                return time.perf_counter() - t0
+                return time.monotonic() - t0
             if proc.poll() is not None:
                 raise RuntimeError(f"specd serve exited with status {proc.returncode}")
             time.sleep(0.005)
@@ -119,16 +120,25 @@ def serve_to_ready(model: str, draft: str | None, timeout: float = 120.0) -> flo
 
 
 def import_seconds(statement: str) -> float:
-    """Wall seconds of a fresh interpreter that runs `statement` and exits."""
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", statement], cwd=ROOT, env=_env(), check=True)
-    return time.perf_counter() - t0
+    """Seconds from starting a fresh interpreter to its having run `statement`: the child
+    reads the same system-wide monotonic clock, so its exit (tearing torch down takes a
+    few hundred milliseconds) is not counted."""
+    script = f"{statement}\nimport time\nprint(time.monotonic())"
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=_env(), check=True, capture_output=True
+    )
+    return float(done.stdout.split()[-1]) - t0
 
 
+# What a process has done by the time its imports are over (start → after the statement),
+# with the cyclic collector off as `specd generate` imports (daemon/startup.py).
 IMPORTS = {
     "interpreter alone": "pass",
-    "import torch": "import torch",
-    "imports of generate": "import daemon.cli, daemon.runtime, speculative.generation",
+    "import torch": "import gc; gc.disable(); import torch",
+    "imports of generate": (
+        "import gc; gc.disable(); import daemon.cli, daemon.runtime, speculative.generation"
+    ),
 }
 
 

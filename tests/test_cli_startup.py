@@ -157,3 +157,22 @@ def test_console_help_names_every_command() -> None:
     assert run.returncode == 0
     for command in ("generate", "serve", "start", "stop", "status", "chat", "bench", "plan"):
         assert command in run.stdout
+
+
+def test_start_up_runs_without_the_collector_and_freezes_what_it_made() -> None:
+    import gc
+
+    from daemon.startup import collector_paused
+
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+            made = [[] for _ in range(100)]
+        assert gc.isenabled() and gc.get_freeze_count() >= len(made)
+        gc.disable()
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # a collector that was off stays off
+    finally:
+        gc.unfreeze()
+        gc.enable()
