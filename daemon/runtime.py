@@ -16,7 +16,7 @@ from daemon.compiling import SMALL_LAYER_PARAMETERS, CompiledModels
 from daemon.memory_plan import plan_dtype
 from daemon.target_loading import load_placed_target
 from speculative.budget import max_tree_budget
-from speculative.checkpoint import DTYPE_CHOICES, Checkpoint, load
+from speculative.checkpoint import DTYPE_CHOICES, Checkpoint, load, open_checkpoint
 from speculative.drafting import Drafter, ModelDrafter, NgramDrafter
 from speculative.generation import Session, Strategy
 from speculative.model import Transformer
@@ -145,8 +145,14 @@ class Runtime:
             raise RuntimeSetupError(
                 f"context must be a token count or 'auto', got {options.context!r}"
             )
+        # The draft's checkpoint is opened once: its config is planned for, then it loads.
+        draft_ckpt = (
+            open_checkpoint(options.draft, options.draft_quantize)
+            if options.draft and options.draft != NGRAM
+            else None
+        )
         target, tokenizer, ckpt, self.plan, self.streamer = load_placed_target(
-            options, self.device, draft_is_model=bool(options.draft) and options.draft != NGRAM
+            options, self.device, draft_ckpt
         )
         # What `auto` settled on (or what was asked for): the plan holds both.
         self.dtype: str = plan_dtype(self.plan)
@@ -175,10 +181,8 @@ class Runtime:
         self.draft_kind: str | None = None  # "model", "ngram" or None
         if options.draft == NGRAM:
             self.draft_kind = NGRAM
-        elif options.draft:
-            draft, draft_tok, draft_ckpt = load(
-                options.draft, self.dtype, self.device, quantize=options.draft_quantize
-            )
+        elif options.draft and draft_ckpt is not None:
+            draft, draft_tok, draft_ckpt = load(draft_ckpt, self.dtype, self.device)
             check_same_vocabulary(tokenizer, draft_tok, options.draft)
             check_embeddings_cover(
                 tokenizer, ckpt.config.vocab_size, draft_ckpt.config.vocab_size, options.draft

@@ -177,7 +177,7 @@ def start(
         status, _ = fetch_health(url, timeout=1.0)
         if status == 200:
             return record
-        time.sleep(0.2)  # polling a child process's readiness; not in tests' hot path
+        time.sleep(0.05)  # polling a child process's readiness: a cheap local request
     raise ServiceError(
         f"specd (pid {proc.pid}) did not become ready within {wait_seconds:.0f} s; "
         f"see {paths.log_file} (it keeps loading in the background)"

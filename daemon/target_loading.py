@@ -103,7 +103,7 @@ def load_target(
     )  # fmt: skip
     dtype = plan_dtype(plan)
     if not plan.streamed_layers:
-        model, tokenizer, ckpt = load(model_ref, dtype, device, quantize=quantize)
+        model, tokenizer, ckpt = load(ckpt, dtype, device)
         if plan.dequantized_resident:
             model.dequantize_layers()
         return model, tokenizer, ckpt, plan, None
@@ -117,20 +117,17 @@ def load_target(
     if plan.host_tier == "disk":
         # Streamed layers are read from the files at every pass: never load them into RAM.
         skip = partial(_is_streamed_layer, first_streamed=plan.resident_layers)
-    model, tokenizer, ckpt = load(model_ref, dtype, "cpu", skip=skip, quantize=quantize)
+    model, tokenizer, ckpt = load(ckpt, dtype, "cpu", skip=skip)
     return model, tokenizer, ckpt, plan, place_target(model, ckpt, plan, device)
 
 
 def load_placed_target(
-    options: RuntimeOptions, device: torch.device, draft_is_model: bool
+    options: RuntimeOptions, device: torch.device, draft: Checkpoint | None
 ) -> tuple[Transformer, Tokenizer, Checkpoint, MemoryPlan, LayerStreamer | None]:
     """The Runtime's target, planned first (so a model that cannot fit fails before anything
-    is loaded, and `auto` dtype and context are settled), then loaded and placed."""
-    draft_config = (
-        open_checkpoint(options.draft, options.draft_quantize).config
-        if draft_is_model and options.draft
-        else None
-    )
+    is loaded, and `auto` dtype and context are settled), then loaded and placed. `draft`:
+    the draft model's checkpoint, opened (its config is planned for), or None."""
+    draft_config = draft.config if draft is not None else None
     budget = detect_budget(
         device, options.gpu_budget, options.ram_budget, options.bandwidth, measure=False
     )

@@ -1,8 +1,18 @@
-"""Per-step overhead: compiled passes against eager ones, side by side in one run.
+"""Per-step and start-up overhead, one section each; `main()` runs every section asked for.
 
-Sections (all by default; `--sections decode,draft,profile`):
+    .venv/bin/python scripts/bench_overhead.py [--sections startup decode draft profile]
+        [--runs 5] [--repeats 5] [--model M] [--draft D] [--json PATH]
 
-- decode: tokens/s of greedy generation on the shared pair, compilation off against on
+Ratios, not absolute times, are the result: the machine is shared. Sections:
+
+- startup: cold processes, as users start them. `specd generate` from the process's start
+  to the first byte of text on its stdout (a pipe), `specd serve` from its start to
+  /health answering 200 (polled every 5 ms), and how long a fresh interpreter takes to
+  start, to import torch, and to import what `generate` needs, from its start to the
+  import done (its exit not counted; the collector off, as `generate` has it), with their
+  share of the time to the first token. Runs are interleaved so that load from other jobs
+  falls on every measure alike; medians and minima are reported.
+- decode: tokens/s of greedy generation on the pair, compiled passes off against on
   (alternating repeats, best of each), for autoregressive, linear and tree speculation;
   the outputs must be identical.
 - draft: one draft step per tree depth (1, 8, 32 nodes over a ~100-token cache), eager
@@ -11,22 +21,26 @@ Sections (all by default; `--sections decode,draft,profile`):
   the profiler's top table for each.
 - shaped: a random draft in a real model's shape (`--shaped llama-3.2-1b`: 16 layers,
   vocabulary 128,256), one draft step at 1-64 nodes over a 512-token cache, eager against
-  compiled (CUDA graphs on a GPU). Runs by default only where CUDA is; on a CPU ask for it
-  (`--sections shaped --hidden-scale 0.05`), scaled down.
+  compiled. A default section only where CUDA is; on a CPU ask for it, scaled down
+  (`--sections shaped --hidden-scale 0.05`).
 
-Ratios, not absolute times, are the result: the machine is shared.
-
-    .venv/bin/python scripts/bench_overhead.py [--json bench-results/overhead.json]
+A section is a function `(args) -> rows` (printed by the section, written to the JSON under
+its name); add one to SECTIONS.
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
+import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +61,141 @@ from speculative.strategies.linear import Linear  # noqa: E402
 from speculative.strategies.tree import TreeSpeculation  # noqa: E402
 from speculative.tokenizer import Tokenizer  # noqa: E402
 
-MODELS = ROOT.parent / "shared" / "models"
+SHARED = ROOT.parent / "shared" / "models"
 PROMPT = "Once upon a time"
+
+
+@dataclass
+class Row:
+    """One measure of a section: seconds per run, summarised by median and minimum."""
+
+    section: str
+    name: str
+    seconds: list[float]
+    notes: dict[str, float | str] = field(default_factory=dict)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def minimum(self) -> float:
+        return min(self.seconds)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "median": self.median, "min": self.minimum}
+
+
+# ---- startup ----
+
+
+def _env() -> dict[str, str]:
+    # The checkout's own code, whichever one this script belongs to; one torch thread as
+    # `--threads auto` picks for these models, so other jobs' load does not stall it.
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _specd(*argv: str) -> list[str]:
+    return [sys.executable, "-m", "daemon.cli", *argv]
+
+
+def generate_to_first_token(model: str, draft: str | None) -> tuple[float, float]:
+    """(seconds to the first byte of text on stdout, seconds to exit) of one cold
+    `specd generate`."""
+    cmd = _specd("generate", "--model", model, "--prompt", "Once upon a time", "--max-tokens", "8")
+    if draft:
+        cmd += ["--draft", draft]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    first = proc.stdout.read(1)
+    t_first = time.monotonic() - t0
+    proc.stdout.read()
+    if proc.wait() != 0 or not first:
+        raise RuntimeError(f"specd generate failed (status {proc.returncode})")
+    return t_first, time.monotonic() - t0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _health(port: int) -> int:
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1)
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    except OSError:
+        return 0
+
+
+def serve_to_ready(model: str, draft: str | None, timeout: float = 120.0) -> float:
+    """Seconds from starting `specd serve` to /health answering 200 (models loaded)."""
+    port = _free_port()
+    cmd = _specd("serve", "--model", model, "--device", "cpu", "--port", str(port))
+    cmd += ["--log-level", "warning"] + (["--draft", draft] if draft else [])
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env())
+    try:
+        while time.monotonic() - t0 < timeout:
+            if _health(port) == 200:
+                return time.monotonic() - t0
+            if proc.poll() is not None:
+                raise RuntimeError(f"specd serve exited with status {proc.returncode}")
+            time.sleep(0.005)
+        raise TimeoutError(f"specd serve was not ready within {timeout:.0f} s")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def import_seconds(statement: str) -> float:
+    """Seconds from starting a fresh interpreter to its having run `statement`: the child
+    reads the same system-wide monotonic clock, so its exit (tearing torch down takes a
+    few hundred milliseconds) is not counted."""
+    script = f"{statement}\nimport time\nprint(time.monotonic())"
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=_env(), check=True, capture_output=True
+    )
+    return float(done.stdout.split()[-1]) - t0
+
+
+# What a process has done by the time its imports are over (start → after the statement),
+# with the cyclic collector off as `specd generate` imports (daemon/startup.py).
+IMPORTS = {
+    "interpreter alone": "pass",
+    "import torch": "import gc; gc.disable(); import torch",
+    "imports of generate": (
+        "import gc; gc.disable(); import daemon.cli, daemon.runtime, speculative.generation"
+    ),
+}
+
+
+def _startup_rows(args: argparse.Namespace) -> list[Row]:
+    first: list[float] = []
+    exits: list[float] = []
+    ready: list[float] = []
+    imports: dict[str, list[float]] = {name: [] for name in IMPORTS}
+    for _ in range(args.runs):
+        t_first, t_exit = generate_to_first_token(args.model, args.draft)
+        first.append(t_first)
+        exits.append(t_exit)
+        ready.append(serve_to_ready(args.model, args.draft))
+        for name, statement in IMPORTS.items():
+            imports[name].append(import_seconds(statement))
+    rows = [
+        Row("startup", "generate: start → first token", first),
+        Row("startup", "generate: start → exit (8 tokens)", exits),
+        Row("startup", "serve: start → /health ready", ready),
+    ]
+    ttft = statistics.median(first)
+    for name, seconds in imports.items():
+        share = statistics.median(seconds) / ttft
+        rows.append(Row("startup", name, seconds, {"share of first token": round(share, 3)}))
+    return rows
 
 
 class Pair:
@@ -81,7 +228,7 @@ def _generate(strategy: Strategy, tokenizer: Tokenizer, n: int) -> tuple[float, 
     return time.perf_counter() - t0, gen.token_ids
 
 
-def decode_section(pair: Pair, tokens: int, repeats: int) -> list[dict[str, Any]]:
+def _decode_rows(pair: Pair, tokens: int, repeats: int) -> list[dict[str, Any]]:
     strategies: dict[str, Callable[[], Strategy]] = {
         "autoregressive": lambda: Autoregressive(pair.target),
         "linear (k=4)": lambda: Linear(pair.target, ModelDrafter(pair.draft), 4),
@@ -138,7 +285,7 @@ def _step_seconds(
     return statistics.median(samples[1:])
 
 
-def draft_section(pair: Pair, repeats: int) -> list[dict[str, Any]]:
+def _draft_rows(pair: Pair, repeats: int) -> list[dict[str, Any]]:
     rows = []
     for nodes in (1, 8, 32):
         pair.compiled(False)
@@ -157,7 +304,7 @@ def draft_section(pair: Pair, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-def shaped_section(
+def _shaped_rows(
     preset: str, hidden_scale: float, device: str, dtype: torch.dtype, repeats: int
 ) -> list[dict[str, Any]]:
     """Draft steps of a random real-shaped model at 1-64 nodes, eager against compiled."""
@@ -187,7 +334,7 @@ def shaped_section(
     return rows
 
 
-def profile_section(pair: Pair, steps: int) -> dict[str, Any]:
+def _profile(pair: Pair, steps: int) -> dict[str, Any]:
     """Host (CPU) time per decode step of the target as torch.profiler sees it."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -210,79 +357,123 @@ def profile_section(pair: Pair, steps: int) -> dict[str, Any]:
     return out
 
 
+_PAIRS: dict[tuple[str, str], Pair] = {}
+
+
+def _pair(args: argparse.Namespace) -> Pair:
+    """The pair with warmed compiled passes, built once for every section that needs it."""
+    key = (args.model, args.draft or args.model)
+    if key not in _PAIRS:
+        print("warming the compiled passes (loaded from the disk cache after the first run)")
+        pair = Pair(Path(key[0]), Path(key[1]))
+        print(f"  warm-up took {pair.warm_seconds:.1f} s")
+        _PAIRS[key] = pair
+    return _PAIRS[key]
+
+
+def decode(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = _decode_rows(_pair(args), args.tokens, args.repeats)
+    print(f"\ndecode, {args.tokens} greedy tokens, best of {args.repeats}")
+    print(f"{'strategy':<18}{'eager tok/s':>13}{'compiled tok/s':>16}{'ratio':>8}  same")
+    for r in rows:
+        print(
+            f"{r['strategy']:<18}{r['eager_tokens_per_s']:>13.0f}"
+            f"{r['compiled_tokens_per_s']:>16.0f}{r['ratio']:>7.2f}x  {r['identical_output']}"
+        )
+    return rows
+
+
+def draft(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = _draft_rows(_pair(args), max(args.repeats * 20, 21))
+    print("\ndraft step (one tree depth) over a 100-token cache, median")
+    _print_steps(rows)
+    return rows
+
+
+def _print_steps(rows: list[dict[str, Any]]) -> None:
+    print(f"{'nodes':>6}{'eager µs':>11}{'compiled µs':>13}{'ratio':>8}")
+    for r in rows:
+        print(f"{r['nodes']:>6}{r['eager_us']:>11.0f}{r['compiled_us']:>13.0f}{r['ratio']:>7.2f}x")
+
+
+def profile(args: argparse.Namespace) -> dict[str, Any]:
+    prof = _profile(_pair(args), 50)
+    for label in ("eager", "compiled"):
+        p = prof[label]
+        print(
+            f"\nprofile, {label}: {p['host_us_per_step']:.0f} µs host time and "
+            f"{p['ops_per_step']:.0f} profiled ops per decode step"
+        )
+        print(p["table"])
+    print(f"host time per step, eager / compiled: {prof['ratio']:.2f}x")
+    return prof
+
+
+def shaped(args: argparse.Namespace) -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    print(f"\n{args.shaped}-shaped draft (width x{args.hidden_scale}), {device}")
+    rows = _shaped_rows(args.shaped, args.hidden_scale, device, dtype, 50)
+    _print_steps(rows)
+    return {"preset": args.shaped, "hidden_scale": args.hidden_scale, "device": device,
+            "rows": rows}  # fmt: skip
+
+
+def startup(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = _startup_rows(args)
+    print_table(rows)
+    return [r.to_dict() for r in rows]
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], Any]] = {
+    "startup": startup,
+    "decode": decode,
+    "draft": draft,
+    "profile": profile,
+    "shaped": shaped,
+}
+
+
+def print_table(rows: list[Row]) -> None:
+    print("| section | measure | median s | min s | runs | notes |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        notes = ", ".join(f"{k} {v}" for k, v in r.notes.items())
+        print(
+            f"| {r.section} | {r.name} | {r.median:.3f} | {r.minimum:.3f} "
+            f"| {len(r.seconds)} | {notes} |"
+        )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    ap.add_argument("--target", type=Path, default=MODELS / "stories260k")
-    ap.add_argument("--draft", type=Path, default=MODELS / "stories260k-draft")
-    ap.add_argument(
-        "--sections",
-        default=None,
-        help="comma-separated: decode,draft,profile,shaped (default: all; shaped only on CUDA)",
-    )
-    ap.add_argument("--shaped", default="llama-3.2-1b", help="real_shapes preset of the draft")
-    ap.add_argument("--hidden-scale", type=float, default=1.0, help="shaped: width scale")
-    ap.add_argument("--tokens", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=5)
+    default = ["startup", "decode", "draft", "profile"]
+    if torch.cuda.is_available():
+        default.append("shaped")
+    ap.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=default)
+    ap.add_argument("--runs", type=int, default=5, help="startup: cold processes per measure")
+    ap.add_argument("--model", default=str(SHARED / "stories260k"))
+    ap.add_argument("--draft", default=str(SHARED / "stories260k-draft"), help="'' for none")
+    ap.add_argument("--tokens", type=int, default=200, help="decode: tokens per generation")
+    ap.add_argument("--repeats", type=int, default=5, help="decode: runs of each, best kept")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--shaped", default="llama-3.2-1b", help="shaped: real_shapes preset")
+    ap.add_argument("--hidden-scale", type=float, default=1.0, help="shaped: width scale")
+    ap.add_argument("--json", type=Path, default=None, help="write every section here")
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    default = "decode,draft,profile" + (",shaped" if cuda else "")
-    sections = set((args.sections or default).split(","))
+    if args.runs < 1:
+        ap.error("--runs must be at least 1")
     torch.set_num_threads(args.threads)
-
-    result: dict[str, Any] = {"torch": torch.__version__, "threads": args.threads}
-    if sections & {"decode", "draft", "profile"}:
-        print("warming the compiled passes (loaded from the disk cache after the first run)")
-        pair = Pair(args.target, args.draft)
-        result["warm_seconds"] = pair.warm_seconds
-        print(f"  warm-up took {pair.warm_seconds:.1f} s")
-    if "decode" in sections:
-        rows = decode_section(pair, args.tokens, args.repeats)
-        result["decode"] = rows
-        print(f"\ndecode, {args.tokens} greedy tokens, best of {args.repeats}")
-        print(f"{'strategy':<18}{'eager tok/s':>13}{'compiled tok/s':>16}{'ratio':>8}  same")
-        for r in rows:
-            print(
-                f"{r['strategy']:<18}{r['eager_tokens_per_s']:>13.0f}"
-                f"{r['compiled_tokens_per_s']:>16.0f}{r['ratio']:>7.2f}x  {r['identical_output']}"
-            )
-    if "draft" in sections:
-        rows = draft_section(pair, max(args.repeats * 20, 21))
-        result["draft"] = rows
-        print("\ndraft step (one tree depth) over a 100-token cache, median")
-        print(f"{'nodes':>6}{'eager µs':>11}{'compiled µs':>13}{'ratio':>8}")
-        for r in rows:
-            print(
-                f"{r['nodes']:>6}{r['eager_us']:>11.0f}{r['compiled_us']:>13.0f}{r['ratio']:>7.2f}x"
-            )
-    if "profile" in sections:
-        prof = profile_section(pair, 50)
-        result["profile"] = prof
-        for label in ("eager", "compiled"):
-            p = prof[label]
-            print(
-                f"\nprofile, {label}: {p['host_us_per_step']:.0f} µs host time and "
-                f"{p['ops_per_step']:.0f} profiled ops per decode step"
-            )
-            print(p["table"])
-        print(f"host time per step, eager / compiled: {prof['ratio']:.2f}x")
-    if "shaped" in sections:
-        device = "cuda" if cuda else "cpu"
-        dtype = torch.bfloat16 if cuda else torch.float32
-        print(f"\n{args.shaped}-shaped draft (width x{args.hidden_scale}), {device}")
-        rows = shaped_section(args.shaped, args.hidden_scale, device, dtype, 50)
-        result["shaped"] = {"preset": args.shaped, "hidden_scale": args.hidden_scale,
-                            "device": device, "rows": rows}  # fmt: skip
-        print(f"{'nodes':>6}{'eager µs':>11}{'compiled µs':>13}{'ratio':>8}")
-        for r in rows:
-            print(
-                f"{r['nodes']:>6}{r['eager_us']:>11.0f}{r['compiled_us']:>13.0f}{r['ratio']:>7.2f}x"
-            )
+    report: dict[str, Any] = {"argv": sys.argv[1:] if argv is None else argv,
+                              "torch": torch.__version__, "threads": args.threads}  # fmt: skip
+    for name in args.sections:
+        report[name] = SECTIONS[name](args)
+    if _PAIRS:
+        report["warm_seconds"] = [pair.warm_seconds for pair in _PAIRS.values()]
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
-    return result
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 if __name__ == "__main__":

@@ -396,19 +396,20 @@ class _Progress:
 
 
 def load(
-    ref: str | os.PathLike[str],
+    ref: str | os.PathLike[str] | Checkpoint,
     dtype: str | torch.dtype = "fp32",
     device: torch.device | str = "cpu",
     skip: Callable[[str], bool] | None = None,
     quantize: str | None = None,
 ) -> tuple[Transformer, Tokenizer, Checkpoint]:
     """Everything needed to generate from one model reference (see `load_model` for `skip`,
-    `open_checkpoint` for `quantize`)."""
+    `open_checkpoint` for `quantize`). A Checkpoint already opened (to plan) is used as it
+    is, `quantize` included: resolving a hub id again costs the hub's round trips."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
-    ckpt = open_checkpoint(ref, quantize)
+    ckpt = ref if isinstance(ref, Checkpoint) else open_checkpoint(ref, quantize)
     tokenizer = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
     model = load_model(ckpt, dtype=dtype, device=device, skip=skip)
     return model, tokenizer, ckpt

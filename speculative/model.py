@@ -245,6 +245,16 @@ def fused_parts(model: nn.Module) -> dict[str, tuple[str, int, int]]:
     return out
 
 
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(rows, dim), drawn as it draws (normal_) except on the meta device: there
+    normal_ runs through torch._refs, whose first call imports torch._dynamo (about 1 s of
+    every start-up), and a meta model's weights come from the checkpoint anyway."""
+    weight = torch.empty(rows, dim)
+    if not weight.is_meta:
+        nn.init.normal_(weight)
+    return nn.Embedding(rows, dim, _weight=weight)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -473,7 +483,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers: nn.ModuleList | LayerSequence = nn.ModuleList(
             DecoderLayer(cfg) for _ in range(cfg.num_layers)
         )
@@ -486,7 +496,12 @@ class Transformer(nn.Module):
         for module in self.layers.modules():
             if isinstance(module, PackedLinear):
                 module.scratch = self.rebuild_scratch
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
+        # On the meta device only the shape counts (loading recomputes the table), and
+        # computing it there runs torch._refs, which imports torch._dynamo (see _embedding).
+        inv_freq = torch.empty((cfg.head_dim + 1) // 2)  # (hd/2,)
+        if not inv_freq.is_meta:
+            inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         # Token ids `forward` speaks: its logits are (T, vocab_width). Equal to the embedding
         # rows unless this model drafts for a target of another width (`set_vocab_width`).
         self.vocab_width = cfg.vocab_size

@@ -1,27 +1,27 @@
 """Tokenizer (`tokenizer.json` via `tokenizers`), BOS/EOS policy and chat templates.
 
 Chat templates come from the checkpoint (`tokenizer_config.json` or `chat_template.jinja`)
-and are rendered in a sandboxed Jinja environment: a template is code shipped by whoever
-published the model, so it may not touch attributes or call anything unsafe.
+and are rendered in a sandboxed Jinja environment (speculative/chat_template.py): a template
+is code shipped by whoever published the model, so it may not touch attributes or call
+anything unsafe. Jinja is imported only when a template is compiled: a checkpoint's own
+template at load (so a broken one fails there), the fallback at its first use, so that
+`specd generate` on a base model never pays for Jinja.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jinja2 import TemplateError, nodes
-from jinja2.exceptions import SecurityError
-from jinja2.ext import Extension, loopcontrols
-from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from speculative.config import ModelConfig
 from speculative.errors import RequestError
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 
 class ChatTemplateError(RequestError):
@@ -64,12 +64,9 @@ class Tokenizer:
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
         self.has_chat_template = chat_template is not None
-        try:
-            self._template = _compile(chat_template or FALLBACK_CHAT_TEMPLATE)
-        except TemplateError as exc:
-            raise ChatTemplateError(
-                f"the checkpoint's chat template does not compile: {exc}"
-            ) from exc
+        self._template: Template | None = None  # compiled by _compiled_template
+        if chat_template is not None:
+            self._compiled_template()
 
     @classmethod
     def from_folder(
@@ -140,11 +137,26 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def _compiled_template(self) -> Template:
+        from speculative.chat_template import TemplateError, compile_template
+
+        if self._template is None:
+            try:
+                self._template = compile_template(self.chat_template or FALLBACK_CHAT_TEMPLATE)
+            except TemplateError as exc:
+                raise ChatTemplateError(
+                    f"the checkpoint's chat template does not compile: {exc}"
+                ) from exc
+        return self._template
+
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
+        from speculative.chat_template import TemplateError
+
+        template = self._compiled_template()
         try:
-            return self._template.render(
+            return template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 # As transformers renders: defined but None (`tools is not none` is False).
@@ -162,59 +174,3 @@ class Tokenizer:
         if self.has_chat_template:
             return self.encode(text, add_special_tokens=False)  # the template writes BOS itself
         return self.encode(text, add_special_tokens=True)
-
-
-def _raise(message: str) -> None:
-    raise TemplateError(message)
-
-
-class _StrictSandbox(ImmutableSandboxedEnvironment):
-    """Jinja's sandbox answers an unsafe attribute (`fn.__globals__`) with an undefined value
-    that prints as an empty string; a template that probes internals is refused outright."""
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
-        raise SecurityError(
-            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
-        )
-
-
-class _GenerationBlock(Extension):
-    """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's reply with
-    it (for training masks); rendering it is rendering its body."""
-
-    # jinja's Extension declares `tags` as a plain (instance-typed) attribute, so a ClassVar
-    # override conflicts with it; the set is never mutated.
-    tags: set[str] = {"generation"}  # noqa: RUF012
-
-    def parse(self, parser: Parser) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return caller()
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """transformers' tojson: plain json.dumps (Jinja's own escapes HTML characters)."""
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _compile(source: str):  # type: ignore[no-untyped-def]
-    # The environment transformers renders Hub templates in: loop controls ({% break %})
-    # and the generation block are in real templates, which otherwise fail to compile.
-    env = _StrictSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols]
-    )
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.filters["tojson"] = _tojson
-    return env.from_string(source)

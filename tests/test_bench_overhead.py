@@ -1,5 +1,6 @@
-"""scripts/bench_overhead.py end to end, small: the draft serves as both models (its graphs
-are in the compile cache once tests/test_compiled.py has run), a few tokens, one repeat."""
+"""scripts/bench_overhead.py runs end to end, small: one cold run of each start-up measure on
+the real pair; and the compiled sections with the draft as both models (its graphs are in
+the compile cache once tests/test_compiled.py has run), a few tokens, one repeat."""
 
 from __future__ import annotations
 
@@ -11,15 +12,40 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _bench(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+    )
+
+
+def test_bench_overhead_startup_measures_cold_processes(
+    stories_target: Path, stories_draft: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "overhead.json"
+    done = _bench(
+        "--sections", "startup", "--runs", "1", "--model", str(stories_target),
+        "--draft", str(stories_draft), "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = {r["name"]: r for r in json.loads(out.read_text())["startup"]}
+    assert all(r["section"] == "startup" and len(r["seconds"]) == 1 for r in rows.values())
+    first = rows["generate: start → first token"]["median"]
+    assert 0 < first < rows["generate: start → exit (8 tokens)"]["median"]
+    assert rows["serve: start → /health ready"]["median"] > 0
+    assert rows["import torch"]["median"] > rows["interpreter alone"]["median"]
+    assert "share of first token" in rows["imports of generate"]["notes"]
+    assert "| startup | generate: start → first token |" in done.stdout
+
+
 def test_bench_overhead_compares_eager_and_compiled(tmp_path: Path, stories_draft: Path) -> None:
     out = tmp_path / "overhead.json"
-    done = subprocess.run(
-        [
-            sys.executable, str(ROOT / "scripts" / "bench_overhead.py"),
-            "--target", str(stories_draft), "--draft", str(stories_draft),
-            "--tokens", "12", "--repeats", "1", "--json", str(out),
-        ],
-        capture_output=True, text=True, check=False, cwd=ROOT,
+    done = _bench(
+        "--sections", "decode", "draft", "profile", "--model", str(stories_draft),
+        "--draft", str(stories_draft), "--tokens", "12", "--repeats", "1", "--json", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())

@@ -53,6 +53,28 @@ def test_commands_without_a_model_do_not_import_torch(argv: list[str], tmp_path:
     assert "IMPORTED []" in run.stderr, run.stderr
 
 
+# Modules `specd generate` on a local base model does not need, each a measured start-up
+# cost: torch._dynamo (with sympy and torch.fx's symbolic shapes) about a second, imported
+# by torch._refs the first time a meta tensor is drawn at random or raised to a power;
+# Jinja is for chat templates (stories260k has none); huggingface_hub resolves hub ids, not
+# folders; aiohttp is the server's.
+NOT_FOR_GENERATE = ("torch._dynamo", "sympy", "jinja2", "huggingface_hub", "aiohttp")
+
+
+def test_generate_imports_only_what_it_runs(stories_target: Path, stories_draft: Path) -> None:
+    script = (
+        "import sys, daemon.cli\n"
+        f"daemon.cli.main(['generate', '--model', {str(stories_target)!r}, '--draft', "
+        f"{str(stories_draft)!r}, '--prompt', 'Once', '--max-tokens', '4'])\n"
+        f"print('IMPORTED', sorted(m for m in {NOT_FOR_GENERATE!r} if m in sys.modules))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert "IMPORTED []" in run.stdout, run.stdout
+
+
 def test_dtype_choices_restate_the_checkpoints() -> None:
     from speculative.checkpoint import DTYPE_CHOICES as LOADER_CHOICES
 
@@ -142,3 +164,22 @@ def test_console_help_names_every_command() -> None:
     assert run.returncode == 0
     for command in ("generate", "serve", "start", "stop", "status", "chat", "bench", "plan"):
         assert command in run.stdout
+
+
+def test_start_up_runs_without_the_collector_and_freezes_what_it_made() -> None:
+    import gc
+
+    from daemon.startup import collector_paused
+
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+            made = [[] for _ in range(100)]
+        assert gc.isenabled() and gc.get_freeze_count() >= len(made)
+        gc.disable()
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # a collector that was off stays off
+    finally:
+        gc.unfreeze()
+        gc.enable()

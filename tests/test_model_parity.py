@@ -244,3 +244,25 @@ def test_the_kv_cache_grows_on_demand_without_changing_logits(tiny_checkpoint):
     assert torch.equal(outs[0], outs[1])
     with pytest.raises(CacheFullError):
         KVCache(model.config, capacity=8, initial=2).reserve(9)
+
+
+def test_construction_draws_as_torch_modules_off_meta_and_nothing_on_it(
+    tiny_checkpoint,
+) -> None:
+    """The embedding is drawn as nn.Embedding draws it (tests seed random models), except on
+    the meta device, where only shapes count and drawing would import torch._dynamo."""
+    from torch import nn
+
+    from speculative.checkpoint import open_checkpoint
+    from speculative.model import Transformer, rope_inv_freq
+
+    cfg = open_checkpoint(tiny_checkpoint("llama")).config
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    torch.manual_seed(0)
+    reference = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    assert torch.equal(model.embed_tokens.weight, reference.weight)
+    assert torch.equal(model.inv_freq, rope_inv_freq(cfg.head_dim, cfg.rope))
+    with torch.device("meta"):
+        meta = Transformer(cfg)
+    assert meta.embed_tokens.weight.is_meta and meta.inv_freq.shape == model.inv_freq.shape

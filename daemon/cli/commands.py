@@ -23,6 +23,7 @@ from daemon.settings import (
     STRATEGY_CHOICES,
     SettingsError,
 )
+from daemon.startup import collector_paused
 from speculative.errors import RequestError
 
 if TYPE_CHECKING:
@@ -214,11 +215,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise RequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.samples < 1:
         raise RequestError(f"--samples must be at least 1, got {args.samples}")
-    from daemon.compiling import print_progress
-    from daemon.runtime import Runtime
-    from speculative.generation import Generation
+    with collector_paused():
+        from daemon.compiling import print_progress
+        from daemon.runtime import Runtime
+        from speculative.generation import Generation
 
-    runtime = Runtime(runtime_options(args))
+        runtime = Runtime(runtime_options(args))
     runtime.compile(serving=False).warm(print_progress)  # --compile on: before the first token
     tok = runtime.tokenizer
     if args.prompt_ids is not None:

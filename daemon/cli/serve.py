@@ -123,7 +123,10 @@ def setup_logging(level: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from daemon.http.server import read_api_key, serve
+    from daemon.startup import collector_paused
+
+    with collector_paused():  # torch's and aiohttp's imports; the engine thread loads
+        from daemon.http.server import read_api_key, serve
 
     settings = settings_from_args(args)
     settings.runtime_options()  # fail now, in one line, if no model is configured
