@@ -18,9 +18,10 @@ from daemon.target_loading import load_placed_target
 from speculative.budget import max_tree_budget
 from speculative.checkpoint import DTYPE_CHOICES, Checkpoint, load, open_checkpoint
 from speculative.drafting import Drafter, ModelDrafter, NgramDrafter
-from speculative.generation import Session, Strategy
+from speculative.generation import Generation, Session, Strategy
 from speculative.model import Transformer
 from speculative.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
+from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear
 from speculative.strategies.tree import TreeSpeculation
@@ -225,6 +226,27 @@ class Runtime:
 
     def new_session(self, strategy: Strategy) -> Session:
         return strategy.new_session(self.context)
+
+    def generation(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        strategy: str | None = None,
+        ignore_eos: bool = False,
+    ) -> Generation:
+        """One generation on a new session of a new strategy `strategy` (default: the
+        configured one), not yet run: iterate it, or `.run()` it."""
+        built = self.strategy(strategy)
+        return Generation(
+            built,
+            self.new_session(built),
+            self.tokenizer,
+            prompt_ids,
+            params,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+        )
 
     def offload_stats(self) -> dict[str, float | int | str]:
         """The streamer's figures since the last call (for GenerationStats.extra), or {}

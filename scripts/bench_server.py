@@ -29,24 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from daemon.runtime import Runtime, RuntimeOptions  # noqa: E402
-from speculative.generation import Generation  # noqa: E402
 from speculative.sampling import SamplingParams  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "models"
 
 
 def in_process(runtime: Runtime, strategy: str, prompt_ids: list[int], n: int) -> dict:
-    strat = runtime.strategy(strategy)
+    greedy = SamplingParams(temperature=0.0)
+    gen = runtime.generation(prompt_ids, greedy, n, strategy=strategy, ignore_eos=True)
     t0 = time.perf_counter()
-    gen = Generation(
-        strat,
-        runtime.new_session(strat),
-        runtime.tokenizer,
-        prompt_ids,
-        SamplingParams(temperature=0.0),
-        max_tokens=n,
-        ignore_eos=True,
-    )
     first = None
     for chunk in gen:
         if first is None and chunk.token_ids:

@@ -141,21 +141,10 @@ def test_generate_with_compile_on_warms_first_and_prints_the_same(
 
 
 def _greedy(runtime: Runtime, prompt: list[int], n: int) -> list[int]:
-    from speculative.generation import Generation
     from speculative.sampling import SamplingParams
 
-    strategy = runtime.strategy()
-    gen = Generation(
-        strategy,
-        runtime.new_session(strategy),
-        runtime.tokenizer,
-        prompt,
-        SamplingParams(temperature=0.0),
-        max_tokens=n,
-        ignore_eos=True,
-    )
-    gen.run()
-    return gen.token_ids
+    greedy = SamplingParams(temperature=0.0)
+    return runtime.generation(prompt, greedy, n, ignore_eos=True).run().token_ids
 
 
 def _get(url: str) -> dict:

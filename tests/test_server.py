@@ -48,16 +48,8 @@ def reference(stories_target: Path) -> Runtime:
 
 
 def in_process(runtime: Runtime, prompt_ids: list[int], max_tokens: int) -> Generation:
-    strategy = runtime.strategy("autoregressive")
-    gen = Generation(
-        strategy,
-        runtime.new_session(strategy),
-        runtime.tokenizer,
-        prompt_ids,
-        SamplingParams(temperature=0.0),
-        max_tokens=max_tokens,
-    )
-    return gen.run()
+    greedy = SamplingParams(temperature=0.0)
+    return runtime.generation(prompt_ids, greedy, max_tokens, strategy="autoregressive").run()
 
 
 MESSAGES = [

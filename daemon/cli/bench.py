@@ -25,22 +25,13 @@ from daemon.jobs import Failed, Finished, GenerationRequest
 from daemon.metrics import Metrics
 from daemon.runtime import STRATEGY_BUILDERS, Runtime
 from daemon.settings import Settings
-from speculative.generation import Chunk, Generation
+from speculative.generation import Chunk
 from speculative.sampling import SamplingParams
 
 
 def run_strategy(runtime: Runtime, name: str, prompt_ids: list[int], max_tokens: int) -> dict:
-    strategy = runtime.strategy(name)
-    session = runtime.new_session(strategy)
-    gen = Generation(
-        strategy,
-        session,
-        runtime.tokenizer,
-        prompt_ids,
-        SamplingParams(temperature=0.0),
-        max_tokens=max_tokens,
-        ignore_eos=True,
-    )
+    greedy = SamplingParams(temperature=0.0)
+    gen = runtime.generation(prompt_ids, greedy, max_tokens, strategy=name, ignore_eos=True)
     gen.run()
     return {"strategy": name, "token_ids": gen.token_ids, **gen.stats.to_dict()}
 
