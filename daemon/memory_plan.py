@@ -25,6 +25,7 @@ from offload.plan import (
     module_bytes,
     plan_auto_context,
 )
+from speculative.attention import ATTENTION_CHUNK_BYTES, attention_row_bytes
 from speculative.budget import max_tree_budget
 from speculative.checkpoint import (
     DTYPES,
@@ -34,7 +35,7 @@ from speculative.checkpoint import (
 from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
 from speculative.kv_cache import KVCache
-from speculative.model import ATTENTION_CHUNK_BYTES, Transformer, attention_row_bytes
+from speculative.model import Transformer
 from speculative.quant import PackedLinear
 from speculative.sampling import DRAW_BYTES_PER_ENTRY
 

@@ -26,7 +26,8 @@ from offload.storage import TensorSources, tensor_files
 from offload.stream import LayerStreamer
 from speculative.checkpoint import Checkpoint, CheckpointError, load, open_checkpoint
 from speculative.config import ModelConfig
-from speculative.model import Transformer, stored_names
+from speculative.model import Transformer
+from speculative.projections import stored_names
 from speculative.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # daemon.runtime imports this module

@@ -20,7 +20,8 @@ from safetensors import safe_open
 from torch import nn
 
 from speculative.config import ModelConfig, UnsupportedModelError
-from speculative.model import Transformer, fused_parts, rope_inv_freq
+from speculative.model import Transformer, rope_inv_freq
+from speculative.projections import fused_parts
 from speculative.quant import (
     SUPPORTED_FORMATS,
     CompressedLinear,
