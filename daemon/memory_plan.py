@@ -36,7 +36,7 @@ from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
-from speculative.quant import PackedLinear
+from speculative.packed import PackedLinear
 from speculative.sampling import DRAW_BYTES_PER_ENTRY
 
 if TYPE_CHECKING:  # daemon.runtime imports this module

@@ -41,7 +41,7 @@ class ModelFootprint:
     num_layers: int
     kv_bytes_per_token: int  # K and V of every layer for one cached token
     activations: ActivationFootprint  # what a pass allocates, by its shape
-    # Packed weights (speculative/quant.py): the format, one layer's bytes if it were
+    # Packed weights (speculative/packed.py): the format, one layer's bytes if it were
     # dequantized, and the most a projection's rebuild holds at once (the plan reserves it:
     # one projection is rebuilt at a time, for its matmul only).
     quantization: str = ""

@@ -48,7 +48,7 @@ from torch import nn
 from speculative.attention import FixedSlots, full_mask, query_chunk
 from speculative.kv_cache import KVCache
 from speculative.model import Segment, Transformer
-from speculative.quant import PackedLinear
+from speculative.packed import PackedLinear
 
 log = logging.getLogger("specd.compile")
 

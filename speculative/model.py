@@ -27,6 +27,7 @@ from torch import nn
 from speculative.attention import SequenceSlots, Slots, attend_sequence, full_mask
 from speculative.config import ModelConfig, RopeConfig
 from speculative.kv_cache import KVCache
+from speculative.packed import PackedLinear, RebuildScratch
 from speculative.projections import (
     FUSED_PROJECTIONS,
     FusedLinear,
@@ -34,7 +35,6 @@ from speculative.projections import (
     linear,
     projection,
 )
-from speculative.quant import PackedLinear, RebuildScratch
 
 if TYPE_CHECKING:
     from speculative.compiled import CompiledPasses
@@ -251,7 +251,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # Packed projections rebuild their weights into one shared scratch (speculative/quant.py).
+        # Packed projections rebuild their weights into one shared scratch (speculative/packed.py).
         self.rebuild_scratch = RebuildScratch()
         for module in self.layers.modules():
             if isinstance(module, PackedLinear):

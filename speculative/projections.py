@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from speculative.config import ModelConfig
-from speculative.quant import PackedLinear
+from speculative.packed import PackedLinear
 
 
 def linear(module: nn.Linear | PackedLinear, x: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,8 @@ from offload.storage import DiskStorage
 from scripts.bench_fusion import unstacked
 from speculative.checkpoint import load, open_checkpoint
 from speculative.model import Attention, Transformer
+from speculative.packed import CompressedLinear, PackedLinear
 from speculative.projections import FUSED_PROJECTIONS, FusedLinear, stored_names, stored_state
-from speculative.quant import CompressedLinear, PackedLinear
 
 PROMPT = [1, 403, 407, 261, 378, 432, 383]
 

@@ -25,16 +25,15 @@ from speculative.checkpoint import CheckpointError, load, open_checkpoint
 from speculative.config import ModelConfig
 from speculative.generation import Generation
 from speculative.model import Transformer
-from speculative.quant import (
+from speculative.packed import (
     AWQ_ORDER,
     AWQLinear,
     CompressedLinear,
     GPTQLinear,
     PackedLinear,
-    UnsupportedQuantizationError,
-    parse_quantization,
     unpack,
 )
+from speculative.quant import UnsupportedQuantizationError, parse_quantization
 from speculative.sampling import SamplingParams
 
 FOLDERS = [
