@@ -21,7 +21,8 @@ from daemon.memory_plan import (
 from offload.layout import FlatLayout
 from offload.machine import detect_budget
 from offload.placement import build_streamer
-from offload.plan import Budget, MemoryPlan, PlanError
+from offload.plan import Budget, MemoryPlan
+from offload.planning import PlanError
 from offload.storage import TensorSources, tensor_files
 from offload.stream import LayerStreamer
 from speculative.checkpoint import Checkpoint, CheckpointError, load, open_checkpoint

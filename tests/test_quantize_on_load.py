@@ -14,7 +14,8 @@ import torch
 
 from daemon.memory_plan import OffloadRequest, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
-from offload.plan import Budget, make_plan
+from offload.plan import Budget
+from offload.planning import make_plan
 from scripts.real_shapes import full_config
 from speculative.checkpoint import CheckpointError, load, open_checkpoint
 from speculative.generation import Generation
