@@ -1,7 +1,7 @@
 """The memory plan of a model pair, before any weight is loaded: footprints come from
 meta-device models built from config.json alone, and `choose_plan` settles `auto` dtype and
-context against the machine's budget (offload.plan does the arithmetic). This is where the
-daemon joins `speculative` (which knows the model) to `offload` (which knows memory)."""
+context against the machine's budget (offload.planning does the arithmetic). This is where
+the daemon joins `speculative` (which knows the model) to `offload` (which knows memory)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,9 @@ from torch import nn
 
 from offload.activations import ActivationFootprint
 from offload.layout import FlatLayout
-from offload.plan import (
-    Budget,
-    MemoryPlan,
-    ModelFootprint,
-    PlanError,
-    PlanRequest,
-    largest_fitting,
-    make_plan,
-    module_bytes,
-    plan_auto_context,
-)
+from offload.plan import Budget, MemoryPlan, ModelFootprint, PlanRequest, module_bytes
+from offload.planning import PlanError, largest_fitting, make_plan, plan_auto_context
+from speculative.attention import ATTENTION_CHUNK_BYTES, attention_row_bytes
 from speculative.budget import max_tree_budget
 from speculative.checkpoint import (
     DTYPES,
@@ -34,8 +26,8 @@ from speculative.checkpoint import (
 from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
 from speculative.kv_cache import KVCache
-from speculative.model import ATTENTION_CHUNK_BYTES, Transformer, attention_row_bytes
-from speculative.quant import PackedLinear
+from speculative.model import Transformer
+from speculative.packed import PackedLinear
 from speculative.sampling import DRAW_BYTES_PER_ENTRY
 
 if TYPE_CHECKING:  # daemon.runtime imports this module

@@ -50,7 +50,7 @@ class RuntimeOptions:
     draft_quantize: str | None = None  # the same for the draft
     device: str = "auto"
     # KV cache length in tokens, or auto: the longest up to the model's maximum that fits
-    # the budget, never below 4,096 (offload.plan.plan_auto_context).
+    # the budget, never below 4,096 (offload.planning.plan_auto_context).
     context: int | str = "auto"
     # Offload (see offload/): where the target's layers live and how they reach the device.
     offload: str = "auto"  # none | stream | auto

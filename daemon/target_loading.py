@@ -21,12 +21,14 @@ from daemon.memory_plan import (
 from offload.layout import FlatLayout
 from offload.machine import detect_budget
 from offload.placement import build_streamer
-from offload.plan import Budget, MemoryPlan, PlanError
+from offload.plan import Budget, MemoryPlan
+from offload.planning import PlanError
 from offload.storage import TensorSources, tensor_files
 from offload.stream import LayerStreamer
 from speculative.checkpoint import Checkpoint, CheckpointError, load, open_checkpoint
 from speculative.config import ModelConfig
-from speculative.model import Transformer, stored_names
+from speculative.model import Transformer
+from speculative.projections import stored_names
 from speculative.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # daemon.runtime imports this module

@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.bench_decode import DEFAULT_MODEL  # noqa: E402
 from speculative.checkpoint import DTYPES, load  # noqa: E402
-from speculative.model import FUSED_PROJECTIONS, FusedLinear, Transformer  # noqa: E402
+from speculative.model import Transformer  # noqa: E402
+from speculative.projections import FUSED_PROJECTIONS, FusedLinear  # noqa: E402
 
 
 @torch.no_grad()

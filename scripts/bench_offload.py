@@ -41,7 +41,8 @@ from offload.placement import build_streamer  # noqa: E402
 from offload.stream import LayerStreamer  # noqa: E402
 from speculative.config import ModelConfig  # noqa: E402
 from speculative.model import Transformer, rope_inv_freq  # noqa: E402
-from speculative.quant import CompressedLinear, PackedLinear, on_load_quantization  # noqa: E402
+from speculative.packed import CompressedLinear, PackedLinear  # noqa: E402
+from speculative.quant import on_load_quantization  # noqa: E402
 
 SHAPES = {
     # hidden, intermediate, heads, kv heads, vocab (Llama-3.1-8B and Qwen2.5-32B layers)

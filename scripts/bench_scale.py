@@ -15,7 +15,7 @@ what each phase ADDS to what is already held when it starts:
     regenerate  the same prompt again with another seed: one round; prefix-cache hits
 
 and sets each beside the plan's figure for what that phase may add (daemon.memory_plan.
-footprint + plan_request + offload.plan.make_plan, read in `plan_figures` only):
+footprint + plan_request + offload.planning.make_plan, read in `plan_figures` only):
 
     kv          the plan's KV caches, against the caches' allocated bytes (exact; the
                 resident-set probe resolves no better than a few pages, its reading is in
@@ -71,7 +71,8 @@ if str(ROOT) not in sys.path:
 
 from daemon.memory_plan import OffloadRequest, footprint, plan_request  # noqa: E402
 from offload.machine import PeakMemory  # noqa: E402
-from offload.plan import Budget, MemoryPlan, make_plan  # noqa: E402
+from offload.plan import Budget, MemoryPlan  # noqa: E402
+from offload.planning import make_plan  # noqa: E402
 from offload.units import format_size  # noqa: E402
 from scripts.real_shapes import PAIRS, build_model, model_config  # noqa: E402
 from speculative.checkpoint import DTYPES  # noqa: E402

@@ -20,11 +20,11 @@ from safetensors import safe_open
 from torch import nn
 
 from speculative.config import ModelConfig, UnsupportedModelError
-from speculative.model import Transformer, fused_parts, rope_inv_freq
+from speculative.model import Transformer, rope_inv_freq
+from speculative.packed import CompressedLinear, PackedLinear
+from speculative.projections import fused_parts
 from speculative.quant import (
     SUPPORTED_FORMATS,
-    CompressedLinear,
-    PackedLinear,
     UnsupportedQuantizationError,
     on_load_quantization,
 )
@@ -218,7 +218,7 @@ def load_model(
     for part, (fused, row, end) in parts.items():
         expected.pop(fused, None)
         expected[part] = torch.Size((end - row, *model.get_parameter(fused).shape[1:]))
-    # Packed projections' stored tensors (speculative/quant.py) are buffers kept in the
+    # Packed projections' stored tensors (speculative/packed.py) are buffers kept in the
     # dtype the format stores them in; parameters take the compute dtype.
     stored = dict(_stored_buffers(model))
     expected.update({name: b.shape for name, b in stored.items()})

@@ -16,8 +16,8 @@ sizes, so two graphs serve every step: one for single tokens (the compiler speci
 Eligible: a model on its own layers (a streamer's list moves weights between calls), with
 no packed projections (rebuilt per call into a shared scratch), passes of one sequence with
 at most MAX_TOKENS tokens whose attention fits one query chunk over the allocation (the
-memory bound `attend` keeps, model.ATTENTION_CHUNK_BYTES). Everything else runs eager, and
-so does a model whose graph fails (logged once). The head (norm, vocabulary projection)
+memory bound `attend` keeps, speculative/attention.py's ATTENTION_CHUNK_BYTES). Everything
+else runs eager, and so does a model whose graph fails (logged once). The head (norm, vocabulary projection)
 stays eager over the rows that want logits, so the memory plan is unchanged; attention over
 the whole allocation costs at most twice the eager attention's keys, within the same bound.
 Outputs equal eager ones up to float rounding (the fused kernels sum in another order, as a
@@ -45,9 +45,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from speculative.attention import FixedSlots, full_mask, query_chunk
 from speculative.kv_cache import KVCache
-from speculative.model import FixedSlots, Segment, Transformer, full_mask, query_chunk
-from speculative.quant import PackedLinear
+from speculative.model import Segment, Transformer
+from speculative.packed import PackedLinear
 
 log = logging.getLogger("specd.compile")
 

@@ -52,7 +52,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
-    # config.json's quantization_config: its projections are packed (speculative/quant.py)
+    # config.json's quantization_config: its projections are packed (speculative/quant.py,
+    # speculative/packed.py)
     quantization: QuantizationSpec | None = None
 
     @property

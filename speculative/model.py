@@ -7,6 +7,10 @@ mask of which cache slots each new token may attend to. Weights apply once to al
 segments' tokens; attention is per segment (ragged). `forward(tokens, positions, cache,
 ...)` is the one-sequence call. Blocks are visited with `for layer in self.layers`, so the
 offloader can swap in a streaming list.
+
+The attention math, its memory bound and the per-sequence `Slots` a pass's layers see are in
+speculative/attention.py; how a projection is built, applied and stacked (`FusedLinear`),
+with the mapping to a checkpoint's stored names, in speculative/projections.py.
 """
 
 from __future__ import annotations
@@ -20,9 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from speculative.attention import SequenceSlots, Slots, attend_sequence, full_mask
 from speculative.config import ModelConfig, RopeConfig
 from speculative.kv_cache import KVCache
-from speculative.quant import PackedLinear, RebuildScratch
+from speculative.packed import PackedLinear, RebuildScratch
+from speculative.projections import (
+    FUSED_PROJECTIONS,
+    FusedLinear,
+    fuse_dense,
+    linear,
+    projection,
+)
 
 if TYPE_CHECKING:
     from speculative.compiled import CompiledPasses
@@ -55,68 +67,6 @@ class Segment:
     @property
     def logit_rows(self) -> int:
         return self.length - self.logits_from
-
-
-@dataclass
-class SequenceSlots:
-    """Where one segment sits inside a pass, as the layers see it: rows [row, row + count)
-    of the pass's activations, written to `cache` from slot `start`, attending under
-    `mask` ((count, start + count) bool, or None for a single token)."""
-
-    row: int
-    count: int
-    cache: KVCache
-    start: int
-    mask: torch.Tensor | None
-
-    def store(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new keys/values (Hkv, count, hd) to their slots; return the keys and
-        values they attend to: slots [0, start + count) (views of the cache)."""
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # (Hkv, slots, hd)
-        end = self.start + self.count
-        k_cache[:, self.start : end] = k
-        v_cache[:, self.start : end] = v
-        return k_cache[:, :end], v_cache[:, :end]
-
-
-@dataclass
-class FixedSlots:
-    """A compiled pass's one sequence (speculative/compiled.py): shapes that do not depend on
-    where the sequence stands. New entries go to the slots `write` names, and every new
-    token attends over every allocated slot under `mask` ((count, slots) bool), so a
-    compiled graph serves any cache length of one allocation."""
-
-    count: int
-    k: torch.Tensor  # (layers, Hkv, slots, hd): the cache's whole allocation
-    v: torch.Tensor
-    write: torch.Tensor  # (count,) slot of each new token
-    mask: torch.Tensor  # (count, slots) bool
-    row: int = 0
-
-    def store(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        k_cache, v_cache = self.k[layer], self.v[layer]  # (Hkv, slots, hd)
-        k_cache.index_copy_(1, self.write, k)
-        v_cache.index_copy_(1, self.write, v)
-        return k_cache, v_cache
-
-
-class Slots(Protocol):
-    """What the layers need of a sequence in a pass: its rows, its mask, and where its new
-    keys and values go (`SequenceSlots` eager, `FixedSlots` compiled)."""
-
-    row: int
-    count: int
-
-    @property
-    def mask(self) -> torch.Tensor | None: ...
-
-    def store(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class RMSNorm(nn.Module):
@@ -165,86 +115,6 @@ def apply_rope(
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def _linear(module: nn.Linear | PackedLinear, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)` without nn.Module's call machinery (hooks are never used here), which at
-    decode sizes costs as much as the matmul itself. Reads the tensors at call time, so a
-    streamer that rebinds them keeps working. A packed projection's weight is rebuilt in
-    the compute dtype for this call only."""
-    if isinstance(module, PackedLinear):
-        return F.linear(x, module.dequantize(x.dtype), module.bias)
-    return F.linear(x, module.weight, module.bias)
-
-
-def _projection(cfg: ModelConfig, n_in: int, n_out: int, bias: bool) -> nn.Linear | PackedLinear:
-    """A decoder projection: packed as config.json's quantization_config says, else plain."""
-    if cfg.quantization is not None:
-        return cfg.quantization.linear(n_in, n_out, bias)
-    return nn.Linear(n_in, n_out, bias=bias)
-
-
-# Projections of one input that a checkpoint stores apart and the model holds stacked along
-# the output, one matmul for all (`FusedLinear`): fused name → the stored parts, in order.
-FUSED_PROJECTIONS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
-
-
-class FusedLinear(nn.Linear):
-    """Several dense projections of the same input stacked along the output ([sum(rows),
-    in]): one kernel where there were several, each part's output a view of the result.
-    Packed projections are never fused: fusing gate/up would double the rebuild scratch
-    (the largest projection's weight) and GPTQ/AWQ interleave outputs within words, so the
-    disk tier could not read their parts as consecutive bytes."""
-
-    def __init__(self, in_features: int, parts: Sequence[tuple[str, int]], bias: bool) -> None:
-        super().__init__(in_features, sum(rows for _, rows in parts), bias=bias)
-        self.parts = tuple(parts)  # (stored name, output rows), in stacking order
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + ", parts=" + "+".join(f"{n}:{r}" for n, r in self.parts)
-
-
-def stored_names(name: str) -> list[str]:
-    """The names a checkpoint stores tensor `name` under, rows stacked in this order:
-    "layers.3.self_attn.qkv_proj.weight" → [...q_proj.weight, ...k_proj.weight,
-    ...v_proj.weight]; any other name is stored as itself."""
-    owner, _, attr = name.rpartition(".")
-    parent, _, module = owner.rpartition(".")
-    parts = FUSED_PROJECTIONS.get(module)
-    if parts is None:
-        return [name]
-    prefix = f"{parent}." if parent else ""
-    return [f"{prefix}{part}.{attr}" for part in parts]
-
-
-def stored_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """`model.state_dict()` under the names a checkpoint stores (inverse of loading): each
-    stacked tensor as its parts, copies of their rows (a file holds no shared storage)."""
-    state = model.state_dict()
-    for part, (fused, row, end) in fused_parts(model).items():
-        state[part] = state[fused][row:end].clone()
-    for fused in {fused for fused, _, _ in fused_parts(model).values()}:
-        del state[fused]
-    return state
-
-
-def fused_parts(model: nn.Module) -> dict[str, tuple[str, int, int]]:
-    """Every stored tensor that is part of a fused projection of `model` → (the fused
-    tensor's name, first row, end row) inside it."""
-    out: dict[str, tuple[str, int, int]] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, FusedLinear):
-            continue
-        attrs = ("weight", "bias") if module.bias is not None else ("weight",)
-        for attr in attrs:
-            row = 0
-            for stored, (_, rows) in zip(stored_names(f"{name}.{attr}"), module.parts, strict=True):
-                out[stored] = (f"{name}.{attr}", row, row + rows)
-                row += rows
-    return out
-
-
 def _embedding(rows: int, dim: int) -> nn.Embedding:
     """nn.Embedding(rows, dim), drawn as it draws (normal_) except on the meta device: there
     normal_ runs through torch._refs, whose first call imports torch._dynamo (about 1 s of
@@ -270,10 +140,10 @@ class Attention(nn.Module):
             parts = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
             self.qkv_proj = FusedLinear(d, parts, cfg.qkv_bias)
         else:
-            self.q_proj = _projection(cfg, d, q, cfg.qkv_bias)
-            self.k_proj = _projection(cfg, d, kv, cfg.qkv_bias)
-            self.v_proj = _projection(cfg, d, kv, cfg.qkv_bias)
-        self.o_proj = _projection(cfg, cfg.num_heads * hd, d, cfg.o_bias)
+            self.q_proj = projection(cfg, d, q, cfg.qkv_bias)
+            self.k_proj = projection(cfg, d, kv, cfg.qkv_bias)
+            self.v_proj = projection(cfg, d, kv, cfg.qkv_bias)
+        self.o_proj = projection(cfg, cfg.num_heads * hd, d, cfg.o_bias)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -291,7 +161,7 @@ class Attention(nn.Module):
         heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             # One matmul; q, k and v are views of its (T, (H + 2 Hkv) hd) output.
-            qkv = _linear(self.qkv_proj, x).view(t, -1, hd).transpose(0, 1)  # (H+2Hkv, T, hd)
+            qkv = linear(self.qkv_proj, x).view(t, -1, hd).transpose(0, 1)  # (H+2Hkv, T, hd)
             qk, v = qkv.split([heads + kv_heads, kv_heads])
             if self.q_norm is None:
                 # RoPE is elementwise per head: q's and k's heads rotate in one go.
@@ -300,108 +170,24 @@ class Attention(nn.Module):
                 q, k = qk.split([heads, kv_heads])
         else:
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
-            q = _linear(self.q_proj, x).view(t, heads, hd).transpose(0, 1)  # (H, T, hd)
-            k = _linear(self.k_proj, x).view(t, kv_heads, hd).transpose(0, 1)  # (Hkv, T, hd)
-            v = _linear(self.v_proj, x).view(t, kv_heads, hd).transpose(0, 1)
+            q = linear(self.q_proj, x).view(t, heads, hd).transpose(0, 1)  # (H, T, hd)
+            k = linear(self.k_proj, x).view(t, kv_heads, hd).transpose(0, 1)  # (Hkv, T, hd)
+            v = linear(self.v_proj, x).view(t, kv_heads, hd).transpose(0, 1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, after the split
         if self.qkv_proj is None or self.q_norm is not None:
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
         if len(sequences) == 1:  # one sequence (most passes): no row slices
-            out = _attend_sequence(sequences[0], layer, q, k, v)
+            out = attend_sequence(sequences[0], layer, q, k, v)
         else:
             # Each sequence writes its rows of one output: the plan counts one output per
             # token plus one chunk's (a cat of per-sequence outputs would hold two).
             out = torch.empty_like(q)  # (H, T, hd)
             for seq in sequences:
                 rows = slice(seq.row, seq.row + seq.count)
-                out[:, rows] = _attend_sequence(seq, layer, q[:, rows], k[:, rows], v[:, rows])
-        return _linear(self.o_proj, out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
-
-
-def _attend_sequence(
-    seq: Slots,
-    layer: int,
-    q: torch.Tensor,  # (H, count, hd) this sequence's queries
-    k: torch.Tensor,  # (Hkv, count, hd) its new keys, RoPE applied
-    v: torch.Tensor,
-) -> torch.Tensor:
-    """Write one sequence's new keys and values to its cache and attend to the cache under
-    its own mask: (H, count, hd)."""
-    keys, values = seq.store(layer, k, v)
-    return attend(q, keys, values, seq.mask)
-
-
-# The most bytes one chunk of queries may hold in attention working memory. Masked passes
-# (prefill chunks, tree verification) would otherwise hold (heads, queries, keys) fp32 scores
-# per layer: a 2,048-token chunk at context 8,192 is ~4 GB. 128 MiB still holds one query
-# row of a 64-head model at 128k context (64 MiB of scores), is ~0.5% of a 24 GB card, and
-# one chunk's work (~16M scores, billions of flops on a real model) dwarfs the few kernel
-# launches a chunk adds. The plan reserves exactly this working set (daemon/memory_plan.py).
-ATTENTION_CHUNK_BYTES = 128 * 2**20
-# Bytes per (head, query, key) at a chunk's peak: the fp32 scores and their fp32 softmax
-# live together; the model-dtype matmul output before them and the cast weights after
-# them are never alive with both (see `_attend_chunk`).
-SCORE_BYTES = 8
-
-
-def attention_row_bytes(heads: int, keys: int) -> int:
-    """Working bytes one query row adds to a chunk: its scores over every key for every
-    head (SCORE_BYTES each) and its row of the inverted boolean mask."""
-    return keys * (heads * SCORE_BYTES + 1)
-
-
-def query_chunk(heads: int, keys: int) -> int:
-    """Queries per chunk so that one chunk's working set stays under ATTENTION_CHUNK_BYTES;
-    at least 1 (a single row over a huge context is the irreducible minimum)."""
-    return max(1, ATTENTION_CHUNK_BYTES // attention_row_bytes(heads, keys))
-
-
-def attend(
-    q: torch.Tensor,  # (H, T, hd)
-    k: torch.Tensor,  # (Hkv, S, hd), a strided view of the cache
-    v: torch.Tensor,  # (Hkv, S, hd)
-    mask: torch.Tensor | None,  # (T, S) bool, True = may attend; None = see everything
-) -> torch.Tensor:
-    """Grouped-query attention, softmax in fp32, over chunks of queries so that no pass holds
-    more than ATTENTION_CHUNK_BYTES of scores. Decoding and verification passes fit in one
-    chunk and take the direct path. Each kv head's query group is folded into one matmul:
-    on CPU, SDPA's `enable_gqa` path costs milliseconds per call (it copies the strided cache
-    views), and with a boolean mask it falls back to the math kernel, which materialises the
-    whole (heads, T, S) score matrix, so SDPA would be neither faster nor bounded here."""
-    heads, t = q.shape[0], q.shape[1]
-    chunk = query_chunk(heads, k.shape[1])
-    if t <= chunk:
-        return _attend_chunk(q, k, v, mask)
-    out = torch.empty_like(q)  # (H, T, hd)
-    for t0 in range(0, t, chunk):
-        t1 = min(t0 + chunk, t)
-        rows = None if mask is None else mask[t0:t1]  # (c, S)
-        out[:, t0:t1] = _attend_chunk(q[:, t0:t1], k, v, rows)
-    return out
-
-
-def _attend_chunk(
-    q: torch.Tensor,  # (H, c, hd)
-    k: torch.Tensor,  # (Hkv, S, hd)
-    v: torch.Tensor,  # (Hkv, S, hd)
-    mask: torch.Tensor | None,  # (c, S) bool
-) -> torch.Tensor:
-    heads, t, hd = q.shape
-    kv_heads, s = k.shape[0], k.shape[1]
-    group = heads // kv_heads
-    # Query heads h = kv * group + g share kv head `kv` (transformers' repeat_kv order). A
-    # slice of a longer pass is not contiguous across heads: reshape copies it (c rows only).
-    qg = q.reshape(kv_heads, group * t, hd)  # (Hkv, g*c, hd)
-    scores = torch.matmul(qg, k.transpose(1, 2)).float()  # (Hkv, g*c, S) fp32
-    scores.mul_(hd**-0.5)  # in place: the same values as `* scale`, no second fp32 copy
-    if mask is not None:
-        scores.view(kv_heads, group, t, s).masked_fill_(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)  # (Hkv, g*c, S) fp32
-    # Free the scores before casting: the peak stays at two fp32 copies (SCORE_BYTES).
-    del scores
-    return torch.matmul(weights.to(v.dtype), v).view(heads, t, hd)  # (H, c, hd)
+                out[:, rows] = attend_sequence(seq, layer, q[:, rows], k[:, rows], v[:, rows])
+        return linear(self.o_proj, out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -414,19 +200,17 @@ class MLP(nn.Module):
         if cfg.quantization is None:
             self.gate_up_proj = FusedLinear(d, [("gate_proj", f), ("up_proj", f)], cfg.mlp_bias)
         else:
-            self.gate_proj = _projection(cfg, d, f, cfg.mlp_bias)
-            self.up_proj = _projection(cfg, d, f, cfg.mlp_bias)
-        self.down_proj = _projection(cfg, f, d, cfg.mlp_bias)
+            self.gate_proj = projection(cfg, d, f, cfg.mlp_bias)
+            self.up_proj = projection(cfg, d, f, cfg.mlp_bias)
+        self.down_proj = projection(cfg, f, d, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = _linear(self.gate_up_proj, x).chunk(2, dim=-1)  # (T, f) views each
+            gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)  # (T, f) views each
             # In place: the peak stays gate/up and silu(gate), 3f per token, as unfused.
-            return _linear(self.down_proj, F.silu(gate).mul_(up))
+            return linear(self.down_proj, F.silu(gate).mul_(up))
         assert self.gate_proj is not None and self.up_proj is not None
-        return _linear(
-            self.down_proj, F.silu(_linear(self.gate_proj, x)) * _linear(self.up_proj, x)
-        )
+        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
 
 class DecoderLayer(nn.Module):
@@ -449,30 +233,6 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-@torch.no_grad()
-def _fuse_dense(owner: nn.Module, fused: str) -> None:
-    """Replace `owner`'s dense projections named by FUSED_PROJECTIONS[fused] with one
-    FusedLinear holding their stacked weights; nothing when `owner` has no such dense parts."""
-    names = FUSED_PROJECTIONS[fused]
-    parts = [getattr(owner, name, None) for name in names]
-    linears = [p for p in parts if isinstance(p, nn.Linear) and not isinstance(p, FusedLinear)]
-    if len(linears) != len(names):
-        return
-    bias = linears[0].bias is not None
-    with torch.device("meta"):  # no throwaway weight: it is set just below
-        module = FusedLinear(
-            linears[0].in_features,
-            [(n, p.out_features) for n, p in zip(names, linears, strict=True)],
-            bias,
-        )
-    module.weight = nn.Parameter(torch.cat([p.weight for p in linears]), requires_grad=False)
-    if bias:
-        module.bias = nn.Parameter(torch.cat([p.bias for p in linears]), requires_grad=False)
-    setattr(owner, fused, module)
-    for name in names:
-        setattr(owner, name, None)
-
-
 class Transformer(nn.Module):
     """Parameter names follow the Hugging Face layout minus the `model.` prefix of the
     decoder stack, except that dense q/k/v and gate/up are stacked (`qkv_proj`,
@@ -491,7 +251,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # Packed projections rebuild their weights into one shared scratch (speculative/quant.py).
+        # Packed projections rebuild their weights into one shared scratch (speculative/packed.py).
         self.rebuild_scratch = RebuildScratch()
         for module in self.layers.modules():
             if isinstance(module, PackedLinear):
@@ -562,7 +322,7 @@ class Transformer(nn.Module):
                 setattr(owner, name, dense)
         for owner in list(self.layers.modules()):
             for fused in FUSED_PROJECTIONS:
-                _fuse_dense(owner, fused)
+                fuse_dense(owner, fused)
 
     def prefetch(self) -> None:
         """Hint that a target pass is coming: a streaming layer list starts copying its first
@@ -682,29 +442,6 @@ class Transformer(nn.Module):
         )  # (T, width)
         out[:, :rows].copy_(head)
         return out
-
-
-def full_mask(
-    mask: torch.Tensor | None, start: int, t: int, device: torch.device
-) -> torch.Tensor | None:
-    """The (T, start + T) boolean attention mask the layers use, or None when no masking is
-    needed (a single new token sees everything)."""
-    if mask is None:
-        if t == 1:
-            return None
-        rows = torch.arange(t, device=device)[:, None] + start
-        return torch.arange(start + t, device=device)[None, :] <= rows
-    mask = mask.to(device=device, dtype=torch.bool)
-    if mask.shape == (t, t) and start:
-        # Written into one (T, start + T) tensor: a cat would hold a (T, start) prefix too.
-        full = torch.ones(t, start + t, dtype=torch.bool, device=device)
-        full[:, start:] = mask
-        return full
-    if mask.shape != (t, start + t):
-        raise ValueError(
-            f"attention mask has shape {tuple(mask.shape)}; expected ({t}, {t}) or ({t}, {start + t})"
-        )
-    return mask
 
 
 class LayerSequence(Protocol):

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import speculative.model as model_module
+import speculative.attention as attention_module
 from daemon.memory_plan import activation_footprint
+from speculative.attention import ATTENTION_CHUNK_BYTES, attend, attention_row_bytes, query_chunk
 from speculative.config import ModelConfig
-from speculative.model import ATTENTION_CHUNK_BYTES, attend, attention_row_bytes, query_chunk
 from tests.peak_probe import needs_proc, run_child
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,10 +80,12 @@ def test_query_chunked_attention_equals_one_chunk(case: str, monkeypatch) -> Non
     assert query_chunk(HEADS, s) >= t  # the default bound: one chunk, the direct path
     torch.testing.assert_close(whole, reference_attention(q, k, v, mask), atol=1e-5, rtol=0)
     # A bound that holds 5 query rows: 8 chunks for 37 queries, the last one partial.
-    monkeypatch.setattr(model_module, "ATTENTION_CHUNK_BYTES", 5 * attention_row_bytes(HEADS, s))
+    monkeypatch.setattr(
+        attention_module, "ATTENTION_CHUNK_BYTES", 5 * attention_row_bytes(HEADS, s)
+    )
     assert query_chunk(HEADS, s) == 5
     torch.testing.assert_close(attend(q, k, v, mask), whole, atol=1e-5, rtol=0)
-    monkeypatch.setattr(model_module, "ATTENTION_CHUNK_BYTES", 1)  # one row per chunk
+    monkeypatch.setattr(attention_module, "ATTENTION_CHUNK_BYTES", 1)  # one row per chunk
     assert query_chunk(HEADS, s) == 1
     torch.testing.assert_close(attend(q, k, v, mask), whole, atol=1e-5, rtol=0)
 
@@ -156,7 +158,7 @@ def measure_pass(
     from offload.machine import PeakMemory
     from speculative.model import Segment, Transformer
 
-    model_module.ATTENTION_CHUNK_BYTES = chunk_bytes  # this child process only
+    attention_module.ATTENTION_CHUNK_BYTES = chunk_bytes  # this child process only
     torch.manual_seed(0)
     model = Transformer(config(vocab)).eval().to(getattr(torch, dtype))
     each = t // sequences

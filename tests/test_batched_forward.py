@@ -265,7 +265,8 @@ def test_the_plan_holds_every_generations_tree_mask() -> None:
     """Each concurrent generation's draft tree preallocates its (budget + 1)² ancestor
     mask: the plan counts the other generations' besides the pass's one."""
     from daemon.memory_plan import OffloadRequest, footprint, plan_request
-    from offload.plan import Budget, make_plan
+    from offload.plan import Budget
+    from offload.planning import make_plan
     from scripts.real_shapes import full_config
 
     target = footprint(full_config("llama-3.1-8b"), torch.bfloat16, "8b")

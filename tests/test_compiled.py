@@ -14,12 +14,13 @@ import torch
 from torch._dynamo.utils import counters
 
 from scripts.tiny_models import make_checkpoint
+from speculative.attention import ATTENTION_CHUNK_BYTES, attention_row_bytes, query_chunk
 from speculative.checkpoint import load
 from speculative.compiled import MAX_TOKENS, CompiledPasses, ineligible
 from speculative.drafting import ModelDrafter
 from speculative.generation import Generation, Strategy
 from speculative.kv_cache import KVCache
-from speculative.model import ATTENTION_CHUNK_BYTES, Transformer, attention_row_bytes, query_chunk
+from speculative.model import Transformer
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear

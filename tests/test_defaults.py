@@ -16,7 +16,8 @@ from daemon.cli import commands as cli
 from daemon.memory_plan import OffloadRequest, choose_plan, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
 from daemon.settings_loading import load_settings
-from offload.plan import MIN_AUTO_CONTEXT, Budget, PlanError, longest_context, make_plan
+from offload.plan import Budget
+from offload.planning import MIN_AUTO_CONTEXT, PlanError, longest_context, make_plan
 from scripts.real_shapes import full_config, hf_config
 from speculative.budget import AUTO_MAX_BUDGET
 from speculative.checkpoint import dtype_candidates, dtype_key

@@ -19,15 +19,9 @@ from offload.placement import build_streamer
 from offload.storage import DiskStorage
 from scripts.bench_fusion import unstacked
 from speculative.checkpoint import load, open_checkpoint
-from speculative.model import (
-    FUSED_PROJECTIONS,
-    Attention,
-    FusedLinear,
-    Transformer,
-    stored_names,
-    stored_state,
-)
-from speculative.quant import CompressedLinear, PackedLinear
+from speculative.model import Attention, Transformer
+from speculative.packed import CompressedLinear, PackedLinear
+from speculative.projections import FUSED_PROJECTIONS, FusedLinear, stored_names, stored_state
 
 PROMPT = [1, 403, 407, 261, 378, 432, 383]
 

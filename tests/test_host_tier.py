@@ -21,7 +21,8 @@ from offload import machine
 from offload.arena import PAGE, HostArena, arena_bytes
 from offload.layout import FlatLayout
 from offload.machine import PeakMemory
-from offload.plan import Budget, make_plan
+from offload.plan import Budget
+from offload.planning import make_plan
 from offload.storage import DiskStorage, LayerReadError, RamStorage, read_header
 from offload.stream import MAX_TIMED_COPIES, CopyTimes
 from scripts.real_shapes import full_config

@@ -181,7 +181,7 @@ def test_greedy_generation_matches_transformers_generate(shared_models: Path) ->
 def test_query_chunked_attention_agrees(tiny_checkpoint, monkeypatch) -> None:
     """Long passes attend over chunks of queries (bounded score memory): with a bound so
     small that every query row is its own chunk, the logits are those of one chunk."""
-    import speculative.model as model_module
+    import speculative.attention as attention_module
 
     path = tiny_checkpoint("qwen2", vocab_size=96)
     model, _, _ = load(path)
@@ -196,7 +196,7 @@ def test_query_chunked_attention_agrees(tiny_checkpoint, monkeypatch) -> None:
         return torch.cat((causal, masked))
 
     whole = run()
-    monkeypatch.setattr(model_module, "ATTENTION_CHUNK_BYTES", 1)
+    monkeypatch.setattr(attention_module, "ATTENTION_CHUNK_BYTES", 1)
     torch.testing.assert_close(run(), whole, atol=1e-5, rtol=0)
 
 

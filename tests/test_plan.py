@@ -13,12 +13,13 @@ from daemon.cli import commands as cli
 from daemon.memory_plan import OffloadRequest, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
 from offload.machine import detect_budget
-from offload.plan import Budget, PlanError, PlanRequest, host_tier_bytes, make_plan
+from offload.plan import Budget, PlanRequest
+from offload.planning import PlanError, host_tier_bytes, make_plan
 from offload.units import format_size, parse_rate, parse_size
+from speculative.attention import ATTENTION_CHUNK_BYTES
 from speculative.budget import AUTO_MAX_BUDGET
 from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
-from speculative.model import ATTENTION_CHUNK_BYTES
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

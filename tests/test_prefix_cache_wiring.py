@@ -20,7 +20,8 @@ from daemon.memory_plan import OffloadRequest, footprint, plan_request
 from daemon.metrics import Metrics
 from daemon.settings import SettingsError
 from daemon.settings_loading import load_settings
-from offload.plan import Budget, PlanError, make_plan
+from offload.plan import Budget
+from offload.planning import PlanError, make_plan
 from speculative.config import ModelConfig
 from speculative.generation import GenerationStats, RoundStats
 from speculative.prefix_cache import DEFAULT_MAX_BYTES

@@ -19,22 +19,22 @@ from torch import nn
 from daemon.memory_plan import OffloadRequest, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
 from offload.layout import FlatLayout
-from offload.plan import Budget, make_plan
+from offload.plan import Budget
+from offload.planning import make_plan
 from scripts.real_shapes import full_config
 from speculative.checkpoint import CheckpointError, load, open_checkpoint
 from speculative.config import ModelConfig
 from speculative.generation import Generation
 from speculative.model import Transformer
-from speculative.quant import (
+from speculative.packed import (
     AWQ_ORDER,
     AWQLinear,
     CompressedLinear,
     GPTQLinear,
     PackedLinear,
-    UnsupportedQuantizationError,
-    parse_quantization,
     unpack,
 )
+from speculative.quant import UnsupportedQuantizationError, parse_quantization
 from speculative.sampling import SamplingParams
 
 FOLDERS = [

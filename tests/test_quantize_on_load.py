@@ -14,18 +14,13 @@ import torch
 
 from daemon.memory_plan import OffloadRequest, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
-from offload.plan import Budget, make_plan
+from offload.plan import Budget
+from offload.planning import make_plan
 from scripts.real_shapes import full_config
 from speculative.checkpoint import CheckpointError, load, open_checkpoint
 from speculative.generation import Generation
-from speculative.quant import (
-    AWQLinear,
-    CompressedLinear,
-    GPTQLinear,
-    PackedLinear,
-    UnsupportedQuantizationError,
-    on_load_quantization,
-)
+from speculative.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
+from speculative.quant import UnsupportedQuantizationError, on_load_quantization
 from speculative.sampling import SamplingParams
 from tests.peak_probe import needs_proc, run_child
 from tests.test_quant import FORMATS, quantized_config

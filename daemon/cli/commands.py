@@ -47,7 +47,7 @@ MODEL_USER_ERRORS = {
     "speculative.checkpoint": ("ModelNotFoundError", "CheckpointError"),
     "speculative.config": ("UnsupportedModelError",),
     "speculative.quant": ("UnsupportedQuantizationError",),
-    "offload.plan": ("PlanError",),
+    "offload.planning": ("PlanError",),
     "daemon.runtime": ("RuntimeSetupError",),
 }
 

@@ -1,0 +1,187 @@
+"""Attention over one sequence's KV cache, and the bound on its working memory.
+
+A pass's layers see each sequence as its `Slots`: which rows of the pass are its new
+tokens, where their keys and values go in its cache, and the boolean mask over the slots
+they attend to (`SequenceSlots` in an eager pass, `FixedSlots` in a compiled one,
+speculative/compiled.py). `attend` is grouped-query attention over chunks of queries, so
+that no pass holds more than ATTENTION_CHUNK_BYTES of scores; the memory plan reserves
+exactly that working set (daemon/memory_plan.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from speculative.kv_cache import KVCache
+
+
+@dataclass
+class SequenceSlots:
+    """Where one segment sits inside a pass, as the layers see it: rows [row, row + count)
+    of the pass's activations, written to `cache` from slot `start`, attending under
+    `mask` ((count, start + count) bool, or None for a single token)."""
+
+    row: int
+    count: int
+    cache: KVCache
+    start: int
+    mask: torch.Tensor | None
+
+    def store(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys/values (Hkv, count, hd) to their slots; return the keys and
+        values they attend to: slots [0, start + count) (views of the cache)."""
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # (Hkv, slots, hd)
+        end = self.start + self.count
+        k_cache[:, self.start : end] = k
+        v_cache[:, self.start : end] = v
+        return k_cache[:, :end], v_cache[:, :end]
+
+
+@dataclass
+class FixedSlots:
+    """A compiled pass's one sequence (speculative/compiled.py): shapes that do not depend on
+    where the sequence stands. New entries go to the slots `write` names, and every new
+    token attends over every allocated slot under `mask` ((count, slots) bool), so a
+    compiled graph serves any cache length of one allocation."""
+
+    count: int
+    k: torch.Tensor  # (layers, Hkv, slots, hd): the cache's whole allocation
+    v: torch.Tensor
+    write: torch.Tensor  # (count,) slot of each new token
+    mask: torch.Tensor  # (count, slots) bool
+    row: int = 0
+
+    def store(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        k_cache, v_cache = self.k[layer], self.v[layer]  # (Hkv, slots, hd)
+        k_cache.index_copy_(1, self.write, k)
+        v_cache.index_copy_(1, self.write, v)
+        return k_cache, v_cache
+
+
+class Slots(Protocol):
+    """What the layers need of a sequence in a pass: its rows, its mask, and where its new
+    keys and values go (`SequenceSlots` eager, `FixedSlots` compiled)."""
+
+    row: int
+    count: int
+
+    @property
+    def mask(self) -> torch.Tensor | None: ...
+
+    def store(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def full_mask(
+    mask: torch.Tensor | None, start: int, t: int, device: torch.device
+) -> torch.Tensor | None:
+    """The (T, start + T) boolean attention mask the layers use, or None when no masking is
+    needed (a single new token sees everything)."""
+    if mask is None:
+        if t == 1:
+            return None
+        rows = torch.arange(t, device=device)[:, None] + start
+        return torch.arange(start + t, device=device)[None, :] <= rows
+    mask = mask.to(device=device, dtype=torch.bool)
+    if mask.shape == (t, t) and start:
+        # Written into one (T, start + T) tensor: a cat would hold a (T, start) prefix too.
+        full = torch.ones(t, start + t, dtype=torch.bool, device=device)
+        full[:, start:] = mask
+        return full
+    if mask.shape != (t, start + t):
+        raise ValueError(
+            f"attention mask has shape {tuple(mask.shape)}; expected ({t}, {t}) or ({t}, {start + t})"
+        )
+    return mask
+
+
+def attend_sequence(
+    seq: Slots,
+    layer: int,
+    q: torch.Tensor,  # (H, count, hd) this sequence's queries
+    k: torch.Tensor,  # (Hkv, count, hd) its new keys, RoPE applied
+    v: torch.Tensor,
+) -> torch.Tensor:
+    """Write one sequence's new keys and values to its cache and attend to the cache under
+    its own mask: (H, count, hd)."""
+    keys, values = seq.store(layer, k, v)
+    return attend(q, keys, values, seq.mask)
+
+
+# The most bytes one chunk of queries may hold in attention working memory. Masked passes
+# (prefill chunks, tree verification) would otherwise hold (heads, queries, keys) fp32 scores
+# per layer: a 2,048-token chunk at context 8,192 is ~4 GB. 128 MiB still holds one query
+# row of a 64-head model at 128k context (64 MiB of scores), is ~0.5% of a 24 GB card, and
+# one chunk's work (~16M scores, billions of flops on a real model) dwarfs the few kernel
+# launches a chunk adds. The plan reserves exactly this working set (daemon/memory_plan.py).
+ATTENTION_CHUNK_BYTES = 128 * 2**20
+# Bytes per (head, query, key) at a chunk's peak: the fp32 scores and their fp32 softmax
+# live together; the model-dtype matmul output before them and the cast weights after
+# them are never alive with both (see `_attend_chunk`).
+SCORE_BYTES = 8
+
+
+def attention_row_bytes(heads: int, keys: int) -> int:
+    """Working bytes one query row adds to a chunk: its scores over every key for every
+    head (SCORE_BYTES each) and its row of the inverted boolean mask."""
+    return keys * (heads * SCORE_BYTES + 1)
+
+
+def query_chunk(heads: int, keys: int) -> int:
+    """Queries per chunk so that one chunk's working set stays under ATTENTION_CHUNK_BYTES;
+    at least 1 (a single row over a huge context is the irreducible minimum)."""
+    return max(1, ATTENTION_CHUNK_BYTES // attention_row_bytes(heads, keys))
+
+
+def attend(
+    q: torch.Tensor,  # (H, T, hd)
+    k: torch.Tensor,  # (Hkv, S, hd), a strided view of the cache
+    v: torch.Tensor,  # (Hkv, S, hd)
+    mask: torch.Tensor | None,  # (T, S) bool, True = may attend; None = see everything
+) -> torch.Tensor:
+    """Grouped-query attention, softmax in fp32, over chunks of queries so that no pass holds
+    more than ATTENTION_CHUNK_BYTES of scores. Decoding and verification passes fit in one
+    chunk and take the direct path. Each kv head's query group is folded into one matmul:
+    on CPU, SDPA's `enable_gqa` path costs milliseconds per call (it copies the strided cache
+    views), and with a boolean mask it falls back to the math kernel, which materialises the
+    whole (heads, T, S) score matrix, so SDPA would be neither faster nor bounded here."""
+    heads, t = q.shape[0], q.shape[1]
+    chunk = query_chunk(heads, k.shape[1])
+    if t <= chunk:
+        return _attend_chunk(q, k, v, mask)
+    out = torch.empty_like(q)  # (H, T, hd)
+    for t0 in range(0, t, chunk):
+        t1 = min(t0 + chunk, t)
+        rows = None if mask is None else mask[t0:t1]  # (c, S)
+        out[:, t0:t1] = _attend_chunk(q[:, t0:t1], k, v, rows)
+    return out
+
+
+def _attend_chunk(
+    q: torch.Tensor,  # (H, c, hd)
+    k: torch.Tensor,  # (Hkv, S, hd)
+    v: torch.Tensor,  # (Hkv, S, hd)
+    mask: torch.Tensor | None,  # (c, S) bool
+) -> torch.Tensor:
+    heads, t, hd = q.shape
+    kv_heads, s = k.shape[0], k.shape[1]
+    group = heads // kv_heads
+    # Query heads h = kv * group + g share kv head `kv` (transformers' repeat_kv order). A
+    # slice of a longer pass is not contiguous across heads: reshape copies it (c rows only).
+    qg = q.reshape(kv_heads, group * t, hd)  # (Hkv, g*c, hd)
+    scores = torch.matmul(qg, k.transpose(1, 2)).float()  # (Hkv, g*c, S) fp32
+    scores.mul_(hd**-0.5)  # in place: the same values as `* scale`, no second fp32 copy
+    if mask is not None:
+        scores.view(kv_heads, group, t, s).masked_fill_(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)  # (Hkv, g*c, S) fp32
+    # Free the scores before casting: the peak stays at two fp32 copies (SCORE_BYTES).
+    del scores
+    return torch.matmul(weights.to(v.dtype), v).view(heads, t, hd)  # (H, c, hd)
