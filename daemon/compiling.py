@@ -80,6 +80,15 @@ def compile_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("specd")) / "compile"
 
 
+# Warm-up threads that have not finished (`still_compiling`).
+_WARMING: set[threading.Thread] = set()
+
+
+def still_compiling() -> bool:
+    """Whether a warm-up thread is still compiling (a daemon stopping then exits at once)."""
+    return any(thread.is_alive() for thread in _WARMING)
+
+
 class CompiledModels:
     """The runtime's models and their compiled passes."""
 
@@ -137,11 +146,15 @@ class CompiledModels:
         self._thread = threading.Thread(
             target=self._warm_quietly, name="specd-compile", daemon=True
         )
+        _WARMING.add(self._thread)
         self._thread.start()
 
     def _warm_quietly(self) -> None:
-        with torch.inference_mode():
-            self.warm(lambda line: log.info("compiling: %s", line))
+        try:
+            with torch.inference_mode():
+                self.warm(lambda line: log.info("compiling: %s", line))
+        finally:
+            _WARMING.discard(threading.current_thread())
 
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:

@@ -7,6 +7,8 @@ once tests/test_compiled.py has compiled them, so these tests load rather than c
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -22,6 +24,8 @@ from daemon.settings_loading import load_settings
 from speculative.checkpoint import load
 from speculative.config import ModelConfig
 from speculative.model import Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _config(hidden: int, intermediate: int) -> ModelConfig:
@@ -158,3 +162,28 @@ def _post(url: str, body: dict) -> dict:
     )
     with urllib.request.urlopen(request, timeout=120) as response:
         return json.loads(response.read())
+
+
+def test_a_daemon_stopping_while_compiling_exits_at_once(tmp_path: Path) -> None:
+    """The interpreter's teardown would abort a process whose compiler threads are still
+    running (seen as "terminate called without an active exception" on `specd stop`
+    during a warm-up); the daemon leaves without it, with its status and logs flushed."""
+    script = tmp_path / "stop.py"
+    script.write_text(
+        "import logging, sys, threading\n"
+        "import daemon.compiling as compiling\n"
+        "from daemon.cli.serve import exit_now_if_compiling\n"
+        "logging.basicConfig(level='INFO', stream=sys.stderr)\n"
+        "exit_now_if_compiling(5)  # nothing compiling: returns\n"
+        "release = threading.Event()\n"
+        "thread = threading.Thread(target=release.wait, daemon=True)\n"
+        "compiling._WARMING.add(thread)\n"
+        "thread.start()\n"
+        "exit_now_if_compiling(3)\n"
+        "sys.exit(7)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 3, done.stderr
+    assert "stopped while compiling" in done.stderr

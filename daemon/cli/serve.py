@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     settings.runtime_options()  # fail now, in one line, if no model is configured
     read_api_key(settings.server.api_key_file)
     setup_logging(settings.logging.level)
-    return asyncio.run(serve(settings))
+    status = asyncio.run(serve(settings))
+    exit_now_if_compiling(status)
+    return status
+
+
+def exit_now_if_compiling(status: int) -> None:
+    """Everything is closed; a compile still running on its thread would be torn down by the
+    interpreter's exit mid-way, which aborts the process (the compiler's native threads):
+    leave without that teardown, the logs flushed."""
+    from daemon.compiling import still_compiling
+
+    if still_compiling():
+        logging.getLogger("specd.compile").info("stopped while compiling: the compile is dropped")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
