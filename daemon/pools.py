@@ -26,6 +26,8 @@ class StrategyPool:
 
     def get(self, runtime: Runtime, name: str | None, budget: int | None) -> Strategy:
         name = name or runtime.default_strategy
+        if name != "tree":
+            budget = None  # only the tree reads a budget: one strategy serves every request
         if budget is None:
             if name not in self._configured:
                 self._configured[name] = runtime.strategy(name)

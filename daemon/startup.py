@@ -24,7 +24,11 @@ def collector_paused() -> Iterator[None]:
     gc.disable()
     try:
         yield
-    finally:
-        gc.freeze()
+    except BaseException:
+        # A failed start-up's traceback (a partly loaded model in its frames) is not frozen.
         if enabled:
             gc.enable()
+        raise
+    gc.freeze()
+    if enabled:
+        gc.enable()

@@ -404,12 +404,18 @@ def load(
 ) -> tuple[Transformer, Tokenizer, Checkpoint]:
     """Everything needed to generate from one model reference (see `load_model` for `skip`,
     `open_checkpoint` for `quantize`). A Checkpoint already opened (to plan) is used as it
-    is, `quantize` included: resolving a hub id again costs the hub's round trips."""
+    is, quantization included (its `quantize` was given to open_checkpoint; giving one here
+    too is an error): resolving a hub id again costs the hub's round trips."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
-    ckpt = ref if isinstance(ref, Checkpoint) else open_checkpoint(ref, quantize)
+    if isinstance(ref, Checkpoint):
+        if quantize is not None:  # it was read when the checkpoint was opened
+            raise ValueError("quantize goes to open_checkpoint, not to load(Checkpoint)")
+        ckpt = ref
+    else:
+        ckpt = open_checkpoint(ref, quantize)
     tokenizer = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
     model = load_model(ckpt, dtype=dtype, device=device, skip=skip)
     return model, tokenizer, ckpt

@@ -144,9 +144,8 @@ class Tokenizer:
             try:
                 self._template = compile_template(self.chat_template or FALLBACK_CHAT_TEMPLATE)
             except TemplateError as exc:
-                raise ChatTemplateError(
-                    f"the checkpoint's chat template does not compile: {exc}"
-                ) from exc
+                whose = "the checkpoint's chat template" if self.chat_template else "specd's own"
+                raise ChatTemplateError(f"{whose} does not compile: {exc}") from exc
         return self._template
 
     def render_chat(

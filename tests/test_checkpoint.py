@@ -367,3 +367,13 @@ def test_pull_says_what_is_wrong_offline_and_without_a_network(
     from speculative.checkpoint import CONFIG_FILES
 
     assert pull_cmd.CONFIG_FILES == CONFIG_FILES  # restated: pull imports no torch
+
+
+def test_load_refuses_a_quantize_for_an_opened_checkpoint(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    from speculative.checkpoint import load, open_checkpoint
+
+    opened = open_checkpoint(tiny_checkpoint())
+    with pytest.raises(ValueError, match="open_checkpoint"):
+        load(opened, "fp32", quantize="int8")
+    packed = open_checkpoint(tiny_checkpoint(), "int8")
+    assert packed.config.quantization is not None

@@ -183,3 +183,18 @@ def test_start_up_runs_without_the_collector_and_freezes_what_it_made() -> None:
     finally:
         gc.unfreeze()
         gc.enable()
+
+
+def test_a_failed_start_up_freezes_nothing_and_turns_the_collector_back_on() -> None:
+    import gc
+
+    from daemon.startup import collector_paused
+
+    gc.unfreeze()
+    try:
+        with pytest.raises(RuntimeError, match="no model"), collector_paused():
+            raise RuntimeError("no model")
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()
+        gc.enable()

@@ -32,3 +32,16 @@ def test_per_request_budgets_are_bounded_and_reused(
     assert engine._strategy(None, None) is default  # the configured strategy stays
     caches = {id(s.prefix_cache) for s in [*held, first]}  # type: ignore[attr-defined]
     assert caches == {id(runtime.prefix_cache)}
+
+
+def test_a_budget_on_a_strategy_without_trees_reuses_the_configured_one(
+    stories_target: Path, stories_draft: Path
+) -> None:
+    runtime = Runtime(
+        RuntimeOptions(model=str(stories_target), draft=str(stories_draft), device="cpu")
+    )
+    engine = Engine(runtime.options, EngineLimits(), Metrics(), runtime_factory=lambda _: runtime)
+    engine.runtime = runtime
+    linear = engine._strategy("linear", None)
+    assert engine._strategy("linear", 7) is linear and engine._strategy("linear", 9) is linear
+    assert len(engine._strategies.held()) == 1

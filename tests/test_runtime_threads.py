@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from daemon.cli import main
-from daemon.runtime import SMALL_LAYER_PARAMETERS, Runtime, RuntimeOptions, cpu_threads
+from daemon.compiling import SMALL_LAYER_PARAMETERS
+from daemon.runtime import Runtime, RuntimeOptions, cpu_threads
 
 
 def test_auto_threads_follow_the_layer_size():
