@@ -93,27 +93,3 @@ def fused_parts(model: nn.Module) -> dict[str, tuple[str, int, int]]:
                 out[stored] = (f"{name}.{attr}", row, row + rows)
                 row += rows
     return out
-
-
-@torch.no_grad()
-def fuse_dense(owner: nn.Module, fused: str) -> None:
-    """Replace `owner`'s dense projections named by FUSED_PROJECTIONS[fused] with one
-    FusedLinear holding their stacked weights; nothing when `owner` has no such dense parts."""
-    names = FUSED_PROJECTIONS[fused]
-    parts = [getattr(owner, name, None) for name in names]
-    linears = [p for p in parts if isinstance(p, nn.Linear) and not isinstance(p, FusedLinear)]
-    if len(linears) != len(names):
-        return
-    bias = linears[0].bias is not None
-    with torch.device("meta"):  # no throwaway weight: it is set just below
-        module = FusedLinear(
-            linears[0].in_features,
-            [(n, p.out_features) for n, p in zip(names, linears, strict=True)],
-            bias,
-        )
-    module.weight = nn.Parameter(torch.cat([p.weight for p in linears]), requires_grad=False)
-    if bias:
-        module.bias = nn.Parameter(torch.cat([p.bias for p in linears]), requires_grad=False)
-    setattr(owner, fused, module)
-    for name in names:
-        setattr(owner, name, None)
