@@ -124,6 +124,7 @@ class Engine:
         self._active: deque[_Active] = deque()
         self._idle = SessionPool(limits.cached_sessions)
         self._strategies = StrategyPool()
+        self._compiled_seen = 0  # compiled models ready when the strategies were built
         self._stopping = threading.Event()
         self.loaded = threading.Event()  # set once loading finished, successfully or not
         self._wake = threading.Condition()
@@ -259,6 +260,12 @@ class Engine:
 
     def _strategy(self, name: str | None, budget: int | None) -> Strategy:
         assert self.runtime is not None
+        compiled = self.runtime.compiled
+        if compiled is not None and compiled.ready_count != self._compiled_seen:
+            # A model's passes now run compiled: the costs `auto` measured before (eager,
+            # and slowed by the compiler's own work meanwhile) no longer hold.
+            self._compiled_seen = compiled.ready_count
+            self._strategies.clear()
         return self._strategies.get(self.runtime, name, budget)
 
     def _step(self) -> None:

@@ -42,6 +42,12 @@ class StrategyPool:
         self._budgeted.move_to_end(key)
         return strategy
 
+    def clear(self) -> None:
+        """Forget every strategy (and what each learned): the next requests build new ones.
+        Active jobs keep theirs."""
+        self._configured.clear()
+        self._budgeted.clear()
+
     def held(self) -> list[Strategy]:
         return [*self._configured.values(), *self._budgeted.values()]
 

@@ -179,6 +179,7 @@ class Runtime:
         self.checkpoint: Checkpoint = ckpt
 
         self.draft: Transformer | None = None
+        self.draft_checkpoint: Checkpoint | None = None
         self.draft_kind: str | None = None  # "model", "ngram" or None
         if options.draft == NGRAM:
             self.draft_kind = NGRAM
@@ -190,6 +191,7 @@ class Runtime:
             )
             draft.set_vocab_width(target.vocab_width)  # no-op when the sizes are equal
             self.draft, self.draft_kind = draft, "model"
+            self.draft_checkpoint = draft_ckpt
 
         default = "tree" if self.draft_kind else "autoregressive"
         self.default_strategy = options.strategy or default
@@ -200,9 +202,11 @@ class Runtime:
         """Decide which models run compiled passes (`options.compile`); the caller warms
         them (`warm()` in the foreground, `warm_in_background()` for the daemon)."""
         models = {"target": self.target}
-        if self.draft is not None:
+        folders = {"target": self.checkpoint.path}
+        if self.draft is not None and self.draft_checkpoint is not None:
             models["draft"] = self.draft
-        self.compiled = CompiledModels(self.options.compile, models, serving)
+            folders["draft"] = self.draft_checkpoint.path
+        self.compiled = CompiledModels(self.options.compile, models, serving, folders=folders)
         return self.compiled
 
     def check_strategy(self, name: str) -> None:

@@ -187,3 +187,19 @@ def test_a_daemon_stopping_while_compiling_exits_at_once(tmp_path: Path) -> None
     )
     assert done.returncode == 3, done.stderr
     assert "stopped while compiling" in done.stderr
+
+
+def test_precompiling_in_a_child_fills_the_cache_the_daemon_loads(stories_draft: Path) -> None:
+    """The daemon's background warm-up first compiles in a child process (waiting for it
+    holds no interpreter lock that requests need); the child loads the checkpoint as the
+    daemon did and compiles into the inherited cache (here the one test_compiled.py filled
+    with this model's graphs, so it loads them)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "daemon.compiling", str(stories_draft), "--vocab-width", "512"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("compiled ") and "stories260k-draft" in done.stdout
