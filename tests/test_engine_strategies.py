@@ -45,3 +45,22 @@ def test_a_budget_on_a_strategy_without_trees_reuses_the_configured_one(
     linear = engine._strategy("linear", None)
     assert engine._strategy("linear", 7) is linear and engine._strategy("linear", 9) is linear
     assert len(engine._strategies.held()) == 1
+
+
+def test_strategies_are_rebuilt_when_compiled_passes_become_ready(
+    stories_target: Path, stories_draft: Path
+) -> None:
+    """What `auto` measured before a model's compiled passes were attached (eager passes,
+    slowed by the compiler working beside them) is forgotten: new requests get new
+    strategies; active ones keep theirs."""
+    runtime = Runtime(
+        RuntimeOptions(model=str(stories_target), draft=str(stories_draft), device="cpu")
+    )
+    engine = Engine(runtime.options, EngineLimits(), Metrics(), runtime_factory=lambda _: runtime)
+    engine.runtime = runtime
+    compiled = runtime.compile(serving=True)  # "off" for a runtime built directly
+    before = engine._strategy("tree", None)
+    assert engine._strategy("tree", None) is before
+    compiled.ready_count += 1  # what CompiledModels.warm does when a model is ready
+    after = engine._strategy("tree", None)
+    assert after is not before and engine._strategy("tree", None) is after
