@@ -12,14 +12,19 @@ from daemon.pools import REQUEST_BUDGET_STRATEGIES
 from daemon.runtime import Runtime, RuntimeOptions
 
 
+def _engine(target: Path, draft: Path) -> tuple[Runtime, Engine]:
+    """A fresh runtime and an engine over it whose worker thread is not started: tests
+    call its methods directly."""
+    runtime = Runtime(RuntimeOptions(model=str(target), draft=str(draft), device="cpu"))
+    engine = Engine(runtime.options, EngineLimits(), Metrics(), runtime_factory=lambda _: runtime)
+    engine.runtime = runtime
+    return runtime, engine
+
+
 def test_per_request_budgets_are_bounded_and_reused(
     stories_target: Path, stories_draft: Path
 ) -> None:
-    runtime = Runtime(
-        RuntimeOptions(model=str(stories_target), draft=str(stories_draft), device="cpu")
-    )
-    engine = Engine(runtime.options, EngineLimits(), Metrics(), runtime_factory=lambda _: runtime)
-    engine.runtime = runtime  # the worker thread is not started: call it directly
+    runtime, engine = _engine(stories_target, stories_draft)
     default = engine._strategy(None, None)
     first = engine._strategy("tree", 3)
     assert engine._strategy("tree", 3) is first  # built once, then reused
@@ -37,11 +42,7 @@ def test_per_request_budgets_are_bounded_and_reused(
 def test_a_budget_on_a_strategy_without_trees_reuses_the_configured_one(
     stories_target: Path, stories_draft: Path
 ) -> None:
-    runtime = Runtime(
-        RuntimeOptions(model=str(stories_target), draft=str(stories_draft), device="cpu")
-    )
-    engine = Engine(runtime.options, EngineLimits(), Metrics(), runtime_factory=lambda _: runtime)
-    engine.runtime = runtime
+    _, engine = _engine(stories_target, stories_draft)
     linear = engine._strategy("linear", None)
     assert engine._strategy("linear", 7) is linear and engine._strategy("linear", 9) is linear
     assert len(engine._strategies.held()) == 1
@@ -53,11 +54,7 @@ def test_strategies_are_rebuilt_when_compiled_passes_become_ready(
     """What `auto` measured before a model's compiled passes were attached (eager passes,
     slowed by the compiler working beside them) is forgotten: new requests get new
     strategies; active ones keep theirs."""
-    runtime = Runtime(
-        RuntimeOptions(model=str(stories_target), draft=str(stories_draft), device="cpu")
-    )
-    engine = Engine(runtime.options, EngineLimits(), Metrics(), runtime_factory=lambda _: runtime)
-    engine.runtime = runtime
+    runtime, engine = _engine(stories_target, stories_draft)
     compiled = runtime.compile(serving=True)  # "off" for a runtime built directly
     before = engine._strategy("tree", None)
     assert engine._strategy("tree", None) is before
