@@ -87,9 +87,19 @@ def compile_cache_dir() -> Path:
 _WARMING: set[threading.Thread] = set()
 
 
+# Precompiling child processes running now (`stop_compiling`).
+_CHILDREN: set[subprocess.Popen[str]] = set()
+
+
 def still_compiling() -> bool:
     """Whether a warm-up thread is still compiling (a daemon stopping then exits at once)."""
     return any(thread.is_alive() for thread in _WARMING)
+
+
+def stop_compiling() -> None:
+    """End the precompiling children: a daemon that exits leaves no compiler behind."""
+    for child in list(_CHILDREN):
+        child.kill()
 
 
 class CompiledModels:
@@ -163,12 +173,22 @@ class CompiledModels:
         command = [sys.executable, "-m", "daemon.compiling", str(self.folders[role])]
         command += ["--dtype", dtype, "--vocab-width", str(model.vocab_width)]
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-        except (OSError, subprocess.TimeoutExpired) as exc:
+            child = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        except OSError as exc:
             log.info("precompiling the %s in a child process failed: %s", role, exc)
             return
-        if done.returncode != 0:
-            tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        _CHILDREN.add(child)
+        try:
+            _, err = child.communicate(timeout=3600)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            _, err = child.communicate()
+        finally:
+            _CHILDREN.discard(child)
+        if child.returncode != 0:
+            tail = err.strip().splitlines()[-1:] or [f"exit status {child.returncode}"]
             log.info("precompiling the %s in a child process failed: %s", role, tail[0])
 
     def warm_in_background(self) -> None:

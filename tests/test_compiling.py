@@ -12,6 +12,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 from torch._dynamo.utils import counters
 
@@ -179,6 +180,10 @@ def test_a_daemon_stopping_while_compiling_exits_at_once(tmp_path: Path) -> None
         "thread = threading.Thread(target=release.wait, daemon=True)\n"
         "compiling._WARMING.add(thread)\n"
         "thread.start()\n"
+        "import subprocess\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "compiling._CHILDREN.add(child)  # a precompiling child\n"
+        "print(child.pid, flush=True)\n"
         "exit_now_if_compiling(3)\n"
         "sys.exit(7)\n"
     )
@@ -187,6 +192,8 @@ def test_a_daemon_stopping_while_compiling_exits_at_once(tmp_path: Path) -> None
     )
     assert done.returncode == 3, done.stderr
     assert "stopped while compiling" in done.stderr
+    child = int(done.stdout.split()[0])  # killed, not left compiling (at most a zombie)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
 
 
 def test_precompiling_in_a_child_fills_the_cache_the_daemon_loads(stories_draft: Path) -> None:

@@ -142,10 +142,11 @@ def exit_now_if_compiling(status: int) -> None:
     """Everything is closed; a compile still running on its thread would be torn down by the
     interpreter's exit mid-way, which aborts the process (the compiler's native threads):
     leave without that teardown, the logs flushed."""
-    from daemon.compiling import still_compiling
+    from daemon.compiling import still_compiling, stop_compiling
 
     if still_compiling():
         logging.getLogger("specd.compile").info("stopped while compiling: the compile is dropped")
+        stop_compiling()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
