@@ -86,9 +86,7 @@ def pick_device(device: str) -> torch.device:
 
 def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_ref: str) -> None:
     """Speculation compares token ids, so both models must mean the same thing by each id."""
-    if target.backend.get_vocab(with_added_tokens=True) != draft.backend.get_vocab(
-        with_added_tokens=True
-    ):
+    if target.vocabulary != draft.vocabulary:
         raise RuntimeSetupError(
             f"draft {draft_ref!r} uses a different tokenizer/vocabulary than the target: "
             "speculation needs both models to share one vocabulary (pick a draft from the "
