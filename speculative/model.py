@@ -28,12 +28,7 @@ from speculative.attention import SequenceSlots, Slots, attend_sequence, full_ma
 from speculative.config import ModelConfig, RopeConfig
 from speculative.kv_cache import KVCache
 from speculative.packed import PackedLinear, RebuildScratch
-from speculative.projections import (
-    FUSED_PROJECTIONS,
-    FusedLinear,
-    linear,
-    projection,
-)
+from speculative.projections import FusedLinear, dequantize_projections, linear, projection
 
 if TYPE_CHECKING:
     from speculative.compiled import CompiledPasses
@@ -309,47 +304,7 @@ class Transformer(nn.Module):
         if not isinstance(self.layers, nn.ModuleList):
             raise ValueError("dequantize_layers needs the model's own layers, not a streamer")
         for owner in list(self.layers.modules()):
-            for fused, names in FUSED_PROJECTIONS.items():
-                parts = [getattr(owner, name, None) for name in names]
-                packed = [p for p in parts if isinstance(p, PackedLinear)]
-                if len(packed) == len(names):
-                    self._rebuild_stacked(owner, fused, names, packed)
-            for name, child in list(owner.named_children()):
-                if isinstance(child, PackedLinear):
-                    setattr(owner, name, self._rebuilt(child))
-
-    def _rebuilt(self, packed: PackedLinear) -> nn.Linear:
-        with torch.device("meta"):  # no throwaway weight: it is set just below
-            dense = nn.Linear(packed.in_features, packed.out_features, bias=False)
-        # A copy: the rebuilt weight lives in the shared scratch.
-        weight = packed.dequantize(self.dtype).clone()
-        dense.weight = nn.Parameter(weight, requires_grad=False)
-        dense.bias = packed.bias  # type: ignore[assignment]  # None or the packed one's
-        return dense
-
-    def _rebuild_stacked(
-        self, owner: nn.Module, fused: str, names: Sequence[str], parts: list[PackedLinear]
-    ) -> None:
-        bias = parts[0].bias is not None
-        with torch.device("meta"):  # no throwaway weight: it is set just below
-            module = FusedLinear(
-                parts[0].in_features,
-                [(n, p.out_features) for n, p in zip(names, parts, strict=True)],
-                bias,
-            )
-        rows = sum(p.out_features for p in parts)
-        weight = torch.empty(rows, parts[0].in_features, dtype=self.dtype, device=self.device)
-        row = 0
-        for part in parts:
-            weight[row : row + part.out_features].copy_(part.dequantize(self.dtype))
-            row += part.out_features
-        module.weight = nn.Parameter(weight, requires_grad=False)
-        if bias:
-            stacked = torch.cat([p.bias for p in parts])  # type: ignore[misc]
-            module.bias = nn.Parameter(stacked, requires_grad=False)
-        setattr(owner, fused, module)
-        for name in names:
-            setattr(owner, name, None)
+            dequantize_projections(owner, self.dtype)
 
     def prefetch(self) -> None:
         """Hint that a target pass is coming: a streaming layer list starts copying its first

@@ -93,3 +93,53 @@ def fused_parts(model: nn.Module) -> dict[str, tuple[str, int, int]]:
                 out[stored] = (f"{name}.{attr}", row, row + rows)
                 row += rows
     return out
+
+
+@torch.no_grad()
+def dequantize_projections(owner: nn.Module, dtype: torch.dtype) -> None:
+    """Replace `owner`'s packed projections by plain ones holding their rebuilt weights in
+    `dtype`, q/k/v and gate/up stacked as a dense checkpoint's are (`FusedLinear`): each
+    part is rebuilt straight into its rows, so the peak is what is dense so far plus the
+    shared rebuild scratch, never a part twice."""
+    for fused, names in FUSED_PROJECTIONS.items():
+        parts = [getattr(owner, name, None) for name in names]
+        packed = [p for p in parts if isinstance(p, PackedLinear)]
+        if len(packed) == len(names):
+            setattr(owner, fused, _rebuilt_stacked(names, packed, dtype))
+            for name in names:
+                setattr(owner, name, None)
+    for name, child in list(owner.named_children()):
+        if isinstance(child, PackedLinear):
+            setattr(owner, name, _rebuilt(child, dtype))
+
+
+def _rebuilt(packed: PackedLinear, dtype: torch.dtype) -> nn.Linear:
+    with torch.device("meta"):  # no throwaway weight: it is set just below
+        dense = nn.Linear(packed.in_features, packed.out_features, bias=False)
+    # A copy: the rebuilt weight lives in the shared scratch.
+    dense.weight = nn.Parameter(packed.dequantize(dtype).clone(), requires_grad=False)
+    dense.bias = packed.bias  # type: ignore[assignment]  # None or the packed one's
+    return dense
+
+
+def _rebuilt_stacked(
+    names: Sequence[str], parts: list[PackedLinear], dtype: torch.dtype
+) -> FusedLinear:
+    bias = parts[0].bias is not None
+    with torch.device("meta"):  # no throwaway weight: it is set just below
+        module = FusedLinear(
+            parts[0].in_features,
+            [(n, p.out_features) for n, p in zip(names, parts, strict=True)],
+            bias,
+        )
+    device = next(parts[0].buffers()).device
+    weight = torch.empty(module.out_features, module.in_features, dtype=dtype, device=device)
+    row = 0
+    for part in parts:
+        weight[row : row + part.out_features].copy_(part.dequantize(dtype))
+        row += part.out_features
+    module.weight = nn.Parameter(weight, requires_grad=False)
+    if bias:
+        stacked = torch.cat([p.bias for p in parts])  # type: ignore[misc]
+        module.bias = nn.Parameter(stacked, requires_grad=False)
+    return module
