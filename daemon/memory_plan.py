@@ -14,6 +14,7 @@ from torch import nn
 
 from offload.activations import ActivationFootprint
 from offload.layout import FlatLayout
+from offload.machine import gemm_copies_output
 from offload.plan import Budget, MemoryPlan, ModelFootprint, PlanRequest, module_bytes
 from offload.planning import PlanError, largest_fitting, make_plan, plan_auto_context
 from speculative.attention import ATTENTION_CHUNK_BYTES, attention_row_bytes
@@ -35,11 +36,16 @@ if TYPE_CHECKING:  # daemon.runtime imports this module
 
 
 def footprint(
-    config: ModelConfig, dtype: torch.dtype, name: str, vocab_width: int | None = None
+    config: ModelConfig,
+    dtype: torch.dtype,
+    name: str,
+    vocab_width: int | None = None,
+    device_type: str = "cuda",
 ) -> ModelFootprint:
     """Sizes of one model in `dtype`, from a meta-device instance (no memory, no weights).
     `vocab_width`: the width its logits are given (a draft speaks its target's, see
-    `Transformer.set_vocab_width`); None: its own vocabulary."""
+    `Transformer.set_vocab_width`); None: its own vocabulary. `device_type`: where it
+    computes (a CPU's matrix products may hold more, `gemm_copies_output`)."""
     with torch.device("meta"):
         model = Transformer(config).to(dtype)
     # A freshly built Transformer holds its own blocks: a ModuleList, never a streamer.
@@ -61,7 +67,9 @@ def footprint(
         layer_bytes=layer,
         num_layers=config.num_layers,
         kv_bytes_per_token=KVCache.bytes_for(config, 1, dtype),
-        activations=activation_footprint(config, dtype, vocab_width),
+        activations=activation_footprint(
+            config, dtype, vocab_width, gemm_copies_output(dtype, device_type)
+        ),
         quantization=config.quantization.label if config.quantization is not None else "",
         dense_layer_bytes=dense_layer,
         dequant_bytes=max((m.rebuild_bytes(dtype) for m in packed), default=0),
@@ -69,10 +77,15 @@ def footprint(
 
 
 def activation_footprint(
-    config: ModelConfig, dtype: torch.dtype, vocab_width: int | None = None
+    config: ModelConfig,
+    dtype: torch.dtype,
+    vocab_width: int | None = None,
+    gemm_output_copy: bool = False,
 ) -> ActivationFootprint:
     """What a pass of speculative.model allocates, traced through its code. Per token, in
-    bytes; `x` is a layer's input (held by the caller while the layer runs), `h` its norm."""
+    bytes; `x` is a layer's input (held by the caller while the layer runs), `h` its norm.
+    `gemm_output_copy`: each matrix product holds an fp32 copy of its output while it runs
+    (offload.machine.gemm_copies_output: bf16 on a CPU without bf16 instructions)."""
     item = torch.empty((), dtype=dtype).element_size()
     d, f, hd = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.num_heads * hd, config.num_kv_heads * hd
@@ -83,6 +96,7 @@ def activation_footprint(
     rows = config.vocab_size
     width = vocab_width or rows
     fp32_logits = 4 * width if width > rows or item != 4 else 0
+    copy = 4 if gemm_output_copy else 0  # a product's own fp32 output buffer, per column
 
     def norm(n: int) -> int:
         # RMSNorm's peak: the fp32 input and x²; then the normalised fp32, its cast and
@@ -104,6 +118,13 @@ def activation_footprint(
         item * (3 * d + 3 * f),
         4 * item * d,  # the last residual add
     ]
+    if copy:  # each product while it runs: its inputs, its output and the fp32 buffer
+        phases += [
+            item * (2 * d + q + 2 * kv) + copy * (q + 2 * kv),  # q/k/v
+            item * (2 * d + q) + copy * d,  # o_proj: x, the attention output's copy
+            item * (3 * d + 2 * f) + copy * 2 * f,  # gate/up: x, residual, h
+            item * (4 * d + 3 * f) + copy * d,  # down: the MLP phase's tensors and its output
+        ]
     if config.qk_norm:
         phases += [
             item * (2 * d + q + 2 * kv) + norm(q),  # q norm (beside the q/k/v output)
@@ -122,7 +143,7 @@ def activation_footprint(
         chunk_bytes=ATTENTION_CHUNK_BYTES,
         hidden_bytes_per_token=item * d,
         # The head's output in the model dtype and its fp32 logits, after the final norm.
-        logit_bytes_per_row=max(norm(d), item * d + item * rows + fp32_logits),
+        logit_bytes_per_row=max(norm(d), item * d + item * rows + max(fp32_logits, copy * rows)),
         fp32_row_bytes=4 * width,
         draw_bytes_per_row=DRAW_BYTES_PER_ENTRY * width,
     )
@@ -196,9 +217,9 @@ def choose_plan(
     length = limit if context == "auto" else int(context)
     for i, (key, reason) in enumerate(candidates):
         last = i == len(candidates) - 1
-        target_fp = footprint(target, DTYPES[key], name)
+        target_fp = footprint(target, DTYPES[key], name, device_type=device_type)
         draft_fp = (
-            footprint(draft, DTYPES[key], draft_name, vocab_width=target.vocab_size)
+            footprint(draft, DTYPES[key], draft_name, target.vocab_size, device_type)
             if draft
             else None
         )

@@ -3,7 +3,9 @@ host→device copy rate — or the values a user gives to plan for another machi
 
 from __future__ import annotations
 
+import functools
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -39,6 +41,31 @@ def measure_bandwidth(device: torch.device | str, size: int = 256 * 2**20) -> tu
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return size / best, "measured: RAM copy (CPU device)"
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The host CPU's feature flags (Linux's /proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def gemm_copies_output(dtype: torch.dtype, device_type: str) -> bool:
+    """Whether a matrix product in `dtype` on `device_type` holds an fp32 copy of its output
+    while it runs, beside the output itself. On a CPU without bf16 instructions (no
+    avx512_bf16 or amx_bf16) oneDNN computes a bf16 product through an fp32 output buffer
+    it allocates itself: measured at one fp32 output (M×N×4 bytes) for shapes from a
+    1,024-row prefill projection to a 256-row head over 128k rows, freed when the product
+    returns. Unknown flags (no /proc/cpuinfo) count as without."""
+    if device_type != "cpu" or dtype != torch.bfloat16:
+        return False
+    return not {"avx512_bf16", "amx_bf16"} & _cpu_flags()
 
 
 def detect_budget(

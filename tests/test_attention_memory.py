@@ -13,6 +13,7 @@ import torch
 
 import speculative.attention as attention_module
 from daemon.memory_plan import activation_footprint
+from offload.machine import gemm_copies_output
 from speculative.attention import ATTENTION_CHUNK_BYTES, attend, attention_row_bytes, query_chunk
 from speculative.config import ModelConfig
 from tests.peak_probe import needs_proc, run_child
@@ -185,7 +186,10 @@ def measure_pass(
     # identical passes is the closer measurement.
     run()
     measured = min(run(), run())
-    plan = replace(activation_footprint(model.config, model.dtype), chunk_bytes=chunk_bytes)
+    fp = activation_footprint(
+        model.config, model.dtype, gemm_output_copy=gemm_copies_output(model.dtype, "cpu")
+    )
+    plan = replace(fp, chunk_bytes=chunk_bytes)
     planned = plan.pass_bytes(t, t if is_tree else sequences, start + t)
     return {"shape": name, "dtype": dtype, "measured": measured, "planned": planned}
 
