@@ -8,8 +8,8 @@ after a restart) on a CPU with small layers (under SMALL_LAYER_PARAMETERS weight
 step is dispatch-bound: decode 1.8x faster on the stories pair). Not for a one-shot
 command (compiling takes longer than the generation), not for bigger layers on a CPU (a
 1B-shaped draft gained nothing: its step is arithmetic), and not yet on CUDA, where the
-compiled kernels are unmeasured and CUDA graphs are not built yet (speculative/compiled.py
-says what they need): `on` compiles there too.
+compiled kernels and their CUDA graphs (speculative/graphs.py) are unmeasured: `on`
+compiles and captures there.
 """
 
 from __future__ import annotations
@@ -47,9 +47,23 @@ class CompileState:
     state: str
     reason: str
     warm_seconds: float | None = None
+    passes: CompiledPasses | None = None  # once ready
 
-    def to_dict(self) -> dict[str, str | float | None]:
-        return {"state": self.state, "reason": self.reason, "warm_seconds": self.warm_seconds}
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "state": self.state,
+            "reason": self.reason,
+            "warm_seconds": self.warm_seconds,
+        }
+        graphs = self.passes.graphs if self.passes is not None else None
+        if graphs is not None:  # CUDA graphs: how many, and what capturing has cost
+            out["cuda_graphs"] = {
+                "kept": len(graphs),
+                "captured": graphs.captures,
+                "capture_seconds": round(graphs.capture_seconds, 3),
+                "replays": graphs.replays,
+            }
+        return out
 
 
 def decide(choice: str, model: Transformer, serving: bool) -> tuple[bool, str]:
@@ -64,7 +78,7 @@ def decide(choice: str, model: Transformer, serving: bool) -> tuple[bool, str]:
     if not serving:
         return False, "auto: a one-shot command (compiling takes longer than it saves)"
     if model.device.type == "cuda":
-        return False, "auto: not measured on a GPU yet (--compile on compiles the kernels)"
+        return False, "auto: not measured on a GPU yet (--compile on: kernels and CUDA graphs)"
     params = model.config.layer_parameter_count()
     if params >= SMALL_LAYER_PARAMETERS:
         return False, f"auto: {params:,} weights per layer are compute-bound on a CPU"
@@ -157,7 +171,7 @@ class CompiledModels:
                 log.warning("compiling the %s's passes failed; it runs eager: %s", role, exc)
                 continue
             model.compiled = passes  # from now on its passes run compiled
-            state.state = "ready"
+            state.state, state.passes = "ready", passes
             self.ready_count += 1
             log.info("the %s's passes are compiled (%.1f s)", role, state.warm_seconds)
 
@@ -217,7 +231,7 @@ class CompiledModels:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def to_dict(self) -> dict[str, dict[str, str | float | None]]:
+    def to_dict(self) -> dict[str, dict[str, object]]:
         return {role: state.to_dict() for role, state in self.states.items()}
 
 

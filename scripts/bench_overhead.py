@@ -21,7 +21,8 @@ Ratios, not absolute times, are the result: the machine is shared. Sections:
   the profiler's top table for each.
 - shaped: a random draft in a real model's shape (`--shaped llama-3.2-1b`: 16 layers,
   vocabulary 128,256), one draft step at 1-64 nodes over a 512-token cache, eager against
-  compiled. A default section only where CUDA is; on a CPU ask for it, scaled down
+  compiled; on CUDA also against CUDA graphs of the eager and of the compiled step, with
+  the graphs' capture count and time. A default section only where CUDA is; on a CPU ask for it, scaled down
   (`--sections shaped --hidden-scale 0.05`).
 
 A section is a function `(args) -> rows` (printed by the section, written to the JSON under
@@ -304,33 +305,54 @@ def _draft_rows(pair: Pair, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _shaped_variants(model: Transformer) -> dict[str, CompiledPasses | None]:
+    """The ways a step can run: eager and compiled; on CUDA also captured as CUDA graphs,
+    eager and compiled ("compiled+graphed" is what `--compile on` runs there)."""
+    variants: dict[str, CompiledPasses | None] = {"eager": None}
+    if model.device.type != "cuda":
+        variants["compiled"] = CompiledPasses(model)
+        return variants
+    variants["compiled"] = CompiledPasses(model, graphs=False)
+    variants["graphed"] = CompiledPasses(model, compile=False)
+    variants["compiled+graphed"] = CompiledPasses(model)
+    return variants
+
+
 def _shaped_rows(
     preset: str, hidden_scale: float, device: str, dtype: torch.dtype, repeats: int
 ) -> list[dict[str, Any]]:
-    """Draft steps of a random real-shaped model at 1-64 nodes, eager against compiled."""
+    """Draft steps of a random real-shaped model at 1-64 nodes, eager against compiled (and
+    on CUDA against CUDA graphs). `ratio`: eager over what `--compile on` runs."""
     from scripts.real_shapes import PRESETS, build_model, model_config
 
     config = model_config(preset, layers=PRESETS[preset].num_layers, hidden_scale=hidden_scale)
     model = build_model(config, dtype, device)
-    passes = CompiledPasses(model)
-    passes.warm(lambda line: print(f"  {line}", flush=True))
+    variants = _shaped_variants(model)
+    for name, passes in variants.items():
+        if passes is not None:
+            print(f"  warming {name}", flush=True)
+            passes.warm(lambda line: print(f"    {line}", flush=True))
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
+    default = list(variants)[-1]
     rows = []
     for nodes in (1, 2, 4, 8, 16, 32, 64):
-        seconds = {}
-        for on in (False, True):
-            model.compiled = passes if on else None
+        row: dict[str, Any] = {"nodes": nodes}
+        for name, passes in variants.items():
+            model.compiled = passes
             sync()
-            seconds[on] = _step_seconds(model, nodes, 512, repeats, sync)
+            row[f"{name.replace('+', '_')}_us"] = 1e6 * _step_seconds(
+                model, nodes, 512, repeats, sync
+            )
         model.compiled = None
-        rows.append(
-            {
-                "nodes": nodes,
-                "eager_us": 1e6 * seconds[False],
-                "compiled_us": 1e6 * seconds[True],
-                "ratio": seconds[False] / seconds[True],
-            }
-        )
+        row["ratio"] = row["eager_us"] / row[f"{default.replace('+', '_')}_us"]
+        rows.append(row)
+    for name, passes in variants.items():
+        graphs = passes.graphs if passes is not None else None
+        if graphs is not None:
+            print(
+                f"  {name}: {graphs.captures} CUDA graphs captured in "
+                f"{graphs.capture_seconds:.2f} s, {graphs.replays} replays"
+            )
     return rows
 
 
@@ -391,9 +413,14 @@ def draft(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _print_steps(rows: list[dict[str, Any]]) -> None:
-    print(f"{'nodes':>6}{'eager µs':>11}{'compiled µs':>13}{'ratio':>8}")
+    columns = [key for key in rows[0] if key.endswith("_us")]
+    names = [key[: -len("_us")].replace("_", "+") + " µs" for key in columns]
+    print(f"{'nodes':>6}" + "".join(f"{n:>{max(len(n) + 2, 11)}}" for n in names) + f"{'ratio':>8}")
     for r in rows:
-        print(f"{r['nodes']:>6}{r['eager_us']:>11.0f}{r['compiled_us']:>13.0f}{r['ratio']:>7.2f}x")
+        cells = "".join(
+            f"{r[key]:>{max(len(n) + 2, 11)}.0f}" for key, n in zip(columns, names, strict=True)
+        )
+        print(f"{r['nodes']:>6}{cells}{r['ratio']:>7.2f}x")
 
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:

@@ -24,10 +24,10 @@ Outputs equal eager ones up to float rounding (the fused kernels sum in another 
 batched pass does): greedy tokens identical in the tests, fp32 logits within 1e-5 plus 2e-6
 of the largest.
 
-Not here yet: CUDA graphs. Replaying one needs every input at a fixed address, and each
-session's KV cache is its own tensor that is reallocated as it grows, so PyTorch's graph
-trees would record again for every conversation and every growth, without bound; they need
-one KV arena per model at fixed addresses first, and a GPU to measure them on.
+On CUDA the step is also captured as CUDA graphs (speculative/graphs.py): each step padded
+to a token bucket and replayed with one launch per KV storage and bucket, so a resident
+draft's step costs its kernels' time, not their launches'. With `compile=False` the graphs
+capture the eager step (no compiler needed).
 
 Compiled code is cached on disk by PyTorch (Inductor's FX graph cache) under `cache_dir`,
 so a restarted daemon loads its graphs instead of compiling them again.
@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 from speculative.attention import FixedSlots, full_mask, query_chunk
-from speculative.kv_cache import KVCache
+from speculative.graphs import BUCKETS, Capture, StepGraphs, bucket_for
+from speculative.kv_cache import INITIAL_SLOTS, KVCache
 from speculative.model import Segment, Transformer
 from speculative.packed import PackedLinear
 
@@ -56,7 +57,8 @@ log = logging.getLogger("specd.compile")
 # a prefill chunk or a target's tree pass, with enough work per weight to hide dispatch,
 # runs eager.
 MAX_TOKENS = 64
-# Compiled steps the warm-up runs: one per graph (see the module's docstring).
+# Compiled steps the warm-up runs: one per graph (see the module's docstring); with CUDA
+# graphs, one per bucket (graphs.BUCKETS) too.
 WARM_TOKENS = (1, 2)
 
 
@@ -79,10 +81,10 @@ def use_cache_dir(path: Path) -> None:
 
 
 def _mark_sizes(
-    t: int,
-    cache: KVCache,
     tokens: torch.Tensor,
     positions: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     write: torch.Tensor,
     mask: torch.Tensor,
 ) -> None:
@@ -91,10 +93,10 @@ def _mark_sizes(
     graph of its own). Nothing else is symbolic, so no size is ever unified with a model
     dimension that happens to be equal at trace time."""
     mark = torch._dynamo.mark_dynamic
-    for tensor in (cache.k, cache.v):
+    for tensor in (k, v):
         mark(tensor, 2)
     mark(mask, 1)
-    if t > 1:
+    if tokens.shape[0] > 1:
         for tensor in (tokens, positions, write, mask):
             mark(tensor, 0)
 
@@ -102,26 +104,40 @@ def _mark_sizes(
 class CompiledPasses:
     """One model's compiled single-sequence passes (`Transformer.compiled`).
 
-    `hidden_states(segment)` runs a pass through the compiled graph and returns its final
-    hidden states, or None when the pass is not one it compiles (the model then runs it
-    eager)."""
+    `hidden_states(segment)` runs a pass through the compiled graph (on CUDA, its captured
+    CUDA graph) and returns its final hidden states, or None when the pass is not one it
+    compiles (the model then runs it eager).
 
-    def __init__(self, model: Transformer) -> None:
+    `compile`: trace the step with torch.compile (False: the eager step, for graphs alone).
+    `graphs`: capture CUDA graphs (None: where the model is on CUDA). `capture`: how a
+    graph is captured (speculative/graphs.py; tests replay the step itself on a CPU)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        compile: bool = True,
+        graphs: bool | None = None,
+        capture: Capture | None = None,
+    ) -> None:
         reason = ineligible(model)
         if reason is not None:
             raise ValueError(f"cannot compile this model's passes: {reason}")
         self.model = model
-        options: dict[str, str | int | bool | Callable[..., Any]] = (
-            {"cpp_wrapper": True} if model.device.type == "cpu" else {}
-        )
-        # Every compiled model adds its two graphs to the one traced function's cache (its
-        # guards tell the models apart); past the limit PyTorch would run them eager.
-        limits = torch._dynamo.config
-        limits.recompile_limit = max(limits.recompile_limit, 64)
-        limits.accumulated_recompile_limit = max(limits.accumulated_recompile_limit, 256)
-        self._graph: Callable[..., torch.Tensor] = torch.compile(
-            self._traced, fullgraph=True, options=options
-        )
+        use_graphs = model.device.type == "cuda" if graphs is None else graphs
+        if use_graphs and capture is None and model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {model.device}")
+        self._step: Callable[..., torch.Tensor] = self._traced
+        if compile:
+            options: dict[str, str | int | bool | Callable[..., Any]] = (
+                {"cpp_wrapper": True} if model.device.type == "cpu" else {}
+            )
+            # Every compiled model adds its two graphs to the one traced function's cache
+            # (its guards tell the models apart); past the limit PyTorch would run them eager.
+            limits = torch._dynamo.config
+            limits.recompile_limit = max(limits.recompile_limit, 64)
+            limits.accumulated_recompile_limit = max(limits.accumulated_recompile_limit, 256)
+            self._step = torch.compile(self._traced, fullgraph=True, options=options)
+        self.graphs = StepGraphs(self._marked_step, capture) if use_graphs else None
         self._slot_ids: dict[int, torch.Tensor] = {}  # allocation → arange(allocation)
         self.passes = 0  # passes that ran compiled
         self.warm_seconds: float | None = None
@@ -139,6 +155,11 @@ class CompiledPasses:
         fixed = FixedSlots(int(tokens.shape[0]), k, v, write, mask)
         return self.model.hidden_states(tokens, positions, [fixed])
 
+    def _marked_step(self, *inputs: torch.Tensor) -> torch.Tensor:
+        # The graphs' fixed inputs are copies, made after the caller marked its own.
+        _mark_sizes(*inputs)
+        return self._step(*inputs)
+
     def hidden_states(self, segment: Segment) -> torch.Tensor | None:
         """Append `segment` to its cache through the compiled graph: its final hidden states
         (T, hidden), the cache's new entries written but not committed (the caller commits,
@@ -147,27 +168,44 @@ class CompiledPasses:
         cache = segment.cache
         if self.failure is not None or not 1 <= t <= MAX_TOKENS:
             return None
-        start = cache.reserve(t)
+        # A graphed step is padded to its bucket, when the padding fits in the context.
+        width = t
+        if self.graphs is not None:
+            bucket = bucket_for(t)
+            if bucket is not None and cache.length + bucket <= cache.capacity:
+                width = bucket
+        graphed = self.graphs is not None and width == bucket_for(t)
+        start = cache.reserve(width)
         # One query chunk over the whole allocation: `attend` would split a bigger pass in
         # a Python loop over token counts, which a graph with symbolic sizes cannot hold.
-        if t > query_chunk(self.model.config.num_heads, cache.allocated):
+        if width > query_chunk(self.model.config.num_heads, cache.allocated):
             return None
         device = self.model.device
-        mask = self._mask(segment, cache, start)
+        mask = self._mask(segment, cache, start, width)
         # Copies made here, in the pass's inference mode: a graph's guards tell inference
         # tensors from normal ones, and callers hand both (a prompt, a sampled token).
-        tokens = segment.tokens.to(device, copy=True)
-        positions = segment.positions.to(device, copy=True)
-        write = self._slots(cache)[start : start + t]
-        _mark_sizes(t, cache, tokens, positions, write, mask)
+        if width == t:
+            tokens = segment.tokens.to(device, copy=True)
+            positions = segment.positions.to(device, copy=True)
+        else:  # padding rows: token 0 at position 0 (finite, and seen by no real row)
+            tokens = torch.zeros(width, dtype=torch.long, device=device)
+            positions = torch.zeros(width, dtype=torch.long, device=device)
+            tokens[:t] = segment.tokens
+            positions[:t] = segment.positions
+        write = self._slots(cache)[start : start + width]
+        inputs = (tokens, positions, cache.k, cache.v, write, mask)
         try:
-            x = self._graph(tokens, positions, cache.k, cache.v, write, mask)
+            if graphed:
+                assert self.graphs is not None
+                x = self.graphs.run(*inputs)
+            else:
+                x = self._marked_step(*inputs)
         except Exception as exc:  # the compiler is an optimisation: fall back, say so once
             self.failure = exc
             log.error("a compiled pass failed; this model runs eager from now on", exc_info=exc)
             return None  # the slots it may have written are past the length: unused
         self.passes += 1
-        return x
+        return x[:t]
 
     def _slots(self, cache: KVCache) -> torch.Tensor:
         n = cache.allocated
@@ -177,31 +215,41 @@ class CompiledPasses:
             self._slot_ids[n] = ids
         return ids
 
-    def _mask(self, segment: Segment, cache: KVCache, start: int) -> torch.Tensor:
-        """The (T, allocation) mask: each token's row as the eager pass builds it
-        (full_mask), the slots past it masked."""
+    def _mask(self, segment: Segment, cache: KVCache, start: int, width: int) -> torch.Tensor:
+        """The (width, allocation) mask: each token's row as the eager pass builds it
+        (full_mask), the slots past it masked; a padding row sees only its own slot."""
         t = segment.length
         ids = self._slots(cache)
-        if t == 1 and segment.mask is None:
+        if width == 1 and segment.mask is None:
             return (ids < start + 1)[None, :]  # (1, slots): a decode step sees its prefix
-        rows = full_mask(segment.mask, start, t, self.model.device)
-        assert rows is not None  # only a lone token needs no mask
-        mask = torch.zeros(t, cache.allocated, dtype=torch.bool, device=self.model.device)
-        mask[:, : start + t] = rows
+        device = self.model.device
+        mask = torch.zeros(width, cache.allocated, dtype=torch.bool, device=device)
+        rows = full_mask(segment.mask, start, t, device)
+        if rows is None:  # a lone token padded: it sees its prefix
+            mask[0, : start + 1] = True
+        else:
+            mask[:t, : start + t] = rows
+        if width > t:
+            pads = torch.eye(width - t, dtype=torch.bool, device=device)
+            mask[t:, start + t : start + width] = pads
         return mask
 
     def warm(self, progress: Callable[[str], None] | None = None) -> float:
         """Compile every graph now (one step per graph on a scratch cache), so no request
         waits for the compiler; loads them from the disk cache when they were compiled
-        before. Returns the seconds it took."""
+        before. With CUDA graphs, capture every bucket's too, on a cache of a session's
+        first allocation (whose block a session's cache then tends to get). Returns the
+        seconds it took."""
         t0 = time.perf_counter()
         model = self.model
         # A KV cache's storage is never an inference tensor (speculative/kv_cache.py), so
         # the warm-up's graphs are the ones a session's cache hits.
-        cache = KVCache(model.config, MAX_TOKENS * 2, dtype=model.dtype, device=model.device)
-        for n in WARM_TOKENS:
+        cache = KVCache(model.config, INITIAL_SLOTS, dtype=model.dtype, device=model.device)
+        steps = WARM_TOKENS if self.graphs is None else BUCKETS
+        for n in steps:
             if progress is not None:
-                progress(f"compiling {n}-token steps")
+                what = "steps" if self.graphs is None else "steps and their CUDA graph"
+                progress(f"compiling {n}-token {what}")
             cache.truncate(0)
             tokens = torch.zeros(n, dtype=torch.long)
             positions = torch.arange(n)

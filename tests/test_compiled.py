@@ -149,7 +149,7 @@ def test_a_failing_graph_falls_back_to_eager_for_good(
     def broken(*args: object) -> torch.Tensor:
         raise RuntimeError("the compiled kernel failed")
 
-    monkeypatch.setattr(passes, "_graph", broken)
+    monkeypatch.setattr(passes, "_step", broken)
     draft.compiled = passes
     try:
         cache = draft.new_cache(64)

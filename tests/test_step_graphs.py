@@ -1,0 +1,259 @@
+"""Captured steps (speculative/graphs.py) give the eager passes' outputs.
+
+Each test runs twice: on a CPU, where a "capture" runs the step once and a replay runs it
+again on the same fixed tensors (what a CUDA graph's replay does with the addresses it
+recorded: so the padding, the fixed inputs, the keys by KV storage and the bounds are
+checked without a GPU), and on CUDA with real CUDA graphs (skipped without a GPU). The
+steps are the eager ones (`compile=False`): the compiler is tests/test_compiled.py's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import speculative.graphs as graphs_module
+from speculative.checkpoint import load
+from speculative.compiled import CompiledPasses
+from speculative.generation import Generation
+from speculative.graphs import BUCKETS, bucket_for
+from speculative.kv_cache import KVCache
+from speculative.model import Transformer
+from speculative.sampling import SamplingParams
+from speculative.strategies.autoregressive import Autoregressive
+from speculative.strategies.tree import TreeSpeculation
+
+# Padded steps multiply other matrix shapes than the eager ones (the BLAS may block them
+# differently): fp32 logits within 1e-5 plus 2e-6 of the largest, as compiled ones.
+ATOL, SCALE = 1e-5, 2e-6
+# Over hundreds of steps each run's cache holds its own roundings, and they compound: up to
+# 6e-5 on logits of magnitude 12 after 520 steps (5e-6 of the largest).
+DRIFT = 2e-5
+
+
+def replaying(step: Callable[[], torch.Tensor], pool: Any) -> Callable[[], torch.Tensor]:
+    """A CPU stand-in for capturing: the warm-up run, then each replay reruns the step on
+    the tensors it was given (it reads nothing else, as a graph reads nothing else)."""
+    step()
+    return step
+
+
+DEVICES = [
+    pytest.param("cpu", id="cpu-replayed"),
+    pytest.param(
+        "cuda",
+        id="cuda-graphs",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def model(stories_draft: Path, device: str) -> Iterator[Transformer]:
+    draft = load(str(stories_draft), device=device)[0]
+    yield draft
+    draft.compiled = None
+
+
+def graphed(model: Transformer) -> CompiledPasses:
+    capture = replaying if model.device.type == "cpu" else None
+    return CompiledPasses(model, compile=False, graphs=True, capture=capture)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape
+    assert float((a - b).abs().max()) <= ATOL + SCALE * float(b.abs().max())
+
+
+def _tree(cache: KVCache, nodes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A binary tree of `nodes` nodes after the cache's entries: (ids, positions, mask)."""
+    n = cache.length
+    mask = torch.zeros(nodes, n + nodes, dtype=torch.bool)
+    mask[:, :n] = True
+    parents = [-1] + [(i - 1) // 2 for i in range(1, nodes)]
+    depth = [0] * nodes
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+            depth[i] = depth[parent] + 1
+        mask[i, n + i] = True
+    return torch.arange(nodes) + 5, n + torch.tensor(depth), mask.to(cache.k.device)
+
+
+def _steps(model: Transformer, capacity: int = 600) -> tuple[list[int], list[torch.Tensor]]:
+    """A 3-token prompt, greedy decode steps past the first allocation (512 slots), and
+    tree passes of 3, 5 and 17 nodes (padded to 4, 8 and 32)."""
+    cache = model.new_cache(capacity)
+    logits = [model.forward(torch.tensor([1, 403, 261]), torch.arange(3), cache)]
+    token = logits[-1][-1:].argmax(-1)
+    tokens: list[int] = []
+    for i in range(520):
+        logits.append(model.forward(token, torch.tensor([3 + i]), cache))
+        token = logits[-1].argmax(-1)
+        tokens.append(int(token))
+    for nodes in (3, 5, 17):
+        n = cache.length
+        ids, positions, mask = _tree(cache, nodes)
+        logits.append(model.forward(ids, positions, cache, mask=mask))
+        cache.truncate(n + 1)  # keep the root, as a round commits its accepted path
+    assert bool(torch.isfinite(cache.k).all() and torch.isfinite(cache.v).all())
+    return tokens, [x.cpu() for x in logits]
+
+
+def test_graphed_steps_equal_eager(model: Transformer) -> None:
+    """520 decode steps and three trees: the same greedy tokens, and logits that stay
+    within DRIFT of the eager ones although each run's cache holds its own roundings."""
+    eager_tokens, eager_logits = _steps(model)
+    passes = graphed(model)
+    model.compiled = passes
+    tokens, logits = _steps(model)
+    assert passes.graphs is not None
+    assert tokens == eager_tokens
+    for a, b in zip(logits, eager_logits, strict=True):
+        assert float((a - b).abs().max()) <= DRIFT * float(b.abs().max())
+    # One capture per (storage, bucket), every other step a replay: the prompt (bucket 4)
+    # and the decode steps on the first allocation (512 slots), then the decode steps and
+    # the trees (buckets 4, 8 and 32) on the grown one.
+    assert passes.graphs.captures == 6
+    assert passes.graphs.replays == len(logits) - 6
+    assert passes.passes == len(logits)
+
+
+def test_a_graphed_step_is_the_eager_step(model: Transformer) -> None:
+    """From the same cache (two eager prefills, identical), each step shape graphed gives
+    the eager step's logits within ATOL plus SCALE of the largest."""
+    caches = [model.new_cache(700) for _ in range(2)]
+    prompt = torch.arange(515) % 400 + 3
+    for cache in caches:
+        for start in range(0, 515, 128):  # eager: each chunk is above MAX_TOKENS or unpadded
+            chunk = prompt[start : start + 128]
+            model.forward(chunk, torch.arange(start, start + chunk.shape[0]), cache)
+    passes = graphed(model)
+    for nodes in (1, 3, 5, 17, 64):
+        ids, positions, mask = _tree(caches[0], nodes)
+        out = []
+        for cache, compiled in zip(caches, (passes, None), strict=True):
+            model.compiled = compiled
+            out.append(model.forward(ids, positions, cache, mask=mask).cpu())
+            cache.truncate(515)
+        _close(*out)
+    assert passes.graphs is not None and passes.graphs.captures == 5
+
+
+def test_padding_never_crosses_the_context(model: Transformer) -> None:
+    """A step whose bucket would pass the cache's capacity runs unpadded (and ungraphed
+    unless its count is a bucket), so a generation can use its context to the last slot."""
+    passes = graphed(model)
+    model.compiled = passes
+    cache = model.new_cache(12)
+    model.forward(torch.arange(9), torch.arange(9), cache)  # 9 tokens: bucket 16 > 12
+    assert passes.graphs is not None and passes.graphs.captures == 0
+    eager = model.new_cache(12)
+    model.compiled = None
+    model.forward(torch.arange(9), torch.arange(9), eager)
+    model.compiled = passes
+    out = model.forward(torch.tensor([4, 5, 6]), torch.arange(9, 12), cache)  # bucket 4 > 3
+    model.compiled = None
+    _close(out.cpu(), model.forward(torch.tensor([4, 5, 6]), torch.arange(9, 12), eager).cpu())
+    assert cache.length == 12 and passes.passes == 2 and passes.graphs.captures == 0
+
+
+def test_each_kv_storage_has_its_graphs_and_they_are_bounded(
+    model: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two live caches are two storages: their graphs never mix (each cache's steps stay
+    exact), and no more than MAX_GRAPHS are kept; a dropped one is captured again."""
+    monkeypatch.setattr(graphs_module, "MAX_GRAPHS", 3)
+    passes = graphed(model)
+    caches = [model.new_cache(64) for _ in range(4)]
+    eager = [model.new_cache(64) for _ in range(4)]
+    for step in range(3):
+        for i in range(4):
+            token = torch.tensor([10 * i + step + 1])
+            position = torch.tensor([step])
+            model.compiled = passes
+            out = model.forward(token, position, caches[i])
+            model.compiled = None
+            _close(out.cpu(), model.forward(token, position, eager[i]).cpu())
+    assert passes.graphs is not None and len(passes.graphs) == 3
+    assert passes.graphs.captures == 12  # 4 storages round-robin over 3 kept graphs
+
+
+def test_warm_up_captures_every_bucket(model: Transformer) -> None:
+    passes = graphed(model)
+    lines: list[str] = []
+    passes.warm(lines.append)
+    assert lines == [f"compiling {n}-token steps and their CUDA graph" for n in BUCKETS]
+    assert passes.graphs is not None and passes.graphs.captures == len(BUCKETS)
+
+
+def test_buckets() -> None:
+    assert [bucket_for(n) for n in (1, 2, 3, 5, 17, 33, 64, 65)] == [1, 2, 4, 8, 32, 64, 64, None]
+
+
+def test_graphed_tree_speculation_is_lossless(
+    model: Transformer, stories_target: Path, device: str
+) -> None:
+    """Greedy tree speculation with a graphed draft emits the target's own greedy text, and
+    the draft proposes what the eager draft proposes (the same passes)."""
+    target, tokenizer = load(str(stories_target), device=device)[:2]
+    prompt = tokenizer.encode("Once upon a time")
+
+    def run(strategy: TreeSpeculation | Autoregressive) -> tuple[list[int], int]:
+        session = strategy.new_session(len(prompt) + 48)
+        params = SamplingParams(temperature=0.0)
+        gen = Generation(strategy, session, tokenizer, prompt, params, max_tokens=48)
+        gen.run()
+        return gen.token_ids, gen.stats.decode_passes
+
+    reference = run(Autoregressive(target))[0]
+    eager = run(TreeSpeculation(target, model, budget=16))
+    passes = graphed(model)
+    model.compiled = passes
+    tree = run(TreeSpeculation(target, model, budget=16))
+    assert passes.graphs is not None and passes.graphs.replays > 0
+    assert tree[0] == reference and tree == eager
+
+
+def test_graphs_need_a_cuda_device_or_a_capture(stories_draft: Path) -> None:
+    model = load(str(stories_draft))[0]
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        CompiledPasses(model, compile=False, graphs=True)
+    assert CompiledPasses(model, compile=False).graphs is None  # a CPU model: no graphs
+
+
+def test_a_kv_cache_allocation_is_a_bucketed_size() -> None:
+    """Graphs are keyed by allocation: caches grow by doubling from INITIAL_SLOTS, so a
+    long conversation passes through a handful of sizes, not one per step."""
+    from speculative.config import ModelConfig
+
+    config = ModelConfig(
+        model_type="llama",
+        vocab_size=32,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+    )
+    cache = KVCache(config, 5000)
+    sizes = set()
+    for _ in range(5000):
+        cache.reserve(1)
+        cache.commit_append(1)
+        sizes.add(cache.allocated)
+    assert sorted(sizes) == [512, 1024, 2048, 4096, 5000]
