@@ -24,8 +24,10 @@ from speculative.checkpoint import (
     dtype_candidates,
     dtype_key,
 )
+from speculative.compiled import MAX_TOKENS
 from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
+from speculative.graphs import GRAPH_ATTENTION_BYTES
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
 from speculative.packed import PackedLinear
@@ -159,6 +161,7 @@ class OffloadRequest:
     host_tier: str = "auto"
     sequences: int = 1  # KV caches that may coexist (see PlanRequest)
     prefix_cache_bytes: int = 0  # the tree strategy's cache of target logits (0: off)
+    cuda_graphs: bool = False  # steps captured as CUDA graphs (`--compile on` on CUDA)
 
 
 def plan_request(
@@ -190,6 +193,8 @@ def plan_request(
         host_tier=options.host_tier,
         sequences=options.sequences,
         prefix_cache_bytes=options.prefix_cache_bytes,
+        graph_tokens=MAX_TOKENS if options.cuda_graphs else 0,
+        graph_chunk_bytes=GRAPH_ATTENTION_BYTES,
     )
 
 
@@ -290,6 +295,8 @@ def offload_request(options: RuntimeOptions) -> OffloadRequest:
         host_tier=options.host_tier,
         sequences=options.sequences,
         prefix_cache_bytes=options.prefix_cache if options.draft else 0,
+        # `auto` does not compile on CUDA yet (daemon/compiling.py): only `on` captures.
+        cuda_graphs=options.compile == "on",
     )
 
 

@@ -98,6 +98,11 @@ class PlanRequest:
     # Cached target logits (speculation.prefix_cache). Rows are copied off the device as
     # they are stored: on a GPU they take pinned host RAM, on a CPU the one pool.
     prefix_cache_bytes: int = 0
+    # Tokens of the largest step captured as a CUDA graph (0: none, `--compile` off), and
+    # the bound on its attention scores. A graph keeps its working memory in a pool of its
+    # own, never returned to other passes.
+    graph_tokens: int = 0
+    graph_chunk_bytes: int = 0
 
 
 @dataclass

@@ -142,6 +142,20 @@ def _fixed_parts(r: PlanRequest, device: str) -> dict[str, int]:
         parts["dequantization (largest projection)"] = rebuild
     if device == "cpu" and r.prefix_cache_bytes:
         parts["prefix cache"] = r.prefix_cache_bytes
+    if device == "cuda" and r.graph_tokens:
+        # Each model's graphs share one pool that keeps the working set of a step (the head
+        # runs outside; scores within graph_chunk_bytes) for good. Counted twice: steps
+        # captured over the allocations a cache grows through may not reuse each other's
+        # blocks. A streamed target is not captured; counted anyway, as the plan chooses
+        # streaming after this.
+        step = [
+            replace(m.activations, chunk_bytes=r.graph_chunk_bytes).pass_bytes(
+                r.graph_tokens, 0, r.context
+            )
+            for m in (t, d)
+            if m is not None
+        ]
+        parts[f"CUDA graph pools (steps of up to {r.graph_tokens} tokens)"] = 2 * sum(step)
     return parts
 
 

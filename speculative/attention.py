@@ -135,10 +135,12 @@ def attention_row_bytes(heads: int, keys: int) -> int:
     return keys * (heads * SCORE_BYTES + 1)
 
 
-def query_chunk(heads: int, keys: int) -> int:
-    """Queries per chunk so that one chunk's working set stays under ATTENTION_CHUNK_BYTES;
-    at least 1 (a single row over a huge context is the irreducible minimum)."""
-    return max(1, ATTENTION_CHUNK_BYTES // attention_row_bytes(heads, keys))
+def query_chunk(heads: int, keys: int, chunk_bytes: int | None = None) -> int:
+    """Queries per chunk so that one chunk's working set stays under `chunk_bytes`
+    (ATTENTION_CHUNK_BYTES when None); at least 1 (a single row over a huge context is the
+    irreducible minimum)."""
+    bound = ATTENTION_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    return max(1, bound // attention_row_bytes(heads, keys))
 
 
 def attend(

@@ -46,7 +46,13 @@ import torch
 from torch import nn
 
 from speculative.attention import FixedSlots, full_mask, query_chunk
-from speculative.graphs import BUCKETS, Capture, StepGraphs, bucket_for
+from speculative.graphs import (
+    BUCKETS,
+    GRAPH_ATTENTION_BYTES,
+    Capture,
+    StepGraphs,
+    bucket_for,
+)
 from speculative.kv_cache import INITIAL_SLOTS, KVCache
 from speculative.model import Segment, Transformer
 from speculative.packed import PackedLinear
@@ -168,17 +174,20 @@ class CompiledPasses:
         cache = segment.cache
         if self.failure is not None or not 1 <= t <= MAX_TOKENS:
             return None
-        # A graphed step is padded to its bucket, when the padding fits in the context.
-        width = t
-        if self.graphs is not None:
-            bucket = bucket_for(t)
-            if bucket is not None and cache.length + bucket <= cache.capacity:
-                width = bucket
-        graphed = self.graphs is not None and width == bucket_for(t)
-        start = cache.reserve(width)
+        # A graphed step is padded to its bucket, when the padding fits in the context and
+        # its attention scores in a graph's bound (after the cache grew for it).
+        bucket = bucket_for(t) if self.graphs is not None else None
+        if bucket is not None and cache.length + bucket > cache.capacity:
+            bucket = None
+        start = cache.reserve(bucket or t)
+        heads = self.model.config.num_heads
+        graph_rows = query_chunk(heads, cache.allocated, GRAPH_ATTENTION_BYTES)
+        if bucket is not None and bucket > graph_rows:  # a single row always fits (≥ 1)
+            bucket = None
+        width = bucket or t
         # One query chunk over the whole allocation: `attend` would split a bigger pass in
         # a Python loop over token counts, which a graph with symbolic sizes cannot hold.
-        if width > query_chunk(self.model.config.num_heads, cache.allocated):
+        if width > query_chunk(heads, cache.allocated):
             return None
         device = self.model.device
         mask = self._mask(segment, cache, start, width)
@@ -195,8 +204,7 @@ class CompiledPasses:
         write = self._slots(cache)[start : start + width]
         inputs = (tokens, positions, cache.k, cache.v, write, mask)
         try:
-            if graphed:
-                assert self.graphs is not None
+            if bucket is not None and self.graphs is not None:
                 x = self.graphs.run(*inputs)
             else:
                 x = self._marked_step(*inputs)

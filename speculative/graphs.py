@@ -14,7 +14,10 @@ captured with. So a step is captured per
 - token bucket: the step's token count padded to the next of BUCKETS. The padding rows
   read token 0, write their keys and values to the slots after the step's (reserved, past
   the cache's length: never attended by anyone, overwritten by the next step) and attend
-  only to their own slot, so that every row's softmax stays finite.
+  only to their own slot, so that every row's softmax stays finite;
+- a bound on working memory: a step's attention scores stay under GRAPH_ATTENTION_BYTES,
+  since the pool keeps what a graph used (the memory plan counts it:
+  offload/planning.py).
 
 Everything else a step varies goes through the graph's static inputs, copied in before
 each replay: tokens, positions, the slots written and the (tokens, slots) mask. At most
@@ -36,6 +39,12 @@ import torch
 # Padded token counts of the captured steps: a decode step, a linear draft's few tokens and
 # a tree's frontier at each depth, up to compiled.MAX_TOKENS.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# The most attention scores a captured step may hold (speculative/attention.py's bound for
+# any pass is 128 MiB): a graph's pool keeps its working memory for good, so a captured step
+# attends with at most this many bytes of scores and a wider one runs uncaptured. 32 MiB
+# holds a 64-token step over 4k slots of a 32-head model, 8 tokens over 16k, one row over
+# 128k (a single row is always allowed: eager holds it too).
+GRAPH_ATTENTION_BYTES = 32 * 2**20
 # Graphs kept per model: every bucket for several KV storages (a daemon's few live caches
 # and the sizes each grew through). Each holds its inputs, its (bucket, hidden) output and
 # its share of the pool's intermediates.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from speculative.attention import ATTENTION_CHUNK_BYTES
 from speculative.budget import AUTO_MAX_BUDGET
 from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
+from speculative.graphs import GRAPH_ATTENTION_BYTES
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -301,3 +303,24 @@ def test_attention_scores_are_bounded_at_long_context() -> None:
     assert long - short <= 2048 * (131072 - 8192) + ATTENTION_CHUNK_BYTES  # the mask grows
     all_scores = 64 * 2048 * 131072 * 4  # what one unchunked pass would hold: 64 GiB
     assert long < all_scores / 50
+
+
+def test_cuda_graphs_pools_are_planned() -> None:
+    """`--compile on` on a GPU captures steps of up to 64 tokens as CUDA graphs, whose pool
+    holds a step's working memory for good: the plan counts it for each model, twice (steps
+    over doubling allocations), and nothing without graphs or on a CPU."""
+    target, draft = fp("Llama-3.1-8B"), fp("Llama-3.2-1B")
+    request = plan_request(target, draft, 8192, OffloadRequest(cuda_graphs=True))
+    assert (request.graph_tokens, request.graph_chunk_bytes) == (64, GRAPH_ATTENTION_BYTES)
+    parts = make_plan(request, budget(24e9, 64e9)).device_parts
+    pool = parts["CUDA graph pools (steps of up to 64 tokens)"]
+    step = [replace(m.activations, chunk_bytes=32 * 2**20) for m in (target, draft)]
+    assert pool == 2 * sum(a.pass_bytes(64, 0, 8192) for a in step)
+    # Scores of a captured step stay within 32 MiB (a 64-token step over 8k slots would
+    # hold 134 MB): under the largest pass's working set (a prefill chunk's), per model.
+    largest = parts[next(k for k in parts if k.startswith("activations"))]
+    assert 2 * 32 * 2**20 < pool < 2 * largest
+    plain = make_plan(plan_request(target, draft, 8192, OffloadRequest()), budget(24e9, 64e9))
+    on_cpu = make_plan(request, replace(budget(24e9, 64e9), device="cpu"))
+    for other in (plain, on_cpu):
+        assert not any(k.startswith("CUDA graph") for k in other.device_parts)

@@ -257,3 +257,29 @@ def test_a_kv_cache_allocation_is_a_bucketed_size() -> None:
         cache.commit_append(1)
         sizes.add(cache.allocated)
     assert sorted(sizes) == [512, 1024, 2048, 4096, 5000]
+
+
+def test_a_step_whose_scores_pass_the_graph_bound_runs_uncaptured(
+    model: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph's pool keeps its working memory, so a step whose attention scores would pass
+    GRAPH_ATTENTION_BYTES runs uncaptured (and unpadded); a single row is always captured."""
+    import speculative.compiled as compiled_module
+    from speculative.attention import attention_row_bytes
+
+    row = attention_row_bytes(model.config.num_heads, 512)
+    monkeypatch.setattr(compiled_module, "GRAPH_ATTENTION_BYTES", 4 * row)  # 4 rows at 512
+    passes = graphed(model)
+    cache, eager = model.new_cache(512), model.new_cache(512)
+    model.forward(torch.arange(4), torch.arange(4), eager)
+    model.compiled = passes
+    model.forward(torch.arange(4), torch.arange(4), cache)  # bucket 4: captured
+    assert passes.graphs is not None and passes.graphs.captures == 1
+    ids, positions, mask = _tree(cache, 5)  # bucket 8 > 4 rows: uncaptured, unpadded
+    out = model.forward(ids, positions, cache, mask=mask)
+    assert passes.graphs.captures == 1 and passes.passes == 2 and cache.length == 9
+    model.compiled = None
+    _close(out.cpu(), model.forward(ids, positions, eager, mask=mask).cpu())
+    model.compiled = passes
+    model.forward(torch.tensor([3]), torch.tensor([9]), cache)
+    assert passes.graphs.captures == 2
