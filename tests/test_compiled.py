@@ -20,7 +20,7 @@ from speculative.compiled import MAX_TOKENS, CompiledPasses, ineligible
 from speculative.drafting import ModelDrafter
 from speculative.generation import Generation, Strategy
 from speculative.kv_cache import KVCache
-from speculative.model import Transformer
+from speculative.model import RMSNorm, Transformer
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear
@@ -88,15 +88,48 @@ def test_compiled_steps_equal_eager(draft: Transformer, compiled: CompiledPasses
 
 
 def test_a_warm_up_inside_inference_mode_compiles_the_sessions_graphs(
-    draft: Transformer, compiled: CompiledPasses
+    draft: Transformer,
 ) -> None:
     """The daemon warms on a thread inside inference mode; a KV cache made there is still a
-    normal tensor, so the graphs it compiles are the ones sessions' caches hit (the
-    fixture's, compiled outside inference mode: nothing new is compiled)."""
-    graphs = counters["stats"]["unique_graphs"]
+    normal tensor, so the graphs it compiles are the ones sessions' caches hit: a session's
+    steps afterwards compile nothing new."""
+    passes = CompiledPasses(draft)
     with torch.inference_mode():
-        CompiledPasses(draft).warm()
+        passes.warm()  # loads the kernels from the disk cache (the fixture compiled them)
+    graphs = counters["stats"]["unique_graphs"]
+    draft.compiled = passes
+    try:
+        _steps(draft)
+    finally:
+        draft.compiled = None
+    assert passes.passes == 32
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_each_model_has_graphs_of_its_own(
+    stories_draft: Path, draft: Transformer, compiled: CompiledPasses
+) -> None:
+    """Guards on the model's modules are not checked before a step (`_input_guards`): each
+    model's passes compile a code object of their own, so two models of one architecture
+    never run each other's graphs. Here a second copy whose norms have another epsilon (a
+    constant the graph bakes in; the weights are read at each call): its steps give its own
+    eager logits, not the first model's."""
+    other = load(str(stories_draft))[0]
+    for module in other.modules():
+        if isinstance(module, RMSNorm):
+            module.eps = 0.5
+    other_passes = CompiledPasses(other)
+    other.compiled = other_passes
+    draft.compiled = compiled
+    try:
+        cache, other_cache = draft.new_cache(64), other.new_cache(64)
+        first = draft.forward(torch.arange(3), torch.arange(3), cache)
+        second = other.forward(torch.arange(3), torch.arange(3), other_cache)
+    finally:
+        draft.compiled = other.compiled = None
+    assert other_passes.passes == 1
+    _close(second, other.forward(torch.arange(3), torch.arange(3), other.new_cache(64)))
+    assert float((first - second).abs().max()) > 1e-3
 
 
 def test_cache_growth_keeps_the_compiled_graphs(
