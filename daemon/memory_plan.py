@@ -15,7 +15,14 @@ from torch import nn
 from offload.activations import ActivationFootprint
 from offload.layout import FlatLayout
 from offload.machine import gemm_copies_output
-from offload.plan import Budget, MemoryPlan, ModelFootprint, PlanRequest, module_bytes
+from offload.plan import (
+    Budget,
+    GraphRequest,
+    MemoryPlan,
+    ModelFootprint,
+    PlanRequest,
+    module_bytes,
+)
 from offload.planning import PlanError, largest_fitting, make_plan, plan_auto_context
 from speculative.attention import ATTENTION_CHUNK_BYTES, attention_row_bytes
 from speculative.budget import max_tree_budget
@@ -27,8 +34,8 @@ from speculative.checkpoint import (
 from speculative.compiled import MAX_TOKENS
 from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
-from speculative.graphs import GRAPH_ATTENTION_BYTES
-from speculative.kv_cache import KVCache
+from speculative.graphs import CUBLAS_WORKSPACE_BYTES, GRAPH_ATTENTION_BYTES, MAX_GRAPHS
+from speculative.kv_cache import INITIAL_SLOTS, KVCache
 from speculative.model import Transformer
 from speculative.packed import PackedLinear
 from speculative.sampling import DRAW_BYTES_PER_ENTRY
@@ -164,6 +171,16 @@ class OffloadRequest:
     cuda_graphs: bool = False  # steps captured as CUDA graphs (`--compile on` on CUDA)
 
 
+# What CUDA graphs hold, as speculative/graphs.py and compiled.py capture them.
+GRAPHS = GraphRequest(
+    tokens=MAX_TOKENS,
+    chunk_bytes=GRAPH_ATTENTION_BYTES,
+    count=MAX_GRAPHS,
+    workspace_bytes=CUBLAS_WORKSPACE_BYTES,
+    warm_slots=INITIAL_SLOTS,
+)
+
+
 def plan_request(
     target: ModelFootprint,
     draft: ModelFootprint | None,
@@ -193,8 +210,7 @@ def plan_request(
         host_tier=options.host_tier,
         sequences=options.sequences,
         prefix_cache_bytes=options.prefix_cache_bytes,
-        graph_tokens=MAX_TOKENS if options.cuda_graphs else 0,
-        graph_chunk_bytes=GRAPH_ATTENTION_BYTES,
+        graphs=GRAPHS if options.cuda_graphs else None,
     )
 
 

@@ -79,6 +79,19 @@ class Budget:
 
 
 @dataclass(frozen=True)
+class GraphRequest:
+    """What a model's CUDA graphs hold for good (speculative/graphs.py): a pool with a
+    step's working memory, each graph's output and fixed mask, the library workspace of
+    their capture stream, and meanwhile the warm-up's scratch cache."""
+
+    tokens: int  # the largest captured step
+    chunk_bytes: int  # the bound on a captured step's attention scores
+    count: int  # graphs kept per model
+    workspace_bytes: int  # cuBLAS's workspaces on the capture stream
+    warm_slots: int  # the warm-up's scratch KV cache
+
+
+@dataclass(frozen=True)
 class PlanRequest:
     target: ModelFootprint
     draft: ModelFootprint | None
@@ -98,11 +111,8 @@ class PlanRequest:
     # Cached target logits (speculation.prefix_cache). Rows are copied off the device as
     # they are stored: on a GPU they take pinned host RAM, on a CPU the one pool.
     prefix_cache_bytes: int = 0
-    # Tokens of the largest step captured as a CUDA graph (0: none, `--compile` off), and
-    # the bound on its attention scores. A graph keeps its working memory in a pool of its
-    # own, never returned to other passes.
-    graph_tokens: int = 0
-    graph_chunk_bytes: int = 0
+    # Steps captured as CUDA graphs (`--compile on` on a GPU), None: none.
+    graphs: GraphRequest | None = None
 
 
 @dataclass

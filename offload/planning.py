@@ -15,7 +15,9 @@ from offload.plan import (
     OFFLOAD_MODES,
     TIER_CHOICES,
     Budget,
+    GraphRequest,
     MemoryPlan,
+    ModelFootprint,
     PlanRequest,
     host_cache_bytes,
 )
@@ -115,6 +117,21 @@ def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
     )  # fmt: skip
 
 
+def _graph_bytes(m: ModelFootprint, g: GraphRequest, context: int) -> int:
+    """What one model's CUDA graphs hold. The pool keeps a step's working set (the head runs
+    outside; scores within `chunk_bytes`), counted twice: steps captured over the
+    allocations a cache grows through may not reuse each other's blocks; the warm-up runs
+    one more step beside a served pass, on its scratch cache. Each graph keeps its (tokens,
+    hidden) output and its (tokens, slots) mask, whose rows times slots the score bound
+    limits (one row of a single-token step spans the context). A streamed target is not
+    captured; counted anyway, as the plan chooses streaming after this."""
+    a = m.activations
+    step = replace(a, chunk_bytes=g.chunk_bytes).pass_bytes(g.tokens, 0, context)
+    mask = max(g.chunk_bytes // a.score_bytes_per_key, context)
+    per_graph = g.tokens * a.hidden_bytes_per_token + mask
+    return 3 * step + m.kv_bytes(g.warm_slots) + g.count * per_graph + g.workspace_bytes
+
+
 def _fixed_parts(r: PlanRequest, device: str) -> dict[str, int]:
     """What the device holds besides the target's layers. On a CPU the prefix cache is one
     of them (the device is RAM: one pool); with a GPU it is pinned host RAM."""
@@ -142,20 +159,11 @@ def _fixed_parts(r: PlanRequest, device: str) -> dict[str, int]:
         parts["dequantization (largest projection)"] = rebuild
     if device == "cpu" and r.prefix_cache_bytes:
         parts["prefix cache"] = r.prefix_cache_bytes
-    if device == "cuda" and r.graph_tokens:
-        # Each model's graphs share one pool that keeps the working set of a step (the head
-        # runs outside; scores within graph_chunk_bytes) for good. Counted twice: steps
-        # captured over the allocations a cache grows through may not reuse each other's
-        # blocks. A streamed target is not captured; counted anyway, as the plan chooses
-        # streaming after this.
-        step = [
-            replace(m.activations, chunk_bytes=r.graph_chunk_bytes).pass_bytes(
-                r.graph_tokens, 0, r.context
-            )
-            for m in (t, d)
-            if m is not None
-        ]
-        parts[f"CUDA graph pools (steps of up to {r.graph_tokens} tokens)"] = 2 * sum(step)
+    if device == "cuda" and r.graphs is not None:
+        g = r.graphs
+        parts[f"CUDA graphs (steps of up to {g.tokens} tokens)"] = sum(
+            _graph_bytes(m, g, r.context) for m in (t, d) if m is not None
+        )
     return parts
 
 

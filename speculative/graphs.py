@@ -20,19 +20,21 @@ captured with. So a step is captured per
   offload/planning.py).
 
 Everything else a step varies goes through the graph's static inputs, copied in before
-each replay: tokens, positions, the slots written and the (tokens, slots) mask. At most
-MAX_GRAPHS graphs are kept per model (least recently used dropped); they share one memory
-pool, which is safe because a replay's output is read (by the eager head) before the next
-replay starts.
+each replay: tokens, positions, the slots written and the (tokens, slots) mask. A model's
+graphs share one memory pool, which is safe because a replay's output is read (by the eager
+head) before the next replay starts, and one capture stream of their own. At most
+MAX_GRAPHS are kept per model, and past it all of them are dropped, never one: destroying a
+graph clears cuBLAS's workspace for its capture stream, whose address the model's other
+graphs baked in (pytorch/pytorch#193402). Captures are serialised across the process (one
+may run at a time) and leave the caller on its own stream even when they fail.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -47,13 +49,21 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 GRAPH_ATTENTION_BYTES = 32 * 2**20
 # Graphs kept per model: every bucket for several KV storages (a daemon's few live caches
 # and the sizes each grew through). Each holds its inputs, its (bucket, hidden) output and
-# its share of the pool's intermediates.
+# its share of the pool's intermediates (the memory plan counts them).
 MAX_GRAPHS = 64
+
+# cuBLAS's workspaces for one capture stream, which its graphs use for good: PyTorch's
+# default cuBLAS workspace is 32 MiB on Hopper (less on older cards), cuBLASLt's a few MiB.
+CUBLAS_WORKSPACE_BYTES = 40 * 2**20
 
 # A step as the graph runs it: (tokens, positions, k, v, write, mask) -> hidden states.
 Step = Callable[..., torch.Tensor]
 # Captures a step over fixed tensors; returns the function that replays it.
-Capture = Callable[[Callable[[], torch.Tensor], Any], Callable[[], torch.Tensor]]
+Capture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
+
+# Only one CUDA graph capture may be underway in a process (the daemon's compile thread
+# warms one model while the engine's thread may capture another's).
+_CAPTURE_LOCK = threading.Lock()
 
 
 def bucket_for(tokens: int) -> int | None:
@@ -61,25 +71,45 @@ def bucket_for(tokens: int) -> int | None:
     return next((b for b in BUCKETS if b >= tokens), None)
 
 
-def capture_cuda_graph(step: Callable[[], torch.Tensor], pool: Any) -> Callable[[], torch.Tensor]:
-    """Capture `step` (reading and writing only fixed tensors) as a CUDA graph in `pool`.
-    One run on a side stream first, as capturing requires: it initialises the libraries'
-    workspaces outside the graph (its writes are the step's own, redone by the replay)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: the offload streamer's threads may copy layers while this captures.
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = step()
+class CudaCapture:
+    """Captures one model's steps as CUDA graphs, in a memory pool and on a capture stream
+    of the model's own (another model dropping its graphs clears only its own stream's
+    cuBLAS workspace)."""
 
-    def replay() -> torch.Tensor:
-        graph.replay()
-        return out
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream()  # captures
+        self.side = torch.cuda.Stream()  # the run before each capture
 
-    return replay
+    def __call__(self, step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """Capture `step` (reading and writing only fixed tensors). It runs once on the
+        side stream first, as capturing requires: the libraries set up their workspaces and
+        a compiled step its kernels outside the graph (the run's writes are the step's own,
+        redone by the first replay). Unlike `torch.cuda.graph`, this neither synchronises
+        the device nor empties the allocator's cache (a streamed layer's copy keeps going;
+        freed KV blocks stay for the next session's cache), and the caller's stream is
+        restored when capturing fails."""
+        with _CAPTURE_LOCK:
+            caller = torch.cuda.current_stream()
+            self.side.wait_stream(caller)
+            with torch.cuda.stream(self.side):
+                step()
+            self.stream.wait_stream(self.side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(self.stream):  # restores the caller's stream on exit
+                # thread_local: the streamer's threads may copy layers meanwhile.
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    out = step()
+                finally:
+                    graph.capture_end()
+            caller.wait_stream(self.stream)
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay
 
 
 @dataclass
@@ -102,9 +132,8 @@ class StepGraphs:
 
     def __init__(self, step: Step, capture: Capture | None = None) -> None:
         self.step = step
-        self.capture = capture or capture_cuda_graph
-        self.pool = torch.cuda.graph_pool_handle() if capture is None else None
-        self._graphs: OrderedDict[tuple[int, int, int, int], _Graph] = OrderedDict()
+        self.capture = capture if capture is not None else CudaCapture()
+        self._graphs: dict[tuple[int, int, int, int], _Graph] = {}
         self.captures = 0  # graphs captured so far (more than len(): some were dropped)
         self.capture_seconds = 0.0
         self.replays = 0
@@ -125,7 +154,6 @@ class StepGraphs:
         graph = self._graphs.get(key)
         if graph is None:
             return self._capture(key, tokens, positions, k, v, write, mask)
-        self._graphs.move_to_end(key)
         graph.tokens.copy_(tokens)
         graph.positions.copy_(positions)
         graph.write.copy_(write)
@@ -146,12 +174,12 @@ class StepGraphs:
         """Capture the step for `key` with this step's inputs as its fixed inputs, and run
         it (the replay computes this step)."""
         t0 = time.perf_counter()
-        while len(self._graphs) >= MAX_GRAPHS:
-            self._graphs.popitem(last=False)
+        if len(self._graphs) >= MAX_GRAPHS:
+            self._graphs.clear()  # all of them, never one (see the module's docstring)
         # Fixed inputs are ordinary allocations, outside the graphs' pool: a capture may
         # reuse what another graph freed in the pool, never a tensor copied into later.
         tokens, positions, write, mask = (x.clone() for x in (tokens, positions, write, mask))
-        replay = self.capture(lambda: self.step(tokens, positions, k, v, write, mask), self.pool)
+        replay = self.capture(lambda: self.step(tokens, positions, k, v, write, mask))
         graph = _Graph(tokens, positions, write, mask, replay)
         self._graphs[key] = graph
         self.captures += 1

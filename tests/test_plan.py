@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from daemon.cli import commands as cli
-from daemon.memory_plan import OffloadRequest, footprint, plan_request
+from daemon.memory_plan import GRAPHS, OffloadRequest, footprint, plan_request
 from daemon.runtime import Runtime, RuntimeOptions
 from offload.machine import detect_budget
 from offload.plan import Budget, PlanRequest
@@ -21,7 +21,6 @@ from speculative.attention import ATTENTION_CHUNK_BYTES
 from speculative.budget import AUTO_MAX_BUDGET
 from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
-from speculative.graphs import GRAPH_ATTENTION_BYTES
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -305,21 +304,29 @@ def test_attention_scores_are_bounded_at_long_context() -> None:
     assert long < all_scores / 50
 
 
-def test_cuda_graphs_pools_are_planned() -> None:
-    """`--compile on` on a GPU captures steps of up to 64 tokens as CUDA graphs, whose pool
-    holds a step's working memory for good: the plan counts it for each model, twice (steps
-    over doubling allocations), and nothing without graphs or on a CPU."""
+def test_cuda_graphs_are_planned() -> None:
+    """`--compile on` on a GPU captures steps of up to 64 tokens as CUDA graphs, which hold
+    memory for good: per model, the pool's step working sets (scores within 32 MiB), each
+    graph's output and mask, the warm-up's scratch cache and cuBLAS's workspaces. Nothing
+    without graphs or on a CPU."""
     target, draft = fp("Llama-3.1-8B"), fp("Llama-3.2-1B")
     request = plan_request(target, draft, 8192, OffloadRequest(cuda_graphs=True))
-    assert (request.graph_tokens, request.graph_chunk_bytes) == (64, GRAPH_ATTENTION_BYTES)
+    assert request.graphs == GRAPHS
+    assert (GRAPHS.tokens, GRAPHS.chunk_bytes, GRAPHS.count) == (64, 32 * 2**20, 64)
     parts = make_plan(request, budget(24e9, 64e9)).device_parts
-    pool = parts["CUDA graph pools (steps of up to 64 tokens)"]
-    step = [replace(m.activations, chunk_bytes=32 * 2**20) for m in (target, draft)]
-    assert pool == 2 * sum(a.pass_bytes(64, 0, 8192) for a in step)
-    # Scores of a captured step stay within 32 MiB (a 64-token step over 8k slots would
-    # hold 134 MB): under the largest pass's working set (a prefill chunk's), per model.
+    held = parts["CUDA graphs (steps of up to 64 tokens)"]
+    expected = 0
+    for m in (target, draft):
+        a = m.activations
+        step = replace(a, chunk_bytes=32 * 2**20).pass_bytes(64, 0, 8192)
+        # A 32-head model's mask rows x slots under the score bound: 32 MiB / 257 bytes.
+        per_graph = 64 * a.hidden_bytes_per_token + (32 * 2**20) // 257
+        expected += 3 * step + m.kv_bytes(512) + 64 * per_graph + GRAPHS.workspace_bytes
+    assert held == expected
+    # Bounded: under the largest pass's working set (a prefill chunk's) plus 100 MiB, per
+    # model (a 64-token step over 8k slots would have held 134 MB of scores alone).
     largest = parts[next(k for k in parts if k.startswith("activations"))]
-    assert 2 * 32 * 2**20 < pool < 2 * largest
+    assert held < 2 * (largest + 100 * 2**20)
     plain = make_plan(plan_request(target, draft, 8192, OffloadRequest()), budget(24e9, 64e9))
     on_cpu = make_plan(request, replace(budget(24e9, 64e9), device="cpu"))
     for other in (plain, on_cpu):

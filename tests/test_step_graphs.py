@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -34,11 +33,17 @@ ATOL, SCALE = 1e-5, 2e-6
 DRIFT = 2e-5
 
 
-def replaying(step: Callable[[], torch.Tensor], pool: Any) -> Callable[[], torch.Tensor]:
+def replaying(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """A CPU stand-in for capturing: the warm-up run, then each replay reruns the step on
-    the tensors it was given (it reads nothing else, as a graph reads nothing else)."""
-    step()
-    return step
+    the tensors it was given (it reads nothing else, as a graph reads nothing else) and
+    writes its result into one output tensor, as a graph's replays all do."""
+    out = step().clone()
+
+    def replay() -> torch.Tensor:
+        out.copy_(step())
+        return out
+
+    return replay
 
 
 DEVICES = [
@@ -173,7 +178,8 @@ def test_each_kv_storage_has_its_graphs_and_they_are_bounded(
     model: Transformer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two live caches are two storages: their graphs never mix (each cache's steps stay
-    exact), and no more than MAX_GRAPHS are kept; a dropped one is captured again."""
+    exact), and no more than MAX_GRAPHS are kept (past it all are dropped); a dropped one
+    is captured again."""
     monkeypatch.setattr(graphs_module, "MAX_GRAPHS", 3)
     passes = graphed(model)
     caches = [model.new_cache(64) for _ in range(4)]
@@ -283,3 +289,30 @@ def test_a_step_whose_scores_pass_the_graph_bound_runs_uncaptured(
     model.compiled = passes
     model.forward(torch.tensor([3]), torch.tensor([9]), cache)
     assert passes.graphs.captures == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_failed_capture_falls_back_to_eager_on_the_callers_stream(stories_draft: Path) -> None:
+    """A step that synchronises with the host cannot be captured: the model runs eager from
+    then on, on the stream it was on (not the capture stream), with the eager results."""
+    model = load(str(stories_draft), device="cuda")[0]
+    passes = CompiledPasses(model, compile=False)
+    step = passes._step
+
+    def syncing(*inputs: torch.Tensor) -> torch.Tensor:
+        out = step(*inputs)
+        if bool(out.abs().sum() < 0):  # a host sync: illegal while capturing
+            raise AssertionError("unreachable")
+        return out
+
+    passes._step = syncing
+    caller = torch.cuda.current_stream()
+    model.compiled = passes
+    try:
+        out = model.forward(torch.arange(3), torch.arange(3), model.new_cache(64))
+    finally:
+        model.compiled = None
+    assert passes.failure is not None and passes.passes == 0
+    assert torch.cuda.current_stream() == caller
+    _close(out.cpu(), model.forward(torch.arange(3), torch.arange(3), model.new_cache(64)).cpu())
