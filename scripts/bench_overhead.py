@@ -24,6 +24,10 @@ Ratios, not absolute times, are the result: the machine is shared. Sections:
   compiled; on CUDA also against CUDA graphs of the eager and of the compiled step, with
   the graphs' capture count and time. A default section only where CUDA is; on a CPU ask for it, scaled down
   (`--sections shaped --hidden-scale 0.05`).
+- budget: the tree shape the auto budget would choose for a streamed 8B and 70B target on a
+  24 GB card, with the shaped section's draft step times (eager, and what `--compile on`
+  runs) and a target pass at the plan's transfer bound (measured bandwidth); predicted
+  tokens/s with the stories pair's acceptance. A default section only where CUDA is.
 
 A section is a function `(args) -> rows` (printed by the section, written to the JSON under
 its name); add one to SECTIONS.
@@ -51,10 +55,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from speculative.budget import CostLine, TreeShape, choose_shape  # noqa: E402
 from speculative.checkpoint import load  # noqa: E402
 from speculative.compiled import CompiledPasses  # noqa: E402
 from speculative.drafting import ModelDrafter  # noqa: E402
 from speculative.generation import Generation, Strategy  # noqa: E402
+from speculative.graphs import bucket_for  # noqa: E402
 from speculative.model import Transformer  # noqa: E402
 from speculative.sampling import SamplingParams  # noqa: E402
 from speculative.strategies.autoregressive import Autoregressive  # noqa: E402
@@ -436,14 +442,104 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     return prof
 
 
+_SHAPED: dict[tuple[str, float], dict[str, Any]] = {}
+
+
 def shaped(args: argparse.Namespace) -> dict[str, Any]:
+    key = (args.shaped, args.hidden_scale)
+    if key in _SHAPED:  # measured already in this run (the budget section reads it)
+        return _SHAPED[key]
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     print(f"\n{args.shaped}-shaped draft (width x{args.hidden_scale}), {device}")
     rows = _shaped_rows(args.shaped, args.hidden_scale, device, dtype, 50)
     _print_steps(rows)
-    return {"preset": args.shaped, "hidden_scale": args.hidden_scale, "device": device,
-            "rows": rows}  # fmt: skip
+    _SHAPED[key] = {"preset": args.shaped, "hidden_scale": args.hidden_scale, "device": device,
+                    "rows": rows}  # fmt: skip
+    return _SHAPED[key]
+
+
+# Tokens per tree round of the real stories260k pair (greedy) at the tree builder's shapes,
+# as tests/test_budget.py records them: the acceptance the budget section assumes.
+STORIES_TOKENS_PER_ROUND = {
+    TreeShape(1, 1): 1.6,
+    TreeShape(2, 2): 2.2,
+    TreeShape(4, 4): 2.8,
+    TreeShape(8, 5): 3.4,
+    TreeShape(16, 6): 4.1,
+    TreeShape(32, 7): 4.8,
+    TreeShape(64, 8): 5.3,
+    TreeShape(128, 9): 6.1,
+}
+
+
+def _budget_rows(shaped_rows: list[dict[str, Any]], bandwidth: float) -> list[dict[str, Any]]:
+    """The tree shape the auto budget would choose for a streamed 8B and 70B target on a
+    24 GB card, given the draft's measured step times (eager, and what `--compile on` runs)
+    and a target pass at the transfer bound of the plan's streamed bytes. A prediction from
+    measured costs (the acceptance is the stories pair's), not a run of the strategy."""
+    from daemon.memory_plan import OffloadRequest, footprint, plan_request
+    from offload.plan import Budget
+    from offload.planning import make_plan
+    from scripts.real_shapes import PAIRS, full_config
+
+    variants = [key[: -len("_us")] for key in shaped_rows[0] if key.endswith("_us")]
+    steps = {r["nodes"]: r for r in shaped_rows}
+    rows = []
+    # An 8B streams on a 12 GB card (on 24 GB it is resident), a 70B on a 24 GB one.
+    for preset, card in (("llama-3.1-8b", 12e9), ("llama-3.1-70b", 24e9)):
+        target = footprint(full_config(preset), torch.bfloat16, preset)
+        draft = footprint(full_config(PAIRS[preset]), torch.bfloat16, PAIRS[preset])
+        request = plan_request(target, draft, 8192, OffloadRequest(offload="stream"))
+        budget = Budget("cuda", int(card), "card", int(160e9), "160 GB", bandwidth, "")
+        plan = make_plan(request, budget)
+        assert plan.seconds_per_pass, f"a {preset} on a {card / 1e9:.0f} GB card streams"
+        target_line = CostLine()
+        for n in (1, 257):  # a streamed pass costs its transfer, whatever it carries
+            target_line.observe(n, plan.seconds_per_pass)
+        for variant in (variants[0], variants[-1]):
+
+            def draft_seconds(shape: TreeShape, variant: str = variant) -> float:
+                width = bucket_for(-(-shape.budget // max(shape.depth, 1))) or 64
+                return shape.draft_passes * steps[width][f"{variant}_us"] / 1e6
+
+            shape = choose_shape(STORIES_TOKENS_PER_ROUND, target_line, draft_seconds)
+            seconds = target_line.predict(1 + shape.budget) + draft_seconds(shape)
+            tokens = STORIES_TOKENS_PER_ROUND.get(shape, 1.0)
+            rows.append(
+                {
+                    "target": preset,
+                    "card_gb": card / 1e9,
+                    "draft_steps": variant.replace("_", "+"),
+                    "target_pass_s": plan.seconds_per_pass,
+                    "budget": shape.budget,
+                    "depth": shape.depth,
+                    "draft_s_per_round": draft_seconds(shape),
+                    "predicted_tokens_per_s": tokens / seconds,
+                }
+            )
+    return rows
+
+
+def budget(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from offload.machine import measure_bandwidth
+
+    report = shaped(args)
+    bandwidth, how = measure_bandwidth(report["device"])
+    print(f"\nauto tree budget for a streamed target, {bandwidth / 1e9:.1f} GB/s ({how})")
+    rows = _budget_rows(report["rows"], bandwidth)
+    print(
+        f"{'target':<15}{'card':>6}  {'draft steps':<18}{'pass s':>8}{'tree':>10}"
+        f"{'draft s':>9}{'tok/s':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['target']:<15}{r['card_gb']:>4.0f}GB  {r['draft_steps']:<18}"
+            f"{r['target_pass_s']:>8.3f}"
+            f"{r['budget']:>6}/{r['depth']:<3}{r['draft_s_per_round']:>9.4f}"
+            f"{r['predicted_tokens_per_s']:>8.2f}"
+        )
+    return rows
 
 
 def startup(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -458,6 +554,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], Any]] = {
     "draft": draft,
     "profile": profile,
     "shaped": shaped,
+    "budget": budget,
 }
 
 
@@ -476,7 +573,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     default = ["startup", "decode", "draft", "profile"]
     if torch.cuda.is_available():
-        default.append("shaped")
+        default += ["shaped", "budget"]
     ap.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=default)
     ap.add_argument("--runs", type=int, default=5, help="startup: cold processes per measure")
     ap.add_argument("--model", default=str(SHARED / "stories260k"))

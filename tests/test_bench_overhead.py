@@ -61,3 +61,26 @@ def test_bench_overhead_compares_eager_and_compiled(tmp_path: Path, stories_draf
     profile = report["profile"]
     assert profile["compiled"]["ops_per_step"] < profile["eager"]["ops_per_step"]
     assert "ratio" in profile and "decode step" in done.stdout
+
+
+def test_the_budget_section_predicts_from_the_draft_step_times() -> None:
+    """The budget section's arithmetic, on given step times: a target pass at the plan's
+    transfer bound (a 70B on 24 GB streams most of its 140 GB), the auto budget's choice for
+    each variant of the draft's steps, and a cheaper draft never predicting fewer tokens/s.
+    A draft step as slow as the pass leaves no tree worth drafting; a fast one, a big one."""
+    sys.path.insert(0, str(ROOT))
+    from scripts.bench_overhead import _budget_rows
+
+    nodes = (1, 2, 4, 8, 16, 32, 64)
+    rows = [{"nodes": n, "eager_us": 4e6, "compiled_graphed_us": 500.0} for n in nodes]
+    out = _budget_rows(rows, bandwidth=25e9)
+    assert [(r["target"], r["draft_steps"]) for r in out] == [
+        ("llama-3.1-8b", "eager"), ("llama-3.1-8b", "compiled+graphed"),
+        ("llama-3.1-70b", "eager"), ("llama-3.1-70b", "compiled+graphed"),
+    ]  # fmt: skip
+    slow, fast = out[2], out[3]
+    assert 4 < slow["target_pass_s"] < 6  # ~115 GB streamed per pass at 25 GB/s
+    assert fast["budget"] == 128 and abs(fast["draft_s_per_round"] - 9 * 500e-6) < 1e-12
+    assert slow["budget"] < fast["budget"]
+    for eager, graphed in (out[0:2], out[2:4]):
+        assert graphed["predicted_tokens_per_s"] >= eager["predicted_tokens_per_s"]
