@@ -460,7 +460,7 @@ def shaped(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # Tokens per tree round of the real stories260k pair (greedy) at the tree builder's shapes,
-# as tests/test_budget.py records them: the acceptance the budget section assumes.
+# measured: the acceptance the budget section assumes (tests/test_budget.py uses it too).
 STORIES_TOKENS_PER_ROUND = {
     TreeShape(1, 1): 1.6,
     TreeShape(2, 2): 2.2,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+from scripts.bench_overhead import STORIES_TOKENS_PER_ROUND
 from speculative.budget import (
     AutoBudget,
     CostLine,
@@ -43,16 +44,7 @@ def test_streamed_gpu_costs_pick_a_big_tree():
 
 
 # Tokens per round the real stories260k pair yields (greedy) at the builder's shapes.
-MEASURED = {
-    TreeShape(1, 1): 1.6,
-    TreeShape(2, 2): 2.2,
-    TreeShape(4, 4): 2.8,
-    TreeShape(8, 5): 3.4,
-    TreeShape(16, 6): 4.1,
-    TreeShape(32, 7): 4.8,
-    TreeShape(64, 8): 5.3,
-    TreeShape(128, 9): 6.1,
-}
+MEASURED = STORIES_TOKENS_PER_ROUND
 
 
 def test_cpu_costs_with_expensive_drafting_pick_no_tree():

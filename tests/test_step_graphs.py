@@ -239,23 +239,10 @@ def test_graphs_need_a_cuda_device_or_a_capture(stories_draft: Path) -> None:
     assert CompiledPasses(model, compile=False).graphs is None  # a CPU model: no graphs
 
 
-def test_a_kv_cache_allocation_is_a_bucketed_size() -> None:
+def test_a_kv_cache_allocation_is_a_bucketed_size(stories_draft: Path) -> None:
     """Graphs are keyed by allocation: caches grow by doubling from INITIAL_SLOTS, so a
     long conversation passes through a handful of sizes, not one per step."""
-    from speculative.config import ModelConfig
-
-    config = ModelConfig(
-        model_type="llama",
-        vocab_size=32,
-        hidden_size=8,
-        intermediate_size=16,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=4,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=8192,
-    )
+    config = load(str(stories_draft))[0].config
     cache = KVCache(config, 5000)
     sizes = set()
     for _ in range(5000):
