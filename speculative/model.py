@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -270,9 +270,21 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def _check_not_compiled(self, change: str) -> None:
+        # Compiled passes check no guard on the model (speculative/compiled.py: they would
+        # run stale graphs, or a kernel indexing past a table), so changes come first.
+        if self.compiled is not None:
+            raise RuntimeError(f"{change} after the model's passes were compiled")
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Transformer:
+        # `.to()`, `.half()`, `.cuda()`... move or recast every weight.
+        self._check_not_compiled("moving or casting the weights")
+        return super()._apply(*args, **kwargs)
+
     def set_layers(self, layers: nn.ModuleList | LayerSequence) -> None:
         """Replace the block list (e.g. by a streamer that brings each layer's weights to
         the device just in time); `forward` only iterates it."""
+        self._check_not_compiled("set_layers")
         self._modules.pop("layers", None)
         self.__dict__.pop("layers", None)
         if isinstance(layers, nn.Module):
@@ -292,6 +304,7 @@ class Transformer(nn.Module):
         no tokenizer produces but a target may still sample) is embedded as id 0: what the
         draft guesses after it changes only how much speculation is accepted, never the
         output, which is always the target's."""
+        self._check_not_compiled("set_vocab_width")
         self.vocab_width = width
 
     @torch.no_grad()
@@ -301,6 +314,7 @@ class Transformer(nn.Module):
         q/k/v and gate/up stacked as a dense checkpoint's are (`FusedLinear`): each part is
         rebuilt straight into its rows, so the peak is the dense layers so far plus the
         shared rebuild scratch, never a part twice."""
+        self._check_not_compiled("dequantize_layers")
         if not isinstance(self.layers, nn.ModuleList):
             raise ValueError("dequantize_layers needs the model's own layers, not a streamer")
         for owner in list(self.layers.modules()):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -239,3 +240,57 @@ def test_streamed_or_packed_models_are_not_compiled(tmp_path: Path) -> None:
     plain.set_layers(list(plain.layers))  # a layer list that is not the model's own
     reason = ineligible(plain)
     assert reason is not None and "streamed" in reason
+
+
+def test_a_compiled_model_refuses_changes(stories_draft: Path) -> None:
+    """Compiled passes check no guard on the model, so a change after compiling would run
+    stale graphs (a wider vocabulary: a kernel indexing past the embedding's rows). Every
+    way to change a loaded model refuses while its passes are attached."""
+    model = load(str(stories_draft))[0]
+    model.compiled = CompiledPasses(model)
+    changes = {
+        "set_vocab_width": lambda: model.set_vocab_width(model.config.vocab_size + 8),
+        "set_layers": lambda: model.set_layers(model.layers),
+        "dequantize_layers": model.dequantize_layers,
+        "moving or casting": lambda: model.to(torch.float64),
+    }
+    for what, change in changes.items():
+        with pytest.raises(RuntimeError, match=f"{what}.* after the model's passes were compiled"):
+            change()
+    model.compiled = None
+    model.set_vocab_width(model.config.vocab_size + 8)  # before compiling: allowed
+
+
+def test_the_guards_kept_are_the_inputs_and_the_global_state(
+    draft: Transformer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a compiled step checks before each call (`_input_guards`): every guard on its
+    six inputs, their symbolic sizes' relations and the grad/global state stay; none on
+    the model's modules does (those are what cost ~70 µs a step)."""
+    import speculative.compiled as compiled_module
+
+    decisions: list[tuple[Any, bool]] = []
+    real = compiled_module._input_guards
+
+    def recording(entries: list[Any]) -> list[bool]:
+        keep = real(entries)
+        decisions.extend(zip(entries, keep, strict=True))
+        return keep
+
+    monkeypatch.setattr(compiled_module, "_input_guards", recording)
+    CompiledPasses(draft).warm()
+    assert decisions
+    inputs = ("tokens", "positions", "k", "v", "write", "mask")
+    kept = {id(e) for e, keep in decisions if keep}  # by identity: entries hold tensors
+    for name in inputs:  # each input's tensor guard, in both graphs
+        matches = [e for e, _ in decisions if e.guard_type == "TENSOR_MATCH" and e.name == name]
+        assert len(matches) == 2 and all(id(e) in kept for e in matches), name
+    for kind in ("SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE"):
+        assert any(e.guard_type == kind and id(e) in kept for e, _ in decisions), kind
+    modules = [
+        e
+        for e, _ in decisions
+        if e.orig_guard.source is not None and e.orig_guard.source.is_unspecialized_nn_module()
+    ]
+    assert len(modules) > 10 * draft.config.num_layers
+    assert not any(id(e) in kept for e in modules)
