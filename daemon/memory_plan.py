@@ -130,7 +130,7 @@ def activation_footprint(
     if copy:  # each product while it runs: its inputs, its output and the fp32 buffer
         phases += [
             item * (2 * d + q + 2 * kv) + copy * (q + 2 * kv),  # q/k/v
-            item * (2 * d + q) + copy * d,  # o_proj: x, the attention output's copy
+            item * (3 * d + 4 * q + 3 * kv) + copy * d,  # o_proj: as the phase above
             item * (3 * d + 2 * f) + copy * 2 * f,  # gate/up: x, residual, h
             item * (4 * d + 3 * f) + copy * d,  # down: the MLP phase's tensors and its output
         ]

@@ -118,16 +118,16 @@ def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
 
 
 def _graph_bytes(m: ModelFootprint, g: GraphRequest, context: int) -> int:
-    """What one model's CUDA graphs hold. The pool keeps a step's working set (the head runs
-    outside; scores within `chunk_bytes`), counted twice: steps captured over the
-    allocations a cache grows through may not reuse each other's blocks; the warm-up runs
-    one more step beside a served pass, on its scratch cache. Each graph keeps its (tokens,
-    hidden) output and its (tokens, slots) mask, whose rows times slots the score bound
-    limits (one row of a single-token step spans the context). A streamed target is not
-    captured; counted anyway, as the plan chooses streaming after this."""
+    """What one model's CUDA graphs hold. A step's working set (the head runs outside;
+    scores within `chunk_bytes`) three times: the pool keeps it, twice because steps
+    captured over the allocations a cache grows through may not reuse each other's blocks,
+    and the warm-up runs one more beside a served pass (on its scratch cache). Each graph
+    keeps its (tokens, hidden) output and its (tokens, slots) mask, whose rows times slots
+    the score bound limits (one row of a single-token step spans the context). A streamed
+    target is not captured; counted anyway, as the plan chooses streaming after this."""
     a = m.activations
     step = replace(a, chunk_bytes=g.chunk_bytes).pass_bytes(g.tokens, 0, context)
-    mask = max(g.chunk_bytes // a.score_bytes_per_key, context)
+    mask = max(min(g.chunk_bytes // a.score_bytes_per_key, g.tokens * context), context)
     per_graph = g.tokens * a.hidden_bytes_per_token + mask
     return 3 * step + m.kv_bytes(g.warm_slots) + g.count * per_graph + g.workspace_bytes
 

@@ -17,9 +17,11 @@ Eligible: a model on its own layers (a streamer's list moves weights between cal
 no packed projections (rebuilt per call into a shared scratch), passes of one sequence with
 at most MAX_TOKENS tokens whose attention fits one query chunk over the allocation (the
 memory bound `attend` keeps, speculative/attention.py's ATTENTION_CHUNK_BYTES). Everything
-else runs eager, and so does a model whose graph fails (logged once). The head (norm, vocabulary projection)
-stays eager over the rows that want logits, so the memory plan is unchanged; attention over
-the whole allocation costs at most twice the eager attention's keys, within the same bound.
+else runs eager, and so does a model whose graph fails (logged once). The head (norm,
+vocabulary projection) stays eager over the rows that want logits, so a compiled pass holds
+what the plan's pass figure counts; attention over the whole allocation costs at most twice
+the eager attention's keys, within the same bound. (CUDA graphs hold memory for good; the
+plan counts that apart: offload/planning.py.)
 Outputs equal eager ones up to float rounding (the fused kernels sum in another order, as a
 batched pass does): greedy tokens identical in the tests, fp32 logits within 1e-5 plus 2e-6
 of the largest.
@@ -265,10 +267,8 @@ class CompiledPasses:
         device = self.model.device
         mask = torch.zeros(width, cache.allocated, dtype=torch.bool, device=device)
         rows = full_mask(segment.mask, start, t, device)
-        if rows is None:  # a lone token padded: it sees its prefix
-            mask[0, : start + 1] = True
-        else:
-            mask[:t, : start + t] = rows
+        assert rows is not None  # only a lone token needs no mask, and it is never padded
+        mask[:t, : start + t] = rows
         if width > t:
             pads = torch.eye(width - t, dtype=torch.bool, device=device)
             mask[t:, start + t : start + width] = pads

@@ -22,7 +22,8 @@ captured with. So a step is captured per
 Everything else a step varies goes through the graph's static inputs, copied in before
 each replay: tokens, positions, the slots written and the (tokens, slots) mask. A model's
 graphs share one memory pool, which is safe because a replay's output is read (by the eager
-head) before the next replay starts, and one capture stream of their own. At most
+head) before the next replay starts, and every graph's output stays allocated (no later
+capture reuses it); and one capture stream of their own. At most
 MAX_GRAPHS are kept per model, and past it all of them are dropped, never one: destroying a
 graph clears cuBLAS's workspace for its capture stream, whose address the model's other
 graphs baked in (pytorch/pytorch#193402). Captures are serialised across the process (one
@@ -43,10 +44,12 @@ import torch
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # The most attention scores a captured step may hold (speculative/attention.py's bound for
 # any pass is 128 MiB): a graph's pool keeps its working memory for good, so a captured step
-# attends with at most this many bytes of scores and a wider one runs uncaptured. 32 MiB
-# holds a 64-token step over 4k slots of a 32-head model, 8 tokens over 16k, one row over
-# 128k (a single row is always allowed: eager holds it too).
-GRAPH_ATTENTION_BYTES = 32 * 2**20
+# attends with at most this many bytes of scores and a wider one runs uncaptured. The bound
+# is on the allocation (which doubles past the context used): for a 32-head model, 64 MiB
+# captures every bucket up to 2k slots, 32 tokens at 4k, 16 at 8k, 8 at 16k, 4 at 32k and
+# single tokens at 128k (a single row is always allowed: eager holds it too); a 64-head
+# model, half as many tokens.
+GRAPH_ATTENTION_BYTES = 64 * 2**20
 # Graphs kept per model: every bucket for several KV storages (a daemon's few live caches
 # and the sizes each grew through). Each holds its inputs, its (bucket, hidden) output and
 # its share of the pool's intermediates (the memory plan counts them).

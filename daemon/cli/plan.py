@@ -23,7 +23,13 @@ from daemon.cli.argtypes import (
     count_or_auto,
     size_or_off,
 )
-from daemon.settings import DEVICE_CHOICES, DTYPE_CHOICES, QUANTIZE_CHOICES, size_bytes
+from daemon.settings import (
+    COMPILE_CHOICES,
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    QUANTIZE_CHOICES,
+    size_bytes,
+)
 from offload.units import parse_rate, parse_size
 from speculative.errors import RequestError
 
@@ -138,6 +144,12 @@ def register(subparsers: Any) -> None:
         help="tree node budget or auto (the plan holds the largest tree)",
     )
     add_prefix_cache_arg(p)
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_CHOICES,
+        default=None,
+        help="plan for compiled passes: on a GPU, `on` captures CUDA graphs (their memory)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     add_offload_args(p)
     p.set_defaults(func=cmd_plan)
@@ -165,6 +177,7 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
         "device",
         "context",
         "budget",
+        "compile",
     ):
         value = getattr(args, name)
         if value is not None:
