@@ -45,13 +45,14 @@ def measure_bandwidth(device: torch.device | str, size: int = 256 * 2**20) -> tu
 
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
-    """The host CPU's feature flags (Linux's /proc/cpuinfo; empty where it cannot be read)."""
+    """This machine's CPU feature flags (Linux's /proc/cpuinfo: `flags` on x86, `Features`
+    on ARM; empty where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
     for line in text.splitlines():
-        if line.startswith("flags"):
+        if line.startswith(("flags", "Features")):
             return frozenset(line.partition(":")[2].split())
     return frozenset()
 
@@ -62,7 +63,9 @@ def gemm_copies_output(dtype: torch.dtype, device_type: str) -> bool:
     avx512_bf16 or amx_bf16) oneDNN computes a bf16 product through an fp32 output buffer
     it allocates itself: measured at one fp32 output (M×N×4 bytes) for shapes from a
     1,024-row prefill projection to a 256-row head over 128k rows, freed when the product
-    returns. Unknown flags (no /proc/cpuinfo) count as without."""
+    returns. It reads this machine's CPU, also when a plan is made for another one; where
+    the flags cannot be read, and on ARM (whose oneDNN path is unmeasured), the copy is
+    counted."""
     if device_type != "cpu" or dtype != torch.bfloat16:
         return False
     return not {"avx512_bf16", "amx_bf16"} & _cpu_flags()

@@ -592,11 +592,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "torch": torch.__version__, "threads": args.threads}  # fmt: skip
     for name in args.sections:
         report[name] = SECTIONS[name](args)
-    if _PAIRS:
-        report["warm_seconds"] = [pair.warm_seconds for pair in _PAIRS.values()]
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        if _PAIRS:
+            report["warm_seconds"] = [pair.warm_seconds for pair in _PAIRS.values()]
+        if args.json is not None:  # after each section: a run cut short keeps what it measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 

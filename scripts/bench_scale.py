@@ -110,8 +110,8 @@ def pass_plan(
     pass set to `tokens` tokens returning `logit_rows` rows of logits (a prefill chunk: 1; a
     tree of N nodes: N + 1 tokens and rows) and a prefix cache of `prefix_cache_bytes`, for
     a `device` ("cpu": the cache is a device part; "cuda": it lives in pinned host RAM)."""
-    t = footprint(target, dtype, "target")
-    d = footprint(draft, dtype, "draft")
+    t = footprint(target, dtype, "target", device_type=device)
+    d = footprint(draft, dtype, "draft", device_type=device)
     options = OffloadRequest(offload="none", prefix_cache_bytes=prefix_cache_bytes)
     request = plan_request(t, d, context, options, tree_budget=max(logit_rows - 1, 1))
     exact = dataclasses.replace(request, pass_tokens=tokens, logit_rows=logit_rows)

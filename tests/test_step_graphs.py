@@ -303,3 +303,57 @@ def test_a_failed_capture_falls_back_to_eager_on_the_callers_stream(stories_draf
     assert passes.failure is not None and passes.passes == 0
     assert torch.cuda.current_stream() == caller
     _close(out.cpu(), model.forward(torch.arange(3), torch.arange(3), model.new_cache(64)).cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_new_cache_on_a_freed_storage_replays_its_graphs(stories_draft: Path) -> None:
+    """What lets a few storages serve a daemon: a finished session's cache is freed, the
+    next one gets its block from the caching allocator, and its steps replay the graphs
+    captured for that address (with their own, exact results)."""
+    model = load(str(stories_draft), device="cuda")[0]
+    passes = CompiledPasses(model, compile=False)
+    model.compiled = passes
+    first = model.new_cache(64)
+    model.forward(torch.arange(3), torch.arange(3), first)
+    address = (first.k.data_ptr(), first.v.data_ptr())
+    assert passes.graphs is not None and passes.graphs.captures == 1
+    del first
+    second = model.new_cache(64)
+    if (second.k.data_ptr(), second.v.data_ptr()) != address:
+        pytest.skip("the allocator gave the new cache other memory: nothing to replay")
+    out = model.forward(torch.tensor([7, 8, 9]), torch.arange(3), second)
+    assert passes.graphs.captures == 1 and passes.graphs.replays == 1
+    model.compiled = None
+    eager = model.forward(torch.tensor([7, 8, 9]), torch.arange(3), model.new_cache(64))
+    _close(out.cpu(), eager.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_what_the_graphs_hold_is_within_the_plan(stories_draft: Path) -> None:
+    """The device memory reserved while a model warms and captures every bucket on three
+    storages stays within what the plan counts for its graphs (offload/planning.py)."""
+    from daemon.memory_plan import GRAPHS, footprint
+    from offload.planning import _graph_bytes
+
+    model = load(str(stories_draft), device="cuda")[0]
+    context = 2048
+    caches = [model.new_cache(context) for _ in range(3)]
+    for cache in caches:
+        cache.reserve(context)  # the caches' own memory before the baseline
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_reserved()
+    passes = CompiledPasses(model, compile=False)
+    passes.warm()
+    model.compiled = passes
+    for cache in caches:
+        for n in BUCKETS:
+            model.forward(torch.arange(n), torch.arange(n), cache)
+            cache.truncate(0)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_reserved() - base
+    planned = _graph_bytes(footprint(model.config, model.dtype, "draft"), GRAPHS, context)
+    print(f"reserved by graphs {held / 2**20:.1f} MiB, planned {planned / 2**20:.1f} MiB")
+    assert passes.graphs is not None and passes.graphs.captures == 4 * len(BUCKETS)
+    assert held <= planned
