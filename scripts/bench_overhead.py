@@ -22,7 +22,8 @@ Ratios, not absolute times, are the result: the machine is shared. Sections:
 - shaped: a random draft in a real model's shape (`--shaped llama-3.2-1b`: 16 layers,
   vocabulary 128,256), one draft step at 1-64 nodes over a 512-token cache, eager against
   compiled; on CUDA also against CUDA graphs of the eager and of the compiled step, with
-  the graphs' capture count and time. A default section only where CUDA is; on a CPU ask for it, scaled down
+  the graphs' capture count and time. A default section only where CUDA is; on a CPU ask
+  for it, scaled down
   (`--sections shaped --hidden-scale 0.05`).
 - budget: the tree shape the auto budget would choose for a streamed 8B and 70B target on a
   24 GB card, with the shaped section's draft step times (eager, and what `--compile on`
@@ -55,13 +56,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from speculative.budget import CostLine, TreeShape, choose_shape  # noqa: E402
+from scripts.step_timing import budget, print_steps, shaped, step_seconds  # noqa: E402
 from speculative.checkpoint import load  # noqa: E402
 from speculative.compiled import CompiledPasses  # noqa: E402
 from speculative.drafting import ModelDrafter  # noqa: E402
 from speculative.generation import Generation, Strategy  # noqa: E402
-from speculative.graphs import bucket_for  # noqa: E402
-from speculative.model import Transformer  # noqa: E402
 from speculative.sampling import SamplingParams  # noqa: E402
 from speculative.strategies.autoregressive import Autoregressive  # noqa: E402
 from speculative.strategies.linear import Linear  # noqa: E402
@@ -266,39 +265,13 @@ def _decode_rows(pair: Pair, tokens: int, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _step_seconds(
-    model: Transformer,
-    nodes: int,
-    context: int,
-    repeats: int,
-    sync: Callable[[], None] = lambda: None,
-) -> float:
-    """Median seconds of one draft step of `nodes` tree nodes over a `context`-token cache
-    (the step is rolled back after each run, so every run sees the same cache)."""
-    device = model.device
-    cache = model.new_cache(context + nodes)
-    model.forward(torch.arange(context) % 100 + 3, torch.arange(context), cache)
-    mask = torch.ones(nodes, context + nodes, dtype=torch.bool, device=device)
-    mask[:, context:] = torch.eye(nodes, dtype=torch.bool)  # siblings: each sees itself
-    tokens = torch.arange(nodes, device=device) + 7
-    positions = torch.full((nodes,), context, device=device)
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        model.forward(tokens, positions, cache, mask=mask)
-        sync()
-        samples.append(time.perf_counter() - t0)
-        cache.truncate(context)
-    return statistics.median(samples[1:])
-
-
 def _draft_rows(pair: Pair, repeats: int) -> list[dict[str, Any]]:
     rows = []
     for nodes in (1, 8, 32):
         pair.compiled(False)
-        eager = _step_seconds(pair.draft, nodes, 100, repeats)
+        eager = step_seconds(pair.draft, nodes, 100, repeats)
         pair.compiled(True)
-        compiled = _step_seconds(pair.draft, nodes, 100, repeats)
+        compiled = step_seconds(pair.draft, nodes, 100, repeats)
         pair.compiled(False)
         rows.append(
             {
@@ -308,57 +281,6 @@ def _draft_rows(pair: Pair, repeats: int) -> list[dict[str, Any]]:
                 "ratio": eager / compiled,
             }
         )
-    return rows
-
-
-def _shaped_variants(model: Transformer) -> dict[str, CompiledPasses | None]:
-    """The ways a step can run: eager and compiled; on CUDA also captured as CUDA graphs,
-    eager and compiled ("compiled+graphed" is what `--compile on` runs there)."""
-    variants: dict[str, CompiledPasses | None] = {"eager": None}
-    if model.device.type != "cuda":
-        variants["compiled"] = CompiledPasses(model)
-        return variants
-    variants["compiled"] = CompiledPasses(model, graphs=False)
-    variants["graphed"] = CompiledPasses(model, compile=False)
-    variants["compiled+graphed"] = CompiledPasses(model)
-    return variants
-
-
-def _shaped_rows(
-    preset: str, hidden_scale: float, device: str, dtype: torch.dtype, repeats: int
-) -> list[dict[str, Any]]:
-    """Draft steps of a random real-shaped model at 1-64 nodes, eager against compiled (and
-    on CUDA against CUDA graphs). `ratio`: eager over what `--compile on` runs."""
-    from scripts.real_shapes import PRESETS, build_model, model_config
-
-    config = model_config(preset, layers=PRESETS[preset].num_layers, hidden_scale=hidden_scale)
-    model = build_model(config, dtype, device)
-    variants = _shaped_variants(model)
-    for name, passes in variants.items():
-        if passes is not None:
-            print(f"  warming {name}", flush=True)
-            passes.warm(lambda line: print(f"    {line}", flush=True))
-    sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
-    default = list(variants)[-1]
-    rows = []
-    for nodes in (1, 2, 4, 8, 16, 32, 64):
-        row: dict[str, Any] = {"nodes": nodes}
-        for name, passes in variants.items():
-            model.compiled = passes
-            sync()
-            row[f"{name.replace('+', '_')}_us"] = 1e6 * _step_seconds(
-                model, nodes, 512, repeats, sync
-            )
-        model.compiled = None
-        row["ratio"] = row["eager_us"] / row[f"{default.replace('+', '_')}_us"]
-        rows.append(row)
-    for name, passes in variants.items():
-        graphs = passes.graphs if passes is not None else None
-        if graphs is not None:
-            print(
-                f"  {name}: {graphs.captures} CUDA graphs captured in "
-                f"{graphs.capture_seconds:.2f} s, {graphs.replays} replays"
-            )
     return rows
 
 
@@ -414,19 +336,8 @@ def decode(args: argparse.Namespace) -> list[dict[str, Any]]:
 def draft(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = _draft_rows(_pair(args), max(args.repeats * 20, 21))
     print("\ndraft step (one tree depth) over a 100-token cache, median")
-    _print_steps(rows)
+    print_steps(rows)
     return rows
-
-
-def _print_steps(rows: list[dict[str, Any]]) -> None:
-    columns = [key for key in rows[0] if key.endswith("_us")]
-    names = [key[: -len("_us")].replace("_", "+") + " µs" for key in columns]
-    print(f"{'nodes':>6}" + "".join(f"{n:>{max(len(n) + 2, 11)}}" for n in names) + f"{'ratio':>8}")
-    for r in rows:
-        cells = "".join(
-            f"{r[key]:>{max(len(n) + 2, 11)}.0f}" for key, n in zip(columns, names, strict=True)
-        )
-        print(f"{r['nodes']:>6}{cells}{r['ratio']:>7.2f}x")
 
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
@@ -440,106 +351,6 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         print(p["table"])
     print(f"host time per step, eager / compiled: {prof['ratio']:.2f}x")
     return prof
-
-
-_SHAPED: dict[tuple[str, float], dict[str, Any]] = {}
-
-
-def shaped(args: argparse.Namespace) -> dict[str, Any]:
-    key = (args.shaped, args.hidden_scale)
-    if key in _SHAPED:  # measured already in this run (the budget section reads it)
-        return _SHAPED[key]
-    cuda = torch.cuda.is_available()
-    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    print(f"\n{args.shaped}-shaped draft (width x{args.hidden_scale}), {device}")
-    rows = _shaped_rows(args.shaped, args.hidden_scale, device, dtype, 50)
-    _print_steps(rows)
-    _SHAPED[key] = {"preset": args.shaped, "hidden_scale": args.hidden_scale, "device": device,
-                    "rows": rows}  # fmt: skip
-    return _SHAPED[key]
-
-
-# Tokens per tree round of the real stories260k pair (greedy) at the tree builder's shapes,
-# measured: the acceptance the budget section assumes (tests/test_budget.py uses it too).
-STORIES_TOKENS_PER_ROUND = {
-    TreeShape(1, 1): 1.6,
-    TreeShape(2, 2): 2.2,
-    TreeShape(4, 4): 2.8,
-    TreeShape(8, 5): 3.4,
-    TreeShape(16, 6): 4.1,
-    TreeShape(32, 7): 4.8,
-    TreeShape(64, 8): 5.3,
-    TreeShape(128, 9): 6.1,
-}
-
-
-def _budget_rows(shaped_rows: list[dict[str, Any]], bandwidth: float) -> list[dict[str, Any]]:
-    """The tree shape the auto budget would choose for a streamed 8B and 70B target on a
-    24 GB card, given the draft's measured step times (eager, and what `--compile on` runs)
-    and a target pass at the transfer bound of the plan's streamed bytes. A prediction from
-    measured costs (the acceptance is the stories pair's), not a run of the strategy."""
-    from daemon.memory_plan import OffloadRequest, footprint, plan_request
-    from offload.plan import Budget
-    from offload.planning import make_plan
-    from scripts.real_shapes import PAIRS, full_config
-
-    variants = [key[: -len("_us")] for key in shaped_rows[0] if key.endswith("_us")]
-    steps = {r["nodes"]: r for r in shaped_rows}
-    rows = []
-    # An 8B streams on a 12 GB card (on 24 GB it is resident), a 70B on a 24 GB one.
-    for preset, card in (("llama-3.1-8b", 12e9), ("llama-3.1-70b", 24e9)):
-        target = footprint(full_config(preset), torch.bfloat16, preset)
-        draft = footprint(full_config(PAIRS[preset]), torch.bfloat16, PAIRS[preset])
-        request = plan_request(target, draft, 8192, OffloadRequest(offload="stream"))
-        budget = Budget("cuda", int(card), "card", int(160e9), "160 GB", bandwidth, "")
-        plan = make_plan(request, budget)
-        assert plan.seconds_per_pass, f"a {preset} on a {card / 1e9:.0f} GB card streams"
-        target_line = CostLine()
-        for n in (1, 257):  # a streamed pass costs its transfer, whatever it carries
-            target_line.observe(n, plan.seconds_per_pass)
-        for variant in (variants[0], variants[-1]):
-
-            def draft_seconds(shape: TreeShape, variant: str = variant) -> float:
-                width = bucket_for(-(-shape.budget // max(shape.depth, 1))) or 64
-                return shape.draft_passes * steps[width][f"{variant}_us"] / 1e6
-
-            shape = choose_shape(STORIES_TOKENS_PER_ROUND, target_line, draft_seconds)
-            seconds = target_line.predict(1 + shape.budget) + draft_seconds(shape)
-            tokens = STORIES_TOKENS_PER_ROUND.get(shape, 1.0)
-            rows.append(
-                {
-                    "target": preset,
-                    "card_gb": card / 1e9,
-                    "draft_steps": variant.replace("_", "+"),
-                    "target_pass_s": plan.seconds_per_pass,
-                    "budget": shape.budget,
-                    "depth": shape.depth,
-                    "draft_s_per_round": draft_seconds(shape),
-                    "predicted_tokens_per_s": tokens / seconds,
-                }
-            )
-    return rows
-
-
-def budget(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from offload.machine import measure_bandwidth
-
-    report = shaped(args)
-    bandwidth, how = measure_bandwidth(report["device"])
-    print(f"\nauto tree budget for a streamed target, {bandwidth / 1e9:.1f} GB/s ({how})")
-    rows = _budget_rows(report["rows"], bandwidth)
-    print(
-        f"{'target':<15}{'card':>6}  {'draft steps':<18}{'pass s':>8}{'tree':>10}"
-        f"{'draft s':>9}{'tok/s':>8}"
-    )
-    for r in rows:
-        print(
-            f"{r['target']:<15}{r['card_gb']:>4.0f}GB  {r['draft_steps']:<18}"
-            f"{r['target_pass_s']:>8.3f}"
-            f"{r['budget']:>6}/{r['depth']:<3}{r['draft_s_per_round']:>9.4f}"
-            f"{r['predicted_tokens_per_s']:>8.2f}"
-        )
-    return rows
 
 
 def startup(args: argparse.Namespace) -> list[dict[str, Any]]:

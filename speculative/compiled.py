@@ -114,12 +114,13 @@ def _own_code(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor
     """`method` (bound) as a function with a code object of its own: PyTorch keeps compiled
     graphs per code object, so each model's graphs are found without checking which model
     is asking (see `_input_guards`)."""
-    func = method.__func__  # type: ignore[attr-defined]
-    code = func.__code__.replace(co_name=f"{func.__name__}_{id(method.__self__):x}")  # type: ignore[attr-defined]
+    assert isinstance(method, types.MethodType)
+    func, owner = method.__func__, method.__self__
+    code = func.__code__.replace(co_name=f"{func.__name__}_{id(owner):x}")
     own = types.FunctionType(
         code, func.__globals__, code.co_name, func.__defaults__, func.__closure__
     )
-    return types.MethodType(own, method.__self__)  # type: ignore[attr-defined]
+    return types.MethodType(own, owner)
 
 
 def _input_guards(entries: list[Any]) -> list[bool]:

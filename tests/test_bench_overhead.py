@@ -69,7 +69,7 @@ def test_the_budget_section_predicts_from_the_draft_step_times() -> None:
     each variant of the draft's steps, and a cheaper draft never predicting fewer tokens/s.
     A draft step as slow as the pass leaves no tree worth drafting; a fast one, a big one."""
     sys.path.insert(0, str(ROOT))
-    from scripts.bench_overhead import _budget_rows
+    from scripts.step_timing import _budget_rows
 
     nodes = (1, 2, 4, 8, 16, 32, 64)
     rows = [{"nodes": n, "eager_us": 4e6, "compiled_graphed_us": 500.0} for n in nodes]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from scripts.bench_overhead import STORIES_TOKENS_PER_ROUND
+from scripts.step_timing import STORIES_TOKENS_PER_ROUND
 from speculative.budget import (
     AutoBudget,
     CostLine,

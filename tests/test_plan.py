@@ -334,9 +334,9 @@ def test_cuda_graphs_are_planned() -> None:
 
 
 def test_specd_plan_shows_the_cuda_graphs_with_compile_on(shared_models: Path, capsys) -> None:
-    models = shared_models
-    argv = ["plan", "--model", str(models / "stories260k"), "--draft", str(models / "stories260k-draft"),
-            "--device", "cuda", "--gpu-budget", "8GB", "--ram-budget", "16GB", "--bandwidth", "25GB/s"]  # fmt: skip
+    target, draft = shared_models / "stories260k", shared_models / "stories260k-draft"
+    argv = ["plan", "--model", str(target), "--draft", str(draft), "--device", "cuda",
+            "--gpu-budget", "8GB", "--ram-budget", "16GB", "--bandwidth", "25GB/s"]  # fmt: skip
     assert cli.main([*argv, "--compile", "on"]) == 0
     assert "CUDA graphs (steps of up to 64 tokens)" in capsys.readouterr().out
     assert cli.main([*argv, "--compile", "auto"]) == 0  # auto does not capture on CUDA yet
