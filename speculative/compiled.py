@@ -54,6 +54,7 @@ from speculative.graphs import (
     GRAPH_ATTENTION_BYTES,
     Capture,
     StepGraphs,
+    StepInputs,
     bucket_for,
 )
 from speculative.kv_cache import INITIAL_SLOTS, KVCache
@@ -89,24 +90,17 @@ def use_cache_dir(path: Path) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path))
 
 
-def _mark_sizes(
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    write: torch.Tensor,
-    mask: torch.Tensor,
-) -> None:
+def _mark_sizes(inputs: StepInputs) -> None:
     """Tell the compiler which sizes vary, so that it compiles them as symbols from the first
     trace: the allocation (slots), and the token count when above 1 (a single token is a
     graph of its own). Nothing else is symbolic, so no size is ever unified with a model
     dimension that happens to be equal at trace time."""
     mark = torch._dynamo.mark_dynamic
-    for tensor in (k, v):
+    for tensor in (inputs.k, inputs.v):
         mark(tensor, 2)
-    mark(mask, 1)
-    if tokens.shape[0] > 1:
-        for tensor in (tokens, positions, write, mask):
+    mark(inputs.mask, 1)
+    if inputs.tokens.shape[0] > 1:
+        for tensor in (inputs.tokens, inputs.positions, inputs.write, inputs.mask):
             mark(tensor, 0)
 
 
@@ -196,9 +190,9 @@ class CompiledPasses:
         fixed = FixedSlots(int(tokens.shape[0]), k, v, write, mask)
         return self.model.hidden_states(tokens, positions, [fixed])
 
-    def _marked_step(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def _marked_step(self, inputs: StepInputs) -> torch.Tensor:
         # The graphs' fixed inputs are copies, made after the caller marked its own.
-        _mark_sizes(*inputs)
+        _mark_sizes(inputs)
         return self._step(*inputs)
 
     def hidden_states(self, segment: Segment) -> torch.Tensor | None:
@@ -216,8 +210,10 @@ class CompiledPasses:
             bucket = None
         start = cache.reserve(bucket or t)
         heads = self.model.config.num_heads
-        graph_rows = query_chunk(heads, cache.allocated, GRAPH_ATTENTION_BYTES)
-        if bucket is not None and bucket > graph_rows:  # a single row always fits (≥ 1)
+        # A single row always fits (query_chunk is at least 1).
+        if bucket is not None and bucket > query_chunk(
+            heads, cache.allocated, GRAPH_ATTENTION_BYTES
+        ):
             bucket = None
         width = bucket or t
         # One query chunk over the whole allocation: `attend` would split a bigger pass in
@@ -237,12 +233,12 @@ class CompiledPasses:
             tokens[:t] = segment.tokens
             positions[:t] = segment.positions
         write = self._slots(cache)[start : start + width]
-        inputs = (tokens, positions, cache.k, cache.v, write, mask)
+        inputs = StepInputs(tokens, positions, cache.k, cache.v, write, mask)
         try:
             if bucket is not None and self.graphs is not None:
-                x = self.graphs.run(*inputs)
+                x = self.graphs.run(inputs)
             else:
-                x = self._marked_step(*inputs)
+                x = self._marked_step(inputs)
         except Exception as exc:  # the compiler is an optimisation: fall back, say so once
             self.failure = exc
             log.error("a compiled pass failed; this model runs eager from now on", exc_info=exc)
@@ -285,7 +281,8 @@ class CompiledPasses:
         model = self.model
         # A KV cache's storage is never an inference tensor (speculative/kv_cache.py), so
         # the warm-up's graphs are the ones a session's cache hits.
-        cache = KVCache(model.config, INITIAL_SLOTS, dtype=model.dtype, device=model.device)
+        slots = 2 * MAX_TOKENS if self.graphs is None else INITIAL_SLOTS
+        cache = KVCache(model.config, slots, dtype=model.dtype, device=model.device)
         steps = WARM_TOKENS if self.graphs is None else BUCKETS
         for n in steps:
             if progress is not None:

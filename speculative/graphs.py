@@ -36,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -59,8 +60,20 @@ MAX_GRAPHS = 64
 # default cuBLAS workspace is 32 MiB on Hopper (less on older cards), cuBLASLt's a few MiB.
 CUBLAS_WORKSPACE_BYTES = 40 * 2**20
 
-# A step as the graph runs it: (tokens, positions, k, v, write, mask) -> hidden states.
-Step = Callable[..., torch.Tensor]
+
+class StepInputs(NamedTuple):
+    """What a step reads and writes: its tokens and their slots, and the whole cache."""
+
+    tokens: torch.Tensor  # (B,)
+    positions: torch.Tensor  # (B,)
+    k: torch.Tensor  # (layers, Hkv, slots, hd) the cache's whole allocation
+    v: torch.Tensor
+    write: torch.Tensor  # (B,) the slots the new entries go to
+    mask: torch.Tensor  # (B, slots) bool
+
+
+# A step as the graph runs it: its inputs -> the (B, hidden) final hidden states.
+Step = Callable[[StepInputs], torch.Tensor]
 # Captures a step over fixed tensors; returns the function that replays it.
 Capture = Callable[[Callable[[], torch.Tensor]], Callable[[], torch.Tensor]]
 
@@ -117,21 +130,19 @@ class CudaCapture:
 
 @dataclass
 class _Graph:
-    """One captured step and the fixed inputs it reads."""
+    """One captured step: the fixed inputs it reads (the cache's own k and v) and its
+    replay, which returns the (B, hidden) output, overwritten by the next replay."""
 
-    tokens: torch.Tensor  # (B,)
-    positions: torch.Tensor  # (B,)
-    write: torch.Tensor  # (B,) slots
-    mask: torch.Tensor  # (B, slots) bool
-    replay: Callable[[], torch.Tensor]  # returns the (B, hidden) output, overwritten next time
+    inputs: StepInputs
+    replay: Callable[[], torch.Tensor]
 
 
 class StepGraphs:
     """One model's captured steps (see the module's docstring).
 
-    `run(tokens, positions, k, v, write, mask)` takes a step already padded to a bucket
-    and returns its (bucket, hidden) output: the graph's own tensor, valid until the next
-    replay of that graph, so the caller reads it at once."""
+    `run(inputs)` takes a step already padded to a bucket and returns its (bucket, hidden)
+    output: the graph's own tensor, valid until the next replay of that graph, so the
+    caller reads it at once."""
 
     def __init__(self, step: Step, capture: Capture | None = None) -> None:
         self.step = step
@@ -144,36 +155,19 @@ class StepGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def run(
-        self,
-        tokens: torch.Tensor,  # (B,)
-        positions: torch.Tensor,  # (B,)
-        k: torch.Tensor,  # (layers, Hkv, slots, hd) the cache's whole allocation
-        v: torch.Tensor,
-        write: torch.Tensor,  # (B,)
-        mask: torch.Tensor,  # (B, slots) bool
-    ) -> torch.Tensor:
-        key = (k.data_ptr(), v.data_ptr(), int(k.shape[2]), int(tokens.shape[0]))
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        k, v = inputs.k, inputs.v
+        key = (k.data_ptr(), v.data_ptr(), int(k.shape[2]), int(inputs.tokens.shape[0]))
         graph = self._graphs.get(key)
         if graph is None:
-            return self._capture(key, tokens, positions, k, v, write, mask)
-        graph.tokens.copy_(tokens)
-        graph.positions.copy_(positions)
-        graph.write.copy_(write)
-        graph.mask.copy_(mask)
+            return self._capture(key, inputs)
+        for fixed, new in zip(graph.inputs, inputs, strict=True):
+            if fixed is not new:  # k and v are the cache's own
+                fixed.copy_(new)
         self.replays += 1
         return graph.replay()
 
-    def _capture(
-        self,
-        key: tuple[int, int, int, int],
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        write: torch.Tensor,
-        mask: torch.Tensor,
-    ) -> torch.Tensor:
+    def _capture(self, key: tuple[int, int, int, int], inputs: StepInputs) -> torch.Tensor:
         """Capture the step for `key` with this step's inputs as its fixed inputs, and run
         it (the replay computes this step)."""
         t0 = time.perf_counter()
@@ -181,9 +175,13 @@ class StepGraphs:
             self._graphs.clear()  # all of them, never one (see the module's docstring)
         # Fixed inputs are ordinary allocations, outside the graphs' pool: a capture may
         # reuse what another graph freed in the pool, never a tensor copied into later.
-        tokens, positions, write, mask = (x.clone() for x in (tokens, positions, write, mask))
-        replay = self.capture(lambda: self.step(tokens, positions, k, v, write, mask))
-        graph = _Graph(tokens, positions, write, mask, replay)
+        fixed = inputs._replace(
+            tokens=inputs.tokens.clone(),
+            positions=inputs.positions.clone(),
+            write=inputs.write.clone(),
+            mask=inputs.mask.clone(),
+        )
+        graph = _Graph(fixed, self.capture(lambda: self.step(fixed)))
         self._graphs[key] = graph
         self.captures += 1
         out = graph.replay()
