@@ -34,7 +34,12 @@ from speculative.checkpoint import (
 from speculative.compiled import MAX_TOKENS
 from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
-from speculative.graphs import CUBLAS_WORKSPACE_BYTES, GRAPH_ATTENTION_BYTES, MAX_GRAPHS
+from speculative.graphs import (
+    ALLOCATOR_ROUNDING_BYTES,
+    CUBLAS_WORKSPACE_BYTES,
+    GRAPH_ATTENTION_BYTES,
+    MAX_GRAPHS,
+)
 from speculative.kv_cache import INITIAL_SLOTS, KVCache
 from speculative.model import Transformer
 from speculative.packed import PackedLinear
@@ -176,7 +181,7 @@ GRAPHS = GraphRequest(
     tokens=MAX_TOKENS,
     chunk_bytes=GRAPH_ATTENTION_BYTES,
     count=MAX_GRAPHS,
-    workspace_bytes=CUBLAS_WORKSPACE_BYTES,
+    workspace_bytes=CUBLAS_WORKSPACE_BYTES + ALLOCATOR_ROUNDING_BYTES,
     warm_slots=INITIAL_SLOTS,
 )
 

@@ -87,7 +87,7 @@ class GraphRequest:
     tokens: int  # the largest captured step
     chunk_bytes: int  # the bound on a captured step's attention scores
     count: int  # graphs kept per model
-    workspace_bytes: int  # cuBLAS's workspaces on the capture stream
+    workspace_bytes: int  # cuBLAS's workspaces on the capture stream, the allocator's rounding
     warm_slots: int  # the warm-up's scratch KV cache
 
 

@@ -48,20 +48,28 @@ class NoHostSync(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def replaying(step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+class Replaying:
     """A CPU stand-in for capturing: the warm-up run, the "captured" run refusing host
     syncs, then each replay reruns the step on the tensors it was given (it reads nothing
     else, as a graph reads nothing else) and writes its result into one output tensor, as
-    a graph's replays all do."""
-    step()
-    with NoHostSync():
-        out = step().clone()
+    a graph's replays all do. Counts the times every graph was dropped."""
 
-    def replay() -> torch.Tensor:
-        out.copy_(step())
-        return out
+    def __init__(self) -> None:
+        self.releases = 0
 
-    return replay
+    def released(self) -> None:
+        self.releases += 1
+
+    def __call__(self, step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        step()
+        with NoHostSync():
+            out = step().clone()
+
+        def replay() -> torch.Tensor:
+            out.copy_(step())
+            return out
+
+        return replay
 
 
 DEVICES = [
@@ -90,7 +98,7 @@ def model(stories_draft: Path, device: str) -> Iterator[Transformer]:
 
 
 def graphed(model: Transformer) -> CompiledPasses:
-    capture = replaying if model.device.type == "cpu" else None
+    capture = Replaying() if model.device.type == "cpu" else None
     return CompiledPasses(model, compile=False, graphs=True, capture=capture)
 
 
@@ -212,6 +220,8 @@ def test_each_kv_storage_has_its_graphs_and_they_are_bounded(
             _close(out.cpu(), model.forward(token, position, eager[i]).cpu())
     assert passes.graphs is not None and len(passes.graphs) == 3
     assert passes.graphs.captures == 12  # 4 storages round-robin over 3 kept graphs
+    if isinstance(passes.graphs.capture, Replaying):  # on CUDA, the pool renewed each time
+        assert passes.graphs.capture.releases == 3  # (captured into a dead one: an assert)
 
 
 def test_warm_up_captures_every_bucket(model: Transformer) -> None:
@@ -359,10 +369,15 @@ def test_what_the_graphs_hold_is_within_the_plan(stories_draft: Path) -> None:
     caches = [model.new_cache(context) for _ in range(3)]
     for cache in caches:
         cache.reserve(context)  # the caches' own memory before the baseline
+    # An eager step first: its own cuBLAS workspace (on the caller's stream) is the eager
+    # passes', not the graphs'.
+    model.forward(torch.arange(4), torch.arange(4), model.new_cache(64))
     torch.cuda.synchronize()
     base = torch.cuda.memory_reserved()
+    before = _segments()
     passes = CompiledPasses(model, compile=False)
     passes.warm()
+    warmed = torch.cuda.memory_reserved() - base
     model.compiled = passes
     for cache in caches:
         for n in BUCKETS:
@@ -371,6 +386,23 @@ def test_what_the_graphs_hold_is_within_the_plan(stories_draft: Path) -> None:
     torch.cuda.synchronize()
     held = torch.cuda.memory_reserved() - base
     planned = _graph_bytes(footprint(model.config, model.dtype, "draft"), GRAPHS, context)
-    print(f"reserved by graphs {held / 2**20:.1f} MiB, planned {planned / 2**20:.1f} MiB")
+    print(
+        f"reserved by graphs {held / 2**20:.1f} MiB (after the warm-up {warmed / 2**20:.1f}),"
+        f" planned {planned / 2**20:.1f} MiB"
+    )
+    after = _segments()
+    for key in sorted(after, key=str):
+        if after[key] != before.get(key, (0, 0)):
+            print(f"  new segments {key}: {after[key]} (before {before.get(key, (0, 0))})")
     assert passes.graphs is not None and passes.graphs.captures == 4 * len(BUCKETS)
     assert held <= planned
+
+
+def _segments() -> dict[tuple[object, ...], tuple[int, int]]:
+    """The allocator's segments by (stream, pool, type): (count, MiB)."""
+    out: dict[tuple[object, ...], tuple[int, int]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        key = (seg["stream"], tuple(seg.get("segment_pool_id", ())), seg["segment_type"])
+        count, mib = out.get(key, (0, 0))
+        out[key] = (count + 1, mib + seg["total_size"] // 2**20)
+    return out
