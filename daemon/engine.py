@@ -242,7 +242,7 @@ class Engine:
     def _begin(self, job: Job) -> _Active:
         assert self.runtime is not None
         req = job.request
-        strategy = self._strategy(req.strategy, req.budget)
+        strategy = self._strategy(req.strategy, req.budget, req.tree_verification)
         pool_key = strategy.name
         session = self._idle.take(pool_key, req.prompt_ids) or self.runtime.new_session(strategy)
         gen = Generation(
@@ -258,7 +258,9 @@ class Engine:
         )
         return _Active(job, gen, gen.steps(), session, pool_key)
 
-    def _strategy(self, name: str | None, budget: int | None) -> Strategy:
+    def _strategy(
+        self, name: str | None, budget: int | None, verification: str | None = None
+    ) -> Strategy:
         assert self.runtime is not None
         compiled = self.runtime.compiled
         if compiled is not None and compiled.ready_count != self._compiled_seen:
@@ -266,7 +268,7 @@ class Engine:
             # and slowed by the compiler's own work meanwhile) no longer hold.
             self._compiled_seen = compiled.ready_count
             self._strategies.clear()
-        return self._strategies.get(self.runtime, name, budget)
+        return self._strategies.get(self.runtime, name, budget, verification)
 
     def _step(self) -> None:
         """One step: cancelled jobs leave, then either one batched pass per model for every

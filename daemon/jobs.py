@@ -48,6 +48,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     strategy: str | None = None  # None: the runtime's default
     budget: int | None = None  # tree budget for this request only
+    tree_verification: str | None = None  # walk | rejection | auto for this request only
     ignore_eos: bool = False
     trace: bool = False  # chunks carry each round's draft tree (speculative.generation)
 

@@ -17,25 +17,34 @@ REQUEST_BUDGET_STRATEGIES = 4
 
 
 class StrategyPool:
-    """Strategies built once per (name, budget): the configured budget's kept for good, a
-    request's own budget's in an LRU of at most REQUEST_BUDGET_STRATEGIES."""
+    """Strategies built once per (name, budget, tree verification): the configured ones kept
+    for good, those of a request's own budget or verification in an LRU of at most
+    REQUEST_BUDGET_STRATEGIES."""
 
     def __init__(self) -> None:
         self._configured: dict[str, Strategy] = {}
-        self._budgeted: OrderedDict[tuple[str, int], Strategy] = OrderedDict()
+        self._budgeted: OrderedDict[tuple[str, int | None, str | None], Strategy] = OrderedDict()
 
-    def get(self, runtime: Runtime, name: str | None, budget: int | None) -> Strategy:
+    def get(
+        self,
+        runtime: Runtime,
+        name: str | None,
+        budget: int | None,
+        verification: str | None = None,
+    ) -> Strategy:
         name = name or runtime.default_strategy
         if name != "tree":
-            budget = None  # only the tree reads a budget: one strategy serves every request
-        if budget is None:
+            # Only the tree reads a budget and a verification: one strategy serves every
+            # request.
+            budget = verification = None
+        if budget is None and verification is None:
             if name not in self._configured:
                 self._configured[name] = runtime.strategy(name)
             return self._configured[name]
-        key = (name, budget)
+        key = (name, budget, verification)
         strategy = self._budgeted.get(key)
         if strategy is None:
-            strategy = runtime.strategy(name, budget=budget)
+            strategy = runtime.strategy(name, budget=budget, verification=verification)
             self._budgeted[key] = strategy
             while len(self._budgeted) > REQUEST_BUDGET_STRATEGIES:
                 self._budgeted.popitem(last=False)  # active jobs keep their own

@@ -15,6 +15,7 @@ import torch
 from daemon.compiling import SMALL_LAYER_PARAMETERS, CompiledModels
 from daemon.memory_plan import plan_dtype
 from daemon.target_loading import load_placed_target
+from speculative.acceptance import AcceptanceModel
 from speculative.budget import max_tree_budget
 from speculative.checkpoint import DTYPE_CHOICES, Checkpoint, load, open_checkpoint
 from speculative.drafting import Drafter, ModelDrafter, NgramDrafter
@@ -42,6 +43,7 @@ class RuntimeOptions:
     spec_length: int = 4  # linear: tokens drafted per round
     budget: int | str = "auto"  # tree: node budget, or "auto" (chosen from measured costs)
     max_depth: int | None = None  # tree: depth limit (None: chosen with the budget)
+    tree_verification: str = "auto"  # tree: auto | walk | rejection (speculative.acceptance)
     prefix_cache: int = DEFAULT_MAX_BYTES  # tree: bytes of cached target logits (0: off)
     # fp32 | bf16 | fp16, or auto: the checkpoint's dtype on CUDA; fp32 on a CPU when the
     # model fits in fp32 there (see speculative.checkpoint.dtype_candidates).
@@ -116,18 +118,24 @@ def linear_drafter(rt: Runtime) -> Drafter:
     return NgramDrafter(rt.target.config.vocab_size)
 
 
-# name → builder of a strategy with a tree budget (only the tree strategy reads it).
-StrategyBuilder = Callable[["Runtime", "int | str"], Strategy]
+# name → builder of a strategy with a tree budget and verification (only the tree
+# strategy reads them).
+StrategyBuilder = Callable[["Runtime", "int | str", str], Strategy]
 STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
-    "autoregressive": lambda rt, budget: Autoregressive(rt.target),
-    "linear": lambda rt, budget: Linear(rt.target, linear_drafter(rt), rt.options.spec_length),
-    # Build once and reuse: with --budget auto it learns costs and acceptance across requests.
-    "tree": lambda rt, budget: TreeSpeculation(
+    "autoregressive": lambda rt, budget, verification: Autoregressive(rt.target),
+    "linear": lambda rt, budget, verification: Linear(
+        rt.target, linear_drafter(rt), rt.options.spec_length
+    ),
+    # Build once and reuse: with --budget auto it learns costs across requests; what
+    # verification accepts is learned in the runtime's one model (`acceptance`).
+    "tree": lambda rt, budget, verification: TreeSpeculation(
         rt.target,
         rt.draft,
         budget=budget,
         max_depth=rt.options.max_depth,
         prefix_cache=rt.prefix_cache,
+        verification=verification,
+        acceptance=rt.acceptance,
     ),
 }
 
@@ -169,6 +177,10 @@ class Runtime:
         self.prefix_cache: PrefixCache = PrefixCache(
             options.prefix_cache, dtype=target.dtype, pin=self.device.type == "cuda"
         )
+        # What tree verification accepted at the nodes it visited, per verification and
+        # temperature regime: shared by every tree strategy built here, so that a request's
+        # own budget or verification, or strategies rebuilt once compiled, start informed.
+        self.acceptance: AcceptanceModel = AcceptanceModel()
         # CPU compute (a CPU device, or the host side of a streamed GPU run is not compute):
         # pick the thread count once the model's size is known.
         self.threads = cpu_threads(options.threads, ckpt.config.layer_parameter_count())
@@ -219,12 +231,22 @@ class Runtime:
                 f"strategy {name!r} needs a draft: pass --draft MODEL or --draft ngram"
             )
 
-    def strategy(self, name: str | None = None, budget: int | str | None = None) -> Strategy:
-        """A new strategy `name` (default: the configured one); `budget` replaces the
-        configured tree budget (a request's own), None keeps it."""
+    def strategy(
+        self,
+        name: str | None = None,
+        budget: int | str | None = None,
+        verification: str | None = None,
+    ) -> Strategy:
+        """A new strategy `name` (default: the configured one); `budget` and
+        `verification` replace the configured tree budget and verification (a request's
+        own), None keeps them."""
         name = name or self.default_strategy
         self.check_strategy(name)
-        return STRATEGY_BUILDERS[name](self, self.options.budget if budget is None else budget)
+        return STRATEGY_BUILDERS[name](
+            self,
+            self.options.budget if budget is None else budget,
+            verification or self.options.tree_verification,
+        )
 
     def new_session(self, strategy: Strategy) -> Session:
         return strategy.new_session(self.context)

@@ -21,12 +21,14 @@ if TYPE_CHECKING:  # daemon.runtime imports torch; commands that only read setti
 
 # The values of the options that every front end (flags, config file, REST API) accepts, named
 # once. Restated from modules that import torch (speculative.checkpoint.DTYPE_CHOICES,
-# speculative.quant.QUANTIZE_CHOICES, daemon.runtime.STRATEGY_BUILDERS) so that reading the
+# speculative.quant.QUANTIZE_CHOICES, daemon.runtime.STRATEGY_BUILDERS,
+# speculative.acceptance.TREE_VERIFICATION_CHOICES) so that reading the
 # settings or building the command line does not; tests/test_cli_startup.py checks they agree.
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
 QUANTIZE_CHOICES = ("int8", "int4")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 STRATEGY_CHOICES = ("autoregressive", "linear", "tree")
+TREE_VERIFICATION_CHOICES = ("auto", "walk", "rejection")  # speculative.acceptance
 COMPILE_CHOICES = ("auto", "off", "on")
 
 
@@ -191,6 +193,7 @@ class SpeculationSettings:
     strategy: str | None = _key(None, choice(None, *STRATEGY_CHOICES))
     budget: int | str = _key("auto", integer(1, 65536, auto=True))
     max_depth: int | None = _key(None, integer(1, 1024, nullable=True))
+    tree_verification: str = _key("auto", choice(*TREE_VERIFICATION_CHOICES))
     spec_length: int = _key(4, integer(1, 64))
     prefix_cache: int | str = _key("1GiB", size_or_zero)
 
@@ -281,6 +284,7 @@ class Settings:
             spec_length=self.speculation.spec_length,
             budget=self.speculation.budget,
             max_depth=self.speculation.max_depth,
+            tree_verification=self.speculation.tree_verification,
             prefix_cache=size_bytes(self.speculation.prefix_cache),
             dtype=self.models.dtype,
             quantize=self.models.quantize,

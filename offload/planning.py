@@ -154,6 +154,13 @@ def _fixed_parts(r: PlanRequest, device: str) -> dict[str, int]:
         parts[f"draft trees' ancestor masks ({r.sequences - 1} more)"] = (
             r.sequences - 1
         ) * nodes**2
+    if d is not None:
+        # Rejection verification keeps the draft's fp16 log-probabilities after each
+        # expanded node of a tree until the tree is verified: at most one per logit row of
+        # the pass (speculative/children.py `DraftRows`).
+        parts["draft rows for rejection verification"] = (
+            r.logit_rows * d.activations.fp32_row_bytes // 2
+        )
     rebuild = max(t.dequant_bytes, d.dequant_bytes if d is not None else 0)
     if rebuild:
         parts["dequantization (largest projection)"] = rebuild

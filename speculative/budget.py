@@ -30,6 +30,7 @@ much as the target, stops after one small tree.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -37,8 +38,14 @@ from typing import Protocol
 from speculative.tree import default_depth
 
 BUDGET_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-DEPTH_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
+# Depth limits considered: up to the largest budget, since an aligned draft's best tree is
+# nearly a chain (calibrated growth makes it one where verification accepts).
+DEPTH_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 PLAIN_REFRESH_EVERY = 16  # rounds between plain steps while a tree is chosen
+# Generations per target pass (a running mean, this weight on the latest) from which a
+# tree is charged its marginal cost in the shared pass rather than a lone round's.
+SHARING_WEIGHT = 0.2
+SHARED = 1.5
 # The largest tree `auto` explores: the memory plan reserves a pass this big, and requests
 # may not ask for more nodes than the plan holds (see `max_tree_budget`).
 AUTO_MAX_BUDGET = 256
@@ -77,6 +84,11 @@ class RoundRecord:
     round_seconds: float  # the whole round, drafting included
     draft_seconds: float  # tree growth only, catch-up feeding excluded
     draft_passes: int
+    # The target pass the round rode in: the generations it carried, all of their tokens
+    # and its seconds (alone: 1, verify_tokens and the verification's seconds).
+    sequences: int = 1
+    pass_tokens: int = 0
+    pass_seconds: float = 0.0
 
 
 class BudgetPlanner(Protocol):
@@ -120,19 +132,25 @@ class CostLine:
     decay: float = 0.9
     means: dict[int, float] = field(default_factory=dict)
     weights: dict[int, float] = field(default_factory=dict)
+    # Per size key, the mean size observed under it (the key itself, unless sizes are
+    # grouped: `observe(..., key=)`).
+    sizes: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._fit: tuple[float, float, float] | None = None  # (mean n, mean s, slope)
 
-    def observe(self, n: int, seconds: float) -> None:
+    def observe(self, n: int, seconds: float, key: int | None = None) -> None:
+        """One measurement of `seconds` at size `n`, kept under `key` (default `n`)."""
         self._fit = None
-        if n in self.means:
+        key = n if key is None else key
+        if key in self.means:
             # A shared machine stalls now and then: one stall must not move the estimate far.
-            seconds = min(seconds, 3.0 * self.means[n])
-            self.means[n] = self.decay * self.means[n] + (1 - self.decay) * seconds
-            self.weights[n] = min(self.weights[n] + 1.0, 20.0)
+            seconds = min(seconds, 3.0 * self.means[key])
+            self.means[key] = self.decay * self.means[key] + (1 - self.decay) * seconds
+            self.sizes[key] = self.decay * self.sizes[key] + (1 - self.decay) * n
+            self.weights[key] = min(self.weights[key] + 1.0, 20.0)
         else:
-            self.means[n], self.weights[n] = seconds, 1.0
+            self.means[key], self.sizes[key], self.weights[key] = seconds, float(n), 1.0
 
     def __bool__(self) -> bool:
         return bool(self.means)
@@ -143,20 +161,50 @@ class CostLine:
         if len(self.means) == 1:
             return next(iter(self.means.values()))  # one size seen: assume flat
         if self._fit is None:  # the planner predicts many sizes per observation: fit once
-            w = self.weights
+            w, x = self.weights, self.sizes
             total = sum(w.values())
-            mx = sum(w[k] * k for k in w) / total
+            mx = sum(w[k] * x[k] for k in w) / total
             my = sum(w[k] * self.means[k] for k in w) / total
-            var = sum(w[k] * (k - mx) ** 2 for k in w)
-            slope = max(0.0, sum(w[k] * (k - mx) * (self.means[k] - my) for k in w) / var)
+            var = sum(w[k] * (x[k] - mx) ** 2 for k in w)
+            covar = sum(w[k] * (x[k] - mx) * (self.means[k] - my) for k in w)
+            slope = max(0.0, covar / var) if var > 0 else 0.0
             self._fit = (mx, my, slope)
         mx, my, slope = self._fit
         return max(my + slope * (n - mx), 1e-9)
 
+    def intercept_and_slope(self) -> tuple[float, float]:
+        """(seconds at 0 tokens, seconds per token) of the fitted line."""
+        at_one = self.predict(1)
+        return max(at_one - (self.predict(2) - at_one), 0.0), self.predict(2) - at_one
+
+
+@dataclass
+class MarginalCost:
+    """What a generation's own tokens cost in a target pass it shares with `sharing` - 1
+    others (the marginal-cost model): its share of the pass's fixed cost (a streamed
+    target's weight transfer, the launch overheads) and the slope for each of its tokens.
+    Alone it is the pass line itself."""
+
+    passes: CostLine
+    sharing: float
+
+    def predict(self, n: int) -> float:
+        fixed, slope = self.passes.intercept_and_slope()
+        return max(fixed / max(self.sharing, 1.0) + slope * n, 1e-9)
+
+
+def _bucket(tokens: int) -> int:
+    """Pass sizes to half-octaves (1, 2, 3, 4, 6, 8, 11, 16, 23, ...), so that the pass
+    line keeps a handful of points however varied shared passes are (each at the mean
+    size it saw)."""
+    if tokens <= 4:
+        return tokens
+    return round(2 ** (round(2 * math.log2(tokens)) / 2))
+
 
 def choose_shape(
     expected_tokens: dict[TreeShape, float],
-    target: CostLine,
+    target: CostLine | MarginalCost,
     draft_seconds: Callable[[TreeShape], float],
     plain_seconds: float | None = None,
 ) -> TreeShape:
@@ -188,6 +236,11 @@ class AutoBudget:
         self.uses_draft_model = uses_draft_model
         self.target = CostLine()  # tree rounds: seconds outside drafting vs tokens verified
         self.plain = CostLine()  # plain steps (budget 0)
+        # Every target pass (alone or shared): its seconds against all the tokens it
+        # carried, and how many generations the recent ones carried.
+        self.passes = CostLine()
+        self.sharing = 1.0
+        self._draft_passes: dict[int, float] = {}  # budget → draft passes per round
         self.draft_unit_seconds = 0.0  # per draft pass, or per n-gram lookup
         self._draft_samples = 0
         self._sums: dict[TreeShape, float] = {}
@@ -202,10 +255,21 @@ class AutoBudget:
         self.reason = "auto: nothing measured yet"
 
     def draft_seconds(self, shape: TreeShape) -> float:
+        """A draft pass per level, or as many as rounds of this budget took (calibrated
+        growth stops early where the tree is wide)."""
         if not shape.budget:
             return 0.0
-        units = shape.draft_passes if self.uses_draft_model else 1
+        units = float(shape.draft_passes) if self.uses_draft_model else 1.0
+        if self.uses_draft_model and shape.budget in self._draft_passes:
+            units = min(units, self._draft_passes[shape.budget])
         return units * self.draft_unit_seconds
+
+    def target_cost(self) -> CostLine | MarginalCost:
+        """Seconds of a round's target pass by its own tokens: alone, the rounds' line;
+        sharing passes with other generations, its marginal cost there."""
+        if self.sharing >= SHARED and len(self.passes.means) >= 2:
+            return MarginalCost(self.passes, self.sharing)
+        return self.target
 
     def _explore_shape(self) -> TreeShape:
         b = self._explore_budget
@@ -221,7 +285,8 @@ class AutoBudget:
             self.reason = "auto: a first small tree, to measure what speculation buys here"
             return self._explore_shape()
         self._rounds += 1
-        if not self.plain or (self.chosen.budget and self._rounds % PLAIN_REFRESH_EVERY == 0):
+        unmeasured = not self.plain and not isinstance(self.target_cost(), MarginalCost)
+        if unmeasured or (self.chosen.budget and self._rounds % PLAIN_REFRESH_EVERY == 0):
             # A plain step measures what no tree costs (and re-measures it now and then: a
             # stall during the first one must not keep trees looking cheap forever).
             self.reason = "auto: a plain step, measuring what decoding without a tree costs"
@@ -258,24 +323,40 @@ class AutoBudget:
     def predicted_rate(self, shape: TreeShape) -> float:
         """Tokens per second the planner expects from `shape` (0 when it cannot tell)."""
         if not shape.budget:
-            return 1.0 / self.plain.predict(1) if self.plain else 0.0
+            plain = self._plain_seconds()
+            return 1.0 / plain if plain else 0.0
         tokens = self.expected_tokens().get(shape)
-        if tokens is None or not self.target:
+        if tokens is None or not self._costed():
             return 0.0
-        return tokens / (self.target.predict(1 + shape.budget) + self.draft_seconds(shape))
+        cost = self.target_cost()
+        return tokens / (cost.predict(1 + shape.budget) + self.draft_seconds(shape))
+
+    def _plain_seconds(self) -> float | None:
+        """A plain step's seconds: measured alone, or its marginal cost in shared passes."""
+        cost = self.target_cost()
+        if isinstance(cost, MarginalCost):
+            return cost.predict(1)
+        return self.plain.predict(1) if self.plain else None
 
     def _best_case_rate(self, shape: TreeShape) -> float:
         """Every drafted level accepted: the most a tree of this shape could yield."""
-        if not self.target:
+        if not self._costed():
             return float("inf")
-        return (shape.depth + 1) / (
-            self.target.predict(1 + shape.budget) + self.draft_seconds(shape)
-        )
+        cost = self.target_cost()
+        return (shape.depth + 1) / (cost.predict(1 + shape.budget) + self.draft_seconds(shape))
 
     def expected_tokens(self) -> dict[TreeShape, float]:
         return {s: 1.0 + self._sums[s] / self._counts[s] for s in self._counts}
 
     def observe(self, record: RoundRecord) -> None:
+        self.sharing += SHARING_WEIGHT * (record.sequences - self.sharing)
+        if record.pass_tokens:
+            self.passes.observe(
+                record.pass_tokens, record.pass_seconds, _bucket(record.pass_tokens)
+            )
+        if record.sequences > 1:
+            self._observe_shared(record)
+            return
         self.total_seconds += record.round_seconds
         if not record.nodes and not self._exploring and self._rounds % PLAIN_REFRESH_EVERY:
             self.plain.observe(1, record.round_seconds)  # the common no-tree step: stay cheap
@@ -292,20 +373,46 @@ class AutoBudget:
         line = self.target if record.nodes else self.plain
         line.observe(record.verify_tokens, record.round_seconds - record.draft_seconds)
         if record.nodes:
-            unit = record.draft_seconds
-            if self.uses_draft_model:
-                unit /= max(record.draft_passes, 1)
-            n = self._draft_samples = min(self._draft_samples + 1, 20)
-            self.draft_unit_seconds += (unit - self.draft_unit_seconds) / n
-            self._learn_acceptance(record)
+            self._learn_tree(record)
         if record.nodes or self._rounds % PLAIN_REFRESH_EVERY == 0:
             # Plain rounds only refine t_target(1): re-deciding now and then is enough, and
             # keeps the no-tree path as cheap as plain decoding.
-            plain = self.plain.predict(1) if self.plain else None
-            if self.target:
-                self.chosen = choose_shape(
-                    self.expected_tokens(), self.target, self.draft_seconds, plain
-                )
+            self._choose()
+
+    def _observe_shared(self, record: RoundRecord) -> None:
+        """A round whose target pass carried other generations' work too: its time is all
+        of theirs, so it teaches only the pass line (observed above), the draft's cost and
+        acceptance; the choice then charges each tree its marginal cost (`MarginalCost`).
+        Fed whole, a shared round's time made a lone client's trees look cheap on a CPU
+        (256-node trees, 0.47x the speed); charged as an equal share, it made 8 clients'
+        trees look cheap where every token adds compute (1.6x the interleaved engine
+        instead of 2.8x)."""
+        if self._exploring and record.nodes >= self._explore_budget:
+            self._explore_budget = min(self._explore_budget * 2, self.max_budget)
+        if record.nodes:
+            self._learn_tree(record)
+            self._choose()
+
+    def _learn_tree(self, record: RoundRecord) -> None:
+        unit = record.draft_seconds
+        if self.uses_draft_model:
+            unit /= max(record.draft_passes, 1)
+        n = self._draft_samples = min(self._draft_samples + 1, 20)
+        self.draft_unit_seconds += (unit - self.draft_unit_seconds) / n
+        passes = self._draft_passes.get(record.shape.budget, float(record.draft_passes))
+        self._draft_passes[record.shape.budget] = passes + 0.2 * (record.draft_passes - passes)
+        self._learn_acceptance(record)
+
+    def _costed(self) -> bool:
+        """Whether a tree round's target cost can be predicted yet."""
+        return bool(self.target) or isinstance(self.target_cost(), MarginalCost)
+
+    def _choose(self) -> None:
+        if self._costed():
+            self.chosen = choose_shape(
+                self.expected_tokens(), self.target_cost(), self.draft_seconds,
+                self._plain_seconds(),
+            )  # fmt: skip
 
     def _learn_acceptance(self, record: RoundRecord) -> None:
         for b in BUDGET_GRID:

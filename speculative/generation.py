@@ -57,6 +57,9 @@ class RoundStats:
     budget_reason: str | None = None  # why the planner chose the budget (tree strategy)
     prefix_cache_hits: int = 0  # tokens drawn from cached target logits (no target pass)
     prefix_cache_misses: int = 0  # look-ups that found nothing
+    tree_verification: str | None = None  # walk | rejection (tree strategy)
+    # The tokens per round that verification's learned acceptance predicted for the tree.
+    acceptance_estimate: float | None = None
 
 
 @dataclass
@@ -100,6 +103,9 @@ class GenerationStats:
     budget_reason: str | None = None  # the last round's
     prefix_cache_hits: int = 0
     prefix_cache_misses: int = 0
+    tree_verification: str | None = None  # the last tree round's (walk | rejection)
+    acceptance_estimate: float | None = None  # the tokens per round it predicted
+    verification_rounds: dict[str, int] = field(default_factory=dict)  # rounds per kind
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. the streamer's figures
 
     def add(self, r: RoundStats, decoded: bool = True) -> None:
@@ -121,6 +127,11 @@ class GenerationStats:
             self.budget = r.budget
         if r.budget_reason is not None:
             self.budget_reason = r.budget_reason
+        if r.tree_verification is not None:
+            self.tree_verification = r.tree_verification
+            self.acceptance_estimate = r.acceptance_estimate
+            kind = r.tree_verification
+            self.verification_rounds[kind] = self.verification_rounds.get(kind, 0) + 1
 
     @property
     def decode_passes(self) -> int:

@@ -20,6 +20,7 @@ together and grants the best ones, within the pass's node budget (`allot`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -57,6 +58,7 @@ class Pass:
     tokens: int  # tokens of every segment in the pass
     sequences: int  # segments in the pass
     segment_tokens: int  # this segment's own tokens
+    seconds: float = 0.0  # the pass's (the model's batched forward, as the host saw it)
 
 
 @dataclass(eq=False)
@@ -122,9 +124,10 @@ def execute(requests: Sequence[Forward]) -> None:
     model's segments batched together; each request gets its `result`."""
     if len(requests) == 1:  # a generation alone: no grouping
         (request,) = requests
+        t0 = time.perf_counter()
         (alone,) = request.model.forward_batch([request.segment])
         n = request.segment.length
-        request.result = Pass(alone, n, 1, n)
+        request.result = Pass(alone, n, 1, n, time.perf_counter() - t0)
         return
     models: dict[int, list[int]] = {}
     for i, req in enumerate(requests):
@@ -132,10 +135,13 @@ def execute(requests: Sequence[Forward]) -> None:
     for indices in models.values():
         model = requests[indices[0]].model
         segments = [requests[i].segment for i in indices]
+        t0 = time.perf_counter()
         logits = model.forward_batch(segments)
+        seconds = time.perf_counter() - t0
         tokens = sum(seg.length for seg in segments)
         for i, out in zip(indices, logits, strict=True):
-            requests[i].result = Pass(out, tokens, len(segments), requests[i].segment.length)
+            own = requests[i].segment.length
+            requests[i].result = Pass(out, tokens, len(segments), own, seconds)
 
 
 def serve_alone(request: Request) -> None:

@@ -101,6 +101,12 @@ class PenaltyContext:
             self.in_prompt[torch.as_tensor(list(prompt_ids), device=device)] = True
         self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
 
+    def copy(self) -> PenaltyContext:
+        """The counts as they are now, apart from later appends."""
+        twin = PenaltyContext.__new__(PenaltyContext)
+        twin.in_prompt, twin.counts = self.in_prompt, self.counts.clone()
+        return twin
+
     def append(self, tokens: Sequence[int]) -> None:
         for t in tokens:
             self.counts[t] += 1
@@ -223,8 +229,12 @@ class PositionNoise:
 # the distribution, sorted values, int64 order, mass before each, three boolean masks and
 # two renormalised copies: 36 with `seen`), so is everything before it. The walks (tree,
 # prefix cache, a plain step) draw one row at a time beside the pass's logits: the memory
-# plan reserves this for that draw (daemon/memory_plan.py).
-DRAW_BYTES_PER_ENTRY = 37
+# plan reserves this for that draw (daemon/memory_plan.py). Rejection verification
+# (speculative/verification.py) holds more at a node with children: the target's final
+# distribution (4) while the draft's is made from its stored row: that row in fp32 (4),
+# its penalty counts with the node's path (4) and `seen` (1), then the same top-p peak
+# less its input (31): 44; after that only (V,) rows (p, q, the residual's two steps).
+DRAW_BYTES_PER_ENTRY = 44
 
 
 def draw(
@@ -260,6 +270,15 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     probs = probs * keep
     return probs / probs.sum(-1, keepdim=True)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) for one rejected position, (V,). A rejection can only happen
+    where p(t) < q(t), so the residual has mass; rounding aside, where it has none, p is
+    the answer (then p == q)."""
+    residual = torch.clamp(p - q, min=0.0)  # (V,)
+    mass = residual.sum()
+    return residual / mass if mass > 0 else p
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

@@ -4,7 +4,7 @@ ancestor attention masks for drafting and verification.
 Node 0 is the root, the last committed token x_L that no model has seen yet. Every other
 node is a guessed continuation token whose RoPE position is `root_position + depth`.
 Nodes are stored in insertion order and a parent always precedes its children, so the
-first b nodes of any tree are themselves a tree: the one a smaller budget would have
+first b nodes of any tree are themselves a tree: about the one a smaller budget would have
 built. `budget.py` uses that to learn, from one round, what every smaller tree yields.
 
 A node's row of the ancestor mask is its parent's row plus itself: True where the column
@@ -18,26 +18,25 @@ from collections.abc import Sequence
 
 import torch
 
+from speculative.children import Candidates, ChildPolicy
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
 from speculative.passes import Allot, Steps, forward, run_alone
 
-# Children scored per expanded node. Sampling at T=1 spreads the target over many tokens:
-# the 17th..32nd child of a flat node can beat a deep guess (budget 64: 3.44 -> 3.48 tokens
-# per round on the stories pair, scripts/tree_acceptance.py); more than 32 never helped.
-MAX_BRANCH = 32
-
 
 class DraftTree:
-    """Tokens, parents, depths and cumulative draft log-probabilities of up to `capacity`
-    nodes, preallocated so that growing the tree is a few slice writes."""
+    """Tokens, parents, depths, sibling ranks and estimated log reach probabilities of up
+    to `capacity` nodes, preallocated so that growing the tree is a few slice writes."""
 
     def __init__(self, root_token: int, capacity: int, device: torch.device | str = "cpu"):
         self.capacity = capacity
         self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)  # (C,)
         self.parents = torch.full((capacity,), -1, dtype=torch.long, device=device)  # (C,)
         self.depths = torch.zeros(capacity, dtype=torch.long, device=device)  # (C,)
-        self.logprobs = torch.zeros(capacity, dtype=torch.float32, device=device)  # (C,)
+        # log P(verification reaches the node), as estimated when it was added (root: 0).
+        self.values = torch.zeros(capacity, dtype=torch.float32, device=device)  # (C,)
+        self.ranks = torch.zeros(capacity, dtype=torch.long, device=device)  # (C,) 1-based
+        self.q = torch.ones(capacity, dtype=torch.float32, device=device)  # (C,) draft prob
         self.ancestors = torch.zeros(capacity, capacity, dtype=torch.bool, device=device)  # (C, C)
         self.tokens[0] = root_token
         self.ancestors[0, 0] = True
@@ -45,8 +44,16 @@ class DraftTree:
         # Node indices whose K/V the draft cache holds, in slot order from the root's slot
         # (set by `grow_tree`; nodes that will never be expanded are not fed).
         self.fed = torch.zeros(1, dtype=torch.long, device=device)  # (F,)
+        self._paths: dict[int, list[int]] = {0: []}
 
-    def add(self, tokens: torch.Tensor, parents: torch.Tensor, logprobs: torch.Tensor) -> range:
+    def add_candidates(self, chosen: Candidates) -> range:
+        """Append candidates whose parents are already in the tree; returns their indices."""
+        nodes = self.add(chosen.tokens, chosen.parents, chosen.values)
+        self.ranks[nodes.start : nodes.stop] = chosen.ranks
+        self.q[nodes.start : nodes.stop] = chosen.q.float()
+        return nodes
+
+    def add(self, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor) -> range:
         """Append k nodes whose parents are already in the tree; returns their indices."""
         start, k = self.size, int(tokens.numel())
         end = start + k
@@ -56,7 +63,7 @@ class DraftTree:
         self.tokens[start:end] = tokens
         self.parents[start:end] = parents
         self.depths[start:end] = self.depths[parents] + 1
-        self.logprobs[start:end] = logprobs
+        self.values[start:end] = values
         self.ancestors[start:end] = self.ancestors[parents]  # parent's row ...
         self.ancestors[new, new] = True  # ... plus itself
         self.size = end
@@ -76,13 +83,20 @@ class DraftTree:
         parents = self.parents[1 : self.size].tolist()
         return {(p, t): i + 1 for i, (p, t) in enumerate(zip(parents, tokens, strict=True))}
 
+    def path_tokens(self, node: int) -> list[int]:
+        """The tokens from the root's child down to `node` (the root's own excluded)."""
+        path = self._paths.get(node)
+        if path is None:
+            parent = int(self.parents[node])
+            path = self._paths[node] = [*self.path_tokens(parent), int(self.tokens[node])]
+        return path
+
 
 def default_depth(budget: int) -> int:
-    """Depth limit for a fixed budget when none is given: deep enough for a well-matched
-    draft's runs of agreement, shallow enough to leave room for siblings."""
-    if budget <= 0:
-        return 0
-    return min(budget, max(2, int(math.log2(budget)) + 6))
+    """Depth limit for a fixed budget when none is given: none below the budget itself, so
+    that a tree may be a chain of the budget's length (an aligned draft's best tree is
+    nearly one); calibrated growth decides how deep it goes."""
+    return max(budget, 0)
 
 
 def grow_tree(
@@ -93,24 +107,25 @@ def grow_tree(
     root_position: int,
     budget: int,
     max_depth: int,
-    batch: int | None = None,
-    score_temperature: float = 1.0,
-    max_branch: int = MAX_BRANCH,
+    policy: ChildPolicy,
 ) -> int:
     """`grow_tree_steps` run alone: each draft pass runs at once."""
-    steps = grow_tree_steps(
-        draft,
-        cache,
-        tree,
-        root_logits,
-        root_position,
-        budget,
-        max_depth,
-        batch=batch,
-        score_temperature=score_temperature,
-        max_branch=max_branch,
+    return run_alone(
+        grow_tree_steps(draft, cache, tree, root_logits, root_position, budget, max_depth, policy)
     )
-    return run_alone(steps)
+
+
+def step_size(candidates: Candidates, first_child: float, room: int) -> int:
+    """How many candidates to add before the next draft pass: those that one-at-a-time
+    best-first growth would add before the best candidate's expected first child, i.e.
+    every candidate within a factor `first_child` (the calibrated acceptance of a node's
+    first child) of the best. An aligned draft's tree (first_child near 1) then grows one
+    level per pass down its likely path; a weak draft's, wide levels in few passes."""
+    if not len(candidates):
+        return 0
+    best = float(candidates.values.max())
+    near = int((candidates.values >= best + math.log(max(first_child, 1e-9))).sum())
+    return max(1, min(near, room))
 
 
 def grow_tree_steps(
@@ -121,46 +136,45 @@ def grow_tree_steps(
     root_position: int,
     budget: int,
     max_depth: int,
-    batch: int | None = None,
-    score_temperature: float = 1.0,
-    max_branch: int = MAX_BRANCH,
+    policy: ChildPolicy,
 ) -> Steps[int]:
     """Best-first growth of `tree` (holding only its root, already fed to `cache` in the last
-    slot) to `budget` nodes of depth <= `max_depth`. Each iteration adds the best `batch`
-    (default `ceil(budget / max_depth)`) frontier candidates by cumulative draft log-probability,
-    then runs one draft pass over those that may still have children, with the ancestor
-    mask. Candidates are ranked by cumulative log-probability under the draft's logits
-    divided by `score_temperature` (below 1 favours deep confident chains over siblings,
-    which pays when the target is greedy). Nodes added are fed to the draft cache in index order, except those that will
-    never be expanded (`tree.fed` lists those held); returns the number of draft passes,
-    the root's not counted."""
+    slot) to `budget` nodes of depth <= `max_depth`, by the estimated probability that
+    verification reaches each node (`policy` chooses and values the children). Each
+    iteration adds the best candidates (`step_size`), then runs one draft pass over those
+    that may still have children, with the ancestor mask. Nodes added are fed to the draft
+    cache in index order, except those that will never be expanded (`tree.fed` lists those
+    held); returns the number of draft passes, the root's not counted."""
     device = tree.tokens.device
     root_slot = cache.length - 1
-    if batch is None:
-        batch = max(1, math.ceil(budget / max(max_depth, 1)))
     fed = torch.zeros(1, dtype=torch.long, device=device)  # (F,) node 0, the root
-    scale = 1.0 / score_temperature
-    cand_logp, cand_token, cand_parent = _top_children(
-        root_logits[None, :] * scale, tree.logprobs[:1], budget, max_branch
-    )  # the root's row is 0, its node index
+    root = torch.zeros(1, dtype=torch.long, device=device)
+    candidates = policy.children(tree, root, root_logits[None, :], budget)
+    first_child = policy.table.marginal()[0]
+    # A draft pass expands at most half the budget's nodes: its (t, V) logits and the
+    # policy's log-probabilities then stay well inside the tree-sized pass the memory plan
+    # holds (offload/activations.py), with room for the policy's (V,) rows.
+    widest = max(1, budget // 2)
     passes = 0
     added = 0
-    while added < budget and cand_logp.numel():
-        # Alone a tree takes `batch` nodes a step; growing beside others for one pass, the
-        # driver ranks all their candidates together (speculative/passes.py `allot`).
-        request = Allot(cand_logp, min(batch, budget - added, int(cand_logp.numel())))
+    while added < budget and len(candidates):
+        # Alone a tree takes `step_size` nodes a step; growing beside others for one pass,
+        # the driver ranks all their candidates together (speculative/passes.py `allot`).
+        wanted = step_size(candidates, first_child, min(budget - added, widest))
+        offers = candidates.values  # at most `widest` of them: never granted more
+        if len(candidates) > widest:
+            offers = torch.topk(offers, widest).values
+        request = Allot(offers, wanted)
         yield request
         granted = request.take()
         if granted is None:
             break  # the pass's nodes are spent
-        take = min(granted, budget - added, int(cand_logp.numel()))
+        take = min(granted, budget - added, len(candidates))
         if take == 0:
             continue  # others' candidates were better this step: ask again
-        best = torch.topk(cand_logp, take).indices  # (take,)
-        nodes = tree.add(cand_token[best], cand_parent[best], cand_logp[best])
-        keep = torch.ones_like(cand_logp, dtype=torch.bool)
-        keep[best] = False
-        cand_logp, cand_token, cand_parent = cand_logp[keep], cand_token[keep], cand_parent[keep]
+        best = torch.topk(candidates.values, take).indices  # (take,)
+        nodes = tree.add_candidates(candidates.pick(best))
+        candidates = candidates.drop(best)
         added += take
         if added >= budget:
             break
@@ -178,52 +192,21 @@ def grow_tree_steps(
         )
         logits = done.logits  # (t, V)
         passes += 1
-        # Scaled in place (the same values as `logits * scale`): this pass's logits and
-        # their log-softmax are then the only (t, V) fp32 tensors alive, which the memory
-        # plan's tree-sized draft pass covers (t is at most the nodes granted this step,
-        # within the budget; in a shared pass every tree's t together are within the
-        # pass's rows, `passes.allot`).
-        with torch.inference_mode():  # the pass returned an inference tensor
-            logits.mul_(scale)
-        logp, tok, row = _top_children(logits, tree.logprobs[idx], budget - added, max_branch)
-        del done  # (its logits with it)
-        # Freed before the next pass: held through it, this pass's (t, V) fp32 logits would
-        # add to that pass's attention working set, which at a long context fills the
-        # whole attention chunk (the plan reserves one pass's activations, not two).
+        del done
+        # This pass's (t, V) logits and the policy's (t, V) log-probabilities are the only
+        # vocabulary-wide tensors alive, which the memory plan's tree-sized draft pass covers
+        # (t is at most the nodes granted this step, within the budget; in a shared pass
+        # every tree's t together are within the pass's rows, `passes.allot`). They go
+        # before the next pass: held through it, they would add to its attention working
+        # set, which at a long context fills the whole attention chunk.
+        new = policy.children(tree, idx, logits, budget - added)
         del logits
-        cand_logp = torch.cat((cand_logp, logp))
-        cand_token = torch.cat((cand_token, tok))
-        cand_parent = torch.cat((cand_parent, idx[row]))
+        candidates = candidates.extend(new)
         room = budget - added
-        if cand_logp.numel() > room:  # only the best `room` can ever be added: keep it short
-            keep_idx = torch.topk(cand_logp, room).indices  # (room,)
-            cand_logp, cand_token = cand_logp[keep_idx], cand_token[keep_idx]
-            cand_parent = cand_parent[keep_idx]
+        if len(candidates) > room:  # only the best `room` can ever be added: keep it short
+            candidates = candidates.pick(torch.topk(candidates.values, room).indices)
     tree.fed = fed
     return passes
-
-
-def _top_children(
-    logits: torch.Tensor,  # (n, V)
-    parent_logp: torch.Tensor,  # (n,)
-    room: int,
-    max_branch: int = MAX_BRANCH,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The best children of n nodes as flat (cumulative log-prob, token, row in 0..n-1)
-    candidates. A child of zero draft probability is never a candidate: a draft narrower
-    than the target has -inf logits for the ids it lacks (`Transformer.set_vocab_width`),
-    and a tiny vocabulary may have fewer possible children than k."""
-    k = max(1, min(max_branch, room, logits.shape[-1]))
-    logp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
-    top = torch.topk(logp, k, dim=-1)  # (n, k)
-    # One nonzero (one device sync) selects the possible candidates for all three outputs.
-    keep = (top.values > float("-inf")).reshape(-1).nonzero().squeeze(1)  # (m,)
-    cumulative = (parent_logp[:, None] + top.values).reshape(-1)  # (n * k,)
-    return (
-        cumulative.index_select(0, keep),
-        top.indices.reshape(-1).index_select(0, keep),
-        torch.div(keep, k, rounding_mode="floor"),  # the row each candidate came from
-    )
 
 
 def tree_from_continuations(

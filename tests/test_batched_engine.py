@@ -126,7 +126,7 @@ def build_strategy(
         strategy = Faulty(build_strategy(runtime, "linear"))
     else:
         tree_budget = runtime.options.budget if budget is None else budget
-        strategy = STRATEGY_BUILDERS[name](runtime, tree_budget)
+        strategy = STRATEGY_BUILDERS[name](runtime, tree_budget, runtime.options.tree_verification)
     strategy.prefill_chunk = chunk
     return strategy
 

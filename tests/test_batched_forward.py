@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from offload.placement import build_streamer
+from speculative.acceptance import AcceptanceTable
 from speculative.checkpoint import load
+from speculative.children import RankedChildren
 from speculative.kv_cache import KVCache
 from speculative.model import Segment, Transformer
 from speculative.passes import Allot, Forward, allot, execute
@@ -202,7 +204,8 @@ def test_trees_growing_for_one_pass_get_nodes_where_the_draft_is_surest(
         root_logits = model(torch.tensor([1, 7, 3]), torch.arange(3), cache, last_only=True)[0]
         tree = DraftTree(3, budget + 1)
         trees.append(tree)
-        streams.append(grow_tree_steps(model, cache, tree, root_logits, 2, budget, 4))
+        policy = RankedChildren(AcceptanceTable("walk"))
+        streams.append(grow_tree_steps(model, cache, tree, root_logits, 2, budget, 4, policy))
     waiting = [next(s) for s in streams]
     while any(w is not None for w in waiting):
         asking = [w for w in waiting if isinstance(w, Allot)]
@@ -255,7 +258,7 @@ def test_no_strategy_holds_a_passs_logits_through_the_next_pass(
     strategy = rt.strategy(name)
     ids = rt.tokenizer.encode("Once upon a time, there was a little girl")
     Generation(
-        strategy, rt.new_session(strategy), rt.tokenizer, ids, SamplingParams(), 24,
+        strategy, rt.new_session(strategy), rt.tokenizer, ids, SamplingParams(), 64,
         ignore_eos=True,
     ).run()  # fmt: skip
     assert len(alive_at_pass) > 3 and set(alive_at_pass) == {0}, alive_at_pass

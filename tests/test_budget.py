@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 import random
+
+import pytest
 
 from scripts.step_timing import STORIES_TOKENS_PER_ROUND
 from speculative.budget import (
@@ -68,31 +69,29 @@ def test_streamed_gpu_costs_with_measured_acceptance_pick_the_biggest_tree():
 
 
 def _simulate(planner: AutoBudget, target_s, draft_pass_s: float, alpha: float, rounds: int):
-    """Rounds with synthetic costs and a synthetic accepted path (node i on the path is
-    accepted with probability alpha at each level, the best-first order putting the path
-    node of level k at index ~k·width)."""
+    """Rounds with synthetic costs and a synthetic accepted path, grown as calibrated
+    growth grows a tree of budget b: about b / 8 nodes per level (side branches, which
+    raise each level's acceptance a little) over at most `shape.depth` levels, one draft
+    pass per level; node i on the path is accepted with that level's probability, the
+    best-first order putting the path node of level k at index ~k·width."""
     rng = random.Random(0)
     for _ in range(rounds):
         shape = planner.next_shape()
         path: list[int] = []
-        width = max(1, math.ceil(shape.budget / max(shape.depth, 1)))
+        width = max(1, shape.budget // 8)
+        levels = min(shape.depth, max(1, shape.budget // width)) if shape.budget else 0
         level_accept = alpha + (1 - alpha) * (1 - 1 / width) / 2  # siblings help, a bit
-        for level in range(1, shape.depth + 1):
+        for level in range(1, levels + 1):
             if rng.random() > level_accept:
                 break
             path.append(min(shape.budget, (level - 1) * width + 1))
-        draft = shape.draft_passes * draft_pass_s
+        draft = levels * draft_pass_s
         planner.observe(
             RoundRecord(
-                shape,
-                shape.budget,
-                path,
-                1 + shape.budget,
-                target_s(1 + shape.budget) + draft,
-                draft,
-                shape.draft_passes,
+                shape, shape.budget, path, 1 + shape.budget,
+                target_s(1 + shape.budget) + draft, draft, levels,
             )
-        )
+        )  # fmt: skip
     return planner
 
 
@@ -113,7 +112,8 @@ def test_auto_learns_a_big_tree_for_a_streamed_target_within_a_few_rounds():
 
 
 def test_fixed_budget_shape():
-    assert FixedBudget(64).next_shape() == TreeShape(64, 12)
+    # No depth limit below the budget: a tree may be a chain (calibrated growth decides).
+    assert FixedBudget(64).next_shape() == TreeShape(64, 64)
     assert FixedBudget(64, 4).next_shape() == TreeShape(64, 4)
     assert FixedBudget(0).next_shape() == TreeShape(0, 0)
 
@@ -150,3 +150,40 @@ def test_a_generations_stats_carry_the_budget_reason(tiny_checkpoint):
         ).run()
         reason = gen.stats.to_dict()["budget_reason"]
         assert reason is not None and reason.startswith(expect)
+
+
+def _shared_rounds(planner: AutoBudget, pass_s, sharing: int, alpha: float, rounds: int):
+    """Rounds that ride in passes carrying `sharing` generations of about the same size:
+    each round observes the whole pass's time and tokens."""
+    rng = random.Random(1)
+    for _ in range(rounds):
+        shape = planner.next_shape()
+        path = []
+        for level in range(1, shape.depth + 1):
+            if rng.random() > alpha:
+                break
+            path.append(level)
+        tokens = sharing * (1 + shape.budget)
+        seconds = pass_s(tokens)
+        planner.observe(
+            RoundRecord(
+                shape, shape.budget, path, 1 + shape.budget, seconds + 0.001, 0.001,
+                shape.draft_passes, sequences=sharing, pass_tokens=tokens, pass_seconds=seconds,
+            )
+        )  # fmt: skip
+    return planner
+
+
+def test_shared_passes_charge_each_tree_its_marginal_cost():
+    """Eight generations per pass. A streamed target's pass costs its weight transfer
+    whatever it carries: a tree's own tokens cost almost nothing, so trees stay big. On a
+    CPU every token costs compute: the marginal cost of a big tree is its tokens' slope,
+    and the planner picks a small tree or none, as it would alone at that slope."""
+    streamed = _shared_rounds(AutoBudget(), lambda n: 5.0 + 1e-5 * n, 8, 0.8, 60)
+    assert streamed.sharing > 7 and streamed.chosen.budget >= 16
+    cpu = _shared_rounds(AutoBudget(), lambda n: 1e-3 + 2e-4 * n, 8, 0.5, 60)
+    assert cpu.chosen.budget <= 4
+    cost = cpu.target_cost()
+    fixed, slope = cpu.passes.intercept_and_slope()
+    assert cost.predict(10) == pytest.approx(fixed / cpu.sharing + slope * 10)
+    assert slope == pytest.approx(2e-4, rel=0.05)

@@ -11,7 +11,12 @@ import pytest
 
 from daemon.cli.argtypes import TEMPERATURE_RANGE
 from daemon.cli.commands import BENCH_HELP, build_parser, main
-from daemon.settings import DTYPE_CHOICES, QUANTIZE_CHOICES, STRATEGY_CHOICES
+from daemon.settings import (
+    DTYPE_CHOICES,
+    QUANTIZE_CHOICES,
+    STRATEGY_CHOICES,
+    TREE_VERIFICATION_CHOICES,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,6 +98,12 @@ def test_strategy_choices_restate_the_runtimes() -> None:
     from daemon.runtime import STRATEGY_BUILDERS
 
     assert tuple(STRATEGY_BUILDERS) == STRATEGY_CHOICES
+
+
+def test_tree_verification_choices_restate_the_strategys() -> None:
+    from speculative import acceptance
+
+    assert TREE_VERIFICATION_CHOICES == acceptance.TREE_VERIFICATION_CHOICES
 
 
 def test_bench_placeholder_says_what_bench_says() -> None:

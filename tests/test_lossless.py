@@ -55,13 +55,16 @@ SETTINGS: dict[str, tuple[SamplingParams, int]] = {
         3,
     ),
 }
-# (strategy, draft): every strategy the daemon registers, with each kind of drafter.
+# (strategy, draft, tree verification): every strategy the daemon registers, with each
+# kind of drafter, and the tree with each verification (auto switches between both).
 CASES = [
-    ("autoregressive", None),
-    ("linear", "model"),
-    ("linear", "ngram"),
-    ("tree", "model"),
-    ("tree", "ngram"),
+    ("autoregressive", None, "auto"),
+    ("linear", "model", "auto"),
+    ("linear", "ngram", "auto"),
+    ("tree", "model", "auto"),
+    ("tree", "model", "walk"),
+    ("tree", "model", "rejection"),
+    ("tree", "ngram", "auto"),
 ]
 
 
@@ -91,7 +94,9 @@ def unequal_pairs(tiny_checkpoint) -> dict[str, tuple[Path, Path]]:
     }
 
 
-def runtime(pair: tuple[Path, Path], strategy: str, draft: str | None) -> Runtime:
+def runtime(
+    pair: tuple[Path, Path], strategy: str, draft: str | None, verification: str = "auto"
+) -> Runtime:
     target, draft_path = pair
     options = RuntimeOptions(
         model=str(target),
@@ -100,6 +105,7 @@ def runtime(pair: tuple[Path, Path], strategy: str, draft: str | None) -> Runtim
         spec_length=2,
         budget=6,
         max_depth=3,
+        tree_verification=verification,
         context=CONTEXT,
     )
     return Runtime(options)
@@ -179,19 +185,26 @@ def total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize(("strategy_name", "draft"), CASES)
-def test_strategy_samples_exactly_the_target_distribution(pair, strategy_name, draft, setting):
+@pytest.mark.parametrize(("strategy_name", "draft", "verification"), CASES)
+def test_strategy_samples_exactly_the_target_distribution(
+    pair, strategy_name, draft, verification, setting
+):
     assert strategy_name in STRATEGY_BUILDERS, (
         f"strategy {strategy_name!r} is not registered in daemon/runtime.py"
     )
     params, n = SETTINGS[setting]
-    rt = runtime(pair, strategy_name, draft)
+    rt = runtime(pair, strategy_name, draft, verification)
     strategy = rt.strategy(strategy_name)
     exact = exact_distribution(rt.target, PROMPT, params, n)
     assert abs(float(exact.sum()) - 1.0) < 1e-6
     empirical = empirical_distribution(strategy, PROMPT, params, n, RUNS)
     tv, bound = total_variation(empirical, exact), tv_bound(exact, RUNS)
-    assert tv < bound, f"{strategy_name}/{draft} {setting}: TV {tv:.4f} >= bound {bound:.4f}"
+    assert tv < bound, (
+        f"{strategy_name}/{draft}/{verification} {setting}: TV {tv:.4f} >= bound {bound:.4f}"
+    )
+    if strategy_name == "tree" and draft == "model" and verification != "walk":
+        # Rejection really ran (auto tries both in its first rounds).
+        assert rt.acceptance.table("rejection", params).rounds > 0
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -214,7 +227,7 @@ def test_unequal_embedding_widths_sample_exactly_the_target_distribution(
 
 
 def test_every_registered_strategy_is_covered():
-    assert {name for name, _ in CASES} >= set(STRATEGY_BUILDERS)
+    assert {name for name, _, _ in CASES} >= set(STRATEGY_BUILDERS)
 
 
 class ResamplesFromTarget(Linear):
@@ -306,10 +319,14 @@ def _run_to_request(
     streams.pop(seed).close()
 
 
-@pytest.mark.parametrize("strategy_name", ["linear", "tree"])
-def test_a_request_sampled_inside_a_batch_has_the_target_distribution(pair, strategy_name):
+@pytest.mark.parametrize(
+    ("strategy_name", "verification"), [("linear", "auto"), ("tree", "walk"), ("tree", "rejection")]
+)
+def test_a_request_sampled_inside_a_batch_has_the_target_distribution(
+    pair, strategy_name, verification
+):
     params, n = SETTINGS["top-k-top-p-presence"]
-    rt = runtime(pair, strategy_name, "model")
+    rt = runtime(pair, strategy_name, "model", verification)
     strategy = rt.strategy(strategy_name)
     exact = exact_distribution(rt.target, PROMPT, params, n)
     empirical = empirical_in_batches(strategy, PROMPT, params, n, RUNS)

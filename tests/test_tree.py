@@ -8,11 +8,13 @@ import weakref
 import pytest
 import torch
 
+from speculative.acceptance import AcceptanceTable
 from speculative.checkpoint import load
+from speculative.children import RankedChildren
 from speculative.generation import Generation, Session, alone
 from speculative.model import Transformer
 from speculative.prefix_cache import PrefixCache
-from speculative.sampling import SamplingParams
+from speculative.sampling import SamplingParams, probabilities
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.tree import TreeSpeculation
 from speculative.tree import (
@@ -51,8 +53,13 @@ def _grown_tree(
     draft(torch.tensor(prefix[:-1]), torch.arange(n - 1), dcache)
     root_logits = draft(torch.tensor(prefix[-1:]), torch.tensor([n - 1]), dcache)[0]
     tree = DraftTree(prefix[-1], budget + 1)
-    grow_tree(draft, dcache, tree, root_logits, n - 1, budget, depth)
+    grow_tree(draft, dcache, tree, root_logits, n - 1, budget, depth, _ranked())
     return tree, dcache
+
+
+def _ranked() -> RankedChildren:
+    """The walk's children for greedy requests, valued by the walk's prior."""
+    return RankedChildren(AcceptanceTable("walk"))
 
 
 def _path(tree: DraftTree, node: int) -> list[int]:
@@ -301,9 +308,60 @@ def test_prefix_cache_serves_a_repeated_prompt_without_target_passes(stories):
     assert again.stats.target_passes == 0
 
 
-def test_expected_tokens_is_one_plus_the_reach_probabilities():
-    from scripts.tree_acceptance import expected_tokens
+class Recorder(TreeSpeculation):
+    """The real strategy with the walk's children chosen without the walk's noise (the
+    draft's most likely tokens at the request's temperature), keeping each round's tree
+    and verified target logits: the tree is then independent of the walk's draws, and the
+    walk must reach node v with probability prod p_target along v's path."""
 
+    def __init__(self, *args, temperature: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.temperature = temperature
+        self.captured: list[tuple[DraftTree, torch.Tensor]] = []
+
+    def _policy(self, state, table, rows, drafted_with):
+        return RankedChildren(table, temperature=self.temperature)
+
+    def _draft(self, *args, **kwargs):
+        self._tree = yield from super()._draft(*args, **kwargs)
+        return self._tree
+
+    def _remember(self, logits, root_key, path, tokens, parents):
+        self.captured.append((self._tree, logits.clone()))
+        return super()._remember(logits, root_key, path, tokens, parents)
+
+
+def expected_tokens(tree: DraftTree, probs: torch.Tensor) -> float:
+    """1 + sum over nodes of the probability that the walk reaches them; `probs` (N, V) is
+    the target's final sampling distribution at every node of `tree`."""
+    n = tree.size
+    parents, tokens = tree.parents[1:n], tree.tokens[1:n]  # (N-1,)
+    edge = probs[parents, tokens].double()  # (N-1,) p_target(node token | parent prefix)
+    reach = torch.ones(n, dtype=torch.float64)
+    for i in range(1, n):  # parents precede children
+        reach[i] = reach[int(parents[i - 1])] * edge[i - 1]
+    return float(reach.sum())
+
+
+def record_rounds(target, draft, prompts, params, budget, n, seed) -> list[tuple[int, float]]:
+    """(tokens the walk emitted, their analytic expectation over the round's tree) for each
+    round with a tree."""
+    strategy = Recorder(
+        target, draft, budget=budget, prefix_cache=PrefixCache(0), verification="walk",
+        temperature=params.temperature or 1.0,
+    )  # fmt: skip
+    logs = []
+    for i, ids in enumerate(prompts):
+        session = strategy.new_session(len(ids) + n + budget + 8)
+        gen = torch.Generator().manual_seed(seed + i)
+        for rnd in alone(strategy.steps(session, ids, params, n, gen)):
+            if rnd.tokens and strategy.captured:
+                tree, logits = strategy.captured.pop()
+                logs.append((len(rnd.tokens), expected_tokens(tree, probabilities(logits, params))))
+    return logs
+
+
+def test_expected_tokens_is_one_plus_the_reach_probabilities():
     tree = DraftTree(0, 4)
     tree.add(torch.tensor([1, 2]), torch.tensor([0, 0]), torch.zeros(2))  # root → 1, root → 2
     tree.add(torch.tensor([3]), torch.tensor([1]), torch.zeros(1))  # 1 → 3
@@ -318,18 +376,16 @@ def test_walk_emits_the_analytic_expectation(stories):
     """Each round's walk must reach node v with probability prod p_target along v's path: a
     greedy round emits exactly that sum (one-hot distributions), and at temperature 1 the
     mean over many rounds matches it within sampling noise."""
-    from scripts.tree_acceptance import record_rounds
-
     target, draft, tok = stories
     prompts = [tok.encode(p) for p in PROMPTS]
-    for r in record_rounds(target, draft, prompts[:2], GREEDY, 16, 48, seed=0):
-        assert r.tokens == round(r.analytic)
+    for tokens, analytic in record_rounds(target, draft, prompts[:2], GREEDY, 16, 48, seed=0):
+        assert tokens == round(analytic)
     logs = []
     for seed in range(3):
         logs += record_rounds(
             target, draft, prompts, SamplingParams(temperature=1.0), 16, 48, seed=100 * seed
         )
-    emitted = torch.tensor([float(r.tokens) for r in logs])
-    analytic = torch.tensor([r.analytic for r in logs])
+    emitted = torch.tensor([float(t) for t, _ in logs])
+    analytic = torch.tensor([a for _, a in logs])
     se = emitted.std() / len(logs) ** 0.5
     assert abs(emitted.mean() - analytic.mean()) < 4 * se, (emitted.mean(), analytic.mean(), se)

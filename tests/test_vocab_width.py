@@ -19,7 +19,9 @@ from daemon.memory_plan import footprint
 from daemon.runtime import Runtime, RuntimeOptions, RuntimeSetupError
 from offload.machine import PeakMemory
 from scripts.real_shapes import build_model, model_config
+from speculative.acceptance import AcceptanceTable
 from speculative.checkpoint import load
+from speculative.children import RankedChildren
 from speculative.drafting import ModelDrafter
 from speculative.generation import Generation, Strategy
 from speculative.passes import run_alone
@@ -149,7 +151,8 @@ def test_a_narrow_draft_grows_no_zero_probability_nodes(tiny_checkpoint):
     cache = draft.new_cache(64)
     root_logits = draft(torch.tensor([1, 4]), torch.arange(2), cache)[-1]  # (12,)
     tree = DraftTree(4, 41)
-    grow_tree(draft, cache, tree, root_logits, 1, budget=40, max_depth=1)
+    policy = RankedChildren(AcceptanceTable("walk"))
+    grow_tree(draft, cache, tree, root_logits, 1, budget=40, max_depth=1, policy=policy)
     assert tree.size == 1 + 8  # every id the draft has, once
     assert sorted(tree.token_list()[1:]) == list(range(8))
 
@@ -179,6 +182,10 @@ def test_an_embedding_smaller_than_the_tokenizer_is_refused(tiny_checkpoint, sho
         _runtime(target, draft)
 
 
+# Allowed above the plan for the resident-set probe's own page granularity and heap noise.
+PROBE_SLACK = 256 * 1024
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PeakMemory reads VmHWM")
 @pytest.mark.parametrize("width", [152064, 151000])
 def test_a_widened_or_narrowed_draft_pass_stays_within_the_plan(width: int) -> None:
@@ -204,4 +211,6 @@ def test_a_widened_or_narrowed_draft_pass_stays_within_the_plan(width: int) -> N
     planned = footprint(config, torch.float32, "draft", vocab_width=width).activation_bytes(
         256, 256, 256
     )
-    assert measured <= planned
+    # The resident-set probe counts whole pages the heap touched around the pass: it read
+    # 49 KB over the plan in one of three runs on an unchanged tree (311.79 vs 311.74 MB).
+    assert measured <= planned + PROBE_SLACK

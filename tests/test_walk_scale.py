@@ -12,8 +12,9 @@ from speculative.generation import alone
 from speculative.model import Transformer
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, draw, make_generator
-from speculative.strategies.tree import TreeSpeculation, walk
+from speculative.strategies.tree import TreeSpeculation
 from speculative.tree import DraftTree
+from speculative.verification import walk as tree_walk
 
 PARAMS = [
     SamplingParams(temperature=0.0),
@@ -64,6 +65,22 @@ def _old_all_node_walk(
     return tokens, path
 
 
+def walk(
+    tree: DraftTree,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    penalties: PenaltyContext | None,
+    noise: PositionNoise,
+    position: int,
+) -> tuple[list[int], list[int]]:
+    """Today's walk (speculative/verification.py) over `tree`: (tokens, path)."""
+    out = tree_walk(
+        tree.token_list(), tree.parents[: tree.size].tolist(), logits, params, penalties, noise,
+        position,
+    )  # fmt: skip
+    return out.tokens, out.path
+
+
 @pytest.mark.parametrize("params", PARAMS)
 def test_walk_draws_what_drawing_every_node_drew(params: SamplingParams) -> None:
     vocab, nodes = 40, 60
@@ -77,7 +94,7 @@ def test_walk_draws_what_drawing_every_node_drew(params: SamplingParams) -> None
             logits[parent, tok] += 4.0
         prompt = [1, 2, 3, 2]
         results = []
-        for fn in (_old_all_node_walk, walk):
+        for fn in (_old_all_node_walk, walk):  # the old rule, and today's walk
             penalties = PenaltyContext(vocab, prompt, "cpu") if params.has_penalties else None
             if penalties is not None:
                 penalties.append([5, 5, 7])

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 from daemon import service
 from daemon.cli.argtypes import temperature
-from daemon.cli.serve import add_address_args, settings_from_args
+from daemon.cli.serve import add_address_args, add_tree_verification_arg, settings_from_args
 from daemon.settings import daemon_url
 
 # The daemon's error code for a prompt longer than its context (daemon/http/api.py).
@@ -293,6 +293,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         request: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
         if args.seed is not None:
             request["seed"] = args.seed
+        if args.tree_verification is not None:
+            request["tree_verification"] = args.tree_verification
         options = ChatOptions(url, _api_key(args.api_key_file), request, args.stats)
     except ChatError as exc:
         print(f"specd: error: {exc}", file=sys.stderr)
@@ -352,6 +354,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--temperature", type=temperature, default=0.0, help="0 = greedy (default), up to 2"
     )
     chat.add_argument("--seed", type=int, default=None)
+    add_tree_verification_arg(chat, default=None)
     chat.add_argument(
         "--stats", action="store_true", help="tokens/s and tokens per target pass after each answer"
     )

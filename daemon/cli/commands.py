@@ -167,6 +167,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-depth", type=count("--max-depth", 1), default=None, help="tree: depth limit"
     )
+    serve.add_tree_verification_arg(p, default="auto")
     plan.add_prefix_cache_arg(p)
 
 
@@ -185,6 +186,7 @@ def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:
         spec_length=args.spec_length,
         budget=args.budget,
         max_depth=args.max_depth,
+        tree_verification=args.tree_verification,
         dtype=args.dtype,
         quantize=args.quantize,
         draft_quantize=args.draft_quantize,

@@ -21,6 +21,7 @@ from daemon.settings import (
     DEVICE_CHOICES,
     DTYPE_CHOICES,
     STRATEGY_CHOICES,
+    TREE_VERIFICATION_CHOICES,
     Settings,
     SettingsError,
     user_config_file,
@@ -40,6 +41,7 @@ FLAG_KEYS = {
     "compile": "runtime.compile",
     "strategy": "speculation.strategy",
     "budget": "speculation.budget",
+    "tree_verification": "speculation.tree_verification",
     "prefix_cache": "speculation.prefix_cache",
     "offload": "offload.mode",
     "resident_layers": "offload.resident_layers",
@@ -85,11 +87,23 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="tree node budget or 'auto'",
     )
+    add_tree_verification_arg(p, default=None)
     add_context_arg(p, default=None)
     add_prefix_cache_arg(p)
     p.add_argument("--api-key-file", default=None, help="require this file's key as Bearer")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default=None)
     add_offload_args(p)
+
+
+def add_tree_verification_arg(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument(
+        "--tree-verification",
+        choices=TREE_VERIFICATION_CHOICES,
+        default=default,
+        help="tree: how trees are verified at T > 0: walk (the target's draw moves down "
+        "the tree), rejection (children sampled from the draft, recursive rejection "
+        "sampling) or auto (each round, from measured acceptance; greedy rounds walk)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:

@@ -153,6 +153,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 stop=req.stop,
                 strategy=req.strategy,
                 budget=req.budget,
+                tree_verification=req.tree_verification,
                 ignore_eos=req.ignore_eos,
                 trace=req.trace,
             ),

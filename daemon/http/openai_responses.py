@@ -38,6 +38,9 @@ SPECD_STAT_KEYS = (
     "tree_nodes",
     "budget",
     "budget_reason",
+    "tree_verification",  # walk | rejection: how the last tree was verified
+    "acceptance_estimate",  # the tokens per round its learned acceptance predicted
+    "verification_rounds",  # rounds verified by each
     "draft_seconds",
     "verify_seconds",
     "prefill_seconds",

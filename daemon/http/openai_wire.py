@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.settings import STRATEGY_CHOICES
+from daemon.settings import STRATEGY_CHOICES, TREE_VERIFICATION_CHOICES
 from speculative.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -78,6 +78,7 @@ class CompletionRequest:
     include_usage: bool = False
     strategy: str | None = None
     budget: int | None = None
+    tree_verification: str | None = None  # auto | walk | rejection: the tree's, this request
     ignore_eos: bool = False
     trace: bool = False  # "specd": {"trace": true}: per-round draft trees in the stream
 
@@ -233,6 +234,12 @@ def _common(body: dict, limits: WireLimits, chat: bool) -> dict[str, Any]:
     strategy = body.get("strategy")
     if strategy is not None and strategy not in STRATEGY_CHOICES:
         raise bad_request(f"strategy must be one of {', '.join(STRATEGY_CHOICES)}", "strategy")
+    verification = body.get("tree_verification")
+    if verification is not None and verification not in TREE_VERIFICATION_CHOICES:
+        raise bad_request(
+            f"tree_verification must be one of {', '.join(TREE_VERIFICATION_CHOICES)}",
+            "tree_verification",
+        )
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad_request("ignore_eos must be true or false", "ignore_eos")
@@ -256,6 +263,7 @@ def _common(body: dict, limits: WireLimits, chat: bool) -> dict[str, Any]:
         include_usage=include_usage,
         strategy=strategy,
         budget=_integer(body, "budget", 1, 65536),
+        tree_verification=verification,
         ignore_eos=ignore_eos,
         trace=_specd_options(body),
     )

@@ -34,18 +34,10 @@ from speculative.sampling import (
     SamplingParams,
     path_counts,
     probabilities,
+    residual_distribution,
     sample,
     token_logprob,
 )
-
-
-def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) for one rejected position, (V,). A rejection can only happen
-    where p(t) < q(t), so the residual has mass; rounding aside, where it has none, p is
-    the answer (then p == q)."""
-    residual = torch.clamp(p - q, min=0.0)  # (V,)
-    mass = residual.sum()
-    return residual / mass if mass > 0 else p
 
 
 class Linear:

@@ -1,18 +1,15 @@
 """Tree speculation (SpecExec, Svirschevski et al. 2024): the draft grows a tree of likely
 continuations under a node budget, the target scores the whole tree in one pass with an
-ancestor mask, and exact sampling walks down the target's own distributions.
+ancestor mask, and verification walks down the target's own distributions.
 
-The walk, and why it is lossless: at the root, draw a token from the target's FINAL
-distribution there (penalties, temperature, top-k/p, min-p; argmax when greedy). If the
-token is a child in the tree, the target's distribution after it is already known: move
-there and draw again. The first token that is not a child is emitted too and ends the
-round (it becomes the next root). Every emitted token is a draw from the target's
-distribution given everything before it, whatever the draft proposed; the draft only
-decides how far one target pass reaches. Only the nodes the walk visits are drawn (at
-most depth + 1 rows, never (nodes × vocabulary) temporaries), with noise keyed by the
-token's sequence position (`PositionNoise`): one walk visits one node per position, so its
-draws are independent, and a seed gives the same text as autoregressive decoding whatever
-the tree looked like.
+Two verifications, both exact (speculative/verification.py): the walk, which draws the
+target's token at each node and moves while it is a child, and recursive rejection
+sampling over children sampled from the draft. The tree is grown best-first by the
+estimated probability that the round's verification reaches each node, learned from the
+rounds so far (speculative/acceptance.py): an aligned draft grows deep, a weak one wide.
+`verification` auto picks, per round, the one whose learned acceptance predicts more
+tokens for the budget (greedy rounds always walk: with one-hot distributions rejection
+is the walk over a chain).
 
 Round layout (see DESIGN.md): the caches hold x_1..x_{L-1}. One target pass takes the
 committed tokens it has not seen yet (the prompt on the first round: prefill folded into
@@ -28,7 +25,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from speculative.acceptance import (
+    TREE_VERIFICATION_CHOICES,
+    AcceptanceModel,
+    AcceptanceTable,
+)
 from speculative.budget import AutoBudget, BudgetPlanner, FixedBudget, RoundRecord
+from speculative.children import (
+    ChildPolicy,
+    CoupledChildren,
+    DraftRows,
+    RankedChildren,
+    SampledChildren,
+)
 from speculative.drafting import check_draft_width
 from speculative.generation import (
     PREFILL_CHUNK,
@@ -58,9 +67,18 @@ from speculative.tree import (
     tree_from_continuations,
     verification_mask,
 )
+from speculative.verification import Verified, rejection_walk, walk
 
 NGRAM_CANDIDATES = 8  # continuations merged into an n-gram tree
-GREEDY_SCORE_TEMPERATURE = 0.5
+# With `auto` at T > 0, rejection's first rounds in a temperature regime come first. Where
+# its first children are accepted this often, it stays: one sampled child accepted with
+# probability 1 - TV(p, q) is the best any coupling of two draws can do, which bounds the
+# walk's first child too. Below it, the walk is tried for as many rounds, then the one with
+# more tokens per round is used, and one round in EXPLORE_EVERY the other, so that a change
+# in the text is noticed.
+EXPLORE_ROUNDS = 4
+REJECTION_STAYS = 0.9
+EXPLORE_EVERY = 32
 
 
 @dataclass
@@ -73,6 +91,7 @@ class _Walker:
     penalties: PenaltyContext | None
     noise: PositionNoise
     params: SamplingParams
+    generator: torch.Generator  # rejection verification's draws
     emitted: int = 0
 
     # The round's emitted tokens' log-probabilities, when the request asked for them.
@@ -113,10 +132,23 @@ class TreeSpeculation:
         prefix_cache: PrefixCache | None = None,
         ngram_max: int = 3,
         prefill_chunk: int = PREFILL_CHUNK,
+        verification: str = "auto",
+        acceptance: AcceptanceModel | None = None,
     ) -> None:
-        """`draft` None means n-gram drafting (prompt lookup)."""
+        """`draft` None means n-gram drafting (prompt lookup), whose trees are walked.
+        `verification`: auto | walk | rejection (speculation.tree_verification).
+        `acceptance`: what verification accepted so far (a runtime shares one)."""
         if draft is not None:
             check_draft_width(draft, target)
+        if verification not in TREE_VERIFICATION_CHOICES:
+            raise ValueError(
+                f"tree verification {verification!r} is not one of "
+                f"{', '.join(TREE_VERIFICATION_CHOICES)}"
+            )
+        self.verification = verification
+        # What verification did at the nodes it visited, per kind and temperature regime:
+        # the trees' growth values and `auto`'s choice (shared by every request).
+        self.acceptance = acceptance if acceptance is not None else AcceptanceModel()
         self.target, self.draft = target, draft
         self.ngram_max = ngram_max
         self.prefill_chunk = prefill_chunk
@@ -157,6 +189,7 @@ class TreeSpeculation:
             else None,
             noise=PositionNoise(generator, vocab),  # the draws autoregressive decoding makes
             params=params,
+            generator=generator,
         )
         stats = RoundStats()
         while state.emitted < max_new_tokens:
@@ -198,23 +231,33 @@ class TreeSpeculation:
             pending = state.seq[len(session.target_tokens) : -1]
             drafted = None
             if budget == 0 and not pending:
-                tok, sharing = yield from self._plain_step(session, state)
+                tok, shared = yield from self._plain_step(session, state)
                 tokens.append(tok)
                 stats.target_passes += 1
                 stats.budget = shape.budget
                 seconds = time.perf_counter() - t_round
                 stats.verify_seconds += seconds
-                if sharing == 1:  # see below
-                    self.planner.observe(RoundRecord(shape, 0, [], 1, seconds, 0.0, 0))
+                self.planner.observe(
+                    RoundRecord(shape, 0, [], 1, seconds, 0.0, 0, *shared)
+                )  # fmt: skip
             else:
                 self.target.prefetch()  # a streamed target's first layers copy meanwhile
-                tree = yield from self._draft(session, state.seq, budget, depth, params, stats)
+                kind, table = self._verification_kind(params)
+                stats.tree_verification = kind
+                stats.acceptance_estimate = table.expected_tokens(budget)
+                rows = DraftRows() if kind == "rejection" else None
+                drafted_with = state.penalties.copy() if state.penalties is not None else None
+                policy = self._policy(state, table, rows, drafted_with)
+                tree = yield from self._draft(session, state.seq, budget, depth, policy, stats)
                 t0 = time.perf_counter()
                 verified = yield from forward(
                     self.target, *self._verification(session, state.seq, tree)
                 )
-                drafted = self._accept(session, state, tree, verified.logits, tokens)
-                own_tokens, sharing = verified.segment_tokens, verified.sequences
+                drafted = self._accept(
+                    session, state, tree, verified.logits, tokens, table, rows, drafted_with
+                )
+                own_tokens = verified.segment_tokens
+                shared = (verified.sequences, verified.tokens, verified.seconds)
                 del verified  # its logits (a view of the whole pass's) go before the next pass
                 path = drafted.path
                 stats.target_passes += 1
@@ -223,28 +266,67 @@ class TreeSpeculation:
                 stats.tree_nodes += tree.size - 1
                 stats.budget = shape.budget
                 stats.verify_seconds += time.perf_counter() - t0
-                # `auto` learns from rounds whose passes this generation had alone. A shared
-                # round's time is every generation's work: fed whole (with the pass's
-                # tokens), `auto` took it for one tree's cost and chose 256-node trees for a
-                # lone client on a CPU (0.47x the speed); charged its share instead, it
-                # grew big trees for 8 clients on a CPU, where a pass's compute grows with
-                # every tree in it (1.6x the interleaved engine instead of 2.8x). Under
-                # concurrency the forest's grants place the pass's nodes.
-                if sharing == 1:
-                    self.planner.observe(
-                        RoundRecord(
-                            shape=shape,
-                            nodes=tree.size - 1,
-                            path=path,
-                            verify_tokens=own_tokens,
-                            round_seconds=time.perf_counter() - t_round,
-                            draft_seconds=stats.draft_seconds,
-                            draft_passes=stats.draft_passes,
-                        )
+                # A round in a pass shared with other generations teaches `auto` the pass's
+                # cost by its tokens, and each tree is then charged its marginal cost
+                # (speculative/budget.py `MarginalCost`); under concurrency the forest's
+                # grants place the pass's nodes.
+                self.planner.observe(
+                    RoundRecord(
+                        shape=shape,
+                        nodes=tree.size - 1,
+                        path=path,
+                        verify_tokens=own_tokens,
+                        round_seconds=time.perf_counter() - t_round,
+                        draft_seconds=stats.draft_seconds,
+                        draft_passes=stats.draft_passes,
+                        sequences=shared[0],
+                        pass_tokens=shared[1],
+                        pass_seconds=shared[2],
                     )
+                )
             state.emitted += len(tokens)
             yield Round(tokens, stats, drafted, state.take_logprobs())
             stats = RoundStats()
+
+    def _verification_kind(self, params: SamplingParams) -> tuple[str, AcceptanceTable]:
+        """This round's verification and the acceptance statistics it grows by: the walk
+        for greedy rounds and n-gram trees; else the configured one, or with `auto` the
+        one that yields more tokens per round (see EXPLORE_ROUNDS). `auto` walks a
+        request with a seed: the walk's text is autoregressive decoding's for that seed
+        whatever the tree, while rejection's depends on the tree's shape, which changes
+        as acceptance is learned."""
+        model = self.acceptance
+        walks = self.verification == "walk" or (
+            self.verification == "auto" and params.seed is not None
+        )
+        if self.draft is None or params.greedy or walks:
+            return "walk", model.table("walk", params)
+        if self.verification == "rejection":
+            return "rejection", model.table("rejection", params)
+        walk_t, reject_t = model.table("walk", params), model.table("rejection", params)
+        if reject_t.rounds < EXPLORE_ROUNDS or reject_t.marginal()[0] >= REJECTION_STAYS:
+            return "rejection", reject_t
+        if walk_t.rounds < EXPLORE_ROUNDS:
+            return "walk", walk_t
+        chosen = "walk" if walk_t.recent > reject_t.recent else "rejection"
+        if (walk_t.rounds + reject_t.rounds) % EXPLORE_EVERY == 0:
+            chosen = "rejection" if chosen == "walk" else "walk"
+        return chosen, walk_t if chosen == "walk" else reject_t
+
+    def _policy(
+        self,
+        state: _Walker,
+        table: AcceptanceTable,
+        rows: DraftRows | None,
+        drafted_with: PenaltyContext | None,
+    ) -> ChildPolicy:
+        """How the round's tree gets its children (speculative/children.py)."""
+        params = state.params
+        if rows is not None:
+            return SampledChildren(table, params, drafted_with, state.generator, rows)
+        if params.greedy:
+            return RankedChildren(table)
+        return CoupledChildren(table, state.noise, len(state.seq), params.temperature)
 
     def _walk_cached(
         self, session: Session, state: _Walker, stats: RoundStats, max_new_tokens: int
@@ -294,19 +376,32 @@ class TreeSpeculation:
         tree: DraftTree,
         logits: torch.Tensor,  # (N, V) the target's logits at every node
         tokens: list[int],  # this round's emitted tokens so far: extended
+        table: AcceptanceTable,
+        rows: DraftRows | None,  # the draft's rows, when the tree is verified by rejection
+        drafted_with: PenaltyContext | None,  # the penalty counts it was drafted with
     ) -> DraftedTree:
-        """Phase 4, what to do with the target's output: walk the tree, remember the
-        verified rows, commit prefix + root + accepted path to both caches. Returns the
-        tree as host lists with the accepted path (node indices)."""
+        """Phase 4, what to do with the target's output: verify the tree (teaching `table`
+        what verification did), remember the verified rows, commit prefix + root +
+        accepted path to both caches. Returns the tree as host lists with the accepted
+        path (node indices)."""
         pending = state.seq[len(session.target_tokens) : -1]
         base = len(session.target_tokens) + len(pending)
-        # The tree's structure on the host, fetched once for the walk, the cache's keys
-        # and the commit.
+        # The tree's structure on the host, fetched once for the verification, the cache's
+        # keys and the commit.
         node_tokens, parents = tree.token_list(), tree.parents[: tree.size].tolist()
-        children = {(parents[v], node_tokens[v]): v for v in range(1, tree.size)}
-        new, path = walk(
-            tree, logits, state.params, state.penalties, state.noise, len(state.seq), children
-        )
+        verified: Verified
+        if rows is not None:
+            verified = rejection_walk(
+                node_tokens, parents, logits, rows, state.params, state.penalties,
+                drafted_with, state.generator,
+            )  # fmt: skip
+        else:
+            verified = walk(
+                node_tokens, parents, logits, state.params, state.penalties, state.noise,
+                len(state.seq),
+            )  # fmt: skip
+        self._learn(tree, verified, table)
+        new, path = verified.tokens, verified.path
         tokens.extend(new)
         for node, tok in zip([0, *path], new, strict=False):  # where each was drawn
             state.note_logprob(logits[node], tok)
@@ -321,7 +416,9 @@ class TreeSpeculation:
         state.seq.extend(new)  # (the walk counted them in `penalties` already)
         return DraftedTree(node_tokens, parents, path)
 
-    def _plain_step(self, session: Session, state: _Walker) -> Steps[tuple[int, int]]:
+    def _plain_step(
+        self, session: Session, state: _Walker
+    ) -> Steps[tuple[int, tuple[int, int, float]]]:
         """No tree: one target step on the root, as cheap as autoregressive decoding (auto
         falls back to this where speculation does not pay)."""
         target = self.target
@@ -340,7 +437,21 @@ class TreeSpeculation:
         if self.prefix_cache.max_bytes:
             state.key = self.prefix_cache.child(state.key, tok)
         state.seq.append(tok)
-        return tok, done.sequences  # the token, and how many generations shared the pass
+        # The token, and the pass it rode in: its generations, tokens and seconds.
+        return tok, (done.sequences, done.tokens, done.seconds)
+
+    @staticmethod
+    def _learn(tree: DraftTree, verified: Verified, table: AcceptanceTable) -> None:
+        """Every child of every node verification visited is a trial of its (rank, draft
+        probability) cell; the one it moved to is a success."""
+        tried = [child for visit in verified.visits for child in visit.children]
+        if tried:
+            index = torch.tensor(tried, device=tree.ranks.device)
+            moved = {visit.moved_to for visit in verified.visits}
+            table.observe(
+                tree.ranks[index], tree.q[index], torch.tensor([c in moved for c in tried])
+            )
+        table.note_round(len(verified.tokens))
 
     def _draft(
         self,
@@ -348,7 +459,7 @@ class TreeSpeculation:
         seq: list[int],
         budget: int,
         depth: int,
-        params: SamplingParams,
+        policy: ChildPolicy,
         stats: RoundStats,
     ) -> Steps[DraftTree]:
         """Phase 2: the round's tree (just the root when budget is 0). The draft model's
@@ -371,20 +482,10 @@ class TreeSpeculation:
         todo = seq[len(fed) :]  # at least the root
         first = yield from feed_pass(draft, dcache, fed, todo)
         tree = DraftTree(root, budget + 1, device)
-        # Rank guesses as the target will choose: sharply when greedy (0.5 measured best on
-        # the stories pair), at the request's temperature when sampling.
-        score_temperature = GREEDY_SCORE_TEMPERATURE if params.greedy else params.temperature
         root_logits = first.logits[0].clone()  # (V,) alone: not a view of the whole pass
         del first
         passes = yield from grow_tree_steps(
-            draft,
-            dcache,
-            tree,
-            root_logits,
-            len(seq) - 1,
-            budget,
-            depth,
-            score_temperature=score_temperature,
+            draft, dcache, tree, root_logits, len(seq) - 1, budget, depth, policy
         )
         stats.draft_passes += passes + 1
         stats.draft_seconds += time.perf_counter() - t0
@@ -434,40 +535,3 @@ class TreeSpeculation:
             keys[v] = pcache.child(keys[parents[v]], tokens[v])
         pcache.put_rows([keys[v] for v in stored], logits, stored, walked=1 + len(path))
         return keys[path[-1]] if path else root_key
-
-
-def walk(
-    tree: DraftTree,
-    logits: torch.Tensor,  # (N, V) the target's logits at every node
-    params: SamplingParams,
-    penalties: PenaltyContext | None,
-    noise: PositionNoise,
-    position: int,  # sequence position of the token drawn at the root
-    children: dict[tuple[int, int], int] | None = None,  # tree.children(), if fetched already
-) -> tuple[list[int], list[int]]:
-    """Exact sampling down the tree: (tokens emitted, accepted node indices). Only the rows
-    the walk visits are drawn: node v at depth d draws position `position + d` with the
-    penalty counts of the tokens on its path, exactly what drawing every node would give
-    there. `penalties` is advanced by every emitted token."""
-    if children is None:
-        children = tree.children() if tree.size > 1 else {}
-    # Plain greedy is one argmax per row, (N,), no (N, V) temporary: one op instead of a
-    # synchronising op per step of the walk.
-    argmax = logits.argmax(-1).tolist() if params.greedy and not params.has_penalties else None
-    tokens: list[int] = []
-    path: list[int] = []
-    node = 0
-    while True:
-        at = [position + len(path)]  # node's depth is len(path)
-        if argmax is not None:
-            tok = argmax[node]
-        else:
-            tok = int(draw(logits[node : node + 1], params, penalties, noise, positions=at)[0])
-        tokens.append(tok)
-        if penalties is not None:
-            penalties.append([tok])  # counted for the child's draw, and for later rounds
-        child = children.get((node, tok))
-        if child is None:
-            return tokens, path
-        path.append(child)
-        node = child

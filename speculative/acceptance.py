@@ -1,0 +1,223 @@
+"""How likely verification is to move from a tree node to each of its children, learned
+online from verification outcomes (DESIGN.md, "Trees that never lose to a chain").
+
+A tree round yields 1 + (accepted nodes) tokens, and a node is accepted exactly when
+verification reaches it, so the expected yield of a tree is 1 + the sum over its nodes of
+the probability of reaching them, a product along the path of per-edge probabilities
+
+    a(child) = P(verification moves from the parent to this child | it is at the parent).
+
+Best-first growth by that product is optimal for the tree's yield (SpecExec, Sequoia).
+What `a` is depends on the verification:
+
+- the walk (`walk`): the target's draw at the parent is the child's token. Sampled with
+  the same position noise the draft ranked its children by (`PositionNoise`), so that an
+  aligned draft's first child is the target's own draw;
+- recursive rejection sampling (`rejection`) over children sampled without replacement:
+  child j is accepted after children 1..j-1 were rejected; for an exact draft a_1 = 1.
+
+Neither is the draft's raw probability: a flat but aligned draft (any real model at T=1)
+has q = 0.3 where a = 0.97, and a peaked but wrong one the reverse. So `a` is estimated
+per verification kind and temperature regime, as a function of the child's rank among its
+siblings and of its draft probability (Sequoia's positional acceptance vector, EAGLE-2's
+calibrated confidence), from counts of what verification did at every node it visited:
+each child there is a trial, the one it moved to a success. Before any outcome the
+estimate is a prior (the draft's probability for the walk, a halving per rank for
+rejection) worth `PRIOR_WEIGHT` observations.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+from speculative.sampling import SamplingParams
+
+VERIFICATIONS = ("walk", "rejection")
+TREE_VERIFICATION_CHOICES = ("auto", *VERIFICATIONS)
+
+# The child's draft probability, binned: the upper edges (the last bin ends at 1).
+Q_EDGES = (1e-4, 1e-3, 1e-2, 0.03, 0.1, 0.2, 0.35, 0.5, 0.7, 0.85, 0.95)
+# The child's rank among its siblings (1 = first), binned: 1, 2, 3, 4, 5-8, 9-16, 17+.
+RANK_EDGES = (1, 2, 3, 4, 8, 16)
+PRIOR_WEIGHT = 2.0
+# Counts are decayed towards the latest outcomes once a cell holds this many trials, so a
+# model pair whose text changes character (code after prose) is followed.
+MAX_TRIALS = 4000.0
+# The floor of an estimate (a probability of exactly 0 would make log-values -inf).
+MIN_ACCEPTANCE = 1e-6
+# Ranks the yield simulation gives each node (children past it add little and cost time).
+SIMULATED_BRANCH = 8
+# The weight of the latest round in a table's running mean of tokens per round.
+RECENT_WEIGHT = 0.05
+
+
+def regime(params: SamplingParams) -> str:
+    """The temperature regime whose statistics a request shares: acceptance at T=0.2 says
+    little about T=1."""
+    if params.greedy:
+        return "greedy"
+    t = params.temperature
+    if t < 0.5:
+        return "T<0.5"
+    if t < 0.85:
+        return "T0.5-0.85"
+    if t < 1.15:
+        return "T0.85-1.15"
+    return "T>=1.15"
+
+
+def q_bin(q: torch.Tensor) -> torch.Tensor:
+    """(n,) bin index of each draft probability."""
+    edges = torch.tensor(Q_EDGES, dtype=q.dtype, device=q.device)
+    return torch.bucketize(q, edges)
+
+
+def rank_bin(rank: torch.Tensor) -> torch.Tensor:
+    """(n,) bin index of each 1-based sibling rank."""
+    edges = torch.tensor(RANK_EDGES, dtype=rank.dtype, device=rank.device)
+    return torch.bucketize(rank, edges)
+
+
+def _prior(kind: str) -> torch.Tensor:
+    """(ranks, q bins) prior acceptance, what growth assumes before any outcome (worth
+    PRIOR_WEIGHT of them, and a rank's outcomes move all of its cells): a first child is
+    accepted more often than not (a draft is chosen because it mostly agrees), later ones
+    rarely; for the walk, in proportion to the child's draft probability."""
+    lows = (0.0, *Q_EDGES)
+    highs = (*Q_EDGES, 1.0)
+    middle = torch.tensor([(lo + hi) / 2 for lo, hi in zip(lows, highs, strict=True)])
+    ranks = len(RANK_EDGES) + 1
+    if kind == "walk":
+        first = 0.5 + 0.5 * middle
+        later = torch.stack([middle * 0.9**r for r in range(1, ranks)])
+        return torch.cat((first[None], later)).clamp(MIN_ACCEPTANCE, 1.0)
+    by_rank = torch.tensor([0.8 * 0.3**r for r in range(ranks)])
+    return by_rank[:, None].expand(ranks, len(middle)).clone()
+
+
+@dataclass
+class AcceptanceTable:
+    """Trials and successes of one (verification, regime) per (rank bin, q bin) cell."""
+
+    kind: str
+    prior: torch.Tensor = field(init=False)  # (ranks, q bins)
+    trials: torch.Tensor = field(init=False)
+    successes: torch.Tensor = field(init=False)
+    rounds: int = 0  # verified rounds observed
+    tokens: float = 0.0  # tokens those rounds yielded
+    recent: float = 0.0  # tokens per round, a running mean favouring recent rounds
+
+    def __post_init__(self) -> None:
+        self.prior = _prior(self.kind)
+        self.trials = torch.zeros_like(self.prior, dtype=torch.float64)
+        self.successes = torch.zeros_like(self.prior, dtype=torch.float64)
+        self._estimate: torch.Tensor | None = None
+        self._marginal: list[float] | None = None
+
+    def estimate(self) -> torch.Tensor:
+        """(ranks, q bins) P(move to the child), smoothed hierarchically: a rank's
+        estimate over all draft probabilities towards the prior, and each cell towards its
+        rank's (a cell seen a few times says little; its rank, seen at every visited node,
+        learns within a round)."""
+        if self._estimate is None:
+            w = PRIOR_WEIGHT
+            prior_rank = self.prior.double().mean(1)  # (ranks,)
+            rank = (self.successes.sum(1) + w * prior_rank) / (self.trials.sum(1) + w)
+            # The prior's shape across draft probabilities, scaled to the rank's estimate.
+            shape = self.prior.double() / prior_rank[:, None]
+            toward = (shape * rank[:, None]).clamp(max=1.0)
+            est = (self.successes + w * toward) / (self.trials + w)
+            self._estimate = est.float().clamp(MIN_ACCEPTANCE, 1.0)
+        return self._estimate
+
+    def observe(self, ranks: torch.Tensor, q: torch.Tensor, moved: torch.Tensor) -> None:
+        """One visited node's children: (n,) ranks, draft probabilities, and whether
+        verification moved to each (at most one True)."""
+        if not ranks.numel():
+            return
+        r, b = rank_bin(ranks.cpu()), q_bin(q.float().cpu())
+        cells = r * self.prior.shape[1] + b
+        n = self.prior.numel()
+        self.trials += torch.bincount(cells, minlength=n).view_as(self.trials)
+        hit = torch.bincount(cells, weights=moved.cpu().double(), minlength=n)
+        self.successes += hit.view_as(self.successes)
+        full = self.trials > MAX_TRIALS
+        if bool(full.any()):
+            scale = torch.where(full, MAX_TRIALS / self.trials, torch.ones_like(self.trials))
+            self.trials *= scale
+            self.successes *= scale
+        self._estimate = None
+        self._marginal = None
+
+    def log_acceptance(self, ranks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """(n,) log P(move to each child) for children of the given ranks and draft
+        probabilities."""
+        est = self.estimate().to(q.device)
+        return est[rank_bin(ranks), q_bin(q.float())].log()
+
+    def marginal(self) -> list[float]:
+        """P(move to the child of rank 1, 2, ...) averaged over the draft probabilities
+        seen at that rank (prior-weighted where nothing was seen)."""
+        if self._marginal is None:
+            est = self.estimate().double()
+            seen = self.trials + PRIOR_WEIGHT / est.shape[1]  # every bin a little weight
+            by_rank = (est * seen).sum(1) / seen.sum(1)  # (rank bins,)
+            values = []
+            for rank in range(1, SIMULATED_BRANCH + 1):
+                values.append(float(by_rank[int(rank_bin(torch.tensor([rank]))[0])]))
+            self._marginal = values
+        return self._marginal
+
+    def expected_tokens(self, budget: int) -> float:
+        """Tokens per round a best-first tree of `budget` nodes would yield if every node's
+        children were accepted at the marginal rates: 1 + the `budget` largest reach
+        probabilities (Sequoia's dynamic program, by best-first enumeration)."""
+        rates = self.marginal()
+        total, taken = 1.0, 0
+        heap = [(-rates[0], 1, 1.0)]  # (-reach, rank, parent reach)
+        while heap and taken < budget:
+            neg, rank, parent = heapq.heappop(heap)
+            reach = -neg
+            total += reach
+            taken += 1
+            heapq.heappush(heap, (-reach * rates[0], 1, reach))  # its first child
+            if rank < len(rates):  # its next sibling
+                heapq.heappush(heap, (-parent * rates[rank], rank + 1, parent))
+        return total
+
+    def note_round(self, tokens: int) -> None:
+        self.rounds += 1
+        self.tokens += tokens
+        weight = max(1.0 / self.rounds, RECENT_WEIGHT)
+        self.recent += weight * (tokens - self.recent)
+
+
+class AcceptanceModel:
+    """Every (verification, regime) table of one model pair (one tree strategy)."""
+
+    def __init__(self) -> None:
+        self.tables: dict[tuple[str, str], AcceptanceTable] = {}
+
+    def table(self, kind: str, params: SamplingParams) -> AcceptanceTable:
+        key = (kind, regime(params))
+        table = self.tables.get(key)
+        if table is None:
+            table = self.tables[key] = AcceptanceTable(kind)
+        return table
+
+    def to_dict(self) -> dict[str, dict[str, float]]:
+        """Per table: rounds seen, measured tokens per round, and the marginal acceptance
+        of the first two ranks (for the status)."""
+        out = {}
+        for (kind, reg), t in sorted(self.tables.items()):
+            rates = t.marginal()
+            out[f"{kind}/{reg}"] = {
+                "rounds": t.rounds,
+                "tokens_per_round": round(t.recent, 3),
+                "first_child": round(rates[0], 4),
+                "second_child": round(rates[1], 4),
+            }
+        return out

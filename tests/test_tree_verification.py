@@ -1,0 +1,207 @@
+"""Trees that never lose to a chain: rejection verification of sampled children (exact at
+one node, a negative control that skips the residual), calibrated growth (an aligned
+draft grows a chain, a weak one a wide tree), the acceptance tables, and `auto`'s choice
+of verification. End-to-end losslessness of both verifications is tests/test_lossless.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import speculative.verification as verification
+from speculative.acceptance import AcceptanceModel, AcceptanceTable, regime
+from speculative.checkpoint import load
+from speculative.children import DraftRows, SampledChildren
+from speculative.generation import Generation, alone
+from speculative.prefix_cache import PrefixCache
+from speculative.sampling import SamplingParams
+from speculative.strategies.tree import EXPLORE_ROUNDS, REJECTION_STAYS, TreeSpeculation
+from speculative.tree import DraftTree
+from speculative.verification import rejection_walk
+
+T1 = SamplingParams(temperature=1.0)
+# One node: a target that favours token 0 and a draft that favours 1 and 2, so children
+# are rejected often and what follows a rejection carries most of the mass.
+P = torch.tensor([0.55, 0.05, 0.1, 0.2, 0.1])
+Q = torch.tensor([0.05, 0.5, 0.25, 0.1, 0.1])
+TRIALS = 4000
+
+
+def _first_tokens(children: int, trials: int, seed: int = 0) -> tuple[torch.Tensor, float]:
+    """Over `trials` one-level trees (root children sampled from Q without replacement,
+    as the tree strategy samples them), the distribution of the token rejection
+    verification emits at the root, and how often it moved to a child."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(len(P), dtype=torch.float64)
+    moved = 0
+    for _ in range(trials):
+        tree = DraftTree(7, children + 1)
+        rows = DraftRows()
+        policy = SampledChildren(AcceptanceTable("rejection"), T1, None, gen, rows)
+        candidates = policy.children(tree, torch.tensor([0]), Q.log()[None, :], children)
+        tree.add_candidates(candidates.pick(torch.topk(candidates.values, children).indices))
+        logits = torch.cat((P.log()[None], torch.zeros(children, len(P))))  # (N, V)
+        out = rejection_walk(
+            tree.token_list(), tree.parents[: tree.size].tolist(), logits, rows, T1, None,
+            None, gen,
+        )  # fmt: skip
+        counts[out.tokens[0]] += 1
+        moved += bool(out.path)
+    return counts / trials, moved / trials
+
+
+def _bound(exact: torch.Tensor, trials: int, delta: float = 1e-4) -> float:
+    """tests/test_lossless.py's bound on the TV of an empirical distribution."""
+    expected = 0.5 * float(torch.sqrt(exact * (1 - exact) / trials).sum())
+    return expected + math.sqrt(math.log(1 / delta) / (2 * trials))
+
+
+@pytest.mark.parametrize("children", [1, 2, 3])
+def test_rejection_at_a_node_emits_the_target_distribution(children: int) -> None:
+    emitted, moved = _first_tokens(children, TRIALS)
+    tv = 0.5 * float((emitted - P.double()).abs().sum())
+    assert tv < _bound(P.double(), TRIALS), (children, emitted)
+    if children == 1:  # one child: Leviathan/Chen, which accepts with 1 - TV(p, q)
+        accept = float(torch.minimum(P, Q).sum())
+        assert abs(moved - accept) < 4 * math.sqrt(accept * (1 - accept) / TRIALS)
+
+
+def test_more_sampled_children_only_add_acceptance() -> None:
+    rates = [_first_tokens(k, 2000, seed=k)[1] for k in (1, 2, 3)]
+    assert rates[0] < rates[1] < rates[2], rates
+
+
+def test_the_bound_rejects_rejection_without_the_residual(monkeypatch) -> None:
+    """Judging the next child against p again (and drawing the last token from p) instead
+    of norm(max(0, p - q)) over-weights what the rejected children took."""
+    monkeypatch.setattr(verification, "residual_distribution", lambda p, q: p)
+    emitted, _ = _first_tokens(2, TRIALS)
+    tv = 0.5 * float((emitted - P.double()).abs().sum())
+    assert tv > 2 * _bound(P.double(), TRIALS), (tv, emitted)
+
+
+@pytest.fixture(scope="module")
+def stories(stories_target, stories_draft):
+    target, tok, _ = load(stories_target)
+    draft, _, _ = load(stories_draft)
+    return target, draft, tok
+
+
+def _tree_rounds(strategy, tok, prompt, params, n=96):
+    """(nodes, depth, accepted) of each round's tree."""
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    ids = tok.encode(prompt)
+    for rnd in alone(strategy.steps(strategy.new_session(512), ids, params, n, gen)):
+        if rnd.tree is not None:
+            depth = {0: 0}
+            for v in range(1, len(rnd.tree.tokens)):
+                depth[v] = depth[rnd.tree.parents[v]] + 1
+            out.append((len(rnd.tree.tokens) - 1, max(depth.values()), len(rnd.tree.path)))
+    return out
+
+
+def test_an_exact_draft_grows_a_chain_and_every_node_is_accepted(stories) -> None:
+    """Draft == target: verification accepts every first child, growth learns it within a
+    round or two, and the tree becomes a chain of the budget's length, all of it accepted:
+    as many tokens per pass as the best chain (budget + 1)."""
+    target, _, tok = stories
+    for params, kind in ((SamplingParams(temperature=0.0), "walk"), (T1, "rejection")):
+        strategy = TreeSpeculation(
+            target, target, budget=16, prefix_cache=PrefixCache(0), verification=kind
+        )
+        rounds = _tree_rounds(strategy, tok, "Once upon a time", params)
+        full = rounds[2:-1]  # learnt; the last is cut by max_tokens
+        assert full and all(depth == 16 and accepted == 16 for _, depth, accepted in full), (
+            kind,
+            rounds,
+        )
+
+
+def test_a_weak_draft_grows_wide(tiny_checkpoint, stories) -> None:
+    """An unrelated random draft is rarely right: its calibrated acceptance stays low, and
+    its trees spend the budget near the root instead of on a long chain."""
+    target, _, tok = stories
+    noise = tiny_checkpoint(
+        "llama", vocab_size=512, num_layers=1, hidden_size=32, seed=3, init_std=0.02
+    )
+    draft, _, _ = load(noise)
+    strategy = TreeSpeculation(target, draft, budget=32, prefix_cache=PrefixCache(0))
+    rounds = _tree_rounds(strategy, tok, "Once upon a time", SamplingParams(temperature=0.0))
+    learnt = [depth for nodes, depth, _ in rounds[3:] if nodes == 32]
+    assert learnt and max(learnt) <= 8, rounds
+
+
+def test_a_table_learns_what_verification_did() -> None:
+    table = AcceptanceTable("walk")
+    ranks, q = torch.tensor([1, 2]), torch.tensor([0.3, 0.2])
+    before = table.log_acceptance(ranks, q).exp()
+    for _ in range(50):  # the first child always taken, the second never
+        table.observe(ranks, q, torch.tensor([True, False]))
+    after = table.log_acceptance(ranks, q).exp()
+    assert after[0] > 0.95 > before[0] and after[1] < 0.05 < before[1]
+    # Cells never seen follow their rank's outcomes, not the prior alone.
+    unseen = table.log_acceptance(torch.tensor([1]), torch.tensor([0.9])).exp()
+    assert float(unseen) > 0.9
+    # With every first child accepted and no other, a tree is a chain: budget + 1 tokens.
+    assert table.expected_tokens(10) == pytest.approx(11, abs=0.6)
+
+
+def test_regimes_and_kinds_have_their_own_tables() -> None:
+    model = AcceptanceModel()
+    cold, hot = SamplingParams(temperature=0.3), SamplingParams(temperature=1.0)
+    assert regime(cold) != regime(hot) and regime(SamplingParams(temperature=0.0)) == "greedy"
+    assert model.table("walk", cold) is not model.table("walk", hot)
+    assert model.table("walk", hot) is not model.table("rejection", hot)
+    assert model.table("walk", hot) is model.table("walk", SamplingParams(temperature=1.05))
+
+
+def test_auto_keeps_rejection_that_accepts_and_otherwise_measures_both(stories) -> None:
+    """At T > 0 `auto` starts with rejection; where its first children are accepted at
+    least REJECTION_STAYS of the time it stays (no coupling of two draws beats that), else
+    it tries the walk and keeps whichever yields more tokens per round. A seeded request
+    and a greedy one walk."""
+    target, draft, _ = stories
+    strategy = TreeSpeculation(target, draft, budget=16, prefix_cache=PrefixCache(0))
+    walk_t = strategy.acceptance.table("walk", T1)
+    reject_t = strategy.acceptance.table("rejection", T1)
+    first = torch.tensor([1]), torch.tensor([0.5])
+    for _ in range(EXPLORE_ROUNDS):
+        kind, table = strategy._verification_kind(T1)
+        assert kind == "rejection"
+        table.observe(*first, torch.tensor([True]))
+        table.note_round(9)
+    assert strategy._verification_kind(T1)[0] == "rejection"  # it accepts: it stays
+    for _ in range(40):  # now its first children mostly fail
+        reject_t.observe(*first, torch.tensor([False]))
+    assert reject_t.marginal()[0] < REJECTION_STAYS
+    tried = []
+    for _ in range(EXPLORE_ROUNDS):
+        kind, table = strategy._verification_kind(T1)
+        tried.append(kind)
+        table.note_round(12)  # the walk yields more tokens per round than rejection's 9
+    assert tried == ["walk"] * EXPLORE_ROUNDS
+    assert walk_t.recent > reject_t.recent
+    walk_t.note_round(12)  # (not a multiple of EXPLORE_EVERY rounds: no exploring now)
+    assert strategy._verification_kind(T1)[0] == "walk"
+    seeded = SamplingParams(temperature=1.0, seed=3)
+    assert strategy._verification_kind(seeded)[0] == "walk"
+    assert strategy._verification_kind(SamplingParams(temperature=0.0))[0] == "walk"
+
+
+def test_stats_say_how_trees_were_verified(stories) -> None:
+    target, draft, tok = stories
+    strategy = TreeSpeculation(
+        target, draft, budget=8, prefix_cache=PrefixCache(0), verification="rejection"
+    )
+    ids = tok.encode("The little dog")
+    gen = Generation(strategy, strategy.new_session(256), tok, ids, T1, 32, ignore_eos=True)
+    stats = gen.run().stats.to_dict()
+    assert stats["tree_verification"] == "rejection"
+    assert stats["acceptance_estimate"] > 1.0
+    # Every round drafted and was verified by rejection, but perhaps the request's last
+    # token (a plain step when one token is left: nothing to draft for).
+    assert list(stats["verification_rounds"]) == ["rejection"]
+    assert stats["rounds"] - 1 <= stats["verification_rounds"]["rejection"] <= stats["rounds"]
