@@ -62,12 +62,15 @@ def run(
     params: SamplingParams,
     tokens: int,
     capacity: int,
+    seeds: int = 1,
 ) -> dict[str, Any]:
-    """Generate `tokens` after each prompt in a fresh session, seeds 0, 1, ... (the request
-    carries no seed: `auto` may verify by rejection); sums of what the rounds report."""
+    """Generate `tokens` after each prompt `seeds` times, each in a fresh session with its
+    own generator (the request carries no seed: `auto` may verify by rejection); sums of
+    what the rounds report."""
     out = {"tokens": 0, "passes": 0, "draft_passes": 0, "rounds": 0, "seconds": 0.0}
     kinds: dict[str, int] = {}
-    for i, ids in enumerate(prompts):
+    runs = [ids for _ in range(seeds) for ids in prompts]
+    for i, ids in enumerate(runs):
         session = strategy.new_session(capacity)
         generator = torch.Generator().manual_seed(i)
         t0 = time.perf_counter()
@@ -100,6 +103,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="16,64,256,1024")
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=240)
+    ap.add_argument("--seeds", type=int, default=2, help="samples per prompt (T > 0)")
     ap.add_argument("--verification", default="auto", choices=("auto", "walk", "rejection"))
     ap.add_argument("--json", type=Path, default=ROOT / "bench-results" / "trees.json")
     args = ap.parse_args()
@@ -111,8 +115,8 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     rows: list[dict[str, Any]] = []
     print(
-        f"{args.prompts} prompts x {args.tokens} tokens, context {capacity} (budgets and chains "
-        "past the room left are cut to it)\n"
+        f"{args.prompts} prompts x {args.tokens} tokens ({args.seeds} samples each at T > 0), "
+        f"context {capacity} (budgets and chains past the room left are cut to it)\n"
         "| draft | T | B | tree tok/pass | K=4 | K=16 | K=B | tree / best chain "
         "| tree draft passes / pass | verification (rounds) |\n|---|---|---|---|---|---|---|---|---|---|",
         flush=True,
@@ -121,19 +125,20 @@ def main() -> None:
         draft = load_draft(name, args.target, args.draft)
         for temperature in (float(t) for t in args.temperatures.split(",")):
             params = SamplingParams(temperature=temperature)
+            seeds = 1 if params.greedy else args.seeds  # greedy text is one text
             chains: dict[int, dict[str, Any]] = {}
             acceptance = AcceptanceModel()  # learned across this draft's budgets, as a daemon
             for budget in budgets:
                 for k in (*CHAINS, budget):
                     if k not in chains:
                         chains[k] = run(
-                            chain(target, draft, k), prompts, params, args.tokens, capacity
+                            chain(target, draft, k), prompts, params, args.tokens, capacity, seeds
                         )
                 tree = TreeSpeculation(
                     target, draft, budget=budget, prefix_cache=PrefixCache(0),
                     verification=args.verification, acceptance=acceptance,
                 )  # fmt: skip
-                got = run(tree, prompts, params, args.tokens, capacity)
+                got = run(tree, prompts, params, args.tokens, capacity, seeds)
                 best = max(chains[k]["tokens_per_pass"] for k in (*CHAINS, budget))
                 row = {
                     "draft": name,

@@ -55,6 +55,43 @@ def ngram_continuations(
     return []
 
 
+# Earlier occurrences an n-gram tree is built from: the most recent ones (a long context
+# repeating a common n-gram has thousands; the recent ones predict best).
+TREE_OCCURRENCES = 64
+
+
+def ngram_tree_prefixes(
+    context: Sequence[int], budget: int, *, max_ngram: int = 3, max_len: int = 8
+) -> list[tuple[int, ...]]:
+    """The `budget` best nodes of a prompt-lookup tree, as continuation prefixes in
+    best-first order: a prefix's worth is how many of the earlier occurrences of the
+    context's longest suffix n-gram were followed by it (its empirical probability), so
+    the first levels follow what most often came next and deeper levels the continuation
+    those agree on; ties go to the shorter, then the more recent. Parents come before
+    their children (a child never occurs more often than its parent)."""
+    if budget < 1 or max_len < 1:
+        return []
+    ids = np.asarray(context, dtype=np.int64)  # (L,)
+    length = len(ids)
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        suffix = ids[length - n :]  # (n,)
+        windows = sliding_window_view(ids[: length - 1], n)  # (L - n, n)
+        starts = np.flatnonzero((windows == suffix).all(axis=1))[::-1][:TREE_OCCURRENCES]
+        if len(starts) == 0:
+            continue
+        counts: Counter[tuple[int, ...]] = Counter()
+        latest: dict[tuple[int, ...], int] = {}
+        for start in starts:  # most recent first
+            begin = int(start) + n
+            cont = tuple(ids[begin : begin + max_len].tolist())
+            for d in range(1, len(cont) + 1):
+                counts[cont[:d]] += 1
+                latest.setdefault(cont[:d], int(start))
+        ranked = sorted(counts, key=lambda c: (-counts[c], len(c), -latest[c]))
+        return ranked[:budget]
+    return []
+
+
 def _merge_truncated(
     counts: Counter[tuple[int, ...]], latest: dict[tuple[int, ...], int], max_len: int
 ) -> None:

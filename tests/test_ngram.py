@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from speculative.drafting import NgramDrafter
-from speculative.ngram import ngram_continuations, ngram_proposal
+from speculative.ngram import ngram_continuations, ngram_proposal, ngram_tree_prefixes
 from speculative.passes import run_alone
 from speculative.sampling import PenaltyContext, SamplingParams
 
@@ -74,3 +74,17 @@ def test_ngram_drafter_proposal_is_a_point_mass():
         drafter.propose(None, [1, 2, 3], 3, SamplingParams(), penalties, torch.Generator())
     )  # type: ignore[arg-type]
     assert empty.tokens == [] and empty.q.shape == (0, 10)
+
+
+def test_tree_prefixes_follow_what_most_often_came_next():
+    """After "1 2" the context continued with 3 three times (then 5 twice) and with 4
+    once: the tree takes 3, then "3 5", before the once-seen 4; among prefixes seen once,
+    shorter first, then the more recent; parents always precede their children."""
+    context = [1, 2, 3, 5, 9, 1, 2, 3, 5, 8, 1, 2, 4, 7, 1, 2, 3, 6, 0, 1, 2]
+    prefixes = ngram_tree_prefixes(context, budget=6, max_len=3)
+    assert prefixes == [(3,), (3, 5), (4,), (3, 6), (4, 7), (3, 6, 0)]
+    seen: set[tuple[int, ...]] = {()}
+    for p in ngram_tree_prefixes(context, budget=20, max_len=3):
+        assert p[:-1] in seen  # the parent came first
+        seen.add(p)
+    assert ngram_tree_prefixes([1, 2, 3], budget=4) == []

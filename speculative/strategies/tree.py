@@ -50,7 +50,7 @@ from speculative.generation import (
 )
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
-from speculative.ngram import ngram_continuations
+from speculative.ngram import ngram_tree_prefixes
 from speculative.passes import Steps, feed_pass, forward
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import (
@@ -69,7 +69,6 @@ from speculative.tree import (
 )
 from speculative.verification import Verified, rejection_walk, walk
 
-NGRAM_CANDIDATES = 8  # continuations merged into an n-gram tree
 # With `auto` at T > 0, rejection's first rounds in a temperature regime come first. Where
 # its first children are accepted this often, it stays: one sampled child accepted with
 # probability 1 - TV(p, q) is the best any coupling of two draws can do, which bounds the
@@ -471,9 +470,7 @@ class TreeSpeculation:
             return DraftTree(root, 1, device)
         t0 = time.perf_counter()
         if self.draft is None:
-            found = ngram_continuations(
-                seq, max_ngram=self.ngram_max, max_len=depth, max_candidates=NGRAM_CANDIDATES
-            )
+            found = ngram_tree_prefixes(seq, budget, max_ngram=self.ngram_max, max_len=depth)
             tree = tree_from_continuations(root, found, budget, depth, device)
             stats.draft_seconds += time.perf_counter() - t0
             return tree
