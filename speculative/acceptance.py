@@ -212,7 +212,7 @@ class AcceptanceModel:
         """Per table: rounds seen, measured tokens per round, and the marginal acceptance
         of the first two ranks (for the status)."""
         out = {}
-        for (kind, reg), t in sorted(self.tables.items()):
+        for (kind, reg), t in sorted(list(self.tables.items())):  # (the engine may add one)
             rates = t.marginal()
             out[f"{kind}/{reg}"] = {
                 "rounds": t.rounds,

@@ -164,6 +164,14 @@ def test_an_answer_cut_short_is_marked(
     assert capsys.readouterr().out == f"Hello there.\n{mark}\n"
 
 
+def test_tree_verification_rides_in_each_request(daemon: FakeDaemon) -> None:
+    argv = ["chat", "--url", daemon.url, "--once", "hi"]
+    assert main([*argv, "--tree-verification", "rejection"]) == 0
+    assert daemon.bodies[-1]["tree_verification"] == "rejection"
+    assert main(argv) == 0
+    assert "tree_verification" not in daemon.bodies[-1]  # the daemon's own setting
+
+
 def test_stats_after_each_answer(daemon: FakeDaemon, capsys: pytest.CaptureFixture) -> None:
     assert main(["chat", "--url", daemon.url, "--once", "hi", "--stats"]) == 0
     out = capsys.readouterr().out
@@ -230,7 +238,7 @@ def test_chat_with_a_bad_url_fails_before_any_input(
     monkeypatch.setattr("builtins.input", no_input)
     args = argparse.Namespace(
         url="localhost:8716", api_key_file=None, system=None, max_tokens=8, temperature=0.0,
-        seed=None, once=None,
+        seed=None, once=None, tree_verification=None,
     )  # fmt: skip
     assert chat_cmd.cmd_chat(args) == 1
     err = capsys.readouterr().err

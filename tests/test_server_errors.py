@@ -315,6 +315,16 @@ def test_strategy_that_needs_a_missing_draft_is_a_400(server: BackgroundServer) 
     assert status == 200
 
 
+@pytest.mark.parametrize("value", ["sideways", 3, None])
+def test_tree_verification_outside_its_choices_is_a_400(server: BackgroundServer, value) -> None:
+    if value is None:  # absent: the configured one
+        assert call(server, {**good(), "tree_verification": None})[0] == 200
+        return
+    error = assert_error(call(server, {**good(), "tree_verification": value}), 400,
+                         "tree_verification")  # fmt: skip
+    assert "auto, walk, rejection" in error["message"]
+
+
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
 def test_seed_outside_64_bits_is_a_400(server: BackgroundServer, seed: int) -> None:
     error = assert_error(call(server, {**good(), "seed": seed}), 400, "seed")

@@ -117,10 +117,12 @@ def test_config_show_and_validate_commands(
 ) -> None:
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "none"))
     monkeypatch.setenv("SPECD_SERVER_PORT", "9100")
-    assert main(["config", "show", "--model", "m", "--strategy", "tree"]) == 0
+    argv = ["config", "show", "--model", "m", "--strategy", "tree"]
+    assert main([*argv, "--tree-verification", "rejection"]) == 0
     out = capsys.readouterr().out
     assert "target: m  # --model" in out
     assert "strategy: tree  # --strategy" in out
+    assert "tree_verification: rejection  # --tree-verification" in out
     assert "port: 9100  # env SPECD_SERVER_PORT" in out
     assert "queue_size: 32  # default" in out
     good = write(tmp_path, "limits:\n  queue_size: 4\n")

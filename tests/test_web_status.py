@@ -119,6 +119,17 @@ def chat(server: BackgroundServer, headers: dict[str, str]) -> tuple[int, dict]:
     return status, json.loads(raw)
 
 
+def test_status_reports_what_tree_verification_accepted(server: BackgroundServer) -> None:
+    """A sampled request without a seed starts its trees with rejection verification; the
+    status then shows that table's rounds and first-child acceptance."""
+    assert chat(server, AUTH)[0] == 200  # temperature 1 by default, no seed
+    info = json.loads(call(server.url + "/v1/specd/status", headers=AUTH)[2])
+    tables = info["tree_acceptance"]
+    sampled = [v for k, v in tables.items() if k.startswith("rejection/")]
+    assert sampled and sampled[0]["rounds"] >= 1, tables
+    assert 0.0 < sampled[0]["first_child"] <= 1.0
+
+
 def test_the_page_origin_may_post_and_others_may_not(server: BackgroundServer) -> None:
     # Browsers send Origin on same-origin POSTs: the daemon's own origin is allowed.
     status, body = chat(server, {**AUTH, "Origin": server.url})

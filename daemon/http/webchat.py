@@ -79,6 +79,8 @@ async def specd_status(request: web.Request) -> web.Response:
             plan=runtime.plan.to_dict(),
             # Per model: off, warming (passes run eager until ready), ready or failed.
             compile=runtime.compiled.to_dict() if runtime.compiled is not None else {},
+            # What tree verification accepted, per verification and temperature regime.
+            tree_acceptance=runtime.acceptance.to_dict(),
         )
     stream_seconds = metrics.stream_seconds.value
     body["stream"] = {
