@@ -81,6 +81,14 @@ def rank_bin(rank: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(rank, edges)
 
 
+def _middles() -> torch.Tensor:
+    lows, highs = (0.0, *Q_EDGES), (*Q_EDGES, 1.0)
+    return torch.tensor([(lo + hi) / 2 for lo, hi in zip(lows, highs, strict=True)])
+
+
+_MIDDLES = _middles()  # each q bin's middle draft probability
+
+
 def _prior(kind: str) -> torch.Tensor:
     """(ranks, q bins) prior acceptance, what growth assumes before any outcome (worth
     PRIOR_WEIGHT of them, and a rank's outcomes move all of its cells): a first child is
@@ -154,9 +162,17 @@ class AcceptanceTable:
 
     def log_acceptance(self, ranks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """(n,) log P(move to each child) for children of the given ranks and draft
-        probabilities."""
-        est = self.estimate().to(q.device)
-        return est[rank_bin(ranks), q_bin(q.float())].log()
+        probabilities: interpolated linearly in q between the middles of the two nearest
+        bins, so that children of one bin keep the order of their draft probabilities."""
+        est = self.estimate().to(q.device)  # (ranks, q bins)
+        middles = _MIDDLES.to(q.device, q.dtype)  # (q bins,)
+        q = q.float().clamp(float(middles[0]), float(middles[-1]))
+        upper = torch.bucketize(q, middles).clamp(1, len(middles) - 1)  # (n,)
+        lo, hi = middles[upper - 1], middles[upper]
+        frac = ((q - lo) / (hi - lo)).clamp(0.0, 1.0)
+        r = rank_bin(ranks)
+        value = est[r, upper - 1] * (1 - frac) + est[r, upper] * frac
+        return value.clamp(MIN_ACCEPTANCE, 1.0).log()
 
     def marginal(self) -> list[float]:
         """P(move to the child of rank 1, 2, ...) averaged over the draft probabilities
