@@ -117,7 +117,14 @@ class Engine:
         self._runtime_factory = runtime_factory
         self.runtime: Runtime | None = None
         self.load_error: BaseException | None = None
-        self._queue: queue.Queue[Job] = queue.Queue(maxsize=limits.queue_size)
+        # Jobs waiting for a slot. Admission is counted, not left to the queue's bound: the
+        # worker drains the queue only between steps, so a bound on it alone refused
+        # requests while decode slots were free (three bursts of 48 with 8 + 32 allowed
+        # admitted 40, 40 and 34). `_in_flight` counts every job from `submit` until it
+        # leaves (finished, failed or cancelled); at most max_concurrent + queue_size.
+        self._queue: queue.Queue[Job] = queue.Queue()
+        self._in_flight: set[Job] = set()
+        self._admission = threading.Lock()
         # A pass's bounds (set once the runtime's plan is known): tokens, and logit rows.
         self.max_pass_tokens = limits.max_pass_tokens or 0
         self.max_pass_rows = 0
@@ -156,12 +163,16 @@ class Engine:
         if request.budget is not None and request.budget > self.runtime.max_tree_budget:
             raise BudgetTooLargeError(request.budget, self.runtime.max_tree_budget)
         job = Job(request, loop)
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFullError(
-                f"{self.limits.queue_size} requests are already waiting; retry shortly"
-            ) from None
+        most = self.limits.max_concurrent + self.limits.queue_size
+        with self._admission:
+            if len(self._in_flight) >= most:
+                raise QueueFullError(
+                    f"{most} requests are already in flight ({self.limits.max_concurrent} "
+                    f"decoding and {self.limits.queue_size} waiting: limits.max_concurrent "
+                    "and limits.queue_size); retry shortly"
+                )
+            self._in_flight.add(job)
+        self._queue.put_nowait(job)
         self.metrics.queue_depth.set(self._queue.qsize())
         with self._wake:
             self._wake.notify()
@@ -231,13 +242,14 @@ class Engine:
             self.metrics.queue_depth.set(self._queue.qsize())
             if job.cancelled:
                 self.metrics.cancelled.inc()
+                self._leave(job)
                 continue
             try:
                 self._active.append(self._begin(job))
             except Exception as exc:  # a bad request that got past validation, or a bug
                 if not isinstance(exc, RequestError):
                     log.error("starting a generation failed", exc_info=exc)
-                job.post(Failed(exc))
+                self._end(job, Failed(exc))
 
     def _begin(self, job: Job) -> _Active:
         assert self.runtime is not None
@@ -280,6 +292,7 @@ class Engine:
                 with contextlib.suppress(Exception):  # the session and its KV cache go too
                     active.steps.close()
                 self.metrics.cancelled.inc()
+                self._leave(active.job)
         if not self._active:
             return
         if not self.limits.batch_passes:
@@ -465,7 +478,7 @@ class Engine:
             self._active.remove(active)
         with contextlib.suppress(Exception):
             active.steps.close()
-        active.job.post(Failed(exc))
+        self._end(active.job, Failed(exc))
 
     def _finish(self, active: _Active) -> None:
         if active in self._active:
@@ -480,22 +493,33 @@ class Engine:
         # figures are shared among them, but the totals in /metrics stay exact.
         stats.extra.update(self.runtime.offload_stats())
         self.metrics.record_generation(stats, gen.completion_tokens)
-        active.job.post(
+        self._end(
+            active.job,
             Finished(
                 finish_reason=gen.finish_reason or "length",
                 prompt_tokens=len(gen.prompt_ids),
                 completion_tokens=gen.completion_tokens,
                 stats=stats.to_dict(),
-            )
+            ),
         )
         self._idle.release(active.pool_key, active.session)
 
+    def _end(self, job: Job, event: Finished | Failed) -> None:
+        """The job's last event: it leaves the engine."""
+        job.post(event)
+        self._leave(job)
+
+    def _leave(self, job: Job) -> None:
+        """A job no longer counts against admission (finished, failed or cancelled)."""
+        with self._admission:
+            self._in_flight.discard(job)
+
     def _fail_everything(self, error: BaseException) -> None:
         while self._active:
-            self._active.popleft().job.post(Failed(error))
+            self._end(self._active.popleft().job, Failed(error))
         while True:
             try:
-                self._queue.get_nowait().post(Failed(error))
+                self._end(self._queue.get_nowait(), Failed(error))
             except queue.Empty:
                 break
         self._idle.clear()

@@ -21,6 +21,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 import platformdirs
+import psutil
 
 SERVICE_NAME = "specd"
 LAUNCHD_LABEL = "dev.specd.daemon"
@@ -84,32 +85,57 @@ def default_paths() -> ServicePaths:
 
 @dataclass
 class DaemonRecord:
-    """What `specd start` leaves in the pid file for `stop` and `status`."""
+    """What `specd start` leaves in the pid file for `stop` and `status`: the pid, and
+    what tells the daemon's process apart from a later one the system gave the same pid
+    (its start time, as the kernel records it)."""
 
     pid: int
     url: str
+    created: float | None = None  # psutil's create_time of the daemon's process
 
     @classmethod
     def read(cls, paths: ServicePaths) -> DaemonRecord | None:
         try:
             data = json.loads(paths.pid_file.read_text())
-            return cls(int(data["pid"]), str(data["url"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            created = data.get("created")
+            return cls(
+                int(data["pid"]), str(data["url"]), None if created is None else float(created)
+            )
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
     def write(self, paths: ServicePaths) -> None:
         paths.state_dir.mkdir(parents=True, exist_ok=True)
-        paths.pid_file.write_text(json.dumps({"pid": self.pid, "url": self.url}))
+        body = {"pid": self.pid, "url": self.url, "created": self.created}
+        paths.pid_file.write_text(json.dumps(body))
 
 
-def alive(pid: int) -> bool:
+# The start times psutil reads for one process agree to the clock tick; two processes
+# started this close on one pid cannot both exist.
+CREATED_TOLERANCE = 0.05
+
+
+def alive(record: DaemonRecord) -> bool:
+    """Whether the recorded daemon is still running: its pid names a live process (a
+    zombie is gone) that is that process, started when recorded and running `specd serve`.
+    A pid the system has since given to another program is not ours: status says not
+    running, start proceeds, and stop never signals it."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        proc = psutil.Process(record.pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        if record.created is not None:
+            return abs(proc.create_time() - record.created) <= CREATED_TOLERANCE
+        return _serves(proc.cmdline())  # a record from before start times were kept
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
-    except PermissionError:
-        return True
-    return True
+    except psutil.AccessDenied:
+        return False  # another user's process: never ours
+
+
+def _serves(argv: list[str]) -> bool:
+    """Whether a command line is `specd serve`'s (`serve_command`, or the console script)."""
+    return "serve" in argv and any(a.endswith(("daemon.cli", "specd")) for a in argv)
 
 
 def fetch_health(url: str, timeout: float = 2.0) -> tuple[int, dict]:
@@ -148,7 +174,7 @@ def start(
     """Start `specd serve` detached, logging to the log file; wait until /health says ready.
     `listen` (host, port) is checked first, so a taken port is one line, not a failed start."""
     record = DaemonRecord.read(paths)
-    if record is not None and alive(record.pid):
+    if record is not None and alive(record):
         raise ServiceError(f"specd is already running (pid {record.pid}, {record.url})")
     if listen is not None:
         check_listen(*listen)
@@ -164,7 +190,7 @@ def start(
             start_new_session=True,  # survives the terminal that started it
             cwd=os.getcwd(),
         )
-    record = DaemonRecord(proc.pid, url)
+    record = DaemonRecord(proc.pid, url, _created(proc.pid))
     record.write(paths)
     deadline = time.monotonic() + wait_seconds
     while time.monotonic() < deadline:
@@ -184,18 +210,27 @@ def start(
     )
 
 
+def _created(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
 def stop(paths: ServicePaths, wait_seconds: float = 30.0) -> int | None:
-    """SIGTERM the daemon and wait for it; returns its pid, or None if none was running."""
+    """SIGTERM the daemon and wait for it; returns its pid, or None if none was running
+    (a pid file naming a process that is not the recorded daemon is removed, and that
+    process left alone)."""
     record = DaemonRecord.read(paths)
-    if record is None or not alive(record.pid):
+    if record is None or not alive(record):
         paths.pid_file.unlink(missing_ok=True)
         return None
     os.kill(record.pid, signal.SIGTERM)
     deadline = time.monotonic() + wait_seconds
-    while alive(record.pid) and time.monotonic() < deadline:
+    while alive(record) and time.monotonic() < deadline:
         _reap(record.pid)
         time.sleep(0.1)
-    if alive(record.pid):
+    if alive(record):
         raise ServiceError(f"specd (pid {record.pid}) did not stop within {wait_seconds:.0f} s")
     paths.pid_file.unlink(missing_ok=True)
     return record.pid

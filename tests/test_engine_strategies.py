@@ -4,12 +4,17 @@ prefix cache."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import pytest
+
 from daemon.engine import Engine, EngineLimits
+from daemon.jobs import Finished, GenerationRequest, QueueFullError
 from daemon.metrics import Metrics
 from daemon.pools import REQUEST_BUDGET_STRATEGIES
 from daemon.runtime import Runtime, RuntimeOptions
+from speculative.sampling import SamplingParams
 
 
 def _engine(target: Path, draft: Path) -> tuple[Runtime, Engine]:
@@ -61,3 +66,27 @@ def test_strategies_are_rebuilt_when_compiled_passes_become_ready(
     compiled.ready_count += 1  # what CompiledModels.warm does when a model is ready
     after = engine._strategy("tree", None)
     assert after is not before and engine._strategy("tree", None) is after
+
+
+def test_admission_is_exact_while_the_worker_is_busy(
+    stories_target: Path, stories_draft: Path
+) -> None:
+    """Up to max_concurrent + queue_size requests are in flight at every instant, whatever
+    the worker has drained so far (here: nothing, it is mid-step); the next is refused
+    with QueueFullError (the API's 503 + Retry-After), and a job that leaves frees a slot."""
+    runtime = Runtime(RuntimeOptions(model=str(stories_target), draft=str(stories_draft)))
+    limits = EngineLimits(max_concurrent=2, queue_size=4)
+    engine = Engine(runtime.options, limits, Metrics(), runtime_factory=lambda _: runtime)
+    engine.runtime = runtime
+    loop = asyncio.new_event_loop()
+    try:
+        request = GenerationRequest([1, 2, 3], SamplingParams(), 4)
+        jobs = [engine.submit(request, loop) for _ in range(6)]
+        with pytest.raises(QueueFullError, match="6 requests are already in flight"):
+            engine.submit(request, loop)
+        engine._end(jobs[0], Finished("stop", 3, 1, {}))
+        engine.submit(request, loop)  # its slot is free again
+        with pytest.raises(QueueFullError):
+            engine.submit(request, loop)
+    finally:
+        loop.close()

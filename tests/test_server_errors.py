@@ -248,6 +248,12 @@ def test_api_key_required(server: BackgroundServer) -> None:
     assert_error(call(server, good(), headers={"Authorization": ""}), 401)
     error = assert_error(call(server, good(), headers={"Authorization": "Bearer wrong"}), 401)
     assert error["type"] == "authentication_error"
+    for wrong in (f"Basic {KEY}", f"Bearer{KEY}", KEY, f"Bearer {KEY}x"):
+        assert_error(call(server, good(), headers={"Authorization": wrong}), 401)
+    # The scheme is case-insensitive (RFC 9110).
+    for scheme in ("bearer", "BEARER", "beArer"):
+        status, _, body = call(server, good(), headers={"Authorization": f"{scheme} {KEY}"})
+        assert status == 200, body
     # /health stays open so that `specd status` works without the key.
     conn = http.client.HTTPConnection("127.0.0.1", server.server.port, timeout=10)
     conn.request("GET", "/health")

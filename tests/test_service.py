@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import plistlib
 import socket
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from daemon import service
@@ -71,8 +74,10 @@ def test_service_install_writes_the_unit(
 def test_pid_record_round_trip(dirs: Path) -> None:
     paths = service.default_paths()
     assert service.DaemonRecord.read(paths) is None
-    service.DaemonRecord(1234, "http://127.0.0.1:1").write(paths)
-    assert service.DaemonRecord.read(paths) == service.DaemonRecord(1234, "http://127.0.0.1:1")
+    service.DaemonRecord(1234, "http://127.0.0.1:1", 1.5e9).write(paths)
+    assert service.DaemonRecord.read(paths) == service.DaemonRecord(
+        1234, "http://127.0.0.1:1", 1.5e9
+    )
     assert paths.pid_file.parent == dirs / "xdg_state_home" / "specd"
 
 
@@ -160,3 +165,69 @@ def test_a_broken_user_config_does_not_stop_stop_or_status(
     assert "not answering at http://127.0.0.1:9" in captured.out
     assert f"{config}: models.dtype: 'fp8' is not allowed" in captured.err
     assert "configuration ignored" in captured.err
+
+
+@pytest.fixture
+def stranger() -> Iterator[subprocess.Popen]:
+    """An unrelated program: what a pid the system reused would name."""
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("created", ["earlier", "unrecorded"])
+def test_a_reused_pid_is_never_signalled(
+    dirs: Path, capsys: pytest.CaptureFixture[str], stranger: subprocess.Popen, created: str
+) -> None:
+    """The pid file names a pid that now belongs to another program: a process started
+    after the daemon was (the recorded start time differs), or, for a pid file written
+    before start times were kept, one whose command line is not `specd serve`. Status says
+    not running, stop leaves it alone, and start is not refused."""
+    paths = service.default_paths()
+    started = psutil.Process(stranger.pid).create_time()
+    when = started - 30.0 if created == "earlier" else None
+    service.DaemonRecord(stranger.pid, "http://127.0.0.1:9", when).write(paths)
+    assert main(["status", "--port", "9"]) == 3
+    assert "not running" in capsys.readouterr().out
+    assert main(["stop"]) == 0
+    assert "was not running" in capsys.readouterr().out
+    assert stranger.poll() is None  # still running: no signal reached it
+    assert not paths.pid_file.exists()
+
+
+def test_a_dead_daemon_left_as_a_zombie_is_gone(dirs: Path) -> None:
+    """A SIGKILLed daemon that its parent has not reaped yet is a zombie: not running."""
+    proc = subprocess.Popen(["sleep", "0"])
+    record = service.DaemonRecord(
+        proc.pid, "http://127.0.0.1:9", psutil.Process(proc.pid).create_time()
+    )
+    deadline = time.monotonic() + 10
+    while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the child did not exit"
+        time.sleep(0.01)  # waiting on the child's exit, a condition, not a duration
+    try:
+        assert not service.alive(record)
+    finally:
+        proc.wait()
+
+
+def test_start_refuses_only_for_the_recorded_process(
+    dirs: Path, stranger: subprocess.Popen, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = service.default_paths()
+    me = psutil.Process()
+    service.DaemonRecord(me.pid, "http://127.0.0.1:9", me.create_time()).write(paths)
+    with pytest.raises(service.ServiceError, match="already running"):
+        service.start(paths, [], "http://127.0.0.1:9", 5.0)
+    # A stale record: start goes on (here to a "daemon" that exits at once).
+    monkeypatch.setattr(
+        service, "serve_command", lambda flags: [sys.executable, "-c", "raise SystemExit(3)"]
+    )
+    stale = psutil.Process(stranger.pid).create_time() - 30.0
+    service.DaemonRecord(stranger.pid, "http://127.0.0.1:9", stale).write(paths)
+    with pytest.raises(service.ServiceError, match=r"exited during start-up \(status 3"):
+        service.start(paths, [], "http://127.0.0.1:9", 5.0)
+    assert stranger.poll() is None

@@ -251,7 +251,7 @@ def stats_line(stats: dict[str, Any]) -> str:
 
 def _default_url(args: argparse.Namespace) -> str:
     record = service.DaemonRecord.read(service.default_paths())
-    if record is not None and service.alive(record.pid):
+    if record is not None and service.alive(record):
         return record.url
     settings = settings_from_args(args)
     return daemon_url(settings.server.host, settings.server.port)

@@ -53,7 +53,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     paths = service.default_paths()
     record = service.DaemonRecord.read(paths)
     url = record.url if record is not None else _configured_url(args)
-    running = record is not None and service.alive(record.pid)
+    running = record is not None and service.alive(record)
     status, body = service.fetch_health(url)
     pid = f"pid {record.pid}" if running and record is not None else "no pid file"
     if status == 200:

@@ -163,12 +163,13 @@ async def _guarded(request: web.Request, handler: Handler, config: ApiConfig) ->
     if request.method == "OPTIONS" and origin is not None:
         return web.Response(status=204, headers=cors_headers(origin))
     if config.api_key is not None and request.path not in config.public_paths:
-        given = request.headers.get("Authorization", "")
-        expected = f"Bearer {config.api_key}"
-        # Header bytes that are not UTF-8 arrive as surrogate escapes: compare them as the
-        # bytes they were (a latin-1 key is simply a wrong key, never a 500).
-        given_bytes = given.encode("utf-8", "surrogateescape")
-        if not secrets.compare_digest(given_bytes, expected.encode()):
+        # The scheme is case-insensitive (RFC 9110 11.1: "bearer" is "Bearer"); the key
+        # is compared in constant time. Header bytes that are not UTF-8 arrive as surrogate
+        # escapes: compared as the bytes they were (a latin-1 key is a wrong key, not a 500).
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        given_bytes = given.strip(" ").encode("utf-8", "surrogateescape")
+        right_key = secrets.compare_digest(given_bytes, config.api_key.encode())
+        if scheme.lower() != "bearer" or not right_key:
             raise ApiError(
                 401,
                 "a valid API key is required: send 'Authorization: Bearer KEY'",
