@@ -235,6 +235,9 @@ class LimitsSettings:
     cached_sessions: int = _key(4, integer(0, 1024))
     default_max_tokens: int = _key(512, integer(1, 1 << 20))
     max_tokens: int = _key(8192, integer(1, 1 << 20))
+    # A request's max_tokens larger than the room its prompt leaves in the context: a 400
+    # context_length_exceeded (false) or cut to the room, said in the response (true).
+    clamp_max_tokens: bool = _key(False, flag)
     # One target pass per step for all active generations (false: interleaved rounds).
     batch_passes: bool = _key(True, flag)
     # Tokens one batched pass may carry; null: the memory plan's largest pass.

@@ -84,6 +84,7 @@ class Round:
 @dataclass
 class GenerationStats:
     strategy: str = ""
+    max_tokens: int = 0  # the effective limit: the request's, cut to the room left
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # reused from the session's KV cache, not prefilled
     generated_tokens: int = 0
@@ -405,7 +406,9 @@ class Generation:
         self.text = ""
         self.finish_reason: str | None = None
         self.stopped_by_token = False
-        self.stats = GenerationStats(strategy=strategy.name, prompt_tokens=len(self.prompt_ids))
+        self.stats = GenerationStats(
+            strategy=strategy.name, max_tokens=self.max_tokens, prompt_tokens=len(self.prompt_ids)
+        )
         self.trace = trace
         self.traced_rounds = 0
 

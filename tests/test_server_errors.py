@@ -226,6 +226,39 @@ def test_prompt_longer_than_the_context(server: BackgroundServer) -> None:
     assert_error(call(server, ids, "/v1/completions"), 400, "prompt")
 
 
+def test_max_tokens_past_the_context_is_a_400_naming_what_fits(server: BackgroundServer) -> None:
+    """60 prompt ids in a 64-token context leave 4 new tokens: asking for 10 is refused as
+    OpenAI and vLLM refuse it, naming the prompt, the context and the largest that fits;
+    asking for 4 runs; not asking runs to the context's end."""
+    prompt = list(range(3, 63))  # 60 ids
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0}
+    error = assert_error(call(server, body, "/v1/completions"), 400, "max_tokens")
+    assert error["code"] == "context_length_exceeded"
+    for figure in ("60 tokens", f"holds {CONTEXT}", "at most 4 new tokens"):
+        assert figure in error["message"], error["message"]
+    status, _, ok = call(server, {**body, "max_tokens": 4, "ignore_eos": True}, "/v1/completions")
+    assert status == 200 and ok["usage"]["completion_tokens"] == 4
+    unset = {"model": MODEL, "prompt": prompt, "temperature": 0, "ignore_eos": True}
+    status, _, ran = call(server, unset, "/v1/completions")
+    assert status == 200 and ran["choices"][0]["finish_reason"] == "length"
+    assert ran["usage"]["completion_tokens"] == 4 and ran["specd"]["max_tokens"] == 4
+
+
+@pytest.fixture(scope="module")
+def clamping(stories_target: Path, tmp_path_factory: pytest.TempPathFactory):
+    yield from keyed_server(
+        stories_target, tmp_path_factory, KEY,
+        {"context.length": CONTEXT, "limits.clamp_max_tokens": True},
+    )  # fmt: skip
+
+
+def test_clamp_max_tokens_cuts_and_says_so(clamping: BackgroundServer) -> None:
+    body = {"model": MODEL, "prompt": list(range(3, 63)), "max_tokens": 10, "temperature": 0}
+    status, _, ran = call(clamping, {**body, "ignore_eos": True}, "/v1/completions")
+    assert status == 200 and ran["usage"]["completion_tokens"] == 4
+    assert ran["specd"]["max_tokens"] == 4  # the effective limit, not the 10 asked for
+
+
 def test_bad_host_header(server: BackgroundServer) -> None:
     error = assert_error(call(server, good(), headers={"Host": "evil.example.com"}), 403)
     assert error["code"] == "host_not_allowed"

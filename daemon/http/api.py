@@ -144,6 +144,8 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     engine = _require_ready(app)
     _check_strategy(engine, req)
     prompt_ids = _prompt_ids(engine, req)
+    assert engine.runtime is not None
+    _check_room(req, len(prompt_ids), engine.runtime.context, config.limits.clamp_max_tokens)
     try:
         job = engine.submit(
             GenerationRequest(
@@ -234,6 +236,22 @@ def _prompt_ids(engine: Engine, req: CompletionRequest) -> list[int]:
             code="context_length_exceeded",
         )
     return ids
+
+
+def _check_room(req: CompletionRequest, prompt_tokens: int, context: int, clamp: bool) -> None:
+    """A max_tokens the context cannot hold after the prompt is refused (OpenAI's and
+    vLLM's answer), unless limits.clamp_max_tokens cuts it (the response then says so);
+    without one, the default is cut to the room left."""
+    room = context - prompt_tokens
+    if req.max_tokens <= room or not req.max_tokens_given or clamp:
+        return
+    raise bad_request(
+        f"max_tokens is {req.max_tokens} but the prompt has {prompt_tokens} tokens and the "
+        f"context holds {context}: at most {room} new tokens fit; lower max_tokens to "
+        f"{room} or less, shorten the prompt, or raise context.length",
+        "max_tokens",
+        code="context_length_exceeded",
+    )
 
 
 async def _next_event(job: Job, request: web.Request, timeout: float):  # type: ignore[no-untyped-def]

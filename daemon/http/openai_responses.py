@@ -29,6 +29,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 SPECD_STAT_KEYS = (
     "strategy",
+    "max_tokens",  # the effective limit (cut to the room left when clamping)
     "tokens_per_target_pass",
     "acceptance_rate",
     "target_passes",

@@ -62,6 +62,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 class WireLimits:
     default_max_tokens: int
     max_tokens: int
+    # A max_tokens the context cannot hold after the prompt: a 400 (false, the default, as
+    # OpenAI and vLLM answer) or cut to what fits, the response saying so (true).
+    clamp_max_tokens: bool = False
 
 
 @dataclass
@@ -73,6 +76,7 @@ class CompletionRequest:
     prompt: str | list[int] | None
     params: SamplingParams
     max_tokens: int
+    max_tokens_given: bool = True  # False: the daemon's default, cut to the room left
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -258,6 +262,7 @@ def _common(body: dict, limits: WireLimits, chat: bool) -> dict[str, Any]:
         model=model,
         params=params,
         max_tokens=max_tokens if max_tokens is not None else limits.default_max_tokens,
+        max_tokens_given=max_tokens is not None,
         stop=_stop(body),
         stream=stream,
         include_usage=include_usage,

@@ -46,6 +46,7 @@ def api_config(settings: Settings) -> ApiConfig:
         limits=WireLimits(
             default_max_tokens=settings.limits.default_max_tokens,
             max_tokens=settings.limits.max_tokens,
+            clamp_max_tokens=settings.limits.clamp_max_tokens,
         ),
         max_body_bytes=settings.limits.max_body_bytes,
         keepalive_seconds=settings.server.keepalive_seconds,

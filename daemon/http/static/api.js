@@ -16,6 +16,7 @@ export class ApiError extends Error {
     super((error && error.message) || `HTTP ${status}`);
     this.status = status;
     this.code = error && error.code;
+    this.param = error && error.param;
   }
 }
 

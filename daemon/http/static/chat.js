@@ -185,6 +185,9 @@ async function answer(chat) {
 function handleError(err, chat) {
   if (err.status === 401) {
     askForKey(() => answer(chat));
+  } else if (err.code === "context_length_exceeded" && err.param === "max_tokens") {
+    // The conversation fits, the answer's Max tokens does not: the server says how many do.
+    showNotice(`${err.message} (or drop the oldest turn to make room)`, true);
   } else if (err.code === "context_length_exceeded") {
     showNotice("The conversation no longer fits the model's context. " +
       "Drop the oldest turn to make room (the page never does it on its own).", true);
