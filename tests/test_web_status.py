@@ -128,6 +128,9 @@ def test_status_reports_what_tree_verification_accepted(server: BackgroundServer
     sampled = [v for k, v in tables.items() if k.startswith("rejection/")]
     assert sampled and sampled[0]["rounds"] >= 1, tables
     assert 0.0 < sampled[0]["first_child"] <= 1.0
+    cache = info["prefix_cache"]  # the round's verified rows were stored
+    assert cache["rows"] >= 1 and 0 < cache["bytes"] <= cache["allocated_bytes"]
+    assert cache["allocated_bytes"] <= cache["max_bytes"]
 
 
 def test_the_page_origin_may_post_and_others_may_not(server: BackgroundServer) -> None:
@@ -159,6 +162,7 @@ def test_specd_status_prints_the_machine(
     assert "plan: 5 resident / 0 streamed layers, 0 slots" in out
     assert "strategy tree, context 512 tokens" in out
     assert "streaming: nothing streamed" in out
+    assert "prefix cache: " in out and "MiB allocated of 1024 MiB" in out
     # Without the key the health line still comes, and the details say why they do not.
     assert main(["status", "--port", port]) == 0
     assert "no machine details: /v1/specd/status answered 401" in capsys.readouterr().out

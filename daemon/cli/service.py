@@ -108,6 +108,13 @@ def format_machine(status: dict) -> str:
         + (f"{seconds:.3g} s per pass expected" if isinstance(seconds, float) else "no estimate"),
         f"  streaming: {gbps:.2f} GB/s measured" if gbps else "  streaming: nothing streamed",
     ]
+    cache = status.get("prefix_cache")
+    if cache:
+        mib = 2**20
+        lines.append(
+            f"  prefix cache: {cache['allocated_bytes'] / mib:.1f} MiB allocated of "
+            f"{cache['max_bytes'] / mib:.0f} MiB, {cache['rows']} rows"
+        )
     return "\n".join(lines)
 
 

@@ -81,6 +81,14 @@ async def specd_status(request: web.Request) -> web.Response:
             compile=runtime.compiled.to_dict() if runtime.compiled is not None else {},
             # What tree verification accepted, per verification and temperature regime.
             tree_acceptance=runtime.acceptance.to_dict(),
+            # The cache of verified target logits: it allocates its slots as rows need
+            # them and keeps them, so host memory grows towards max_bytes by design.
+            prefix_cache={
+                "max_bytes": runtime.prefix_cache.max_bytes,
+                "allocated_bytes": runtime.prefix_cache.allocated_bytes,
+                "bytes": runtime.prefix_cache.bytes,
+                "rows": runtime.prefix_cache.rows,
+            },
         )
     stream_seconds = metrics.stream_seconds.value
     body["stream"] = {
