@@ -225,6 +225,15 @@ class ServerSettings:
     allowed_hosts: list[str] = field(default_factory=list, metadata={"check": host_list})
     keepalive_seconds: float = _key(5.0, number(0.05, 300.0))
     stream_interval_ms: int = _key(20, integer(0, 1000))
+    # A connection without a whole request head for this long (idle between requests, or
+    # one that sends half a request line or header) is closed.
+    idle_timeout_seconds: float = _key(15.0, number(0.05, 3600.0))
+    # A request's body must arrive within this long of its head, and at least
+    # min_body_bytes_per_second after the first second: else 408 and the connection closes.
+    request_timeout_seconds: float = _key(60.0, number(0.05, 3600.0))
+    min_body_bytes_per_second: int = _key(4096, integer(0, 1 << 30))
+    # Open connections at most; one more is answered 503 (Retry-After) and closed.
+    max_connections: int = _key(256, integer(1, 1 << 20))
 
 
 @dataclass

@@ -130,13 +130,26 @@ class Tokenizer:
         embedding rows a model needs (ids may have gaps, so not always `vocab_size`)."""
         return max(self.vocabulary.values(), default=-1) + 1
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: its string's length (a
+        byte-level token's characters are its bytes, a SentencePiece piece's are its text,
+        byte fallback's `<0x..>` is one byte), so a text of n characters has at least
+        n / max_token_chars tokens, short of a normaliser contracting it."""
+        return max((len(piece) for piece in self.vocabulary), default=1)
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        # `encode_batch` releases the GIL while it works (`encode` holds it: 0.6 s for a
+        # megabyte, with the event loop frozen meanwhile); same ids.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`; with `add_special_tokens`, BOS as the tokenizer config asks."""
         if not add_special_tokens:
-            return self.backend.encode(text, add_special_tokens=False).ids
+            return self._ids(text, False)
         if self.add_bos is None:
-            return self.backend.encode(text, add_special_tokens=True).ids
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+            return self._ids(text, True)
+        ids = self._ids(text, False)
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id, *ids]
         return ids

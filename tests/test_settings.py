@@ -136,7 +136,7 @@ def test_config_show_and_validate_commands(
 
 LIMITS_KEYS = (
     "max_body_bytes, queue_size, max_concurrent, cached_sessions, default_max_tokens, "
-    "max_tokens, batch_passes, max_pass_tokens"
+    "max_tokens, clamp_max_tokens, batch_passes, max_pass_tokens"
 )
 
 
@@ -154,7 +154,8 @@ def test_validate_reports_every_problem_at_once_in_one_format(
         f"{bad}: servr: unknown section; sections are models, runtime, speculation, offload, context, "
         "server, limits, logging",
         f"{bad}: server.prot: unknown key; server keys are host, port, api_key_file, "
-        "cors_origins, allowed_hosts, keepalive_seconds, stream_interval_ms",
+        "cors_origins, allowed_hosts, keepalive_seconds, stream_interval_ms, "
+        "idle_timeout_seconds, request_timeout_seconds, min_body_bytes_per_second, max_connections",
         f"{bad}: limits: a number is not a section; a section is a mapping of keys",
         f"{bad}: models.dtype: 'fp8' is not allowed; expected one of auto, fp32, bf16, fp16",
         f"{bad}: server.port: 'high' is not allowed; expected an integer from 0 to 65535",

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import Any
 
 from aiohttp import web
 
@@ -50,6 +52,12 @@ from speculative.sampling import TokenLogprob
 from speculative.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("specd.api")
+
+# Requests prepared (parsed, validated, tokenized) at once; the others wait their turn
+# without holding a thread.
+PREPARING_THREADS = 2
+PREPARERS = web.AppKey("preparers", ThreadPoolExecutor)
+PREPARING = web.AppKey("preparing", asyncio.Semaphore)
 
 LOADING_RETRY_AFTER = "5"
 QUEUE_RETRY_AFTER = "1"
@@ -131,21 +139,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     app = request.app
     config = app[CONFIG]
-    body = parse_json_object(await request.read())
-    req = parse_chat(body, config.limits) if chat else parse_completion(body, config.limits)
-    if req.model is not None and req.model != config.model_name:
-        raise ApiError(
-            404,
-            f"model {req.model!r} is not served here; this daemon serves {config.model_name!r}",
-            type="not_found_error",
-            param="model",
-            code="model_not_found",
+    raw = await read_body(request, config)
+    # Parsing, validating, rendering the chat template and tokenizing take time in
+    # proportion to the body (0.6 s per megabyte of text to tokenize): off the event loop,
+    # on a few threads, so /health and the streams in flight keep flowing meanwhile.
+    async with app[PREPARING]:
+        loop = asyncio.get_running_loop()
+        engine, req, prompt_ids = await loop.run_in_executor(
+            app[PREPARERS], partial(_prepare, app, raw, chat)
         )
-    engine = _require_ready(app)
-    _check_strategy(engine, req)
-    prompt_ids = _prompt_ids(engine, req)
-    assert engine.runtime is not None
-    _check_room(req, len(prompt_ids), engine.runtime.context, config.limits.clamp_max_tokens)
     try:
         job = engine.submit(
             GenerationRequest(
@@ -206,10 +208,105 @@ def _check_strategy(engine: Engine, req: CompletionRequest) -> None:
         raise bad_request(str(exc), "strategy") from None
 
 
+# The body's first second is not held to the minimum rate (a connection's slow start).
+RATE_GRACE_SECONDS = 1.0
+# How often a body that is arriving is looked at against its deadline and rate.
+BODY_CHECK_SECONDS = 0.25
+
+
+async def read_body(request: web.Request, config: ApiConfig) -> bytes:
+    """The request body, within the deadline and at the minimum rate (ApiConfig): a client
+    that trickles a body, or sends half of one and stops, gets 408 and the connection is
+    closed, instead of holding it for good. Larger than max_body_bytes: 413."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    parts: list[bytes] = []
+    received = 0
+    while True:
+        elapsed = loop.time() - start
+        floor = (elapsed - RATE_GRACE_SECONDS) * config.min_body_bytes_per_second
+        if elapsed > config.request_timeout_seconds or received < floor:
+            raise ApiError(
+                408,
+                f"the request body did not arrive in time ({received} bytes in "
+                f"{elapsed:.1f} s; server.request_timeout_seconds "
+                f"{config.request_timeout_seconds:g}, server.min_body_bytes_per_second "
+                f"{config.min_body_bytes_per_second})",
+                type="invalid_request_error",
+                code="request_timeout",
+            )
+        wait = min(BODY_CHECK_SECONDS, config.request_timeout_seconds - elapsed)
+        try:
+            chunk = await asyncio.wait_for(request.content.readany(), max(wait, 0.0))
+        except asyncio.TimeoutError:
+            continue
+        if not chunk:
+            return b"".join(parts)
+        received += len(chunk)
+        if received > config.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=config.max_body_bytes, actual_size=received
+            )
+        parts.append(chunk)
+
+
+def _prepare(
+    app: web.Application, raw: bytes, chat: bool
+) -> tuple[Engine, CompletionRequest, list[int]]:
+    """A request body → the engine, the validated request and its prompt ids, or the
+    ApiError that refuses it. Runs on a preparing thread."""
+    config = app[CONFIG]
+    body = parse_json_object(raw)
+    req = parse_chat(body, config.limits) if chat else parse_completion(body, config.limits)
+    if req.model is not None and req.model != config.model_name:
+        raise ApiError(
+            404,
+            f"model {req.model!r} is not served here; this daemon serves {config.model_name!r}",
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+    engine = _require_ready(app)
+    _check_strategy(engine, req)
+    prompt_ids = _prompt_ids(engine, req)
+    assert engine.runtime is not None
+    _check_room(req, len(prompt_ids), engine.runtime.context, config.limits.clamp_max_tokens)
+    return engine, req, prompt_ids
+
+
+# A normaliser may contract text before tokenizing (NFKC composes up to three characters
+# into one): the early refusal below allows for it.
+CONTRACTION = 4
+
+
+def _refuse_what_cannot_fit(req: CompletionRequest, context: int, max_token_chars: int) -> None:
+    """Refuse, before tokenizing, a prompt that cannot fit whatever its tokens: n token ids,
+    or text of more characters than the context's tokens can stand for."""
+    param = "messages" if req.messages is not None else "prompt"
+    if isinstance(req.prompt, list):
+        tokens = len(req.prompt)
+    else:
+        texts = [req.prompt] if isinstance(req.prompt, str) else _message_texts(req.messages)
+        tokens = sum(len(t) for t in texts) // (max_token_chars * CONTRACTION)
+    if tokens + 1 > context:
+        raise bad_request(
+            f"the prompt has at least {tokens} tokens but the context holds {context} "
+            "(prompt plus at least one new token must fit); shorten the prompt or raise "
+            "context.length",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+def _message_texts(messages: list[dict[str, Any]] | None) -> list[str]:
+    return [m["content"] for m in messages or [] if isinstance(m.get("content"), str)]
+
+
 def _prompt_ids(engine: Engine, req: CompletionRequest) -> list[int]:
     runtime = engine.runtime
     assert runtime is not None
     tok = runtime.tokenizer
+    _refuse_what_cannot_fit(req, runtime.context, tok.max_token_chars)
     if req.messages is not None:
         try:
             ids = tok.encode_chat(req.messages)
@@ -390,6 +487,13 @@ def create_app(engine: Engine, metrics_: Metrics, config: ApiConfig) -> web.Appl
     app[METRICS] = metrics_
     app[CONFIG] = config
     app[DRAINING] = asyncio.Event()
+    app[PREPARERS] = ThreadPoolExecutor(PREPARING_THREADS, thread_name_prefix="specd-prepare")
+    app[PREPARING] = asyncio.Semaphore(PREPARING_THREADS)
+
+    async def stop_preparers(app: web.Application) -> None:
+        app[PREPARERS].shutdown(wait=False, cancel_futures=True)
+
+    app.on_cleanup.append(stop_preparers)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)

@@ -6,10 +6,12 @@ aiohttp's HTTP parser refuses before the application sees them (`AppRunner`)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -32,6 +34,10 @@ class ApiConfig:
     limits: WireLimits
     max_body_bytes: int
     keepalive_seconds: float = 5.0
+    idle_timeout_seconds: float = 15.0
+    request_timeout_seconds: float = 60.0
+    min_body_bytes_per_second: int = 4096
+    max_connections: int = 256
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
@@ -138,6 +144,10 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
         response = error_response(
             ApiError(500, "internal server error (see the daemon's log)", type="server_error")
         )
+    if response.status == 408:
+        # The body never came whole: what is left of it cannot be told from a next request.
+        response.force_close()
+        request.content.feed_eof()
     request.app[METRICS].count_request(endpoint, response.status)
     origin = request.headers.get("Origin")
     if origin and origin in config.cors_origins and not response.prepared:
@@ -216,6 +226,29 @@ class OpenAIErrorRequestHandler(RequestHandler):
 
     __slots__ = ()
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        manager = self._manager
+        limit = getattr(manager, "max_connections", None)
+        if limit is not None and manager is not None and len(manager.connections) > limit:
+            # One connection too many: a clean refusal before anything is read, so that
+            # stalled clients cannot hold every socket the daemon has.
+            log.warning("refused a connection: %d are open (server.max_connections)", limit)
+            err = ApiError(
+                503,
+                f"the daemon has {limit} connections open (server.max_connections); retry",
+                type="service_unavailable",
+                code="too_many_connections",
+                headers={"Retry-After": "1"},
+            )
+            body = json.dumps(err.body()).encode()
+            head = (
+                "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
+            )
+            cast(asyncio.Transport, transport).write(head.encode() + body)
+            self.force_close()
+
     def handle_error(
         self,
         request: BaseRequest,
@@ -256,16 +289,26 @@ class OpenAIErrorRequestHandler(RequestHandler):
 
 
 class _OpenAIErrorServer(web.Server):
+    max_connections: int | None = None  # set by AppRunner
+
     def __call__(self) -> RequestHandler:
         return OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
 
 
 class AppRunner(web.AppRunner):
-    """`web.AppRunner` whose connections answer parser errors in the OpenAI error shape."""
+    """`web.AppRunner` whose connections answer parser errors in the OpenAI error shape,
+    at most `max_connections` of them open (one more is refused with a 503)."""
+
+    def __init__(
+        self, app: web.Application, *, max_connections: int | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(app, **kwargs)
+        self.max_connections = max_connections
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         # aiohttp has no option for the protocol class; the server it built for the app
         # (handler, request factory, settings) stays as it is and only makes our protocol.
         server.__class__ = _OpenAIErrorServer
+        cast(_OpenAIErrorServer, server).max_connections = self.max_connections
         return server

@@ -50,6 +50,10 @@ def api_config(settings: Settings) -> ApiConfig:
         ),
         max_body_bytes=settings.limits.max_body_bytes,
         keepalive_seconds=settings.server.keepalive_seconds,
+        idle_timeout_seconds=settings.server.idle_timeout_seconds,
+        request_timeout_seconds=settings.server.request_timeout_seconds,
+        min_body_bytes_per_second=settings.server.min_body_bytes_per_second,
+        max_connections=settings.server.max_connections,
         api_key=read_api_key(settings.server.api_key_file),
         cors_origins=tuple(settings.server.cors_origins),
         allowed_hosts=tuple(settings.server.allowed_hosts),
@@ -91,6 +95,10 @@ class Server:
             handle_signals=False,
             access_log=log if self.settings.logging.access_log else None,
             shutdown_timeout=10.0,
+            # aiohttp closes a connection waiting this long for a request head (idle
+            # between requests, or half of one sent): its own default is an hour.
+            keepalive_timeout=self.settings.server.idle_timeout_seconds,
+            max_connections=self.settings.server.max_connections,
         )
         await self.runner.setup()
         host, port = self.settings.server.host, self.settings.server.port

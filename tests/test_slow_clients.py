@@ -1,0 +1,263 @@
+"""A daemon that stays responsive to hostile or careless clients, over real sockets: huge
+prompts are prepared off the event loop (or refused before tokenizing), stalled
+connections are closed on deadlines, and open connections are capped with a clean
+refusal. Each test is bounded in time."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.http.server import BackgroundServer
+from tests.keyed_server import keyed_server
+
+KEY = "slow-client-key"
+MODEL = "stories260k"
+BIG = 1 << 20  # a megabyte
+# Generous against a loaded CI machine; the daemon before this work paused 5-9 s.
+MAX_PAUSE = 1.0
+IDLE = 0.5  # server.idle_timeout_seconds here
+BODY = 2.0  # server.request_timeout_seconds here (the rate floor is 1 KiB/s after 1 s)
+
+
+@pytest.fixture(scope="module")
+def server(
+    stories_target: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BackgroundServer]:
+    yield from keyed_server(
+        stories_target,
+        tmp_path_factory,
+        KEY,
+        {
+            "limits.max_body_bytes": 4 * BIG,
+            "server.idle_timeout_seconds": IDLE,
+            "server.request_timeout_seconds": BODY,
+            "server.min_body_bytes_per_second": 1024,
+            "server.max_connections": 24,
+        },
+    )
+
+
+def post(server: BackgroundServer, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.port, timeout=60)
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    conn.request("POST", path, body=body, headers=headers)
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, json.loads(data or b"{}")
+
+
+def test_huge_prompts_pause_neither_health_nor_streams(server: BackgroundServer) -> None:
+    """Eight 1 MB texts and eight 1 MB lists of token ids arrive at once while a stream
+    runs: /health keeps answering and the stream keeps flowing (the daemon before this
+    tokenized and validated on the event loop: up to 9.3 s for both)."""
+    stream_gaps: list[float] = []
+    health_latency: list[float] = []
+    done = threading.Event()
+
+    def stream() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", server.server.port, timeout=60)
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400,
+                "ignore_eos": True, "stream": True, "temperature": 0}  # fmt: skip
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
+        resp = conn.getresponse()
+        last = time.perf_counter()
+        while not done.is_set():
+            line = resp.readline()
+            if not line or line.startswith(b"data: [DONE]"):
+                break
+            if line.startswith(b"data:"):
+                now = time.perf_counter()
+                stream_gaps.append(now - last)
+                last = now
+        conn.close()
+
+    def health() -> None:
+        while not done.is_set():
+            conn = http.client.HTTPConnection("127.0.0.1", server.server.port, timeout=60)
+            t0 = time.perf_counter()
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+            health_latency.append(time.perf_counter() - t0)
+            conn.close()
+            done.wait(0.05)  # a poll interval, not a wait for the result
+
+    text = json.dumps({"model": MODEL, "prompt": "the dog ran. " * (BIG // 13)}).encode()
+    ids = json.dumps({"model": MODEL, "prompt": list(range(3, 3 + BIG // 6))}).encode()
+    watchers = [threading.Thread(target=stream), threading.Thread(target=health)]
+    for w in watchers:
+        w.start()
+    answers: list[int] = []
+    senders = [
+        threading.Thread(
+            target=lambda b=body: answers.append(post(server, "/v1/completions", b)[0])
+        )
+        for body in [text] * 8 + [ids] * 8
+    ]
+    for s in senders:
+        s.start()
+    for s in senders:
+        s.join(timeout=120)
+    done.set()
+    for w in watchers:
+        w.join(timeout=60)
+    assert answers == [400] * 16  # each refused: too long for the context
+    assert health_latency and max(health_latency) < MAX_PAUSE, max(health_latency)
+    assert stream_gaps and max(stream_gaps[1:]) < MAX_PAUSE, max(stream_gaps[1:])
+
+
+def test_a_text_that_cannot_fit_is_refused_before_tokenizing(server: BackgroundServer) -> None:
+    """More characters than the context's tokens can stand for: refused by its length
+    (the message says "at least"), whatever the tokenizer would make of it."""
+    status, body = post(server, "/v1/completions", json.dumps(
+        {"model": MODEL, "prompt": "x" * (2 * BIG)}).encode())  # fmt: skip
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert "at least" in body["error"]["message"]
+
+
+def raw_connection(server: BackgroundServer) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.server.port), timeout=10)
+    return sock
+
+
+def closed_within(sock: socket.socket, seconds: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and how long it took;
+    fails the test if it is still open after `seconds`."""
+    sock.settimeout(seconds)
+    t0 = time.perf_counter()
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+    except TimeoutError:
+        pytest.fail(f"the connection was still open after {seconds} s (received {got[:80]!r})")
+    finally:
+        sock.close()
+    return got, time.perf_counter() - t0
+
+
+HEAD = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+AUTH = f"Authorization: Bearer {KEY}\r\n"
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"", b"POST /v1/compl", (HEAD + "Authoriz").encode()],
+    ids=["nothing", "half-a-request-line", "half-a-header"],
+)
+def test_a_connection_without_a_whole_head_is_closed(server: BackgroundServer, sent: bytes) -> None:
+    sock = raw_connection(server)
+    sock.sendall(sent)
+    _, seconds = closed_within(sock, 10 * IDLE)
+    assert seconds < 5 * IDLE
+
+
+def test_an_idle_kept_alive_connection_is_closed(server: BackgroundServer) -> None:
+    sock = raw_connection(server)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    got, seconds = closed_within(sock, 10 * IDLE)
+    assert got.startswith(b"HTTP/1.1 200") and seconds < 5 * IDLE
+
+
+def test_half_a_body_gets_a_408_and_the_connection_closes(server: BackgroundServer) -> None:
+    sock = raw_connection(server)
+    sock.sendall((HEAD + AUTH + "Content-Length: 1000\r\n\r\n").encode() + b'{"model": ')
+    got, seconds = closed_within(sock, 10 * BODY)
+    assert got.startswith(b"HTTP/1.1 408") and b"request_timeout" in got
+    assert seconds < BODY  # the rate floor cut it, before the deadline
+
+
+def trickle(server: BackgroundServer, chunk: int, seconds: float) -> tuple[bytes, float]:
+    """A chunked body of `chunk` bytes every 0.1 s until the server answers (or `seconds`
+    pass): what it answered, and when."""
+    sock = raw_connection(server)
+    sock.sendall((HEAD + AUTH + "Transfer-Encoding: chunked\r\n\r\n").encode())
+    sock.settimeout(0.1)
+    t0 = time.perf_counter()
+    got = b""
+    while time.perf_counter() - t0 < seconds:
+        try:
+            sock.sendall(f"{chunk:x}\r\n".encode() + b" " * chunk + b"\r\n")
+        except OSError:  # closed (or reset) by the server
+            got = got or b"<reset>"
+            break
+        try:
+            data = sock.recv(65536)  # also paces the trickle (its 0.1 s timeout)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            # The server answered and closed while a chunk was on its way: its kernel
+            # resets the connection, which may discard the answer before it is read.
+            got += b"<reset>"
+            break
+        if not data:
+            break
+        got += data
+    sock.close()
+    return got, time.perf_counter() - t0
+
+
+def cut_off(got: bytes) -> bool:
+    """The server ended the body with its 408 (or closed on it: see `trickle`)."""
+    return got.startswith(b"HTTP/1.1 408") or got == b"<reset>"
+
+
+def test_a_trickled_chunked_body_is_cut_off_by_the_minimum_rate(server: BackgroundServer) -> None:
+    """16 bytes every 0.1 s (160 B/s) against a floor of 1 KiB/s after the first second:
+    cut soon after that second, well before the 2 s deadline."""
+    got, seconds = trickle(server, 16, 10 * BODY)
+    assert cut_off(got), got[:200]
+    assert 1.0 <= seconds < BODY
+
+
+def test_a_body_at_a_fair_rate_still_has_a_deadline(server: BackgroundServer) -> None:
+    """300 bytes every 0.1 s (3 KB/s, above the floor) for ever: cut at the deadline."""
+    got, seconds = trickle(server, 300, 10 * BODY)
+    assert cut_off(got), got[:200]
+    assert BODY <= seconds < 3 * BODY
+
+
+@pytest.fixture(scope="module")
+def capped(
+    stories_target: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BackgroundServer]:
+    yield from keyed_server(
+        stories_target, tmp_path_factory, KEY,
+        {"server.max_connections": 4, "server.idle_timeout_seconds": 60.0},
+    )  # fmt: skip
+
+
+def test_connections_past_the_cap_are_refused_cleanly(capped: BackgroundServer) -> None:
+    held = [raw_connection(capped) for _ in range(4)]
+    try:
+        for sock in held:  # each is open and accepted: a request on it is answered
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            sock.settimeout(10)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        extra = raw_connection(capped)
+        got, _ = closed_within(extra, 10)
+        assert got.startswith(b"HTTP/1.1 503") and b"too_many_connections" in got
+        assert b"Retry-After: 1" in got
+    finally:
+        for sock in held:
+            sock.close()
+    # Once they are gone, connections are accepted again.
+    deadline = time.monotonic() + 10
+    while True:
+        conn = http.client.HTTPConnection("127.0.0.1", capped.server.port, timeout=10)
+        conn.request("GET", "/health")
+        status = conn.getresponse().status
+        conn.close()
+        if status == 200 or time.monotonic() > deadline:
+            break
+    assert status == 200
