@@ -208,6 +208,7 @@ class Engine:
             self.max_pass_tokens = self.limits.max_pass_tokens or self.runtime.max_pass_tokens
             self.max_pass_rows = self.runtime.max_pass_rows
             log.info("models loaded: %s", self.options.model)
+            self.metrics.set_draft(self.runtime.draft_kind, self.runtime.substitute_bits)
             # Compiled passes warm on their own thread: requests run eager until then. A
             # runtime whose owner decided already (`specd bench`) keeps its choice.
             if self.runtime.compiled is None:
@@ -492,6 +493,7 @@ class Engine:
         # The streamer counts since its last report; with interleaved generations the
         # figures are shared among them, but the totals in /metrics stay exact.
         stats.extra.update(self.runtime.offload_stats())
+        stats.extra.update(self.runtime.draft_stats())
         self.metrics.record_generation(stats, gen.completion_tokens)
         self._end(
             active.job,

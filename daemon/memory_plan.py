@@ -44,6 +44,7 @@ from speculative.kv_cache import INITIAL_SLOTS, KVCache
 from speculative.model import Transformer
 from speculative.packed import PackedLinear
 from speculative.sampling import DRAW_BYTES_PER_ENTRY
+from speculative.substitute import SUBSTITUTE, SUBSTITUTE_BITS, substitute_config
 
 if TYPE_CHECKING:  # daemon.runtime imports this module
     from daemon.runtime import RuntimeOptions
@@ -230,12 +231,16 @@ def choose_plan(
     budget: Budget,
     tree_budget: int | str = "auto",
     draft_name: str = "draft",
+    draft_shares_target: bool = False,
 ) -> MemoryPlan:
     """The memory plan with `dtype` and `context` settled: given values are checked, `auto`
     ones chosen, and the plan says which and why (`dtype_reason`, `context_reason`).
 
     `device_type` is where the models will compute ("cuda" when planning for another
-    machine's GPU), which decides what dtype `auto` means. Raises PlanError."""
+    machine's GPU), which decides what dtype `auto` means. `draft_shares_target`: the
+    draft is the target's substitute, sharing its embedding, head and KV cache (its
+    layers are counted all quantized: an upper bound, as resident target layers are their
+    own substitutes). Raises PlanError."""
     limit = target.max_context
     if context != "auto" and int(context) > limit:
         raise PlanError(f"context {context} is longer than {name} supports ({limit})")
@@ -249,6 +254,8 @@ def choose_plan(
             if draft
             else None
         )
+        if draft_fp is not None and draft_shares_target:
+            draft_fp = replace(draft_fp, resident_bytes=0, kv_bytes_per_token=0)
 
         def attempt(
             nodes: int | str,
@@ -324,3 +331,64 @@ def offload_request(options: RuntimeOptions) -> OffloadRequest:
 def planned_tree_budget(options: RuntimeOptions) -> int | str:
     """The tree the plan's largest pass must hold: none without a draft (`ngram` drafts)."""
     return options.budget if options.draft else 0
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """What a run drafts with, as planned: the draft's config (None: none, or prompt
+    lookup), whether it is the target's substitute, and the substitute's bits."""
+
+    config: ModelConfig | None
+    substitute_bits: int | None = None
+
+    @property
+    def substitute(self) -> bool:
+        return self.substitute_bits is not None
+
+
+def plan_with_draft(
+    target: ModelConfig,
+    draft: str | None,
+    draft_config: ModelConfig | None,
+    substitute_bits: int | str,
+    name: str,
+    dtype: str,
+    context: int | str,
+    device_type: str,
+    options: OffloadRequest,
+    budget: Budget,
+    tree_budget: int | str = "auto",
+) -> tuple[MemoryPlan, DraftPlan]:
+    """`choose_plan` for a run's draft: a model (`draft_config`), prompt lookup, none, or
+    the target's substitute (`draft` "substitute"), whose bits `auto` chooses as the most
+    (8, 4, 3, 2) that fit beside the target's resident part, KV cache and passes."""
+    if draft != SUBSTITUTE:
+        plan = choose_plan(
+            target, draft_config, name, dtype, context, device_type, options, budget,
+            tree_budget, str(draft),
+        )  # fmt: skip
+        return plan, DraftPlan(draft_config)
+    choices = SUBSTITUTE_BITS if substitute_bits == "auto" else (int(substitute_bits),)
+    failure: PlanError | None = None
+    for bits in choices:
+        try:
+            plan = choose_plan(
+                target, substitute_config(target, bits), name, dtype, context, device_type,
+                options, budget, tree_budget, f"substitute ({bits}-bit HQQ of the target)",
+                draft_shares_target=True,
+            )  # fmt: skip
+        except PlanError as exc:
+            failure = exc
+            continue
+        plan.notes.append(
+            f"the substitute draft shares the target's embedding, norm, head and KV cache; "
+            f"the target's resident layers are their own substitutes, so the {bits}-bit "
+            "layers counted for all layers are an upper bound"
+        )
+        return plan, DraftPlan(substitute_config(target, bits), bits)
+    tried = ", ".join(f"{b}-bit" for b in choices)
+    raise PlanError(
+        f"the substitute draft does not fit at {tried} ({choices[-1]}-bit: {failure}); draft "
+        "with a small model of the family (--draft MODEL) or prompt lookup (--draft ngram), "
+        "or give more --gpu-budget"
+    ) from None

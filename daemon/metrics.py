@@ -145,11 +145,21 @@ class Metrics:
             "Generated tokens per decode pass of the target, over all requests.",
             r,
         )
+        self.draft = prom.Gauge(
+            "specd_draft_info",
+            "What the daemon drafts with: 1 for its kind (model, substitute, ngram, none) "
+            "and the substitute's bits (none for another draft).",
+            ["kind", "substitute_bits"], registry=r,
+        )  # fmt: skip
         self.stream_bandwidth = Gauge(
             "specd_stream_bandwidth_bytes_per_second",
             "Average host-to-device bandwidth of target weight streaming.",
             r,
         )
+
+    def set_draft(self, kind: str | None, bits: int | None) -> None:
+        """Label what the loaded runtime drafts with (once the models are loaded)."""
+        self.draft.labels(kind=kind or "none", substitute_bits=str(bits or "none")).set(1)
 
     def count_request(self, endpoint: str, status: int) -> None:
         self._requests.labels(endpoint=endpoint, status=str(status)).inc()

@@ -15,6 +15,8 @@ import torch
 from daemon.compiling import SMALL_LAYER_PARAMETERS, CompiledModels
 from daemon.memory_plan import plan_dtype
 from daemon.target_loading import load_placed_target
+from offload.plan import MemoryPlan
+from offload.stream import LayerStreamer
 from speculative.acceptance import AcceptanceModel
 from speculative.budget import max_tree_budget
 from speculative.checkpoint import DTYPE_CHOICES, Checkpoint, load, open_checkpoint
@@ -26,6 +28,7 @@ from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear
 from speculative.strategies.tree import TreeSpeculation
+from speculative.substitute import SUBSTITUTE
 from speculative.tokenizer import Tokenizer
 
 NGRAM = "ngram"  # --draft ngram: prompt-lookup drafting, no draft model
@@ -38,7 +41,9 @@ class RuntimeSetupError(RuntimeError):
 @dataclass
 class RuntimeOptions:
     model: str
-    draft: str | None = None  # a model folder / hub id, "ngram", or None
+    draft: str | None = None  # a model folder / hub id, "ngram", "substitute", or None
+    # --draft substitute: bits of its HQQ layers (2, 3, 4, 8) or auto (the most that fit).
+    substitute_bits: int | str = "auto"
     strategy: str | None = None  # None: tree with a draft, autoregressive without
     spec_length: int = 4  # linear: tokens drafted per round
     budget: int | str = "auto"  # tree: node budget, or "auto" (chosen from measured costs)
@@ -114,7 +119,7 @@ def check_embeddings_cover(
 def linear_drafter(rt: Runtime) -> Drafter:
     """The draft model when one is loaded, else prompt lookup (--draft ngram)."""
     if rt.draft is not None:
-        return ModelDrafter(rt.draft)
+        return ModelDrafter(rt.draft, shared_cache=rt.draft_kind == SUBSTITUTE)
     return NgramDrafter(rt.target.config.vocab_size)
 
 
@@ -136,6 +141,7 @@ STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
         prefix_cache=rt.prefix_cache,
         verification=verification,
         acceptance=rt.acceptance,
+        shared_cache=rt.draft_kind == SUBSTITUTE,
     ),
 }
 
@@ -155,12 +161,13 @@ class Runtime:
         # The draft's checkpoint is opened once: its config is planned for, then it loads.
         draft_ckpt = (
             open_checkpoint(options.draft, options.draft_quantize)
-            if options.draft and options.draft != NGRAM
+            if options.draft and options.draft not in (NGRAM, SUBSTITUTE)
             else None
         )
-        target, tokenizer, ckpt, self.plan, self.streamer = load_placed_target(
-            options, self.device, draft_ckpt
-        )
+        placed = load_placed_target(options, self.device, draft_ckpt)
+        target, tokenizer, ckpt = placed.model, placed.tokenizer, placed.checkpoint
+        self.plan: MemoryPlan = placed.plan
+        self.streamer: LayerStreamer | None = placed.streamer
         # What `auto` settled on (or what was asked for): the plan holds both.
         self.dtype: str = plan_dtype(self.plan)
         self.context: int = self.plan.request.context
@@ -190,9 +197,12 @@ class Runtime:
 
         self.draft: Transformer | None = None
         self.draft_checkpoint: Checkpoint | None = None
-        self.draft_kind: str | None = None  # "model", "ngram" or None
+        self.draft_kind: str | None = None  # "model", "substitute", "ngram" or None
+        self.substitute_bits: int | None = placed.draft.substitute_bits
         if options.draft == NGRAM:
             self.draft_kind = NGRAM
+        elif placed.substitute is not None:
+            self.draft, self.draft_kind = placed.substitute, SUBSTITUTE
         elif options.draft and draft_ckpt is not None:
             draft, draft_tok, draft_ckpt = load(draft_ckpt, self.dtype, self.device)
             check_same_vocabulary(tokenizer, draft_tok, options.draft)
@@ -271,6 +281,10 @@ class Runtime:
             max_tokens=max_tokens,
             ignore_eos=ignore_eos,
         )
+
+    def draft_stats(self) -> dict[str, int | str | None]:
+        """What this runtime drafts with (for GenerationStats.extra and the status)."""
+        return {"draft_kind": self.draft_kind, "substitute_bits": self.substitute_bits}
 
     def offload_stats(self) -> dict[str, float | int | str]:
         """The streamer's figures since the last call (for GenerationStats.extra), or {}

@@ -29,6 +29,7 @@ QUANTIZE_CHOICES = ("int8", "int4")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 STRATEGY_CHOICES = ("autoregressive", "linear", "tree")
 TREE_VERIFICATION_CHOICES = ("auto", "walk", "rejection")  # speculative.acceptance
+SUBSTITUTE_BITS_CHOICES = ("auto", 8, 4, 3, 2)  # speculative.substitute
 COMPILE_CHOICES = ("auto", "off", "on")
 
 
@@ -169,6 +170,8 @@ class ModelsSettings:
     # load as stored; GPTQ/AWQ/compressed-tensors checkpoints are always loaded as stored).
     quantize: str | None = _key(None, choice(None, *QUANTIZE_CHOICES))
     draft_quantize: str | None = _key(None, choice(None, *QUANTIZE_CHOICES))
+    # draft: substitute: bits of the target's own HQQ layers, or auto (the most that fit).
+    substitute_bits: int | str = _key("auto", choice(*SUBSTITUTE_BITS_CHOICES))
     device: str = _key("auto", choice(*DEVICE_CHOICES))
     threads: int | str = _key("auto", integer(1, 1024, auto=True))
 
@@ -301,6 +304,7 @@ class Settings:
             dtype=self.models.dtype,
             quantize=self.models.quantize,
             draft_quantize=self.models.draft_quantize,
+            substitute_bits=self.models.substitute_bits,
             device=self.models.device,
             context="auto" if self.context.length is None else self.context.length,
             offload=self.offload.mode,

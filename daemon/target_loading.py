@@ -5,34 +5,40 @@ or from the checkpoint's files (the disk tier)."""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from daemon.memory_plan import (
-    OffloadRequest,
-    choose_plan,
+    DraftPlan,
     offload_request,
     plan_dtype,
+    plan_with_draft,
     planned_tree_budget,
 )
 from offload.layout import FlatLayout
 from offload.machine import detect_budget
 from offload.placement import build_streamer
-from offload.plan import Budget, MemoryPlan
+from offload.plan import MemoryPlan
 from offload.planning import PlanError
 from offload.storage import TensorSources, tensor_files
 from offload.stream import LayerStreamer
 from speculative.checkpoint import Checkpoint, CheckpointError, load, open_checkpoint
-from speculative.config import ModelConfig
 from speculative.model import Transformer
 from speculative.projections import stored_names
+from speculative.substitute import build_substitute
 from speculative.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # daemon.runtime imports this module
     from daemon.runtime import RuntimeOptions
+
+log = logging.getLogger("specd.loading")
 
 
 def disk_sources(
@@ -86,29 +92,23 @@ def _is_streamed_layer(name: str, first_streamed: int) -> bool:
 
 
 def load_target(
-    model_ref: str,
-    dtype: str,
+    ckpt: Checkpoint,
+    plan: MemoryPlan,
     device: torch.device,
-    context: int | str,
-    draft_config: ModelConfig | None,
-    options: OffloadRequest,
-    budget: Budget,
-    tree_budget: int | str = "auto",
     quantize: str | None = None,
-) -> tuple[Transformer, Tokenizer, Checkpoint, MemoryPlan, LayerStreamer | None]:
-    """Plan before loading (choosing `auto` dtype and context); then load to the device, or
-    to the CPU and place it."""
-    ckpt = open_checkpoint(model_ref, quantize)
-    plan = choose_plan(
-        ckpt.config, draft_config, str(ckpt.path), dtype, context, device.type, options, budget,
-        tree_budget,
-    )  # fmt: skip
+    before_placing: Callable[[Transformer, MemoryPlan], None] | None = None,
+) -> tuple[Transformer, Tokenizer, Checkpoint, LayerStreamer | None]:
+    """Load the target as `plan` says: to the device, or to the CPU and place it.
+    `before_placing(model, plan)` runs once every layer the plan keeps in RAM is loaded,
+    before any moves (where the substitute draft is built from them)."""
     dtype = plan_dtype(plan)
     if not plan.streamed_layers:
         model, tokenizer, ckpt = load(ckpt, dtype, device)
         if plan.dequantized_resident:
             model.dequantize_layers()
-        return model, tokenizer, ckpt, plan, None
+        if before_placing is not None:
+            before_placing(model, plan)
+        return model, tokenizer, ckpt, None
     if quantize is not None and plan.host_tier == "disk":
         raise PlanError(
             f"--quantize {quantize} keeps the quantized layers in RAM, but they do not fit "
@@ -120,20 +120,73 @@ def load_target(
         # Streamed layers are read from the files at every pass: never load them into RAM.
         skip = partial(_is_streamed_layer, first_streamed=plan.resident_layers)
     model, tokenizer, ckpt = load(ckpt, dtype, "cpu", skip=skip)
-    return model, tokenizer, ckpt, plan, place_target(model, ckpt, plan, device)
+    if before_placing is not None:
+        before_placing(model, plan)
+    return model, tokenizer, ckpt, place_target(model, ckpt, plan, device)
+
+
+@dataclass
+class PlacedTarget:
+    """The Runtime's target as loaded and placed, its plan, and what it drafts with when
+    that is built from the target itself (the substitute)."""
+
+    model: Transformer
+    tokenizer: Tokenizer
+    checkpoint: Checkpoint
+    plan: MemoryPlan
+    streamer: LayerStreamer | None
+    draft: DraftPlan
+    substitute: Transformer | None = None
 
 
 def load_placed_target(
     options: RuntimeOptions, device: torch.device, draft: Checkpoint | None
-) -> tuple[Transformer, Tokenizer, Checkpoint, MemoryPlan, LayerStreamer | None]:
+) -> PlacedTarget:
     """The Runtime's target, planned first (so a model that cannot fit fails before anything
-    is loaded, and `auto` dtype and context are settled), then loaded and placed. `draft`:
-    the draft model's checkpoint, opened (its config is planned for), or None."""
-    draft_config = draft.config if draft is not None else None
+    is loaded, and `auto` dtype, context and substitute bits are settled), then loaded and
+    placed. `draft`: the draft model's checkpoint, opened (its config is planned for), or
+    None; with `--draft substitute` the substitute is built from the target's layers."""
     budget = detect_budget(
         device, options.gpu_budget, options.ram_budget, options.bandwidth, measure=False
     )
-    return load_target(
-        options.model, options.dtype, device, options.context, draft_config,
-        offload_request(options), budget, planned_tree_budget(options), options.quantize,
+    ckpt = open_checkpoint(options.model, options.quantize)
+    plan, drafting = plan_with_draft(
+        ckpt.config, options.draft, draft.config if draft is not None else None,
+        options.substitute_bits, str(ckpt.path), options.dtype, options.context,
+        device.type, offload_request(options), budget, planned_tree_budget(options),
     )  # fmt: skip
+    built: list[Transformer] = []
+
+    def build_substitute_draft(model: Transformer, plan: MemoryPlan) -> None:
+        assert drafting.substitute_bits is not None
+        built.append(substitute_from(model, plan, drafting.substitute_bits, device))
+
+    hook = build_substitute_draft if drafting.substitute else None
+    model, tokenizer, ckpt, streamer = load_target(ckpt, plan, device, options.quantize, hook)
+    return PlacedTarget(model, tokenizer, ckpt, plan, streamer, drafting, *built)
+
+
+def substitute_from(
+    model: Transformer, plan: MemoryPlan, bits: int, device: torch.device
+) -> Transformer:
+    """The substitute for a target loaded as `plan` says, before placement: its streamed
+    layers quantized from their copies in RAM, one at a time, onto `device`; its resident
+    layers shared. The disk tier keeps streamed layers out of RAM: refused, saying why."""
+    if plan.streamed_layers and plan.host_tier == "disk":
+        raise PlanError(
+            "--draft substitute is built from the target's streamed layers in RAM, but the "
+            f"plan streams them from disk ({plan.host_tier_reason}): give more --ram-budget "
+            "(or --host-tier ram), use a pre-quantized target, or draft with a model"
+        )
+    layers = list(cast(nn.ModuleList, model.layers))
+    first_streamed = plan.resident_layers if plan.streamed_layers else len(layers)
+    started = time.perf_counter()
+    substitute = build_substitute(
+        model, bits, layers, lambda i: i >= first_streamed, device,
+        progress=lambda done, total: log.info("substitute draft: %d of %d layers", done, total),
+    )  # fmt: skip
+    log.info(
+        "substitute draft: %d-bit HQQ of %d streamed layers in %.1f s",
+        bits, len(layers) - first_streamed, time.perf_counter() - started,
+    )  # fmt: skip
+    return substitute

@@ -79,6 +79,9 @@ PRESETS: dict[str, Shape] = {
         "qwen2", 8192, 64, 8, 29568, 152064, 32768, _QWEN25_ROPE, 80,
         qkv_bias=True, rms_norm_eps=1e-6,
     ),
+    "qwen2.5-32b": Shape(
+        "qwen2", 5120, 40, 8, 27648, 152064, 32768, _QWEN25_ROPE, 64,
+    ),
     "llama-3.2-1b": Shape(
         "llama", 2048, 32, 8, 8192, 128256, 131072, _LLAMA32_ROPE, 16, tie_word_embeddings=True
     ),

@@ -79,12 +79,16 @@ class ModelDrafter:
     with the first drafting pass. The strategy's `prefill` feeds a longer prompt before,
     one chunk per step, so that pass never exceeds a chunk."""
 
-    def __init__(self, draft: Transformer) -> None:
-        self.draft: Transformer | None = draft
+    def __init__(self, draft: Transformer, shared_cache: bool = False) -> None:
+        """`shared_cache`: `draft` is the target's substitute (speculative/substitute.py),
+        which drafts in the target's KV cache past the committed rows and keeps none:
+        then there is no draft cache to prefill (`self.draft` is None)."""
+        self.model = draft
+        self.shared_cache = shared_cache
+        self.draft: Transformer | None = None if shared_cache else draft
 
     def new_session(self, target: Transformer, capacity: int) -> Session:
-        assert self.draft is not None, "a ModelDrafter always has its model"
-        check_draft_width(self.draft, target)
+        check_draft_width(self.model, target)
         return Session(target, capacity, self.draft)
 
     def propose(
@@ -97,8 +101,16 @@ class ModelDrafter:
         generator: torch.Generator,
     ) -> Steps[Proposal]:
         t0 = time.perf_counter()
-        draft, cache, fed = self.draft, session.draft_cache, session.draft_tokens
-        assert draft is not None and cache is not None, "a ModelDrafter session has a draft"
+        draft = self.model
+        if self.shared_cache:
+            # The target's cache holds x_1..x_{L-1}; the proposal's rows go after them and
+            # are dropped before the target's pass writes its own there.
+            cache, fed = session.target_cache, list(session.target_tokens)
+            committed = cache.length
+        else:
+            own, fed = session.draft_cache, session.draft_tokens
+            assert own is not None, "a ModelDrafter session with its own draft has its cache"
+            cache = own
         # The target's width (`Transformer.set_vocab_width`): q meets the target's p and
         # the penalty context, both sized by the target, and gives ids the draft has no
         # row for, or the target lacks, zero probability.
@@ -118,10 +130,14 @@ class ModelDrafter:
             tokens.append(token)
             rows.append(q[0])
             pending = [token]  # t_k itself is fed next round, and only if it is accepted
+        if self.shared_cache:
+            cache.truncate(committed)
         q_all = torch.stack(rows) if rows else torch.empty(0, vocab, device=draft.device)
         return Proposal(tokens, q_all, passes, time.perf_counter() - t0)
 
     def rollback(self, session: Session, committed: int) -> None:
+        if self.shared_cache:
+            return  # the target's own commit is the only state
         assert session.draft_cache is not None
         keep = min(committed, len(session.draft_tokens))
         session.draft_cache.truncate(keep)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from speculative.hqq import HQQLinear
 from speculative.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
 
 SUPPORTED_FORMATS = (
@@ -49,6 +50,8 @@ class QuantizationSpec:
             # A projection that is not a multiple of a group (a tiny model's 172 inputs)
             # takes the largest group that divides it; its last word may be part padding.
             group = max(g for g in range(1, min(group, in_features) + 1) if in_features % g == 0)
+            if self.method == "hqq":  # the substitute draft (speculative/substitute.py)
+                return HQQLinear(in_features, out_features, bias, self.bits, group)
             return CompressedLinear(
                 in_features, out_features, bias, self.bits, group, True, self.scale_dtype
             )

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,9 @@ CASES = [
     ("tree", "model", "walk"),
     ("tree", "model", "rejection"),
     ("tree", "ngram", "auto"),
+    # The target's own 2-bit layers (it streams them all), drafting in its KV cache.
+    ("tree", "substitute", "auto"),
+    ("linear", "substitute", "auto"),
 ]
 
 
@@ -100,7 +104,7 @@ def runtime(
     target, draft_path = pair
     options = RuntimeOptions(
         model=str(target),
-        draft={"model": str(draft_path), "ngram": "ngram", None: None}[draft],
+        draft={"model": str(draft_path), "ngram": "ngram", None: None}.get(draft, draft),
         strategy=strategy,
         spec_length=2,
         budget=6,
@@ -108,6 +112,8 @@ def runtime(
         tree_verification=verification,
         context=CONTEXT,
     )
+    if draft == "substitute":
+        options = replace(options, substitute_bits=2, offload="stream", resident_layers=0)
     return Runtime(options)
 
 

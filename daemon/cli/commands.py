@@ -144,7 +144,10 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--draft", default=None, help="draft model folder / hub id, or 'ngram' (prompt lookup)"
+        "--draft",
+        default=None,
+        help="draft model folder / hub id, 'ngram' (prompt lookup) or 'substitute' (the "
+        "target's own low-bit layers)",
     )
     p.add_argument(
         "--strategy",
@@ -190,6 +193,7 @@ def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:
         dtype=args.dtype,
         quantize=args.quantize,
         draft_quantize=args.draft_quantize,
+        substitute_bits=args.substitute_bits or "auto",
         device=args.device,
         context=args.context,
         threads=args.threads,
@@ -254,13 +258,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # every sample draws its own OS seed, which keeps them independent too.
         for i in range(args.samples):
             gen = generation(None if args.seed is None else args.seed + i).run()
-            gen.stats.extra.update(runtime.offload_stats())
+            gen.stats.extra.update({**runtime.offload_stats(), **runtime.draft_stats()})
             print(json.dumps(generation_record(gen)), flush=True)
         return 0
     gen = generation(args.seed)
     if args.json:
         gen.run()
-        gen.stats.extra.update(runtime.offload_stats())
+        gen.stats.extra.update({**runtime.offload_stats(), **runtime.draft_stats()})
         print(json.dumps(generation_record(gen)))
     else:
         for chunk in gen:

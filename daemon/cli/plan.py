@@ -28,6 +28,7 @@ from daemon.settings import (
     DEVICE_CHOICES,
     DTYPE_CHOICES,
     QUANTIZE_CHOICES,
+    SUBSTITUTE_BITS_CHOICES,
     size_bytes,
 )
 from offload.units import parse_rate, parse_size
@@ -68,7 +69,8 @@ def add_context_arg(p: argparse.ArgumentParser, default: str | None) -> None:
 
 
 def add_quantize_args(p: argparse.ArgumentParser, default: str | None) -> None:
-    """--quantize and --draft-quantize, for `generate`, `plan` and the daemon commands."""
+    """--quantize, --draft-quantize and --substitute-bits, for `generate`, `plan` and the
+    daemon commands."""
     for flag, whose in (("--quantize", "target"), ("--draft-quantize", "draft")):
         p.add_argument(
             flag,
@@ -77,6 +79,23 @@ def add_quantize_args(p: argparse.ArgumentParser, default: str | None) -> None:
             help=f"quantize the {whose}'s full-precision projections as they load (groups of "
             f"{QUANTIZE_GROUP} inputs, symmetric; packed in RAM, on the bus and in the slots)",
         )
+    p.add_argument(
+        "--substitute-bits",
+        type=substitute_bits,
+        default=default,
+        metavar="auto|8|4|3|2",
+        help="--draft substitute: bits of the target's own HQQ-quantized layers that draft "
+        "for it (auto: the most that fit)",
+    )
+
+
+def substitute_bits(text: str) -> int | str:
+    """auto, or one of the bits the substitute draft is built with."""
+    if text == "auto":
+        return text
+    if text.isdigit() and int(text) in SUBSTITUTE_BITS_CHOICES:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"--substitute-bits must be auto, 8, 4, 3 or 2, not {text!r}")
 
 
 def add_prefix_cache_arg(p: argparse.ArgumentParser) -> None:
@@ -132,7 +151,7 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("plan", help="show where the models' memory goes (nothing is loaded)")
     p.add_argument("--config", type=Path, default=None, help="a specd YAML config file")
     p.add_argument("--model", default=None, help="target folder (config.json is enough) or hub id")
-    p.add_argument("--draft", default=None, help="draft folder / hub id, or 'ngram'")
+    p.add_argument("--draft", default=None, help="draft folder / hub id, 'ngram' or 'substitute'")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default auto")
     add_quantize_args(p, default=None)
     p.add_argument("--device", choices=DEVICE_CHOICES, default=None)
@@ -174,6 +193,7 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
         "dtype",
         "quantize",
         "draft_quantize",
+        "substitute_bits",
         "device",
         "context",
         "budget",
@@ -203,7 +223,7 @@ def _plan_device(options: RuntimeOptions) -> torch.device:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from daemon.memory_plan import choose_plan, offload_request, planned_tree_budget
+    from daemon.memory_plan import offload_request, plan_with_draft, planned_tree_budget
     from offload.machine import detect_budget
     from speculative.checkpoint import open_checkpoint
 
@@ -212,7 +232,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # A plan needs config.json only: a hub id's weights need not be downloaded yet.
     target = open_checkpoint(options.model, options.quantize, config_only=True)
     draft = None
-    if options.draft and options.draft != "ngram":
+    if options.draft and options.draft not in ("ngram", "substitute"):
         draft = open_checkpoint(options.draft, options.draft_quantize, config_only=True).config
     # Measuring this machine's bus only makes sense when planning for this machine.
     this_machine = options.gpu_budget == "auto"
@@ -225,10 +245,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     # budget.device is the machine planned for: "cuda" when a GPU budget describes another
     # machine's card, so `auto` picks that machine's dtype.
-    plan = choose_plan(
-        target.config, draft, str(options.model), options.dtype, options.context,
-        budget.device, offload_request(options), budget, planned_tree_budget(options),
-        str(options.draft),
+    plan, _ = plan_with_draft(
+        target.config, options.draft, draft, options.substitute_bits, str(options.model),
+        options.dtype, options.context, budget.device, offload_request(options), budget,
+        planned_tree_budget(options),
     )  # fmt: skip
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))

@@ -36,6 +36,7 @@ FLAG_KEYS = {
     "dtype": "models.dtype",
     "quantize": "models.quantize",
     "draft_quantize": "models.draft_quantize",
+    "substitute_bits": "models.substitute_bits",
     "device": "models.device",
     "threads": "models.threads",
     "compile": "runtime.compile",
@@ -69,7 +70,9 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     """Flags that override the configuration (see config/specd.yaml for each key)."""
     add_address_args(p)
     p.add_argument("--model", default=None, help="target model folder or hub id")
-    p.add_argument("--draft", default=None, help="draft model folder / hub id, or 'ngram'")
+    p.add_argument(
+        "--draft", default=None, help="draft model folder / hub id, 'ngram' or 'substitute'"
+    )
     p.add_argument("--name", default=None, help="model id served at /v1/models")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default auto")
     add_quantize_args(p, default=None)

@@ -29,6 +29,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 SPECD_STAT_KEYS = (
     "strategy",
+    "draft_kind",  # model | substitute | ngram (None: no draft)
+    "substitute_bits",  # the substitute draft's bits (None: another draft)
     "max_tokens",  # the effective limit (cut to the room left when clamping)
     "tokens_per_target_pass",
     "acceptance_rate",

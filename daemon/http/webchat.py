@@ -75,6 +75,7 @@ async def specd_status(request: web.Request) -> web.Response:
             dtype=runtime.dtype,
             context=runtime.context,
             strategy=runtime.default_strategy,
+            **runtime.draft_stats(),
             max_tree_budget=runtime.max_tree_budget,
             plan=runtime.plan.to_dict(),
             # Per model: off, warming (passes run eager until ready), ready or failed.

@@ -138,10 +138,16 @@ class TreeSpeculation:
         prefill_chunk: int = PREFILL_CHUNK,
         verification: str = "auto",
         acceptance: AcceptanceModel | None = None,
+        shared_cache: bool = False,
     ) -> None:
         """`draft` None means n-gram drafting (prompt lookup), whose trees are walked.
         `verification`: auto | walk | rejection (speculation.tree_verification).
-        `acceptance`: what verification accepted so far (a runtime shares one)."""
+        `acceptance`: what verification accepted so far (a runtime shares one).
+        `shared_cache`: the draft is the target's substitute (speculative/substitute.py):
+        it drafts in the target's KV cache, past the committed rows, and keeps none."""
+        if shared_cache and draft is None:
+            raise ValueError("a shared KV cache needs a draft model (the substitute)")
+        self.shared_cache = shared_cache
         if draft is not None:
             check_draft_width(draft, target)
         if verification not in TREE_VERIFICATION_CHOICES:
@@ -170,7 +176,7 @@ class TreeSpeculation:
         )
 
     def new_session(self, capacity: int) -> Session:
-        return Session(self.target, capacity, self.draft)
+        return Session(self.target, capacity, None if self.shared_cache else self.draft)
 
     def steps(
         self,
@@ -220,6 +226,10 @@ class TreeSpeculation:
             # catch-up when this round drafts with a model.
             fold = max(self.prefill_chunk, budget + 1) - (budget + 1)
             draft = self.draft if budget else None
+            if self.shared_cache and budget:
+                # The substitute drafts on the target's rows: they must hold every
+                # committed token first (one plain pass for a new prompt, none after).
+                fold, draft = 0, None
             caught_up = prefill(
                 session, state.seq, self.target, draft, fold=fold, chunk=self.prefill_chunk
             )
@@ -479,16 +489,33 @@ class TreeSpeculation:
             tree = tree_from_continuations(root, found, budget, depth, device)
             stats.draft_seconds += time.perf_counter() - t0
             return tree
-        draft, dcache, fed = self.draft, session.draft_cache, session.draft_tokens
-        assert dcache is not None, "a tree session with a draft model has a draft cache"
-        todo = seq[len(fed) :]  # at least the root
-        first = yield from feed_pass(draft, dcache, fed, todo)
+        draft = self.draft
+        if self.shared_cache:
+            # The target's cache holds x_1..x_{L-1}: the root's row and the tree's go after
+            # them, and are dropped before the target verifies (it writes its own there).
+            dcache = session.target_cache
+            committed = dcache.length
+            assert committed == len(seq) - 1, "the target holds every committed token"
+            first = yield from forward(
+                draft,
+                torch.tensor([root], device=device),
+                torch.tensor([committed], device=device),
+                dcache,
+            )
+        else:
+            own, fed = session.draft_cache, session.draft_tokens
+            assert own is not None, "a tree session with a draft model has a draft cache"
+            dcache = own
+            todo = seq[len(fed) :]  # at least the root
+            first = yield from feed_pass(draft, dcache, fed, todo)
         tree = DraftTree(root, budget + 1, device)
-        root_logits = first.logits[0].clone()  # (V,) alone: not a view of the whole pass
+        root_logits = first.logits[-1].clone()  # (V,) alone: not a view of the whole pass
         del first
         passes = yield from grow_tree_steps(
             draft, dcache, tree, root_logits, len(seq) - 1, budget, depth, policy
         )
+        if self.shared_cache:
+            dcache.truncate(committed)
         stats.draft_passes += passes + 1
         stats.draft_seconds += time.perf_counter() - t0
         return tree
@@ -500,7 +527,7 @@ class TreeSpeculation:
         level is never fed); the rest is fed next round with the new root."""
         dcache = session.draft_cache
         if dcache is None or tree.size == 1:
-            return  # no draft model, or it drafted nothing this round
+            return  # no draft cache (prompt lookup, or the substitute's shared one), or no tree
         root_slot = len(session.draft_tokens) - 1
         slot_of = {n: j for j, n in enumerate(tree.fed.tolist())}
         kept: list[int] = []

@@ -28,7 +28,9 @@ export async function refreshMachine() {
   const rows = [
     ["state", `${status.status} · ${status.active} active · ${status.queued} queued`],
     ["target", status.target],
-    ["draft", status.draft || "none"],
+    ["draft", status.draft_kind === "substitute"
+      ? `substitute (${status.substitute_bits}-bit, the target's own layers)`
+      : status.draft || "none"],
     ["device", `${status.device || "–"} · ${status.dtype || "–"}`],
     ["strategy", status.strategy || "–"],
     ["context", status.context !== undefined ? `${status.context} tokens` : "–"],

@@ -1,0 +1,123 @@
+"""The substitute draft (SubSpec): the target itself, made cheap to run, as its own draft.
+
+Every decoder layer the target streams gets a resident copy whose projections are
+quantized to a few bits by HQQ (speculative/hqq.py, calibration-free); a layer the target
+keeps resident is its own substitute. Embedding, final norm and head are the target's
+tensors, shared, not copied, and so is the KV cache: the substitute attends over the
+target's verified rows for the committed prefix and writes rows only for its own
+speculative tokens, in the target's cache past the committed length, which the target's
+verification pass then overwrites (the strategies truncate back first). So the draft needs
+no prefill, no cache of its own, no second download and no tokenizer match, and it agrees
+with the target far more often than a small model of the family does.
+
+The substitute is built from the target's layers as they are loaded, one layer at a time
+(a packed target's projections are rebuilt dense one at a time to be re-quantized), so the
+target is never in RAM twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from speculative import hqq
+from speculative.config import ModelConfig
+from speculative.hqq import HQQLinear
+from speculative.model import DecoderLayer, Transformer
+from speculative.packed import PackedLinear
+from speculative.projections import FusedLinear
+from speculative.quant import QuantizationSpec
+
+SUBSTITUTE = "substitute"  # --draft substitute
+SUBSTITUTE_BITS = (8, 4, 3, 2)  # what `auto` tries, most first
+
+
+def substitute_spec(bits: int) -> QuantizationSpec:
+    if bits not in SUBSTITUTE_BITS:
+        raise ValueError(f"substitute bits {bits} is not one of {SUBSTITUTE_BITS}")
+    return QuantizationSpec("hqq", bits, hqq.GROUP, False, torch.float16, on_load=True)
+
+
+def substitute_config(target: ModelConfig, bits: int) -> ModelConfig:
+    """The substitute's architecture: the target's, its projections HQQ-packed."""
+    return replace(target, quantization=substitute_spec(bits))
+
+
+def dense_projections(layer: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
+    """(name relative to the layer, [out, in] weight, bias) of each projection of a target
+    layer, the stored names (q_proj, not qkv_proj): stacked ones split into their parts,
+    packed ones rebuilt dense (in fp32, one at a time)."""
+    for name, module in layer.named_modules():
+        if isinstance(module, FusedLinear):
+            owner = name.rpartition(".")[0]
+            row = 0
+            for part, rows in module.parts:
+                bias = module.bias[row : row + rows] if module.bias is not None else None
+                yield f"{owner}.{part}", module.weight[row : row + rows], bias
+                row += rows
+        elif isinstance(module, PackedLinear):
+            yield name, module.dequantize(torch.float32), module.bias
+        elif isinstance(module, nn.Linear):
+            yield name, module.weight, module.bias
+
+
+def quantized_layer(
+    config: ModelConfig, dense: nn.Module, device: torch.device, dtype: torch.dtype
+) -> DecoderLayer:
+    """A substitute layer for the target's `dense` (CPU) layer: its projections HQQ-packed
+    on `device` (one projection's weight is copied there at a time: a GPU optimises it in
+    a fraction of the CPU's time), its norms copied (a layer's norms are a few kilobytes)."""
+    with torch.device(device):
+        layer = DecoderLayer(config)
+    modules = dict(layer.named_modules())
+    for name, weight, bias in dense_projections(dense):
+        target = modules[name]
+        assert isinstance(target, HQQLinear), name
+        target.quantize_from(weight.detach().to(device))
+        if bias is not None and target.bias is not None:
+            target.bias.data.copy_(bias.detach())
+    theirs = dict(dense.named_parameters())
+    for name, param in layer.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.copy_(theirs[name].detach())
+    return layer.to(device=device, dtype=dtype)
+
+
+def build_substitute(
+    target: Transformer,
+    bits: int,
+    layers: Sequence[nn.Module],
+    quantize: Callable[[int], bool],
+    device: torch.device,
+    progress: Callable[[int, int], None] | None = None,
+) -> Transformer:
+    """The substitute for `target`, from its `layers` (every decoder layer, as loaded on
+    the CPU, before placement): layer i is quantized where `quantize(i)`, else it is the
+    target's own module (which placement puts on the device). Embedding, norm, head and
+    the RoPE table are the target's. `progress(done, total)` after each layer."""
+    config = substitute_config(target.config, bits)
+    with torch.device("meta"):
+        substitute = Transformer(config)
+    substitute.embed_tokens = target.embed_tokens
+    substitute.norm = target.norm
+    substitute.lm_head = target.lm_head
+    substitute.register_buffer("inv_freq", target.inv_freq, persistent=False)
+    substitute.vocab_width = target.vocab_width
+    built = nn.ModuleList()
+    total = len(layers)
+    for i, layer in enumerate(layers):
+        if quantize(i):
+            new = quantized_layer(config, layer, device, target.dtype)
+            for module in new.modules():
+                if isinstance(module, PackedLinear):
+                    module.scratch = substitute.rebuild_scratch
+            built.append(new)
+        else:
+            built.append(layer)
+        if progress is not None:
+            progress(i + 1, total)
+    substitute.set_layers(built)
+    return substitute

@@ -1,0 +1,144 @@
+"""`--draft substitute`: the target's own HQQ-quantized layers as its draft, sharing its
+embedding, head and KV cache. Greedy parity through the daemon's runtime (a streamed
+target, so its layers really are quantized), what is shared and what is not, the cache
+left exactly as the target's own commit leaves it, building one layer at a time, and the
+plans the issue asks for. Losslessness at T > 0 is tests/test_lossless.py's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from daemon.memory_plan import OffloadRequest, plan_with_draft
+from daemon.runtime import Runtime, RuntimeOptions
+from offload.plan import Budget
+from offload.planning import PlanError
+from scripts.real_shapes import build_model, full_config, model_config
+from speculative.checkpoint import load
+from speculative.generation import Generation
+from speculative.hqq import HQQLinear
+from speculative.sampling import SamplingParams
+from speculative.strategies.autoregressive import Autoregressive
+from speculative.substitute import build_substitute
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = "Once upon a time"
+
+
+def streamed_runtime(target: Path, bits: int | str, strategy: str = "tree") -> Runtime:
+    """The stories target streamed layer by layer (none resident): every layer gets a
+    quantized substitute."""
+    return Runtime(
+        RuntimeOptions(
+            model=str(target), draft="substitute", substitute_bits=bits, strategy=strategy,
+            offload="stream", resident_layers=0, budget=32, device="cpu", context=512,
+        )
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(stories_target: Path) -> list[int]:
+    target, tok, _ = load(stories_target)
+    ar = Autoregressive(target)
+    gen = Generation(ar, ar.new_session(512), tok, tok.encode(PROMPT), GREEDY, 120, ignore_eos=True)
+    return gen.run().token_ids
+
+
+@pytest.mark.parametrize("strategy", ["tree", "linear"])
+@pytest.mark.parametrize("bits", [4, 2])
+def test_greedy_output_is_the_targets(
+    stories_target: Path, reference: list[int], strategy: str, bits: int
+) -> None:
+    rt = streamed_runtime(stories_target, bits, strategy)
+    assert rt.draft_kind == "substitute" and rt.substitute_bits == bits
+    gen = rt.generation(rt.tokenizer.encode(PROMPT), GREEDY, 120, ignore_eos=True).run()
+    assert gen.token_ids == reference
+    if bits == 4:  # a 4-bit copy of the target agrees with it: many tokens per pass
+        assert gen.stats.to_dict()["tokens_per_target_pass"] > 4.0
+
+
+def test_what_is_shared_and_what_is_not(stories_target: Path) -> None:
+    rt = streamed_runtime(stories_target, 4)
+    sub, target = rt.draft, rt.target
+    assert sub is not None and sub is not target
+    assert sub.embed_tokens is target.embed_tokens and sub.lm_head is target.lm_head
+    assert sub.norm is target.norm
+    packed = [m for m in sub.modules() if isinstance(m, HQQLinear)]
+    assert len(packed) == 7 * target.config.num_layers and {m.bits for m in packed} == {4}
+    # No cache of its own: a session holds the target's only.
+    strategy = rt.strategy("tree")
+    session = rt.new_session(strategy)
+    assert session.draft_cache is None
+    # After every round the target's cache holds exactly the committed tokens: the draft's
+    # rows past them were dropped before the target wrote its own.
+    gen = Generation(strategy, session, rt.tokenizer, rt.tokenizer.encode(PROMPT), GREEDY, 60)
+    for _ in gen:
+        assert session.target_cache.length == len(session.target_tokens)
+
+
+def test_resident_layers_are_their_own_substitutes(stories_target: Path) -> None:
+    """A target that fits: every layer resident, nothing quantized, the draft computes
+    with the target's own modules (which `auto` judges on the CPU like any draft)."""
+    rt = Runtime(RuntimeOptions(model=str(stories_target), draft="substitute", device="cpu"))
+    assert rt.draft is not None and rt.streamer is None
+    assert not [m for m in rt.draft.modules() if isinstance(m, HQQLinear)]
+    target_layers = list(rt.target.layers)  # type: ignore[arg-type]
+    assert all(a is b for a, b in zip(rt.draft.layers, target_layers, strict=True))  # type: ignore[arg-type]
+
+
+def test_building_holds_one_layer_at_a_time() -> None:
+    """The substitute of a real-shaped layer stack is built beside the target with no more
+    than its own packed bytes plus one projection's working copies at a time: the target's
+    dense weights are never copied whole."""
+    from offload.machine import PeakMemory
+
+    config = model_config("llama-3.2-1b", layers=2, hidden_scale=1 / 4)
+    target = build_model(config, torch.float32, seed=0)
+    layers = list(target.layers)  # type: ignore[arg-type]
+    largest = max(m.weight.numel() for m in target.modules() if isinstance(m, torch.nn.Linear))
+    with PeakMemory("cpu") as peak:
+        sub = build_substitute(target, 4, layers, lambda i: True, torch.device("cpu"))
+    if peak.bytes is None:
+        pytest.skip("no /proc: peak memory cannot be measured here")
+    packed = sum(b.numel() * b.element_size() for b in sub.layers.buffers())  # type: ignore[union-attr]
+    # An fp32 block's quantization temporaries are a few copies of one projection (the
+    # scaled weights, codes, the residual and its shrinkage, each rows × inputs fp32).
+    assert peak.bytes < packed + 8 * largest * 4, (peak.bytes, packed, largest)
+
+
+def cuda_budget(gpu: float, ram: float) -> Budget:
+    return Budget("cuda", int(gpu), "test", int(ram), "test", 25e9, "test")
+
+
+@pytest.mark.parametrize(
+    ("name", "gpu", "ram", "bits"),
+    [
+        ("llama-3.1-8b", 8e9, 32e9, 3),
+        ("llama-3.1-8b", 12e9, 32e9, 8),
+        ("qwen2.5-32b", 24e9, 64e9, 3),
+    ],
+)
+def test_auto_bits_plans_the_most_that_fit(name: str, gpu: float, ram: float, bits: int) -> None:
+    plan, drafting = plan_with_draft(
+        full_config(name), "substitute", None, "auto", name, "auto", "auto", "cuda",
+        OffloadRequest(prefix_cache_bytes=1 << 30, sequences=12), cuda_budget(gpu, ram),
+    )  # fmt: skip
+    assert drafting.substitute_bits == bits
+    assert plan.device_bytes <= plan.budget.device_bytes
+    rendered = plan.render()
+    assert f"substitute ({bits}-bit HQQ of the target)" in rendered
+    assert "shares the target's embedding, norm, head and KV cache" in rendered
+    assert "draft KV cache" not in rendered  # it has none
+
+
+def test_a_70b_on_24_gb_says_what_would_fit_and_why_not() -> None:
+    with pytest.raises(PlanError) as info:
+        plan_with_draft(
+            full_config("llama-3.1-70b"), "substitute", None, "auto", "70b", "auto", "auto",
+            "cuda", OffloadRequest(prefix_cache_bytes=1 << 30), cuda_budget(24e9, 64e9),
+        )  # fmt: skip
+    message = str(info.value)
+    assert "does not fit at 8-bit, 4-bit, 3-bit, 2-bit" in message
+    assert "draft weights" in message and "--draft MODEL" in message
