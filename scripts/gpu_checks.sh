@@ -2,7 +2,8 @@
 # The checks only a CUDA machine can answer, in one run, each bounded in time: the GPU tests
 # (`pytest -m gpu`: the streamer, the prefix cache's device path, CUDA graphs) and the
 # benchmarks' GPU sections (draft steps eager / compiled / graphed; the auto budget's tree
-# for a streamed target). Logs and JSON go to $OUT (default ./gpu-results).
+# for a streamed target; what rebuilding a packed layer costs, eager and compiled). Logs and
+# JSON go to $OUT (default ./gpu-results).
 #
 #     bash scripts/gpu_checks.sh                 # with .venv (scripts/setup.sh), or
 #     PYTHON=python3 bash scripts/gpu_checks.sh  # a Python that has torch with CUDA
@@ -25,4 +26,6 @@ mapfile -t modules < <(grep -l "pytest.mark.gpu" tests/*.py)
 timeout "${TEST_TIMEOUT:-300}" "$python" -m pytest -m gpu -q -p no:cacheprovider -rs "${modules[@]}" 2>&1 | tee "$out/pytest-gpu.txt" || status=1
 timeout "${BENCH_TIMEOUT:-240}" "$python" scripts/bench_overhead.py --sections shaped budget --json "$out/overhead.json" \
     2>&1 | tee "$out/overhead.txt" || status=1
+timeout "${BENCH_TIMEOUT:-240}" "$python" scripts/bench_rebuild.py --json "$out/rebuild.json" \
+    2>&1 | tee "$out/rebuild.txt" || status=1
 exit $status
