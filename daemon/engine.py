@@ -11,8 +11,10 @@ own. A pass holds at most `max_pass_tokens` tokens and the plan's logit rows (th
 request in line always goes): requests that do not fit wait for the next pass, and the
 rows they hold are counted before any tree grows again. Trees growing for one pass share its node budget
 in one best-first order over the whole forest (SpecExec's Dijkstra across trees): at each
-depth step the candidates of every tree are ranked together by cumulative draft
-log-probability and the best get the nodes, whichever request they belong to. A long prompt is prefilled one chunk per pass inside the same
+depth step the candidates of every tree are ranked together by their estimated probability
+of being reached by verification (calibrated per verification and temperature, so
+requests compare on one scale) and the best get the nodes, whichever request they belong
+to. A long prompt is prefilled one chunk per pass inside the same
 passes, so an arrival never stalls the streams in flight. A cancelled job leaves before
 the next step and its KV cache is freed; a fault fails its own job only (a batched pass
 that raises is rerun one generation at a time to find whose it was).

@@ -13,7 +13,8 @@ cross the bus once for all of them. The strategy's code is the same either way.
 
 The second request, `Allot`, is how tree nodes are spent when several trees grow for one
 pass (SpecExec's best-first order over the whole forest): at each growth step a tree offers
-the cumulative draft log-probabilities of its candidates, and the driver grants it a number
+its candidates' estimated log-probabilities of being reached by verification
+(speculative/acceptance.py), and the driver grants it a number
 of nodes. Alone, a tree gets what it asked for; the engine ranks every tree's offers
 together and grants the best ones, within the pass's node budget (`allot`).
 """
@@ -67,7 +68,7 @@ class Allot:
     alone. The driver sets `granted`: a count (0: wait, others' candidates were better;
     ask again next step) or None (the pass's nodes are spent: stop growing)."""
 
-    offers: torch.Tensor  # (m,) cumulative draft log-probabilities of the candidates
+    offers: torch.Tensor  # (m,) the candidates' estimated log reach probabilities
     wanted: int
     granted: int | None = None
     answered: bool = False
@@ -156,8 +157,8 @@ def serve_alone(request: Request) -> None:
 def allot(requests: Sequence[Allot], budget: int) -> int:
     """Grant trees growing for one pass their nodes in one best-first order over all of
     them: this step adds at most the nodes they want together, and at most `budget`, and
-    they go to the candidates with the highest cumulative draft log-probability, whichever
-    tree they are in (the draft's estimate of how likely the target is to walk there).
+    they go to the candidates most likely to be reached by verification, whichever
+    tree they are in (their calibrated estimates, comparable across requests).
     With nothing left every tree is told to stop. Returns the nodes granted."""
     if budget <= 0:
         for request in requests:

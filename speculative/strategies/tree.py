@@ -549,8 +549,8 @@ class TreeSpeculation:
         """Cache the target's logits at the verified nodes under their prefixes' keys, as
         many as the cache holds, most valuable first: the root and the walked path (the
         next sample of this prompt with this seed walks exactly there), then the other
-        nodes in the tree's best-first order (node indices: the builder adds the highest
-        cumulative draft probability first). Parents come before their children in that
+        nodes in the tree's best-first order (node indices: the builder adds the nodes most
+        likely to be reached first). Parents come before their children in that
         order, so every stored node's prefix is interned. Returns the key of the walk's
         last node (the root's with the cache off: keys are not needed then)."""
         pcache = self.prefix_cache
