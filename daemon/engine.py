@@ -38,7 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Generator as PyGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from daemon.jobs import (
     BudgetTooLargeError,
@@ -136,6 +136,7 @@ class Engine:
         self._compiled_seen = 0  # compiled models ready when the strategies were built
         self._stopping = threading.Event()
         self.loaded = threading.Event()  # set once loading finished, successfully or not
+        self.loading_note: str | None = None  # what loading is doing, while it takes long
         self._wake = threading.Condition()
         self._thread = threading.Thread(target=self._work, name="specd-engine", daemon=True)
 
@@ -188,6 +189,9 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def _loading(self, note: str) -> None:
+        self.loading_note = note
+
     # ---- introspection (tests, /health) ----
 
     @property
@@ -206,7 +210,7 @@ class Engine:
 
     def _work(self) -> None:
         try:
-            self.runtime = self._runtime_factory(self.options)
+            self.runtime = self._runtime_factory(replace(self.options, on_progress=self._loading))
             self.max_pass_tokens = self.limits.max_pass_tokens or self.runtime.max_pass_tokens
             self.max_pass_rows = self.runtime.max_pass_rows
             log.info("models loaded: %s", self.options.model)

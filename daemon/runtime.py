@@ -7,7 +7,7 @@ model pair behaves the same in a script and behind the REST endpoint.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import torch
@@ -42,8 +42,13 @@ class RuntimeSetupError(RuntimeError):
 class RuntimeOptions:
     model: str
     draft: str | None = None  # a model folder / hub id, "ngram", "substitute", or None
-    # --draft substitute: bits of its HQQ layers (2, 3, 4, 8) or auto (the most that fit).
+    # --draft substitute: bits of its HQQ layers (2, 3, 4, 8) or auto (the most that fit),
+    # and the folder built substitutes are kept in (None: built at every start).
     substitute_bits: int | str = "auto"
+    substitute_cache: str | None = None
+    # Told what loading is doing, in a few words, while it takes long (the engine shows
+    # it in the status): building the substitute draft, layer by layer.
+    on_progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
     strategy: str | None = None  # None: tree with a draft, autoregressive without
     spec_length: int = 4  # linear: tokens drafted per round
     budget: int | str = "auto"  # tree: node budget, or "auto" (chosen from measured costs)

@@ -33,6 +33,13 @@ SUBSTITUTE_BITS_CHOICES = ("auto", 8, 4, 3, 2)  # speculative.substitute
 COMPILE_CHOICES = ("auto", "off", "on")
 
 
+def substitute_cache_dir(value: str | None) -> str | None:
+    """models.substitute_cache as a folder: auto is the state directory's substitutes/."""
+    if value == "auto":
+        return str(Path(platformdirs.user_state_dir("specd")) / "substitutes")
+    return None if value is None else str(Path(value).expanduser())
+
+
 def size_bytes(value: int | str, what: str = "size") -> int:
     """Bytes of a size that may be off: 0 / '0', or a size such as 1GiB or 512MB."""
     if isinstance(value, bool) or not isinstance(value, int | str):
@@ -172,6 +179,9 @@ class ModelsSettings:
     draft_quantize: str | None = _key(None, choice(None, *QUANTIZE_CHOICES))
     # draft: substitute: bits of the target's own HQQ layers, or auto (the most that fit).
     substitute_bits: int | str = _key("auto", choice(*SUBSTITUTE_BITS_CHOICES))
+    # Where built substitutes are kept for the next start: auto (the state directory's
+    # substitutes/), a folder, or null (build at every start).
+    substitute_cache: str | None = _key("auto", text(nullable=True))
     device: str = _key("auto", choice(*DEVICE_CHOICES))
     threads: int | str = _key("auto", integer(1, 1024, auto=True))
 
@@ -305,6 +315,7 @@ class Settings:
             quantize=self.models.quantize,
             draft_quantize=self.models.draft_quantize,
             substitute_bits=self.models.substitute_bits,
+            substitute_cache=substitute_cache_dir(self.models.substitute_cache),
             device=self.models.device,
             context="auto" if self.context.length is None else self.context.length,
             offload=self.offload.mode,

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -22,6 +23,7 @@ from daemon.memory_plan import (
     plan_with_draft,
     planned_tree_budget,
 )
+from daemon.substitute_cache import SubstituteCache
 from offload.layout import FlatLayout
 from offload.machine import detect_budget
 from offload.placement import build_streamer
@@ -32,7 +34,7 @@ from offload.stream import LayerStreamer
 from speculative.checkpoint import Checkpoint, CheckpointError, load, open_checkpoint
 from speculative.model import Transformer
 from speculative.projections import stored_names
-from speculative.substitute import build_substitute
+from speculative.substitute import build_substitute, substitute_config
 from speculative.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # daemon.runtime imports this module
@@ -159,7 +161,12 @@ def load_placed_target(
 
     def build_substitute_draft(model: Transformer, plan: MemoryPlan) -> None:
         assert drafting.substitute_bits is not None
-        built.append(substitute_from(model, plan, drafting.substitute_bits, device))
+        cache = Path(options.substitute_cache) if options.substitute_cache else None
+        built.append(
+            substitute_from(
+                model, ckpt, plan, drafting.substitute_bits, device, cache, options.on_progress
+            )
+        )
 
     hook = build_substitute_draft if drafting.substitute else None
     model, tokenizer, ckpt, streamer = load_target(ckpt, plan, device, options.quantize, hook)
@@ -167,10 +174,17 @@ def load_placed_target(
 
 
 def substitute_from(
-    model: Transformer, plan: MemoryPlan, bits: int, device: torch.device
+    model: Transformer,
+    checkpoint: Checkpoint,
+    plan: MemoryPlan,
+    bits: int,
+    device: torch.device,
+    cache: Path | None = None,
+    on_progress: Callable[[str], None] | None = None,
 ) -> Transformer:
     """The substitute for a target loaded as `plan` says, before placement: its streamed
-    layers quantized from their copies in RAM, one at a time, onto `device`; its resident
+    layers quantized from their copies in RAM, one at a time, onto `device` (or read from
+    the file `cache` keeps of an earlier build: daemon/substitute_cache.py); its resident
     layers shared. The disk tier keeps streamed layers out of RAM: refused, saying why."""
     if plan.streamed_layers and plan.host_tier == "disk":
         raise PlanError(
@@ -180,13 +194,29 @@ def substitute_from(
         )
     layers = list(cast(nn.ModuleList, model.layers))
     first_streamed = plan.resident_layers if plan.streamed_layers else len(layers)
+    quantized = list(range(first_streamed, len(layers)))
+    stored = None
+    if cache is not None and quantized:
+        stored = SubstituteCache(
+            cache, checkpoint, substitute_config(model.config, bits), bits, model.dtype,
+            device, quantized,
+        )  # fmt: skip
     started = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        note = f"building the {bits}-bit substitute draft: {done} of {total} layers"
+        log.info(note)
+        if on_progress is not None:
+            on_progress(note)
+
     substitute = build_substitute(
-        model, bits, layers, lambda i: i >= first_streamed, device,
-        progress=lambda done, total: log.info("substitute draft: %d of %d layers", done, total),
-    )  # fmt: skip
+        model, bits, layers, lambda i: i >= first_streamed, device, progress, make=stored
+    )
+    how = "read from " + str(stored.path) if stored is not None and stored.hit else "built"
     log.info(
-        "substitute draft: %d-bit HQQ of %d streamed layers in %.1f s",
-        bits, len(layers) - first_streamed, time.perf_counter() - started,
+        "substitute draft: %d-bit HQQ of %d streamed layers %s in %.1f s",
+        bits, len(quantized), how, time.perf_counter() - started,
     )  # fmt: skip
+    if stored is not None:
+        stored.save()
     return substitute

@@ -86,6 +86,18 @@ def quantized_layer(
     return layer.to(device=device, dtype=dtype)
 
 
+# Makes a substitute layer: (its index, the target's dense layer) → the quantized layer.
+LayerMaker = Callable[[int, nn.Module], nn.Module]
+
+
+def empty_layer(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> DecoderLayer:
+    """A substitute layer of `config` (HQQ-packed) with nothing in it yet, on `device`:
+    what a stored substitute's tensors are loaded into."""
+    with torch.device(device):
+        layer = DecoderLayer(config)
+    return layer.to(dtype=dtype)
+
+
 def build_substitute(
     target: Transformer,
     bits: int,
@@ -93,11 +105,13 @@ def build_substitute(
     quantize: Callable[[int], bool],
     device: torch.device,
     progress: Callable[[int, int], None] | None = None,
+    make: LayerMaker | None = None,
 ) -> Transformer:
     """The substitute for `target`, from its `layers` (every decoder layer, as loaded on
-    the CPU, before placement): layer i is quantized where `quantize(i)`, else it is the
-    target's own module (which placement puts on the device). Embedding, norm, head and
-    the RoPE table are the target's. `progress(done, total)` after each layer."""
+    the CPU, before placement): layer i is quantized where `quantize(i)` (by `make`,
+    default `quantized_layer`; the daemon's loads a stored one when it has it), else it
+    is the target's own module (which placement puts on the device). Embedding, norm,
+    head and the RoPE table are the target's. `progress(done, total)` after each layer."""
     config = substitute_config(target.config, bits)
     with torch.device("meta"):
         substitute = Transformer(config)
@@ -110,7 +124,11 @@ def build_substitute(
     total = len(layers)
     for i, layer in enumerate(layers):
         if quantize(i):
-            new = quantized_layer(config, layer, device, target.dtype)
+            new = (
+                make(i, layer)
+                if make is not None
+                else quantized_layer(config, layer, device, target.dtype)
+            )
             for module in new.modules():
                 if isinstance(module, PackedLinear):
                     module.scratch = substitute.rebuild_scratch

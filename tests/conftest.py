@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,10 @@ SHARED_MODELS = Path(os.environ.get("SPECD_SHARED_MODELS", ROOT.parent / "shared
 # "runtime.compile": "off" in their overrides. Compiled passes have their own tests
 # (test_compiled.py, test_compiling.py), which ask for them explicitly.
 os.environ["SPECD_RUNTIME_COMPILE"] = "off"
+
+# What the daemon keeps between runs (built substitute drafts, pid files) goes to a
+# folder of this test session's, never the user's state directory.
+os.environ.setdefault("XDG_STATE_HOME", tempfile.mkdtemp(prefix="specd-test-state-"))
 
 # Tiny models gain nothing from threads, and spinning OpenMP threads stall badly when the
 # two cores are busy; tests run single-threaded.

@@ -6,6 +6,7 @@ plans the issue asks for. Losslessness at T > 0 is tests/test_lossless.py's."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -142,3 +143,54 @@ def test_a_70b_on_24_gb_says_what_would_fit_and_why_not() -> None:
     message = str(info.value)
     assert "does not fit at 8-bit, 4-bit, 3-bit, 2-bit" in message
     assert "draft weights" in message and "--draft MODEL" in message
+
+
+def test_a_second_start_reads_the_stored_substitute(
+    stories_target: Path, tmp_path: Path, reference: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first start builds the substitute and stores it; the second reads it (nothing
+    is quantized: HQQ would fail here) and drafts the same; other bits are another file."""
+    options = RuntimeOptions(
+        model=str(stories_target), draft="substitute", substitute_bits=4, offload="stream",
+        resident_layers=0, budget=32, device="cpu", context=512, substitute_cache=str(tmp_path),
+    )  # fmt: skip
+    first = Runtime(options)
+    stored = list(tmp_path.glob("*.safetensors"))
+    assert len(stored) == 1 and not list(tmp_path.glob("*.partial"))
+
+    def no_quantizing(self: HQQLinear, weight: torch.Tensor) -> None:
+        raise AssertionError("the stored substitute was quantized again")
+
+    monkeypatch.setattr(HQQLinear, "quantize_from", no_quantizing)
+    second = Runtime(options)
+    assert first.draft is not None and second.draft is not None
+    for a, b in zip(
+        first.draft.state_dict().items(), second.draft.state_dict().items(), strict=True
+    ):
+        assert a[0] == b[0] and torch.equal(a[1], b[1]), a[0]
+    ids = second.tokenizer.encode(PROMPT)
+    assert second.generation(ids, GREEDY, 120, ignore_eos=True).run().token_ids == reference
+    monkeypatch.undo()
+    Runtime(replace(options, substitute_bits=8))
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+
+
+def test_the_engine_says_how_far_the_build_is(stories_target: Path) -> None:
+    """What /health and /v1/specd/status show while the models load: the substitute's
+    build, layer by layer (here read once it is done)."""
+    from daemon.engine import Engine, EngineLimits
+    from daemon.metrics import Metrics
+
+    options = RuntimeOptions(
+        model=str(stories_target), draft="substitute", substitute_bits=4, offload="stream",
+        resident_layers=0, budget=8, device="cpu", context=512,
+    )  # fmt: skip
+    seen: list[str] = []
+    engine = Engine(options, EngineLimits(), Metrics())
+    engine._loading = seen.append  # type: ignore[method-assign]
+    engine.start()
+    try:
+        assert engine.loaded.wait(60) and engine.load_error is None
+    finally:
+        engine.shutdown()
+    assert seen == [f"building the 4-bit substitute draft: {i} of 5 layers" for i in range(1, 6)]

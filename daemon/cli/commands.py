@@ -22,6 +22,7 @@ from daemon.settings import (
     DTYPE_CHOICES,
     STRATEGY_CHOICES,
     SettingsError,
+    substitute_cache_dir,
 )
 from daemon.startup import collector_paused
 from speculative.errors import RequestError
@@ -194,6 +195,7 @@ def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:
         quantize=args.quantize,
         draft_quantize=args.draft_quantize,
         substitute_bits=args.substitute_bits or "auto",
+        substitute_cache=substitute_cache_dir("auto"),
         device=args.device,
         context=args.context,
         threads=args.threads,

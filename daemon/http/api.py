@@ -98,6 +98,8 @@ async def health(request: web.Request) -> web.Response:
     }
     if state == "ready":
         return web.json_response(body)
+    if state == "loading" and engine.loading_note:
+        body["loading"] = engine.loading_note  # e.g. the substitute draft's build, layer by layer
     message = {
         "loading": "the models are still loading",
         "failed": f"the models failed to load: {engine.load_error}",

@@ -69,6 +69,8 @@ async def specd_status(request: web.Request) -> web.Response:
         "draft": engine.options.draft,
     }
     runtime = engine.runtime
+    if runtime is None and engine.loading_note:
+        body["loading"] = engine.loading_note
     if runtime is not None:
         body.update(
             device=str(runtime.device),
