@@ -169,13 +169,20 @@ class Engine:
         most = self.limits.max_concurrent + self.limits.queue_size
         with self._admission:
             if len(self._in_flight) >= most:
+                # A client that gave up (its job cancelled while it waited) holds no slot:
+                # the worker drops such a job when it reaches it.
+                self._in_flight = {j for j in self._in_flight if not j.cancelled}
+            if len(self._in_flight) >= most:
                 raise QueueFullError(
                     f"{most} requests are already in flight ({self.limits.max_concurrent} "
                     f"decoding and {self.limits.queue_size} waiting: limits.max_concurrent "
                     "and limits.queue_size); retry shortly"
                 )
             self._in_flight.add(job)
-        self._queue.put_nowait(job)
+            self._queue.put_nowait(job)
+        if self._stopping.is_set():  # shutdown drained the queue meanwhile: not served
+            self._leave(job)
+            raise EngineNotReady(f"the engine is {self.state}")
         self.metrics.queue_depth.set(self._queue.qsize())
         with self._wake:
             self._wake.notify()
@@ -514,8 +521,10 @@ class Engine:
 
     def _end(self, job: Job, event: Finished | Failed) -> None:
         """The job's last event: it leaves the engine."""
-        job.post(event)
-        self._leave(job)
+        try:
+            job.post(event)
+        finally:
+            self._leave(job)
 
     def _leave(self, job: Job) -> None:
         """A job no longer counts against admission (finished, failed or cancelled)."""

@@ -385,6 +385,12 @@ def plan_with_draft(
             f"the target's resident layers are their own substitutes, so the {bits}-bit "
             "layers counted for all layers are an upper bound"
         )
+        if not plan.streamed_layers:
+            plan.notes.append(
+                "nothing streams: the substitute is the target itself, so a draft pass "
+                "costs a target pass (`auto` budgets decide whether drafting pays; a small "
+                "draft model of the family is cheaper)"
+            )
         return plan, DraftPlan(substitute_config(target, bits), bits)
     tried = ", ".join(f"{b}-bit" for b in choices)
     raise PlanError(

@@ -1,11 +1,14 @@
 """Built substitute drafts kept on disk, so that a restart does not quantize again.
 
-A substitute's quantized layers go to one safetensors file under the state directory
-(`<state dir>/substitutes/<key>.safetensors`), named by a key over everything they depend
-on: the target's weight files (path, size, modification time), the bits, which layers were
-quantized, the dtype, and the quantizer's own settings (a change to HQQ's iteration or
-layout makes new files, never a mismatch). A file is written whole under a temporary name
-and renamed into place, so an interrupted build leaves no half file to be trusted.
+A substitute's quantized layers go to a folder under the state directory
+(`<state dir>/substitutes/<key>/`, one safetensors file per layer and a manifest), named by
+a key over everything they depend on: the target's weight files (path, size, modification
+time) and how it was loaded (`--quantize`), the bits, which layers were quantized, the
+dtype, and the quantizer's own settings (a change to HQQ's iteration or layout makes new
+folders, never a mismatch). Each layer is written as soon as it is built (one layer's
+tensors in host memory at a time, never the whole substitute) into `<key>.partial/`, which
+is renamed into place once complete, so an interrupted build leaves nothing to be trusted
+(and is started over). The MAX_STORED most recently used substitutes are kept.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,17 +33,21 @@ from speculative.substitute import empty_layer, quantized_layer
 
 log = logging.getLogger("specd.loading")
 
-FORMAT = 1  # the file's layout: bump when what is stored changes
+FORMAT = 2  # the folder's layout: bump when what is stored changes
+MAX_STORED = 4  # substitutes kept (each as large as the substitute itself)
+MANIFEST = "manifest.json"
 
 
 def cache_key(
     checkpoint: Checkpoint, bits: int, dtype: torch.dtype, quantized: Sequence[int]
 ) -> str:
+    spec = checkpoint.config.quantization
     identity = {
         "format": FORMAT,
         "bits": bits,
         "dtype": str(dtype),
         "layers": list(quantized),
+        "target_quantization": spec.label if spec is not None else None,
         "hqq": [hqq.GROUP, hqq.LP_NORM, hqq.BETA, hqq.KAPPA, hqq.ITERATIONS],
         "files": [
             [str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns]
@@ -50,8 +58,8 @@ def cache_key(
 
 
 class SubstituteCache:
-    """Makes a substitute's layers (`LayerMaker`), from the stored file when there is one,
-    else by quantizing, recording them to store once all are made (`save`)."""
+    """Makes a substitute's layers (a `speculative.substitute.LayerMaker`): from the stored
+    folder when there is one, else by quantizing, writing each layer as it is made."""
 
     def __init__(
         self,
@@ -63,36 +71,43 @@ class SubstituteCache:
         device: torch.device,
         quantized: Sequence[int],
     ) -> None:
+        self.directory = directory
         self.config, self.dtype, self.device = config, dtype, device
-        key = cache_key(checkpoint, bits, dtype, quantized)
-        self.path = directory / f"{key}.safetensors"
-        self.hit = self.path.is_file()
-        self.made: dict[int, nn.Module] = {}
-        self.meta = {"target": str(checkpoint.path), "bits": str(bits), "layers": str(quantized)}
+        self.path = directory / cache_key(checkpoint, bits, dtype, quantized)
+        self.hit = (self.path / MANIFEST).is_file()
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.meta = {"target": str(checkpoint.path), "bits": bits, "layers": list(quantized)}
+        if self.hit:
+            os.utime(self.path / MANIFEST)  # recently used: kept longest
+        else:
+            shutil.rmtree(self.partial, ignore_errors=True)  # an interrupted build's
 
     def __call__(self, index: int, dense: nn.Module) -> nn.Module:
+        name = f"layer-{index}.safetensors"
         if self.hit:
             layer = empty_layer(self.config, self.device, self.dtype)
-            prefix = f"layers.{index}."
-            with safe_open(self.path, framework="pt", device="cpu") as f:
-                state = {name: f.get_tensor(prefix + name) for name in layer.state_dict()}
-            layer.load_state_dict(state)
+            with safe_open(self.path / name, framework="pt", device="cpu") as f:
+                layer.load_state_dict({key: f.get_tensor(key) for key in layer.state_dict()})
             return layer
         layer = quantized_layer(self.config, dense, self.device, self.dtype)
-        self.made[index] = layer
+        self.partial.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in layer.state_dict().items()}
+        save_file(tensors, str(self.partial / name))
         return layer
 
     def save(self) -> None:
-        """Store what was quantized (nothing when it was all read from the file)."""
-        if self.hit or not self.made:
+        """Put the complete build in place (nothing to do when it was read), and keep only
+        the MAX_STORED most recently used substitutes."""
+        if self.hit or not self.partial.is_dir():
             return
-        tensors = {
-            f"layers.{i}.{name}": tensor.detach().contiguous().cpu()
-            for i, layer in self.made.items()
-            for name, tensor in layer.state_dict().items()
-        }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_suffix(f".{os.getpid()}.partial")
-        save_file(tensors, str(partial), metadata=self.meta)
-        os.replace(partial, self.path)
+        (self.partial / MANIFEST).write_text(json.dumps(self.meta))
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.replace(self.partial, self.path)
         log.info("substitute draft stored: %s", self.path)
+        stored = sorted(
+            (p for p in self.directory.iterdir() if (p / MANIFEST).is_file()),
+            key=lambda p: (p / MANIFEST).stat().st_mtime_ns,
+            reverse=True,
+        )
+        for old in stored[MAX_STORED:]:
+            shutil.rmtree(old, ignore_errors=True)

@@ -94,9 +94,7 @@ def _prior(kind: str) -> torch.Tensor:
     PRIOR_WEIGHT of them, and a rank's outcomes move all of its cells): a first child is
     accepted more often than not (a draft is chosen because it mostly agrees), later ones
     rarely; for the walk, in proportion to the child's draft probability."""
-    lows = (0.0, *Q_EDGES)
-    highs = (*Q_EDGES, 1.0)
-    middle = torch.tensor([(lo + hi) / 2 for lo, hi in zip(lows, highs, strict=True)])
+    middle = _MIDDLES
     ranks = len(RANK_EDGES) + 1
     if kind == "walk":
         first = 0.5 + 0.5 * middle
@@ -174,13 +172,24 @@ class AcceptanceTable:
         value = est[r, upper - 1] * (1 - frac) + est[r, upper] * frac
         return value.clamp(MIN_ACCEPTANCE, 1.0).log()
 
+    def by_rank(self) -> torch.Tensor:
+        """(rank bins,) P(move to the child) by rank alone, averaged over the draft
+        probabilities seen at that rank (prior-weighted where nothing was seen)."""
+        est = self.estimate().double()  # (ranks, q bins)
+        seen = self.trials + PRIOR_WEIGHT / est.shape[1]  # every bin a little weight
+        return ((est * seen).sum(1) / seen.sum(1)).float().clamp(MIN_ACCEPTANCE, 1.0)
+
+    def log_rank_acceptance(self, ranks: torch.Tensor) -> torch.Tensor:
+        """(n,) log P(move to each child) by its rank alone: what a sampled child is
+        worth, since valuing it by its own draft probability would make whether it joins
+        the tree depend on which token was drawn, and rejection sampling is exact only
+        for children offered whatever they are."""
+        return self.by_rank().to(ranks.device)[rank_bin(ranks)].log()
+
     def marginal(self) -> list[float]:
-        """P(move to the child of rank 1, 2, ...) averaged over the draft probabilities
-        seen at that rank (prior-weighted where nothing was seen)."""
+        """P(move to the child of rank 1, 2, ...) by rank alone (`by_rank`)."""
         if self._marginal is None:
-            est = self.estimate().double()
-            seen = self.trials + PRIOR_WEIGHT / est.shape[1]  # every bin a little weight
-            by_rank = (est * seen).sum(1) / seen.sum(1)  # (rank bins,)
+            by_rank = self.by_rank()
             values = []
             for rank in range(1, SIMULATED_BRANCH + 1):
                 values.append(float(by_rank[int(rank_bin(torch.tensor([rank]))[0])]))

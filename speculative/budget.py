@@ -45,6 +45,8 @@ PLAIN_REFRESH_EVERY = 16  # rounds between plain steps while a tree is chosen
 # Generations per target pass (a running mean, this weight on the latest) from which a
 # tree is charged its marginal cost in the shared pass rather than a lone round's.
 SHARING_WEIGHT = 0.2
+# Generations per pass (that running mean) from which passes count as shared: a tree is
+# then charged its marginal cost, alone its round's own.
 SHARED = 1.5
 # The largest tree `auto` explores: the memory plan reserves a pass this big, and requests
 # may not ask for more nodes than the plan holds (see `max_tree_budget`).
@@ -267,7 +269,8 @@ class AutoBudget:
     def target_cost(self) -> CostLine | MarginalCost:
         """Seconds of a round's target pass by its own tokens: alone, the rounds' line;
         sharing passes with other generations, its marginal cost there."""
-        if self.sharing >= SHARED and len(self.passes.means) >= 2:
+        if self.sharing >= SHARED and self.passes:
+            # (With passes of one size seen so far the line is flat: all of it is fixed cost.)
             return MarginalCost(self.passes, self.sharing)
         return self.target
 
@@ -387,8 +390,18 @@ class AutoBudget:
         (256-node trees, 0.47x the speed); charged as an equal share, it made 8 clients'
         trees look cheap where every token adds compute (1.6x the interleaved engine
         instead of 2.8x)."""
-        if self._exploring and record.nodes >= self._explore_budget:
-            self._explore_budget = min(self._explore_budget * 2, self.max_budget)
+        # Time is its marginal cost here, for rationing exploration as a lone round does
+        # (its share of the round, while no cost can be predicted yet).
+        if self._costed():
+            cost = self.target_cost().predict(record.verify_tokens) + record.draft_seconds
+        else:
+            cost = record.round_seconds / record.sequences
+        self.total_seconds += cost
+        if self._exploring:
+            if self._rate_before:
+                self.explore_seconds += cost - (len(record.path) + 1) / self._rate_before
+            if record.nodes >= self._explore_budget:
+                self._explore_budget = min(self._explore_budget * 2, self.max_budget)
         if record.nodes:
             self._learn_tree(record)
             self._choose()

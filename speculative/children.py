@@ -101,16 +101,26 @@ def _valued(
     nodes: torch.Tensor,  # (t,)
     tokens: torch.Tensor,  # (t, k) in rank order
     q: torch.Tensor,  # (t, k)
-    possible: torch.Tensor,  # (t, k) bool: a child of nonzero draft probability
+    possible: torch.Tensor,  # (t, k) bool: a child that may be offered
+    by_rank_only: bool = False,
 ) -> Candidates:
-    """Flat candidates valued by the table, siblings' values non-increasing in rank."""
+    """Flat candidates valued by the table (by rank alone for sampled children: see
+    `AcceptanceTable.log_rank_acceptance`), siblings' values decreasing in rank."""
     t, k = tokens.shape
     ranks = torch.arange(1, k + 1, device=tokens.device).expand(t, k)  # (t, k)
-    accept = table.log_acceptance(ranks.reshape(-1).contiguous(), q.reshape(-1)).view(t, k)
+    flat_ranks = ranks.reshape(-1).contiguous()
+    if by_rank_only:
+        accept = table.log_rank_acceptance(flat_ranks).view(t, k)
+    else:
+        accept = table.log_acceptance(flat_ranks, q.reshape(-1)).view(t, k)
     values = tree.values[nodes][:, None] + accept  # (t, k)
     values = values.masked_fill(~possible, float("-inf"))
-    # Strictly decreasing along the rank: a later sibling never outranks or ties an earlier.
-    values = torch.cummin(values, dim=1).values - ranks * 1e-6
+    # Strictly decreasing along the rank, so that a later sibling never outranks or ties an
+    # earlier one: a step of a millionth of the value's size, well above float32's
+    # resolution (6e-8 relative) at any magnitude.
+    values = torch.cummin(values, dim=1).values
+    size = 1.0 + values.abs().nan_to_num(posinf=0.0, neginf=0.0)
+    values = values - ranks * 1e-6 * size
     keep = possible.reshape(-1).nonzero().squeeze(1)  # (m,) one sync for all outputs
     return Candidates(
         values.reshape(-1)[keep],
@@ -171,20 +181,21 @@ class CoupledChildren:
     ) -> Candidates:
         k = _branch(room, logits.shape[-1], self.max_branch)
         keys = _log_probabilities(logits, self.temperature)  # (t, V) log q, then + g
+        # log q of the chosen tokens, later, from the (scaled) logits and this row's log
+        # normaliser (read off one entry: log q = logit - log Z), so that no noise row
+        # outlives its addition and no (t, V) temporary is made.
+        best = keys.max(dim=-1, keepdim=True)  # (t, 1)
+        log_total = logits.float().gather(1, best.indices) - best.values  # (t, 1)
         depths = tree.depths[nodes].tolist()
-        noise = {}
         for depth in sorted(set(depths)):  # one noise row per position
             g = self.noise.gumbel([self.position + depth])[0].to(keys.device, keys.dtype)
             for i, d in enumerate(depths):
                 if d == depth:
                     keys[i] += g  # in place, row by row: no (rows, V) copy
-            noise[depth] = g
+            del g
         top = torch.topk(keys, k, dim=-1)  # (t, k)
         del keys
-        g_top = torch.stack(
-            [noise[d][top.indices[i]] for i, d in enumerate(depths)]
-        )  # (t, k) the noise each chosen key holds
-        q = (top.values - g_top).exp()  # (t, k) log q = key - g
+        q = (logits.float().gather(1, top.indices) - log_total).exp()  # (t, k)
         possible = top.values > float("-inf")
         return _valued(self.table, tree, nodes, top.indices, q, possible)
 
@@ -258,17 +269,25 @@ class SampledChildren:
         node_list = nodes.tolist()
         self.rows.add(node_list, logq_all)
         del logq_all
-        tokens, qs, possible = [], [], []
+        tokens, qs = [], []
         for node in node_list:
             q = draft_distribution(
                 self.rows.row(node), self.params, self.penalties, tree.path_tokens(node)
             )  # (V,)
-            u = torch.rand(q.shape, generator=self.generator, device=q.device)
-            keys = q.log() - torch.log(-torch.log(u))  # Gumbel: an ordered draw w/o replacement
+            # Gumbel top-k, an ordered draw without replacement: log q - log(E), E ~ Exp(1)
+            # in fp64 (no zero or infinite noise).
+            e = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+            keys = q.double().log() - e.exponential_(generator=self.generator).log()
+            del e
             top = torch.topk(keys, k)
+            del keys
             tokens.append(top.indices)
             qs.append(q[top.indices])
-            possible.append(top.values > float("-inf"))
+        # Every child is offered, even one of zero draft probability (where q's support is
+        # smaller than the branch): which children there are must not depend on the draws,
+        # and verification skips such a child (it can never be accepted).
+        stacked = torch.stack(tokens)
+        possible = torch.ones_like(stacked, dtype=torch.bool)
         return _valued(
-            self.table, tree, nodes, torch.stack(tokens), torch.stack(qs), torch.stack(possible)
+            self.table, tree, nodes, stacked, torch.stack(qs), possible, by_rank_only=True
         )

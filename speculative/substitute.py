@@ -120,6 +120,9 @@ def build_substitute(
     substitute.lm_head = target.lm_head
     substitute.register_buffer("inv_freq", target.inv_freq, persistent=False)
     substitute.vocab_width = target.vocab_width
+    # One rebuild scratch for both (a packed target's and the substitute's projections):
+    # the two never run a pass at once, and the plan counts the larger once.
+    substitute.rebuild_scratch = target.rebuild_scratch
     built = nn.ModuleList()
     total = len(layers)
     for i, layer in enumerate(layers):

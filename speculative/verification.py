@@ -49,8 +49,10 @@ from speculative.sampling import (
 
 @dataclass
 class Visit:
-    """What verification did at one node it visited: the children it tried (node indices,
-    in rank order) and the one it moved to (None: the round ended there)."""
+    """What verification did at one node it visited: the node's children (node indices, in
+    rank order; rejection may stop before the last of them, but each counts as a trial of
+    its rank: its chance of being reached includes the earlier ones' rejection) and the
+    one it moved to (None: the round ended there)."""
 
     node: int
     children: list[int]
@@ -64,12 +66,18 @@ class Verified:
     visits: list[Visit]
 
 
-def _children_in_rank_order(parents: list[int], size: int) -> dict[int, list[int]]:
-    """node → its children, in insertion order (which is rank order: best-first growth
-    adds a node's children as a prefix of their ranks, speculative/children.py)."""
+def _children_in_rank_order(
+    parents: list[int], size: int, ranks: list[int] | None = None
+) -> dict[int, list[int]]:
+    """node → its children, by rank (`ranks`, each node's among its siblings), else in
+    insertion order (best-first growth adds a node's children as a prefix of their ranks,
+    speculative/children.py)."""
     kids: dict[int, list[int]] = {}
     for v in range(1, size):
         kids.setdefault(parents[v], []).append(v)
+    if ranks is not None:
+        for children in kids.values():
+            children.sort(key=ranks.__getitem__)
     return kids
 
 
@@ -113,6 +121,7 @@ def walk(
 def rejection_walk(
     tokens_of: list[int],
     parents: list[int],
+    ranks: list[int],  # (N,) each node's rank among its siblings, in their sampled order
     logits: torch.Tensor,  # (N, V) the target's logits at every node
     rows: DraftRows,  # the draft's stored rows at every expanded node
     params: SamplingParams,
@@ -126,7 +135,7 @@ def rejection_walk(
     At T=0 the distributions are one-hot and this is the greedy walk over the draft's
     argmax chain."""
     size = len(tokens_of)
-    kids = _children_in_rank_order(parents, size)
+    kids = _children_in_rank_order(parents, size, ranks)
     out = Verified([], [], [])
     node = 0
     path_tokens: list[int] = []
@@ -138,12 +147,14 @@ def rejection_walk(
         moved = None
         if children:
             q = draft_distribution(rows.row(node), params, drafted_with, path_tokens).clone()
-            for child in children:
+            draws = torch.rand(len(children), generator=generator, device=generator.device)
+            for j, child in enumerate(children):
                 tok = tokens_of[child]
-                u = float(torch.rand(1, generator=generator, device=generator.device))
+                if not bool(q[tok] > 0):
+                    continue  # offered beyond q's support (children.py): never accepted
                 # u < p/q holds with probability min(1, p/q); strict, so p(t) = 0 never
-                # passes (q(t) > 0: the child was drawn from q).
-                if u * float(q[tok]) < float(p[tok]):
+                # passes.
+                if bool(draws[j] * q[tok] < p[tok]):
                     moved = child
                     break
                 p = residual_distribution(p, q)

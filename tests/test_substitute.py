@@ -155,8 +155,9 @@ def test_a_second_start_reads_the_stored_substitute(
         resident_layers=0, budget=32, device="cpu", context=512, substitute_cache=str(tmp_path),
     )  # fmt: skip
     first = Runtime(options)
-    stored = list(tmp_path.glob("*.safetensors"))
+    stored = list(tmp_path.glob("*/manifest.json"))
     assert len(stored) == 1 and not list(tmp_path.glob("*.partial"))
+    assert len(list(stored[0].parent.glob("layer-*.safetensors"))) == 5
 
     def no_quantizing(self: HQQLinear, weight: torch.Tensor) -> None:
         raise AssertionError("the stored substitute was quantized again")
@@ -172,7 +173,7 @@ def test_a_second_start_reads_the_stored_substitute(
     assert second.generation(ids, GREEDY, 120, ignore_eos=True).run().token_ids == reference
     monkeypatch.undo()
     Runtime(replace(options, substitute_bits=8))
-    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+    assert len(list(tmp_path.glob("*/manifest.json"))) == 2
 
 
 def test_the_engine_says_how_far_the_build_is(stories_target: Path) -> None:

@@ -44,8 +44,8 @@ def _first_tokens(children: int, trials: int, seed: int = 0) -> tuple[torch.Tens
         tree.add_candidates(candidates.pick(torch.topk(candidates.values, children).indices))
         logits = torch.cat((P.log()[None], torch.zeros(children, len(P))))  # (N, V)
         out = rejection_walk(
-            tree.token_list(), tree.parents[: tree.size].tolist(), logits, rows, T1, None,
-            None, gen,
+            tree.token_list(), tree.parents[: tree.size].tolist(),
+            tree.ranks[: tree.size].tolist(), logits, rows, T1, None, None, gen,
         )  # fmt: skip
         counts[out.tokens[0]] += 1
         moved += bool(out.path)
@@ -66,6 +66,30 @@ def test_rejection_at_a_node_emits_the_target_distribution(children: int) -> Non
     if children == 1:  # one child: Leviathan/Chen, which accepts with 1 - TV(p, q)
         accept = float(torch.minimum(P, Q).sum())
         assert abs(moved - accept) < 4 * math.sqrt(accept * (1 - accept) / TRIALS)
+
+
+def test_a_sampled_childs_worth_does_not_depend_on_its_token() -> None:
+    """Which sampled children join the tree must not depend on which tokens were drawn
+    (rejection sampling is exact only for children offered whatever they are): with a
+    table whose acceptance differs sharply by draft probability, every sampled child is
+    still valued by its rank alone, and children beyond q's support are offered too."""
+    table = AcceptanceTable("rejection")
+    for _ in range(200):  # likely children accepted, unlikely ones never
+        table.observe(torch.tensor([1, 1]), torch.tensor([0.9, 0.02]), torch.tensor([True, False]))
+    assert (
+        float(table.log_acceptance(torch.tensor([1]), torch.tensor([0.9])))
+        > float(table.log_acceptance(torch.tensor([1]), torch.tensor([0.02]))) + 1.0
+    )
+    gen = torch.Generator().manual_seed(0)
+    q = torch.tensor([0.6, 0.3, 0.1, 0.0, 0.0])
+    values = set()
+    for _ in range(20):
+        tree = DraftTree(7, 8)
+        policy = SampledChildren(table, T1, None, gen, DraftRows())
+        found = policy.children(tree, torch.tensor([0]), q.log()[None, :], 5)
+        assert found.ranks.tolist() == [1, 2, 3, 4, 5]  # two beyond the support of three
+        values.add(tuple(round(v, 6) for v in found.values.tolist()))
+    assert len(values) == 1  # the same whatever was drawn
 
 
 def test_more_sampled_children_only_add_acceptance() -> None:

@@ -53,11 +53,9 @@ from speculative.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("specd.api")
 
-# Requests prepared (parsed, validated, tokenized) at once; the others wait their turn
-# without holding a thread.
+# Requests prepared (parsed, validated, tokenized) at once; the others wait their turn.
 PREPARING_THREADS = 2
 PREPARERS = web.AppKey("preparers", ThreadPoolExecutor)
-PREPARING = web.AppKey("preparing", asyncio.Semaphore)
 
 LOADING_RETRY_AFTER = "5"
 QUEUE_RETRY_AFTER = "1"
@@ -144,12 +142,12 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     raw = await read_body(request, config)
     # Parsing, validating, rendering the chat template and tokenizing take time in
     # proportion to the body (0.6 s per megabyte of text to tokenize): off the event loop,
-    # on a few threads, so /health and the streams in flight keep flowing meanwhile.
-    async with app[PREPARING]:
-        loop = asyncio.get_running_loop()
-        engine, req, prompt_ids = await loop.run_in_executor(
-            app[PREPARERS], partial(_prepare, app, raw, chat)
-        )
+    # on a few threads (the others wait in the executor's queue), so /health and the
+    # streams in flight keep flowing meanwhile.
+    loop = asyncio.get_running_loop()
+    engine, req, prompt_ids = await loop.run_in_executor(
+        app[PREPARERS], partial(_prepare, app, raw, chat)
+    )
     try:
         job = engine.submit(
             GenerationRequest(
@@ -490,7 +488,6 @@ def create_app(engine: Engine, metrics_: Metrics, config: ApiConfig) -> web.Appl
     app[CONFIG] = config
     app[DRAINING] = asyncio.Event()
     app[PREPARERS] = ThreadPoolExecutor(PREPARING_THREADS, thread_name_prefix="specd-prepare")
-    app[PREPARING] = asyncio.Semaphore(PREPARING_THREADS)
 
     async def stop_preparers(app: web.Application) -> None:
         app[PREPARERS].shutdown(wait=False, cancel_futures=True)

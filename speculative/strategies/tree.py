@@ -270,6 +270,8 @@ class TreeSpeculation:
                 drafted = self._accept(
                     session, state, tree, verified.logits, tokens, table, rows, drafted_with
                 )
+                # The draft's rows go now: the plan counts them until verification only.
+                del rows, policy, drafted_with
                 own_tokens = verified.segment_tokens
                 shared = (verified.sequences, verified.tokens, verified.seconds)
                 del verified  # its logits (a view of the whole pass's) go before the next pass
@@ -406,8 +408,8 @@ class TreeSpeculation:
         verified: Verified
         if rows is not None:
             verified = rejection_walk(
-                node_tokens, parents, logits, rows, state.params, state.penalties,
-                drafted_with, state.generator,
+                node_tokens, parents, tree.ranks[: tree.size].tolist(), logits, rows,
+                state.params, state.penalties, drafted_with, state.generator,
             )  # fmt: skip
         else:
             verified = walk(
