@@ -195,3 +195,22 @@ def test_the_engine_says_how_far_the_build_is(stories_target: Path) -> None:
     finally:
         engine.shutdown()
     assert seen == [f"building the 4-bit substitute draft: {i} of 5 layers" for i in range(1, 6)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_substitute_is_built_there_and_exact(
+    stories_target: Path, reference: list[int]
+) -> None:
+    """Streamed from pinned RAM to the GPU, the substitute built on the GPU (each
+    projection quantized there), greedy output the target's."""
+    rt = Runtime(
+        RuntimeOptions(
+            model=str(stories_target), draft="substitute", substitute_bits=4, device="cuda",
+            offload="stream", resident_layers=0, budget=32, context=512, dtype="fp32",
+        )
+    )  # fmt: skip
+    assert rt.draft is not None and rt.streamer is not None
+    assert all(m.codes.is_cuda for m in rt.draft.modules() if isinstance(m, HQQLinear))
+    gen = rt.generation(rt.tokenizer.encode(PROMPT), GREEDY, 120, ignore_eos=True).run()
+    assert gen.token_ids == reference
