@@ -34,7 +34,7 @@ from offload.stream import LayerStreamer
 from speculative.checkpoint import Checkpoint, CheckpointError, load, open_checkpoint
 from speculative.model import Transformer
 from speculative.projections import stored_names
-from speculative.substitute import build_substitute, substitute_config
+from speculative.substitute import build_substitute, share_placed, substitute_config
 from speculative.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # daemon.runtime imports this module
@@ -170,6 +170,8 @@ def load_placed_target(
 
     hook = build_substitute_draft if drafting.substitute else None
     model, tokenizer, ckpt, streamer = load_target(ckpt, plan, device, options.quantize, hook)
+    for substitute in built:
+        share_placed(substitute, model)
     return PlacedTarget(model, tokenizer, ckpt, plan, streamer, drafting, *built)
 
 

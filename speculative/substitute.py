@@ -142,3 +142,9 @@ def build_substitute(
             progress(i + 1, total)
     substitute.set_layers(built)
     return substitute
+
+
+def share_placed(substitute: Transformer, target: Transformer) -> None:
+    """After `target` is placed: the substitute's RoPE table is the target's again (moving a
+    module replaces its buffers; its shared embedding, norm and head moved in place)."""
+    substitute.register_buffer("inv_freq", target.inv_freq, persistent=False)

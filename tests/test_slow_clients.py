@@ -25,7 +25,7 @@ BIG = 1 << 20  # a megabyte
 # Generous against a loaded CI machine; the daemon before this work paused 5-9 s.
 MAX_PAUSE = 1.0
 IDLE = 0.5  # server.idle_timeout_seconds here
-BODY = 2.0  # server.request_timeout_seconds here (the rate floor is 1 KiB/s after 1 s)
+BODY = 3.0  # server.request_timeout_seconds here (the rate floor is 1 KiB/s after 1 s)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,7 @@ def test_huge_prompts_pause_neither_health_nor_streams(server: BackgroundServer)
     for w in watchers:
         w.join(timeout=60)
     assert answers == [400] * 16  # each refused: too long for the context
+    print(f"longest /health {max(health_latency):.3f} s, stream gap {max(stream_gaps[1:]):.3f} s")
     assert health_latency and max(health_latency) < MAX_PAUSE, max(health_latency)
     assert stream_gaps and max(stream_gaps[1:]) < MAX_PAUSE, max(stream_gaps[1:])
 
@@ -214,10 +215,10 @@ def cut_off(got: bytes) -> bool:
 
 def test_a_trickled_chunked_body_is_cut_off_by_the_minimum_rate(server: BackgroundServer) -> None:
     """16 bytes every 0.1 s (160 B/s) against a floor of 1 KiB/s after the first second:
-    cut soon after that second, well before the 2 s deadline."""
+    cut soon after that second, well before the deadline."""
     got, seconds = trickle(server, 16, 10 * BODY)
     assert cut_off(got), got[:200]
-    assert 1.0 <= seconds < BODY
+    assert 1.0 <= seconds < BODY - 0.5  # by the floor (about 1.25 s), not the deadline
 
 
 def test_a_body_at_a_fair_rate_still_has_a_deadline(server: BackgroundServer) -> None:

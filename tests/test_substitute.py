@@ -22,7 +22,7 @@ from speculative.generation import Generation
 from speculative.hqq import HQQLinear
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
-from speculative.substitute import build_substitute
+from speculative.substitute import build_substitute, share_placed
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = "Once upon a time"
@@ -65,7 +65,7 @@ def test_what_is_shared_and_what_is_not(stories_target: Path) -> None:
     sub, target = rt.draft, rt.target
     assert sub is not None and sub is not target
     assert sub.embed_tokens is target.embed_tokens and sub.lm_head is target.lm_head
-    assert sub.norm is target.norm
+    assert sub.norm is target.norm and sub.inv_freq is target.inv_freq
     packed = [m for m in sub.modules() if isinstance(m, HQQLinear)]
     assert len(packed) == 7 * target.config.num_layers and {m.bits for m in packed} == {4}
     # No cache of its own: a session holds the target's only.
@@ -87,6 +87,21 @@ def test_resident_layers_are_their_own_substitutes(stories_target: Path) -> None
     assert not [m for m in rt.draft.modules() if isinstance(m, HQQLinear)]
     target_layers = list(rt.target.layers)  # type: ignore[arg-type]
     assert all(a is b for a, b in zip(rt.draft.layers, target_layers, strict=True))  # type: ignore[arg-type]
+
+
+def test_placing_the_target_keeps_its_rope_table_shared(stories_target: Path) -> None:
+    """Moving the target to its device replaces its buffers (the RoPE table) but moves its
+    shared embedding, norm and head in place: the loader shares the table again after
+    placing, else the substitute computes with a table left behind on the CPU (the CUDA
+    failure this pins; a cast replaces buffers as a move to `cuda` does)."""
+    target, _, _ = load(stories_target)
+    layers = list(target.layers)  # type: ignore[arg-type]
+    sub = build_substitute(target, 4, layers, lambda i: True, torch.device("cpu"))
+    target.to(torch.float64)
+    assert sub.inv_freq is not target.inv_freq
+    share_placed(sub, target)
+    assert sub.inv_freq is target.inv_freq
+    assert sub.embed_tokens.weight.dtype == torch.float64
 
 
 def test_building_holds_one_layer_at_a_time() -> None:
