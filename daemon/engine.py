@@ -62,6 +62,7 @@ from speculative.generation import (
     Session,
     Strategy,
 )
+from speculative.grammar import Constraint
 from speculative.model import Transformer
 from speculative.passes import Allot, Forward, Request, allot, execute
 
@@ -271,6 +272,11 @@ class Engine:
         strategy = self._strategy(req.strategy, req.budget, req.tree_verification)
         pool_key = strategy.name
         session = self._idle.take(pool_key, req.prompt_ids) or self.runtime.new_session(strategy)
+        constraint = (
+            Constraint(req.grammar, self.runtime.tokenizer, self.runtime.target.vocab_width)
+            if req.grammar is not None
+            else None
+        )
         gen = Generation(
             strategy,
             session,
@@ -281,6 +287,7 @@ class Engine:
             stop=req.stop,
             ignore_eos=req.ignore_eos,
             trace=req.trace,
+            constraint=constraint,
         )
         return _Active(job, gen, gen.steps(), session, pool_key)
 

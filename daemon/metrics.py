@@ -97,6 +97,11 @@ class Metrics:
             "Tokens drawn from cached target logits of verified tree nodes (no target pass).",
             registry=r,
         )
+        self.forced_tokens = Counter(
+            "specd_forced_tokens_total",
+            "Tokens emitted without a pass: a response_format's grammar allowed only them.",
+            registry=r,
+        )
         self.prefix_cache_misses = Counter(
             "specd_prefix_cache_misses_total",
             "Prefix cache look-ups that found no cached target logits.",
@@ -179,6 +184,7 @@ class Metrics:
         self.accepted.inc(stats.accepted)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         self.prefix_cache_misses.inc(stats.prefix_cache_misses)
+        self.forced_tokens.inc(stats.forced_tokens)
         for key in STREAM_BYTES_KEYS:
             if isinstance(stats.extra.get(key), int | float):
                 self.stream_bytes.inc(stats.extra[key])

@@ -25,12 +25,13 @@ Three ways to choose them, one per verification (speculative/verification.py):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from speculative.acceptance import AcceptanceTable
+from speculative.grammar import Constraint, mask_rows_
 from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, probabilities
 
 # Children scored per expanded node. Sampling at T=1 spreads the target over many tokens:
@@ -291,3 +292,25 @@ class SampledChildren:
         return _valued(
             self.table, tree, nodes, stacked, torch.stack(qs), possible, by_rank_only=True
         )
+
+
+@dataclass
+class ConstrainedChildren:
+    """`policy`'s children under a grammar: each expanded node's draft logits are masked
+    by the grammar state after that node's own path first, so the draft proposes only
+    tokens the grammar allows there (which also raises acceptance: the target's row at
+    that node is masked the same way)."""
+
+    policy: ChildPolicy
+    constraint: Constraint
+    table: AcceptanceTable = field(init=False)  # the policy's
+
+    def __post_init__(self) -> None:
+        self.table = self.policy.table
+
+    def children(
+        self, tree: TreeView, nodes: torch.Tensor, logits: torch.Tensor, room: int
+    ) -> Candidates:
+        paths = [tree.path_tokens(node) for node in nodes.tolist()]
+        mask_rows_(logits, self.constraint.masks(paths))
+        return self.policy.children(tree, nodes, logits, room)

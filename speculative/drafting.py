@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from speculative.generation import Session
+from speculative.grammar import Constraint, masked
 from speculative.model import Transformer
 from speculative.ngram import ngram_proposal
 from speculative.passes import Steps, feed_pass
@@ -51,6 +52,7 @@ class Drafter(Protocol):
         params: SamplingParams,
         penalties: PenaltyContext,
         generator: torch.Generator,
+        constraint: Constraint | None = None,  # the request's grammar, at x_L
     ) -> Steps[Proposal]:
         """Step-wise (`yield from` it): the draft model's passes are requested, not run."""
         ...
@@ -99,6 +101,7 @@ class ModelDrafter:
         params: SamplingParams,
         penalties: PenaltyContext,
         generator: torch.Generator,
+        constraint: Constraint | None = None,
     ) -> Steps[Proposal]:
         t0 = time.perf_counter()
         draft = self.model
@@ -122,6 +125,8 @@ class ModelDrafter:
         for _ in range(k):
             done = yield from feed_pass(draft, cache, fed, pending)
             logits = done.logits  # (1, V)
+            if constraint is not None:  # the grammar's state after the chain so far
+                logits = masked(logits, constraint.masks([tokens]))
             passes += 1
             drafted = path_counts(tokens, vocab, draft.device)[-1:]  # (1, V) drafted so far
             q = probabilities(logits, params, penalties.rows(drafted))  # (1, V)
@@ -164,9 +169,12 @@ class NgramDrafter:
         params: SamplingParams,
         penalties: PenaltyContext,
         generator: torch.Generator,
+        constraint: Constraint | None = None,
     ) -> Steps[Proposal]:
         t0 = time.perf_counter()
         tokens = ngram_proposal(sequence, k, max_ngram=self.max_ngram) if k > 0 else []
+        if constraint is not None:  # a guess the grammar refuses could never be accepted
+            tokens = tokens[: constraint.valid_prefix(tokens)]
         device = penalties.counts.device
         q = torch.nn.functional.one_hot(
             torch.tensor(tokens, dtype=torch.long, device=device), self.vocab_size

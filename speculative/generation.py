@@ -18,6 +18,7 @@ import torch
 
 from speculative.detok import IncrementalDetokenizer, StopMatcher
 from speculative.errors import RequestError
+from speculative.grammar import Constraint
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
 from speculative.passes import (
@@ -60,6 +61,7 @@ class RoundStats:
     tree_verification: str | None = None  # walk | rejection (tree strategy)
     # The tokens per round that verification's learned acceptance predicted for the tree.
     acceptance_estimate: float | None = None
+    forced_tokens: int = 0  # emitted without a pass: the grammar allowed them alone
 
 
 @dataclass
@@ -107,6 +109,7 @@ class GenerationStats:
     tree_verification: str | None = None  # the last tree round's (walk | rejection)
     acceptance_estimate: float | None = None  # the tokens per round it predicted
     verification_rounds: dict[str, int] = field(default_factory=dict)  # rounds per kind
+    forced_tokens: int = 0  # emitted without a pass: the grammar allowed them alone
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. the streamer's figures
 
     def add(self, r: RoundStats, decoded: bool = True) -> None:
@@ -124,6 +127,7 @@ class GenerationStats:
         self.prefill_seconds += r.prefill_seconds
         self.prefix_cache_hits += r.prefix_cache_hits
         self.prefix_cache_misses += r.prefix_cache_misses
+        self.forced_tokens += r.forced_tokens
         if r.budget is not None:
             self.budget = r.budget
         if r.budget_reason is not None:
@@ -300,7 +304,11 @@ class Strategy(Protocol):
         params: SamplingParams,
         max_new_tokens: int,
         generator: torch.Generator,
-    ) -> RoundSteps: ...
+        constraint: Constraint | None = None,
+    ) -> RoundSteps:
+        """Rounds of exact samples of the target's distribution, masked by `constraint`'s
+        grammar where one is given (speculative/grammar.py)."""
+        ...
 
 
 def alone(steps: PyGenerator[Request | R, None, None]) -> Iterator[R]:
@@ -386,7 +394,10 @@ class Generation:
         stop_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
         trace: bool = False,
+        constraint: Constraint | None = None,
     ) -> None:
+        """`constraint`: the request's grammar (speculative/grammar.py); its end of
+        sequence always stops the generation, `ignore_eos` or not."""
         if not prompt_ids:
             raise ContextFullError("the prompt is empty: at least one token is needed")
         room = session.capacity - len(prompt_ids)
@@ -402,6 +413,9 @@ class Generation:
         self.stop = list(stop)
         eos = tuple(stop_token_ids) if stop_token_ids is not None else tokenizer.eos_token_ids
         self.stop_token_ids = set() if ignore_eos else set(eos)
+        self.constraint = constraint
+        if constraint is not None:
+            self.stop_token_ids |= set(constraint.vocab.eos_tokens)
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -430,9 +444,16 @@ class Generation:
         detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
         stops = StopMatcher(self.stop)
         generator = make_generator(self.params.seed, self.strategy.target.device)
-        rounds = self.strategy.steps(
-            self.session, self.prompt_ids, self.params, self.max_tokens, generator
-        )
+        rounds = (
+            self.strategy.steps(
+                self.session, self.prompt_ids, self.params, self.max_tokens, generator
+            )
+            if self.constraint is None
+            else self.strategy.steps(
+                self.session, self.prompt_ids, self.params, self.max_tokens, generator,
+                self.constraint,
+            )
+        )  # fmt: skip
         try:
             for item in rounds:
                 if isinstance(item, Forward | Allot):

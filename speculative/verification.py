@@ -31,11 +31,12 @@ rows, never (nodes x vocabulary) temporaries).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from speculative.children import DraftRows, draft_distribution
+from speculative.grammar import Constraint, masked
 from speculative.sampling import (
     PenaltyContext,
     PositionNoise,
@@ -64,6 +65,21 @@ class Verified:
     tokens: list[int]  # emitted, in order (the last is the next round's root)
     path: list[int]  # accepted node indices, root excluded
     visits: list[Visit]
+    # Under a grammar: the mask words each emitted token was drawn under, in order.
+    masks: list[torch.Tensor] = field(default_factory=list)
+
+
+def _row(
+    logits: torch.Tensor, node: int, constraint: Constraint | None, out: Verified
+) -> torch.Tensor:
+    """(1, V) the target's logits at `node`, masked by the grammar's state there (the
+    committed state: the walk commits every token it emits)."""
+    row = logits[node : node + 1]
+    if constraint is None:
+        return row
+    words = constraint.words()
+    out.masks.append(words)
+    return masked(row, words)
 
 
 def _children_in_rank_order(
@@ -89,16 +105,19 @@ def walk(
     penalties: PenaltyContext | None,
     noise: PositionNoise,
     position: int,  # sequence position of the token drawn at the root
+    constraint: Constraint | None = None,
 ) -> Verified:
     """Exact sampling down the tree. Node v at depth d draws position `position + d` with
     the penalty counts of the tokens on its path, exactly what drawing every node would
-    give there. `penalties` is advanced by every emitted token."""
+    give there. `penalties` is advanced by every emitted token, and so is `constraint`
+    (each row masked by its state first)."""
     size = len(tokens_of)
     kids = _children_in_rank_order(parents, size)
     child_of = {(parents[v], tokens_of[v]): v for v in range(1, size)}
     # Plain greedy is one argmax per row, (N,), no (N, V) temporary: one op instead of a
     # synchronising op per step of the walk.
-    argmax = logits.argmax(-1).tolist() if params.greedy and not params.has_penalties else None
+    plain = params.greedy and not params.has_penalties and constraint is None
+    argmax = logits.argmax(-1).tolist() if plain else None
     out = Verified([], [], [])
     node = 0
     while True:
@@ -106,10 +125,14 @@ def walk(
         if argmax is not None:
             tok = argmax[node]
         else:
-            tok = int(draw(logits[node : node + 1], params, penalties, noise, positions=at)[0])
+            row = _row(logits, node, constraint, out)
+            tok = int(draw(row, params, penalties, noise, positions=at)[0])
+            del row
         out.tokens.append(tok)
         if penalties is not None:
             penalties.append([tok])  # counted for the child's draw, and for later rounds
+        if constraint is not None:
+            constraint.commit([tok])
         child = child_of.get((node, tok))
         out.visits.append(Visit(node, kids.get(node, []), child))
         if child is None:
@@ -128,6 +151,7 @@ def rejection_walk(
     penalties: PenaltyContext | None,
     drafted_with: PenaltyContext | None,  # the counts the children were sampled with
     generator: torch.Generator,
+    constraint: Constraint | None = None,
 ) -> Verified:
     """Recursive rejection sampling down a sampled tree (the module's docstring).
     `penalties` is advanced by every emitted token; `drafted_with` is its copy from before
@@ -141,7 +165,7 @@ def rejection_walk(
     path_tokens: list[int] = []
     while True:
         rows_now = penalties.rows() if penalties is not None and params.has_penalties else None
-        p = probabilities(logits[node : node + 1], params, rows_now)[0]  # (V,)
+        p = probabilities(_row(logits, node, constraint, out), params, rows_now)[0]  # (V,)
         del rows_now
         children = kids.get(node, [])
         moved = None
@@ -171,6 +195,8 @@ def rejection_walk(
         out.tokens.append(tok)
         if penalties is not None:
             penalties.append([tok])
+        if constraint is not None:
+            constraint.commit([tok])
         if moved is None:
             return out
         out.path.append(moved)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +29,7 @@ import torch
 
 from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
 from speculative.generation import RoundSteps, Strategy, alone
+from speculative.grammar import Constraint, Grammar
 from speculative.model import Transformer
 from speculative.passes import Allot, Forward, Request, allot, execute
 from speculative.sampling import PenaltyContext, SamplingParams, probabilities
@@ -118,10 +119,16 @@ def runtime(
 
 
 def exact_distribution(
-    target: Transformer, prompt: Sequence[int], params: SamplingParams, n: int
+    target: Transformer,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    n: int,
+    allows: Callable[[tuple[int, ...]], set[int]] | None = None,
 ) -> torch.Tensor:
     """(V**n,) the target's probability of each n-token continuation, index = base-V number;
-    V is the target's width (its embedding rows, which may exceed the tokenizer)."""
+    V is the target's width (its embedding rows, which may exceed the tokenizer). With
+    `allows` (generated prefix → the tokens a grammar allows next): constrained decoding,
+    the logits of every other token at -inf before the sampling transform."""
     vocab = target.config.vocab_size
     next_token: dict[tuple[int, ...], torch.Tensor] = {}  # generated prefix → (V,)
 
@@ -134,6 +141,10 @@ def exact_distribution(
                 target.new_cache(len(ids)),
                 last_only=True,
             )  # (1, V)
+            if allows is not None:
+                keep = torch.zeros(logits.shape[-1], dtype=torch.bool)
+                keep[sorted(allows(generated))] = True
+                logits = logits.masked_fill(~keep, float("-inf"))
             penalties = PenaltyContext(vocab, prompt, "cpu")
             penalties.append(generated)
             next_token[generated] = probabilities(logits, params, penalties.rows())[0].double()
@@ -158,17 +169,26 @@ def _index(seq: Sequence[int], vocab: int) -> int:
 
 
 def empirical_distribution(
-    strategy: Strategy, prompt: Sequence[int], params: SamplingParams, n: int, runs: int
+    strategy: Strategy,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    n: int,
+    runs: int,
+    constraint: Callable[[], Constraint] | None = None,
 ) -> torch.Tensor:
     """(V**n,) frequencies of the first n tokens over `runs` seeded generations. One session
-    serves every run (reuse_prefix rolls it back to the prompt), as the daemon reuses one."""
+    serves every run (reuse_prefix rolls it back to the prompt), as the daemon reuses one.
+    `constraint` makes each run's grammar state."""
     vocab = strategy.target.config.vocab_size
     session = strategy.new_session(CONTEXT)
     counts = torch.zeros(vocab**n, dtype=torch.float64)
     for seed in range(runs):
         session.reuse_prefix(prompt)
+        generator = torch.Generator().manual_seed(seed)
         rounds = alone(
-            strategy.steps(session, prompt, params, n, torch.Generator().manual_seed(seed))
+            strategy.steps(session, prompt, params, n, generator)
+            if constraint is None
+            else strategy.steps(session, prompt, params, n, generator, constraint())
         )
         tokens: list[int] = []
         for rnd in rounds:
@@ -230,6 +250,44 @@ def test_unequal_embedding_widths_sample_exactly_the_target_distribution(
     empirical = empirical_distribution(strategy, PROMPT, params, n, RUNS)
     tv, bound = total_variation(empirical, exact), tv_bound(exact, RUNS)
     assert tv < bound, f"{strategy_name} {widths} {setting}: TV {tv:.4f} >= bound {bound:.4f}"
+
+
+# A grammar over the tiny vocabulary (ids 3..7 spell a..e): a or b, then c (forced: the
+# one token allowed), then d or e; or d, then a, b or e, then any letter. Its masks differ
+# from node to node of a tree, and one forced token sits mid-tree.
+GRAMMAR = "[ab]c[de]|d[abe][a-e]"
+A, B, C, D, E = 3, 4, 5, 6, 7
+
+
+def grammar_allows(generated: tuple[int, ...]) -> set[int]:
+    """What GRAMMAR allows after `generated`, written out by hand (the reference does not
+    ask the engine)."""
+    if not generated:
+        return {A, B, D}
+    first, length = generated[0], len(generated)
+    if first in (A, B):
+        return {C} if length == 1 else {D, E}
+    return {A, B, E} if length == 1 else {A, B, C, D, E}
+
+
+@pytest.mark.parametrize(("strategy_name", "draft", "verification"), CASES)
+def test_under_a_grammar_every_strategy_samples_the_constrained_target(
+    pair, strategy_name, draft, verification
+):
+    """The reference is constrained autoregressive decoding: each position's logits masked
+    to what the grammar allows there, then penalties, temperature, top-k/p."""
+    params, n = SETTINGS["top-k-top-p-presence"]
+    rt = runtime(pair, strategy_name, draft, verification)
+    strategy = rt.strategy(strategy_name)
+    grammar = Grammar.regex(GRAMMAR, "grammar")
+    width = rt.target.vocab_width
+    exact = exact_distribution(rt.target, PROMPT, params, n, grammar_allows)
+    assert abs(float(exact.sum()) - 1.0) < 1e-6
+    empirical = empirical_distribution(
+        strategy, PROMPT, params, n, RUNS, lambda: Constraint(grammar, rt.tokenizer, width)
+    )
+    tv, bound = total_variation(empirical, exact), tv_bound(exact, RUNS)
+    assert tv < bound, f"{strategy_name}/{draft}/{verification}: TV {tv:.4f} >= {bound:.4f}"
 
 
 def test_every_registered_strategy_is_covered():

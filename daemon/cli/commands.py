@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon.cli import chat, plan, pull, serve, service
@@ -30,6 +31,7 @@ from speculative.errors import RequestError
 if TYPE_CHECKING:
     from daemon.runtime import RuntimeOptions
     from speculative.generation import Generation
+    from speculative.grammar import Grammar
     from speculative.sampling import SamplingParams
 
 # Errors a user can cause: reported as one line on stderr, exit status 2. Anything else is
@@ -132,6 +134,14 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
         "--stop", type=text("--stop"), action="append", default=[], help="stop string (repeatable)"
     )
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS tokens")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="answer with JSON valid against the JSON Schema in FILE (exactly lossless "
+        "constrained decoding, every strategy)",
+    )
+    shape.add_argument("--json-object", action="store_true", help="answer with a JSON object")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument(
         "--samples",
@@ -227,6 +237,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from daemon.compiling import print_progress
         from daemon.runtime import Runtime
         from speculative.generation import Generation
+        from speculative.grammar import Constraint
 
         runtime = Runtime(runtime_options(args))
     runtime.compile(serving=False).warm(print_progress)  # --compile on: before the first token
@@ -241,8 +252,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise RequestError(f"--prompt-ids {bad[:5]} outside the vocabulary [0, {vocab})")
     strategy = runtime.strategy()
     session = runtime.new_session(strategy)
+    grammar = output_grammar(args)
+    if grammar is not None:
+        grammar.check(tok)
 
     def generation(seed: int | None) -> Generation:
+        constraint = (
+            Constraint(grammar, tok, runtime.target.vocab_width) if grammar is not None else None
+        )
         return Generation(
             strategy,
             session,
@@ -252,6 +269,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             stop=args.stop,
             ignore_eos=args.ignore_eos,
+            constraint=constraint,
         )
 
     if args.samples > 1:
@@ -274,6 +292,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         sys.stdout.write("\n")
     return 0
+
+
+def output_grammar(args: argparse.Namespace) -> Grammar | None:
+    """--json-schema FILE / --json-object as a grammar (None: free text)."""
+    from speculative.grammar import Grammar
+
+    if args.json_object:
+        return Grammar.json_object("--json-object")
+    if args.json_schema is None:
+        return None
+    try:
+        schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+    except OSError as err:
+        raise RequestError(f"--json-schema {args.json_schema}: {err.strerror}") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise RequestError(f"--json-schema {args.json_schema} is not JSON: {err}") from None
+    grammar = Grammar.json_schema(schema, f"--json-schema {args.json_schema}")
+    grammar.validate()
+    return grammar
 
 
 def generation_record(gen: Generation) -> dict:

@@ -160,6 +160,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 tree_verification=req.tree_verification,
                 ignore_eos=req.ignore_eos,
                 trace=req.trace,
+                grammar=req.grammar,
             ),
             asyncio.get_running_loop(),
         )
@@ -270,6 +271,8 @@ def _prepare(
     _check_strategy(engine, req)
     prompt_ids = _prompt_ids(engine, req)
     assert engine.runtime is not None
+    if req.grammar is not None:
+        req.grammar.check(engine.runtime.tokenizer)  # compiled against its vocabulary, once
     _check_room(req, len(prompt_ids), engine.runtime.context, config.limits.clamp_max_tokens)
     return engine, req, prompt_ids
 

@@ -53,6 +53,7 @@ SPECD_STAT_KEYS = (
     "cached_prompt_tokens",
     "prefix_cache_hits",
     "prefix_cache_misses",
+    "forced_tokens",  # emitted without a pass: the response_format's grammar allowed them alone
     "batch_size",  # mean generations per target pass this request rode in
     "shared_passes",  # its target passes that also carried another request's work
 )

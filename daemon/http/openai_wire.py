@@ -8,15 +8,18 @@ what the engine produced.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.settings import STRATEGY_CHOICES, TREE_VERIFICATION_CHOICES
+from speculative.grammar import Grammar
 from speculative.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP_STRINGS = 16
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # response_format.json_schema.name, as OpenAI
 
 
 class ApiError(Exception):
@@ -85,6 +88,7 @@ class CompletionRequest:
     tree_verification: str | None = None  # auto | walk | rejection: the tree's, this request
     ignore_eos: bool = False
     trace: bool = False  # "specd": {"trace": true}: per-round draft trees in the stream
+    grammar: Grammar | None = None  # response_format json_object / json_schema
 
 
 # No field of the API needs an integer longer than this (seeds are 20 digits). A body is
@@ -173,9 +177,48 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad_request("tool_choice is not supported by specd (no tool calling)", "tool_choice")
     if body.get("function_call") not in (None, "none"):
         raise bad_request("function_call is not supported by specd", "function_call")
+
+
+def _response_format(body: dict) -> Grammar | None:
+    """OpenAI's `response_format`: text (no grammar), `json_object` (any JSON object) or
+    `json_schema` ({"name", "schema", "strict"}: output valid against the schema). The
+    schema is compiled here, so one the engine cannot honour is refused before anything
+    is queued; against the model's vocabulary it is checked when the prompt is made."""
     fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request("response_format other than text is not supported", "response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request(
+            'response_format must be an object, e.g. {"type": "json_object"}', "response_format"
+        )
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_object("response_format")
+    if kind != "json_schema":
+        raise bad_request(
+            f"response_format.type must be text, json_object or json_schema; got {kind!r}",
+            "response_format.type",
+        )
+    spec = fmt.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise bad_request(f"{where} must be an object with name and schema", where)
+    name = spec.get("name")
+    if not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
+        raise bad_request(
+            f"{where}.name must be 1-64 letters, digits, underscores or dashes", f"{where}.name"
+        )
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"{where}.strict must be true or false", f"{where}.strict")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad_request(f"{where}.schema must be a JSON Schema object", f"{where}.schema")
+    grammar = Grammar.json_schema(schema, f"{where}.schema", name)
+    grammar.validate()
+    return grammar
 
 
 def _stop(body: dict) -> list[str]:
@@ -271,6 +314,7 @@ def _common(body: dict, limits: WireLimits, chat: bool) -> dict[str, Any]:
         tree_verification=verification,
         ignore_eos=ignore_eos,
         trace=_specd_options(body),
+        grammar=_response_format(body),
     )
 
 

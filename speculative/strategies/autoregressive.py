@@ -16,8 +16,9 @@ from speculative.generation import (
     Session,
     prefill,
 )
+from speculative.grammar import MAX_FORCED, Constraint, forced_logprobs, masked
 from speculative.model import Transformer
-from speculative.passes import forward
+from speculative.passes import feed_pass
 from speculative.sampling import (
     PenaltyContext,
     PositionNoise,
@@ -45,7 +46,10 @@ class Autoregressive:
         params: SamplingParams,
         max_new_tokens: int,
         generator: torch.Generator,
+        constraint: Constraint | None = None,
     ) -> RoundSteps:
+        """One token per pass; under a grammar, the tokens it allows alone are emitted
+        without a pass and ride in the next one."""
         target, cache = self.target, session.target_cache
         yield from prefill(session, prompt_ids, target, chunk=self.prefill_chunk)
         stats = RoundStats()
@@ -55,31 +59,44 @@ class Autoregressive:
             else None
         )
         noise = PositionNoise(generator, target.config.vocab_size)
-        root = prompt_ids[-1]
-        for _ in range(max_new_tokens):
-            if cache.free < 1:
+        sequence = list(prompt_ids)  # the cache holds all but the last (the root)
+        emitted = 0
+        while emitted < max_new_tokens:
+            if constraint is not None:
+                forced = constraint.take_forced(min(MAX_FORCED, max_new_tokens - emitted))
+                if forced:
+                    sequence += forced
+                    emitted += len(forced)
+                    if penalties is not None:
+                        penalties.append(forced)
+                    stats.forced_tokens += len(forced)
+                    yield Round(forced, stats, logprobs=forced_logprobs(forced, params) or None)
+                    stats = RoundStats()
+                    if constraint.ends(forced) or emitted >= max_new_tokens:
+                        return
+            todo = sequence[len(session.target_tokens) :]  # the root, and forced tokens
+            if cache.free < len(todo):
                 return
             t0 = time.perf_counter()
-            pos = len(session.target_tokens)
-            done = yield from forward(
-                target,
-                torch.tensor([root], device=target.device),
-                torch.tensor([pos], device=target.device),
-                cache,
-            )
-            logits = done.logits  # (1, V)
-            session.target_tokens.append(root)
-            token = int(draw(logits, params, penalties, noise, positions=[pos + 1])[0])
+            pos = len(session.target_tokens) + len(todo) - 1  # the root's
+            done = yield from feed_pass(target, cache, session.target_tokens, todo)
+            logits = done.logits  # (1, V) the root's
+            words = constraint.words() if constraint is not None else None
+            row = masked(logits, words) if words is not None else logits
+            token = int(draw(row, params, penalties, noise, positions=[pos + 1])[0])
             logprobs = (
-                [token_logprob(logits[0], token, params.logprobs)]
+                [token_logprob(row[0], token, params.logprobs)]
                 if params.logprobs is not None
                 else None
             )
-            del done, logits  # a view of the whole pass's logits: gone before the next pass
+            del done, logits, row  # a view of the whole pass's logits: gone before the next
             if penalties is not None:
                 penalties.append([token])
+            if constraint is not None:
+                constraint.commit([token])
             stats.target_passes += 1
             stats.verify_seconds += time.perf_counter() - t0
+            sequence.append(token)
+            emitted += 1
             yield Round([token], stats, logprobs=logprobs)
             stats = RoundStats()
-            root = token

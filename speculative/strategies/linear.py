@@ -27,6 +27,7 @@ from speculative.generation import (
     Session,
     prefill,
 )
+from speculative.grammar import MAX_FORCED, Constraint, forced_logprobs, masked
 from speculative.model import Transformer
 from speculative.passes import forward
 from speculative.sampling import (
@@ -97,7 +98,12 @@ class Linear:
         params: SamplingParams,
         max_new_tokens: int,
         generator: torch.Generator,
+        constraint: Constraint | None = None,
     ) -> RoundSteps:
+        """Rounds of a drafted chain and its verification; under a grammar the drafter
+        proposes only allowed tokens, each position's target row is masked by the state
+        after the chain's tokens before it, and the tokens the grammar allows alone are
+        emitted without a pass (riding in the next one)."""
         target, cache = self.target, session.target_cache
         vocab = target.config.vocab_size
         # The draft model (if any) catches up on the prompt in the same steps; its
@@ -110,14 +116,26 @@ class Linear:
         sequence = list(prompt_ids)  # x_1..x_L; the target cache holds all but x_L
         emitted = 0
         while emitted < max_new_tokens:
-            if cache.free < 1:
+            if constraint is not None:
+                forced = constraint.take_forced(min(MAX_FORCED, max_new_tokens - emitted))
+                if forced:
+                    sequence.extend(forced)
+                    penalties.append(forced)
+                    emitted += len(forced)
+                    stats.forced_tokens += len(forced)
+                    yield Round(forced, stats, logprobs=forced_logprobs(forced, params) or None)
+                    stats = RoundStats()
+                    if constraint.ends(forced) or emitted >= max_new_tokens:
+                        return
+            pending = sequence[len(session.target_tokens) : -1]  # forced tokens, unfed
+            if cache.free < len(pending) + 1:
                 return  # the context is full: Generation reports "length"
-            # The block [x_L, t_1..t_k] must fit the cache, and emitting more than k + 1
-            # tokens is never useful; at k = 0 this is one plain autoregressive step.
-            k = min(self.spec_length, cache.free - 1, max_new_tokens - emitted - 1)
+            # The block [pending, x_L, t_1..t_k] must fit the cache, and emitting more
+            # than k + 1 tokens is never useful; at k = 0 this is one plain step.
+            k = min(self.spec_length, cache.free - len(pending) - 1, max_new_tokens - emitted - 1)
             target.prefetch()  # a streamed target's first layers copy while the draft works
             proposal = yield from self.drafter.propose(
-                session, sequence, k, params, penalties, generator
+                session, sequence, k, params, penalties, generator, constraint
             )
             drafted = proposal.tokens
             stats.draft_passes += proposal.passes
@@ -125,15 +143,19 @@ class Linear:
             stats.drafted += len(drafted)
 
             t0 = time.perf_counter()
-            block = [sequence[-1], *drafted]
+            block = [*pending, sequence[-1], *drafted]
             start = len(session.target_tokens)
             done = yield from forward(
                 target,
                 torch.tensor(block, dtype=torch.long, device=target.device),
                 torch.arange(start, start + len(block), device=target.device),
                 cache,
+                logits_from=len(pending),
             )
             logits = done.logits  # (k+1, V)
+            if constraint is not None:  # row j: the state after t_1..t_j
+                words = constraint.masks([drafted[:j] for j in range(len(drafted) + 1)])
+                logits = masked(logits, words)
             counts = path_counts(drafted, vocab, target.device)  # (k+1, V)
             p = probabilities(logits, params, penalties.rows(counts))  # (k+1, V)
             accepted, token = self.verify(p, proposal.q, drafted, generator)
@@ -146,12 +168,15 @@ class Linear:
             del done, logits, p, proposal  # (k+1, V) rows: gone before the next pass
 
             # Roll the target back to x_1..x_L, t_1..t_a; the new token is the next root.
-            cache.truncate(start + 1 + accepted)
-            session.target_tokens.extend(block[: 1 + accepted])
+            fed = len(pending) + 1 + accepted
+            cache.truncate(start + fed)
+            session.target_tokens.extend(block[:fed])
             new = [*drafted[:accepted], token]
             sequence.extend(new)
             self.drafter.rollback(session, len(sequence) - 1)
             penalties.append(new)
+            if constraint is not None:
+                constraint.commit(new)
             stats.target_passes += 1
             stats.accepted += accepted
             stats.verify_seconds += time.perf_counter() - t0

@@ -33,6 +33,7 @@ from speculative.acceptance import (
 from speculative.budget import AutoBudget, BudgetPlanner, FixedBudget, RoundRecord
 from speculative.children import (
     ChildPolicy,
+    ConstrainedChildren,
     CoupledChildren,
     DraftRows,
     RankedChildren,
@@ -48,6 +49,7 @@ from speculative.generation import (
     Session,
     prefill,
 )
+from speculative.grammar import MAX_FORCED, Constraint, forced_logprobs, masked
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
 from speculative.ngram import ngram_tree_prefixes
@@ -78,6 +80,10 @@ from speculative.verification import Verified, rejection_walk, walk
 EXPLORE_ROUNDS = 4
 REJECTION_STAYS = 0.9
 EXPLORE_EVERY = 32
+# With the substitute (a shared KV cache), committed tokens the target has not seen yet ride
+# in the first draft pass and the verification pass when they are this few; more (a long
+# prompt) go first in plain target passes, whose rows the substitute then attends over.
+SHARED_FOLD = 64
 # Greedy trees rank and calibrate children by the draft's distribution sharpened at this
 # temperature: a small draft's flat distributions crowd into two or three probability bins
 # at T=1, sharpened they spread over more and calibration tells them apart (the stories
@@ -96,15 +102,21 @@ class _Walker:
     noise: PositionNoise
     params: SamplingParams
     generator: torch.Generator  # rejection verification's draws
+    constraint: Constraint | None = None  # the request's grammar, at the committed tokens
     emitted: int = 0
 
     # The round's emitted tokens' log-probabilities, when the request asked for them.
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
-    def note_logprob(self, row: torch.Tensor, token: int) -> None:
+    def note_logprob(
+        self, row: torch.Tensor, token: int, words: torch.Tensor | None = None
+    ) -> None:
         """Keep `token`'s log-probability under `row` (V,), the target's logits where it
-        was drawn, if the request asked for log-probabilities."""
+        was drawn (masked by the grammar's `words` there, under a grammar), if the
+        request asked for log-probabilities."""
         if self.params.logprobs is not None:
+            if words is not None:
+                row = masked(row, words)
             self.logprobs.append(token_logprob(row, token, self.params.logprobs))
 
     def take_logprobs(self) -> list[TokenLogprob] | None:
@@ -115,11 +127,18 @@ class _Walker:
         return taken
 
     def draw(self, logits: torch.Tensor, position: int) -> int:
-        """One exact sample from a (1, V) row at sequence `position`, counted for the
-        penalties of the draws after it."""
-        tok = int(draw(logits, self.params, self.penalties, self.noise, positions=[position])[0])
+        """One exact sample from a (1, V) row at sequence `position` (masked by the
+        grammar's state, under one), counted for the penalties of the draws after it and
+        committed to the grammar; its log-probability noted."""
+        words = self.constraint.words() if self.constraint is not None else None
+        row = masked(logits, words) if words is not None else logits
+        tok = int(draw(row, self.params, self.penalties, self.noise, positions=[position])[0])
+        del row
         if self.penalties is not None:
             self.penalties.append([tok])
+        if self.constraint is not None:
+            self.constraint.commit([tok])
+        self.note_logprob(logits[0], tok, words)
         return tok
 
 
@@ -185,11 +204,12 @@ class TreeSpeculation:
         params: SamplingParams,
         max_new_tokens: int,
         generator: torch.Generator,
+        constraint: Constraint | None = None,
     ) -> RoundSteps:
         """Rounds, composed of the phases below: walk what the prefix cache already knows,
-        bring the caches up (prefill steps), draft a tree, request its verification, walk
-        and commit. Each model pass is a requested `Forward`: alone or batched with other
-        generations', the round is the same."""
+        take the tokens a grammar forces, bring the caches up (prefill steps), draft a
+        tree, request its verification, walk and commit. Each model pass is a requested
+        `Forward`: alone or batched with other generations', the round is the same."""
         vocab = self.target.config.vocab_size
         state = _Walker(
             seq=list(prompt_ids),
@@ -200,11 +220,20 @@ class TreeSpeculation:
             noise=PositionNoise(generator, vocab),  # the draws autoregressive decoding makes
             params=params,
             generator=generator,
+            constraint=constraint,
         )
         stats = RoundStats()
         while state.emitted < max_new_tokens:
             t_round = time.perf_counter()
             tokens = self._walk_cached(session, state, stats, max_new_tokens)
+            if constraint is not None:
+                forced = self._take_forced(state, constraint, max_new_tokens - len(tokens))
+                tokens += forced
+                stats.forced_tokens += len(forced)
+                if constraint.ends(forced):  # the grammar is complete: nothing follows
+                    state.emitted += len(tokens)
+                    yield Round(tokens, stats, logprobs=state.take_logprobs())
+                    return
             left = max_new_tokens - state.emitted - len(tokens)
             pending = state.seq[len(session.target_tokens) : -1]
             room = session.target_cache.free - len(pending) - 1  # nodes that still fit
@@ -227,9 +256,11 @@ class TreeSpeculation:
             fold = max(self.prefill_chunk, budget + 1) - (budget + 1)
             draft = self.draft if budget else None
             if self.shared_cache and budget:
-                # The substitute drafts on the target's rows: they must hold every
-                # committed token first (one plain pass for a new prompt, none after).
-                fold, draft = 0, None
+                # The substitute drafts on the target's rows: they hold the committed
+                # tokens but the last few (forced ones, prefix-cache walks, a short
+                # prompt), which its first draft pass takes with the root; a longer
+                # prompt goes first in plain target passes.
+                fold, draft = min(fold, SHARED_FOLD), None
             caught_up = prefill(
                 session, state.seq, self.target, draft, fold=fold, chunk=self.prefill_chunk
             )
@@ -338,11 +369,16 @@ class TreeSpeculation:
     ) -> ChildPolicy:
         """How the round's tree gets its children (speculative/children.py)."""
         params = state.params
+        policy: ChildPolicy
         if rows is not None:
-            return SampledChildren(table, params, drafted_with, state.generator, rows)
-        if params.greedy:
-            return RankedChildren(table, temperature=GREEDY_FEATURE_TEMPERATURE)
-        return CoupledChildren(table, state.noise, len(state.seq), params.temperature)
+            policy = SampledChildren(table, params, drafted_with, state.generator, rows)
+        elif params.greedy:
+            policy = RankedChildren(table, temperature=GREEDY_FEATURE_TEMPERATURE)
+        else:
+            policy = CoupledChildren(table, state.noise, len(state.seq), params.temperature)
+        if state.constraint is not None:
+            return ConstrainedChildren(policy, state.constraint)
+        return policy
 
     def _walk_cached(
         self, session: Session, state: _Walker, stats: RoundStats, max_new_tokens: int
@@ -362,10 +398,23 @@ class TreeSpeculation:
                 break
             stats.prefix_cache_hits += 1
             tokens.append(state.draw(row[None, :], len(state.seq)))
-            state.note_logprob(row, tokens[-1])
             state.seq.append(tokens[-1])
             state.key = pcache.child(state.key, tokens[-1])
         return tokens
+
+    def _take_forced(self, state: _Walker, constraint: Constraint, room: int) -> list[int]:
+        """The tokens the grammar allows alone after the committed ones: emitted without
+        drafting or a pass of their own (the next pass carries them to the caches)."""
+        forced = constraint.take_forced(min(MAX_FORCED, room - state.emitted))
+        for tok in forced:
+            state.seq.append(tok)
+            if state.penalties is not None:
+                state.penalties.append([tok])
+            if self.prefix_cache.max_bytes:
+                state.key = self.prefix_cache.child(state.key, tok)
+        if forced:
+            state.logprobs.extend(forced_logprobs(forced, state.params))
+        return forced
 
     def _verification(
         self, session: Session, seq: list[int], tree: DraftTree
@@ -409,18 +458,19 @@ class TreeSpeculation:
         if rows is not None:
             verified = rejection_walk(
                 node_tokens, parents, tree.ranks[: tree.size].tolist(), logits, rows,
-                state.params, state.penalties, drafted_with, state.generator,
+                state.params, state.penalties, drafted_with, state.generator, state.constraint,
             )  # fmt: skip
         else:
             verified = walk(
                 node_tokens, parents, logits, state.params, state.penalties, state.noise,
-                len(state.seq),
+                len(state.seq), state.constraint,
             )  # fmt: skip
         self._learn(tree, verified, table)
         new, path = verified.tokens, verified.path
         tokens.extend(new)
-        for node, tok in zip([0, *path], new, strict=False):  # where each was drawn
-            state.note_logprob(logits[node], tok)
+        masks: list[torch.Tensor | None] = [*verified.masks] or [None] * len(new)
+        for node, tok, words in zip([0, *path], new, masks, strict=False):  # where drawn
+            state.note_logprob(logits[node], tok, words)
         state.key = self._remember(logits, state.key, path, node_tokens, parents)
         if self.prefix_cache.max_bytes:
             state.key = self.prefix_cache.child(state.key, new[-1])
@@ -449,7 +499,6 @@ class TreeSpeculation:
         if self.prefix_cache.max_bytes:
             self.prefix_cache.put_rows([state.key], done.logits, walked=1)  # drawn from below
         tok = state.draw(done.logits, pos + 1)
-        state.note_logprob(done.logits[0], tok)
         if self.prefix_cache.max_bytes:
             state.key = self.prefix_cache.child(state.key, tok)
         state.seq.append(tok)
@@ -497,13 +546,8 @@ class TreeSpeculation:
             # them, and are dropped before the target verifies (it writes its own there).
             dcache = session.target_cache
             committed = dcache.length
-            assert committed == len(seq) - 1, "the target holds every committed token"
-            first = yield from forward(
-                draft,
-                torch.tensor([root], device=device),
-                torch.tensor([committed], device=device),
-                dcache,
-            )
+            fed_here = list(session.target_tokens)  # the substitute's rows go after them
+            first = yield from feed_pass(draft, dcache, fed_here, seq[committed:])
         else:
             own, fed = session.draft_cache, session.draft_tokens
             assert own is not None, "a tree session with a draft model has a draft cache"

@@ -1,0 +1,332 @@
+"""Grammars under speculation: which tokens may come next, at every node of a draft tree.
+
+The reference a constrained request samples from is constrained autoregressive decoding:
+at each position, the target's logits with the tokens the grammar forbids set to -inf,
+then the request's processing (penalties, temperature, top-k/p, min-p) as for any
+request. Masking before the processing, not after, means a truncation (top-k, top-p) is
+taken among the allowed tokens and never leaves a position with nothing to draw; without
+truncation the two orders are the same distribution, the target's restricted to the
+allowed tokens and renormalised. Every strategy samples exactly that (speculative/
+strategies/): the draft's distributions are masked by the state of their own node, the
+target's row at each verified node by the state of that node, and a token is committed to
+the grammar only once it is emitted.
+
+The engine is llguidance (its matcher: a token mask per state, consume, rollback): it
+has no dependency at run time and computes a mask at a 128k vocabulary in tens of
+microseconds; xgrammar needs transformers at run time, which specd does not ship
+(scripts/bench_grammar_engines.py measured both). A `Constraint` is one request's matcher
+at its committed state; it visits tree nodes by rolling back to the common prefix and
+consuming the rest of the node's path (consecutive nodes of best-first growth share most
+of their paths), never re-parsing from the start.
+
+Where the grammar allows exactly one token the constrained distribution is one-hot and
+the token is emitted without a model pass (`take_forced`, counted as `forced_tokens`).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import torch
+
+from speculative.errors import RequestError
+from speculative.sampling import SamplingParams, TokenLogprob
+
+# JSON output: compact separators and no free whitespace. A small model allowed free
+# whitespace between tokens can emit newlines until max_tokens (the README's structured
+# output section); compact JSON parses the same.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+# Tokens emitted without a pass in one go (a long const string, a key list): the pass
+# that feeds them with the next round stays far inside the planned largest pass.
+MAX_FORCED = 256
+_SHIFTS = torch.arange(32, dtype=torch.int32)  # bit i of a mask word is token 32*w + i
+
+
+class GrammarError(RequestError):
+    """A grammar the engine cannot compile or the vocabulary cannot spell: a 400 naming
+    the request field that carried it."""
+
+
+_VOCABULARIES: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
+_VOCABULARY_LOCK = threading.Lock()
+
+
+def vocabulary(tokenizer: Any) -> llguidance.LLTokenizer:
+    """The engine's view of `tokenizer` (speculative/tokenizer.py), built once per
+    tokenizer (about a second at 128k entries) and kept while the tokenizer lives. Its
+    end-of-sequence tokens are the tokenizer's (a finished grammar allows only those)."""
+    with _VOCABULARY_LOCK:
+        known = _VOCABULARIES.get(tokenizer)
+        if known is None:
+            eos = list(tokenizer.eos_token_ids) or None
+            try:
+                known = llguidance.LLTokenizer(tokenizer.backend.to_str(), eos_token=eos)
+            except ValueError:
+                # A tokenizer whose decoder the engine does not read (a word-level one
+                # joins words with spaces): its pieces as they are spelled in its vocabulary.
+                known = llguidance.LLTokenizer(
+                    llguidance.TokenizerWrapper(_Pieces(tokenizer)), eos_token=eos
+                )
+            _VOCABULARIES[tokenizer] = known
+        return known
+
+
+class _Pieces:
+    """What llguidance's TokenizerWrapper reads: each id's piece as bytes, the special ids,
+    and the encoder."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        backend = tokenizer.backend
+        size = backend.get_vocab_size(with_added_tokens=True)
+        self.tokens = [(backend.id_to_token(i) or "").encode() for i in range(size)]
+        self.special_token_ids = [
+            i for i, added in backend.get_added_tokens_decoder().items() if added.special
+        ]
+        self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+        self.bos_token_id = tokenizer.bos_id
+        self._backend = backend
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return list(self._backend.encode(text, add_special_tokens=False).ids)
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A grammar in the engine's form, and the request field it came from (errors name
+    it). Compiled against a vocabulary by `check` (the daemon does it before queueing)."""
+
+    text: str
+    field: str
+    description: str  # for logs and stats: "json_object", "json_schema:NAME"
+
+    @classmethod
+    def json_schema(cls, schema: Any, field: str, name: str = "") -> Grammar:
+        if not isinstance(schema, dict):
+            raise GrammarError(f"{field} must be a JSON Schema object", field)
+        try:
+            text = llguidance.LLMatcher.grammar_from_json_schema(
+                schema,
+                defaults=JSON_OPTIONS,  # type: ignore[arg-type]  # a TypedDict in its stub
+            )
+        except (ValueError, TypeError) as err:
+            raise GrammarError(f"{field}: {err}", field) from None
+        return cls(text, field, f"json_schema:{name}" if name else "json_schema")
+
+    @classmethod
+    def regex(cls, pattern: str, field: str) -> Grammar:
+        """Text matching `pattern` (the engine's regex dialect)."""
+        return cls(llguidance.LLMatcher.grammar_from_regex(pattern), field, "regex")
+
+    @classmethod
+    def json_object(cls, field: str) -> Grammar:
+        """Any JSON object (OpenAI's `json_object` mode)."""
+        grammar = cls.json_schema({"type": "object"}, field)
+        return cls(grammar.text, field, "json_object")
+
+    def validate(self, vocab: llguidance.LLTokenizer | None = None) -> None:
+        """Raise GrammarError (naming the field) unless the grammar compiles and uses only
+        what the engine implements (a schema keyword it does not: "Unimplemented keys")."""
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(self.text, vocab)
+        if failed:
+            raise GrammarError(
+                f"{self.field} cannot be used: {'; '.join(messages)}",
+                self.field,
+                "unsupported_grammar",
+            )
+
+    def check(self, tokenizer: Any) -> None:
+        """`validate`, and that the grammar can be spelled with the tokenizer's pieces."""
+        vocab = vocabulary(tokenizer)
+        self.validate(vocab)
+        matcher = llguidance.LLMatcher(vocab, self.text, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"{self.field}: {matcher.get_error()}", self.field)
+        words = torch.empty((vocab.vocab_size + 31) // 32, dtype=torch.int32)
+        matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        if matcher.is_error() or not bool(words.any()):
+            raise GrammarError(
+                f"{self.field}: the model's vocabulary cannot spell the start of this "
+                "grammar (no token, and no byte fallback, for its first character)",
+                self.field,
+                "unsupported_grammar",
+            )
+
+
+def json_schema_from(value: Any) -> str:
+    """The schema as the engine reads it: a JSON string."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+class Constraint:
+    """One request's grammar state: the matcher holds the committed tokens (those emitted
+    so far), and visits draft nodes past them (`masks`) by rolling back to the common
+    prefix and consuming the rest of the node's path."""
+
+    def __init__(self, grammar: Grammar, tokenizer: Any, width: int) -> None:
+        """`width`: the model's logit rows (a padded embedding may be wider than the
+        tokenizer; ids past the tokenizer are never allowed)."""
+        self.grammar = grammar
+        self.vocab = vocabulary(tokenizer)
+        self.matcher = llguidance.LLMatcher(self.vocab, grammar.text, log_level=0)
+        if self.matcher.is_error():
+            raise GrammarError(f"{grammar.field}: {self.matcher.get_error()}", grammar.field)
+        self.width = width
+        self.words_per_row = (self.vocab.vocab_size + 31) // 32
+        self._explored: list[int] = []  # tokens consumed past the committed state
+        self.forced = 0  # tokens emitted because they were the only one allowed
+
+    # -- the committed state -------------------------------------------------------------
+
+    def _home(self) -> None:
+        if self._explored:
+            self.matcher.rollback(len(self._explored))
+            self._explored.clear()
+
+    def words(self) -> torch.Tensor:
+        """(W,) int32 mask words of the next token at the committed state."""
+        self._home()
+        words = self._compute()
+        if not bool(words.any()):
+            self._unspellable()
+        return words
+
+    def _unspellable(self) -> None:
+        field = self.grammar.field
+        raise GrammarError(
+            f"{field}: the model's vocabulary has no token for what the grammar requires "
+            f"next ({self.matcher.get_error() or 'no piece, and no byte fallback'})",
+            field,
+            "unsupported_grammar",
+        )
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Emitted tokens, in order. Each was drawn under this state's mask, so the
+        matcher takes it; if not, the mask and the draw disagreed, a bug worth stopping."""
+        self._home()
+        for token in tokens:
+            if not self.matcher.consume_token(int(token)):
+                raise RuntimeError(
+                    f"the grammar refused token {token} that was drawn under its mask: "
+                    f"{self.matcher.get_error()}"
+                )
+
+    def take_forced(self, limit: int) -> list[int]:
+        """Tokens the grammar allows alone, one after another from the committed state (at
+        most `limit`), committed: the constrained distribution there is one-hot whatever
+        the model says, so they need no pass."""
+        self._home()
+        taken: list[int] = []
+        while len(taken) < limit:
+            if self.matcher.is_stopped():
+                # The text completes the grammar and nothing may follow: an end of
+                # sequence is all its mask allows (the one the tokenizer names first).
+                taken.append(self.vocab.eos_token)
+                break
+            allowed = expand(self._compute(), self.width)
+            count = int(allowed.sum())
+            if count == 0:
+                self._unspellable()
+            if count != 1:
+                break
+            token = int(allowed.nonzero()[0, 0])
+            self.matcher.consume_token(token)
+            taken.append(token)
+            if token in self.vocab.eos_tokens:
+                break
+        self.forced += len(taken)
+        return taken
+
+    def ends(self, tokens: Sequence[int]) -> bool:
+        """`tokens` (forced ones) end the sequence."""
+        return bool(tokens) and tokens[-1] in self.vocab.eos_tokens
+
+    # -- nodes past the committed state --------------------------------------------------
+
+    def masks(self, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """(len(paths), W) mask words after each path of tokens past the committed state
+        (a draft node's). A path the grammar refuses (an n-gram guess, a sampled child
+        offered past the draft's support) leads nowhere verification can go: its row
+        allows everything, so masking it changes nothing."""
+        out = torch.empty(len(paths), self.words_per_row, dtype=torch.int32)
+        # Visited in the order of their paths (depth first): each move then rolls back
+        # and consumes only where two neighbouring paths differ.
+        order = sorted(range(len(paths)), key=lambda i: list(paths[i]))
+        for i in order:
+            path = paths[i]
+            out[i] = self._compute() if self._goto(path) else -1
+            if not bool(out[i].any()):
+                out[i] = -1  # after an end of sequence: nothing follows, nothing to mask
+        return out
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, after the committed state, the grammar accepts in turn."""
+        self._home()
+        return self.matcher.validate_tokens(list(tokens))
+
+    def _goto(self, path: Sequence[int]) -> bool:
+        """Move the matcher to the state after `path`; False if the grammar refuses it
+        (the matcher then stands at the longest accepted prefix)."""
+        shared = 0
+        for a, b in zip(self._explored, path, strict=False):
+            if a != b:
+                break
+            shared += 1
+        if shared < len(self._explored):
+            self.matcher.rollback(len(self._explored) - shared)
+            del self._explored[shared:]
+        rest = [int(t) for t in path[shared:]]
+        if not rest:
+            return True
+        taken = self.matcher.try_consume_tokens(rest)
+        self._explored.extend(rest[:taken])
+        return taken == len(rest)
+
+    def _compute(self) -> torch.Tensor:
+        words = torch.empty(self.words_per_row, dtype=torch.int32)
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
+        return words
+
+
+def expand(words: torch.Tensor, width: int) -> torch.Tensor:
+    """(..., W) int32 mask words → (..., width) bool, on the words' device; ids past the
+    words' coverage are not allowed."""
+    shifts = _SHIFTS.to(words.device)
+    bits = ((words[..., None] >> shifts) & 1).bool()  # (..., W, 32)
+    flat = bits.reshape(*words.shape[:-1], -1)  # (..., 32 W)
+    if flat.shape[-1] >= width:
+        return flat[..., :width]
+    pad = torch.zeros(
+        *flat.shape[:-1], width - flat.shape[-1], dtype=torch.bool, device=flat.device
+    )
+    return torch.cat((flat, pad), dim=-1)
+
+
+def masked(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """A copy of `logits` (..., V) with what `words` (..., W) forbids at -inf."""
+    allowed = expand(words.to(logits.device), logits.shape[-1])
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def mask_rows_(logits: torch.Tensor, words: torch.Tensor) -> None:
+    """Mask (t, V) `logits` in place, one row at a time (no (t, V) temporary beside the
+    pass's own logits: what the memory plan's draft pass holds)."""
+    with torch.inference_mode():
+        for i in range(logits.shape[0]):
+            allowed = expand(words[i].to(logits.device), logits.shape[-1])
+            logits[i].masked_fill_(~allowed, float("-inf"))
+
+
+def forced_logprobs(tokens: Sequence[int], params: SamplingParams) -> list[TokenLogprob]:
+    """Log-probabilities of forced tokens under the constrained distribution (one-hot:
+    0, the token its own only alternative); none unless the request asked for them."""
+    if params.logprobs is None:
+        return []
+    return [TokenLogprob(t, 0.0, [(t, 0.0)] if params.logprobs else []) for t in tokens]
