@@ -169,7 +169,10 @@ class Tokenizer:
         return self._template
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         from speculative.chat_template import TemplateError
 
@@ -179,7 +182,7 @@ class Tokenizer:
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 # As transformers renders: defined but None (`tools is not none` is False).
-                tools=None,
+                tools=tools,
                 documents=None,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -187,9 +190,12 @@ class Tokenizer:
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Prompt ids for a conversation, ready for the assistant's turn."""
-        text = self.render_chat(messages)
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Prompt ids for a conversation, ready for the assistant's turn; `tools` (OpenAI's
+        shape) go to a template that renders them (speculative/tool_calls.py)."""
+        text = self.render_chat(messages, tools=tools)
         if self.has_chat_template:
             return self.encode(text, add_special_tokens=False)  # the template writes BOS itself
         return self.encode(text, add_special_tokens=True)

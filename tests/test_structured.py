@@ -6,6 +6,8 @@ width. Exact sampling under a grammar is tests/test_lossless.py's."""
 from __future__ import annotations
 
 import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -14,7 +16,7 @@ import openai
 import pydantic
 import pytest
 import torch
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from openai.types.shared_params import ResponseFormatJSONObject, ResponseFormatJSONSchema
 
 from daemon.cli import main
@@ -24,6 +26,7 @@ from daemon.settings_loading import load_settings
 from speculative.generation import Generation
 from speculative.grammar import Constraint, Grammar, GrammarError, expand, mask_rows_
 from speculative.sampling import SamplingParams
+from speculative.tool_calls import CallStream, parse_calls
 
 MODEL = "stories260k"
 PROMPT = "Once upon a time there was a girl. Her name was"
@@ -250,3 +253,163 @@ def test_the_command_line_takes_a_schema_file(
     schema.write_text('{"type": "array", "uniqueItems": true}')
     assert main([*argv, "--json-schema", str(schema)]) == 2
     assert "uniqueItems" in capsys.readouterr().err
+
+
+# -- tool calls ---------------------------------------------------------------------------
+
+WEATHER: ChatCompletionToolParam = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Lily"}]
+CLOCK: ChatCompletionToolParam = {"type": "function", "function": {"name": "get_time"}}
+
+
+def weather_arguments_valid(arguments: str) -> bool:
+    args = json.loads(arguments)
+    return (
+        set(args) == {"city", "unit"}
+        and isinstance(args["city"], str)
+        and len(args["city"]) <= 8
+        and args["unit"] in ("celsius", "fahrenheit")
+    )
+
+
+@pytest.mark.parametrize("strategy", ["autoregressive", "linear", "tree"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_required_tool_call_validates_and_streams_the_same(
+    client: openai.OpenAI, strategy: str, temperature: float
+) -> None:
+    ask = dict(
+        model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=100, temperature=temperature, seed=3,
+        extra_body={"strategy": strategy},
+    )  # fmt: skip
+    whole = client.chat.completions.create(**ask)  # type: ignore[call-overload]
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls
+    assert (
+        calls
+        and len(calls) == 1
+        and all(c.type == "function" and c.id.startswith("call_") for c in calls)
+    )
+    for call in calls:
+        assert call.function.name in ("get_weather", "get_time")
+        if call.function.name == "get_weather":
+            assert weather_arguments_valid(call.function.arguments)
+        else:
+            assert json.loads(call.function.arguments) == {}
+    # Streamed: index, id and name first, then argument fragments; reassembled, the same
+    # calls (same seed: the same text).
+    streamed: dict[int, dict[str, str]] = {}
+    reason = None
+    for chunk in client.chat.completions.create(**ask, stream=True):  # type: ignore[call-overload]
+        if not chunk.choices:
+            continue
+        reason = chunk.choices[0].finish_reason or reason
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            if delta.id is not None:
+                assert delta.index not in streamed and delta.function.name
+                streamed[delta.index] = {"name": delta.function.name, "arguments": ""}
+            streamed[delta.index]["arguments"] += delta.function.arguments or ""
+        assert not chunk.choices[0].delta.content
+    assert reason == "tool_calls"
+    assert [(s["name"], s["arguments"]) for _, s in sorted(streamed.items())] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
+
+
+def test_named_choice_auto_and_a_conversation_with_results(client: openai.OpenAI) -> None:
+    named = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], max_tokens=100, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    calls = named.choices[0].message.tool_calls
+    assert calls and len(calls) == 1 and calls[0].function.name == "get_weather"
+    auto = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="auto", max_tokens=30,
+        temperature=0,
+    )  # fmt: skip
+    message = auto.choices[0].message
+    assert (message.tool_calls is None) == (message.content is not None)
+    history: list[ChatCompletionMessageParam] = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": calls[0].id, "type": "function",
+             "function": {"name": "get_weather", "arguments": calls[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": '{"sky": "clear"}'},
+    ]  # fmt: skip
+    answer = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=20,
+        temperature=0,
+    )  # fmt: skip
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"tools": [{"type": "function"}]}, "tools[0].function"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]},
+         "tools"),
+        ({"messages": [{"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
+         "messages[0].tool_call_id"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)  # fmt: skip
+def test_bad_tools_are_a_400_naming_the_field(
+    server: BackgroundServer, change: dict, param: str
+) -> None:
+    body = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required"}
+    request = urllib.request.Request(
+        server.url + "/v1/chat/completions", json.dumps({**body, **change}).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request)
+    assert err.value.code == 400 and json.loads(err.value.read())["error"]["param"] == param
+
+
+def test_several_calls_stream_as_they_are_written() -> None:
+    """Two calls, fed in pieces of every size: each call's start, then its arguments,
+    reassembling to exactly what was written (a brace inside a string included)."""
+    text = (
+        '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","unit":"celsius"}}'
+        '\n</tool_call>\n<tool_call>\n{"name":"get_time","arguments":{"zone":"}"}}\n</tool_call>'
+    )
+    whole = parse_calls(text)
+    assert whole is not None
+    assert [(c.name, c.arguments) for c in whole] == [
+        ("get_weather", '{"city":"Paris","unit":"celsius"}'),
+        ("get_time", '{"zone":"}"}'),
+    ]
+    for size in (1, 2, 5, 13, len(text)):
+        stream, events = CallStream(), []
+        for i in range(0, len(text), size):
+            events += stream.feed(text[i : i + size])
+        events += stream.finish()
+        calls: dict[int, list[str]] = {}
+        for event in events:
+            assert event[0] != "content"
+            if event[0] == "call":
+                calls[event[1]] = [event[3], ""]
+            else:
+                calls[event[1]][1] += event[2]
+        assert [tuple(calls[i]) for i in sorted(calls)] == [(c.name, c.arguments) for c in whole]
+    text_answer = CallStream()
+    assert text_answer.feed("<to") == [] and text_answer.feed("day") == [("content", "<today")]

@@ -50,6 +50,13 @@ from speculative.errors import RequestError
 from speculative.generation import Chunk
 from speculative.sampling import TokenLogprob
 from speculative.tokenizer import ChatTemplateError, Tokenizer
+from speculative.tool_calls import (
+    CallStream,
+    Tool,
+    parse_calls,
+    render_tool_messages,
+    template_has_tools,
+)
 
 log = logging.getLogger("specd.api")
 
@@ -183,7 +190,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     try:
         if req.stream:
             return await _stream(request, job, shape, req, config.keepalive_seconds, prompt_ids[-1])
-        return await _collect(request, job, shape, prompt_ids[-1])
+        return await _collect(request, job, shape, prompt_ids[-1], req.tool_calls)
     finally:
         if not job.done:
             job.cancel()  # the client went away (or we failed): free the engine's slot
@@ -312,7 +319,7 @@ def _prompt_ids(engine: Engine, req: CompletionRequest) -> list[int]:
     _refuse_what_cannot_fit(req, runtime.context, tok.max_token_chars)
     if req.messages is not None:
         try:
-            ids = tok.encode_chat(req.messages)
+            ids = _encode_conversation(tok, req.messages, req.tools)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
     elif isinstance(req.prompt, str):
@@ -336,6 +343,18 @@ def _prompt_ids(engine: Engine, req: CompletionRequest) -> list[int]:
             code="context_length_exceeded",
         )
     return ids
+
+
+def _encode_conversation(
+    tok: Tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None
+) -> list[int]:
+    """A conversation's prompt ids: the tools, earlier calls and their results rendered by
+    the model's template where it has a tool format (Qwen's), else in specd's fallback
+    format (speculative/tool_calls.py)."""
+    if template_has_tools(tok.chat_template):
+        offered = [t.as_openai() for t in tools] if tools else None
+        return tok.encode_chat(messages, tools=offered)
+    return tok.encode_chat(render_tool_messages(messages, tools))
 
 
 def _check_room(req: CompletionRequest, prompt_tokens: int, context: int, clamp: bool) -> None:
@@ -384,7 +403,7 @@ def _client_gone(request: web.Request) -> bool:
 
 
 async def _collect(
-    request: web.Request, job: Job, shape: ResponseShape, previous: int
+    request: web.Request, job: Job, shape: ResponseShape, previous: int, calls: bool = False
 ) -> web.Response:
     """The whole answer in one body. Nothing is written before the end, so a client that
     left is not noticed by a failed write as a stream's is: its connection is looked at
@@ -405,9 +424,13 @@ async def _collect(
         elif isinstance(event, Finished):
             cached = int(event.stats.get("cached_prompt_tokens", 0))
             u = usage(event.prompt_tokens, event.completion_tokens, cached)
+            answer = "".join(text)
+            made = parse_calls(answer) if calls else None
+            reason = "tool_calls" if made and event.finish_reason == "stop" else event.finish_reason
             body = shape.full(
-                "".join(text), event.finish_reason, u, event.stats, logprobs, previous
-            )
+                answer, reason, u, event.stats, logprobs, previous,
+                tool_calls=[c.as_openai() for c in made] if made is not None else None,
+            )  # fmt: skip
             return web.json_response(body)
         elif isinstance(event, Failed):
             raise _failure(event.error)
@@ -434,6 +457,7 @@ async def _stream(
     await response.prepare(request)
     first = True
     offset = 0  # characters of text sent so far (the completions' text_offset)
+    calls = CallStream() if req.tool_calls else None  # the answer read as tool calls
     if shape.chat:  # the role arrives before any text, as OpenAI's own stream does
         await response.write(sse(shape.chunk("", first=True)))
         first = False
@@ -453,6 +477,16 @@ async def _stream(
                 await response.write(sse(shape.trace_chunk(trace)))
             text = "".join(e.text for e in batch if isinstance(e, Chunk))
             logprobs = [lp for e in batch if isinstance(e, Chunk) for lp in e.logprobs]
+            if calls is not None:
+                events = calls.feed(text)
+                if isinstance(batch[-1], Finished):
+                    events += calls.finish()
+                text = "".join(e[1] for e in events if e[0] == "content")
+                deltas = [e for e in events if e[0] != "content"]
+                if deltas:
+                    await response.write(sse(shape.tool_chunk(deltas)))
+                if calls.index >= 0:
+                    logprobs = []  # a call's tokens are not content
             if text or logprobs:
                 chunk = shape.chunk(
                     text, first=first, logprobs=logprobs, offset=offset, previous=previous
@@ -463,9 +497,10 @@ async def _stream(
                 previous = logprobs[-1].token if logprobs else previous
             event = batch[-1]
             if isinstance(event, Finished):
-                await response.write(
-                    sse(shape.chunk("", finish_reason=event.finish_reason, stats=event.stats))
-                )
+                reason = event.finish_reason
+                if calls is not None and calls.index >= 0 and reason == "stop":
+                    reason = "tool_calls"
+                await response.write(sse(shape.chunk("", finish_reason=reason, stats=event.stats)))
                 if req.include_usage:
                     cached = int(event.stats.get("cached_prompt_tokens", 0))
                     u = usage(event.prompt_tokens, event.completion_tokens, cached)

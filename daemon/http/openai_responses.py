@@ -135,12 +135,18 @@ class ResponseShape:
         stats: dict[str, Any],
         logprobs: list[TokenLogprob] | None = None,
         previous: int = 0,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
+        """The whole answer; with `tool_calls` (the answer read back as calls: empty when
+        it was text) a message that made calls has them and no content."""
         lp = self.logprobs(logprobs or [], previous)
         if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "finish_reason": finish_reason,
                 "logprobs": lp,
             }
@@ -176,6 +182,28 @@ class ResponseShape:
         if stats is not None:
             out["specd"] = specd_stats(stats)
         return out
+
+    def tool_chunk(self, events: list[tuple[Any, ...]]) -> dict[str, Any]:
+        """Tool-call deltas as OpenAI streams them: a call's index, id, type and name
+        first (arguments ""), then fragments of its arguments under its index."""
+        deltas: list[dict[str, Any]] = []
+        for event in events:
+            if event[0] == "call":
+                _, index, call_id, name = event
+                deltas.append(
+                    {"index": index, "id": call_id, "type": "function",
+                     "function": {"name": name, "arguments": ""}}
+                )  # fmt: skip
+            else:
+                _, index, fragment = event
+                deltas.append({"index": index, "function": {"arguments": fragment}})
+        choice = {
+            "index": 0,
+            "delta": {"tool_calls": deltas},
+            "finish_reason": None,
+            "logprobs": None,
+        }
+        return {**self._envelope(stream=True), "choices": [choice]}
 
     def trace_chunk(self, trace: dict[str, Any]) -> dict[str, Any]:
         """One round's draft tree: a chunk with no choices (clients skip it, as they skip

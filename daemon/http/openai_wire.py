@@ -16,8 +16,14 @@ from typing import Any
 from daemon.settings import STRATEGY_CHOICES, TREE_VERIFICATION_CHOICES
 from speculative.grammar import Grammar
 from speculative.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from speculative.tool_calls import Tool, tool_grammar
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {
+    "system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+    "tool": "tool",
+}  # fmt: skip
+MAX_TOOLS = 128
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 MAX_STOP_STRINGS = 16
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # response_format.json_schema.name, as OpenAI
 
@@ -88,7 +94,9 @@ class CompletionRequest:
     tree_verification: str | None = None  # auto | walk | rejection: the tree's, this request
     ignore_eos: bool = False
     trace: bool = False  # "specd": {"trace": true}: per-round draft trees in the stream
-    grammar: Grammar | None = None  # response_format json_object / json_schema
+    grammar: Grammar | None = None  # response_format json_object / json_schema, or tools
+    tools: list[Tool] | None = None  # offered to the model (rendered in its prompt)
+    tool_calls: bool = False  # the answer is read back as tool calls (tool_choice not none)
 
 
 # No field of the API needs an integer longer than this (seeds are 20 digits). A body is
@@ -170,11 +178,9 @@ def _refuse_unsupported(body: dict) -> None:
     n = body.get("n")
     if n is not None and n != 1:
         raise bad_request("n > 1 is not supported: specd returns one choice per request", "n")
-    for name in ("tools", "functions", "logit_bias"):
+    for name in ("functions", "logit_bias"):
         if body.get(name):
             raise bad_request(f"{name} is not supported by specd", name)
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad_request("tool_choice is not supported by specd (no tool calling)", "tool_choice")
     if body.get("function_call") not in (None, "none"):
         raise bad_request("function_call is not supported by specd", "function_call")
 
@@ -364,6 +370,99 @@ def _message_text(content: Any, where: str) -> str:
     raise bad_request(f"{where} must be a string or a list of text parts", where)
 
 
+def _tools(body: dict) -> tuple[list[Tool] | None, str | None, bool]:
+    """`tools`, `tool_choice` and `parallel_tool_calls`: the tools offered, the choice
+    ("none", "auto", "required" or a function's name) and whether calls may be several."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_request("parallel_tool_calls must be true or false", "parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        return None, None, parallel
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise bad_request(f"tools must be a list of up to {MAX_TOOLS} functions", "tools")
+    parsed: list[Tool] = []
+    for i, entry in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(entry, dict) or entry.get("type") != "function":
+            raise bad_request(f'{where} must be {{"type": "function", "function": {{...}}}}', where)
+        fn = entry.get("function")
+        if not isinstance(fn, dict):
+            raise bad_request(
+                f"{where}.function must be an object with a name", f"{where}.function"
+            )
+        name = fn.get("name")
+        if not isinstance(name, str) or not SCHEMA_NAME.fullmatch(name):
+            raise bad_request(
+                f"{where}.function.name must be 1-64 letters, digits, underscores or dashes",
+                f"{where}.function.name",
+            )
+        if name in {t.name for t in parsed}:
+            raise bad_request(
+                f"{where}.function.name {name!r} is offered twice", f"{where}.function.name"
+            )
+        description = fn.get("description", "")
+        if not isinstance(description, str):
+            raise bad_request(
+                f"{where}.function.description must be a string", f"{where}.function.description"
+            )
+        # No parameters: a function of no arguments (OpenAI's reading), {} as its arguments.
+        parameters = fn.get("parameters", NO_ARGUMENTS)
+        if not isinstance(parameters, dict):
+            raise bad_request(
+                f"{where}.function.parameters must be a JSON Schema object",
+                f"{where}.function.parameters",
+            )
+        parsed.append(Tool(name, description, parameters))
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        named = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type") != "function" or named not in {t.name for t in parsed}:
+            raise bad_request(
+                "tool_choice must be none, auto, required or "
+                '{"type": "function", "function": {"name": NAME}} naming one of the tools',
+                "tool_choice",
+            )
+        choice = named
+    elif choice is None:
+        choice = "auto"
+    elif choice not in ("none", "auto", "required"):
+        raise bad_request(
+            "tool_choice must be none, auto, required or a named function", "tool_choice"
+        )
+    return parsed, choice, parallel
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier `tool_calls`, arguments as objects (what chat
+    templates write with `tojson`)."""
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be a list of calls", where)
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{at} must hold a function with a name", at)
+        if not isinstance(call.get("id"), str):
+            raise bad_request(f"{at}.id must be a string", f"{at}.id")
+        arguments = fn.get("arguments", "{}")
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise bad_request(
+                f"{at}.function.arguments must be JSON text", f"{at}.function.arguments"
+            ) from None
+        out.append(
+            {"id": call["id"], "type": "function",
+             "function": {"name": fn["name"], "arguments": parsed}}
+        )  # fmt: skip
+    return out
+
+
 def parse_chat(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
     _refuse_unsupported(body)
     messages = body.get("messages")
@@ -372,6 +471,7 @@ def parse_chat(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
     normalised = []
+    called: set[str] = set()  # ids of the assistant's tool calls so far
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -379,12 +479,41 @@ def parse_chat(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
         role = msg.get("role")
         if role not in CHAT_ROLES:
             raise bad_request(
-                f"{where}.role must be one of system, developer, user, assistant; got {role!r}",
+                f"{where}.role must be one of system, developer, user, assistant, tool; "
+                f"got {role!r}",
                 f"{where}.role",
             )
         content = _message_text(msg.get("content"), f"{where}.content")
-        normalised.append({"role": CHAT_ROLES[role], "content": content})
-    return CompletionRequest(messages=normalised, prompt=None, **_common(body, limits, True))
+        entry: dict[str, Any] = {"role": CHAT_ROLES[role], "content": content}
+        if role == "assistant" and msg.get("tool_calls"):
+            entry["tool_calls"] = _tool_calls(msg["tool_calls"], f"{where}.tool_calls")
+            called.update(c["id"] for c in entry["tool_calls"])
+        if role == "tool":
+            call_id = msg.get("tool_call_id")
+            if call_id not in called:
+                raise bad_request(
+                    f"{where}.tool_call_id {call_id!r} answers no earlier assistant tool call",
+                    f"{where}.tool_call_id",
+                )
+            entry["tool_call_id"] = call_id
+        normalised.append(entry)
+    common = _common(body, limits, True)
+    tools, choice, parallel = _tools(body)
+    if tools is not None and choice != "none":
+        if common["grammar"] is not None:
+            raise bad_request(
+                "response_format json_object/json_schema and tools cannot be combined (the "
+                "answer is either a call or JSON); use tool_choice none",
+                "response_format",
+            )
+        common["grammar"] = tool_grammar(tools, choice, parallel, "tools")
+    return CompletionRequest(
+        messages=normalised,
+        prompt=None,
+        tools=tools if choice != "none" else None,
+        tool_calls=tools is not None and choice != "none",
+        **common,
+    )
 
 
 def _refuse_unsupported_completion(body: dict) -> None:
