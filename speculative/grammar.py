@@ -85,9 +85,13 @@ class _Pieces:
         backend = tokenizer.backend
         size = backend.get_vocab_size(with_added_tokens=True)
         self.tokens = [(backend.id_to_token(i) or "").encode() for i in range(size)]
-        self.special_token_ids = [
-            i for i, added in backend.get_added_tokens_decoder().items() if added.special
-        ]
+        special = {i for i, added in backend.get_added_tokens_decoder().items() if added.special}
+        # The unknown, begin and end tokens are markers, not text, even where the tokenizer
+        # does not declare them as added special tokens (a word-level vocabulary).
+        unk = getattr(backend.model, "unk_token", None)
+        markers = [backend.token_to_id(unk) if unk else None, tokenizer.bos_id]
+        special |= {i for i in [*markers, *tokenizer.eos_token_ids] if i is not None}
+        self.special_token_ids = sorted(special)
         self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
         self.bos_token_id = tokenizer.bos_id
         self._backend = backend
@@ -151,7 +155,7 @@ class Grammar:
             raise GrammarError(f"{self.field}: {matcher.get_error()}", self.field)
         words = torch.empty((vocab.vocab_size + 31) // 32, dtype=torch.int32)
         matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
-        if matcher.is_error() or not bool(words.any()):
+        if matcher.is_error() or not spellable(matcher, words, vocab.eos_tokens):
             raise GrammarError(
                 f"{self.field}: the model's vocabulary cannot spell the start of this "
                 "grammar (no token, and no byte fallback, for its first character)",
@@ -181,6 +185,9 @@ class Constraint:
         self.width = width
         self.words_per_row = (self.vocab.vocab_size + 31) // 32
         self._explored: list[int] = []  # tokens consumed past the committed state
+        # The committed state's mask, once computed (a round asks for it up to three
+        # times: forced tokens, the root's draft row, the first draw); a commit drops it.
+        self._committed_words: torch.Tensor | None = None
         self.forced = 0  # tokens emitted because they were the only one allowed
 
     # -- the committed state -------------------------------------------------------------
@@ -192,11 +199,17 @@ class Constraint:
 
     def words(self) -> torch.Tensor:
         """(W,) int32 mask words of the next token at the committed state."""
-        self._home()
-        words = self._compute()
-        if not bool(words.any()):
+        words = self._at_home()
+        if not spellable(self.matcher, words, self.vocab.eos_tokens):
             self._unspellable()
         return words
+
+    def _at_home(self) -> torch.Tensor:
+        """The committed state's mask words (computed once per committed state)."""
+        self._home()
+        if self._committed_words is None:
+            self._committed_words = self._compute()
+        return self._committed_words
 
     def _unspellable(self) -> None:
         field = self.grammar.field
@@ -211,6 +224,7 @@ class Constraint:
         """Emitted tokens, in order. Each was drawn under this state's mask, so the
         matcher takes it; if not, the mask and the draw disagreed, a bug worth stopping."""
         self._home()
+        self._committed_words = None
         for token in tokens:
             if not self.matcher.consume_token(int(token)):
                 raise RuntimeError(
@@ -230,14 +244,16 @@ class Constraint:
                 # sequence is all its mask allows (the one the tokenizer names first).
                 taken.append(self.vocab.eos_token)
                 break
-            allowed = expand(self._compute(), self.width)
+            allowed = expand(self._at_home(), self.width)
             count = int(allowed.sum())
             if count == 0:
                 self._unspellable()
             if count != 1:
                 break
             token = int(allowed.nonzero()[0, 0])
-            self.matcher.consume_token(token)
+            if not self.matcher.consume_token(token):  # the engine's "nothing" sentinel
+                self._unspellable()
+            self._committed_words = None
             taken.append(token)
             if token in self.vocab.eos_tokens:
                 break
@@ -261,7 +277,10 @@ class Constraint:
         order = sorted(range(len(paths)), key=lambda i: list(paths[i]))
         for i in order:
             path = paths[i]
-            out[i] = self._compute() if self._goto(path) else -1
+            if not path:
+                out[i] = self._at_home()
+            else:
+                out[i] = self._compute() if self._goto(path) else -1
             if not bool(out[i].any()):
                 out[i] = -1  # after an end of sequence: nothing follows, nothing to mask
         return out
@@ -293,6 +312,22 @@ class Constraint:
         words = torch.empty(self.words_per_row, dtype=torch.int32)
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         return words
+
+
+def spellable(matcher: llguidance.LLMatcher, words: torch.Tensor, eos: Sequence[int]) -> bool:
+    """Whether the mask `words` at the matcher's state allows a token the matcher takes.
+    Where nothing can follow (the vocabulary has no piece for what the grammar requires
+    next, and no byte fallback), llguidance allows token 0 alone rather than nothing: a
+    single allowed token is tried (cheap: only a mask of one set bit is)."""
+    nonzero = words.nonzero()
+    if len(nonzero) != 1:
+        return len(nonzero) > 0
+    index = int(nonzero[0, 0])
+    word = int(words[index]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return True  # two or more bits in the one word
+    token = 32 * index + word.bit_length() - 1
+    return token in eos or matcher.validate_tokens([token]) == 1
 
 
 def expand(words: torch.Tensor, width: int) -> torch.Tensor:

@@ -413,3 +413,51 @@ def test_several_calls_stream_as_they_are_written() -> None:
         assert [tuple(calls[i]) for i in sorted(calls)] == [(c.name, c.arguments) for c in whole]
     text_answer = CallStream()
     assert text_answer.feed("<to") == [] and text_answer.feed("day") == [("content", "<today")]
+
+
+def test_each_committed_state_masks_once(runtime: Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forced-token check, the root's draft row and the first draw all read the
+    committed state's mask: computed once per state, not once per use (at a 128k
+    vocabulary a mask costs tens to hundreds of microseconds)."""
+    computed = 0
+    compute = Constraint._compute
+
+    def counting(self: Constraint) -> torch.Tensor:
+        nonlocal computed
+        computed += 1
+        return compute(self)
+
+    monkeypatch.setattr(Constraint, "_compute", counting)
+    gen = constrained(runtime, "autoregressive", SamplingParams(temperature=0.0))
+    # One per emitted token's state, one at the end (the finished grammar's end of text).
+    assert computed <= len(gen.token_ids) + 1
+
+
+def test_the_schema_features_the_readme_lists_compile(runtime: Runtime) -> None:
+    schema = {
+        "$defs": {"pet": {"enum": ["dog", "cat"]}},
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]$"},
+            "pet": {"$ref": "#/$defs/pet"},
+            "size": {"anyOf": [{"type": "integer", "minimum": 1}, {"const": "big"}]},
+            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 2},
+        },
+        "required": ["code", "pet", "size"],
+        "additionalProperties": False,
+    }
+    Grammar.json_schema(schema, "response_format.json_schema.schema").check(runtime.tokenizer)
+
+
+def test_what_the_vocabulary_cannot_spell_is_refused_before_generation(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A word-level vocabulary of a..e (no byte fallback): a grammar that needs a z, first
+    or after an a, is refused naming the field (the engine looks ahead: a path that leads
+    to an unspellable character is never allowed), and one it can spell is not."""
+    rt = Runtime(RuntimeOptions(model=str(tiny_checkpoint(vocab_size=8)), device="cpu"))
+    for pattern in ("z", "az"):
+        with pytest.raises(GrammarError, match="cannot spell") as err:
+            Grammar.regex(pattern, "grammar").check(rt.tokenizer)
+        assert err.value.param == "grammar"
+    Grammar.regex("a(z|b)", "grammar").check(rt.tokenizer)
+    constraint = Constraint(Grammar.regex("a(z|b)", "grammar"), rt.tokenizer, 8)
+    assert constraint.take_forced(4) == [3, 4, 2]  # a, then b (z cannot be), then the end

@@ -229,3 +229,15 @@ def test_on_cuda_the_substitute_is_built_there_and_exact(
     assert all(m.codes.is_cuda for m in rt.draft.modules() if isinstance(m, HQQLinear))
     gen = rt.generation(rt.tokenizer.encode(PROMPT), GREEDY, 120, ignore_eos=True).run()
     assert gen.token_ids == reference
+
+
+def test_a_short_prompt_rides_in_the_first_tree_pass(
+    stories_target: Path, reference: list[int]
+) -> None:
+    """The substitute drafts over a short prompt itself (in the target's cache, rows it
+    drops before the target verifies), so the prompt is prefilled by the first
+    verification pass: no plain target pass of its own, output unchanged."""
+    rt = streamed_runtime(stories_target, 4)
+    gen = rt.generation(rt.tokenizer.encode(PROMPT), GREEDY, 120, ignore_eos=True).run()
+    assert gen.token_ids == reference
+    assert gen.stats.prefill_passes == 0

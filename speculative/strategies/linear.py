@@ -27,7 +27,7 @@ from speculative.generation import (
     Session,
     prefill,
 )
-from speculative.grammar import MAX_FORCED, Constraint, forced_logprobs, masked
+from speculative.grammar import MAX_FORCED, Constraint, forced_logprobs, mask_rows_
 from speculative.model import Transformer
 from speculative.passes import forward
 from speculative.sampling import (
@@ -155,7 +155,8 @@ class Linear:
             logits = done.logits  # (k+1, V)
             if constraint is not None:  # row j: the state after t_1..t_j
                 words = constraint.masks([drafted[:j] for j in range(len(drafted) + 1)])
-                logits = masked(logits, words)
+                logits = logits.clone()  # one copy; masked row by row, no wider temporary
+                mask_rows_(logits, words)
             counts = path_counts(drafted, vocab, target.device)  # (k+1, V)
             p = probabilities(logits, params, penalties.rows(counts))  # (k+1, V)
             accepted, token = self.verify(p, proposal.q, drafted, generator)
