@@ -62,7 +62,6 @@ from speculative.generation import (
     Session,
     Strategy,
 )
-from speculative.grammar import Constraint
 from speculative.model import Transformer
 from speculative.passes import Allot, Forward, Request, allot, execute
 
@@ -272,11 +271,6 @@ class Engine:
         strategy = self._strategy(req.strategy, req.budget, req.tree_verification)
         pool_key = strategy.name
         session = self._idle.take(pool_key, req.prompt_ids) or self.runtime.new_session(strategy)
-        constraint = (
-            Constraint(req.grammar, self.runtime.tokenizer, self.runtime.target.vocab_width)
-            if req.grammar is not None
-            else None
-        )
         gen = Generation(
             strategy,
             session,
@@ -287,7 +281,7 @@ class Engine:
             stop=req.stop,
             ignore_eos=req.ignore_eos,
             trace=req.trace,
-            constraint=constraint,
+            constraint=req.constraint,
         )
         return _Active(job, gen, gen.steps(), session, pool_key)
 

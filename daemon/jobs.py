@@ -14,7 +14,7 @@ from typing import Any
 
 from speculative.errors import RequestError
 from speculative.generation import Chunk
-from speculative.grammar import Grammar
+from speculative.grammar import Constraint
 from speculative.sampling import SamplingParams
 
 
@@ -52,7 +52,9 @@ class GenerationRequest:
     tree_verification: str | None = None  # walk | rejection | auto for this request only
     ignore_eos: bool = False
     trace: bool = False  # chunks carry each round's draft tree (speculative.generation)
-    grammar: Grammar | None = None  # structured output (speculative/grammar.py)
+    # Structured output: the request's grammar state (speculative/grammar.py), made when
+    # the request was prepared; one generation's own.
+    constraint: Constraint | None = None
 
 
 @dataclass

@@ -134,6 +134,8 @@ class ModelDrafter:
             token = int(sample(q, generator)[0])
             tokens.append(token)
             rows.append(q[0])
+            if constraint is not None and token in constraint.vocab.eos_tokens:
+                break  # the grammar is complete: nothing can follow an end of sequence
             pending = [token]  # t_k itself is fed next round, and only if it is accepted
         if self.shared_cache:
             cache.truncate(committed)

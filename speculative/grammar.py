@@ -176,7 +176,10 @@ class Constraint:
 
     def __init__(self, grammar: Grammar, tokenizer: Any, width: int) -> None:
         """`width`: the model's logit rows (a padded embedding may be wider than the
-        tokenizer; ids past the tokenizer are never allowed)."""
+        tokenizer; ids past the tokenizer are never allowed). Raises GrammarError (naming
+        the field) when the grammar cannot start with this vocabulary; the first mask is
+        computed here, so a caller that makes it off the engine's thread pays for it
+        there."""
         self.grammar = grammar
         self.vocab = vocabulary(tokenizer)
         self.matcher = llguidance.LLMatcher(self.vocab, grammar.text, log_level=0)
@@ -189,6 +192,10 @@ class Constraint:
         # times: forced tokens, the root's draft row, the first draw); a commit drops it.
         self._committed_words: torch.Tensor | None = None
         self.forced = 0  # tokens emitted because they were the only one allowed
+        self._end = torch.zeros(self.words_per_row, dtype=torch.int32)  # the ends alone
+        for eos in self.vocab.eos_tokens:
+            self._end[eos // 32] |= _bit(eos % 32)
+        self.words()  # the start state: spellable, and its mask ready for the first draw
 
     # -- the committed state -------------------------------------------------------------
 
@@ -222,10 +229,14 @@ class Constraint:
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Emitted tokens, in order. Each was drawn under this state's mask, so the
-        matcher takes it; if not, the mask and the draw disagreed, a bug worth stopping."""
+        matcher takes it; if not, the mask and the draw disagreed, a bug worth stopping.
+        Nothing is taken past an end of sequence (a chain verified beyond one: the
+        generation stops there, those tokens are never emitted)."""
         self._home()
         self._committed_words = None
         for token in tokens:
+            if self.matcher.is_stopped():
+                break
             if not self.matcher.consume_token(int(token)):
                 raise RuntimeError(
                     f"the grammar refused token {token} that was drawn under its mask: "
@@ -280,9 +291,12 @@ class Constraint:
             if not path:
                 out[i] = self._at_home()
             else:
-                out[i] = self._compute() if self._goto(path) else -1
-            if not bool(out[i].any()):
-                out[i] = -1  # after an end of sequence: nothing follows, nothing to mask
+                words = self._compute() if self._goto(path) else None
+                # A path the grammar refuses, or a state nothing can follow: no mask.
+                if words is not None and spellable(self.matcher, words, self.vocab.eos_tokens):
+                    out[i] = words
+                else:
+                    out[i] = -1
         return out
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
@@ -309,9 +323,18 @@ class Constraint:
         return taken == len(rest)
 
     def _compute(self) -> torch.Tensor:
+        """The mask words at the matcher's state; past an end of sequence, the end of
+        sequence alone (nothing else can follow it)."""
+        if self.matcher.is_stopped():
+            return self._end.clone()
         words = torch.empty(self.words_per_row, dtype=torch.int32)
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         return words
+
+
+def _bit(i: int) -> torch.Tensor:
+    """Bit i of an int32 mask word (bit 31 is the sign bit)."""
+    return torch.tensor(1 << i if i < 31 else -(1 << 31), dtype=torch.int32)
 
 
 def spellable(matcher: llguidance.LLMatcher, words: torch.Tensor, eos: Sequence[int]) -> bool:

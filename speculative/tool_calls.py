@@ -102,22 +102,6 @@ class ToolCall:
         }
 
 
-def parse_calls(text: str) -> list[ToolCall] | None:
-    """The calls an answer made (None: it answered with text)."""
-    if not text.startswith(OPEN):
-        return None
-    calls = []
-    for block in text.split(OPEN)[1:]:
-        body = block.split(CLOSE)[0]
-        try:
-            call = json.loads(body)
-        except ValueError:
-            break  # cut by max_tokens mid-call: what came whole is returned
-        arguments = body[body.index(ARGUMENTS) + len(ARGUMENTS) : -1]  # as written (compact)
-        calls.append(ToolCall(new_call_id(), call["name"], arguments))
-    return calls
-
-
 @dataclass
 class CallStream:
     """Reads an answer as it streams and says what OpenAI's deltas carry: content text, a
@@ -178,12 +162,31 @@ class CallStream:
         return False
 
     def finish(self) -> list[tuple[Any, ...]]:
-        """What is left when the answer ends (a text answer's held-back start)."""
+        """What is left when the answer ends: a text answer's held-back start, or the
+        held-back end of a call's arguments cut by max_tokens or a stop string (a call
+        whose name was not complete was never announced, and is not now)."""
         out: list[tuple[Any, ...]] = []
         if self.state in ("undecided", "text") and self.buffer:
             out.append(("content", self.buffer))
+        if self.state == "arguments" and self.buffer:
+            out.append(("arguments", self.index, self.buffer))
         self.buffer = ""
         return out
+
+
+def read_answer(text: str) -> tuple[str, list[ToolCall]]:
+    """A whole answer read exactly as a stream of it is: its content text and its calls
+    (a cut call keeps what was written of its arguments, as OpenAI returns it)."""
+    stream = CallStream()
+    events = stream.feed(text) + stream.finish()
+    content = "".join(e[1] for e in events if e[0] == "content")
+    calls: list[ToolCall] = []
+    for event in events:
+        if event[0] == "call":
+            calls.append(ToolCall(event[2], event[3], ""))
+        elif event[0] == "arguments":
+            calls[event[1]].arguments += event[2]
+    return content, calls
 
 
 # -- rendering for models whose template has no tool format ----------------------------

@@ -26,7 +26,7 @@ from daemon.settings_loading import load_settings
 from speculative.generation import Generation
 from speculative.grammar import Constraint, Grammar, GrammarError, expand, mask_rows_
 from speculative.sampling import SamplingParams
-from speculative.tool_calls import CallStream, parse_calls
+from speculative.tool_calls import CallStream, read_answer
 
 MODEL = "stories260k"
 PROMPT = "Once upon a time there was a girl. Her name was"
@@ -81,6 +81,16 @@ def constrained(runtime: Runtime, strategy: str, params: SamplingParams) -> Gene
         built, runtime.new_session(built), runtime.tokenizer, ids, params, 120,
         constraint=constraint,
     ).run()  # fmt: skip
+
+
+def constrained_text(runtime: Runtime, grammar: Grammar) -> str:
+    """Greedy constrained autoregressive decoding of PROMPT: the reference."""
+    built = runtime.strategy("autoregressive")
+    return Generation(
+        built, runtime.new_session(built), runtime.tokenizer, runtime.tokenizer.encode(PROMPT),
+        SamplingParams(temperature=0.0), 40,
+        constraint=Constraint(grammar, runtime.tokenizer, runtime.target.vocab_width),
+    ).run().text  # fmt: skip
 
 
 def test_greedy_constrained_output_is_the_same_for_every_strategy(runtime: Runtime) -> None:
@@ -370,6 +380,9 @@ def test_named_choice_auto_and_a_conversation_with_results(client: openai.OpenAI
         ({"messages": [{"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
          "messages[0].tool_call_id"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": [{"role": "tool", "tool_call_id": [], "content": "1"}]},
+         "messages[0].tool_call_id"),
+        ({"tool_choice": {"type": "function", "function": {"name": []}}}, "tool_choice"),
     ],
 )  # fmt: skip
 def test_bad_tools_are_a_400_naming_the_field(
@@ -392,8 +405,8 @@ def test_several_calls_stream_as_they_are_written() -> None:
         '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris","unit":"celsius"}}'
         '\n</tool_call>\n<tool_call>\n{"name":"get_time","arguments":{"zone":"}"}}\n</tool_call>'
     )
-    whole = parse_calls(text)
-    assert whole is not None
+    content, whole = read_answer(text)
+    assert content == ""
     assert [(c.name, c.arguments) for c in whole] == [
         ("get_weather", '{"city":"Paris","unit":"celsius"}'),
         ("get_time", '{"zone":"}"}'),
@@ -461,3 +474,63 @@ def test_what_the_vocabulary_cannot_spell_is_refused_before_generation(tiny_chec
     Grammar.regex("a(z|b)", "grammar").check(rt.tokenizer)
     constraint = Constraint(Grammar.regex("a(z|b)", "grammar"), rt.tokenizer, 8)
     assert constraint.take_forced(4) == [3, 4, 2]  # a, then b (z cannot be), then the end
+
+
+def test_completions_refuse_tools(server: BackgroundServer) -> None:
+    body = {"model": MODEL, "prompt": "Lily", "tools": [WEATHER], "max_tokens": 5}
+    request = urllib.request.Request(
+        server.url + "/v1/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request)
+    assert err.value.code == 400 and json.loads(err.value.read())["error"]["param"] == "tools"
+
+
+@pytest.mark.parametrize(
+    "cut",
+    [
+        '<tool_call>\n{"name":"f","arguments":{"a":"hello wor',
+        '<tool_call>\n{"name":"f","arguments":{"a":1}}\n</tool_call>\n<tool_call>\n{"name":"g","ar',
+        '<tool_call>\n{"name":"f","arguments":{"a":1}}\n</tool_call>\n<tool_call>\n{"name":"g","arguments":{"b',
+        '<tool_call>\n{"na',
+    ],
+)
+def test_a_cut_call_reads_the_same_streamed_and_whole(cut: str) -> None:
+    """An answer cut by max_tokens or a stop string mid-call: the whole answer's calls are
+    exactly what the stream announced and sent, held-back characters included."""
+    content, whole = read_answer(cut)
+    for size in (1, 3, len(cut)):
+        stream, events = CallStream(), []
+        for i in range(0, len(cut), size):
+            events += stream.feed(cut[i : i + size])
+        events += stream.finish()
+        calls: dict[int, list[str]] = {}
+        for event in events:
+            if event[0] == "call":
+                calls[event[1]] = [event[3], ""]
+            elif event[0] == "arguments":
+                calls[event[1]][1] += event[2]
+        assert [tuple(calls[i]) for i in sorted(calls)] == [(c.name, c.arguments) for c in whole]
+        assert "".join(e[1] for e in events if e[0] == "content") == content
+
+
+@pytest.mark.parametrize("strategy", ["autoregressive", "linear", "tree"])
+def test_a_grammar_that_may_end_mid_chain(runtime: Runtime, strategy: str) -> None:
+    """A top-level string schema: the end of text may come inside a drafted chain or tree;
+    nothing past it is committed to the grammar, the output is a valid string, greedy
+    output the same for every strategy."""
+    grammar = Grammar.json_schema({"type": "string", "maxLength": 6}, "response_format")
+    outputs = []
+    for params in [SamplingParams(temperature=0.0), *(SamplingParams(seed=s) for s in range(6))]:
+        built = runtime.strategy(strategy)
+        gen = Generation(
+            built, runtime.new_session(built), runtime.tokenizer,
+            runtime.tokenizer.encode(PROMPT), params, 40,
+            constraint=Constraint(grammar, runtime.tokenizer, runtime.target.vocab_width),
+        ).run()  # fmt: skip
+        value = json.loads(gen.text)
+        assert gen.finish_reason == "stop" and isinstance(value, str) and len(value) <= 6
+        outputs.append(gen.text)
+    reference = constrained_text(runtime, grammar)
+    assert outputs[0] == reference

@@ -48,12 +48,13 @@ from daemon.metrics import Metrics
 from daemon.runtime import RuntimeSetupError
 from speculative.errors import RequestError
 from speculative.generation import Chunk
+from speculative.grammar import Constraint
 from speculative.sampling import TokenLogprob
 from speculative.tokenizer import ChatTemplateError, Tokenizer
 from speculative.tool_calls import (
     CallStream,
     Tool,
-    parse_calls,
+    read_answer,
     render_tool_messages,
     template_has_tools,
 )
@@ -152,7 +153,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     # on a few threads (the others wait in the executor's queue), so /health and the
     # streams in flight keep flowing meanwhile.
     loop = asyncio.get_running_loop()
-    engine, req, prompt_ids = await loop.run_in_executor(
+    engine, req, prompt_ids, constraint = await loop.run_in_executor(
         app[PREPARERS], partial(_prepare, app, raw, chat)
     )
     try:
@@ -167,7 +168,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 tree_verification=req.tree_verification,
                 ignore_eos=req.ignore_eos,
                 trace=req.trace,
-                grammar=req.grammar,
+                constraint=constraint,
             ),
             asyncio.get_running_loop(),
         )
@@ -260,9 +261,10 @@ async def read_body(request: web.Request, config: ApiConfig) -> bytes:
 
 def _prepare(
     app: web.Application, raw: bytes, chat: bool
-) -> tuple[Engine, CompletionRequest, list[int]]:
-    """A request body → the engine, the validated request and its prompt ids, or the
-    ApiError that refuses it. Runs on a preparing thread."""
+) -> tuple[Engine, CompletionRequest, list[int], Constraint | None]:
+    """A request body → the engine, the validated request, its prompt ids and its grammar
+    state (None: free text), or the ApiError that refuses it. Runs on a preparing
+    thread."""
     config = app[CONFIG]
     body = parse_json_object(raw)
     req = parse_chat(body, config.limits) if chat else parse_completion(body, config.limits)
@@ -278,10 +280,16 @@ def _prepare(
     _check_strategy(engine, req)
     prompt_ids = _prompt_ids(engine, req)
     assert engine.runtime is not None
-    if req.grammar is not None:
-        req.grammar.check(engine.runtime.tokenizer)  # compiled against its vocabulary, once
     _check_room(req, len(prompt_ids), engine.runtime.context, config.limits.clamp_max_tokens)
-    return engine, req, prompt_ids
+    runtime = engine.runtime
+    # The request's grammar state, compiled against the vocabulary here (its first mask
+    # included), not on the engine's thread that serves every generation.
+    constraint = (
+        Constraint(req.grammar, runtime.tokenizer, runtime.target.vocab_width)
+        if req.grammar is not None
+        else None
+    )
+    return engine, req, prompt_ids, constraint
 
 
 # A normaliser may contract text before tokenizing (NFKC composes up to three characters
@@ -424,12 +432,13 @@ async def _collect(
         elif isinstance(event, Finished):
             cached = int(event.stats.get("cached_prompt_tokens", 0))
             u = usage(event.prompt_tokens, event.completion_tokens, cached)
-            answer = "".join(text)
-            made = parse_calls(answer) if calls else None
+            answer, made = "".join(text), None
+            if calls:  # read as a stream of it is read: the two always agree
+                answer, made = read_answer(answer)
             reason = "tool_calls" if made and event.finish_reason == "stop" else event.finish_reason
             body = shape.full(
                 answer, reason, u, event.stats, logprobs, previous,
-                tool_calls=[c.as_openai() for c in made] if made is not None else None,
+                tool_calls=[c.as_openai() for c in made] if made else None,
             )  # fmt: skip
             return web.json_response(body)
         elif isinstance(event, Failed):

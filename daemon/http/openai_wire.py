@@ -420,7 +420,8 @@ def _tools(body: dict) -> tuple[list[Tool] | None, str | None, bool]:
     if isinstance(choice, dict):
         fn = choice.get("function")
         named = fn.get("name") if isinstance(fn, dict) else None
-        if choice.get("type") != "function" or named not in {t.name for t in parsed}:
+        offered = {t.name for t in parsed}
+        if choice.get("type") != "function" or not isinstance(named, str) or named not in offered:
             raise bad_request(
                 "tool_choice must be none, auto, required or "
                 '{"type": "function", "function": {"name": NAME}} naming one of the tools',
@@ -490,7 +491,7 @@ def parse_chat(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
             called.update(c["id"] for c in entry["tool_calls"])
         if role == "tool":
             call_id = msg.get("tool_call_id")
-            if call_id not in called:
+            if not isinstance(call_id, str) or call_id not in called:
                 raise bad_request(
                     f"{where}.tool_call_id {call_id!r} answers no earlier assistant tool call",
                     f"{where}.tool_call_id",
@@ -534,6 +535,9 @@ def _refuse_unsupported_completion(body: dict) -> None:
 def parse_completion(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
     _refuse_unsupported(body)
     _refuse_unsupported_completion(body)
+    for name in ("tools", "tool_choice"):
+        if body.get(name) not in (None, [], "none"):
+            raise bad_request(f"{name} is for chat completions (/v1/chat/completions)", name)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
