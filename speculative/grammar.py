@@ -45,7 +45,9 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 # Tokens emitted without a pass in one go (a long const string, a key list): the pass
 # that feeds them with the next round stays far inside the planned largest pass.
 MAX_FORCED = 256
-_SHIFTS = torch.arange(32, dtype=torch.int32)  # bit i of a mask word is token 32*w + i
+# Bit i of mask word w is token 32 w + i; read as bytes (little-endian, as on every
+# machine torch runs on), bit j of byte b is token 8 b + j.
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 class GrammarError(RequestError):
@@ -355,9 +357,11 @@ def spellable(matcher: llguidance.LLMatcher, words: torch.Tensor, eos: Sequence[
 
 def expand(words: torch.Tensor, width: int) -> torch.Tensor:
     """(..., W) int32 mask words → (..., width) bool, on the words' device; ids past the
-    words' coverage are not allowed."""
+    words' coverage are not allowed. Worked on as bytes: its temporaries take 2 bytes per
+    vocabulary entry (the mask itself 1), not the 8 of int32 shifts."""
     shifts = _SHIFTS.to(words.device)
-    bits = ((words[..., None] >> shifts) & 1).bool()  # (..., W, 32)
+    data = words.contiguous().view(torch.uint8)  # (..., 4 W)
+    bits = ((data[..., None] >> shifts) & 1).bool()  # (..., 4 W, 8)
     flat = bits.reshape(*words.shape[:-1], -1)  # (..., 32 W)
     if flat.shape[-1] >= width:
         return flat[..., :width]

@@ -235,8 +235,8 @@ class PositionNoise:
 # its penalty counts with the node's path (4) and `seen` (1), then the same top-p peak
 # less its input (31): 44; after that only (V,) rows (p, q, the residual's two steps).
 # Under a grammar the row drawn from is a masked copy (4, speculative/grammar.py; making
-# it takes about 9 before the draw starts): the walk's draw then peaks at 41, top-p's at
-# 40, both within 44.
+# it takes about 3 more before the draw starts): the walk's draw then peaks at 41,
+# top-p's at 40, both within 44.
 DRAW_BYTES_PER_ENTRY = 44
 
 

@@ -534,3 +534,16 @@ def test_a_grammar_that_may_end_mid_chain(runtime: Runtime, strategy: str) -> No
         outputs.append(gen.text)
     reference = constrained_text(runtime, grammar)
     assert outputs[0] == reference
+
+
+def test_mask_words_expand_bit_for_bit() -> None:
+    """Every bit of random mask words (sign bits included) against a bit-by-bit reading;
+    ids past the words' coverage are never allowed."""
+    words = torch.randint(-(2**31), 2**31 - 1, (3, 40), dtype=torch.int32)
+    reference = torch.tensor(
+        [[(int(row[i // 32]) >> (i % 32)) & 1 for i in range(1280)] for row in words],
+        dtype=torch.bool,
+    )
+    assert torch.equal(expand(words, 1280), reference)
+    wider = expand(words, 1300)
+    assert torch.equal(wider[:, :1280], reference) and not wider[:, 1280:].any()
