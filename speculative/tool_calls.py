@@ -2,24 +2,30 @@
 tools and calls rendered for the model, and the model's text read back as OpenAI's
 `tool_calls`, whole or as stream deltas.
 
-One call format, the Hermes one that Qwen2.5 and Qwen3 are trained on and their chat
-templates write:
+Each model family writes calls in the format it was trained on (`CallFormat`), and the
+grammar allows exactly that format:
 
-    <tool_call>
-    {"name":"get_weather","arguments":{"city":"Paris"}}
-    </tool_call>
+- Hermes (Qwen2.5/3): `<tool_call>\n{"name":"f","arguments":{...}}\n</tool_call>`, one
+  block per call, blocks separated by a newline;
+- Llama 3.1/3.2/3.3: the call as a bare object, `{"name":"f","parameters":{...}}`, one
+  call per answer (their templates refuse a turn with several);
+- Mistral: the `[TOOL_CALLS]` special token, then a JSON list of
+  `{"name":"f","arguments":{...}}` objects (call ids of 9 letters and digits, which
+  Mistral's templates require).
 
-one block per call, nothing else in an answer that calls tools. A template that takes
-`tools` (Qwen's) renders them and the history's calls itself; for any other model specd
-puts the tools and this format in a system message of its own and writes earlier calls
-and tool results in the same tags (`render_tool_messages`). The arguments are generated
-under the function's parameter schema, so they always parse and validate.
+A template that renders `tools` and one of these formats gets the request's tools and
+history as transformers would pass them; for any other model specd puts the tools and
+the Hermes format in a system message of its own and writes earlier calls and tool
+results in the same tags (`render_tool_messages`). The arguments are generated under the
+function's parameter schema, compact, so they always parse and validate.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +34,60 @@ import llguidance
 
 from speculative.grammar import JSON_OPTIONS, Grammar, GrammarError
 
-OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
-HEAD, ARGUMENTS, TAIL = OPEN + '{"name":', ',"arguments":', "}" + CLOSE
+NAME = '{"name":'  # how every format's call object begins (compact JSON)
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How a model family writes its calls. An answer that calls tools is
+    `token` `begin` (`open` call `close`) (`separator` `open` call `close`)* `end`, where a
+    call is `{"name":NAME,"<arguments>":{...}}`. `token` is a special token (text the
+    tokenizer does not decode: the stream never sees it)."""
+
+    name: str
+    open: str = ""
+    close: str = ""
+    separator: str = ""
+    begin: str = ""
+    end: str = ""
+    arguments: str = "arguments"
+    token: str | None = None
+    parallel: bool = True  # whether one answer may hold several calls
+    id_length: int = 0  # ids of exactly this many letters and digits; 0: "call_" + hex
+
+    @property
+    def lead(self) -> str:
+        """The text an answer that calls begins with (and a text answer may not)."""
+        return self.begin + self.open + NAME
+
+    def new_id(self) -> str:
+        if not self.id_length:
+            return "call_" + secrets.token_hex(12)
+        alphabet = string.ascii_letters + string.digits
+        return "".join(secrets.choice(alphabet) for _ in range(self.id_length))
+
+
+HERMES = CallFormat("hermes", open="<tool_call>\n", close="\n</tool_call>", separator="\n")
+LLAMA3 = CallFormat("llama3", arguments="parameters", parallel=False)
+MISTRAL = CallFormat(
+    "mistral", begin="[", end="]", separator=",", token="[TOOL_CALLS]", id_length=9
+)
+
+
+def native_format(template: str | None, vocabulary: dict[str, int]) -> CallFormat | None:
+    """The call format a chat template renders `tools` in itself, or None (specd's
+    fallback, Hermes in a system message). Read from what the template writes: Qwen's
+    the <tool_call> tags, Llama 3's the `ipython` role and `parameters`, Mistral's the
+    [TOOL_CALLS] token (which must then be a token of the vocabulary)."""
+    if template is None or "tools" not in template:
+        return None
+    if "<tool_call>" in template:
+        return HERMES
+    if "[TOOL_CALLS]" in template and MISTRAL.token in vocabulary:
+        return MISTRAL
+    if "ipython" in template and "parameters" in template:
+        return LLAMA3
+    return None
 
 
 @dataclass(frozen=True)
@@ -48,31 +106,50 @@ class Tool:
         return {"type": "function", "function": function}
 
 
-def _call_schema(tool: Tool) -> dict[str, Any]:
+def _call_schema(tool: Tool, fmt: CallFormat) -> dict[str, Any]:
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": tool.name}, fmt.arguments: tool.parameters},
+        "required": ["name", fmt.arguments],
         "additionalProperties": False,
         "x-guidance": JSON_OPTIONS,
     }
 
 
-def tool_grammar(tools: Sequence[Tool], choice: str | None, parallel: bool, field: str) -> Grammar:
-    """What the answer may be. `choice`: "auto" (text, or calls), "required" (calls), or a
-    function's name (one call to it). Text may be anything that does not begin with the
-    call tag; calls are one or more blocks (one unless `parallel`)."""
+def _sequence(*parts: str) -> str:
+    """Lark items for the non-empty parts (literal strings, or rules as given)."""
+    return " ".join(p for p in parts if p)
+
+
+def tool_grammar(
+    fmt: CallFormat,
+    tools: Sequence[Tool],
+    choice: str | None,
+    parallel: bool,
+    field: str,
+    vocabulary: dict[str, int] | None = None,
+) -> Grammar:
+    """What the answer may be, in `fmt`. `choice`: "auto" (text, or calls), "required"
+    (calls), or a function's name (one call to it). Text may be anything that does not
+    begin as a call does; calls are one or more (one unless `parallel` and the format has
+    room for several). `vocabulary` gives the id of the format's special token."""
     chosen = [t for t in tools if choice in (None, "auto", "required") or t.name == choice]
-    rules = [f"call_{i}: %json {json.dumps(_call_schema(t))}" for i, t in enumerate(chosen)]
+    rules = [f"call_{i}: %json {json.dumps(_call_schema(t, fmt))}" for i, t in enumerate(chosen)]
     alternatives = " | ".join(f"call_{i}" for i in range(len(chosen)))
-    calls = 'call ("\\n" call)*' if parallel and choice in ("auto", "required", None) else "call"
+    several = parallel and fmt.parallel and choice in ("auto", "required", None)
+    literal = lambda text: json.dumps(text) if text else ""  # noqa: E731
+    token = ""
+    if fmt.token is not None:
+        assert vocabulary is not None and fmt.token in vocabulary
+        token = f"<[{vocabulary[fmt.token]}]>"
+    repeat = f"({_sequence(literal(fmt.separator), 'call')})*" if several else ""
     start = "TEXT | calls" if choice in ("auto", None) else "calls"
     lark = "\n".join(
         [
             f"start: {start}",
-            f"calls: {calls}",
-            f"call: {json.dumps(OPEN)} ({alternatives}) {json.dumps(CLOSE)}",
-            r"TEXT: /(.|\n)*/ & ~/<tool_call>(.|\n)*/",
+            f"calls: {_sequence(token, literal(fmt.begin), 'call', repeat, literal(fmt.end))}",
+            f"call: {_sequence(literal(fmt.open), f'({alternatives})', literal(fmt.close))}",
+            rf"TEXT: /(.|\n)*/ & ~/{_regex(fmt.lead)}(.|\n)*/",
             *rules,
         ]
     )
@@ -84,8 +161,9 @@ def tool_grammar(tools: Sequence[Tool], choice: str | None, parallel: bool, fiel
     return grammar
 
 
-def new_call_id() -> str:
-    return "call_" + secrets.token_hex(12)
+def _regex(text: str) -> str:
+    """`text` as a Lark regular expression matching it literally."""
+    return re.sub(r"([\\/.*+?()\[\]{}|^$])", r"\\\1", text).replace("\n", r"\n")
 
 
 @dataclass
@@ -102,17 +180,20 @@ class ToolCall:
         }
 
 
-@dataclass
 class CallStream:
-    """Reads an answer as it streams and says what OpenAI's deltas carry: content text, a
-    call's start (index, id, name) and fragments of its arguments. Text is held back only
-    while it could still be the start of a call tag, arguments only while they could be
-    the call's closing brace and tag (compact JSON holds no raw newline, so the first
-    `}\n</tool_call>` ends the call)."""
+    """Reads an answer in `fmt` as it streams and says what OpenAI's deltas carry: content
+    text, a call's start (index, id, name) and fragments of its arguments. Text is held
+    back only while it could still be the start of a call; arguments are passed on as
+    they come, their end found by counting the JSON object's brackets (outside strings),
+    so no text after them needs to be waited for."""
 
-    buffer: str = ""
-    state: str = "undecided"  # undecided | text | head | arguments | between
-    index: int = -1
+    def __init__(self, fmt: CallFormat = HERMES) -> None:
+        self.fmt = fmt
+        self.buffer = ""
+        self.state = "undecided"  # undecided | text | head | arguments | after | between | done
+        self.index = -1
+        self._depth = 0  # the arguments object's open brackets
+        self._in_string = self._escaped = False
 
     def feed(self, text: str) -> list[tuple[Any, ...]]:
         self.buffer += text
@@ -123,12 +204,12 @@ class CallStream:
 
     def _step(self, out: list[tuple[Any, ...]]) -> bool:
         """One move of the state machine; False when it needs more text."""
-        b = self.buffer
+        b, fmt = self.buffer, self.fmt
         if self.state == "undecided":
-            if b.startswith(OPEN):
-                self.state = "head"
+            if b.startswith(fmt.lead):
+                self.buffer, self.state = b[len(fmt.begin) :], "head"
                 return True
-            if OPEN.startswith(b):
+            if fmt.lead.startswith(b):
                 return False  # may still become a call
             self.state = "text"
             return True
@@ -138,46 +219,77 @@ class CallStream:
             self.buffer = ""
             return False
         if self.state == "head":
-            end = b.find(ARGUMENTS)
+            key = f',"{fmt.arguments}":'
+            end = b.find(key)
             if end < 0:
                 return False
             self.index += 1
-            out.append(("call", self.index, new_call_id(), json.loads(b[len(HEAD) : end])))
-            self.buffer, self.state = b[end + len(ARGUMENTS) :], "arguments"
+            name = json.loads(b[len(fmt.open + NAME) : end])
+            out.append(("call", self.index, fmt.new_id(), name))
+            self.buffer, self.state = b[end + len(key) :], "arguments"
+            self._depth, self._in_string, self._escaped = 0, False, False
             return True
         if self.state == "arguments":
-            close = b.find(TAIL)
-            if close >= 0:
-                if close:
-                    out.append(("arguments", self.index, b[:close]))
-                self.buffer, self.state = b[close + len(TAIL) :], "between"
+            end = self._scan(b)
+            if end:
+                out.append(("arguments", self.index, b[:end]))
+            self.buffer = b[end:]
+            if self._depth == 0 and end:  # the object is closed
+                self.state = "after"
                 return True
-            if len(b) > len(TAIL):
-                out.append(("arguments", self.index, b[: -len(TAIL)]))
-                self.buffer = b[-len(TAIL) :]
             return False
-        if b.startswith("\n"):  # between two calls
-            self.buffer, self.state = b[1:], "head"
+        if self.state == "after":
+            tail = "}" + fmt.close
+            if not b.startswith(tail):
+                return False
+            self.buffer, self.state = b[len(tail) :], "between"
             return True
+        if self.state == "between":
+            if fmt.separator and b.startswith(fmt.separator + fmt.open + NAME):
+                self.buffer, self.state = b[len(fmt.separator) :], "head"
+                return True
+            if fmt.end and b.startswith(fmt.end):
+                self.buffer, self.state = "", "done"
+            return False
+        self.buffer = ""  # done: the grammar allows nothing more but the end
         return False
 
+    def _scan(self, text: str) -> int:
+        """How much of `text` belongs to the arguments object: all of it, or up to and
+        including the bracket that closes it."""
+        for i, ch in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i + 1
+        return len(text)
+
     def finish(self) -> list[tuple[Any, ...]]:
-        """What is left when the answer ends: a text answer's held-back start, or the
-        held-back end of a call's arguments cut by max_tokens or a stop string (a call
-        whose name was not complete was never announced, and is not now)."""
+        """What is left when the answer ends: a text answer's held-back start (a call cut
+        by max_tokens or a stop string has passed on what was written of its arguments;
+        one whose name was not complete was never announced, and is not now)."""
         out: list[tuple[Any, ...]] = []
         if self.state in ("undecided", "text") and self.buffer:
             out.append(("content", self.buffer))
-        if self.state == "arguments" and self.buffer:
-            out.append(("arguments", self.index, self.buffer))
         self.buffer = ""
         return out
 
 
-def read_answer(text: str) -> tuple[str, list[ToolCall]]:
+def read_answer(text: str, fmt: CallFormat = HERMES) -> tuple[str, list[ToolCall]]:
     """A whole answer read exactly as a stream of it is: its content text and its calls
     (a cut call keeps what was written of its arguments, as OpenAI returns it)."""
-    stream = CallStream()
+    stream = CallStream(fmt)
     events = stream.feed(text) + stream.finish()
     content = "".join(e[1] for e in events if e[0] == "content")
     calls: list[ToolCall] = []
@@ -190,6 +302,8 @@ def read_answer(text: str) -> tuple[str, list[ToolCall]]:
 
 
 # -- rendering for models whose template has no tool format ----------------------------
+
+OPEN, CLOSE = HERMES.open, HERMES.close
 
 FALLBACK_INSTRUCTIONS = (
     "To call a function, answer with one block per call:\n"
@@ -233,8 +347,3 @@ def render_tool_messages(
         else:
             out.insert(0, {"role": "system", "content": system})
     return out
-
-
-def template_has_tools(template: str | None) -> bool:
-    """A chat template that renders `tools` and the Hermes call tags itself (Qwen2.5/3)."""
-    return template is not None and "tools" in template and "<tool_call>" in template

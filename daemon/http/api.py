@@ -52,11 +52,14 @@ from speculative.grammar import Constraint
 from speculative.sampling import TokenLogprob
 from speculative.tokenizer import ChatTemplateError, Tokenizer
 from speculative.tool_calls import (
+    HERMES,
+    CallFormat,
     CallStream,
     Tool,
+    native_format,
     read_answer,
     render_tool_messages,
-    template_has_tools,
+    tool_grammar,
 )
 
 log = logging.getLogger("specd.api")
@@ -153,7 +156,7 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     # on a few threads (the others wait in the executor's queue), so /health and the
     # streams in flight keep flowing meanwhile.
     loop = asyncio.get_running_loop()
-    engine, req, prompt_ids, constraint = await loop.run_in_executor(
+    engine, req, prompt_ids, constraint, calls = await loop.run_in_executor(
         app[PREPARERS], partial(_prepare, app, raw, chat)
     )
     try:
@@ -190,8 +193,10 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     shape = ResponseShape(chat=chat, model=config.model_name, decode=decode)
     try:
         if req.stream:
-            return await _stream(request, job, shape, req, config.keepalive_seconds, prompt_ids[-1])
-        return await _collect(request, job, shape, prompt_ids[-1], req.tool_calls)
+            return await _stream(
+                request, job, shape, req, config.keepalive_seconds, prompt_ids[-1], calls
+            )
+        return await _collect(request, job, shape, prompt_ids[-1], calls)
     finally:
         if not job.done:
             job.cancel()  # the client went away (or we failed): free the engine's slot
@@ -261,10 +266,10 @@ async def read_body(request: web.Request, config: ApiConfig) -> bytes:
 
 def _prepare(
     app: web.Application, raw: bytes, chat: bool
-) -> tuple[Engine, CompletionRequest, list[int], Constraint | None]:
-    """A request body → the engine, the validated request, its prompt ids and its grammar
-    state (None: free text), or the ApiError that refuses it. Runs on a preparing
-    thread."""
+) -> tuple[Engine, CompletionRequest, list[int], Constraint | None, CallFormat | None]:
+    """A request body → the engine, the validated request, its prompt ids, its grammar
+    state (None: free text) and the format its answer's tool calls are read in (None: it
+    calls none), or the ApiError that refuses it. Runs on a preparing thread."""
     config = app[CONFIG]
     body = parse_json_object(raw)
     req = parse_chat(body, config.limits) if chat else parse_completion(body, config.limits)
@@ -282,14 +287,25 @@ def _prepare(
     assert engine.runtime is not None
     _check_room(req, len(prompt_ids), engine.runtime.context, config.limits.clamp_max_tokens)
     runtime = engine.runtime
+    grammar, calls = req.grammar, None
+    if req.tools is not None:
+        calls = _call_format(runtime.tokenizer)
+        vocabulary = runtime.tokenizer.vocabulary
+        choice, parallel = req.tool_choice, req.parallel_tool_calls
+        grammar = tool_grammar(calls, req.tools, choice, parallel, "tools", vocabulary)
     # The request's grammar state, compiled against the vocabulary here (its first mask
     # included), not on the engine's thread that serves every generation.
     constraint = (
-        Constraint(req.grammar, runtime.tokenizer, runtime.target.vocab_width)
-        if req.grammar is not None
+        Constraint(grammar, runtime.tokenizer, runtime.target.vocab_width)
+        if grammar is not None
         else None
     )
-    return engine, req, prompt_ids, constraint
+    return engine, req, prompt_ids, constraint, calls
+
+
+def _call_format(tok: Tokenizer) -> CallFormat:
+    """The model's own call format where its template has one, else the fallback's."""
+    return native_format(tok.chat_template, tok.vocabulary) or HERMES
 
 
 # A normaliser may contract text before tokenizing (NFKC composes up to three characters
@@ -357,9 +373,9 @@ def _encode_conversation(
     tok: Tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None
 ) -> list[int]:
     """A conversation's prompt ids: the tools, earlier calls and their results rendered by
-    the model's template where it has a tool format (Qwen's), else in specd's fallback
-    format (speculative/tool_calls.py)."""
-    if template_has_tools(tok.chat_template):
+    the model's template where it has a tool format (Qwen's, Llama 3's, Mistral's), else
+    in specd's fallback format (speculative/tool_calls.py)."""
+    if native_format(tok.chat_template, tok.vocabulary) is not None:
         offered = [t.as_openai() for t in tools] if tools else None
         return tok.encode_chat(messages, tools=offered)
     return tok.encode_chat(render_tool_messages(messages, tools))
@@ -411,7 +427,11 @@ def _client_gone(request: web.Request) -> bool:
 
 
 async def _collect(
-    request: web.Request, job: Job, shape: ResponseShape, previous: int, calls: bool = False
+    request: web.Request,
+    job: Job,
+    shape: ResponseShape,
+    previous: int,
+    calls: CallFormat | None = None,  # the answer is read as tool calls in this format
 ) -> web.Response:
     """The whole answer in one body. Nothing is written before the end, so a client that
     left is not noticed by a failed write as a stream's is: its connection is looked at
@@ -434,7 +454,7 @@ async def _collect(
             u = usage(event.prompt_tokens, event.completion_tokens, cached)
             answer, made = "".join(text), None
             if calls:  # read as a stream of it is read: the two always agree
-                answer, made = read_answer(answer)
+                answer, made = read_answer(answer, calls)
             reason = "tool_calls" if made and event.finish_reason == "stop" else event.finish_reason
             body = shape.full(
                 answer, reason, u, event.stats, logprobs, previous,
@@ -452,6 +472,7 @@ async def _stream(
     req: CompletionRequest,
     keepalive: float,
     previous: int,  # the prompt's last token (log-probabilities name tokens in context)
+    call_format: CallFormat | None = None,  # the answer is read as tool calls in this format
 ) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={
@@ -466,7 +487,7 @@ async def _stream(
     await response.prepare(request)
     first = True
     offset = 0  # characters of text sent so far (the completions' text_offset)
-    calls = CallStream() if req.tool_calls else None  # the answer read as tool calls
+    calls = CallStream(call_format) if call_format is not None else None
     if shape.chat:  # the role arrives before any text, as OpenAI's own stream does
         await response.write(sse(shape.chunk("", first=True)))
         first = False

@@ -16,7 +16,7 @@ from typing import Any
 from daemon.settings import STRATEGY_CHOICES, TREE_VERIFICATION_CHOICES
 from speculative.grammar import Grammar
 from speculative.sampling import MAX_TOP_LOGPROBS, SamplingParams
-from speculative.tool_calls import Tool, tool_grammar
+from speculative.tool_calls import HERMES, Tool, tool_grammar
 
 CHAT_ROLES = {
     "system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -96,7 +96,9 @@ class CompletionRequest:
     trace: bool = False  # "specd": {"trace": true}: per-round draft trees in the stream
     grammar: Grammar | None = None  # response_format json_object / json_schema, or tools
     tools: list[Tool] | None = None  # offered to the model (rendered in its prompt)
-    tool_calls: bool = False  # the answer is read back as tool calls (tool_choice not none)
+    # The answer may call `tools` (tool_choice not none): "auto", "required" or a name.
+    tool_choice: str | None = None
+    parallel_tool_calls: bool = True
 
 
 # No field of the API needs an integer longer than this (seeds are 20 digits). A body is
@@ -507,12 +509,16 @@ def parse_chat(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
                 "answer is either a call or JSON); use tool_choice none",
                 "response_format",
             )
-        common["grammar"] = tool_grammar(tools, choice, parallel, "tools")
+        # Checked here in the fallback format (a schema the engine cannot compile is a 400
+        # before the model is asked); the model's own format is made with its tokenizer.
+        tool_grammar(HERMES, tools, choice, parallel, "tools")
+    calls = tools is not None and choice != "none"
     return CompletionRequest(
         messages=normalised,
         prompt=None,
-        tools=tools if choice != "none" else None,
-        tool_calls=tools is not None and choice != "none",
+        tools=tools if calls else None,
+        tool_choice=choice if calls else None,
+        parallel_tool_calls=parallel,
         **common,
     )
 
