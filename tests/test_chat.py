@@ -1,6 +1,7 @@
 """`specd chat` against a scripted stand-in for the daemon's streaming endpoint: the
 conversation outlives the context, Ctrl-C stops an answer (and its request) but not the
-chat, cut answers are marked, /reset starts over, --stats, and the output ends a line."""
+chat, cut answers are marked, /reset starts over, --stats, tool calls are shown as they
+stream and go back with the next turn, and the output ends a line."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,11 +20,19 @@ from daemon.cli import main
 from daemon.cli.chat import ChatError, daemon_address
 
 CONTEXT_CHARS = 60  # the stand-in's "context": message characters it accepts in all
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 class FakeDaemon(ThreadingHTTPServer):
-    """Answers each chat request with `reply` streamed in words, finishing with `finish`,
-    or refuses a conversation longer than CONTEXT_CHARS as the daemon does (HTTP 400,
+    """Answers each chat request with `reply` streamed in words, finishing with `finish`
+    (the next request only: with `calls` instead, (name, argument fragments) each, streamed
+    as OpenAI tool-call deltas), or refuses a conversation longer than CONTEXT_CHARS as the daemon does (HTTP 400,
     code context_length_exceeded). With `hold`, it sends one word and then waits for the
     client to close the connection, and records that it did (`closed`)."""
 
@@ -32,6 +42,7 @@ class FakeDaemon(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
         self.bodies: list[dict[str, Any]] = []
         self.reply = "Hello there."
+        self.calls: list[tuple[str, list[str]]] = []
         self.finish = "stop"
         self.completion_tokens = 3
         self.hold = False
@@ -52,7 +63,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.bodies.append(body)
-        if sum(len(m["content"]) for m in body["messages"]) > CONTEXT_CHARS:
+        if sum(len(m["content"] or "") for m in body["messages"]) > CONTEXT_CHARS:
             error = {"message": "the prompt has 530 tokens but the context holds 512",
                      "code": "context_length_exceeded"}  # fmt: skip
             raw = json.dumps({"error": error}).encode()
@@ -65,6 +76,10 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
         self.end_headers()
+        calls, self.server.calls = self.server.calls, []
+        if calls:
+            self._calls(calls)
+            return
         words = self.server.reply.split(" ")
         for i, word in enumerate(words):
             self._event({"choices": [{"delta": {"content": (" " if i else "") + word}}]})
@@ -72,8 +87,21 @@ class Handler(BaseHTTPRequestHandler):
                 if self.rfile.read(1) == b"":  # blocks until the client hangs up
                     self.server.closed.set()
                 return
+        self._finish(self.server.finish)
+
+    def _calls(self, calls: list[tuple[str, list[str]]]) -> None:
+        for index, (name, fragments) in enumerate(calls):
+            function = {"name": name, "arguments": ""}
+            head = {"index": index, "id": f"call_{index}", "type": "function", "function": function}
+            self._event({"choices": [{"delta": {"tool_calls": [head]}}]})
+            for fragment in fragments:
+                part = {"index": index, "function": {"arguments": fragment}}
+                self._event({"choices": [{"delta": {"tool_calls": [part]}}]})
+        self._finish("length" if self.server.finish == "length" else "tool_calls")
+
+    def _finish(self, reason: str) -> None:
         stats = {"tokens_per_second": 12.5, "tokens_per_target_pass": 2.5}
-        choice = {"delta": {}, "finish_reason": self.server.finish}
+        choice = {"delta": {}, "finish_reason": reason}
         self._event({"choices": [choice], "specd": stats})
         usage = {"completion_tokens": self.server.completion_tokens}
         self._event({"choices": [], "usage": usage, "specd": stats})
@@ -201,6 +229,95 @@ def test_ctrl_c_stops_the_answer_and_its_request_not_the_chat(
     assert "[stopped]" in written[1]
 
 
+@pytest.fixture
+def tools_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps([WEATHER]))
+    return path
+
+
+def test_tool_calls_stream_onto_the_screen_and_go_back_with_the_next_turn(
+    daemon: FakeDaemon,
+    tools_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture,
+) -> None:
+    daemon.calls = [("get_weather", ['{"city":', '"Paris"}']), ("get_time", ["{}"])]
+    written: list[str] = []
+    write = chat_cmd.Screen.write
+
+    def recorded(self: chat_cmd.Screen, text: str) -> None:
+        written.append(text)
+        write(self, text)
+
+    monkeypatch.setattr(chat_cmd.Screen, "write", recorded)
+    typed(monkeypatch, "weather in Paris, and the time?", "thanks")
+    assert main(["chat", "--url", daemon.url, "--tools", str(tools_file)]) == 0
+    out = capsys.readouterr().out
+    calls = '[tool call] get_weather({"city":"Paris"})\n[tool call] get_time({})\n'
+    assert calls + "Hello there.\n" in out  # the next answer ("thanks") on a line of its own
+    # Written as it streamed: the name first, then each fragment of the arguments.
+    start = written.index("[tool call] get_weather(")
+    assert written[start : start + 4] == ["[tool call] get_weather(", '{"city":', '"Paris"}', ")"]
+    first, second = daemon.bodies
+    assert first["tools"] == [WEATHER] and first["tool_choice"] == "auto"
+    assert second["messages"][1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_0", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_time", "arguments": "{}"}},
+        ],
+    }  # fmt: skip
+
+
+def test_once_shows_a_call_and_leaves_one_cut_open(
+    daemon: FakeDaemon, tools_file: Path, capsys: pytest.CaptureFixture
+) -> None:
+    argv = ["chat", "--url", daemon.url, "--once", "weather?", "--tools", str(tools_file)]
+    daemon.calls = [("get_weather", ['{"city":"Paris"}'])]
+    assert main([*argv, "--tool-choice", "get_weather"]) == 0
+    assert capsys.readouterr().out == '[tool call] get_weather({"city":"Paris"})\n'
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert daemon.bodies[-1]["tool_choice"] == named
+    # Cut by --max-tokens mid-arguments: no closing parenthesis, and the mark says why.
+    daemon.calls, daemon.finish, daemon.completion_tokens = [("get_weather", ['{"ci'])], "length", 5
+    assert main([*argv, "--max-tokens", "5"]) == 0
+    assert capsys.readouterr().out == '[tool call] get_weather({"ci\n[cut at --max-tokens 5]\n'
+
+
+def test_a_call_cut_mid_arguments_is_not_sent_back() -> None:
+    answer = chat_cmd.Answer(tool_calls=[chat_cmd.ToolCall("call_0", "get_weather", '{"ci')])
+    assert answer.message() == {"role": "assistant", "content": ""}
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--tool-choice", "required"], "--tool-choice needs --tools FILE"),
+        (["--tools", "{nowhere}"], "No such file"),
+        (["--tools", "{not_a_list}"], "must hold a JSON list"),
+        (["--tools", "{not_json}"], "is not JSON"),
+    ],
+)
+def test_unusable_tools_fail_before_anything_is_sent(
+    daemon: FakeDaemon,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+    argv: list[str],
+    error: str,
+) -> None:
+    (tmp_path / "not_a_list.json").write_text(json.dumps(WEATHER))
+    (tmp_path / "not_json.json").write_text("[{")
+    paths = {name: str(tmp_path / f"{name}.json") for name in ("nowhere", "not_a_list", "not_json")}
+    argv = [arg.format(**paths) for arg in argv]
+    assert main(["chat", "--url", daemon.url, "--once", "hi", *argv]) == 1
+    assert error in capsys.readouterr().err
+    assert daemon.bodies == []
+
+
 def test_an_unreachable_daemon_is_one_line(capsys: pytest.CaptureFixture) -> None:
     import socket
 
@@ -238,7 +355,7 @@ def test_chat_with_a_bad_url_fails_before_any_input(
     monkeypatch.setattr("builtins.input", no_input)
     args = argparse.Namespace(
         url="localhost:8716", api_key_file=None, system=None, max_tokens=8, temperature=0.0,
-        seed=None, once=None, tree_verification=None,
+        seed=None, once=None, tree_verification=None, tools=None, tool_choice=None,
     )  # fmt: skip
     assert chat_cmd.cmd_chat(args) == 1
     err = capsys.readouterr().err

@@ -56,6 +56,11 @@ def find_chromium() -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    yield from chromium()
+
+
+def chromium() -> Iterator[Any]:
+    """A headless Chromium driven by Selenium, quit when the generator is closed."""
     binary, driver_path = find_chromium()
     os.environ.setdefault("SE_OFFLINE", "true")  # Selenium Manager must never download
     options = webdriver.ChromeOptions()

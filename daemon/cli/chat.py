@@ -5,6 +5,8 @@ does not already install, and it exercises exactly what any OpenAI client would.
 
 The conversation outlives the context: when the daemon answers that the prompt does not
 fit, the oldest turns are dropped (the system prompt is kept) and the turn is sent again.
+With --tools the answer may be tool calls: each is shown as `[tool call] name(arguments)`
+while its arguments stream, and goes back to the daemon with the next turn.
 Ctrl-C stops the answer being written by closing its connection, which is how the daemon
 learns to cancel the generation; the chat goes on."""
 
@@ -40,25 +42,57 @@ class ChatError(RuntimeError):
 
 
 @dataclass
+class ToolCall:
+    """One tool call of an answer, as far as it streamed."""
+
+    id: str
+    name: str
+    arguments: str = ""  # JSON text; it parses once the call is whole
+
+    def whole(self) -> bool:
+        try:
+            json.loads(self.arguments)
+        except ValueError:
+            return False
+        return True
+
+    def as_openai(self) -> dict[str, Any]:
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
+
+
+@dataclass
 class Answer:
     """One streamed answer as far as it arrived."""
 
     text: str = ""
-    finish_reason: str | None = None  # stop | length; None while streaming or when cut off
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str | None = None  # stop | length | tool_calls; None while streaming
     completion_tokens: int | None = None
     stats: dict[str, Any] = field(default_factory=dict)  # the daemon's "specd" figures
     stopped: bool = False  # Ctrl-C stopped it
 
+    def message(self) -> dict[str, Any]:
+        """The answer as the conversation sends it back: with its calls, less one that was
+        stopped or cut mid-arguments (the daemon refuses arguments that are not JSON)."""
+        calls = [call.as_openai() for call in self.tool_calls if call.whole()]
+        if not calls:
+            return {"role": "assistant", "content": self.text}
+        return {"role": "assistant", "content": self.text or None, "tool_calls": calls}
+
 
 class ChatStream:
-    """POST /v1/chat/completions with stream=true. Iterating yields text deltas as they
-    arrive and fills `answer`; `close()` drops the connection, and with it the generation."""
+    """POST /v1/chat/completions with stream=true. Iterating yields what arrives and fills
+    `answer`: text deltas, and for a tool call its ToolCall when it begins (its name known)
+    and then its arguments' fragments as text. `close()` drops the connection, and with it
+    the generation."""
 
     def __init__(
         self, url: str, body: dict[str, Any], api_key: str | None = None, timeout: float = 600.0
     ) -> None:
         self.url = url
         self.answer = Answer()
+        self._calls: dict[int, ToolCall] = {}  # the answer's calls by their stream index
         host, port = daemon_address(url)
         self._conn = http.client.HTTPConnection(host, port, timeout=timeout)
         headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
@@ -79,7 +113,7 @@ class ChatStream:
             self.close()
             raise
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> Iterator[str | ToolCall]:
         try:
             for raw in self._response:
                 line = raw.decode("utf-8").rstrip("\r\n")
@@ -94,7 +128,7 @@ class ChatStream:
         finally:
             self.close()
 
-    def _event(self, event: dict[str, Any]) -> Iterator[str]:
+    def _event(self, event: dict[str, Any]) -> Iterator[str | ToolCall]:
         if "error" in event:
             error = event["error"]
             raise ChatError(error.get("message", "error"), error.get("code"))
@@ -103,10 +137,28 @@ class ChatStream:
             self.answer.completion_tokens = event["usage"].get("completion_tokens")
         for choice in event.get("choices", []):
             self.answer.finish_reason = choice.get("finish_reason") or self.answer.finish_reason
-            text = choice.get("delta", {}).get("content")
+            delta = choice.get("delta", {})
+            text = delta.get("content")
             if text:
                 self.answer.text += text
                 yield text
+            for part in delta.get("tool_calls") or []:
+                yield from self._call_delta(part)
+
+    def _call_delta(self, part: dict[str, Any]) -> Iterator[str | ToolCall]:
+        """OpenAI's streamed call: its index, id and name first, then argument fragments
+        under the same index."""
+        function = part.get("function") or {}
+        call = self._calls.get(part["index"])
+        if call is None:
+            call = ToolCall(part.get("id", ""), function.get("name", ""))
+            self._calls[part["index"]] = call
+            self.answer.tool_calls.append(call)
+            yield call
+        fragment = function.get("arguments")
+        if fragment:
+            call.arguments += fragment
+            yield fragment
 
     def close(self) -> None:
         self._conn.close()
@@ -144,16 +196,14 @@ class Conversation:
 
     def __init__(self, system: str | None) -> None:
         self.system = [{"role": "system", "content": system}] if system else []
-        self.turns: list[list[dict[str, str]]] = []  # [user, assistant] pairs, oldest first
+        self.turns: list[list[dict[str, Any]]] = []  # [user, assistant] pairs, oldest first
 
-    def messages(self, user_text: str) -> list[dict[str, str]]:
+    def messages(self, user_text: str) -> list[dict[str, Any]]:
         turns = [message for turn in self.turns for message in turn]
         return [*self.system, *turns, {"role": "user", "content": user_text}]
 
-    def add(self, user_text: str, answer: str) -> None:
-        self.turns.append(
-            [{"role": "user", "content": user_text}, {"role": "assistant", "content": answer}]
-        )
+    def add(self, user_text: str, answer: Answer) -> None:
+        self.turns.append([{"role": "user", "content": user_text}, answer.message()])
 
     def drop_oldest(self) -> bool:
         """Forget the oldest turn; False when there is none left to forget."""
@@ -188,7 +238,15 @@ class Screen:
 
     def note(self, text: str) -> None:
         self.end_line()
-        self.write(f"\033[2m{text}\033[0m\n" if self.styled else f"{text}\n")
+        self.write(f"{self._dim(text)}\n")
+
+    def begin_call(self, call: ToolCall) -> None:
+        """A tool call on a line of its own: its name now, its arguments as they stream."""
+        self.end_line()
+        self.write(f"{self._dim('[tool call]')} {call.name}(")
+
+    def _dim(self, text: str) -> str:
+        return f"\033[2m{text}\033[0m" if self.styled else text
 
 
 @dataclass
@@ -222,11 +280,16 @@ def ask(options: ChatOptions, conversation: Conversation, user_text: str, screen
     answer = stream.answer
     with stream:
         try:
-            for text in stream:
-                screen.write(text)
+            for piece in stream:
+                if isinstance(piece, ToolCall):
+                    _end_call(screen, answer.tool_calls[:-1])
+                    screen.begin_call(piece)
+                else:
+                    screen.write(piece)
         except KeyboardInterrupt:
             answer.stopped = True
-    conversation.add(user_text, answer.text)
+    _end_call(screen, answer.tool_calls)
+    conversation.add(user_text, answer)
     screen.end_line()
     if answer.stopped:
         screen.note("[stopped]")
@@ -239,6 +302,13 @@ def ask(options: ChatOptions, conversation: Conversation, user_text: str, screen
     if options.stats and not answer.stopped:
         screen.note(stats_line(answer.stats))
     return answer
+
+
+def _end_call(screen: Screen, calls: list[ToolCall]) -> None:
+    """Closes the last call shown once its arguments are whole; one stopped or cut stays
+    open, as it is (the note after it says why)."""
+    if calls and calls[-1].whole():
+        screen.write(")")
 
 
 def stats_line(stats: dict[str, Any]) -> str:
@@ -259,6 +329,26 @@ def _default_url(args: argparse.Namespace) -> str:
 
 def _api_key(path: str | None) -> str | None:
     return Path(path).expanduser().read_text().strip() if path else None
+
+
+def _tools(path: str | None, choice: str | None) -> dict[str, Any]:
+    """--tools FILE (the API's `tools`: a JSON list of functions) and --tool-choice as
+    request fields. The daemon checks the functions themselves (a 400 naming the field)."""
+    if path is None:
+        if choice is not None:
+            raise ChatError("--tool-choice needs --tools FILE")
+        return {}
+    try:
+        tools = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ChatError(f"--tools {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ChatError(f"--tools {path} is not JSON: {exc}") from None
+    if not isinstance(tools, list):
+        raise ChatError(f'--tools {path} must hold a JSON list: [{{"type": "function", ...}}]')
+    if choice in (None, "auto", "required", "none"):
+        return {"tools": tools, "tool_choice": choice or "auto"}
+    return {"tools": tools, "tool_choice": {"type": "function", "function": {"name": choice}}}
 
 
 @contextlib.contextmanager
@@ -295,6 +385,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             request["seed"] = args.seed
         if args.tree_verification is not None:
             request["tree_verification"] = args.tree_verification
+        request.update(_tools(args.tools, args.tool_choice))
         options = ChatOptions(url, _api_key(args.api_key_file), request, args.stats)
     except ChatError as exc:
         print(f"specd: error: {exc}", file=sys.stderr)
@@ -354,6 +445,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--temperature", type=temperature, default=0.0, help="0 = greedy (default), up to 2"
     )
     chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument(
+        "--tools",
+        default=None,
+        metavar="FILE",
+        help="JSON list of functions the model may call (the API's `tools`)",
+    )
+    chat.add_argument(
+        "--tool-choice",
+        default=None,
+        metavar="CHOICE",
+        help="auto (default), required, none, or a function's name (needs --tools)",
+    )
     add_tree_verification_arg(chat, default=None)
     chat.add_argument(
         "--stats", action="store_true", help="tokens/s and tokens per target pass after each answer"

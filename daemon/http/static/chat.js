@@ -1,6 +1,7 @@
 // The conversations (kept in localStorage), the settings sent with each request, and the
 // answers streamed from the daemon's own OpenAI endpoint, each with what speculation did
-// for it (the final chunk's `specd` figures) and, when traced, its rounds' draft trees.
+// for it (the final chunk's `specd` figures), its tool calls when the request offered
+// tools, and, when traced, its rounds' draft trees.
 import { ApiError, askForKey, errorOf, headers, readEvents } from "./api.js";
 import { $, STORE, el, fmt, load } from "./page.js";
 import { treeView } from "./tree.js";
@@ -65,7 +66,8 @@ export function deleteChat() {
 
 // ---- settings ----
 
-const SETTINGS = ["temperature", "top-p", "max-tokens", "seed", "strategy", "budget", "trace"];
+const SETTINGS = ["temperature", "top-p", "max-tokens", "seed", "strategy", "budget", "trace",
+  "tools", "tool-choice"];
 const MAX_TREES = 16; // rounds' trees kept per answer (the server sends at most 128)
 
 function settingValue(id) {
@@ -95,14 +97,56 @@ export function restoreSettings() {
   });
 }
 
-function requestBody(chat) {
+// The Tools setting: the request's `tools` as the API takes them, or undefined when blank.
+// Only its JSON is checked here; the daemon says what is wrong with a function (a 400).
+function toolsSetting() {
+  const raw = $("tools").value.trim();
+  if (!raw) return undefined;
+  let tools;
+  try {
+    tools = JSON.parse(raw);
+  } catch (err) {
+    throw new Error(`Tools is not JSON (${err.message}): give a list of functions, or leave it ` +
+      "empty.");
+  }
+  if (!Array.isArray(tools)) {
+    throw new Error('Tools must be a JSON list: [{"type": "function", ...}]');
+  }
+  return tools;
+}
+
+// A tool call's arguments as an object; undefined while they stream, or when they never
+// completed (stopped, or cut by Max tokens): an object parses only once it is whole.
+function argumentsOf(call) {
+  try {
+    return JSON.parse(call.function.arguments);
+  } catch {
+    return undefined;
+  }
+}
+
+// An answer as the conversation sends it back: with its calls (the daemon writes them into
+// the prompt), less any that never completed, since the daemon refuses arguments that are
+// not JSON.
+function sentBack(m) {
+  const calls = (m.tool_calls || []).filter((c) => c && argumentsOf(c) !== undefined);
+  if (!calls.length) return { role: "assistant", content: m.content };
+  return { role: "assistant", content: m.content || null, tool_calls: calls };
+}
+
+function requestBody(chat, user) {
   const messages = [];
   if (chat.system.trim()) messages.push({ role: "system", content: chat.system });
-  for (const m of chat.messages) {
+  for (const m of [...chat.messages, ...user]) {
     if (m.role === "assistant" && m.state !== "done" && m.state !== "stopped") continue;
-    messages.push({ role: m.role, content: m.content });
+    messages.push(m.role === "assistant" ? sentBack(m) : { role: m.role, content: m.content });
   }
   const body = { messages, stream: true };
+  const tools = toolsSetting();
+  if (tools && tools.length) {
+    body.tools = tools;
+    body.tool_choice = $("tool-choice").value;
+  }
   const number = (id, name, integer) => {
     const raw = $(id).value.trim();
     if (raw === "") return;
@@ -123,18 +167,25 @@ function requestBody(chat) {
 
 export async function send(text) {
   const chat = current() || newChat();
-  if (state.controller) return;
-  if (text !== undefined) {
-    chat.messages.push({ role: "user", content: text });
-    if (chat.title === "New chat") chat.title = text.slice(0, 40) || "New chat";
-  }
-  await answer(chat);
+  if (!state.controller) await answer(chat, text);
 }
 
-async function answer(chat) {
+// Asks for the next answer, after the user's new message `text` if there is one.
+async function answer(chat, text) {
   hideNotice();
-  const reply = { role: "assistant", content: "", state: "streaming", stats: null, trees: [] };
-  const body = requestBody(chat); // before the reply joins the conversation
+  const user = text === undefined ? [] : [{ role: "user", content: text }];
+  let body;
+  try {
+    body = requestBody(chat, user);
+  } catch (err) { // the Tools setting is not a JSON list: nothing is sent
+    showNotice(err.message, false);
+    if (text !== undefined) $("input").value = text; // the message goes back to the box
+    return;
+  }
+  chat.messages.push(...user);
+  if (text !== undefined && chat.title === "New chat") chat.title = text.slice(0, 40) || "New chat";
+  const reply = { role: "assistant", content: "", tool_calls: [], state: "streaming", stats: null,
+    trees: [] };
   chat.messages.push(reply);
   save();
   render();
@@ -151,10 +202,11 @@ async function answer(chat) {
     await readEvents(response, (event) => {
       if (event.error) throw new ApiError(500, event.error);
       const choice = event.choices && event.choices[0];
-      const delta = choice && choice.delta && choice.delta.content;
-      if (delta) {
+      const delta = (choice && choice.delta) || {};
+      if (delta.content || delta.tool_calls) {
         if (firstAt === null) firstAt = performance.now();
-        reply.content += delta;
+        reply.content += delta.content || "";
+        for (const part of delta.tool_calls || []) addToCall(reply.tool_calls, part);
         updateReply(reply);
       }
       if (event.specd && event.specd.trace) {
@@ -180,6 +232,17 @@ async function answer(chat) {
     save();
     render();
   }
+}
+
+// A streamed tool-call delta, merged under its index: the first carries the call's id and
+// name, the rest fragments of its arguments (OpenAI's stream).
+function addToCall(calls, part) {
+  const call = calls[part.index] ||
+    (calls[part.index] = { id: "", type: "function", function: { name: "", arguments: "" } });
+  if (part.id) call.id = part.id;
+  const fn = part.function || {};
+  if (fn.name) call.function.name = fn.name;
+  call.function.arguments += fn.arguments || "";
 }
 
 function handleError(err, chat) {
@@ -261,17 +324,36 @@ function statsLine(reply) {
   return line;
 }
 
+// An answer's tool calls, one block each: the function's name, and its arguments as they
+// stream, pretty-printed once they are whole.
+function callsView(calls) {
+  const box = el("div", { class: "calls" });
+  calls.forEach((call, index) => {
+    if (!call) return; // a hole kept by localStorage (JSON writes it as null)
+    const args = argumentsOf(call);
+    box.append(el("div", { class: "call", "data-index": String(index) },
+      el("div", { class: "call-name", text: call.function.name }),
+      el("pre", { class: "call-arguments",
+        text: args === undefined ? call.function.arguments : JSON.stringify(args, null, 2) })));
+  });
+  return box;
+}
+
+const copyText = (m) => [m.content, ...(m.tool_calls || []).filter(Boolean)
+  .map((c) => `${c.function.name}(${c.function.arguments})`)].filter(Boolean).join("\n");
+
 function messageNode(m, index, chat) {
   const node = el("div", { class: `msg ${m.role}`, "data-index": String(index) });
   if (m.role === "assistant") node.dataset.state = m.state || "done";
   node.append(el("div", { class: "role", text: m.role === "user" ? "You" : "specd" }));
   node.append(el("div", { class: "content", text: m.content }));
+  if (m.tool_calls && m.tool_calls.length) node.append(callsView(m.tool_calls));
   if (m.role !== "assistant" || m.state === "streaming") return node;
   if (m.stats) node.append(statsLine(m));
   if (m.trees && m.trees.length) node.append(treeView(m.trees));
   const actions = el("div", { class: "actions" });
   actions.append(el("button", { type: "button", class: "small copy", text: "Copy",
-    onclick: (e) => copy(m.content, e.target) }));
+    onclick: (e) => copy(copyText(m), e.target) }));
   if (index === chat.messages.length - 1) {
     actions.append(el("button", { type: "button", class: "small regenerate", text: "Regenerate",
       onclick: regenerate }));
@@ -291,9 +373,14 @@ async function copy(text, button) {
 }
 
 function updateReply(reply) {
-  const nodes = $("messages").querySelectorAll(".msg.assistant .content");
+  const nodes = $("messages").querySelectorAll(".msg.assistant");
   const node = nodes[nodes.length - 1];
-  if (node) node.textContent = reply.content;
+  if (node) {
+    node.querySelector(".content").textContent = reply.content;
+    const calls = node.querySelector(".calls");
+    if (calls) calls.replaceWith(callsView(reply.tool_calls));
+    else if (reply.tool_calls.length) node.append(callsView(reply.tool_calls));
+  }
   scrollDown();
 }
 
