@@ -187,8 +187,9 @@ class CallStream:
     they come, their end found by counting the JSON object's brackets (outside strings),
     so no text after them needs to be waited for."""
 
-    def __init__(self, fmt: CallFormat = HERMES) -> None:
+    def __init__(self, fmt: CallFormat = HERMES, calls_only: bool = False) -> None:
         self.fmt = fmt
+        self.calls_only = calls_only  # tool_choice required or named: no text can come
         self.buffer = ""
         self.state = "undecided"  # undecided | text | head | arguments | after | between | done
         self.index = -1
@@ -280,16 +281,20 @@ class CallStream:
         by max_tokens or a stop string has passed on what was written of its arguments;
         one whose name was not complete was never announced, and is not now)."""
         out: list[tuple[Any, ...]] = []
-        if self.state in ("undecided", "text") and self.buffer:
+        # A call cut inside its opening (`<tool_call>\n{"n`) is text only where text may
+        # be the answer; where only calls may, it is a call never begun.
+        if self.state in ("undecided", "text") and self.buffer and not self.calls_only:
             out.append(("content", self.buffer))
         self.buffer = ""
         return out
 
 
-def read_answer(text: str, fmt: CallFormat = HERMES) -> tuple[str, list[ToolCall]]:
+def read_answer(
+    text: str, fmt: CallFormat = HERMES, calls_only: bool = False
+) -> tuple[str, list[ToolCall]]:
     """A whole answer read exactly as a stream of it is: its content text and its calls
     (a cut call keeps what was written of its arguments, as OpenAI returns it)."""
-    stream = CallStream(fmt)
+    stream = CallStream(fmt, calls_only)
     events = stream.feed(text) + stream.finish()
     content = "".join(e[1] for e in events if e[0] == "content")
     calls: list[ToolCall] = []

@@ -240,3 +240,15 @@ def test_several_calls_in_the_models_own_format(served: tuple[str, openai.OpenAI
             assert all(json.loads(c.function.arguments) == {} for c in calls)
         seen = max(seen, len(calls))
     assert seen > 1 if name == "mistral" else seen == 1
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3, MISTRAL], ids=lambda f: f.name)
+def test_a_call_cut_in_its_opening_is_text_only_where_text_may_be(fmt: CallFormat) -> None:
+    """max_tokens may end an answer inside the call's opening (`<tool_call>\\n{"n`): with
+    tool_choice auto that is the answer's text; where only calls may come (required, a
+    named function) it is a call never begun, not text."""
+    opening = fmt.lead[:-3]
+    assert read_answer(opening, fmt) == (opening, [])
+    assert read_answer(opening, fmt, calls_only=True) == ("", [])
+    stream = CallStream(fmt, calls_only=True)
+    assert stream.feed(opening) == [] and stream.finish() == []

@@ -196,7 +196,8 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             return await _stream(
                 request, job, shape, req, config.keepalive_seconds, prompt_ids[-1], calls
             )
-        return await _collect(request, job, shape, prompt_ids[-1], calls)
+        calls_only = req.tool_choice not in (None, "auto")
+        return await _collect(request, job, shape, prompt_ids[-1], calls, calls_only)
     finally:
         if not job.done:
             job.cancel()  # the client went away (or we failed): free the engine's slot
@@ -432,6 +433,7 @@ async def _collect(
     shape: ResponseShape,
     previous: int,
     calls: CallFormat | None = None,  # the answer is read as tool calls in this format
+    calls_only: bool = False,  # tool_choice required or named
 ) -> web.Response:
     """The whole answer in one body. Nothing is written before the end, so a client that
     left is not noticed by a failed write as a stream's is: its connection is looked at
@@ -454,7 +456,7 @@ async def _collect(
             u = usage(event.prompt_tokens, event.completion_tokens, cached)
             answer, made = "".join(text), None
             if calls:  # read as a stream of it is read: the two always agree
-                answer, made = read_answer(answer, calls)
+                answer, made = read_answer(answer, calls, calls_only)
             reason = "tool_calls" if made and event.finish_reason == "stop" else event.finish_reason
             body = shape.full(
                 answer, reason, u, event.stats, logprobs, previous,
@@ -487,7 +489,8 @@ async def _stream(
     await response.prepare(request)
     first = True
     offset = 0  # characters of text sent so far (the completions' text_offset)
-    calls = CallStream(call_format) if call_format is not None else None
+    calls_only = req.tool_choice not in (None, "auto")
+    calls = CallStream(call_format, calls_only) if call_format is not None else None
     if shape.chat:  # the role arrives before any text, as OpenAI's own stream does
         await response.write(sse(shape.chunk("", first=True)))
         first = False
