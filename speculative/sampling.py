@@ -51,6 +51,10 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI style, over generated tokens
     frequency_penalty: float = 0.0
     seed: int | None = None
+    # OpenAI's logit_bias: (token id, bias) pairs added to the logits before anything else,
+    # sorted by id. A penalty of its own kind (fixed, not counted), applied wherever the
+    # penalties are, so every strategy samples the biased distribution exactly.
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # Log-probabilities of each emitted token and of this many most likely alternatives
     # (0..MAX_TOP_LOGPROBS); None: not asked for. Not a sampling setting: nothing sampled
     # changes with it.
@@ -66,6 +70,11 @@ class SamplingParams:
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, "a 64-bit integer"),
+            (
+                "logit_bias",
+                all(i >= 0 and -100.0 <= b <= 100.0 for i, b in self.logit_bias),
+                "token ids → biases in [-100, 100]",
+            ),
             (
                 "logprobs",
                 self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
@@ -84,10 +93,12 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
+        """Whether the logits are changed before temperature (penalties, logit_bias)."""
         return (
             self.repetition_penalty != 1.0
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
         )
 
 
@@ -133,6 +144,10 @@ def apply_penalties(
     counts: torch.Tensor,  # (N, V) or (1, V): times each token was generated
     seen: torch.Tensor,  # (N, V) or (1, V) bool: in the prompt or generated
 ) -> torch.Tensor:
+    if params.logit_bias:  # first, as OpenAI adds it to the model's logits
+        ids = torch.tensor([i for i, _ in params.logit_bias], device=logits.device)
+        bias = torch.tensor([b for _, b in params.logit_bias], device=logits.device)
+        logits = logits.index_add(-1, ids, bias.to(logits.dtype).expand(logits.shape[0], -1))
     if params.repetition_penalty != 1.0:
         # Shrink the logits of seen tokens towards "less likely" whatever their sign.
         penalised = torch.where(

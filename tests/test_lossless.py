@@ -56,6 +56,11 @@ SETTINGS: dict[str, tuple[SamplingParams, int]] = {
         SamplingParams(temperature=1.0, top_k=4, top_p=0.9, presence_penalty=0.7),
         3,
     ),
+    # OpenAI's logit_bias: a token made likelier, one less likely, one banned (-100).
+    "logit-bias": (
+        SamplingParams(temperature=1.0, logit_bias=((2, 1.5), (4, -2.0), (6, -100.0))),
+        2,
+    ),
 }
 # (strategy, draft, tree verification): every strategy the daemon registers, with each
 # kind of drafter, and the tree with each verification (auto switches between both).

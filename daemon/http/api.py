@@ -288,6 +288,13 @@ def _prepare(
     assert engine.runtime is not None
     _check_room(req, len(prompt_ids), engine.runtime.context, config.limits.clamp_max_tokens)
     runtime = engine.runtime
+    width = runtime.target.vocab_width
+    outside = [i for i, _ in req.params.logit_bias if i >= width]
+    if outside:
+        raise bad_request(
+            f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {width})",
+            "logit_bias",
+        )
     grammar, calls = req.grammar, None
     if req.tools is not None:
         calls = _call_format(runtime.tokenizer)

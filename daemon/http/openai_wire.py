@@ -175,14 +175,41 @@ def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
     return value
 
 
+# More entries than any client sends (OpenAI allows 300), fewer than would make each
+# pass's bias step costly.
+MAX_LOGIT_BIAS = 1024
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: {"token id": bias in [-100, 100]}, as (id, bias) pairs (the
+    ids are checked against the model's vocabulary when the request is prepared)."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict) or len(raw) > MAX_LOGIT_BIAS:
+        raise bad_request(
+            f'logit_bias must be an object of up to {MAX_LOGIT_BIAS} "token id": bias entries',
+            "logit_bias",
+        )
+    pairs = []
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) < 10):
+            raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise bad_request(
+                f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}", "logit_bias"
+            )
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
+
+
 def _refuse_unsupported(body: dict) -> None:
     """Fields whose meaning specd cannot honour are refused rather than silently ignored."""
     n = body.get("n")
     if n is not None and n != 1:
         raise bad_request("n > 1 is not supported: specd returns one choice per request", "n")
-    for name in ("functions", "logit_bias"):
-        if body.get(name):
-            raise bad_request(f"{name} is not supported by specd", name)
+    if body.get("functions"):
+        raise bad_request("functions is not supported by specd (use tools)", "functions")
     if body.get("function_call") not in (None, "none"):
         raise bad_request("function_call is not supported by specd", "function_call")
 
@@ -308,6 +335,7 @@ def _common(body: dict, limits: WireLimits, chat: bool) -> dict[str, Any]:
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         seed=seed,
         logprobs=_logprobs(body, chat),
+        logit_bias=_logit_bias(body),
     )
     return dict(
         model=model,
