@@ -1,0 +1,277 @@
+"""read_gguf against gguf-py's GGUFReader and the reference.json of each of the 13 shared GGUF
+files, on a Llama-3-sized tokenizer written by gguf-py's GGUFWriter, and on broken files."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import struct
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from speculative.gguf_file import GGUFFormatError, read_gguf
+
+GGUFS = Path("/work/shared/models/gguf")
+FILES = sorted(GGUFS.glob("*.gguf"))
+SMALL = GGUFS / "stories260k-Q4_0.gguf"
+needs_files = pytest.mark.skipif(not SMALL.is_file(), reason="no test GGUFs in /work/shared")
+
+
+@needs_files
+def test_all_shared_files_are_here() -> None:
+    assert len(FILES) == 13
+
+
+@needs_files
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_matches_gguf_reader_and_reference(path: Path) -> None:
+    ours, theirs = read_gguf(path), gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert list(ours.metadata) == list(fields)
+    for key, value in fields.items():
+        assert ours.metadata[key] == value, key
+        assert type(ours.metadata[key]) is type(value), key
+    assert ours.data_offset == theirs.data_offset and ours.alignment == theirs.alignment
+    assert ours.version == theirs.fields["GGUF.version"].contents() == 3
+    assert len(ours.tensors) == len(theirs.tensors)
+    for info, tensor in zip(ours.tensors, theirs.tensors, strict=True):
+        assert ours.tensors_by_name[info.name] is info
+        assert (info.name, info.ggml_type, info.offset) == (
+            tensor.name,
+            tensor.tensor_type,
+            tensor.data_offset,
+        )
+        assert info.ne == tuple(tensor.shape.tolist()) and info.n_bytes == tensor.n_bytes
+        view = ours.tensor_bytes(info)
+        assert view.dtype == np.uint8 and view.shape[0] == math.prod(info.ne[1:])  # (rows, …)
+        assert view.size == info.n_bytes
+        assert view.tobytes() == tensor.data.tobytes(), info.name
+        assert not view.flags.writeable and not view.flags.owndata  # a view into the map
+
+    reference = json.loads(path.with_suffix(".reference.json").read_text())
+    assert ours.version == reference["gguf_version"]
+    assert ours.data_offset == reference["tensor_data_offset"]
+    listed = [
+        {
+            "name": t.name,
+            "type": gguf.GGMLQuantizationType(t.ggml_type).name,
+            "ne": list(t.ne),
+            "bytes": t.n_bytes,
+            "file_offset": t.offset,
+        }
+        for t in ours.tensors
+    ]
+    assert listed == reference["tensors"]
+
+
+def _llama3_sized(path: Path) -> dict[str, list]:
+    """A GGUF with a Llama 3 sized byte-level tokenizer (128,256 tokens, 280,147 merges)."""
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyzĠĊéü日本語0123456789"
+    tokens = [f"{i}" + "".join(rng.choices(letters, k=rng.randint(1, 9))) for i in range(128256)]
+    values = {
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": (-np.arange(len(tokens), dtype=np.float32) / 3).tolist(),
+        "tokenizer.ggml.token_type": [rng.choice((1, 3, 4, 6)) for _ in tokens],
+        "tokenizer.ggml.merges": [
+            f"{rng.choice(tokens)} {rng.choice(tokens)}" for _ in range(280147)
+        ],
+    }
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(values["tokenizer.ggml.tokens"])
+    writer.add_token_scores(values["tokenizer.ggml.scores"])
+    writer.add_token_types(values["tokenizer.ggml.token_type"])
+    writer.add_token_merges(values["tokenizer.ggml.merges"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_tensor("token_embd.weight", np.arange(3 * 64, dtype=np.float32).reshape(3, 64))
+    q8 = np.arange(2 * 4 * 34, dtype=np.uint8).reshape(2, 4 * 34)  # 2 rows of 4 Q8_0 blocks
+    writer.add_tensor("blk.0.attn_q.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return values
+
+
+def test_a_llama3_sized_tokenizer_reads_in_well_under_a_second(tmp_path: Path) -> None:
+    path = tmp_path / "llama3-sized.gguf"
+    values = _llama3_sized(path)
+    start = time.perf_counter()
+    contents = read_gguf(path)
+    seconds = time.perf_counter() - start
+    print(f"read_gguf: 128k tokens, 280k merges in {seconds:.3f} s")
+    assert seconds < 5  # ~0.3 s on a 2-core box; gguf.GGUFReader takes ~12 s
+    for key, value in values.items():
+        assert contents.metadata[key] == value, key
+    assert contents.metadata["general.file_type"] == 7
+    embd, q8 = contents.tensors
+    assert (embd.ne, embd.ggml_type, q8.ne, q8.ggml_type) == ((64, 3), 0, (128, 2), 8)
+    assert contents.tensor_bytes(embd).view(np.float32).tolist() == (
+        np.arange(3 * 64, dtype=np.float32).reshape(3, 64).tolist()
+    )
+    assert contents.tensor_bytes(q8).tolist() == (np.arange(2 * 136) % 256).reshape(2, 136).tolist()
+
+
+def test_every_value_type_and_nested_arrays(tmp_path: Path) -> None:
+    path = tmp_path / "types.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    T = gguf.GGUFValueType
+    scalars = [
+        (T.UINT8, 255), (T.INT8, -128), (T.UINT16, 65535), (T.INT16, -32768),
+        (T.UINT32, 2**32 - 1), (T.INT32, -(2**31)), (T.FLOAT32, 0.1), (T.BOOL, True),
+        (T.UINT64, 2**64 - 1), (T.INT64, -(2**63)), (T.FLOAT64, 0.1),
+    ]  # fmt: skip
+    for vtype, value in scalars:
+        writer.add_key_value(f"scalar.{vtype.name}", value, vtype)
+        writer.add_key_value(f"array.{vtype.name}", [value, value], T.ARRAY, sub_type=vtype)
+    writer.add_key_value("text", "héllo", T.STRING)
+    writer.add_key_value("nested", [[1, 2], [3]], T.ARRAY)
+    writer.add_key_value("nested.strings", [["a", "b"], ["ç"]], T.ARRAY)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    metadata = read_gguf(path).metadata
+    fields = gguf.GGUFReader(path).fields
+    for vtype, _ in scalars:
+        for key in (f"scalar.{vtype.name}", f"array.{vtype.name}"):
+            assert metadata[key] == fields[key].contents(), key
+            assert type(metadata[key]) is type(fields[key].contents()), key
+    assert metadata["scalar.FLOAT32"] == float(np.float32(0.1)) and metadata["text"] == "héllo"
+    assert metadata["nested"] == [[1, 2], [3]]  # GGUFReader flattens these
+    assert metadata["nested.strings"] == [["a", "b"], ["ç"]]
+    assert read_gguf(path).tensors == []
+
+
+# Broken files: each is a GGUFFormatError naming the file, never another exception.
+
+
+def _refused(path: Path, data: bytes) -> str:
+    """The message reading `data` as `path` raises, after the path it starts with."""
+    path.write_bytes(data)
+    with pytest.raises(GGUFFormatError) as caught:
+        read_gguf(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+    return message.removeprefix(f"{path}: ")
+
+
+def _entry(key: bytes, value_type: int, payload: bytes) -> bytes:
+    return struct.pack("<Q", len(key)) + key + struct.pack("<I", value_type) + payload
+
+
+def _file(*entries: bytes, version: int = 3, n_tensors: int = 0) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", version, n_tensors, len(entries)) + b"".join(entries)
+
+
+@needs_files
+def test_bad_magic_version_and_byte_order(tmp_path: Path) -> None:
+    data = SMALL.read_bytes()
+    path = tmp_path / "model.gguf"
+    assert _refused(path, b"GGML" + data[4:]).startswith("not a GGUF file")
+    assert "not a GGUF file" in _refused(path, b"")
+    assert "not a GGUF file" in _refused(path, b"GG")
+    assert "GGUF version 1 " in _refused(path, data[:4] + struct.pack("<I", 1) + data[8:])
+    assert "unknown GGUF version 99" in _refused(path, data[:4] + struct.pack("<I", 99) + data[8:])
+    assert "big-endian" in _refused(path, data[:4] + struct.pack(">I", 3) + data[8:])
+
+
+@needs_files
+def test_truncated_anywhere_in_the_header(tmp_path: Path) -> None:
+    data, data_offset = SMALL.read_bytes(), read_gguf(SMALL).data_offset
+    path = tmp_path / "cut.gguf"
+    for end in [*range(0, 64), *random.Random(0).sample(range(64, data_offset + 1), 300)]:
+        message = _refused(path, data[:end])
+        if end < 4:
+            assert message == f"not a GGUF file ({end} bytes): give a .gguf model"
+        else:
+            assert message.startswith("truncated") and message.endswith("download it again")
+
+
+@needs_files
+def test_truncated_in_the_data(tmp_path: Path) -> None:
+    last = max(read_gguf(SMALL).tensors, key=lambda t: t.offset + t.n_bytes)
+    end = last.offset + last.n_bytes
+    message = _refused(tmp_path / "cut.gguf", SMALL.read_bytes()[: end - 1])
+    assert message == (
+        f"truncated: tensor {last.name} ends at byte {end} but the file has {end - 1} bytes; "
+        f"download it again"
+    )
+
+
+@needs_files
+def test_absurd_lengths_and_counts(tmp_path: Path) -> None:
+    data = SMALL.read_bytes()
+    path = tmp_path / "model.gguf"
+    huge = struct.pack("<Q", 2**63)
+    claims = f"claims {2**63} items but"
+    # The first key's length, the metadata count, the tensor count.
+    assert _refused(path, data[:24] + huge + data[32:]).startswith(
+        f"truncated: metadata key 0 at byte 32 needs {2**63} bytes"
+    )
+    assert f"the metadata at byte 24 {claims}" in _refused(path, data[:16] + huge + data[24:])
+    assert f"the tensor table at byte 11735 {claims}" in _refused(path, data[:8] + huge + data[16:])
+    # The vocabulary's item count, and its first string's length.
+    count_at = data.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 8
+    message = _refused(path, data[:count_at] + huge + data[count_at + 8 :])
+    assert f"tokenizer.ggml.tokens at byte {count_at + 8} {claims}" in message
+    first = count_at + 8
+    message = _refused(path, data[:first] + huge + data[first + 8 :])
+    assert message.startswith(f"truncated: tokenizer.ggml.tokens[0] at byte {first} needs")
+
+
+def test_malformed_values(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+    assert "unknown value type 13" in _refused(path, _file(_entry(b"k", 13, b"")))
+    empty_of_unknown = struct.pack("<IQ", 13, 0)
+    assert "unknown value type 13" in _refused(path, _file(_entry(b"k", 9, empty_of_unknown)))
+    assert "not UTF-8" in _refused(path, _file(_entry(b"\xff", 4, b"\0" * 4)))
+    strings = struct.pack("<IQQ", 8, 1, 1) + b"\xff"
+    assert "k[0] is not UTF-8" in _refused(path, _file(_entry(b"k", 9, strings)))
+    assert "twice" in _refused(path, _file(*[_entry(b"k", 4, b"\0" * 4)] * 2))
+    deep = struct.pack("<IQ", 9, 1) * 40 + struct.pack("<IQ", 4, 0)
+    assert "nests arrays" in _refused(path, _file(_entry(b"k", 9, deep)))
+    alignment = _entry(b"general.alignment", 4, struct.pack("<I", 48))
+    assert "not a power of two" in _refused(path, _file(alignment))
+
+
+def _tensor(name: bytes, ne: tuple[int, ...], ggml_type: int, offset: int = 0) -> bytes:
+    return (
+        struct.pack("<Q", len(name))
+        + name
+        + struct.pack(f"<I{len(ne)}QIQ", len(ne), *ne, ggml_type, offset)
+    )
+
+
+def test_malformed_tensor_infos(tmp_path: Path) -> None:
+    path = tmp_path / "model.gguf"
+
+    def table(*tensors: bytes) -> bytes:
+        return _file(n_tensors=len(tensors)) + b"".join(tensors) + b"\0" * 4096
+
+    assert "5 dimensions" in _refused(path, table(_tensor(b"t", (1, 1, 1, 1, 1), 0)))
+    assert "ggml type 99" in _refused(path, table(_tensor(b"t", (4,), 99)))
+    assert "whole blocks of 32" in _refused(path, table(_tensor(b"t", (48,), 8)))
+    assert "appears twice" in _refused(path, table(*[_tensor(b"t", (4,), 0)] * 2))
+    assert "ends at byte" in _refused(path, table(_tensor(b"t", (2**40, 2**40), 0)))
+
+
+@needs_files
+def test_flipped_header_bytes_never_raise_anything_else(tmp_path: Path) -> None:
+    data, data_offset = SMALL.read_bytes(), read_gguf(SMALL).data_offset
+    path, rng = tmp_path / "flipped.gguf", random.Random(1)
+    for _ in range(300):
+        broken = bytearray(data)
+        for at in rng.sample(range(data_offset), 3):
+            broken[at] = rng.randrange(256)
+        path.write_bytes(broken)
+        try:
+            read_gguf(path)
+        except GGUFFormatError as exc:
+            assert str(exc).startswith(f"{path}: ")
