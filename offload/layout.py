@@ -9,7 +9,9 @@ last copied into it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,3 +104,21 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def layer_states(layers: Sequence[nn.Module]) -> dict[int, list[tuple[str, Any]]]:
+    """What the layers' submodules hold besides tensors, per layer, where it differs
+    between layers (a GGUF file's block type per projection): submodules with a
+    `stream_state()` say what a streaming slot must take on to compute that layer
+    (`load_stream_state`). Empty when every layer is alike (nothing to do per layer)."""
+    states = {
+        i: [
+            (name, m.stream_state())
+            for name, m in layer.named_modules()
+            if hasattr(m, "stream_state")
+        ]
+        for i, layer in enumerate(layers)
+    }
+    if len({repr(s) for s in states.values()}) <= 1:
+        return {}
+    return states

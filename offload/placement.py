@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from offload.layout import FlatLayout
+from offload.layout import FlatLayout, layer_states
 from offload.storage import DiskStorage, LayerStorage, RamStorage, TensorSources
 from offload.stream import LayerStreamer
 
@@ -34,6 +34,7 @@ def build_streamer(
     if tier not in HOST_TIERS:
         raise ValueError(f"host tier {tier!r} is not one of {', '.join(HOST_TIERS)}")
     layout = FlatLayout.of(layers[streamed[0]])
+    states = {i: s for i, s in layer_states(layers).items() if i in streamed}
     for layer in layers:
         layout.check(layer)
     storage: LayerStorage
@@ -51,4 +52,6 @@ def build_streamer(
         for i in streamed:
             layers[i].to("meta")
     resident_modules = {i: layers[i].to(device) for i in resident}
-    return LayerStreamer(resident_modules, streamed, storage, layers[streamed[0]], device, slots)
+    return LayerStreamer(
+        resident_modules, streamed, storage, layers[streamed[0]], device, slots, states
+    )

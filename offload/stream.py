@@ -140,10 +140,13 @@ class LayerStreamer:
         template: nn.Module,
         device: torch.device | str,
         slots: int = 2,
+        states: Mapping[int, Sequence[tuple[str, Any]]] | None = None,
     ) -> None:
         """`resident`: layer index → module already on `device`. `streamed`: the indices whose
         weights `storage` holds. `template`: any one layer (meta device is fine) copied to
-        make the slot modules; its tensors are replaced by views into the slot buffers."""
+        make the slot modules; its tensors are replaced by views into the slot buffers.
+        `states`: per streamed layer, what its submodules hold besides tensors where layers
+        differ (`layer_states`), put into a slot's modules whenever it computes that layer."""
         if slots < 2:
             raise ValueError(f"streaming needs at least 2 slots (got {slots})")
         self.device = torch.device(device)
@@ -155,6 +158,7 @@ class LayerStreamer:
         if not self.order:
             raise ValueError("nothing to stream: every layer is resident")
         self.storage = storage
+        self.states = dict(states or {})
         self.layout: FlatLayout = storage.layout
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -225,6 +229,9 @@ class LayerStreamer:
                     self._land(slot)  # joins the read: a reader error surfaces here
                 if compute is not None and slot.ready is not None:
                     compute.wait_event(slot.ready)
+                for name, state in self.states.get(index, ()):
+                    module: Any = slot.module.get_submodule(name)
+                    module.load_stream_state(state)
                 yield slot.module
                 # The caller has queued this layer's kernels by now: the slot is free once
                 # they finish.

@@ -20,11 +20,14 @@ from safetensors import safe_open
 from torch import nn
 
 from speculative.config import ModelConfig, UnsupportedModelError
+from speculative.gguf_file import GGUFContents
+from speculative.gguf_model import config_from_gguf, is_gguf, load_gguf_model, open_gguf
+from speculative.gguf_tokenizer import tokenizer_from_gguf
 from speculative.model import Transformer, rope_inv_freq
+from speculative.model_stores import resolve_store_ref
 from speculative.packed import CompressedLinear, PackedLinear
 from speculative.projections import fused_parts
 from speculative.quant import (
-    SUPPORTED_FORMATS,
     UnsupportedQuantizationError,
     on_load_quantization,
 )
@@ -62,6 +65,7 @@ class Checkpoint:
     path: Path
     config: ModelConfig
     generation_defaults: dict[str, Any]
+    gguf: GGUFContents | None = None  # a GGUF file's header, read once (its tensors mapped)
 
     def weight_files(self) -> list[Path]:
         return weight_files(self.path)
@@ -71,7 +75,12 @@ def resolve(ref: str | os.PathLike[str], config_only: bool = False) -> Path:
     """A local folder, or a hub id downloaded into (or found in) the huggingface_hub cache.
     `HF_HUB_OFFLINE=1` is honoured: only the cache is consulted. `config_only`: only the
     config files are fetched (enough to plan for a download not made yet)."""
+    store = resolve_store_ref(str(ref))  # ollama:NAME[:TAG], lmstudio:PUBLISHER/REPO[/FILE]
+    if store is not None:
+        return store.path
     path = Path(ref).expanduser()
+    if is_gguf(path):
+        return path
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(
@@ -112,6 +121,9 @@ def open_checkpoint(
     the config then describes the packed model, so the plan counts packed bytes.
     `config_only`: a hub id needs only its config files in the cache (see `resolve`)."""
     path = resolve(ref, config_only)
+    if is_gguf(path):
+        store = resolve_store_ref(str(ref))
+        return _open_gguf_checkpoint(path, quantize, store.stop if store is not None else [])
     config_path = path / "config.json"
     try:
         raw = json.loads(config_path.read_text())
@@ -128,6 +140,21 @@ def open_checkpoint(
     gen_path = path / "generation_config.json"
     defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     return Checkpoint(path=path, config=config, generation_defaults=defaults)
+
+
+def _open_gguf_checkpoint(path: Path, quantize: str | None, stop: list[str]) -> Checkpoint:
+    """A GGUF file's config from its metadata (speculative/gguf_model.py). `stop`: a model
+    store's default stop strings (Ollama's params); those that are tokens of the
+    vocabulary end a generation as its end-of-sequence tokens do."""
+    if quantize is not None:
+        raise UnsupportedQuantizationError(
+            f"{path}: --quantize {quantize}: a GGUF file loads as it is stored, without --quantize"
+        )
+    contents = open_gguf(path)
+    config = config_from_gguf(contents)
+    vocabulary = {t: i for i, t in enumerate(contents.metadata.get("tokenizer.ggml.tokens") or [])}
+    stops = [vocabulary[s] for s in stop if s in vocabulary]
+    return Checkpoint(path, config, {"eos_token_id": stops}, gguf=contents)
 
 
 def dtype_key(name: str | None) -> str | None:
@@ -170,6 +197,8 @@ def dtype_candidates(
 
 
 def weight_files(path: Path) -> list[Path]:
+    if is_gguf(path):
+        return [path]
     index = path / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -183,10 +212,7 @@ def weight_files(path: Path) -> list[Path]:
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         hint = f" (found {', '.join(bins)}: convert to safetensors)" if bins else ""
         if ggufs:
-            hint = (
-                f" (found {', '.join(ggufs)}: GGUF is not supported; specd loads safetensors, "
-                f"quantized as {'; '.join(SUPPORTED_FORMATS)})"
-            )
+            hint = f" (found {', '.join(ggufs)}: give --model the .gguf file itself)"
         raise CheckpointError(f"{path}: no *.safetensors weights{hint}")
     return files
 
@@ -416,6 +442,17 @@ def load(
         ckpt = ref
     else:
         ckpt = open_checkpoint(ref, quantize)
+    if is_gguf(ckpt.path):
+        if skip is not None:
+            raise CheckpointError(
+                f"{ckpt.path}: the disk tier does not read GGUF files yet; give the layers "
+                "room in RAM (--ram-budget)"
+            )
+        contents = ckpt.gguf or open_gguf(ckpt.path)
+        tokenizer = tokenizer_from_gguf(contents.metadata, str(ckpt.path))
+        stops = ckpt.generation_defaults.get("eos_token_id") or []  # a store's stop tokens
+        tokenizer.eos_token_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *stops]))
+        return load_gguf_model(contents, ckpt.config, dtype, device), tokenizer, ckpt
     tokenizer = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
     model = load_model(ckpt, dtype=dtype, device=device, skip=skip)
     return model, tokenizer, ckpt

@@ -29,6 +29,7 @@ from speculative.config import ModelConfig, RopeConfig
 from speculative.kv_cache import KVCache
 from speculative.packed import PackedLinear, RebuildScratch
 from speculative.projections import FusedLinear, dequantize_projections, linear, projection
+from speculative.quant import specialise
 
 if TYPE_CHECKING:
     from speculative.compiled import CompiledPasses
@@ -241,6 +242,8 @@ class Transformer(nn.Module):
         self.layers: nn.ModuleList | LayerSequence = nn.ModuleList(
             DecoderLayer(cfg) for _ in range(cfg.num_layers)
         )
+        if cfg.quantization is not None and cfg.quantization.tensor_types:
+            specialise(self, cfg.quantization)  # a GGUF file's types, per tensor
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
+from speculative.gguf_blocks import GGMLType, GGUFLinear
 from speculative.hqq import HQQLinear
 from speculative.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
 
@@ -37,14 +39,36 @@ class QuantizationSpec:
     scale_dtype: torch.dtype  # the stored scales' dtype
     # Quantized while loading a full-precision checkpoint (`--quantize`), not as stored.
     on_load: bool = False
+    # A GGUF file: each projection's own block type (our name → ggml type), which differ
+    # within a file (a Q4_K_M mix holds Q4_K and Q6_K, and Q5_0 where rows are short).
+    tensor_types: tuple[tuple[str, int], ...] = ()
+    file_type: str = ""
+    type_bytes: tuple[tuple[str, int], ...] = ()  # the layers' stored bytes per block type
+
+    @classmethod
+    def gguf(
+        cls,
+        tensor_types: tuple[tuple[str, int], ...],
+        file_type: str,
+        type_bytes: tuple[tuple[str, int], ...],
+    ) -> QuantizationSpec:
+        return cls(
+            "gguf", 0, -1, False, torch.float16, tensor_types=tensor_types,
+            file_type=file_type, type_bytes=type_bytes,
+        )  # fmt: skip
 
     @property
     def label(self) -> str:
+        if self.method == "gguf":
+            kinds = ", ".join(f"{kind} {_size(n)}" for kind, n in self.type_bytes)
+            return f"gguf {self.file_type} as stored (layers: {kinds})"
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
         how = "quantized on load" if self.on_load else "as stored"
         return f"{self.method} {self.bits}-bit, {group} ({how})"
 
     def linear(self, in_features: int, out_features: int, bias: bool) -> PackedLinear:
+        if self.method == "gguf":  # its type is set per tensor (`specialise`)
+            return GGUFLinear(in_features, out_features, bias, GGMLType.F32)
         group = in_features if self.group_size == -1 else self.group_size
         if self.on_load:
             # A projection that is not a multiple of a group (a tiny model's 172 inputs)
@@ -67,6 +91,34 @@ class QuantizationSpec:
         return CompressedLinear(
             in_features, out_features, bias, self.bits, group, self.symmetric, self.scale_dtype
         )
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.3g} {unit}"
+    return f"{n} B"
+
+
+def specialise(model: nn.Module, spec: QuantizationSpec) -> None:
+    """A GGUF model's projections as their tensors are stored: each `GGUFLinear` of the
+    block type `spec.tensor_types` names for it, with room for the largest type the same
+    projection has in any layer (so every layer has one shape, for streaming)."""
+    kinds: dict[str, set[int]] = {}
+    for name, kind in spec.tensor_types:
+        kinds.setdefault(_role(name), set()).add(kind)
+    for name, kind in spec.tensor_types:
+        owner, _, attr = name.removesuffix(".weight").rpartition(".")
+        parent = model.get_submodule(owner)
+        old = getattr(parent, attr)
+        also = tuple(kinds[_role(name)])
+        bias = old.bias is not None
+        setattr(parent, attr, GGUFLinear(old.in_features, old.out_features, bias, kind, also))
+
+
+def _role(name: str) -> str:
+    """'layers.3.mlp.down_proj.weight' → 'mlp.down_proj.weight'."""
+    return name.split(".", 2)[2] if name.startswith("layers.") else name
 
 
 QUANTIZE_CHOICES = ("int8", "int4")

@@ -15,19 +15,17 @@ import numpy as np
 import pytest
 
 from speculative.gguf_file import GGUFFormatError, read_gguf
+from tests.conftest import SHARED_MODELS
 
-GGUFS = Path("/work/shared/models/gguf")
+GGUFS = SHARED_MODELS / "gguf"
 FILES = sorted(GGUFS.glob("*.gguf"))
 SMALL = GGUFS / "stories260k-Q4_0.gguf"
-needs_files = pytest.mark.skipif(not SMALL.is_file(), reason="no test GGUFs in /work/shared")
 
 
-@needs_files
 def test_all_shared_files_are_here() -> None:
     assert len(FILES) == 13
 
 
-@needs_files
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_matches_gguf_reader_and_reference(path: Path) -> None:
     ours, theirs = read_gguf(path), gguf.GGUFReader(path)
@@ -170,7 +168,6 @@ def _file(*entries: bytes, version: int = 3, n_tensors: int = 0) -> bytes:
     return b"GGUF" + struct.pack("<IQQ", version, n_tensors, len(entries)) + b"".join(entries)
 
 
-@needs_files
 def test_bad_magic_version_and_byte_order(tmp_path: Path) -> None:
     data = SMALL.read_bytes()
     path = tmp_path / "model.gguf"
@@ -182,7 +179,6 @@ def test_bad_magic_version_and_byte_order(tmp_path: Path) -> None:
     assert "big-endian" in _refused(path, data[:4] + struct.pack(">I", 3) + data[8:])
 
 
-@needs_files
 def test_truncated_anywhere_in_the_header(tmp_path: Path) -> None:
     data, data_offset = SMALL.read_bytes(), read_gguf(SMALL).data_offset
     path = tmp_path / "cut.gguf"
@@ -194,7 +190,6 @@ def test_truncated_anywhere_in_the_header(tmp_path: Path) -> None:
             assert message.startswith("truncated") and message.endswith("download it again")
 
 
-@needs_files
 def test_truncated_in_the_data(tmp_path: Path) -> None:
     last = max(read_gguf(SMALL).tensors, key=lambda t: t.offset + t.n_bytes)
     end = last.offset + last.n_bytes
@@ -205,7 +200,6 @@ def test_truncated_in_the_data(tmp_path: Path) -> None:
     )
 
 
-@needs_files
 def test_absurd_lengths_and_counts(tmp_path: Path) -> None:
     data = SMALL.read_bytes()
     path = tmp_path / "model.gguf"
@@ -262,7 +256,6 @@ def test_malformed_tensor_infos(tmp_path: Path) -> None:
     assert "ends at byte" in _refused(path, table(_tensor(b"t", (2**40, 2**40), 0)))
 
 
-@needs_files
 def test_flipped_header_bytes_never_raise_anything_else(tmp_path: Path) -> None:
     data, data_offset = SMALL.read_bytes(), read_gguf(SMALL).data_offset
     path, rng = tmp_path / "flipped.gguf", random.Random(1)

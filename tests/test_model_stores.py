@@ -22,15 +22,14 @@ from speculative.model_stores import (
     list_store_models,
     resolve_store_ref,
 )
+from tests.conftest import SHARED_MODELS
 
-GGUFS = Path("/work/shared/models/gguf")
+GGUFS = SHARED_MODELS / "gguf"
 Q4_0 = GGUFS / "stories260k-Q4_0.gguf"
 Q8_0 = GGUFS / "llama-rand-256-Q8_0.gguf"
 Q4_K_M = GGUFS / "llama-rand-256-Q4_K_M.gguf"
 TEMPLATE = "{{ if .System }}<|system|>{{ .System }}{{ end }}<|user|>{{ .Prompt }}<|assistant|>"
 PARAMS = {"stop": ["<|user|>", "<|end|>"], "temperature": 0.6}
-
-pytestmark = pytest.mark.skipif(not Q4_0.is_file(), reason="no test GGUFs in /work/shared")
 
 
 @pytest.fixture

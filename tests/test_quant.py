@@ -339,12 +339,12 @@ def test_a_4bit_70b_streams_from_ram_on_a_desktop() -> None:
     assert tiers == {"bf16": "disk", "gptq-4bit": "ram"}
 
 
-def test_a_gguf_folder_is_refused_naming_gguf(quantized: Path, tmp_path: Path) -> None:
+def test_a_folder_holding_a_gguf_names_the_file_to_give(quantized: Path, tmp_path: Path) -> None:
     folder = tmp_path / "gguf"
     folder.mkdir()
     shutil.copy(quantized / "gptq-w4-g32" / "config.json", folder / "config.json")
     (folder / "model-Q4_K_M.gguf").write_bytes(b"GGUF")
-    with pytest.raises(CheckpointError, match=r"model-Q4_K_M\.gguf: GGUF is not supported.*awq"):
+    with pytest.raises(CheckpointError, match=r"model-Q4_K_M\.gguf: give --model the \.gguf file"):
         open_checkpoint(folder).weight_files()
 
 

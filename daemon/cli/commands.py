@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daemon.cli import chat, plan, pull, serve, service
+from daemon.cli import chat, models, plan, pull, serve, service
 from daemon.cli.argtypes import count, count_or_auto, temperature, text
 from daemon.cli.pull import PullError
 from daemon.service import ServiceError
@@ -50,6 +50,9 @@ MODEL_USER_ERRORS = {
     "speculative.checkpoint": ("ModelNotFoundError", "CheckpointError"),
     "speculative.config": ("UnsupportedModelError",),
     "speculative.quant": ("UnsupportedQuantizationError",),
+    "speculative.gguf_model": ("GGUFError",),
+    "speculative.gguf_blocks": ("UnsupportedGGMLTypeError",),
+    "speculative.gguf_tokenizer": ("GGUFTokenizerError",),
     "offload.planning": ("PlanError",),
     "daemon.runtime": ("RuntimeSetupError",),
 }
@@ -337,7 +340,7 @@ def build_parser(command: str | None = "bench") -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a generation to the terminal")
     add_generate_args(gen)
     gen.set_defaults(func=cmd_generate)
-    for commands in (serve, service, chat, pull):
+    for commands in (serve, service, chat, pull, models):
         commands.register(sub)
     if command == "bench":
         from daemon.cli import bench

@@ -1,0 +1,98 @@
+"""`specd models`: the models already on this machine that `--model` can name: Ollama's and
+LM Studio's GGUF files (speculative/model_stores.py) and the Hugging Face hub cache, with
+their size and type. Nothing is loaded; a GGUF's type is read from its metadata alone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Found:
+    name: str  # what --model takes
+    kind: str  # "Q4_K_M", "bf16", "gptq 4-bit", ...; "unreadable" for a damaged file
+    size: int  # bytes on disk
+    path: Path
+    source: str  # "ollama" | "lmstudio" | "hub"
+
+
+def hub_models() -> list[Found]:
+    """The hub cache's model snapshots (the newest revision of each)."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    try:
+        cache = scan_cache_dir()
+    except CacheNotFound:
+        return []
+    found = []
+    for repo in cache.repos:
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        newest = max(repo.revisions, key=lambda r: r.last_modified)
+        found.append(
+            Found(repo.repo_id, _hub_kind(newest.snapshot_path), newest.size_on_disk,
+                  newest.snapshot_path, "hub")
+        )  # fmt: skip
+    return found
+
+
+def _hub_kind(folder: Path) -> str:
+    """What config.json says the weights are: a quantization format, or the dtype."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return "no config.json"
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method"):
+        bits = quant.get("bits") or quant.get("w_bit")
+        return f"{quant['quant_method']} {bits}-bit" if bits else str(quant["quant_method"])
+    return str(config.get("torch_dtype") or config.get("dtype") or "unknown dtype")
+
+
+def store_models() -> list[Found]:
+    from speculative.model_stores import list_store_models
+
+    return [
+        Found(e.name, e.file_type or "unknown type", e.size, e.path, e.store)
+        for e in list_store_models()
+    ]
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    found = sorted(store_models() + hub_models(), key=lambda f: (f.source, f.name))
+    if args.json:
+        rows: list[dict[str, Any]] = [
+            {"name": f.name, "type": f.kind, "bytes": f.size, "path": str(f.path),
+             "source": f.source}
+            for f in found
+        ]  # fmt: skip
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not found:
+        print(
+            "no models found in Ollama's or LM Studio's stores or the Hugging Face cache; "
+            "give --model a folder or a .gguf file, or `specd pull ORG/NAME`"
+        )
+        return 0
+    width = max(len(f.name) for f in found)
+    kinds = max(len(f.kind) for f in found)
+    for f in found:
+        print(f"{f.name:<{width}}  {f.kind:<{kinds}}  {_size(f.size):>9}  {f.path}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    models = sub.add_parser(
+        "models", help="list the models on this machine (Ollama, LM Studio, Hugging Face cache)"
+    )
+    models.add_argument("--json", action="store_true", help="one JSON list")
+    models.set_defaults(func=cmd_models)

@@ -1,0 +1,169 @@
+"""GGUF files made by llama.cpp's own converter and quantizer (../shared/models/gguf):
+every file loads, and greedy decoding in float32 gives exactly the 32 token ids that
+transformers' GGUF loader gives for each reference prompt (the q/k row order, tied and
+untied heads, and every block type in the files included). Also through the daemon's
+runtime with speculation (the GGUF target with its own file as the draft), `specd
+generate --model FILE.gguf`, and the one-line errors for bad files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from daemon.cli import main
+from daemon.runtime import Runtime, RuntimeOptions
+from offload.stream import LayerStreamer
+from speculative.checkpoint import load, open_checkpoint
+from speculative.generation import Generation
+from speculative.gguf_blocks import GGUFLinear
+from speculative.gguf_model import GGUFError
+from speculative.sampling import SamplingParams
+from tests.conftest import SHARED_MODELS
+
+GGUF = SHARED_MODELS / "gguf"
+FILES = sorted(p.stem for p in GGUF.glob("*.gguf"))
+
+
+def reference(name: str) -> dict:
+    return json.loads((GGUF / f"{name}.reference.json").read_text())
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_greedy_ids_equal_transformers_gguf_loader(name: str) -> None:
+    model, tokenizer, ckpt = load(GGUF / f"{name}.gguf", "fp32")
+    ref = reference(name)
+    quantized = any(isinstance(m, GGUFLinear) for m in model.modules())
+    assert quantized == (ckpt.config.quantization is not None)
+    stored = {t["name"] for t in ref["tensors"]}
+    assert ckpt.config.tie_word_embeddings == ("output.weight" not in stored)
+    for item in ref["items"]:
+        assert tokenizer.encode(item["prompt"]) == item["prompt_ids"]
+        feed = list(item["prompt_ids"])
+        out: list[int] = []
+        cache = model.new_cache(len(feed) + 40)
+        position = 0
+        for _ in range(len(item["greedy_new_token_ids"])):
+            positions = torch.arange(position, position + len(feed))
+            logits = model(torch.tensor(feed), positions, cache, last_only=True)
+            position += len(feed)
+            feed = [int(logits[-1].argmax())]
+            out.append(feed[0])
+        assert out == item["greedy_new_token_ids"], name
+
+
+@pytest.mark.parametrize(
+    ("target", "draft"),
+    [
+        ("llama-rand-256-Q4_K_M.gguf", "llama-rand-256-Q4_K_M.gguf"),
+        ("stories260k-Q4_K_M.gguf", "stories260k-draft"),  # a safetensors draft
+        ("stories260k-Q4_K_M.gguf", "stories260k-Q8_0.gguf"),
+        ("stories260k-Q4_K_M.gguf", "substitute"),
+    ],
+)
+def test_a_gguf_target_speculates_with_any_draft(
+    target: str, draft: str, shared_models: Path
+) -> None:
+    """Paired by the tokenizer check on the GGUF's tokenizer, a safetensors, GGUF or
+    substitute draft gives the reference's greedy ids through trees and chains."""
+    draft_path = {
+        "substitute": "substitute",
+        "stories260k-draft": str(shared_models / "stories260k-draft"),
+    }.get(draft, str(GGUF / draft))
+    options = RuntimeOptions(
+        model=str(GGUF / target), draft=draft_path, device="cpu", budget=8, dtype="fp32"
+    )
+    runtime = Runtime(options)
+    item = reference(target.removesuffix(".gguf"))["items"][0]
+    for strategy in ("autoregressive", "tree", "linear"):
+        built = runtime.strategy(strategy)
+        gen = Generation(
+            built, runtime.new_session(built), runtime.tokenizer, item["prompt_ids"],
+            SamplingParams(temperature=0.0), 32, ignore_eos=True,
+        ).run()  # fmt: skip
+        assert gen.token_ids == item["greedy_new_token_ids"], strategy
+
+
+def test_generate_takes_a_gguf_file(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", str(GGUF / "stories260k-Q8_0.gguf"), "--prompt"]
+    assert main([*argv, "Once upon a time", "--max-tokens", "8", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["stats"]["generated_tokens"] == 8
+
+
+def test_bad_files_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = GGUF / "llama-rand-256-Q4_K_M.gguf"
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(source.read_bytes()[:500_000])
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_bytes(b"GGML" + bytes(100))
+    for bad, words in [(truncated, "truncated"), (not_gguf, "not a GGUF file")]:
+        with pytest.raises(GGUFError, match=words):
+            open_checkpoint(bad)
+        assert main(["generate", "--model", str(bad), "--prompt", "x"]) == 2
+        err = capsys.readouterr().err
+        assert str(bad) in err and "Traceback" not in err
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(source, copy)
+    ckpt = open_checkpoint(copy)
+    assert ckpt.config.quantization is not None and "Q4_K_M" in ckpt.config.quantization.label
+
+
+@pytest.mark.parametrize("name", ["llama-rand-256-Q4_K_M", "stories260k-Q4_K_M"])
+def test_a_streamed_gguf_target_with_mixed_layer_types_is_exact(name: str) -> None:
+    """Streamed through two slots, every layer in one shape (room for its projections'
+    largest type in any layer): a slot takes on the types of the layer it computes, and
+    greedy decoding still gives the reference ids. Q4_K_M stores attn_v and ffn_down of
+    some layers as Q6_K (stories260k: Q5_0 and Q8_0)."""
+    path = str(GGUF / f"{name}.gguf")
+    options = RuntimeOptions(
+        model=path, device="cpu", dtype="fp32", offload="stream", resident_layers=0, slots=2
+    )
+    runtime = Runtime(options)
+    assert runtime.plan.streamed_layers == runtime.target.config.num_layers
+    streamer = runtime.target.layers
+    assert isinstance(streamer, LayerStreamer)
+    per_layer = {i: dict(states) for i, states in streamer.states.items()}
+    assert per_layer and len({repr(s) for s in per_layer.values()}) > 1  # types differ
+    built = runtime.strategy("autoregressive")
+    for item in reference(name)["items"]:
+        gen = Generation(
+            built, runtime.new_session(built), runtime.tokenizer, item["prompt_ids"],
+            SamplingParams(temperature=0.0), 32, ignore_eos=True,
+        ).run()  # fmt: skip
+        assert gen.token_ids == item["greedy_new_token_ids"]
+
+
+def test_a_model_in_ollamas_store_loads_and_is_listed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--model ollama:NAME` reads the store's own blob (nothing copied); the manifest's
+    stop strings that are tokens end generations; `specd models` lists it."""
+    from tests.test_model_stores import pull
+
+    store = tmp_path / "ollama"
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    params = json.dumps({"stop": ["</s>", "▁said"]})
+    pull(store, "registry.ollama.ai/library/tiny/latest", GGUF / "stories260k-Q8_0.gguf",
+         params=params)  # fmt: skip
+    before = sorted(p.name for p in store.rglob("*"))
+    ckpt = open_checkpoint("ollama:tiny")
+    assert ckpt.path.parent == store / "blobs"
+    _, tokenizer, _ = load(ckpt, "fp32")
+    assert tokenizer.backend.token_to_id("▁said") in tokenizer.eos_token_ids  # a stop token
+    assert sorted(p.name for p in store.rglob("*")) == before
+    argv = ["generate", "--model", "ollama:tiny", "--prompt", "Once upon a time"]
+    assert main([*argv, "--max-tokens", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stats"]["generated_tokens"] <= 4
+    assert main(["models", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [(m["name"], m["type"], m["source"]) for m in listed] == [
+        ("ollama:tiny:latest", "Q8_0", "ollama")
+    ]
+    assert main(["generate", "--model", "ollama:absent", "--prompt", "x"]) == 2
+    assert "ollama pull absent" in capsys.readouterr().err
