@@ -12,14 +12,19 @@ look-up per token, so extending a key along a tree path is O(1) per node. Ids ar
 reused; when an entry is evicted its edge goes too, and whatever hung below it becomes
 unreachable and ages out.
 
-Rows are the unit of storage, accounting and eviction: each stored row is one vocabulary
-row in a preallocated slot, so a store of a 1,024-node tree at vocabulary 128k keeps as
-many of its rows as fit instead of nothing. Rows are kept in the model's compute dtype:
-the head computes in that dtype and the model casts to fp32 afterwards, so the round trip
-is exact. Slots live in host memory (pinned when the logits come from a GPU: a store is a
-device→host copy per row, a hit copies one row back), in chunks whose sizes are powers of
-two adding up to at most `max_bytes`, allocated only when rows need them; a pinned
-allocation of a power of two is not rounded up by the host allocator.
+Rows are the unit of storage and eviction: each stored row is one vocabulary row in a
+slot, so a store of a 1,024-node tree at vocabulary 128k keeps as many of its rows as fit
+instead of nothing. Rows are kept in the model's compute dtype: the head computes in that
+dtype and the model casts to fp32 afterwards, so the round trip is exact. Slots live in
+host memory (pinned when the logits come from a GPU: a store is a device→host copy per
+row, a hit copies one row back), in chunks of power-of-two sizes (speculative/logit_slots.py).
+
+The bound is on memory held, not on rows counted: slot chunks allocated plus
+ENTRY_OVERHEAD per interned prefix stay within `limit` (`max_bytes`, or less after
+`shrink`) at all times. A chunk is allocated only when it fits beside the prefixes; when
+prefixes need room (a 32k-token prompt interns ~16 MiB of them) rows are evicted until
+the rows left fit in the chunks before the last, they move there and the last chunk is
+freed.
 
 Eviction is least recently used by row, in two segments: rows a walk went through (the
 accepted path of the round that stored them, or any row since hit) outlive rows that were
@@ -36,7 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-EMPTY_PREFIX = 0  # id of the empty sequence, the trie's root
+from speculative.logit_slots import LogitSlots, Slot, chunk_sizes
+
+EMPTY_PREFIX = 0  # id of the empty sequence, the trie's root (never holds a row: NO_KEY)
 # Bytes charged per interned prefix: its record, its edge tuple and ids, and its slots in
 # the three dicts that index it (with their spare capacity and the copy a dict makes as
 # it grows). Measured at about 410 bytes per prefix on CPython 3.11 (x86-64) for 100k
@@ -45,14 +52,13 @@ ENTRY_OVERHEAD = 512
 # 1 GiB holds ~4,000 rows at vocabulary 128k in bf16: the verified trees of a few rounds at
 # budget 1,024, or every row of a few hundred rounds of a small budget.
 DEFAULT_MAX_BYTES = 1 << 30
-CHUNK_BYTES = 32 << 20  # slot memory is allocated in pieces of at most this many bytes
 ENTRY_SHARE = 64  # leaf prefixes (no row, no children) may take 1/64 of the size
 
 
 @dataclass(slots=True)
 class _Entry:
     edge: tuple[int, int]  # (parent id, token)
-    slot: tuple[int, int] | None = None  # (chunk, row) holding the logits after this prefix
+    slot: Slot | None = None  # (chunk, row) holding the logits after this prefix
     store: int = 0  # the put_rows call that wrote the row
     walked: bool = False  # a walk went through this row: kept before unwalked rows
     children: int = 0  # interned prefixes one token longer
@@ -66,16 +72,12 @@ class PrefixCacheStats:
     evictions: int = 0  # rows dropped to make room (entries whose row went)
 
 
-def chunk_sizes(max_bytes: int, chunk: int = CHUNK_BYTES) -> list[int]:
-    """Powers of two adding up to `max_bytes`: full chunks, then the binary digits of the
-    rest (a pinned buffer of 2^k bytes takes exactly 2^k bytes of RAM)."""
-    sizes = [chunk] * (max_bytes // chunk)
-    rest = max_bytes % chunk
-    while rest:
-        part = 1 << (rest.bit_length() - 1)
-        sizes.append(part)
-        rest -= part
-    return sizes
+def slot_bytes(size: int, row_bytes: int) -> int:
+    """Bytes for row slots in a cache of `size`: what is left when a share is kept for
+    interned prefixes without a row (which would otherwise be evicted first, and with them
+    the way to every row below them) and each row's own prefix is paid for."""
+    rows_and_their_prefixes = size - size // ENTRY_SHARE
+    return rows_and_their_prefixes * row_bytes // (row_bytes + ENTRY_OVERHEAD)
 
 
 class PrefixCache:
@@ -85,11 +87,13 @@ class PrefixCache:
         dtype: torch.dtype | None = None,
         pin: bool = False,
     ) -> None:
-        """`dtype`: the dtype rows are kept in (the model's compute dtype; None keeps the
+        """`max_bytes`: the configured size, what the memory plan reserves (0: off).
+        `dtype`: the dtype rows are kept in (the model's compute dtype; None keeps the
         logits' own). `pin`: allocate slots in pinned memory (the logits come from a GPU)."""
         if max_bytes < 0:
             raise ValueError(f"prefix cache size must be >= 0 bytes, got {max_bytes}")
         self.max_bytes = max_bytes
+        self.limit = max_bytes  # the bound in force: max_bytes, or less while shrunk
         self.dtype = dtype
         self.pin = pin
         self.bytes = 0  # held rows × row bytes + interned prefixes × ENTRY_OVERHEAD
@@ -102,16 +106,11 @@ class PrefixCache:
         self._bare: OrderedDict[int, None] = OrderedDict()
         self._walked: OrderedDict[int, None] = OrderedDict()
         self._unwalked: OrderedDict[int, None] = OrderedDict()
-        self._free: list[tuple[int, int]] = []  # (chunk, row) slots emptied by eviction
-        self._chunks: list[torch.Tensor] = []  # (rows, V) slot storage allocated so far
-        self._fresh = 0  # rows of the last chunk handed out so far
-        self._sizes: list[int] = []  # chunk byte sizes not allocated yet
-        self._device = torch.device("cpu")  # where the logits come from and hits go back
-        self._vocab = 0
+        self._slots = LogitSlots()  # set up by the first store, for its vocabulary and device
         self._next_id = EMPTY_PREFIX + 1  # ids are never reused, not even after clear()
         self._store = 0  # put_rows calls so far
         self._clock = 0  # ticks on every use of an entry (`_Entry.used`)
-        self._capacity = (0, 0)  # (row bytes, rows that fit)
+        self._capacity = (0, 0, 0)  # (row bytes, limit, rows that fit)
         self.stats = PrefixCacheStats()
 
     def __len__(self) -> int:
@@ -124,23 +123,46 @@ class PrefixCache:
 
     @property
     def allocated_bytes(self) -> int:
-        """Slot memory allocated so far (chunks are allocated as rows need them and kept
-        until `clear`): at most `max_bytes`, what the memory plan reserves."""
-        return sum(chunk.nbytes for chunk in self._chunks)
+        """Slot memory allocated now: chunks are allocated as rows need them and freed when
+        prefixes need their room, on `shrink` and on `clear`."""
+        return self._slots.allocated
 
-    def slot_bytes(self, row_bytes: int) -> int:
-        """Bytes for row slots: what is left when a share is kept for interned prefixes
-        without a row (which would otherwise be evicted first, and with them the way to
-        every row below them) and each row's own prefix is paid for."""
-        rows_and_their_prefixes = self.max_bytes - self.max_bytes // ENTRY_SHARE
-        return rows_and_their_prefixes * row_bytes // (row_bytes + ENTRY_OVERHEAD)
+    @property
+    def held_bytes(self) -> int:
+        """What the cache holds in memory: slot chunks plus ENTRY_OVERHEAD per interned
+        prefix. At most `limit` at all times."""
+        return self._slots.allocated + len(self._entries) * ENTRY_OVERHEAD
 
     def capacity_rows(self, vocab_size: int, dtype: torch.dtype) -> int:
         """How many rows of `vocab_size` logits in `dtype` the slots can hold."""
         row = vocab_size * torch.empty((), dtype=self.dtype or dtype).element_size()
-        if self._capacity[0] != row:  # asked every round: computed once per row size
-            self._capacity = (row, sum(size // row for size in chunk_sizes(self.slot_bytes(row))))
-        return self._capacity[1]
+        if self._capacity[:2] != (row, self.limit):  # asked every round: computed once
+            rows = sum(size // row for size in chunk_sizes(slot_bytes(self.limit, row)))
+            self._capacity = (row, self.limit, rows)
+        return self._capacity[2]
+
+    def shrink(self, to_bytes: int) -> int:
+        """Memory pressure (DESIGN.md): from now until `restore`, hold at most `to_bytes`
+        (`held_bytes`; more than `max_bytes` counts as `max_bytes`). The least recently
+        used rows and prefixes go, and chunks are freed as the rows left fit in fewer; the
+        cache keeps working within the lower bound (at 0 it keeps nothing). Returns the
+        bytes freed (`held_bytes` before less after)."""
+        if to_bytes < 0:
+            raise ValueError(f"prefix cache size must be >= 0 bytes, got {to_bytes}")
+        held, prefixes = self.held_bytes, len(self._entries)
+        self.limit = min(to_bytes, self.max_bytes)
+        self._evict()
+        if len(self._entries) < prefixes:
+            # A dict keeps its table when entries go; a copy is sized to what is left.
+            self._ids, self._entries = dict(self._ids), dict(self._entries)
+            self._bare, self._walked = OrderedDict(self._bare), OrderedDict(self._walked)
+            self._unwalked = OrderedDict(self._unwalked)
+        return held - self.held_bytes
+
+    def restore(self) -> None:
+        """Undo `shrink`: the bound is `max_bytes` again (chunks are allocated again as
+        rows need them)."""
+        self.limit = self.max_bytes
 
     def child(self, prefix: int, token: int) -> int:
         """The id of `prefix` extended by `token` (interned on first use)."""
@@ -186,13 +208,7 @@ class PrefixCache:
         entry.walked = True  # a sample walks through it: worth keeping
         self._walked[key] = None
         self.stats.hits += 1
-        # A copy, never a view of the slot (a later store may reuse it). From pinned memory
-        # it is asynchronous on the current stream, which orders it before any later
-        # device→host copy into the same slot.
-        chunk, row = entry.slot
-        return self._chunks[chunk][row].to(
-            self._device, torch.float32, non_blocking=True, copy=True
-        )  # (V,)
+        return self._slots.read(entry.slot)  # (V,)
 
     def put_rows(
         self,
@@ -204,16 +220,16 @@ class PrefixCache:
         """Store row `rows[i]` of `logits` (N, V) (row i when `rows` is None) as the logits
         after prefix `keys[i]`; the first `walked` keys are the round's walked path. Keys
         come in order of value: when the cache cannot hold them all, the first ones are
-        kept and the rest are not stored (older rows are evicted least recently used first,
-        unwalked ones before walked ones, and only walked rows evict walked rows; rows of
-        this store never evict each other).
+        kept and the rest are not stored (older rows and bare prefixes are evicted least
+        recently used first, unwalked rows before walked ones, and only walked rows evict
+        walked rows; rows of this store never evict each other).
         Afterwards the first key is the most recently used. Returns the rows stored."""
         rows = range(len(keys)) if rows is None else rows
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} keys for {len(rows)} rows")
         if len(rows) and not 0 <= min(rows) <= max(rows) < logits.shape[0]:
             raise ValueError(f"row index outside the {logits.shape[0]} rows of logits")
-        if not self.max_bytes or not keys:
+        if not self.limit or not keys:
             return 0
         self._configure(logits)
         self._store += 1
@@ -221,12 +237,14 @@ class PrefixCache:
         for i, (key, r) in enumerate(zip(keys, rows, strict=True)):
             entry = self._entries.get(key)
             if entry is None:
-                continue  # evicted (byte bound) while the keys were being interned
+                continue  # evicted while the keys were interned, or to make room for a row
             if entry.slot is None:
-                entry.slot = self._slot(take_walked=entry.walked or i < walked)
+                self._bare.pop(key, None)  # not a leaf to drop for its own slot
+                entry.slot = self._slot(key, take_walked=entry.walked or i < walked)
                 if entry.slot is None:
+                    if not entry.children:
+                        self._bare[key] = None
                     break  # every slot it may take holds a more valuable row
-                self._bare.pop(key, None)  # (an inner prefix is in no index)
                 self.bytes += self.row_bytes
             else:
                 self._segment(entry).pop(key)
@@ -234,15 +252,11 @@ class PrefixCache:
             entry.used = self._tick()
             entry.walked = entry.walked or i < walked
             self._segment(entry)[key] = None  # at the back: this store's rows go last
-            chunk, row = entry.slot
-            # Into a pinned slot the copy is asynchronous on the current stream; nothing on
-            # the host reads slots, and a hit's copy back is queued behind it.
-            self._chunks[chunk][row].copy_(logits[r], non_blocking=self.pin)
+            self._slots.write(entry.slot, logits[r])
             stored.append(key)
         for key in reversed(stored):  # most valuable last: the most recently used
             self._segment(self._entries[key]).move_to_end(key)
-        self._evict()
-        return sum(1 for k in stored if k in self._walked or k in self._unwalked)
+        return len(stored)
 
     def _segment(self, entry: _Entry) -> OrderedDict[int, None]:
         return self._walked if entry.walked else self._unwalked
@@ -250,13 +264,13 @@ class PrefixCache:
     def _configure(self, logits: torch.Tensor) -> None:
         dtype = self.dtype or logits.dtype
         row_bytes = logits.shape[1] * torch.empty((), dtype=dtype).element_size()
-        if self.row_bytes == row_bytes and self._device == logits.device:
+        if self.row_bytes == row_bytes and self._slots.device == logits.device:
             return
         if self.row_bytes:  # another vocabulary or device: start over
             self.clear()
-        self.dtype, self.row_bytes, self._device = dtype, row_bytes, logits.device
-        self._vocab = logits.shape[1]
-        self._sizes = [s for s in chunk_sizes(self.slot_bytes(row_bytes)) if s >= row_bytes]
+        self.dtype, self.row_bytes = dtype, row_bytes
+        sizes = chunk_sizes(slot_bytes(self.max_bytes, row_bytes))
+        self._slots = LogitSlots(logits.shape[1], dtype, sizes, self.pin, logits.device)
 
     def clear(self) -> None:
         """Drop every row and every interned prefix (slot memory is released too)."""
@@ -266,59 +280,73 @@ class PrefixCache:
             index.clear()
         self._entries.clear()
         self._ids.clear()
-        self._free, self._chunks, self._fresh = [], [], 0
-        self.bytes = 0
-        self.row_bytes = 0
+        self._slots.close()
+        self._slots = LogitSlots()
+        self.bytes = self.row_bytes = 0
 
-    def _slot(self, take_walked: bool) -> tuple[int, int] | None:
-        """An empty slot: a free one, a fresh one (allocating a chunk when needed), or the
-        least recently used unwalked row's, else (for a walked row only) the least recently
-        used walked row's, never one of the current store (whose rows are at the back of
-        each segment)."""
-        if self._free:
-            return self._free.pop()
-        if self._chunks and self._fresh < self._chunks[-1].shape[0]:
-            self._fresh += 1
-            return len(self._chunks) - 1, self._fresh - 1
-        if self._sizes:
-            size = self._sizes.pop(0)
-            chunk = torch.empty(
-                (size // self.row_bytes, self._vocab), dtype=self.dtype, pin_memory=self.pin
-            )  # (rows, V)
-            self._chunks.append(chunk)
-            self._fresh = 1
-            return len(self._chunks) - 1, 0
+    def _slot(self, key: int, take_walked: bool) -> Slot | None:
+        """An empty slot for `key`'s row: a free one, else one of a new chunk if one fits
+        within the limit, else made by evicting the least recently used of: a bare leaf
+        (while a chunk is left to allocate when the prefixes leave room) and a row
+        (unwalked, or for a walked row any) that is not of the current store (whose rows
+        are at the back of each segment)."""
+        slots = self._slots
+        while not slots.free and not slots.grow(self.limit - self.held_bytes):
+            row = self._oldest_row(take_walked)
+            leaf = next(iter(self._bare), None)
+            if (
+                leaf is not None
+                and slots.unallocated  # a chunk to make room for (a chain of leaves unravels)
+                and (row is None or self._entries[leaf].used < self._entries[row].used)
+            ):
+                del self._bare[leaf]
+                self._drop_prefix(leaf)
+                self._bare.pop(key, None)  # its last child may have gone: still not to drop
+            elif row is not None:
+                self._take_row(row, self._entries[row])
+            else:
+                return None
+        return slots.take(key)
+
+    def _oldest_row(self, take_walked: bool) -> int | None:
         for segment in (self._unwalked, self._walked) if take_walked else (self._unwalked,):
             if segment:
                 key = next(iter(segment))
-                entry = self._entries[key]
-                if entry.store != self._store:
-                    return self._take_row(key, entry)
+                if self._entries[key].store != self._store:
+                    return key
         return None
 
-    def _take_row(self, key: int, entry: _Entry) -> tuple[int, int]:
-        """Evict `key`'s row; the prefix stays interned (rows below it stay reachable)."""
-        slot = entry.slot
-        assert slot is not None, "only entries holding a row are in a row segment"
+    def _take_row(self, key: int, entry: _Entry) -> None:
+        """Evict `key`'s row, its slot free; the prefix stays interned (rows below it stay
+        reachable)."""
+        assert entry.slot is not None, "only entries holding a row are in a row segment"
         del self._segment(entry)[key]
+        self._slots.vacate(entry.slot)
         entry.slot = None
         if not entry.children:
             self._bare[key] = None
         self.bytes -= self.row_bytes
         self.stats.evictions += 1
-        return slot
 
     def _evict(self) -> None:
-        """Until the byte bound holds, drop the least recently used of: a bare leaf (a prefix
-        with neither a row nor children; its parent may become one) and a row (unwalked
-        rows before walked ones; the prefix stays, without a row). Leaves go first anyway
-        while they take more than their share. Only leaves: a long prompt's prefixes are
-        interned before the rows below them, so dropping the oldest prefix would cut every
-        row of its trees off; and by age: a stale chain of prefixes (a finished request's
-        prompt, its rows gone) goes before newer rows, while a tree's keys, interned just
-        before its rows are stored, outlive older rows."""
-        share = self.max_bytes // ENTRY_SHARE
-        while self.bytes > self.max_bytes:
+        """Until what the cache holds is within the limit: free the last chunk when the rows
+        left fit in the others (moving them there), else drop the least recently used of a
+        bare leaf (a prefix with neither a row nor children; its parent may become one) and
+        a row (unwalked rows before walked ones; the prefix stays, without a row, and its
+        slot is free). Leaves go first anyway while they take more than their share. Only
+        leaves: a long prompt's prefixes are interned before the rows below them, so
+        dropping the oldest prefix would cut every row of its trees off; and by age: a stale
+        chain of prefixes (a finished request's prompt, its rows gone) goes before newer
+        rows, while a tree's keys, interned just before its rows are stored, outlive older
+        rows."""
+        share = self.limit // ENTRY_SHARE
+        released = False
+        while self.held_bytes > self.limit:
+            if self._slots.can_release():
+                for moved, slot in self._slots.release_last():
+                    self._entries[moved].slot = slot
+                released = True
+                continue
             rows = self._unwalked or self._walked
             leaf = next(iter(self._bare), None)
             row = next(iter(rows), None)
@@ -330,9 +358,11 @@ class PrefixCache:
                 del self._bare[leaf]
                 self._drop_prefix(leaf)
             elif row is not None:
-                self._free.append(self._take_row(row, self._entries[row]))
+                self._take_row(row, self._entries[row])
             else:
                 break  # nothing evictable (a bare inner prefix always has a leaf or row below)
+        if released:
+            self._slots.return_pinned()
 
     def _drop_prefix(self, key: int) -> None:
         entry = self._entries.pop(key)
