@@ -47,12 +47,22 @@ from daemon.jobs import (
     Finished,
     GenerationRequest,
     Job,
+    MemoryPressureError,
     QueueFullError,
     ServerShuttingDown,
     merge_chunks,
 )
 from daemon.metrics import Metrics
 from daemon.pools import SessionPool, StrategyPool
+from daemon.pressure import (
+    PressureMonitor,
+    PressureThresholds,
+    Relief,
+    cuda_probe,
+    device_thresholds,
+    is_out_of_memory,
+    relief_steps,
+)
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.errors import RequestError
 from speculative.generation import (
@@ -62,6 +72,7 @@ from speculative.generation import (
     Session,
     Strategy,
 )
+from speculative.kv_cache import KVCache
 from speculative.model import Transformer
 from speculative.passes import Allot, Forward, Request, allot, execute
 
@@ -112,7 +123,11 @@ class Engine:
         limits: EngineLimits,
         metrics: Metrics,
         runtime_factory: Callable[[RuntimeOptions], Runtime] = Runtime,
+        pressure: PressureThresholds | None = None,
+        device_probe: Callable[[], int] | None = None,
     ) -> None:
+        """`pressure`: watch memory while serving (daemon/pressure.py); None: do not.
+        `device_probe`: free device bytes, in place of CUDA's count (tests)."""
         self.options = options
         self.limits = limits
         self.metrics = metrics
@@ -139,6 +154,10 @@ class Engine:
         self.loading_note: str | None = None  # what loading is doing, while it takes long
         self._wake = threading.Condition()
         self._thread = threading.Thread(target=self._work, name="specd-engine", daemon=True)
+        self._pressure_thresholds = pressure
+        self.device_probe = device_probe  # set before start() to replace CUDA's count
+        self.pressure: PressureMonitor | None = None  # watching once the models are loaded
+        self.relief = Relief([])
 
     # ---- called from the event loop ----
 
@@ -161,6 +180,12 @@ class Engine:
         if not self.ready:
             raise EngineNotReady(f"the engine is {self.state}")
         assert self.runtime is not None
+        if self.pressure is not None and self.pressure.level == "critical":
+            raise MemoryPressureError(
+                "memory is critically short on this machine (another program took it); "
+                "requests in flight finish, new ones are refused until it is back: retry "
+                "shortly"
+            )
         # A tree bigger than the plan's largest pass would allocate past the budget (its
         # ancestor mask alone is budget² bytes): refuse it before it is queued.
         if request.budget is not None and request.budget > self.runtime.max_tree_budget:
@@ -195,6 +220,8 @@ class Engine:
             self._wake.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.pressure is not None:
+            self.pressure.stop()
 
     def _loading(self, note: str) -> None:
         self.loading_note = note
@@ -226,6 +253,7 @@ class Engine:
             # runtime whose owner decided already (`specd bench`) keeps its choice.
             if self.runtime.compiled is None:
                 self.runtime.compile(serving=True).warm_in_background()
+            self._watch_memory()
         except BaseException as exc:  # reported by /health and every request
             self.load_error = exc
             log.error("loading the models failed: %s", exc)
@@ -233,6 +261,7 @@ class Engine:
         finally:
             self.loaded.set()
         while not self._stopping.is_set():
+            self._relieve()
             self._admit()
             if not self._active:
                 with self._wake:
@@ -246,6 +275,35 @@ class Engine:
                 for active in list(self._active):
                     self._fail(active, exc)
         self._fail_everything(ServerShuttingDown("the server is shutting down"))
+
+    def _watch_memory(self) -> None:
+        """Start the memory monitor (once the plan says what the device's margin is)."""
+        thresholds = self._pressure_thresholds
+        if thresholds is None or not thresholds.enabled:
+            return
+        assert self.runtime is not None
+        probe = self.device_probe
+        if probe is None and self.runtime.device.type == "cuda":
+            probe = cuda_probe(self.runtime.device)
+        if probe is not None:
+            plan = self.runtime.plan
+            tight, critical = device_thresholds(plan.budget.device_bytes - plan.device_bytes)
+            thresholds = replace(
+                thresholds,
+                tight_device_free=thresholds.tight_device_free or tight,
+                critical_device_free=thresholds.critical_device_free or critical,
+            )
+        self.relief = Relief(relief_steps(self.runtime.prefix_cache, self._idle, self))
+        self.pressure = PressureMonitor(thresholds, device_free=probe)
+        self.pressure.start()
+
+    def _relieve(self) -> None:
+        """Follow the memory monitor's level with the relief steps (between passes, on
+        this thread: the steps free what the passes use)."""
+        if self.pressure is None:
+            return
+        self.relief.follow(self.pressure.level, self.pressure.thresholds)
+        self.metrics.record_pressure(self.pressure, self.relief)
 
     def _admit(self) -> None:
         while len(self._active) < self.limits.max_concurrent:
@@ -394,13 +452,8 @@ class Engine:
         requests = [a.request for a in chosen if isinstance(a.request, Forward)]
         lengths = [(r.segment.cache, r.segment.cache.length) for r in requests]
         try:
-            execute(requests)
+            self._execute(requests, lengths)
         except Exception as exc:
-            # The layers commit every segment's keys and values before the head runs: a
-            # pass that raised there (out of memory for the logits) left them appended.
-            # Back to where each cache stood, or the rerun below appends them twice.
-            for cache, length in lengths:
-                cache.truncate(length)
             if len(chosen) == 1:
                 self._fail(chosen[0], exc)
                 return
@@ -416,6 +469,28 @@ class Engine:
             self.metrics.record_pass(len(chosen), tokens)
         for active in chosen:
             self._deliver(active)
+
+    def _execute(self, requests: list[Forward], lengths: list[tuple[KVCache, int]]) -> None:
+        """Run a pass. One that fails leaves every cache where it stood (the layers commit
+        each segment's keys and values before the head runs: a pass that raised there
+        left them appended, and a rerun would append them twice). Out of memory, the next
+        relief step is taken and the pass runs once more."""
+        try:
+            execute(requests)
+            return
+        except Exception as exc:
+            for cache, length in lengths:
+                cache.truncate(length)
+            if not is_out_of_memory(exc):
+                raise
+            log.warning("a pass ran out of memory (%s); freeing memory and running it again", exc)
+            self.relief.climb("out of memory in a pass")
+        try:
+            execute(requests)
+        except Exception:
+            for cache, length in lengths:
+                cache.truncate(length)
+            raise
 
     def _retry_alone(self, active: _Active) -> None:
         assert isinstance(active.request, Forward)

@@ -22,6 +22,10 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than `limits.queue_size` allows (the client should retry)."""
 
 
+class MemoryPressureError(RuntimeError):
+    """Memory is critically short (memory.pressure): new requests wait until it is back."""
+
+
 class EngineNotReady(RuntimeError):
     """The models are still loading, failed to load, or the engine is shutting down."""
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import prometheus_client as prom
 
+from daemon.pressure import LEVELS, PressureMonitor, Relief
 from speculative.generation import GenerationStats
 
 # Keys the offload streamer may add to GenerationStats.extra: bytes moved host → device and
@@ -161,6 +162,39 @@ class Metrics:
             "Average host-to-device bandwidth of target weight streaming.",
             r,
         )
+        self.pressure_level = Gauge(
+            "specd_memory_pressure_level", "Memory pressure: 0 ok, 1 tight, 2 critical.", r
+        )
+        self.host_available = Gauge(
+            "specd_host_available_bytes", "Host RAM available, at the last sample.", r
+        )
+        self.device_free = Gauge(
+            "specd_device_free_bytes", "Free device memory at the last sample (-1: none).", r
+        )
+        self.relief_in_force = Gauge(
+            "specd_memory_relief_steps", "Relief steps in force (memory pressure).", r
+        )
+        self._relief_taken = prom.Counter(
+            "specd_memory_relief_steps_taken",
+            "Times each relief step was taken (memory pressure).",
+            ["step"], registry=r,
+        )  # fmt: skip
+        self._relief_seen: dict[str, int] = {}
+
+    def record_pressure(self, monitor: PressureMonitor, relief: Relief) -> None:
+        """The memory monitor's last sample and the relief steps in force (the engine
+        calls this between passes)."""
+        sample = monitor.sample
+        self.pressure_level.set(LEVELS.index(monitor.level))
+        if sample is not None:
+            self.host_available.set(sample.host_available)
+            self.device_free.set(sample.device_free if sample.device_free is not None else -1)
+        self.relief_in_force.set(relief.taken)
+        for name, count in relief.counts.items():
+            new = count - self._relief_seen.get(name, 0)
+            if new:
+                self._relief_taken.labels(step=name).inc(new)
+                self._relief_seen[name] = count
 
     def set_draft(self, kind: str | None, bits: int | None) -> None:
         """Label what the loaded runtime drafts with (once the models are loaded)."""

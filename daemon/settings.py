@@ -266,6 +266,35 @@ class LimitsSettings:
     max_pass_tokens: int | None = _key(None, integer(1, 1 << 20, nullable=True))
 
 
+def rate(value: Any) -> Any:
+    try:
+        parse_rate(value)
+    except (ValueError, TypeError):
+        raise ValueError("a rate such as 16MB/s") from None
+    return value
+
+
+@dataclass
+class MemoryPressureSettings:
+    """memory.pressure: watching free memory while serving, and what is given up when it
+    runs short (daemon/pressure.py)."""
+
+    enabled: bool = _key(True, flag)
+    period_seconds: float = _key(1.0, number(0.05, 60.0))
+    # Host RAM available (psutil) below which the level is tight, critical.
+    tight_host_free: int | str = _key("2GiB", size_or_zero)
+    critical_host_free: int | str = _key("1GiB", size_or_zero)
+    # Free device memory: auto is a tenth of the margin the memory plan left (at least
+    # 256 MiB) for tight, half of that for critical.
+    tight_device_free: int | str = _key("auto", size_or_auto)
+    critical_device_free: int | str = _key("auto", size_or_auto)
+    # Swapping faster than this (in and out together) is critical.
+    critical_swap_rate: str = _key("16MB/s", rate)
+    # How long memory must stay back above a line before its level is left, and between
+    # two relief steps undone.
+    recover_seconds: float = _key(10.0, number(0.0, 3600.0))
+
+
 @dataclass
 class LoggingSettings:
     level: str = _key("info", choice("debug", "info", "warning", "error"))
@@ -281,6 +310,9 @@ SECTIONS: dict[str, type] = {
     "server": ServerSettings,
     "limits": LimitsSettings,
     "logging": LoggingSettings,
+    # A section inside a section: `memory: {pressure: {...}}` in YAML, memory.pressure.KEY
+    # in messages, SPECD_MEMORY_PRESSURE_KEY in the environment.
+    "memory.pressure": MemoryPressureSettings,
 }
 # Other spellings of a section. "speculative" because the issue that added
 # speculative.prefix_cache named it so; a file may use one spelling, not both.
@@ -297,6 +329,7 @@ class Settings:
     server: ServerSettings
     limits: LimitsSettings
     logging: LoggingSettings
+    memory_pressure: MemoryPressureSettings
     sources: dict[str, str]  # "section.key" → where the effective value came from
 
     def runtime_options(self) -> RuntimeOptions:
@@ -348,9 +381,18 @@ class Settings:
 
     def effective(self) -> dict[str, dict[str, Any]]:
         return {
-            name: {f.name: getattr(getattr(self, name), f.name) for f in fields(cls)}
+            name: {f.name: getattr(self.section(name), f.name) for f in fields(cls)}
             for name, cls in SECTIONS.items()
         }
+
+    def section(self, name: str) -> Any:
+        """A section's settings by its name ("server", "memory.pressure")."""
+        return getattr(self, attribute(name))
+
+
+def attribute(section: str) -> str:
+    """The Settings attribute of a section: "memory.pressure" → memory_pressure."""
+    return section.replace(".", "_")
 
 
 def user_config_file() -> Path:

@@ -19,7 +19,14 @@ from typing import Any
 
 import yaml
 
-from daemon.settings import SECTION_ALIASES, SECTIONS, Settings, SettingsError, user_config_file
+from daemon.settings import (
+    SECTION_ALIASES,
+    SECTIONS,
+    Settings,
+    SettingsError,
+    attribute,
+    user_config_file,
+)
 
 PACKAGED_DEFAULT = Path(__file__).resolve().parents[1] / "config" / "specd.yaml"
 PROFILES_DIR = PACKAGED_DEFAULT.parent / "profiles"
@@ -68,7 +75,7 @@ def flatten(data: Mapping[str, Any], origin: str) -> tuple[dict[str, Any], list[
                 f"{origin}: {alias}: the section {section!r} spelled another way; keep one of "
                 "the two"
             )
-    for spelled, body in data.items():
+    for spelled, body in _sections(data):
         section = SECTION_ALIASES.get(spelled, spelled)
         if section not in SECTIONS:
             problems.append(f"{origin}: {spelled}: unknown section; sections are {_names()}")
@@ -92,6 +99,19 @@ def flatten(data: Mapping[str, Any], origin: str) -> tuple[dict[str, Any], list[
     return flat, problems
 
 
+def _sections(data: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The file's sections by their dotted names: `memory: {pressure: {...}}` is the
+    section memory.pressure (a parent of sections holds nothing else)."""
+    out: list[tuple[str, Any]] = []
+    for spelled, body in data.items():
+        nested = [n for n in SECTIONS if n.startswith(f"{spelled}.")]
+        if nested and isinstance(body, dict):
+            out += [(f"{spelled}.{sub}", inner) for sub, inner in body.items()]
+        else:
+            out.append((spelled, body))
+    return out
+
+
 def env_layer(environ: Mapping[str, str]) -> tuple[dict[str, tuple[Any, str]], list[str]]:
     """SPECD_SERVER_PORT=9000 → {"server.port": (9000, "env SPECD_SERVER_PORT")}, and a line
     for each variable that cannot be used. Values are parsed as YAML scalars/lists.
@@ -103,11 +123,13 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict[str, tuple[Any, str]], l
         if not var.startswith(ENV_PREFIX):
             continue
         rest = var[len(ENV_PREFIX) :].lower()
-        spelled = next((s for s in [*SECTIONS, *SECTION_ALIASES] if rest.startswith(s + "_")), None)
+        # The longest name first: memory_pressure_* is memory.pressure's, not memory's.
+        names = sorted([*SECTIONS, *SECTION_ALIASES], key=len, reverse=True)
+        spelled = next((s for s in names if rest.startswith(attribute(s) + "_")), None)
         if spelled is None:
             continue
         section = SECTION_ALIASES.get(spelled, spelled)
-        key = rest[len(spelled) + 1 :]
+        key = rest[len(attribute(spelled)) + 1 :]
         known = [f.name for f in fields(SECTIONS[section])]
         if key not in known:
             problems.append(
@@ -197,7 +219,7 @@ def build(values: Mapping[str, tuple[Any, str]], problems: Sequence[str] = ()) -
             sections[name] = cls(**kwargs)
     if problems:
         raise SettingsError(problems)
-    return Settings(**sections, sources=sources)
+    return Settings(**{attribute(n): v for n, v in sections.items()}, sources=sources)
 
 
 def validate_file(path: Path) -> Settings:
@@ -213,9 +235,14 @@ def render_effective(settings: Settings) -> str:
     """YAML of the effective config, each value followed by where it came from."""
     lines: list[str] = []
     for section, body in settings.effective().items():
-        lines.append(f"{section}:")
+        parent, _, child = section.rpartition(".")
+        if parent:  # a section inside a section: memory: / pressure:
+            lines += [f"{parent}:", f"  {child}:"]
+        else:
+            lines.append(f"{section}:")
+        indent = "    " if parent else "  "
         for key, value in body.items():
             shown = yaml.safe_dump(value, default_flow_style=True).strip()
             shown = shown.removesuffix("\n...").removesuffix("...").strip()
-            lines.append(f"  {key}: {shown}  # {settings.sources[f'{section}.{key}']}")
+            lines.append(f"{indent}{key}: {shown}  # {settings.sources[f'{section}.{key}']}")
     return "\n".join(lines) + "\n"

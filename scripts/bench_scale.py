@@ -315,7 +315,7 @@ def _measure(
         # prefix cache that is not allocated yet (rows stored into it during the round).
         # With a GPU the cache is pinned host RAM, not a device part: the plan's figure for
         # it on the device is 0, and what it holds is not on the device either.
-        held = pcache.allocated_bytes
+        held = pcache.held_bytes  # slot chunks and interned prefixes, within max_bytes
         cache_part = tree_figures["prefix_cache"]
         planned = tree_figures["activations"] + (cache_part - held if cache_part else 0)
         t0 = time.perf_counter()

@@ -152,7 +152,7 @@ def test_validate_reports_every_problem_at_once_in_one_format(
     assert captured.out == ""
     assert captured.err.splitlines() == [
         f"{bad}: servr: unknown section; sections are models, runtime, speculation, offload, context, "
-        "server, limits, logging",
+        "server, limits, logging, memory.pressure",
         f"{bad}: server.prot: unknown key; server keys are host, port, api_key_file, "
         "cors_origins, allowed_hosts, keepalive_seconds, stream_interval_ms, "
         "idle_timeout_seconds, request_timeout_seconds, min_body_bytes_per_second, max_connections",

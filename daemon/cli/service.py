@@ -108,6 +108,17 @@ def format_machine(status: dict) -> str:
         + (f"{seconds:.3g} s per pass expected" if isinstance(seconds, float) else "no estimate"),
         f"  streaming: {gbps:.2f} GB/s measured" if gbps else "  streaming: nothing streamed",
     ]
+    pressure = status.get("memory_pressure") or {}
+    if pressure.get("level", "off") != "off":
+        gib = 2**30
+        device = pressure.get("device_free_bytes")
+        steps = ", ".join(pressure.get("steps") or []) or "none"
+        lines.append(
+            f"  memory pressure: {pressure['level']}, host {pressure['host_available_bytes'] / gib:.1f}"
+            " GiB available"
+            + (f", device {device / gib:.1f} GiB free" if isinstance(device, int) else "")
+            + f"; relief steps in force: {steps}"
+        )
     cache = status.get("prefix_cache")
     if cache:
         mib = 2**20

@@ -41,6 +41,7 @@ from daemon.jobs import (
     Finished,
     GenerationRequest,
     Job,
+    MemoryPressureError,
     QueueFullError,
     ServerShuttingDown,
 )
@@ -70,6 +71,8 @@ PREPARERS = web.AppKey("preparers", ThreadPoolExecutor)
 
 LOADING_RETRY_AFTER = "5"
 QUEUE_RETRY_AFTER = "1"
+# Memory comes back when the other program lets go: later than a queue drains.
+PRESSURE_RETRY_AFTER = "5"
 DISCONNECT_POLL_SECONDS = 0.25
 
 
@@ -104,6 +107,8 @@ async def health(request: web.Request) -> web.Response:
         "model": request.app[CONFIG].model_name,
         "active": engine.active_count,
         "queued": engine.queued,
+        # ok | tight | critical (off: not watched); at critical new requests get 503.
+        "memory_pressure": engine.pressure.level if engine.pressure is not None else "off",
     }
     if state == "ready":
         return web.json_response(body)
@@ -179,6 +184,11 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         raise ApiError(
             503, str(exc), type="service_unavailable", code="queue_full",
             headers={"Retry-After": QUEUE_RETRY_AFTER},
+        ) from None  # fmt: skip
+    except MemoryPressureError as exc:
+        raise ApiError(
+            503, str(exc), type="service_unavailable", code="memory_pressure",
+            headers={"Retry-After": PRESSURE_RETRY_AFTER},
         ) from None  # fmt: skip
     except EngineNotReady:
         _require_ready(app)

@@ -20,6 +20,7 @@ from daemon.http.api import create_app
 from daemon.http.edge import DRAINING, ApiConfig, AppRunner
 from daemon.http.openai_wire import WireLimits
 from daemon.metrics import Metrics
+from daemon.pressure import thresholds_from
 from daemon.runtime import Runtime, RuntimeOptions
 from daemon.service import ListenError
 from daemon.settings import Settings, SettingsError, daemon_url
@@ -74,7 +75,10 @@ def build_engine(settings: Settings, metrics: Metrics, runtime: Runtime | None =
     def factory(options: RuntimeOptions) -> Runtime:
         return runtime if runtime is not None else Runtime(options)
 
-    return Engine(settings.runtime_options(), limits, metrics, runtime_factory=factory)
+    pressure = thresholds_from(settings.memory_pressure)
+    return Engine(
+        settings.runtime_options(), limits, metrics, runtime_factory=factory, pressure=pressure
+    )
 
 
 class Server:

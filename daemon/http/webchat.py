@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from daemon.engine import Engine
 from daemon.http.edge import CONFIG, DRAINING, ENGINE, METRICS
 
 STATIC = Path(__file__).with_name("static")
@@ -93,6 +94,7 @@ async def specd_status(request: web.Request) -> web.Response:
                 "rows": runtime.prefix_cache.rows,
             },
         )
+    body["memory_pressure"] = memory_pressure(engine)
     stream_seconds = metrics.stream_seconds.value
     body["stream"] = {
         # Measured over every generation so far (the figures /metrics exports).
@@ -110,6 +112,22 @@ async def specd_status(request: web.Request) -> web.Response:
     }
     # (The plan holds a few non-JSON values, paths and enums: they go as strings.)
     return web.json_response(body, dumps=lambda obj: json.dumps(obj, default=str))
+
+
+def memory_pressure(engine: Engine) -> dict[str, Any]:
+    """The memory monitor's level, last sample and the relief steps in force."""
+    monitor = engine.pressure
+    if monitor is None:
+        return {"level": "off", "steps": []}
+    sample = monitor.sample
+    return {
+        "level": monitor.level,
+        "host_available_bytes": sample.host_available if sample else None,
+        "device_free_bytes": sample.device_free if sample else None,
+        "rss_bytes": sample.rss if sample else None,
+        "swap_bytes_per_second": sample.swap_rate if sample else None,
+        "steps": engine.relief.in_force,
+    }
 
 
 def add_routes(app: web.Application) -> None:

@@ -11,6 +11,16 @@ function bytes(n) {
   return `${n.toFixed(n >= 100 || i === 0 ? 0 : 1)} ${units[i]}`;
 }
 
+// "tight · RAM 1.2 GB free · prefix_cache, cached_sessions": the memory monitor's level,
+// what it last saw, and the relief steps in force.
+function pressureText(p) {
+  if (!p || p.level === "off") return "not watched";
+  const parts = [p.level, `RAM ${bytes(p.host_available_bytes)} free`];
+  if (typeof p.device_free_bytes === "number") parts.push(`GPU ${bytes(p.device_free_bytes)} free`);
+  parts.push(p.steps && p.steps.length ? `relief: ${p.steps.join(", ")}` : "no relief steps");
+  return parts.join(" · ");
+}
+
 export async function refreshMachine() {
   const box = $("machine-body");
   let status;
@@ -41,6 +51,7 @@ export async function refreshMachine() {
     ["s/pass (plan)", typeof plan.seconds_per_pass === "number" ? plan.seconds_per_pass.toPrecision(3) : "–"],
     ["stream GB/s", status.stream && typeof status.stream.gbps === "number" ? status.stream.gbps.toFixed(2) : "nothing streamed"],
     ["tokens/pass", status.totals ? fmt(status.totals.tokens_per_target_pass) : "–"],
+    ["memory", pressureText(status.memory_pressure)],
   ];
   const dl = el("dl");
   for (const [name, value] of rows) {

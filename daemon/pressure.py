@@ -1,0 +1,325 @@
+"""Memory pressure at run time (DESIGN.md, "Memory pressure"): a monitor that samples free
+host and device memory off the event loop, the level it reads from them, and the ladder
+of reversible relief steps the engine climbs under pressure and descends when it is gone.
+
+Levels: `ok`; `tight` when host RAM available (psutil) or device memory free
+(`torch.cuda.mem_get_info`) falls below its `tight_*` threshold; `critical` below the
+`critical_*` one, or when the machine swaps faster than `critical_swap_rate`. Hysteresis:
+a level is left downwards only once the memory is back above its threshold by
+`HYSTERESIS` and has stayed there for `recover_seconds`; upwards at once.
+
+The ladder (`Relief`): steps in a fixed order, cheapest first; under `tight` one more step
+each period while the level stays; at `critical` every step at once, and new requests are
+refused with 503 while the level is critical (running ones finish); back at `ok`, the
+newest step is undone, one per `recover_seconds`. Steps run on the engine's thread,
+between passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import psutil
+
+from daemon.pools import SessionPool
+from daemon.settings import size_bytes
+from offload.units import parse_rate
+from speculative.prefix_cache import PrefixCache
+
+log = logging.getLogger("specd.pressure")
+
+LEVELS = ("ok", "tight", "critical")
+# Free memory must climb this much above a threshold before its level is left: a tenth
+# of the line, at most 512 MiB.
+HYSTERESIS = 0.1
+MAX_SLACK = 512 << 20
+
+
+@dataclass(frozen=True)
+class PressureThresholds:
+    """memory.pressure.* (daemon/settings.py), in bytes and seconds."""
+
+    enabled: bool = True
+    period_seconds: float = 1.0
+    tight_host_free: int = 2 << 30
+    critical_host_free: int = 1 << 30
+    # Device thresholds: bytes, or None for the plan's own (a tenth of the device margin
+    # the plan left, and half of that; see `device_thresholds`).
+    tight_device_free: int | None = None
+    critical_device_free: int | None = None
+    critical_swap_rate: int = 16 << 20  # bytes/s swapped in + out
+    recover_seconds: float = 10.0
+
+
+def thresholds_from(settings: Any) -> PressureThresholds:
+    """memory.pressure (daemon/settings.py's MemoryPressureSettings) in bytes; the device
+    lines stay None where they are auto (the engine takes them from the plan)."""
+
+    def size(value: Any) -> int | None:
+        return None if value == "auto" else size_bytes(value)
+
+    return PressureThresholds(
+        enabled=settings.enabled,
+        period_seconds=settings.period_seconds,
+        tight_host_free=size_bytes(settings.tight_host_free),
+        critical_host_free=size_bytes(settings.critical_host_free),
+        tight_device_free=size(settings.tight_device_free),
+        critical_device_free=size(settings.critical_device_free),
+        critical_swap_rate=int(parse_rate(settings.critical_swap_rate)),
+        recover_seconds=settings.recover_seconds,
+    )
+
+
+def device_thresholds(margin: int) -> tuple[int, int]:
+    """(tight, critical) free device bytes from the plan's margin (its budget less what it
+    placed): a tenth of it, at least 256 MiB, and half of that."""
+    tight = max(margin // 10, 256 << 20)
+    return tight, tight // 2
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    at: float  # time.monotonic()
+    host_available: int
+    swap_rate: float  # bytes/s swapped in and out since the previous sample
+    rss: int  # this process's resident set
+    device_free: int | None  # None: no device, or not sampled
+
+
+def host_probe() -> tuple[int, int, int]:
+    """(available RAM, bytes swapped in + out so far, this process's RSS)."""
+    swap = psutil.swap_memory()
+    rss = psutil.Process().memory_info().rss
+    return psutil.virtual_memory().available, swap.sin + swap.sout, rss
+
+
+def cuda_probe(device: Any) -> Callable[[], int]:
+    import torch
+
+    return lambda: torch.cuda.mem_get_info(device)[0]
+
+
+class PressureMonitor:
+    """Samples memory every `period_seconds` on its own thread and keeps the level. Probes
+    are injectable: the tests replace the device probe (and may the host one)."""
+
+    def __init__(
+        self,
+        thresholds: PressureThresholds,
+        device_free: Callable[[], int] | None = None,
+        host: Callable[[], tuple[int, int, int]] = host_probe,
+    ) -> None:
+        self.thresholds = thresholds
+        self._device_free = device_free
+        self._host = host
+        self.level = "ok"
+        self.sample: MemorySample | None = None
+        self.calm_since = time.monotonic()  # when the memory last met the current level
+        self._swapped: tuple[float, int] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specd-pressure", daemon=True)
+        self.changed = threading.Condition()  # notified at every sample (tests wait on it)
+
+    def start(self) -> None:
+        if self.thresholds.enabled:
+            self.poll()
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.thresholds.period_seconds):
+            try:
+                self.poll()
+            except Exception as exc:  # a probe failing must not stop the watch
+                log.warning("sampling memory failed: %s", exc)
+
+    def poll(self) -> str:
+        """Take one sample and update the level (the thread calls this every period)."""
+        now = time.monotonic()
+        available, swapped, rss = self._host()
+        rate = 0.0
+        if self._swapped is not None and now > self._swapped[0]:
+            rate = (swapped - self._swapped[1]) / (now - self._swapped[0])
+        self._swapped = (now, swapped)
+        device = self._device_free() if self._device_free is not None else None
+        sample = MemorySample(now, available, rate, rss, device)
+        level = self._level(sample)
+        if level != self.level:
+            log.warning(
+                "memory pressure %s → %s (host available %.2f GiB, device free %s)",
+                self.level, level, available / 2**30,
+                "-" if device is None else f"{device / 2**30:.2f} GiB",
+            )  # fmt: skip
+        with self.changed:
+            self.sample, self.level = sample, level
+            self.changed.notify_all()
+        return level
+
+    def _level(self, s: MemorySample) -> str:
+        """The level `s` reads as, from the current one: up at once, down only with the
+        memory past its threshold by HYSTERESIS for recover_seconds."""
+        t = self.thresholds
+        raw = self._raw_level(s, slack=0.0)
+        if LEVELS.index(raw) >= LEVELS.index(self.level):
+            self.calm_since = s.at
+            return raw
+        if LEVELS.index(self._raw_level(s, slack=HYSTERESIS)) >= LEVELS.index(self.level):
+            self.calm_since = s.at  # below the level's line with the slack: not calm yet
+            return self.level
+        if s.at - self.calm_since < t.recover_seconds:
+            return self.level
+        self.calm_since = s.at
+        return LEVELS[LEVELS.index(self.level) - 1]  # one level at a time
+
+    def _raw_level(self, s: MemorySample, slack: float) -> str:
+        t = self.thresholds
+
+        def below(free: int | None, line: int | None) -> bool:
+            if free is None or line is None:
+                return False
+            return free < line + min(line * slack, MAX_SLACK)
+
+        if (
+            below(s.host_available, t.critical_host_free)
+            or below(s.device_free, t.critical_device_free)
+            or s.swap_rate > t.critical_swap_rate
+        ):
+            return "critical"
+        if below(s.host_available, t.tight_host_free) or below(s.device_free, t.tight_device_free):
+            return "tight"
+        return "ok"
+
+
+@dataclass
+class Step:
+    """One relief step: `take` frees what it can and returns a line for the log; `undo`
+    gives it back. `available` False: nothing to do on this machine (skipped)."""
+
+    name: str
+    take: Callable[[], str]
+    undo: Callable[[], None]
+    available: bool = True
+
+
+@dataclass
+class Relief:
+    """The ladder: `steps` in order, cheapest first; `taken` how many are in force."""
+
+    steps: list[Step]
+    taken: int = 0
+    last_change: float = field(default_factory=time.monotonic)
+    counts: dict[str, int] = field(default_factory=dict)  # times each step was taken
+
+    @property
+    def in_force(self) -> list[str]:
+        return [s.name for s in self.steps[: self.taken]]
+
+    def follow(self, level: str, thresholds: PressureThresholds) -> None:
+        """Climb or descend for the monitor's `level`: at `critical` every step now; at
+        `tight` one more per period; at `ok` (which the monitor reports only once the
+        memory has been back for recover_seconds) one step undone per recover_seconds."""
+        now = time.monotonic()
+        if level == "critical":
+            while self.climb("memory pressure critical"):
+                pass
+        elif level == "tight":
+            if self.taken == 0 or now - self.last_change >= thresholds.period_seconds:
+                self.climb("memory pressure tight")
+        elif self.taken and now - self.last_change >= thresholds.recover_seconds:
+            self.descend()
+
+    def climb(self, why: str) -> bool:
+        """Take the next available step; False when every step is in force."""
+        while self.taken < len(self.steps):
+            step = self.steps[self.taken]
+            self.taken += 1
+            if not step.available:
+                continue
+            said = step.take()
+            self.counts[step.name] = self.counts.get(step.name, 0) + 1
+            self.last_change = time.monotonic()
+            log.warning("%s: %s (%s)", why, step.name, said)
+            return True
+        return False
+
+    def descend(self) -> None:
+        """Undo the newest step in force."""
+        while self.taken:
+            self.taken -= 1
+            step = self.steps[self.taken]
+            if step.available:
+                step.undo()
+                self.last_change = time.monotonic()
+                log.info("memory pressure eased: %s undone", step.name)
+                return
+
+
+class PassBounds(Protocol):
+    """What bounds a batched pass (the engine's): tokens and logit rows."""
+
+    max_pass_tokens: int
+    max_pass_rows: int
+
+
+# The pass-size step keeps this share of a pass's tokens and rows (trees get a quarter of
+# the nodes, prefill chunks a quarter of the tokens).
+PASS_SHARE = 4
+
+
+def relief_steps(cache: PrefixCache, sessions: SessionPool, passes: PassBounds) -> list[Step]:
+    """The steps the engine can take, cheapest first: the prefix cache's memory (its
+    chunks freed, not only its rows forgotten), the conversations kept for reuse (their KV
+    caches), then smaller passes (trees and prefill chunks, so fewer logit rows and
+    activations at once)."""
+    saved: dict[str, Any] = {}
+
+    def empty_cache() -> str:
+        return f"{cache.shrink(0) / 2**20:.0f} MiB freed"
+
+    def drop_sessions() -> str:
+        saved["sessions"], dropped = sessions.capacity, len(sessions)
+        sessions.clear()
+        sessions.capacity = 0
+        return f"{dropped} conversations' KV caches freed"
+
+    def keep_sessions() -> None:
+        sessions.capacity = saved["sessions"]
+
+    def shrink_passes() -> str:
+        saved["passes"] = (passes.max_pass_tokens, passes.max_pass_rows)
+        passes.max_pass_tokens = max(passes.max_pass_tokens // PASS_SHARE, 1)
+        passes.max_pass_rows = max(passes.max_pass_rows // PASS_SHARE, 1)
+        return f"passes of at most {passes.max_pass_tokens} tokens, {passes.max_pass_rows} rows"
+
+    def restore_passes() -> None:
+        passes.max_pass_tokens, passes.max_pass_rows = saved["passes"]
+
+    return [
+        Step("prefix_cache", empty_cache, cache.restore, available=cache.max_bytes > 0),
+        Step("cached_sessions", drop_sessions, keep_sessions, available=sessions.capacity > 0),
+        Step("pass_size", shrink_passes, restore_passes),
+    ]
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation that failed: CUDA's, or the host's (a MemoryError, or torch's CPU
+    allocator refusing)."""
+    if isinstance(exc, MemoryError):
+        return True
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "out of memory" in text or "not enough memory" in text or "can't allocate memory" in text
+    )

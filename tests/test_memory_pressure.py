@@ -1,0 +1,273 @@
+"""Memory pressure at run time (daemon/pressure.py): the monitor's levels and hysteresis,
+the relief ladder's order, the settings, an out-of-memory pass retried after a step, and
+the daemon under real pressure: a child process takes host RAM until the monitor reads
+tight, then critical; requests keep their exact outputs, new ones get 503 at critical,
+and the daemon recovers when the child lets go. Device pressure through an injected
+probe (a running request finishes, new ones are refused)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+
+from daemon.http.server import BackgroundServer
+from daemon.pressure import PressureMonitor, PressureThresholds, Relief, Step
+from daemon.settings_loading import load_settings
+
+GIB = 1 << 30
+MODEL = "stories260k"
+PROMPT = "Once upon a time there was a little"
+
+
+def monitor_on(values: list[int], **limits: Any) -> tuple[PressureMonitor, list[int]]:
+    """A monitor whose host probe reads `values` (available bytes), one per poll."""
+    thresholds = PressureThresholds(
+        tight_host_free=10 * GIB, critical_host_free=5 * GIB, critical_swap_rate=1 << 40,
+        **limits,
+    )  # fmt: skip
+    feed = list(values)
+    return PressureMonitor(thresholds, host=lambda: (feed.pop(0), 0, 0)), feed
+
+
+def test_levels_rise_at_once_and_fall_one_at_a_time_past_the_slack() -> None:
+    monitor, _ = monitor_on(
+        [12 * GIB, 9 * GIB, 4 * GIB, 5 * GIB + (100 << 20), 10 * GIB + (1 << 20), 11 * GIB,
+         5 * GIB + 1],
+        recover_seconds=0.0,
+    )  # fmt: skip
+    assert [monitor.poll() for _ in range(3)] == ["ok", "tight", "critical"]
+    # Above critical's line, but not by the slack (10% of the line, at most 512 MiB):
+    # still critical. Past it, one level down per reading: tight until tight's line and
+    # its slack are passed too.
+    assert monitor.poll() == "critical"
+    assert monitor.poll() == "tight"
+    assert monitor.poll() == "ok"
+    assert monitor.poll() == "tight"  # just above critical's line: tight, at once
+
+
+def test_levels_fall_only_after_recover_seconds() -> None:
+    monitor, _ = monitor_on([9 * GIB, 12 * GIB, 12 * GIB], recover_seconds=3600.0)
+    assert monitor.poll() == "tight"
+    assert monitor.poll() == "tight" and monitor.poll() == "tight"
+
+
+def test_the_ladder_climbs_in_order_and_descends_in_reverse() -> None:
+    done: list[str] = []
+
+    def step(name: str, available: bool = True) -> Step:
+        return Step(
+            name, lambda: done.append(f"+{name}") or "", lambda: done.append(f"-{name}"),
+            available,
+        )  # fmt: skip
+
+    relief = Relief([step("a"), step("b", available=False), step("c"), step("d")])
+    t = PressureThresholds(period_seconds=0.0, recover_seconds=0.0)
+    relief.follow("tight", t)
+    relief.follow("tight", t)
+    assert done == ["+a", "+c"] and relief.in_force == ["a", "b", "c"]
+    relief.follow("critical", t)
+    assert done[-1] == "+d" and relief.in_force == ["a", "b", "c", "d"]
+    for _ in range(4):
+        relief.follow("ok", t)
+    assert done[-3:] == ["-d", "-c", "-a"] and relief.in_force == []
+
+
+def test_the_settings_are_a_section_in_a_section(tmp_path: Path) -> None:
+    path = tmp_path / "specd.yaml"
+    path.write_text("memory:\n  pressure:\n    tight_host_free: 3GiB\n    colour: red\n")
+    with pytest.raises(Exception, match=r"memory\.pressure\.colour: unknown key"):
+        load_settings(config_file=path, environ={})
+    path.write_text("memory:\n  pressure:\n    tight_host_free: 3GiB\n")
+    settings = load_settings(
+        config_file=path, environ={"SPECD_MEMORY_PRESSURE_RECOVER_SECONDS": "2"}
+    )
+    assert settings.memory_pressure.tight_host_free == "3GiB"
+    assert settings.memory_pressure.recover_seconds == 2.0
+    assert settings.sources["memory.pressure.recover_seconds"].startswith("env")
+
+
+# -- the daemon ------------------------------------------------------------------------
+
+
+def serve(stories_target: Path, stories_draft: Path, **pressure: Any) -> BackgroundServer:
+    overrides = {
+        "models.target": (str(stories_target), "test"),
+        "models.draft": (str(stories_draft), "test"),
+        "runtime.compile": ("off", "test"),
+        "server.port": (0, "test"),
+        **{f"memory.pressure.{k}": (v, "test") for k, v in pressure.items()},
+    }
+    return BackgroundServer(load_settings(environ={}, overrides=overrides))
+
+
+def call(srv: BackgroundServer, body: dict[str, Any]) -> tuple[int, dict[str, Any], Any]:
+    request = urllib.request.Request(
+        srv.url + "/v1/completions", json.dumps({"model": MODEL, **body}).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, dict(reply.headers), json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), json.loads(err.read())
+
+
+def status(srv: BackgroundServer) -> dict[str, Any]:
+    with urllib.request.urlopen(srv.url + "/v1/specd/status", timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Poll `check` (each poll is a request to the daemon) until it holds."""
+    end = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+
+
+GREEDY = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0}
+
+
+class Hog:
+    """A child process holding `n` bytes of touched RAM until closed."""
+
+    def __init__(self, n: int) -> None:
+        code = (
+            "import sys\n"
+            f"b = bytearray({n})\n"
+            "b[::4096] = b'\\x01' * len(range(0, len(b), 4096))\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.read()\n"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "held"
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def hogs() -> Iterator[list[Hog]]:
+    held: list[Hog] = []
+    yield held
+    for hog in held:
+        if hog.proc.poll() is None:
+            hog.close()
+
+
+def test_real_host_pressure_steps_refusal_and_recovery(
+    stories_target: Path, stories_draft: Path, hogs: list[Hog]
+) -> None:
+    """The lines are set relative to what is available now, so that a child holding
+    1.5 GiB makes it tight and one more holding 1.5 GiB critical."""
+    available = psutil.virtual_memory().available
+    with serve(
+        stories_target, stories_draft, period_seconds=0.1, recover_seconds=0.3,
+        tight_host_free=available - GIB, critical_host_free=available - 2 * GIB,
+        critical_swap_rate="1TB/s",
+    ) as srv:  # fmt: skip
+        code, _, reference = call(srv, GREEDY)
+        assert code == 200 and status(srv)["memory_pressure"]["level"] == "ok"
+        assert status(srv)["prefix_cache"]["allocated_bytes"] > 0
+        hogs.append(Hog(3 * GIB // 2))
+        wait_for(lambda: status(srv)["memory_pressure"]["level"] == "tight", "tight")
+        # One step per period while tight, in the ladder's order.
+        steps = ["prefix_cache", "cached_sessions", "pass_size"]
+        wait_for(lambda: status(srv)["memory_pressure"]["steps"] == steps, "all steps")
+        now = status(srv)
+        assert now["prefix_cache"]["allocated_bytes"] == 0  # its chunks freed
+        code, _, answer = call(srv, GREEDY)  # smaller passes, no cache: the same text
+        assert code == 200 and answer["choices"][0]["text"] == reference["choices"][0]["text"]
+        hogs.append(Hog(3 * GIB // 2))
+        wait_for(lambda: status(srv)["memory_pressure"]["level"] == "critical", "critical")
+        code, headers, refused = call(srv, GREEDY)
+        assert code == 503 and refused["error"]["code"] == "memory_pressure"
+        assert headers.get("Retry-After") == "5"
+        with urllib.request.urlopen(srv.url + "/health", timeout=10) as reply:
+            assert json.loads(reply.read())["memory_pressure"] == "critical"
+        for hog in hogs:
+            hog.close()
+        wait_for(lambda: status(srv)["memory_pressure"]["level"] == "ok", "ok")
+        wait_for(lambda: status(srv)["memory_pressure"]["steps"] == [], "steps undone")
+        code, _, answer = call(srv, GREEDY)
+        assert code == 200 and answer["choices"][0]["text"] == reference["choices"][0]["text"]
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as reply:
+            metrics = reply.read().decode()
+        assert 'specd_memory_relief_steps_taken_total{step="prefix_cache"} 1.0' in metrics
+        assert "specd_memory_pressure_level 0.0" in metrics
+
+
+def test_device_pressure_lets_a_running_request_finish(
+    stories_target: Path, stories_draft: Path
+) -> None:
+    free = [8 * GIB]
+    srv = serve(
+        stories_target, stories_draft, period_seconds=0.05, recover_seconds=0.1,
+        tight_host_free=0, critical_host_free=0, tight_device_free="2GiB",
+        critical_device_free="1GiB", critical_swap_rate="1TB/s",
+    )  # fmt: skip
+    srv.server.engine.device_probe = lambda: free[0]
+    with srv:
+        body = {**GREEDY, "max_tokens": 400, "ignore_eos": True, "strategy": "autoregressive"}
+        _, _, reference = call(srv, body)
+        request = urllib.request.Request(
+            srv.url + "/v1/completions",
+            json.dumps({"model": MODEL, **body, "stream": True}).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=60) as stream:
+            first = stream.readline()
+            assert first.startswith(b"data: ")
+            free[0] = GIB // 2  # another program takes the device's memory
+            wait_for(lambda: status(srv)["memory_pressure"]["level"] == "critical", "critical")
+            code, _, _ = call(srv, GREEDY)
+            assert code == 503
+            text = json.loads(first[6:])["choices"][0]["text"]
+            for line in stream:
+                if line.startswith(b"data: {"):
+                    chunk = json.loads(line[6:])
+                    text += "".join(c["text"] for c in chunk["choices"])
+        assert text == reference["choices"][0]["text"]
+        free[0] = 8 * GIB
+        wait_for(lambda: status(srv)["memory_pressure"]["level"] == "ok", "ok")
+
+
+def test_an_out_of_memory_pass_is_rolled_back_relieved_and_run_again(
+    stories_target: Path, stories_draft: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import daemon.engine
+
+    real = daemon.engine.execute
+    failures = [1]
+
+    def flaky(requests: Any) -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        real(requests)
+
+    # Two servers, so that the second request meets no cache the first one left.
+    with serve(stories_target, stories_draft, period_seconds=60.0) as srv:
+        _, _, reference = call(srv, GREEDY)
+    with serve(stories_target, stories_draft, period_seconds=60.0) as srv:
+        monkeypatch.setattr(daemon.engine, "execute", flaky)
+        code, _, answer = call(srv, GREEDY)
+        assert code == 200 and answer["choices"][0]["text"] == reference["choices"][0]["text"]
+        assert failures == [0]
+        assert status(srv)["memory_pressure"]["steps"] == ["prefix_cache"]
