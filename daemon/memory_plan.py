@@ -232,15 +232,16 @@ def choose_plan(
     tree_budget: int | str = "auto",
     draft_name: str = "draft",
     draft_shares_target: bool = False,
+    substitute_layers: int | None = None,
 ) -> MemoryPlan:
     """The memory plan with `dtype` and `context` settled: given values are checked, `auto`
     ones chosen, and the plan says which and why (`dtype_reason`, `context_reason`).
 
     `device_type` is where the models will compute ("cuda" when planning for another
     machine's GPU), which decides what dtype `auto` means. `draft_shares_target`: the
-    draft is the target's substitute, sharing its embedding, head and KV cache (its
-    layers are counted all quantized: an upper bound, as resident target layers are their
-    own substitutes). Raises PlanError."""
+    draft is the target's substitute, sharing its embedding, head and KV cache, with
+    quantized copies of `substitute_layers` layers only (the streamed ones: a resident
+    target layer is its own substitute). Raises PlanError."""
     limit = target.max_context
     if context != "auto" and int(context) > limit:
         raise PlanError(f"context {context} is longer than {name} supports ({limit})")
@@ -255,7 +256,8 @@ def choose_plan(
             else None
         )
         if draft_fp is not None and draft_shares_target:
-            draft_fp = replace(draft_fp, resident_bytes=0, kv_bytes_per_token=0)
+            layers = draft_fp.num_layers if substitute_layers is None else substitute_layers
+            draft_fp = replace(draft_fp, resident_bytes=0, kv_bytes_per_token=0, num_layers=layers)
 
         def attempt(
             nodes: int | str,
@@ -346,6 +348,35 @@ class DraftPlan:
         return self.substitute_bits is not None
 
 
+def _substitute_plan(
+    target: ModelConfig,
+    bits: int,
+    name: str,
+    dtype: str,
+    context: int | str,
+    device_type: str,
+    options: OffloadRequest,
+    budget: Budget,
+    tree_budget: int | str,
+) -> MemoryPlan:
+    """The plan with a `bits` substitute of exactly the layers it streams. Which layers
+    stream depends on the substitute's size and the other way round: counting the copies
+    of s layers, the plan streams s' >= s of them (more copies leave fewer resident), so
+    starting from none and counting what the last plan streamed climbs to the least
+    consistent count (a few plans; at most one per layer)."""
+    config = substitute_config(target, bits)
+    label = f"substitute ({bits}-bit HQQ of the target)"
+    counted = 0
+    while True:
+        plan = choose_plan(
+            target, config, name, dtype, context, device_type, options, budget, tree_budget,
+            label, draft_shares_target=True, substitute_layers=counted,
+        )  # fmt: skip
+        if plan.streamed_layers <= counted:
+            return plan
+        counted = plan.streamed_layers
+
+
 def plan_with_draft(
     target: ModelConfig,
     draft: str | None,
@@ -372,18 +403,16 @@ def plan_with_draft(
     failure: PlanError | None = None
     for bits in choices:
         try:
-            plan = choose_plan(
-                target, substitute_config(target, bits), name, dtype, context, device_type,
-                options, budget, tree_budget, f"substitute ({bits}-bit HQQ of the target)",
-                draft_shares_target=True,
-            )  # fmt: skip
+            plan = _substitute_plan(
+                target, bits, name, dtype, context, device_type, options, budget, tree_budget
+            )
         except PlanError as exc:
             failure = exc
             continue
         plan.notes.append(
             f"the substitute draft shares the target's embedding, norm, head and KV cache; "
-            f"the target's resident layers are their own substitutes, so the {bits}-bit "
-            "layers counted for all layers are an upper bound"
+            f"the target's {plan.resident_layers} resident layers are their own substitutes, "
+            f"so {bits}-bit copies are made of the {plan.streamed_layers} streamed ones only"
         )
         if not plan.streamed_layers:
             plan.notes.append(

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.memory_plan import OffloadRequest, plan_with_draft
+from daemon.memory_plan import OffloadRequest, footprint, plan_with_draft
 from daemon.runtime import Runtime, RuntimeOptions
 from offload.plan import Budget
 from offload.planning import PlanError
@@ -241,3 +241,24 @@ def test_a_short_prompt_rides_in_the_first_tree_pass(
     gen = rt.generation(rt.tokenizer.encode(PROMPT), GREEDY, 120, ignore_eos=True).run()
     assert gen.token_ids == reference
     assert gen.stats.prefill_passes == 0
+
+
+def test_the_plan_counts_copies_of_the_streamed_layers_only() -> None:
+    """A resident target layer is its own substitute: the plan reserves copies of the
+    streamed layers alone (an 8B that fits whole on 24 GB needs none; on 12 GB every
+    streamed layer has its copy and nothing more)."""
+    options = OffloadRequest(prefix_cache_bytes=1 << 30, sequences=12)
+    whole, _ = plan_with_draft(
+        full_config("llama-3.1-8b"), "substitute", None, "auto", "8b", "auto", "auto", "cuda",
+        options, cuda_budget(24e9, 64e9),
+    )  # fmt: skip
+    assert whole.streamed_layers == 0 and whole.device_parts["draft weights"] == 0
+    streamed, drafting = plan_with_draft(
+        full_config("llama-3.1-8b"), "substitute", None, 4, "8b", "auto", 8192, "cuda",
+        options, cuda_budget(12e9, 64e9),
+    )  # fmt: skip
+    assert drafting.config is not None
+    per_layer = footprint(drafting.config, torch.bfloat16, "substitute").layer_bytes
+    assert streamed.streamed_layers > 0
+    assert streamed.device_parts["draft weights"] == streamed.streamed_layers * per_layer
+    assert f"{streamed.streamed_layers} streamed ones only" in streamed.render()
