@@ -24,6 +24,7 @@ from offload.plan import (
     module_bytes,
 )
 from offload.planning import PlanError, largest_fitting, make_plan, plan_auto_context
+from offload.units import format_size
 from speculative.attention import ATTENTION_CHUNK_BYTES, attention_row_bytes
 from speculative.budget import max_tree_budget
 from speculative.checkpoint import (
@@ -44,7 +45,12 @@ from speculative.kv_cache import INITIAL_SLOTS, KVCache
 from speculative.model import Transformer
 from speculative.packed import PackedLinear
 from speculative.sampling import DRAW_BYTES_PER_ENTRY
-from speculative.substitute import SUBSTITUTE, SUBSTITUTE_BITS, substitute_config
+from speculative.substitute import (
+    SUBSTITUTE,
+    SUBSTITUTE_BITS,
+    build_peak_bytes,
+    substitute_config,
+)
 
 if TYPE_CHECKING:  # daemon.runtime imports this module
     from daemon.runtime import RuntimeOptions
@@ -373,8 +379,38 @@ def _substitute_plan(
             label, draft_shares_target=True, substitute_layers=counted,
         )  # fmt: skip
         if plan.streamed_layers <= counted:
-            return plan
+            break
         counted = plan.streamed_layers
+    if plan.streamed_layers:
+        _check_build(plan, target)
+    return plan
+
+
+# Device parts allocated only once serving starts: the room a substitute's build (at load,
+# before any pass) may use besides what the plan leaves free.
+LATER_PARTS = ("target KV cache", "activations", "draft trees'", "draft rows", "dequantization")
+
+
+def _check_build(plan: MemoryPlan, target: ModelConfig) -> None:
+    """Building the substitute's layers at load holds one projection's weight and its
+    quantization temporaries at a time (`build_peak_bytes`): they must fit in what is not
+    yet allocated then. Noted in the plan, or a PlanError when they would not fit."""
+    itemsize = 4 if target.quantization is not None else DTYPES[plan_dtype(plan)].itemsize
+    build = build_peak_bytes(target, itemsize)
+    later = sum(v for k, v in plan.device_parts.items() if k.startswith(LATER_PARTS))
+    room = later + plan.budget.device_bytes - plan.device_bytes
+    if build > room:
+        raise PlanError(
+            f"building the substitute at load needs {format_size(build)} at once on the "
+            f"{plan.budget.device} (one projection and its quantization), but only "
+            f"{format_size(room)} is free before serving starts: give more --gpu-budget or "
+            "a shorter --context"
+        )
+    plan.notes.append(
+        f"building the substitute at load holds {format_size(build)} more at once (one "
+        f"projection's weight and one block of its quantization), within the "
+        f"{format_size(room)} that serving takes later"
+    )
 
 
 def plan_with_draft(

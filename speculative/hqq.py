@@ -39,7 +39,17 @@ LP_NORM = 0.7
 BETA = 10.0
 KAPPA = 1.01
 ITERATIONS = 20
-ROWS_PER_BLOCK = 1024  # rows optimised at once: the temporaries stay a block's
+# Weights (rows × inputs) optimised and packed at once: the temporaries stay a block's
+# (BUILD_BYTES_PER_WEIGHT each), whatever the projection's size: 4M weights, 1,024 rows
+# of a 4,096-wide projection, 146 of a 70B's 28,672-wide down projection.
+BLOCK_WEIGHTS = 1 << 22
+# Temporaries per weight of a block, traced from `quantize`, `optimise_zero` and `shrink`:
+# the fp32 copy of a bf16/fp16 weight (4), and the iteration's fp32 tensors alive at once
+# at its peak, inside `shrink` (the codes, the rebuilt weights, their difference, its sign,
+# magnitude and power, and the running product: 8 × 4); `pack`'s int64 codes, padded copy
+# and shifted words (3 × 8) come after and are fewer. Measured on a CPU: 38 with a bf16
+# weight (tests/test_hqq_build_memory.py), so one more fp32 tensor is reserved.
+BUILD_BYTES_PER_WEIGHT = 4 + 9 * 4
 
 
 def shrink(x: torch.Tensor, beta: float, p: float = LP_NORM) -> torch.Tensor:
@@ -87,8 +97,9 @@ def quantize(
     codes = torch.empty(out, inp, dtype=torch.long, device=weight.device)
     scales = torch.empty(out, inp // group, dtype=torch.float16, device=weight.device)
     zeros = torch.empty_like(scales)
-    for r0 in range(0, out, ROWS_PER_BLOCK):
-        w = weight[r0 : r0 + ROWS_PER_BLOCK].float().view(-1, inp // group, group)  # (r, G, g)
+    rows = block_rows(inp)
+    for r0 in range(0, out, rows):
+        w = weight[r0 : r0 + rows].float().view(-1, inp // group, group)  # (r, G, g)
         lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
         # A constant group (hi == lo) still needs a finite scale: any, its codes are 0.
         scale = ((hi - lo) / top).clamp(min=1e-8)
@@ -96,10 +107,22 @@ def quantize(
         # What dequantization will use, and the codes rounded against exactly that.
         scale16, zero16 = scale.half(), zero.half()
         q = torch.round(w / scale16.float() + zero16.float()).clamp_(0, top)
-        codes[r0 : r0 + ROWS_PER_BLOCK] = q.view(-1, inp).long()
-        scales[r0 : r0 + ROWS_PER_BLOCK] = scale16.squeeze(-1)
-        zeros[r0 : r0 + ROWS_PER_BLOCK] = zero16.squeeze(-1)
+        codes[r0 : r0 + rows] = q.view(-1, inp).long()
+        scales[r0 : r0 + rows] = scale16.squeeze(-1)
+        zeros[r0 : r0 + rows] = zero16.squeeze(-1)
     return codes, scales, zeros
+
+
+def block_rows(inputs: int) -> int:
+    """Rows of a projection with `inputs` inputs quantized at once (BLOCK_WEIGHTS)."""
+    return max(1, BLOCK_WEIGHTS // inputs)
+
+
+def build_bytes(in_features: int, out_features: int) -> int:
+    """The most bytes `HQQLinear.quantize_from` holds at once besides its input weight and
+    its packed result: one block's temporaries."""
+    rows = min(out_features, block_rows(in_features))
+    return rows * in_features * BUILD_BYTES_PER_WEIGHT
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -141,8 +164,20 @@ class HQQLinear(PackedLinear):
             raise ValueError(
                 f"weight {tuple(weight.shape)} is not ({self.out_features}, {self.in_features})"
             )
-        codes, scale, zero = quantize(weight, self.bits, self.group)
-        self._buffers["codes"] = pack(codes, self.bits)
+        # Quantized and packed a block of rows at a time: never the whole projection's
+        # codes as int64 (8 bytes a weight: 1.9 GB for a 70B's down projection).
+        out, device = self.out_features, weight.device
+        packed = torch.empty(out, self.codes.shape[1], dtype=torch.int32, device=device)
+        scale = torch.empty(out, self.scale.shape[1], dtype=torch.float16, device=device)
+        zero = torch.empty_like(scale)
+        rows = block_rows(self.in_features)
+        for r0 in range(0, out, rows):
+            codes, scale[r0 : r0 + rows], zero[r0 : r0 + rows] = quantize(
+                weight[r0 : r0 + rows], self.bits, self.group
+            )
+            packed[r0 : r0 + rows] = pack(codes, self.bits)
+            del codes
+        self._buffers["codes"] = packed
         self._buffers["scale"] = scale
         self._buffers["zero"] = zero
 

@@ -46,6 +46,19 @@ def substitute_config(target: ModelConfig, bits: int) -> ModelConfig:
     return replace(target, quantization=substitute_spec(bits))
 
 
+def build_peak_bytes(target: ModelConfig, weight_itemsize: int) -> int:
+    """The most bytes building a substitute layer holds on its device at once besides the
+    layer itself: one projection's weight copied there (`weight_itemsize` bytes a value:
+    the target's dtype, or 4 for a packed target's rebuilt fp32 weight) and one block of
+    its quantization's temporaries (`hqq.build_bytes`)."""
+    d, f, hd = target.hidden_size, target.intermediate_size, target.head_dim
+    shapes = [
+        (d, target.num_heads * hd), (d, target.num_kv_heads * hd),
+        (target.num_heads * hd, d), (d, f), (f, d),
+    ]  # fmt: skip
+    return max(i * o * weight_itemsize + hqq.build_bytes(i, o) for i, o in shapes)
+
+
 def dense_projections(layer: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor | None]]:
     """(name relative to the layer, [out, in] weight, bias) of each projection of a target
     layer, the stored names (q_proj, not qkv_proj): stacked ones split into their parts,
