@@ -59,9 +59,10 @@ from daemon.pressure import (
     PressureThresholds,
     Relief,
     cuda_probe,
-    device_thresholds,
+    host_probe,
     is_out_of_memory,
     relief_steps,
+    settled,
 )
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.errors import RequestError
@@ -277,33 +278,46 @@ class Engine:
         self._fail_everything(ServerShuttingDown("the server is shutting down"))
 
     def _watch_memory(self) -> None:
-        """Start the memory monitor (once the plan says what the device's margin is)."""
+        """Start the memory monitor, its auto lines settled from what is available now the
+        models are loaded and from the margin the plan left on the device."""
         thresholds = self._pressure_thresholds
         if thresholds is None or not thresholds.enabled:
             return
         assert self.runtime is not None
+        gpu = self.runtime.device.type == "cuda"
         probe = self.device_probe
-        if probe is None and self.runtime.device.type == "cuda":
+        if probe is None and gpu:
             probe = cuda_probe(self.runtime.device)
-        if probe is not None:
-            plan = self.runtime.plan
-            tight, critical = device_thresholds(plan.budget.device_bytes - plan.device_bytes)
-            thresholds = replace(
-                thresholds,
-                tight_device_free=thresholds.tight_device_free or tight,
-                critical_device_free=thresholds.critical_device_free or critical,
-            )
-        self.relief = Relief(relief_steps(self.runtime.prefix_cache, self._idle, self))
+        plan = self.runtime.plan
+        margin = plan.budget.device_bytes - plan.device_bytes if probe is not None else None
+        thresholds = settled(thresholds, host_probe()[0], margin)
+        steps = relief_steps(self.runtime.prefix_cache, self._idle, self, gpu)
+        self.relief = Relief(steps)
         self.pressure = PressureMonitor(thresholds, device_free=probe)
         self.pressure.start()
 
     def _relieve(self) -> None:
         """Follow the memory monitor's level with the relief steps (between passes, on
-        this thread: the steps free what the passes use)."""
+        this thread: the steps free what the passes use). A step that fails is logged and
+        the engine serves on."""
         if self.pressure is None:
             return
-        self.relief.follow(self.pressure.level, self.pressure.thresholds)
+        taken = self.relief.taken
+        try:
+            self.relief.follow(self.pressure.level, self.pressure.thresholds)
+            if self.relief.taken > taken:
+                self._return_device_memory()
+        except Exception as exc:
+            log.error("a memory relief step failed; serving on without it", exc_info=exc)
         self.metrics.record_pressure(self.pressure, self.relief)
+
+    def _return_device_memory(self) -> None:
+        """Hand what the steps freed back to the driver: PyTorch's allocator keeps freed
+        blocks for reuse, where neither the monitor nor other programs see them."""
+        if self.runtime is not None and self.runtime.device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
 
     def _admit(self) -> None:
         while len(self._active) < self.limits.max_concurrent:
@@ -484,7 +498,8 @@ class Engine:
             if not is_out_of_memory(exc):
                 raise
             log.warning("a pass ran out of memory (%s); freeing memory and running it again", exc)
-            self.relief.climb("out of memory in a pass")
+            self.relief.climb("out of memory in a pass", device=True)
+            self._return_device_memory()
         try:
             execute(requests)
         except Exception:

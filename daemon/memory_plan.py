@@ -29,12 +29,14 @@ from speculative.attention import ATTENTION_CHUNK_BYTES, attention_row_bytes
 from speculative.budget import max_tree_budget
 from speculative.checkpoint import (
     DTYPES,
+    Checkpoint,
     dtype_candidates,
     dtype_key,
 )
 from speculative.compiled import MAX_TOKENS
 from speculative.config import ModelConfig
 from speculative.generation import PREFILL_CHUNK
+from speculative.gguf_model import is_gguf
 from speculative.graphs import (
     ALLOCATOR_ROUNDING_BYTES,
     CUBLAS_WORKSPACE_BYTES,
@@ -463,3 +465,16 @@ def plan_with_draft(
         "with a small model of the family (--draft MODEL) or prompt lookup (--draft ngram), "
         "or give more --gpu-budget"
     ) from None
+
+
+def refuse_disk_for_gguf(plan: MemoryPlan, checkpoint: Checkpoint) -> None:
+    """The disk tier reads safetensors files; a GGUF target's streamed layers stay in RAM
+    (its file is memory-mapped): a plan that streams them from disk is refused here, where
+    `specd plan` and loading both see it."""
+    streams_from_disk = plan.streamed_layers and plan.host_tier == "disk"
+    if streams_from_disk and (checkpoint.gguf is not None or is_gguf(checkpoint.path)):
+        raise PlanError(
+            f"{checkpoint.path}: the plan streams the GGUF's layers from disk "
+            f"({plan.host_tier_reason}), but the disk tier does not read GGUF files yet: "
+            "give more --ram-budget (or --host-tier ram) so that they stream from RAM"
+        )

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import psutil
@@ -46,8 +46,10 @@ class PressureThresholds:
 
     enabled: bool = True
     period_seconds: float = 1.0
-    tight_host_free: int = 2 << 30
-    critical_host_free: int = 1 << 30
+    # Host thresholds: bytes, or None for what is available once the models are loaded
+    # (`host_thresholds`).
+    tight_host_free: int | None = 2 << 30
+    critical_host_free: int | None = 1 << 30
     # Device thresholds: bytes, or None for the plan's own (a tenth of the device margin
     # the plan left, and half of that; see `device_thresholds`).
     tight_device_free: int | None = None
@@ -66,8 +68,8 @@ def thresholds_from(settings: Any) -> PressureThresholds:
     return PressureThresholds(
         enabled=settings.enabled,
         period_seconds=settings.period_seconds,
-        tight_host_free=size_bytes(settings.tight_host_free),
-        critical_host_free=size_bytes(settings.critical_host_free),
+        tight_host_free=size(settings.tight_host_free),
+        critical_host_free=size(settings.critical_host_free),
         tight_device_free=size(settings.tight_device_free),
         critical_device_free=size(settings.critical_device_free),
         critical_swap_rate=int(parse_rate(settings.critical_swap_rate)),
@@ -75,11 +77,38 @@ def thresholds_from(settings: Any) -> PressureThresholds:
     )
 
 
-def device_thresholds(margin: int) -> tuple[int, int]:
-    """(tight, critical) free device bytes from the plan's margin (its budget less what it
-    placed): a tenth of it, at least 256 MiB, and half of that."""
-    tight = max(margin // 10, 256 << 20)
-    return tight, tight // 2
+def device_thresholds(margin: int) -> int:
+    """The tight line of free device bytes from the plan's margin (its budget less what
+    it placed): a tenth of it, at least 256 MiB (critical's is half the tight line)."""
+    return max(margin // 10, 256 << 20)
+
+
+def host_thresholds(available: int) -> int:
+    """The tight line of host RAM from what is available once the models are loaded: 2 GiB,
+    or half of what is available where that is less (a plan that filled a small machine's
+    RAM must not start tight); critical's is half the tight line."""
+    return min(2 << 30, available // 2)
+
+
+def settled(
+    thresholds: PressureThresholds, available: int, margin: int | None
+) -> PressureThresholds:
+    """`thresholds` with every auto line set: the host's from `available` RAM, the
+    device's from the plan's `margin` (None: no device to watch). A critical line left
+    auto is half of the tight one, given or derived."""
+    t = thresholds
+    tight_host = t.tight_host_free if t.tight_host_free is not None else host_thresholds(available)
+    critical_host = t.critical_host_free if t.critical_host_free is not None else tight_host // 2
+    tight_device, critical_device = t.tight_device_free, t.critical_device_free
+    if margin is not None:
+        if tight_device is None:
+            tight_device = device_thresholds(margin)
+        if critical_device is None:
+            critical_device = tight_device // 2
+    return replace(
+        t, tight_host_free=tight_host, critical_host_free=critical_host,
+        tight_device_free=tight_device, critical_device_free=critical_device,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -202,12 +231,14 @@ class PressureMonitor:
 @dataclass
 class Step:
     """One relief step: `take` frees what it can and returns a line for the log; `undo`
-    gives it back. `available` False: nothing to do on this machine (skipped)."""
+    gives it back. `available` False: nothing to do on this machine (skipped). `device`:
+    what it frees is device memory (an out-of-memory pass climbs to such a step)."""
 
     name: str
     take: Callable[[], str]
     undo: Callable[[], None]
     available: bool = True
+    device: bool = True
 
 
 @dataclass
@@ -221,7 +252,7 @@ class Relief:
 
     @property
     def in_force(self) -> list[str]:
-        return [s.name for s in self.steps[: self.taken]]
+        return [s.name for s in self.steps[: self.taken] if s.available]
 
     def follow(self, level: str, thresholds: PressureThresholds) -> None:
         """Climb or descend for the monitor's `level`: at `critical` every step now; at
@@ -237,8 +268,9 @@ class Relief:
         elif self.taken and now - self.last_change >= thresholds.recover_seconds:
             self.descend()
 
-    def climb(self, why: str) -> bool:
-        """Take the next available step; False when every step is in force."""
+    def climb(self, why: str, device: bool = False) -> bool:
+        """Take the next available step (with `device`, steps up to and including the
+        next that frees device memory); False when every step is in force."""
         while self.taken < len(self.steps):
             step = self.steps[self.taken]
             self.taken += 1
@@ -248,6 +280,8 @@ class Relief:
             self.counts[step.name] = self.counts.get(step.name, 0) + 1
             self.last_change = time.monotonic()
             log.warning("%s: %s (%s)", why, step.name, said)
+            if device and not step.device:
+                continue
             return True
         return False
 
@@ -275,7 +309,9 @@ class PassBounds(Protocol):
 PASS_SHARE = 4
 
 
-def relief_steps(cache: PrefixCache, sessions: SessionPool, passes: PassBounds) -> list[Step]:
+def relief_steps(
+    cache: PrefixCache, sessions: SessionPool, passes: PassBounds, gpu: bool
+) -> list[Step]:
     """The steps the engine can take, cheapest first: the prefix cache's memory (its
     chunks freed, not only its rows forgotten), the conversations kept for reuse (their KV
     caches), then smaller passes (trees and prefill chunks, so fewer logit rows and
@@ -304,7 +340,8 @@ def relief_steps(cache: PrefixCache, sessions: SessionPool, passes: PassBounds) 
         passes.max_pass_tokens, passes.max_pass_rows = saved["passes"]
 
     return [
-        Step("prefix_cache", empty_cache, cache.restore, available=cache.max_bytes > 0),
+        # With a GPU the cache is pinned host RAM: it frees host memory, not the device's.
+        Step("prefix_cache", empty_cache, cache.restore, cache.max_bytes > 0, device=not gpu),
         Step("cached_sessions", drop_sessions, keep_sessions, available=sessions.capacity > 0),
         Step("pass_size", shrink_passes, restore_passes),
     ]

@@ -281,9 +281,10 @@ class MemoryPressureSettings:
 
     enabled: bool = _key(True, flag)
     period_seconds: float = _key(1.0, number(0.05, 60.0))
-    # Host RAM available (psutil) below which the level is tight, critical.
-    tight_host_free: int | str = _key("2GiB", size_or_zero)
-    critical_host_free: int | str = _key("1GiB", size_or_zero)
+    # Host RAM available (psutil) below which the level is tight, critical; auto: 2 GiB or
+    # half of what is available once the models are loaded, if less; critical half that.
+    tight_host_free: int | str = _key("auto", size_or_auto)
+    critical_host_free: int | str = _key("auto", size_or_auto)
     # Free device memory: auto is a tenth of the margin the memory plan left (at least
     # 256 MiB) for tight, half of that for critical.
     tight_device_free: int | str = _key("auto", size_or_auto)

@@ -22,6 +22,7 @@ from daemon.memory_plan import (
     plan_dtype,
     plan_with_draft,
     planned_tree_budget,
+    refuse_disk_for_gguf,
 )
 from daemon.substitute_cache import SubstituteCache
 from offload.layout import FlatLayout
@@ -157,6 +158,7 @@ def load_placed_target(
         options.substitute_bits, str(ckpt.path), options.dtype, options.context,
         device.type, offload_request(options), budget, planned_tree_budget(options),
     )  # fmt: skip
+    refuse_disk_for_gguf(plan, ckpt)
     built: list[Transformer] = []
 
     def build_substitute_draft(model: Transformer, plan: MemoryPlan) -> None:

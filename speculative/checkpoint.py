@@ -7,11 +7,12 @@ meta device, so loading never holds a second full copy of the weights.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ from speculative.quant import (
     on_load_quantization,
 )
 from speculative.tokenizer import Tokenizer
+
+log = logging.getLogger("specd.checkpoint")
 
 # The safetensors names of the dtypes packed tensors are stored in.
 _SAFETENSORS_NAMES = {
@@ -65,7 +68,8 @@ class Checkpoint:
     path: Path
     config: ModelConfig
     generation_defaults: dict[str, Any]
-    gguf: GGUFContents | None = None  # a GGUF file's header, read once (its tensors mapped)
+    # A GGUF file's header, read once (its tensors mapped); not part of the identity.
+    gguf: GGUFContents | None = field(default=None, compare=False, repr=False)
 
     def weight_files(self) -> list[Path]:
         return weight_files(self.path)
@@ -154,6 +158,12 @@ def _open_gguf_checkpoint(path: Path, quantize: str | None, stop: list[str]) -> 
     config = config_from_gguf(contents)
     vocabulary = {t: i for i, t in enumerate(contents.metadata.get("tokenizer.ggml.tokens") or [])}
     stops = [vocabulary[s] for s in stop if s in vocabulary]
+    if len(stops) < len(stop):
+        log.warning(
+            "%s: the model store's stop strings %s are not tokens of the vocabulary; "
+            "give them as a request's stop to use them",
+            path, [s for s in stop if s not in vocabulary],
+        )  # fmt: skip
     return Checkpoint(path, config, {"eos_token_id": stops}, gguf=contents)
 
 

@@ -136,9 +136,27 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": _float_dtype(tensors) if quantization is None else "bfloat16",
-        "attention_bias": "blk.0.attn_o.bias" in tensors,
+        "attention_bias": "blk.0.attn_output.bias" in tensors,
+        **_rope_scaling(meta, arch, source),
     }
     return replace(ModelConfig.from_hf(raw, source), quantization=quantization)
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+    """The file's RoPE scaling as config.json writes it: none, or linear (also the older
+    `rope.scale_linear`). Llama 3.1's own scaling is its `rope_freqs` tensor, not a key;
+    any other kind (YaRN in Qwen2.5's long-context files) is refused, as for config.json,
+    rather than run unscaled."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor") or meta.get(f"{arch}.rope.scale_linear")
+    if kind in (None, "none") and meta.get(f"{arch}.rope.scale_linear") is None:
+        return {}
+    if kind in (None, "linear") and factor is not None:
+        return {"rope_scaling": {"rope_type": "linear", "factor": float(factor)}}
+    raise UnsupportedModelError(
+        f"{source}: RoPE scaling {kind!r} ({arch}.rope.scaling.type) is not supported; "
+        "specd runs default, linear and Llama 3.1's RoPE"
+    )
 
 
 def _float_dtype(tensors: dict[str, TensorInfo]) -> str:
@@ -208,7 +226,11 @@ def load_gguf_model(
     factors = None
     for info in contents.tensors:
         if info.name == ROPE_FACTORS:
+            if info.ggml_type != 0 or info.ne != ((cfg.head_dim + 1) // 2,):
+                problems.append(f"{info.name}: {info.ne} of type {info.ggml_type}, not F32 [hd/2]")
+                continue
             factors = torch.from_numpy(contents.tensor_bytes(info).copy().view(np.float32))
+            factors = factors.reshape(-1)  # (hd/2,)
             continue
         name = our_name(info.name)
         kind = info.ggml_type
@@ -216,9 +238,12 @@ def load_gguf_model(
             problems.append(f"unexpected tensor {info.name}")
             continue
         rows = torch.from_numpy(contents.tensor_bytes(info).copy())
-        if cfg.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-            rows = _unpermute(rows, heads)
+        if cfg.model_type == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+            if len(info.ne) == 1:  # a bias: its values are what the rows of q/k are
+                rows = _unpermute(rows.view(info.ne[0], -1), heads).reshape(1, -1)
+            else:
+                rows = _unpermute(rows, heads)
         columns = info.ne[0]
         packed = f"{name.removesuffix('.weight')}.blocks"
         if packed in expected:
@@ -237,7 +262,9 @@ def load_gguf_model(
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             problems.append("unexpected tensor output.weight (the embedding is tied)")
             continue
-        value = dequantize(rows.to(device), kind, columns, torch.float32).to(dtype)
+        # Decoded a chunk at a time in fp32 and rounded once to `dtype`: no fp32 copy of a
+        # whole embedding (4.2 GB for a 70B's).
+        value = dequantize(rows.to(device), kind, columns, dtype)
         if len(info.ne) == 1:
             value = value.view(-1)
         _place(model, name, value, parts, problems)

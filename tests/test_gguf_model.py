@@ -167,3 +167,72 @@ def test_a_model_in_ollamas_store_loads_and_is_listed(
     ]
     assert main(["generate", "--model", "ollama:absent", "--prompt", "x"]) == 2
     assert "ollama pull absent" in capsys.readouterr().err
+
+
+def with_metadata(tmp_path: Path, extra: dict[str, str | float]) -> Path:
+    """stories260k-F32 written again by gguf-py's writer with `extra` string/float keys."""
+    import gguf
+    import numpy as np
+
+    from speculative.gguf_file import read_gguf
+
+    source = read_gguf(GGUF / "stories260k-F32.gguf")
+    path = tmp_path / "extra.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in source.metadata.items():
+        if key == "general.architecture":
+            continue
+        if key == "tokenizer.ggml.tokens":
+            writer.add_token_list(value)
+        elif key == "tokenizer.ggml.scores":
+            writer.add_token_scores(value)
+        elif key == "tokenizer.ggml.token_type":
+            writer.add_token_types(value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        elif isinstance(value, float):
+            writer.add_float32(key, value)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+    for key, value in extra.items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_float32(key, value)
+    for info in source.tensors:
+        shape = tuple(reversed(info.ne))
+        writer.add_tensor(
+            info.name, source.tensor_bytes(info).copy().view(np.float32).reshape(shape)
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_rope_scaling_is_read_or_refused(tmp_path: Path) -> None:
+    """Linear RoPE scaling in the metadata is applied as config.json's would be; a kind
+    specd does not run (YaRN) is refused rather than run unscaled."""
+    linear = with_metadata(
+        tmp_path, {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}
+    )
+    rope = open_checkpoint(linear).config.rope
+    assert rope.kind == "linear" and rope.factor == 4.0
+    yarn = with_metadata(
+        tmp_path, {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}
+    )
+    with pytest.raises(Exception, match="RoPE scaling 'yarn'"):
+        open_checkpoint(yarn)
+
+
+def test_a_plan_that_streams_a_gguf_from_disk_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--model", str(GGUF / "llama-rand-256-Q4_K_M.gguf"), "--offload", "stream"]
+    argv += ["--resident-layers", "0", "--host-tier", "disk"]
+    assert main(["plan", *argv]) == 2
+    assert "disk tier does not read GGUF files" in capsys.readouterr().err
+    assert main(["plan", *argv[:-2]]) == 0  # from RAM it plans

@@ -79,7 +79,7 @@ def test_a_bias_steers_greedy_output_in_every_strategy(
 
 @pytest.mark.parametrize(
     "bias",
-    [{"x": 1}, {"5": 101}, {"5": "up"}, [5], {"100000": 1}],
+    [{"x": 1}, {"5": 101}, {"5": "up"}, [5], {"100000": 1}, {"²": 1}, {"05": 60, "5": 60}],
 )
 def test_a_bad_bias_is_a_400_naming_it(client: openai.OpenAI, bias: object) -> None:
     body = {"model": MODEL, "prompt": "Lily", "max_tokens": 2, "logit_bias": bias}

@@ -223,7 +223,12 @@ def _plan_device(options: RuntimeOptions) -> torch.device:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from daemon.memory_plan import offload_request, plan_with_draft, planned_tree_budget
+    from daemon.memory_plan import (
+        offload_request,
+        plan_with_draft,
+        planned_tree_budget,
+        refuse_disk_for_gguf,
+    )
     from offload.machine import detect_budget
     from speculative.checkpoint import open_checkpoint
 
@@ -250,6 +255,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         options.dtype, options.context, budget.device, offload_request(options), budget,
         planned_tree_budget(options),
     )  # fmt: skip
+    refuse_disk_for_gguf(plan, target)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:

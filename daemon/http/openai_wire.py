@@ -178,6 +178,7 @@ def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
 # More entries than any client sends (OpenAI allows 300), fewer than would make each
 # pass's bias step costly.
 MAX_LOGIT_BIAS = 1024
+TOKEN_ID = re.compile(r"[0-9]{1,9}")
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -191,16 +192,19 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
             f'logit_bias must be an object of up to {MAX_LOGIT_BIAS} "token id": bias entries',
             "logit_bias",
         )
-    pairs = []
+    pairs: dict[int, float] = {}
     for key, value in raw.items():
-        if not (isinstance(key, str) and key.isdigit() and len(key) < 10):
+        # ASCII digits only: str.isdigit also takes "²", which int() refuses.
+        if not (isinstance(key, str) and TOKEN_ID.fullmatch(key)):
             raise bad_request(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        if int(key) in pairs:  # "05" and "5": one token biased twice
+            raise bad_request(f"logit_bias names token {int(key)} twice", "logit_bias")
         if not _is_number(value) or not -100 <= value <= 100:
             raise bad_request(
                 f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}", "logit_bias"
             )
-        pairs.append((int(key), float(value)))
-    return tuple(sorted(pairs))
+        pairs[int(key)] = float(value)
+    return tuple(sorted(pairs.items()))
 
 
 def _refuse_unsupported(body: dict) -> None:
