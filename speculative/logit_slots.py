@@ -144,5 +144,8 @@ class LogitSlots:
 
     def return_pinned(self) -> None:
         """Freed pinned chunks stay in the host allocator's cache until it is emptied."""
-        if self.pin and torch.cuda.is_available():
-            torch.accelerator.empty_host_cache()
+        # (torch.accelerator.empty_host_cache is PyTorch 2.9's; before it, the blocks stay
+        # cached for the next pinned allocation.)
+        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if self.pin and torch.cuda.is_available() and empty is not None:
+            empty()
