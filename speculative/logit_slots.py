@@ -144,7 +144,7 @@ class LogitSlots:
 
     def return_pinned(self) -> None:
         """Freed pinned chunks stay in the host allocator's cache until it is emptied."""
-        # (torch.accelerator.empty_host_cache is PyTorch 2.9's; before it, the blocks stay
+        # (torch.accelerator.empty_host_cache is recent PyTorch's; without it, the blocks stay
         # cached for the next pinned allocation.)
         empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
         if self.pin and torch.cuda.is_available() and empty is not None:
