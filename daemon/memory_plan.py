@@ -49,8 +49,9 @@ from speculative.packed import PackedLinear
 from speculative.sampling import DRAW_BYTES_PER_ENTRY
 from speculative.substitute import (
     SUBSTITUTE,
-    SUBSTITUTE_BITS,
     build_peak_bytes,
+    shares_packed,
+    substitute_bits_for,
     substitute_config,
 )
 
@@ -373,7 +374,11 @@ def _substitute_plan(
     starting from none and counting what the last plan streamed climbs to the least
     consistent count (a few plans; at most one per layer)."""
     config = substitute_config(target, bits)
-    label = f"substitute ({bits}-bit HQQ of the target)"
+    label = (
+        f"substitute (the target's own {bits}-bit layers)"
+        if shares_packed(target, bits)
+        else f"substitute ({bits}-bit HQQ of the target)"
+    )
     counted = 0
     while True:
         plan = choose_plan(
@@ -383,7 +388,7 @@ def _substitute_plan(
         if plan.streamed_layers <= counted:
             break
         counted = plan.streamed_layers
-    if plan.streamed_layers:
+    if plan.streamed_layers and not shares_packed(target, bits):
         _check_build(plan, target)
     return plan
 
@@ -437,7 +442,7 @@ def plan_with_draft(
             tree_budget, str(draft),
         )  # fmt: skip
         return plan, DraftPlan(draft_config)
-    choices = SUBSTITUTE_BITS if substitute_bits == "auto" else (int(substitute_bits),)
+    choices = substitute_bits_for(target) if substitute_bits == "auto" else (int(substitute_bits),)
     failure: PlanError | None = None
     for bits in choices:
         try:
@@ -447,10 +452,16 @@ def plan_with_draft(
         except PlanError as exc:
             failure = exc
             continue
+        copies = (
+            "device copies of its packed layers as stored (the same bits: nothing is "
+            "quantized again)"
+            if shares_packed(target, bits)
+            else f"{bits}-bit copies"
+        )
         plan.notes.append(
             f"the substitute draft shares the target's embedding, norm, head and KV cache; "
             f"the target's {plan.resident_layers} resident layers are their own substitutes, "
-            f"so {bits}-bit copies are made of the {plan.streamed_layers} streamed ones only"
+            f"so {copies} are made of the {plan.streamed_layers} streamed ones only"
         )
         if not plan.streamed_layers:
             plan.notes.append(

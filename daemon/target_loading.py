@@ -35,7 +35,7 @@ from offload.stream import LayerStreamer
 from speculative.checkpoint import Checkpoint, CheckpointError, load, open_checkpoint
 from speculative.model import Transformer
 from speculative.projections import stored_names
-from speculative.substitute import build_substitute, share_placed, substitute_config
+from speculative.substitute import build_substitute, share_placed, shares_packed, substitute_config
 from speculative.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # daemon.runtime imports this module
@@ -200,7 +200,8 @@ def substitute_from(
     first_streamed = plan.resident_layers if plan.streamed_layers else len(layers)
     quantized = list(range(first_streamed, len(layers)))
     stored = None
-    if cache is not None and quantized:
+    # Shared packed layers are copied as stored: nothing to quantize, nothing to keep.
+    if cache is not None and quantized and not shares_packed(model.config, bits):
         stored = SubstituteCache(
             cache, checkpoint, substitute_config(model.config, bits), bits, model.dtype,
             device, quantized,

@@ -17,6 +17,7 @@ target is never in RAM twice.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
@@ -41,8 +42,32 @@ def substitute_spec(bits: int) -> QuantizationSpec:
     return QuantizationSpec("hqq", bits, hqq.GROUP, False, torch.float16, on_load=True)
 
 
+# Packed formats whose layers a substitute of the same bits takes as they are.
+SHAREABLE = ("gptq", "awq", "compressed-tensors")
+
+
+def shares_packed(target: ModelConfig, bits: int) -> bool:
+    """Whether a `bits` substitute of `target` is the target's own packed layers: a GPTQ,
+    AWQ or compressed-tensors target (as stored or `--quantize`d) of exactly those bits.
+    Quantizing its dequantized weights again to the same bits could only lose."""
+    q = target.quantization
+    return q is not None and q.method in SHAREABLE and q.bits == bits
+
+
+def substitute_bits_for(target: ModelConfig) -> tuple[int, ...]:
+    """The bits `auto` tries for `target`, most first: a packed target's substitute has
+    no more bits than the target (more would copy what the target holds, at more bytes)."""
+    q = target.quantization
+    if q is None or q.method not in SHAREABLE:
+        return SUBSTITUTE_BITS
+    return tuple(b for b in SUBSTITUTE_BITS if b <= q.bits)
+
+
 def substitute_config(target: ModelConfig, bits: int) -> ModelConfig:
-    """The substitute's architecture: the target's, its projections HQQ-packed."""
+    """The substitute's architecture: the target's, its projections HQQ-packed, or the
+    target's own where it shares them (`shares_packed`)."""
+    if shares_packed(target, bits):
+        return target
     return replace(target, quantization=substitute_spec(bits))
 
 
@@ -126,6 +151,8 @@ def build_substitute(
     is the target's own module (which placement puts on the device). Embedding, norm,
     head and the RoPE table are the target's. `progress(done, total)` after each layer."""
     config = substitute_config(target.config, bits)
+    if make is None and shares_packed(target.config, bits):
+        make = lambda i, layer: copy.deepcopy(layer).to(device)  # noqa: E731 (as stored)
     with torch.device("meta"):
         substitute = Transformer(config)
     substitute.embed_tokens = target.embed_tokens

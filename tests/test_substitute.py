@@ -262,3 +262,43 @@ def test_the_plan_counts_copies_of_the_streamed_layers_only() -> None:
     assert streamed.streamed_layers > 0
     assert streamed.device_parts["draft weights"] == streamed.streamed_layers * per_layer
     assert f"{streamed.streamed_layers} streamed ones only" in streamed.render()
+
+
+def test_a_packed_target_shares_its_layers_at_equal_bits(shared_models: Path) -> None:
+    """A 4-bit GPTQ target's 4-bit substitute is its own packed layers copied to the
+    device as stored (nothing quantized again: the draft is the target, every drafted token
+    is accepted); `auto` tries no more bits than the target has."""
+    from speculative.packed import GPTQLinear
+
+    path = str(shared_models / "quantized" / "gptq-w4-g32")
+    options = RuntimeOptions(
+        model=path, draft="substitute", substitute_bits=4, device="cpu", budget=16,
+        offload="stream", resident_layers=0, slots=2, dtype="fp32",
+    )  # fmt: skip
+    runtime = Runtime(options)
+    substitute = runtime.draft
+    assert substitute is not None
+    shared = [m for m in substitute.layers.modules() if isinstance(m, GPTQLinear)]  # type: ignore[union-attr]
+    assert shared and not any(isinstance(m, HQQLinear) for m in substitute.modules())
+    assert "device copies of its packed layers as stored" in runtime.plan.render()
+    ids = runtime.tokenizer.encode("Once upon a time")
+    reference = Generation(
+        runtime.strategy("autoregressive"),
+        runtime.new_session(runtime.strategy("autoregressive")),
+        runtime.tokenizer, ids, SamplingParams(temperature=0.0), 48, ignore_eos=True,
+    ).run()  # fmt: skip
+    tree = runtime.strategy("tree")
+    gen = Generation(
+        tree, runtime.new_session(tree), runtime.tokenizer, ids,
+        SamplingParams(temperature=0.0), 48, ignore_eos=True,
+    ).run()  # fmt: skip
+    assert gen.token_ids == reference.token_ids
+    stats = gen.stats.to_dict()
+    # The draft is the target: every pass emits as many tokens as a tree of the budget can
+    # give (its chain of 16, the last drafted token's place taken by the target's own).
+    assert stats["tokens_per_target_pass"] == 16.0, stats
+    _, drafting = plan_with_draft(
+        runtime.target.config, "substitute", None, "auto", path, "fp32", "auto", "cpu",
+        OffloadRequest(offload="stream", resident_layers=0), runtime.plan.budget,
+    )  # fmt: skip
+    assert drafting.substitute_bits == 4  # not 8: no more bits than the target has
