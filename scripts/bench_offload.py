@@ -9,8 +9,8 @@ and reports
 
 and accelerate's `cpu_offload` of the same layers in the same run, as a time ratio.
 
-`--quantize none,int8,int4` adds the same model with packed int8 / int4 projections (the
-`--quantize` layout): bytes per layer, the time to dequantize one layer's projections, and
+`--quantize none,int8,int4,q4_k_m` adds the same model with packed int8 / int4 projections
+(the `--quantize` layout) or GGUF Q4_K_M blocks (llama-quantize's mix of Q4_K and Q6_K): bytes per layer, the time to dequantize one layer's projections, and
 each pass's time as a ratio to the unquantized pass of the same shape and tokens (the
 issue's goal on a GPU: int4 ≤ 0.3 × bf16 at 64–256 tree tokens).
 
@@ -40,9 +40,10 @@ from offload.machine import measure_bandwidth  # noqa: E402
 from offload.placement import build_streamer  # noqa: E402
 from offload.stream import LayerStreamer  # noqa: E402
 from speculative.config import ModelConfig  # noqa: E402
+from speculative.gguf_blocks import BLOCK_SIZES, GGMLType, GGUFLinear  # noqa: E402
 from speculative.model import Transformer, rope_inv_freq  # noqa: E402
 from speculative.packed import CompressedLinear, PackedLinear  # noqa: E402
-from speculative.quant import on_load_quantization  # noqa: E402
+from speculative.quant import QuantizationSpec, on_load_quantization  # noqa: E402
 
 SHAPES = {
     # hidden, intermediate, heads, kv heads, vocab (Llama-3.1-8B and Qwen2.5-32B layers)
@@ -60,7 +61,9 @@ def random_model(
 ) -> Transformer:
     raw = {**SHAPES[shape], "num_hidden_layers": layers, "max_position_embeddings": 4096}
     cfg = ModelConfig.from_hf(raw, source=f"{shape}-shaped")
-    if quantize is not None:
+    if quantize == "q4_k_m":
+        cfg = replace(cfg, quantization=q4_k_m(cfg))
+    elif quantize is not None:
         cfg = replace(cfg, quantization=on_load_quantization(quantize))
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -72,8 +75,40 @@ def random_model(
         for m in model.modules():
             if isinstance(m, CompressedLinear):
                 m.quantize_from(torch.empty(m.out_features, m.in_features).uniform_(-0.02, 0.02))
+            if isinstance(m, GGUFLinear):
+                random_blocks(m)
     model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)  # fp32, as the loader sets it
     return model.eval()
+
+
+def q4_k_m(cfg: ModelConfig) -> QuantizationSpec:
+    """llama-quantize's Q4_K_M mix for `cfg`'s layers: Q4_K, with Q6_K for attn_v and
+    ffn_down in the first and last eighth of the layers and every third between
+    (`use_more_bits`), as a GGUF file of it holds them."""
+    n = cfg.num_layers
+
+    def more_bits(i: int) -> bool:
+        return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+    types = []
+    for i in range(n):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):  # fmt: skip
+            heavy = name in ("self_attn.v_proj", "mlp.down_proj") and more_bits(i)
+            kind = GGMLType.Q6_K if heavy else GGMLType.Q4_K
+            types.append((f"layers.{i}.{name}.weight", int(kind)))
+    return QuantizationSpec.gguf(tuple(types), "Q4_K_M", ())
+
+
+def random_blocks(m: GGUFLinear) -> None:
+    """Random codes with small finite scales (random bytes would make NaN halves)."""
+    m._buffers["blocks"] = torch.randint(0, 256, m.blocks.shape, dtype=torch.uint8)
+    per_block = m.stored().view(-1, BLOCK_SIZES[m.ggml_type][1])  # this layer's type
+    scale = torch.full((per_block.shape[0], 1), 1e-4, dtype=torch.float16).view(torch.uint8)
+    if m.ggml_type == GGMLType.Q4_K:  # d, dmin at the start
+        per_block[:, 0:2], per_block[:, 2:4] = scale, scale
+    else:  # Q6_K: d at the end
+        per_block[:, -2:] = scale
 
 
 def sync(device: torch.device) -> None:
@@ -255,7 +290,7 @@ def main() -> int:
     p.add_argument(
         "--quantize",
         default="none",
-        help="comma list of none,int8,int4: the weights to compare, side by side",
+        help="comma list of none,int8,int4,q4_k_m: the weights to compare, side by side",
     )
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = p.parse_args()

@@ -236,3 +236,35 @@ def test_a_plan_that_streams_a_gguf_from_disk_is_refused(
     assert main(["plan", *argv]) == 2
     assert "disk tier does not read GGUF files" in capsys.readouterr().err
     assert main(["plan", *argv[:-2]]) == 0  # from RAM it plans
+
+
+def test_a_streamed_q4_k_m_target_moves_its_packed_bytes() -> None:
+    """Streamed, a Q4_K_M target's layers cross as their blocks: the bytes a pass copies
+    are what the plan says, and a fraction of the same layers in bf16. Its first-step
+    logits are transformers' within fp32 rounding."""
+    path = GGUF / "llama-rand-256-Q4_K_M.gguf"
+    options = RuntimeOptions(
+        model=str(path), device="cpu", dtype="fp32", offload="stream", resident_layers=0,
+        slots=2,
+    )  # fmt: skip
+    runtime = Runtime(options)
+    streamer = runtime.target.layers
+    assert isinstance(streamer, LayerStreamer)
+    item = reference("llama-rand-256-Q4_K_M")["items"][0]
+    ids = item["prompt_ids"]
+    streamer.reset_counters()
+    with torch.inference_mode():
+        logits = runtime.target(
+            torch.tensor(ids), torch.arange(len(ids)), runtime.target.new_cache(16), last_only=True
+        )[0]
+    per_pass = streamer.counters.bytes_copied / streamer.counters.passes
+    # (Two layers and two slots: the plan's steady state copies nothing; this first pass
+    # copies each layer once, at the size the plan gives a layer.)
+    planned_layer = runtime.plan.request.target.layer_bytes
+    layers = runtime.target.config.num_layers
+    assert per_pass == layers * planned_layer == layers * streamer.layout.nbytes
+    config = runtime.target.config
+    bf16 = config.num_layers * config.layer_parameter_count() * 2
+    assert per_pass < bf16 / 3  # Q4_K and Q6_K blocks: ~4.5-6.6 bits a weight
+    for top in item["first_step_top5"]:
+        assert abs(float(logits[top["id"]]) - top["logit"]) < 1e-3
