@@ -46,9 +46,12 @@ def test_greedy_ids_equal_transformers_gguf_loader(name: str) -> None:
         out: list[int] = []
         cache = model.new_cache(len(feed) + 40)
         position = 0
-        for _ in range(len(item["greedy_new_token_ids"])):
+        for step in range(len(item["greedy_new_token_ids"])):
             positions = torch.arange(position, position + len(feed))
             logits = model(torch.tensor(feed), positions, cache, last_only=True)
+            if step == 0:  # transformers' first-step logits, to fp32 rounding
+                for top in item["first_step_top5"]:
+                    assert abs(float(logits[-1, top["id"]]) - top["logit"]) < 1e-3, name
             position += len(feed)
             feed = [int(logits[-1].argmax())]
             out.append(feed[0])
