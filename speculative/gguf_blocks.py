@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as GGMLType
+from torch import nn
 
 from speculative.packed import PackedLinear, _itemsize
 
@@ -410,3 +411,26 @@ class GGUFLinear(PackedLinear):
         kinds = "/".join(k.name for k in self.kinds if k != self.ggml_type)
         also = f" (in other layers {kinds})" if kinds else ""
         return f"in={self.in_features}, out={self.out_features}, type={self.ggml_type.name}{also}"
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table kept as a GGUF tensor's blocks (`blocks` uint8 [rows,
+    row_bytes]): a lookup decodes only the rows asked for (`dequantize_rows`), in fp32,
+    so a 70B's Q4_K table holds 0.6 GiB rather than 2 GiB in bf16. (A tied table is also
+    the output matrix, which every pass needs whole: the loader keeps that one dense.)"""
+
+    blocks: torch.Tensor
+
+    def __init__(self, rows: int, dim: int, ggml_type: int | GGMLType) -> None:
+        super().__init__()
+        self.ggml_type = supported_type(ggml_type)
+        self.num_embeddings, self.embedding_dim = rows, dim
+        self.register_buffer(
+            "blocks", torch.zeros(rows, row_bytes(self.ggml_type, dim), dtype=torch.uint8)
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(self.blocks, self.ggml_type, self.embedding_dim, ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.ggml_type.name}"

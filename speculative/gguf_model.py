@@ -24,6 +24,7 @@ from torch import nn
 from speculative.config import ModelConfig, UnsupportedModelError
 from speculative.gguf_blocks import (
     FLOAT_TYPES,
+    GGUFEmbedding,
     GGUFLinear,
     UnsupportedGGMLTypeError,
     dequantize,
@@ -32,7 +33,7 @@ from speculative.gguf_blocks import (
 from speculative.gguf_file import GGUFContents, GGUFFormatError, TensorInfo, read_gguf
 from speculative.model import Transformer, rope_inv_freq
 from speculative.projections import fused_parts
-from speculative.quant import QuantizationSpec
+from speculative.quant import EMBEDDING, QuantizationSpec
 
 # general.architecture → our model_type. Mistral's files say "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -185,8 +186,11 @@ def _quantization(
             stored[kind.name] = stored.get(kind.name, 0) + info.n_bytes
         if _projection(name):
             types.append((name, int(kind)))
-    if all(kind in FLOAT_TYPES for _, kind in types):
-        return None
+        untied = "output.weight" in tensors
+        if name == EMBEDDING and untied and kind not in FLOAT_TYPES:
+            types.append((name, int(kind)))  # kept as blocks, rows decoded per lookup
+    if all(kind in FLOAT_TYPES for name, kind in types if name != EMBEDDING):
+        return None  # float projections: a dense model (its embedding decoded at load)
     file_type = _file_type(meta.get("general.file_type"))
     return QuantizationSpec.gguf(tuple(sorted(types)), file_type, tuple(sorted(stored.items())))
 
@@ -246,6 +250,15 @@ def load_gguf_model(
                 rows = _unpermute(rows, heads)
         columns = info.ne[0]
         packed = f"{name.removesuffix('.weight')}.blocks"
+        if packed == "embed_tokens.blocks" and packed in expected:
+            table = model.embed_tokens
+            assert isinstance(table, GGUFEmbedding)
+            if table.ggml_type != kind or tuple(table.blocks.shape) != tuple(rows.shape):
+                problems.append(f"{info.name}: {tuple(rows.shape)} bytes of type {kind}")
+                continue
+            table._buffers["blocks"] = rows.to(device)
+            seen.add(packed)
+            continue
         if packed in expected:
             module = model.get_submodule(name.rsplit(".", 1)[0])
             assert isinstance(module, GGUFLinear)

@@ -242,9 +242,9 @@ class Transformer(nn.Module):
         self.layers: nn.ModuleList | LayerSequence = nn.ModuleList(
             DecoderLayer(cfg) for _ in range(cfg.num_layers)
         )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.quantization is not None and cfg.quantization.tensor_types:
             specialise(self, cfg.quantization)  # a GGUF file's types, per tensor
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -267,11 +267,12 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        """The compute dtype (the final norm's: an embedding may be kept as GGUF blocks)."""
+        return self.norm.weight.dtype
 
     def _check_not_compiled(self, change: str) -> None:
         # Compiled passes check no guard on the model (speculative/compiled.py: they would
@@ -417,7 +418,7 @@ class Transformer(nn.Module):
         rows = self.config.vocab_size
         if self.vocab_width > rows:  # a target's padding id has no row here (set_vocab_width)
             tokens = torch.where(tokens < rows, tokens, 0)
-        x = self.embed_tokens(tokens)  # (T, hidden)
+        x = self.embed_tokens(tokens).to(self.dtype)  # (T, hidden); GGUF blocks decode fp32
         # A ModuleList's modules and a LayerSequence's layers are both callable blocks.
         blocks: Iterable[Callable[..., torch.Tensor]] = self.layers
         for i, layer in enumerate(blocks):

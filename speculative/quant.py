@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from speculative.gguf_blocks import GGMLType, GGUFLinear
+from speculative.gguf_blocks import GGMLType, GGUFEmbedding, GGUFLinear
 from speculative.hqq import HQQLinear
 from speculative.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
 
@@ -106,14 +106,23 @@ def specialise(model: nn.Module, spec: QuantizationSpec) -> None:
     projection has in any layer (so every layer has one shape, for streaming)."""
     kinds: dict[str, set[int]] = {}
     for name, kind in spec.tensor_types:
-        kinds.setdefault(_role(name), set()).add(kind)
+        kinds.setdefault(_role(name), set()).add(kind)  # (the embedding's: one, its own)
     for name, kind in spec.tensor_types:
+        if name == EMBEDDING:
+            table = model.get_submodule("embed_tokens")
+            assert isinstance(table, nn.Embedding)
+            model.embed_tokens = GGUFEmbedding(table.num_embeddings, table.embedding_dim, kind)
+            continue
         owner, _, attr = name.removesuffix(".weight").rpartition(".")
         parent = model.get_submodule(owner)
         old = getattr(parent, attr)
         also = tuple(kinds[_role(name)])
         bias = old.bias is not None
         setattr(parent, attr, GGUFLinear(old.in_features, old.out_features, bias, kind, also))
+
+
+# The embedding's entry in `tensor_types`: a GGUF file's untied, quantized token table.
+EMBEDDING = "embed_tokens.weight"
 
 
 def _role(name: str) -> str:

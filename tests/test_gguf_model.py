@@ -19,13 +19,14 @@ from daemon.runtime import Runtime, RuntimeOptions
 from offload.stream import LayerStreamer
 from speculative.checkpoint import load, open_checkpoint
 from speculative.generation import Generation
-from speculative.gguf_blocks import GGUFLinear
+from speculative.gguf_blocks import GGUFEmbedding, GGUFLinear
 from speculative.gguf_model import GGUFError
 from speculative.sampling import SamplingParams
 from tests.conftest import SHARED_MODELS
 
 GGUF = SHARED_MODELS / "gguf"
 FILES = sorted(p.stem for p in GGUF.glob("*.gguf"))
+FLOATS = ("F32", "F16", "BF16")
 
 
 def reference(name: str) -> dict:
@@ -38,8 +39,12 @@ def test_greedy_ids_equal_transformers_gguf_loader(name: str) -> None:
     ref = reference(name)
     quantized = any(isinstance(m, GGUFLinear) for m in model.modules())
     assert quantized == (ckpt.config.quantization is not None)
-    stored = {t["name"] for t in ref["tensors"]}
+    stored = {t["name"]: t["type"] for t in ref["tensors"]}
     assert ckpt.config.tie_word_embeddings == ("output.weight" not in stored)
+    # An untied quantized table stays as its blocks (rows decoded per lookup); a tied one
+    # is also the output matrix, decoded whole.
+    packed_table = "output.weight" in stored and stored["token_embd.weight"] not in FLOATS
+    assert isinstance(model.embed_tokens, GGUFEmbedding) == packed_table
     for item in ref["items"]:
         assert tokenizer.encode(item["prompt"]) == item["prompt_ids"]
         feed = list(item["prompt_ids"])
