@@ -70,6 +70,7 @@ def test_greedy_ids_equal_transformers_gguf_loader(name: str) -> None:
         ("stories260k-Q4_K_M.gguf", "stories260k-draft"),  # a safetensors draft
         ("stories260k-Q4_K_M.gguf", "stories260k-Q8_0.gguf"),
         ("stories260k-Q4_K_M.gguf", "substitute"),
+        ("llama-rand-256-Q4_K_M.gguf", "substitute"),  # its embedding kept as blocks
     ],
 )
 def test_a_gguf_target_speculates_with_any_draft(
