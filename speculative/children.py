@@ -314,3 +314,27 @@ class ConstrainedChildren:
         paths = [tree.path_tokens(node) for node in nodes.tolist()]
         mask_rows_(logits, self.constraint.masks(paths))
         return self.policy.children(tree, nodes, logits, room)
+
+
+@dataclass
+class BiasedChildren:
+    """`policy`'s children under the request's `logit_bias`, for the policies that rank
+    the draft's own logits (greedy and walk-verified trees): the bias is added to each
+    expanded node's draft logits first, so the draft proposes what the biased target
+    would draw (rejection's `SampledChildren` biases through the penalties already)."""
+
+    policy: ChildPolicy
+    bias: tuple[tuple[int, float], ...]
+    table: AcceptanceTable = field(init=False)  # the policy's
+
+    def __post_init__(self) -> None:
+        self.table = self.policy.table
+
+    def children(
+        self, tree: TreeView, nodes: torch.Tensor, logits: torch.Tensor, room: int
+    ) -> Candidates:
+        ids = torch.tensor([i for i, _ in self.bias], device=logits.device)
+        values = torch.tensor([b for _, b in self.bias], device=logits.device)
+        with torch.inference_mode():  # in place: the pass's own (t, V) logits, no copy
+            logits.index_add_(-1, ids, values.to(logits.dtype).expand(logits.shape[0], -1))
+        return self.policy.children(tree, nodes, logits, room)

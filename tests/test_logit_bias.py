@@ -91,3 +91,27 @@ def test_a_bad_bias_is_a_400_naming_it(client: openai.OpenAI, bias: object) -> N
         urllib.request.urlopen(request)
     assert err.value.code == 400
     assert json.loads(err.value.read())["error"]["param"] == "logit_bias"
+
+
+def test_the_tree_drafts_under_the_bias_too(stories_target: Path, stories_draft: Path) -> None:
+    """Greedy and walk-verified trees rank the draft's own logits: biased as the target's,
+    so a strong bias is drafted and accepted (it was ranked unbiased and never accepted)."""
+    from daemon.runtime import Runtime, RuntimeOptions
+    from speculative.generation import Generation
+
+    runtime = Runtime(
+        RuntimeOptions(model=str(stories_target), draft=str(stories_draft), device="cpu", budget=8)
+    )
+    day = runtime.tokenizer.backend.token_to_id("▁day")
+    tree = runtime.strategy("tree")
+    # A prompt each: the second would otherwise walk the first's cached rows, no drafting.
+    for temperature, prompt in ((0.0, "Once upon a time"), (1.0, "Lily and Tom")):
+        params = SamplingParams(temperature=temperature, seed=1, logit_bias=((day, 100.0),))
+        gen = Generation(
+            tree, runtime.new_session(tree), runtime.tokenizer,
+            runtime.tokenizer.encode(prompt), params, 24, ignore_eos=True,
+        ).run()  # fmt: skip
+        assert set(gen.token_ids) == {day}
+        stats = gen.stats.to_dict()
+        # 21 of 24 here (the last round drafts past max_tokens); 0 of 184 when unbiased.
+        assert stats["accepted"] >= 0.75 * stats["drafted"] > 0, stats

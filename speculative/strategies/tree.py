@@ -32,6 +32,7 @@ from speculative.acceptance import (
 )
 from speculative.budget import AutoBudget, BudgetPlanner, FixedBudget, RoundRecord
 from speculative.children import (
+    BiasedChildren,
     ChildPolicy,
     ConstrainedChildren,
     CoupledChildren,
@@ -376,6 +377,8 @@ class TreeSpeculation:
             policy = RankedChildren(table, temperature=GREEDY_FEATURE_TEMPERATURE)
         else:
             policy = CoupledChildren(table, state.noise, len(state.seq), params.temperature)
+        if rows is None and params.logit_bias:
+            policy = BiasedChildren(policy, params.logit_bias)
         if state.constraint is not None:
             return ConstrainedChildren(policy, state.constraint)
         return policy
