@@ -291,7 +291,7 @@ class Engine:
         plan = self.runtime.plan
         margin = plan.budget.device_bytes - plan.device_bytes if probe is not None else None
         thresholds = settled(thresholds, host_probe()[0], margin)
-        steps = relief_steps(self.runtime.prefix_cache, self._idle, self, gpu)
+        steps = relief_steps(self.runtime.prefix_cache, self._idle, self._strategies, self, gpu)
         self.relief = Relief(steps)
         self.pressure = PressureMonitor(thresholds, device_free=probe)
         self.pressure.start()
@@ -420,7 +420,9 @@ class Engine:
         chunks = active.chunks
         while active.chunks == chunks and active.request is not None:
             if isinstance(active.request, Allot):
-                self._allot([active], active.request.wanted)
+                # Its own tree's budget, within a pass's rows (memory pressure lowers them).
+                rows = self.max_pass_rows or active.request.wanted  # (0: no plan to bound it)
+                self._allot([active], min(active.request.wanted, rows))
             else:
                 self._run_pass([active])
 

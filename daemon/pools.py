@@ -24,6 +24,25 @@ class StrategyPool:
     def __init__(self) -> None:
         self._configured: dict[str, Strategy] = {}
         self._budgeted: OrderedDict[tuple[str, int | None, str | None], Strategy] = OrderedDict()
+        # Memory pressure shortens every strategy's prefill passes to 1/share of its own.
+        self.prefill_share = 1
+        self._own_chunk: dict[int, int] = {}  # id(strategy) → its own chunk, while held
+
+    def shorten_prefill(self, share: int) -> None:
+        """Prefill passes of 1/`share` of each strategy's own prompt tokens (1: its own),
+        for the strategies held and those built later (a generation that is prefilling
+        already keeps its chunk)."""
+        self.prefill_share = share
+        held = self.held()
+        self._own_chunk = {id(s): self._own_chunk.get(id(s), s.prefill_chunk) for s in held}
+        for strategy in held:
+            strategy.prefill_chunk = max(1, self._own_chunk[id(strategy)] // share)
+
+    def _built(self, strategy: Strategy) -> Strategy:
+        if self.prefill_share > 1:
+            self._own_chunk[id(strategy)] = strategy.prefill_chunk
+            strategy.prefill_chunk = max(1, strategy.prefill_chunk // self.prefill_share)
+        return strategy
 
     def get(
         self,
@@ -39,13 +58,13 @@ class StrategyPool:
             budget = verification = None
         if budget is None and verification is None:
             if name not in self._configured:
-                self._configured[name] = runtime.strategy(name)
+                self._configured[name] = self._built(runtime.strategy(name))
             return self._configured[name]
         key = (name, budget, verification)
         strategy = self._budgeted.get(key)
         if strategy is None:
             strategy = runtime.strategy(name, budget=budget, verification=verification)
-            self._budgeted[key] = strategy
+            self._budgeted[key] = self._built(strategy)
             while len(self._budgeted) > REQUEST_BUDGET_STRATEGIES:
                 self._budgeted.popitem(last=False)  # active jobs keep their own
         self._budgeted.move_to_end(key)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import psutil
 
-from daemon.pools import SessionPool
+from daemon.pools import SessionPool, StrategyPool
 from daemon.settings import size_bytes
 from offload.units import parse_rate
 from speculative.prefix_cache import PrefixCache
@@ -310,7 +310,11 @@ PASS_SHARE = 4
 
 
 def relief_steps(
-    cache: PrefixCache, sessions: SessionPool, passes: PassBounds, gpu: bool
+    cache: PrefixCache,
+    sessions: SessionPool,
+    strategies: StrategyPool,
+    passes: PassBounds,
+    gpu: bool,
 ) -> list[Step]:
     """The steps the engine can take, cheapest first: the prefix cache's memory (its
     chunks freed, not only its rows forgotten), the conversations kept for reuse (their KV
@@ -334,10 +338,15 @@ def relief_steps(
         saved["passes"] = (passes.max_pass_tokens, passes.max_pass_rows)
         passes.max_pass_tokens = max(passes.max_pass_tokens // PASS_SHARE, 1)
         passes.max_pass_rows = max(passes.max_pass_rows // PASS_SHARE, 1)
-        return f"passes of at most {passes.max_pass_tokens} tokens, {passes.max_pass_rows} rows"
+        strategies.shorten_prefill(PASS_SHARE)
+        return (
+            f"passes of at most {passes.max_pass_tokens} tokens, {passes.max_pass_rows} rows, "
+            f"prefill chunks a {PASS_SHARE}th as long"
+        )
 
     def restore_passes() -> None:
         passes.max_pass_tokens, passes.max_pass_rows = saved["passes"]
+        strategies.shorten_prefill(1)
 
     return [
         # With a GPU the cache is pinned host RAM: it frees host memory, not the device's.

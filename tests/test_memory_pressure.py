@@ -290,3 +290,23 @@ def test_an_out_of_memory_pass_is_rolled_back_relieved_and_run_again(
         assert code == 200 and answer["choices"][0]["text"] == reference["choices"][0]["text"]
         assert status(srv)["memory_pressure"]["steps"] == ["prefix_cache"]
     assert calls[0] == passes + 1  # the failed pass once more, nothing else
+
+
+def test_the_pass_size_step_shortens_prefill_chunks_and_gives_them_back() -> None:
+    from types import SimpleNamespace
+
+    from daemon.pools import StrategyPool
+
+    class Builds:
+        default_strategy = "tree"
+
+        def strategy(self, name: str, budget: int | None = None, verification: Any = None) -> Any:
+            return SimpleNamespace(name=name, prefill_chunk=2048)
+
+    pool, runtime = StrategyPool(), Builds()
+    held = pool.get(runtime, "tree", None)  # type: ignore[arg-type]
+    pool.shorten_prefill(4)
+    later = pool.get(runtime, "tree", 64)  # type: ignore[arg-type]
+    assert (held.prefill_chunk, later.prefill_chunk) == (512, 512)
+    pool.shorten_prefill(1)
+    assert (held.prefill_chunk, later.prefill_chunk) == (2048, 2048)
