@@ -21,7 +21,7 @@ from speculative.gguf_tokenizer import (
     tokenizer_from_gguf,
 )
 from speculative.tokenizer import Tokenizer
-from tests.conftest import ROOT, SHARED_MODELS
+from tests.conftest import SHARED_MODELS
 
 GGUF_DIR = SHARED_MODELS / "gguf"
 GGUF_FILES = sorted(p.name for p in GGUF_DIR.glob("*.gguf"))
@@ -199,13 +199,14 @@ BPE_TEXTS = [
 
 @pytest.fixture(scope="module")
 def byte_level_vocab() -> tuple[list[str], list[str]]:
-    """A small byte-level BPE trained on the repository's README: tokens in id order, merges."""
+    """A small byte-level BPE trained on the shared GGUF folder's README (text that does
+    not change with our commits): tokens in id order, merges."""
     backend = HFTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(
         vocab_size=700, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
-    backend.train_from_iterator([(ROOT / "README.md").read_text()], trainer)
+    backend.train_from_iterator([(GGUF_DIR / "README.md").read_text()], trainer)
     model = json.loads(backend.to_str())["model"]
     tokens = sorted(model["vocab"], key=model["vocab"].__getitem__)
     return tokens, [" ".join(merge) for merge in model["merges"]]
