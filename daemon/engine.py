@@ -183,9 +183,8 @@ class Engine:
         assert self.runtime is not None
         if self.pressure is not None and self.pressure.level == "critical":
             raise MemoryPressureError(
-                "memory is critically short on this machine (another program took it); "
-                "requests in flight finish, new ones are refused until it is back: retry "
-                "shortly"
+                "free memory is below the critical line (memory.pressure): requests in "
+                "flight finish, new ones are refused until it is back; retry shortly"
             )
         # A tree bigger than the plan's largest pass would allocate past the budget (its
         # ancestor mask alone is budget² bytes): refuse it before it is queued.

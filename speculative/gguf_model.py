@@ -74,13 +74,24 @@ def is_gguf(ref: str | Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+SPLIT_PART = re.compile(r".*-\d{5}-of-\d{5}\.gguf", re.IGNORECASE)
+
+
 def open_gguf(path: Path) -> GGUFContents:
     """The file's header read (speculative/gguf_file.py; its tensors stay in the memory
-    map), or a GGUFError saying why it cannot be."""
+    map), or a GGUFError saying why it cannot be. One part of a split model is refused:
+    its tensors are spread over several files."""
     try:
-        return read_gguf(path)
+        contents = read_gguf(path)
     except GGUFFormatError as err:
         raise GGUFError(str(err)) from None
+    parts = contents.metadata.get("split.count")
+    if (isinstance(parts, int) and parts > 1) or SPLIT_PART.fullmatch(path.name):
+        raise GGUFError(
+            f"{path}: one part of a model split over several files; specd reads a whole "
+            "GGUF: merge the parts with `llama-gguf-split --merge FIRST-PART OUT.gguf`"
+        )
+    return contents
 
 
 def our_name(name: str) -> str | None:

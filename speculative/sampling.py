@@ -33,8 +33,13 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """`logits` (V,): the target's at the position `token` was drawn for."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # (V,)
     best = torch.topk(logp, top) if top else None
+    # Tokens a grammar forbids (-inf) are no alternatives: fewer than `top` may remain.
     alternatives = (
-        list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+        [
+            (t, lp)
+            for t, lp in zip(best.indices.tolist(), best.values.tolist(), strict=True)
+            if lp != float("-inf")
+        ]
         if best is not None
         else []
     )

@@ -277,3 +277,10 @@ def test_a_streamed_q4_k_m_target_moves_its_packed_bytes() -> None:
     assert per_pass < bf16 / 3  # Q4_K and Q6_K blocks: ~4.5-6.6 bits a weight
     for top in item["first_step_top5"]:
         assert abs(float(logits[top["id"]]) - top["logit"]) < 1e-3
+
+
+def test_a_part_of_a_split_model_is_refused(tmp_path: Path) -> None:
+    renamed = tmp_path / "model-00001-of-00003.gguf"
+    shutil.copy(GGUF / "stories260k-Q8_0.gguf", renamed)
+    with pytest.raises(GGUFError, match="llama-gguf-split --merge"):
+        open_checkpoint(renamed)

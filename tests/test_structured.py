@@ -6,6 +6,7 @@ width. Exact sampling under a grammar is tests/test_lossless.py's."""
 from __future__ import annotations
 
 import json
+import math
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -547,3 +548,39 @@ def test_mask_words_expand_bit_for_bit() -> None:
     assert torch.equal(expand(words, 1280), reference)
     wider = expand(words, 1300)
     assert torch.equal(wider[:, :1280], reference) and not wider[:, 1280:].any()
+
+
+def test_logprobs_under_a_grammar_are_json(server: BackgroundServer) -> None:
+    """Forbidden tokens are no alternatives: a grammar allowing fewer than top_logprobs
+    tokens gives fewer, never -Infinity (which is not JSON), whole and streamed."""
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in the body")
+
+    body = {"model": MODEL, "messages": MESSAGES, "response_format": JSON_SCHEMA,
+            "max_tokens": 30, "temperature": 0, "logprobs": True, "top_logprobs": 20}  # fmt: skip
+    for stream in (False, True):
+        request = urllib.request.Request(
+            server.url + "/v1/chat/completions", json.dumps({**body, "stream": stream}).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request) as reply:
+            raw = reply.read().decode()
+        parts = (
+            [line[6:] for line in raw.splitlines() if line.startswith("data: {")]
+            if stream
+            else [raw]
+        )
+        for part in parts:
+            json.loads(part, parse_constant=refuse)
+        assert "logprob" in raw
+
+
+def test_forbidden_tokens_are_no_logprob_alternatives() -> None:
+    from speculative.sampling import token_logprob
+
+    logits = torch.full((10,), float("-inf"))
+    logits[[2, 5]] = torch.tensor([1.0, 0.5])
+    found = token_logprob(logits, 2, top=5)
+    assert [t for t, _ in found.top] == [2, 5]
+    assert all(math.isfinite(lp) for _, lp in found.top) and math.isfinite(found.logprob)

@@ -194,6 +194,8 @@ class ResponseShape:
                     {"index": index, "id": call_id, "type": "function",
                      "function": {"name": name, "arguments": ""}}
                 )  # fmt: skip
+            elif deltas and deltas[-1]["index"] == event[1]:
+                deltas[-1]["function"]["arguments"] += event[2]  # one entry per call a chunk
             else:
                 _, index, fragment = event
                 deltas.append({"index": index, "function": {"arguments": fragment}})
@@ -220,7 +222,10 @@ class ResponseShape:
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, default=str)
+    # allow_nan=False: NaN and Infinity are not JSON (JavaScript's JSON.parse refuses them).
+    data = (
+        payload if isinstance(payload, str) else json.dumps(payload, default=str, allow_nan=False)
+    )
     return f"data: {data}\n\n".encode()
 
 
