@@ -222,10 +222,7 @@ class ResponseShape:
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
-    # allow_nan=False: NaN and Infinity are not JSON (JavaScript's JSON.parse refuses them).
-    data = (
-        payload if isinstance(payload, str) else json.dumps(payload, default=str, allow_nan=False)
-    )
+    data = payload if isinstance(payload, str) else json.dumps(payload, default=str)
     return f"data: {data}\n\n".encode()
 
 
