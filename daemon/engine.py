@@ -419,9 +419,13 @@ class Engine:
         chunks = active.chunks
         while active.chunks == chunks and active.request is not None:
             if isinstance(active.request, Allot):
-                # Its own tree's budget, within a pass's rows (memory pressure lowers them).
-                rows = self.max_pass_rows or active.request.wanted  # (0: no plan to bound it)
-                self._allot([active], min(active.request.wanted, rows))
+                # Its own tree's budget, within a pass's rows less what the round holds
+                # already (memory pressure lowers them); 0 ends the tree's growth.
+                wanted = active.request.wanted
+                if self.max_pass_rows:
+                    held = active.generation.strategy.pass_rows + active.grown
+                    wanted = min(wanted, max(0, self.max_pass_rows - held))
+                self._allot([active], wanted)
             else:
                 self._run_pass([active])
 

@@ -37,6 +37,8 @@ class StrategyPool:
         self._own_chunk = {id(s): self._own_chunk.get(id(s), s.prefill_chunk) for s in held}
         for strategy in held:
             strategy.prefill_chunk = max(1, self._own_chunk[id(strategy)] // share)
+        if share == 1:
+            self._own_chunk = {}  # given back: no id may outlive its strategy here
 
     def _built(self, strategy: Strategy) -> Strategy:
         if self.prefill_share > 1:

@@ -194,7 +194,7 @@ def substitute_from(
         raise PlanError(
             "--draft substitute is built from the target's streamed layers in RAM, but the "
             f"plan streams them from disk ({plan.host_tier_reason}): give more --ram-budget "
-            "(or --host-tier ram), use a pre-quantized target, or draft with a model"
+            "(or --host-tier ram), or draft with a model"
         )
     layers = list(cast(nn.ModuleList, model.layers))
     first_streamed = plan.resident_layers if plan.streamed_layers else len(layers)
@@ -218,9 +218,10 @@ def substitute_from(
         model, bits, layers, lambda i: i >= first_streamed, device, progress, make=stored
     )
     how = "read from " + str(stored.path) if stored is not None and stored.hit else "built"
+    kind = "packed layers copied as stored" if shares_packed(model.config, bits) else "HQQ"
     log.info(
-        "substitute draft: %d-bit HQQ of %d streamed layers %s in %.1f s",
-        bits, len(quantized), how, time.perf_counter() - started,
+        "substitute draft: %d-bit %s of %d streamed layers, %s in %.1f s",
+        bits, kind, len(quantized), how, time.perf_counter() - started,
     )  # fmt: skip
     if stored is not None:
         stored.save()

@@ -339,9 +339,18 @@ def dequantize_rows(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """An embedding lookup of a quantized table: rows `ids` (..., columns) in `dtype`,
-    only those rows gathered and decoded."""
+    only those rows gathered and decoded, in one go (a lookup is a pass's tokens: no
+    chunking, and no loop over them for a compiler to specialise on)."""
+    kind = supported_type(ggml_type)
     picked = blocks.index_select(0, ids.reshape(-1))  # (k, row_bytes)
-    return dequantize(picked, ggml_type, columns, dtype).view(*ids.shape, columns)
+    if kind in FLOAT_TYPES:
+        values = picked.view(FLOAT_TYPES[kind]).to(dtype)
+    else:
+        elements, size = BLOCK_SIZES[kind]
+        decoded = torch.empty(picked.shape[0], columns, dtype=torch.float32, device=blocks.device)
+        _DECODERS[kind][0](picked.view(-1, size), decoded.view(-1, elements))
+        values = decoded.to(dtype)
+    return values.view(*ids.shape, columns)
 
 
 class GGUFLinear(PackedLinear):

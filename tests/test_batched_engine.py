@@ -636,3 +636,19 @@ def test_a_failure_outside_any_generation_fails_its_step_and_the_engine_keeps_se
     assert_same(served, alone(runtime, spec, GREEDY))
     assert engine.ready and engine._thread.is_alive()
     assert engine.metrics.failed.value == 1
+
+
+@pytest.mark.parametrize("batch_passes", [True, False])
+def test_lowered_pass_rows_bound_every_tree(
+    runtime: Runtime, make_engine: Callable, monkeypatch: pytest.MonkeyPatch, batch_passes: bool
+) -> None:
+    """Memory pressure's pass_size step lowers the rows a pass may carry: a tree stays
+    within them in the batched and the interleaved engine alike, with the same output."""
+    spec = Spec("tree-16", "Once upon a time, there was a big", 24, ignore_eos=True)
+    engine, _ = make_engine(batch_passes=batch_passes)
+    engine.max_pass_rows = 6
+    passes = Passes(runtime.target, monkeypatch)
+    _, got = asyncio.run(run_together(engine, passes, [request(runtime, spec, GREEDY)]))
+    rows = list(passes.rows)  # (before the reference run below adds its own)
+    assert rows and max(rows) <= 6, rows
+    assert_same(got[0], alone(runtime, spec, GREEDY))

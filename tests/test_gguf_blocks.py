@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from speculative.gguf_blocks import (
     BLOCK_SIZES,
     FLOAT_TYPES,
+    GGUFEmbedding,
     GGUFLinear,
     UnsupportedGGMLTypeError,
     dequantize,
@@ -284,3 +285,18 @@ def test_on_cuda_the_values_are_the_cpus(ggml_type: GGMLType) -> None:
         assert peak <= module.rebuild_bytes(dtype) + (1 << 20), (dtype, peak)
         expected = dequantize(module.blocks.cpu(), ggml_type, columns, dtype)
         assert torch.equal(weight.cpu(), expected)
+
+
+def test_an_embedding_lookup_compiles_for_any_number_of_tokens() -> None:
+    """The lookup decodes the gathered rows in one go: a compiled pass does not specialise
+    on its token count (a loop over row chunks made torch.compile pin it: a small GGUF
+    target's compiled passes failed)."""
+    table = GGUFEmbedding(512, 256, GGMLType.Q8_0)
+    table._buffers["blocks"] = torch.randint(0, 256, table.blocks.shape, dtype=torch.uint8)
+    scales = torch.full((table.blocks.numel() // 34, 1), 0.01, dtype=torch.float16)
+    table.blocks.view(-1, 34)[:, 0:2] = scales.view(torch.uint8)
+    compiled = torch.compile(table, dynamic=True, fullgraph=True)
+    for n in (2, 5, 9):
+        ids = torch.randint(0, 512, (n,))
+        torch._dynamo.mark_dynamic(ids, 0)  # a constraint violation if it specialises
+        assert torch.equal(compiled(ids), table(ids))
