@@ -159,6 +159,7 @@ class Engine:
         self.device_probe = device_probe  # set before start() to replace CUDA's count
         self.pressure: PressureMonitor | None = None  # watching once the models are loaded
         self.relief = Relief([])
+        self._pressure_recorded: tuple[object, int] | None = None
 
     # ---- called from the event loop ----
 
@@ -308,7 +309,10 @@ class Engine:
                 self._return_device_memory()
         except Exception as exc:
             log.error("a memory relief step failed; serving on without it", exc_info=exc)
-        self.metrics.record_pressure(self.pressure, self.relief)
+        seen = (self.pressure.sample, self.relief.taken)
+        if seen != self._pressure_recorded:  # a new sample or step, not every pass
+            self._pressure_recorded = seen
+            self.metrics.record_pressure(self.pressure, self.relief)
 
     def _return_device_memory(self) -> None:
         """Hand what the steps freed back to the driver: PyTorch's allocator keeps freed

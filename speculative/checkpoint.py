@@ -124,9 +124,9 @@ def open_checkpoint(
     checkpoint's projections are to be quantized as they load (`on_load_quantization`);
     the config then describes the packed model, so the plan counts packed bytes.
     `config_only`: a hub id needs only its config files in the cache (see `resolve`)."""
-    path = resolve(ref, config_only)
+    store = resolve_store_ref(str(ref))  # read its manifest once
+    path = store.path if store is not None else resolve(ref, config_only)
     if is_gguf(path):
-        store = resolve_store_ref(str(ref))
         return _open_gguf_checkpoint(path, quantize, store.stop if store is not None else [])
     config_path = path / "config.json"
     try:
@@ -156,7 +156,8 @@ def _open_gguf_checkpoint(path: Path, quantize: str | None, stop: list[str]) -> 
         )
     contents = open_gguf(path)
     config = config_from_gguf(contents)
-    vocabulary = {t: i for i, t in enumerate(contents.metadata.get("tokenizer.ggml.tokens") or [])}
+    tokens = (contents.metadata.get("tokenizer.ggml.tokens") or []) if stop else []
+    vocabulary = {t: i for i, t in enumerate(tokens)}
     stops = [vocabulary[s] for s in stop if s in vocabulary]
     if len(stops) < len(stop):
         log.warning(

@@ -1,13 +1,15 @@
 """GGUF files (llama.cpp's format; what Ollama and LM Studio keep): the model's config
 from the file's metadata, and its tensors loaded into our decoder as they are stored.
 
-The file is read with gguf-py (`gguf.GGUFReader`, a memory map: nothing is copied until a
-tensor is loaded). Quantized projections stay in their blocks (`GGUFLinear`, rebuilt per
-pass like the other packed formats); a file whose projections are all float (F32, F16,
-BF16) loads as a dense model. The embedding and the output head are decoded once, at load,
-into the compute dtype (the plan counts them dense). Llama's converter permutes the rows of
-q and k for llama.cpp's rotary layout (pairs of adjacent values); they are put back in
-Hugging Face's order (halves), whole rows, so the blocks need no decoding for it.
+The header is read by speculative/gguf_file.py over a memory map (gguf-py's reader parses
+every metadata string in Python: seconds for a 128k vocabulary); each tensor is copied
+from the map into the model as it loads. Quantized projections stay in their blocks
+(`GGUFLinear`, rebuilt per pass like the other packed formats), and so does an untied
+quantized embedding (`GGUFEmbedding`); a file whose projections are all float (F32, F16,
+BF16) loads as a dense model. The output matrix (and a tied embedding) is decoded once, at
+load, into the compute dtype. Llama's converter permutes the rows of q and k for
+llama.cpp's rotary layout (pairs of adjacent values); they are put back in Hugging Face's
+order (halves), whole rows, so the blocks need no decoding for it.
 """
 
 from __future__ import annotations

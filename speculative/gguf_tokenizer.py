@@ -34,16 +34,12 @@ generation ends at EOS, EOT, EOM or the end-of-turn tokens llama.cpp knows by na
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gguf import GGUFValueType
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from speculative.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader
 
 # tokenizer.ggml.token_type values
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
@@ -84,31 +80,8 @@ class GGUFTokenizerError(ValueError):
     """The file's tokenizer metadata is missing, malformed or of a kind we cannot build."""
 
 
-def gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """Every metadata field of `reader` as a plain value (str, int, float, bool or a list).
-
-    `ReaderField.contents()` turns a numeric array into Python one element view at a time;
-    the elements are contiguous in the file, so one view of the whole run does it at once.
-    Opening the reader is the slow part (it parses every array element up front: seconds
-    for a 150k vocabulary with its merges); this adds ~40 ms for 150k strings.
-    """
-    return {name: _field_value(reader, field) for name, field in reader.fields.items()}
-
-
-def _field_value(reader: GGUFReader, field: Any) -> Any:
-    types = field.types
-    if len(types) != 2 or types[0] != GGUFValueType.ARRAY or not field.data:
-        return field.contents()  # scalars, empty and nested arrays
-    if types[1] == GGUFValueType.STRING:
-        return [field.parts[i].tobytes().decode("utf-8") for i in field.data]
-    first = field.parts[field.data[0]]
-    start = field.offset + sum(int(part.nbytes) for part in field.parts[: field.data[0]])
-    end = start + len(field.data) * first.itemsize
-    return reader.data[start:end].view(first.dtype).tolist()
-
-
 def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
-    """Our `Tokenizer` for the metadata `fields` (as `gguf_metadata` reads them) of the GGUF
+    """Our `Tokenizer` for the metadata `fields` (as `gguf_file.read_gguf` reads them) of the GGUF
     file `source` (named in errors)."""
     model = fields.get("tokenizer.ggml.model")
     tokens = _strings(fields, "tokenizer.ggml.tokens", source)

@@ -14,9 +14,9 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
+from speculative.gguf_file import read_gguf
 from speculative.gguf_tokenizer import (
     GGUFTokenizerError,
-    gguf_metadata,
     merges_from_scores,
     tokenizer_from_gguf,
 )
@@ -42,7 +42,7 @@ TEXTS = [
 
 
 def _spm(name: str) -> tuple[Tokenizer, dict[str, Any]]:
-    fields = gguf_metadata(gguf.GGUFReader(GGUF_DIR / name))
+    fields = read_gguf(GGUF_DIR / name).metadata
     return tokenizer_from_gguf(fields, name), fields
 
 
@@ -58,8 +58,10 @@ def transformers_gguf() -> Any:
 
 def test_metadata_equals_reader_contents() -> None:
     reader = gguf.GGUFReader(GGUF_DIR / "llama-rand-256-Q4_K_M.gguf")
-    fields = gguf_metadata(reader)
-    assert fields == {name: field.contents() for name, field in reader.fields.items()}
+    fields = read_gguf(GGUF_DIR / "llama-rand-256-Q4_K_M.gguf").metadata
+    # (GGUFReader adds three keys of its own header, not metadata in the file.)
+    own = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count")
+    assert fields == {n: f.contents() for n, f in reader.fields.items() if n not in own}
     assert (
         fields["tokenizer.ggml.tokens"][259] == "▁t" and fields["tokenizer.ggml.scores"][260] == -1
     )
@@ -243,7 +245,7 @@ def _write_byte_level(
 
 
 def _byte_level(path: Path) -> Tokenizer:
-    return tokenizer_from_gguf(gguf_metadata(gguf.GGUFReader(path)), path.name)
+    return tokenizer_from_gguf(read_gguf(path).metadata, path.name)
 
 
 L3_IDS = {"bos": "<|begin_of_text|>", "eos": "<|endoftext|>", "eot": "<|eot_id|>"}
