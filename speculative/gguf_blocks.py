@@ -438,6 +438,10 @@ class GGUFEmbedding(nn.Module):
             "blocks", torch.zeros(rows, row_bytes(self.ggml_type, dim), dtype=torch.uint8)
         )
 
+    def stored(self) -> torch.Tensor:
+        """The table as stored, (rows, row_bytes) uint8 (GGUFLinear's counterpart)."""
+        return self.blocks
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return dequantize_rows(self.blocks, self.ggml_type, self.embedding_dim, ids)
 

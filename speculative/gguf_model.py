@@ -263,18 +263,9 @@ def load_gguf_model(
                 rows = _unpermute(rows, heads)
         columns = info.ne[0]
         packed = f"{name.removesuffix('.weight')}.blocks"
-        if packed == "embed_tokens.blocks" and packed in expected:
-            table = model.embed_tokens
-            assert isinstance(table, GGUFEmbedding)
-            if table.ggml_type != kind or tuple(table.blocks.shape) != tuple(rows.shape):
-                problems.append(f"{info.name}: {tuple(rows.shape)} bytes of type {kind}")
-                continue
-            table._buffers["blocks"] = rows.to(device)
-            seen.add(packed)
-            continue
-        if packed in expected:
-            module = model.get_submodule(name.rsplit(".", 1)[0])
-            assert isinstance(module, GGUFLinear)
+        if packed in expected:  # kept as its blocks: a projection, or the embedding
+            module = model.get_submodule(packed.rsplit(".", 1)[0])
+            assert isinstance(module, GGUFLinear | GGUFEmbedding)
             if module.ggml_type != kind or tuple(module.stored().shape) != tuple(rows.shape):
                 problems.append(f"{info.name}: {tuple(rows.shape)} bytes of type {kind}")
                 continue
