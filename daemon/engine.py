@@ -54,16 +54,8 @@ from daemon.jobs import (
 )
 from daemon.metrics import Metrics
 from daemon.pools import SessionPool, StrategyPool
-from daemon.pressure import (
-    PressureMonitor,
-    PressureThresholds,
-    Relief,
-    cuda_probe,
-    host_probe,
-    is_out_of_memory,
-    relief_steps,
-    settled,
-)
+from daemon.pressure import PressureMonitor, PressureThresholds, cuda_probe, host_probe, settled
+from daemon.relief import Relief, is_out_of_memory, relief_steps
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.errors import RequestError
 from speculative.generation import (
@@ -291,7 +283,14 @@ class Engine:
         plan = self.runtime.plan
         margin = plan.budget.device_bytes - plan.device_bytes if probe is not None else None
         thresholds = settled(thresholds, host_probe()[0], margin)
-        steps = relief_steps(self.runtime.prefix_cache, self._idle, self._strategies, self, gpu)
+        steps = relief_steps(
+            self.runtime,
+            self._idle,
+            self._strategies,
+            self,
+            device_watched=probe is not None,
+            host_floor=thresholds.tight_host_free or 0,
+        )
         self.relief = Relief(steps)
         self.pressure = PressureMonitor(thresholds, device_free=probe)
         self.pressure.start()

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import prometheus_client as prom
 
-from daemon.pressure import LEVELS, PressureMonitor, Relief
+from daemon.pressure import LEVELS, PressureMonitor
+from daemon.relief import Relief
 from speculative.generation import GenerationStats
 
 # Keys the offload streamer may add to GenerationStats.extra: bytes moved host → device and

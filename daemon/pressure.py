@@ -1,18 +1,12 @@
 """Memory pressure at run time (DESIGN.md, "Memory pressure"): a monitor that samples free
-host and device memory off the event loop, the level it reads from them, and the ladder
-of reversible relief steps the engine climbs under pressure and descends when it is gone.
+host and device memory off the event loop, and the level it reads from them. The ladder of
+reversible relief steps the engine climbs under pressure is daemon/relief.py.
 
 Levels: `ok`; `tight` when host RAM available (psutil) or device memory free
 (`torch.cuda.mem_get_info`) falls below its `tight_*` threshold; `critical` below the
 `critical_*` one, or when the machine swaps faster than `critical_swap_rate`. Hysteresis:
 a level is left downwards only once the memory is back above its threshold by
 `HYSTERESIS` and has stayed there for `recover_seconds`; upwards at once.
-
-The ladder (`Relief`): steps in a fixed order, cheapest first; under `tight` one more step
-each period while the level stays; at `critical` every step at once, and new requests are
-refused with 503 while the level is critical (running ones finish); back at `ok`, the
-newest step is undone, one per `recover_seconds`. Steps run on the engine's thread,
-between passes.
 """
 
 from __future__ import annotations
@@ -21,15 +15,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import dataclass, replace
+from typing import Any
 
 import psutil
 
-from daemon.pools import SessionPool, StrategyPool
 from daemon.settings import size_bytes
 from offload.units import parse_rate
-from speculative.prefix_cache import PrefixCache
 
 log = logging.getLogger("specd.pressure")
 
@@ -226,146 +218,3 @@ class PressureMonitor:
         if below(s.host_available, t.tight_host_free) or below(s.device_free, t.tight_device_free):
             return "tight"
         return "ok"
-
-
-@dataclass
-class Step:
-    """One relief step: `take` frees what it can and returns a line for the log; `undo`
-    gives it back. `available` False: nothing to do on this machine (skipped). `device`:
-    what it frees is device memory (an out-of-memory pass climbs to such a step)."""
-
-    name: str
-    take: Callable[[], str]
-    undo: Callable[[], None]
-    available: bool = True
-    device: bool = True
-
-
-@dataclass
-class Relief:
-    """The ladder: `steps` in order, cheapest first; `taken` how many are in force."""
-
-    steps: list[Step]
-    taken: int = 0
-    last_change: float = field(default_factory=time.monotonic)
-    counts: dict[str, int] = field(default_factory=dict)  # times each step was taken
-
-    @property
-    def in_force(self) -> list[str]:
-        return [s.name for s in self.steps[: self.taken] if s.available]
-
-    def follow(self, level: str, thresholds: PressureThresholds) -> None:
-        """Climb or descend for the monitor's `level`: at `critical` every step now; at
-        `tight` one more per period; at `ok` (which the monitor reports only once the
-        memory has been back for recover_seconds) one step undone per recover_seconds."""
-        now = time.monotonic()
-        if level == "critical":
-            while self.climb("memory pressure critical"):
-                pass
-        elif level == "tight":
-            if self.taken == 0 or now - self.last_change >= thresholds.period_seconds:
-                self.climb("memory pressure tight")
-        elif self.taken and now - self.last_change >= thresholds.recover_seconds:
-            self.descend()
-
-    def climb(self, why: str, device: bool = False) -> bool:
-        """Take the next available step (with `device`, steps up to and including the
-        next that frees device memory); False when every step is in force."""
-        while self.taken < len(self.steps):
-            step = self.steps[self.taken]
-            self.taken += 1
-            if not step.available:
-                continue
-            said = step.take()
-            self.counts[step.name] = self.counts.get(step.name, 0) + 1
-            self.last_change = time.monotonic()
-            log.warning("%s: %s (%s)", why, step.name, said)
-            if device and not step.device:
-                continue
-            return True
-        return False
-
-    def descend(self) -> None:
-        """Undo the newest step in force."""
-        while self.taken:
-            self.taken -= 1
-            step = self.steps[self.taken]
-            if step.available:
-                step.undo()
-                self.last_change = time.monotonic()
-                log.info("memory pressure eased: %s undone", step.name)
-                return
-
-
-class PassBounds(Protocol):
-    """What bounds a batched pass (the engine's): tokens and logit rows."""
-
-    max_pass_tokens: int
-    max_pass_rows: int
-
-
-# The pass-size step keeps this share of a pass's tokens and rows (trees get a quarter of
-# the nodes, prefill chunks a quarter of the tokens).
-PASS_SHARE = 4
-
-
-def relief_steps(
-    cache: PrefixCache,
-    sessions: SessionPool,
-    strategies: StrategyPool,
-    passes: PassBounds,
-    gpu: bool,
-) -> list[Step]:
-    """The steps the engine can take, cheapest first: the prefix cache's memory (its
-    chunks freed, not only its rows forgotten), the conversations kept for reuse (their KV
-    caches), then smaller passes (trees and prefill chunks, so fewer logit rows and
-    activations at once)."""
-    saved: dict[str, Any] = {}
-
-    def empty_cache() -> str:
-        return f"{cache.shrink(0) / 2**20:.0f} MiB freed"
-
-    def drop_sessions() -> str:
-        saved["sessions"], dropped = sessions.capacity, len(sessions)
-        sessions.clear()
-        sessions.capacity = 0
-        return f"{dropped} conversations' KV caches freed"
-
-    def keep_sessions() -> None:
-        sessions.capacity = saved["sessions"]
-
-    def shrink_passes() -> str:
-        saved["passes"] = (passes.max_pass_tokens, passes.max_pass_rows)
-        passes.max_pass_tokens = max(passes.max_pass_tokens // PASS_SHARE, 1)
-        passes.max_pass_rows = max(passes.max_pass_rows // PASS_SHARE, 1)
-        strategies.shorten_prefill(PASS_SHARE)
-        return (
-            f"passes of at most {passes.max_pass_tokens} tokens, {passes.max_pass_rows} rows, "
-            f"prefill chunks a {PASS_SHARE}th as long"
-        )
-
-    def restore_passes() -> None:
-        passes.max_pass_tokens, passes.max_pass_rows = saved["passes"]
-        strategies.shorten_prefill(1)
-
-    return [
-        # With a GPU the cache is pinned host RAM: it frees host memory, not the device's.
-        Step("prefix_cache", empty_cache, cache.restore, cache.max_bytes > 0, device=not gpu),
-        Step("cached_sessions", drop_sessions, keep_sessions, available=sessions.capacity > 0),
-        Step("pass_size", shrink_passes, restore_passes),
-    ]
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """An allocation that failed: CUDA's, or the host's (a MemoryError, or torch's CPU
-    allocator refusing)."""
-    if isinstance(exc, MemoryError):
-        return True
-    import torch
-
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and (
-        "out of memory" in text or "not enough memory" in text or "can't allocate memory" in text
-    )

@@ -89,6 +89,13 @@ class FlatLayout:
                 owner._buffers[attr] = views[e.name]
 
 
+def layer_state(layer: nn.Module) -> list[tuple[str, Any]]:
+    """One layer's `stream_state()`s, by submodule name (see `layer_states`)."""
+    return [
+        (name, m.stream_state()) for name, m in layer.named_modules() if hasattr(m, "stream_state")
+    ]
+
+
 def _named_tensors(layer: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
     params = [(n, p, True) for n, p in layer.named_parameters()]
     buffers = [(n, b, False) for n, b in layer.named_buffers()]
@@ -111,14 +118,7 @@ def layer_states(layers: Sequence[nn.Module]) -> dict[int, list[tuple[str, Any]]
     between layers (a GGUF file's block type per projection): submodules with a
     `stream_state()` say what a streaming slot must take on to compute that layer
     (`load_stream_state`). Empty when every layer is alike (nothing to do per layer)."""
-    states = {
-        i: [
-            (name, m.stream_state())
-            for name, m in layer.named_modules()
-            if hasattr(m, "stream_state")
-        ]
-        for i, layer in enumerate(layers)
-    }
+    states = {i: layer_state(layer) for i, layer in enumerate(layers)}
     if len({repr(s) for s in states.values()}) <= 1:
         return {}
     return states

@@ -25,6 +25,10 @@ How a pass goes (S streamed layers, N >= 2 slots):
   step that finds the read already done.
 - Copy timings are folded into the counters as their events complete, so each slot holds at
   most `MAX_TIMED_COPIES` event pairs however long a generation runs.
+- Under memory pressure resident layers can join the stream (`demote`): each is packed into
+  a host arena of its own and its device memory freed; `promote` brings them back. A
+  streamer may even be made over a model whose layers were all resident
+  (`LayerStreamer.over_resident`), and handed back as plain modules once promoted.
 
 On a CPU device the same code runs with host "slots" and synchronous copies, so the
 bookkeeping (slot reuse, order, prefetch, wrap-around, read-ahead, timing) is tested on every
@@ -46,8 +50,8 @@ import torch
 from torch import nn
 
 from offload.arena import HostArena
-from offload.layout import FlatLayout
-from offload.storage import LayerStorage
+from offload.layout import FlatLayout, layer_state, layer_states
+from offload.storage import LayerStorage, RamStorage
 
 # Copies a slot may have timed but not yet folded into the counters. A copy stream runs its
 # copies in order, so waiting for the oldest of more than this many only throttles a compute
@@ -173,6 +177,11 @@ class LayerStreamer:
             self.staging = HostArena(self.layout.nbytes, slots)
             self.staging.pin(self.device)
         self.slots = [self._make_slot(i, template) for i in range(slots)]
+        self.template = template
+        # Layers that were resident and joined the stream at run time (`demote`): their host
+        # bytes, and their modules (on the meta device until `promote` rebinds them).
+        self.demoted: RamStorage | None = None
+        self._parked: dict[int, nn.Module] = {}
         if self.copy_stream is not None:
             # The slot buffers come from the compute stream's memory pool, whose earlier
             # tenants may still be in use by queued kernels: the first copies wait for them.
@@ -201,7 +210,8 @@ class LayerStreamer:
         """RAM the host tier allocated: its layers, or the staging buffers (what the plan's
         `host_bytes` predicts)."""
         staging = self.staging.nbytes if self.staging is not None else 0
-        return self.storage.host_bytes + staging
+        demoted = self.demoted.host_bytes if self.demoted is not None else 0
+        return self.storage.host_bytes + staging + demoted
 
     @property
     def host_pinned(self) -> bool:
@@ -297,7 +307,9 @@ class LayerStreamer:
             # already runs, the new read into the same staging is queued behind it.
             slot.pending.cancel()
         # The staging buffer is overwritten only once the device copied its previous layer.
-        slot.pending = self.storage.fetch(layer, slot.staging, slot.ready)
+        storage = self.demoted if layer in self._parked else self.storage
+        assert storage is not None
+        slot.pending = storage.fetch(layer, slot.staging, slot.ready)
         slot.layer = layer
         self._holder[layer] = slot
         self._clock += 1
@@ -346,11 +358,88 @@ class LayerStreamer:
         """Timing event pairs held, not yet folded (bounded: N slots × MAX_TIMED_COPIES)."""
         return sum(len(s.timing.pending) for s in self.slots)
 
+    @classmethod
+    def over_resident(
+        cls,
+        layers: Sequence[nn.Module],
+        demote: Sequence[int],
+        device: torch.device | str,
+        slots: int = 2,
+    ) -> LayerStreamer:
+        """A streamer over a model whose `layers` are all resident on `device`, streaming
+        the `demote` ones from host RAM (each packed, then its device memory freed)."""
+        layout = FlatLayout.of(layers[0])
+        for layer in layers:
+            layout.check(layer)
+        chosen = sorted(demote)
+        states = {i: s for i, s in layer_states(layers).items() if i in chosen}
+        resident = {i: m for i, m in enumerate(layers) if i not in chosen}
+        demoted, parked = _pack_to_host(layout, {i: layers[i] for i in chosen}, device)
+        # Everything it streams came from the device, so `promote` gives all of it back.
+        template = copy.deepcopy(parked[chosen[0]])  # on the meta device
+        streamer = cls(resident, chosen, _Nothing(layout), template, device, slots, states)
+        streamer.demoted, streamer._parked = demoted, parked
+        return streamer
+
+    def demote(self, layers: Sequence[int]) -> int:
+        """Move resident `layers` into the stream: pack each into host RAM (page-locked on a
+        GPU) and free its device memory. Returns the device bytes freed. One demotion at a
+        time: `promote` first to demote again."""
+        if self.demoted is not None:
+            raise RuntimeError("resident layers were demoted already: promote them first")
+        chosen = sorted(layers)
+        missing = [i for i in chosen if i not in self.resident]
+        if not chosen or missing:
+            raise ValueError(f"not resident layers: {missing or 'none given'}")
+        self.synchronize()  # the compute still queued may read the resident layers
+        if self.states:  # per-layer types: the demoted layers' own, as build_streamer does
+            for i in chosen:
+                self.states[i] = layer_state(self.resident[i])
+        modules = {i: self.resident.pop(i) for i in chosen}
+        self.demoted, self._parked = _pack_to_host(self.layout, modules, self.device)
+        self.order = sorted([*self.order, *chosen])
+        return self.layout.nbytes * len(chosen)
+
+    def promote(self) -> list[int]:
+        """Bring the demoted layers back to the device, resident as before (each in one
+        flat buffer); returns their indices. Their host arena is released."""
+        if self.demoted is None:
+            return []
+        self.wait_reads()
+        self.synchronize()  # no copy into a slot, nor compute reading one, still under way
+        back = sorted(self._parked)
+        for slot in self.slots:
+            if slot.layer in self._parked:
+                del self._holder[slot.layer]
+                slot.layer = None
+        for i in back:
+            flat = self.layout.empty(self.device)
+            flat.copy_(self.demoted.buffers[i])
+            module = self._parked.pop(i)
+            self.layout.bind(module, flat)
+            for name, state in self.states.pop(i, ()):
+                cast: Any = module.get_submodule(name)
+                cast.load_stream_state(state)
+            self.resident[i] = module
+        self.order = [i for i in self.order if i not in back]
+        self.demoted.close()
+        self.demoted = None
+        return back
+
+    def resident_modules(self) -> list[nn.Module]:
+        """Every layer as a resident module, in order: for a streamer whose layers have all
+        been promoted (`over_resident`'s, given back), to become the model's layers again."""
+        if self.order:
+            raise RuntimeError(f"layers {self.order} are still streamed")
+        return [self.resident[i] for i in range(len(self))]
+
     def close(self) -> None:
         """Finish what is under way and release the host tier (unpinning its memory)."""
         self.wait_reads()
         self.synchronize()
         self.storage.close()
+        if self.demoted is not None:
+            self.demoted.close()
         if self.staging is not None:
             self.staging.close()
 
@@ -382,3 +471,41 @@ class LayerStreamer:
     def device_buffers(self) -> list[torch.Tensor]:
         """The flat layer buffers this streamer holds on the compute device (N of them)."""
         return [s.flat for s in self.slots]
+
+
+def _pack_to_host(
+    layout: FlatLayout, modules: Mapping[int, nn.Module], device: torch.device | str
+) -> tuple[RamStorage, dict[int, nn.Module]]:
+    """Pack `modules` (layer index → resident module) into a host arena of their own, then
+    move them to the meta device, which frees their device memory. Every layer is packed
+    before any is moved: a failure while packing leaves the modules as they were."""
+    storage = RamStorage(layout, sorted(modules))
+    try:
+        for i, module in modules.items():
+            storage.add(i, module)
+    except BaseException:
+        storage.close()
+        raise
+    for module in modules.values():
+        module.to("meta")
+    storage.pin(torch.device(device))
+    return storage, dict(modules)
+
+
+class _Nothing:
+    """The host tier of a streamer made over resident layers: it streams only what was
+    demoted, which comes from the streamer's own arena."""
+
+    tier = "ram"
+    needs_staging = False
+    host_bytes = 0
+    pinned = False
+
+    def __init__(self, layout: FlatLayout) -> None:
+        self.layout = layout
+
+    def fetch(self, layer: int, staging: Any, after: Any = None) -> Future[torch.Tensor]:
+        raise KeyError(f"layer {layer} is not streamed")
+
+    def close(self) -> None:
+        pass

@@ -173,11 +173,29 @@ class StepGraphs:
         self.captures = 0  # graphs captured so far (more than len(): some were dropped)
         self.capture_seconds = 0.0
         self.replays = 0
+        self.held = False  # released under memory pressure: steps run uncaptured
 
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def release(self) -> int:
+        """Drop every graph, so their pool's memory goes back to the allocator, and capture
+        none until `resume()`: meanwhile each step runs uncaptured (same kernels, launched
+        one by one). Returns how many graphs were dropped."""
+        dropped = len(self._graphs)
+        if dropped:
+            self._graphs.clear()  # all of them, never one (see the module's docstring)
+            self.capture.released()
+        self.held = True
+        return dropped
+
+    def resume(self) -> None:
+        """Capture again: the next step of each kind is captured anew."""
+        self.held = False
+
     def run(self, inputs: StepInputs) -> torch.Tensor:
+        if self.held:
+            return self.step(inputs)
         k, v = inputs.k, inputs.v
         key = (k.data_ptr(), v.data_ptr(), int(k.shape[2]), int(inputs.tokens.shape[0]))
         graph = self._graphs.get(key)

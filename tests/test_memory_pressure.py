@@ -20,9 +20,11 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from torch import nn
 
 from daemon.http.server import BackgroundServer
-from daemon.pressure import PressureMonitor, PressureThresholds, Relief, Step, settled
+from daemon.pressure import PressureMonitor, PressureThresholds, settled
+from daemon.relief import Relief, Step
 from daemon.settings_loading import load_settings
 
 GIB = 1 << 30
@@ -228,6 +230,10 @@ def test_real_host_pressure_steps_refusal_and_recovery(
         assert "specd_memory_pressure_level 0.0" in metrics
 
 
+# The steps a CPU daemon watching a device takes at critical (graph_pools needs CUDA).
+STEPS = ["prefix_cache", "cached_sessions", "pass_size", "resident_layers"]
+
+
 def test_device_pressure_lets_a_running_request_finish(
     stories_target: Path, stories_draft: Path
 ) -> None:
@@ -241,6 +247,7 @@ def test_device_pressure_lets_a_running_request_finish(
     with srv:
         body = {**GREEDY, "max_tokens": 400, "ignore_eos": True, "strategy": "autoregressive"}
         _, _, reference = call(srv, body)
+        runtime = srv.server.engine.runtime
         request = urllib.request.Request(
             srv.url + "/v1/completions",
             json.dumps({"model": MODEL, **body, "stream": True}).encode(),
@@ -253,14 +260,23 @@ def test_device_pressure_lets_a_running_request_finish(
             wait_for(lambda: status(srv)["memory_pressure"]["level"] == "critical", "critical")
             code, _, _ = call(srv, GREEDY)
             assert code == 503
+            # Every step, the last one moving 3 of the target's 5 resident layers into a
+            # stream made for them while the request runs.
+            wait_for(lambda: status(srv)["memory_pressure"]["steps"] == STEPS, "every step")
+            streamer = runtime.streamer
+            assert streamer is not None and streamer.streamed_layers == 3
             text = json.loads(first[6:])["choices"][0]["text"]
             for line in stream:
                 if line.startswith(b"data: {"):
                     chunk = json.loads(line[6:])
                     text += "".join(c["text"] for c in chunk["choices"])
         assert text == reference["choices"][0]["text"]
+        assert set(streamer.fetch_log) == {2, 3, 4}  # the request's last passes streamed them
         free[0] = 8 * GIB
-        wait_for(lambda: status(srv)["memory_pressure"]["level"] == "ok", "ok")
+        wait_for(lambda: status(srv)["memory_pressure"]["steps"] == [], "steps undone")
+        assert runtime.streamer is None and isinstance(runtime.target.layers, nn.ModuleList)
+        _, _, again = call(srv, body)
+        assert again["choices"][0]["text"] == reference["choices"][0]["text"]
 
 
 def test_an_out_of_memory_pass_is_rolled_back_relieved_and_run_again(

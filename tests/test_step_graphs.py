@@ -224,6 +224,43 @@ def test_each_kv_storage_has_its_graphs_and_they_are_bounded(
         assert passes.graphs.capture.releases == 3  # (captured into a dead one: an assert)
 
 
+def test_released_graphs_free_their_pool_and_steps_stay_exact(model: Transformer) -> None:
+    """Memory pressure's `graph_pools` step: every graph dropped (on CUDA the device memory
+    they held goes back to the allocator), steps uncaptured and exact while held, and
+    captured anew once resumed."""
+    passes = graphed(model)
+    model.compiled = passes
+    graphs = passes.graphs
+    assert graphs is not None
+    caches, eager = model.new_cache(64), model.new_cache(64)
+    cuda = model.device.type == "cuda"
+
+    def step(position: int) -> None:
+        token, where = torch.tensor([position + 3]), torch.tensor([position])
+        model.compiled = passes
+        out = model.forward(token, where, caches)
+        model.compiled = None
+        _close(out.cpu(), model.forward(token, where, eager).cpu())
+
+    step(0)
+    step(1)
+    assert len(graphs) == 1 and graphs.captures == 1 and graphs.replays == 1
+    if cuda:
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_reserved()
+    assert graphs.release() == 1 and len(graphs) == 0 and graphs.held
+    if cuda:
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved() < held
+    for position in range(2, 5):
+        step(position)
+    assert graphs.captures == 1 and len(graphs) == 0  # nothing captured while held
+    graphs.resume()
+    step(5)
+    step(6)
+    assert graphs.captures == 2 and len(graphs) == 1 and graphs.replays == 2
+
+
 def test_warm_up_captures_every_bucket(model: Transformer) -> None:
     passes = graphed(model)
     lines: list[str] = []

@@ -1,0 +1,309 @@
+"""The relief ladder (DESIGN.md, "Memory pressure"): reversible steps the engine takes
+under memory pressure, cheapest first, and undoes newest first when it is gone.
+
+Order: the prefix cache's memory, the conversations kept for reuse, smaller passes, the
+CUDA graphs' pools, then resident target layers into the stream. Under `tight` one more
+step each period while the level stays; at `critical` every step at once, and new requests
+are refused with 503 while the level is critical (running ones finish); back at `ok`, the
+newest step is undone, one per `recover_seconds`. Steps run on the engine's thread, between
+passes, so none of them races a pass. daemon/pressure.py reads the levels.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import psutil
+from torch import nn
+
+from daemon.pools import SessionPool, StrategyPool
+from daemon.pressure import PressureThresholds
+from offload.layout import FlatLayout
+from offload.stream import LayerStreamer
+from offload.units import format_size
+
+if TYPE_CHECKING:
+    from daemon.runtime import Runtime
+
+log = logging.getLogger("specd.pressure")
+
+
+@dataclass
+class Step:
+    """One relief step: `take` frees what it can and returns a line for the log; `undo`
+    gives it back. `available` False: nothing to do on this machine (skipped). `device`:
+    what it frees is device memory (an out-of-memory pass climbs to such a step)."""
+
+    name: str
+    take: Callable[[], str]
+    undo: Callable[[], None]
+    available: bool = True
+    device: bool = True
+
+
+@dataclass
+class Relief:
+    """The ladder: `steps` in order, cheapest first; `taken` how many are in force."""
+
+    steps: list[Step]
+    taken: int = 0
+    last_change: float = field(default_factory=time.monotonic)
+    counts: dict[str, int] = field(default_factory=dict)  # times each step was taken
+
+    @property
+    def in_force(self) -> list[str]:
+        return [s.name for s in self.steps[: self.taken] if s.available]
+
+    def follow(self, level: str, thresholds: PressureThresholds) -> None:
+        """Climb or descend for the monitor's `level`: at `critical` every step now; at
+        `tight` one more per period; at `ok` (which the monitor reports only once the
+        memory has been back for recover_seconds) one step undone per recover_seconds."""
+        now = time.monotonic()
+        if level == "critical":
+            while self.climb("memory pressure critical"):
+                pass
+        elif level == "tight":
+            if self.taken == 0 or now - self.last_change >= thresholds.period_seconds:
+                self.climb("memory pressure tight")
+        elif self.taken and now - self.last_change >= thresholds.recover_seconds:
+            self.descend()
+
+    def climb(self, why: str, device: bool = False) -> bool:
+        """Take the next available step (with `device`, steps up to and including the
+        next that frees device memory); False when every step is in force."""
+        while self.taken < len(self.steps):
+            step = self.steps[self.taken]
+            if not step.available:
+                self.taken += 1
+                continue
+            try:
+                said = step.take()
+            finally:
+                # In force once done (what the status reports); one that failed is passed
+                # over, not tried again at every pass.
+                self.taken += 1
+            self.counts[step.name] = self.counts.get(step.name, 0) + 1
+            self.last_change = time.monotonic()
+            log.warning("%s: %s (%s)", why, step.name, said)
+            if device and not step.device:
+                continue
+            return True
+        return False
+
+    def descend(self) -> None:
+        """Undo the newest step in force."""
+        while self.taken:
+            self.taken -= 1
+            step = self.steps[self.taken]
+            if step.available:
+                step.undo()
+                self.last_change = time.monotonic()
+                log.info("memory pressure eased: %s undone", step.name)
+                return
+
+
+class PassBounds(Protocol):
+    """What bounds a batched pass (the engine's): tokens and logit rows."""
+
+    max_pass_tokens: int
+    max_pass_rows: int
+
+
+# The pass-size step keeps this share of a pass's tokens and rows (trees get a quarter of
+# the nodes, prefill chunks a quarter of the tokens).
+PASS_SHARE = 4
+
+
+def relief_steps(
+    runtime: Runtime,
+    sessions: SessionPool,
+    strategies: StrategyPool,
+    passes: PassBounds,
+    device_watched: bool,
+    host_floor: int,
+) -> list[Step]:
+    """The steps the engine can take, cheapest first: the prefix cache's memory (its
+    chunks freed, not only its rows forgotten), the conversations kept for reuse (their KV
+    caches), smaller passes (trees and prefill chunks, so fewer logit rows and activations
+    at once), the CUDA graphs' pools, and resident target layers moved into the stream.
+    `device_watched`: the monitor reads a device's free memory (steps that free only device
+    memory are offered then). `host_floor`: host RAM a step may not take below."""
+    saved: dict[str, Any] = {}
+    cache = runtime.prefix_cache
+    gpu = runtime.device.type == "cuda"
+
+    def empty_cache() -> str:
+        return f"{cache.shrink(0) / 2**20:.0f} MiB freed"
+
+    def drop_sessions() -> str:
+        saved["sessions"], dropped = sessions.capacity, len(sessions)
+        sessions.clear()
+        sessions.capacity = 0
+        return f"{dropped} conversations' KV caches freed"
+
+    def keep_sessions() -> None:
+        sessions.capacity = saved["sessions"]
+
+    def shrink_passes() -> str:
+        saved["passes"] = (passes.max_pass_tokens, passes.max_pass_rows)
+        passes.max_pass_tokens = max(passes.max_pass_tokens // PASS_SHARE, 1)
+        passes.max_pass_rows = max(passes.max_pass_rows // PASS_SHARE, 1)
+        strategies.shorten_prefill(PASS_SHARE)
+        return (
+            f"passes of at most {passes.max_pass_tokens} tokens, {passes.max_pass_rows} rows, "
+            f"prefill chunks a {PASS_SHARE}th as long"
+        )
+
+    def restore_passes() -> None:
+        passes.max_pass_tokens, passes.max_pass_rows = saved["passes"]
+        strategies.shorten_prefill(1)
+
+    graphs = GraphPools(runtime)
+    layers = TargetLayers(runtime, host_floor)
+    return [
+        # With a GPU the cache is pinned host RAM: it frees host memory, not the device's.
+        Step("prefix_cache", empty_cache, cache.restore, cache.max_bytes > 0, device=not gpu),
+        Step("cached_sessions", drop_sessions, keep_sessions, available=sessions.capacity > 0),
+        Step("pass_size", shrink_passes, restore_passes),
+        Step("graph_pools", graphs.release, graphs.resume, available=gpu),
+        Step(
+            "resident_layers",
+            layers.demote,
+            layers.promote,
+            available=device_watched and layers.possible() is None,
+        ),
+    ]
+
+
+class GraphPools:
+    """The `graph_pools` step: the CUDA graphs of every model's compiled passes dropped
+    (their pools' memory back to the allocator) and none captured while it is in force;
+    the models' steps run compiled but uncaptured meanwhile."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    def _graphs(self) -> list[Any]:
+        models = [self.runtime.target, self.runtime.draft]
+        passes = [m.compiled for m in models if m is not None and m.compiled is not None]
+        return [p.graphs for p in passes if p.graphs is not None]
+
+    def release(self) -> str:
+        # Looked up when taken: a daemon's passes may have finished compiling since start.
+        dropped = sum(g.release() for g in self._graphs())
+        return f"{dropped} CUDA graphs dropped, none captured until eased"
+
+    def resume(self) -> None:
+        for g in self._graphs():
+            g.resume()
+
+
+class TargetLayers:
+    """The `resident_layers` step: half of the target's resident decoder layers (rounded up)
+    join the stream, packed into host RAM, so their device memory is freed; undone, they
+    are resident again. A target with no streamer gets one over its resident layers (two
+    slots), which is worth it only when more than two layers move."""
+
+    def __init__(self, runtime: Runtime, host_floor: int) -> None:
+        self.runtime = runtime
+        self.host_floor = host_floor
+        self.made: LayerStreamer | None = None  # a streamer this step made (none before)
+        self.moved: list[int] = []
+
+    def _resident(self) -> list[int]:
+        streamer = self.runtime.streamer
+        if streamer is not None:
+            return sorted(streamer.resident)
+        return list(range(len(self.runtime.target.layers)))
+
+    def _count(self) -> int:
+        return math.ceil(len(self._resident()) / 2)
+
+    def possible(self) -> str | None:
+        """Why the step cannot be taken here, or None."""
+        runtime = self.runtime
+        if runtime.target.compiled is not None:
+            # Compiled passes were traced over the resident layers (and CUDA graphs read
+            # their addresses); the layer list must not change under them.
+            return "the target's passes are compiled"
+        if runtime.draft_kind == "substitute":
+            # The substitute shares the target's resident layers: they would stay on the
+            # device through it, so nothing would be freed.
+            return "the substitute draft shares the resident layers"
+        count = self._count()
+        if count == 0 or (runtime.streamer is None and count <= STREAM_SLOTS):
+            return f"{len(self._resident())} resident layers: too few to free memory by streaming"
+        return None
+
+    def demote(self) -> str:
+        why = self.possible()
+        if why is not None:
+            return f"nothing moved: {why}"
+        runtime = self.runtime
+        resident = self._resident()
+        chosen = resident[-self._count() :]  # the last: the plan streams from the end too
+        streamer = runtime.streamer
+        layer_bytes = (
+            streamer.layout.nbytes if streamer is not None else _layer_bytes(runtime.target)
+        )
+        need = layer_bytes * len(chosen)
+        available = psutil.virtual_memory().available
+        if available - need < self.host_floor:
+            return (
+                f"nothing moved: {format_size(need)} of host RAM needed, "
+                f"{format_size(available)} available"
+            )
+        if streamer is None:
+            assert isinstance(runtime.target.layers, nn.ModuleList)  # no streamer: its own
+            layers = list(runtime.target.layers)
+            streamer = LayerStreamer.over_resident(
+                layers, chosen, runtime.device, slots=STREAM_SLOTS
+            )
+            runtime.target.set_layers(streamer)
+            runtime.streamer = self.made = streamer
+            freed = need - STREAM_SLOTS * layer_bytes
+        else:
+            freed = streamer.demote(chosen)
+        self.moved = chosen
+        return f"target layers {chosen} streamed from host RAM, {format_size(freed)} freed"
+
+    def promote(self) -> None:
+        if not self.moved:
+            return
+        streamer = self.runtime.streamer
+        assert streamer is not None
+        streamer.promote()
+        if self.made is not None:
+            self.runtime.target.set_layers(nn.ModuleList(streamer.resident_modules()))
+            streamer.close()
+            self.runtime.streamer = self.made = None
+        log.info("target layers %s resident again", self.moved)
+        self.moved = []
+
+
+# Device slots of a streamer made by the `resident_layers` step (the fewest that stream).
+STREAM_SLOTS = 2
+
+
+def _layer_bytes(model: Any) -> int:
+    return FlatLayout.of(model.layers[0]).nbytes
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation that failed: CUDA's, or the host's (a MemoryError, or torch's CPU
+    allocator refusing)."""
+    if isinstance(exc, MemoryError):
+        return True
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "out of memory" in text or "not enough memory" in text or "can't allocate memory" in text
+    )

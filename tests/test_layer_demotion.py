@@ -1,0 +1,209 @@
+"""Resident layers joining the stream at run time and coming back (offload/stream.py's
+`demote`, `promote` and `over_resident`, the memory-pressure step `resident_layers`): the
+logits stay bit-identical across the switch, in the middle of a sequence, and the demoted
+layers' modules hold no memory of their own while streamed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from offload.stream import LayerStreamer
+from speculative.checkpoint import load
+from tests.test_stream import PROMPT, TREE_TOKENS, streamed_model, tree_mask
+
+
+def steps(model: nn.Module, cache: object, between: object = None) -> list[torch.Tensor]:
+    """The passes of tests/test_stream.py's `passes`, calling `between()` after the first
+    two (so the switch happens with a filled cache, as it does in the daemon)."""
+    n = len(PROMPT)
+    out = [model(torch.tensor(PROMPT), torch.arange(n), cache)]
+    out.append(model(torch.tensor([300]), torch.tensor([n]), cache))
+    if callable(between):
+        between()
+    cached = cache.length  # type: ignore[attr-defined]
+    mask, positions = tree_mask(cached)
+    out.append(model(torch.tensor(TREE_TOKENS), positions, cache, mask=mask))
+    cache.keep([*range(cached), cached, cached + 1, cached + 3])  # type: ignore[attr-defined]
+    out.append(model(torch.tensor([5]), torch.tensor([cached + 3]), cache))
+    return out
+
+
+def reference(path: Path) -> list[torch.Tensor]:
+    model, _, _ = load(path, "fp32", "cpu")
+    return steps(model, model.new_cache(64))
+
+
+def held_bytes(module: nn.Module) -> int:
+    """Bytes the module's tensors hold outside the meta device."""
+    return sum(t.nbytes for t in [*module.parameters(), *module.buffers()] if not t.is_meta)
+
+
+@pytest.mark.parametrize(("resident", "tier"), [([0, 1, 3], "ram"), ([1, 2, 4], "disk")])
+def test_demoted_layers_stream_and_come_back_exactly(
+    stories_target: Path, resident: list[int], tier: str
+) -> None:
+    want = reference(stories_target)
+    model, streamer, layers = streamed_model(stories_target, resident, 2, tier)
+    demote = resident[:2]
+    layer_bytes = streamer.layout.nbytes
+    base_host = streamer.host_bytes
+    freed: list[int] = []
+
+    cache = model.new_cache(64)
+    got = steps(model, cache, lambda: freed.append(streamer.demote(demote)))
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert freed == [layer_bytes * 2]
+    assert sorted(streamer.resident) == resident[2:]
+    assert streamer.streamed_layers == len(layers) - 1
+    assert all(held_bytes(layers[i]) == 0 for i in demote)  # their memory went to the host
+    assert streamer.host_bytes >= base_host + 2 * layer_bytes
+    fetched = set(streamer.fetch_log)
+    assert set(demote) <= fetched
+
+    with pytest.raises(RuntimeError, match="promote them first"):
+        streamer.demote(resident[2:])
+
+    cache = model.new_cache(64)
+    got = steps(model, cache, streamer.promote)  # back between passes, mid-sequence
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert sorted(streamer.resident) == resident and streamer.demoted is None
+    assert streamer.host_bytes == base_host
+    assert all(held_bytes(layers[i]) == layer_bytes for i in demote)  # one flat buffer each
+    streamer.fetch_log.clear()
+    steps(model, model.new_cache(64))
+    assert not set(streamer.fetch_log) & set(resident)  # resident again: never fetched
+
+
+def test_a_resident_model_streams_some_layers_and_gets_them_back(stories_target: Path) -> None:
+    want = reference(stories_target)
+    model, _, _ = load(stories_target, "fp32", "cpu")
+    layers = list(model.layers)
+    holder: dict[str, LayerStreamer] = {}
+
+    def demote() -> None:
+        holder["s"] = LayerStreamer.over_resident(layers, [1, 2, 3], "cpu", slots=2)
+        model.set_layers(holder["s"])
+
+    got = steps(model, model.new_cache(64), demote)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    streamer = holder["s"]
+    assert streamer.streamed_layers == 3 and streamer.counters.passes == 2
+    assert all(held_bytes(layers[i]) == 0 for i in (1, 2, 3))
+    with pytest.raises(RuntimeError, match="still streamed"):
+        streamer.resident_modules()
+
+    def promote() -> None:
+        assert streamer.promote() == [1, 2, 3]
+        model.set_layers(nn.ModuleList(streamer.resident_modules()))
+        streamer.close()
+
+    got = steps(model, model.new_cache(64), promote)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert isinstance(model.layers, nn.ModuleList)
+    assert [id(m) for m in model.layers] == [id(m) for m in layers]  # the same modules
+
+
+def runtime_of(
+    model: nn.Module, streamer: LayerStreamer | None = None, draft: str = "model"
+) -> Any:
+    """What the relief steps read of a daemon's Runtime."""
+    return SimpleNamespace(
+        target=model, draft=None, draft_kind=draft, streamer=streamer, device=torch.device("cpu")
+    )
+
+
+def test_the_step_demotes_half_of_a_streamers_resident_layers(stories_target: Path) -> None:
+    from daemon.relief import TargetLayers
+
+    want = reference(stories_target)
+    model, streamer, _ = streamed_model(stories_target, [0, 1, 2], 2)
+    step = TargetLayers(runtime_of(model, streamer), host_floor=0)
+    assert step.possible() is None
+    said = step.demote()
+    assert "target layers [1, 2] streamed" in said and sorted(streamer.resident) == [0]
+    assert all(
+        torch.equal(a, b) for a, b in zip(want, steps(model, model.new_cache(64)), strict=True)
+    )
+    step.promote()
+    assert sorted(streamer.resident) == [0, 1, 2] and step.moved == []
+    step.promote()  # undoing twice changes nothing
+
+
+def test_the_step_says_why_it_cannot_move_layers(stories_target: Path) -> None:
+    from daemon.relief import TargetLayers
+
+    model, _, _ = load(stories_target, "fp32", "cpu")
+    assert TargetLayers(runtime_of(model, draft="substitute"), 0).possible() == (
+        "the substitute draft shares the resident layers"
+    )
+    model.compiled = object()  # type: ignore[assignment]
+    assert TargetLayers(runtime_of(model), 0).possible() == "the target's passes are compiled"
+    model.compiled = None
+    model.set_layers(nn.ModuleList(list(model.layers)[:4]))  # 2 would move: no gain on 2 slots
+    assert "too few" in str(TargetLayers(runtime_of(model), 0).possible())
+    # Host RAM short: nothing moves, and undoing is a no-op.
+    short = TargetLayers(runtime_of(load(stories_target, "fp32", "cpu")[0]), host_floor=1 << 60)
+    assert short.demote().startswith("nothing moved:") and short.moved == []
+    short.promote()
+    assert short.runtime.streamer is None
+
+
+def test_graph_pools_are_released_and_resumed(stories_draft: Path) -> None:
+    from daemon.relief import GraphPools
+    from speculative.compiled import CompiledPasses
+    from tests.test_step_graphs import Replaying
+
+    model, _, _ = load(stories_draft, "fp32", "cpu")
+    passes = CompiledPasses(model, compile=False, graphs=True, capture=Replaying())
+    model.compiled = passes
+    model.forward(torch.tensor([3]), torch.tensor([0]), model.new_cache(64))
+    assert passes.graphs is not None and len(passes.graphs) == 1
+    pools = GraphPools(runtime_of(model))
+    assert pools.release() == "1 CUDA graphs dropped, none captured until eased"
+    assert passes.graphs.held and len(passes.graphs) == 0
+    pools.resume()
+    assert not passes.graphs.held
+    model.compiled = None
+
+
+@pytest.mark.parametrize("resident", [None, 2])
+def test_gguf_layers_of_mixed_types_keep_their_types_when_demoted(resident: int | None) -> None:
+    """Q4_K_M keeps some layers' attn_v and ffn_down in other types: a demoted layer
+    streams with its own types (the slot takes them on), so greedy decoding still gives
+    the reference ids of transformers' GGUF loader, and again once the layers are back."""
+    from daemon.relief import TargetLayers
+    from daemon.runtime import Runtime, RuntimeOptions
+    from speculative.generation import Generation
+    from speculative.sampling import SamplingParams
+    from tests.test_gguf_model import GGUF, reference
+
+    name = "stories260k-Q4_K_M"  # 5 layers; Q5_0 and Q8_0 beside Q4_K
+    offload = {"offload": "none"} if resident is None else {"offload": "stream"}
+    options = RuntimeOptions(
+        model=str(GGUF / f"{name}.gguf"), device="cpu", dtype="fp32", slots=2,
+        resident_layers=resident if resident is not None else "auto", **offload,
+    )  # fmt: skip
+    runtime = Runtime(options)
+    step = TargetLayers(runtime, host_floor=0)  # type: ignore[arg-type]
+    assert step.possible() is None
+
+    def greedy_matches() -> None:
+        built = runtime.strategy("autoregressive")
+        for item in reference(name)["items"]:
+            gen = Generation(
+                built, runtime.new_session(built), runtime.tokenizer, item["prompt_ids"],
+                SamplingParams(temperature=0.0), 32, ignore_eos=True,
+            ).run()  # fmt: skip
+            assert gen.token_ids == item["greedy_new_token_ids"]
+
+    assert "streamed from host RAM" in step.demote()
+    assert runtime.streamer is not None and set(step.moved) <= set(runtime.streamer.order)
+    greedy_matches()
+    step.promote()
+    greedy_matches()
