@@ -303,7 +303,7 @@ class Engine:
             return
         taken = self.relief.taken
         try:
-            self.relief.follow(self.pressure.level, self.pressure.thresholds)
+            self.relief.follow(self.pressure.level, self.pressure.thresholds, self.pressure.short)
             if self.relief.taken > taken:
                 self._return_device_memory()
         except Exception as exc:
@@ -506,7 +506,8 @@ class Engine:
             if not is_out_of_memory(exc):
                 raise
             log.warning("a pass ran out of memory (%s); freeing memory and running it again", exc)
-            self.relief.climb("out of memory in a pass", device=True)
+            gpu = self.runtime is not None and self.runtime.device.type == "cuda"
+            self.relief.climb("out of memory in a pass", frozenset({"device" if gpu else "host"}))
             self._return_device_memory()
         try:
             execute(requests)

@@ -139,6 +139,8 @@ class PressureMonitor:
         self._device_free = device_free
         self._host = host
         self.level = "ok"
+        # Which memory is below its tight line now ("host", "device"): what relief frees.
+        self.short: frozenset[str] = frozenset()
         self.sample: MemorySample | None = None
         self.calm_since = time.monotonic()  # when the memory last met the current level
         self._swapped: tuple[float, int] | None = None
@@ -181,7 +183,7 @@ class PressureMonitor:
                 "-" if device is None else f"{device / 2**30:.2f} GiB",
             )  # fmt: skip
         with self.changed:
-            self.sample, self.level = sample, level
+            self.sample, self.level, self.short = sample, level, self._short(sample)
             self.changed.notify_all()
         return level
 
@@ -200,6 +202,18 @@ class PressureMonitor:
             return self.level
         self.calm_since = s.at
         return LEVELS[LEVELS.index(self.level) - 1]  # one level at a time
+
+    def _short(self, s: MemorySample) -> frozenset[str]:
+        t = self.thresholds
+        host = s.swap_rate > t.critical_swap_rate or (
+            t.tight_host_free is not None and s.host_available < t.tight_host_free
+        )
+        device = (
+            s.device_free is not None
+            and t.tight_device_free is not None
+            and s.device_free < t.tight_device_free
+        )
+        return frozenset(name for name, low in (("host", host), ("device", device)) if low)
 
     def _raw_level(self, s: MemorySample, slack: float) -> str:
         t = self.thresholds

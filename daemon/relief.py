@@ -36,75 +36,84 @@ log = logging.getLogger("specd.pressure")
 @dataclass
 class Step:
     """One relief step: `take` frees what it can and returns a line for the log; `undo`
-    gives it back. `available` False: nothing to do on this machine (skipped). `device`:
-    what it frees is device memory (an out-of-memory pass climbs to such a step)."""
+    gives it back. `available` False: nothing to do on this machine (skipped). `device`,
+    `host`: what it frees, device memory or host RAM; a step is taken only while memory it
+    frees is short (an out-of-memory pass takes the next that frees the device's)."""
 
     name: str
     take: Callable[[], str]
     undo: Callable[[], None]
     available: bool = True
     device: bool = True
+    host: bool = True
+
+    def frees(self, short: frozenset[str]) -> bool:
+        return (self.device and "device" in short) or (self.host and "host" in short)
+
+
+BOTH = frozenset({"host", "device"})
 
 
 @dataclass
 class Relief:
-    """The ladder: `steps` in order, cheapest first; `taken` how many are in force."""
+    """The ladder: `steps` in order, cheapest first; `held` the indices of those in force,
+    in the order they were taken (undone newest first)."""
 
     steps: list[Step]
-    taken: int = 0
+    held: list[int] = field(default_factory=list)
     last_change: float = field(default_factory=time.monotonic)
     counts: dict[str, int] = field(default_factory=dict)  # times each step was taken
 
     @property
-    def in_force(self) -> list[str]:
-        return [s.name for s in self.steps[: self.taken] if s.available]
+    def taken(self) -> int:
+        return len(self.held)
 
-    def follow(self, level: str, thresholds: PressureThresholds) -> None:
-        """Climb or descend for the monitor's `level`: at `critical` every step now; at
-        `tight` one more per period; at `ok` (which the monitor reports only once the
-        memory has been back for recover_seconds) one step undone per recover_seconds."""
+    @property
+    def in_force(self) -> list[str]:
+        return [self.steps[i].name for i in self.held]
+
+    def follow(
+        self, level: str, thresholds: PressureThresholds, short: frozenset[str] = BOTH
+    ) -> None:
+        """Climb or descend for the monitor's `level`, taking steps that free what is
+        `short` ("host", "device"): at `critical` every such step now; at `tight` one more
+        per period; at `ok` (which the monitor reports only once the memory has been back
+        for recover_seconds) one step undone per recover_seconds."""
         now = time.monotonic()
         if level == "critical":
-            while self.climb("memory pressure critical"):
+            while self.climb("memory pressure critical", short):
                 pass
         elif level == "tight":
-            if self.taken == 0 or now - self.last_change >= thresholds.period_seconds:
-                self.climb("memory pressure tight")
-        elif self.taken and now - self.last_change >= thresholds.recover_seconds:
+            if not self.held or now - self.last_change >= thresholds.period_seconds:
+                self.climb("memory pressure tight", short)
+        elif self.held and now - self.last_change >= thresholds.recover_seconds:
             self.descend()
 
-    def climb(self, why: str, device: bool = False) -> bool:
-        """Take the next available step (with `device`, steps up to and including the
-        next that frees device memory); False when every step is in force."""
-        while self.taken < len(self.steps):
-            step = self.steps[self.taken]
-            if not step.available:
-                self.taken += 1
+    def climb(self, why: str, short: frozenset[str] = BOTH) -> bool:
+        """Take the first step not in force that frees memory of a kind in `short`; False
+        when there is none."""
+        for index, step in enumerate(self.steps):
+            if index in self.held or not step.available or not step.frees(short):
                 continue
             try:
                 said = step.take()
             finally:
                 # In force once done (what the status reports); one that failed is passed
                 # over, not tried again at every pass.
-                self.taken += 1
+                self.held.append(index)
             self.counts[step.name] = self.counts.get(step.name, 0) + 1
             self.last_change = time.monotonic()
             log.warning("%s: %s (%s)", why, step.name, said)
-            if device and not step.device:
-                continue
             return True
         return False
 
     def descend(self) -> None:
         """Undo the newest step in force."""
-        while self.taken:
-            self.taken -= 1
-            step = self.steps[self.taken]
-            if step.available:
-                step.undo()
-                self.last_change = time.monotonic()
-                log.info("memory pressure eased: %s undone", step.name)
-                return
+        if self.held:
+            step = self.steps[self.held.pop()]
+            step.undo()
+            self.last_change = time.monotonic()
+            log.info("memory pressure eased: %s undone", step.name)
 
 
 class PassBounds(Protocol):
@@ -168,14 +177,17 @@ def relief_steps(
     return [
         # With a GPU the cache is pinned host RAM: it frees host memory, not the device's.
         Step("prefix_cache", empty_cache, cache.restore, cache.max_bytes > 0, device=not gpu),
-        Step("cached_sessions", drop_sessions, keep_sessions, available=sessions.capacity > 0),
-        Step("pass_size", shrink_passes, restore_passes),
-        Step("graph_pools", graphs.release, graphs.resume, available=gpu),
+        # KV caches, activations and graph pools live on the compute device.
+        Step("cached_sessions", drop_sessions, keep_sessions, sessions.capacity > 0, host=not gpu),
+        Step("pass_size", shrink_passes, restore_passes, host=not gpu),
+        Step("graph_pools", graphs.release, graphs.resume, available=gpu, host=False),
+        # Moving layers to host RAM frees the device's memory only.
         Step(
             "resident_layers",
             layers.demote,
             layers.promote,
             available=device_watched and layers.possible() is None,
+            host=False,
         ),
     ]
 

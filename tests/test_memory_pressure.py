@@ -85,6 +85,42 @@ def test_the_ladder_climbs_in_order_and_descends_in_reverse() -> None:
     assert done[-3:] == ["-d", "-c", "-a"] and relief.in_force == []
 
 
+def test_steps_are_taken_only_for_the_memory_that_is_short() -> None:
+    """Device pressure never moves layers into host RAM's way for nothing, and host
+    pressure never takes a step that frees only the device (moving resident layers to
+    host RAM would make it worse): the monitor says which is short."""
+    done: list[str] = []
+
+    def step(name: str, **frees: bool) -> Step:
+        return Step(
+            name, lambda: done.append(f"+{name}") or "", lambda: done.append(f"-{name}"),
+            **frees,
+        )  # fmt: skip
+
+    relief = Relief([step("cache", device=False), step("graphs", host=False), step("both")])
+    t = PressureThresholds(period_seconds=0.0, recover_seconds=0.0)
+    relief.follow("critical", t, frozenset({"host"}))
+    assert relief.in_force == ["cache", "both"]
+    relief.follow("critical", t, frozenset({"device"}))
+    assert relief.in_force == ["cache", "both", "graphs"]
+    relief.follow("tight", t, frozenset())  # held above the line by hysteresis: no more
+    for _ in range(3):
+        relief.follow("ok", t)
+    assert done == ["+cache", "+both", "+graphs", "-graphs", "-both", "-cache"]
+
+    device = [8 * GIB]
+    monitor = PressureMonitor(
+        PressureThresholds(
+            tight_host_free=10 * GIB, critical_host_free=5 * GIB, tight_device_free=2 * GIB,
+            critical_device_free=GIB, critical_swap_rate=1 << 40,
+        ),
+        device_free=lambda: device[0], host=lambda: (12 * GIB, 0, 0),
+    )  # fmt: skip
+    assert monitor.poll() == "ok" and monitor.short == frozenset()
+    device[0] = GIB // 2
+    assert monitor.poll() == "critical" and monitor.short == frozenset({"device"})
+
+
 def test_auto_lines_follow_the_machine_and_the_plan() -> None:
     auto = PressureThresholds(tight_host_free=None, critical_host_free=None)
     small = settled(auto, available=3 * GIB, margin=None)
