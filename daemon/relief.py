@@ -23,9 +23,13 @@ from torch import nn
 
 from daemon.pools import SessionPool, StrategyPool
 from daemon.pressure import PressureThresholds
+from daemon.target_loading import disk_sources
 from offload.layout import FlatLayout
+from offload.storage import DiskStorage, RamStorage
 from offload.stream import LayerStreamer
 from offload.units import format_size
+from speculative.checkpoint import CheckpointError
+from speculative.gguf_model import is_gguf
 
 if TYPE_CHECKING:
     from daemon.runtime import Runtime
@@ -174,6 +178,7 @@ def relief_steps(
 
     graphs = GraphPools(runtime)
     layers = TargetLayers(runtime, host_floor)
+    tier = HostTier(runtime)
     return [
         # With a GPU the cache is pinned host RAM: it frees host memory, not the device's.
         Step("prefix_cache", empty_cache, cache.restore, cache.max_bytes > 0, device=not gpu),
@@ -189,6 +194,8 @@ def relief_steps(
             available=device_watched and layers.possible() is None,
             host=False,
         ),
+        # The streamed layers' RAM tier freed; they stream from the checkpoint's files.
+        Step("disk_tier", tier.to_disk, tier.to_ram, tier.possible() is None, device=False),
     ]
 
 
@@ -296,6 +303,52 @@ class TargetLayers:
             self.runtime.streamer = self.made = None
         log.info("target layers %s resident again", self.moved)
         self.moved = []
+
+
+class HostTier:
+    """The `disk_tier` step: a target streamed from RAM streams from its checkpoint's
+    files instead (the disk tier, through page-locked staging buffers), and the RAM its
+    layers held is freed; undone, they are read back into RAM on a thread of their own
+    and streamed from there once complete. Each pass then waits for the disk: the slowest
+    step, and the last."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.moved = False
+
+    def possible(self) -> str | None:
+        """Why the step cannot be taken here, or None."""
+        runtime = self.runtime
+        if runtime.streamer is None or not isinstance(runtime.streamer.storage, RamStorage):
+            return "no target layers stream from RAM"
+        if runtime.options.quantize is not None:
+            return f"the layers were quantized at load (--quantize {runtime.options.quantize})"
+        if runtime.checkpoint.gguf is not None or is_gguf(runtime.checkpoint.path):
+            return "the disk tier does not read GGUF files"
+        return None
+
+    def to_disk(self) -> str:
+        why = self.possible()
+        if why is not None:
+            return f"nothing moved: {why}"
+        streamer = self.runtime.streamer
+        assert streamer is not None
+        layers = streamer.tier_layers
+        names = [e.name for e in streamer.layout.tensors]
+        try:
+            sources = disk_sources(self.runtime.checkpoint, layers, names)
+            disk = DiskStorage(streamer.layout, sources)
+        except (CheckpointError, ValueError) as e:
+            return f"nothing moved: {e}"
+        freed = streamer.to_disk(disk)
+        self.moved = True
+        return f"{len(layers)} streamed layers read from disk, {format_size(freed)} of RAM freed"
+
+    def to_ram(self) -> None:
+        if self.moved and self.runtime.streamer is not None:
+            self.runtime.streamer.to_ram()
+            log.info("reading the streamed layers back into RAM")
+        self.moved = False
 
 
 # Device slots of a streamer made by the `resident_layers` step (the fewest that stream).

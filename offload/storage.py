@@ -83,6 +83,12 @@ class RamStorage:
         self.layout.pack(module, flat)
         self.buffers[index] = flat
 
+    def fill(self, index: int, source: DiskStorage) -> None:
+        """Read layer `index` from the disk tier into its arena slice."""
+        flat = self.arena.view(self._slice[index])
+        source.read(index, flat)
+        self.buffers[index] = flat
+
     def pin(self, device: torch.device) -> bool:
         """Page-lock the packed layers for `device` (after packing: registering first would
         commit every page of the arena while the loaded model still holds its copy)."""
@@ -104,7 +110,10 @@ class RamStorage:
         return self.arena.pinned
 
     def close(self) -> None:
+        """Unpin the arena and drop this tier's views of it: its memory is freed once
+        nothing else holds a view (a slot's copy in flight, a caller's tensor)."""
         self.arena.close()
+        self.buffers.clear()
 
 
 # Where one tensor of a layer is stored: a (safetensors file, key), or a list of them whose

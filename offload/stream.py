@@ -28,7 +28,9 @@ How a pass goes (S streamed layers, N >= 2 slots):
 - Under memory pressure resident layers can join the stream (`demote`): each is packed into
   a host arena of its own and its device memory freed; `promote` brings them back. A
   streamer may even be made over a model whose layers were all resident
-  (`LayerStreamer.over_resident`), and handed back as plain modules once promoted.
+  (`LayerStreamer.over_resident`), and handed back as plain modules once promoted. The
+  RAM tier can give way to the disk tier (`to_disk`, freeing its arena) and be read back
+  (`to_ram`: on a thread of its own, adopted at the start of a pass once complete).
 
 On a CPU device the same code runs with host "slots" and synchronous copies, so the
 bookkeeping (slot reuse, order, prefetch, wrap-around, read-ahead, timing) is tested on every
@@ -38,10 +40,12 @@ machine.
 from __future__ import annotations
 
 import copy
+import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -51,7 +55,9 @@ from torch import nn
 
 from offload.arena import HostArena
 from offload.layout import FlatLayout, layer_state, layer_states
-from offload.storage import LayerStorage, RamStorage
+from offload.storage import DiskStorage, LayerStorage, RamStorage
+
+log = logging.getLogger("specd.offload")
 
 # Copies a slot may have timed but not yet folded into the counters. A copy stream runs its
 # copies in order, so waiting for the oldest of more than this many only throttles a compute
@@ -182,6 +188,9 @@ class LayerStreamer:
         # bytes, and their modules (on the meta device until `promote` rebinds them).
         self.demoted: RamStorage | None = None
         self._parked: dict[int, nn.Module] = {}
+        # The RAM tier being read back from the disk tier (`to_ram`), and its cancel flag.
+        self._refill: tuple[Future[RamStorage], threading.Event] | None = None
+        self._staged = self.staging is not None  # the tier built with it read through staging
         if self.copy_stream is not None:
             # The slot buffers come from the compute stream's memory pool, whose earlier
             # tenants may still be in use by queued kernels: the first copies wait for them.
@@ -206,6 +215,11 @@ class LayerStreamer:
         return len(self.order)
 
     @property
+    def tier_layers(self) -> list[int]:
+        """The streamed layers the host tier holds (those demoted at run time aside)."""
+        return [i for i in self.order if i not in self._parked]
+
+    @property
     def host_bytes(self) -> int:
         """RAM the host tier allocated: its layers, or the staging buffers (what the plan's
         `host_bytes` predicts)."""
@@ -223,6 +237,7 @@ class LayerStreamer:
         self._fill(0)
 
     def __iter__(self) -> Iterator[nn.Module]:
+        self._adopt_refill()
         self._retry_failed_reads()
         self._fill(0)  # the first slots fill while resident layers compute
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
@@ -426,6 +441,77 @@ class LayerStreamer:
         self.demoted = None
         return back
 
+    def to_disk(self, disk: DiskStorage) -> int:
+        """Stream from `disk` (the disk tier, over the same layers) instead of the RAM tier,
+        whose arena is freed; returns the host bytes freed (0 if the tier is not RAM)."""
+        self._cancel_refill()
+        if not isinstance(self.storage, RamStorage):
+            disk.close()
+            return 0
+        self.wait_reads()
+        self.synchronize()  # no copy still reads the arena
+        if self.staging is None:
+            self.staging = HostArena(self.layout.nbytes, len(self.slots))
+            self.staging.pin(self.device)
+            for slot in self.slots:
+                slot.staging = self.staging.view(slot.index)
+        ram, self.storage = self.storage, disk
+        freed = ram.host_bytes
+        ram.close()
+        return freed
+
+    def to_ram(self) -> None:
+        """Start reading the layers the disk tier streams back into a RAM tier, on a thread
+        of its own; the first pass after the reads finish streams from RAM again."""
+        disk = self.storage
+        if not isinstance(disk, DiskStorage) or self._refill is not None:
+            return
+        layers = self.tier_layers
+        ram = RamStorage(self.layout, layers)
+        cancelled = threading.Event()
+
+        def fill() -> RamStorage:
+            for i in layers:
+                if cancelled.is_set():
+                    break
+                ram.fill(i, disk)
+            ram.pin(self.device)
+            return ram
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="specd-ram-refill")
+        self._refill = (pool.submit(fill), cancelled)
+        pool.shutdown(wait=False)
+
+    def _cancel_refill(self) -> None:
+        if self._refill is not None:
+            done, cancelled = self._refill
+            cancelled.set()
+            wait_futures([done])
+            if done.exception() is None:
+                done.result().close()
+            self._refill = None
+
+    def _adopt_refill(self) -> None:
+        """Between passes: stream from the RAM tier `to_ram` read, once it is complete."""
+        if self._refill is None or not self._refill[0].done():
+            return
+        done, _ = self._refill
+        self._refill = None
+        error = done.exception()
+        if error is not None:
+            log.warning("reading the streamed layers back into RAM failed (%s): they stay "
+                        "on the disk tier", error)  # fmt: skip
+            return
+        self.wait_reads()
+        self.synchronize()  # no copy still reads a staging buffer
+        disk, self.storage = self.storage, done.result()
+        disk.close()
+        if not self._staged and self.staging is not None:
+            self.staging.close()
+            self.staging = None
+            for slot in self.slots:
+                slot.staging = None
+
     def resident_modules(self) -> list[nn.Module]:
         """Every layer as a resident module, in order: for a streamer whose layers have all
         been promoted (`over_resident`'s, given back), to become the model's layers again."""
@@ -435,6 +521,7 @@ class LayerStreamer:
 
     def close(self) -> None:
         """Finish what is under way and release the host tier (unpinning its memory)."""
+        self._cancel_refill()
         self.wait_reads()
         self.synchronize()
         self.storage.close()

@@ -207,3 +207,67 @@ def test_gguf_layers_of_mixed_types_keep_their_types_when_demoted(resident: int 
     greedy_matches()
     step.promote()
     greedy_matches()
+
+
+def test_the_ram_tier_gives_way_to_the_disk_tier_and_is_read_back(stories_target: Path) -> None:
+    """Host pressure's `disk_tier` step: the streamed layers' RAM arena is freed and they
+    stream from the checkpoint's files (through staging buffers); eased, they are read back
+    into RAM on a thread of their own and the first pass after that streams from RAM.
+    Logits stay bit-identical through both switches."""
+    from daemon.target_loading import disk_sources
+    from offload.storage import DiskStorage
+
+    want = reference(stories_target)
+    model, streamer, _ = streamed_model(stories_target, [0], 2)
+    _, _, ckpt = load(stories_target, "fp32", "cpu")
+    arena = streamer.host_bytes
+    names = [e.name for e in streamer.layout.tensors]
+
+    def to_disk() -> None:
+        disk = DiskStorage(streamer.layout, disk_sources(ckpt, streamer.order, names))
+        assert streamer.to_disk(disk) == arena
+
+    got = steps(model, model.new_cache(64), to_disk)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert streamer.storage.tier == "disk" and streamer.staging is not None
+    assert streamer.host_bytes == streamer.staging.nbytes < arena
+
+    streamer.to_ram()
+    assert streamer._refill is not None
+    streamer._refill[0].result(timeout=60)  # read back; adopted by the next pass
+    assert streamer.storage.tier == "disk"
+    got = steps(model, model.new_cache(64))
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert streamer.storage.tier == "ram" and streamer.staging is None
+    assert streamer.host_bytes == arena
+
+    # Pressure back before the read-back finished: it is cancelled, the disk tier stays.
+    to_disk()
+    streamer.to_ram()
+    to_disk_again = DiskStorage(streamer.layout, disk_sources(ckpt, streamer.order, names))
+    assert streamer.to_disk(to_disk_again) == 0 and streamer._refill is None
+    got = steps(model, model.new_cache(64))
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert streamer.storage.tier == "disk"
+    streamer.close()
+
+
+def test_the_disk_tier_step_says_why_it_cannot_move_layers(stories_target: Path) -> None:
+    from daemon.relief import HostTier
+    from tests.test_gguf_model import GGUF
+
+    model, streamer, _ = streamed_model(stories_target, [0], 2)
+    _, _, ckpt = load(stories_target, "fp32", "cpu")
+    runtime = runtime_of(model, streamer)
+    runtime.checkpoint, runtime.options = ckpt, SimpleNamespace(quantize=None)
+    assert HostTier(runtime).possible() is None
+    runtime.options.quantize = "int4"
+    assert HostTier(runtime).possible() == "the layers were quantized at load (--quantize int4)"
+    runtime.options.quantize = None
+    runtime.checkpoint = SimpleNamespace(gguf=None, path=GGUF / "stories260k-Q8_0.gguf")
+    assert HostTier(runtime).possible() == "the disk tier does not read GGUF files"
+    runtime.streamer = None
+    assert HostTier(runtime).possible() == "no target layers stream from RAM"
+    undo = HostTier(runtime)
+    assert undo.to_disk().startswith("nothing moved:")
+    undo.to_ram()  # nothing was moved: nothing to read back

@@ -151,12 +151,17 @@ def test_the_settings_are_a_section_in_a_section(tmp_path: Path) -> None:
 # -- the daemon ------------------------------------------------------------------------
 
 
-def serve(stories_target: Path, stories_draft: Path, **pressure: Any) -> BackgroundServer:
+def serve(
+    stories_target: Path, stories_draft: Path, streamed: bool = False, **pressure: Any
+) -> BackgroundServer:
+    """A daemon on the stories pair; `streamed`: every target layer streamed from RAM."""
+    offload = {"offload.mode": ("stream", "test"), "offload.resident_layers": (0, "test")}
     overrides = {
         "models.target": (str(stories_target), "test"),
         "models.draft": (str(stories_draft), "test"),
         "runtime.compile": ("off", "test"),
         "server.port": (0, "test"),
+        **(offload if streamed else {}),
         **{f"memory.pressure.{k}": (v, "test") for k, v in pressure.items()},
     }
     return BackgroundServer(load_settings(environ={}, overrides=overrides))
@@ -224,14 +229,16 @@ def hogs() -> Iterator[list[Hog]]:
             hog.close()
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["resident", "streamed"])
 def test_real_host_pressure_steps_refusal_and_recovery(
-    stories_target: Path, stories_draft: Path, hogs: list[Hog]
+    stories_target: Path, stories_draft: Path, hogs: list[Hog], streamed: bool
 ) -> None:
     """The lines are set relative to what is available now, so that a child holding
-    1.5 GiB makes it tight and one more holding 1.5 GiB critical."""
+    1.5 GiB makes it tight and one more holding 1.5 GiB critical. A streamed target's
+    layers move to the disk tier at the end of the ladder, and back to RAM after."""
     available = psutil.virtual_memory().available
     with serve(
-        stories_target, stories_draft, period_seconds=0.1, recover_seconds=0.3,
+        stories_target, stories_draft, streamed, period_seconds=0.1, recover_seconds=0.3,
         tight_host_free=available - GIB, critical_host_free=available - 2 * GIB,
         critical_swap_rate="1TB/s",
     ) as srv:  # fmt: skip
@@ -241,8 +248,10 @@ def test_real_host_pressure_steps_refusal_and_recovery(
         hogs.append(Hog(3 * GIB // 2))
         wait_for(lambda: status(srv)["memory_pressure"]["level"] == "tight", "tight")
         # One step per period while tight, in the ladder's order.
-        steps = ["prefix_cache", "cached_sessions", "pass_size"]
+        steps = ["prefix_cache", "cached_sessions", "pass_size"] + ["disk_tier"] * streamed
         wait_for(lambda: status(srv)["memory_pressure"]["steps"] == steps, "all steps")
+        streamer = srv.server.engine.runtime.streamer  # type: ignore[union-attr]
+        assert (streamer.storage.tier if streamer else None) == ("disk" if streamed else None)
         now = status(srv)
         assert now["prefix_cache"]["allocated_bytes"] == 0  # its chunks freed
         code, _, answer = call(srv, GREEDY)  # smaller passes, no cache: the same text
@@ -258,8 +267,12 @@ def test_real_host_pressure_steps_refusal_and_recovery(
             hog.close()
         wait_for(lambda: status(srv)["memory_pressure"]["level"] == "ok", "ok")
         wait_for(lambda: status(srv)["memory_pressure"]["steps"] == [], "steps undone")
+        if streamer is not None:  # read back into RAM, adopted at the start of a pass
+            assert streamer._refill is not None
+            streamer._refill[0].result(timeout=60)
         code, _, answer = call(srv, GREEDY)
         assert code == 200 and answer["choices"][0]["text"] == reference["choices"][0]["text"]
+        assert streamer is None or streamer.storage.tier == "ram"
         with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as reply:
             metrics = reply.read().decode()
         assert 'specd_memory_relief_steps_taken_total{step="prefix_cache"} 1.0' in metrics
