@@ -30,7 +30,7 @@ walks a seeded request (its text is then autoregressive decoding's for that seed
 `--verification rejection` to compare. Every tree cell starts with a fresh acceptance model
 and no prefix cache, so cells do not depend on the order they run in.
 
-    .venv/bin/python scripts/bench_structured.py                  # the README's table
+    .venv/bin/python scripts/bench_structured.py                  # docs/structured-output.md's table
     .venv/bin/python scripts/bench_structured.py --seeds 8 --strategies tree:16,tree:64,tree:256,linear:4,linear:16
     .venv/bin/python scripts/bench_structured.py --modes free,tool --temperatures 1 --verification rejection
 """

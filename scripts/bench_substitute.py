@@ -17,7 +17,7 @@ measured at that budget and bits:
 for an 8B on a 12 GB card and a 32B and a 70B on 24 GB (the plan's own choice of bits
 for each is printed too, with --substitute-bits auto's rule).
 
-    .venv/bin/python scripts/bench_substitute.py                      # the README's table
+    .venv/bin/python scripts/bench_substitute.py                      # docs/substitute-draft.md's table
     .venv/bin/python scripts/bench_substitute.py --budgets 64 --temperatures 0
 """
 

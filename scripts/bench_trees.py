@@ -14,7 +14,7 @@ deep tree costs one draft pass per level), and how its rounds were verified.
 Tokens per pass, not seconds: on this pair every model is tiny and the ratio that matters
 for a streamed target (whose pass costs a full weight transfer) is tokens per pass.
 
-    .venv/bin/python scripts/bench_trees.py                          # the README's table
+    .venv/bin/python scripts/bench_trees.py                          # docs/measurements.md's table
     .venv/bin/python scripts/bench_trees.py --drafts int8 --temperatures 1 --budgets 64
 """
 

@@ -39,8 +39,8 @@ from speculative.errors import RequestError
 from speculative.sampling import SamplingParams, TokenLogprob
 
 # JSON output: compact separators and no free whitespace. A small model allowed free
-# whitespace between tokens can emit newlines until max_tokens (the README's structured
-# output section); compact JSON parses the same.
+# whitespace between tokens can emit newlines until max_tokens (docs/structured-output.md);
+# compact JSON parses the same.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 # Tokens emitted without a pass in one go (a long const string, a key list): the pass
 # that feeds them with the next round stays far inside the planned largest pass.

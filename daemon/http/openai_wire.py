@@ -1,8 +1,9 @@
-"""The OpenAI wire format: request validation into typed records, and response bodies.
+"""The OpenAI wire format's requests: validation into typed records (`CompletionRequest`),
+and its error shape (`ApiError`). Answers and SSE chunks are written by
+daemon/http/openai_responses.py.
 
 Named `openai_wire` so that it never shadows the `openai` client package in tests. Nothing
-here touches HTTP or the models: the API layer parses with these functions and renders
-what the engine produced.
+here touches HTTP or the models: the API layer parses requests with these functions.
 """
 
 from __future__ import annotations
