@@ -8,6 +8,13 @@ machine: tight 1.5 GiB below it, critical 2.5 GiB below; the other program takes
 then 1 GiB more.
 
     .venv/bin/python scripts/bench_pressure.py            # table; --plot FILE.png to draw it
+
+`--streamed PRESET` serves instead a random-weight model of that real shape
+(scripts/real_shapes.py; `--layers`, bf16, prompt-lookup drafting) with every layer
+streamed from RAM, so the last host step, `disk_tier`, frees the RAM tier and the RSS
+curve shows it (and its read-back once the pressure is gone):
+
+    .venv/bin/python scripts/bench_pressure.py --streamed llama-3.2-1b --layers 8
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -64,10 +72,14 @@ def other_program(size: int, hogs: list[subprocess.Popen[str]]) -> None:
 
 
 def client(
-    url: str, tokens: list[tuple[float, int]], refused: list[float], stop: threading.Event
+    url: str,
+    tokens: list[tuple[float, int]],
+    refused: list[float],
+    stop: threading.Event,
+    max_tokens: int = 64,
 ) -> None:
     body = json.dumps(
-        {"model": "stories260k", "prompt": "Once upon a time", "max_tokens": 64,
+        {"model": "served", "prompt": "Once upon a time", "max_tokens": max_tokens,
          "temperature": 0, "ignore_eos": True}
     ).encode()  # fmt: skip
     while not stop.is_set():
@@ -90,11 +102,31 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--plot", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=ROOT / "bench-results" / "pressure.json")
+    ap.add_argument("--streamed", default=None, help="a scripts/real_shapes.py preset")
+    ap.add_argument("--layers", type=int, default=8, help="the --streamed model's layers")
     args = ap.parse_args()
-    available = psutil.virtual_memory().available
-    overrides = {
+    models: dict[str, tuple[Any, str]] = {
         "models.target": (str(SHARED / "stories260k"), "bench"),
         "models.draft": (str(SHARED / "stories260k-draft"), "bench"),
+    }
+    max_tokens = 64
+    scratch = tempfile.TemporaryDirectory(prefix="specd-bench-pressure-")
+    if args.streamed:
+        from scripts.real_shapes import model_config, write_folder
+
+        folder = write_folder(model_config(args.streamed, args.layers), scratch.name)
+        models = {
+            "models.target": (str(folder), "bench"),
+            "models.draft": ("ngram", "bench"),
+            "runtime.dtype": ("bf16", "bench"),
+            "offload.mode": ("stream", "bench"),
+            "offload.resident_layers": (0, "bench"),
+        }
+        max_tokens = 8
+    available = psutil.virtual_memory().available
+    overrides = {
+        **models,
+        "models.name": ("served", "bench"),
         "server.port": (0, "bench"),
         "memory.pressure.period_seconds": (0.2, "bench"),
         "memory.pressure.recover_seconds": (2.0, "bench"),
@@ -107,7 +139,7 @@ def main() -> int:
     with BackgroundServer(load_settings(environ={}, overrides=overrides)) as srv:
         engine = srv.server.engine
         stop = threading.Event()
-        worker = threading.Thread(target=client, args=(srv.url, tokens, refused, stop))
+        worker = threading.Thread(target=client, args=(srv.url, tokens, refused, stop, max_tokens))
         start = time.monotonic()
         worker.start()
         # The other program: 2 GiB (tight) at 25% of the run, 1 GiB more (critical) at
@@ -170,8 +202,8 @@ def plot(rows: list[dict[str, Any]], path: Path, lines: tuple[float, float]) -> 
     memory.legend(loc="center left", fontsize=8)
     level.step(t, [LEVELS.index(r["level"]) for r in rows], where="post", label="level")
     level.step(t, [len(r["steps"]) for r in rows], where="post", label="relief steps in force")
-    level.set_yticks([0, 1, 2, 3])
-    level.set_yticklabels(["ok / 0", "tight / 1", "critical / 2", "3"])
+    level.set_yticks([0, 1, 2, 3, 4])
+    level.set_yticklabels(["ok / 0", "tight / 1", "critical / 2", "3", "4"])
     level.legend(loc="upper right", fontsize=8)
     speed.plot(t, [r["tokens_per_s"] for r in rows], label="tokens/s the client got")
     speed.plot(t, [100 * r["refused"] for r in rows], label="503 answers/s (x100)")
