@@ -1,11 +1,11 @@
 """Memory pressure over time: the daemon (in this process, the shared stories pair) serves
-a client that asks for one sampled answer after another (a seed each), while another
-program takes host RAM in two steps (past the `tight` line, then past `critical`) and then
-lets it go. Every tenth of a second: the daemon's RSS, host RAM available, its level and
-relief steps, and the tokens per second the client got over the last second. The lines
-are set relative to what is available at the start, so the run means the same on any
-machine: tight 1.5 GiB below it, critical 2.5 GiB below; the other program takes 2 GiB,
-then 1 GiB more.
+a client that asks for one greedy answer after another, while another program takes host
+RAM in two steps (past the `tight` line, then past `critical`) and then lets it go. Every
+tenth of a second: the daemon's RSS, host RAM available, its level and relief steps, and
+the tokens per second the client got over the last second. The lines are set relative to
+what is available once the models are loaded, so the run means the same on any machine:
+tight 1.5 GiB below it, critical 2.5 GiB below; the other program takes 2 GiB, then 1 GiB
+more.
 
     .venv/bin/python scripts/bench_pressure.py            # table; --plot FILE.png to draw it
 
@@ -28,6 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +78,18 @@ def client(
     refused: list[float],
     stop: threading.Event,
     max_tokens: int = 64,
+    vary: bool = False,
 ) -> None:
-    body = json.dumps(
-        {"model": "served", "prompt": "Once upon a time", "max_tokens": max_tokens,
-         "temperature": 0, "ignore_eos": True}
-    ).encode()  # fmt: skip
+    """One greedy answer after another; `vary`: each prompt its own (a number at its end),
+    so answers are computed, not served whole from the prefix cache."""
+    sent = 0
     while not stop.is_set():
+        prompt = f"Once upon a time {sent}" if vary else "Once upon a time"
+        sent += 1
+        body = json.dumps(
+            {"model": "served", "prompt": prompt, "max_tokens": max_tokens,
+             "temperature": 0, "ignore_eos": True}
+        ).encode()  # fmt: skip
         request = urllib.request.Request(
             url + "/v1/completions", body, {"Content-Type": "application/json"}
         )
@@ -92,7 +99,9 @@ def client(
             tokens.append((time.monotonic(), usage["completion_tokens"]))
         except urllib.error.HTTPError as err:
             if err.code != 503:
-                raise
+                stop.set()  # the run is void: main() raises it
+                refused.append(-float(err.code))
+                return
             refused.append(time.monotonic())
             stop.wait(0.2)  # the daemon said Retry-After; a real client would wait longer
 
@@ -104,6 +113,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=ROOT / "bench-results" / "pressure.json")
     ap.add_argument("--streamed", default=None, help="a scripts/real_shapes.py preset")
     ap.add_argument("--layers", type=int, default=8, help="the --streamed model's layers")
+    ap.add_argument("--hidden-scale", type=float, default=0.5, help="its width, scaled")
     args = ap.parse_args()
     models: dict[str, tuple[Any, str]] = {
         "models.target": (str(SHARED / "stories260k"), "bench"),
@@ -114,30 +124,36 @@ def main() -> int:
     if args.streamed:
         from scripts.real_shapes import model_config, write_folder
 
-        folder = write_folder(model_config(args.streamed, args.layers), scratch.name)
+        config = model_config(args.streamed, args.layers, args.hidden_scale)
+        folder = write_folder(config, scratch.name)
         models = {
             "models.target": (str(folder), "bench"),
             "models.draft": ("ngram", "bench"),
-            "runtime.dtype": ("bf16", "bench"),
             "offload.mode": ("stream", "bench"),
             "offload.resident_layers": (0, "bench"),
         }
         max_tokens = 8
-    available = psutil.virtual_memory().available
     overrides = {
         **models,
         "models.name": ("served", "bench"),
         "server.port": (0, "bench"),
         "memory.pressure.period_seconds": (0.2, "bench"),
         "memory.pressure.recover_seconds": (2.0, "bench"),
-        "memory.pressure.tight_host_free": (available - 3 * GIB // 2, "bench"),
-        "memory.pressure.critical_host_free": (available - 5 * GIB // 2, "bench"),
+        # No pressure while loading: the lines are set once the models are in memory.
+        "memory.pressure.tight_host_free": (0, "bench"),
+        "memory.pressure.critical_host_free": (0, "bench"),
     }
     rows: list[dict[str, Any]] = []
     tokens: list[tuple[float, int]] = []
     refused: list[float] = []
     with BackgroundServer(load_settings(environ={}, overrides=overrides)) as srv:
         engine = srv.server.engine
+        assert engine.pressure is not None
+        available = psutil.virtual_memory().available
+        lines = (available - 3 * GIB // 2, available - 5 * GIB // 2)
+        engine.pressure.thresholds = replace(
+            engine.pressure.thresholds, tight_host_free=lines[0], critical_host_free=lines[1]
+        )
         stop = threading.Event()
         worker = threading.Thread(target=client, args=(srv.url, tokens, refused, stop, max_tokens))
         start = time.monotonic()
@@ -168,6 +184,8 @@ def main() -> int:
             time.sleep(0.1)  # the sampling period of this record
         stop.set()
         worker.join()
+    if any(t < 0 for t in refused):
+        raise SystemExit(f"the client got HTTP {-min(refused):.0f}: the run is void")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=1))
     print(
@@ -181,7 +199,7 @@ def main() -> int:
             f"{row['refused']} |"
         )
     if args.plot is not None:
-        plot(rows, args.plot, (available - 3 * GIB // 2, available - 5 * GIB // 2))
+        plot(rows, args.plot, lines)
     return 0
 
 
@@ -194,7 +212,10 @@ def plot(rows: list[dict[str, Any]], path: Path, lines: tuple[float, float]) -> 
     t = [r["t"] for r in rows]
     fig, (memory, level, speed) = plt.subplots(3, 1, sharex=True, figsize=(8, 6.5))
     memory.plot(t, [r["available_gib"] for r in rows], label="host RAM available")
-    memory.plot(t, [r["rss_mib"] / 1024 for r in rows], label="daemon RSS")
+    rss = memory.twinx()
+    rss.plot(t, [r["rss_mib"] for r in rows], color="tab:orange", label="daemon RSS (MiB, right)")
+    rss.set_ylabel("MiB")
+    rss.legend(loc="lower right", fontsize=8)
     for line, name in zip(lines, ("tight", "critical"), strict=True):
         memory.axhline(line / GIB, linestyle="--", linewidth=0.8, color="grey")
         memory.annotate(name, (t[0], line / GIB), fontsize=8, va="bottom")
