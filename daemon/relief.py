@@ -319,6 +319,8 @@ class HostTier:
     def possible(self) -> str | None:
         """Why the step cannot be taken here, or None."""
         runtime = self.runtime
+        if runtime.streamer is not None and runtime.streamer.reading_back:
+            return None  # eased a moment ago, and back: the read-back is cancelled
         if runtime.streamer is None or not isinstance(runtime.streamer.storage, RamStorage):
             return "no target layers stream from RAM"
         if runtime.options.quantize is not None:
@@ -333,6 +335,10 @@ class HostTier:
             return f"nothing moved: {why}"
         streamer = self.runtime.streamer
         assert streamer is not None
+        if streamer.reading_back:
+            streamer.cancel_refill()
+            self.moved = True
+            return "reading the layers back into RAM cancelled: they stay on the disk tier"
         layers = streamer.tier_layers
         names = [e.name for e in streamer.layout.tensors]
         try:

@@ -389,11 +389,16 @@ class LayerStreamer:
         chosen = sorted(demote)
         states = {i: s for i, s in layer_states(layers).items() if i in chosen}
         resident = {i: m for i, m in enumerate(layers) if i not in chosen}
-        demoted, parked = _pack_to_host(layout, {i: layers[i] for i in chosen}, device)
+        modules = {i: layers[i] for i in chosen}
+        demoted = _pack_to_host(layout, modules, device)
+        try:  # the slots are allocated on the device before any layer leaves it
+            template = copy.deepcopy(layers[chosen[0]]).to("meta")
+            streamer = cls(resident, chosen, _Nothing(layout), template, device, slots, states)
+        except BaseException:
+            demoted.close()
+            raise
         # Everything it streams came from the device, so `promote` gives all of it back.
-        template = copy.deepcopy(parked[chosen[0]])  # on the meta device
-        streamer = cls(resident, chosen, _Nothing(layout), template, device, slots, states)
-        streamer.demoted, streamer._parked = demoted, parked
+        streamer.demoted, streamer._parked = demoted, _to_meta(modules)
         return streamer
 
     def demote(self, layers: Sequence[int]) -> int:
@@ -410,8 +415,11 @@ class LayerStreamer:
         if self.states:  # per-layer types: the demoted layers' own, as build_streamer does
             for i in chosen:
                 self.states[i] = layer_state(self.resident[i])
-        modules = {i: self.resident.pop(i) for i in chosen}
-        self.demoted, self._parked = _pack_to_host(self.layout, modules, self.device)
+        modules = {i: self.resident[i] for i in chosen}
+        self.demoted = _pack_to_host(self.layout, modules, self.device)
+        for i in chosen:
+            del self.resident[i]
+        self._parked = _to_meta(modules)
         self.order = sorted([*self.order, *chosen])
         return self.layout.nbytes * len(chosen)
 
@@ -444,7 +452,7 @@ class LayerStreamer:
     def to_disk(self, disk: DiskStorage) -> int:
         """Stream from `disk` (the disk tier, over the same layers) instead of the RAM tier,
         whose arena is freed; returns the host bytes freed (0 if the tier is not RAM)."""
-        self._cancel_refill()
+        self.cancel_refill()
         if not isinstance(self.storage, RamStorage):
             disk.close()
             return 0
@@ -482,7 +490,13 @@ class LayerStreamer:
         self._refill = (pool.submit(fill), cancelled)
         pool.shutdown(wait=False)
 
-    def _cancel_refill(self) -> None:
+    @property
+    def reading_back(self) -> bool:
+        """Whether `to_ram`'s reads are under way (or done, not yet adopted)."""
+        return self._refill is not None
+
+    def cancel_refill(self) -> None:
+        """Drop `to_ram`'s reads (waiting for the layer being read): the disk tier stays."""
         if self._refill is not None:
             done, cancelled = self._refill
             cancelled.set()
@@ -521,7 +535,7 @@ class LayerStreamer:
 
     def close(self) -> None:
         """Finish what is under way and release the host tier (unpinning its memory)."""
-        self._cancel_refill()
+        self.cancel_refill()
         self.wait_reads()
         self.synchronize()
         self.storage.close()
@@ -562,10 +576,10 @@ class LayerStreamer:
 
 def _pack_to_host(
     layout: FlatLayout, modules: Mapping[int, nn.Module], device: torch.device | str
-) -> tuple[RamStorage, dict[int, nn.Module]]:
-    """Pack `modules` (layer index → resident module) into a host arena of their own, then
-    move them to the meta device, which frees their device memory. Every layer is packed
-    before any is moved: a failure while packing leaves the modules as they were."""
+) -> RamStorage:
+    """Pack `modules` (layer index → resident module) into a host arena of their own,
+    page-locked for `device`. The modules are left as they are: a failure leaves nothing
+    changed."""
     storage = RamStorage(layout, sorted(modules))
     try:
         for i, module in modules.items():
@@ -573,10 +587,15 @@ def _pack_to_host(
     except BaseException:
         storage.close()
         raise
+    storage.pin(torch.device(device))
+    return storage
+
+
+def _to_meta(modules: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
+    """Move packed modules to the meta device, which frees their device memory."""
     for module in modules.values():
         module.to("meta")
-    storage.pin(torch.device(device))
-    return storage, dict(modules)
+    return dict(modules)
 
 
 class _Nothing:

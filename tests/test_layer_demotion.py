@@ -271,3 +271,31 @@ def test_the_disk_tier_step_says_why_it_cannot_move_layers(stories_target: Path)
     undo = HostTier(runtime)
     assert undo.to_disk().startswith("nothing moved:")
     undo.to_ram()  # nothing was moved: nothing to read back
+
+
+def test_the_disk_tier_step_cancels_a_read_back_when_pressure_returns(
+    stories_target: Path,
+) -> None:
+    from daemon.relief import HostTier
+
+    want = reference(stories_target)
+    model, streamer, _ = streamed_model(stories_target, [], 2)
+    _, _, ckpt = load(stories_target, "fp32", "cpu")
+    runtime = runtime_of(model, streamer)
+    runtime.checkpoint, runtime.options = ckpt, SimpleNamespace(quantize=None)
+    step = HostTier(runtime)
+    assert step.to_disk().startswith("5 streamed layers read from disk")
+    step.to_ram()
+    assert streamer.reading_back and step.possible() is None
+    assert "cancelled" in step.to_disk()
+    assert not streamer.reading_back and streamer.storage.tier == "disk"
+    got = steps(model, model.new_cache(64))
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert streamer.storage.tier == "disk"  # nothing was adopted
+    step.to_ram()
+    assert streamer._refill is not None
+    streamer._refill[0].result(timeout=60)
+    got = steps(model, model.new_cache(64))
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    assert streamer.storage.tier == "ram"
+    streamer.close()
