@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -184,12 +185,20 @@ def status(srv: BackgroundServer) -> dict[str, Any]:
         return json.loads(reply.read())
 
 
-def wait_for(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Poll `check` (each poll is a request to the daemon) until it holds."""
+def wait_for(
+    check: Callable[[], bool], what: str, srv: BackgroundServer | None = None,
+    timeout: float = 20.0,
+) -> None:  # fmt: skip
+    """Poll `check` (each poll is a request to the daemon) until it holds; on a timeout,
+    say what the daemon's monitor saw last."""
     end = time.monotonic() + timeout
     while not check():
         if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
+            seen = status(srv)["memory_pressure"] if srv is not None else "-"
+            lines = srv.server.engine.pressure.thresholds if srv is not None else "-"
+            # Another program taking or freeing memory meanwhile moves what is available
+            # (two of these tests at once on one machine disturb each other).
+            raise AssertionError(f"timed out waiting for {what}; the daemon saw {seen}, {lines}")
 
 
 GREEDY = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0}
@@ -233,23 +242,29 @@ def hogs() -> Iterator[list[Hog]]:
 def test_real_host_pressure_steps_refusal_and_recovery(
     stories_target: Path, stories_draft: Path, hogs: list[Hog], streamed: bool
 ) -> None:
-    """The lines are set relative to what is available now, so that a child holding
-    1.5 GiB makes it tight and one more holding 1.5 GiB critical. A streamed target's
-    layers move to the disk tier at the end of the ladder, and back to RAM after."""
-    available = psutil.virtual_memory().available
+    """The lines are set relative to what is available once the daemon has loaded and
+    answered (what it holds then is not pressure), so that a child holding 1.5 GiB makes
+    it tight and one more holding 1.5 GiB critical. A streamed target's layers move to the
+    disk tier at the end of the ladder, and back to RAM after."""
     with serve(
         stories_target, stories_draft, streamed, period_seconds=0.1, recover_seconds=0.3,
-        tight_host_free=available - GIB, critical_host_free=available - 2 * GIB,
-        critical_swap_rate="1TB/s",
+        tight_host_free=0, critical_host_free=0, critical_swap_rate="1TB/s",
     ) as srv:  # fmt: skip
         code, _, reference = call(srv, GREEDY)
+        monitor = srv.server.engine.pressure
+        assert monitor is not None
+        available = psutil.virtual_memory().available
+        monitor.thresholds = replace(
+            monitor.thresholds, tight_host_free=available - GIB,
+            critical_host_free=available - 2 * GIB,
+        )  # fmt: skip
         assert code == 200 and status(srv)["memory_pressure"]["level"] == "ok"
         assert status(srv)["prefix_cache"]["allocated_bytes"] > 0
         hogs.append(Hog(3 * GIB // 2))
-        wait_for(lambda: status(srv)["memory_pressure"]["level"] == "tight", "tight")
+        wait_for(lambda: status(srv)["memory_pressure"]["level"] == "tight", "tight", srv)
         # One step per period while tight, in the ladder's order.
         steps = ["prefix_cache", "cached_sessions", "pass_size"] + ["disk_tier"] * streamed
-        wait_for(lambda: status(srv)["memory_pressure"]["steps"] == steps, "all steps")
+        wait_for(lambda: status(srv)["memory_pressure"]["steps"] == steps, "all steps", srv)
         streamer = srv.server.engine.runtime.streamer  # type: ignore[union-attr]
         assert (streamer.storage.tier if streamer else None) == ("disk" if streamed else None)
         now = status(srv)
@@ -257,7 +272,7 @@ def test_real_host_pressure_steps_refusal_and_recovery(
         code, _, answer = call(srv, GREEDY)  # smaller passes, no cache: the same text
         assert code == 200 and answer["choices"][0]["text"] == reference["choices"][0]["text"]
         hogs.append(Hog(3 * GIB // 2))
-        wait_for(lambda: status(srv)["memory_pressure"]["level"] == "critical", "critical")
+        wait_for(lambda: status(srv)["memory_pressure"]["level"] == "critical", "critical", srv)
         code, headers, refused = call(srv, GREEDY)
         assert code == 503 and refused["error"]["code"] == "memory_pressure"
         assert headers.get("Retry-After") == "5"
@@ -265,8 +280,8 @@ def test_real_host_pressure_steps_refusal_and_recovery(
             assert json.loads(reply.read())["memory_pressure"] == "critical"
         for hog in hogs:
             hog.close()
-        wait_for(lambda: status(srv)["memory_pressure"]["level"] == "ok", "ok")
-        wait_for(lambda: status(srv)["memory_pressure"]["steps"] == [], "steps undone")
+        wait_for(lambda: status(srv)["memory_pressure"]["level"] == "ok", "ok", srv)
+        wait_for(lambda: status(srv)["memory_pressure"]["steps"] == [], "steps undone", srv)
         if streamer is not None:  # read back into RAM, adopted at the start of a pass
             assert streamer._refill is not None
             streamer._refill[0].result(timeout=60)
@@ -306,12 +321,12 @@ def test_device_pressure_lets_a_running_request_finish(
             first = stream.readline()
             assert first.startswith(b"data: ")
             free[0] = GIB // 2  # another program takes the device's memory
-            wait_for(lambda: status(srv)["memory_pressure"]["level"] == "critical", "critical")
+            wait_for(lambda: status(srv)["memory_pressure"]["level"] == "critical", "critical", srv)
             code, _, _ = call(srv, GREEDY)
             assert code == 503
             # Every step, the last one moving 3 of the target's 5 resident layers into a
             # stream made for them while the request runs.
-            wait_for(lambda: status(srv)["memory_pressure"]["steps"] == STEPS, "every step")
+            wait_for(lambda: status(srv)["memory_pressure"]["steps"] == STEPS, "every step", srv)
             streamer = runtime.streamer
             assert streamer is not None and streamer.streamed_layers == 3
             text = json.loads(first[6:])["choices"][0]["text"]
@@ -322,7 +337,7 @@ def test_device_pressure_lets_a_running_request_finish(
         assert text == reference["choices"][0]["text"]
         assert set(streamer.fetch_log) == {2, 3, 4}  # the request's last passes streamed them
         free[0] = 8 * GIB
-        wait_for(lambda: status(srv)["memory_pressure"]["steps"] == [], "steps undone")
+        wait_for(lambda: status(srv)["memory_pressure"]["steps"] == [], "steps undone", srv)
         assert runtime.streamer is None and isinstance(runtime.target.layers, nn.ModuleList)
         _, _, again = call(srv, body)
         assert again["choices"][0]["text"] == reference["choices"][0]["text"]
