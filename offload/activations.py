@@ -27,7 +27,7 @@ A pass's peak is
 
 The draft's passes while it grows a tree are smaller passes of the same model (at most
 half the tree's nodes at once: see
-`speculative.tree.grow_tree`), whose logits and log-probabilities together take no more
+`speculative.draft_tree.grow_tree`), whose logits and log-probabilities together take no more
 than the tree-sized pass this figure is asked for.
 """
 

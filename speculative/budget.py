@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from speculative.tree import default_depth
+from speculative.draft_tree import default_depth
 
 BUDGET_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Depth limits considered: up to the largest budget, since an aligned draft's best tree is

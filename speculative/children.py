@@ -1,7 +1,7 @@
 """Which children a drafted tree node gets, and what each is worth.
 
 A draft pass gives the logits after t expanded nodes; each node offers up to `max_branch`
-children as candidates for best-first growth (speculative/tree.py). A candidate's value
+children as candidates for best-first growth (speculative/draft_tree.py). A candidate's value
 is the log-probability that verification reaches it: its parent's plus the edge's
 calibrated acceptance (speculative/acceptance.py), by its rank among its siblings and its
 draft probability. Siblings' values never rise with the rank, so best-first growth always

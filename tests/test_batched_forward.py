@@ -16,10 +16,10 @@ from offload.placement import build_streamer
 from speculative.acceptance import AcceptanceTable
 from speculative.checkpoint import load
 from speculative.children import RankedChildren
+from speculative.draft_tree import DraftTree, grow_tree_steps
 from speculative.kv_cache import KVCache
 from speculative.model import Segment, Transformer
 from speculative.passes import Allot, Forward, allot, execute
-from speculative.tree import DraftTree, grow_tree_steps
 from tests.test_stream import TREE_PARENTS, tree_mask
 
 

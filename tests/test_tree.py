@@ -11,18 +11,18 @@ import torch
 from speculative.acceptance import AcceptanceTable
 from speculative.checkpoint import load
 from speculative.children import RankedChildren
+from speculative.draft_tree import (
+    DraftTree,
+    grow_tree,
+    tree_from_continuations,
+    verification_mask,
+)
 from speculative.generation import Generation, Session, alone
 from speculative.model import Transformer
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import SamplingParams, probabilities
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.tree import TreeSpeculation
-from speculative.tree import (
-    DraftTree,
-    grow_tree,
-    tree_from_continuations,
-    verification_mask,
-)
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom"]

@@ -14,11 +14,11 @@ import speculative.verification as verification
 from speculative.acceptance import AcceptanceModel, AcceptanceTable, regime
 from speculative.checkpoint import load
 from speculative.children import DraftRows, SampledChildren
+from speculative.draft_tree import DraftTree
 from speculative.generation import Generation, alone
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import SamplingParams
 from speculative.strategies.tree import EXPLORE_ROUNDS, REJECTION_STAYS, TreeSpeculation
-from speculative.tree import DraftTree
 from speculative.verification import rejection_walk
 
 T1 = SamplingParams(temperature=1.0)

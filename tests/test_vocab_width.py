@@ -22,12 +22,12 @@ from scripts.real_shapes import build_model, model_config
 from speculative.acceptance import AcceptanceTable
 from speculative.checkpoint import load
 from speculative.children import RankedChildren
+from speculative.draft_tree import DraftTree, grow_tree
 from speculative.drafting import ModelDrafter
 from speculative.generation import Generation, Strategy
 from speculative.passes import run_alone
 from speculative.sampling import PenaltyContext, SamplingParams, make_generator
 from speculative.strategies.tree import TreeSpeculation
-from speculative.tree import DraftTree, grow_tree
 
 TOKENIZER = 64  # entries in both models' tokenizer.json
 GREEDY = SamplingParams(temperature=0.0)

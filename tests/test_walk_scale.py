@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from speculative.config import ModelConfig
+from speculative.draft_tree import DraftTree
 from speculative.generation import alone
 from speculative.model import Transformer
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, draw, make_generator
 from speculative.strategies.tree import TreeSpeculation
-from speculative.tree import DraftTree
 from speculative.verification import walk as tree_walk
 
 PARAMS = [

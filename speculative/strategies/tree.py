@@ -40,6 +40,12 @@ from speculative.children import (
     RankedChildren,
     SampledChildren,
 )
+from speculative.draft_tree import (
+    DraftTree,
+    grow_tree_steps,
+    tree_from_continuations,
+    verification_mask,
+)
 from speculative.drafting import check_draft_width
 from speculative.generation import (
     PREFILL_CHUNK,
@@ -63,12 +69,6 @@ from speculative.sampling import (
     TokenLogprob,
     draw,
     token_logprob,
-)
-from speculative.tree import (
-    DraftTree,
-    grow_tree_steps,
-    tree_from_continuations,
-    verification_mask,
 )
 from speculative.verification import Verified, rejection_walk, walk
 
