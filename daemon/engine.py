@@ -58,16 +58,12 @@ from daemon.pressure import PressureMonitor, PressureThresholds, cuda_probe, hos
 from daemon.relief import Relief, is_out_of_memory, relief_steps
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.errors import RequestError
-from speculative.generation import (
-    Chunk,
-    Generation,
-    GenerationStats,
-    Session,
-    Strategy,
-)
+from speculative.generation import Chunk, Generation
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
 from speculative.passes import Allot, Forward, Request, allot, execute
+from speculative.rounds import GenerationStats, Strategy
+from speculative.session import Session
 
 log = logging.getLogger("specd.engine")
 

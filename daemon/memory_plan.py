@@ -35,7 +35,6 @@ from speculative.checkpoint import (
 )
 from speculative.compiled import MAX_TOKENS
 from speculative.config import ModelConfig
-from speculative.generation import PREFILL_CHUNK
 from speculative.gguf_model import is_gguf
 from speculative.graphs import (
     ALLOCATOR_ROUNDING_BYTES,
@@ -46,6 +45,7 @@ from speculative.graphs import (
 from speculative.kv_cache import INITIAL_SLOTS, KVCache
 from speculative.model import Transformer
 from speculative.packed import PackedLinear
+from speculative.prefill import PREFILL_CHUNK
 from speculative.sampling import DRAW_BYTES_PER_ENTRY
 from speculative.substitute import (
     SUBSTITUTE,

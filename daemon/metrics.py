@@ -16,7 +16,7 @@ import prometheus_client as prom
 
 from daemon.pressure import LEVELS, PressureMonitor
 from daemon.relief import Relief
-from speculative.generation import GenerationStats
+from speculative.rounds import GenerationStats
 
 # Keys the offload streamer may add to GenerationStats.extra: bytes moved host → device and
 # the seconds spent moving them during the generation.

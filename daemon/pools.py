@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from daemon.runtime import Runtime
-from speculative.generation import Session, Strategy, common_prefix_len
+from speculative.rounds import Strategy
+from speculative.session import Session, common_prefix_len
 
 # Strategies kept for per-request tree budgets. Without a bound, a client cycling through
 # budgets grew one strategy (with its learned costs) per distinct value, forever; they all

@@ -21,10 +21,12 @@ from speculative.acceptance import AcceptanceModel
 from speculative.budget import max_tree_budget
 from speculative.checkpoint import DTYPE_CHOICES, Checkpoint, load, open_checkpoint
 from speculative.drafting import Drafter, ModelDrafter, NgramDrafter
-from speculative.generation import Generation, Session, Strategy
+from speculative.generation import Generation
 from speculative.model import Transformer
 from speculative.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
+from speculative.rounds import Strategy
 from speculative.sampling import SamplingParams
+from speculative.session import Session
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear
 from speculative.strategies.tree import TreeSpeculation

@@ -60,7 +60,8 @@ from scripts.step_timing import budget, print_steps, shaped, step_seconds  # noq
 from speculative.checkpoint import load  # noqa: E402
 from speculative.compiled import CompiledPasses  # noqa: E402
 from speculative.drafting import ModelDrafter  # noqa: E402
-from speculative.generation import Generation, Strategy  # noqa: E402
+from speculative.generation import Generation  # noqa: E402
+from speculative.rounds import Strategy  # noqa: E402
 from speculative.sampling import SamplingParams  # noqa: E402
 from speculative.strategies.autoregressive import Autoregressive  # noqa: E402
 from speculative.strategies.linear import Linear  # noqa: E402

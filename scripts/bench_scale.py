@@ -77,9 +77,10 @@ from offload.units import format_size  # noqa: E402
 from scripts.real_shapes import PAIRS, build_model, model_config  # noqa: E402
 from speculative.checkpoint import DTYPES  # noqa: E402
 from speculative.config import ModelConfig  # noqa: E402
-from speculative.generation import alone, feed  # noqa: E402
 from speculative.kv_cache import KVCache  # noqa: E402
 from speculative.model import Transformer  # noqa: E402
+from speculative.passes import alone  # noqa: E402
+from speculative.prefill import feed  # noqa: E402
 from speculative.prefix_cache import PrefixCache  # noqa: E402
 from speculative.sampling import SamplingParams, make_generator  # noqa: E402
 from speculative.strategies.tree import TreeSpeculation  # noqa: E402

@@ -29,8 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from speculative.checkpoint import load  # noqa: E402
 from speculative.drafting import ModelDrafter  # noqa: E402
-from speculative.generation import Generation, Strategy  # noqa: E402
+from speculative.generation import Generation  # noqa: E402
 from speculative.prefix_cache import PrefixCache  # noqa: E402
+from speculative.rounds import Strategy  # noqa: E402
 from speculative.sampling import SamplingParams  # noqa: E402
 from speculative.strategies.autoregressive import Autoregressive  # noqa: E402
 from speculative.strategies.linear import Linear  # noqa: E402

@@ -54,9 +54,10 @@ sys.path.insert(0, str(ROOT))
 from daemon.runtime import Runtime, RuntimeOptions, linear_drafter  # noqa: E402
 from scripts.bench_speculative import PROMPTS  # noqa: E402
 from speculative.acceptance import AcceptanceModel  # noqa: E402
-from speculative.generation import Generation, Strategy  # noqa: E402
+from speculative.generation import Generation  # noqa: E402
 from speculative.grammar import Constraint, Grammar  # noqa: E402
 from speculative.prefix_cache import PrefixCache  # noqa: E402
+from speculative.rounds import Strategy  # noqa: E402
 from speculative.sampling import SamplingParams  # noqa: E402
 from speculative.strategies.linear import Linear  # noqa: E402
 from speculative.strategies.tree import TreeSpeculation  # noqa: E402

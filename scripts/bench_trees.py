@@ -36,9 +36,10 @@ from scripts.bench_speculative import PROMPTS  # noqa: E402
 from speculative.acceptance import AcceptanceModel  # noqa: E402
 from speculative.checkpoint import load  # noqa: E402
 from speculative.drafting import ModelDrafter, NgramDrafter  # noqa: E402
-from speculative.generation import Strategy, alone  # noqa: E402
 from speculative.model import Transformer  # noqa: E402
+from speculative.passes import alone  # noqa: E402
 from speculative.prefix_cache import PrefixCache  # noqa: E402
+from speculative.rounds import Strategy  # noqa: E402
 from speculative.sampling import SamplingParams  # noqa: E402
 from speculative.strategies.linear import Linear  # noqa: E402
 from speculative.strategies.tree import TreeSpeculation  # noqa: E402

@@ -15,7 +15,6 @@ from typing import Protocol
 
 import torch
 
-from speculative.generation import Session
 from speculative.grammar import Constraint, masked
 from speculative.model import Transformer
 from speculative.ngram import ngram_proposal
@@ -27,6 +26,7 @@ from speculative.sampling import (
     probabilities,
     sample,
 )
+from speculative.session import Session
 
 
 @dataclass

@@ -7,9 +7,10 @@ resumes the generator, which takes the result out (`Forward.take`): a driver sti
 the request then holds no logits through the next pass (the plan counts one); the
 strategies drop theirs before they request the next pass too. Whoever drives the
 generator decides how the requests run: `run_alone` runs each as a pass of its own (one
-generation: the CLI, tests), the engine gathers the requests of every active generation
-and runs them as one batched pass per model (`execute`), so a streamed target's weights
-cross the bus once for all of them. The strategy's code is the same either way.
+generation: the CLI, tests; `alone` does the same for a generator that also yields rounds or
+chunks), the engine gathers the requests of every active generation and runs them as one
+batched pass per model (`execute`), so a streamed target's weights cross the bus once for
+all of them. The strategy's code is the same either way.
 
 The second request, `Allot`, is how tree nodes are spent when several trees grow for one
 pass (SpecExec's best-first order over the whole forest): at each growth step a tree offers
@@ -22,7 +23,7 @@ together and grants the best ones, within the pass's node budget (`allot`).
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -32,6 +33,7 @@ from speculative.kv_cache import KVCache
 from speculative.model import Segment, Transformer
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(eq=False)
@@ -188,3 +190,17 @@ def run_alone(steps: Steps[T]) -> T:
             request = next(steps)
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
+
+
+def alone(steps: Generator[Request | R, None, None]) -> Iterator[R]:
+    """Drive a step-wise generator on its own: each request is served at once as if no
+    other generation existed (`serve_alone`), everything else is passed on (a strategy's
+    Rounds, a Generation's Chunks)."""
+    try:
+        for item in steps:
+            if isinstance(item, Forward | Allot):
+                serve_alone(item)
+            else:
+                yield item
+    finally:
+        steps.close()

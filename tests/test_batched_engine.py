@@ -18,19 +18,14 @@ from daemon.jobs import Failed, Finished, GenerationRequest, Job
 from daemon.metrics import Metrics
 from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
 from speculative.drafting import NgramDrafter
-from speculative.generation import (
-    PREFILL_CHUNK,
-    Chunk,
-    Generation,
-    Round,
-    RoundSteps,
-    Session,
-    Strategy,
-)
+from speculative.generation import Chunk, Generation
 from speculative.kv_cache import KVCache
 from speculative.model import Segment, Transformer
+from speculative.prefill import PREFILL_CHUNK
 from speculative.prefix_cache import PrefixCache
+from speculative.rounds import Round, RoundSteps, Strategy
 from speculative.sampling import SamplingParams
+from speculative.session import Session
 from speculative.strategies.linear import Linear
 from speculative.strategies.tree import TreeSpeculation
 

@@ -19,9 +19,10 @@ from speculative.attention import ATTENTION_CHUNK_BYTES, attention_row_bytes, qu
 from speculative.checkpoint import load
 from speculative.compiled import MAX_TOKENS, CompiledPasses, ineligible
 from speculative.drafting import ModelDrafter
-from speculative.generation import Generation, Strategy
+from speculative.generation import Generation
 from speculative.kv_cache import KVCache
 from speculative.model import RMSNorm, Transformer
+from speculative.rounds import Strategy
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear

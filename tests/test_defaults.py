@@ -22,7 +22,7 @@ from scripts.real_shapes import full_config, hf_config
 from speculative.budget import AUTO_MAX_BUDGET
 from speculative.checkpoint import dtype_candidates, dtype_key
 from speculative.config import ModelConfig
-from speculative.generation import PREFILL_CHUNK
+from speculative.prefill import PREFILL_CHUNK
 
 # Llama-3.1-8B/70B and Llama-3.2-1B as their config.json files declare them (bf16).
 MODELS = {

@@ -14,7 +14,9 @@ from daemon.cli import main
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.checkpoint import load
 from speculative.drafting import ModelDrafter, NgramDrafter
-from speculative.generation import Generation, Strategy, alone
+from speculative.generation import Generation
+from speculative.passes import alone
+from speculative.rounds import Strategy
 from speculative.sampling import SamplingParams, make_generator
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear

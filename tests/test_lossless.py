@@ -28,10 +28,10 @@ import pytest
 import torch
 
 from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
-from speculative.generation import RoundSteps, Strategy, alone
 from speculative.grammar import Constraint, Grammar
 from speculative.model import Transformer
-from speculative.passes import Allot, Forward, Request, allot, execute
+from speculative.passes import Allot, Forward, Request, allot, alone, execute
+from speculative.rounds import RoundSteps, Strategy
 from speculative.sampling import PenaltyContext, SamplingParams, probabilities
 from speculative.strategies.linear import Linear
 

@@ -20,7 +20,7 @@ from offload.units import format_size, parse_rate, parse_size
 from speculative.attention import ATTENTION_CHUNK_BYTES
 from speculative.budget import AUTO_MAX_BUDGET
 from speculative.config import ModelConfig
-from speculative.generation import PREFILL_CHUNK
+from speculative.prefill import PREFILL_CHUNK
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",

@@ -21,11 +21,13 @@ from daemon.metrics import Metrics
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.checkpoint import load
 from speculative.drafting import ModelDrafter, NgramDrafter
-from speculative.generation import Chunk, Generation, Session, Strategy
+from speculative.generation import Chunk, Generation
 from speculative.kv_cache import KVCache
 from speculative.model import Segment, Transformer
 from speculative.prefix_cache import PrefixCache
+from speculative.rounds import Strategy
 from speculative.sampling import SamplingParams
+from speculative.session import Session
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear
 from speculative.strategies.tree import TreeSpeculation

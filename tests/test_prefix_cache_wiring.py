@@ -23,8 +23,8 @@ from daemon.settings_loading import load_settings
 from offload.plan import Budget
 from offload.planning import PlanError, make_plan
 from speculative.config import ModelConfig
-from speculative.generation import GenerationStats, RoundStats
 from speculative.prefix_cache import DEFAULT_MAX_BYTES
+from speculative.rounds import GenerationStats, RoundStats
 
 
 def _settings(tmp_path: Path, text: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]

@@ -23,10 +23,13 @@ import torch
 from offload.machine import PeakMemory
 from scripts.bench_scale import pass_plan, plan_figures
 from scripts.real_shapes import build_model, model_config, write_folder
-from speculative.generation import Round, Session, alone, feed
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
+from speculative.passes import alone
+from speculative.prefill import feed
+from speculative.rounds import Round
 from speculative.sampling import SamplingParams, make_generator
+from speculative.session import Session
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.tree import TreeSpeculation
 

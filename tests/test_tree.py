@@ -17,10 +17,12 @@ from speculative.draft_tree import (
     tree_from_continuations,
     verification_mask,
 )
-from speculative.generation import Generation, Session, alone
+from speculative.generation import Generation
 from speculative.model import Transformer
+from speculative.passes import alone
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import SamplingParams, probabilities
+from speculative.session import Session
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.tree import TreeSpeculation
 

@@ -15,7 +15,8 @@ from speculative.acceptance import AcceptanceModel, AcceptanceTable, regime
 from speculative.checkpoint import load
 from speculative.children import DraftRows, SampledChildren
 from speculative.draft_tree import DraftTree
-from speculative.generation import Generation, alone
+from speculative.generation import Generation
+from speculative.passes import alone
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import SamplingParams
 from speculative.strategies.tree import EXPLORE_ROUNDS, REJECTION_STAYS, TreeSpeculation

@@ -24,8 +24,9 @@ from speculative.checkpoint import load
 from speculative.children import RankedChildren
 from speculative.draft_tree import DraftTree, grow_tree
 from speculative.drafting import ModelDrafter
-from speculative.generation import Generation, Strategy
+from speculative.generation import Generation
 from speculative.passes import run_alone
+from speculative.rounds import Strategy
 from speculative.sampling import PenaltyContext, SamplingParams, make_generator
 from speculative.strategies.tree import TreeSpeculation
 

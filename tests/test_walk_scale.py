@@ -9,8 +9,8 @@ import torch
 
 from speculative.config import ModelConfig
 from speculative.draft_tree import DraftTree
-from speculative.generation import alone
 from speculative.model import Transformer
+from speculative.passes import alone
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, draw, make_generator
 from speculative.strategies.tree import TreeSpeculation

@@ -8,17 +8,11 @@ from collections.abc import Sequence
 
 import torch
 
-from speculative.generation import (
-    PREFILL_CHUNK,
-    Round,
-    RoundStats,
-    RoundSteps,
-    Session,
-    prefill,
-)
 from speculative.grammar import MAX_FORCED, Constraint, forced_logprobs, masked
 from speculative.model import Transformer
 from speculative.passes import feed_pass
+from speculative.prefill import PREFILL_CHUNK, prefill
+from speculative.rounds import Round, RoundStats, RoundSteps
 from speculative.sampling import (
     PenaltyContext,
     PositionNoise,
@@ -26,6 +20,7 @@ from speculative.sampling import (
     draw,
     token_logprob,
 )
+from speculative.session import Session
 
 
 class Autoregressive:

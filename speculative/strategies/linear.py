@@ -19,17 +19,11 @@ from collections.abc import Sequence
 import torch
 
 from speculative.drafting import Drafter
-from speculative.generation import (
-    PREFILL_CHUNK,
-    Round,
-    RoundStats,
-    RoundSteps,
-    Session,
-    prefill,
-)
 from speculative.grammar import MAX_FORCED, Constraint, forced_logprobs, mask_rows_
 from speculative.model import Transformer
 from speculative.passes import forward
+from speculative.prefill import PREFILL_CHUNK, prefill
+from speculative.rounds import Round, RoundStats, RoundSteps
 from speculative.sampling import (
     PenaltyContext,
     SamplingParams,
@@ -39,6 +33,7 @@ from speculative.sampling import (
     sample,
     token_logprob,
 )
+from speculative.session import Session
 
 
 class Linear:

@@ -47,21 +47,14 @@ from speculative.draft_tree import (
     verification_mask,
 )
 from speculative.drafting import check_draft_width
-from speculative.generation import (
-    PREFILL_CHUNK,
-    DraftedTree,
-    Round,
-    RoundStats,
-    RoundSteps,
-    Session,
-    prefill,
-)
 from speculative.grammar import MAX_FORCED, Constraint, forced_logprobs, masked
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
 from speculative.ngram import ngram_tree_prefixes
 from speculative.passes import Steps, feed_pass, forward
+from speculative.prefill import PREFILL_CHUNK, prefill
 from speculative.prefix_cache import PrefixCache
+from speculative.rounds import DraftedTree, Round, RoundStats, RoundSteps
 from speculative.sampling import (
     PenaltyContext,
     PositionNoise,
@@ -70,6 +63,7 @@ from speculative.sampling import (
     draw,
     token_logprob,
 )
+from speculative.session import Session
 from speculative.verification import Verified, rejection_walk, walk
 
 # With `auto` at T > 0, rejection's first rounds in a temperature regime come first. Where

@@ -1,0 +1,46 @@
+"""`Session`: one sequence's KV caches and the tokens they hold, kept across a
+conversation's requests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from speculative.kv_cache import KVCache
+from speculative.model import Transformer
+
+
+class Session:
+    """One sequence's state on the models: each model's KV cache and the token ids whose
+    entries it holds. A conversation keeps its session so the next request prefills only
+    what is new."""
+
+    def __init__(self, target: Transformer, capacity: int, draft: Transformer | None = None):
+        self.capacity = capacity
+        self.target_cache: KVCache = target.new_cache(capacity)
+        self.target_tokens: list[int] = []
+        self.draft_cache: KVCache | None = draft.new_cache(capacity) if draft is not None else None
+        self.draft_tokens: list[int] = []
+
+    def reuse_prefix(self, prompt_ids: Sequence[int]) -> int:
+        """Roll both caches back to their longest common prefix with `prompt_ids`, keeping at
+        least the last prompt token unfed (it is the first round's root). Returns how many
+        prompt tokens the target cache still holds."""
+        limit = max(len(prompt_ids) - 1, 0)
+        kept = common_prefix_len(self.target_tokens, prompt_ids, limit)
+        self.target_cache.truncate(kept)
+        del self.target_tokens[kept:]
+        if self.draft_cache is not None:
+            d = common_prefix_len(self.draft_tokens, prompt_ids, limit)
+            self.draft_cache.truncate(d)
+            del self.draft_tokens[d:]
+        return kept
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """How many leading tokens `a` and `b` share, at most `limit` (None: no limit)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if (limit is not None and n >= limit) or x != y:
+            break
+        n += 1
+    return n
