@@ -116,8 +116,10 @@ def stop_compiling() -> None:
         child.kill()
 
 
-class CompiledModels:
-    """The runtime's models and their compiled passes."""
+class Compilation:
+    """Compiling the runtime's models: which of them run compiled passes (`decide`), warming
+    their graphs, and each model's state (off, warming, ready or failed). The graphs
+    themselves are each model's `CompiledPasses` (speculative/compiled.py)."""
 
     def __init__(
         self,
@@ -236,7 +238,7 @@ class CompiledModels:
 
 
 def precompile_main(argv: list[str] | None = None) -> int:
-    """The child of `CompiledModels._precompile`: load a checkpoint as the daemon did and
+    """The child of `Compilation._precompile`: load a checkpoint as the daemon did and
     compile its graphs into the disk cache (TORCHINDUCTOR_CACHE_DIR, inherited)."""
     ap = argparse.ArgumentParser(description="compile a model's passes into the disk cache")
     ap.add_argument("folder")

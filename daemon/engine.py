@@ -240,7 +240,7 @@ class Engine:
             self.metrics.set_draft(self.runtime.draft_kind, self.runtime.substitute_bits)
             # Compiled passes warm on their own thread: requests run eager until then. A
             # runtime whose owner decided already (`specd bench`) keeps its choice.
-            if self.runtime.compiled is None:
+            if self.runtime.compilation is None:
                 self.runtime.compile(serving=True).warm_in_background()
             self._watch_memory()
         except BaseException as exc:  # reported by /health and every request
@@ -359,11 +359,11 @@ class Engine:
         self, name: str | None, budget: int | None, verification: str | None = None
     ) -> Strategy:
         assert self.runtime is not None
-        compiled = self.runtime.compiled
-        if compiled is not None and compiled.ready_count != self._compiled_seen:
+        compilation = self.runtime.compilation
+        if compilation is not None and compilation.ready_count != self._compiled_seen:
             # A model's passes now run compiled: the costs `auto` measured before (eager,
             # and slowed by the compiler's own work meanwhile) no longer hold.
-            self._compiled_seen = compiled.ready_count
+            self._compiled_seen = compilation.ready_count
             self._strategies.clear()
         return self._strategies.get(self.runtime, name, budget, verification)
 

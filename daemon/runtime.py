@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from daemon.compiling import SMALL_LAYER_PARAMETERS, CompiledModels
+from daemon.compiling import SMALL_LAYER_PARAMETERS, Compilation
 from daemon.memory_plan import plan_dtype
 from daemon.target_loading import load_placed_target
 from offload.plan import MemoryPlan
@@ -223,9 +223,9 @@ class Runtime:
         default = "tree" if self.draft_kind else "autoregressive"
         self.default_strategy = options.strategy or default
         self.check_strategy(self.default_strategy)
-        self.compiled: CompiledModels | None = None
+        self.compilation: Compilation | None = None
 
-    def compile(self, serving: bool) -> CompiledModels:
+    def compile(self, serving: bool) -> Compilation:
         """Decide which models run compiled passes (`options.compile`); the caller warms
         them (`warm()` in the foreground, `warm_in_background()` for the daemon)."""
         models = {"target": self.target}
@@ -233,8 +233,8 @@ class Runtime:
         if self.draft is not None and self.draft_checkpoint is not None:
             models["draft"] = self.draft
             folders["draft"] = self.draft_checkpoint.path
-        self.compiled = CompiledModels(self.options.compile, models, serving, folders=folders)
-        return self.compiled
+        self.compilation = Compilation(self.options.compile, models, serving, folders=folders)
+        return self.compilation
 
     def check_strategy(self, name: str) -> None:
         """Refuse a strategy this runtime cannot build: an unknown name, or speculation

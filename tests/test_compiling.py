@@ -17,7 +17,7 @@ import pytest
 from torch._dynamo.utils import counters
 
 from daemon.cli.commands import main
-from daemon.compiling import SMALL_LAYER_PARAMETERS, CompiledModels, decide
+from daemon.compiling import SMALL_LAYER_PARAMETERS, Compilation, decide
 from daemon.http.server import BackgroundServer
 from daemon.runtime import Runtime, RuntimeOptions
 from daemon.settings import SettingsError
@@ -61,9 +61,9 @@ def test_auto_compiles_the_daemons_small_cpu_models_only(stories_draft: Path) ->
 def test_models_that_cannot_compile_say_why_even_when_asked() -> None:
     model = Transformer(_config(64, 128))
     model.set_layers(list(model.layers))  # what a streamer looks like to the model
-    compiled = CompiledModels("on", {"target": model}, serving=True)
-    assert not compiled.wanted
-    state = compiled.to_dict()["target"]
+    compilation = Compilation("on", {"target": model}, serving=True)
+    assert not compilation.wanted
+    state = compilation.to_dict()["target"]
     assert state["state"] == "off" and "streamed" in str(state["reason"])
 
 
@@ -74,11 +74,11 @@ def test_a_failed_compile_leaves_the_model_eager(monkeypatch: pytest.MonkeyPatch
         raise RuntimeError("no C++ compiler")
 
     monkeypatch.setattr("daemon.compiling.CompiledPasses", broken)
-    compiled = CompiledModels("on", {"target": model}, serving=True)
-    compiled.warm()
+    compilation = Compilation("on", {"target": model}, serving=True)
+    compilation.warm()
     assert model.compiled is None
-    assert compiled.to_dict()["target"]["state"] == "failed"
-    assert "no C++ compiler" in str(compiled.to_dict()["target"]["reason"])
+    assert compilation.to_dict()["target"]["state"] == "failed"
+    assert "no C++ compiler" in str(compilation.to_dict()["target"]["reason"])
 
 
 def test_runtime_compile_is_a_validated_setting(tmp_path: Path) -> None:
@@ -108,8 +108,8 @@ def test_the_daemon_serves_while_compiling_then_serves_compiled(stories_draft: P
     expected = _greedy(eager, prompt, 24)
     with BackgroundServer(settings) as srv:
         runtime = srv.server.engine.runtime
-        assert runtime is not None and runtime.compiled is not None
-        runtime.compiled.join(timeout=600)  # warmed on its own thread
+        assert runtime is not None and runtime.compilation is not None
+        runtime.compilation.join(timeout=600)  # warmed on its own thread
         status = _get(srv.url + "/v1/specd/status")
         assert status["compile"]["target"]["state"] == "ready", status["compile"]
         assert runtime.target.compiled is not None
@@ -126,9 +126,9 @@ def test_an_unwritable_compile_cache_leaves_the_models_eager(tmp_path: Path) -> 
     model = Transformer(_config(64, 128))
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
-    compiled = CompiledModels("on", {"draft": model}, serving=True, cache_dir=blocked / "x")
-    assert not compiled.wanted
-    state = compiled.to_dict()["draft"]
+    compilation = Compilation("on", {"draft": model}, serving=True, cache_dir=blocked / "x")
+    assert not compilation.wanted
+    state = compilation.to_dict()["draft"]
     assert state["state"] == "failed" and "cache folder" in str(state["reason"])
 
 

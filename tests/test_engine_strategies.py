@@ -60,10 +60,10 @@ def test_strategies_are_rebuilt_when_compiled_passes_become_ready(
     slowed by the compiler working beside them) is forgotten: new requests get new
     strategies; active ones keep theirs."""
     runtime, engine = _engine(stories_target, stories_draft)
-    compiled = runtime.compile(serving=True)  # "off" for a runtime built directly
+    compilation = runtime.compile(serving=True)  # "off" for a runtime built directly
     before = engine._strategy("tree", None)
     assert engine._strategy("tree", None) is before
-    compiled.ready_count += 1  # what CompiledModels.warm does when a model is ready
+    compilation.ready_count += 1  # what Compilation.warm does when a model is ready
     after = engine._strategy("tree", None)
     assert after is not before and engine._strategy("tree", None) is after
 

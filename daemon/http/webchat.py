@@ -82,7 +82,7 @@ async def specd_status(request: web.Request) -> web.Response:
             max_tree_budget=runtime.max_tree_budget,
             plan=runtime.plan.to_dict(),
             # Per model: off, warming (passes run eager until ready), ready or failed.
-            compile=runtime.compiled.to_dict() if runtime.compiled is not None else {},
+            compile=runtime.compilation.to_dict() if runtime.compilation is not None else {},
             # What tree verification accepted, per verification and temperature regime.
             tree_acceptance=runtime.acceptance.to_dict(),
             # The cache of verified target logits: it allocates its slots as rows need
