@@ -20,9 +20,10 @@ from offload.stream import LayerStreamer
 from speculative.acceptance import AcceptanceModel
 from speculative.budget import max_tree_budget
 from speculative.checkpoint import DTYPE_CHOICES, Checkpoint, load, open_checkpoint
-from speculative.drafting import Drafter, ModelDrafter, NgramDrafter
+from speculative.drafting import Drafter, ModelDrafter
 from speculative.generation import Generation
 from speculative.model import Transformer
+from speculative.ngram import NgramDrafter
 from speculative.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
 from speculative.rounds import Strategy
 from speculative.sampling import SamplingParams

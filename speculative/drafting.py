@@ -1,4 +1,6 @@
-"""Where linear speculation's guesses come from: a resident draft model, or prompt lookup.
+"""Where linear speculation's guesses come from: the `Drafter` interface, and drafting with a
+resident draft model (`ModelDrafter`). Prompt lookup's drafter is `NgramDrafter`, with the
+rest of n-gram drafting in speculative/ngram.py.
 
 A drafter proposes up to `k` tokens after the committed sequence x_1..x_L together with the
 distribution q_i each token was drawn from. Rejection sampling needs q only at the proposed
@@ -17,7 +19,6 @@ import torch
 
 from speculative.grammar import Constraint, masked
 from speculative.model import Transformer
-from speculative.ngram import ngram_proposal
 from speculative.passes import Steps, feed_pass
 from speculative.sampling import (
     PenaltyContext,
@@ -149,40 +150,3 @@ class ModelDrafter:
         keep = min(committed, len(session.draft_tokens))
         session.draft_cache.truncate(keep)
         del session.draft_tokens[keep:]
-
-
-class NgramDrafter:
-    """Prompt-lookup drafting: the continuation that followed the latest earlier occurrence
-    of the sequence's suffix. Deterministic, so q is a point mass on each proposed token."""
-
-    def __init__(self, vocab_size: int, max_ngram: int = 3) -> None:
-        self.draft: Transformer | None = None
-        self.vocab_size = vocab_size
-        self.max_ngram = max_ngram
-
-    def new_session(self, target: Transformer, capacity: int) -> Session:
-        return Session(target, capacity)
-
-    def propose(
-        self,
-        session: Session,
-        sequence: Sequence[int],
-        k: int,
-        params: SamplingParams,
-        penalties: PenaltyContext,
-        generator: torch.Generator,
-        constraint: Constraint | None = None,
-    ) -> Steps[Proposal]:
-        t0 = time.perf_counter()
-        tokens = ngram_proposal(sequence, k, max_ngram=self.max_ngram) if k > 0 else []
-        if constraint is not None:  # a guess the grammar refuses could never be accepted
-            tokens = tokens[: constraint.valid_prefix(tokens)]
-        device = penalties.counts.device
-        q = torch.nn.functional.one_hot(
-            torch.tensor(tokens, dtype=torch.long, device=device), self.vocab_size
-        ).float()  # (k, V)
-        yield from ()  # step-wise like every drafter, though lookup requests no pass
-        return Proposal(tokens, q, 0, time.perf_counter() - t0)
-
-    def rollback(self, session: Session, committed: int) -> None:
-        pass  # nothing is cached between rounds

@@ -2,17 +2,30 @@
 earlier context. No draft model, no weights: text that repeats itself (code, quotes, lists,
 chat that echoes the question) is guessed for free.
 
+All of n-gram drafting lives here: the lookup (`ngram_continuations`, `ngram_tree_prefixes`),
+linear speculation's drafter (`NgramDrafter`) and tree speculation's tree (`ngram_tree`).
+
 Losslessness does not depend on the guesses being good: a deterministic proposal is a
 point mass q(t) = 1 for the proposed token, and rejection sampling against that q is exact.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import sliding_window_view
+
+from speculative.draft_tree import DraftTree, tree_from_continuations
+from speculative.drafting import Proposal
+from speculative.grammar import Constraint
+from speculative.model import Transformer
+from speculative.passes import Steps
+from speculative.sampling import PenaltyContext, SamplingParams
+from speculative.session import Session
 
 
 def ngram_continuations(
@@ -92,6 +105,21 @@ def ngram_tree_prefixes(
     return []
 
 
+def ngram_tree(
+    context: Sequence[int],
+    budget: int,
+    max_depth: int,
+    *,
+    max_ngram: int = 3,
+    device: torch.device | str = "cpu",
+) -> DraftTree:
+    """Tree speculation's prompt-lookup tree: the root is the context's last token, and its
+    nodes the `budget` best continuation prefixes (`ngram_tree_prefixes`), at most
+    `max_depth` deep, as a trie."""
+    found = ngram_tree_prefixes(context, budget, max_ngram=max_ngram, max_len=max_depth)
+    return tree_from_continuations(context[-1], found, budget, max_depth, device)
+
+
 def _merge_truncated(
     counts: Counter[tuple[int, ...]], latest: dict[tuple[int, ...], int], max_len: int
 ) -> None:
@@ -110,3 +138,41 @@ def ngram_proposal(context: Sequence[int], length: int, *, max_ngram: int = 3) -
     """One chain of up to `length` tokens for linear speculation: the best continuation."""
     found = ngram_continuations(context, max_ngram=max_ngram, max_len=length, max_candidates=1)
     return found[0] if found else []
+
+
+class NgramDrafter:
+    """Linear speculation's prompt lookup: the continuation that most often followed earlier
+    occurrences of the sequence's suffix, the latest first among equals (`ngram_proposal`).
+    Deterministic, so q is a point mass on each proposed token."""
+
+    def __init__(self, vocab_size: int, max_ngram: int = 3) -> None:
+        self.draft: Transformer | None = None
+        self.vocab_size = vocab_size
+        self.max_ngram = max_ngram
+
+    def new_session(self, target: Transformer, capacity: int) -> Session:
+        return Session(target, capacity)
+
+    def propose(
+        self,
+        session: Session,
+        sequence: Sequence[int],
+        k: int,
+        params: SamplingParams,
+        penalties: PenaltyContext,
+        generator: torch.Generator,
+        constraint: Constraint | None = None,
+    ) -> Steps[Proposal]:
+        t0 = time.perf_counter()
+        tokens = ngram_proposal(sequence, k, max_ngram=self.max_ngram) if k > 0 else []
+        if constraint is not None:  # a guess the grammar refuses could never be accepted
+            tokens = tokens[: constraint.valid_prefix(tokens)]
+        device = penalties.counts.device
+        q = torch.nn.functional.one_hot(
+            torch.tensor(tokens, dtype=torch.long, device=device), self.vocab_size
+        ).float()  # (k, V)
+        yield from ()  # step-wise like every drafter, though lookup requests no pass
+        return Proposal(tokens, q, 0, time.perf_counter() - t0)
+
+    def rollback(self, session: Session, committed: int) -> None:
+        pass  # nothing is cached between rounds

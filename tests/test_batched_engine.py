@@ -17,10 +17,10 @@ from daemon.engine import Engine, EngineLimits
 from daemon.jobs import Failed, Finished, GenerationRequest, Job
 from daemon.metrics import Metrics
 from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
-from speculative.drafting import NgramDrafter
 from speculative.generation import Chunk, Generation
 from speculative.kv_cache import KVCache
 from speculative.model import Segment, Transformer
+from speculative.ngram import NgramDrafter
 from speculative.prefill import PREFILL_CHUNK
 from speculative.prefix_cache import PrefixCache
 from speculative.rounds import Round, RoundSteps, Strategy

@@ -13,8 +13,9 @@ import pytest
 from daemon.cli import main
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.checkpoint import load
-from speculative.drafting import ModelDrafter, NgramDrafter
+from speculative.drafting import ModelDrafter
 from speculative.generation import Generation
+from speculative.ngram import NgramDrafter
 from speculative.passes import alone
 from speculative.rounds import Strategy
 from speculative.sampling import SamplingParams, make_generator

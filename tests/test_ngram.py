@@ -1,12 +1,17 @@
-"""Prompt-lookup drafting: which continuations are found, in which order, and that the
-n-gram drafter's proposal is a point mass on what it proposes."""
+"""Prompt-lookup drafting: which continuations are found and in which order, the n-gram
+drafter's proposal (a point mass on what it proposes), and the n-gram tree."""
 
 from __future__ import annotations
 
 import torch
 
-from speculative.drafting import NgramDrafter
-from speculative.ngram import ngram_continuations, ngram_proposal, ngram_tree_prefixes
+from speculative.ngram import (
+    NgramDrafter,
+    ngram_continuations,
+    ngram_proposal,
+    ngram_tree,
+    ngram_tree_prefixes,
+)
 from speculative.passes import run_alone
 from speculative.sampling import PenaltyContext, SamplingParams
 
@@ -88,3 +93,16 @@ def test_tree_prefixes_follow_what_most_often_came_next():
         assert p[:-1] in seen  # the parent came first
         seen.add(p)
     assert ngram_tree_prefixes([1, 2, 3], budget=4) == []
+
+
+def test_ngram_tree_is_the_trie_of_the_best_prefixes():
+    """Tree speculation's prompt-lookup tree: rooted at the context's last token, its nodes
+    are `ngram_tree_prefixes` in order, each under its parent prefix."""
+    #          0  1  2  3  4  5  6  7
+    context = [1, 2, 3, 1, 2, 4, 1, 2]
+    # "1 2" was followed by "3 1" and (more recently) "4 1": 4, then 3, then "4 1".
+    assert ngram_tree_prefixes(context, budget=3, max_len=2) == [(4,), (3,), (4, 1)]
+    tree = ngram_tree(context, budget=3, max_depth=2)
+    assert tree.token_list() == [2, 4, 3, 1]
+    assert tree.parents[: tree.size].tolist() == [-1, 0, 0, 1]
+    assert ngram_tree([1, 2, 3], budget=4, max_depth=2).size == 1  # nothing repeats: the root

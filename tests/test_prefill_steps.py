@@ -20,10 +20,11 @@ from daemon.jobs import Finished, GenerationRequest, Job
 from daemon.metrics import Metrics
 from daemon.runtime import Runtime, RuntimeOptions
 from speculative.checkpoint import load
-from speculative.drafting import ModelDrafter, NgramDrafter
+from speculative.drafting import ModelDrafter
 from speculative.generation import Chunk, Generation
 from speculative.kv_cache import KVCache
 from speculative.model import Segment, Transformer
+from speculative.ngram import NgramDrafter
 from speculative.prefix_cache import PrefixCache
 from speculative.rounds import Strategy
 from speculative.sampling import SamplingParams

@@ -43,14 +43,13 @@ from speculative.children import (
 from speculative.draft_tree import (
     DraftTree,
     grow_tree_steps,
-    tree_from_continuations,
     verification_mask,
 )
 from speculative.drafting import check_draft_width
 from speculative.grammar import MAX_FORCED, Constraint, forced_logprobs, masked
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
-from speculative.ngram import ngram_tree_prefixes
+from speculative.ngram import ngram_tree
 from speculative.passes import Steps, feed_pass, forward
 from speculative.prefill import PREFILL_CHUNK, prefill
 from speculative.prefix_cache import PrefixCache
@@ -533,8 +532,7 @@ class TreeSpeculation:
             return DraftTree(root, 1, device)
         t0 = time.perf_counter()
         if self.draft is None:
-            found = ngram_tree_prefixes(seq, budget, max_ngram=self.ngram_max, max_len=depth)
-            tree = tree_from_continuations(root, found, budget, depth, device)
+            tree = ngram_tree(seq, budget, depth, max_ngram=self.ngram_max, device=device)
             stats.draft_seconds += time.perf_counter() - t0
             return tree
         draft = self.draft
