@@ -46,26 +46,19 @@ def ngram_continuations(
     if max_len < 1 or max_candidates < 1 or min_ngram < 1 or max_ngram < min_ngram:
         return []
     ids = np.asarray(context, dtype=np.int64)  # (L,)
-    length = len(ids)
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = ids[length - n :]  # (n,)
-        # An occurrence starting at i must leave at least one token after it that is not
-        # part of the suffix itself, so windows start in [0, L - n - 1].
-        windows = sliding_window_view(ids[: length - 1], n)  # (L - n, n)
-        starts = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(starts) == 0:
-            continue
-        counts: Counter[tuple[int, ...]] = Counter()
-        latest: dict[tuple[int, ...], int] = {}
-        for start in starts[::-1]:  # most recent first
-            begin = int(start) + n
-            cont = tuple(ids[begin : begin + max_len].tolist())
-            counts[cont] += 1
-            latest.setdefault(cont, int(start))
-        _merge_truncated(counts, latest, max_len)
-        ranked = sorted(counts, key=lambda c: (-counts[c], -latest[c]))
-        return [list(c) for c in ranked[:max_candidates]]
-    return []
+    n, starts = _longest_suffix_match(ids, max_ngram, min_ngram)
+    if len(starts) == 0:
+        return []
+    counts: Counter[tuple[int, ...]] = Counter()
+    latest: dict[tuple[int, ...], int] = {}
+    for start in starts:  # most recent first
+        begin = int(start) + n
+        cont = tuple(ids[begin : begin + max_len].tolist())
+        counts[cont] += 1
+        latest.setdefault(cont, int(start))
+    _merge_truncated(counts, latest, max_len)
+    ranked = sorted(counts, key=lambda c: (-counts[c], -latest[c]))
+    return [list(c) for c in ranked[:max_candidates]]
 
 
 # Earlier occurrences an n-gram tree is built from: the most recent ones (a long context
@@ -85,24 +78,19 @@ def ngram_tree_prefixes(
     if budget < 1 or max_len < 1:
         return []
     ids = np.asarray(context, dtype=np.int64)  # (L,)
-    length = len(ids)
-    for n in range(min(max_ngram, length - 1), 0, -1):
-        suffix = ids[length - n :]  # (n,)
-        windows = sliding_window_view(ids[: length - 1], n)  # (L - n, n)
-        starts = np.flatnonzero((windows == suffix).all(axis=1))[::-1][:TREE_OCCURRENCES]
-        if len(starts) == 0:
-            continue
-        counts: Counter[tuple[int, ...]] = Counter()
-        latest: dict[tuple[int, ...], int] = {}
-        for start in starts:  # most recent first
-            begin = int(start) + n
-            cont = tuple(ids[begin : begin + max_len].tolist())
-            for d in range(1, len(cont) + 1):
-                counts[cont[:d]] += 1
-                latest.setdefault(cont[:d], int(start))
-        ranked = sorted(counts, key=lambda c: (-counts[c], len(c), -latest[c]))
-        return ranked[:budget]
-    return []
+    n, starts = _longest_suffix_match(ids, max_ngram, 1)
+    if len(starts) == 0:
+        return []
+    counts: Counter[tuple[int, ...]] = Counter()
+    latest: dict[tuple[int, ...], int] = {}
+    for start in starts[:TREE_OCCURRENCES]:  # most recent first
+        begin = int(start) + n
+        cont = tuple(ids[begin : begin + max_len].tolist())
+        for d in range(1, len(cont) + 1):
+            counts[cont[:d]] += 1
+            latest.setdefault(cont[:d], int(start))
+    ranked = sorted(counts, key=lambda c: (-counts[c], len(c), -latest[c]))
+    return ranked[:budget]
 
 
 def ngram_tree(
@@ -118,6 +106,24 @@ def ngram_tree(
     `max_depth` deep, as a trie."""
     found = ngram_tree_prefixes(context, budget, max_ngram=max_ngram, max_len=max_depth)
     return tree_from_continuations(context[-1], found, budget, max_depth, device)
+
+
+def _longest_suffix_match(
+    ids: np.ndarray, max_ngram: int, min_ngram: int
+) -> tuple[int, np.ndarray]:
+    """The length n of the longest suffix n-gram of `ids` (from `max_ngram` down to
+    `min_ngram`) that occurs earlier, and where those earlier occurrences start, the most
+    recent first; (0, no starts) when none does."""
+    length = len(ids)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = ids[length - n :]  # (n,)
+        # An occurrence starting at i must leave at least one token after it that is not
+        # part of the suffix itself, so windows start in [0, L - n - 1].
+        windows = sliding_window_view(ids[: length - 1], n)  # (L - n, n)
+        starts = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(starts) > 0:
+            return n, starts[::-1]
+    return 0, np.empty(0, dtype=np.int64)
 
 
 def _merge_truncated(
