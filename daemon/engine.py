@@ -1,23 +1,23 @@
 """The engine: one worker thread owns the models; HTTP handlers hand it jobs through a
 bounded queue and read results from a per-job asyncio queue.
 
-Batched passes (DESIGN.md, "Many requests, one pass"): a generation is a step-wise
-generator (`Generation.steps`) that yields a `Forward` whenever it needs a model pass.
-Each engine step advances every active generation to its next request, runs the draft
-model's requests as one batched pass per tree depth until every generation waits on the
-target, then runs ONE target pass over all of them (a streamed target's weights cross the
-bus once for every client), and hands each generation its logits to walk and commit on its
-own. A pass holds at most `max_pass_tokens` tokens and the plan's logit rows (the first
-request in line always goes): requests that do not fit wait for the next pass, and the
-rows they hold are counted before any tree grows again. Trees growing for one pass share its node budget
-in one best-first order over the whole forest (SpecExec's Dijkstra across trees): at each
-depth step the candidates of every tree are ranked together by their estimated probability
-of being reached by verification (calibrated per verification and temperature, so
-requests compare on one scale) and the best get the nodes, whichever request they belong
-to. A long prompt is prefilled one chunk per pass inside the same
-passes, so an arrival never stalls the streams in flight. A cancelled job leaves before
-the next step and its KV cache is freed; a fault fails its own job only (a batched pass
-that raises is rerun one generation at a time to find whose it was).
+Batched passes (DESIGN.md, "Many requests, one pass"): a generation is a step-wise generator
+(`Generation.steps`) that yields a `Forward` whenever it needs a model pass. Each engine
+step advances every active generation to its next pass request (`passes.PassRequest`), runs
+the draft model's requests as one batched pass per tree depth until every generation waits
+on the target, then runs ONE target pass over all of them (a streamed target's weights cross
+the bus once for every client), and hands each generation its logits to walk and commit on
+its own. A pass holds at most `max_pass_tokens` tokens and the plan's logit rows (the first
+request in line always goes): requests that do not fit wait for the next pass, and the rows
+they hold are counted before any tree grows again. Trees growing for one pass share its node
+budget in one best-first order over the whole forest (SpecExec's Dijkstra across trees): at
+each depth step the candidates of every tree are ranked together by their estimated
+probability of being reached by verification (calibrated per verification and temperature,
+so requests compare on one scale) and the best get the nodes, whichever request they belong
+to. A long prompt is prefilled one chunk per pass inside the same passes, so an arrival
+never stalls the streams in flight. A cancelled job leaves before the next step and its KV
+cache is freed; a fault fails its own job only (a batched pass that raises is rerun one
+generation at a time to find whose it was).
 
 `batch_passes` False restores the interleaved engine (one generation's round at a time,
 each pass its own) for side-by-side measurement (scripts/bench_concurrency.py).
@@ -61,7 +61,7 @@ from speculative.errors import RequestError
 from speculative.generation import Chunk, Generation
 from speculative.kv_cache import KVCache
 from speculative.model import Transformer
-from speculative.passes import Allot, Forward, Request, allot, execute
+from speculative.passes import Allot, Forward, PassRequest, allot, execute
 from speculative.rounds import GenerationStats, Strategy
 from speculative.session import Session
 
@@ -72,13 +72,13 @@ log = logging.getLogger("specd.engine")
 class _Active:
     job: Job
     generation: Generation
-    steps: PyGenerator[Chunk | Request, None, None]
+    steps: PyGenerator[Chunk | PassRequest, None, None]
     session: Session
     pool_key: str
     first_token_seen: bool = False
     held: list[Chunk] = field(default_factory=list)  # coalesced, not yet posted
     last_post: float = 0.0
-    request: Request | None = None  # the pass (or the tree nodes) it waits for
+    pass_request: PassRequest | None = None  # the pass (or the tree nodes) it waits for
     chunks: int = 0  # chunks taken (rounds and prefill steps)
     target_passes: int = 0  # target passes it rode in
     pass_generations: int = 0  # generations in those passes, summed
@@ -386,25 +386,25 @@ class Engine:
         assert self.runtime is not None
         self._active.rotate(-1)  # whoever waited behind the bound goes first next time
         for active in list(self._active):
-            if active.request is None:
+            if active.pass_request is None:
                 self._advance(active)
         target = self.runtime.target
         # Trees grow in lockstep: nodes granted, then one draft pass per depth. It ends:
         # every turn grants a node or runs a draft pass, and the rows are finite.
         while True:
-            asking = [a for a in self._active if isinstance(a.request, Allot)]
+            asking = [a for a in self._active if isinstance(a.pass_request, Allot)]
             if asking:
                 self._allot(asking, self._forest_room(target))
             drafting = [
                 a
                 for a in self._active
-                if isinstance(a.request, Forward) and a.request.model is not target
+                if isinstance(a.pass_request, Forward) and a.pass_request.model is not target
             ]
             if drafting:
                 self._run_pass(drafting)
             elif not asking:
                 break
-        verifying = [a for a in self._active if a.request is not None]
+        verifying = [a for a in self._active if a.pass_request is not None]
         if verifying:
             self._run_pass(verifying)
 
@@ -413,14 +413,14 @@ class Engine:
         step), each of its passes on its own, every node its tree asks for granted."""
         active = self._active[0]
         self._active.rotate(-1)
-        if active.request is None:
+        if active.pass_request is None:
             self._advance(active)
         chunks = active.chunks
-        while active.chunks == chunks and active.request is not None:
-            if isinstance(active.request, Allot):
+        while active.chunks == chunks and active.pass_request is not None:
+            if isinstance(active.pass_request, Allot):
                 # Its own tree's budget, within a pass's rows less what the round holds
                 # already (memory pressure lowers them); 0 ends the tree's growth.
-                wanted = active.request.wanted
+                wanted = active.pass_request.wanted
                 if self.max_pass_rows:
                     held = active.generation.strategy.pass_rows + active.grown
                     wanted = min(wanted, max(0, self.max_pass_rows - held))
@@ -436,7 +436,7 @@ class Engine:
         Alone, at least the tree's budget."""
         rows = 0
         for active in self._active:
-            request = active.request
+            request = active.pass_request
             if isinstance(request, Forward) and request.model is target:
                 rows += request.segment.logit_rows
             else:
@@ -446,11 +446,11 @@ class Engine:
     def _allot(self, asking: list[_Active], budget: int) -> int:
         """Grant the growing trees their nodes in one best-first order over all of them
         (`passes.allot`); each runs on to its next request. Returns the nodes granted."""
-        requests = [a.request for a in asking if isinstance(a.request, Allot)]
+        requests = [a.pass_request for a in asking if isinstance(a.pass_request, Allot)]
         granted = allot(requests, budget)
         for active, request in zip(asking, requests, strict=True):
             active.grown += request.granted or 0
-            active.request = None
+            active.pass_request = None
             self._advance(active)
         return granted
 
@@ -460,14 +460,14 @@ class Engine:
         chosen: list[_Active] = []
         tokens = rows = 0
         for active in waiting:
-            assert isinstance(active.request, Forward)
-            seg = active.request.segment
+            assert isinstance(active.pass_request, Forward)
+            seg = active.pass_request.segment
             fits = tokens + seg.length <= self.max_pass_tokens
             if chosen and not (fits and rows + seg.logit_rows <= max(self.max_pass_rows, 1)):
                 continue
             chosen.append(active)
             tokens, rows = tokens + seg.length, rows + seg.logit_rows
-        requests = [a.request for a in chosen if isinstance(a.request, Forward)]
+        requests = [a.pass_request for a in chosen if isinstance(a.pass_request, Forward)]
         lengths = [(r.segment.cache, r.segment.cache.length) for r in requests]
         try:
             self._execute(requests, lengths)
@@ -513,27 +513,27 @@ class Engine:
             raise
 
     def _retry_alone(self, active: _Active) -> None:
-        assert isinstance(active.request, Forward)
+        assert isinstance(active.pass_request, Forward)
         try:
-            execute([active.request])
+            execute([active.pass_request])
         except Exception as exc:
             self._fail(active, exc)
             return
-        if self.runtime is not None and active.request.model is self.runtime.target:
-            self.metrics.record_pass(1, active.request.segment.length)
+        if self.runtime is not None and active.pass_request.model is self.runtime.target:
+            self.metrics.record_pass(1, active.pass_request.segment.length)
         self._deliver(active)
 
     def _deliver(self, active: _Active) -> None:
         """The generation's pass ran: it takes the result and runs on."""
-        assert isinstance(active.request, Forward) and self.runtime is not None
-        result = active.request.result
+        assert isinstance(active.pass_request, Forward) and self.runtime is not None
+        result = active.pass_request.result
         assert result is not None
-        if active.request.model is self.runtime.target:
+        if active.pass_request.model is self.runtime.target:
             active.grown = 0  # the round's tree is verified: its rows are spent
             active.target_passes += 1
             active.pass_generations += result.sequences
             active.shared_passes += int(result.sequences > 1)
-        active.request = None
+        active.pass_request = None
         if active.job.cancelled:
             # The client left during the pass: its round is neither walked nor posted;
             # the next step drops the job (and its KV cache).
@@ -551,7 +551,7 @@ class Engine:
                     self._finish(active)
                     return
                 if isinstance(item, Forward | Allot):
-                    active.request = item
+                    active.pass_request = item
                     return
                 if self._take(active, item):
                     return

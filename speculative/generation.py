@@ -12,7 +12,7 @@ from typing import Any
 from speculative.detok import IncrementalDetokenizer, StopMatcher
 from speculative.errors import RequestError
 from speculative.grammar import Constraint
-from speculative.passes import Allot, Forward, Request, alone
+from speculative.passes import Allot, Forward, PassRequest, alone
 from speculative.rounds import DraftedTree, GenerationStats, Round, Strategy
 from speculative.sampling import SamplingParams, TokenLogprob, make_generator
 from speculative.session import Session
@@ -132,7 +132,7 @@ class Generation:
         """The generation on its own: every pass it needs runs at once."""
         return alone(self.steps())
 
-    def steps(self) -> PyGenerator[Chunk | Request, None, None]:
+    def steps(self) -> PyGenerator[Chunk | PassRequest, None, None]:
         """The generation step-wise: the passes it needs (and its trees' requests for
         nodes) are yielded for the driver to serve (the engine batches them with other
         generations'); a Chunk after each round."""

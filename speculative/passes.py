@@ -85,10 +85,12 @@ class Allot:
         return self.granted
 
 
-Request = Forward | Allot
+# What a step-wise generation asks its driver for: a segment of the coming pass, or nodes to
+# grow its tree by. (A client's request is another thing: daemon/jobs.py's GenerationRequest.)
+PassRequest = Forward | Allot
 
 # What a step-wise routine yields (it is resumed with None): it returns T when done.
-Steps = Generator[Request, None, T]
+Steps = Generator[PassRequest, None, T]
 
 
 def forward(
@@ -147,7 +149,7 @@ def execute(requests: Sequence[Forward]) -> None:
             requests[i].result = Pass(out, tokens, len(segments), own, seconds)
 
 
-def serve_alone(request: Request) -> None:
+def serve_alone(request: PassRequest) -> None:
     """Answer one request as if its generation were the only one: a pass of its own, or
     every node it asked for."""
     if isinstance(request, Forward):
@@ -192,7 +194,7 @@ def run_alone(steps: Steps[T]) -> T:
         return done.value  # type: ignore[no-any-return]
 
 
-def alone(steps: Generator[Request | R, None, None]) -> Iterator[R]:
+def alone(steps: Generator[PassRequest | R, None, None]) -> Iterator[R]:
     """Drive a step-wise generator on its own: each request is served at once as if no
     other generation existed (`serve_alone`), everything else is passed on (a strategy's
     Rounds, a Generation's Chunks)."""

@@ -15,7 +15,7 @@ import torch
 
 from speculative.grammar import Constraint
 from speculative.model import Transformer
-from speculative.passes import Request
+from speculative.passes import PassRequest
 from speculative.sampling import SamplingParams, TokenLogprob
 from speculative.session import Session
 
@@ -140,7 +140,7 @@ class GenerationStats:
 # A strategy's rounds, step-wise: it yields a `Forward` wherever it needs a model pass (and
 # takes the result from it when resumed), a `Round` when tokens are committed. See
 # speculative/passes.py for who runs the passes.
-RoundSteps = Generator[Round | Request, None, None]
+RoundSteps = Generator[Round | PassRequest, None, None]
 
 
 class Strategy(Protocol):

@@ -30,7 +30,7 @@ import torch
 from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
 from speculative.grammar import Constraint, Grammar
 from speculative.model import Transformer
-from speculative.passes import Allot, Forward, Request, allot, alone, execute
+from speculative.passes import Allot, Forward, PassRequest, allot, alone, execute
 from speculative.rounds import RoundSteps, Strategy
 from speculative.sampling import PenaltyContext, SamplingParams, probabilities
 from speculative.strategies.linear import Linear
@@ -342,7 +342,7 @@ def empirical_in_batches(
             gen = torch.Generator().manual_seed(seed)
             streams[seed] = strategy.steps(session, prompt, params, n, gen)
         tokens: dict[int, list[int]] = {seed: [] for seed in streams}
-        waiting: dict[int, Request] = {}
+        waiting: dict[int, PassRequest] = {}
         for seed in list(streams):
             _run_to_request(seed, streams, tokens, waiting, n)
         budget = forest
@@ -374,7 +374,7 @@ def _run_to_request(
     seed: int,
     streams: dict[int, RoundSteps],
     tokens: dict[int, list[int]],
-    waiting: dict[int, Request],
+    waiting: dict[int, PassRequest],
     n: int,
 ) -> None:
     """Run one generation on to its next pass request, or close it once it has n tokens."""
