@@ -53,10 +53,11 @@ from daemon.jobs import (
     merge_chunks,
 )
 from daemon.metrics import Metrics
+from daemon.options import RuntimeOptions
 from daemon.pools import SessionPool, StrategyPool
 from daemon.pressure import PressureMonitor, PressureThresholds, cuda_probe, host_probe, settled
 from daemon.relief import Relief, is_out_of_memory, relief_steps
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.runtime import Runtime
 from speculative.errors import RequestError
 from speculative.generation import Chunk, Generation
 from speculative.kv_cache import KVCache

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import nn
 
+from daemon.options import RuntimeOptions
 from offload.activations import ActivationFootprint
 from offload.layout import FlatLayout
 from offload.machine import gemm_copies_output
@@ -54,9 +55,6 @@ from speculative.substitute import (
     substitute_bits_for,
     substitute_config,
 )
-
-if TYPE_CHECKING:  # daemon.runtime imports this module
-    from daemon.runtime import RuntimeOptions
 
 
 def footprint(

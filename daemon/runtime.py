@@ -7,13 +7,13 @@ model pair behaves the same in a script and behind the REST endpoint.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import psutil
 import torch
 
 from daemon.compiling import SMALL_LAYER_PARAMETERS, Compilation
 from daemon.memory_plan import plan_dtype
+from daemon.options import RuntimeOptions
 from daemon.target_loading import load_placed_target
 from offload.plan import MemoryPlan
 from offload.stream import LayerStreamer
@@ -24,7 +24,7 @@ from speculative.drafting import Drafter, ModelDrafter
 from speculative.generation import Generation
 from speculative.model import Transformer
 from speculative.ngram import NgramDrafter
-from speculative.prefix_cache import DEFAULT_MAX_BYTES, PrefixCache
+from speculative.prefix_cache import PrefixCache
 from speculative.rounds import Strategy
 from speculative.sampling import SamplingParams
 from speculative.session import Session
@@ -39,47 +39,6 @@ NGRAM = "ngram"  # --draft ngram: prompt-lookup drafting, no draft model
 
 class RuntimeSetupError(RuntimeError):
     """A runtime that cannot be built as asked (a user error, reported in one line)."""
-
-
-@dataclass
-class RuntimeOptions:
-    model: str
-    draft: str | None = None  # a model folder / hub id, "ngram", "substitute", or None
-    # --draft substitute: bits of its HQQ layers (2, 3, 4, 8) or auto (the most that fit),
-    # and the folder built substitutes are kept in (None: built at every start).
-    substitute_bits: int | str = "auto"
-    substitute_cache: str | None = None
-    # Told what loading is doing, in a few words, while it takes long (the engine shows
-    # it in the status): building the substitute draft, layer by layer.
-    on_progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
-    strategy: str | None = None  # None: tree with a draft, autoregressive without
-    spec_length: int = 4  # linear: tokens drafted per round
-    budget: int | str = "auto"  # tree: node budget, or "auto" (chosen from measured costs)
-    max_depth: int | None = None  # tree: depth limit (None: chosen with the budget)
-    tree_verification: str = "auto"  # tree: auto | walk | rejection (speculative.acceptance)
-    prefix_cache: int = DEFAULT_MAX_BYTES  # tree: bytes of cached target logits (0: off)
-    # fp32 | bf16 | fp16, or auto: the checkpoint's dtype on CUDA; fp32 on a CPU when the
-    # model fits in fp32 there (see speculative.checkpoint.dtype_candidates).
-    dtype: str = "auto"
-    quantize: str | None = None  # int8 | int4: the target's projections, quantized on load
-    draft_quantize: str | None = None  # the same for the draft
-    device: str = "auto"
-    # KV cache length in tokens, or auto: the longest up to the model's maximum that fits
-    # the budget, never below 4,096 (offload.planning.plan_auto_context).
-    context: int | str = "auto"
-    # Offload (see offload/): where the target's layers live and how they reach the device.
-    offload: str = "auto"  # none | stream | auto
-    resident_layers: int | str = "auto"
-    slots: int = 2
-    gpu_budget: str = "auto"  # a size ("24GB", "512MiB") or auto
-    host_tier: str = "auto"  # ram | disk | auto
-    ram_budget: str = "auto"  # a size or auto (available RAM minus a reserve)
-    bandwidth: str | None = None  # host→device rate for the plan's estimate ("25GB/s")
-    threads: int | str = "auto"  # CPU compute threads (torch intra-op), or auto
-    # Compiled passes: auto | off | on (daemon/compiling.py). The configuration's default is
-    # auto; a runtime built directly (tests, scripts) compiles only when asked.
-    compile: str = "off"
-    sequences: int = 1  # KV caches that may coexist (the daemon: active + kept conversations)
 
 
 def cpu_threads(requested: int | str, layer_parameters: int) -> int:

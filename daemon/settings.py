@@ -9,15 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import platformdirs
 
 from daemon.hostname import allowed_host_names
+from daemon.options import RuntimeOptions
 from offload.units import parse_rate, parse_size
-
-if TYPE_CHECKING:  # daemon.runtime imports torch; commands that only read settings do not
-    from daemon.runtime import RuntimeOptions
 
 # The values of the options that every front end (flags, config file, REST API) accepts, named
 # once. Restated from modules that import torch (speculative.checkpoint.DTYPE_CHOICES,
@@ -334,8 +332,6 @@ class Settings:
     sources: dict[str, str]  # "section.key" → where the effective value came from
 
     def runtime_options(self) -> RuntimeOptions:
-        from daemon.runtime import RuntimeOptions
-
         return RuntimeOptions(
             model=self.require_target(),
             draft=self.models.draft,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from daemon.memory_plan import (
     planned_tree_budget,
     refuse_disk_for_gguf,
 )
+from daemon.options import RuntimeOptions
 from daemon.substitute_cache import SubstituteCache
 from offload.layout import FlatLayout
 from offload.machine import detect_budget
@@ -37,9 +38,6 @@ from speculative.model import Transformer
 from speculative.projections import stored_names
 from speculative.substitute import build_substitute, share_placed, shares_packed, substitute_config
 from speculative.tokenizer import Tokenizer
-
-if TYPE_CHECKING:  # daemon.runtime imports this module
-    from daemon.runtime import RuntimeOptions
 
 log = logging.getLogger("specd.loading")
 

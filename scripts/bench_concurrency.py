@@ -52,7 +52,8 @@ sys.path.insert(0, str(ROOT))
 from daemon.engine import Engine, EngineLimits  # noqa: E402
 from daemon.jobs import Failed, Finished, GenerationRequest  # noqa: E402
 from daemon.metrics import Metrics  # noqa: E402
-from daemon.runtime import Runtime, RuntimeOptions  # noqa: E402
+from daemon.options import RuntimeOptions  # noqa: E402
+from daemon.runtime import Runtime  # noqa: E402
 from scripts.concurrency_plot import plot  # noqa: E402
 from speculative.generation import Chunk  # noqa: E402
 from speculative.sampling import SamplingParams  # noqa: E402

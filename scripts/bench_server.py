@@ -28,7 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from daemon.runtime import Runtime, RuntimeOptions  # noqa: E402
+from daemon.options import RuntimeOptions  # noqa: E402
+from daemon.runtime import Runtime  # noqa: E402
 from speculative.sampling import SamplingParams  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "models"

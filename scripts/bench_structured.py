@@ -51,7 +51,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from daemon.runtime import Runtime, RuntimeOptions, linear_drafter  # noqa: E402
+from daemon.options import RuntimeOptions  # noqa: E402
+from daemon.runtime import Runtime, linear_drafter  # noqa: E402
 from scripts.bench_speculative import PROMPTS  # noqa: E402
 from speculative.acceptance import AcceptanceModel  # noqa: E402
 from speculative.generation import Generation  # noqa: E402

@@ -16,7 +16,8 @@ import torch
 from daemon.engine import Engine, EngineLimits
 from daemon.jobs import Failed, Finished, GenerationRequest, Job
 from daemon.metrics import Metrics
-from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import STRATEGY_BUILDERS, Runtime
 from speculative.generation import Chunk, Generation
 from speculative.kv_cache import KVCache
 from speculative.model import Segment, Transformer

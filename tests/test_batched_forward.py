@@ -233,7 +233,8 @@ def test_no_strategy_holds_a_passs_logits_through_the_next_pass(
     import gc
     import weakref
 
-    from daemon.runtime import Runtime, RuntimeOptions
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
     from speculative.generation import Generation
     from speculative.sampling import SamplingParams
 

@@ -80,6 +80,24 @@ def test_generate_imports_only_what_it_runs(stories_target: Path, stories_draft:
     assert "IMPORTED []" in run.stdout, run.stdout
 
 
+def test_runtime_options_import_no_torch() -> None:
+    """What a runtime is built from is a plain record: the settings and the command line
+    build one without loading torch."""
+    script = "import sys, daemon.options\nprint('IMPORTED', 'torch' in sys.modules)\n"
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    assert "IMPORTED False" in run.stdout, run.stdout
+
+
+def test_prefix_cache_default_restates_the_caches() -> None:
+    from daemon.options import RuntimeOptions
+    from speculative.prefix_cache import DEFAULT_MAX_BYTES
+
+    assert RuntimeOptions(model="m").prefix_cache == DEFAULT_MAX_BYTES
+
+
 def test_dtype_choices_restate_the_checkpoints() -> None:
     from speculative.checkpoint import DTYPE_CHOICES as LOADER_CHOICES
 

@@ -19,7 +19,8 @@ from torch._dynamo.utils import counters
 from daemon.cli.commands import main
 from daemon.compiling import SMALL_LAYER_PARAMETERS, Compilation, decide
 from daemon.http.server import BackgroundServer
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from daemon.settings import SettingsError
 from daemon.settings_loading import load_settings
 from speculative.checkpoint import load

@@ -14,7 +14,8 @@ import torch
 
 from daemon.cli import commands as cli
 from daemon.memory_plan import OffloadRequest, choose_plan, footprint, plan_request
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from daemon.settings_loading import load_settings
 from offload.plan import Budget
 from offload.planning import MIN_AUTO_CONTEXT, PlanError, longest_context, make_plan

@@ -12,7 +12,8 @@ import pytest
 from daemon.engine import Engine, EngineLimits
 from daemon.jobs import Failed, Finished, GenerationRequest
 from daemon.metrics import Metrics
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from speculative.generation import Chunk
 from speculative.sampling import SamplingParams
 

@@ -12,8 +12,9 @@ import pytest
 from daemon.engine import Engine, EngineLimits
 from daemon.jobs import Finished, GenerationRequest, QueueFullError
 from daemon.metrics import Metrics
+from daemon.options import RuntimeOptions
 from daemon.pools import REQUEST_BUDGET_STRATEGIES
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.runtime import Runtime
 from speculative.sampling import SamplingParams
 
 

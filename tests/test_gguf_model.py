@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from daemon.cli import main
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from offload.stream import LayerStreamer
 from speculative.checkpoint import load, open_checkpoint
 from speculative.generation import Generation

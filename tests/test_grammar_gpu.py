@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from speculative.generation import Generation
 from speculative.grammar import Constraint, Grammar
 from speculative.sampling import SamplingParams

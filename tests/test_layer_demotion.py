@@ -177,8 +177,9 @@ def test_gguf_layers_of_mixed_types_keep_their_types_when_demoted(resident: int 
     """Q4_K_M keeps some layers' attn_v and ffn_down in other types: a demoted layer
     streams with its own types (the slot takes them on), so greedy decoding still gives
     the reference ids of transformers' GGUF loader, and again once the layers are back."""
+    from daemon.options import RuntimeOptions
     from daemon.relief import TargetLayers
-    from daemon.runtime import Runtime, RuntimeOptions
+    from daemon.runtime import Runtime
     from speculative.generation import Generation
     from speculative.sampling import SamplingParams
     from tests.test_gguf_model import GGUF, reference

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import pytest
 
 from daemon.cli import main
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from speculative.checkpoint import load
 from speculative.drafting import ModelDrafter
 from speculative.generation import Generation

@@ -96,7 +96,8 @@ def test_a_bad_bias_is_a_400_naming_it(client: openai.OpenAI, bias: object) -> N
 def test_the_tree_drafts_under_the_bias_too(stories_target: Path, stories_draft: Path) -> None:
     """Greedy and walk-verified trees rank the draft's own logits: biased as the target's,
     so a strong bias is drafted and accepted (it was ranked unbiased and never accepted)."""
-    from daemon.runtime import Runtime, RuntimeOptions
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
     from speculative.generation import Generation
 
     runtime = Runtime(

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from daemon.http.server import BackgroundServer
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from daemon.settings_loading import load_settings
 from speculative.generation import Generation
 from speculative.sampling import SamplingParams, TokenLogprob, token_logprob

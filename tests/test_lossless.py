@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import STRATEGY_BUILDERS, Runtime
 from speculative.grammar import Constraint, Grammar
 from speculative.model import Transformer
 from speculative.passes import Allot, Forward, PassRequest, allot, alone, execute

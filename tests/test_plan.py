@@ -12,7 +12,8 @@ import torch
 
 from daemon.cli import commands as cli
 from daemon.memory_plan import GRAPHS, OffloadRequest, footprint, plan_request
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from offload.machine import detect_budget
 from offload.plan import Budget, PlanRequest
 from offload.planning import PlanError, host_tier_bytes, make_plan

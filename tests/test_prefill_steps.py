@@ -18,7 +18,8 @@ import torch
 from daemon.engine import Engine, EngineLimits
 from daemon.jobs import Finished, GenerationRequest, Job
 from daemon.metrics import Metrics
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from speculative.checkpoint import load
 from speculative.drafting import ModelDrafter
 from speculative.generation import Chunk, Generation

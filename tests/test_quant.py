@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from daemon.memory_plan import OffloadRequest, footprint, plan_request
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from offload.layout import FlatLayout
 from offload.plan import Budget
 from offload.planning import make_plan

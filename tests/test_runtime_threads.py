@@ -11,7 +11,8 @@ import torch
 
 from daemon.cli import main
 from daemon.compiling import SMALL_LAYER_PARAMETERS
-from daemon.runtime import Runtime, RuntimeOptions, cpu_threads
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime, cpu_threads
 
 
 def test_auto_threads_follow_the_layer_size():

@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from daemon.http.server import BackgroundServer
-from daemon.runtime import STRATEGY_BUILDERS, Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import STRATEGY_BUILDERS, Runtime
 from daemon.settings_loading import load_settings
 from speculative.generation import Generation
 from speculative.sampling import SamplingParams

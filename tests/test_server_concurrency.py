@@ -17,7 +17,8 @@ import pytest
 
 from daemon import engine as engine_module
 from daemon.http.server import BackgroundServer
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from daemon.settings_loading import load_settings
 from speculative.generation import Chunk, Generation
 from speculative.sampling import SamplingParams

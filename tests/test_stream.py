@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from daemon.target_loading import disk_sources
 from offload.placement import build_streamer
 from offload.stream import LayerStreamer

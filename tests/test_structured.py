@@ -22,7 +22,8 @@ from openai.types.shared_params import ResponseFormatJSONObject, ResponseFormatJ
 
 from daemon.cli import main
 from daemon.http.server import BackgroundServer
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from daemon.settings_loading import load_settings
 from speculative.generation import Generation
 from speculative.grammar import Constraint, Grammar, GrammarError, expand, mask_rows_

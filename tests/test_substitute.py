@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from daemon.memory_plan import OffloadRequest, footprint, plan_with_draft
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from offload.plan import Budget
 from offload.planning import PlanError
 from scripts.real_shapes import build_model, full_config, model_config

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from daemon.target_loading import place_target
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from daemon.http.server import BackgroundServer
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
 from daemon.settings_loading import load_settings
 from speculative.generation import Generation
 from speculative.kv_cache import INITIAL_SLOTS

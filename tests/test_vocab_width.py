@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from daemon.memory_plan import footprint
-from daemon.runtime import Runtime, RuntimeOptions, RuntimeSetupError
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime, RuntimeSetupError
 from offload.machine import PeakMemory
 from scripts.real_shapes import build_model, model_config
 from speculative.acceptance import AcceptanceTable

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from daemon.cli import chat, models, plan, pull, serve, service
 from daemon.cli.argtypes import count, count_or_auto, temperature, text
 from daemon.cli.pull import PullError
+from daemon.options import RuntimeOptions
 from daemon.service import ServiceError
 from daemon.settings import (
     COMPILE_CHOICES,
@@ -29,7 +30,6 @@ from daemon.startup import collector_paused
 from speculative.errors import RequestError
 
 if TYPE_CHECKING:
-    from daemon.runtime import RuntimeOptions
     from speculative.generation import Generation
     from speculative.grammar import Grammar
     from speculative.sampling import SamplingParams
@@ -194,8 +194,6 @@ def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
 
 
 def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:
-    from daemon.runtime import RuntimeOptions
-
     return RuntimeOptions(
         model=args.model,
         draft=args.draft,

@@ -23,6 +23,7 @@ from daemon.cli.argtypes import (
     count_or_auto,
     size_or_off,
 )
+from daemon.options import RuntimeOptions
 from daemon.settings import (
     COMPILE_CHOICES,
     DEVICE_CHOICES,
@@ -34,10 +35,8 @@ from daemon.settings import (
 from offload.units import parse_rate, parse_size
 from speculative.errors import RequestError
 
-if TYPE_CHECKING:  # these import torch: only `specd plan` itself needs them
+if TYPE_CHECKING:  # torch: only `specd plan` itself needs it
     import torch
-
-    from daemon.runtime import RuntimeOptions
 
 
 def _size_or_auto(text: str) -> str:
@@ -176,8 +175,6 @@ def register(subparsers: Any) -> None:
 
 def plan_options(args: argparse.Namespace) -> RuntimeOptions:
     """Flags over the config file over built-in defaults."""
-    from daemon.runtime import RuntimeOptions
-
     if args.config is not None:
         from daemon.settings_loading import load_settings  # only needed with --config
 

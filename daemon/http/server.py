@@ -20,8 +20,9 @@ from daemon.http.api import create_app
 from daemon.http.edge import DRAINING, ApiConfig, AppRunner
 from daemon.http.openai_wire import WireLimits
 from daemon.metrics import Metrics
+from daemon.options import RuntimeOptions
 from daemon.pressure import thresholds_from
-from daemon.runtime import Runtime, RuntimeOptions
+from daemon.runtime import Runtime
 from daemon.service import ListenError
 from daemon.settings import Settings, SettingsError, daemon_url
 
