@@ -29,6 +29,7 @@ from offload.storage import DiskStorage, RamStorage
 from offload.stream import LayerStreamer
 from offload.units import format_size
 from speculative.checkpoint import CheckpointError
+from speculative.compiled import CompiledPasses
 from speculative.gguf_model import is_gguf
 
 if TYPE_CHECKING:
@@ -209,7 +210,10 @@ class GraphPools:
 
     def _graphs(self) -> list[Any]:
         models = [self.runtime.target, self.runtime.draft]
-        passes = [m.compiled for m in models if m is not None and m.compiled is not None]
+        # A model's passes may be any HiddenStatesPass; CompiledPasses are what hold graphs.
+        passes = [
+            m.compiled for m in models if m is not None and isinstance(m.compiled, CompiledPasses)
+        ]
         return [p.graphs for p in passes if p.graphs is not None]
 
     def release(self) -> str:

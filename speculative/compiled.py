@@ -136,7 +136,8 @@ def _input_guards(entries: list[Any]) -> list[bool]:
 
 
 class CompiledPasses:
-    """One model's compiled single-sequence passes (`Transformer.compiled`).
+    """One model's compiled single-sequence passes (`Transformer.compiled`, a
+    speculative.model `HiddenStatesPass`).
 
     `hidden_states(segment)` runs a pass through the compiled graph (on CUDA, its captured
     CUDA graph) and returns its final hidden states, or None when the pass is not one it

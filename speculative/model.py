@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +30,6 @@ from speculative.kv_cache import KVCache
 from speculative.packed import PackedLinear, RebuildScratch
 from speculative.projections import FusedLinear, dequantize_projections, linear, projection
 from speculative.quant import specialise
-
-if TYPE_CHECKING:
-    from speculative.compiled import CompiledPasses
 
 
 @dataclass
@@ -263,7 +260,7 @@ class Transformer(nn.Module):
         # rows unless this model drafts for a target of another width (`set_vocab_width`).
         self.vocab_width = cfg.vocab_size
         # Compiled single-sequence passes, when enabled (speculative/compiled.py).
-        self.compiled: CompiledPasses | None = None
+        self.compiled: HiddenStatesPass | None = None
 
     @property
     def device(self) -> torch.device:
@@ -442,6 +439,15 @@ class Transformer(nn.Module):
         )  # (T, width)
         out[:, :rows].copy_(head)
         return out
+
+
+class HiddenStatesPass(Protocol):
+    """What `Transformer.compiled` holds: another way to run a one-sequence pass up to the
+    final hidden states (speculative/compiled.py's `CompiledPasses`, compiled graphs),
+    leaving the cache's new entries uncommitted; None where it cannot run that pass, which
+    then runs eager."""
+
+    def hidden_states(self, segment: Segment) -> torch.Tensor | None: ...
 
 
 class LayerSequence(Protocol):

@@ -153,11 +153,6 @@ def test_graph_counts_every_import(tmp_path: Path) -> None:
     }
 
 
-# The circles known when this test came; the marker goes with the last of them.
-@pytest.mark.xfail(
-    strict=True,
-    reason="daemon.memory_plan <-> runtime <-> target_loading, speculative.compiled <-> model",
-)
 def test_no_import_circles() -> None:
     graph = import_graph()
     assert len(graph) > 50, f"only {len(graph)} modules found"
