@@ -476,6 +476,28 @@ def plan_with_draft(
     ) from None
 
 
+def plan_pair(
+    options: RuntimeOptions,
+    target: Checkpoint,
+    draft: ModelConfig | None,
+    budget: Budget,
+    device_type: str,
+    name: str,
+) -> tuple[MemoryPlan, DraftPlan]:
+    """The memory plan of the model pair `options` ask for, on `budget`: the one plan both
+    loading the target (daemon/target_loading.py) and `specd plan` make. `target`: its
+    checkpoint, opened (config.json is enough); `draft`: the draft model's config, None
+    when there is no draft model (none, prompt lookup, the substitute); `device_type`:
+    where the models compute; `name`: what the plan calls the target. Raises PlanError."""
+    plan, drafting = plan_with_draft(
+        target.config, options.draft, draft, options.substitute_bits, name, options.dtype,
+        options.context, device_type, offload_request(options), budget,
+        planned_tree_budget(options),
+    )  # fmt: skip
+    refuse_disk_for_gguf(plan, target)
+    return plan, drafting
+
+
 def refuse_disk_for_gguf(plan: MemoryPlan, checkpoint: Checkpoint) -> None:
     """The disk tier reads safetensors files; a GGUF target's streamed layers stay in RAM
     (its file is memory-mapped): a plan that streams them from disk is refused here, where

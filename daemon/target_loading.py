@@ -16,14 +16,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from daemon.memory_plan import (
-    DraftPlan,
-    offload_request,
-    plan_dtype,
-    plan_with_draft,
-    planned_tree_budget,
-    refuse_disk_for_gguf,
-)
+from daemon.memory_plan import DraftPlan, plan_dtype, plan_pair
 from daemon.options import RuntimeOptions
 from daemon.substitute_cache import SubstituteCache
 from offload.layout import FlatLayout
@@ -151,12 +144,8 @@ def load_placed_target(
         device, options.gpu_budget, options.ram_budget, options.bandwidth, measure=False
     )
     ckpt = open_checkpoint(options.model, options.quantize)
-    plan, drafting = plan_with_draft(
-        ckpt.config, options.draft, draft.config if draft is not None else None,
-        options.substitute_bits, str(ckpt.path), options.dtype, options.context,
-        device.type, offload_request(options), budget, planned_tree_budget(options),
-    )  # fmt: skip
-    refuse_disk_for_gguf(plan, ckpt)
+    draft_config = draft.config if draft is not None else None
+    plan, drafting = plan_pair(options, ckpt, draft_config, budget, device.type, str(ckpt.path))
     built: list[Transformer] = []
 
     def build_substitute_draft(model: Transformer, plan: MemoryPlan) -> None:

@@ -220,12 +220,7 @@ def _plan_device(options: RuntimeOptions) -> torch.device:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from daemon.memory_plan import (
-        offload_request,
-        plan_with_draft,
-        planned_tree_budget,
-        refuse_disk_for_gguf,
-    )
+    from daemon.memory_plan import plan_pair
     from offload.machine import detect_budget
     from speculative.checkpoint import open_checkpoint
 
@@ -247,12 +242,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     # budget.device is the machine planned for: "cuda" when a GPU budget describes another
     # machine's card, so `auto` picks that machine's dtype.
-    plan, _ = plan_with_draft(
-        target.config, options.draft, draft, options.substitute_bits, str(options.model),
-        options.dtype, options.context, budget.device, offload_request(options), budget,
-        planned_tree_budget(options),
-    )  # fmt: skip
-    refuse_disk_for_gguf(plan, target)
+    plan, _ = plan_pair(options, target, draft, budget, budget.device, str(options.model))
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
