@@ -41,105 +41,24 @@ from __future__ import annotations
 
 import copy
 import logging
-import threading
-import time
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from offload.arena import HostArena
-from offload.layout import FlatLayout, layer_state, layer_states
-from offload.storage import DiskStorage, LayerStorage, RamStorage
+from offload.layout import FlatLayout, layer_states
+from offload.live_tiers import LiveTiers, NothingStreamed, pack_to_host, to_meta
+from offload.slots import HostMark, Slot, StreamCounters
+from offload.storage import LayerStorage
 
 log = logging.getLogger("specd.offload")
 
-# Copies a slot may have timed but not yet folded into the counters. A copy stream runs its
-# copies in order, so waiting for the oldest of more than this many only throttles a compute
-# thread that has run that far ahead of the bus.
-MAX_TIMED_COPIES = 4
 
-
-@dataclass
-class StreamCounters:
-    passes: int = 0
-    copies: int = 0
-    bytes_copied: int = 0
-    copy_seconds: float = 0.0  # time the copies took (CUDA: copy-stream events)
-
-
-class TimingEvent(Protocol):
-    """A `torch.cuda.Event(enable_timing=True)`, or its host stand-in `HostMark`."""
-
-    def query(self) -> bool: ...
-
-    def synchronize(self) -> None: ...
-
-    # milliseconds from this event to `end_event` (an event of the same kind)
-    def elapsed_time(self, end_event: Any) -> float: ...
-
-
-class HostMark:
-    """A host-side timing event: complete as soon as it exists (host copies are synchronous),
-    so the CPU path runs the same timing bookkeeping as CUDA events do."""
-
-    def __init__(self) -> None:
-        self.time = time.perf_counter()
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
-
-    def elapsed_time(self, end_event: Any) -> float:
-        assert isinstance(end_event, HostMark)
-        return (end_event.time - self.time) * 1000.0
-
-
-@dataclass
-class CopyTimes:
-    """A slot's timed copies whose time is not yet counted, oldest first."""
-
-    pending: deque[tuple[TimingEvent, TimingEvent]] = field(default_factory=deque)
-
-    def add(self, start: TimingEvent, end: TimingEvent) -> float:
-        """Record one copy; return the seconds of the copies that could be folded now."""
-        self.pending.append((start, end))
-        return self.fold()
-
-    def fold(self, wait: bool = False) -> float:
-        """Seconds of the completed copies, which are forgotten; `wait`: all of them."""
-        seconds = 0.0
-        while self.pending:
-            start, end = self.pending[0]
-            if not (wait or len(self.pending) > MAX_TIMED_COPIES or end.query()):
-                break  # copies complete in order: the later ones are not done either
-            end.synchronize()
-            seconds += start.elapsed_time(end) / 1000.0
-            self.pending.popleft()
-        return seconds
-
-
-@dataclass
-class _Slot:
-    index: int
-    module: nn.Module
-    flat: torch.Tensor  # (layout.nbytes,) uint8 on the compute device
-    staging: torch.Tensor | None  # host bytes for tiers that read through staging
-    layer: int | None = None  # which layer the slot holds (or is being filled with)
-    pending: Future[torch.Tensor] | None = None  # host bytes on their way, copy not issued
-    ready: torch.cuda.Event | None = None  # recorded on the copy stream after the copy
-    released: torch.cuda.Event | None = None  # recorded on the compute stream after use
-    timing: CopyTimes = field(default_factory=CopyTimes)
-
-
-class LayerStreamer:
+class LayerStreamer(LiveTiers):
     """A layer sequence for `Transformer.set_layers`: iterable in order, with a length."""
 
     def __init__(
@@ -174,7 +93,7 @@ class LayerStreamer:
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.counters = StreamCounters()
         self.fetch_log: deque[int] = deque(maxlen=4096)  # layer indices in copy order
-        self._holder: dict[int, _Slot] = {}
+        self._holder: dict[int, Slot] = {}
         self._clock = 0  # for least-recently-filled slot choice
         self._filled_at: dict[int, int] = {}
         # One arena for every slot's staging (page-locked on a GPU), sized like the plan's.
@@ -183,20 +102,17 @@ class LayerStreamer:
             self.staging = HostArena(self.layout.nbytes, slots)
             self.staging.pin(self.device)
         self.slots = [self._make_slot(i, template) for i in range(slots)]
-        self.template = template
-        # Layers that were resident and joined the stream at run time (`demote`): their host
-        # bytes, and their modules (on the meta device until `promote` rebinds them).
-        self.demoted: RamStorage | None = None
-        self._parked: dict[int, nn.Module] = {}
-        # The RAM tier being read back from the disk tier (`to_ram`), and its cancel flag.
-        self._refill: tuple[Future[RamStorage], threading.Event] | None = None
-        self._staged = self.staging is not None  # the tier built with it read through staging
+        # What changes while serving (offload/live_tiers.py): none of it yet.
+        self.demoted = None
+        self._parked = {}
+        self._refill = None
+        self._staged = self.staging is not None
         if self.copy_stream is not None:
             # The slot buffers come from the compute stream's memory pool, whose earlier
             # tenants may still be in use by queued kernels: the first copies wait for them.
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
 
-    def _make_slot(self, index: int, template: nn.Module) -> _Slot:
+    def _make_slot(self, index: int, template: nn.Module) -> Slot:
         module = copy.deepcopy(template)
         flat = self.layout.empty(self.device)
         if self.copy_stream is not None:
@@ -205,7 +121,7 @@ class LayerStreamer:
             flat.record_stream(self.copy_stream)
         self.layout.bind(module, flat)
         stage = self.staging.view(index) if self.staging is not None else None
-        return _Slot(index, module.eval(), flat, stage)
+        return Slot(index, module.eval(), flat, stage)
 
     def __len__(self) -> int:
         return len(self.resident) + len(self.order)
@@ -213,11 +129,6 @@ class LayerStreamer:
     @property
     def streamed_layers(self) -> int:
         return len(self.order)
-
-    @property
-    def tier_layers(self) -> list[int]:
-        """The streamed layers the host tier holds (those demoted at run time aside)."""
-        return [i for i in self.order if i not in self._parked]
 
     @property
     def host_bytes(self) -> int:
@@ -313,7 +224,7 @@ class LayerStreamer:
                 assert slot.layer is not None
                 self._assign(slot.layer, slot)
 
-    def _assign(self, layer: int, slot: _Slot) -> None:
+    def _assign(self, layer: int, slot: Slot) -> None:
         """Give `slot` to `layer` and start getting its host bytes (disk: a background read)."""
         if slot.layer is not None:
             del self._holder[slot.layer]
@@ -331,7 +242,7 @@ class LayerStreamer:
         self._filled_at[slot.index] = self._clock
         self.fetch_log.append(layer)
 
-    def _land(self, slot: _Slot) -> None:
+    def _land(self, slot: Slot) -> None:
         """Join the slot's host bytes and issue their copy into the slot."""
         assert slot.pending is not None and slot.layer is not None
         pending, slot.pending = slot.pending, None
@@ -390,148 +301,18 @@ class LayerStreamer:
         states = {i: s for i, s in layer_states(layers).items() if i in chosen}
         resident = {i: m for i, m in enumerate(layers) if i not in chosen}
         modules = {i: layers[i] for i in chosen}
-        demoted = _pack_to_host(layout, modules, device)
+        demoted = pack_to_host(layout, modules, device)
         try:  # the slots are allocated on the device before any layer leaves it
             template = copy.deepcopy(layers[chosen[0]]).to("meta")
-            streamer = cls(resident, chosen, _Nothing(layout), template, device, slots, states)
+            streamer = cls(
+                resident, chosen, NothingStreamed(layout), template, device, slots, states
+            )
         except BaseException:
             demoted.close()
             raise
         # Everything it streams came from the device, so `promote` gives all of it back.
-        streamer.demoted, streamer._parked = demoted, _to_meta(modules)
+        streamer.demoted, streamer._parked = demoted, to_meta(modules)
         return streamer
-
-    def demote(self, layers: Sequence[int]) -> int:
-        """Move resident `layers` into the stream: pack each into host RAM (page-locked on a
-        GPU) and free its device memory. Returns the device bytes freed. One demotion at a
-        time: `promote` first to demote again."""
-        if self.demoted is not None:
-            raise RuntimeError("resident layers were demoted already: promote them first")
-        chosen = sorted(layers)
-        missing = [i for i in chosen if i not in self.resident]
-        if not chosen or missing:
-            raise ValueError(f"not resident layers: {missing or 'none given'}")
-        self.synchronize()  # the compute still queued may read the resident layers
-        if self.states:  # per-layer types: the demoted layers' own, as build_streamer does
-            for i in chosen:
-                self.states[i] = layer_state(self.resident[i])
-        modules = {i: self.resident[i] for i in chosen}
-        self.demoted = _pack_to_host(self.layout, modules, self.device)
-        for i in chosen:
-            del self.resident[i]
-        self._parked = _to_meta(modules)
-        self.order = sorted([*self.order, *chosen])
-        return self.layout.nbytes * len(chosen)
-
-    def promote(self) -> list[int]:
-        """Bring the demoted layers back to the device, resident as before (each in one
-        flat buffer); returns their indices. Their host arena is released."""
-        if self.demoted is None:
-            return []
-        self.wait_reads()
-        self.synchronize()  # no copy into a slot, nor compute reading one, still under way
-        back = sorted(self._parked)
-        for slot in self.slots:
-            if slot.layer in self._parked:
-                del self._holder[slot.layer]
-                slot.layer = None
-        for i in back:
-            flat = self.layout.empty(self.device)
-            flat.copy_(self.demoted.buffers[i])
-            module = self._parked.pop(i)
-            self.layout.bind(module, flat)
-            for name, state in self.states.pop(i, ()):
-                cast: Any = module.get_submodule(name)
-                cast.load_stream_state(state)
-            self.resident[i] = module
-        self.order = [i for i in self.order if i not in back]
-        self.demoted.close()
-        self.demoted = None
-        return back
-
-    def to_disk(self, disk: DiskStorage) -> int:
-        """Stream from `disk` (the disk tier, over the same layers) instead of the RAM tier,
-        whose arena is freed; returns the host bytes freed (0 if the tier is not RAM)."""
-        self.cancel_refill()
-        if not isinstance(self.storage, RamStorage):
-            disk.close()
-            return 0
-        self.wait_reads()
-        self.synchronize()  # no copy still reads the arena
-        if self.staging is None:
-            self.staging = HostArena(self.layout.nbytes, len(self.slots))
-            self.staging.pin(self.device)
-            for slot in self.slots:
-                slot.staging = self.staging.view(slot.index)
-        ram, self.storage = self.storage, disk
-        freed = ram.host_bytes
-        ram.close()
-        return freed
-
-    def to_ram(self) -> None:
-        """Start reading the layers the disk tier streams back into a RAM tier, on a thread
-        of its own; the first pass after the reads finish streams from RAM again."""
-        disk = self.storage
-        if not isinstance(disk, DiskStorage) or self._refill is not None:
-            return
-        layers = self.tier_layers
-        ram = RamStorage(self.layout, layers)
-        cancelled = threading.Event()
-
-        def fill() -> RamStorage:
-            for i in layers:
-                if cancelled.is_set():
-                    break
-                ram.fill(i, disk)
-            ram.pin(self.device)
-            return ram
-
-        pool = ThreadPoolExecutor(1, thread_name_prefix="specd-ram-refill")
-        self._refill = (pool.submit(fill), cancelled)
-        pool.shutdown(wait=False)
-
-    @property
-    def reading_back(self) -> bool:
-        """Whether `to_ram`'s reads are under way (or done, not yet adopted)."""
-        return self._refill is not None
-
-    def cancel_refill(self) -> None:
-        """Drop `to_ram`'s reads (waiting for the layer being read): the disk tier stays."""
-        if self._refill is not None:
-            done, cancelled = self._refill
-            cancelled.set()
-            wait_futures([done])
-            if done.exception() is None:
-                done.result().close()
-            self._refill = None
-
-    def _adopt_refill(self) -> None:
-        """Between passes: stream from the RAM tier `to_ram` read, once it is complete."""
-        if self._refill is None or not self._refill[0].done():
-            return
-        done, _ = self._refill
-        self._refill = None
-        error = done.exception()
-        if error is not None:
-            log.warning("reading the streamed layers back into RAM failed (%s): they stay "
-                        "on the disk tier", error)  # fmt: skip
-            return
-        self.wait_reads()
-        self.synchronize()  # no copy still reads a staging buffer
-        disk, self.storage = self.storage, done.result()
-        disk.close()
-        if not self._staged and self.staging is not None:
-            self.staging.close()
-            self.staging = None
-            for slot in self.slots:
-                slot.staging = None
-
-    def resident_modules(self) -> list[nn.Module]:
-        """Every layer as a resident module, in order: for a streamer whose layers have all
-        been promoted (`over_resident`'s, given back), to become the model's layers again."""
-        if self.order:
-            raise RuntimeError(f"layers {self.order} are still streamed")
-        return [self.resident[i] for i in range(len(self))]
 
     def close(self) -> None:
         """Finish what is under way and release the host tier (unpinning its memory)."""
@@ -572,46 +353,3 @@ class LayerStreamer:
     def device_buffers(self) -> list[torch.Tensor]:
         """The flat layer buffers this streamer holds on the compute device (N of them)."""
         return [s.flat for s in self.slots]
-
-
-def _pack_to_host(
-    layout: FlatLayout, modules: Mapping[int, nn.Module], device: torch.device | str
-) -> RamStorage:
-    """Pack `modules` (layer index → resident module) into a host arena of their own,
-    page-locked for `device`. The modules are left as they are: a failure leaves nothing
-    changed."""
-    storage = RamStorage(layout, sorted(modules))
-    try:
-        for i, module in modules.items():
-            storage.add(i, module)
-    except BaseException:
-        storage.close()
-        raise
-    storage.pin(torch.device(device))
-    return storage
-
-
-def _to_meta(modules: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
-    """Move packed modules to the meta device, which frees their device memory."""
-    for module in modules.values():
-        module.to("meta")
-    return dict(modules)
-
-
-class _Nothing:
-    """The host tier of a streamer made over resident layers: it streams only what was
-    demoted, which comes from the streamer's own arena."""
-
-    tier = "ram"
-    needs_staging = False
-    host_bytes = 0
-    pinned = False
-
-    def __init__(self, layout: FlatLayout) -> None:
-        self.layout = layout
-
-    def fetch(self, layer: int, staging: Any, after: Any = None) -> Future[torch.Tensor]:
-        raise KeyError(f"layer {layer} is not streamed")
-
-    def close(self) -> None:
-        pass

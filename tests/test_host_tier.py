@@ -23,8 +23,8 @@ from offload.layout import FlatLayout
 from offload.machine import PeakMemory
 from offload.plan import Budget
 from offload.planning import make_plan
+from offload.slots import MAX_TIMED_COPIES, CopyTimes
 from offload.storage import DiskStorage, LayerReadError, RamStorage, read_header
-from offload.stream import MAX_TIMED_COPIES, CopyTimes
 from scripts.real_shapes import full_config
 from speculative.config import ModelConfig
 from speculative.model import Transformer

@@ -11,7 +11,7 @@ import torch
 from daemon.target_loading import disk_sources
 from offload.arena import HostArena, arena_bytes
 from offload.placement import build_streamer
-from offload.stream import MAX_TIMED_COPIES
+from offload.slots import MAX_TIMED_COPIES
 from speculative.checkpoint import load
 
 pytestmark = [
