@@ -80,15 +80,15 @@ def client(
     max_tokens: int = 64,
     vary: bool = False,
 ) -> None:
-    """One greedy answer after another; `vary`: each prompt its own (a number at its end),
-    so answers are computed, not served whole from the prefix cache."""
+    """One greedy answer after another; `vary`: each one sampled with a seed of its own, so
+    answers are computed, not served whole from the prefix cache."""
     sent = 0
     while not stop.is_set():
-        prompt = f"Once upon a time {sent}" if vary else "Once upon a time"
+        sampling = {"temperature": 1.0, "seed": sent} if vary else {"temperature": 0}
         sent += 1
         body = json.dumps(
-            {"model": "served", "prompt": prompt, "max_tokens": max_tokens,
-             "temperature": 0, "ignore_eos": True}
+            {"model": "served", "prompt": "Once upon a time", "max_tokens": max_tokens,
+             "ignore_eos": True, **sampling}
         ).encode()  # fmt: skip
         request = urllib.request.Request(
             url + "/v1/completions", body, {"Content-Type": "application/json"}
