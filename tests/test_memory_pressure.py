@@ -243,9 +243,11 @@ def test_real_host_pressure_steps_refusal_and_recovery(
     stories_target: Path, stories_draft: Path, hogs: list[Hog], streamed: bool
 ) -> None:
     """The lines are set relative to what is available once the daemon has loaded and
-    answered (what it holds then is not pressure), so that a child holding 1.5 GiB makes
-    it tight and one more holding 1.5 GiB critical. A streamed target's layers move to the
-    disk tier at the end of the ladder, and back to RAM after."""
+    answered (what it holds then is not pressure), so that a child holding 2.5 GiB makes
+    it tight and one more holding 2 GiB critical, each a GiB past its line (and back at
+    ok a GiB short of the start: what is available moves while other programs run). A
+    streamed target's layers move to the disk tier at the end of the ladder, and back to
+    RAM after."""
     with serve(
         stories_target, stories_draft, streamed, period_seconds=0.1, recover_seconds=0.3,
         tight_host_free=0, critical_host_free=0, critical_swap_rate="1TB/s",
@@ -255,12 +257,12 @@ def test_real_host_pressure_steps_refusal_and_recovery(
         assert monitor is not None
         available = psutil.virtual_memory().available
         monitor.thresholds = replace(
-            monitor.thresholds, tight_host_free=available - GIB,
-            critical_host_free=available - 2 * GIB,
+            monitor.thresholds, tight_host_free=available - 3 * GIB // 2,
+            critical_host_free=available - 3 * GIB,
         )  # fmt: skip
         assert code == 200 and status(srv)["memory_pressure"]["level"] == "ok"
         assert status(srv)["prefix_cache"]["allocated_bytes"] > 0
-        hogs.append(Hog(3 * GIB // 2))
+        hogs.append(Hog(5 * GIB // 2))
         wait_for(lambda: status(srv)["memory_pressure"]["level"] == "tight", "tight", srv)
         # One step per period while tight, in the ladder's order.
         steps = ["prefix_cache", "cached_sessions", "pass_size"] + ["disk_tier"] * streamed
@@ -271,7 +273,7 @@ def test_real_host_pressure_steps_refusal_and_recovery(
         assert now["prefix_cache"]["allocated_bytes"] == 0  # its chunks freed
         code, _, answer = call(srv, GREEDY)  # smaller passes, no cache: the same text
         assert code == 200 and answer["choices"][0]["text"] == reference["choices"][0]["text"]
-        hogs.append(Hog(3 * GIB // 2))
+        hogs.append(Hog(2 * GIB))
         wait_for(lambda: status(srv)["memory_pressure"]["level"] == "critical", "critical", srv)
         code, headers, refused = call(srv, GREEDY)
         assert code == 503 and refused["error"]["code"] == "memory_pressure"
