@@ -95,6 +95,10 @@ class Generation:
     ) -> None:
         """`constraint`: the request's grammar (speculative/grammar.py); its end of
         sequence always stops the generation, `ignore_eos` or not."""
+        # The daemon admits every request before it gets here (daemon/admission.py: the
+        # prompt not empty and within the context, naming the field). This guards the
+        # session's caches for every caller that builds a Generation directly, on a
+        # session of any capacity.
         if not prompt_ids:
             raise ContextFullError("the prompt is empty: at least one token is needed")
         room = session.capacity - len(prompt_ids)

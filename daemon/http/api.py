@@ -1,8 +1,9 @@
 """The HTTP layer (aiohttp): routes, handlers, SSE streaming (security checks: edge.py).
 
-It translates; it does not think. Requests are validated by `openai_wire`, tokenized, and
-handed to the `Engine`; engine events become JSON bodies or SSE chunks. Domain errors are
-mapped to the OpenAI error shape here, at the edge.
+It translates; it does not think. Requests are parsed by `openai_wire`, admitted against
+the models by `admit` (daemon/admission.py: tokenized, checked, settled) and handed to the
+`Engine`; engine events become JSON bodies or SSE chunks. Domain errors are mapped to the
+OpenAI error shape here, at the edge.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
 
 from aiohttp import web
 
+from daemon.admission import admit
 from daemon.engine import Engine
 from daemon.http.edge import (
     CONFIG,
@@ -35,7 +36,6 @@ from daemon.http.openai_wire import (
     parse_json_object,
 )
 from daemon.jobs import (
-    BudgetTooLargeError,
     EngineNotReady,
     Failed,
     Finished,
@@ -46,22 +46,11 @@ from daemon.jobs import (
     ServerShuttingDown,
 )
 from daemon.metrics import Metrics
-from daemon.runtime import RuntimeSetupError
 from speculative.errors import RequestError
 from speculative.generation import Chunk
-from speculative.grammar import Constraint
 from speculative.sampling import TokenLogprob
-from speculative.tokenizer import ChatTemplateError, Tokenizer
-from speculative.tool_calls import (
-    HERMES,
-    CallFormat,
-    CallStream,
-    Tool,
-    native_format,
-    read_answer,
-    render_tool_messages,
-    tool_grammar,
-)
+from speculative.tokenizer import Tokenizer
+from speculative.tool_calls import CallFormat, CallStream, read_answer
 
 log = logging.getLogger("specd.api")
 
@@ -161,25 +150,11 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     # on a few threads (the others wait in the executor's queue), so /health and the
     # streams in flight keep flowing meanwhile.
     loop = asyncio.get_running_loop()
-    engine, req, prompt_ids, constraint, calls = await loop.run_in_executor(
+    engine, req, admitted = await loop.run_in_executor(
         app[PREPARERS], partial(_prepare, app, raw, chat)
     )
     try:
-        job = engine.submit(
-            GenerationRequest(
-                prompt_ids=prompt_ids,
-                params=req.params,
-                max_tokens=req.max_tokens,
-                stop=req.stop,
-                strategy=req.strategy,
-                budget=req.budget,
-                tree_verification=req.tree_verification,
-                ignore_eos=req.ignore_eos,
-                trace=req.trace,
-                constraint=constraint,
-            ),
-            asyncio.get_running_loop(),
-        )
+        job = engine.submit(admitted, loop)
     except QueueFullError as exc:
         raise ApiError(
             503, str(exc), type="service_unavailable", code="queue_full",
@@ -193,8 +168,6 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     except EngineNotReady:
         _require_ready(app)
         raise
-    except BudgetTooLargeError as exc:
-        raise bad_request(str(exc), "budget", code="budget_too_large") from None
     decode = None
     if req.params.logprobs is not None:
         tokenizer = engine.runtime.tokenizer if engine.runtime is not None else None
@@ -202,12 +175,13 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             decode = partial(_token_text, tokenizer)
     shape = ResponseShape(chat=chat, model=config.model_name, decode=decode)
     try:
+        previous = admitted.prompt_ids[-1]
         if req.stream:
             return await _stream(
-                request, job, shape, req, config.keepalive_seconds, prompt_ids[-1], calls
+                request, job, shape, req, config.keepalive_seconds, previous, admitted.calls
             )
         calls_only = req.tool_choice not in (None, "auto")
-        return await _collect(request, job, shape, prompt_ids[-1], calls, calls_only)
+        return await _collect(request, job, shape, previous, admitted.calls, calls_only)
     finally:
         if not job.done:
             job.cancel()  # the client went away (or we failed): free the engine's slot
@@ -219,18 +193,6 @@ def _token_text(tokenizer: Tokenizer, previous: int, token: int) -> str:
     character still decodes to U+FFFD)."""
     before = tokenizer.decode([previous], skip_special_tokens=False)
     return tokenizer.decode([previous, token], skip_special_tokens=False)[len(before) :]
-
-
-def _check_strategy(engine: Engine, req: CompletionRequest) -> None:
-    """A strategy this daemon cannot run (speculation without a draft) is the request's
-    fault: refuse it here rather than fail in the engine with a 500."""
-    assert engine.runtime is not None
-    if req.strategy is None:
-        return
-    try:
-        engine.runtime.check_strategy(req.strategy)
-    except RuntimeSetupError as exc:
-        raise bad_request(str(exc), "strategy") from None
 
 
 # The body's first second is not held to the minimum rate (a connection's slow start).
@@ -277,10 +239,10 @@ async def read_body(request: web.Request, config: ApiConfig) -> bytes:
 
 def _prepare(
     app: web.Application, raw: bytes, chat: bool
-) -> tuple[Engine, CompletionRequest, list[int], Constraint | None, CallFormat | None]:
-    """A request body → the engine, the validated request, its prompt ids, its grammar
-    state (None: free text) and the format its answer's tool calls are read in (None: it
-    calls none), or the ApiError that refuses it. Runs on a preparing thread."""
+) -> tuple[Engine, CompletionRequest, GenerationRequest]:
+    """A request body → the engine, the validated request and what the engine is to serve
+    (`admit`: its prompt ids, its grammar state, the format its answer's tool calls are read
+    in), or the error that refuses it. Runs on a preparing thread."""
     config = app[CONFIG]
     body = parse_json_object(raw)
     req = parse_chat(body, config.limits) if chat else parse_completion(body, config.limits)
@@ -293,126 +255,9 @@ def _prepare(
             code="model_not_found",
         )
     engine = _require_ready(app)
-    _check_strategy(engine, req)
-    prompt_ids = _prompt_ids(engine, req)
     assert engine.runtime is not None
-    _check_room(req, len(prompt_ids), engine.runtime.context, config.limits.clamp_max_tokens)
-    runtime = engine.runtime
-    width = runtime.target.vocab_width
-    outside = [i for i, _ in req.params.logit_bias if i >= width]
-    if outside:
-        raise bad_request(
-            f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {width})",
-            "logit_bias",
-        )
-    grammar, calls = req.grammar, None
-    if req.tools is not None:
-        calls = _call_format(runtime.tokenizer)
-        vocabulary = runtime.tokenizer.vocabulary
-        choice, parallel = req.tool_choice, req.parallel_tool_calls
-        grammar = tool_grammar(calls, req.tools, choice, parallel, "tools", vocabulary)
-    # The request's grammar state, compiled against the vocabulary here (its first mask
-    # included), not on the engine's thread that serves every generation.
-    constraint = (
-        Constraint(grammar, runtime.tokenizer, runtime.target.vocab_width)
-        if grammar is not None
-        else None
-    )
-    return engine, req, prompt_ids, constraint, calls
-
-
-def _call_format(tok: Tokenizer) -> CallFormat:
-    """The model's own call format where its template has one, else the fallback's."""
-    return native_format(tok.chat_template, tok.vocabulary) or HERMES
-
-
-# A normaliser may contract text before tokenizing (NFKC composes up to three characters
-# into one): the early refusal below allows for it.
-CONTRACTION = 4
-
-
-def _refuse_what_cannot_fit(req: CompletionRequest, context: int, max_token_chars: int) -> None:
-    """Refuse, before tokenizing, a prompt that cannot fit whatever its tokens: n token ids,
-    or text of more characters than the context's tokens can stand for."""
-    param = "messages" if req.messages is not None else "prompt"
-    if isinstance(req.prompt, list):
-        tokens = len(req.prompt)
-    else:
-        texts = [req.prompt] if isinstance(req.prompt, str) else _message_texts(req.messages)
-        tokens = sum(len(t) for t in texts) // (max_token_chars * CONTRACTION)
-    if tokens + 1 > context:
-        raise bad_request(
-            f"the prompt has at least {tokens} tokens but the context holds {context} "
-            "(prompt plus at least one new token must fit); shorten the prompt or raise "
-            "context.length",
-            param,
-            code="context_length_exceeded",
-        )
-
-
-def _message_texts(messages: list[dict[str, Any]] | None) -> list[str]:
-    return [m["content"] for m in messages or [] if isinstance(m.get("content"), str)]
-
-
-def _prompt_ids(engine: Engine, req: CompletionRequest) -> list[int]:
-    runtime = engine.runtime
-    assert runtime is not None
-    tok = runtime.tokenizer
-    _refuse_what_cannot_fit(req, runtime.context, tok.max_token_chars)
-    if req.messages is not None:
-        try:
-            ids = _encode_conversation(tok, req.messages, req.tools)
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages") from None
-    elif isinstance(req.prompt, str):
-        ids = tok.encode(req.prompt)
-    else:
-        assert req.prompt is not None
-        vocab = runtime.target.config.vocab_size
-        bad = [t for t in req.prompt if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"prompt token ids {bad[:5]} are outside [0, {vocab})", "prompt")
-        ids = list(req.prompt)
-    param = "messages" if req.messages is not None else "prompt"
-    if not ids:
-        raise bad_request("the prompt is empty: at least one token is needed", param)
-    if len(ids) + 1 > runtime.context:
-        raise bad_request(
-            f"the prompt has {len(ids)} tokens but the context holds {runtime.context} "
-            "(prompt plus at least one new token must fit); shorten the prompt or raise "
-            "context.length",
-            param,
-            code="context_length_exceeded",
-        )
-    return ids
-
-
-def _encode_conversation(
-    tok: Tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None
-) -> list[int]:
-    """A conversation's prompt ids: the tools, earlier calls and their results rendered by
-    the model's template where it has a tool format (Qwen's, Llama 3's, Mistral's), else
-    in specd's fallback format (speculative/tool_calls.py)."""
-    if native_format(tok.chat_template, tok.vocabulary) is not None:
-        offered = [t.as_openai() for t in tools] if tools else None
-        return tok.encode_chat(messages, tools=offered)
-    return tok.encode_chat(render_tool_messages(messages, tools))
-
-
-def _check_room(req: CompletionRequest, prompt_tokens: int, context: int, clamp: bool) -> None:
-    """A max_tokens the context cannot hold after the prompt is refused (OpenAI's and
-    vLLM's answer), unless limits.clamp_max_tokens cuts it (the response then says so);
-    without one, the default is cut to the room left."""
-    room = context - prompt_tokens
-    if req.max_tokens <= room or not req.max_tokens_given or clamp:
-        return
-    raise bad_request(
-        f"max_tokens is {req.max_tokens} but the prompt has {prompt_tokens} tokens and the "
-        f"context holds {context}: at most {room} new tokens fit; lower max_tokens to "
-        f"{room} or less, shorten the prompt, or raise context.length",
-        "max_tokens",
-        code="context_length_exceeded",
-    )
+    clamp = config.limits.clamp_max_tokens
+    return engine, req, admit(engine.runtime, req, clamp_max_tokens=clamp)
 
 
 async def _next_event(job: Job, request: web.Request, timeout: float):  # type: ignore[no-untyped-def]

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from daemon.admission import Ask
 from daemon.settings import STRATEGY_CHOICES, TREE_VERIFICATION_CHOICES
 from speculative.grammar import Grammar
 from speculative.sampling import MAX_TOP_LOGPROBS, SamplingParams
@@ -78,28 +79,14 @@ class WireLimits:
 
 
 @dataclass
-class CompletionRequest:
-    """A validated chat or text completion request (exactly one of messages/prompt set)."""
+class CompletionRequest(Ask):
+    """A validated chat or text completion request: the generation it asks for (an `Ask`,
+    checked against the models by `admit`, daemon/admission.py) and what only the wire
+    has."""
 
-    model: str | None
-    messages: list[dict[str, str]] | None
-    prompt: str | list[int] | None
-    params: SamplingParams
-    max_tokens: int
-    max_tokens_given: bool = True  # False: the daemon's default, cut to the room left
-    stop: list[str] = field(default_factory=list)
+    model: str | None = None
     stream: bool = False
     include_usage: bool = False
-    strategy: str | None = None
-    budget: int | None = None
-    tree_verification: str | None = None  # auto | walk | rejection: the tree's, this request
-    ignore_eos: bool = False
-    trace: bool = False  # "specd": {"trace": true}: per-round draft trees in the stream
-    grammar: Grammar | None = None  # response_format json_object / json_schema, or tools
-    tools: list[Tool] | None = None  # offered to the model (rendered in its prompt)
-    # The answer may call `tools` (tool_choice not none): "auto", "required" or a name.
-    tool_choice: str | None = None
-    parallel_tool_calls: bool = True
 
 
 # No field of the API needs an integer longer than this (seeds are 20 digits). A body is
