@@ -49,7 +49,6 @@ from daemon.metrics import Metrics
 from speculative.errors import RequestError
 from speculative.generation import Chunk
 from speculative.sampling import TokenLogprob
-from speculative.tokenizer import Tokenizer
 from speculative.tool_calls import CallFormat, CallStream, read_answer
 
 log = logging.getLogger("specd.api")
@@ -168,12 +167,10 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     except EngineNotReady:
         _require_ready(app)
         raise
-    decode = None
-    if req.params.logprobs is not None:
-        tokenizer = engine.runtime.tokenizer if engine.runtime is not None else None
-        if tokenizer is not None:
-            decode = partial(_token_text, tokenizer)
-    shape = ResponseShape(chat=chat, model=config.model_name, decode=decode)
+    piece = None
+    if req.params.logprobs is not None and engine.runtime is not None:
+        piece = engine.runtime.tokenizer.piece  # log-probabilities name tokens as text
+    shape = ResponseShape(chat=chat, model=config.model_name, piece=piece)
     try:
         previous = admitted.prompt_ids[-1]
         if req.stream:
@@ -185,14 +182,6 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     finally:
         if not job.done:
             job.cancel()  # the client went away (or we failed): free the engine's slot
-
-
-def _token_text(tokenizer: Tokenizer, previous: int, token: int) -> str:
-    """A token's text after `previous`, as the log-probabilities name it: decoded with
-    the token before it, so a word's leading space survives (a piece of a multi-byte
-    character still decodes to U+FFFD)."""
-    before = tokenizer.decode([previous], skip_special_tokens=False)
-    return tokenizer.decode([previous, token], skip_special_tokens=False)[len(before) :]
 
 
 # The body's first second is not held to the minimum rate (a connection's slow start).
