@@ -1,6 +1,6 @@
-"""The OpenAI wire format's responses: whole answers, streamed chunks (SSE), usage and
-specd's own statistics in the `specd` extension field. Requests are parsed in
-daemon/http/openai_wire.py."""
+"""The OpenAI wire format's responses, shaped: whole answers, streamed chunks (SSE), usage
+and specd's own statistics in the `specd` extension field. daemon/http/streaming.py writes
+them to the client; requests are parsed in daemon/http/openai_wire.py."""
 
 from __future__ import annotations
 
