@@ -41,7 +41,6 @@ from collections.abc import Generator as PyGenerator
 from dataclasses import dataclass, field, replace
 
 from daemon.jobs import (
-    BudgetTooLargeError,
     EngineNotReady,
     Failed,
     Finished,
@@ -168,18 +167,15 @@ class Engine:
         return "ready" if self.runtime is not None else "loading"
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
+        """Queue `request`, as `admit` (daemon/admission.py) settled it: what is refused
+        here is load (not ready, memory pressure, a full house), never the request."""
         if not self.ready:
             raise EngineNotReady(f"the engine is {self.state}")
-        assert self.runtime is not None
         if self.pressure is not None and self.pressure.level == "critical":
             raise MemoryPressureError(
                 "free memory is below the critical line (memory.pressure): requests in "
                 "flight finish, new ones are refused until it is back; retry shortly"
             )
-        # A tree bigger than the plan's largest pass would allocate past the budget (its
-        # ancestor mask alone is budget² bytes): refuse it before it is queued.
-        if request.budget is not None and request.budget > self.runtime.max_tree_budget:
-            raise BudgetTooLargeError(request.budget, self.runtime.max_tree_budget)
         job = Job(request, loop)
         most = self.limits.max_concurrent + self.limits.queue_size
         with self._admission:

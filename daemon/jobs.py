@@ -1,7 +1,8 @@
 """A generation request as it crosses between the event loop and the engine's worker
-thread: what is asked (`GenerationRequest`), the events the worker posts back (`Chunk`s,
-then `Finished` or `Failed`), the `Job` that carries them, and the refusals `submit` can
-raise before a job is queued."""
+thread: what is asked (`GenerationRequest`, made by `admit`, daemon/admission.py), the
+events the worker posts back (`Chunk`s, then `Finished` or `Failed`), the `Job` that
+carries them, and the refusals `submit` can raise before a job is queued (load, never the
+request: admission refused what the request got wrong)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from speculative.errors import RequestError
 from speculative.generation import Chunk
 from speculative.grammar import Constraint
 from speculative.sampling import SamplingParams
+from speculative.tool_calls import CallFormat
 
 
 class QueueFullError(RuntimeError):
@@ -34,19 +35,11 @@ class ServerShuttingDown(RuntimeError):
     """The daemon is stopping; in-flight generations end with this error."""
 
 
-class BudgetTooLargeError(RequestError):
-    """A request's tree budget above what the memory plan holds (the request's fault)."""
-
-    def __init__(self, budget: int, maximum: int) -> None:
-        super().__init__(
-            f"budget {budget} is above the largest tree this daemon planned memory for "
-            f"({maximum} nodes, from speculation.budget): ask for at most {maximum}"
-        )
-        self.budget, self.maximum = budget, maximum
-
-
 @dataclass
 class GenerationRequest:
+    """A generation as the engine serves it: the prompt's ids and every parameter settled
+    (`admit` makes one from an `Ask`; tests and scripts may build one directly)."""
+
     prompt_ids: list[int]
     params: SamplingParams
     max_tokens: int
@@ -57,8 +50,11 @@ class GenerationRequest:
     ignore_eos: bool = False
     trace: bool = False  # chunks carry each round's draft tree (speculative.generation)
     # Structured output: the request's grammar state (speculative/grammar.py), made when
-    # the request was prepared; one generation's own.
+    # the request was admitted; one generation's own.
     constraint: Constraint | None = None
+    # Tools offered: the format the answer's calls are read back in (by the HTTP layer;
+    # the generation itself only follows the constraint).
+    calls: CallFormat | None = None
 
 
 @dataclass

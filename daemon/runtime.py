@@ -218,6 +218,8 @@ class Runtime:
         `verification` replace the configured tree budget and verification (a request's
         own), None keeps them."""
         name = name or self.default_strategy
+        # A request's strategy was admitted (daemon/admission.py); this guards the callers
+        # that build one directly (tests, scripts) from a KeyError or a draftless tree.
         self.check_strategy(name)
         return STRATEGY_BUILDERS[name](
             self,

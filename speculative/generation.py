@@ -16,6 +16,7 @@ from speculative.passes import Allot, Forward, PassRequest, alone
 from speculative.rounds import DraftedTree, GenerationStats, Round, Strategy
 from speculative.sampling import SamplingParams, TokenLogprob, make_generator
 from speculative.session import Session
+from speculative.tokenizer import Tokenizer
 
 
 class ContextFullError(RequestError):
@@ -41,19 +42,12 @@ TRACE_MAX_NODES = 64
 TRACE_MAX_ROUNDS = 128
 
 
-def trace_round(number: int, rnd: Round, tree: DraftedTree, tokenizer: Any) -> dict[str, Any]:
-    """One round's tree for a person to read: node tokens as text, parents, the accepted
-    path, and the tokens the round emitted (cached ones first, then the walk's)."""
+def trace_round(number: int, rnd: Round, tree: DraftedTree, tokenizer: Tokenizer) -> dict[str, Any]:
+    """One round's tree for a person to read: node tokens as text (each after its parent,
+    `Tokenizer.piece`), parents, the accepted path, and the tokens the round emitted
+    (cached ones first, then the walk's)."""
     kept = min(len(tree.tokens), TRACE_MAX_NODES)
-
-    def text(token: int, after: int | None = None) -> str:
-        # A token's text after the one before it: decoded alone, a SentencePiece token
-        # loses its leading space.
-        if after is None:
-            return tokenizer.decode([token], skip_special_tokens=False)
-        before = tokenizer.decode([after], skip_special_tokens=False)
-        return tokenizer.decode([after, token], skip_special_tokens=False)[len(before) :]
-
+    text = tokenizer.piece
     nodes = tree.tokens[:kept]
     parents = tree.parents[:kept]
     # What came before this round's first token: the root, unless the round began with
@@ -95,6 +89,10 @@ class Generation:
     ) -> None:
         """`constraint`: the request's grammar (speculative/grammar.py); its end of
         sequence always stops the generation, `ignore_eos` or not."""
+        # The daemon admits every request before it gets here (daemon/admission.py: the
+        # prompt not empty and within the context, naming the field). This guards the
+        # session's caches for every caller that builds a Generation directly, on a
+        # session of any capacity.
         if not prompt_ids:
             raise ContextFullError("the prompt is empty: at least one token is needed")
         room = session.capacity - len(prompt_ids)

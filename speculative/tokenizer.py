@@ -157,6 +157,17 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def piece(self, token: int, after: int | None = None) -> str:
+        """One token's text as it reads after the token `after` (None: on its own), special
+        tokens spelled out: what log-probabilities and traces name a token. Decoded with the
+        token before it and that one's text cut off, because a SentencePiece word's leading
+        space is lost when the piece is decoded alone; a piece of a multi-byte character
+        still reads U+FFFD."""
+        if after is None:
+            return self.decode([token], skip_special_tokens=False)
+        before = self.decode([after], skip_special_tokens=False)
+        return self.decode([after, token], skip_special_tokens=False)[len(before) :]
+
     def _compiled_template(self) -> Template:
         from speculative.chat_template import TemplateError, compile_template
 

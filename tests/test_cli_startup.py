@@ -172,7 +172,9 @@ def test_client_commands_list_no_model_flags(command: str, capsys: pytest.Captur
 def test_temperature_has_the_apis_range_and_message(
     argv: list[str], value: str, capsys: pytest.CaptureFixture
 ) -> None:
-    from daemon.http.openai_wire import ApiError, WireLimits, parse_chat
+    from daemon.http.openai_errors import ApiError
+    from daemon.http.openai_fields import WireLimits
+    from daemon.http.openai_wire import parse_chat
 
     with pytest.raises(SystemExit):
         main([*argv, value])

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from daemon import engine as engine_module
-from daemon.http import api as api_module
+from daemon.http import completions as completions_module
 from daemon.http.server import BackgroundServer, Server
 from daemon.settings_loading import load_settings
 from speculative.budget import AUTO_MAX_BUDGET
@@ -496,17 +496,17 @@ def test_errors_escaping_a_handler(
     """At the edge: a RequestError is a 400 naming its field; any other exception a 500
     with the traceback logged, never a 400."""
 
-    def refuse(engine, req):  # type: ignore[no-untyped-def]
+    def refuse(runtime, ask, **kwargs):  # type: ignore[no-untyped-def]
         raise RequestError("strategy refused for a test", "strategy", "test_refusal")
 
-    monkeypatch.setattr(api_module, "_check_strategy", refuse)
+    monkeypatch.setattr(completions_module, "admit", refuse)
     error = assert_error(call(server, good()), 400, "strategy")
     assert error["code"] == "test_refusal"
 
-    def broken(engine, req):  # type: ignore[no-untyped-def]
+    def broken(runtime, ask, **kwargs):  # type: ignore[no-untyped-def]
         raise ValueError("a bug in a handler")
 
-    monkeypatch.setattr(api_module, "_check_strategy", broken)
+    monkeypatch.setattr(completions_module, "admit", broken)
     error = assert_error(call(server, good()), 500)
     assert "a bug" not in error["message"]  # the log has it, not the client
     assert logged_tracebacks(specd_log, "a bug in a handler")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,18 @@ def test_stories_encoding_matches_transformers(stories_target: Path) -> None:
         assert ids[0] == 1
         assert ours.encode(text, add_special_tokens=False) == ids[1:]
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+def test_a_piece_reads_as_it_does_after_the_token_before_it(stories_target: Path) -> None:
+    """`Tokenizer.piece`, what log-probabilities and traces name a token: decoded alone a
+    SentencePiece word loses its leading space; after the token before it, it keeps it, and
+    the pieces of a text after its BOS spell the text. Special tokens are spelled out."""
+    tok = _tokenizer(stories_target)
+    ids = tok.encode("Once upon a time")
+    assert [tok.decode([i]) for i in ids[1:]] == ["Once", "upon", "a", "time"]
+    pieces = [tok.piece(token, after) for after, token in pairwise(ids)]
+    assert pieces == [" Once", " upon", " a", " time"]
+    assert tok.piece(ids[0]) == "<s>" and tok.piece(ids[1], ids[0]) == " Once"
 
 
 @pytest.mark.parametrize("add_bos", [True, False, None])

@@ -12,7 +12,7 @@ from daemon.settings import size_bytes
 QUANTIZE_GROUP = 128
 
 # The temperatures specd accepts anywhere, the OpenAI API's range: the REST API refuses
-# others (daemon/http/openai_wire.py), and so do `specd generate` and `specd chat`.
+# others (daemon/http/openai_fields.py), and so do `specd generate` and `specd chat`.
 TEMPERATURE_RANGE = (0.0, 2.0)
 
 

@@ -17,6 +17,7 @@ import json
 import time
 from pathlib import Path
 
+from daemon.admission import Ask, admit
 from daemon.cli.argtypes import count
 from daemon.cli.serve import add_settings_args, settings_from_args
 from daemon.compiling import print_progress
@@ -29,11 +30,24 @@ from speculative.generation import Chunk
 from speculative.sampling import SamplingParams
 
 
-def run_strategy(runtime: Runtime, name: str, prompt_ids: list[int], max_tokens: int) -> dict:
+def workload(runtime: Runtime, name: str, prompt: str, max_tokens: int) -> GenerationRequest:
+    """The request every row runs with strategy `name`: greedy, EOS ignored, admitted as
+    the daemon admits one (a --max-tokens past the context is cut to what fits)."""
     greedy = SamplingParams(temperature=0.0)
-    gen = runtime.generation(prompt_ids, greedy, max_tokens, strategy=name, ignore_eos=True)
+    ask = Ask(prompt, None, greedy, max_tokens, strategy=name, ignore_eos=True)
+    return admit(runtime, ask, clamp_max_tokens=True)
+
+
+def run_strategy(runtime: Runtime, request: GenerationRequest) -> dict:
+    gen = runtime.generation(
+        request.prompt_ids,
+        request.params,
+        request.max_tokens,
+        strategy=request.strategy,
+        ignore_eos=request.ignore_eos,
+    )
     gen.run()
-    return {"strategy": name, "token_ids": gen.token_ids, **gen.stats.to_dict()}
+    return {"strategy": request.strategy, "token_ids": gen.token_ids, **gen.stats.to_dict()}
 
 
 def row_sentence(r: dict) -> str:
@@ -56,14 +70,9 @@ def prefix_cache_hit_rate(stats: dict) -> float | None:
     return stats["prefix_cache_hits"] / looked if looked else None
 
 
-def run_concurrent(
-    engine: Engine, name: str, prompt_ids: list[int], max_tokens: int, n: int
-) -> dict:
-    """`n` generations of one strategy at once through the engine: aggregate tokens/s over
+def run_concurrent(engine: Engine, request: GenerationRequest, n: int) -> dict:
+    """`n` generations of one request at once through the engine: aggregate tokens/s over
     the wall time, and generated tokens per target pass the engine ran."""
-    request = GenerationRequest(
-        prompt_ids, SamplingParams(temperature=0.0), max_tokens, strategy=name, ignore_eos=True
-    )
 
     async def one(loop: asyncio.AbstractEventLoop) -> tuple[list[int], dict]:
         job = engine.submit(request, loop)
@@ -89,7 +98,7 @@ def run_concurrent(
     outputs = [token_ids for token_ids, _ in done]
     tokens = sum(len(o) for o in outputs)
     return {
-        "strategy": name,
+        "strategy": request.strategy,
         "concurrency": n,
         "outputs": outputs,
         "tokens": tokens,
@@ -150,9 +159,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     names = args.strategies or [
         n for n in STRATEGY_BUILDERS if n == "autoregressive" or runtime.draft_kind is not None
     ]
-    prompt_ids = runtime.tokenizer.encode(args.prompt)
-    run_strategy(runtime, "autoregressive", prompt_ids, 8)  # warm-up: first-call overheads
-    rows = [run_strategy(runtime, n, prompt_ids, args.max_tokens) for n in names]
+    warm_up = workload(runtime, "autoregressive", args.prompt, 8)
+    requests = [workload(runtime, n, args.prompt, args.max_tokens) for n in names]
+    prompt_ids = warm_up.prompt_ids
+    run_strategy(runtime, warm_up)  # warm-up: first-call overheads
+    rows = [run_strategy(runtime, request) for request in requests]
     base = next((r for r in rows if r["strategy"] == "autoregressive"), None)
     print(
         f"workload: prompt {args.prompt!r} ({len(prompt_ids)} tokens), {args.max_tokens} new "
@@ -183,13 +194,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         try:
             # The tree's prefix cache holds the single streams' logits: it would answer.
             runtime.prefix_cache.clear()
-            run_concurrent(engine, "autoregressive", prompt_ids, 8, args.concurrency)  # warm-up
+            run_concurrent(engine, warm_up, args.concurrency)
             together = []
-            for n in names:
+            for request in requests:
                 runtime.prefix_cache.clear()
-                together.append(
-                    run_concurrent(engine, n, prompt_ids, args.max_tokens, args.concurrency)
-                )
+                together.append(run_concurrent(engine, request, args.concurrency))
         finally:
             engine.shutdown()
         print_concurrent(together, rows)

@@ -30,6 +30,7 @@ from daemon.startup import collector_paused
 from speculative.errors import RequestError
 
 if TYPE_CHECKING:
+    from daemon.jobs import GenerationRequest
     from speculative.generation import Generation
     from speculative.grammar import Grammar
     from speculative.sampling import SamplingParams
@@ -235,42 +236,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.samples < 1:
         raise RequestError(f"--samples must be at least 1, got {args.samples}")
     with collector_paused():
+        from daemon.admission import Ask, admit
         from daemon.compiling import print_progress
         from daemon.runtime import Runtime
         from speculative.generation import Generation
-        from speculative.grammar import Constraint
 
         runtime = Runtime(runtime_options(args))
     runtime.compile(serving=False).warm(print_progress)  # --compile on: before the first token
-    tok = runtime.tokenizer
-    if args.prompt_ids is not None:
-        prompt_ids = list(args.prompt_ids)
-    else:
-        prompt_ids = tok.encode(args.prompt or "")
-    vocab = runtime.target.config.vocab_size
-    bad = [i for i in prompt_ids if not 0 <= i < vocab]
-    if bad:
-        raise RequestError(f"--prompt-ids {bad[:5]} outside the vocabulary [0, {vocab})")
-    strategy = runtime.strategy()
-    session = runtime.new_session(strategy)
+    prompt = list(args.prompt_ids) if args.prompt_ids is not None else args.prompt or ""
     grammar = output_grammar(args)
-    if grammar is not None:
-        grammar.check(tok)
 
-    def generation(seed: int | None) -> Generation:
-        constraint = (
-            Constraint(grammar, tok, runtime.target.vocab_width) if grammar is not None else None
-        )
-        return Generation(
-            strategy,
-            session,
-            tok,
-            prompt_ids,
-            sampling_params(args, seed),
+    def admitted(seed: int | None) -> GenerationRequest:
+        """The request of one sample (its seed, its own grammar state), admitted as the
+        daemon admits one; a --max-tokens past the context is cut to what fits."""
+        ask = Ask(
+            prompt=prompt,
+            messages=None,
+            params=sampling_params(args, seed),
             max_tokens=args.max_tokens,
             stop=args.stop,
             ignore_eos=args.ignore_eos,
-            constraint=constraint,
+            grammar=grammar,
+        )
+        return admit(runtime, ask, clamp_max_tokens=True)
+
+    request = admitted(args.seed)  # a bad prompt or grammar is refused before any pass
+    strategy = runtime.strategy(request.strategy)
+    session = runtime.new_session(strategy)
+
+    def generation(request: GenerationRequest) -> Generation:
+        return Generation(
+            strategy,
+            session,
+            runtime.tokenizer,
+            request.prompt_ids,
+            request.params,
+            max_tokens=request.max_tokens,
+            stop=request.stop,
+            ignore_eos=request.ignore_eos,
+            constraint=request.constraint,
         )
 
     if args.samples > 1:
@@ -278,11 +282,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # prompt's KV entries, so only the first sample pays the prefill. Without --seed
         # every sample draws its own OS seed, which keeps them independent too.
         for i in range(args.samples):
-            gen = generation(None if args.seed is None else args.seed + i).run()
+            if i:
+                request = admitted(None if args.seed is None else args.seed + i)
+            gen = generation(request).run()
             gen.stats.extra.update({**runtime.offload_stats(), **runtime.draft_stats()})
             print(json.dumps(generation_record(gen)), flush=True)
         return 0
-    gen = generation(args.seed)
+    gen = generation(request)
     if args.json:
         gen.run()
         gen.stats.extra.update({**runtime.offload_stats(), **runtime.draft_stats()})

@@ -21,7 +21,8 @@ from aiohttp.web_request import BaseRequest
 
 from daemon.engine import Engine
 from daemon.hostname import allowed_host_names, host_name
-from daemon.http.openai_wire import ApiError, WireLimits, bad_request
+from daemon.http.openai_errors import ApiError, bad_request
+from daemon.http.openai_fields import WireLimits
 from daemon.metrics import Metrics
 from speculative.errors import RequestError
 

@@ -1,6 +1,6 @@
-"""The OpenAI wire format's responses: whole answers, streamed chunks (SSE), usage and
-specd's own statistics in the `specd` extension field. Requests are parsed in
-daemon/http/openai_wire.py."""
+"""The OpenAI wire format's responses, shaped: whole answers, streamed chunks (SSE), usage
+and specd's own statistics in the `specd` extension field. daemon/http/streaming.py writes
+them to the client; requests are parsed in daemon/http/openai_wire.py."""
 
 from __future__ import annotations
 
@@ -72,10 +72,9 @@ class ResponseShape:
     model: str
     id: str = ""
     created: int = 0
-    # A token's text after the token before it (`decode(previous, token)`), when the
-    # request asked for log-probabilities (else None). In context: a SentencePiece word's
-    # leading space is lost when the piece is decoded on its own.
-    decode: Callable[[int, int], str] | None = None
+    # A token's text after the token before it (`piece(token, previous)`: the tokenizer's
+    # `Tokenizer.piece`), when the request asked for log-probabilities (else None).
+    piece: Callable[[int, int], str] | None = None
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id("chatcmpl" if self.chat else "cmpl")
@@ -94,14 +93,14 @@ class ResponseShape:
         """OpenAI's shape of the tokens' log-probabilities: chat's `content` list, or the
         completions' parallel lists (`text_offset` counted from `offset`). `previous`: the
         token before the first entry's (the prompt's last, or the last one sent)."""
-        if self.decode is None:
+        if self.piece is None:
             return None
-        decode = self.decode
+        piece = self.piece
         befores = [previous, *(e.token for e in entries[:-1])]
         if self.chat:
 
             def item(before: int, token: int, logprob: float) -> dict[str, Any]:
-                text = decode(before, token)
+                text = piece(token, before)
                 return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
             return {
@@ -113,7 +112,7 @@ class ResponseShape:
                     for b, e in zip(befores, entries, strict=True)
                 ]
             }
-        tokens = [decode(b, e.token) for b, e in zip(befores, entries, strict=True)]
+        tokens = [piece(e.token, b) for b, e in zip(befores, entries, strict=True)]
         offsets = []
         for text in tokens:
             offsets.append(offset)
@@ -122,7 +121,7 @@ class ResponseShape:
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": [
-                {decode(b, t): lp for t, lp in e.top} for b, e in zip(befores, entries, strict=True)
+                {piece(t, b): lp for t, lp in e.top} for b, e in zip(befores, entries, strict=True)
             ],
             "text_offset": offsets,
         }

@@ -18,7 +18,7 @@ from daemon.engine import Engine, EngineLimits
 from daemon.http import webchat
 from daemon.http.api import create_app
 from daemon.http.edge import DRAINING, ApiConfig, AppRunner
-from daemon.http.openai_wire import WireLimits
+from daemon.http.openai_fields import WireLimits
 from daemon.metrics import Metrics
 from daemon.options import RuntimeOptions
 from daemon.pressure import thresholds_from

@@ -1,0 +1,222 @@
+"""Admission: a request checked once against the runtime that is to serve it.
+
+A generation is asked for through three doors: the HTTP API, `specd generate` and
+`specd bench`. Each parses what it received by its own rules (the OpenAI wire format's
+types and ranges in daemon/http/openai_wire.py, the command line's in its argument
+types) into an `Ask`. What depends on the models is decided here, by `admit`, for all
+three alike: the `Ask` becomes a `GenerationRequest` (daemon/jobs.py) holding the prompt's
+token ids and every parameter settled (the strategy named, `max_tokens` within the room
+the context leaves, the grammar compiled into the request's own `Constraint`), or a
+`RequestError` naming the field at fault. The engine serves a `GenerationRequest` as it
+is: what it still refuses is load (memory pressure, a full queue), never the request.
+
+The checks run in this order, and the first that fails is the one reported:
+
+1. the strategy is one this runtime can build (speculation needs a draft);
+2. the prompt: refused before tokenizing when no tokenization of it could fit the context;
+   then a conversation is rendered by the chat template and tokenized, text is tokenized
+   with the tokenizer's BOS policy, token ids are taken as they are but must be in the
+   vocabulary; the prompt must not be empty and must leave room for one new token;
+3. `max_tokens` fits the room the prompt leaves, or is cut to it (a default, or
+   `clamp_max_tokens`);
+4. `logit_bias` names tokens of the vocabulary;
+5. the grammar (`response_format`, `--json-schema`, or the tools in the model's own call
+   format) compiles against the vocabulary, its first mask included: here, on the
+   caller's thread, not on the engine's that serves every generation;
+6. the tree budget is within the largest tree the memory plan holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from daemon.jobs import GenerationRequest
+from daemon.runtime import Runtime, RuntimeSetupError
+from speculative.errors import RequestError
+from speculative.grammar import Constraint, Grammar
+from speculative.sampling import SamplingParams
+from speculative.tokenizer import ChatTemplateError, Tokenizer
+from speculative.tool_calls import (
+    HERMES,
+    CallFormat,
+    Tool,
+    native_format,
+    render_tool_messages,
+    tool_grammar,
+)
+
+# A normaliser may contract text before tokenizing (NFKC composes up to three characters
+# into one): the refusal before tokenizing allows for it.
+CONTRACTION = 4
+
+
+@dataclass
+class Ask:
+    """A generation as asked: parsed by its door, not yet checked against the models.
+    Exactly one of `prompt` and `messages` is set."""
+
+    prompt: str | list[int] | None  # text, or token ids fed exactly
+    messages: list[dict[str, Any]] | None  # a conversation, for the chat template
+    params: SamplingParams
+    max_tokens: int
+    max_tokens_given: bool = True  # False: a default, cut to the room left without a word
+    stop: list[str] = field(default_factory=list)
+    strategy: str | None = None  # None: the runtime's default
+    budget: int | None = None  # tree budget for this request only
+    tree_verification: str | None = None  # auto | walk | rejection: the tree's, this request
+    ignore_eos: bool = False
+    trace: bool = False  # chunks carry each round's draft tree
+    grammar: Grammar | None = None  # response_format json_object / json_schema, --json-schema
+    tools: list[Tool] | None = None  # offered to the model (rendered in its prompt)
+    # The answer may call `tools` (tool_choice not none): "auto", "required" or a name.
+    tool_choice: str | None = None
+    parallel_tool_calls: bool = True
+
+
+def admit(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> GenerationRequest:
+    """`ask` as the engine serves it, or the `RequestError` that refuses it, naming its field
+    (the OpenAI field names: the HTTP API answers it as a 400 with that `param`).
+    `clamp_max_tokens`: a `max_tokens` the context cannot hold after the prompt is cut to
+    what fits (the response then says so) instead of refused (limits.clamp_max_tokens)."""
+    strategy = _strategy(runtime, ask.strategy)
+    prompt_ids = _prompt_ids(runtime, ask)
+    max_tokens = _max_tokens(ask, len(prompt_ids), runtime.context, clamp_max_tokens)
+    width = runtime.target.vocab_width
+    outside = [i for i, _ in ask.params.logit_bias if i >= width]
+    if outside:
+        raise RequestError(
+            f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {width})",
+            "logit_bias",
+        )
+    grammar, calls = ask.grammar, None
+    if ask.tools is not None:
+        calls = call_format(runtime.tokenizer)
+        vocabulary = runtime.tokenizer.vocabulary
+        choice, parallel = ask.tool_choice, ask.parallel_tool_calls
+        grammar = tool_grammar(calls, ask.tools, choice, parallel, "tools", vocabulary)
+    constraint = Constraint(grammar, runtime.tokenizer, width) if grammar is not None else None
+    # A tree bigger than the plan's largest pass would allocate past the memory budget (its
+    # ancestor mask alone is budget² bytes).
+    if ask.budget is not None and ask.budget > runtime.max_tree_budget:
+        most = runtime.max_tree_budget
+        raise RequestError(
+            f"budget {ask.budget} is above the largest tree this daemon planned memory for "
+            f"({most} nodes, from speculation.budget): ask for at most {most}",
+            "budget",
+            "budget_too_large",
+        )
+    return GenerationRequest(
+        prompt_ids=prompt_ids,
+        params=ask.params,
+        max_tokens=max_tokens,
+        stop=ask.stop,
+        strategy=strategy,
+        budget=ask.budget,
+        tree_verification=ask.tree_verification,
+        ignore_eos=ask.ignore_eos,
+        trace=ask.trace,
+        constraint=constraint,
+        calls=calls,
+    )
+
+
+def call_format(tok: Tokenizer) -> CallFormat:
+    """The model's own call format where its template has one, else the fallback's."""
+    return native_format(tok.chat_template, tok.vocabulary) or HERMES
+
+
+def _strategy(runtime: Runtime, name: str | None) -> str:
+    """The strategy's name, the runtime's default when none was asked for. One this runtime
+    cannot build (speculation without a draft) is the request's fault, not a failure of the
+    engine's."""
+    if name is None:
+        return runtime.default_strategy
+    try:
+        runtime.check_strategy(name)
+    except RuntimeSetupError as exc:
+        raise RequestError(str(exc), "strategy") from None
+    return name
+
+
+def _prompt_ids(runtime: Runtime, ask: Ask) -> list[int]:
+    tok = runtime.tokenizer
+    param = "messages" if ask.messages is not None else "prompt"
+    _refuse_what_cannot_fit(ask, param, runtime.context, tok.max_token_chars)
+    if ask.messages is not None:
+        try:
+            ids = _encode_conversation(tok, ask.messages, ask.tools)
+        except ChatTemplateError as exc:
+            raise RequestError(str(exc), "messages") from None
+    elif isinstance(ask.prompt, str):
+        ids = tok.encode(ask.prompt)
+    else:
+        assert ask.prompt is not None
+        vocab = runtime.target.config.vocab_size
+        bad = [t for t in ask.prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt"
+            )
+        ids = list(ask.prompt)
+    if not ids:
+        raise RequestError("the prompt is empty: at least one token is needed", param)
+    if len(ids) + 1 > runtime.context:
+        raise RequestError(
+            f"the prompt has {len(ids)} tokens but the context holds {runtime.context} "
+            "(prompt plus at least one new token must fit); shorten the prompt or raise "
+            "context.length",
+            param,
+            "context_length_exceeded",
+        )
+    return ids
+
+
+def _refuse_what_cannot_fit(ask: Ask, param: str, context: int, max_token_chars: int) -> None:
+    """Refuse, before tokenizing, a prompt that cannot fit whatever its tokens: n token ids,
+    or text of more characters than the context's tokens can stand for."""
+    if isinstance(ask.prompt, list):
+        tokens = len(ask.prompt)
+    else:
+        texts = [ask.prompt] if isinstance(ask.prompt, str) else _message_texts(ask.messages)
+        tokens = sum(len(t) for t in texts) // (max_token_chars * CONTRACTION)
+    if tokens + 1 > context:
+        raise RequestError(
+            f"the prompt has at least {tokens} tokens but the context holds {context} "
+            "(prompt plus at least one new token must fit); shorten the prompt or raise "
+            "context.length",
+            param,
+            "context_length_exceeded",
+        )
+
+
+def _message_texts(messages: list[dict[str, Any]] | None) -> list[str]:
+    return [m["content"] for m in messages or [] if isinstance(m.get("content"), str)]
+
+
+def _encode_conversation(
+    tok: Tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None
+) -> list[int]:
+    """A conversation's prompt ids: the tools, earlier calls and their results rendered by
+    the model's template where it has a tool format (Qwen's, Llama 3's, Mistral's), else
+    in specd's fallback format (speculative/tool_calls.py)."""
+    if native_format(tok.chat_template, tok.vocabulary) is not None:
+        offered = [t.as_openai() for t in tools] if tools else None
+        return tok.encode_chat(messages, tools=offered)
+    return tok.encode_chat(render_tool_messages(messages, tools))
+
+
+def _max_tokens(ask: Ask, prompt_tokens: int, context: int, clamp: bool) -> int:
+    """`max_tokens` within the room the context leaves after the prompt. One that does not
+    fit is refused (OpenAI's and vLLM's answer), unless `clamp` cuts it; a default is cut
+    to the room left."""
+    room = context - prompt_tokens
+    if ask.max_tokens > room and ask.max_tokens_given and not clamp:
+        raise RequestError(
+            f"max_tokens is {ask.max_tokens} but the prompt has {prompt_tokens} tokens and "
+            f"the context holds {context}: at most {room} new tokens fit; lower max_tokens "
+            f"to {room} or less, shorten the prompt, or raise context.length",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    return min(ask.max_tokens, room)

@@ -1,0 +1,181 @@
+"""The completion endpoints, /v1/chat/completions and /v1/completions: the body read
+against its deadline, parsed (daemon/http/openai_wire.py) and admitted against the models
+(`admit`, daemon/admission.py) on a preparing thread, handed to the `Engine`, and answered
+by daemon/http/streaming.py as one body or an SSE stream.
+
+It translates; it does not think. What the engine refuses for load (a full queue, memory
+pressure, the models not ready) becomes a 503 with Retry-After here; a request's own fault
+is a `RequestError`, answered as a 400 at the edge (daemon/http/edge.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+from aiohttp import web
+
+from daemon.admission import admit
+from daemon.engine import Engine
+from daemon.http.edge import CONFIG, DRAINING, ENGINE, ApiConfig
+from daemon.http.openai_errors import ApiError
+from daemon.http.openai_responses import ResponseShape
+from daemon.http.openai_wire import (
+    CompletionRequest,
+    parse_chat,
+    parse_completion,
+    parse_json_object,
+)
+from daemon.http.streaming import collect, stream
+from daemon.jobs import EngineNotReady, GenerationRequest, MemoryPressureError, QueueFullError
+
+# Requests prepared (parsed, admitted: tokenized and checked) at once; the others wait
+# their turn.
+PREPARING_THREADS = 2
+PREPARERS = web.AppKey("preparers", ThreadPoolExecutor)
+
+LOADING_RETRY_AFTER = "5"
+QUEUE_RETRY_AFTER = "1"
+# Memory comes back when the other program lets go: later than a queue drains.
+PRESSURE_RETRY_AFTER = "5"
+
+
+def _require_ready(app: web.Application) -> Engine:
+    engine = app[ENGINE]
+    if app[DRAINING].is_set() or engine.state == "stopping":
+        raise ApiError(
+            503,
+            "the server is shutting down",
+            type="service_unavailable",
+            code="shutting_down",
+            headers={"Retry-After": LOADING_RETRY_AFTER},
+        )
+    if engine.state == "failed":
+        raise ApiError(500, f"the models failed to load: {engine.load_error}", type="server_error")
+    if engine.runtime is None:
+        raise ApiError(
+            503,
+            "the models are still loading; retry shortly",
+            type="service_unavailable",
+            code="model_loading",
+            headers={"Retry-After": LOADING_RETRY_AFTER},
+        )
+    return engine
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _complete(request, chat=False)
+
+
+async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
+    app = request.app
+    config = app[CONFIG]
+    raw = await read_body(request, config)
+    # Parsing, validating, rendering the chat template and tokenizing take time in
+    # proportion to the body (0.6 s per megabyte of text to tokenize): off the event loop,
+    # on a few threads (the others wait in the executor's queue), so /health and the
+    # streams in flight keep flowing meanwhile.
+    loop = asyncio.get_running_loop()
+    engine, req, admitted = await loop.run_in_executor(
+        app[PREPARERS], partial(_prepare, app, raw, chat)
+    )
+    try:
+        job = engine.submit(admitted, loop)
+    except QueueFullError as exc:
+        raise ApiError(
+            503, str(exc), type="service_unavailable", code="queue_full",
+            headers={"Retry-After": QUEUE_RETRY_AFTER},
+        ) from None  # fmt: skip
+    except MemoryPressureError as exc:
+        raise ApiError(
+            503, str(exc), type="service_unavailable", code="memory_pressure",
+            headers={"Retry-After": PRESSURE_RETRY_AFTER},
+        ) from None  # fmt: skip
+    except EngineNotReady:
+        _require_ready(app)
+        raise
+    piece = None
+    if req.params.logprobs is not None and engine.runtime is not None:
+        piece = engine.runtime.tokenizer.piece  # log-probabilities name tokens as text
+    shape = ResponseShape(chat=chat, model=config.model_name, piece=piece)
+    try:
+        previous = admitted.prompt_ids[-1]
+        if req.stream:
+            return await stream(
+                request, job, shape, req, config.keepalive_seconds, previous, admitted.calls
+            )
+        calls_only = req.tool_choice not in (None, "auto")
+        return await collect(request, job, shape, previous, admitted.calls, calls_only)
+    finally:
+        if not job.done:
+            job.cancel()  # the client went away (or we failed): free the engine's slot
+
+
+# The body's first second is not held to the minimum rate (a connection's slow start).
+RATE_GRACE_SECONDS = 1.0
+# How often a body that is arriving is looked at against its deadline and rate.
+BODY_CHECK_SECONDS = 0.25
+
+
+async def read_body(request: web.Request, config: ApiConfig) -> bytes:
+    """The request body, within the deadline and at the minimum rate (ApiConfig): a client
+    that trickles a body, or sends half of one and stops, gets 408 and the connection is
+    closed, instead of holding it for good. Larger than max_body_bytes: 413."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    parts: list[bytes] = []
+    received = 0
+    while True:
+        elapsed = loop.time() - start
+        floor = (elapsed - RATE_GRACE_SECONDS) * config.min_body_bytes_per_second
+        if elapsed > config.request_timeout_seconds or received < floor:
+            raise ApiError(
+                408,
+                f"the request body did not arrive in time ({received} bytes in "
+                f"{elapsed:.1f} s; server.request_timeout_seconds "
+                f"{config.request_timeout_seconds:g}, server.min_body_bytes_per_second "
+                f"{config.min_body_bytes_per_second})",
+                type="invalid_request_error",
+                code="request_timeout",
+            )
+        wait = min(BODY_CHECK_SECONDS, config.request_timeout_seconds - elapsed)
+        try:
+            chunk = await asyncio.wait_for(request.content.readany(), max(wait, 0.0))
+        except asyncio.TimeoutError:
+            continue
+        if not chunk:
+            return b"".join(parts)
+        received += len(chunk)
+        if received > config.max_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(
+                max_size=config.max_body_bytes, actual_size=received
+            )
+        parts.append(chunk)
+
+
+def _prepare(
+    app: web.Application, raw: bytes, chat: bool
+) -> tuple[Engine, CompletionRequest, GenerationRequest]:
+    """A request body → the engine, the validated request and what the engine is to serve
+    (`admit`: its prompt ids, its grammar state, the format its answer's tool calls are read
+    in), or the error that refuses it. Runs on a preparing thread."""
+    config = app[CONFIG]
+    body = parse_json_object(raw)
+    req = parse_chat(body, config.limits) if chat else parse_completion(body, config.limits)
+    if req.model is not None and req.model != config.model_name:
+        raise ApiError(
+            404,
+            f"model {req.model!r} is not served here; this daemon serves {config.model_name!r}",
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+    engine = _require_ready(app)
+    assert engine.runtime is not None
+    clamp = config.limits.clamp_max_tokens
+    return engine, req, admit(engine.runtime, req, clamp_max_tokens=clamp)

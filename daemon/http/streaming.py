@@ -1,0 +1,180 @@
+"""A job's events written to its client: the whole answer in one JSON body (`collect`) or
+as they come, in server-sent events (`stream`), with tool calls read back from the text in
+the request's call format and a failure in the OpenAI error shape. The bodies and chunks
+themselves are shaped by daemon/http/openai_responses.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from daemon.http.edge import CONFIG, cors_headers
+from daemon.http.openai_errors import ApiError, bad_request
+from daemon.http.openai_responses import SSE_DONE, SSE_KEEPALIVE, ResponseShape, sse, usage
+from daemon.http.openai_wire import CompletionRequest
+from daemon.jobs import Failed, Finished, Job, ServerShuttingDown
+from speculative.errors import RequestError
+from speculative.generation import Chunk
+from speculative.sampling import TokenLogprob
+from speculative.tool_calls import CallFormat, CallStream, read_answer
+
+log = logging.getLogger("specd.api")
+
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+async def _next_event(job: Job, request: web.Request, timeout: float):  # type: ignore[no-untyped-def]
+    """The job's next event, or None after `timeout` seconds without one."""
+    if not job.events.empty():
+        return job.events.get_nowait()
+    try:
+        return await asyncio.wait_for(job.events.get(), timeout)
+    except asyncio.TimeoutError:
+        return None
+
+
+def _failure(error: BaseException) -> ApiError:
+    """The answer to a job the engine failed. Only a `RequestError` is the request's fault;
+    anything else is ours (the engine logged its traceback)."""
+    if isinstance(error, ServerShuttingDown):
+        return ApiError(503, str(error), type="service_unavailable", code="shutting_down")
+    if isinstance(error, RequestError):
+        return bad_request(str(error), error.param, error.code)
+    return ApiError(
+        500,
+        f"generation failed: {type(error).__name__}: {error} (see the daemon's log)",
+        type="server_error",
+    )
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def collect(
+    request: web.Request,
+    job: Job,
+    shape: ResponseShape,
+    previous: int,
+    calls: CallFormat | None = None,  # the answer is read as tool calls in this format
+    calls_only: bool = False,  # tool_choice required or named
+) -> web.Response:
+    """The whole answer in one body. Nothing is written before the end, so a client that
+    left is not noticed by a failed write as a stream's is: its connection is looked at
+    after every event and every `DISCONNECT_POLL_SECONDS`, and the job cancelled."""
+    text: list[str] = []
+    logprobs: list[TokenLogprob] = []
+    while True:
+        event = await _next_event(job, request, DISCONNECT_POLL_SECONDS)
+        if _client_gone(request):
+            job.cancel()
+            log.debug("%s: the client disconnected; generation cancelled", shape.id)
+            raise ConnectionResetError("client disconnected")
+        if event is None:
+            continue
+        if isinstance(event, Chunk):
+            text.append(event.text)
+            logprobs += event.logprobs
+        elif isinstance(event, Finished):
+            cached = int(event.stats.get("cached_prompt_tokens", 0))
+            u = usage(event.prompt_tokens, event.completion_tokens, cached)
+            answer, made = "".join(text), None
+            if calls:  # read as a stream of it is read: the two always agree
+                answer, made = read_answer(answer, calls, calls_only)
+            reason = "tool_calls" if made and event.finish_reason == "stop" else event.finish_reason
+            body = shape.full(
+                answer, reason, u, event.stats, logprobs, previous,
+                tool_calls=[c.as_openai() for c in made] if made else None,
+            )  # fmt: skip
+            return web.json_response(body)
+        elif isinstance(event, Failed):
+            raise _failure(event.error)
+
+
+async def stream(
+    request: web.Request,
+    job: Job,
+    shape: ResponseShape,
+    req: CompletionRequest,
+    keepalive: float,
+    previous: int,  # the prompt's last token (log-probabilities name tokens in context)
+    call_format: CallFormat | None = None,  # the answer is read as tool calls in this format
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
+    origin = request.headers.get("Origin")
+    if origin and origin in request.app[CONFIG].cors_origins:
+        response.headers.update(cors_headers(origin))
+    await response.prepare(request)
+    first = True
+    offset = 0  # characters of text sent so far (the completions' text_offset)
+    calls_only = req.tool_choice not in (None, "auto")
+    calls = CallStream(call_format, calls_only) if call_format is not None else None
+    if shape.chat:  # the role arrives before any text, as OpenAI's own stream does
+        await response.write(sse(shape.chunk("", first=True)))
+        first = False
+    try:
+        while True:
+            event = await _next_event(job, request, keepalive)
+            if event is None:
+                # SSE comment: keeps proxies and clients from timing out during a long pass.
+                await response.write(SSE_KEEPALIVE)
+                continue
+            # Take whatever else already arrived: when rounds outpace the client, one write
+            # carries several rounds' text instead of one write per round.
+            batch = [event]
+            while not job.events.empty():
+                batch.append(job.events.get_nowait())
+            for trace in (t for e in batch if isinstance(e, Chunk) for t in e.trace):
+                await response.write(sse(shape.trace_chunk(trace)))
+            text = "".join(e.text for e in batch if isinstance(e, Chunk))
+            logprobs = [lp for e in batch if isinstance(e, Chunk) for lp in e.logprobs]
+            if calls is not None:
+                events = calls.feed(text)
+                if isinstance(batch[-1], Finished):
+                    events += calls.finish()
+                text = "".join(e[1] for e in events if e[0] == "content")
+                deltas = [e for e in events if e[0] != "content"]
+                if deltas:
+                    await response.write(sse(shape.tool_chunk(deltas)))
+                if calls.index >= 0:
+                    logprobs = []  # a call's tokens are not content
+            if text or logprobs:
+                chunk = shape.chunk(
+                    text, first=first, logprobs=logprobs, offset=offset, previous=previous
+                )
+                await response.write(sse(chunk))
+                first = False
+                offset += len(text)
+                previous = logprobs[-1].token if logprobs else previous
+            event = batch[-1]
+            if isinstance(event, Finished):
+                reason = event.finish_reason
+                if calls is not None and calls.index >= 0 and reason == "stop":
+                    reason = "tool_calls"
+                await response.write(sse(shape.chunk("", finish_reason=reason, stats=event.stats)))
+                if req.include_usage:
+                    cached = int(event.stats.get("cached_prompt_tokens", 0))
+                    u = usage(event.prompt_tokens, event.completion_tokens, cached)
+                    await response.write(sse(shape.usage_chunk(u, event.stats)))
+                break
+            elif isinstance(event, Failed):
+                await response.write(sse(_failure(event.error).body()))
+                break
+        await response.write(SSE_DONE)
+        await response.write_eof()
+    except (ConnectionResetError, asyncio.CancelledError):
+        # Normal operation (the client hung up): one debug line, the job cancelled.
+        job.cancel()
+        log.debug("%s: the client disconnected mid-stream; generation cancelled", shape.id)
+        raise
+    return response

@@ -1,0 +1,88 @@
+"""Admission (daemon/admission.py): one request checked once against the runtime, for the
+HTTP API, `specd generate` and `specd bench` alike. What it settles, and that each refusal
+names the field at fault, in the order a client meets them. Over HTTP the same refusals
+are checked in tests/test_server_errors.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from daemon.admission import Ask, admit
+from daemon.options import RuntimeOptions
+from daemon.runtime import Runtime
+from speculative.errors import RequestError
+from speculative.grammar import Grammar
+from speculative.sampling import SamplingParams
+
+CONTEXT = 64
+LONG_CONVERSATION = [{"role": "user", "content": "the dog ran " * 40}]
+
+
+@pytest.fixture(scope="module")
+def runtime(stories_target: Path) -> Runtime:
+    return Runtime(RuntimeOptions(model=str(stories_target), device="cpu", context=CONTEXT))
+
+
+def ask(**fields) -> Ask:  # type: ignore[no-untyped-def]
+    return Ask(**{"prompt": [1, 2, 3], "messages": None, "params": SamplingParams(),
+                  "max_tokens": 4, **fields})  # fmt: skip
+
+
+def refusal(runtime: Runtime, asked: Ask) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        admit(runtime, asked)
+    return info.value
+
+
+def test_what_admission_settles(runtime: Runtime) -> None:
+    request = admit(runtime, ask(prompt="Once upon a time", max_tokens=5))
+    assert request.prompt_ids == runtime.tokenizer.encode("Once upon a time")
+    assert request.strategy == runtime.default_strategy == "autoregressive"
+    assert request.max_tokens == 5 and request.constraint is None and request.calls is None
+    # A default max_tokens is cut to the room the prompt leaves; so is one asked for, when
+    # clamping; otherwise that is a refusal naming the largest that fits.
+    unset = admit(runtime, ask(max_tokens=1000, max_tokens_given=False))
+    assert unset.max_tokens == CONTEXT - 3
+    assert admit(runtime, ask(max_tokens=1000), clamp_max_tokens=True).max_tokens == CONTEXT - 3
+    error = refusal(runtime, ask(max_tokens=1000))
+    assert (error.param, error.code) == ("max_tokens", "context_length_exceeded")
+    assert f"at most {CONTEXT - 3} new tokens fit" in str(error)
+    grammar = Grammar.json_object("response_format")
+    constrained = admit(runtime, ask(grammar=grammar))
+    assert constrained.constraint is not None and constrained.constraint.grammar is grammar
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "code"),
+    [
+        ({"strategy": "tree"}, "strategy", None),  # no draft here
+        ({"prompt": [1, 10**6]}, "prompt", None),
+        ({"prompt": []}, "prompt", None),
+        ({"prompt": list(range(3, 3 + CONTEXT))}, "prompt", "context_length_exceeded"),
+        ({"prompt": "the dog ran " * 40}, "prompt", "context_length_exceeded"),
+        ({"prompt": None, "messages": LONG_CONVERSATION}, "messages", "context_length_exceeded"),
+        ({"params": SamplingParams(logit_bias=((10**6, 1.0),))}, "logit_bias", None),
+        ({"budget": 10**6}, "budget", "budget_too_large"),
+    ],
+)
+def test_each_refusal_names_its_field(
+    runtime: Runtime, fields: dict, param: str, code: str | None
+) -> None:
+    error = refusal(runtime, ask(**fields))
+    assert (error.param, error.code) == (param, code), str(error)
+
+
+def test_the_first_fault_is_the_one_reported(runtime: Runtime) -> None:
+    """The order a client meets: strategy, prompt, max_tokens, logit_bias, grammar, budget."""
+    faults = [
+        ("strategy", {"strategy": "tree"}),
+        ("prompt", {"prompt": list(range(3, 3 + CONTEXT))}),
+        ("max_tokens", {"max_tokens": 10**4}),
+        ("logit_bias", {"params": SamplingParams(logit_bias=((10**6, 1.0),))}),
+        ("budget", {"budget": 10**6}),
+    ]
+    for i, (param, _) in enumerate(faults):
+        at_fault = {name: value for _, bad in faults[i:] for name, value in bad.items()}
+        assert refusal(runtime, ask(**at_fault)).param == param
