@@ -1,23 +1,17 @@
 """The engine: one worker thread owns the models; HTTP handlers hand it jobs through a
 bounded queue and read results from a per-job asyncio queue.
 
-Batched passes (DESIGN.md, "Many requests, one pass"): a generation is a step-wise generator
-(`Generation.steps`) that yields a `Forward` whenever it needs a model pass. Each engine
-step advances every active generation to its next pass request (`passes.PassRequest`), runs
-the draft model's requests as one batched pass per tree depth until every generation waits
-on the target, then runs ONE target pass over all of them (a streamed target's weights cross
-the bus once for every client), and hands each generation its logits to walk and commit on
-its own. A pass holds at most `max_pass_tokens` tokens and the plan's logit rows (the first
-request in line always goes): requests that do not fit wait for the next pass, and the rows
-they hold are counted before any tree grows again. Trees growing for one pass share its node
-budget in one best-first order over the whole forest (SpecExec's Dijkstra across trees): at
-each depth step the candidates of every tree are ranked together by their estimated
-probability of being reached by verification (calibrated per verification and temperature,
-so requests compare on one scale) and the best get the nodes, whichever request they belong
-to. A long prompt is prefilled one chunk per pass inside the same passes, so an arrival
-never stalls the streams in flight. A cancelled job leaves before the next step and its KV
-cache is freed; a fault fails its own job only (a batched pass that raises is rerun one
-generation at a time to find whose it was).
+A job's life: `submit` queues a request that admission settled (daemon/admission.py), or
+refuses it for load (memory pressure, a full house); between steps the worker relieves
+memory pressure (`_relieve`), lets queued jobs in (`_admit`, `_begin`: a strategy, a
+session, a `Generation`) and runs a step.
+A generation is a step-wise generator (`Generation.steps`): the engine runs it on to its next
+pass request (`_advance`), posting the chunks it makes on the way (`_take`, coalesced for
+`stream_interval`), and the `PassScheduler` (speculative/batching.py) answers the requests of
+every active generation together, one batched pass per model, and hands the results back
+(docs/architecture.md, "Many requests, one pass"). A cancelled job leaves before the next
+step and its KV cache is freed; a fault fails its own job only. A finished generation posts
+its statistics and gives its session back to the pool.
 
 `batch_passes` False restores the interleaved engine (one generation's round at a time,
 each pass its own) for side-by-side measurement (scripts/bench_concurrency.py).
@@ -55,13 +49,12 @@ from daemon.metrics import Metrics
 from daemon.options import RuntimeOptions
 from daemon.pools import SessionPool, StrategyPool
 from daemon.pressure import PressureMonitor, PressureThresholds, cuda_probe, host_probe, settled
-from daemon.relief import Relief, is_out_of_memory, relief_steps
+from daemon.relief import Relief, relief_steps
 from daemon.runtime import Runtime
+from speculative.batching import PassScheduler
 from speculative.errors import RequestError
 from speculative.generation import Chunk, Generation
-from speculative.kv_cache import KVCache
-from speculative.model import Transformer
-from speculative.passes import Allot, Forward, PassRequest, allot, execute
+from speculative.passes import Allot, Forward, PassRequest
 from speculative.rounds import GenerationStats, Strategy
 from speculative.session import Session
 
@@ -70,6 +63,9 @@ log = logging.getLogger("specd.engine")
 
 @dataclass(eq=False)
 class _Active:
+    """An active job: its generation, and what the pass scheduler reads and keeps of it
+    (speculative.batching.Scheduled)."""
+
     job: Job
     generation: Generation
     steps: PyGenerator[Chunk | PassRequest, None, None]
@@ -84,6 +80,14 @@ class _Active:
     pass_generations: int = 0  # generations in those passes, summed
     shared_passes: int = 0  # those that also carried another generation's work
     grown: int = 0  # tree nodes granted to this round so far (rows of the coming pass)
+
+    @property
+    def pass_rows(self) -> int:
+        return self.generation.strategy.pass_rows
+
+    @property
+    def cancelled(self) -> bool:
+        return self.job.cancelled
 
 
 @dataclass
@@ -135,6 +139,7 @@ class Engine:
         self.max_pass_tokens = limits.max_pass_tokens or 0
         self.max_pass_rows = 0
         self._active: deque[_Active] = deque()
+        self._passes: PassScheduler[_Active]  # made once the models are loaded
         self._idle = SessionPool(limits.cached_sessions)
         self._strategies = StrategyPool()
         self._compiled_seen = 0  # compiled models ready when the strategies were built
@@ -233,6 +238,14 @@ class Engine:
             self.runtime = self._runtime_factory(replace(self.options, on_progress=self._loading))
             self.max_pass_tokens = self.limits.max_pass_tokens or self.runtime.max_pass_tokens
             self.max_pass_rows = self.runtime.max_pass_rows
+            self._passes = PassScheduler(
+                self.runtime.target,
+                self,
+                advance=self._advance,
+                fail=self._fail,
+                rode=self._rode,
+                out_of_memory=self._out_of_memory,
+            )
             log.info("models loaded: %s", self.options.model)
             self.metrics.set_draft(self.runtime.draft_kind, self.runtime.substitute_bits)
             # Compiled passes warm on their own thread: requests run eager until then. A
@@ -367,7 +380,7 @@ class Engine:
     def _step(self) -> None:
         """One step: cancelled jobs leave, then either one batched pass per model for every
         active generation, or (interleaved) one round of the generation at the head of the
-        line, which then goes to the back."""
+        line, which then goes to the back (speculative/batching.py)."""
         for active in list(self._active):
             if active.job.cancelled:
                 self._active.remove(active)
@@ -378,164 +391,28 @@ class Engine:
         if not self._active:
             return
         if not self.limits.batch_passes:
-            self._step_alone()
+            active = self._active[0]
+            self._active.rotate(-1)
+            self._passes.step_alone(active)
             return
-        assert self.runtime is not None
         self._active.rotate(-1)  # whoever waited behind the bound goes first next time
-        for active in list(self._active):
-            if active.pass_request is None:
-                self._advance(active)
-        target = self.runtime.target
-        # Trees grow in lockstep: nodes granted, then one draft pass per depth. It ends:
-        # every turn grants a node or runs a draft pass, and the rows are finite.
-        while True:
-            asking = [a for a in self._active if isinstance(a.pass_request, Allot)]
-            if asking:
-                self._allot(asking, self._forest_room(target))
-            drafting = [
-                a
-                for a in self._active
-                if isinstance(a.pass_request, Forward) and a.pass_request.model is not target
-            ]
-            if drafting:
-                self._run_pass(drafting)
-            elif not asking:
-                break
-        verifying = [a for a in self._active if a.pass_request is not None]
-        if verifying:
-            self._run_pass(verifying)
+        self._passes.step(self._active)
 
-    def _step_alone(self) -> None:
-        """The interleaved engine: the head generation runs one round (or one prefill
-        step), each of its passes on its own, every node its tree asks for granted."""
-        active = self._active[0]
-        self._active.rotate(-1)
-        if active.pass_request is None:
-            self._advance(active)
-        chunks = active.chunks
-        while active.chunks == chunks and active.pass_request is not None:
-            if isinstance(active.pass_request, Allot):
-                # Its own tree's budget, within a pass's rows less what the round holds
-                # already (memory pressure lowers them); 0 ends the tree's growth.
-                wanted = active.pass_request.wanted
-                if self.max_pass_rows:
-                    held = active.generation.strategy.pass_rows + active.grown
-                    wanted = min(wanted, max(0, self.max_pass_rows - held))
-                self._allot([active], wanted)
-            else:
-                self._run_pass([active])
-
-    def _forest_room(self, target: Transformer) -> int:
-        """Tree nodes the target pass being assembled can still take: the plan's logit rows
-        less what is already committed to it, the rows of the target requests waiting
-        (deferred ones included) and, for every other generation, the rows its strategy's
-        pass returns (a root, a token, a chain) and the nodes its tree holds so far.
-        Alone, at least the tree's budget."""
-        rows = 0
-        for active in self._active:
-            request = active.pass_request
-            if isinstance(request, Forward) and request.model is target:
-                rows += request.segment.logit_rows
-            else:
-                rows += active.generation.strategy.pass_rows + active.grown
-        return max(0, self.max_pass_rows - rows)
-
-    def _allot(self, asking: list[_Active], budget: int) -> int:
-        """Grant the growing trees their nodes in one best-first order over all of them
-        (`passes.allot`); each runs on to its next request. Returns the nodes granted."""
-        requests = [a.pass_request for a in asking if isinstance(a.pass_request, Allot)]
-        granted = allot(requests, budget)
-        for active, request in zip(asking, requests, strict=True):
-            active.grown += request.granted or 0
-            active.pass_request = None
-            self._advance(active)
-        return granted
-
-    def _run_pass(self, waiting: list[_Active]) -> None:
-        """One pass per model over the requests that fit the bounds (always the first),
-        then each generation takes its result and runs on to its next request."""
-        chosen: list[_Active] = []
-        tokens = rows = 0
-        for active in waiting:
-            assert isinstance(active.pass_request, Forward)
-            seg = active.pass_request.segment
-            fits = tokens + seg.length <= self.max_pass_tokens
-            if chosen and not (fits and rows + seg.logit_rows <= max(self.max_pass_rows, 1)):
-                continue
-            chosen.append(active)
-            tokens, rows = tokens + seg.length, rows + seg.logit_rows
-        requests = [a.pass_request for a in chosen if isinstance(a.pass_request, Forward)]
-        lengths = [(r.segment.cache, r.segment.cache.length) for r in requests]
-        try:
-            self._execute(requests, lengths)
-        except Exception as exc:
-            if len(chosen) == 1:
-                self._fail(chosen[0], exc)
-                return
-            log.warning(
-                "a pass of %d generations failed (%s: %s); each is rerun alone",
-                len(chosen), type(exc).__name__, exc,
-            )  # fmt: skip
-            # Whose fault? Each alone: the others' results are as good as batched ones.
-            for active in chosen:
-                self._retry_alone(active)
-            return
-        if self.runtime is not None and requests[0].model is self.runtime.target:
-            self.metrics.record_pass(len(chosen), tokens)
-        for active in chosen:
-            self._deliver(active)
-
-    def _execute(self, requests: list[Forward], lengths: list[tuple[KVCache, int]]) -> None:
-        """Run a pass. One that fails leaves every cache where it stood (the layers commit
-        each segment's keys and values before the head runs: a pass that raised there
-        left them appended, and a rerun would append them twice). Out of memory, the next
-        relief step is taken and the pass runs once more."""
-        try:
-            execute(requests)
-            return
-        except Exception as exc:
-            for cache, length in lengths:
-                cache.truncate(length)
-            if not is_out_of_memory(exc):
-                raise
-            log.warning("a pass ran out of memory (%s); freeing memory and running it again", exc)
-            gpu = self.runtime is not None and self.runtime.device.type == "cuda"
-            self.relief.climb("out of memory in a pass", frozenset({"device" if gpu else "host"}))
-            self._return_device_memory()
-        try:
-            execute(requests)
-        except Exception:
-            for cache, length in lengths:
-                cache.truncate(length)
-            raise
-
-    def _retry_alone(self, active: _Active) -> None:
-        assert isinstance(active.pass_request, Forward)
-        try:
-            execute([active.pass_request])
-        except Exception as exc:
-            self._fail(active, exc)
-            return
-        if self.runtime is not None and active.pass_request.model is self.runtime.target:
-            self.metrics.record_pass(1, active.pass_request.segment.length)
-        self._deliver(active)
-
-    def _deliver(self, active: _Active) -> None:
-        """The generation's pass ran: it takes the result and runs on."""
-        assert isinstance(active.pass_request, Forward) and self.runtime is not None
-        result = active.pass_request.result
-        assert result is not None
-        if active.pass_request.model is self.runtime.target:
-            active.grown = 0  # the round's tree is verified: its rows are spent
+    def _rode(self, riders: list[_Active], tokens: int) -> None:
+        """They rode one target pass of `tokens` tokens together: the metrics, and each
+        one's batching figures."""
+        self.metrics.record_pass(len(riders), tokens)
+        for active in riders:
             active.target_passes += 1
-            active.pass_generations += result.sequences
-            active.shared_passes += int(result.sequences > 1)
-        active.pass_request = None
-        if active.job.cancelled:
-            # The client left during the pass: its round is neither walked nor posted;
-            # the next step drops the job (and its KV cache).
-            return
-        self._advance(active)
+            active.pass_generations += len(riders)
+            active.shared_passes += int(len(riders) > 1)
+
+    def _out_of_memory(self) -> None:
+        """A pass ran out of memory (and was rolled back): the next relief step that frees
+        the memory that ran out, before it runs again."""
+        gpu = self.runtime is not None and self.runtime.device.type == "cuda"
+        self.relief.climb("out of memory in a pass", frozenset({"device" if gpu else "host"}))
+        self._return_device_memory()
 
     def _advance(self, active: _Active) -> None:
         """Run a generation on to its next pass request, posting the chunks it makes on the

@@ -16,7 +16,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import psutil
 from torch import nn
@@ -28,6 +28,7 @@ from offload.layout import FlatLayout
 from offload.storage import DiskStorage, RamStorage
 from offload.stream import LayerStreamer
 from offload.units import format_size
+from speculative.batching import PassBounds
 from speculative.checkpoint import CheckpointError
 from speculative.compiled import CompiledPasses
 from speculative.gguf_model import is_gguf
@@ -119,13 +120,6 @@ class Relief:
             step.undo()
             self.last_change = time.monotonic()
             log.info("memory pressure eased: %s undone", step.name)
-
-
-class PassBounds(Protocol):
-    """What bounds a batched pass (the engine's): tokens and logit rows."""
-
-    max_pass_tokens: int
-    max_pass_rows: int
 
 
 # The pass-size step keeps this share of a pass's tokens and rows (trees get a quarter of
@@ -367,18 +361,3 @@ STREAM_SLOTS = 2
 
 def _layer_bytes(model: Any) -> int:
     return FlatLayout.of(model.layers[0]).nbytes
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """An allocation that failed: CUDA's, or the host's (a MemoryError, or torch's CPU
-    allocator refusing)."""
-    if isinstance(exc, MemoryError):
-        return True
-    import torch
-
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and (
-        "out of memory" in text or "not enough memory" in text or "can't allocate memory" in text
-    )

@@ -131,7 +131,7 @@ def test_the_plan_follows_the_models_chunking() -> None:
 #   a layer (the MLP's) dominate, as they do for 8B-70B models with 128 MiB chunks.
 # bf16 adds the fp32 copies (`.float()` of scores, norms and logits) that fp32 skips.
 # - batched: one pass over 8 sequences (each its own cache of the stated length): their
-#   trees sharing the pass's 264 rows, or 8 prefill chunks (daemon/engine.py).
+#   trees sharing the pass's 264 rows, or 8 prefill chunks (speculative/batching.py).
 SHAPES = [
     ("batched-tree", "bfloat16", 128256, 2048, 264, True, ATTENTION_CHUNK_BYTES, 8),
     ("batched-prefill", "float32", 32000, 512, 1024, False, ATTENTION_CHUNK_BYTES, 8),

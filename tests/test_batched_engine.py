@@ -607,9 +607,9 @@ def test_a_failure_outside_any_generation_fails_its_step_and_the_engine_keeps_se
     """A bug in the step itself (here the node grant) fails the generations of that step
     with the error and is logged; the worker thread survives and serves the next
     request (a review found the thread died and every request hung)."""
-    from daemon import engine as engine_module
+    from speculative import batching
 
-    real = engine_module.allot
+    real = batching.allot
     calls = {"n": 0}
 
     def broken_once(requests, budget):  # type: ignore[no-untyped-def]
@@ -618,7 +618,7 @@ def test_a_failure_outside_any_generation_fails_its_step_and_the_engine_keeps_se
             raise RuntimeError("a bug in the step")
         return real(requests, budget)
 
-    monkeypatch.setattr(engine_module, "allot", broken_once)
+    monkeypatch.setattr(batching, "allot", broken_once)
     engine, _ = make_engine()
     spec = Spec("tree-16", "Once upon a time, there was a big", 8, ignore_eos=True)
 

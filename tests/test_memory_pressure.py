@@ -348,9 +348,9 @@ def test_device_pressure_lets_a_running_request_finish(
 def test_an_out_of_memory_pass_is_rolled_back_relieved_and_run_again(
     stories_target: Path, stories_draft: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import daemon.engine
+    import speculative.batching
 
-    real = daemon.engine.execute
+    real = speculative.batching.execute
     calls = [0]
     fail_at = [0]  # the pass that fails once (0: none)
 
@@ -362,7 +362,7 @@ def test_an_out_of_memory_pass_is_rolled_back_relieved_and_run_again(
         if calls[0] == fail_at[0]:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(daemon.engine, "execute", counted)
+    monkeypatch.setattr(speculative.batching, "execute", counted)
     # Two servers, so that the second request meets no cache the first one left.
     with serve(stories_target, stories_draft, period_seconds=60.0) as srv:
         _, _, reference = call(srv, ONE_BY_ONE)

@@ -21,6 +21,7 @@ from daemon import engine as engine_module
 from daemon.http import completions as completions_module
 from daemon.http.server import BackgroundServer, Server
 from daemon.settings_loading import load_settings
+from speculative import batching
 from speculative.budget import AUTO_MAX_BUDGET
 from speculative.errors import RequestError
 from speculative.generation import ContextFullError
@@ -453,7 +454,7 @@ def test_an_internal_value_error_is_a_500_with_its_traceback_logged(
     def broken_pass(requests):  # type: ignore[no-untyped-def]
         raise ValueError("an invariant broke inside the pass")
 
-    monkeypatch.setattr(engine_module, "execute", broken_pass)
+    monkeypatch.setattr(batching, "execute", broken_pass)
     body = {**good(), "stream": stream}
     if stream:
         status, text = call_raw(server, body)
@@ -519,7 +520,7 @@ def test_a_non_streaming_client_that_disconnects_is_cancelled(
     tells the handler that its client left: it must look, and cancel the job as a stream
     does (it used to generate every token for nobody)."""
     engine = server.server.engine
-    real_execute = engine_module.execute
+    real_execute = batching.execute
     passes = []
 
     def slow_execute(requests):  # type: ignore[no-untyped-def]
@@ -527,7 +528,7 @@ def test_a_non_streaming_client_that_disconnects_is_cancelled(
         passes.append(len(requests))
         return real_execute(requests)
 
-    monkeypatch.setattr(engine_module, "execute", slow_execute)
+    monkeypatch.setattr(batching, "execute", slow_execute)
     cancelled = engine.metrics.cancelled.value
     completed = engine.metrics.completion_tokens.value
     max_tokens = CONTEXT - 4
