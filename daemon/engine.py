@@ -19,6 +19,11 @@ each pass its own) for side-by-side measurement (scripts/bench_concurrency.py).
 Conversation reuse: finished sessions are kept in a small LRU pool; a new request takes the
 idle session holding the longest common prefix with its prompt, so only the new suffix is
 prefilled (`Generation` reports it as `stats.cached_prompt_tokens`).
+
+Past ~400 lines, knowingly: this is one idea, a job's life on the worker thread, whose
+pass scheduling is speculative/batching.py and whose relief steps are daemon/relief.py;
+what is left here of memory pressure (`_watch_memory`, `_relieve`) is the wiring of
+those into the loop, and could move into a watcher object of its own.
 """
 
 from __future__ import annotations
