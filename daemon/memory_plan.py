@@ -172,7 +172,7 @@ def activation_footprint(
 
 
 @dataclass(frozen=True)
-class OffloadRequest:
+class OffloadOptions:
     """The offload options of a run (RuntimeOptions / CLI flags / config keys)."""
 
     offload: str = "auto"
@@ -198,7 +198,7 @@ def plan_request(
     target: ModelFootprint,
     draft: ModelFootprint | None,
     context: int,
-    options: OffloadRequest,
+    options: OffloadOptions,
     tree_budget: int | str = "auto",
 ) -> PlanRequest:
     # The largest pass is a prefill chunk, or a tree when the budget asks for more nodes (the
@@ -234,7 +234,7 @@ def choose_plan(
     dtype: str,
     context: int | str,
     device_type: str,
-    options: OffloadRequest,
+    options: OffloadOptions,
     budget: Budget,
     tree_budget: int | str = "auto",
     draft_name: str = "draft",
@@ -322,10 +322,10 @@ def plan_dtype(plan: MemoryPlan) -> str:
     return key
 
 
-def offload_request(options: RuntimeOptions) -> OffloadRequest:
+def offload_options(options: RuntimeOptions) -> OffloadOptions:
     """The plan's offload options for a run. Without a draft only autoregressive decoding
     runs: no tree strategy, so no prefix cache to reserve."""
-    return OffloadRequest(
+    return OffloadOptions(
         offload=options.offload,
         resident_layers=options.resident_layers,
         slots=options.slots,
@@ -362,7 +362,7 @@ def _substitute_plan(
     dtype: str,
     context: int | str,
     device_type: str,
-    options: OffloadRequest,
+    options: OffloadOptions,
     budget: Budget,
     tree_budget: int | str,
 ) -> MemoryPlan:
@@ -427,7 +427,7 @@ def plan_with_draft(
     dtype: str,
     context: int | str,
     device_type: str,
-    options: OffloadRequest,
+    options: OffloadOptions,
     budget: Budget,
     tree_budget: int | str = "auto",
 ) -> tuple[MemoryPlan, DraftPlan]:
@@ -491,7 +491,7 @@ def plan_pair(
     where the models compute; `name`: what the plan calls the target. Raises PlanError."""
     plan, drafting = plan_with_draft(
         target.config, options.draft, draft, options.substitute_bits, name, options.dtype,
-        options.context, device_type, offload_request(options), budget,
+        options.context, device_type, offload_options(options), budget,
         planned_tree_budget(options),
     )  # fmt: skip
     refuse_disk_for_gguf(plan, target)

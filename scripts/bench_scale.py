@@ -69,7 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from daemon.memory_plan import OffloadRequest, footprint, plan_request  # noqa: E402
+from daemon.memory_plan import OffloadOptions, footprint, plan_request  # noqa: E402
 from offload.machine import PeakMemory  # noqa: E402
 from offload.plan import Budget, MemoryPlan  # noqa: E402
 from offload.planning import make_plan  # noqa: E402
@@ -113,7 +113,7 @@ def pass_plan(
     a `device` ("cpu": the cache is a device part; "cuda": it lives in pinned host RAM)."""
     t = footprint(target, dtype, "target", device_type=device)
     d = footprint(draft, dtype, "draft", device_type=device)
-    options = OffloadRequest(offload="none", prefix_cache_bytes=prefix_cache_bytes)
+    options = OffloadOptions(offload="none", prefix_cache_bytes=prefix_cache_bytes)
     request = plan_request(t, d, context, options, tree_budget=max(logit_rows - 1, 1))
     exact = dataclasses.replace(request, pass_tokens=tokens, logit_rows=logit_rows)
     return make_plan(exact, _unbounded(device))

@@ -71,7 +71,7 @@ def step_seconds(model: Transformer, repeats: int = 50) -> float:
 
 def projections(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The streamed targets' projected tokens/s from the measured rows (module docstring)."""
-    from daemon.memory_plan import OffloadRequest, footprint, plan_request, plan_with_draft
+    from daemon.memory_plan import OffloadOptions, footprint, plan_request, plan_with_draft
     from offload.plan import Budget
     from offload.planning import PlanError, make_plan
     from scripts.real_shapes import full_config
@@ -84,7 +84,7 @@ def projections(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         try:
             _, chosen = plan_with_draft(
                 config, "substitute", None, "auto", preset, "bf16", 8192, "cuda",
-                OffloadRequest(offload="stream"), budget,
+                OffloadOptions(offload="stream"), budget,
             )  # fmt: skip
             auto_bits: int | None = chosen.substitute_bits
         except PlanError:
@@ -95,7 +95,7 @@ def projections(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             bits = int(row["draft"].removesuffix("-bit"))
             sub = footprint(substitute_config(config, bits), torch.bfloat16, "substitute")
-            request = plan_request(target, None, 8192, OffloadRequest(offload="stream"))
+            request = plan_request(target, None, 8192, OffloadOptions(offload="stream"))
             # The pass streams what the device does not hold beside the substitute.
             room = Budget("cuda", int(card) - sub.num_layers * sub.layer_bytes, "card",
                           int(160e9), "160 GB", BUS, "")  # fmt: skip

@@ -143,7 +143,7 @@ def _budget_rows(shaped_rows: list[dict[str, Any]], bandwidth: float) -> list[di
     24 GB card, given the draft's measured step times (eager, and what `--compile on` runs)
     and a target pass at the transfer bound of the plan's streamed bytes. A prediction from
     measured costs (the acceptance is the stories pair's), not a run of the strategy."""
-    from daemon.memory_plan import OffloadRequest, footprint, plan_request
+    from daemon.memory_plan import OffloadOptions, footprint, plan_request
     from offload.plan import Budget
     from offload.planning import make_plan
     from scripts.real_shapes import PAIRS, full_config
@@ -155,7 +155,7 @@ def _budget_rows(shaped_rows: list[dict[str, Any]], bandwidth: float) -> list[di
     for preset, card in (("llama-3.1-8b", 12e9), ("llama-3.1-70b", 24e9)):
         target = footprint(full_config(preset), torch.bfloat16, preset)
         draft = footprint(full_config(PAIRS[preset]), torch.bfloat16, PAIRS[preset])
-        request = plan_request(target, draft, 8192, OffloadRequest(offload="stream"))
+        request = plan_request(target, draft, 8192, OffloadOptions(offload="stream"))
         budget = Budget("cuda", int(card), "card", int(160e9), "160 GB", bandwidth, "")
         plan = make_plan(request, budget)
         assert plan.seconds_per_pass, f"a {preset} on a {card / 1e9:.0f} GB card streams"

@@ -268,7 +268,7 @@ def test_no_strategy_holds_a_passs_logits_through_the_next_pass(
 def test_the_plan_holds_every_generations_tree_mask() -> None:
     """Each concurrent generation's draft tree preallocates its (budget + 1)² ancestor
     mask: the plan counts the other generations' besides the pass's one."""
-    from daemon.memory_plan import OffloadRequest, footprint, plan_request
+    from daemon.memory_plan import OffloadOptions, footprint, plan_request
     from offload.plan import Budget
     from offload.planning import make_plan
     from scripts.real_shapes import full_config
@@ -278,7 +278,7 @@ def test_the_plan_holds_every_generations_tree_mask() -> None:
     gpu = Budget("cuda", int(80e9), "test", int(64e9), "test", 25e9, "test")
     parts = {}
     for sequences in (1, 8):
-        request = plan_request(target, draft, 4096, OffloadRequest(sequences=sequences), 64)
+        request = plan_request(target, draft, 4096, OffloadOptions(sequences=sequences), 64)
         parts[sequences] = make_plan(request, gpu).device_parts
     assert not any("ancestor masks" in k for k in parts[1])
     assert parts[8]["draft trees' ancestor masks (7 more)"] == 7 * 65**2

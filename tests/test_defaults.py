@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from daemon.cli import commands as cli
-from daemon.memory_plan import OffloadRequest, choose_plan, footprint, plan_request
+from daemon.memory_plan import OffloadOptions, choose_plan, footprint, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from daemon.settings_loading import load_settings
@@ -109,9 +109,9 @@ def test_the_runtime_on_a_cpu_loads_a_bf16_checkpoint_in_fp32(bf16_checkpoint: P
 
 def test_on_a_cpu_without_room_for_fp32_the_checkpoint_dtype_is_used() -> None:
     target = config("Llama-3.1-8B")  # 32 GB in fp32, 16 GB in bf16
-    roomy = choose_plan(target, None, "8B", "auto", 8192, "cpu", OffloadRequest(), cpu(64e9))
+    roomy = choose_plan(target, None, "8B", "auto", 8192, "cpu", OffloadOptions(), cpu(64e9))
     assert roomy.request.target.dtype == "float32" and roomy.streamed_layers == 0
-    tight = choose_plan(target, None, "8B", "auto", 8192, "cpu", OffloadRequest(), cpu(24e9))
+    tight = choose_plan(target, None, "8B", "auto", 8192, "cpu", OffloadOptions(), cpu(24e9))
     assert tight.request.target.dtype == "bfloat16" and tight.streamed_layers == 0
     assert "does not fit" in tight.dtype_reason
 
@@ -138,7 +138,7 @@ def test_context_auto_keeps_a_target_that_fits_resident() -> None:
     (128k) would only fit streamed, which costs far more per pass than it gives."""
     plan = choose_plan(
         config("Llama-3.1-8B"), config("Llama-3.2-1B"), "8B", "auto", "auto", "cuda",
-        OffloadRequest(), gpu(24e9),
+        OffloadOptions(), gpu(24e9),
     )  # fmt: skip
     assert plan.streamed_layers == 0 and plan.device_bytes <= 24e9
     assert MIN_AUTO_CONTEXT <= plan.request.context < 131072
@@ -172,7 +172,7 @@ def test_70b_with_a_1b_draft_on_a_24gb_card_plans_a_long_context_in_bf16(
     longer = plan_request(
         footprint(config("Llama-3.1-70B"), torch.bfloat16, "70B"),
         footprint(config("Llama-3.2-1B"), torch.bfloat16, "1B"),
-        out["context"] + 1, OffloadRequest(offload="stream", resident_layers=0),
+        out["context"] + 1, OffloadOptions(offload="stream", resident_layers=0),
     )  # fmt: skip
     with pytest.raises(PlanError):
         make_plan(longer, gpu(24e9, 160e9))
@@ -198,13 +198,13 @@ def test_a_budget_below_4096_tokens_says_what_would_fit(
 
 def test_context_auto_on_a_cpu_is_the_same_rule_against_ram() -> None:
     plan = choose_plan(
-        config("Llama-3.1-8B"), None, "8B", "bf16", "auto", "cpu", OffloadRequest(), cpu(20e9)
+        config("Llama-3.1-8B"), None, "8B", "bf16", "auto", "cpu", OffloadOptions(), cpu(20e9)
     )
     assert plan.streamed_layers == 0 and MIN_AUTO_CONTEXT <= plan.request.context < 131072
     with pytest.raises(PlanError, match="at least 4096"):
         choose_plan(
             config("Llama-3.1-8B"), None, "8B", "bf16", "auto", "cpu",
-            OffloadRequest(offload="none"), cpu(16.5e9),
+            OffloadOptions(offload="none"), cpu(16.5e9),
         )  # fmt: skip
 
 
@@ -226,7 +226,7 @@ def test_settings_default_to_auto_and_an_integer_forces(tmp_path: Path) -> None:
 def test_context_auto_on_a_cpu_counts_the_prefix_cache_in_its_search() -> None:
     """On a CPU the prefix cache is RAM beside the model: the search for the longest
     context must see it, or it picks a context whose plan then does not fit."""
-    cache = OffloadRequest(prefix_cache_bytes=4 << 30)
+    cache = OffloadOptions(prefix_cache_bytes=4 << 30)
     plan = choose_plan(
         config("Llama-3.1-8B"), None, "8B", "bf16", "auto", "cpu", cache, cpu(24e9)
     )  # fmt: skip

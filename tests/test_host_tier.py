@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from daemon.memory_plan import OffloadRequest, footprint, plan_request
+from daemon.memory_plan import OffloadOptions, footprint, plan_request
 from offload import machine
 from offload.arena import PAGE, HostArena, arena_bytes
 from offload.layout import FlatLayout
@@ -70,7 +70,7 @@ def test_plan_host_bytes_equal_what_the_tier_allocates(name: str, ram: float) ->
     layout = FlatLayout.of(meta_layer(config))
     f = footprint(config, torch.bfloat16, name)
     assert f.layer_bytes == layout.nbytes  # the plan sizes layers as the streamer lays them out
-    request = plan_request(f, None, 8192, OffloadRequest(offload="stream", resident_layers=4))
+    request = plan_request(f, None, 8192, OffloadOptions(offload="stream", resident_layers=4))
     plan = make_plan(request, gpu_budget(80e9, ram))
     if plan.host_tier == "ram":
         # RamStorage allocates one arena slice per streamed layer (arithmetic only: no 100 GiB
@@ -93,7 +93,7 @@ def test_a_70b_target_on_a_160gb_machine_streams_from_ram(
     monkeypatch.setattr(machine.psutil, "virtual_memory", lambda: memory)
     budget = machine.detect_budget("cpu", "24GB", "auto", "25GB/s", measure=False)
     f = footprint(SHAPES["Llama-3.1-70B"], torch.bfloat16, "70B")
-    plan = make_plan(plan_request(f, None, 8192, OffloadRequest()), budget)
+    plan = make_plan(plan_request(f, None, 8192, OffloadOptions()), budget)
     assert plan.streamed_layers > 70 and plan.host_tier == "ram"
     assert plan.host_bytes == arena_bytes(f.layer_bytes, plan.streamed_layers) <= budget.ram_bytes
     # What pinning each layer through PyTorch's caching host allocator would have needed:

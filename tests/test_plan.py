@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from daemon.cli import commands as cli
-from daemon.memory_plan import GRAPHS, OffloadRequest, footprint, plan_request
+from daemon.memory_plan import GRAPHS, OffloadOptions, footprint, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from offload.machine import detect_budget
@@ -101,7 +101,7 @@ def budget(gpu: float, ram: float, bandwidth: float | None = 25e9) -> Budget:
 
 
 def plan(name: str, gpu: float, ram: float, context: int = 8192, **options):
-    request = plan_request(fp(name), None, context, OffloadRequest(**options))
+    request = plan_request(fp(name), None, context, OffloadOptions(**options))
     return make_plan(request, budget(gpu, ram))
 
 
@@ -154,7 +154,7 @@ def test_host_tier_bytes_are_one_arena_without_pinned_rounding() -> None:
         plan("Llama-3.1-70B", gpu=24e9, ram=fits.streamed_layers * layer // 2, host_tier="ram")
     # A CPU device pins nothing; its host tier is the same arena.
     cpu = Budget("cpu", int(300e9), "configured", int(300e9), "configured", None, "configured")
-    request = plan_request(fp("Llama-3.1-70B"), None, 8192, OffloadRequest(offload="stream"))
+    request = plan_request(fp("Llama-3.1-70B"), None, 8192, OffloadOptions(offload="stream"))
     on_cpu = make_plan(request, cpu)
     assert on_cpu.host_tier == "ram"
     assert on_cpu.host_bytes == host_tier_bytes(layer, on_cpu.streamed_layers)
@@ -186,7 +186,7 @@ def test_a_budget_that_cannot_fit_says_what_would() -> None:
 
 
 def test_a_draft_that_does_not_fit_is_named() -> None:
-    request = plan_request(fp("Llama-3.1-8B"), fp("Llama-3.1-8B"), 8192, OffloadRequest())
+    request = plan_request(fp("Llama-3.1-8B"), fp("Llama-3.1-8B"), 8192, OffloadOptions())
     with pytest.raises(PlanError, match="smaller draft"):
         make_plan(request, budget(17e9, 64e9))
 
@@ -275,11 +275,11 @@ def test_the_plan_reserves_the_largest_pass_and_its_logit_rows() -> None:
     """A prefill chunk returns one logit row, a tree pass one per node: the plan holds the
     largest pass with the most rows (auto budgeting grows trees up to AUTO_MAX_BUDGET)."""
     target = fp("Llama-3.1-8B")
-    auto = plan_request(target, None, 8192, OffloadRequest())
+    auto = plan_request(target, None, 8192, OffloadOptions())
     assert (auto.pass_tokens, auto.logit_rows) == (PREFILL_CHUNK, AUTO_MAX_BUDGET + 1)
-    big = plan_request(target, None, 8192, OffloadRequest(), tree_budget=4095)
+    big = plan_request(target, None, 8192, OffloadOptions(), tree_budget=4095)
     assert (big.pass_tokens, big.logit_rows) == (4096, 4096)
-    short = plan_request(target, None, 100, OffloadRequest(), tree_budget=4095)
+    short = plan_request(target, None, 100, OffloadOptions(), tree_budget=4095)
     assert (short.pass_tokens, short.logit_rows) == (100, 100)
     p = make_plan(auto, budget(24e9, 64e9))
     part = f"activations ({PREFILL_CHUNK}-token pass, {AUTO_MAX_BUDGET + 1} logit rows)"
@@ -311,7 +311,7 @@ def test_cuda_graphs_are_planned() -> None:
     graph's output and mask, the warm-up's scratch cache and cuBLAS's workspaces. Nothing
     without graphs or on a CPU."""
     target, draft = fp("Llama-3.1-8B"), fp("Llama-3.2-1B")
-    request = plan_request(target, draft, 8192, OffloadRequest(cuda_graphs=True))
+    request = plan_request(target, draft, 8192, OffloadOptions(cuda_graphs=True))
     assert request.graphs == GRAPHS
     assert (GRAPHS.tokens, GRAPHS.chunk_bytes, GRAPHS.count) == (64, 64 * 2**20, 64)
     parts = make_plan(request, budget(24e9, 64e9)).device_parts
@@ -328,7 +328,7 @@ def test_cuda_graphs_are_planned() -> None:
     # model, thrice (a 64-token step over 8k slots would have held 134 MB of scores alone).
     largest = parts[next(k for k in parts if k.startswith("activations"))]
     assert held < 3 * 2 * (largest + 100 * 2**20)
-    plain = make_plan(plan_request(target, draft, 8192, OffloadRequest()), budget(24e9, 64e9))
+    plain = make_plan(plan_request(target, draft, 8192, OffloadOptions()), budget(24e9, 64e9))
     on_cpu = make_plan(request, replace(budget(24e9, 64e9), device="cpu"))
     for other in (plain, on_cpu):
         assert not any(k.startswith("CUDA graph") for k in other.device_parts)

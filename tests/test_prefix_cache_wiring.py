@@ -16,7 +16,7 @@ import torch
 from daemon.cli import main
 from daemon.cli.bench import prefix_cache_hit_rate
 from daemon.http.server import BackgroundServer
-from daemon.memory_plan import OffloadRequest, footprint, plan_request
+from daemon.memory_plan import OffloadOptions, footprint, plan_request
 from daemon.metrics import Metrics
 from daemon.settings import SettingsError
 from daemon.settings_loading import load_settings
@@ -120,7 +120,7 @@ LLAMA_8B = {
 def _plan(device: str, cache: int, ram: float = 64e9):  # type: ignore[no-untyped-def]
     budget = Budget(device, int(24e9), "configured", int(ram), "configured", 25e9, "configured")
     target = footprint(ModelConfig.from_hf(LLAMA_8B), torch.bfloat16, "8B")
-    request = plan_request(target, None, 8192, OffloadRequest(prefix_cache_bytes=cache), 64)
+    request = plan_request(target, None, 8192, OffloadOptions(prefix_cache_bytes=cache), 64)
     return make_plan(request, budget)
 
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from daemon.memory_plan import OffloadRequest, footprint, plan_request
+from daemon.memory_plan import OffloadOptions, footprint, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from offload.layout import FlatLayout
@@ -334,7 +334,7 @@ def test_a_4bit_70b_streams_from_ram_on_a_desktop() -> None:
         ("gptq-4bit", quantized_config("llama-3.1-70b", FORMATS["gptq"])),
     ):
         target = footprint(config, torch.bfloat16, label)
-        plan = make_plan(plan_request(target, draft, 8192, OffloadRequest()), gpu)
+        plan = make_plan(plan_request(target, draft, 8192, OffloadOptions()), gpu)
         assert plan.streamed_layers > 0
         tiers[label] = plan.host_tier
     assert tiers == {"bf16": "disk", "gptq-4bit": "ram"}

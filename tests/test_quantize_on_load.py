@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.memory_plan import OffloadRequest, footprint, plan_request
+from daemon.memory_plan import OffloadOptions, footprint, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from offload.plan import Budget
@@ -142,7 +142,7 @@ def test_the_plan_counts_on_load_int4_as_packed_and_keeps_a_70b_in_ram() -> None
     assert fp.dequant_bytes == 28672 * 8192 * (4 + 2) + 2 * 224 * 8192 * 4
     draft = footprint(full_config("llama-3.2-1b"), torch.bfloat16, "1B")
     gpu = Budget("cuda", int(24e9), "configured", int(64e9), "configured", 25e9, "configured")
-    plan = make_plan(plan_request(fp, draft, 8192, OffloadRequest()), gpu)
+    plan = make_plan(plan_request(fp, draft, 8192, OffloadOptions()), gpu)
     assert plan.host_tier == "ram"
     assert plan.device_parts["dequantization (largest projection)"] == fp.dequant_bytes
     assert "packed   compressed-tensors 4-bit" in plan.render()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.memory_plan import OffloadRequest, footprint, plan_with_draft
+from daemon.memory_plan import OffloadOptions, footprint, plan_with_draft
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from offload.plan import Budget
@@ -140,7 +140,7 @@ def cuda_budget(gpu: float, ram: float) -> Budget:
 def test_auto_bits_plans_the_most_that_fit(name: str, gpu: float, ram: float, bits: int) -> None:
     plan, drafting = plan_with_draft(
         full_config(name), "substitute", None, "auto", name, "auto", "auto", "cuda",
-        OffloadRequest(prefix_cache_bytes=1 << 30, sequences=12), cuda_budget(gpu, ram),
+        OffloadOptions(prefix_cache_bytes=1 << 30, sequences=12), cuda_budget(gpu, ram),
     )  # fmt: skip
     assert drafting.substitute_bits == bits
     assert plan.device_bytes <= plan.budget.device_bytes
@@ -154,7 +154,7 @@ def test_a_70b_on_24_gb_says_what_would_fit_and_why_not() -> None:
     with pytest.raises(PlanError) as info:
         plan_with_draft(
             full_config("llama-3.1-70b"), "substitute", None, "auto", "70b", "auto", "auto",
-            "cuda", OffloadRequest(prefix_cache_bytes=1 << 30), cuda_budget(24e9, 64e9),
+            "cuda", OffloadOptions(prefix_cache_bytes=1 << 30), cuda_budget(24e9, 64e9),
         )  # fmt: skip
     message = str(info.value)
     assert "does not fit at 8-bit, 4-bit, 3-bit, 2-bit" in message
@@ -248,7 +248,7 @@ def test_the_plan_counts_copies_of_the_streamed_layers_only() -> None:
     """A resident target layer is its own substitute: the plan reserves copies of the
     streamed layers alone (an 8B that fits whole on 24 GB needs none; on 12 GB every
     streamed layer has its copy and nothing more)."""
-    options = OffloadRequest(prefix_cache_bytes=1 << 30, sequences=12)
+    options = OffloadOptions(prefix_cache_bytes=1 << 30, sequences=12)
     whole, _ = plan_with_draft(
         full_config("llama-3.1-8b"), "substitute", None, "auto", "8b", "auto", "auto", "cuda",
         options, cuda_budget(24e9, 64e9),
@@ -300,6 +300,6 @@ def test_a_packed_target_shares_its_layers_at_equal_bits(shared_models: Path) ->
     assert stats["tokens_per_target_pass"] == 16.0, stats
     _, drafting = plan_with_draft(
         runtime.target.config, "substitute", None, "auto", path, "fp32", "auto", "cpu",
-        OffloadRequest(offload="stream", resident_layers=0), runtime.plan.budget,
+        OffloadOptions(offload="stream", resident_layers=0), runtime.plan.budget,
     )  # fmt: skip
     assert drafting.substitute_bits == 4  # not 8: no more bits than the target has
