@@ -2,7 +2,7 @@
 shape: its tokens T, the logit rows R it returns, and the keys S it attends to (the cache
 length after the pass, at most the context).
 
-The figures follow the model code step by step (`daemon/memory_plan.py::footprint` derives
+The figures follow the model code step by step (`daemon/footprint.py::footprint` derives
 them from a config and a dtype; `tests/test_attention_memory.py` holds them against the
 measured peak of real passes). This module only does the arithmetic, so `offload` stays
 ignorant of Llama.

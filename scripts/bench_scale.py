@@ -14,8 +14,9 @@ what each phase ADDS to what is already held when it starts:
                 that leaves the context room for the tree and the round's tokens
     regenerate  the same prompt again with another seed: one round; prefix-cache hits
 
-and sets each beside the plan's figure for what that phase may add (daemon.memory_plan.
-footprint + plan_request + offload.planning.make_plan, read in `plan_figures` only):
+and sets each beside the plan's figure for what that phase may add (daemon.footprint.
+footprint + daemon.memory_plan.plan_request + offload.planning.make_plan, read in
+`plan_figures` only):
 
     kv          the plan's KV caches, against the caches' allocated bytes (exact; the
                 resident-set probe resolves no better than a few pages, its reading is in
@@ -69,7 +70,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from daemon.memory_plan import OffloadOptions, footprint, plan_request  # noqa: E402
+from daemon.footprint import footprint  # noqa: E402
+from daemon.memory_plan import OffloadOptions, plan_request  # noqa: E402
 from offload.machine import PeakMemory  # noqa: E402
 from offload.plan import Budget, MemoryPlan  # noqa: E402
 from offload.planning import make_plan  # noqa: E402

@@ -143,7 +143,8 @@ def _budget_rows(shaped_rows: list[dict[str, Any]], bandwidth: float) -> list[di
     24 GB card, given the draft's measured step times (eager, and what `--compile on` runs)
     and a target pass at the transfer bound of the plan's streamed bytes. A prediction from
     measured costs (the acceptance is the stories pair's), not a run of the strategy."""
-    from daemon.memory_plan import OffloadOptions, footprint, plan_request
+    from daemon.footprint import footprint
+    from daemon.memory_plan import OffloadOptions, plan_request
     from offload.plan import Budget
     from offload.planning import make_plan
     from scripts.real_shapes import PAIRS, full_config

@@ -5,7 +5,7 @@ tokens, where their keys and values go in its cache, and the boolean mask over t
 they attend to (`SequenceSlots` in an eager pass, `FixedSlots` in a compiled one,
 speculative/compiled.py). `attend` is grouped-query attention over chunks of queries, so
 that no pass holds more than ATTENTION_CHUNK_BYTES of scores; the memory plan reserves
-exactly that working set (daemon/memory_plan.py).
+exactly that working set (daemon/footprint.py).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def attend_sequence(
 # per layer: a 2,048-token chunk at context 8,192 is ~4 GB. 128 MiB still holds one query
 # row of a 64-head model at 128k context (64 MiB of scores), is ~0.5% of a 24 GB card, and
 # one chunk's work (~16M scores, billions of flops on a real model) dwarfs the few kernel
-# launches a chunk adds. The plan reserves exactly this working set (daemon/memory_plan.py).
+# launches a chunk adds. The plan reserves exactly this working set (daemon/footprint.py).
 ATTENTION_CHUNK_BYTES = 128 * 2**20
 # Bytes per (head, query, key) at a chunk's peak: the fp32 scores and their fp32 softmax
 # live together; the model-dtype matmul output before them and the cast weights after

@@ -249,7 +249,7 @@ class PositionNoise:
 # the distribution, sorted values, int64 order, mass before each, three boolean masks and
 # two renormalised copies: 36 with `seen`), so is everything before it. The walks (tree,
 # prefix cache, a plain step) draw one row at a time beside the pass's logits: the memory
-# plan reserves this for that draw (daemon/memory_plan.py). Rejection verification
+# plan reserves this for that draw (daemon/footprint.py). Rejection verification
 # (speculative/verification.py) holds more at a node with children: the target's final
 # distribution (4) while the draft's is made from its stored row: that row in fp32 (4),
 # its penalty counts with the node's path (4) and `seen` (1), then the same top-p peak

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import speculative.attention as attention_module
-from daemon.memory_plan import activation_footprint
+from daemon.footprint import activation_footprint
 from offload.machine import gemm_copies_output
 from speculative.attention import ATTENTION_CHUNK_BYTES, attend, attention_row_bytes, query_chunk
 from speculative.config import ModelConfig

@@ -268,7 +268,8 @@ def test_no_strategy_holds_a_passs_logits_through_the_next_pass(
 def test_the_plan_holds_every_generations_tree_mask() -> None:
     """Each concurrent generation's draft tree preallocates its (budget + 1)² ancestor
     mask: the plan counts the other generations' besides the pass's one."""
-    from daemon.memory_plan import OffloadOptions, footprint, plan_request
+    from daemon.footprint import footprint
+    from daemon.memory_plan import OffloadOptions, plan_request
     from offload.plan import Budget
     from offload.planning import make_plan
     from scripts.real_shapes import full_config

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from daemon.cli import commands as cli
-from daemon.memory_plan import OffloadOptions, choose_plan, footprint, plan_request
+from daemon.footprint import footprint
+from daemon.memory_plan import OffloadOptions, choose_plan, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from daemon.settings_loading import load_settings

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from daemon.memory_plan import footprint
+from daemon.footprint import footprint
 from daemon.target_loading import disk_sources
 from offload.arena import HostArena
 from offload.layout import FlatLayout

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from daemon.memory_plan import OffloadOptions, footprint, plan_request
+from daemon.footprint import footprint
+from daemon.memory_plan import OffloadOptions, plan_request
 from offload import machine
 from offload.arena import PAGE, HostArena, arena_bytes
 from offload.layout import FlatLayout

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from daemon.cli import commands as cli
-from daemon.memory_plan import GRAPHS, OffloadOptions, footprint, plan_request
+from daemon.footprint import footprint
+from daemon.memory_plan import GRAPHS, OffloadOptions, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from offload.machine import detect_budget

@@ -15,8 +15,9 @@ import torch
 
 from daemon.cli import main
 from daemon.cli.bench import prefix_cache_hit_rate
+from daemon.footprint import footprint
 from daemon.http.server import BackgroundServer
-from daemon.memory_plan import OffloadOptions, footprint, plan_request
+from daemon.memory_plan import OffloadOptions, plan_request
 from daemon.metrics import Metrics
 from daemon.settings import SettingsError
 from daemon.settings_loading import load_settings

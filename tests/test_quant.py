@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from daemon.memory_plan import OffloadOptions, footprint, plan_request
+from daemon.footprint import footprint
+from daemon.memory_plan import OffloadOptions, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from offload.layout import FlatLayout

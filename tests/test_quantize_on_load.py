@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.memory_plan import OffloadOptions, footprint, plan_request
+from daemon.footprint import footprint
+from daemon.memory_plan import OffloadOptions, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from offload.plan import Budget

@@ -398,7 +398,8 @@ def test_a_new_cache_on_a_freed_storage_replays_its_graphs(stories_draft: Path) 
 def test_what_the_graphs_hold_is_within_the_plan(stories_draft: Path) -> None:
     """The device memory reserved while a model warms and captures every bucket on three
     storages stays within what the plan counts for its graphs (offload/planning.py)."""
-    from daemon.memory_plan import GRAPHS, footprint
+    from daemon.footprint import footprint
+    from daemon.memory_plan import GRAPHS
     from offload.planning import _graph_bytes
 
     model = load(str(stories_draft), device="cuda")[0]

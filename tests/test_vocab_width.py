@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from daemon.memory_plan import footprint
+from daemon.footprint import footprint
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime, RuntimeSetupError
 from offload.machine import PeakMemory
