@@ -16,8 +16,9 @@ from typing import cast
 import torch
 from torch import nn
 
-from daemon.memory_plan import DraftPlan, plan_dtype, plan_pair
+from daemon.memory_plan import plan_dtype
 from daemon.options import RuntimeOptions
+from daemon.pair_plan import DraftPlan, plan_pair
 from daemon.substitute_cache import SubstituteCache
 from offload.layout import FlatLayout
 from offload.machine import detect_budget

@@ -72,7 +72,8 @@ def step_seconds(model: Transformer, repeats: int = 50) -> float:
 def projections(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The streamed targets' projected tokens/s from the measured rows (module docstring)."""
     from daemon.footprint import footprint
-    from daemon.memory_plan import OffloadOptions, plan_request, plan_with_draft
+    from daemon.memory_plan import OffloadOptions, plan_request
+    from daemon.pair_plan import plan_with_draft
     from offload.plan import Budget
     from offload.planning import PlanError, make_plan
     from scripts.real_shapes import full_config

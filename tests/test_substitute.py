@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from daemon.footprint import footprint
-from daemon.memory_plan import OffloadOptions, plan_with_draft
+from daemon.memory_plan import OffloadOptions
 from daemon.options import RuntimeOptions
+from daemon.pair_plan import plan_with_draft
 from daemon.runtime import Runtime
 from offload.plan import Budget
 from offload.planning import PlanError

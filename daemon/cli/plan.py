@@ -220,7 +220,7 @@ def _plan_device(options: RuntimeOptions) -> torch.device:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from daemon.memory_plan import plan_pair
+    from daemon.pair_plan import plan_pair
     from offload.machine import detect_budget
     from speculative.checkpoint import open_checkpoint
 
