@@ -8,6 +8,8 @@ import weakref
 import pytest
 import torch
 
+import speculative.strategies.tree as tree_strategy
+import speculative.strategies.tree_verification as tree_verification
 from speculative.acceptance import AcceptanceTable
 from speculative.checkpoint import load
 from speculative.children import RankedChildren
@@ -310,29 +312,6 @@ def test_prefix_cache_serves_a_repeated_prompt_without_target_passes(stories):
     assert again.stats.target_passes == 0
 
 
-class Recorder(TreeSpeculation):
-    """The real strategy with the walk's children chosen without the walk's noise (the
-    draft's most likely tokens at the request's temperature), keeping each round's tree
-    and verified target logits: the tree is then independent of the walk's draws, and the
-    walk must reach node v with probability prod p_target along v's path."""
-
-    def __init__(self, *args, temperature: float, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.temperature = temperature
-        self.captured: list[tuple[DraftTree, torch.Tensor]] = []
-
-    def _policy(self, state, table, rows, drafted_with):
-        return RankedChildren(table, temperature=self.temperature)
-
-    def _draft(self, *args, **kwargs):
-        self._tree = yield from super()._draft(*args, **kwargs)
-        return self._tree
-
-    def _remember(self, logits, root_key, path, tokens, parents):
-        self.captured.append((self._tree, logits.clone()))
-        return super()._remember(logits, root_key, path, tokens, parents)
-
-
 def expected_tokens(tree: DraftTree, probs: torch.Tensor) -> float:
     """1 + sum over nodes of the probability that the walk reaches them; `probs` (N, V) is
     the target's final sampling distribution at every node of `tree`."""
@@ -345,20 +324,37 @@ def expected_tokens(tree: DraftTree, probs: torch.Tensor) -> float:
     return float(reach.sum())
 
 
-def record_rounds(target, draft, prompts, params, budget, n, seed) -> list[tuple[int, float]]:
+def record_rounds(
+    monkeypatch, target, draft, prompts, params, budget, n, seed
+) -> list[tuple[int, float]]:
     """(tokens the walk emitted, their analytic expectation over the round's tree) for each
-    round with a tree."""
-    strategy = Recorder(
-        target, draft, budget=budget, prefix_cache=PrefixCache(0), verification="walk",
-        temperature=params.temperature or 1.0,
-    )  # fmt: skip
+    round with a tree, from the real strategy with the walk's children chosen without the
+    walk's noise (the draft's most likely tokens at the request's temperature), keeping
+    each round's tree and verified target logits: the tree is then independent of the
+    walk's draws, and the walk must reach node v with probability prod p_target along v's
+    path."""
+    temperature = params.temperature or 1.0
+    captured: list[tuple[DraftTree, torch.Tensor]] = []
+
+    def ranked(state, table, rows, drafted_with):
+        return RankedChildren(table, temperature=temperature)
+
+    def recording(session, state, tree, logits, *rest):
+        captured.append((tree, logits.clone()))
+        return tree_verification.accept(session, state, tree, logits, *rest)
+
+    monkeypatch.setattr(tree_strategy, "child_policy", ranked)
+    monkeypatch.setattr(tree_strategy, "accept", recording)
+    strategy = TreeSpeculation(
+        target, draft, budget=budget, prefix_cache=PrefixCache(0), verification="walk"
+    )
     logs = []
     for i, ids in enumerate(prompts):
         session = strategy.new_session(len(ids) + n + budget + 8)
         gen = torch.Generator().manual_seed(seed + i)
         for rnd in alone(strategy.steps(session, ids, params, n, gen)):
-            if rnd.tokens and strategy.captured:
-                tree, logits = strategy.captured.pop()
+            if rnd.tokens and captured:
+                tree, logits = captured.pop()
                 logs.append((len(rnd.tokens), expected_tokens(tree, probabilities(logits, params))))
     return logs
 
@@ -374,19 +370,22 @@ def test_expected_tokens_is_one_plus_the_reach_probabilities():
     assert expected_tokens(tree, probs) == pytest.approx(1 + 0.5 + 0.25 + 0.5 * 0.4)
 
 
-def test_walk_emits_the_analytic_expectation(stories):
+def test_walk_emits_the_analytic_expectation(stories, monkeypatch):
     """Each round's walk must reach node v with probability prod p_target along v's path: a
     greedy round emits exactly that sum (one-hot distributions), and at temperature 1 the
     mean over many rounds matches it within sampling noise."""
     target, draft, tok = stories
     prompts = [tok.encode(p) for p in PROMPTS]
-    for tokens, analytic in record_rounds(target, draft, prompts[:2], GREEDY, 16, 48, seed=0):
+    for tokens, analytic in record_rounds(
+        monkeypatch, target, draft, prompts[:2], GREEDY, 16, 48, seed=0
+    ):
         assert tokens == round(analytic)
     logs = []
     for seed in range(3):
         logs += record_rounds(
-            target, draft, prompts, SamplingParams(temperature=1.0), 16, 48, seed=100 * seed
-        )
+            monkeypatch, target, draft, prompts, SamplingParams(temperature=1.0), 16, 48,
+            seed=100 * seed,
+        )  # fmt: skip
     emitted = torch.tensor([float(t) for t, _ in logs])
     analytic = torch.tensor([a for _, a in logs])
     se = emitted.std() / len(logs) ** 0.5

@@ -19,7 +19,12 @@ from speculative.generation import Generation
 from speculative.passes import alone
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import SamplingParams
-from speculative.strategies.tree import EXPLORE_ROUNDS, REJECTION_STAYS, TreeSpeculation
+from speculative.strategies.tree import TreeSpeculation
+from speculative.strategies.tree_verification import (
+    EXPLORE_ROUNDS,
+    REJECTION_STAYS,
+    choose_verification,
+)
 from speculative.verification import rejection_walk
 
 T1 = SamplingParams(temperature=1.0)
@@ -190,30 +195,35 @@ def test_auto_keeps_rejection_that_accepts_and_otherwise_measures_both(stories) 
     and a greedy one walk."""
     target, draft, _ = stories
     strategy = TreeSpeculation(target, draft, budget=16, prefix_cache=PrefixCache(0))
+
+    def kind_of(params: SamplingParams) -> tuple[str, AcceptanceTable]:
+        # The strategy's choice for a round of its trees (drafted by a model, not n-grams).
+        return choose_verification(strategy.verification, strategy.acceptance, params, ngram=False)
+
     walk_t = strategy.acceptance.table("walk", T1)
     reject_t = strategy.acceptance.table("rejection", T1)
     first = torch.tensor([1]), torch.tensor([0.5])
     for _ in range(EXPLORE_ROUNDS):
-        kind, table = strategy._verification_kind(T1)
+        kind, table = kind_of(T1)
         assert kind == "rejection"
         table.observe(*first, torch.tensor([True]))
         table.note_round(9)
-    assert strategy._verification_kind(T1)[0] == "rejection"  # it accepts: it stays
+    assert kind_of(T1)[0] == "rejection"  # it accepts: it stays
     for _ in range(40):  # now its first children mostly fail
         reject_t.observe(*first, torch.tensor([False]))
     assert reject_t.marginal()[0] < REJECTION_STAYS
     tried = []
     for _ in range(EXPLORE_ROUNDS):
-        kind, table = strategy._verification_kind(T1)
+        kind, table = kind_of(T1)
         tried.append(kind)
         table.note_round(12)  # the walk yields more tokens per round than rejection's 9
     assert tried == ["walk"] * EXPLORE_ROUNDS
     assert walk_t.recent > reject_t.recent
     walk_t.note_round(12)  # (not a multiple of EXPLORE_EVERY rounds: no exploring now)
-    assert strategy._verification_kind(T1)[0] == "walk"
+    assert kind_of(T1)[0] == "walk"
     seeded = SamplingParams(temperature=1.0, seed=3)
-    assert strategy._verification_kind(seeded)[0] == "walk"
-    assert strategy._verification_kind(SamplingParams(temperature=0.0))[0] == "walk"
+    assert kind_of(seeded)[0] == "walk"
+    assert kind_of(SamplingParams(temperature=0.0))[0] == "walk"
 
 
 def test_stats_say_how_trees_were_verified(stories) -> None:
