@@ -29,9 +29,9 @@ from offload.storage import DiskStorage, RamStorage
 from offload.stream import LayerStreamer
 from offload.units import format_size
 from speculative.batching import PassBounds
-from speculative.checkpoint import CheckpointError
 from speculative.compiled import CompiledPasses
 from speculative.gguf_model import is_gguf
+from speculative.safetensors_model import CheckpointError
 
 if TYPE_CHECKING:
     from daemon.runtime import Runtime

@@ -27,9 +27,10 @@ from offload.plan import MemoryPlan
 from offload.planning import PlanError
 from offload.storage import TensorSources, tensor_files
 from offload.stream import LayerStreamer
-from speculative.checkpoint import Checkpoint, CheckpointError, load, open_checkpoint
+from speculative.checkpoint import Checkpoint, load, open_checkpoint
 from speculative.model import Transformer
 from speculative.projections import stored_names
+from speculative.safetensors_model import CheckpointError
 from speculative.substitute import build_substitute, share_placed, shares_packed, substitute_config
 from speculative.tokenizer import Tokenizer
 

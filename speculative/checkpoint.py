@@ -1,7 +1,8 @@
-"""Checkpoints: a local Hugging Face folder or a hub id → config, weights, tokenizer.
-
-Weights are read tensor by tensor from memory-mapped safetensors into a model built on the
-meta device, so loading never holds a second full copy of the weights.
+"""Checkpoints: a local Hugging Face folder, a hub id, a GGUF file or a model store's
+reference → config, weights, tokenizer. `open_checkpoint` reads the metadata only (enough
+to plan before anything is loaded); `load` loads the model and its tokenizer, a folder's
+weights through speculative/safetensors_model.py and a GGUF file's through
+speculative/gguf_model.py.
 """
 
 from __future__ import annotations
@@ -9,41 +10,27 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from torch import nn
 
 from speculative.config import ModelConfig, UnsupportedModelError
 from speculative.gguf_file import GGUFContents
 from speculative.gguf_model import config_from_gguf, is_gguf, load_gguf_model, open_gguf
 from speculative.gguf_tokenizer import tokenizer_from_gguf
-from speculative.model import Transformer, rope_inv_freq
+from speculative.model import Transformer
 from speculative.model_stores import resolve_store_ref
-from speculative.packed import CompressedLinear, PackedLinear
-from speculative.projections import fused_parts
 from speculative.quant import (
     UnsupportedQuantizationError,
     on_load_quantization,
 )
+from speculative.safetensors_model import CheckpointError, load_model, weight_files
 from speculative.tokenizer import Tokenizer
 
 log = logging.getLogger("specd.checkpoint")
-
-# The safetensors names of the dtypes packed tensors are stored in.
-_SAFETENSORS_NAMES = {
-    torch.int32: "I32",
-    torch.int64: "I64",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float32: "F32",
-}
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # --dtype / models.dtype: one of DTYPES, or auto (see `dtype_candidates`).
@@ -51,16 +38,10 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 _WEIGHT_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
 # What planning reads: a plan needs no weights (`specd plan`, `specd pull --config-only`).
 CONFIG_FILES = ["config.json", "generation_config.json"]
-# Buffers some exporters store that are recomputed here.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class ModelNotFoundError(FileNotFoundError):
     """A model reference that is neither a usable folder nor a reachable hub id."""
-
-
-class CheckpointError(ValueError):
-    """The checkpoint's tensors do not match its config (missing, unexpected, wrong shape)."""
 
 
 @dataclass
@@ -207,231 +188,6 @@ def dtype_candidates(
     ]
 
 
-def weight_files(path: Path) -> list[Path]:
-    if is_gguf(path):
-        return [path]
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (path / s).is_file()]
-        if missing:
-            raise CheckpointError(f"{index}: shard files missing: {', '.join(missing)}")
-        return [path / s for s in shards]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        bins = sorted(p.name for p in path.glob("*.bin"))
-        ggufs = sorted(p.name for p in path.glob("*.gguf"))
-        hint = f" (found {', '.join(bins)}: convert to safetensors)" if bins else ""
-        if ggufs:
-            hint = f" (found {', '.join(ggufs)}: give --model the .gguf file itself)"
-        raise CheckpointError(f"{path}: no *.safetensors weights{hint}")
-    return files
-
-
-def _hf_name_to_ours(name: str) -> str:
-    return name[len("model.") :] if name.startswith("model.") else name
-
-
-def load_model(
-    checkpoint: Checkpoint,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    progress: bool | None = None,
-    skip: Callable[[str], bool] | None = None,
-) -> Transformer:
-    """Build the decoder on the meta device and materialise each tensor once, straight from
-    the memory-mapped file into its final dtype and device.
-
-    Parameters whose name `skip` accepts (e.g. "layers.7.mlp.up_proj.weight") are checked
-    against the file but left on the meta device in `dtype`: the disk offload tier reads
-    those layers from the files itself, so they never take host memory."""
-    cfg = checkpoint.config
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    expected = {name: p.shape for name, p in model.named_parameters()}  # tied: embed only
-    # Dense q/k/v and gate/up are stored apart and held stacked: each stored part is
-    # expected in its own shape and copied into its rows of the stacked tensor.
-    parts = fused_parts(model)
-    for part, (fused, row, end) in parts.items():
-        expected.pop(fused, None)
-        expected[part] = torch.Size((end - row, *model.get_parameter(fused).shape[1:]))
-    # Packed projections' stored tensors (speculative/packed.py) are buffers kept in the
-    # dtype the format stores them in; parameters take the compute dtype.
-    stored = dict(_stored_buffers(model))
-    expected.update({name: b.shape for name, b in stored.items()})
-    # `--quantize`: the file holds full-precision projections, each packed as it is read.
-    quantized_on_load: dict[str, CompressedLinear] = {}
-    if cfg.quantization is not None and cfg.quantization.on_load:
-        if skip is not None:
-            raise CheckpointError(
-                f"{checkpoint.path}: layers quantized on load live in RAM; the disk tier "
-                "streams a checkpoint's own bytes (use a pre-quantized GPTQ, AWQ or "
-                "compressed-tensors checkpoint to stream 4-bit layers from disk)"
-            )
-        for owner, module in model.named_modules():
-            if isinstance(module, CompressedLinear):
-                quantized_on_load[f"{owner}.weight"] = module
-                for attr in ("weight_packed", "weight_scale", "weight_shape"):
-                    del expected[f"{owner}.{attr}"], stored[f"{owner}.{attr}"]
-                expected[f"{owner}.weight"] = torch.Size((module.out_features, module.in_features))
-    tied = cfg.tie_word_embeddings
-    files = weight_files(checkpoint.path)
-    total = sum(f.stat().st_size for f in files)
-    show = progress if progress is not None else (sys.stderr.isatty() and total > 256 * 2**20)
-    reporter = _Progress(total, checkpoint.path.name) if show else None
-
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    wrong_shape: list[str] = []
-    wrong_dtype: list[str] = []
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                name = _hf_name_to_ours(hf_name)
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if tied and name == "lm_head.weight":
-                    # Tied: the head is the embedding. Stored alone it is loaded as the
-                    # embedding; stored next to it, the embedding (loaded before or after) wins.
-                    if "embed_tokens.weight" in seen:
-                        continue
-                    name = "embed_tokens.weight"
-                if name not in expected and _is_unused_packed_bias(model, name):
-                    # GPTQ exporters (AutoGPTQ, GPTQ-for-LLaMa) store a bias for every
-                    # quantized projection, zeros where the model has none.
-                    if torch.count_nonzero(f.get_tensor(hf_name)):
-                        unexpected.append(f"{hf_name} (non-zero, the config has no such bias)")
-                    continue
-                if name not in expected:
-                    unexpected.append(hf_name)
-                    continue
-                sl = f.get_slice(hf_name)
-                shape = tuple(sl.get_shape())
-                if shape != tuple(expected[name]):
-                    wrong_shape.append(f"{hf_name} {shape} (expected {tuple(expected[name])})")
-                    continue
-                want = stored[name].dtype if name in stored else dtype
-                if name in stored and sl.get_dtype() != _SAFETENSORS_NAMES.get(want):
-                    wrong_dtype.append(f"{hf_name} {sl.get_dtype()} (expected {want})")
-                    continue
-                seen.add(name)
-                if name in quantized_on_load:
-                    weight = f.get_tensor(hf_name).to(device=device)
-                    quantized_on_load[name].quantize_from(weight)
-                    if reporter:
-                        reporter.advance(weight.numel() * weight.element_size())
-                    del weight
-                    continue
-                if name in parts:
-                    fused = parts[name][0]
-                    if skip is not None and skip(fused):
-                        # Read by the disk tier, part by part: only its shape and dtype here.
-                        shape = model.get_parameter(fused).shape
-                        _assign(model, fused, torch.empty(shape, dtype=want, device="meta"))
-                        continue
-                    part = f.get_tensor(hf_name)
-                    _load_part(model, parts[name], part, device, want)
-                    if reporter:
-                        reporter.advance(part.numel() * part.element_size())
-                    del part
-                    continue
-                if skip is not None and skip(name):
-                    _assign(model, name, torch.empty(shape, dtype=want, device="meta"))
-                    continue
-                tensor = f.get_tensor(hf_name).to(device=device, dtype=want)
-                _assign(model, name, tensor)
-                if reporter:
-                    reporter.advance(tensor.numel() * tensor.element_size())
-    if reporter:
-        reporter.done()
-    missing = sorted(set(expected) - seen)
-    problems = []
-    if missing:
-        problems.append("missing tensors: " + ", ".join(_hf_names(missing)))
-    if unexpected:
-        problems.append("unexpected tensors: " + ", ".join(sorted(unexpected)))
-    if wrong_shape:
-        problems.append("wrongly shaped tensors: " + "; ".join(wrong_shape))
-    if wrong_dtype:
-        problems.append("packed tensors of another dtype: " + "; ".join(wrong_dtype))
-    if problems:
-        raise CheckpointError(f"{checkpoint.path}: " + "; ".join(problems))
-    if tied:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
-    return model.eval()
-
-
-def _load_part(
-    model: nn.Module,
-    where: tuple[str, int, int],
-    tensor: torch.Tensor,
-    device: torch.device | str,
-    dtype: torch.dtype,
-) -> None:
-    """Copy one stored projection into its rows of the stacked tensor, which the first
-    part to arrive allocates. Peak: the stacked tensor and the one part being copied."""
-    fused, row, end = where
-    stacked: torch.Tensor = model.get_parameter(fused)
-    if stacked.is_meta:  # the model was built on the meta device: this is the first part
-        stacked = torch.empty(stacked.shape, dtype=dtype, device=device)
-        _assign(model, fused, stacked)
-    with torch.no_grad():
-        stacked[row:end].copy_(tensor)
-
-
-def _hf_names(names: list[str]) -> list[str]:
-    return [n if n.startswith("lm_head") else f"model.{n}" for n in names]
-
-
-def _stored_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The persistent buffers (a checkpoint stores them; RoPE tables are recomputed)."""
-    return [
-        (f"{owner}.{name}" if owner else name, buf)
-        for owner, module in model.named_modules()
-        for name, buf in module._buffers.items()
-        if buf is not None and name not in module._non_persistent_buffers_set
-    ]
-
-
-def _is_unused_packed_bias(model: nn.Module, name: str) -> bool:
-    owner_name, _, attr = name.rpartition(".")
-    try:
-        owner = model.get_submodule(owner_name)
-    except AttributeError:
-        return False
-    return attr == "bias" and isinstance(owner, PackedLinear) and owner.bias is None
-
-
-def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    owner_name, _, attr = name.rpartition(".")
-    owner = model.get_submodule(owner_name)
-    if attr in owner._buffers:
-        owner._buffers[attr] = tensor
-    else:
-        owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
-
-
-class _Progress:
-    """A one-line byte counter on stderr for loads that take a while."""
-
-    def __init__(self, total: int, label: str) -> None:
-        self.total, self.label, self.done_bytes = total, label, 0
-        self.last = 0.0
-
-    def advance(self, n: int) -> None:
-        self.done_bytes += n
-        now = time.monotonic()
-        if now - self.last > 0.2:
-            self.last = now
-            pct = 100 * self.done_bytes / max(self.total, 1)
-            gb = self.done_bytes / 1e9
-            print(f"\rloading {self.label}: {gb:.2f} GB ({pct:.0f}%)", end="", file=sys.stderr)
-
-    def done(self) -> None:
-        print(f"\rloading {self.label}: {self.total / 1e9:.2f} GB (100%)", file=sys.stderr)
-
-
 def load(
     ref: str | os.PathLike[str] | Checkpoint,
     dtype: str | torch.dtype = "fp32",
@@ -465,7 +221,7 @@ def load(
         tokenizer.eos_token_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *stops]))
         return load_gguf_model(contents, ckpt.config, dtype, device), tokenizer, ckpt
     tokenizer = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
-    model = load_model(ckpt, dtype=dtype, device=device, skip=skip)
+    model = load_model(ckpt.path, ckpt.config, dtype=dtype, device=device, skip=skip)
     return model, tokenizer, ckpt
 
 
@@ -473,13 +229,11 @@ __all__ = [
     "DTYPES",
     "DTYPE_CHOICES",
     "Checkpoint",
-    "CheckpointError",
     "ModelNotFoundError",
     "UnsupportedModelError",
     "dtype_candidates",
     "dtype_key",
     "load",
-    "load_model",
     "open_checkpoint",
     "resolve",
 ]

@@ -228,7 +228,8 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     """Parameter names follow the Hugging Face layout minus the `model.` prefix of the
     decoder stack, except that dense q/k/v and gate/up are stacked (`qkv_proj`,
-    `gate_up_proj`, see FusedLinear): checkpoint.py loads each stored part into its rows."""
+    `gate_up_proj`, see FusedLinear): safetensors_model.py loads each stored part into its
+    rows."""
 
     inv_freq: torch.Tensor  # registered buffer (nn.Module's __getattr__ types it loosely)
 

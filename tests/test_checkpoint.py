@@ -12,15 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from speculative.checkpoint import (
-    CheckpointError,
-    ModelNotFoundError,
-    load,
-    open_checkpoint,
-    resolve,
-    weight_files,
-)
+from speculative.checkpoint import ModelNotFoundError, load, open_checkpoint, resolve
 from speculative.config import ModelConfig, UnsupportedModelError
+from speculative.safetensors_model import CheckpointError, weight_files
 
 VOCAB = 96
 
@@ -301,16 +295,19 @@ def test_hub_id_not_in_the_cache(offline_hub: Path) -> None:
 def test_skipped_parameters_stay_on_meta_and_the_rest_loads(tiny_checkpoint):
     """The disk offload tier loads a target without its streamed layers: they must take no
     memory (meta) yet keep their dtype and shape so the streamer can lay them out."""
-    from speculative.checkpoint import load_model, open_checkpoint
+    from speculative.checkpoint import open_checkpoint
+    from speculative.safetensors_model import load_model
 
     ckpt = open_checkpoint(tiny_checkpoint("llama"))
-    model = load_model(ckpt, dtype=torch.bfloat16, skip=lambda n: n.startswith("layers.1."))
+    model = load_model(
+        ckpt.path, ckpt.config, dtype=torch.bfloat16, skip=lambda n: n.startswith("layers.1.")
+    )
     for name, p in model.named_parameters():
         if name.startswith("layers.1."):
             assert p.is_meta and p.dtype == torch.bfloat16, name
         else:
             assert not p.is_meta, name
-    full = load_model(ckpt, dtype=torch.bfloat16)
+    full = load_model(ckpt.path, ckpt.config, dtype=torch.bfloat16)
     assert torch.equal(
         model.layers[0].mlp.gate_up_proj.weight, full.layers[0].mlp.gate_up_proj.weight
     )

@@ -24,7 +24,7 @@ from offload.layout import FlatLayout
 from offload.plan import Budget
 from offload.planning import make_plan
 from scripts.real_shapes import full_config
-from speculative.checkpoint import CheckpointError, load, open_checkpoint
+from speculative.checkpoint import load, open_checkpoint
 from speculative.config import ModelConfig
 from speculative.generation import Generation
 from speculative.model import Transformer
@@ -37,6 +37,7 @@ from speculative.packed import (
     unpack,
 )
 from speculative.quant import UnsupportedQuantizationError, parse_quantization
+from speculative.safetensors_model import CheckpointError
 from speculative.sampling import SamplingParams
 
 FOLDERS = [

@@ -19,10 +19,11 @@ from daemon.runtime import Runtime
 from offload.plan import Budget
 from offload.planning import make_plan
 from scripts.real_shapes import full_config
-from speculative.checkpoint import CheckpointError, load, open_checkpoint
+from speculative.checkpoint import load, open_checkpoint
 from speculative.generation import Generation
 from speculative.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
 from speculative.quant import UnsupportedQuantizationError, on_load_quantization
+from speculative.safetensors_model import CheckpointError
 from speculative.sampling import SamplingParams
 from tests.peak_probe import needs_proc, run_child
 from tests.test_quant import FORMATS, quantized_config

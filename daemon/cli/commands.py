@@ -48,7 +48,8 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     PullError,
 )
 MODEL_USER_ERRORS = {
-    "speculative.checkpoint": ("ModelNotFoundError", "CheckpointError"),
+    "speculative.checkpoint": ("ModelNotFoundError",),
+    "speculative.safetensors_model": ("CheckpointError",),
     "speculative.config": ("UnsupportedModelError",),
     "speculative.quant": ("UnsupportedQuantizationError",),
     "speculative.gguf_model": ("GGUFError",),
