@@ -40,7 +40,8 @@ from offload.machine import measure_bandwidth  # noqa: E402
 from offload.placement import build_streamer  # noqa: E402
 from offload.stream import LayerStreamer  # noqa: E402
 from speculative.config import ModelConfig  # noqa: E402
-from speculative.gguf_blocks import BLOCK_SIZES, GGMLType, GGUFLinear  # noqa: E402
+from speculative.gguf_blocks import BLOCK_SIZES, GGMLType  # noqa: E402
+from speculative.gguf_modules import GGUFLinear  # noqa: E402
 from speculative.model import Transformer, rope_inv_freq  # noqa: E402
 from speculative.packed import CompressedLinear, PackedLinear  # noqa: E402
 from speculative.quant import QuantizationSpec, on_load_quantization  # noqa: E402

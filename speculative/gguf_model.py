@@ -26,13 +26,12 @@ from torch import nn
 from speculative.config import ModelConfig, UnsupportedModelError
 from speculative.gguf_blocks import (
     FLOAT_TYPES,
-    GGUFEmbedding,
-    GGUFLinear,
     UnsupportedGGMLTypeError,
     dequantize,
     supported_type,
 )
 from speculative.gguf_file import GGUFContents, GGUFFormatError, TensorInfo, read_gguf
+from speculative.gguf_modules import GGUFEmbedding, GGUFLinear
 from speculative.model import Transformer, rope_inv_freq
 from speculative.projections import fused_parts
 from speculative.quant import EMBEDDING, QuantizationSpec

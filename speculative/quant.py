@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from speculative.gguf_blocks import GGMLType, GGUFEmbedding, GGUFLinear
+from speculative.gguf_blocks import GGMLType
+from speculative.gguf_modules import GGUFEmbedding, GGUFLinear
 from speculative.hqq import HQQLinear
 from speculative.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
 

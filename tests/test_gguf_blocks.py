@@ -22,14 +22,13 @@ from torch.utils._pytree import tree_flatten
 from speculative.gguf_blocks import (
     BLOCK_SIZES,
     FLOAT_TYPES,
-    GGUFEmbedding,
-    GGUFLinear,
     UnsupportedGGMLTypeError,
     dequantize,
     dequantize_bytes,
     dequantize_rows,
     row_bytes,
 )
+from speculative.gguf_modules import GGUFEmbedding, GGUFLinear
 from speculative.packed import RebuildScratch
 
 # Byte offsets of each type's float16 fields (d, and dmin or m) within its block: random

@@ -20,8 +20,8 @@ from daemon.runtime import Runtime
 from offload.stream import LayerStreamer
 from speculative.checkpoint import load, open_checkpoint
 from speculative.generation import Generation
-from speculative.gguf_blocks import GGUFEmbedding, GGUFLinear
 from speculative.gguf_model import GGUFError
+from speculative.gguf_modules import GGUFEmbedding, GGUFLinear
 from speculative.sampling import SamplingParams
 from tests.conftest import SHARED_MODELS
 

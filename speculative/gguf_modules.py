@@ -1,0 +1,118 @@
+"""The modules that keep GGUF tensors as their ggml blocks (speculative/gguf_blocks.py
+decodes them): `GGUFLinear` holds a projection's bytes as they are (uint8 [out, row_bytes])
+and rebuilds the [out, in] weight in torch right before its matmul, like the GPTQ/AWQ
+projections of speculative/packed.py; `GGUFEmbedding` decodes only the rows a lookup asks
+for."""
+
+from __future__ import annotations
+
+import torch
+from gguf.constants import GGMLQuantizationType as GGMLType
+from torch import nn
+
+from speculative.gguf_blocks import (
+    BLOCK_SIZES,
+    FLOAT_TYPES,
+    dequantize,
+    dequantize_bytes,
+    dequantize_rows,
+    row_bytes,
+    supported_type,
+)
+from speculative.packed import PackedLinear, _itemsize
+
+
+class GGUFLinear(PackedLinear):
+    """A projection whose weight is a GGUF tensor's blocks, as stored: `blocks` uint8
+    [out, row_bytes] (ne = [in, out]), `ggml_type` their type. Float types are blocks too,
+    so one class holds every tensor of a file; one stored in the compute dtype is its own
+    weight (a view, nothing rebuilt).
+
+    A file may store one projection in different types in different layers (a Q4_K_M mix
+    gives some layers' ffn_down Q6_K): `kinds` are all of them, and `blocks` has room for
+    the largest (its first out × row_bytes bytes hold this layer's rows, whole), so every
+    layer has one shape and streams through the same slots; a slot takes on the type of
+    the layer it computes (`load_stream_state`)."""
+
+    blocks: torch.Tensor
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        ggml_type: int | GGMLType,
+        kinds: tuple[int | GGMLType, ...] = (),
+    ) -> None:
+        ggml_type = supported_type(ggml_type)
+        elements, size = BLOCK_SIZES[ggml_type]
+        # PackedLinear's bits per weight, rounded down (Q4_K stores 4.5).
+        super().__init__(in_features, out_features, bias, bits=8 * size // elements)
+        self.ggml_type = ggml_type
+        self.kinds = tuple(supported_type(k) for k in {ggml_type, *kinds})
+        room = max(row_bytes(k, in_features) for k in self.kinds)
+        self.register_buffer("blocks", torch.zeros(out_features, room, dtype=torch.uint8))
+
+    def stored(self) -> torch.Tensor:
+        """This layer's rows as stored, (out, row_bytes) uint8."""
+        width = row_bytes(self.ggml_type, self.in_features)
+        if width == self.blocks.shape[1]:
+            return self.blocks
+        return self.blocks.view(-1)[: self.out_features * width].view(self.out_features, width)
+
+    def stream_state(self) -> int:
+        return int(self.ggml_type)
+
+    def load_stream_state(self, kind: int) -> None:
+        self.ggml_type = GGMLType(kind)
+
+    def _is_own_weight(self, dtype: torch.dtype) -> bool:
+        return FLOAT_TYPES.get(self.ggml_type) == dtype
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self._is_own_weight(dtype):
+            return self.stored().view(dtype)  # (out, in)
+        n = self.out_features * self.in_features
+        out = self._codes_buffer(n, dtype, self.blocks.device)
+        return dequantize(self.stored(), self.ggml_type, self.in_features, dtype, out)
+
+    def rebuild_bytes(self, dtype: torch.dtype) -> int:
+        """The most of any type this projection may hold (a slot computes them all)."""
+        rows, columns = self.out_features, self.in_features
+        result = rows * columns * _itemsize(dtype)
+        return max(
+            0 if FLOAT_TYPES.get(k) == dtype else result + dequantize_bytes(rows, columns, k, dtype)
+            for k in self.kinds
+        )
+
+    def extra_repr(self) -> str:
+        kinds = "/".join(k.name for k in self.kinds if k != self.ggml_type)
+        also = f" (in other layers {kinds})" if kinds else ""
+        return f"in={self.in_features}, out={self.out_features}, type={self.ggml_type.name}{also}"
+
+
+class GGUFEmbedding(nn.Module):
+    """An embedding table kept as a GGUF tensor's blocks (`blocks` uint8 [rows,
+    row_bytes]): a lookup decodes only the rows asked for (`dequantize_rows`), in fp32,
+    so a 70B's Q4_K table holds 0.6 GiB rather than 2 GiB in bf16. (A tied table is also
+    the output matrix, which every pass needs whole: the loader keeps that one dense.)"""
+
+    blocks: torch.Tensor
+
+    def __init__(self, rows: int, dim: int, ggml_type: int | GGMLType) -> None:
+        super().__init__()
+        self.ggml_type = supported_type(ggml_type)
+        self.num_embeddings, self.embedding_dim = rows, dim
+        self.register_buffer(
+            "blocks", torch.zeros(rows, row_bytes(self.ggml_type, dim), dtype=torch.uint8)
+        )
+
+    def stored(self) -> torch.Tensor:
+        """The table as stored, (rows, row_bytes) uint8 (GGUFLinear's counterpart)."""
+        return self.blocks
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(self.blocks, self.ggml_type, self.embedding_dim, ids)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.ggml_type.name}"
