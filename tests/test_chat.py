@@ -17,7 +17,7 @@ import pytest
 
 from daemon.cli import chat as chat_cmd
 from daemon.cli import main
-from daemon.cli.chat import ChatError, daemon_address
+from daemon.cli.chat_client import Answer, ChatError, ToolCall, daemon_address
 
 CONTEXT_CHARS = 60  # the stand-in's "context": message characters it accepts in all
 WEATHER = {
@@ -289,7 +289,7 @@ def test_once_shows_a_call_and_leaves_one_cut_open(
 
 
 def test_a_call_cut_mid_arguments_is_not_sent_back() -> None:
-    answer = chat_cmd.Answer(tool_calls=[chat_cmd.ToolCall("call_0", "get_weather", '{"ci')])
+    answer = Answer(tool_calls=[ToolCall("call_0", "get_weather", '{"ci')])
     assert answer.message() == {"role": "assistant", "content": ""}
 
 

@@ -1,7 +1,7 @@
 """`specd chat`: an interactive streaming client of the daemon's REST endpoint.
 
-It speaks plain HTTP + SSE through the standard library, so it needs nothing the daemon
-does not already install, and it exercises exactly what any OpenAI client would.
+It talks to the daemon as any OpenAI client would, through daemon/cli/chat_client.py
+(plain HTTP + SSE from the standard library).
 
 The conversation outlives the context: when the daemon answers that the prompt does not
 fit, the oldest turns are dropped (the system prompt is kept) and the turn is sent again.
@@ -14,181 +14,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import sys
-import urllib.parse
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from daemon import service
 from daemon.cli.argtypes import temperature
+from daemon.cli.chat_client import Answer, ChatError, ChatStream, ToolCall, daemon_address
 from daemon.cli.serve import add_address_args, add_tree_verification_arg, settings_from_args
 from daemon.settings import daemon_url
 
 # The daemon's error code for a prompt longer than its context (daemon/http/api.py).
 CONTEXT_FULL = "context_length_exceeded"
 COMMANDS = "/reset starts the conversation over, /exit (or Ctrl-D) quits"
-
-
-class ChatError(RuntimeError):
-    """The daemon answered with an error (its message is shown to the user)."""
-
-    def __init__(self, message: str, code: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class ToolCall:
-    """One tool call of an answer, as far as it streamed."""
-
-    id: str
-    name: str
-    arguments: str = ""  # JSON text; it parses once the call is whole
-
-    def whole(self) -> bool:
-        try:
-            json.loads(self.arguments)
-        except ValueError:
-            return False
-        return True
-
-    def as_openai(self) -> dict[str, Any]:
-        function = {"name": self.name, "arguments": self.arguments}
-        return {"id": self.id, "type": "function", "function": function}
-
-
-@dataclass
-class Answer:
-    """One streamed answer as far as it arrived."""
-
-    text: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    finish_reason: str | None = None  # stop | length | tool_calls; None while streaming
-    completion_tokens: int | None = None
-    stats: dict[str, Any] = field(default_factory=dict)  # the daemon's "specd" figures
-    stopped: bool = False  # Ctrl-C stopped it
-
-    def message(self) -> dict[str, Any]:
-        """The answer as the conversation sends it back: with its calls, less one that was
-        stopped or cut mid-arguments (the daemon refuses arguments that are not JSON)."""
-        calls = [call.as_openai() for call in self.tool_calls if call.whole()]
-        if not calls:
-            return {"role": "assistant", "content": self.text}
-        return {"role": "assistant", "content": self.text or None, "tool_calls": calls}
-
-
-class ChatStream:
-    """POST /v1/chat/completions with stream=true. Iterating yields what arrives and fills
-    `answer`: text deltas, and for a tool call its ToolCall when it begins (its name known)
-    and then its arguments' fragments as text. `close()` drops the connection, and with it
-    the generation."""
-
-    def __init__(
-        self, url: str, body: dict[str, Any], api_key: str | None = None, timeout: float = 600.0
-    ) -> None:
-        self.url = url
-        self.answer = Answer()
-        self._calls: dict[int, ToolCall] = {}  # the answer's calls by their stream index
-        host, port = daemon_address(url)
-        self._conn = http.client.HTTPConnection(host, port, timeout=timeout)
-        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        try:
-            self._conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
-            self._response = self._conn.getresponse()
-            if self._response.status != 200:
-                raise _http_error(self._response.status, self._response.read())
-        except OSError as exc:
-            self.close()
-            raise ChatError(
-                f"cannot reach specd at {url}: {exc} (is it running? `specd status`)"
-            ) from None
-        except BaseException:
-            self.close()
-            raise
-
-    def __iter__(self) -> Iterator[str | ToolCall]:
-        try:
-            for raw in self._response:
-                line = raw.decode("utf-8").rstrip("\r\n")
-                if not line.startswith("data: "):
-                    continue  # blank separators and ": keep-alive" comments
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    return
-                yield from self._event(json.loads(data))
-        except OSError as exc:
-            raise ChatError(f"the connection to specd at {self.url} broke: {exc}") from None
-        finally:
-            self.close()
-
-    def _event(self, event: dict[str, Any]) -> Iterator[str | ToolCall]:
-        if "error" in event:
-            error = event["error"]
-            raise ChatError(error.get("message", "error"), error.get("code"))
-        self.answer.stats.update(event.get("specd") or {})
-        if event.get("usage"):
-            self.answer.completion_tokens = event["usage"].get("completion_tokens")
-        for choice in event.get("choices", []):
-            self.answer.finish_reason = choice.get("finish_reason") or self.answer.finish_reason
-            delta = choice.get("delta", {})
-            text = delta.get("content")
-            if text:
-                self.answer.text += text
-                yield text
-            for part in delta.get("tool_calls") or []:
-                yield from self._call_delta(part)
-
-    def _call_delta(self, part: dict[str, Any]) -> Iterator[str | ToolCall]:
-        """OpenAI's streamed call: its index, id and name first, then argument fragments
-        under the same index."""
-        function = part.get("function") or {}
-        call = self._calls.get(part["index"])
-        if call is None:
-            call = ToolCall(part.get("id", ""), function.get("name", ""))
-            self._calls[part["index"]] = call
-            self.answer.tool_calls.append(call)
-            yield call
-        fragment = function.get("arguments")
-        if fragment:
-            call.arguments += fragment
-            yield fragment
-
-    def close(self) -> None:
-        self._conn.close()
-
-    def __enter__(self) -> ChatStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def daemon_address(url: str) -> tuple[str, int]:
-    """(host, port) of an http:// daemon URL. The daemon speaks plain HTTP, and a URL
-    without a scheme ("localhost:8716") parses with no host at all."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise ChatError(f"cannot use daemon URL {url!r}: give it as http://HOST:PORT")
-    try:
-        port = parts.port or 80
-    except ValueError as exc:  # a port that is not a number or out of range
-        raise ChatError(f"cannot use daemon URL {url!r}: {exc}") from None
-    return parts.hostname, port
-
-
-def _http_error(status: int, raw: bytes) -> ChatError:
-    try:
-        error = json.loads(raw)["error"]
-        return ChatError(f"HTTP {status}: {error['message']}", error.get("code"))
-    except (ValueError, KeyError, TypeError):
-        return ChatError(f"HTTP {status}: {raw[:200]!r}")
 
 
 class Conversation:
