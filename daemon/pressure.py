@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from daemon.settings import size_bytes
+from daemon.settings_checks import size_bytes
 from offload.units import parse_rate
 
 log = logging.getLogger("specd.pressure")

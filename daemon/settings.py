@@ -1,21 +1,33 @@
 """The daemon's settings: typed dataclasses, one per section of the YAML config, each key with
-its built-in default and its check; the values every front end accepts for an option
+its built-in default and its check (daemon/settings_checks.py); the values every front end accepts for an option
 (`DTYPE_CHOICES`, `STRATEGY_CHOICES`, …); and `Settings.runtime_options`, what the runtime
 is built from. Where the values come from (files, environment, flags) is
 daemon/settings_loading.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import platformdirs
 
-from daemon.hostname import allowed_host_names
 from daemon.options import RuntimeOptions
-from offload.units import parse_rate, parse_size
+from daemon.settings_checks import (
+    Check,
+    choice,
+    flag,
+    host_list,
+    integer,
+    number,
+    rate,
+    rate_or_null,
+    size_bytes,
+    size_or_auto,
+    size_or_zero,
+    text,
+    text_list,
+)
 
 # The values of the options that every front end (flags, config file, REST API) accepts, named
 # once. Restated from modules that import torch (speculative.checkpoint.DTYPE_CHOICES,
@@ -38,17 +50,6 @@ def substitute_cache_dir(value: str | None) -> str | None:
     return None if value is None else str(Path(value).expanduser())
 
 
-def size_bytes(value: int | str, what: str = "size") -> int:
-    """Bytes of a size that may be off: 0 / '0', or a size such as 1GiB or 512MB."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"{what} {value!r} is not a size")
-    if value in (0, "0"):
-        return 0
-    if isinstance(value, int) and value < 0:
-        raise ValueError(f"{what} {value} must not be negative")
-    return parse_size(value, what)
-
-
 class SettingsError(ValueError):
     """Configuration that cannot be used: one line per problem in `problems`, each saying
     where the value came from, the key, what is wrong and what is allowed."""
@@ -56,106 +57,6 @@ class SettingsError(ValueError):
     def __init__(self, problems: str | list[str]) -> None:
         self.problems = [problems] if isinstance(problems, str) else list(problems)
         super().__init__("\n".join(self.problems))
-
-
-# ---- value checks: each returns the normalised value or raises ValueError(allowed) ----
-
-Check = Callable[[Any], Any]
-
-
-def choice(*allowed: Any) -> Check:
-    def check(value: Any) -> Any:
-        if value not in allowed:
-            raise ValueError(
-                "one of " + ", ".join("null" if a is None else str(a) for a in allowed)
-            )
-        return value
-
-    return check
-
-
-def integer(lo: int, hi: int, *, nullable: bool = False, auto: bool = False) -> Check:
-    extras = (" or null" if nullable else "") + (" or 'auto'" if auto else "")
-
-    def check(value: Any) -> Any:
-        if value is None and nullable:
-            return None
-        if value == "auto" and auto:
-            return value
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise ValueError(f"an integer from {lo} to {hi}{extras}")
-        return value
-
-    return check
-
-
-def number(lo: float, hi: float) -> Check:
-    def check(value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-            raise ValueError(f"a number from {lo} to {hi}")
-        return float(value)
-
-    return check
-
-
-def text(*, nullable: bool = False) -> Check:
-    def check(value: Any) -> Any:
-        if value is None and nullable:
-            return None
-        if not isinstance(value, str) or not value:
-            raise ValueError("a non-empty string" + (" or null" if nullable else ""))
-        return value
-
-    return check
-
-
-def text_list(value: Any) -> Any:
-    if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
-        raise ValueError("a list of strings, e.g. [http://localhost:3000]")
-    return list(value)
-
-
-def host_list(value: Any) -> Any:
-    value = text_list(value)
-    try:
-        allowed_host_names(value)
-    except ValueError as exc:
-        raise ValueError(f"a list of host names, e.g. [myhost.lan]; {exc}") from None
-    return value
-
-
-def flag(value: Any) -> Any:
-    if not isinstance(value, bool):
-        raise ValueError("true or false")
-    return value
-
-
-def size_or_auto(value: Any) -> Any:
-    if value == "auto":
-        return value
-    try:
-        parse_size(value)
-    except (ValueError, TypeError):
-        raise ValueError("'auto' or a size such as 24GB or 512MiB") from None
-    return value
-
-
-def size_or_zero(value: Any) -> Any:
-    try:
-        size_bytes(value)
-    except (ValueError, TypeError):
-        raise ValueError("0 (off) or a size such as 1GiB or 512MB") from None
-    return value
-
-
-def rate_or_null(value: Any) -> Any:
-    if value is None:
-        return None
-    try:
-        parse_rate(value)
-    except (ValueError, TypeError):
-        raise ValueError("null (measured) or a rate such as 25GB/s") from None
-    return value
 
 
 def _key(default: Any, check: Check) -> Any:
@@ -262,14 +163,6 @@ class LimitsSettings:
     batch_passes: bool = _key(True, flag)
     # Tokens one batched pass may carry; null: the memory plan's largest pass.
     max_pass_tokens: int | None = _key(None, integer(1, 1 << 20, nullable=True))
-
-
-def rate(value: Any) -> Any:
-    try:
-        parse_rate(value)
-    except (ValueError, TypeError):
-        raise ValueError("a rate such as 16MB/s") from None
-    return value
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from daemon.settings import size_bytes
+from daemon.settings_checks import size_bytes
 
 # speculative.quant's QUANTIZE_GROUP, restated so that building the command line does not
 # import torch; tests/test_cli_startup.py checks that the two agree.

@@ -30,8 +30,8 @@ from daemon.settings import (
     DTYPE_CHOICES,
     QUANTIZE_CHOICES,
     SUBSTITUTE_BITS_CHOICES,
-    size_bytes,
 )
+from daemon.settings_checks import size_bytes
 from offload.units import parse_rate, parse_size
 from speculative.errors import RequestError
 
