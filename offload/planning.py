@@ -1,6 +1,7 @@
 """Deciding the memory plan (offload/plan.py has its types): `make_plan` places the target's
-layers (resident, or streamed through slots from a host tier) within the budgets, or raises
-`PlanError` saying what would fit; `plan_auto_context` finds the longest context that does.
+layers (resident, or streamed through slots from a host tier) within the budgets, beside the
+device's fixed parts (offload/device_parts.py), or raises `PlanError` saying what would
+fit; `plan_auto_context` finds the longest context that does.
 Pure arithmetic on the sizes in a `PlanRequest` and a `Budget`.
 """
 
@@ -10,14 +11,13 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from offload.arena import arena_bytes
+from offload.device_parts import fixed_parts
 from offload.plan import (
     MIN_SLOTS,
     OFFLOAD_MODES,
     TIER_CHOICES,
     Budget,
-    GraphRequest,
     MemoryPlan,
-    ModelFootprint,
     PlanRequest,
     host_cache_bytes,
 )
@@ -45,7 +45,7 @@ def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
     n, layer = t.num_layers, t.layer_bytes
     if r.resident_layers is not None and not 0 <= r.resident_layers <= n:
         raise PlanError(f"--resident-layers {r.resident_layers} is outside 0..{n}")
-    fixed = _fixed_parts(r, budget.device)
+    fixed = fixed_parts(r, budget.device)
     host_cache = host_cache_bytes(r, budget)
     if host_cache > budget.ram_bytes:
         raise PlanError(
@@ -115,63 +115,6 @@ def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
         r, budget, parts, resident, streamed, r.slots, tier, reason, host_bytes, per_pass,
         seconds, notes,
     )  # fmt: skip
-
-
-def _graph_bytes(m: ModelFootprint, g: GraphRequest, context: int) -> int:
-    """What one model's CUDA graphs hold. A step's working set (the head runs outside;
-    scores within `chunk_bytes`) three times: the pool keeps it, twice because steps
-    captured over the allocations a cache grows through may not reuse each other's blocks,
-    and the warm-up runs one more beside a served pass (on its scratch cache). Each graph
-    keeps its (tokens, hidden) output and its (tokens, slots) mask, whose rows times slots
-    the score bound limits (one row of a single-token step spans the context). A streamed
-    target is not captured; counted anyway, as the plan chooses streaming after this."""
-    a = m.activations
-    step = replace(a, chunk_bytes=g.chunk_bytes).pass_bytes(g.tokens, 0, context)
-    mask = max(min(g.chunk_bytes // a.score_bytes_per_key, g.tokens * context), context)
-    per_graph = g.tokens * a.hidden_bytes_per_token + mask
-    return 3 * step + m.kv_bytes(g.warm_slots) + g.count * per_graph + g.workspace_bytes
-
-
-def _fixed_parts(r: PlanRequest, device: str) -> dict[str, int]:
-    """What the device holds besides the target's layers. On a CPU the prefix cache is one
-    of them (the device is RAM: one pool); with a GPU it is pinned host RAM."""
-    t, d = r.target, r.draft
-    parts: dict[str, int] = {}
-    if d is not None:
-        parts["draft weights"] = d.weight_bytes
-    parts["target embeddings, norm, head"] = t.resident_bytes
-    parts[f"target KV cache ({r.context} tokens)"] = t.kv_bytes(r.context)
-    if d is not None and d.kv_bytes_per_token:  # (a substitute draft shares the target's)
-        parts[f"draft KV cache ({r.context} tokens)"] = d.kv_bytes(r.context)
-    act = t.activation_bytes(r.pass_tokens, r.logit_rows, r.context)
-    if d is not None:
-        act = max(act, d.activation_bytes(r.pass_tokens, r.logit_rows, r.context))
-    parts[f"activations ({r.pass_tokens}-token pass, {r.logit_rows} logit rows)"] = act
-    if d is not None and r.sequences > 1:
-        # Every generation's draft tree holds its (budget + 1)² ancestor mask while the
-        # pass is assembled (`DraftTree`); the pass's activation figure counts one.
-        nodes = max(r.logit_rows - r.sequences + 1, 1)
-        parts[f"draft trees' ancestor masks ({r.sequences - 1} more)"] = (
-            r.sequences - 1
-        ) * nodes**2
-    if d is not None:
-        # Rejection verification keeps the draft's fp16 log-probabilities after each
-        # expanded node of a tree until the tree is verified: at most one per logit row of
-        # the pass (speculative/children.py `DraftRows`).
-        parts["draft rows for rejection verification"] = (
-            r.logit_rows * d.activations.fp32_row_bytes // 2
-        )
-    rebuild = max(t.dequant_bytes, d.dequant_bytes if d is not None else 0)
-    if rebuild:
-        parts["dequantization (largest projection)"] = rebuild
-    if device == "cpu" and r.prefix_cache_bytes:
-        parts["prefix cache"] = r.prefix_cache_bytes
-    if device == "cuda" and r.graphs is not None:
-        g = r.graphs
-        parts[f"CUDA graphs (steps of up to {g.tokens} tokens)"] = sum(
-            _graph_bytes(m, g, r.context) for m in (t, d) if m is not None
-        )
-    return parts
 
 
 def _sequences_note(r: PlanRequest, budget: Budget, planned: int) -> list[str]:
@@ -276,7 +219,7 @@ def _minimal_streamed(
     """Device bytes of `r` at `context` with `slots` layers' worth of target buffers (and
     without the draft when `draft` is False)."""
     trial = replace(_with_context(r, context), slots=slots, draft=r.draft if draft else None)
-    return sum(_fixed_parts(trial, device).values()) + slots * r.target.layer_bytes
+    return sum(fixed_parts(trial, device).values()) + slots * r.target.layer_bytes
 
 
 def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
@@ -374,7 +317,7 @@ def _floor_error(r: PlanRequest, budget: Budget, floor: int, streaming: bool) ->
     """`context auto` when not even `floor` tokens fit: what would (a shorter --context
     among the options)."""
     at_floor = _with_context(r, floor)
-    fixed = _fixed_parts(at_floor, budget.device)
+    fixed = fixed_parts(at_floor, budget.device)
     detail = _no_fit_message(
         at_floor, budget, fixed, streaming=streaming, resident=r.resident_layers or 0
     )

@@ -21,7 +21,7 @@ else runs eager, and so does a model whose graph fails (logged once). The head (
 vocabulary projection) stays eager over the rows that want logits, so a compiled pass holds
 what the plan's pass figure counts; attention over the whole allocation costs at most twice
 the eager attention's keys, within the same bound. (CUDA graphs hold memory for good; the
-plan counts that apart: offload/planning.py.)
+plan counts that apart: offload/device_parts.py.)
 Outputs equal eager ones up to float rounding (the fused kernels sum in another order, as a
 batched pass does): greedy tokens identical in the tests, fp32 logits within 1e-5 plus 2e-6
 of the largest.

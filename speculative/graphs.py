@@ -17,7 +17,7 @@ captured with. So a step is captured per
   only to their own slot, so that every row's softmax stays finite;
 - a bound on working memory: a step's attention scores stay under GRAPH_ATTENTION_BYTES,
   since the pool keeps what a graph used (the memory plan counts it:
-  offload/planning.py).
+  offload/device_parts.py).
 
 Everything else a step varies goes through the graph's static inputs, copied in before
 each replay: tokens, positions, the slots written and the (tokens, slots) mask. A model's

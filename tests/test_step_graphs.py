@@ -397,10 +397,10 @@ def test_a_new_cache_on_a_freed_storage_replays_its_graphs(stories_draft: Path) 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_what_the_graphs_hold_is_within_the_plan(stories_draft: Path) -> None:
     """The device memory reserved while a model warms and captures every bucket on three
-    storages stays within what the plan counts for its graphs (offload/planning.py)."""
+    storages stays within what the plan counts for its graphs (offload/device_parts.py)."""
     from daemon.footprint import footprint
     from daemon.memory_plan import GRAPHS
-    from offload.planning import _graph_bytes
+    from offload.device_parts import graph_bytes
 
     model = load(str(stories_draft), device="cuda")[0]
     context = 2048
@@ -423,7 +423,7 @@ def test_what_the_graphs_hold_is_within_the_plan(stories_draft: Path) -> None:
             cache.truncate(0)
     torch.cuda.synchronize()
     held = torch.cuda.memory_reserved() - base
-    planned = _graph_bytes(footprint(model.config, model.dtype, "draft"), GRAPHS, context)
+    planned = graph_bytes(footprint(model.config, model.dtype, "draft"), GRAPHS, context)
     print(
         f"reserved by graphs {held / 2**20:.1f} MiB (after the warm-up {warmed / 2**20:.1f}),"
         f" planned {planned / 2**20:.1f} MiB"
