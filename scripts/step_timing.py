@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from speculative.budget import CostLine, TreeShape, choose_shape
+from speculative.budget import TreeShape, choose_shape
 from speculative.compiled import CompiledPasses
 from speculative.graphs import bucket_for
 from speculative.model import Transformer
+from speculative.pass_costs import CostLine
 
 
 def step_seconds(

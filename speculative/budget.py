@@ -7,9 +7,10 @@ Throughput is (DESIGN.md)
 `AutoBudget` learns all three terms from the rounds it sees, with no calibration passes:
 
 - t_target(n): seconds of a tree round outside drafting (the verification pass over n
-  tokens plus the walk and commit), as a line fitted through the sizes seen so far. A
-  streamed GPU target gives a nearly flat line, a CPU a steep one. A plain step (budget 0)
-  is measured on its own: it skips all tree bookkeeping.
+  tokens plus the walk and commit), as a line fitted through the sizes seen so far
+  (`CostLine`, speculative/pass_costs.py). A streamed GPU target gives a nearly flat line,
+  a CPU a steep one. A plain step (budget 0) is measured on its own: it skips all tree
+  bookkeeping.
 - t_draft: seconds per draft pass (catch-up feeding excluded), times the passes a shape
   needs (one per level: the root's pass plus depth - 1).
 - E[tokens | budget b, depth d]: every round's tree is a best-first tree whose first b nodes
@@ -30,12 +31,12 @@ much as the target, stops after one small tree.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from speculative.draft_tree import default_depth
+from speculative.pass_costs import CostLine, MarginalCost, half_octave
 
 BUDGET_GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Depth limits considered: up to the largest budget, since an aligned draft's best tree is
@@ -124,84 +125,6 @@ class FixedBudget:
 
     def observe(self, record: RoundRecord) -> None:
         pass
-
-
-@dataclass
-class CostLine:
-    """seconds ≈ a + b·n, fitted through per-size running means (recent rounds weigh
-    more, so drift on a shared machine is followed)."""
-
-    decay: float = 0.9
-    means: dict[int, float] = field(default_factory=dict)
-    weights: dict[int, float] = field(default_factory=dict)
-    # Per size key, the mean size observed under it (the key itself, unless sizes are
-    # grouped: `observe(..., key=)`).
-    sizes: dict[int, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self._fit: tuple[float, float, float] | None = None  # (mean n, mean s, slope)
-
-    def observe(self, n: int, seconds: float, key: int | None = None) -> None:
-        """One measurement of `seconds` at size `n`, kept under `key` (default `n`)."""
-        self._fit = None
-        key = n if key is None else key
-        if key in self.means:
-            # A shared machine stalls now and then: one stall must not move the estimate far.
-            seconds = min(seconds, 3.0 * self.means[key])
-            self.means[key] = self.decay * self.means[key] + (1 - self.decay) * seconds
-            self.sizes[key] = self.decay * self.sizes[key] + (1 - self.decay) * n
-            self.weights[key] = min(self.weights[key] + 1.0, 20.0)
-        else:
-            self.means[key], self.sizes[key], self.weights[key] = seconds, float(n), 1.0
-
-    def __bool__(self) -> bool:
-        return bool(self.means)
-
-    def predict(self, n: int) -> float:
-        if not self.means:
-            raise ValueError("no measurements yet")
-        if len(self.means) == 1:
-            return next(iter(self.means.values()))  # one size seen: assume flat
-        if self._fit is None:  # the planner predicts many sizes per observation: fit once
-            w, x = self.weights, self.sizes
-            total = sum(w.values())
-            mx = sum(w[k] * x[k] for k in w) / total
-            my = sum(w[k] * self.means[k] for k in w) / total
-            var = sum(w[k] * (x[k] - mx) ** 2 for k in w)
-            covar = sum(w[k] * (x[k] - mx) * (self.means[k] - my) for k in w)
-            slope = max(0.0, covar / var) if var > 0 else 0.0
-            self._fit = (mx, my, slope)
-        mx, my, slope = self._fit
-        return max(my + slope * (n - mx), 1e-9)
-
-    def intercept_and_slope(self) -> tuple[float, float]:
-        """(seconds at 0 tokens, seconds per token) of the fitted line."""
-        at_one = self.predict(1)
-        return max(at_one - (self.predict(2) - at_one), 0.0), self.predict(2) - at_one
-
-
-@dataclass
-class MarginalCost:
-    """What a generation's own tokens cost in a target pass it shares with `sharing` - 1
-    others (the marginal-cost model): its share of the pass's fixed cost (a streamed
-    target's weight transfer, the launch overheads) and the slope for each of its tokens.
-    Alone it is the pass line itself."""
-
-    passes: CostLine
-    sharing: float
-
-    def predict(self, n: int) -> float:
-        fixed, slope = self.passes.intercept_and_slope()
-        return max(fixed / max(self.sharing, 1.0) + slope * n, 1e-9)
-
-
-def _bucket(tokens: int) -> int:
-    """Pass sizes to half-octaves (1, 2, 3, 4, 6, 8, 11, 16, 23, ...), so that the pass
-    line keeps a handful of points however varied shared passes are (each at the mean
-    size it saw)."""
-    if tokens <= 4:
-        return tokens
-    return round(2 ** (round(2 * math.log2(tokens)) / 2))
 
 
 def choose_shape(
@@ -355,7 +278,7 @@ class AutoBudget:
         self.sharing += SHARING_WEIGHT * (record.sequences - self.sharing)
         if record.pass_tokens:
             self.passes.observe(
-                record.pass_tokens, record.pass_seconds, _bucket(record.pass_tokens)
+                record.pass_tokens, record.pass_seconds, half_octave(record.pass_tokens)
             )
         if record.sequences > 1:
             self._observe_shared(record)

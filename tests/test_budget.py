@@ -7,14 +7,8 @@ import random
 import pytest
 
 from scripts.step_timing import STORIES_TOKENS_PER_ROUND
-from speculative.budget import (
-    AutoBudget,
-    CostLine,
-    FixedBudget,
-    RoundRecord,
-    TreeShape,
-    choose_shape,
-)
+from speculative.budget import AutoBudget, FixedBudget, RoundRecord, TreeShape, choose_shape
+from speculative.pass_costs import CostLine
 
 
 def _expected_tokens(alpha: float) -> dict[TreeShape, float]:

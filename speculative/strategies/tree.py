@@ -229,7 +229,7 @@ class TreeSpeculation:
                 stats.verify_seconds += time.perf_counter() - t0
                 # A round in a pass shared with other generations teaches `auto` the pass's
                 # cost by its tokens, and each tree is then charged its marginal cost
-                # (speculative/budget.py `MarginalCost`); under concurrency the forest's
+                # (speculative/pass_costs.py `MarginalCost`); under concurrency the forest's
                 # grants place the pass's nodes.
                 self.planner.observe(
                     RoundRecord(

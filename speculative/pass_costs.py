@@ -1,0 +1,87 @@
+"""What a target pass costs, learned from the passes seen, for `AutoBudget`
+(speculative/budget.py) to predict a tree's cost with: `CostLine`, seconds ≈ a + b·n fitted
+through per-size running means that follow drift, and `MarginalCost`, what a generation's
+own tokens cost in a pass it shares with others."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CostLine:
+    """seconds ≈ a + b·n, fitted through per-size running means (recent rounds weigh
+    more, so drift on a shared machine is followed)."""
+
+    decay: float = 0.9
+    means: dict[int, float] = field(default_factory=dict)
+    weights: dict[int, float] = field(default_factory=dict)
+    # Per size key, the mean size observed under it (the key itself, unless sizes are
+    # grouped: `observe(..., key=)`).
+    sizes: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._fit: tuple[float, float, float] | None = None  # (mean n, mean s, slope)
+
+    def observe(self, n: int, seconds: float, key: int | None = None) -> None:
+        """One measurement of `seconds` at size `n`, kept under `key` (default `n`)."""
+        self._fit = None
+        key = n if key is None else key
+        if key in self.means:
+            # A shared machine stalls now and then: one stall must not move the estimate far.
+            seconds = min(seconds, 3.0 * self.means[key])
+            self.means[key] = self.decay * self.means[key] + (1 - self.decay) * seconds
+            self.sizes[key] = self.decay * self.sizes[key] + (1 - self.decay) * n
+            self.weights[key] = min(self.weights[key] + 1.0, 20.0)
+        else:
+            self.means[key], self.sizes[key], self.weights[key] = seconds, float(n), 1.0
+
+    def __bool__(self) -> bool:
+        return bool(self.means)
+
+    def predict(self, n: int) -> float:
+        if not self.means:
+            raise ValueError("no measurements yet")
+        if len(self.means) == 1:
+            return next(iter(self.means.values()))  # one size seen: assume flat
+        if self._fit is None:  # the planner predicts many sizes per observation: fit once
+            w, x = self.weights, self.sizes
+            total = sum(w.values())
+            mx = sum(w[k] * x[k] for k in w) / total
+            my = sum(w[k] * self.means[k] for k in w) / total
+            var = sum(w[k] * (x[k] - mx) ** 2 for k in w)
+            covar = sum(w[k] * (x[k] - mx) * (self.means[k] - my) for k in w)
+            slope = max(0.0, covar / var) if var > 0 else 0.0
+            self._fit = (mx, my, slope)
+        mx, my, slope = self._fit
+        return max(my + slope * (n - mx), 1e-9)
+
+    def intercept_and_slope(self) -> tuple[float, float]:
+        """(seconds at 0 tokens, seconds per token) of the fitted line."""
+        at_one = self.predict(1)
+        return max(at_one - (self.predict(2) - at_one), 0.0), self.predict(2) - at_one
+
+
+@dataclass
+class MarginalCost:
+    """What a generation's own tokens cost in a target pass it shares with `sharing` - 1
+    others (the marginal-cost model): its share of the pass's fixed cost (a streamed
+    target's weight transfer, the launch overheads) and the slope for each of its tokens.
+    Alone it is the pass line itself."""
+
+    passes: CostLine
+    sharing: float
+
+    def predict(self, n: int) -> float:
+        fixed, slope = self.passes.intercept_and_slope()
+        return max(fixed / max(self.sharing, 1.0) + slope * n, 1e-9)
+
+
+def half_octave(tokens: int) -> int:
+    """Pass sizes to half-octaves (1, 2, 3, 4, 6, 8, 11, 16, 23, ...), so that the pass
+    line keeps a handful of points however varied shared passes are (each at the mean
+    size it saw)."""
+    if tokens <= 4:
+        return tokens
+    return round(2 ** (round(2 * math.log2(tokens)) / 2))
