@@ -11,6 +11,10 @@ offloader can swap in a streaming list.
 The attention math, its memory bound and the per-sequence `Slots` a pass's layers see are in
 speculative/attention.py; how a projection is built, applied and stacked (`FusedLinear`),
 with the mapping to a checkpoint's stored names, in speculative/projections.py.
+
+This file stays one file past 400 lines, as gpt-fast keeps its decoder: it is the one
+decoder, read top to bottom in the order a pass runs it, and its parts that stand alone
+(attention, projections) are split off already.
 """
 
 from __future__ import annotations
