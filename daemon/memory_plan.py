@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 
 from daemon.footprint import footprint
 from offload.plan import (
-    Budget,
     GraphRequest,
+    MemoryBudget,
     MemoryPlan,
     ModelFootprint,
     PlanRequest,
@@ -101,7 +101,7 @@ def choose_plan(
     context: int | str,
     device_type: str,
     options: OffloadOptions,
-    budget: Budget,
+    budget: MemoryBudget,
     tree_budget: int | str = "auto",
     draft_name: str = "draft",
     draft_shares_target: bool = False,
@@ -147,7 +147,7 @@ def choose_plan(
         except PlanError as exc:
             if not last:
                 continue
-            raise _with_budget_hint(exc, attempt, tree_budget) from None
+            raise _with_tree_budget_hint(exc, attempt, tree_budget) from None
         # An earlier candidate (fp32 on a CPU) only when the model fits without streaming.
         if plan.streamed_layers and options.offload != "stream" and not last:
             continue
@@ -156,7 +156,7 @@ def choose_plan(
     raise AssertionError("dtype_candidates returned no candidate")
 
 
-def _with_budget_hint(
+def _with_tree_budget_hint(
     error: PlanError, attempt: Callable[[int], MemoryPlan], tree_budget: int | str
 ) -> PlanError:
     """A fixed tree budget whose pass is what does not fit: say so, and the largest that

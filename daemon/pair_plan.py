@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from daemon.memory_plan import OffloadOptions, choose_plan, plan_dtype
 from daemon.options import RuntimeOptions
-from offload.plan import Budget, MemoryPlan
+from offload.plan import MemoryBudget, MemoryPlan
 from offload.planning import PlanError
 from offload.units import format_size
 from speculative.checkpoint import DTYPES, Checkpoint
@@ -66,7 +66,7 @@ def _substitute_plan(
     context: int | str,
     device_type: str,
     options: OffloadOptions,
-    budget: Budget,
+    budget: MemoryBudget,
     tree_budget: int | str,
 ) -> MemoryPlan:
     """The plan with a `bits` substitute of exactly the layers it streams. Which layers
@@ -131,7 +131,7 @@ def plan_with_draft(
     context: int | str,
     device_type: str,
     options: OffloadOptions,
-    budget: Budget,
+    budget: MemoryBudget,
     tree_budget: int | str = "auto",
 ) -> tuple[MemoryPlan, DraftPlan]:
     """`choose_plan` for a run's draft: a model (`draft_config`), prompt lookup, none, or
@@ -183,7 +183,7 @@ def plan_pair(
     options: RuntimeOptions,
     target: Checkpoint,
     draft: ModelConfig | None,
-    budget: Budget,
+    budget: MemoryBudget,
     device_type: str,
     name: str,
 ) -> tuple[MemoryPlan, DraftPlan]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from offload.plan import Budget
+from offload.plan import MemoryBudget
 from offload.units import parse_rate, parse_size
 
 
@@ -77,7 +77,7 @@ def detect_budget(
     ram_budget: str | int = "auto",
     bandwidth: str | float | None = None,
     measure: bool = True,
-) -> Budget:
+) -> MemoryBudget:
     """Budgets from the user's values, or measured on this machine: free GPU memory minus a
     reserve (CUDA context, allocator slack), available RAM minus a reserve for everything
     else on the machine."""
@@ -105,7 +105,7 @@ def detect_budget(
         rate, rate_source = measure_bandwidth(device)
     else:
         rate, rate_source = None, "not measured"
-    return Budget(kind, dev, dev_source, ram, ram_source, rate, rate_source)
+    return MemoryBudget(kind, dev, dev_source, ram, ram_source, rate, rate_source)
 
 
 class PeakMemory:

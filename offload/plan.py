@@ -1,5 +1,5 @@
 """The memory plan and what it is made from: each model's `ModelFootprint`, the machine's
-`Budget`, the `PlanRequest` (context, pass sizes, offload choices), and the `MemoryPlan`
+`MemoryBudget`, the `PlanRequest` (context, pass sizes, offload choices), and the `MemoryPlan`
 that answers it (which target layers stay on the compute device, which stream, through how
 many slots, from which host tier, what a target pass is expected to cost), with its
 rendering for `specd plan`.
@@ -68,7 +68,11 @@ def module_bytes(module: nn.Module) -> int:
 
 
 @dataclass(frozen=True)
-class Budget:
+class MemoryBudget:
+    """The memory a plan may take (measured, or given for another machine): the compute
+    device's bytes and host RAM's, each with where its figure came from, and the
+    host→device bandwidth. Not the tree budget, which is a node count (speculative/budget.py)."""
+
     device: str  # "cuda" or "cpu": where the models compute
     device_bytes: int
     device_source: str
@@ -118,7 +122,7 @@ class PlanRequest:
 @dataclass
 class MemoryPlan:
     request: PlanRequest
-    budget: Budget
+    budget: MemoryBudget
     device_parts: dict[str, int]  # part → bytes on the compute device
     resident_layers: int
     streamed_layers: int
@@ -233,7 +237,7 @@ def _rate(bandwidth: float | None) -> str:
     return "unknown" if bandwidth is None else f"{bandwidth / 1e9:.3g} GB/s"
 
 
-def host_cache_bytes(r: PlanRequest, budget: Budget) -> int:
+def host_cache_bytes(r: PlanRequest, budget: MemoryBudget) -> int:
     """Host RAM the prefix cache takes besides the device parts: all of it with a GPU (its
     slots are pinned chunks of power-of-two sizes, which the allocator does not round up),
     none on a CPU (there it is a device part)."""

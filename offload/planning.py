@@ -2,7 +2,7 @@
 layers (resident, or streamed through slots from a host tier) within the budgets, beside the
 device's fixed parts (offload/device_parts.py), or raises `PlanError` saying what would
 fit; `plan_auto_context` finds the longest context that does.
-Pure arithmetic on the sizes in a `PlanRequest` and a `Budget`.
+Pure arithmetic on the sizes in a `PlanRequest` and a `MemoryBudget`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from offload.plan import (
     MIN_SLOTS,
     OFFLOAD_MODES,
     TIER_CHOICES,
-    Budget,
+    MemoryBudget,
     MemoryPlan,
     PlanRequest,
     host_cache_bytes,
@@ -32,7 +32,7 @@ class PlanError(ValueError):
     """The models cannot be placed within the budgets; the message says what would fit."""
 
 
-def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
+def make_plan(request: PlanRequest, budget: MemoryBudget) -> MemoryPlan:
     """Decide resident/streamed layers and the host tier, or raise PlanError saying why not
     and what would fit."""
     r, t = request, request.target
@@ -117,7 +117,7 @@ def make_plan(request: PlanRequest, budget: Budget) -> MemoryPlan:
     )  # fmt: skip
 
 
-def _sequences_note(r: PlanRequest, budget: Budget, planned: int) -> list[str]:
+def _sequences_note(r: PlanRequest, budget: MemoryBudget, planned: int) -> list[str]:
     """A warning when every possible conversation at full length would overflow the
     device; the plan itself holds one (caches are allocated as sequences grow)."""
     if r.sequences <= 1:
@@ -152,7 +152,7 @@ def host_tier_bytes(layer_bytes: int, layers: int) -> int:
 
 
 def _host_tier(
-    r: PlanRequest, budget: Budget, streamed: int, device_bytes: int
+    r: PlanRequest, budget: MemoryBudget, streamed: int, device_bytes: int
 ) -> tuple[str, str, int]:
     layer = r.target.layer_bytes
     ram = budget.ram_bytes - host_cache_bytes(r, budget)
@@ -185,7 +185,7 @@ def _host_tier(
 
 
 def _no_fit_message(
-    r: PlanRequest, budget: Budget, fixed: dict[str, int], streaming: bool, resident: int = 0
+    r: PlanRequest, budget: MemoryBudget, fixed: dict[str, int], streaming: bool, resident: int = 0
 ) -> str:
     t = r.target
     layer = t.layer_bytes
@@ -236,7 +236,7 @@ def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int | None
     return lo
 
 
-def longest_context(r: PlanRequest, budget: Budget, layers: int, lo: int = 1) -> int | None:
+def longest_context(r: PlanRequest, budget: MemoryBudget, layers: int, lo: int = 1) -> int | None:
     """The longest context, up to `r.context`, at which the parts that grow with it (KV
     caches, the attention mask) fit in the device budget beside the draft, the target's other
     fixed parts, the activations and `layers` target layers' worth of buffers (the
@@ -255,7 +255,7 @@ def _with_context(r: PlanRequest, context: int) -> PlanRequest:
     return replace(r, context=context, pass_tokens=min(r.pass_tokens, context))
 
 
-def plan_auto_context(request: PlanRequest, budget: Budget) -> MemoryPlan:
+def plan_auto_context(request: PlanRequest, budget: MemoryBudget) -> MemoryPlan:
     """`context auto`: `request.context` is the model's maximum; plan the longest context up
     to it that fits, never below MIN_AUTO_CONTEXT (or the maximum, when that is smaller).
 
@@ -313,7 +313,7 @@ def plan_auto_context(request: PlanRequest, budget: Budget) -> MemoryPlan:
     return plan
 
 
-def _floor_error(r: PlanRequest, budget: Budget, floor: int, streaming: bool) -> PlanError:
+def _floor_error(r: PlanRequest, budget: MemoryBudget, floor: int, streaming: bool) -> PlanError:
     """`context auto` when not even `floor` tokens fit: what would (a shorter --context
     among the options)."""
     at_floor = _with_context(r, floor)
@@ -326,7 +326,7 @@ def _floor_error(r: PlanRequest, budget: Budget, floor: int, streaming: bool) ->
     )
 
 
-def _what_would_fit(r: PlanRequest, budget: Budget) -> list[str]:
+def _what_would_fit(r: PlanRequest, budget: MemoryBudget) -> list[str]:
     cap, device = budget.device_bytes, budget.device
     options = []
     if r.resident_layers and _minimal_streamed(r, r.context, r.slots, device) <= cap:
@@ -348,6 +348,6 @@ def _what_would_fit(r: PlanRequest, budget: Budget) -> list[str]:
     return options
 
 
-def _max_resident(r: PlanRequest, budget: Budget) -> int:
+def _max_resident(r: PlanRequest, budget: MemoryBudget) -> int:
     spare = budget.device_bytes - _minimal_streamed(r, r.context, r.slots, budget.device)
     return max(0, spare // max(r.target.layer_bytes, 1))

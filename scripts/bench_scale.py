@@ -73,7 +73,7 @@ if str(ROOT) not in sys.path:
 from daemon.footprint import footprint  # noqa: E402
 from daemon.memory_plan import OffloadOptions, plan_request  # noqa: E402
 from offload.machine import PeakMemory  # noqa: E402
-from offload.plan import Budget, MemoryPlan  # noqa: E402
+from offload.plan import MemoryBudget, MemoryPlan  # noqa: E402
 from offload.planning import make_plan  # noqa: E402
 from offload.units import format_size  # noqa: E402
 from scripts.real_shapes import PAIRS, build_model, model_config  # noqa: E402
@@ -91,9 +91,9 @@ TIGHTNESS = 1.25  # the issue's goal: plan <= 1.25 x measured, and >= measured
 ROUND_TOKENS = 64  # max new tokens a measured round may aim for (depth is capped by it)
 
 
-def _unbounded(device: str) -> Budget:
+def _unbounded(device: str) -> MemoryBudget:
     """Budgets that never limit: the bench holds the plan's figures against measurements."""
-    return Budget(device, 1 << 60, "bench", 1 << 60, "bench", None, "none")
+    return MemoryBudget(device, 1 << 60, "bench", 1 << 60, "bench", None, "none")
 
 
 # --- reading the plan: the one place that knows the plan's part names ---------------------

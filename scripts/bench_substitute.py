@@ -74,7 +74,7 @@ def projections(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     from daemon.footprint import footprint
     from daemon.memory_plan import OffloadOptions, plan_request
     from daemon.pair_plan import plan_with_draft
-    from offload.plan import Budget
+    from offload.plan import MemoryBudget
     from offload.planning import PlanError, make_plan
     from scripts.real_shapes import full_config
     from speculative.substitute import substitute_config
@@ -82,7 +82,7 @@ def projections(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for preset, card, memory_bandwidth in CARDS:
         config = full_config(preset)
-        budget = Budget("cuda", int(card), "card", int(160e9), "160 GB", BUS, "PCIe 4.0 x16")
+        budget = MemoryBudget("cuda", int(card), "card", int(160e9), "160 GB", BUS, "PCIe 4.0 x16")
         try:
             _, chosen = plan_with_draft(
                 config, "substitute", None, "auto", preset, "bf16", 8192, "cuda",
@@ -99,7 +99,7 @@ def projections(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             sub = footprint(substitute_config(config, bits), torch.bfloat16, "substitute")
             request = plan_request(target, None, 8192, OffloadOptions(offload="stream"))
             # The pass streams what the device does not hold beside the substitute.
-            room = Budget("cuda", int(card) - sub.num_layers * sub.layer_bytes, "card",
+            room = MemoryBudget("cuda", int(card) - sub.num_layers * sub.layer_bytes, "card",
                           int(160e9), "160 GB", BUS, "")  # fmt: skip
             try:
                 plan = make_plan(request, room)

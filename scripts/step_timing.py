@@ -146,7 +146,7 @@ def _budget_rows(shaped_rows: list[dict[str, Any]], bandwidth: float) -> list[di
     measured costs (the acceptance is the stories pair's), not a run of the strategy."""
     from daemon.footprint import footprint
     from daemon.memory_plan import OffloadOptions, plan_request
-    from offload.plan import Budget
+    from offload.plan import MemoryBudget
     from offload.planning import make_plan
     from scripts.real_shapes import PAIRS, full_config
 
@@ -158,7 +158,7 @@ def _budget_rows(shaped_rows: list[dict[str, Any]], bandwidth: float) -> list[di
         target = footprint(full_config(preset), torch.bfloat16, preset)
         draft = footprint(full_config(PAIRS[preset]), torch.bfloat16, PAIRS[preset])
         request = plan_request(target, draft, 8192, OffloadOptions(offload="stream"))
-        budget = Budget("cuda", int(card), "card", int(160e9), "160 GB", bandwidth, "")
+        budget = MemoryBudget("cuda", int(card), "card", int(160e9), "160 GB", bandwidth, "")
         plan = make_plan(request, budget)
         assert plan.seconds_per_pass, f"a {preset} on a {card / 1e9:.0f} GB card streams"
         target_line = CostLine()

@@ -270,13 +270,13 @@ def test_the_plan_holds_every_generations_tree_mask() -> None:
     mask: the plan counts the other generations' besides the pass's one."""
     from daemon.footprint import footprint
     from daemon.memory_plan import OffloadOptions, plan_request
-    from offload.plan import Budget
+    from offload.plan import MemoryBudget
     from offload.planning import make_plan
     from scripts.real_shapes import full_config
 
     target = footprint(full_config("llama-3.1-8b"), torch.bfloat16, "8b")
     draft = footprint(full_config("llama-3.2-1b"), torch.bfloat16, "1b")
-    gpu = Budget("cuda", int(80e9), "test", int(64e9), "test", 25e9, "test")
+    gpu = MemoryBudget("cuda", int(80e9), "test", int(64e9), "test", 25e9, "test")
     parts = {}
     for sequences in (1, 8):
         request = plan_request(target, draft, 4096, OffloadOptions(sequences=sequences), 64)

@@ -18,7 +18,7 @@ from daemon.memory_plan import OffloadOptions, choose_plan, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from daemon.settings_loading import load_settings
-from offload.plan import Budget
+from offload.plan import MemoryBudget
 from offload.planning import MIN_AUTO_CONTEXT, PlanError, longest_context, make_plan
 from scripts.real_shapes import full_config, hf_config
 from speculative.budget import AUTO_MAX_BUDGET
@@ -37,12 +37,12 @@ MODELS = {
 }
 
 
-def gpu(size: float, ram: float = 256e9) -> Budget:
-    return Budget("cuda", int(size), "configured", int(ram), "configured", 25e9, "configured")
+def gpu(size: float, ram: float = 256e9) -> MemoryBudget:
+    return MemoryBudget("cuda", int(size), "configured", int(ram), "configured", 25e9, "configured")
 
 
-def cpu(ram: float) -> Budget:
-    return Budget("cpu", int(ram), "configured", int(ram), "configured", None, "configured")
+def cpu(ram: float) -> MemoryBudget:
+    return MemoryBudget("cpu", int(ram), "configured", int(ram), "configured", None, "configured")
 
 
 def config(name: str) -> ModelConfig:

@@ -22,7 +22,7 @@ from offload import machine
 from offload.arena import PAGE, HostArena, arena_bytes
 from offload.layout import FlatLayout
 from offload.machine import PeakMemory
-from offload.plan import Budget
+from offload.plan import MemoryBudget
 from offload.planning import make_plan
 from offload.slots import MAX_TIMED_COPIES, CopyTimes
 from offload.storage import DiskStorage, LayerReadError, RamStorage, read_header
@@ -45,8 +45,8 @@ def meta_layer(config: ModelConfig) -> nn.Module:
         return Transformer(config).to(torch.bfloat16).layers[0]  # type: ignore[index]
 
 
-def gpu_budget(gpu: float, ram: float) -> Budget:
-    return Budget("cuda", int(gpu), "configured", int(ram), "configured", 25e9, "configured")
+def gpu_budget(gpu: float, ram: float) -> MemoryBudget:
+    return MemoryBudget("cuda", int(gpu), "configured", int(ram), "configured", 25e9, "configured")
 
 
 def test_arena_slices_are_disjoint_views_of_one_page_aligned_allocation() -> None:

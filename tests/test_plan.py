@@ -16,7 +16,7 @@ from daemon.memory_plan import GRAPHS, OffloadOptions, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from offload.machine import detect_budget
-from offload.plan import Budget, PlanRequest
+from offload.plan import MemoryBudget, PlanRequest
 from offload.planning import PlanError, host_tier_bytes, make_plan
 from offload.units import format_size, parse_rate, parse_size
 from speculative.attention import ATTENTION_CHUNK_BYTES
@@ -97,8 +97,10 @@ def fp(name: str, dtype: torch.dtype = torch.bfloat16):
     return footprint(ModelConfig.from_hf(raw), dtype, name)
 
 
-def budget(gpu: float, ram: float, bandwidth: float | None = 25e9) -> Budget:
-    return Budget("cuda", int(gpu), "configured", int(ram), "configured", bandwidth, "configured")
+def budget(gpu: float, ram: float, bandwidth: float | None = 25e9) -> MemoryBudget:
+    return MemoryBudget(
+        "cuda", int(gpu), "configured", int(ram), "configured", bandwidth, "configured"
+    )
 
 
 def plan(name: str, gpu: float, ram: float, context: int = 8192, **options):
@@ -154,7 +156,9 @@ def test_host_tier_bytes_are_one_arena_without_pinned_rounding() -> None:
     with pytest.raises(PlanError, match="--host-tier disk"):
         plan("Llama-3.1-70B", gpu=24e9, ram=fits.streamed_layers * layer // 2, host_tier="ram")
     # A CPU device pins nothing; its host tier is the same arena.
-    cpu = Budget("cpu", int(300e9), "configured", int(300e9), "configured", None, "configured")
+    cpu = MemoryBudget(
+        "cpu", int(300e9), "configured", int(300e9), "configured", None, "configured"
+    )
     request = plan_request(fp("Llama-3.1-70B"), None, 8192, OffloadOptions(offload="stream"))
     on_cpu = make_plan(request, cpu)
     assert on_cpu.host_tier == "ram"
@@ -261,7 +265,7 @@ def test_the_plan_warns_when_every_conversation_at_full_length_would_not_fit() -
     """Caches grow with use: the plan holds one full-context sequence and warns (does not
     refuse) when a daemon's active and kept conversations at full length would overflow."""
     target = footprint(ModelConfig.from_hf(MODELS["Llama-3.1-8B"][0]), torch.bfloat16, "8B")
-    budget = Budget("cuda", 24 * 2**30, "test", 64 * 2**30, "test", 25e9, "test")
+    budget = MemoryBudget("cuda", 24 * 2**30, "test", 64 * 2**30, "test", 25e9, "test")
 
     def plan_for(sequences: int):
         request = PlanRequest(target, None, 32768, 2048, sequences=sequences)

@@ -21,7 +21,7 @@ from daemon.memory_plan import OffloadOptions, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from offload.layout import FlatLayout
-from offload.plan import Budget
+from offload.plan import MemoryBudget
 from offload.planning import make_plan
 from scripts.real_shapes import full_config
 from speculative.checkpoint import load, open_checkpoint
@@ -329,7 +329,7 @@ def test_a_4bit_70b_streams_from_ram_on_a_desktop() -> None:
     """24 GB GPU, 64 GB RAM, a 1B draft: the bf16 70B's streamed layers do not fit in RAM
     (disk tier); the 4-bit one's do."""
     draft = footprint(full_config("llama-3.2-1b"), torch.bfloat16, "1B")
-    gpu = Budget("cuda", int(24e9), "configured", int(64e9), "configured", 25e9, "configured")
+    gpu = MemoryBudget("cuda", int(24e9), "configured", int(64e9), "configured", 25e9, "configured")
     tiers = {}
     for label, config in (
         ("bf16", full_config("llama-3.1-70b")),

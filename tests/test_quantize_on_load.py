@@ -16,7 +16,7 @@ from daemon.footprint import footprint
 from daemon.memory_plan import OffloadOptions, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
-from offload.plan import Budget
+from offload.plan import MemoryBudget
 from offload.planning import make_plan
 from scripts.real_shapes import full_config
 from speculative.checkpoint import load, open_checkpoint
@@ -143,7 +143,7 @@ def test_the_plan_counts_on_load_int4_as_packed_and_keeps_a_70b_in_ram() -> None
     # formula's allowance for zero points too).
     assert fp.dequant_bytes == 28672 * 8192 * (4 + 2) + 2 * 224 * 8192 * 4
     draft = footprint(full_config("llama-3.2-1b"), torch.bfloat16, "1B")
-    gpu = Budget("cuda", int(24e9), "configured", int(64e9), "configured", 25e9, "configured")
+    gpu = MemoryBudget("cuda", int(24e9), "configured", int(64e9), "configured", 25e9, "configured")
     plan = make_plan(plan_request(fp, draft, 8192, OffloadOptions()), gpu)
     assert plan.host_tier == "ram"
     assert plan.device_parts["dequantization (largest projection)"] == fp.dequant_bytes

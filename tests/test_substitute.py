@@ -17,7 +17,7 @@ from daemon.memory_plan import OffloadOptions
 from daemon.options import RuntimeOptions
 from daemon.pair_plan import plan_with_draft
 from daemon.runtime import Runtime
-from offload.plan import Budget
+from offload.plan import MemoryBudget
 from offload.planning import PlanError
 from scripts.real_shapes import build_model, full_config, model_config
 from speculative.checkpoint import load
@@ -127,8 +127,8 @@ def test_building_holds_one_layer_at_a_time() -> None:
     assert peak.bytes < packed + 8 * largest * 4, (peak.bytes, packed, largest)
 
 
-def cuda_budget(gpu: float, ram: float) -> Budget:
-    return Budget("cuda", int(gpu), "test", int(ram), "test", 25e9, "test")
+def cuda_budget(gpu: float, ram: float) -> MemoryBudget:
+    return MemoryBudget("cuda", int(gpu), "test", int(ram), "test", 25e9, "test")
 
 
 @pytest.mark.parametrize(
