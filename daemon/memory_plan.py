@@ -71,7 +71,7 @@ def plan_request(
     # tree strategy folds pending prompt tokens into verification only while they fit this);
     # a prefill chunk returns one logit row, a tree pass one per node (root included). The
     # tree budget is a pass's node budget: a pass batched over several generations holds
-    # the budget's nodes, shared by their trees (daemon/engine.py), and a row per
+    # the budget's nodes, shared by their trees (speculative/batching.py), and a row per
     # generation (its root, or its one token).
     nodes = max_tree_budget(tree_budget) + 1
     tokens = min(max(PREFILL_CHUNK, nodes), context)

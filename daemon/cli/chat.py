@@ -27,7 +27,7 @@ from daemon.cli.chat_client import Answer, ChatError, ChatStream, ToolCall, daem
 from daemon.cli.serve import add_address_args, add_tree_verification_arg, settings_from_args
 from daemon.settings import daemon_url
 
-# The daemon's error code for a prompt longer than its context (daemon/http/api.py).
+# The daemon's error code for a prompt longer than its context (daemon/admission.py).
 CONTEXT_FULL = "context_length_exceeded"
 COMMANDS = "/reset starts the conversation over, /exit (or Ctrl-D) quits"
 
