@@ -180,9 +180,7 @@ def test_gguf_layers_of_mixed_types_keep_their_types_when_demoted(resident: int 
     from daemon.options import RuntimeOptions
     from daemon.relief import TargetLayers
     from daemon.runtime import Runtime
-    from speculative.generation import Generation
-    from speculative.sampling import SamplingParams
-    from tests.test_gguf_model import GGUF, reference
+    from tests.test_gguf_model import GGUF, assert_greedy_ids_match
 
     name = "stories260k-Q4_K_M"  # 5 layers; Q5_0 and Q8_0 beside Q4_K
     offload = {"offload": "none"} if resident is None else {"offload": "stream"}
@@ -194,20 +192,11 @@ def test_gguf_layers_of_mixed_types_keep_their_types_when_demoted(resident: int 
     step = TargetLayers(runtime, host_floor=0)  # type: ignore[arg-type]
     assert step.possible() is None
 
-    def greedy_matches() -> None:
-        built = runtime.strategy("autoregressive")
-        for item in reference(name)["items"]:
-            gen = Generation(
-                built, runtime.new_session(built), runtime.tokenizer, item["prompt_ids"],
-                SamplingParams(temperature=0.0), 32, ignore_eos=True,
-            ).run()  # fmt: skip
-            assert gen.token_ids == item["greedy_new_token_ids"]
-
     assert "streamed from host RAM" in step.demote()
     assert runtime.streamer is not None and set(step.moved) <= set(runtime.streamer.order)
-    greedy_matches()
+    assert_greedy_ids_match(runtime, name)
     step.promote()
-    greedy_matches()
+    assert_greedy_ids_match(runtime, name)
 
 
 def test_the_ram_tier_gives_way_to_the_disk_tier_and_is_read_back(stories_target: Path) -> None:
