@@ -20,10 +20,13 @@ The checks run in this order, and the first that fails is the one reported:
 3. `max_tokens` fits the room the prompt leaves, or is cut to it (a default, or
    `clamp_max_tokens`);
 4. `logit_bias` names tokens of the vocabulary;
-5. the grammar (`response_format`, `--json-schema`, or the tools in the model's own call
-   format) compiles against the vocabulary, its first mask included: here, on the
-   caller's thread, not on the engine's that serves every generation;
-6. the tree budget is within the largest tree the memory plan holds.
+5. the tree budget is within the largest tree the memory plan holds;
+6. the grammar (`response_format`, `--json-schema`, or the tools in the model's own call
+   format) compiles against the vocabulary, its first mask included: on a thread of the
+   grammar compiler's (speculative/grammar_compiler.py: a stack the engine's recursion
+   cannot overflow, a time limit), never on the engine's that serves every generation.
+   `settle` does the first five; the HTTP door compiles the grammar after it, in a lane
+   of its own.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from daemon.jobs import GenerationRequest
 from daemon.runtime import Runtime, RuntimeSetupError
 from speculative.errors import RequestError
 from speculative.grammar import Constraint, Grammar
+from speculative.grammar_compiler import GrammarCompiler
 from speculative.sampling import SamplingParams
 from speculative.tokenizer import ChatTemplateError, Tokenizer
 from speculative.tool_calls import (
@@ -49,6 +53,8 @@ from speculative.tool_calls import (
 # A normaliser may contract text before tokenizing (NFKC composes up to three characters
 # into one): the refusal before tokenizing allows for it.
 CONTRACTION = 4
+# limits.grammar_compile_seconds' default, for callers without settings (tests, scripts).
+DEFAULT_COMPILE_SECONDS = 5.0
 
 
 @dataclass
@@ -74,11 +80,51 @@ class Ask:
     parallel_tool_calls: bool = True
 
 
-def admit(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> GenerationRequest:
+def admit(
+    runtime: Runtime,
+    ask: Ask,
+    *,
+    clamp_max_tokens: bool = False,
+    compiler: GrammarCompiler | None = None,
+) -> GenerationRequest:
     """`ask` as the engine serves it, or the `RequestError` that refuses it, naming its field
     (the OpenAI field names: the HTTP API answers it as a 400 with that `param`).
     `clamp_max_tokens`: a `max_tokens` the context cannot hold after the prompt is cut to
-    what fits (the response then says so) instead of refused (limits.clamp_max_tokens)."""
+    what fits (the response then says so) instead of refused (limits.clamp_max_tokens).
+    The grammar is compiled by `compiler` (a one-off one at the default time limit if
+    none is given), waiting for it here."""
+    settled = settle(runtime, ask, clamp_max_tokens=clamp_max_tokens)
+    if settled.grammar is not None:
+        if compiler is None:
+            compiler = GrammarCompiler(DEFAULT_COMPILE_SECONDS)
+            try:
+                settled.request.constraint = settled.compile(runtime, compiler)
+            finally:
+                compiler.close()
+        else:
+            settled.request.constraint = settled.compile(runtime, compiler)
+    return settled.request
+
+
+@dataclass
+class Settled:
+    """An admitted request whose grammar (if any) is still to be compiled into its
+    `Constraint` (`request.constraint`): the HTTP door compiles it in a lane of its own
+    (daemon/http/completions.py), so that requests without a grammar never wait behind
+    one being compiled."""
+
+    request: GenerationRequest
+    grammar: Grammar | None
+
+    def compile(self, runtime: Runtime, compiler: GrammarCompiler) -> Constraint:
+        assert self.grammar is not None
+        width = runtime.target.vocab_width
+        return compiler.constraint(self.grammar, runtime.tokenizer, width)
+
+
+def settle(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Settled:
+    """Every check of `admit` but the grammar's compile (the grammar itself is made: the
+    tools' in the model's own call format)."""
     strategy = _strategy(runtime, ask.strategy)
     prompt_ids = _prompt_ids(runtime, ask)
     max_tokens = _max_tokens(ask, len(prompt_ids), runtime.context, clamp_max_tokens)
@@ -89,13 +135,6 @@ def admit(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Gene
             f"logit_bias token ids {outside[:5]} are outside the vocabulary [0, {width})",
             "logit_bias",
         )
-    grammar, calls = ask.grammar, None
-    if ask.tools is not None:
-        calls = call_format(runtime.tokenizer)
-        vocabulary = runtime.tokenizer.vocabulary
-        choice, parallel = ask.tool_choice, ask.parallel_tool_calls
-        grammar = tool_grammar(calls, ask.tools, choice, parallel, "tools", vocabulary)
-    constraint = Constraint(grammar, runtime.tokenizer, width) if grammar is not None else None
     # A tree bigger than the plan's largest pass would allocate past the memory budget (its
     # ancestor mask alone is budget² bytes).
     if ask.budget is not None and ask.budget > runtime.max_tree_budget:
@@ -106,7 +145,13 @@ def admit(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Gene
             "budget",
             "budget_too_large",
         )
-    return GenerationRequest(
+    grammar, calls = ask.grammar, None
+    if ask.tools is not None:
+        calls = call_format(runtime.tokenizer)
+        vocabulary = runtime.tokenizer.vocabulary
+        choice, parallel = ask.tool_choice, ask.parallel_tool_calls
+        grammar = tool_grammar(calls, ask.tools, choice, parallel, "tools", vocabulary)
+    request = GenerationRequest(
         prompt_ids=prompt_ids,
         params=ask.params,
         max_tokens=max_tokens,
@@ -116,9 +161,9 @@ def admit(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Gene
         tree_verification=ask.tree_verification,
         ignore_eos=ask.ignore_eos,
         trace=ask.trace,
-        constraint=constraint,
         calls=calls,
     )
+    return Settled(request, grammar)
 
 
 def call_format(tok: Tokenizer) -> CallFormat:
@@ -174,12 +219,14 @@ def _prompt_ids(runtime: Runtime, ask: Ask) -> list[int]:
 
 def _refuse_what_cannot_fit(ask: Ask, param: str, context: int, max_token_chars: int) -> None:
     """Refuse, before tokenizing, a prompt that cannot fit whatever its tokens: n token ids,
-    or text of more characters than the context's tokens can stand for."""
+    or text of more characters than the context's tokens can stand for. A conversation's
+    text is all that its template may render: contents, earlier calls' names and
+    arguments, and the tools offered (names, descriptions, parameters)."""
     if isinstance(ask.prompt, list):
         tokens = len(ask.prompt)
     else:
-        texts = [ask.prompt] if isinstance(ask.prompt, str) else _message_texts(ask.messages)
-        tokens = sum(len(t) for t in texts) // (max_token_chars * CONTRACTION)
+        chars = len(ask.prompt) if isinstance(ask.prompt, str) else _conversation_chars(ask)
+        tokens = chars // (max_token_chars * CONTRACTION)
     if tokens + 1 > context:
         raise RequestError(
             f"the prompt has at least {tokens} tokens but the context holds {context} "
@@ -190,8 +237,22 @@ def _refuse_what_cannot_fit(ask: Ask, param: str, context: int, max_token_chars:
         )
 
 
-def _message_texts(messages: list[dict[str, Any]] | None) -> list[str]:
-    return [m["content"] for m in messages or [] if isinstance(m.get("content"), str)]
+def _conversation_chars(ask: Ask) -> int:
+    """Characters of every string (and key) in the messages and the tools offered, walked
+    without recursion (the wire format bounded how deep they nest)."""
+    tools = [t.as_openai() for t in ask.tools or []]
+    chars = 0
+    stack: list[Any] = [ask.messages or [], tools]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, dict):
+            chars += sum(len(k) for k in value if isinstance(k, str))
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return chars
 
 
 def _encode_conversation(

@@ -47,6 +47,7 @@ from daemon.jobs import (
     Job,
     MemoryPressureError,
     QueueFullError,
+    Seat,
     ServerShuttingDown,
     merge_chunks,
 )
@@ -135,10 +136,11 @@ class Engine:
         # Jobs waiting for a slot. Admission is counted, not left to the queue's bound: the
         # worker drains the queue only between steps, so a bound on it alone refused
         # requests while decode slots were free (three bursts of 48 with 8 + 32 allowed
-        # admitted 40, 40 and 34). `_in_flight` counts every job from `submit` until it
-        # leaves (finished, failed or cancelled); at most max_concurrent + queue_size.
+        # admitted 40, 40 and 34). `_in_flight` counts every request from `reserve` (its
+        # preparation) or `submit` until it leaves (given back, finished, failed or
+        # cancelled); at most max_concurrent + queue_size.
         self._queue: queue.Queue[Job] = queue.Queue()
-        self._in_flight: set[Job] = set()
+        self._in_flight: set[Job | Seat] = set()
         self._admission = threading.Lock()
         # A pass's bounds (set once the runtime's plan is known): tokens, and logit rows.
         self.max_pass_tokens = limits.max_pass_tokens or 0
@@ -176,31 +178,61 @@ class Engine:
             return "failed"
         return "ready" if self.runtime is not None else "loading"
 
-    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> Job:
-        """Queue `request`, as `admit` (daemon/admission.py) settled it: what is refused
-        here is load (not ready, memory pressure, a full house), never the request."""
-        if not self.ready:
-            raise EngineNotReady(f"the engine is {self.state}")
-        if self.pressure is not None and self.pressure.level == "critical":
-            raise MemoryPressureError(
-                "free memory is below the critical line (memory.pressure): requests in "
-                "flight finish, new ones are refused until it is back; retry shortly"
-            )
-        job = Job(request, loop)
-        most = self.limits.max_concurrent + self.limits.queue_size
+    def reserve(self) -> Seat:
+        """A place among the requests in flight for one about to be prepared (parsed,
+        tokenized, its grammar compiled): preparing is admitted work, counted from here,
+        so a burst of slow preparations cannot pile up beyond the limits. `submit` turns
+        it into the job; `release` gives it back if the request never gets there."""
+        seat = Seat()
         with self._admission:
-            if len(self._in_flight) >= most:
-                # A client that gave up (its job cancelled while it waited) holds no slot:
-                # the worker drops such a job when it reaches it.
-                self._in_flight = {j for j in self._in_flight if not j.cancelled}
-            if len(self._in_flight) >= most:
-                raise QueueFullError(
-                    f"{most} requests are already in flight ({self.limits.max_concurrent} "
-                    f"decoding and {self.limits.queue_size} waiting: limits.max_concurrent "
-                    "and limits.queue_size); retry shortly"
+            self._take_place(seat)
+        return seat
+
+    def release(self, seat: Seat) -> None:
+        with self._admission:
+            self._in_flight.discard(seat)
+
+    def _take_place(self, entry: Job | Seat) -> None:
+        """Count `entry` in flight, or raise QueueFullError (under `_admission`)."""
+        most = self.limits.max_concurrent + self.limits.queue_size
+        if len(self._in_flight) >= most:
+            # A client that gave up (its job cancelled while it waited) holds no slot:
+            # the worker drops such a job when it reaches it.
+            self._in_flight = {j for j in self._in_flight if not j.cancelled}
+        if len(self._in_flight) >= most:
+            raise QueueFullError(
+                f"{most} requests are already in flight ({self.limits.max_concurrent} "
+                f"decoding and {self.limits.queue_size} waiting or being prepared: "
+                "limits.max_concurrent and limits.queue_size); retry shortly"
+            )
+        self._in_flight.add(entry)
+
+    def submit(
+        self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, seat: Seat | None = None
+    ) -> Job:
+        """Queue `request`, as `admit` (daemon/admission.py) settled it: what is refused
+        here is load (not ready, memory pressure, a full house), never the request.
+        `seat`: the place `reserve` gave it while it was prepared (then it is not counted
+        again, and is given back if the request is refused here)."""
+        try:
+            if not self.ready:
+                raise EngineNotReady(f"the engine is {self.state}")
+            if self.pressure is not None and self.pressure.level == "critical":
+                raise MemoryPressureError(
+                    "free memory is below the critical line (memory.pressure): requests in "
+                    "flight finish, new ones are refused until it is back; retry shortly"
                 )
-            self._in_flight.add(job)
-            self._queue.put_nowait(job)
+            job = Job(request, loop)
+            with self._admission:
+                if seat is not None and seat in self._in_flight:
+                    self._in_flight.discard(seat)
+                    self._in_flight.add(job)
+                else:
+                    self._take_place(job)
+                self._queue.put_nowait(job)
+        finally:
+            if seat is not None:
+                self.release(seat)
         if self._stopping.is_set():  # shutdown drained the queue meanwhile: not served
             self._leave(job)
             raise EngineNotReady(f"the engine is {self.state}")

@@ -75,6 +75,13 @@ class Failed:
 Event = Chunk | Finished | Failed
 
 
+class Seat:
+    """A request's place among those in flight while it is still being prepared
+    (`Engine.reserve`): held until it becomes a `Job` or is given back."""
+
+    cancelled = False  # given back explicitly, never dropped by the engine on its own
+
+
 class Job:
     """One request inside the engine. `events` is read on the event loop; the worker posts
     to it with `call_soon_threadsafe`."""

@@ -28,6 +28,7 @@ from daemon.settings_checks import (
     text,
     text_list,
 )
+from speculative.schema_limits import SchemaLimits
 
 # The values of the options that every front end (flags, config file, REST API) accepts, named
 # once. Restated from modules that import torch (speculative.checkpoint.DTYPE_CHOICES,
@@ -163,6 +164,22 @@ class LimitsSettings:
     batch_passes: bool = _key(True, flag)
     # Tokens one batched pass may carry; null: the memory plan's largest pass.
     max_pass_tokens: int | None = _key(None, integer(1, 1 << 20, nullable=True))
+    # What a request's JSON Schema (response_format, a tool's parameters) may hold before
+    # it reaches the grammar compiler (speculative/schema_limits.py), and how long one
+    # compile may take (speculative/grammar_compiler.py).
+    schema_max_depth: int = _key(64, integer(1, 1024))
+    schema_max_ref_chain: int = _key(32, integer(0, 1024))
+    schema_max_members: int = _key(2000, integer(1, 100_000))
+    schema_max_bytes: int = _key(256 << 10, integer(64, 1 << 30))
+    grammar_compile_seconds: float = _key(5.0, number(0.1, 600.0))
+
+    def schemas(self) -> SchemaLimits:
+        return SchemaLimits(
+            max_depth=self.schema_max_depth,
+            max_ref_chain=self.schema_max_ref_chain,
+            max_members=self.schema_max_members,
+            max_bytes=self.schema_max_bytes,
+        )
 
 
 @dataclass

@@ -48,11 +48,33 @@ MAX_FORCED = 256
 # Bit i of mask word w is token 32 w + i; read as bytes (little-endian, as on every
 # machine torch runs on), bit j of byte b is token 8 b + j.
 _SHIFTS = torch.arange(8, dtype=torch.uint8)
+# The engine's own bounds on the work a grammar may cause, at their defaults, except that
+# its errors must not quote the grammar or the parser's state: they go back to the
+# client that sent the schema, and into the log.
+ENGINE_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# The most of an engine message a client is shown (a grammar error can quote the schema).
+MAX_ENGINE_MESSAGE = 300
 
 
 class GrammarError(RequestError):
     """A grammar the engine cannot compile or the vocabulary cannot spell: a 400 naming
     the request field that carried it."""
+
+
+def engine_message(message: str) -> str:
+    """What the engine said, as a client may be shown it: a panic (an internal limit of
+    the engine, such as its 65,535 grammar symbols, which `allOf` over many `anyOf`
+    multiplies out to) says so without the engine's backtrace, and no message is longer
+    than MAX_ENGINE_MESSAGE characters."""
+    if message.lstrip().startswith("panic"):
+        return (
+            "the grammar engine cannot build it (an internal limit: too many combinations, "
+            "as allOf over several anyOf makes)"
+        )
+    message = message.split("<backtrace>")[0].strip()
+    if len(message) > MAX_ENGINE_MESSAGE:
+        message = message[:MAX_ENGINE_MESSAGE] + " …"
+    return message
 
 
 _VOCABULARIES: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
@@ -123,7 +145,7 @@ class Grammar:
                 defaults=JSON_OPTIONS,  # type: ignore[arg-type]  # a TypedDict in its stub
             )
         except (ValueError, TypeError) as err:
-            raise GrammarError(f"{field}: {err}", field) from None
+            raise GrammarError(f"{field}: {engine_message(str(err))}", field) from None
         return cls(text, field, f"json_schema:{name}" if name else "json_schema")
 
     @classmethod
@@ -140,10 +162,13 @@ class Grammar:
     def validate(self, vocab: llguidance.LLTokenizer | None = None) -> None:
         """Raise GrammarError (naming the field) unless the grammar compiles and uses only
         what the engine implements (a schema keyword it does not: "Unimplemented keys")."""
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(self.text, vocab)
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            self.text, vocab, limits=ENGINE_LIMITS
+        )
         if failed:
+            said = engine_message("; ".join(messages))
             raise GrammarError(
-                f"{self.field} cannot be used: {'; '.join(messages)}",
+                f"{self.field} cannot be used: {said}",
                 self.field,
                 "unsupported_grammar",
             )
@@ -152,9 +177,10 @@ class Grammar:
         """`validate`, and that the grammar can be spelled with the tokenizer's pieces."""
         vocab = vocabulary(tokenizer)
         self.validate(vocab)
-        matcher = llguidance.LLMatcher(vocab, self.text, log_level=0)
+        matcher = llguidance.LLMatcher(vocab, self.text, log_level=0, limits=ENGINE_LIMITS)
         if matcher.is_error():
-            raise GrammarError(f"{self.field}: {matcher.get_error()}", self.field)
+            said = engine_message(matcher.get_error())
+            raise GrammarError(f"{self.field}: {said}", self.field, "unsupported_grammar")
         words = torch.empty((vocab.vocab_size + 31) // 32, dtype=torch.int32)
         matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         if matcher.is_error() or not spellable(matcher, words, vocab.eos_tokens):
@@ -181,12 +207,17 @@ class Constraint:
         tokenizer; ids past the tokenizer are never allowed). Raises GrammarError (naming
         the field) when the grammar cannot start with this vocabulary; the first mask is
         computed here, so a caller that makes it off the engine's thread pays for it
-        there."""
+        there: speculative/grammar_compiler.py, on a thread whose stack the engine's
+        recursion cannot overflow, within a time limit."""
         self.grammar = grammar
         self.vocab = vocabulary(tokenizer)
-        self.matcher = llguidance.LLMatcher(self.vocab, grammar.text, log_level=0)
+        grammar.validate(self.vocab)
+        self.matcher = llguidance.LLMatcher(
+            self.vocab, grammar.text, log_level=0, limits=ENGINE_LIMITS
+        )
         if self.matcher.is_error():
-            raise GrammarError(f"{grammar.field}: {self.matcher.get_error()}", grammar.field)
+            said = engine_message(self.matcher.get_error())
+            raise GrammarError(f"{grammar.field}: {said}", grammar.field, "unsupported_grammar")
         self.width = width
         self.words_per_row = (self.vocab.vocab_size + 31) // 32
         self._explored: list[int] = []  # tokens consumed past the committed state
@@ -222,9 +253,10 @@ class Constraint:
 
     def _unspellable(self) -> None:
         field = self.grammar.field
+        said = engine_message(self.matcher.get_error()) or "no piece, and no byte fallback"
         raise GrammarError(
             f"{field}: the model's vocabulary has no token for what the grammar requires "
-            f"next ({self.matcher.get_error() or 'no piece, and no byte fallback'})",
+            f"next ({said})",
             field,
             "unsupported_grammar",
         )

@@ -32,7 +32,7 @@ from typing import Any
 
 import llguidance
 
-from speculative.grammar import JSON_OPTIONS, Grammar, GrammarError
+from speculative.grammar import JSON_OPTIONS, Grammar
 
 NAME = '{"name":'  # how every format's call object begins (compact JSON)
 
@@ -153,12 +153,10 @@ def tool_grammar(
             *rules,
         ]
     )
-    grammar = Grammar(llguidance.LLMatcher.grammar_from_lark(lark), field, "tools")
-    try:
-        grammar.validate()
-    except GrammarError as err:
-        raise GrammarError(str(err), field, "unsupported_grammar") from None
-    return grammar
+    # Compiled (and so checked) when the request's Constraint is made, by the engine on a
+    # thread of speculative/grammar_compiler.py: each tool's schema was measured against
+    # the limits before it got here.
+    return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), field, "tools")
 
 
 def _regex(text: str) -> str:

@@ -500,14 +500,14 @@ def test_errors_escaping_a_handler(
     def refuse(runtime, ask, **kwargs):  # type: ignore[no-untyped-def]
         raise RequestError("strategy refused for a test", "strategy", "test_refusal")
 
-    monkeypatch.setattr(completions_module, "admit", refuse)
+    monkeypatch.setattr(completions_module, "settle", refuse)
     error = assert_error(call(server, good()), 400, "strategy")
     assert error["code"] == "test_refusal"
 
     def broken(runtime, ask, **kwargs):  # type: ignore[no-untyped-def]
         raise ValueError("a bug in a handler")
 
-    monkeypatch.setattr(completions_module, "admit", broken)
+    monkeypatch.setattr(completions_module, "settle", broken)
     error = assert_error(call(server, good()), 500)
     assert "a bug" not in error["message"]  # the log has it, not the client
     assert logged_tracebacks(specd_log, "a bug in a handler")

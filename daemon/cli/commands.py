@@ -305,6 +305,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def output_grammar(args: argparse.Namespace) -> Grammar | None:
     """--json-schema FILE / --json-object as a grammar (None: free text)."""
     from speculative.grammar import Grammar
+    from speculative.schema_limits import SchemaLimits, check_schema
 
     if args.json_object:
         return Grammar.json_object("--json-object")
@@ -316,9 +317,11 @@ def output_grammar(args: argparse.Namespace) -> Grammar | None:
         raise RequestError(f"--json-schema {args.json_schema}: {err.strerror}") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise RequestError(f"--json-schema {args.json_schema} is not JSON: {err}") from None
-    grammar = Grammar.json_schema(schema, f"--json-schema {args.json_schema}")
-    grammar.validate()
-    return grammar
+    # Measured as the daemon measures a request's (limits.schema_*, at their defaults);
+    # compiled when the request is admitted, on a grammar compiler's thread.
+    field = f"--json-schema {args.json_schema}"
+    check_schema(schema, field, SchemaLimits())
+    return Grammar.json_schema(schema, field)
 
 
 def generation_record(gen: Generation) -> dict:

@@ -14,6 +14,8 @@ from aiohttp import web
 
 from daemon.engine import Engine
 from daemon.http.completions import (
+    COMPILING_THREADS,
+    GRAMMARS,
     LOADING_RETRY_AFTER,
     PREPARERS,
     PREPARING_THREADS,
@@ -22,6 +24,7 @@ from daemon.http.completions import (
 )
 from daemon.http.edge import CONFIG, DRAINING, ENGINE, METRICS, ApiConfig, edge_middleware
 from daemon.metrics import Metrics
+from speculative.grammar_compiler import GrammarCompiler
 
 
 async def health(request: web.Request) -> web.Response:
@@ -76,9 +79,11 @@ def create_app(engine: Engine, metrics_: Metrics, config: ApiConfig) -> web.Appl
     app[CONFIG] = config
     app[DRAINING] = asyncio.Event()
     app[PREPARERS] = ThreadPoolExecutor(PREPARING_THREADS, thread_name_prefix="specd-prepare")
+    app[GRAMMARS] = GrammarCompiler(config.grammar_compile_seconds, COMPILING_THREADS)
 
     async def stop_preparers(app: web.Application) -> None:
         app[PREPARERS].shutdown(wait=False, cancel_futures=True)
+        app[GRAMMARS].close()
 
     app.on_cleanup.append(stop_preparers)
     app.router.add_get("/health", health)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from typing import TypeVar
 
 from aiohttp import web
 
-from daemon.admission import admit
+from daemon.admission import Settled, settle
 from daemon.engine import Engine
 from daemon.http.edge import CONFIG, DRAINING, ENGINE, ApiConfig
 from daemon.http.openai_errors import ApiError
@@ -28,12 +29,20 @@ from daemon.http.openai_wire import (
     parse_json_object,
 )
 from daemon.http.streaming import collect, stream
-from daemon.jobs import EngineNotReady, GenerationRequest, MemoryPressureError, QueueFullError
+from daemon.jobs import EngineNotReady, MemoryPressureError, QueueFullError
+from speculative.grammar import Constraint
+from speculative.grammar_compiler import Abandoned, CompileJob, GrammarCompiler
 
 # Requests prepared (parsed, admitted: tokenized and checked) at once; the others wait
 # their turn.
 PREPARING_THREADS = 2
 PREPARERS = web.AppKey("preparers", ThreadPoolExecutor)
+# Grammars compiled at once (speculative/grammar_compiler.py), beside the preparing threads.
+COMPILING_THREADS = 1
+GRAMMARS = web.AppKey("grammars", GrammarCompiler)
+# How often a request being prepared looks whether its client is still there.
+POLL_SECONDS = 0.05
+T = TypeVar("T")
 
 LOADING_RETRY_AFTER = "5"
 QUEUE_RETRY_AFTER = "1"
@@ -76,21 +85,36 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     app = request.app
     config = app[CONFIG]
     raw = await read_body(request, config)
-    # Parsing, validating, rendering the chat template and tokenizing take time in
-    # proportion to the body (0.6 s per megabyte of text to tokenize): off the event loop,
-    # on a few threads (the others wait in the executor's queue), so /health and the
-    # streams in flight keep flowing meanwhile.
-    loop = asyncio.get_running_loop()
-    engine, req, admitted = await loop.run_in_executor(
-        app[PREPARERS], partial(_prepare, app, raw, chat)
-    )
+    # From here the request is admitted work: it holds a place among those in flight while
+    # it is prepared, so a burst of slow preparations cannot pile up past the limits.
+    engine = app[ENGINE]
     try:
-        job = engine.submit(admitted, loop)
+        seat = engine.reserve()
     except QueueFullError as exc:
-        raise ApiError(
-            503, str(exc), type="service_unavailable", code="queue_full",
-            headers={"Retry-After": QUEUE_RETRY_AFTER},
-        ) from None  # fmt: skip
+        raise _queue_full(exc) from None
+    try:
+        loop = asyncio.get_running_loop()
+        # Parsing, validating, rendering the chat template and tokenizing take time in
+        # proportion to the body (0.6 s per megabyte of text to tokenize): off the event
+        # loop, on a few threads (the others wait in the executor's queue), so /health and
+        # the streams in flight keep flowing meanwhile. A request whose client leaves
+        # while it waits there is dropped.
+        work = loop.run_in_executor(
+            app[PREPARERS], partial(_prepare, app, raw, chat, request.remote or "")
+        )
+        engine, req, settled, client = await _unless_gone(request, work)
+        admitted = settled.request
+        if settled.grammar is not None:
+            # Its own lane: requests without a grammar never wait behind a compile.
+            runtime = engine.runtime
+            assert runtime is not None
+            compiler = app[GRAMMARS]
+            width = runtime.target.vocab_width
+            compiling = compiler.submit(settled.grammar, runtime.tokenizer, width, client)
+            admitted.constraint = await _compiled(request, compiler, compiling)
+        job = engine.submit(admitted, loop, seat)
+    except QueueFullError as exc:
+        raise _queue_full(exc) from None
     except MemoryPressureError as exc:
         raise ApiError(
             503, str(exc), type="service_unavailable", code="memory_pressure",
@@ -99,6 +123,8 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     except EngineNotReady:
         _require_ready(app)
         raise
+    finally:
+        engine.release(seat)  # a no-op once the job holds its place
     piece = None
     if req.params.logprobs is not None and engine.runtime is not None:
         piece = engine.runtime.tokenizer.piece  # log-probabilities name tokens as text
@@ -158,12 +184,57 @@ async def read_body(request: web.Request, config: ApiConfig) -> bytes:
         parts.append(chunk)
 
 
+def _queue_full(exc: QueueFullError) -> ApiError:
+    return ApiError(
+        503, str(exc), type="service_unavailable", code="queue_full",
+        headers={"Retry-After": QUEUE_RETRY_AFTER},
+    )  # fmt: skip
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _unless_gone(request: web.Request, work: asyncio.Future[T]) -> T:
+    """`work`'s result, or ClientGone (and `work` cancelled: dropped if it has not
+    started) once the client has closed its connection."""
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=POLL_SECONDS)
+        if done:
+            return work.result()
+        if _client_gone(request):
+            work.cancel()
+            raise ClientGone()
+
+
+async def _compiled(request: web.Request, compiler: GrammarCompiler, job: CompileJob) -> Constraint:
+    """The job's Constraint; GrammarError past limits.grammar_compile_seconds, ClientGone
+    (the job skipped, or its result dropped) once the client has left."""
+    work = asyncio.wrap_future(job.future)
+    while True:
+        done, _ = await asyncio.wait({work}, timeout=POLL_SECONDS)
+        if done:
+            return work.result()
+        try:
+            compiler.check(job, _client_gone(request))
+        except Abandoned:
+            raise ClientGone() from None
+
+
+class ClientGone(ConnectionResetError):
+    """The client closed its connection while its request was prepared (the edge counts
+    it as a 499, as a stream cut short)."""
+
+
 def _prepare(
-    app: web.Application, raw: bytes, chat: bool
-) -> tuple[Engine, CompletionRequest, GenerationRequest]:
-    """A request body → the engine, the validated request and what the engine is to serve
-    (`admit`: its prompt ids, its grammar state, the format its answer's tool calls are read
-    in), or the error that refuses it. Runs on a preparing thread."""
+    app: web.Application, raw: bytes, chat: bool, peer: str
+) -> tuple[Engine, CompletionRequest, Settled, str]:
+    """A request body → the engine, the validated request, what the engine is to serve
+    (`settle`: its prompt ids, the grammar still to compile, the format its answer's tool
+    calls are read in) and the client's key for the grammar compiler's fair order (its
+    address and OpenAI's `user` field), or the error that refuses it. Runs on a preparing
+    thread."""
     config = app[CONFIG]
     body = parse_json_object(raw)
     req = parse_chat(body, config.limits) if chat else parse_completion(body, config.limits)
@@ -178,4 +249,6 @@ def _prepare(
     engine = _require_ready(app)
     assert engine.runtime is not None
     clamp = config.limits.clamp_max_tokens
-    return engine, req, admit(engine.runtime, req, clamp_max_tokens=clamp)
+    user = body.get("user")
+    client = f"{peer}/{user if isinstance(user, str) else ''}"
+    return engine, req, settle(engine.runtime, req, clamp_max_tokens=clamp), client

@@ -39,6 +39,7 @@ class ApiConfig:
     request_timeout_seconds: float = 60.0
     min_body_bytes_per_second: int = 4096
     max_connections: int = 256
+    grammar_compile_seconds: float = 5.0  # limits.grammar_compile_seconds
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()

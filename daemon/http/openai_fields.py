@@ -10,13 +10,14 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.http.openai_errors import bad_request
 from daemon.settings import STRATEGY_CHOICES, TREE_VERIFICATION_CHOICES
 from speculative.grammar import Grammar
 from speculative.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from speculative.schema_limits import SchemaLimits, check_schema
 
 MAX_STOP_STRINGS = 16
 # response_format.json_schema.name and a tool's function name, as OpenAI spells them.
@@ -30,6 +31,7 @@ class WireLimits:
     # A max_tokens the context cannot hold after the prompt: a 400 (false, the default, as
     # OpenAI and vLLM answer) or cut to what fits, the response saying so (true).
     clamp_max_tokens: bool = False
+    schemas: SchemaLimits = field(default_factory=SchemaLimits)  # limits.schema_*
 
 
 def _is_number(value: Any) -> bool:
@@ -92,11 +94,11 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
-def _response_format(body: dict) -> Grammar | None:
+def _response_format(body: dict, limits: WireLimits) -> Grammar | None:
     """OpenAI's `response_format`: text (no grammar), `json_object` (any JSON object) or
     `json_schema` ({"name", "schema", "strict"}: output valid against the schema). The
-    schema is compiled here, so one the engine cannot honour is refused before anything
-    is queued; against the model's vocabulary it is checked when the request is admitted."""
+    schema is measured against `limits.schemas` here and converted to the engine's
+    grammar; it is compiled against the model's vocabulary when the request is admitted."""
     fmt = body.get("response_format")
     if fmt is None:
         return None
@@ -129,9 +131,10 @@ def _response_format(body: dict) -> Grammar | None:
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
         raise bad_request(f"{where}.schema must be a JSON Schema object", f"{where}.schema")
-    grammar = Grammar.json_schema(schema, f"{where}.schema", name)
-    grammar.validate()
-    return grammar
+    # Measured before the engine converts it (its recursion, its time); compiled, on a
+    # thread of the grammar compiler's, when the request is admitted.
+    check_schema(schema, f"{where}.schema", limits.schemas)
+    return Grammar.json_schema(schema, f"{where}.schema", name)
 
 
 def _stop(body: dict) -> list[str]:
@@ -230,7 +233,7 @@ def generation_fields(body: dict, limits: WireLimits, chat: bool) -> dict[str, A
         tree_verification=verification,
         ignore_eos=ignore_eos,
         trace=_specd_options(body),
-        grammar=_response_format(body),
+        grammar=_response_format(body, limits),
     )
 
 

@@ -11,13 +11,16 @@ from typing import Any
 
 from daemon.http.openai_errors import bad_request
 from daemon.http.openai_fields import SCHEMA_NAME
+from speculative.schema_limits import SchemaLimits, check_schema, nesting
 from speculative.tool_calls import Tool
 
 MAX_TOOLS = 128
+# Arguments of earlier calls nest at most this deep (real ones: a few levels).
+MAX_ARGUMENT_DEPTH = 64
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def parse_tools(body: dict) -> tuple[list[Tool] | None, str | None, bool]:
+def parse_tools(body: dict, limits: SchemaLimits) -> tuple[list[Tool] | None, str | None, bool]:
     """`tools`, `tool_choice` and `parallel_tool_calls`: the tools offered, the choice
     ("none", "auto", "required" or a function's name) and whether calls may be several."""
     tools = body.get("tools")
@@ -63,6 +66,7 @@ def parse_tools(body: dict) -> tuple[list[Tool] | None, str | None, bool]:
                 f"{where}.function.parameters must be a JSON Schema object",
                 f"{where}.function.parameters",
             )
+        check_schema(parameters, f"{where}.function.parameters", limits)
         parsed.append(Tool(name, description, parameters))
     if isinstance(choice, dict):
         fn = choice.get("function")
@@ -98,12 +102,18 @@ def parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(call.get("id"), str):
             raise bad_request(f"{at}.id must be a string", f"{at}.id")
         arguments = fn.get("arguments", "{}")
+        param = f"{at}.function.arguments"
         try:
             parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
         except ValueError:
+            raise bad_request(f"{param} must be JSON text", param) from None
+        except RecursionError:  # json's decoder recurses once per level
             raise bad_request(
-                f"{at}.function.arguments must be JSON text", f"{at}.function.arguments"
+                f"{param} nests more than {MAX_ARGUMENT_DEPTH} levels deep", param
             ) from None
+        if nesting(parsed, MAX_ARGUMENT_DEPTH) > MAX_ARGUMENT_DEPTH:
+            # The chat template writes them back with `tojson`, which recurses too.
+            raise bad_request(f"{param} nests more than {MAX_ARGUMENT_DEPTH} levels deep", param)
         out.append(
             {"id": call["id"], "type": "function",
              "function": {"name": fn["name"], "arguments": parsed}}

@@ -20,7 +20,6 @@ from daemon.admission import Ask
 from daemon.http.openai_errors import bad_request
 from daemon.http.openai_fields import WireLimits, checked_text, generation_fields, is_int
 from daemon.http.openai_tools import parse_tool_calls, parse_tools
-from speculative.tool_calls import HERMES, tool_grammar
 
 CHAT_ROLES = {
     "system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -148,17 +147,13 @@ def parse_chat(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
             entry["tool_call_id"] = call_id
         normalised.append(entry)
     common = generation_fields(body, limits, True)
-    tools, choice, parallel = parse_tools(body)
-    if tools is not None and choice != "none":
-        if common["grammar"] is not None:
-            raise bad_request(
-                "response_format json_object/json_schema and tools cannot be combined (the "
-                "answer is either a call or JSON); use tool_choice none",
-                "response_format",
-            )
-        # Checked here in the fallback format (a schema the engine cannot compile is a 400
-        # before the model is asked); the model's own format is made with its tokenizer.
-        tool_grammar(HERMES, tools, choice, parallel, "tools")
+    tools, choice, parallel = parse_tools(body, limits.schemas)
+    if tools is not None and choice != "none" and common["grammar"] is not None:
+        raise bad_request(
+            "response_format json_object/json_schema and tools cannot be combined (the "
+            "answer is either a call or JSON); use tool_choice none",
+            "response_format",
+        )
     calls = tools is not None and choice != "none"
     return CompletionRequest(
         messages=normalised,

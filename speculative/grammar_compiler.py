@@ -1,0 +1,192 @@
+"""Grammars compiled where they cannot take the process down, within a time limit, in a
+fair order.
+
+A request's grammar is compiled into its `Constraint` (speculative/grammar.py) by
+llguidance, native code that recurses once per level of the grammar and whose time grows
+with the schema's members. The schema is measured first (speculative/schema_limits.py),
+so no request reaches the engine with more than `limits.schema_max_depth` levels; and the
+compile itself runs here, on threads made with a stack of `STACK_BYTES` (32 times a
+thread's usual 8 MiB: a grammar that the limits let through uses a few hundred KiB of
+it, and no body the daemon accepts reaches a quarter), never on the thread of the caller.
+
+Each compile must start and finish within `limits.grammar_compile_seconds` of starting;
+one that runs longer is answered with a 400 at once. Native code cannot be stopped
+midway, so its thread finishes the compile in the background and drops the result (the
+engine's own fuel limits bound how long that is). A compile whose caller has gone before
+it started is skipped. Waiting compiles are taken in turn per client (round robin over
+the keys callers give, first come first served within one), so one client's many
+schemas delay another's by at most one compile each.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from speculative.grammar import Constraint, Grammar, GrammarError
+
+STACK_BYTES = 256 << 20
+# How often a waiting caller looks at the clock and at its client.
+POLL_SECONDS = 0.05
+
+
+@dataclass
+class CompileJob:
+    """One grammar to compile: its result, and when its compile started (None: waiting)."""
+
+    grammar: Grammar
+    make: Callable[[], Constraint]
+    future: Future[Constraint] = field(default_factory=Future)
+    started: float | None = None
+
+    def overdue(self, seconds: float) -> bool:
+        return self.started is not None and time.monotonic() - self.started > seconds
+
+    def cancel(self) -> None:
+        """Skip it if it has not started; otherwise its result is dropped."""
+        self.future.cancel()
+
+
+class _FairQueue:
+    """Jobs waiting, taken round robin over their clients' keys."""
+
+    def __init__(self) -> None:
+        self._by_client: dict[str, deque[CompileJob]] = {}
+        self._turns: deque[str] = deque()
+        self._ready = threading.Condition()
+        self._closed = False
+
+    def put(self, client: str, job: CompileJob) -> None:
+        with self._ready:
+            if client not in self._by_client:
+                self._by_client[client] = deque()
+                self._turns.append(client)
+            self._by_client[client].append(job)
+            self._ready.notify()
+
+    def get(self) -> CompileJob | None:
+        """The next client's oldest job; None once closed."""
+        with self._ready:
+            while not self._turns and not self._closed:
+                self._ready.wait()
+            if self._closed:
+                return None
+            client = self._turns.popleft()
+            jobs = self._by_client[client]
+            job = jobs.popleft()
+            if jobs:
+                self._turns.append(client)
+            else:
+                del self._by_client[client]
+            return job
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            for jobs in self._by_client.values():
+                for job in jobs:
+                    job.cancel()
+            self._by_client.clear()
+            self._turns.clear()
+            self._ready.notify_all()
+
+    def __len__(self) -> int:
+        with self._ready:
+            return sum(len(jobs) for jobs in self._by_client.values())
+
+
+# threading.stack_size is process-wide for threads started after it: set, start, restore.
+_STACK_LOCK = threading.Lock()
+
+
+class GrammarCompiler:
+    """Compiles grammars into Constraints on `threads` threads of its own (started at
+    once, each with a stack of STACK_BYTES). `seconds`: limits.grammar_compile_seconds."""
+
+    def __init__(self, seconds: float, threads: int = 1) -> None:
+        self.seconds = seconds
+        self._queue = _FairQueue()
+        self._threads = []
+        with _STACK_LOCK:
+            previous = threading.stack_size(STACK_BYTES)
+            try:
+                for i in range(threads):
+                    thread = threading.Thread(
+                        target=self._work, name=f"specd-grammar-{i}", daemon=True
+                    )
+                    thread.start()
+                    self._threads.append(thread)
+            finally:
+                threading.stack_size(previous)
+
+    def submit(self, grammar: Grammar, tokenizer: Any, width: int, client: str = "") -> CompileJob:
+        """Queue the compile of `grammar` against `tokenizer` (logit rows `width`)."""
+        job = CompileJob(grammar, lambda: Constraint(grammar, tokenizer, width))
+        self._queue.put(client, job)
+        return job
+
+    def constraint(
+        self,
+        grammar: Grammar,
+        tokenizer: Any,
+        width: int,
+        client: str = "",
+        gone: Callable[[], bool] = lambda: False,
+    ) -> Constraint:
+        """The grammar's Constraint, waiting for it here (the command line's door, and
+        tests); raises GrammarError as the compile does, or for its time limit."""
+        job = self.submit(grammar, tokenizer, width, client)
+        while True:
+            try:
+                return job.future.result(timeout=POLL_SECONDS)
+            except TimeoutError:
+                pass
+            self.check(job, gone())
+
+    def check(self, job: CompileJob, gone: bool) -> None:
+        """Between two looks at a job still running or waiting: its caller has gone (the
+        job is skipped or dropped, and `Abandoned` raised), or it is past its time."""
+        if gone:
+            job.cancel()
+            raise Abandoned("the client went away before its grammar was compiled")
+        if job.overdue(self.seconds):
+            job.cancel()
+            field = job.grammar.field
+            raise GrammarError(
+                f"{field} took longer than limits.grammar_compile_seconds "
+                f"({self.seconds:g} s) to compile: simplify the schema",
+                field,
+                "grammar_too_slow",
+            )
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def close(self) -> None:
+        """Cancel what waits; the threads end after the compile they are in."""
+        self._queue.close()
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if not job.future.set_running_or_notify_cancel():
+                continue  # its caller went away while it waited
+            job.started = time.monotonic()
+            try:
+                result = job.make()
+            except BaseException as exc:  # handed to the caller, who reports it
+                job.future.set_exception(exc)
+            else:
+                job.future.set_result(result)
+
+
+class Abandoned(Exception):
+    """The caller went away while its grammar waited or compiled."""
