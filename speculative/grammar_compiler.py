@@ -112,6 +112,9 @@ class GrammarCompiler:
         self.seconds = seconds
         self._queue = _FairQueue()
         self._threads = []
+        self.started = 0  # compiles begun (a skipped one never begins)
+        self._running = 0
+        self._count = threading.Lock()
         with _STACK_LOCK:
             previous = threading.stack_size(STACK_BYTES)
             try:
@@ -165,8 +168,9 @@ class GrammarCompiler:
             )
 
     @property
-    def waiting(self) -> int:
-        return len(self._queue)
+    def busy(self) -> bool:
+        """A compile is running or waiting (one abandoned midway still runs)."""
+        return self._running > 0 or len(self._queue) > 0
 
     def close(self) -> None:
         """Cancel what waits; the threads end after the compile they are in."""
@@ -180,12 +184,18 @@ class GrammarCompiler:
             if not job.future.set_running_or_notify_cancel():
                 continue  # its caller went away while it waited
             job.started = time.monotonic()
+            with self._count:
+                self.started += 1
+                self._running += 1
             try:
                 result = job.make()
             except BaseException as exc:  # handed to the caller, who reports it
                 job.future.set_exception(exc)
             else:
                 job.future.set_result(result)
+            finally:
+                with self._count:
+                    self._running -= 1
 
 
 class Abandoned(Exception):

@@ -110,15 +110,18 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     config = request.app[CONFIG]
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "other"
+    refused: ApiError | None = None
     try:
         response = await _guarded(request, handler, config)
     except (ConnectionResetError, asyncio.CancelledError):
         request.app[METRICS].count_request(endpoint, 499)  # the client closed the connection
         raise
     except ApiError as err:
+        refused = err
         response = error_response(err)
     except RequestError as err:  # a domain error that is the request's fault
-        response = error_response(bad_request(str(err), err.param, err.code))
+        refused = bad_request(str(err), err.param, err.code)
+        response = error_response(refused)
     except (HttpProcessingError, RequestPayloadError) as exc:
         # The body could not be read: a bad chunk after the headers, a Content-Encoding
         # that does not decode. The request's fault; the connection cannot be reused.
@@ -150,11 +153,27 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
         # The body never came whole: what is left of it cannot be told from a next request.
         response.force_close()
         request.content.feed_eof()
+    if refused is not None and refused.status < 500:
+        _log_refusal(request, refused)
     request.app[METRICS].count_request(endpoint, response.status)
     origin = request.headers.get("Origin")
     if origin and origin in config.cors_origins and not response.prepared:
         response.headers.update(cors_headers(origin))
     return response
+
+
+# The most of a refusal's message the log line keeps (a message may quote the request).
+LOGGED_MESSAGE = 240
+
+
+def _log_refusal(request: web.Request, err: ApiError) -> None:
+    """One WARNING line per refused request: what was refused and why, never the body."""
+    message = err.message if len(err.message) <= LOGGED_MESSAGE else err.message[:LOGGED_MESSAGE]
+    log.warning(
+        "refused %s %s from %s: %d %s (param %s): %s",
+        request.method, request.path[:100], request.remote, err.status, err.code or err.type,
+        err.param, message.replace("\n", " "),
+    )  # fmt: skip
 
 
 async def _guarded(request: web.Request, handler: Handler, config: ApiConfig) -> web.StreamResponse:
