@@ -6,13 +6,16 @@ llguidance, native code that recurses once per level of the grammar and whose ti
 with the schema's members. The schema is measured first (speculative/schema_limits.py),
 so no request reaches the engine with more than `limits.schema_max_depth` levels; and the
 compile itself runs here, on threads made with a stack of `STACK_BYTES` (32 times a
-thread's usual 8 MiB: a grammar that the limits let through uses a few hundred KiB of
-it, and no body the daemon accepts reaches a quarter), never on the thread of the caller.
+thread's usual 8 MiB), never on the thread of the caller. A level takes about 3 KiB of
+the engine's stack (2,500 overflowed 8 MiB): the limits let through a few hundred KiB,
+and even past them a 1 MiB body holds at most about 30,000 `$ref` hops, some 100 MiB
+(tests/test_hostile_schemas.py compiles 20,000 here).
 
-Each compile must start and finish within `limits.grammar_compile_seconds` of starting;
-one that runs longer is answered with a 400 at once. Native code cannot be stopped
-midway, so its thread finishes the compile in the background and drops the result (the
-engine's own fuel limits bound how long that is). A compile whose caller has gone before
+Each compile must finish within `limits.grammar_compile_seconds` of starting (the
+engine's view of the model's vocabulary, made once per model, is not counted); one that
+runs longer is answered with a 400 at once. Native code cannot be stopped midway, so
+its thread finishes the compile in the background and drops the result (the schema
+limits and the engine's own fuel limits bound how long that is). A compile whose caller has gone before
 it started is skipped. Waiting compiles are taken in turn per client (round robin over
 the keys callers give, first come first served within one), so one client's many
 schemas delay another's by at most one compile each.
@@ -28,7 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from speculative.grammar import Constraint, Grammar, GrammarError
+from speculative.grammar import Constraint, Grammar, GrammarError, vocabulary
 
 STACK_BYTES = 256 << 20
 # How often a waiting caller looks at the clock and at its client.
@@ -37,10 +40,12 @@ POLL_SECONDS = 0.05
 
 @dataclass
 class CompileJob:
-    """One grammar to compile: its result, and when its compile started (None: waiting)."""
+    """One grammar to compile against `tokenizer` (logit rows `width`): its result, and
+    when its compile started (None: waiting, or the vocabulary still being read)."""
 
     grammar: Grammar
-    make: Callable[[], Constraint]
+    tokenizer: Any
+    width: int
     future: Future[Constraint] = field(default_factory=Future)
     started: float | None = None
 
@@ -129,7 +134,7 @@ class GrammarCompiler:
 
     def submit(self, grammar: Grammar, tokenizer: Any, width: int, client: str = "") -> CompileJob:
         """Queue the compile of `grammar` against `tokenizer` (logit rows `width`)."""
-        job = CompileJob(grammar, lambda: Constraint(grammar, tokenizer, width))
+        job = CompileJob(grammar, tokenizer, width)
         self._queue.put(client, job)
         return job
 
@@ -183,12 +188,15 @@ class GrammarCompiler:
                 return
             if not job.future.set_running_or_notify_cancel():
                 continue  # its caller went away while it waited
-            job.started = time.monotonic()
             with self._count:
                 self.started += 1
                 self._running += 1
             try:
-                result = job.make()
+                # The engine's view of the vocabulary, made once per model (seconds at a
+                # 128k vocabulary): not the request's doing, so not on its clock.
+                vocabulary(job.tokenizer)
+                job.started = time.monotonic()
+                result = Constraint(job.grammar, job.tokenizer, job.width)
             except BaseException as exc:  # handed to the caller, who reports it
                 job.future.set_exception(exc)
             else:
