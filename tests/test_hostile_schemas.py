@@ -364,30 +364,24 @@ def test_a_refused_schema_is_logged_once_without_the_grammar(
 # ---- request parsing ------------------------------------------------------------------
 
 
+def after_a_call(arguments: str) -> dict[str, Any]:
+    """A conversation whose assistant turn called `f` with `arguments` (JSON text)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {
+        "model": MODEL,
+        "max_tokens": 4,
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ],
+    }
+
+
 def test_deeply_nested_earlier_arguments_are_a_400(server: BackgroundServer) -> None:
     param = "messages[1].tool_calls[0].function.arguments"
     for depth in (5000, 100):
-        arguments = "[" * depth + "]" * depth
-        body = {
-            "model": MODEL,
-            "max_tokens": 4,
-            "messages": [
-                {"role": "user", "content": "Hi"},
-                {
-                    "role": "assistant",
-                    "content": None,
-                    "tool_calls": [
-                        {
-                            "id": "c1",
-                            "type": "function",
-                            "function": {"name": "f", "arguments": arguments},
-                        }
-                    ],
-                },
-                {"role": "tool", "tool_call_id": "c1", "content": "ok"},
-            ],
-        }
-        status, reply = post(server.server.port, body)
+        status, reply = post(server.server.port, after_a_call("[" * depth + "]" * depth))
         assert status == 400, reply
         assert reply["error"]["param"] == param
 
@@ -404,25 +398,7 @@ def test_oversized_text_outside_messages_is_refused_before_tokenizing(
     )
     megabyte = "word " * 200_000
     description = with_tool({"type": "object"}, description=megabyte)
-    arguments = {
-        "model": MODEL,
-        "max_tokens": 4,
-        "messages": [
-            {"role": "user", "content": "Hi"},
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": "c1",
-                        "type": "function",
-                        "function": {"name": "f", "arguments": json.dumps({"text": megabyte})},
-                    }
-                ],
-            },
-            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
-        ],
-    }
+    arguments = after_a_call(json.dumps({"text": megabyte}))
     for body in (description, arguments):
         status, reply = post(server.server.port, body)
         assert status == 400, reply
