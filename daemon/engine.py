@@ -493,7 +493,12 @@ class Engine:
         return False
 
     def _fail(self, active: _Active, exc: BaseException) -> None:
-        log.error("generation failed", exc_info=exc)
+        if isinstance(exc, RequestError):
+            # The request's fault found while it ran (a grammar the vocabulary cannot
+            # spell further on): one line, as the edge logs a refusal.
+            log.warning("generation refused: %s", str(exc)[:240])
+        else:
+            log.error("generation failed", exc_info=exc)
         self.metrics.failed.inc()
         if active in self._active:
             self._active.remove(active)

@@ -23,6 +23,7 @@ import pytest
 from daemon.http.completions import GRAMMARS
 from daemon.http.server import BackgroundServer
 from daemon.settings_loading import load_settings
+from speculative.grammar import Constraint, GrammarError
 from speculative.schema_limits import SchemaLimits, SchemaTooComplex, check_schema
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -507,3 +508,26 @@ def test_under_every_attack_health_answers_and_a_stream_is_unchanged(
         thread.join()
     assert max(latencies) < 1.0, latencies
     assert stream == [baseline]
+
+
+def test_a_grammar_that_cannot_go_on_is_one_warning(
+    server: BackgroundServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A grammar found unspellable while its generation runs (on the engine's thread, a
+    long engine message) is a 400 logged as one short WARNING line, not an ERROR with a
+    traceback and the message whole."""
+    caplog.set_level(logging.INFO, logger="specd")
+
+    def stuck(self: Constraint, limit: int) -> list[int]:
+        raise GrammarError(
+            "the grammar cannot go on: " + "x" * 100_000, FIELD, "unsupported_grammar"
+        )
+
+    monkeypatch.setattr(Constraint, "take_forced", stuck)
+    status, body = post(server.server.port, with_schema({"type": "object"}))
+    assert status == 400, body
+    assert body["error"]["code"] == "unsupported_grammar"
+    records = [r for r in caplog.records if r.name.startswith("specd")]
+    assert not [r for r in records if r.levelno >= logging.ERROR or r.exc_info]
+    assert [r for r in records if r.levelno == logging.WARNING]
+    assert all(len(r.getMessage()) < 1000 for r in records)
