@@ -1,38 +1,363 @@
-"""A chat template compiled as transformers compiles Hub templates, in a sandbox.
+"""A chat template compiled as transformers compiles Hub templates, in a sandbox with limits.
 
-A template is code shipped by whoever published the model: it renders in Jinja's immutable
-sandbox, and one that probes internals (`fn.__globals__`) is refused rather than quietly
-given an empty string. Imported only when a template is compiled (speculative/tokenizer.py),
-since Jinja costs tens of milliseconds of start-up.
+A template is code shipped by whoever published the model (GGUF `tokenizer.chat_template`,
+tokenizer_config.json). It renders in Jinja's immutable sandbox, and one that probes internals
+(`fn.__globals__`) is refused rather than quietly given an empty string. The sandbox keeps a
+template away from Python; it does not keep it from looping for ever (`range(100000)` in
+`range(100000)`), from building gigabytes (`'x' * 2000000000`, `'x'|center(2000000000)`) or
+from crashing CPython (hashing a tuple nested 100,000 deep overflows the C stack). So every
+render runs under limits, checked as it goes: a render that passes one stops itself with a
+`TemplateLimitError` saying which, and no thread is ever killed.
+
+- Steps and time: the code generator wraps every for-loop's iterable in `Counted`, which
+  counts each item (so loops that write nothing count too), as do items drawn from the
+  generators filters return; every call (macros, methods, `loop(...)`), filter, operator on
+  big values, literal, comparison and slice is a step. The clock is read at each step, so
+  that a render stops within one operation of its time (a template needs no loop to run for
+  minutes: a hundred thousand comparisons of two big lists).
+- Values: whatever the template makes (operators, literals, `~`, filters, calls) is measured
+  as it is made (`Budget.measure`: about the length of its text, a part held twice counted
+  twice, so doubling a list by nesting it is caught); what could make a huge value from small
+  ones (`*`, `**`, `%`, center, indent, join, replace, ...) is refused before it is allocated.
+- Output: every piece written, into the prompt or into a captured block or macro, counts.
+
+The value and output limits grow with what the render is given (the conversation), so a
+long conversation is never refused for its length.
+
+This module is the sandbox: the code generator, the formatter, the template and environment
+that charge every render, tojson and the generation block. The limits and the per-render
+budget (`Budget`, `Counted`, the measuring) are in speculative/template_budget.py; the checks
+of operators, calls, string formatting and filters that refuse a huge value before it is
+made are in speculative/template_checks.py. Imported only when a template is compiled
+(speculative/tokenizer.py), since Jinja costs tens of milliseconds of start-up.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
+import operator
+import re
+import time
+import types
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from typing import Any
 
 from jinja2 import Template, TemplateError, nodes
-from jinja2.exceptions import SecurityError
+from jinja2.compiler import CodeGenerator, Frame
+from jinja2.exceptions import SecurityError, TemplateRuntimeError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.runtime import Context, LoopContext
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
+from jinja2.utils import Namespace
+from markupsafe import EscapeFormatter, Markup
 
-__all__ = ["TemplateError", "compile_template"]
+from speculative.template_budget import (
+    BUDGET,
+    MAX_CALL_DEPTH,
+    MAX_DEPTH,
+    MAX_INT_BITS,
+    MAX_OUTPUT_SIZE,
+    MAX_RENDER_SECONDS,
+    MAX_STEPS,
+    MAX_VALUE_SIZE,
+    OUTPUT_SIZE_PER_INPUT,
+    VALUE_SIZE_PER_INPUT,
+    Budget,
+    Counted,
+    TemplateLimitError,
+    current_budget,
+)
+from speculative.template_checks import (
+    COMPARING_TESTS,
+    check_call,
+    check_percent,
+    check_power,
+    check_product,
+    counted_test,
+    limited_filter,
+    sum_filter,
+)
+
+# The limits are re-exported, so that what a render may do and the error it raises past that
+# are read from one module (the tests read them here).
+__all__ = [
+    "MAX_CALL_DEPTH", "MAX_DEPTH", "MAX_INT_BITS", "MAX_OUTPUT_SIZE", "MAX_RENDER_SECONDS",
+    "MAX_STEPS", "MAX_VALUE_SIZE", "OUTPUT_SIZE_PER_INPUT", "VALUE_SIZE_PER_INPUT",
+    "TemplateError", "TemplateLimitError", "compile_template",
+]  # fmt: skip
+
+_SMALL = 4096  # a string this short is joined by + with no step (nor a clock read)
 
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
 
 
+class _LimitedCodeGenerator(CodeGenerator):
+    """Jinja compiles a template to Python; this one counts every for-loop's items
+    (`environment.counted(iterable)`) and checks every literal and `~` it builds."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loop_iterables: set[int] = set()  # ids of the nodes (alive while compiling)
+
+    def visit_For(self, node: nodes.For, frame: Frame) -> None:
+        self._loop_iterables.add(id(node.iter))
+        super().visit_For(node, frame)
+
+    def visit(self, node: nodes.Node, *args: Any, **kwargs: Any) -> Any:
+        if id(node) not in self._loop_iterables:
+            return super().visit(node, *args, **kwargs)
+        self.write("environment.counted(")
+        super().visit(node, *args, **kwargs)
+        self.write(")")
+        return None
+
+    def _checked(
+        self, visit: Callable[..., None], node: nodes.Expr, frame: Frame, what: str
+    ) -> None:
+        self.write("environment.checked(")
+        visit(node, frame)
+        self.write(f", {what!r})")
+
+    def visit_List(self, node: nodes.List, frame: Frame) -> None:
+        self._checked(super().visit_List, node, frame, "a list")
+
+    def visit_Dict(self, node: nodes.Dict, frame: Frame) -> None:
+        self._checked(super().visit_Dict, node, frame, "a dict")
+
+    def visit_Tuple(self, node: nodes.Tuple, frame: Frame) -> None:
+        if node.ctx == "load":  # not a target: `{% for a, b in ... %}`
+            self._checked(super().visit_Tuple, node, frame, "a tuple")
+        else:
+            super().visit_Tuple(node, frame)
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self._checked(super().visit_Concat, node, frame, "the operator ~")
+
+    # Comparing or slicing two big values takes milliseconds, and needs no loop to be done
+    # a hundred thousand times: each is a step, so that the clock is read.
+    def _stepped(self, visit: Callable[..., None], node: nodes.Expr, frame: Frame) -> None:
+        self.write("environment.stepped(")
+        visit(node, frame)
+        self.write(")")
+
+    def visit_Compare(self, node: nodes.Compare, frame: Frame) -> None:
+        # `message.role == 'user'`: comparing with a constant costs at most its length.
+        constant = isinstance(node.expr, nodes.Const) or isinstance(node.ops[0].expr, nodes.Const)
+        if len(node.ops) == 1 and node.ops[0].op not in ("in", "notin") and constant:
+            super().visit_Compare(node, frame)
+        else:
+            self._stepped(super().visit_Compare, node, frame)
+
+    def visit_Getitem(self, node: nodes.Getitem, frame: Frame) -> None:
+        if isinstance(node.arg, nodes.Slice):
+            self._stepped(super().visit_Getitem, node, frame)
+        else:
+            super().visit_Getitem(node, frame)
+
+
+class _LimitedFormatter(SandboxedFormatter):
+    """str.format: no field wider, and no result longer, than one value may be."""
+
+    _written = 0
+
+    def vformat(self, format_string: str, args: Any, kwargs: Any) -> str:
+        self._written = len(format_string)
+        return super().vformat(format_string, args, kwargs)
+
+    def format_field(self, value: Any, format_spec: str) -> Any:
+        budget = current_budget()
+        for number in re.findall(r"\d+", format_spec):  # width, precision
+            budget.allow(int(number), "format()")
+        text = super().format_field(value, format_spec)
+        self._written += len(text)
+        budget.allow(self._written, "format()")
+        return text
+
+
+class _LimitedEscapeFormatter(_LimitedFormatter, EscapeFormatter):
+    pass
+
+
+class _Namespace(Namespace):
+    """A namespace is the one value a template can change, so the size of a list holding one
+    is not fixed when the list is made (`[ns] * 1000`, then a big `ns.x`): its text does not
+    show what it holds."""
+
+    def __repr__(self) -> str:
+        return "<Namespace>"
+
+
+def _write(value: Any) -> Any:
+    """`environment.finalize`: every value written, into the output or a captured block."""
+    budget = BUDGET.get()
+    if budget is None:  # a constant folded in at compile time
+        return value
+    text = value if type(value) is str else str(value)
+    budget.write(len(text))
+    return text
+
+
+class _LimitedTemplate(Template):
+    def render(self, *args: Any, **kwargs: Any) -> str:
+        token = BUDGET.set(Budget(dict(*args, **kwargs)))
+        try:
+            return super().render(*args, **kwargs)
+        except TemplateError:
+            raise
+        except RecursionError as exc:
+            raise TemplateLimitError("it recursed deeper than Python allows") from exc
+        except Exception as exc:  # a TypeError in the template's code is the template failing
+            raise TemplateRuntimeError(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            BUDGET.reset(token)
+
+    def new_context(self, *args: Any, **kwargs: Any) -> Context:
+        current_budget()  # generate(), stream() and the module would render without limits
+        return super().new_context(*args, **kwargs)
+
+
 class _StrictSandbox(ImmutableSandboxedEnvironment):
     """Jinja's sandbox answers an unsafe attribute (`fn.__globals__`) with an undefined value
-    that prints as an empty string; a template that probes internals is refused outright."""
+    that prints as an empty string; a template that probes internals is refused outright.
+    And every render keeps to the limits (`Budget`)."""
+
+    code_generator_class = _LimitedCodeGenerator
+    template_class = _LimitedTemplate
+    # Intercepted, an operator is also never folded at compile time ('x' * 2000000000).
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         raise SecurityError(
             f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
         )
+
+    def counted(self, iterable: Iterable[Any]) -> Iterable[Any]:
+        return iterable if isinstance(iterable, Counted) else Counted(iterable, current_budget())
+
+    def checked(self, value: Any, what: str) -> Any:
+        budget = current_budget()
+        budget.step()
+        return budget.checked(value, what)
+
+    def stepped(self, value: Any) -> Any:
+        budget = current_budget()
+        budget.steps += 1
+        if budget.steps > MAX_STEPS or time.monotonic() > budget.deadline:
+            budget.step(0)  # says which
+        return value
+
+    def concat(self, pieces: Iterable[str]) -> str:  # type: ignore[override]
+        """Joins the output and every captured block: a block may repeat a constant a million
+        times (constants are not written through `_write`), refused before the join."""
+        budget = current_budget()
+        parts: list[str] = []
+        size = 0
+        items = iter(pieces)
+        while chunk := list(itertools.islice(items, 256)):
+            parts += chunk
+            size += sum(map(len, chunk))
+            if size > MAX_OUTPUT_SIZE and size > budget.output_limit:
+                raise TemplateLimitError(
+                    f"it wrote more than {budget.output_limit:,} characters (the limit on one "
+                    "render)"
+                )
+        return "".join(parts)
+
+    def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
+        strings = type(left) is str and type(right) is str
+        if operator == "+" and strings and len(left) + len(right) <= _SMALL:
+            return left + right  # most of them: too cheap to be a step
+        budget = current_budget()
+        budget.step()
+        if operator == "*":
+            check_product(budget, left, right)
+        elif operator == "**":
+            check_power(budget, left, right)
+        elif operator == "%":
+            check_percent(budget, left, right)
+        return budget.checked(self.binop_table[operator](left, right), f"the operator {operator}")
+
+    def call(self, context: Context, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        budget = current_budget()
+        budget.step()
+        if isinstance(obj, LoopContext) and args:  # `loop(children)` in a recursive loop
+            args = (Counted(args[0], budget), *args[1:])
+        else:
+            args = check_call(budget, obj, args, kwargs)
+        if budget.calls >= MAX_CALL_DEPTH:
+            raise TemplateLimitError(f"its macros and calls nested more than {MAX_CALL_DEPTH} deep")
+        budget.calls += 1
+        try:
+            result = super().call(context, obj, *args, **kwargs)
+        finally:
+            budget.calls -= 1
+        if isinstance(getattr(obj, "__self__", None), (dict, list, tuple)) and (
+            obj.__name__ != "fromkeys" and not isinstance(result, str)
+        ):
+            return result  # a part of a container, or a view or copy of it: not measured again
+        return budget.checked(result, obj)
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        """Jinja's own, with a formatter that keeps to the value limit."""
+        if not isinstance(value, (types.MethodType, types.BuiltinMethodType)) or (
+            value.__name__ not in ("format", "format_map")
+        ):
+            return None
+        owner = value.__self__
+        if not isinstance(owner, str):
+            return None
+        formatter: _LimitedFormatter
+        if isinstance(owner, Markup):
+            formatter = _LimitedEscapeFormatter(self, escape=owner.escape)
+        else:
+            formatter = _LimitedFormatter(self)
+        by_map = value.__name__ == "format_map"
+
+        def format(*args: Any, **kwargs: Any) -> str:
+            if by_map:
+                if kwargs or len(args) != 1:
+                    raise TypeError("format_map() takes exactly one argument")
+                return type(owner)(formatter.vformat(owner, (), args[0]))
+            return type(owner)(formatter.vformat(owner, args, kwargs))
+
+        return functools.update_wrapper(format, value)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' tojson: plain json.dumps (Jinja's own escapes HTML characters). An indent
+    or separators of the template's own repeat on every item: encoded piece by piece then,
+    so that a huge result is refused before it is whole."""
+    encoder = json.JSONEncoder(
+        ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+    extra = 0 if separators is None else len(separators[0] + separators[1])
+    if indent is None and extra <= 4:
+        return encoder.encode(value)
+    budget = current_budget()
+    unit = len(indent) if isinstance(indent, str) else operator.index(indent or 0)
+    budget.allow(unit, "the filter tojson")
+    # A piece is one part of the value or one line's indent (`unit` times the depth): with
+    # short ones, checking every 256 pieces keeps as close to the limit as every one.
+    pieces = encoder.iterencode(value)
+    parts: list[str] = []
+    written = 0
+    while chunk := list(itertools.islice(pieces, 256 if unit <= 16 and extra <= 16 else 1)):
+        parts += chunk
+        written += sum(map(len, chunk))
+        budget.allow(written, "the filter tojson")
+    return "".join(parts)
 
 
 class _GenerationBlock(Extension):
@@ -52,26 +377,26 @@ class _GenerationBlock(Extension):
         return caller()
 
 
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """transformers' tojson: plain json.dumps (Jinja's own escapes HTML characters)."""
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
 def compile_template(source: str) -> Template:
     # The environment transformers renders Hub templates in: loop controls ({% break %})
     # and the generation block are in real templates, which otherwise fail to compile.
     env = _StrictSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols]
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlock, loopcontrols],
+        finalize=_write,
     )
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["namespace"] = _Namespace
+    del env.globals["lipsum"]  # paragraphs of lorem ipsum by the million; no template uses it
     env.filters["tojson"] = _tojson
-    return env.from_string(source)
+    env.filters["sum"] = sum_filter
+    env.filters = {name: limited_filter(name, f) for name, f in env.filters.items()}
+    env.tests.update({name: counted_test(env.tests[name]) for name in COMPARING_TESTS})
+    try:
+        return env.from_string(source)
+    except TemplateError:
+        raise
+    except Exception as exc:  # nested past Python's recursion limit, a 5,000-digit literal
+        raise TemplateError(f"{type(exc).__name__}: {exc}") from exc

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 
 class ChatTemplateError(RequestError):
-    """The chat template failed to render the given messages."""
+    """The chat template failed to render the given messages, or went past a limit of a
+    render (speculative/chat_template.py)."""
 
 
 # For base models without a template: a plain transcript the model can continue.
@@ -168,6 +169,9 @@ class Tokenizer:
         before = self.decode([after], skip_special_tokens=False)
         return self.decode([after, token], skip_special_tokens=False)[len(before) :]
 
+    def _whose_template(self) -> str:
+        return "the model's chat template" if self.chat_template else "specd's fallback template"
+
     def _compiled_template(self) -> Template:
         from speculative.chat_template import TemplateError, compile_template
 
@@ -175,8 +179,9 @@ class Tokenizer:
             try:
                 self._template = compile_template(self.chat_template or FALLBACK_CHAT_TEMPLATE)
             except TemplateError as exc:
-                whose = "the checkpoint's chat template" if self.chat_template else "specd's own"
-                raise ChatTemplateError(f"{whose} does not compile: {exc}") from exc
+                raise ChatTemplateError(
+                    f"{self._whose_template()} does not compile: {exc}"
+                ) from exc
         return self._template
 
     def render_chat(
@@ -185,7 +190,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        from speculative.chat_template import TemplateError
+        from speculative.chat_template import TemplateError, TemplateLimitError
 
         template = self._compiled_template()
         try:
@@ -198,8 +203,12 @@ class Tokenizer:
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
+        except TemplateLimitError as exc:
+            # A template is code from the model file; one that loops or grows without end
+            # is stopped (speculative/chat_template.py), and the request says so.
+            raise ChatTemplateError(f"{self._whose_template()} was stopped: {exc}") from exc
         except TemplateError as exc:
-            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+            raise ChatTemplateError(f"{self._whose_template()} failed: {exc}") from exc
 
     def encode_chat(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
