@@ -275,7 +275,9 @@ def test_recursive_schemas_are_not_chains() -> None:
         check_schema({"const": deep_const}, "f", SchemaLimits())
 
 
-def test_the_compiler_threads_survive_what_the_limits_would_refuse(tmp_path: Path) -> None:
+def test_the_compiler_threads_survive_what_the_limits_would_refuse(
+    tmp_path: Path, stories_target: Path
+) -> None:
     """Past the limits (raised, or a bug in measuring): a 20,000-hop chain compiles on the
     compiler's thread, where on an ordinary 8 MiB stack the engine overflows it."""
     script = tmp_path / "chain.py"
@@ -288,7 +290,7 @@ from speculative.grammar import Constraint, Grammar
 from speculative.grammar_compiler import GrammarCompiler
 from speculative.tokenizer import Tokenizer
 from tests.test_hostile_schemas import ref_chain
-ckpt = open_checkpoint({str(ROOT.parent / "shared/models/stories260k")!r})
+ckpt = open_checkpoint({str(stories_target)!r})
 tok = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
 grammar = Grammar.json_schema(ref_chain(20000), "f")
 if sys.argv[1] == "guarded":
@@ -300,9 +302,6 @@ else:
 print("compiled")
 """
     )
-    shared = ROOT.parent / "shared/models/stories260k"
-    if not shared.is_dir():
-        pytest.skip("the shared stories model is not beside the checkout")
     run = lambda how: subprocess.run(  # noqa: E731
         [sys.executable, str(script), how], capture_output=True, text=True, timeout=120
     )
