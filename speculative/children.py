@@ -31,7 +31,8 @@ from typing import Protocol
 import torch
 
 from speculative.acceptance import AcceptanceTable
-from speculative.grammar import Constraint, mask_rows_
+from speculative.grammar import Constraint
+from speculative.grammar_masks import mask_rows_
 from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, probabilities
 
 # Children scored per expanded node. Sampling at T=1 spreads the target over many tokens:

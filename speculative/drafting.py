@@ -17,7 +17,8 @@ from typing import Protocol
 
 import torch
 
-from speculative.grammar import Constraint, masked
+from speculative.grammar import Constraint
+from speculative.grammar_masks import masked
 from speculative.model import Transformer
 from speculative.passes import Steps, feed_pass
 from speculative.sampling import (

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from speculative.children import DraftRows, draft_distribution
-from speculative.grammar import Constraint, masked
+from speculative.grammar import Constraint
+from speculative.grammar_masks import masked
 from speculative.sampling import (
     PenaltyContext,
     PositionNoise,

@@ -26,7 +26,8 @@ from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from daemon.settings_loading import load_settings
 from speculative.generation import Generation
-from speculative.grammar import Constraint, Grammar, GrammarError, expand, mask_rows_
+from speculative.grammar import Constraint, Grammar, GrammarError
+from speculative.grammar_masks import expand, mask_rows_
 from speculative.sampling import SamplingParams
 from speculative.tool_calls import CallStream, read_answer
 

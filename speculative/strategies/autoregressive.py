@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from speculative.grammar import MAX_FORCED, Constraint, forced_logprobs, masked
+from speculative.grammar import MAX_FORCED, Constraint
+from speculative.grammar_masks import forced_logprobs, masked
 from speculative.model import Transformer
 from speculative.passes import feed_pass
 from speculative.prefill import PREFILL_CHUNK, prefill

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 import torch
 
 from speculative.drafting import Drafter
-from speculative.grammar import MAX_FORCED, Constraint, forced_logprobs, mask_rows_
+from speculative.grammar import MAX_FORCED, Constraint
+from speculative.grammar_masks import forced_logprobs, mask_rows_
 from speculative.model import Transformer
 from speculative.passes import forward
 from speculative.prefill import PREFILL_CHUNK, prefill

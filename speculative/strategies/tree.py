@@ -30,7 +30,8 @@ from speculative.budget import AutoBudget, BudgetPlanner, FixedBudget, RoundReco
 from speculative.children import ChildPolicy, DraftRows
 from speculative.draft_tree import DraftTree, grow_tree_steps
 from speculative.drafting import check_draft_width
-from speculative.grammar import MAX_FORCED, Constraint, forced_logprobs
+from speculative.grammar import MAX_FORCED, Constraint
+from speculative.grammar_masks import forced_logprobs
 from speculative.model import Transformer
 from speculative.ngram import ngram_tree
 from speculative.passes import Steps, feed_pass, forward

@@ -24,7 +24,8 @@ from speculative.children import (
     SampledChildren,
 )
 from speculative.draft_tree import DraftTree, verification_mask
-from speculative.grammar import Constraint, masked
+from speculative.grammar import Constraint
+from speculative.grammar_masks import masked
 from speculative.kv_cache import KVCache
 from speculative.prefix_cache import PrefixCache
 from speculative.rounds import DraftedTree
