@@ -20,7 +20,7 @@ import torch
 from speculative.config import ModelConfig, UnsupportedModelError
 from speculative.gguf_file import GGUFContents
 from speculative.gguf_model import config_from_gguf, is_gguf, load_gguf_model, open_gguf
-from speculative.gguf_tokenizer import tokenizer_from_gguf
+from speculative.gguf_tokenizer import check_tokenizer_metadata, tokenizer_from_gguf
 from speculative.model import Transformer
 from speculative.model_stores import resolve_store_ref
 from speculative.quant import (
@@ -137,6 +137,9 @@ def _open_gguf_checkpoint(path: Path, quantize: str | None, stop: list[str]) -> 
         )
     contents = open_gguf(path)
     config = config_from_gguf(contents)
+    # The tokenizer's keys too, though nothing here tokenizes: a plan refuses a file that
+    # generation would, and the store's stop strings below are looked up in its tokens.
+    check_tokenizer_metadata(contents.metadata, str(path))
     tokens = (contents.metadata.get("tokenizer.ggml.tokens") or []) if stop else []
     vocabulary = {t: i for i, t in enumerate(tokens)}
     stops = [vocabulary[s] for s in stop if s in vocabulary]

@@ -11,10 +11,20 @@ The layout (ggml's docs/gguf.md), little-endian; a string is a u64 byte length a
         (an array: u32 item type, u64 count, the items)
     per tensor: string name, u32 n_dims, u64 ne[n_dims], u32 ggml type, u64 offset
     padding to `general.alignment` (default 32), then the data section the offsets count from.
+
+Every file is taken as hostile: a count is checked against the bytes that follow it and
+against a bound for what it counts before anything is allocated or looped over per item,
+since a sparse file has all the bytes it claims at no cost to whoever made it. The bounds
+(docs/models.md, "Hostile model files") are far above any real model's: a header is about
+10 MB with a Llama 3 vocabulary, the largest array a vocabulary (262,144 tokens in Gemma
+3), and Llama 3.1 405B has 1,138 tensors.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from math import prod
@@ -31,13 +41,29 @@ _SCALARS = {
 _STRUCTS = {t: struct.Struct("<" + code) for t, code in _SCALARS.items()}
 _DTYPES = {t: np.dtype("<" + code) for t, code in _SCALARS.items()}
 _UINT32, _STRING, _ARRAY, _UINT64 = 4, 8, 9, 10
+_INTEGERS = frozenset(_SCALARS) - {6, 7, 12}  # not the floats and the bool
 _MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses more
 _MAX_NESTING = 16  # arrays of arrays; deeper is a corrupt (or hostile) file
+MAX_TENSORS = 2**16  # tensor infos in one file
+MAX_METADATA = 2**16  # metadata keys in one file (real files: 20-60)
+MAX_ARRAY_LENGTH = 2**22  # items in one array: 16x the largest real vocabulary
+MAX_ARRAY_ITEMS = 2**23  # items in all the file's arrays together, nested ones included
+MAX_HEADER_BYTES = 2**27  # the metadata and the tensor table: 128 MiB
+CORRUPT_FILE = "the file is corrupt: download or convert the model again"
 
 
 class GGUFFormatError(ValueError):
     """A file that is not a GGUF this reader can read; the message names the file and what
     to do."""
+
+
+def short_repr(value: Any) -> str:
+    """A metadata value for an error message, kept to one short line: a hostile file's may
+    be a list of millions of items or a string of megabytes."""
+    if isinstance(value, list):
+        return f"a list of {len(value):,} items"
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:60]}... (a {type(value).__name__})"
 
 
 @dataclass(frozen=True)
@@ -74,30 +100,74 @@ class GGUFContents:
 
 def read_gguf(path: Path) -> GGUFContents:
     """Everything in the GGUF file at `path` but the tensor data, which stays in the map.
-    GGUFFormatError when the file is not a GGUF v2/v3 little-endian file or is cut short."""
-    size = path.stat().st_size
-    if size < 4:
-        raise GGUFFormatError(f"{path}: not a GGUF file ({size} bytes): give a .gguf model")
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    return _Reader(path, data).contents()
+    GGUFFormatError when the file is not a GGUF v2/v3 little-endian file, is cut short, or
+    claims more than the bounds above allow."""
+    return _Reader(path, _map(path)).contents()
+
+
+def read_file_type(path: Path) -> int | None:
+    """`general.file_type` of the GGUF file at `path` (None when it does not say), the rest
+    of the metadata skipped in the map, no value built: a quantized file keeps the key after
+    the tokenizer's arrays, which gguf.GGUFReader builds entry by entry (24 s for a Llama 3
+    vocabulary, against under 0.1 s here). GGUFFormatError as read_gguf."""
+    reader = _Reader(path, _map(path))
+    for i in range(reader.header()[1]):
+        key = reader.string(f"metadata key {i}")
+        value_type = reader.scalar(_UINT32, key)
+        if key == "general.file_type" and value_type in _INTEGERS:
+            return int(reader.scalar(value_type, key))
+        reader.skip(value_type, key)
+    return None
+
+
+def open_regular(path: Path) -> int:
+    """A file descriptor for reading the regular file at `path`, else OSError. Opened
+    without blocking (a FIFO's open waits for a writer: forever, for a model path) and
+    checked once open, so a file swapped for a FIFO after some earlier check is refused."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file (a FIFO, a device or a folder)")
+    return fd
+
+
+def _map(path: Path) -> np.memmap:
+    try:
+        fd = open_regular(path)
+    except OSError as exc:
+        raise GGUFFormatError(f"{path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as file:
+        size = os.fstat(fd).st_size
+        if size < 4:
+            raise GGUFFormatError(f"{path}: not a GGUF file ({size} bytes): give a .gguf model")
+        return np.memmap(file, dtype=np.uint8, mode="r")
 
 
 class _Reader:
     def __init__(self, path: Path, data: np.memmap) -> None:
         self.path, self.data, self.buf = path, data, data.data
         self.size, self.pos = len(data), 0
+        self.items = 0  # array items read so far (MAX_ARRAY_ITEMS)
 
     def fail(self, what: str) -> GGUFFormatError:
         return GGUFFormatError(f"{self.path}: {what}")
 
     def take(self, n: int, what: str) -> int:
-        """Where the next `n` bytes start; past them after."""
+        """Where the next `n` bytes start; past them after. Only the header is read this
+        way, so past MAX_HEADER_BYTES is refused too."""
         start, self.pos = self.pos, self.pos + n
-        if self.pos > self.size:
+        if self.pos > min(self.size, MAX_HEADER_BYTES):
             raise self.past_end(start, n, what)
         return start
 
     def past_end(self, start: int, n: int, what: str) -> GGUFFormatError:
+        """`what` does not end in the file, or not within the header's bound."""
+        if start + n <= self.size:
+            return self.fail(
+                f"{what} at byte {start} takes {n:,} bytes, past {MAX_HEADER_BYTES:,} bytes "
+                f"into the file: specd reads headers of at most that size (a real one is "
+                f"about 10 MB at most); {CORRUPT_FILE}"
+            )
         return self.fail(
             f"truncated: {what} at byte {start} needs {n} bytes but the file has {self.size} "
             f"bytes; download it again"
@@ -115,11 +185,30 @@ class _Reader:
         except UnicodeDecodeError as exc:
             raise self.fail(f"{what} is not UTF-8 ({exc}): the file is corrupt") from None
 
-    def count(self, n: int, item_bytes: int, what: str) -> int:
+    def count(self, n: int, item_bytes: int, what: str, bound: int, of: str) -> int:
+        """`n` items of at least `item_bytes` each, checked against what follows in the
+        file and against `bound` (`of`: what the bound is for) before any is read."""
         if n * item_bytes > self.size - self.pos:
             raise self.fail(
                 f"truncated or corrupt: {what} at byte {self.pos} claims {n} items but "
                 f"{self.size - self.pos} bytes follow; download it again"
+            )
+        if n > bound:
+            raise self.fail(
+                f"{what} claims {n:,} {of}; specd reads at most {bound:,}: {CORRUPT_FILE}"
+            )
+        return n
+
+    def array_length(self, what: str, item_bytes: int) -> int:
+        n = self.count(
+            self.scalar(_UINT64, what), item_bytes, what, MAX_ARRAY_LENGTH,
+            "items (a real model's largest array, its vocabulary, has at most 262,144)",
+        )  # fmt: skip
+        self.items += n
+        if self.items > MAX_ARRAY_ITEMS:
+            raise self.fail(
+                f"{what} brings the items of the file's arrays to {self.items:,}; specd reads "
+                f"at most {MAX_ARRAY_ITEMS:,} (a real model has under a million): {CORRUPT_FILE}"
             )
         return n
 
@@ -135,28 +224,56 @@ class _Reader:
             raise self.unknown_type(item_type, what)
         if item_type in _DTYPES:
             dtype = _DTYPES[item_type]
-            n = self.count(self.scalar(_UINT64, what), dtype.itemsize, what)
+            n = self.array_length(what, dtype.itemsize)
             start = self.take(n * dtype.itemsize, what)
             return np.frombuffer(self.buf, dtype, n, start).tolist()
         if item_type == _STRING:
-            return self.strings(self.count(self.scalar(_UINT64, what), 8, what), what)
+            return self.strings(self.array_length(what, 8), what)
         if depth >= _MAX_NESTING:  # an array of arrays
             raise self.fail(f"{what} nests arrays over {_MAX_NESTING} deep: the file is corrupt")
-        n = self.count(self.scalar(_UINT64, what), 12, what)  # 12: an empty array's bytes
+        n = self.array_length(what, 12)  # 12: an empty array's bytes
         return [self.value(_ARRAY, what, depth + 1) for _ in range(n)]
+
+    def skip(self, value_type: int, what: str, depth: int = 0) -> None:
+        """Past a value, building nothing: `value`'s checks, without its items."""
+        if value_type in _STRUCTS:
+            self.take(_STRUCTS[value_type].size, what)
+        elif value_type == _STRING:
+            self.take(self.scalar(_UINT64, what), what)
+        elif value_type != _ARRAY:
+            raise self.unknown_type(value_type, what)
+        elif (item_type := self.scalar(_UINT32, what)) in _STRUCTS:
+            size = _STRUCTS[item_type].size
+            self.take(self.array_length(what, size) * size, what)
+        elif item_type == _STRING:  # a vocabulary: kept to locals, as in `strings`
+            n = self.array_length(what, 8)
+            buf, pos, limit = self.buf, self.pos, min(self.size, MAX_HEADER_BYTES)
+            for i in range(n):
+                end = pos + 8 + int.from_bytes(buf[pos : pos + 8], "little")
+                if end > limit:
+                    raise self.past_end(pos, end - pos, f"{what}[{i}]")
+                pos = end
+            self.pos = pos
+        elif item_type != _ARRAY:
+            raise self.unknown_type(item_type, what)
+        elif depth >= _MAX_NESTING:
+            raise self.fail(f"{what} nests arrays over {_MAX_NESTING} deep: the file is corrupt")
+        else:
+            for _ in range(self.array_length(what, 12)):
+                self.skip(_ARRAY, what, depth + 1)
 
     def unknown_type(self, value_type: int, what: str) -> GGUFFormatError:
         return self.fail(f"{what} has unknown value type {value_type}: the file is corrupt")
 
     def strings(self, n: int, what: str) -> list[str]:
         # The hot loop (a vocabulary and its merges: ~400k strings), so kept to locals.
-        buf, pos, size = self.buf, self.pos, self.size
+        buf, pos, limit = self.buf, self.pos, min(self.size, MAX_HEADER_BYTES)
         out: list[str] = []
         append = out.append
         try:
             for _ in range(n):
                 end = pos + 8 + int.from_bytes(buf[pos : pos + 8], "little")
-                if end > size:
+                if end > limit:
                     raise self.past_end(pos, end - pos, f"{what}[{len(out)}]")
                 append(str(buf[pos + 8 : end], "utf-8"))
                 pos = end
@@ -167,7 +284,8 @@ class _Reader:
         self.pos = pos
         return out
 
-    def contents(self) -> GGUFContents:
+    def header(self) -> tuple[int, int, int]:
+        """(version, metadata count, tensor count), checked; the metadata comes next."""
         if bytes(self.buf[:4]) != b"GGUF":
             raise self.fail("not a GGUF file (its first bytes are not 'GGUF'): give a .gguf model")
         self.pos = 4
@@ -185,7 +303,14 @@ class _Reader:
         if version not in (2, 3):
             raise self.fail(f"unknown GGUF version {version} (this reader knows 2 and 3)")
         n_tensors = self.scalar(_UINT64, "the tensor count")
-        n_entries = self.count(self.scalar(_UINT64, "the metadata count"), 13, "the metadata")
+        n_entries = self.count(
+            self.scalar(_UINT64, "the metadata count"), 13, "the metadata", MAX_METADATA,
+            "keys (a real model has 20-60)",
+        )  # fmt: skip
+        return version, n_entries, n_tensors
+
+    def contents(self) -> GGUFContents:
+        version, n_entries, n_tensors = self.header()
         metadata: dict[str, Any] = {}
         for i in range(n_entries):
             key = self.string(f"metadata key {i}")
@@ -193,7 +318,10 @@ class _Reader:
                 raise self.fail(f"metadata key {key!r} appears twice: the file is corrupt")
             metadata[key] = self.value(self.scalar(_UINT32, key), key)
         infos: dict[str, tuple[tuple[int, ...], int, int]] = {}
-        for i in range(self.count(n_tensors, 24, "the tensor table")):
+        n_tensors = self.count(
+            n_tensors, 24, "the tensor table", MAX_TENSORS, "tensors (Llama 3.1 405B has 1,138)"
+        )
+        for i in range(n_tensors):
             name = self.string(f"tensor name {i}")
             if name in infos:
                 raise self.fail(f"tensor {name} appears twice: the file is corrupt")
@@ -201,6 +329,8 @@ class _Reader:
             if n_dims > _MAX_DIMS:
                 raise self.fail(f"tensor {name} has {n_dims} dimensions: the file is corrupt")
             ne = struct.unpack_from(f"<{n_dims}Q", self.buf, self.take(8 * n_dims, name))
+            if 0 in ne:
+                raise self.fail(f"tensor {name} has a dimension of 0 ({list(ne)}): {CORRUPT_FILE}")
             infos[name] = (ne, self.scalar(_UINT32, name), self.scalar(_UINT64, name))
         alignment = metadata.get("general.alignment", 32)
         if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):

@@ -10,10 +10,17 @@ BF16) loads as a dense model. The output matrix (and a tied embedding) is decode
 load, into the compute dtype. Llama's converter permutes the rows of q and k for
 llama.cpp's rotary layout (pairs of adjacent values); they are put back in Hugging Face's
 order (halves), whole rows, so the blocks need no decoding for it.
+
+A file is taken as hostile: every metadata value the config is built from is checked for
+its type and range, `block_count` against the `blk.N` tensors the file really holds and the
+widths against the embedding's and the first layer's shapes, before anything is built per
+layer; a tensor's shape is checked before its bytes are copied.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +37,15 @@ from speculative.gguf_blocks import (
     dequantize,
     supported_type,
 )
-from speculative.gguf_file import GGUFContents, GGUFFormatError, TensorInfo, read_gguf
+from speculative.gguf_file import (
+    CORRUPT_FILE,
+    GGUFContents,
+    GGUFFormatError,
+    TensorInfo,
+    open_regular,
+    read_gguf,
+    short_repr,
+)
 from speculative.gguf_modules import GGUFEmbedding, GGUFLinear
 from speculative.model import Transformer, rope_inv_freq
 from speculative.projections import fused_parts
@@ -56,6 +71,7 @@ _LAYER_NAMES = {
 _OUTER_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _OUTER = re.compile(r"(\w+)\.weight")
+_BLOCK = re.compile(r"blk\.(\d+)\.")
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1's frequency divisors (its rope scaling)
 
 
@@ -71,8 +87,11 @@ def is_gguf(ref: str | Path) -> bool:
         return False
     if path.suffix.lower() == ".gguf":
         return True
-    with path.open("rb") as f:
-        return f.read(4) == b"GGUF"
+    try:
+        with os.fdopen(open_regular(path), "rb") as f:  # no FIFO, even one swapped in since
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 SPLIT_PART = re.compile(r".*-\d{5}-of-\d{5}\.gguf", re.IGNORECASE)
@@ -114,45 +133,131 @@ def _projection(name: str) -> bool:
 
 def config_from_gguf(contents: GGUFContents) -> ModelConfig:
     """The ModelConfig of a GGUF file from its metadata and tensor infos, checked as
-    config.json is."""
+    config.json is, and against the tensors the file holds."""
     meta, tensors, source = contents.metadata, contents.tensors_by_name, str(contents.path)
     arch = meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{source}: architecture {arch!r} is not supported; specd runs GGUF files of "
-            f"{', '.join(ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3)"
+            f"{source}: architecture {short_repr(arch)} is not supported; specd runs GGUF files "
+            f"of {', '.join(ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3)"
         )
 
-    def key(name: str, default: Any = None) -> Any:
+    def count(name: str, default: int | None = None) -> int:
+        """A whole number of at least 1 (a count or a width)."""
         value = meta.get(f"{arch}.{name}", default)
         if value is None:
             raise UnsupportedModelError(f"{source}: metadata key {arch}.{name} is missing")
+        if type(value) is not int or value < 1:
+            raise _malformed(source, f"{arch}.{name}", value, "a whole number of at least 1")
         return value
 
-    heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    def number(name: str, default: float | None = None) -> float:
+        """A finite number of at least 0 (an epsilon, a base)."""
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise UnsupportedModelError(f"{source}: metadata key {arch}.{name} is missing")
+        if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+            raise _malformed(source, f"{arch}.{name}", value, "a finite number of at least 0")
+        return float(value)
+
+    heads, hidden = count("attention.head_count"), count("embedding_length")
+    kv_heads = count("attention.head_count_kv", heads)
+    head_dim = count("attention.key_length", max(hidden // heads, 1))
+    intermediate, layers = count("feed_forward_length"), count("block_count")
+    if head_dim % 2:
+        raise _malformed(
+            source, f"{arch}.attention.key_length", head_dim, "even (RoPE turns pairs)"
+        )
+    vocab = _vocab_size(meta, tensors, arch, source)
+    _check_layers(tensors, layers, f"{arch}.block_count", source)
+    # (columns, rows) as ne lists them; from the keys that set them, in the messages.
+    widths = f"{arch}.embedding_length"
+    q, kv = f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv"
+    expected = {
+        "token_embd.weight": ((hidden, vocab), f"{widths} and the vocabulary"),
+        "output.weight": ((hidden, vocab), f"{widths} and the vocabulary"),
+        "blk.0.attn_q.weight": ((hidden, heads * head_dim), f"{widths}, {q}"),
+        "blk.0.attn_k.weight": ((hidden, kv_heads * head_dim), f"{widths}, {kv}"),
+        "blk.0.attn_v.weight": ((hidden, kv_heads * head_dim), f"{widths}, {kv}"),
+        "blk.0.ffn_up.weight": ((hidden, intermediate), f"{widths}, {arch}.feed_forward_length"),
+    }
+    for name, (shape, keys) in expected.items():
+        if name in tensors and tensors[name].ne != shape:
+            raise GGUFError(
+                f"{source}: tensor {name} is {list(tensors[name].ne)} but {keys} make it "
+                f"{list(shape)}: {CORRUPT_FILE}"
+            )
     quantization = _quantization(tensors, meta, source)
     raw = {
         "model_type": ARCHITECTURES[arch],
-        "vocab_size": vocab or tensors["token_embd.weight"].ne[1],
+        "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": int(key("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "max_position_embeddings": int(key("context_length", 2048)),
-        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon"),
+        "max_position_embeddings": count("context_length", 2048),
+        "rope_theta": number("rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _token_id(meta, "tokenizer.ggml.bos_token_id", vocab, source),
+        "eos_token_id": _token_id(meta, "tokenizer.ggml.eos_token_id", vocab, source),
         "torch_dtype": _float_dtype(tensors) if quantization is None else "bfloat16",
         "attention_bias": "blk.0.attn_output.bias" in tensors,
         **_rope_scaling(meta, arch, source),
     }
     return replace(ModelConfig.from_hf(raw, source), quantization=quantization)
+
+
+def _malformed(source: str, key: str, value: Any, wanted: str) -> GGUFError:
+    return GGUFError(f"{source}: {key} is {short_repr(value)}, not {wanted}: {CORRUPT_FILE}")
+
+
+def _vocab_size(
+    meta: dict[str, Any], tensors: dict[str, TensorInfo], arch: str, source: str
+) -> int:
+    """`{arch}.vocab_size`, else the vocabulary's length, else the embedding's rows."""
+    if "token_embd.weight" not in tensors:
+        raise GGUFError(f"{source}: the file has no token_embd.weight tensor: {CORRUPT_FILE}")
+    value = meta.get(f"{arch}.vocab_size")
+    if value is not None and (type(value) is not int or value < 1):
+        raise _malformed(source, f"{arch}.vocab_size", value, "a whole number of at least 1")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if value is None and isinstance(tokens, list) and tokens:
+        value = len(tokens)
+    embedding = tensors["token_embd.weight"].ne
+    return value if value is not None else embedding[-1]
+
+
+def _token_id(meta: dict[str, Any], key: str, vocab: int, source: str) -> int | None:
+    value = meta.get(key)
+    if value is not None and (type(value) is not int or not 0 <= value < vocab):
+        raise _malformed(source, key, value, f"a token id below the vocabulary's {vocab}")
+    return value
+
+
+def _check_layers(tensors: dict[str, TensorInfo], layers: int, key: str, source: str) -> None:
+    """Every `blk.N` tensor is of a layer below `layers`, and every such layer has some: a
+    block count the tensors do not bear out would have us build (or plan) layers that are
+    not there."""
+    present = set()
+    for name in tensors:
+        block = _BLOCK.match(name)
+        if block is None:
+            continue
+        if len(block[1]) > 9 or int(block[1]) >= layers:  # digits: int() of any length is slow
+            raise GGUFError(
+                f"{source}: tensor {name} is of a layer past {key} {layers} (layers 0 to "
+                f"{layers - 1}): {CORRUPT_FILE}"
+            )
+        present.add(int(block[1]))
+    if len(present) < layers:
+        first = min(set(range(len(present) + 1)) - present)
+        raise GGUFError(
+            f"{source}: {key} is {layers} but layer {first} has no tensors (the file holds "
+            f"{len(present)} layers): {CORRUPT_FILE}"
+        )
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
@@ -161,14 +266,19 @@ def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any
     any other kind (YaRN in Qwen2.5's long-context files) is refused, as for config.json,
     rather than run unscaled."""
     kind = meta.get(f"{arch}.rope.scaling.type")
-    factor = meta.get(f"{arch}.rope.scaling.factor") or meta.get(f"{arch}.rope.scale_linear")
+    factor_key = f"{arch}.rope.scaling.factor"
+    if meta.get(factor_key) is None:
+        factor_key = f"{arch}.rope.scale_linear"
+    factor = meta.get(factor_key)
     if kind in (None, "none") and meta.get(f"{arch}.rope.scale_linear") is None:
         return {}
     if kind in (None, "linear") and factor is not None:
+        if type(factor) not in (int, float) or not 0 < factor < math.inf:
+            raise _malformed(source, factor_key, factor, "a finite number above 0")
         return {"rope_scaling": {"rope_type": "linear", "factor": float(factor)}}
     raise UnsupportedModelError(
-        f"{source}: RoPE scaling {kind!r} ({arch}.rope.scaling.type) is not supported; "
-        "specd runs default, linear and Llama 3.1's RoPE"
+        f"{source}: RoPE scaling {short_repr(kind)} ({arch}.rope.scaling.type) is not "
+        "supported; specd runs default, linear and Llama 3.1's RoPE"
     )
 
 
@@ -253,7 +363,23 @@ def load_gguf_model(
         if name is None:
             problems.append(f"unexpected tensor {info.name}")
             continue
-        rows = torch.from_numpy(contents.tensor_bytes(info).copy())
+        # The shape is checked before the bytes are copied: a hostile file's tensor may
+        # be far larger than the model its metadata describes.
+        stored = contents.tensor_bytes(info)  # (rows, row bytes), a view of the map
+        packed = f"{name.removesuffix('.weight')}.blocks"
+        module = model.get_submodule(packed.rsplit(".", 1)[0]) if packed in expected else None
+        if module is not None:  # kept as its blocks: a projection, or the embedding
+            assert isinstance(module, GGUFLinear | GGUFEmbedding)
+            if module.ggml_type != kind or tuple(module.stored().shape) != stored.shape:
+                problems.append(f"{info.name}: {stored.shape} bytes of type {kind}")
+                continue
+        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
+            problems.append("unexpected tensor output.weight (the embedding is tied)")
+            continue
+        elif (shape := _parameter_shape(model, name, parts)) != tuple(reversed(info.ne)):
+            problems.append(f"{name}: shape {tuple(reversed(info.ne))}, not {shape}")
+            continue
+        rows = torch.from_numpy(stored.copy())
         if cfg.model_type == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
             if len(info.ne) == 1:  # a bias: its values are what the rows of q/k are
@@ -261,22 +387,13 @@ def load_gguf_model(
             else:
                 rows = _unpermute(rows, heads)
         columns = info.ne[0]
-        packed = f"{name.removesuffix('.weight')}.blocks"
-        if packed in expected:  # kept as its blocks: a projection, or the embedding
-            module = model.get_submodule(packed.rsplit(".", 1)[0])
-            assert isinstance(module, GGUFLinear | GGUFEmbedding)
-            if module.ggml_type != kind or tuple(module.stored().shape) != tuple(rows.shape):
-                problems.append(f"{info.name}: {tuple(rows.shape)} bytes of type {kind}")
-                continue
+        if module is not None:
             if rows.shape[1] != module.blocks.shape[1]:  # room for another layer's type
                 room = torch.zeros(module.blocks.shape, dtype=torch.uint8)
                 room.view(-1)[: rows.numel()].copy_(rows.view(-1))
                 rows = room
             module._buffers["blocks"] = rows.to(device)
             seen.add(packed)
-            continue
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            problems.append("unexpected tensor output.weight (the embedding is tied)")
             continue
         # Decoded a chunk at a time in fp32 and rounded once to `dtype`: no fp32 copy of a
         # whole embedding (4.2 GB for a 70B's).
@@ -297,6 +414,22 @@ def load_gguf_model(
         inv_freq = inv_freq / factors  # llama.cpp divides each frequency by its factor
     model.inv_freq = inv_freq.to(device)
     return model.eval()
+
+
+def _parameter_shape(
+    model: nn.Module, name: str, parts: dict[str, tuple[str, int, int]]
+) -> tuple[int, ...] | None:
+    """The shape the tensor `name` has in `model` (built on the meta device): its rows of a
+    stacked (fused) parameter, or the parameter; None for a name the model does not have."""
+    if name in parts:
+        fused, row, end = parts[name]
+        return (end - row, *model.get_parameter(fused).shape[1:])
+    owner, _, attr = name.rpartition(".")
+    try:
+        current = model.get_submodule(owner)._parameters.get(attr)
+    except AttributeError:
+        return None
+    return None if current is None else tuple(current.shape)
 
 
 def _place(

@@ -29,20 +29,38 @@ follow those two: `llama-bpe` takes a word found whole in the vocabulary whole
 tokens keep the spelling the file gives them (byte-level respelling is for normal tokens),
 so `<｜end▁of▁sentence｜>` is matched whole; `add_space_prefix` false is honoured; and a
 generation ends at EOS, EOT, EOM or the end-of-turn tokens llama.cpp knows by name.
+
+The metadata is a hostile file's: every key is checked for its type, length and range, and
+the vocabulary against the bounds below, before anything is built from it
+(`check_tokenizer_metadata`, which `specd plan` runs too). Deriving a `llama` file's merges
+costs a piece's length squared (each cut of it is looked up), so one piece of 300k
+characters alone would take hours: pieces are bounded, and the vocabulary's text in all.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from speculative.gguf_file import CORRUPT_FILE, MAX_ARRAY_LENGTH, short_repr
 from speculative.tokenizer import Tokenizer
 
 # tokenizer.ggml.token_type values
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
+
+# Bounds on what a file's vocabulary may make us build (docs/models.md, "Hostile model
+# files"). Real vocabularies: at most 262,144 tokens (Gemma 3) and a few million characters,
+# 280,147 merges (Llama 3), tokens of a few hundred characters (SmolLM2's longest: 81).
+MAX_VOCABULARY = MAX_ARRAY_LENGTH  # tokens: 2**22, what one GGUF array may hold
+MAX_PIECE_LENGTH = 1024  # characters in one token
+MAX_VOCABULARY_TEXT = 2**23  # characters in all the tokens together
+MAX_MERGES = 2**21  # a `gpt2` file's, or those a `llama` file's scores give
+MAX_MERGES_TEXT = 2**24  # characters in all the merges together, both sides
 
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -80,32 +98,59 @@ class GGUFTokenizerError(ValueError):
     """The file's tokenizer metadata is missing, malformed or of a kind we cannot build."""
 
 
+class UnsupportedTokenizerError(GGUFTokenizerError):
+    """Well-formed tokenizer metadata that specd cannot build: a key missing, or a kind of
+    tokenizer (or pre-tokenizer) it does not know."""
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """The tokenizer keys of a file, checked."""
+
+    model: str  # "llama" | "gpt2"
+    tokens: list[str]
+    types: list[int]
+    ids: dict[str, int | None]  # bos, eos, unknown, padding, eot, eom
+    scores: list[float] | None  # `llama`
+    merges: list[tuple[str, str]] | None  # `gpt2`
+    pre: str  # `gpt2`: the split's name
+    flags: dict[str, bool | None]  # add_bos_token, add_eos_token, add_space_prefix
+    chat_template: str | None
+
+
+def check_tokenizer_metadata(fields: Mapping[str, Any], source: str) -> None:
+    """GGUFTokenizerError, naming `source` and the key, for a tokenizer key that is
+    malformed (of the wrong type or length, out of range, past a bound); nothing is built
+    (Llama 3 sized: ~0.15 s). A tokenizer specd cannot build is no error here: what
+    only generation needs is for generation to refuse (`specd plan` runs this)."""
+    # The keys read before it are checked; those after it matter only to a build.
+    with contextlib.suppress(UnsupportedTokenizerError):
+        _read(fields, source)
+
+
 def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
     """Our `Tokenizer` for the metadata `fields` (as `gguf_file.read_gguf` reads them) of the GGUF
     file `source` (named in errors)."""
-    model = fields.get("tokenizer.ggml.model")
-    tokens = _strings(fields, "tokenizer.ggml.tokens", source)
-    types = _token_types(fields, source, len(tokens))
-    ids = {
-        name: _token_id(fields, f"tokenizer.ggml.{name}_token_id", source, len(tokens))
-        for name in ("bos", "eos", "unknown", "padding", "eot", "eom")
-    }
+    read = _read(fields, source)
+    tokens, types, ids = read.tokens, read.types, read.ids
     # Matched whole in any text: control and unknown tokens, and the ids the file names.
     special = {i for i, kind in enumerate(types) if kind in (UNKNOWN, CONTROL)}
     special |= {i for i in ids.values() if i is not None}
     user_defined = [i for i, kind in enumerate(types) if kind == USER_DEFINED]
-    if model == "llama":
-        backend = _sentencepiece(fields, tokens, ids["unknown"], source)
-        add_bos_default = True
-    elif model == "gpt2":
-        pre = fields.get("tokenizer.ggml.pre", "default")
-        backend = _byte_level(fields, tokens, special | set(user_defined), pre, source)
-        add_bos_default = pre in _LLAMA3_PRES
-    else:
+    try:
+        if read.model == "llama":
+            backend = _sentencepiece(read, source)
+            add_bos_default = True
+        else:
+            backend = _byte_level(read, special | set(user_defined))
+            add_bos_default = read.pre in _LLAMA3_PRES
+    except Exception as exc:
+        if type(exc) is not Exception:  # the `tokenizers` library refuses with a bare one
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise GGUFTokenizerError(
-            f"{source}: tokenizer.ggml.model is {model!r}; specd builds 'llama' "
-            "(SentencePiece) and 'gpt2' (byte-level BPE) tokenizers"
-        )
+            f"{source}: the tokenizer.ggml.* keys do not make a tokenizer ({first}): {CORRUPT_FILE}"
+        ) from None
     backend.add_special_tokens(
         [AddedToken(tokens[i], normalized=False, special=True) for i in sorted(special)]
     )
@@ -115,8 +160,9 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
 
     bos = tokens[ids["bos"]] if ids["bos"] is not None else None
     eos = tokens[ids["eos"]] if ids["eos"] is not None else None
-    add_bos = bool(fields.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
-    if fields.get("tokenizer.ggml.add_eos_token") and eos is not None:
+    add_bos_flag = read.flags["add_bos_token"]
+    add_bos = (add_bos_default if add_bos_flag is None else add_bos_flag) and bos is not None
+    if read.flags["add_eos_token"] and eos is not None:
         # Only the post-processor can append EOS; Tokenizer then leaves BOS to it too.
         single = f"{bos}:0 $A:0 {eos}:0" if add_bos else f"$A:0 {eos}:0"
         named = {t: backend.token_to_id(t) for t in (bos, eos) if t is not None}
@@ -134,31 +180,23 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
         eos_token=eos,
         add_bos=add_bos_policy,
         eos_token_ids=eos_ids,
-        chat_template=fields.get("tokenizer.chat_template"),
+        chat_template=read.chat_template,
     )
 
 
-def _sentencepiece(
-    fields: Mapping[str, Any], tokens: list[str], unknown: int | None, source: str
-) -> HFTokenizer:
-    architecture = fields.get("general.architecture")
-    if architecture in _UNSUPPORTED_SPM_ARCHITECTURES:
-        raise GGUFTokenizerError(
-            f"{source}: general.architecture {architecture!r} ranks its sentencepiece merges by "
-            "token position, which specd does not build; load the model's folder instead"
-        )
-    scores = _scores(fields, source, len(tokens))
+def _sentencepiece(read: _Fields, source: str) -> HFTokenizer:
+    tokens, scores, unknown = read.tokens, read.scores or [], read.ids["unknown"]
     vocab = {token: i for i, token in enumerate(tokens)}
     backend = HFTokenizer(
         models.BPE(
             vocab=vocab,
-            merges=merges_from_scores(tokens, scores),
+            merges=merges_from_scores(tokens, scores, source),
             unk_token=tokens[unknown] if unknown is not None else None,
             fuse_unk=True,
             byte_fallback=True,
         )
     )
-    prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
+    prefix = read.flags["add_space_prefix"] is not False
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="▁", prepend_scheme="first" if prefix else "never", split=False
     )
@@ -169,37 +207,45 @@ def _sentencepiece(
     return backend
 
 
-def merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+def merges_from_scores(
+    tokens: Sequence[str], scores: Sequence[float], source: str = "the vocabulary"
+) -> list[tuple[str, str]]:
     """BPE merges for a sentencepiece vocabulary: every split of a piece into two pieces,
     ranked by the whole piece's score, best first. Applying them lowest rank first is
     sentencepiece's (and llama.cpp's) rule: merge the adjacent pair whose union scores best.
     Equal scores: longer left part, then longer right part, then vocabulary order, as
-    transformers' `generate_merges` orders them."""
+    transformers' `generate_merges` orders them. More than MAX_MERGES, or MAX_MERGES_TEXT,
+    is a GGUFTokenizerError naming `source`."""
     index = {token: i for i, token in enumerate(tokens)}
+    # Only cuts where both parts have the length of some token can be merges: a real
+    # vocabulary has a few dozen lengths, so most cuts of a long piece are never sliced.
+    lengths = sorted({len(token) for token in tokens})
+    present = set(lengths)
     ranked: list[tuple[float, int, int, str, str]] = []
+    text = 0
     for piece, score in zip(tokens, scores, strict=True):
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in index and right in index:
-                ranked.append((-score, -len(left), -len(right), left, right))
+        found = len(ranked)
+        for cut in lengths:
+            if cut >= len(piece):
+                break
+            if len(piece) - cut not in present:
+                continue
+            left, right = index.get(piece[:cut]), index.get(piece[cut:])
+            if left is not None and right is not None:  # the vocabulary's own strings
+                ranked.append((-score, -cut, cut - len(piece), tokens[left], tokens[right]))
+        text += (len(ranked) - found) * len(piece)
+        if len(ranked) > MAX_MERGES or text > MAX_MERGES_TEXT:
+            raise GGUFTokenizerError(
+                f"{source}: tokenizer.ggml.tokens give over {MAX_MERGES:,} merges or "
+                f"{MAX_MERGES_TEXT:,} characters of them, specd's bounds (a real vocabulary "
+                f"gives about two short ones per token): {CORRUPT_FILE}"
+            )
     ranked.sort(key=lambda merge: merge[:3])  # stable: vocabulary order within a tie
     return [(left, right) for *_, left, right in ranked]
 
 
-def _byte_level(
-    fields: Mapping[str, Any], tokens: list[str], keep: set[int], pre: Any, source: str
-) -> HFTokenizer:
-    if pre not in PRE_TOKENIZER_SPLITS:
-        raise GGUFTokenizerError(
-            f"{source}: tokenizer.ggml.pre {pre!r} names a pre-tokenizer specd does not know; "
-            f"known: {', '.join(sorted(PRE_TOKENIZER_SPLITS))}"
-        )
-    merges = []
-    for merge in _strings(fields, "tokenizer.ggml.merges", source):
-        left, space, right = merge.partition(" ")
-        if not space:
-            raise GGUFTokenizerError(f"{source}: tokenizer.ggml.merges has {merge!r}, no pair")
-        merges.append((left, right))
+def _byte_level(read: _Fields, keep: set[int]) -> HFTokenizer:
+    tokens, merges, pre = read.tokens, read.merges or [], read.pre
     # Normal tokens are spelled in the byte alphabet (a byte per character); a converter
     # that wrote one as UTF-8 text is respelled, as transformers does. Tokens matched whole
     # (`keep`) stay as written: that is how they appear in text.
@@ -230,31 +276,129 @@ def _byte_spelling() -> dict[int, str]:
     return {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(shifted)}
 
 
+def _read(fields: Mapping[str, Any], source: str) -> _Fields:
+    """The tokenizer keys, each checked for what tokenizer_from_gguf does with it: what is
+    malformed first, what specd cannot build (UnsupportedTokenizerError) as it comes."""
+    template = fields.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise GGUFTokenizerError(
+            f"{source}: tokenizer.chat_template is {short_repr(template)}, not text: {CORRUPT_FILE}"
+        )
+    flags = {
+        name: _flag(fields, f"tokenizer.ggml.{name}", source)
+        for name in ("add_bos_token", "add_eos_token", "add_space_prefix")
+    }
+    model, pre = fields.get("tokenizer.ggml.model"), fields.get("tokenizer.ggml.pre", "default")
+    for key, value in (("tokenizer.ggml.model", model), ("tokenizer.ggml.pre", pre)):
+        if value is not None and not isinstance(value, str):
+            raise GGUFTokenizerError(
+                f"{source}: {key} is {short_repr(value)}, not a name: {CORRUPT_FILE}"
+            )
+    tokens = _tokens(fields, source)
+    # Without token types (older converters) all are normal, the named special ids aside.
+    types = _numbers(fields, "tokenizer.ggml.token_type", source, len(tokens), "integers")
+    ids = {
+        name: _token_id(fields, f"tokenizer.ggml.{name}_token_id", source, len(tokens))
+        for name in ("bos", "eos", "unknown", "padding", "eot", "eom")
+    }
+    scores = merges = None
+    if model == "llama":
+        scores = _numbers(fields, "tokenizer.ggml.scores", source, len(tokens), "numbers")
+        architecture = fields.get("general.architecture")
+        if architecture in _UNSUPPORTED_SPM_ARCHITECTURES:
+            raise UnsupportedTokenizerError(
+                f"{source}: general.architecture {architecture!r} ranks its sentencepiece "
+                "merges by token position, which specd does not build; load the model's "
+                "folder instead"
+            )
+        if scores is None:
+            raise UnsupportedTokenizerError(
+                f"{source}: tokenizer.ggml.scores is missing (a 'llama' tokenizer needs it)"
+            )
+    elif model == "gpt2":
+        if pre not in PRE_TOKENIZER_SPLITS:
+            raise UnsupportedTokenizerError(
+                f"{source}: tokenizer.ggml.pre {pre!r} names a pre-tokenizer specd does not "
+                f"know; known: {', '.join(sorted(PRE_TOKENIZER_SPLITS))}"
+            )
+        merges = _merges(fields, source)
+    else:
+        raise UnsupportedTokenizerError(
+            f"{source}: tokenizer.ggml.model is {short_repr(model)}; specd builds 'llama' "
+            "(SentencePiece) and 'gpt2' (byte-level BPE) tokenizers"
+        )
+    types = [1] * len(tokens) if types is None else types
+    return _Fields(model, tokens, types, ids, scores, merges, pre, flags, template)
+
+
+def _tokens(fields: Mapping[str, Any], source: str) -> list[str]:
+    key = "tokenizer.ggml.tokens"
+    tokens = _strings(fields, key, source)
+    if len(tokens) > MAX_VOCABULARY:
+        raise GGUFTokenizerError(
+            f"{source}: {key} has {len(tokens):,} tokens; specd reads vocabularies of at most "
+            f"{MAX_VOCABULARY:,} (the largest real one has 262,144): {CORRUPT_FILE}"
+        )
+    longest = max(tokens, key=len)
+    if len(longest) > MAX_PIECE_LENGTH:
+        raise GGUFTokenizerError(
+            f"{source}: {key}[{tokens.index(longest)}] is {len(longest):,} characters long; "
+            f"specd reads tokens of at most {MAX_PIECE_LENGTH:,} (a real vocabulary's "
+            f"longest are a few hundred): {CORRUPT_FILE}"
+        )
+    text = sum(map(len, tokens))
+    if text > MAX_VOCABULARY_TEXT:
+        raise GGUFTokenizerError(
+            f"{source}: {key} holds {text:,} characters in all; specd reads vocabularies of "
+            f"at most {MAX_VOCABULARY_TEXT:,} (a real one has a few million): {CORRUPT_FILE}"
+        )
+    return tokens
+
+
+def _merges(fields: Mapping[str, Any], source: str) -> list[tuple[str, str]]:
+    key = "tokenizer.ggml.merges"
+    texts = _strings(fields, key, source)
+    text = sum(map(len, texts))
+    if len(texts) > MAX_MERGES or text > MAX_MERGES_TEXT:
+        raise GGUFTokenizerError(
+            f"{source}: {key} has {len(texts):,} merges of {text:,} characters; specd reads "
+            f"at most {MAX_MERGES:,} of {MAX_MERGES_TEXT:,} (Llama 3 has 280,147): {CORRUPT_FILE}"
+        )
+    merges = []
+    for merge in texts:
+        left, space, right = merge.partition(" ")
+        if not space:
+            raise GGUFTokenizerError(f"{source}: {key} has {merge[:80]!r}, no pair")
+        merges.append((left, right))
+    return merges
+
+
 def _strings(fields: Mapping[str, Any], key: str, source: str) -> list[str]:
     value = fields.get(key)
-    if not isinstance(value, list) or not value or not isinstance(value[0], str):
-        raise GGUFTokenizerError(f"{source}: {key} is missing or not a list of strings")
+    if value is None:
+        raise UnsupportedTokenizerError(f"{source}: {key} is missing: specd needs it")
+    if not isinstance(value, list) or not value or not all(type(v) is str for v in value):
+        raise GGUFTokenizerError(
+            f"{source}: {key} is missing or not a list of strings: {CORRUPT_FILE}"
+        )
     return value
 
 
-def _token_types(fields: Mapping[str, Any], source: str, length: int) -> list[int]:
-    value = fields.get("tokenizer.ggml.token_type")
-    if value is None:  # older converters: all normal, the named special ids aside
-        return [1] * length
-    return _sized(value, "tokenizer.ggml.token_type", source, length)
+_NUMBERS = {"integers": (int,), "numbers": (int, float)}
 
 
-def _scores(fields: Mapping[str, Any], source: str, length: int) -> list[float]:
-    key = "tokenizer.ggml.scores"
-    if fields.get(key) is None:
-        raise GGUFTokenizerError(f"{source}: {key} is missing (a 'llama' tokenizer needs it)")
-    return _sized(fields[key], key, source, length)
-
-
-def _sized(value: Any, key: str, source: str, length: int) -> list[Any]:
+def _numbers(
+    fields: Mapping[str, Any], key: str, source: str, length: int, kind: str
+) -> list[Any] | None:
+    """The list of `length` numbers of a `kind` (_NUMBERS) at `key`; None if it is absent."""
+    value = fields.get(key)
+    if value is None:
+        return None
     if not isinstance(value, list) or len(value) != length:
-        size = len(value) if isinstance(value, list) else type(value).__name__
-        raise GGUFTokenizerError(f"{source}: {key} has {size} entries for {length} tokens")
+        what = f"has {len(value)} entries" if isinstance(value, list) else f"is {short_repr(value)}"
+        raise GGUFTokenizerError(f"{source}: {key} {what} for {length} tokens: {CORRUPT_FILE}")
+    if not all(type(v) in _NUMBERS[kind] for v in value):
+        raise GGUFTokenizerError(f"{source}: {key} is not a list of {kind}: {CORRUPT_FILE}")
     return value
 
 
@@ -262,6 +406,17 @@ def _token_id(fields: Mapping[str, Any], key: str, source: str, length: int) -> 
     value = fields.get(key)
     if value is None:
         return None
-    if not isinstance(value, int) or not 0 <= value < length:
-        raise GGUFTokenizerError(f"{source}: {key} is {value!r}, not a token id below {length}")
+    if type(value) is not int or not 0 <= value < length:
+        raise GGUFTokenizerError(
+            f"{source}: {key} is {short_repr(value)}, not a token id below {length}"
+        )
     return value
+
+
+def _flag(fields: Mapping[str, Any], key: str, source: str) -> bool | None:
+    value = fields.get(key)
+    if value is None or isinstance(value, bool):
+        return value
+    if type(value) is int and value in (0, 1):
+        return bool(value)
+    raise GGUFTokenizerError(f"{source}: {key} is {short_repr(value)}, not true or false")

@@ -14,19 +14,25 @@ Where the stores live:
   in LM Studio's home (`~/.lmstudio`, or the folder `~/.lmstudio-home-pointer` names, as
   LM Studio's `lms` finds it), and the pre-0.3 `~/.cache/lm-studio/models`. Files are
   `<root>/<publisher>/<repo>/<file>.gguf`.
+
+What a store holds is taken as hostile: only regular files are opened (a FIFO named like a
+blob would block a reader forever, a device never end), each opened without blocking and
+checked again once open; manifests and text layers are read up to MAX_TEXT_BYTES; and a
+bad entry is listed with a note saying why, never stopping the listing of the rest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import mmap
 import os
 import re
-import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from speculative.gguf_file import open_regular, read_file_type
 
 OLLAMA_HOST, OLLAMA_NAMESPACE, OLLAMA_TAG = "registry.ollama.ai", "library", "latest"
 # The Linux installer's system service runs as the `ollama` user, whose home this is.
@@ -43,6 +49,7 @@ _NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 _HOST_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
 _SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 UNREADABLE = "unreadable"
+MAX_TEXT_BYTES = 1 << 20  # a manifest, a template, params or a system prompt (real: ~1 KB)
 
 Layer = tuple[str, Path]  # (digest, blob path)
 
@@ -70,6 +77,7 @@ class StoreEntry:
     path: Path
     size: int  # bytes
     file_type: str | None  # "Q4_K_M", "F16"…; None if the file doesn't say; UNREADABLE
+    note: str | None = None  # why it is UNREADABLE, in one line naming the file
 
 
 def resolve_store_ref(ref: str) -> StoreModel | None:
@@ -81,13 +89,13 @@ def resolve_store_ref(ref: str) -> StoreModel | None:
 
 
 def list_store_models() -> list[StoreEntry]:
-    """Every model in both stores, by name. A broken one is listed as UNREADABLE (resolving
-    it says what is wrong); models with no local GGUF (cloud models) and multi-part GGUFs
-    are left out."""
+    """Every model in both stores, by name. A broken one is listed as UNREADABLE with a
+    note saying why (resolving it says the same); models with no local GGUF (cloud models)
+    and multi-part GGUFs are left out."""
     entries: list[StoreEntry] = []
     for root in _existing(ollama_roots()):
         manifests = root / "manifests"
-        for manifest in sorted(p for p in manifests.glob("*/*/*/*") if p.is_file()):
+        for manifest in sorted(p for p in manifests.glob("*/*/*/*") if not p.is_dir()):
             host, namespace, model, tag = manifest.relative_to(manifests).parts
             # The shortest name that finds this manifest again, as Ollama shows it.
             if host.lower() != OLLAMA_HOST:
@@ -98,8 +106,10 @@ def list_store_models() -> list[StoreEntry]:
                 name = f"{model}:{tag}"
             try:
                 blob = _ollama_layers(root, manifest, name).get(_MODEL)
-            except StoreError:
-                entries.append(StoreEntry(f"ollama:{name}", "ollama", manifest, 0, UNREADABLE))
+            except StoreError as exc:
+                entries.append(
+                    StoreEntry(f"ollama:{name}", "ollama", manifest, 0, UNREADABLE, str(exc))
+                )
                 continue
             if blob is not None:
                 entries.append(_entry(f"ollama:{name}", "ollama", blob[1]))
@@ -124,7 +134,8 @@ def lmstudio_roots() -> list[Path]:
         return [Path(os.environ["LMSTUDIO_MODELS"]).expanduser()]
     home, pointer = Path.home() / ".lmstudio", Path.home() / ".lmstudio-home-pointer"
     if pointer.is_file():
-        home = Path(pointer.read_text(encoding="utf-8").strip())
+        with contextlib.suppress(OSError, ValueError):  # unreadable: the default home
+            home = Path(read_text_file(pointer).strip())
     legacy = Path.home() / ".cache" / "lm-studio" / "models"
     return [home / "models"] if home / "models" == legacy else [home / "models", legacy]
 
@@ -156,8 +167,9 @@ def _resolve_ollama(name: str) -> StoreModel:
     if _PARAMS in layers:
         try:
             params = json.loads(_text(layers[_PARAMS], name))
-        except ValueError as exc:
-            raise StoreError(f"{layers[_PARAMS][1]}: Ollama params are not JSON ({exc})") from exc
+        except (ValueError, RecursionError) as exc:
+            why = "nested too deep" if isinstance(exc, RecursionError) else str(exc)[:200]
+            raise StoreError(f"{layers[_PARAMS][1]}: Ollama params are not JSON ({why})") from None
         if not isinstance(params, dict):
             raise StoreError(f"{layers[_PARAMS][1]}: Ollama params are not a JSON object")
     stop = params.get("stop", [])
@@ -195,22 +207,25 @@ def _ollama_layers(root: Path, manifest: Path, name: str) -> dict[str, Layer]:
     layer, as Ollama does."""
     try:
         found: dict[str, Layer] = {}
-        for layer in json.loads(manifest.read_text(encoding="utf-8"))["layers"]:
+        for layer in json.loads(read_text_file(manifest))["layers"]:
             match = _DIGEST.fullmatch(layer["digest"])
             if not isinstance(layer["mediaType"], str) or match is None:
                 raise ValueError(f"bad layer {layer}")
             found[layer["mediaType"]] = (layer["digest"], root / "blobs" / f"sha256-{match[1]}")
         return found
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        # RecursionError: JSON nested too deep for the parser (a manifest is 3 levels).
+        why = str(exc)[:200] if not isinstance(exc, RecursionError) else "nested too deep"
         raise StoreError(
-            f"{manifest}: malformed Ollama manifest ({exc}): run `ollama pull {name}` again"
-        ) from exc
+            f"{manifest}: malformed Ollama manifest ({why}): run `ollama pull {name}` again"
+        ) from None
 
 
 def _blob(layer: Layer, name: str) -> Path:
     if not layer[1].is_file():
+        what = "is not a regular file" if layer[1].exists() else "is missing"
         raise StoreError(
-            f"Ollama model {name!r}: blob {layer[0]} is missing ({layer[1]}): "
+            f"Ollama model {name!r}: blob {layer[0]} {what} ({layer[1]}): "
             f"run `ollama pull {name}` again"
         )
     return layer[1]
@@ -219,9 +234,19 @@ def _blob(layer: Layer, name: str) -> Path:
 def _text(layer: Layer, name: str) -> str:
     path = _blob(layer, name)
     try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise StoreError(f"{path}: cannot read Ollama layer {layer[0]} ({exc})") from exc
+        return read_text_file(path)
+    except (OSError, ValueError) as exc:
+        raise StoreError(f"{path}: cannot read Ollama layer {layer[0]} ({_why(exc)})") from None
+
+
+def read_text_file(path: Path) -> str:
+    """The UTF-8 text of a small regular file (a manifest, a config): OSError if it is not
+    one (a FIFO, say), ValueError past MAX_TEXT_BYTES or if it is not UTF-8."""
+    with os.fdopen(open_regular(path), "rb") as f:
+        data = f.read(MAX_TEXT_BYTES + 1)
+    if len(data) > MAX_TEXT_BYTES:
+        raise ValueError(f"over {MAX_TEXT_BYTES:,} bytes, more than any real one")
+    return data.decode("utf-8")
 
 
 def _resolve_lmstudio(name: str) -> StoreModel:
@@ -237,7 +262,7 @@ def _resolve_lmstudio(name: str) -> StoreModel:
         )
     if len(parts) == 3:
         path = folder / (parts[2] if parts[2].endswith(".gguf") else parts[2] + ".gguf")
-        if not path.is_file():
+        if not path.exists():
             raise StoreError(f"{path} does not exist: name a .gguf file in {folder}")
     else:
         ggufs = [p for p in sorted(folder.glob("*.gguf")) if not _is_projector(p)]
@@ -266,10 +291,10 @@ def _is_projector(path: Path) -> bool:
 
 def _gguf(path: Path) -> Path:
     try:
-        with path.open("rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             magic = f.read(4)
     except OSError as exc:
-        raise StoreError(f"{path}: cannot read ({exc})") from exc
+        raise StoreError(f"{path}: cannot read it ({_why(exc)})") from None
     if magic != b"GGUF":
         raise StoreError(f"{path} is not a GGUF file (no GGUF magic): specd loads GGUF")
     return path
@@ -277,10 +302,17 @@ def _gguf(path: Path) -> Path:
 
 def _entry(name: str, store: str, path: Path) -> StoreEntry:
     try:
-        size = path.stat().st_size
-    except OSError:
-        return StoreEntry(name, store, path, 0, UNREADABLE)
-    return StoreEntry(name, store, path, size, gguf_file_type(path))
+        size = os.stat(path).st_size
+    except OSError as exc:
+        return StoreEntry(name, store, path, 0, UNREADABLE, f"{path}: {exc.strerror}")
+    try:
+        return StoreEntry(name, store, path, size, _read_file_type(path))
+    except ValueError as exc:  # GGUFFormatError, naming the path
+        return StoreEntry(name, store, path, size, UNREADABLE, str(exc))
+
+
+def _why(exc: OSError | ValueError) -> str:
+    return (exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc))[:200]
 
 
 def _existing(roots: list[Path]) -> list[Path]:
@@ -303,76 +335,23 @@ def _unreadable(path: Path) -> bool:
     return not os.access(path, os.R_OK | os.X_OK)
 
 
-# GGUF value types (gguf.GGUFValueType): the fixed sizes, and struct codes of the integers.
-_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_INTS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 10: "Q", 11: "q"}
-_STRING, _ARRAY = 8, 9
-
-
 def gguf_file_type(path: Path) -> str | None:
     """`general.file_type` as llama.cpp names it ("Q4_K_M", "F16"); None when the file does
-    not say; UNREADABLE when it is no readable GGUF. Walks the metadata in a memory map up
-    to that key, building no values and touching no tensor data. Quantized files keep the
-    key after the tokenizer's arrays, which gguf.GGUFReader builds entry by entry: 24 s
-    for a Llama 3 vocabulary, against 0.05 s here."""
+    not say; UNREADABLE when it is no readable GGUF. Only the metadata is read, and none of
+    its values built (speculative/gguf_file.py's `read_file_type`)."""
     try:
-        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            value = _find_file_type(data)
-    except (OSError, ValueError, struct.error, RecursionError):  # RecursionError: nesting
+        return _read_file_type(path)
+    except ValueError:  # GGUFFormatError: what it says is in _entry's note
         return UNREADABLE
-    if value is None:
-        return None
+
+
+def _read_file_type(path: Path) -> str | None:
     from gguf import LlamaFileType
 
+    value = read_file_type(path)
+    if value is None:
+        return None
     try:
         return LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
     except ValueError:
         return f"file type {value}"
-
-
-def _find_file_type(data: mmap.mmap) -> int | None:
-    offset, order = 4, "<"
-
-    def read(fmt: str) -> Any:  # struct.error past the end of the file
-        nonlocal offset
-        value = struct.unpack_from(order + fmt, data, offset)[0]
-        offset += struct.calcsize(fmt)
-        return value
-
-    def skip(value_type: int) -> None:
-        nonlocal offset
-        if value_type in _SIZES:
-            offset += _SIZES[value_type]
-        elif value_type == _STRING:
-            length = read("Q")
-            offset += length
-        elif value_type == _ARRAY:
-            item_type, count = read("I"), read("Q")
-            if item_type in _SIZES:
-                offset += _SIZES[item_type] * count
-            elif item_type == _STRING:  # the vocabulary: the hot loop
-                length_at = struct.Struct(order + "Q").unpack_from
-                for _ in range(count):
-                    offset += 8 + length_at(data, offset)[0]
-            else:
-                for _ in range(count):
-                    skip(item_type)
-        else:
-            raise ValueError(f"unknown GGUF value type {value_type}")
-
-    if data[:4] != b"GGUF":
-        raise ValueError("no GGUF magic")
-    version = read("I")
-    if version & 0xFFFF == 0:  # a big-endian file: its small version reads byte-swapped
-        order, version = ">", int.from_bytes(version.to_bytes(4, "little"), "big")
-    if version < 2:  # GGUF v1 had 32-bit counts and lengths
-        raise ValueError(f"GGUF version {version}")
-    read("Q")  # tensor count
-    for _ in range(read("Q")):
-        length = read("Q")
-        key, offset = data[offset : offset + length], offset + length
-        value_type = read("I")
-        if key == b"general.file_type" and value_type in _INTS:
-            return int(read(_INTS[value_type]))
-        skip(value_type)
-    return None

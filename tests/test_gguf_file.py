@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import struct
 import time
@@ -14,8 +15,10 @@ import gguf
 import numpy as np
 import pytest
 
-from speculative.gguf_file import GGUFFormatError, read_gguf
+from speculative import gguf_file
+from speculative.gguf_file import GGUFFormatError, read_file_type, read_gguf
 from tests.conftest import SHARED_MODELS
+from tests.test_model_stores import deadline
 
 GGUFS = SHARED_MODELS / "gguf"
 FILES = sorted(GGUFS.glob("*.gguf"))
@@ -108,6 +111,9 @@ def test_a_llama3_sized_tokenizer_reads_in_well_under_a_second(tmp_path: Path) -
     for key, value in values.items():
         assert contents.metadata[key] == value, key
     assert contents.metadata["general.file_type"] == 7
+    start = time.perf_counter()
+    assert read_file_type(path) == 7  # every array skipped, none built: ~0.09 s
+    assert time.perf_counter() - start < seconds + 1
     embd, q8 = contents.tensors
     assert (embd.ne, embd.ggml_type, q8.ne, q8.ggml_type) == ((64, 3), 0, (128, 2), 8)
     assert contents.tensor_bytes(embd).view(np.float32).tolist() == (
@@ -268,3 +274,75 @@ def test_flipped_header_bytes_never_raise_anything_else(tmp_path: Path) -> None:
             read_gguf(path)
         except GGUFFormatError as exc:
             assert str(exc).startswith(f"{path}: ")
+
+
+# Hostile files (issue 32): counts are checked against what follows and against specd's
+# bounds before anything is read per item. Sparse files have every byte they claim, as
+# zeros, at no cost on disk: the size of the file bounds nothing.
+
+
+def _sparse(path: Path, head: bytes, size: int) -> Path:
+    with path.open("wb") as f:
+        f.write(head)
+        f.truncate(size)
+    return path
+
+
+def _refused_quickly(path: Path) -> str:
+    start = time.perf_counter()
+    with pytest.raises(GGUFFormatError) as caught:
+        read_gguf(path)
+    assert time.perf_counter() - start < 1, "read per item before refusing"
+    message = str(caught.value)
+    assert message.startswith(f"{path}: ") and "\n" not in message
+    return message.removeprefix(f"{path}: ")
+
+
+def test_counts_over_the_bounds_are_refused_before_any_item_is_read(tmp_path: Path) -> None:
+    path, huge = tmp_path / "sparse.gguf", 2**31
+    strings = _entry(b"tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 2**26))
+    message = _refused_quickly(_sparse(path, _file(strings), huge))
+    assert message.startswith(
+        f"tokenizer.ggml.tokens claims 67,108,864 items (a real model's largest array, its "
+        f"vocabulary, has at most 262,144); specd reads at most {gguf_file.MAX_ARRAY_LENGTH:,}"
+    )
+    numbers = _entry(b"k", 9, struct.pack("<IQ", 0, gguf_file.MAX_ARRAY_LENGTH + 1))
+    assert "k claims 4,194,305 items" in _refused_quickly(_sparse(path, _file(numbers), huge))
+    many_keys = b"GGUF" + struct.pack("<IQQ", 3, 0, gguf_file.MAX_METADATA + 1)
+    message = _refused_quickly(_sparse(path, many_keys, huge))
+    assert message.startswith("the metadata claims 65,537 keys (a real model has 20-60)")
+    many_tensors = _file(n_tensors=gguf_file.MAX_TENSORS + 1)
+    assert "the tensor table claims 65,537 tensors" in _refused_quickly(
+        _sparse(path, many_tensors, huge)
+    )
+    string = _entry(b"k", 8, struct.pack("<Q", gguf_file.MAX_HEADER_BYTES))
+    message = _refused_quickly(_sparse(path, _file(string), huge))
+    assert message.startswith(f"k at byte {len(_file(string))} takes 134,217,728 bytes")
+    assert "specd reads headers of at most that size" in message
+
+
+def test_the_items_of_all_arrays_together_are_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gguf_file, "MAX_ARRAY_ITEMS", 10)
+    five = struct.pack("<IQ", 4, 5) + bytes(20)
+    path = tmp_path / "items.gguf"
+    path.write_bytes(_file(_entry(b"a", 9, five), _entry(b"b", 9, five)))
+    assert read_gguf(path).metadata == {"a": [0] * 5, "b": [0] * 5}
+    nested = struct.pack("<IQ", 9, 3) + struct.pack("<IQ", 4, 0) * 3  # 3 arrays: 3 items
+    path.write_bytes(_file(_entry(b"a", 9, five), _entry(b"b", 9, nested), _entry(b"c", 9, five)))
+    assert _refused_quickly(path).startswith("c brings the items of the file's arrays to 13")
+
+
+def test_a_zero_dimension_is_refused(tmp_path: Path) -> None:
+    table = _file(n_tensors=1) + _tensor(b"t", (64, 0), 0) + b"\0" * 64
+    assert "tensor t has a dimension of 0 ([64, 0])" in _refused(tmp_path / "z.gguf", table)
+
+
+def test_a_fifo_or_a_folder_is_refused_without_reading_it(tmp_path: Path) -> None:
+    """Opening a FIFO for reading waits for a writer: forever, for a model path."""
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    with deadline(10):
+        for path in (fifo, tmp_path):
+            assert "not a regular file" in _refused_quickly(path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from speculative.gguf_tokenizer import (
 )
 from speculative.tokenizer import Tokenizer
 from tests.conftest import SHARED_MODELS
+from tests.test_model_stores import deadline
 
 GGUF_DIR = SHARED_MODELS / "gguf"
 GGUF_FILES = sorted(p.name for p in GGUF_DIR.glob("*.gguf"))
@@ -347,3 +349,95 @@ def test_unknown_pre_in_a_written_file(byte_level_vocab: Any, tmp_path: Path) ->
     path = _write_byte_level(tmp_path / "odd.gguf", byte_level_vocab, "made-up-pre")
     with pytest.raises(ValueError, match=r"odd\.gguf: tokenizer\.ggml\.pre 'made-up-pre'"):
         _byte_level(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"tokenizer.ggml.tokens": [1, 2, 3]}, "tokenizer.ggml.tokens"),
+        ({"tokenizer.ggml.scores": ["0.5"] * 512}, "tokenizer.ggml.scores"),
+        ({"tokenizer.ggml.scores": "scores"}, "tokenizer.ggml.scores"),
+        ({"tokenizer.ggml.token_type": ["1"] * 512}, "tokenizer.ggml.token_type"),
+        ({"tokenizer.ggml.token_type": [1.0] * 512}, "tokenizer.ggml.token_type"),
+        ({"tokenizer.ggml.bos_token_id": -1}, "tokenizer.ggml.bos_token_id"),
+        ({"tokenizer.ggml.eos_token_id": "2"}, "tokenizer.ggml.eos_token_id"),
+        ({"tokenizer.ggml.eos_token_id": True}, "tokenizer.ggml.eos_token_id"),
+        ({"tokenizer.ggml.add_bos_token": "yes"}, "tokenizer.ggml.add_bos_token"),
+        ({"tokenizer.chat_template": 5}, "tokenizer.chat_template"),
+        ({"tokenizer.chat_template": ["{{ x }}"]}, "tokenizer.chat_template"),
+        ({"tokenizer.ggml.model": ["llama"] * 10**6}, "tokenizer.ggml.model"),
+        ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": ["x"]}, "tokenizer.ggml.pre"),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_the_key_and_the_file(
+    change: dict[str, Any], key: str
+) -> None:
+    """Issue 32: each was a traceback (or went on to fail later) before."""
+    _, fields = _spm("stories260k-F16.gguf")
+    with pytest.raises(GGUFTokenizerError, match=rf"^broken\.gguf: {key} ") as raised:
+        tokenizer_from_gguf({**fields, **change}, "broken.gguf")
+    assert "\n" not in str(raised.value) and len(str(raised.value)) < 300
+
+
+def test_a_huge_token_is_refused_before_the_merges_are_derived() -> None:
+    """One 300,000-character piece made deriving the merges quadratic (no answer in 60 s).
+    The bound is far above any real token, and a piece at the bound builds in no time."""
+    from speculative import gguf_tokenizer
+
+    _, fields = _spm("stories260k-F16.gguf")
+    tokens = list(fields["tokenizer.ggml.tokens"])
+    tokens[300] = "▁" + "a" * 299_999
+    start = time.perf_counter()
+    with deadline(10), pytest.raises(GGUFTokenizerError) as raised:
+        tokenizer_from_gguf({**fields, "tokenizer.ggml.tokens": tokens}, "long.gguf")
+    assert time.perf_counter() - start < 1
+    assert str(raised.value).startswith(
+        "long.gguf: tokenizer.ggml.tokens[300] is 300,000 characters long; specd reads tokens "
+        f"of at most {gguf_tokenizer.MAX_PIECE_LENGTH:,}"
+    )
+    tokens[300] = "▁" + "a" * (gguf_tokenizer.MAX_PIECE_LENGTH - 1)
+    start = time.perf_counter()
+    built = tokenizer_from_gguf({**fields, "tokenizer.ggml.tokens": tokens}, "ok.gguf")
+    assert time.perf_counter() - start < 2
+    assert built.decode(built.encode("Once upon a time")) == "Once upon a time"
+
+
+def test_the_vocabulary_and_its_merges_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bounds on a vocabulary's tokens, its text and its merges (derived from a `llama`
+    file's scores, or a `gpt2` file's), each refused in one line naming the key."""
+    from speculative import gguf_tokenizer
+
+    _, fields = _spm("stories260k-F16.gguf")
+    for bound, value, expected in [
+        ("MAX_VOCABULARY", 511, "tokenizer.ggml.tokens has 512 tokens; specd reads vocabularies"),
+        ("MAX_VOCABULARY_TEXT", 1000, "tokenizer.ggml.tokens holds 2,"),
+        ("MAX_MERGES", 100, "tokenizer.ggml.tokens give over 100 merges"),
+        ("MAX_MERGES_TEXT", 400, "tokenizer.ggml.tokens give over .* or 400 characters"),
+    ]:
+        with monkeypatch.context() as patch:
+            patch.setattr(gguf_tokenizer, bound, value)
+            with pytest.raises(GGUFTokenizerError, match=rf"^spm\.gguf: {expected}"):
+                tokenizer_from_gguf(fields, "spm.gguf")
+    byte_level = {
+        **fields,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.merges": ["▁ t", "h e"] * 60,
+    }
+    monkeypatch.setattr(gguf_tokenizer, "MAX_MERGES", 100)
+    with pytest.raises(GGUFTokenizerError, match=r"^bpe\.gguf: tokenizer\.ggml\.merges has 120"):
+        tokenizer_from_gguf(byte_level, "bpe.gguf")
+
+
+def test_merges_of_tokens_not_in_the_vocabulary_are_one_line(
+    byte_level_vocab: Any, tmp_path: Path
+) -> None:
+    """The `tokenizers` library refuses them with a bare Exception: it is named as the
+    file's fault, with what the library said."""
+    path = _write_byte_level(tmp_path / "ok.gguf", byte_level_vocab, "qwen2")
+    fields = read_gguf(path).metadata
+    broken = {**fields, "tokenizer.ggml.merges": ["zzz qqq", *fields["tokenizer.ggml.merges"]]}
+    with pytest.raises(GGUFTokenizerError) as raised:
+        tokenizer_from_gguf(broken, "bad-merges.gguf")
+    message = str(raised.value)
+    assert message.startswith("bad-merges.gguf: the tokenizer.ggml.* keys do not make")
+    assert "out of vocabulary" in message and "\n" not in message

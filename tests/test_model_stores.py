@@ -4,13 +4,19 @@ The model files are real GGUFs from /work/shared/models/gguf."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
 import shutil
+import signal
 import struct
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
@@ -387,3 +393,109 @@ def test_file_type_of_files_that_do_not_say_or_are_not_gguf(tmp_path: Path) -> N
     for name, data in cases.items():
         (tmp_path / name).write_bytes(data)
         assert gguf_file_type(tmp_path / name) == expected.get(name, "unreadable"), name
+
+
+# ---- hostile stores (issue 32): nothing in a store may hang or stop the listing ----------
+
+
+class Blocked(BaseException):
+    """Raised in a test that blocked: not an OSError (TimeoutError is one), which the code
+    under test may catch, nor an Exception."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Ends a block that runs past `seconds` (opening a FIFO waits for a writer forever)
+    with Blocked, again every second, so that a caught one does not hang the test."""
+
+    def blocked(signum: int, frame: Any) -> None:
+        raise Blocked(f"still running after {seconds} s: blocked on a FIFO, or looping")
+
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_fifo_is_never_opened(home: Path) -> None:
+    with deadline(10):
+        _fifo_checks(home)
+
+
+def _fifo_checks(home: Path) -> None:
+    models = home / ".ollama" / "models"
+    manifest = pull(models)
+    model_blob(manifest).unlink()
+    os.mkfifo(model_blob(manifest))
+    folder = lmstudio(home / ".lmstudio" / "models", "a/pipes", ("good.gguf", Q8_0))
+    os.mkfifo(folder / "pipe.gguf")
+    assert gguf_file_type(folder / "pipe.gguf") == "unreadable"
+    found = {entry.name: entry for entry in list_store_models()}
+    assert {name: entry.file_type for name, entry in found.items()} == {
+        "ollama:llama3.1:latest": "unreadable",
+        "lmstudio:a/pipes/good.gguf": "Q8_0",
+        "lmstudio:a/pipes/pipe.gguf": "unreadable",
+    }
+    for name in ("ollama:llama3.1:latest", "lmstudio:a/pipes/pipe.gguf"):
+        note = found[name].note
+        assert note is not None and note.startswith(f"{found[name].path}: not a regular file")
+    assert found["lmstudio:a/pipes/good.gguf"].note is None
+    with pytest.raises(StoreError, match="is not a regular file"):
+        resolve_store_ref("ollama:llama3.1")
+    with pytest.raises(StoreError, match="not a regular file"):
+        resolve_store_ref("lmstudio:a/pipes/pipe")
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested too deep"),
+        (" " * (model_stores.MAX_TEXT_BYTES + 1), "over 1,048,576 bytes"),
+        ("\xff", "can't decode"),
+    ],
+)
+def test_a_bad_manifest_is_one_entry_with_a_note(home: Path, text: str, why: str) -> None:
+    """A deeply nested manifest (RecursionError in the JSON parser) made the listing empty."""
+    models = home / ".ollama" / "models"
+    pull(models, "registry.ollama.ai/library/good/latest", Q8_0)
+    bad = pull(models, "registry.ollama.ai/library/bad/latest")
+    bad.write_bytes(text.encode("latin-1"))
+    found = {entry.name: entry for entry in list_store_models()}
+    assert {name: entry.file_type for name, entry in found.items()} == {
+        "ollama:bad:latest": "unreadable",
+        "ollama:good:latest": "Q8_0",
+    }
+    note = found["ollama:bad:latest"].note
+    assert note is not None and note.startswith(f"{bad}: malformed Ollama manifest")
+    assert why in note and "\n" not in note
+    with pytest.raises(StoreError, match="malformed Ollama manifest"):
+        resolve_store_ref("ollama:bad")
+
+
+def test_params_nested_too_deep_are_one_line(home: Path) -> None:
+    pull(home / ".ollama" / "models", params="[" * 100_000 + "]" * 100_000)
+    with pytest.raises(StoreError, match=r"Ollama params are not JSON \(nested too deep\)"):
+        resolve_store_ref("ollama:llama3.1")
+
+
+def test_file_type_of_hostile_files_is_unreadable_at_once(tmp_path: Path) -> None:
+    """Counts past gguf_file's bounds are refused before they are looped over: 67M empty
+    strings in a sparse file took a minute to walk."""
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 1) + b"k"
+    cases = {
+        "strings": header + struct.pack("<IIQ", 9, 8, 2**26),
+        "keys": b"GGUF" + struct.pack("<IQQ", 3, 0, 2**40),
+        "nested": header + struct.pack("<IIQ", 9, 9, 1) + struct.pack("<IQ", 9, 1) * 40,
+        "long-key": b"GGUF" + struct.pack("<IQQQ", 3, 0, 1, 2**40),
+    }
+    for name, head in cases.items():
+        path = tmp_path / f"{name}.gguf"
+        with path.open("wb") as f:
+            f.write(head)
+            f.truncate(2**31)  # sparse: 2 GiB of zeros that take no room
+        start = time.perf_counter()
+        assert gguf_file_type(path) == "unreadable", name
+        assert time.perf_counter() - start < 1, name

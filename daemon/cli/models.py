@@ -1,11 +1,14 @@
 """`specd models`: the models already on this machine that `--model` can name: Ollama's and
 LM Studio's GGUF files (speculative/model_stores.py) and the Hugging Face hub cache, with
-their size and type. Nothing is loaded; a GGUF's type is read from its metadata alone."""
+their size and type. Nothing is loaded; a GGUF's type is read from its metadata alone. A
+store's entry that cannot be read is listed as unreadable, with a one-line note on stderr
+saying why; the rest are listed all the same."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ class Found:
     size: int  # bytes on disk
     path: Path
     source: str  # "ollama" | "lmstudio" | "hub"
+    note: str | None = None  # why it is unreadable: one line naming the file
 
 
 def hub_models() -> list[Found]:
@@ -43,12 +47,16 @@ def hub_models() -> list[Found]:
 
 def _hub_kind(folder: Path) -> str:
     """What config.json says the weights are: a quantization format, or the dtype."""
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
+    from speculative.model_stores import read_text_file
+
+    try:  # read as the stores' files are: a FIFO or a huge file is no config.json
+        config = json.loads(read_text_file(folder / "config.json"))
+    except (OSError, ValueError, RecursionError):
+        return "no config.json"
+    if not isinstance(config, dict):
         return "no config.json"
     quant = config.get("quantization_config") or {}
-    if quant.get("quant_method"):
+    if isinstance(quant, dict) and quant.get("quant_method"):
         bits = quant.get("bits") or quant.get("w_bit")
         return f"{quant['quant_method']} {bits}-bit" if bits else str(quant["quant_method"])
     return str(config.get("torch_dtype") or config.get("dtype") or "unknown dtype")
@@ -58,7 +66,7 @@ def store_models() -> list[Found]:
     from speculative.model_stores import list_store_models
 
     return [
-        Found(e.name, e.file_type or "unknown type", e.size, e.path, e.store)
+        Found(e.name, e.file_type or "unknown type", e.size, e.path, e.store, e.note)
         for e in list_store_models()
     ]
 
@@ -69,10 +77,14 @@ def _size(n: int) -> str:
 
 def cmd_models(args: argparse.Namespace) -> int:
     found = sorted(store_models() + hub_models(), key=lambda f: (f.source, f.name))
+    for f in found:
+        if f.note is not None:  # a store's file names are anyone's: no control characters
+            note = "".join(c if c.isprintable() else repr(c)[1:-1] for c in f.note)
+            print(f"specd: note: {f.name}: {note}", file=sys.stderr)
     if args.json:
         rows: list[dict[str, Any]] = [
             {"name": f.name, "type": f.kind, "bytes": f.size, "path": str(f.path),
-             "source": f.source}
+             "source": f.source, "note": f.note}
             for f in found
         ]  # fmt: skip
         print(json.dumps(rows, indent=2))

@@ -16,6 +16,7 @@ from daemon.cli.plan import (
     add_prefix_cache_arg,
     add_quantize_args,
 )
+from daemon.options import RuntimeOptions
 from daemon.settings import (
     COMPILE_CHOICES,
     DEVICE_CHOICES,
@@ -147,12 +148,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from daemon.http.server import read_api_key, serve
 
     settings = settings_from_args(args)
-    settings.runtime_options()  # fail now, in one line, if no model is configured
+    check_local_models(settings.runtime_options())  # fail now, in one line, before listening
     read_api_key(settings.server.api_key_file)
     setup_logging(settings.logging.level)
     status = asyncio.run(serve(settings))
     exit_now_if_compiling(status)
     return status
+
+
+def check_local_models(options: RuntimeOptions) -> None:
+    """Read the metadata of each model that is on this machine (a folder, a GGUF file, a
+    model store's), as the engine thread will: a missing, malformed or hostile file is then
+    one line on stderr and exit status 2 before the daemon listens, not a load failure in
+    its log. A hub id is left to the engine: resolving it may download."""
+    from speculative.checkpoint import open_checkpoint
+    from speculative.model_stores import resolve_store_ref
+
+    for ref, quantize in (
+        (options.model, options.quantize),
+        (options.draft, options.draft_quantize),
+    ):
+        if ref is None or ref in ("ngram", "substitute"):
+            continue
+        if resolve_store_ref(ref) is not None or Path(ref).expanduser().exists():
+            open_checkpoint(ref, quantize)
 
 
 def exit_now_if_compiling(status: int) -> None:
