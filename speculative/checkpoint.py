@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from speculative.config import ModelConfig, UnsupportedModelError
+from speculative.gguf_config import config_from_gguf
 from speculative.gguf_file import GGUFContents
-from speculative.gguf_model import config_from_gguf, is_gguf, load_gguf_model, open_gguf
+from speculative.gguf_model import is_gguf, load_gguf_model, open_gguf
 from speculative.gguf_tokenizer import check_tokenizer_metadata, tokenizer_from_gguf
 from speculative.model import Transformer
 from speculative.model_stores import resolve_store_ref
@@ -27,7 +28,12 @@ from speculative.quant import (
     UnsupportedQuantizationError,
     on_load_quantization,
 )
-from speculative.safetensors_model import CheckpointError, load_model, weight_files
+from speculative.safetensors_model import (
+    CheckpointError,
+    load_model,
+    refuse_irregular,
+    weight_files,
+)
 from speculative.tokenizer import Tokenizer
 
 log = logging.getLogger("specd.checkpoint")
@@ -38,6 +44,8 @@ DTYPE_CHOICES = ("auto", *DTYPES)
 _WEIGHT_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
 # What planning reads: a plan needs no weights (`specd plan`, `specd pull --config-only`).
 CONFIG_FILES = ["config.json", "generation_config.json"]
+# What Tokenizer.from_folder reads, each only if it is there.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -67,6 +75,7 @@ def resolve(ref: str | os.PathLike[str], config_only: bool = False) -> Path:
     if is_gguf(path):
         return path
     if path.is_dir():
+        refuse_irregular(path / "config.json")
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(
                 f"{path} is a folder but has no config.json: not a model folder"
@@ -109,7 +118,8 @@ def open_checkpoint(
     path = store.path if store is not None else resolve(ref, config_only)
     if is_gguf(path):
         return _open_gguf_checkpoint(path, quantize, store.stop if store is not None else [])
-    config_path = path / "config.json"
+    config_path, gen_path = path / "config.json", path / "generation_config.json"
+    refuse_irregular(config_path, gen_path)  # a hub snapshot's too, not checked by resolve
     try:
         raw = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -122,13 +132,12 @@ def open_checkpoint(
                 f"({config.quantization.label}); it loads as it is, without --quantize"
             )
         config = replace(config, quantization=on_load_quantization(quantize))
-    gen_path = path / "generation_config.json"
     defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
     return Checkpoint(path=path, config=config, generation_defaults=defaults)
 
 
 def _open_gguf_checkpoint(path: Path, quantize: str | None, stop: list[str]) -> Checkpoint:
-    """A GGUF file's config from its metadata (speculative/gguf_model.py). `stop`: a model
+    """A GGUF file's config from its metadata (speculative/gguf_config.py). `stop`: a model
     store's default stop strings (Ollama's params); those that are tokens of the
     vocabulary end a generation as its end-of-sequence tokens do."""
     if quantize is not None:
@@ -223,6 +232,7 @@ def load(
         stops = ckpt.generation_defaults.get("eos_token_id") or []  # a store's stop tokens
         tokenizer.eos_token_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *stops]))
         return load_gguf_model(contents, ckpt.config, dtype, device), tokenizer, ckpt
+    refuse_irregular(*(ckpt.path / name for name in TOKENIZER_FILES))
     tokenizer = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
     model = load_model(ckpt.path, ckpt.config, dtype=dtype, device=device, skip=skip)
     return model, tokenizer, ckpt

@@ -1,5 +1,5 @@
-"""GGUF files (llama.cpp's format; what Ollama and LM Studio keep): the model's config
-from the file's metadata, and its tensors loaded into our decoder as they are stored.
+"""GGUF files (llama.cpp's format; what Ollama and LM Studio keep): recognized, opened, and
+their tensors loaded into our decoder as they are stored.
 
 The header is read by speculative/gguf_file.py over a memory map (gguf-py's reader parses
 every metadata string in Python: seconds for a 128k vocabulary); each tensor is copied
@@ -11,48 +11,26 @@ load, into the compute dtype. Llama's converter permutes the rows of q and k for
 llama.cpp's rotary layout (pairs of adjacent values); they are put back in Hugging Face's
 order (halves), whole rows, so the blocks need no decoding for it.
 
-A file is taken as hostile: every metadata value the config is built from is checked for
-its type and range, `block_count` against the `blk.N` tensors the file really holds and the
-widths against the embedding's and the first layer's shapes, before anything is built per
-layer; a tensor's shape is checked before its bytes are copied.
+A file is taken as hostile: its config is built and checked from the metadata by
+speculative/gguf_config.py, and here a tensor's shape is checked before its bytes are copied.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from speculative.config import ModelConfig, UnsupportedModelError
-from speculative.gguf_blocks import (
-    FLOAT_TYPES,
-    UnsupportedGGMLTypeError,
-    dequantize,
-    supported_type,
-)
-from speculative.gguf_file import (
-    CORRUPT_FILE,
-    GGUFContents,
-    GGUFFormatError,
-    TensorInfo,
-    open_regular,
-    read_gguf,
-    short_repr,
-)
+from speculative.config import ModelConfig
+from speculative.gguf_blocks import dequantize
+from speculative.gguf_file import GGUFContents, GGUFFormatError, open_regular, read_gguf
 from speculative.gguf_modules import GGUFEmbedding, GGUFLinear
 from speculative.model import Transformer, rope_inv_freq
 from speculative.projections import fused_parts
-from speculative.quant import EMBEDDING, QuantizationSpec
-
-# general.architecture → our model_type. Mistral's files say "llama".
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 # GGUF tensor names → ours, per layer and outside the layers.
 _LAYER_NAMES = {
@@ -71,7 +49,6 @@ _LAYER_NAMES = {
 _OUTER_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _OUTER = re.compile(r"(\w+)\.weight")
-_BLOCK = re.compile(r"blk\.(\d+)\.")
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1's frequency divisors (its rope scaling)
 
 
@@ -125,206 +102,6 @@ def our_name(name: str) -> str | None:
     if outer is not None and outer.group(1) in _OUTER_NAMES:
         return f"{_OUTER_NAMES[outer.group(1)]}.weight"
     return None
-
-
-def _projection(name: str) -> bool:
-    return name.startswith("layers.") and name.endswith("_proj.weight")
-
-
-def config_from_gguf(contents: GGUFContents) -> ModelConfig:
-    """The ModelConfig of a GGUF file from its metadata and tensor infos, checked as
-    config.json is, and against the tensors the file holds."""
-    meta, tensors, source = contents.metadata, contents.tensors_by_name, str(contents.path)
-    arch = meta.get("general.architecture")
-    if not isinstance(arch, str) or arch not in ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"{source}: architecture {short_repr(arch)} is not supported; specd runs GGUF files "
-            f"of {', '.join(ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3)"
-        )
-
-    def count(name: str, default: int | None = None) -> int:
-        """A whole number of at least 1 (a count or a width)."""
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise UnsupportedModelError(f"{source}: metadata key {arch}.{name} is missing")
-        if type(value) is not int or value < 1:
-            raise _malformed(source, f"{arch}.{name}", value, "a whole number of at least 1")
-        return value
-
-    def number(name: str, default: float | None = None) -> float:
-        """A finite number of at least 0 (an epsilon, a base)."""
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise UnsupportedModelError(f"{source}: metadata key {arch}.{name} is missing")
-        if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-            raise _malformed(source, f"{arch}.{name}", value, "a finite number of at least 0")
-        return float(value)
-
-    heads, hidden = count("attention.head_count"), count("embedding_length")
-    kv_heads = count("attention.head_count_kv", heads)
-    head_dim = count("attention.key_length", max(hidden // heads, 1))
-    intermediate, layers = count("feed_forward_length"), count("block_count")
-    if head_dim % 2:
-        raise _malformed(
-            source, f"{arch}.attention.key_length", head_dim, "even (RoPE turns pairs)"
-        )
-    vocab = _vocab_size(meta, tensors, arch, source)
-    _check_layers(tensors, layers, f"{arch}.block_count", source)
-    # (columns, rows) as ne lists them; from the keys that set them, in the messages.
-    widths = f"{arch}.embedding_length"
-    q, kv = f"{arch}.attention.head_count", f"{arch}.attention.head_count_kv"
-    expected = {
-        "token_embd.weight": ((hidden, vocab), f"{widths} and the vocabulary"),
-        "output.weight": ((hidden, vocab), f"{widths} and the vocabulary"),
-        "blk.0.attn_q.weight": ((hidden, heads * head_dim), f"{widths}, {q}"),
-        "blk.0.attn_k.weight": ((hidden, kv_heads * head_dim), f"{widths}, {kv}"),
-        "blk.0.attn_v.weight": ((hidden, kv_heads * head_dim), f"{widths}, {kv}"),
-        "blk.0.ffn_up.weight": ((hidden, intermediate), f"{widths}, {arch}.feed_forward_length"),
-    }
-    for name, (shape, keys) in expected.items():
-        if name in tensors and tensors[name].ne != shape:
-            raise GGUFError(
-                f"{source}: tensor {name} is {list(tensors[name].ne)} but {keys} make it "
-                f"{list(shape)}: {CORRUPT_FILE}"
-            )
-    quantization = _quantization(tensors, meta, source)
-    raw = {
-        "model_type": ARCHITECTURES[arch],
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "rms_norm_eps": number("attention.layer_norm_rms_epsilon"),
-        "max_position_embeddings": count("context_length", 2048),
-        "rope_theta": number("rope.freq_base", 10000.0),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": _token_id(meta, "tokenizer.ggml.bos_token_id", vocab, source),
-        "eos_token_id": _token_id(meta, "tokenizer.ggml.eos_token_id", vocab, source),
-        "torch_dtype": _float_dtype(tensors) if quantization is None else "bfloat16",
-        "attention_bias": "blk.0.attn_output.bias" in tensors,
-        **_rope_scaling(meta, arch, source),
-    }
-    return replace(ModelConfig.from_hf(raw, source), quantization=quantization)
-
-
-def _malformed(source: str, key: str, value: Any, wanted: str) -> GGUFError:
-    return GGUFError(f"{source}: {key} is {short_repr(value)}, not {wanted}: {CORRUPT_FILE}")
-
-
-def _vocab_size(
-    meta: dict[str, Any], tensors: dict[str, TensorInfo], arch: str, source: str
-) -> int:
-    """`{arch}.vocab_size`, else the vocabulary's length, else the embedding's rows."""
-    if "token_embd.weight" not in tensors:
-        raise GGUFError(f"{source}: the file has no token_embd.weight tensor: {CORRUPT_FILE}")
-    value = meta.get(f"{arch}.vocab_size")
-    if value is not None and (type(value) is not int or value < 1):
-        raise _malformed(source, f"{arch}.vocab_size", value, "a whole number of at least 1")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if value is None and isinstance(tokens, list) and tokens:
-        value = len(tokens)
-    embedding = tensors["token_embd.weight"].ne
-    return value if value is not None else embedding[-1]
-
-
-def _token_id(meta: dict[str, Any], key: str, vocab: int, source: str) -> int | None:
-    value = meta.get(key)
-    if value is not None and (type(value) is not int or not 0 <= value < vocab):
-        raise _malformed(source, key, value, f"a token id below the vocabulary's {vocab}")
-    return value
-
-
-def _check_layers(tensors: dict[str, TensorInfo], layers: int, key: str, source: str) -> None:
-    """Every `blk.N` tensor is of a layer below `layers`, and every such layer has some: a
-    block count the tensors do not bear out would have us build (or plan) layers that are
-    not there."""
-    present = set()
-    for name in tensors:
-        block = _BLOCK.match(name)
-        if block is None:
-            continue
-        if len(block[1]) > 9 or int(block[1]) >= layers:  # digits: int() of any length is slow
-            raise GGUFError(
-                f"{source}: tensor {name} is of a layer past {key} {layers} (layers 0 to "
-                f"{layers - 1}): {CORRUPT_FILE}"
-            )
-        present.add(int(block[1]))
-    if len(present) < layers:
-        first = min(set(range(len(present) + 1)) - present)
-        raise GGUFError(
-            f"{source}: {key} is {layers} but layer {first} has no tensors (the file holds "
-            f"{len(present)} layers): {CORRUPT_FILE}"
-        )
-
-
-def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
-    """The file's RoPE scaling as config.json writes it: none, or linear (also the older
-    `rope.scale_linear`). Llama 3.1's own scaling is its `rope_freqs` tensor, not a key;
-    any other kind (YaRN in Qwen2.5's long-context files) is refused, as for config.json,
-    rather than run unscaled."""
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    factor_key = f"{arch}.rope.scaling.factor"
-    if meta.get(factor_key) is None:
-        factor_key = f"{arch}.rope.scale_linear"
-    factor = meta.get(factor_key)
-    if kind in (None, "none") and meta.get(f"{arch}.rope.scale_linear") is None:
-        return {}
-    if kind in (None, "linear") and factor is not None:
-        if type(factor) not in (int, float) or not 0 < factor < math.inf:
-            raise _malformed(source, factor_key, factor, "a finite number above 0")
-        return {"rope_scaling": {"rope_type": "linear", "factor": float(factor)}}
-    raise UnsupportedModelError(
-        f"{source}: RoPE scaling {short_repr(kind)} ({arch}.rope.scaling.type) is not "
-        "supported; specd runs default, linear and Llama 3.1's RoPE"
-    )
-
-
-def _float_dtype(tensors: dict[str, TensorInfo]) -> str:
-    """The dtype a float file's projections are stored in (config.json's torch_dtype)."""
-    kinds = {t.ggml_type for n, t in tensors.items() if ".attn_q." in n}
-    names = {0: "float32", 1: "float16", 30: "bfloat16"}
-    return names.get(kinds.pop(), "float32") if len(kinds) == 1 else "float32"
-
-
-def _quantization(
-    tensors: dict[str, TensorInfo], meta: dict[str, Any], source: str
-) -> QuantizationSpec | None:
-    """None when every projection is stored as floats (a dense model); else the GGUF spec
-    naming each projection's block type."""
-    types: list[tuple[str, int]] = []
-    stored: dict[str, int] = {}
-    for gguf_name, info in tensors.items():
-        name = our_name(gguf_name)
-        if name is None:
-            continue
-        try:
-            kind = supported_type(info.ggml_type)
-        except UnsupportedGGMLTypeError as err:
-            raise GGUFError(f"{source}: tensor {gguf_name}: {err}") from None
-        if name.startswith("layers."):
-            stored[kind.name] = stored.get(kind.name, 0) + info.n_bytes
-        if _projection(name):
-            types.append((name, int(kind)))
-        untied = "output.weight" in tensors
-        if name == EMBEDDING and untied and kind not in FLOAT_TYPES:
-            types.append((name, int(kind)))  # kept as blocks, rows decoded per lookup
-    if all(kind in FLOAT_TYPES for name, kind in types if name != EMBEDDING):
-        return None  # float projections: a dense model (its embedding decoded at load)
-    file_type = _file_type(meta.get("general.file_type"))
-    return QuantizationSpec.gguf(tuple(sorted(types)), file_type, tuple(sorted(stored.items())))
-
-
-def _file_type(value: Any) -> str:
-    """general.file_type as llama.cpp names it ("Q4_K_M"): a mixture, not every tensor's."""
-    import gguf
-
-    try:
-        return gguf.LlamaFileType(int(value)).name.removeprefix("MOSTLY_")
-    except (TypeError, ValueError):
-        return "mixed"
 
 
 def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:

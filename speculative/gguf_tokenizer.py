@@ -33,14 +33,15 @@ generation ends at EOS, EOT, EOM or the end-of-turn tokens llama.cpp knows by na
 The metadata is a hostile file's: every key is checked for its type, length and range, and
 the vocabulary against the bounds below, before anything is built from it
 (`check_tokenizer_metadata`, which `specd plan` runs too). Deriving a `llama` file's merges
-costs a piece's length squared (each cut of it is looked up), so one piece of 300k
-characters alone would take hours: pieces are bounded, and the vocabulary's text in all.
+costs a piece's length squared (each cut of it is looked up; speculative/gguf_merges.py),
+so one piece of 300k characters alone would take hours: pieces are bounded, and the
+vocabulary's text in all.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 
 from speculative.gguf_file import CORRUPT_FILE, MAX_ARRAY_LENGTH, short_repr
+from speculative.gguf_merges import TooManyMergesError, merges_from_scores
 from speculative.tokenizer import Tokenizer
 
 # tokenizer.ggml.token_type values
@@ -187,10 +189,18 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
 def _sentencepiece(read: _Fields, source: str) -> HFTokenizer:
     tokens, scores, unknown = read.tokens, read.scores or [], read.ids["unknown"]
     vocab = {token: i for i, token in enumerate(tokens)}
+    try:
+        merges = merges_from_scores(tokens, scores, max_merges=MAX_MERGES, max_text=MAX_MERGES_TEXT)
+    except TooManyMergesError:
+        raise GGUFTokenizerError(
+            f"{source}: tokenizer.ggml.tokens give over {MAX_MERGES:,} merges or "
+            f"{MAX_MERGES_TEXT:,} characters of them, specd's bounds (a real vocabulary "
+            f"gives about two short ones per token): {CORRUPT_FILE}"
+        ) from None
     backend = HFTokenizer(
         models.BPE(
             vocab=vocab,
-            merges=merges_from_scores(tokens, scores, source),
+            merges=merges,
             unk_token=tokens[unknown] if unknown is not None else None,
             fuse_unk=True,
             byte_fallback=True,
@@ -205,43 +215,6 @@ def _sentencepiece(read: _Fields, source: str) -> HFTokenizer:
         steps.append(decoders.Strip(" ", 1, 0))  # the space Metaspace prepended
     backend.decoder = decoders.Sequence(steps)
     return backend
-
-
-def merges_from_scores(
-    tokens: Sequence[str], scores: Sequence[float], source: str = "the vocabulary"
-) -> list[tuple[str, str]]:
-    """BPE merges for a sentencepiece vocabulary: every split of a piece into two pieces,
-    ranked by the whole piece's score, best first. Applying them lowest rank first is
-    sentencepiece's (and llama.cpp's) rule: merge the adjacent pair whose union scores best.
-    Equal scores: longer left part, then longer right part, then vocabulary order, as
-    transformers' `generate_merges` orders them. More than MAX_MERGES, or MAX_MERGES_TEXT,
-    is a GGUFTokenizerError naming `source`."""
-    index = {token: i for i, token in enumerate(tokens)}
-    # Only cuts where both parts have the length of some token can be merges: a real
-    # vocabulary has a few dozen lengths, so most cuts of a long piece are never sliced.
-    lengths = sorted({len(token) for token in tokens})
-    present = set(lengths)
-    ranked: list[tuple[float, int, int, str, str]] = []
-    text = 0
-    for piece, score in zip(tokens, scores, strict=True):
-        found = len(ranked)
-        for cut in lengths:
-            if cut >= len(piece):
-                break
-            if len(piece) - cut not in present:
-                continue
-            left, right = index.get(piece[:cut]), index.get(piece[cut:])
-            if left is not None and right is not None:  # the vocabulary's own strings
-                ranked.append((-score, -cut, cut - len(piece), tokens[left], tokens[right]))
-        text += (len(ranked) - found) * len(piece)
-        if len(ranked) > MAX_MERGES or text > MAX_MERGES_TEXT:
-            raise GGUFTokenizerError(
-                f"{source}: tokenizer.ggml.tokens give over {MAX_MERGES:,} merges or "
-                f"{MAX_MERGES_TEXT:,} characters of them, specd's bounds (a real vocabulary "
-                f"gives about two short ones per token): {CORRUPT_FILE}"
-            )
-    ranked.sort(key=lambda merge: merge[:3])  # stable: vocabulary order within a tie
-    return [(left, right) for *_, left, right in ranked]
 
 
 def _byte_level(read: _Fields, keep: set[int]) -> HFTokenizer:

@@ -9,6 +9,8 @@ checkpoints; a GGUF file's weights are read by speculative/gguf_model.py."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -37,20 +39,41 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class CheckpointError(ValueError):
-    """The checkpoint's tensors do not match its config (missing, unexpected, wrong shape)."""
+    """The checkpoint's tensors do not match its config (missing, unexpected, wrong shape),
+    or one of its files is not a regular file."""
+
+
+def refuse_irregular(*paths: Path) -> None:
+    """A CheckpointError naming the first of `paths` that is there but is not a regular file
+    (a FIFO, a device, a folder), checked before it is opened: opening a FIFO waits for a
+    writer, forever for a model's file. A path with nothing there passes: the caller's own
+    check says what is missing."""
+    for path in paths:
+        try:
+            mode = os.stat(path).st_mode  # symlinks followed: the hub cache's lead to blobs
+        except OSError:
+            continue
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(
+                f"{path}: not a regular file (a FIFO, a device or a folder); specd reads a "
+                "model's files only from regular files"
+            )
 
 
 def weight_files(path: Path) -> list[Path]:
     if is_gguf(path):
         return [path]
     index = path / "model.safetensors.index.json"
+    refuse_irregular(index)
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        refuse_irregular(*(path / s for s in shards))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
             raise CheckpointError(f"{index}: shard files missing: {', '.join(missing)}")
         return [path / s for s in shards]
     files = sorted(path.glob("*.safetensors"))
+    refuse_irregular(*files)
     if not files:
         bins = sorted(p.name for p in path.glob("*.bin"))
         ggufs = sorted(p.name for p in path.glob("*.gguf"))

@@ -16,9 +16,11 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
 from speculative.gguf_file import read_gguf
+from speculative.gguf_merges import merges_from_scores
 from speculative.gguf_tokenizer import (
+    MAX_MERGES,
+    MAX_MERGES_TEXT,
     GGUFTokenizerError,
-    merges_from_scores,
     tokenizer_from_gguf,
 )
 from speculative.tokenizer import Tokenizer
@@ -162,7 +164,8 @@ def test_merge_ranks_break_score_ties_as_transformers_does() -> None:
     scores = [score // 10 for score in fields["tokenizer.ggml.scores"]]
     vocab = {token: i for i, token in enumerate(tokens)}
     expected = generate_merges(vocab, dict(zip(tokens, scores, strict=True)))
-    assert merges_from_scores(tokens, scores) == expected
+    merges = merges_from_scores(tokens, scores, max_merges=MAX_MERGES, max_text=MAX_MERGES_TEXT)
+    assert merges == expected
 
 
 def test_spm_variants() -> None:

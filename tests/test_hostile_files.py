@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -299,6 +300,40 @@ def test_a_real_process_answers_in_one_line_and_exit_2(
     assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"specd: error: {path}: ")
     assert named in done.stderr
     assert seconds < 30  # ~1.5 s: the start-up; refusing the file itself is milliseconds
+
+
+# Each file of a Hugging Face folder, with the command that first opens it.
+FOLDER_FILES = [
+    ("config.json", "plan"),
+    ("generation_config.json", "plan"),
+    ("tokenizer.json", "generate"),
+    ("tokenizer_config.json", "generate"),
+    ("model.safetensors", "generate"),
+]
+
+
+@pytest.mark.parametrize(("name", "command"), FOLDER_FILES)
+def test_a_fifo_in_a_model_folder_is_refused_at_once(
+    name: str, command: str, tmp_path: Path
+) -> None:
+    """Before, a FIFO for the weights blocked `generate` forever on opening it; one for
+    config.json was "no config.json", and the other JSON files were passed over as absent."""
+    folder = tmp_path / "stories260k"
+    shutil.copytree(SHARED_MODELS / "stories260k", folder)
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    home = str(tmp_path / "home")
+    env = {"HOME": home, "XDG_CONFIG_HOME": home, "HF_HOME": home, "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    done = specd(*[part.format(folder) for part in COMMANDS[command]], env=env)
+    seconds = time.perf_counter() - start
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr == (
+        f"specd: error: {folder / name}: not a regular file (a FIFO, a device or a folder); "
+        "specd reads a model's files only from regular files\n"
+    )
+    assert seconds < 30  # ~1.5 s: the start-up
 
 
 # ---- the model stores ----------------------------------------------------------------
