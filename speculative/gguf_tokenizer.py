@@ -9,8 +9,8 @@ tokenizer.json too:
 - `llama` (SentencePiece): BPE over the pieces whose merge ranks follow the merged piece's
   score, byte fallback (`<0xNN>`) for characters with no piece, spaces as `▁` with one `▁`
   prepended to the text (Metaspace), and a decoder that undoes all three.
-- `gpt2`: byte-level BPE with the file's merges, the text first split by the regex that
-  `tokenizer.ggml.pre` names.
+- `gpt2`: byte-level BPE with the file's merges, the text first split by the regexes that
+  `tokenizer.ggml.pre` names (llama.cpp's names and splits: speculative/gguf_pretokenizers.py).
 
 Where llama.cpp tokenizes an SPM text differently we follow transformers, which the rest of
 specd and its references are checked against. llama.cpp's SPM rule (merge the adjacent pair
@@ -24,8 +24,10 @@ and only at its start: " lead" is ▁▁lead there and ▁lead here, "<s>Hi" is 
 score ties between different pieces the merge rank decides here, the position there.
 
 Where transformers' GGUF path departs from both llama.cpp and the model's tokenizer.json we
-follow those two: `llama-bpe` takes a word found whole in the vocabulary whole
-(`ignore_merges`) and adds BOS unless the file says otherwise; control and user-defined
+follow those two: a `pre` name llama.cpp flags so takes a word found whole in the vocabulary
+whole (`ignore_merges`: `llama-bpe`, `tekken`, ...) or adds BOS unless the file says otherwise
+(`llama-bpe`, ...); names whose split transformers does not know (`smollm`, `deepseek-v3`,
+...) are split as llama.cpp splits them, not by GPT-2's regex; control and user-defined
 tokens keep the spelling the file gives them (byte-level respelling is for normal tokens),
 so `<｜end▁of▁sentence｜>` is matched whole; `add_space_prefix` false is honoured; and a
 generation ends at EOS, EOT, EOM or the end-of-turn tokens llama.cpp knows by name.
@@ -45,11 +47,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from speculative.gguf_file import CORRUPT_FILE, MAX_ARRAY_LENGTH, short_repr
 from speculative.gguf_merges import TooManyMergesError, merges_from_scores
+from speculative.gguf_pretokenizers import NOT_BYTE_LEVEL, PRE_TOKENIZERS
 from speculative.tokenizer import Tokenizer
 
 # tokenizer.ggml.token_type values
@@ -64,28 +67,6 @@ MAX_VOCABULARY_TEXT = 2**23  # characters in all the tokens together
 MAX_MERGES = 2**21  # a `gpt2` file's, or those a `llama` file's scores give
 MAX_MERGES_TEXT = 2**24  # characters in all the merges together, both sides
 
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# `tokenizer.ggml.pre` -> the split regex; None is GPT-2's own, which ByteLevel applies itself
-# (transformers' choice for `default` too; llama.cpp's BPE `default` first cuts punctuation).
-PRE_TOKENIZER_SPLITS: dict[str, str | None] = {
-    "default": None,
-    "gpt2": None,
-    "gpt-2": None,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-# llama.cpp sets ignore_merges and add_bos for these, as Meta's tokenizer.json does.
-_LLAMA3_PRES = frozenset({"llama-bpe", "llama3", "llama-v3"})
 # Tokens llama.cpp ends a generation at by their text alone (llama-vocab.cpp, "EOG").
 END_OF_TURN_TOKENS = frozenset(
     {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"}
@@ -145,7 +126,7 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
             add_bos_default = True
         else:
             backend = _byte_level(read, special | set(user_defined))
-            add_bos_default = read.pre in _LLAMA3_PRES
+            add_bos_default = PRE_TOKENIZERS[read.pre].add_bos
     except Exception as exc:
         if type(exc) is not Exception:  # the `tokenizers` library refuses with a bare one
             raise
@@ -229,14 +210,9 @@ def _byte_level(read: _Fields, keep: set[int]) -> HFTokenizer:
         if i not in keep and not alphabet.issuperset(token):
             token = "".join(spelling[b] for b in token.encode("utf-8"))
         vocab[token] = i
-    backend = HFTokenizer(models.BPE(vocab, merges, ignore_merges=pre in _LLAMA3_PRES))
-    split = PRE_TOKENIZER_SPLITS[pre]
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
-    if split is not None:
-        split_words = pre_tokenizers.Split(Regex(split), behavior="isolated")
-        backend.pre_tokenizer = pre_tokenizers.Sequence([split_words, byte_level])
-    else:
-        backend.pre_tokenizer = byte_level
+    split = PRE_TOKENIZERS[pre]
+    backend = HFTokenizer(models.BPE(vocab, merges, ignore_merges=split.ignore_merges))
+    backend.pre_tokenizer = split.pre_tokenizer()
     backend.decoder = decoders.ByteLevel()
     return backend
 
@@ -289,10 +265,16 @@ def _read(fields: Mapping[str, Any], source: str) -> _Fields:
                 f"{source}: tokenizer.ggml.scores is missing (a 'llama' tokenizer needs it)"
             )
     elif model == "gpt2":
-        if pre not in PRE_TOKENIZER_SPLITS:
+        if pre in NOT_BYTE_LEVEL:
             raise UnsupportedTokenizerError(
-                f"{source}: tokenizer.ggml.pre {pre!r} names a pre-tokenizer specd does not "
-                f"know; known: {', '.join(sorted(PRE_TOKENIZER_SPLITS))}"
+                f"{source}: tokenizer.ggml.pre {pre!r} is {NOT_BYTE_LEVEL[pre]}, which specd "
+                "does not build; load the model's folder instead"
+            )
+        if pre not in PRE_TOKENIZERS:
+            raise UnsupportedTokenizerError(
+                f"{source}: tokenizer.ggml.pre {pre!r} names a pre-tokenizer neither specd nor "
+                f"llama.cpp knows (speculative/gguf_pretokenizers.py lists the "
+                f"{len(PRE_TOKENIZERS)} specd builds)"
             )
         merges = _merges(fields, source)
     else:
