@@ -185,3 +185,22 @@ def test_an_internal_error_keeps_its_traceback(monkeypatch, stories_target) -> N
     argv = ["generate", "--model", str(stories_target), "--prompt", "hi", "--device", "cpu"]
     with pytest.raises(ValueError, match="an invariant broke"):
         main(argv)
+
+
+def test_chat_sends_the_prompt_through_the_chat_template(capsys, shared_models: Path) -> None:
+    """--chat on a real instruct model (SmolLM2, its GGUF as shipped): the question goes
+    through the model's template as a user message and the answer ends at its end of
+    turn, as transformers answers greedily (the model folder's README)."""
+    gguf = shared_models / "smollm2-135m-instruct" / "smollm2-135m-instruct-q4_1.gguf"
+    record = _json_run(
+        capsys, "--model", str(gguf), "--compile", "off", "--chat",
+        "--prompt", "What is the capital of France?", "--max-tokens", "40",
+    )  # fmt: skip
+    assert record["text"] == "The capital of France is Paris."
+    assert record["finish_reason"] == "stop"
+
+
+def test_chat_takes_text_not_ids(capsys, stories_target) -> None:
+    code = main(["generate", "--model", str(stories_target), "--chat", "--prompt-ids", "1,2"])
+    assert code == 2
+    assert "--chat" in capsys.readouterr().err

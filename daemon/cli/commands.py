@@ -124,6 +124,12 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
         help="text, tokenized as the model's tokenizer says",
     )
     src.add_argument("--prompt-ids", type=_prompt_ids, default=None, help="ids fed exactly: 1,2,3")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="send --prompt as a user message through the model's chat template (the answer "
+        "ends at its end of turn), as `specd chat --once` does",
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument(
         "--temperature", type=temperature, default=0.0, help="0 = greedy (default), up to 2"
@@ -236,6 +242,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise RequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     if args.samples < 1:
         raise RequestError(f"--samples must be at least 1, got {args.samples}")
+    if args.chat and args.prompt_ids is not None:
+        raise RequestError(
+            "--chat sends --prompt text as a user message; --prompt-ids are fed as they are"
+        )
     with collector_paused():
         from daemon.admission import Ask, admit
         from daemon.compiling import print_progress
@@ -245,14 +255,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         runtime = Runtime(runtime_options(args))
     runtime.compile(serving=False).warm(print_progress)  # --compile on: before the first token
     prompt = list(args.prompt_ids) if args.prompt_ids is not None else args.prompt or ""
+    # --chat: an instruct model given a raw question often ends its text at once.
+    messages = [{"role": "user", "content": prompt}] if args.chat else None
     grammar = output_grammar(args)
 
     def admitted(seed: int | None) -> GenerationRequest:
         """The request of one sample (its seed, its own grammar state), admitted as the
         daemon admits one; a --max-tokens past the context is cut to what fits."""
         ask = Ask(
-            prompt=prompt,
-            messages=None,
+            prompt=None if messages else prompt,
+            messages=messages,
             params=sampling_params(args, seed),
             max_tokens=args.max_tokens,
             stop=args.stop,
