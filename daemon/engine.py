@@ -496,7 +496,7 @@ class Engine:
         if isinstance(exc, RequestError):
             # The request's fault found while it ran (a grammar the vocabulary cannot
             # spell further on): one line, as the edge logs a refusal.
-            log.warning("generation refused: %s", str(exc)[:240])
+            log.warning("generation refused: %s", str(exc)[:240].replace("\n", " "))
         else:
             log.error("generation failed", exc_info=exc)
         self.metrics.failed.inc()

@@ -250,10 +250,14 @@ class Constraint:
 
     def _unspellable(self) -> None:
         field = self.grammar.field
-        said = engine_message(self.matcher.get_error()) or "no piece, and no byte fallback"
+        said = engine_message(self.matcher.get_error())
+        if said:  # the engine stopped (one of its own limits), not the vocabulary
+            raise GrammarError(
+                f"{field}: the grammar engine stopped: {said}", field, "unsupported_grammar"
+            )
         raise GrammarError(
             f"{field}: the model's vocabulary has no token for what the grammar requires "
-            f"next ({said})",
+            "next (no piece, and no byte fallback)",
             field,
             "unsupported_grammar",
         )

@@ -18,7 +18,10 @@ its thread finishes the compile in the background and drops the result (the sche
 limits and the engine's own fuel limits bound how long that is). A compile whose caller has gone before
 it started is skipped. Waiting compiles are taken in turn per client (round robin over
 the keys callers give, first come first served within one), so one client's many
-schemas delay another's by at most one compile each.
+schemas delay another's by at most one compile each. A compile that has not started
+within `limits.grammar_compile_seconds` of being asked for (the thread is still busy with
+one past its limit) is refused as load (`CompilerBusy`, a 503), so no request holds its
+place in the house longer than two compiles' time.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class CompileJob:
     width: int
     future: Future[Constraint] = field(default_factory=Future)
     started: float | None = None
+    submitted: float = field(default_factory=time.monotonic)
 
     def overdue(self, seconds: float) -> bool:
         return self.started is not None and time.monotonic() - self.started > seconds
@@ -162,6 +166,14 @@ class GrammarCompiler:
         if gone:
             job.cancel()
             raise Abandoned("the client went away before its grammar was compiled")
+        if not job.future.running() and time.monotonic() - job.submitted > self.seconds:
+            # Still waiting after a whole compile's time: what is ahead of it (a compile
+            # past its limit, finishing in the background) is not this request's doing.
+            job.cancel()
+            raise CompilerBusy(
+                "the grammar compiler is busy with earlier grammars (each may take up to "
+                f"limits.grammar_compile_seconds, {self.seconds:g} s); retry shortly"
+            )
         if job.overdue(self.seconds):
             job.cancel()
             field = job.grammar.field
@@ -208,3 +220,8 @@ class GrammarCompiler:
 
 class Abandoned(Exception):
     """The caller went away while its grammar waited or compiled."""
+
+
+class CompilerBusy(Exception):
+    """A grammar waited a whole compile's time without starting: load, not the request's
+    fault (the HTTP layer answers 503 with Retry-After)."""

@@ -15,7 +15,8 @@ past a limit is refused naming the field that carried it and the `limits.*` key:
   expanding it;
 - the `$ref` chain: the most references followed along one such path;
 - members: properties, alternatives (`anyOf`, `oneOf`, `allOf`, `prefixItems`) and
-  `enum` values, counted over the whole document;
+  `enum` values, counted over the whole document, and `patternProperties` apart (the
+  engine's time grows about eight-fold with each doubling of them);
 - bytes: the schema as compact JSON.
 
 Each schema is visited once (the depth below a schema is remembered), so measuring costs
@@ -56,6 +57,9 @@ class SchemaLimits:
     max_ref_chain: int = 32
     max_members: int = 2000
     max_bytes: int = 256 << 10
+    # patternProperties' keys are the engine's costliest member: its time grows about
+    # eight-fold for each doubling (64: 0.01 s, 128: 0.09 s, 320: 7 s, 640: minutes).
+    max_pattern_properties: int = 64
 
 
 class SchemaTooComplex(RequestError):
@@ -68,7 +72,14 @@ def check_schema(schema: Any, field: str, limits: SchemaLimits) -> None:
     size = _SchemaSize(schema, field, limits)
     size.measure()
     # Nesting is bounded now, so the encoder's own recursion is too.
-    encoded = len(json.dumps(schema, separators=(",", ":")))
+    try:
+        encoded = len(json.dumps(schema, separators=(",", ":")))
+    except (TypeError, ValueError):  # an integer past Python's 4,300 digits, kept as its size
+        raise SchemaTooComplex(
+            f"{field} holds a number too long to read (more than 4,300 digits)",
+            field,
+            "schema_too_complex",
+        ) from None
     if encoded > limits.max_bytes:
         size.refuse(f"is {encoded} bytes as JSON", "limits.schema_max_bytes", limits.max_bytes)
 
@@ -79,6 +90,7 @@ class _SchemaSize:
         self.field = field
         self.limits = limits
         self.members = 0
+        self.patterns = 0
         # id(schema) → (levels below it, references followed below it), once measured.
         self.below: dict[int, tuple[int, int]] = {}
 
@@ -159,6 +171,15 @@ class _SchemaSize:
                 self.limits.max_members,
             )
 
+    def count_patterns(self, n: int) -> None:
+        self.patterns += n
+        if self.patterns > self.limits.max_pattern_properties:
+            self.refuse(
+                "has more patternProperties in all",
+                "limits.schema_max_pattern_properties",
+                self.limits.max_pattern_properties,
+            )
+
     def children(self, node: dict) -> list[Child]:
         """A schema's subschemas `(schema, 0, 0)`, the schemas its `$ref` names
         `(schema, 1, 0)`, and its data values `(None, 0, levels)`. Its members are counted
@@ -168,6 +189,8 @@ class _SchemaSize:
             if key in SCHEMA_MAPS and isinstance(value, dict):
                 if key in MEMBER_MAPS:
                     self.count(len(value))
+                if key == "patternProperties":
+                    self.count_patterns(len(value))
                 out += [(v, 0, 0) for v in value.values() if isinstance(v, dict)]
             elif key in SCHEMA_LISTS and isinstance(value, list):
                 self.count(len(value))

@@ -247,6 +247,10 @@ def test_the_limits_name_their_keys(server: BackgroundServer) -> None:
         "limits.schema_max_depth": nested(70),
         "limits.schema_max_members": optional_properties(2001),
         "limits.schema_max_bytes": {"type": "string", "description": "x" * 300_000},
+        "limits.schema_max_pattern_properties": {
+            "type": "object",
+            "patternProperties": {f"^p{j}[a-z]*$": {"type": "integer"} for j in range(1999)},
+        },
     }
     for key, schema in cases.items():
         assert key in refused(post(port, with_schema(schema)), FIELD, "schema_too_complex")
@@ -474,7 +478,8 @@ def test_requests_being_prepared_count_against_admission(roomy: BackgroundServer
     assert status == 503 and body["error"]["code"] == "queue_full", body
     for thread in heavy:
         thread.join()
-    assert sorted(r[0] for r in replies) == [400, 400]  # cut off by the 0.5 s compile limit
+    # One cut off by the 0.5 s compile limit; the other, waiting behind it, refused as load.
+    assert sorted(r[0] for r in replies) == [400, 503]
     wait_for_idle(roomy)
     assert post(port, plain())[0] == 200
 
@@ -530,3 +535,48 @@ def test_a_grammar_that_cannot_go_on_is_one_warning(
     assert not [r for r in records if r.levelno >= logging.ERROR or r.exc_info]
     assert [r for r in records if r.levelno == logging.WARNING]
     assert all(len(r.getMessage()) < 1000 for r in records)
+
+
+def post_raw(port: int, raw: str) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", raw, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, json.loads(data)
+
+
+def test_an_integer_past_python_s_limit_in_a_schema_is_a_400(server: BackgroundServer) -> None:
+    """A literal of 5,000 digits is kept as its size (no int() of it): json could not write
+    the schema back, a 500 with a traceback."""
+    big = "9" * 5000
+    port = server.server.port
+    for where, raw, param in [
+        ("schema", json.dumps(with_schema({"type": "integer", "maximum": 0})).replace('"maximum": 0', f'"maximum": {big}'), FIELD),
+        ("tool", json.dumps(with_tool({"type": "object", "x-n": 0})).replace('"x-n": 0', f'"x-n": {big}'), "tools[0].function.parameters"),
+        ("arguments", json.dumps(after_a_call("{}")).replace('"arguments": "{}"', f'"arguments": {{"x": {big}}}'), "messages[1].tool_calls[0].function.arguments"),
+    ]:  # fmt: skip
+        assert big in raw, where
+        status, body = post_raw(port, raw)
+        assert status == 400, (where, body)
+        assert body["error"]["param"] == param
+
+
+def test_a_compile_stuck_ahead_is_load_not_the_request_s_fault(roomy: BackgroundServer) -> None:
+    """One compile past its limit still runs in the background; a grammar waiting behind it
+    for a whole compile's time is a 503 with Retry-After (it held its place no longer),
+    and once the thread is free the same request is served."""
+    port = roomy.server.port
+    wait_for_idle(roomy)
+    small = with_schema({"type": "object", "properties": {"a": {"type": "integer"}}}, user="b")
+    heavy = threading.Thread(target=lambda: post(port, with_schema(optional_properties(HEAVY))))
+    heavy.start()
+    deadline = time.monotonic() + 10
+    while not roomy.server.app[GRAMMARS].busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    status, body = post(port, small)
+    assert status == 503 and body["error"]["code"] == "grammar_compiler_busy", body
+    heavy.join()
+    wait_for_idle(roomy)
+    status, body = post(port, small)
+    assert status == 200, body

@@ -31,7 +31,7 @@ from daemon.http.openai_wire import (
 from daemon.http.streaming import collect, stream
 from daemon.jobs import EngineNotReady, MemoryPressureError, QueueFullError
 from speculative.grammar import Constraint
-from speculative.grammar_compiler import Abandoned, CompileJob, GrammarCompiler
+from speculative.grammar_compiler import Abandoned, CompileJob, CompilerBusy, GrammarCompiler
 
 # Requests prepared (parsed, admitted: tokenized and checked) at once; the others wait
 # their turn.
@@ -118,6 +118,11 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     except MemoryPressureError as exc:
         raise ApiError(
             503, str(exc), type="service_unavailable", code="memory_pressure",
+            headers={"Retry-After": PRESSURE_RETRY_AFTER},
+        ) from None  # fmt: skip
+    except CompilerBusy as exc:
+        raise ApiError(
+            503, str(exc), type="service_unavailable", code="grammar_compiler_busy",
             headers={"Retry-After": PRESSURE_RETRY_AFTER},
         ) from None  # fmt: skip
     except EngineNotReady:

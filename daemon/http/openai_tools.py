@@ -114,6 +114,10 @@ def parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         if nesting(parsed, MAX_ARGUMENT_DEPTH) > MAX_ARGUMENT_DEPTH:
             # The chat template writes them back with `tojson`, which recurses too.
             raise bad_request(f"{param} nests more than {MAX_ARGUMENT_DEPTH} levels deep", param)
+        try:  # the template writes them back as JSON: an integer past 4,300 digits cannot be
+            json.dumps(parsed)
+        except (TypeError, ValueError):
+            raise bad_request(f"{param} holds a number too long to read", param) from None
         out.append(
             {"id": call["id"], "type": "function",
              "function": {"name": fn["name"], "arguments": parsed}}
