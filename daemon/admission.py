@@ -37,7 +37,7 @@ from typing import Any
 from daemon.jobs import GenerationRequest
 from daemon.runtime import Runtime, RuntimeSetupError
 from speculative.errors import RequestError
-from speculative.grammar import Constraint, Grammar
+from speculative.grammar import Grammar
 from speculative.grammar_compiler import GrammarCompiler
 from speculative.sampling import SamplingParams
 from speculative.tokenizer import ChatTemplateError, Tokenizer
@@ -94,15 +94,15 @@ def admit(
     The grammar is compiled by `compiler` (a one-off one at the default time limit if
     none is given), waiting for it here."""
     settled = settle(runtime, ask, clamp_max_tokens=clamp_max_tokens)
-    if settled.grammar is not None:
-        if compiler is None:
-            compiler = GrammarCompiler(DEFAULT_COMPILE_SECONDS)
-            try:
-                settled.request.constraint = settled.compile(runtime, compiler)
-            finally:
-                compiler.close()
-        else:
-            settled.request.constraint = settled.compile(runtime, compiler)
+    if settled.grammar is None:
+        return settled.request
+    own = compiler or GrammarCompiler(DEFAULT_COMPILE_SECONDS)
+    try:
+        width = runtime.target.vocab_width
+        settled.request.constraint = own.constraint(settled.grammar, runtime.tokenizer, width)
+    finally:
+        if own is not compiler:
+            own.close()
     return settled.request
 
 
@@ -115,11 +115,6 @@ class Settled:
 
     request: GenerationRequest
     grammar: Grammar | None
-
-    def compile(self, runtime: Runtime, compiler: GrammarCompiler) -> Constraint:
-        assert self.grammar is not None
-        width = runtime.target.vocab_width
-        return compiler.constraint(self.grammar, runtime.tokenizer, width)
 
 
 def settle(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Settled:

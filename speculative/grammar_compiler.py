@@ -29,7 +29,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -142,30 +141,21 @@ class GrammarCompiler:
         self._queue.put(client, job)
         return job
 
-    def constraint(
-        self,
-        grammar: Grammar,
-        tokenizer: Any,
-        width: int,
-        client: str = "",
-        gone: Callable[[], bool] = lambda: False,
-    ) -> Constraint:
+    def constraint(self, grammar: Grammar, tokenizer: Any, width: int) -> Constraint:
         """The grammar's Constraint, waiting for it here (the command line's door, and
         tests); raises GrammarError as the compile does, or for its time limit."""
-        job = self.submit(grammar, tokenizer, width, client)
+        job = self.submit(grammar, tokenizer, width)
         while True:
             try:
                 return job.future.result(timeout=POLL_SECONDS)
             except TimeoutError:
-                pass
-            self.check(job, gone())
+                self.check(job)
 
-    def check(self, job: CompileJob, gone: bool) -> None:
-        """Between two looks at a job still running or waiting: its caller has gone (the
-        job is skipped or dropped, and `Abandoned` raised), or it is past its time."""
-        if gone:
-            job.cancel()
-            raise Abandoned("the client went away before its grammar was compiled")
+    def check(self, job: CompileJob) -> None:
+        """Between two looks at a job: raise (and cancel the job) if it is past its time,
+        waiting (`CompilerBusy`) or compiling (GrammarError)."""
+        if job.future.done():
+            return
         if not job.future.running() and time.monotonic() - job.submitted > self.seconds:
             # Still waiting after a whole compile's time: what is ahead of it (a compile
             # past its limit, finishing in the background) is not this request's doing.
@@ -216,10 +206,6 @@ class GrammarCompiler:
             finally:
                 with self._count:
                     self._running -= 1
-
-
-class Abandoned(Exception):
-    """The caller went away while its grammar waited or compiled."""
 
 
 class CompilerBusy(Exception):

@@ -11,6 +11,7 @@ is a `RequestError`, answered as a 400 at the edge (daemon/http/edge.py).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TypeVar
@@ -30,8 +31,7 @@ from daemon.http.openai_wire import (
 )
 from daemon.http.streaming import collect, stream
 from daemon.jobs import EngineNotReady, MemoryPressureError, QueueFullError
-from speculative.grammar import Constraint
-from speculative.grammar_compiler import Abandoned, CompileJob, CompilerBusy, GrammarCompiler
+from speculative.grammar_compiler import CompilerBusy, GrammarCompiler
 
 # Requests prepared (parsed, admitted: tokenized and checked) at once; the others wait
 # their turn.
@@ -111,7 +111,10 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             compiler = app[GRAMMARS]
             width = runtime.target.vocab_width
             compiling = compiler.submit(settled.grammar, runtime.tokenizer, width, client)
-            admitted.constraint = await _compiled(request, compiler, compiling)
+            # Cancelling the awaited future cancels the job: skipped if it has not started.
+            admitted.constraint = await _unless_gone(
+                request, asyncio.wrap_future(compiling.future), partial(compiler.check, compiling)
+            )
         job = engine.submit(admitted, loop, seat)
     except QueueFullError as exc:
         raise _queue_full(exc) from None
@@ -201,9 +204,11 @@ def _client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def _unless_gone(request: web.Request, work: asyncio.Future[T]) -> T:
-    """`work`'s result, or ClientGone (and `work` cancelled: dropped if it has not
-    started) once the client has closed its connection."""
+async def _unless_gone(
+    request: web.Request, work: asyncio.Future[T], check: Callable[[], None] | None = None
+) -> T:
+    """`work`'s result, or ClientGone (and `work` cancelled: dropped if it has not started)
+    once the client has closed its connection; `check` runs between two looks (a limit)."""
     while True:
         done, _ = await asyncio.wait({work}, timeout=POLL_SECONDS)
         if done:
@@ -211,20 +216,8 @@ async def _unless_gone(request: web.Request, work: asyncio.Future[T]) -> T:
         if _client_gone(request):
             work.cancel()
             raise ClientGone()
-
-
-async def _compiled(request: web.Request, compiler: GrammarCompiler, job: CompileJob) -> Constraint:
-    """The job's Constraint; GrammarError past limits.grammar_compile_seconds, ClientGone
-    (the job skipped, or its result dropped) once the client has left."""
-    work = asyncio.wrap_future(job.future)
-    while True:
-        done, _ = await asyncio.wait({work}, timeout=POLL_SECONDS)
-        if done:
-            return work.result()
-        try:
-            compiler.check(job, _client_gone(request))
-        except Abandoned:
-            raise ClientGone() from None
+        if check is not None:
+            check()
 
 
 class ClientGone(ConnectionResetError):
