@@ -36,11 +36,11 @@ from typing import Any
 
 from daemon.jobs import GenerationRequest
 from daemon.runtime import Runtime, RuntimeSetupError
-from speculative.errors import RequestError
+from modeling.errors import RequestError
+from modeling.text.tokenizer import ChatTemplateError, Tokenizer
 from speculative.grammar import Grammar
 from speculative.grammar_compiler import GrammarCompiler
 from speculative.sampling import SamplingParams
-from speculative.tokenizer import ChatTemplateError, Tokenizer
 from speculative.tool_calls import (
     HERMES,
     CallFormat,

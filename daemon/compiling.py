@@ -8,7 +8,7 @@ after a restart) on a CPU with small layers (under SMALL_LAYER_PARAMETERS weight
 step is dispatch-bound: decode 1.8x faster on the stories pair). Not for a one-shot
 command (compiling takes longer than the generation), not for bigger layers on a CPU (a
 1B-shaped draft gained nothing: its step is arithmetic), and not yet on CUDA, where the
-compiled kernels and their CUDA graphs (speculative/graphs.py) are unmeasured: `on`
+compiled kernels and their CUDA graphs (modeling/graphs.py) are unmeasured: `on`
 compiles and captures there.
 """
 
@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
-from speculative.checkpoint import DTYPES, load
-from speculative.compiled import CompiledPasses, ineligible, use_cache_dir
-from speculative.model import Transformer
+from modeling.checkpoints.checkpoint import DTYPES, load
+from modeling.compiled import CompiledPasses, ineligible, use_cache_dir
+from modeling.decoder import Transformer
+from modeling.models import layer_parameter_count
 
 log = logging.getLogger("specd.compile")
 
@@ -79,7 +80,7 @@ def decide(choice: str, model: Transformer, serving: bool) -> tuple[bool, str]:
         return False, "auto: a one-shot command (compiling takes longer than it saves)"
     if model.device.type == "cuda":
         return False, "auto: not measured on a GPU yet (--compile on: kernels and CUDA graphs)"
-    params = model.config.layer_parameter_count()
+    params = layer_parameter_count(model.config)
     if params >= SMALL_LAYER_PARAMETERS:
         return False, f"auto: {params:,} weights per layer are compute-bound on a CPU"
     return True, f"auto: a CPU step of {params:,} weights per layer is dispatch-bound"
@@ -119,7 +120,7 @@ def stop_compiling() -> None:
 class Compilation:
     """Compiling the runtime's models: which of them run compiled passes (`decide`), warming
     their graphs, and each model's state (off, warming, ready or failed). The graphs
-    themselves are each model's `CompiledPasses` (speculative/compiled.py)."""
+    themselves are each model's `CompiledPasses` (modeling/compiled.py)."""
 
     def __init__(
         self,

@@ -57,8 +57,8 @@ from daemon.pools import SessionPool, StrategyPool
 from daemon.pressure import PressureMonitor, PressureThresholds, cuda_probe, host_probe, settled
 from daemon.relief import Relief, relief_steps
 from daemon.runtime import Runtime
+from modeling.errors import RequestError
 from speculative.batching import PassScheduler
-from speculative.errors import RequestError
 from speculative.generation import Chunk, Generation
 from speculative.passes import Allot, Forward, PassRequest
 from speculative.rounds import GenerationStats, Strategy

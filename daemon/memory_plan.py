@@ -11,6 +11,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from daemon.footprint import footprint
+from modeling.checkpoints.checkpoint import (
+    DTYPES,
+    dtype_candidates,
+    dtype_key,
+)
+from modeling.compiled import MAX_TOKENS
+from modeling.config import ModelConfig
+from modeling.graphs import (
+    ALLOCATOR_ROUNDING_BYTES,
+    CUBLAS_WORKSPACE_BYTES,
+    GRAPH_ATTENTION_BYTES,
+    MAX_GRAPHS,
+)
+from modeling.kv_cache import INITIAL_SLOTS
 from offload.plan import (
     GraphRequest,
     MemoryBudget,
@@ -20,20 +34,6 @@ from offload.plan import (
 )
 from offload.planning import PlanError, largest_fitting, make_plan, plan_auto_context
 from speculative.budget import max_tree_budget
-from speculative.checkpoint import (
-    DTYPES,
-    dtype_candidates,
-    dtype_key,
-)
-from speculative.compiled import MAX_TOKENS
-from speculative.config import ModelConfig
-from speculative.graphs import (
-    ALLOCATOR_ROUNDING_BYTES,
-    CUBLAS_WORKSPACE_BYTES,
-    GRAPH_ATTENTION_BYTES,
-    MAX_GRAPHS,
-)
-from speculative.kv_cache import INITIAL_SLOTS
 from speculative.prefill import PREFILL_CHUNK
 
 
@@ -50,7 +50,7 @@ class OffloadOptions:
     cuda_graphs: bool = False  # steps captured as CUDA graphs (`--compile on` on CUDA)
 
 
-# What CUDA graphs hold, as speculative/graphs.py and compiled.py capture them.
+# What CUDA graphs hold, as modeling/graphs.py and compiled.py capture them.
 GRAPHS = GraphRequest(
     tokens=MAX_TOKENS,
     chunk_bytes=GRAPH_ATTENTION_BYTES,

@@ -29,7 +29,7 @@ class RuntimeOptions:
     # restated so that this module imports no torch (tests/test_cli_startup.py: they agree).
     prefix_cache: int = 1 << 30
     # fp32 | bf16 | fp16, or auto: the checkpoint's dtype on CUDA; fp32 on a CPU when the
-    # model fits in fp32 there (see speculative.checkpoint.dtype_candidates).
+    # model fits in fp32 there (see modeling.checkpoints.checkpoint.dtype_candidates).
     dtype: str = "auto"
     quantize: str | None = None  # int8 | int4: the target's projections, quantized on load
     draft_quantize: str | None = None  # the same for the draft

@@ -10,19 +10,19 @@ from dataclasses import dataclass
 
 from daemon.memory_plan import OffloadOptions, choose_plan, plan_dtype
 from daemon.options import RuntimeOptions
-from offload.plan import MemoryBudget, MemoryPlan
-from offload.planning import PlanError
-from offload.units import format_size
-from speculative.checkpoint import DTYPES, Checkpoint
-from speculative.config import ModelConfig
-from speculative.gguf_model import is_gguf
-from speculative.substitute import (
+from modeling.checkpoints.checkpoint import DTYPES, Checkpoint
+from modeling.checkpoints.gguf_model import is_gguf
+from modeling.config import ModelConfig
+from modeling.substitute import (
     SUBSTITUTE,
     build_peak_bytes,
     shares_packed,
     substitute_bits_for,
     substitute_config,
 )
+from offload.plan import MemoryBudget, MemoryPlan
+from offload.planning import PlanError
+from offload.units import format_size
 
 
 def offload_options(options: RuntimeOptions) -> OffloadOptions:

@@ -24,14 +24,14 @@ from torch import nn
 from daemon.pools import SessionPool, StrategyPool
 from daemon.pressure import PressureThresholds
 from daemon.target_loading import disk_sources
+from modeling.checkpoints.gguf_model import is_gguf
+from modeling.checkpoints.safetensors_model import CheckpointError
+from modeling.compiled import CompiledPasses
 from offload.layout import FlatLayout
 from offload.storage import DiskStorage, RamStorage
 from offload.stream import LayerStreamer
 from offload.units import format_size
 from speculative.batching import PassBounds
-from speculative.compiled import CompiledPasses
-from speculative.gguf_model import is_gguf
-from speculative.safetensors_model import CheckpointError
 
 if TYPE_CHECKING:
     from daemon.runtime import Runtime

@@ -15,14 +15,17 @@ from daemon.compiling import SMALL_LAYER_PARAMETERS, Compilation
 from daemon.memory_plan import plan_dtype
 from daemon.options import RuntimeOptions
 from daemon.target_loading import load_placed_target
+from modeling.checkpoints.checkpoint import DTYPE_CHOICES, Checkpoint, load, open_checkpoint
+from modeling.decoder import Transformer
+from modeling.models import layer_parameter_count
+from modeling.substitute import SUBSTITUTE
+from modeling.text.tokenizer import Tokenizer
 from offload.plan import MemoryPlan
 from offload.stream import LayerStreamer
 from speculative.acceptance import AcceptanceModel
 from speculative.budget import max_tree_budget
-from speculative.checkpoint import DTYPE_CHOICES, Checkpoint, load, open_checkpoint
 from speculative.drafting import Drafter, ModelDrafter
 from speculative.generation import Generation
-from speculative.model import Transformer
 from speculative.ngram import NgramDrafter
 from speculative.prefix_cache import PrefixCache
 from speculative.rounds import Strategy
@@ -31,8 +34,6 @@ from speculative.session import Session
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear
 from speculative.strategies.tree import TreeSpeculation
-from speculative.substitute import SUBSTITUTE
-from speculative.tokenizer import Tokenizer
 
 NGRAM = "ngram"  # --draft ngram: prompt-lookup drafting, no draft model
 
@@ -157,7 +158,7 @@ class Runtime:
         self.acceptance: AcceptanceModel = AcceptanceModel()
         # CPU compute (a CPU device, or the host side of a streamed GPU run is not compute):
         # pick the thread count once the model's size is known.
-        self.threads = cpu_threads(options.threads, ckpt.config.layer_parameter_count())
+        self.threads = cpu_threads(options.threads, layer_parameter_count(ckpt.config))
         if self.device.type == "cpu":
             torch.set_num_threads(self.threads)
         self.checkpoint: Checkpoint = ckpt

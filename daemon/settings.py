@@ -31,8 +31,8 @@ from daemon.settings_checks import (
 from speculative.schema_limits import SchemaLimits
 
 # The values of the options that every front end (flags, config file, REST API) accepts, named
-# once. Restated from modules that import torch (speculative.checkpoint.DTYPE_CHOICES,
-# speculative.quant.QUANTIZE_CHOICES, daemon.runtime.STRATEGY_BUILDERS,
+# once. Restated from modules that import torch (modeling.checkpoints.checkpoint.DTYPE_CHOICES,
+# modeling.weights.quant.QUANTIZE_CHOICES, daemon.runtime.STRATEGY_BUILDERS,
 # speculative.acceptance.TREE_VERIFICATION_CHOICES) so that reading the
 # settings or building the command line does not; tests/test_cli_startup.py checks they agree.
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
@@ -40,7 +40,7 @@ QUANTIZE_CHOICES = ("int8", "int4")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 STRATEGY_CHOICES = ("autoregressive", "linear", "tree")
 TREE_VERIFICATION_CHOICES = ("auto", "walk", "rejection")  # speculative.acceptance
-SUBSTITUTE_BITS_CHOICES = ("auto", 8, 4, 3, 2)  # speculative.substitute
+SUBSTITUTE_BITS_CHOICES = ("auto", 8, 4, 3, 2)  # modeling.substitute
 COMPILE_CHOICES = ("auto", "off", "on")
 
 

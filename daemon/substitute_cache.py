@@ -26,10 +26,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from speculative import hqq
-from speculative.checkpoint import Checkpoint
-from speculative.config import ModelConfig
-from speculative.substitute import empty_layer, quantized_layer
+from modeling.checkpoints.checkpoint import Checkpoint
+from modeling.config import ModelConfig
+from modeling.substitute import empty_layer, quantized_layer
+from modeling.weights import hqq
 
 log = logging.getLogger("specd.loading")
 
@@ -58,7 +58,7 @@ def cache_key(
 
 
 class SubstituteCache:
-    """Makes a substitute's layers (a `speculative.substitute.LayerMaker`): from the stored
+    """Makes a substitute's layers (a `modeling.substitute.LayerMaker`): from the stored
     folder when there is one, else by quantizing, writing each layer as it is made."""
 
     def __init__(
@@ -85,11 +85,11 @@ class SubstituteCache:
     def __call__(self, index: int, dense: nn.Module) -> nn.Module:
         name = f"layer-{index}.safetensors"
         if self.hit:
-            layer = empty_layer(self.config, self.device, self.dtype)
+            layer = empty_layer(self.config, index, self.device, self.dtype)
             with safe_open(self.path / name, framework="pt", device="cpu") as f:
                 layer.load_state_dict({key: f.get_tensor(key) for key in layer.state_dict()})
             return layer
-        layer = quantized_layer(self.config, dense, self.device, self.dtype)
+        layer = quantized_layer(self.config, index, dense, self.device, self.dtype)
         self.partial.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().contiguous().cpu() for k, v in layer.state_dict().items()}
         save_file(tensors, str(self.partial / name))

@@ -20,6 +20,12 @@ from daemon.memory_plan import plan_dtype
 from daemon.options import RuntimeOptions
 from daemon.pair_plan import DraftPlan, plan_pair
 from daemon.substitute_cache import SubstituteCache
+from modeling.checkpoints.checkpoint import Checkpoint, load, open_checkpoint
+from modeling.checkpoints.safetensors_model import CheckpointError
+from modeling.decoder import Transformer
+from modeling.substitute import build_substitute, share_placed, shares_packed, substitute_config
+from modeling.text.tokenizer import Tokenizer
+from modeling.weights.projections import stored_names
 from offload.layout import FlatLayout
 from offload.machine import detect_budget
 from offload.placement import build_streamer
@@ -27,12 +33,6 @@ from offload.plan import MemoryPlan
 from offload.planning import PlanError
 from offload.storage import TensorSources, tensor_files
 from offload.stream import LayerStreamer
-from speculative.checkpoint import Checkpoint, load, open_checkpoint
-from speculative.model import Transformer
-from speculative.projections import stored_names
-from speculative.safetensors_model import CheckpointError
-from speculative.substitute import build_substitute, share_placed, shares_packed, substitute_config
-from speculative.tokenizer import Tokenizer
 
 log = logging.getLogger("specd.loading")
 

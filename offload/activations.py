@@ -53,7 +53,7 @@ class ActivationFootprint:
     draw_bytes_per_row: int  # drawing one token from such a row (its temporaries)
 
     def query_chunk(self, keys: int) -> int:
-        """Queries per attention chunk, as the model computes it (speculative.attention)."""
+        """Queries per attention chunk, as the model computes it (modeling.layers.attention)."""
         return max(1, self.chunk_bytes // max(keys * self.score_bytes_per_key, 1))
 
     def attention_bytes(self, tokens: int, keys: int) -> int:

@@ -36,7 +36,7 @@ class ModelFootprint:
     num_layers: int
     kv_bytes_per_token: int  # K and V of every layer for one cached token
     activations: ActivationFootprint  # what a pass allocates, by its shape
-    # Packed weights (speculative/packed.py): the format, one layer's bytes if it were
+    # Packed weights (modeling/weights/packed.py): the format, one layer's bytes if it were
     # dequantized, and the most a projection's rebuild holds at once (the plan reserves it:
     # one projection is rebuilt at a time, for its matmul only).
     quantization: str = ""
@@ -84,7 +84,7 @@ class MemoryBudget:
 
 @dataclass(frozen=True)
 class GraphRequest:
-    """What a model's CUDA graphs hold for good (speculative/graphs.py): a pool with a
+    """What a model's CUDA graphs hold for good (modeling/graphs.py): a pool with a
     step's working memory, each graph's output and fixed mask, the library workspace of
     their capture stream, and meanwhile the warm-up's scratch cache."""
 

@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from speculative.checkpoint import DTYPES, load  # noqa: E402
+from modeling.checkpoints.checkpoint import DTYPES, load  # noqa: E402
 from speculative.generation import Generation  # noqa: E402
 from speculative.sampling import SamplingParams  # noqa: E402
 from speculative.strategies.autoregressive import Autoregressive  # noqa: E402

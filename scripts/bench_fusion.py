@@ -25,10 +25,10 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from modeling.checkpoints.checkpoint import DTYPES, load  # noqa: E402
+from modeling.decoder import Transformer  # noqa: E402
+from modeling.weights.projections import FUSED_PROJECTIONS, FusedLinear  # noqa: E402
 from scripts.bench_decode import DEFAULT_MODEL  # noqa: E402
-from speculative.checkpoint import DTYPES, load  # noqa: E402
-from speculative.model import Transformer  # noqa: E402
-from speculative.projections import FUSED_PROJECTIONS, FusedLinear  # noqa: E402
 
 
 @torch.no_grad()

@@ -36,15 +36,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from modeling.config import ModelConfig  # noqa: E402
+from modeling.decoder import Transformer  # noqa: E402
+from modeling.layers.rope import rope_inv_freq  # noqa: E402
+from modeling.models import config_from_hf  # noqa: E402
+from modeling.weights.gguf_blocks import BLOCK_SIZES, GGMLType  # noqa: E402
+from modeling.weights.gguf_modules import GGUFLinear  # noqa: E402
+from modeling.weights.packed import CompressedLinear, PackedLinear  # noqa: E402
+from modeling.weights.quant import QuantizationSpec, on_load_quantization  # noqa: E402
 from offload.machine import measure_bandwidth  # noqa: E402
 from offload.placement import build_streamer  # noqa: E402
 from offload.stream import LayerStreamer  # noqa: E402
-from speculative.config import ModelConfig  # noqa: E402
-from speculative.gguf_blocks import BLOCK_SIZES, GGMLType  # noqa: E402
-from speculative.gguf_modules import GGUFLinear  # noqa: E402
-from speculative.model import Transformer, rope_inv_freq  # noqa: E402
-from speculative.packed import CompressedLinear, PackedLinear  # noqa: E402
-from speculative.quant import QuantizationSpec, on_load_quantization  # noqa: E402
 
 SHAPES = {
     # hidden, intermediate, heads, kv heads, vocab (Llama-3.1-8B and Qwen2.5-32B layers)
@@ -61,7 +63,7 @@ def random_model(
     shape: str, layers: int, dtype: torch.dtype, quantize: str | None = None
 ) -> Transformer:
     raw = {**SHAPES[shape], "num_hidden_layers": layers, "max_position_embeddings": 4096}
-    cfg = ModelConfig.from_hf(raw, source=f"{shape}-shaped")
+    cfg = config_from_hf(raw, source=f"{shape}-shaped")
     if quantize == "q4_k_m":
         cfg = replace(cfg, quantization=q4_k_m(cfg))
     elif quantize is not None:

@@ -56,9 +56,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from modeling.checkpoints.checkpoint import load  # noqa: E402
+from modeling.compiled import CompiledPasses  # noqa: E402
+from modeling.text.tokenizer import Tokenizer  # noqa: E402
 from scripts.step_timing import budget, print_steps, shaped, step_seconds  # noqa: E402
-from speculative.checkpoint import load  # noqa: E402
-from speculative.compiled import CompiledPasses  # noqa: E402
 from speculative.drafting import ModelDrafter  # noqa: E402
 from speculative.generation import Generation  # noqa: E402
 from speculative.rounds import Strategy  # noqa: E402
@@ -66,7 +67,6 @@ from speculative.sampling import SamplingParams  # noqa: E402
 from speculative.strategies.autoregressive import Autoregressive  # noqa: E402
 from speculative.strategies.linear import Linear  # noqa: E402
 from speculative.strategies.tree import TreeSpeculation  # noqa: E402
-from speculative.tokenizer import Tokenizer  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "models"
 PROMPT = "Once upon a time"

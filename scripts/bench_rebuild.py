@@ -21,8 +21,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from speculative.hqq import HQQLinear  # noqa: E402
-from speculative.packed import CompressedLinear, PackedLinear  # noqa: E402
+from modeling.weights.hqq import HQQLinear  # noqa: E402
+from modeling.weights.packed import CompressedLinear, PackedLinear  # noqa: E402
 
 # (out, in) of an 8B layer's projections as the substitute packs them, q/k/v and gate/up
 # each counted as one (they share their input).

@@ -72,15 +72,15 @@ if str(ROOT) not in sys.path:
 
 from daemon.footprint import footprint  # noqa: E402
 from daemon.memory_plan import OffloadOptions, plan_request  # noqa: E402
+from modeling.checkpoints.checkpoint import DTYPES  # noqa: E402
+from modeling.config import ModelConfig  # noqa: E402
+from modeling.decoder import Transformer  # noqa: E402
+from modeling.kv_cache import KVCache  # noqa: E402
 from offload.machine import PeakMemory  # noqa: E402
 from offload.plan import MemoryBudget, MemoryPlan  # noqa: E402
 from offload.planning import make_plan  # noqa: E402
 from offload.units import format_size  # noqa: E402
 from scripts.real_shapes import PAIRS, build_model, model_config  # noqa: E402
-from speculative.checkpoint import DTYPES  # noqa: E402
-from speculative.config import ModelConfig  # noqa: E402
-from speculative.kv_cache import KVCache  # noqa: E402
-from speculative.model import Transformer  # noqa: E402
 from speculative.passes import alone  # noqa: E402
 from speculative.prefill import feed  # noqa: E402
 from speculative.prefix_cache import PrefixCache  # noqa: E402

@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from speculative.checkpoint import load  # noqa: E402
+from modeling.checkpoints.checkpoint import load  # noqa: E402
 from speculative.drafting import ModelDrafter  # noqa: E402
 from speculative.generation import Generation  # noqa: E402
 from speculative.prefix_cache import PrefixCache  # noqa: E402

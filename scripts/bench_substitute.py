@@ -35,15 +35,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from modeling.checkpoints.checkpoint import load  # noqa: E402
+from modeling.decoder import Transformer  # noqa: E402
+from modeling.substitute import SUBSTITUTE_BITS, build_substitute  # noqa: E402
 from scripts.bench_speculative import PROMPTS  # noqa: E402
 from scripts.bench_trees import run  # noqa: E402
 from speculative.acceptance import AcceptanceModel  # noqa: E402
-from speculative.checkpoint import load  # noqa: E402
-from speculative.model import Transformer  # noqa: E402
 from speculative.prefix_cache import PrefixCache  # noqa: E402
 from speculative.sampling import SamplingParams  # noqa: E402
 from speculative.strategies.tree import TreeSpeculation  # noqa: E402
-from speculative.substitute import SUBSTITUTE_BITS, build_substitute  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "models"
 # Streamed targets and the cards they stream on (bytes of device memory, and its bandwidth
@@ -74,10 +74,10 @@ def projections(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     from daemon.footprint import footprint
     from daemon.memory_plan import OffloadOptions, plan_request
     from daemon.pair_plan import plan_with_draft
+    from modeling.substitute import substitute_config
     from offload.plan import MemoryBudget
     from offload.planning import PlanError, make_plan
     from scripts.real_shapes import full_config
-    from speculative.substitute import substitute_config
 
     out = []
     for preset, card, memory_bandwidth in CARDS:

@@ -32,11 +32,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from modeling.checkpoints.checkpoint import load  # noqa: E402
+from modeling.decoder import Transformer  # noqa: E402
 from scripts.bench_speculative import PROMPTS  # noqa: E402
 from speculative.acceptance import AcceptanceModel  # noqa: E402
-from speculative.checkpoint import load  # noqa: E402
 from speculative.drafting import ModelDrafter  # noqa: E402
-from speculative.model import Transformer  # noqa: E402
 from speculative.ngram import NgramDrafter  # noqa: E402
 from speculative.passes import alone  # noqa: E402
 from speculative.prefix_cache import PrefixCache  # noqa: E402

@@ -19,10 +19,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from modeling.config import ModelConfig  # noqa: E402
+from modeling.decoder import Transformer  # noqa: E402
 from offload.machine import PeakMemory  # noqa: E402
 from offload.units import format_size, parse_size  # noqa: E402
-from speculative.config import ModelConfig  # noqa: E402
-from speculative.model import Transformer  # noqa: E402
 from speculative.passes import alone  # noqa: E402
 from speculative.prefix_cache import PrefixCache  # noqa: E402
 from speculative.sampling import SamplingParams, make_generator  # noqa: E402

@@ -31,9 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this checkout's packages first, also when run as a script
 
-from speculative.config import ModelConfig, RopeConfig  # noqa: E402
-from speculative.model import Transformer, rope_inv_freq  # noqa: E402
-from speculative.projections import stored_state  # noqa: E402
+from modeling.config import ModelConfig, RopeConfig  # noqa: E402
+from modeling.decoder import Transformer  # noqa: E402
+from modeling.layers.rope import rope_inv_freq  # noqa: E402
+from modeling.weights.projections import stored_state  # noqa: E402
 
 _LLAMA31_ROPE = RopeConfig(
     theta=500000.0,

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from modeling.compiled import CompiledPasses
+from modeling.decoder import Transformer
+from modeling.graphs import bucket_for
 from speculative.budget import TreeShape, choose_shape
-from speculative.compiled import CompiledPasses
-from speculative.graphs import bucket_for
-from speculative.model import Transformer
 from speculative.pass_costs import CostLine
 
 

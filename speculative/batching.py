@@ -36,8 +36,8 @@ from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from speculative.kv_cache import KVCache
-from speculative.model import Transformer
+from modeling.kv_cache import KVCache
+from modeling.protocol import Model
 from speculative.passes import Allot, Forward, PassRequest, allot, execute
 
 # What it logs is about the engine's passes, and is read as the engine's.
@@ -88,7 +88,7 @@ class PassScheduler(Generic[G]):
 
     def __init__(
         self,
-        target: Transformer,
+        target: Model,
         bounds: PassBounds,
         advance: Callable[[G], None],
         fail: Callable[[G, BaseException], None],

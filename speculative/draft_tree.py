@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
+from modeling.kv_cache import KVCache
+from modeling.protocol import Model
 from speculative.children import Candidates, ChildPolicy
-from speculative.kv_cache import KVCache
-from speculative.model import Transformer
 from speculative.passes import Allot, Steps, forward, run_alone
 
 
@@ -100,7 +100,7 @@ def default_depth(budget: int) -> int:
 
 
 def grow_tree(
-    draft: Transformer,
+    draft: Model,
     cache: KVCache,
     tree: DraftTree,
     root_logits: torch.Tensor,  # (V,)
@@ -129,7 +129,7 @@ def step_size(candidates: Candidates, first_child: float, room: int) -> int:
 
 
 def grow_tree_steps(
-    draft: Transformer,
+    draft: Model,
     cache: KVCache,
     tree: DraftTree,
     root_logits: torch.Tensor,  # (V,) the draft's logits after the root

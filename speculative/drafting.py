@@ -17,9 +17,9 @@ from typing import Protocol
 
 import torch
 
+from modeling.protocol import Model
 from speculative.grammar import Constraint
 from speculative.grammar_masks import masked
-from speculative.model import Transformer
 from speculative.passes import Steps, feed_pass
 from speculative.sampling import (
     PenaltyContext,
@@ -42,9 +42,9 @@ class Proposal:
 class Drafter(Protocol):
     # The draft model whose cache the session holds (None: nothing to prefill), so the
     # strategy's `prefill` steps can feed it a long prompt chunk by chunk.
-    draft: Transformer | None
+    draft: Model | None
 
-    def new_session(self, target: Transformer, capacity: int) -> Session: ...
+    def new_session(self, target: Model, capacity: int) -> Session: ...
 
     def propose(
         self,
@@ -64,7 +64,7 @@ class Drafter(Protocol):
         ...
 
 
-def check_draft_width(draft: Transformer, target: Transformer) -> None:
+def check_draft_width(draft: Model, target: Model) -> None:
     """A draft's distributions meet the target's id for id, so it must speak the target's
     width; unequal embedding sizes are adapted by `Transformer.set_vocab_width` once the
     tokenizers are known to agree (daemon/runtime.py does both)."""
@@ -83,15 +83,15 @@ class ModelDrafter:
     with the first drafting pass. The strategy's `prefill` feeds a longer prompt before,
     one chunk per step, so that pass never exceeds a chunk."""
 
-    def __init__(self, draft: Transformer, shared_cache: bool = False) -> None:
-        """`shared_cache`: `draft` is the target's substitute (speculative/substitute.py),
+    def __init__(self, draft: Model, shared_cache: bool = False) -> None:
+        """`shared_cache`: `draft` is the target's substitute (modeling/substitute.py),
         which drafts in the target's KV cache past the committed rows and keeps none:
         then there is no draft cache to prefill (`self.draft` is None)."""
         self.model = draft
         self.shared_cache = shared_cache
-        self.draft: Transformer | None = None if shared_cache else draft
+        self.draft: Model | None = None if shared_cache else draft
 
-    def new_session(self, target: Transformer, capacity: int) -> Session:
+    def new_session(self, target: Model, capacity: int) -> Session:
         check_draft_width(self.model, target)
         return Session(target, capacity, self.draft)
 

@@ -9,14 +9,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from speculative.detok import IncrementalDetokenizer, StopMatcher
-from speculative.errors import RequestError
+from modeling.errors import RequestError
+from modeling.text.detok import IncrementalDetokenizer, StopMatcher
+from modeling.text.tokenizer import Tokenizer
 from speculative.grammar import Constraint
 from speculative.passes import Allot, Forward, PassRequest, alone
 from speculative.rounds import DraftedTree, GenerationStats, Round, Strategy
 from speculative.sampling import SamplingParams, TokenLogprob, make_generator
 from speculative.session import Session
-from speculative.tokenizer import Tokenizer
 
 
 class ContextFullError(RequestError):

@@ -35,7 +35,7 @@ from typing import Any
 import llguidance
 import torch
 
-from speculative.errors import RequestError
+from modeling.errors import RequestError
 from speculative.grammar_masks import bit, expand, spellable
 
 # JSON output: compact separators and no free whitespace. A small model allowed free
@@ -79,7 +79,7 @@ _VOCABULARY_LOCK = threading.Lock()
 
 
 def vocabulary(tokenizer: Any) -> llguidance.LLTokenizer:
-    """The engine's view of `tokenizer` (speculative/tokenizer.py), built once per
+    """The engine's view of `tokenizer` (modeling/text/tokenizer.py), built once per
     tokenizer (about a second at 128k entries) and kept while the tokenizer lives. Its
     end-of-sequence tokens are the tokenizer's (a finished grammar allows only those)."""
     with _VOCABULARY_LOCK:

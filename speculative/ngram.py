@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from modeling.protocol import Model
 from speculative.draft_tree import DraftTree, tree_from_continuations
 from speculative.drafting import Proposal
 from speculative.grammar import Constraint
-from speculative.model import Transformer
 from speculative.passes import Steps
 from speculative.sampling import PenaltyContext, SamplingParams
 from speculative.session import Session
@@ -152,11 +152,11 @@ class NgramDrafter:
     Deterministic, so q is a point mass on each proposed token."""
 
     def __init__(self, vocab_size: int, max_ngram: int = 3) -> None:
-        self.draft: Transformer | None = None
+        self.draft: Model | None = None
         self.vocab_size = vocab_size
         self.max_ngram = max_ngram
 
-    def new_session(self, target: Transformer, capacity: int) -> Session:
+    def new_session(self, target: Model, capacity: int) -> Session:
         return Session(target, capacity)
 
     def propose(

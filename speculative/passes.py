@@ -29,8 +29,8 @@ from typing import TypeVar
 
 import torch
 
-from speculative.kv_cache import KVCache
-from speculative.model import Segment, Transformer
+from modeling.kv_cache import KVCache
+from modeling.protocol import Model, Segment
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -40,7 +40,7 @@ R = TypeVar("R")
 class Forward:
     """Run `model` over `segment`; the driver stores the outcome in `result`."""
 
-    model: Transformer
+    model: Model
     segment: Segment
     result: Pass | None = None
 
@@ -94,7 +94,7 @@ Steps = Generator[PassRequest, None, T]
 
 
 def forward(
-    model: Transformer,
+    model: Model,
     tokens: torch.Tensor,  # (T,)
     positions: torch.Tensor,  # (T,)
     cache: KVCache,
@@ -107,9 +107,7 @@ def forward(
     return request.take()
 
 
-def feed_pass(
-    model: Transformer, cache: KVCache, fed: list[int], tokens: Sequence[int]
-) -> Steps[Pass]:
+def feed_pass(model: Model, cache: KVCache, fed: list[int], tokens: Sequence[int]) -> Steps[Pass]:
     """Request one pass over `tokens` after the `fed` tokens that `cache` holds (positions
     continue from `len(fed)`), with logits for the last row only; `fed` then holds them."""
     start = len(fed)

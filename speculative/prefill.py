@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from speculative.kv_cache import KVCache
-from speculative.model import Transformer
+from modeling.kv_cache import KVCache
+from modeling.protocol import Model
 from speculative.passes import Steps, feed_pass, run_alone
 from speculative.rounds import Round, RoundStats, RoundSteps
 from speculative.session import Session
@@ -19,7 +19,7 @@ PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds activation memory
 
 
 def feed_steps(
-    model: Transformer,
+    model: Model,
     cache: KVCache,
     fed: list[int],
     tokens: Sequence[int],
@@ -36,7 +36,7 @@ def feed_steps(
 
 
 def feed(
-    model: Transformer,
+    model: Model,
     cache: KVCache,
     fed: list[int],
     tokens: Sequence[int],
@@ -49,8 +49,8 @@ def feed(
 def prefill(
     session: Session,
     sequence: Sequence[int],
-    target: Transformer,
-    draft: Transformer | None = None,
+    target: Model,
+    draft: Model | None = None,
     *,
     fold: int = 0,
     chunk: int = PREFILL_CHUNK,

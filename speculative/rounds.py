@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
+from modeling.protocol import Model
 from speculative.grammar import Constraint
-from speculative.model import Transformer
 from speculative.passes import PassRequest
 from speculative.sampling import SamplingParams, TokenLogprob
 from speculative.session import Session
@@ -148,7 +148,7 @@ class Strategy(Protocol):
     speculation all implement this; `Generation` applies stopping rules on top."""
 
     name: str
-    target: Transformer
+    target: Model
     prefill_chunk: int  # prompt tokens per prefill step (PREFILL_CHUNK; tests use tiny ones)
     # Logit rows its target pass returns besides a tree's nodes (which the engine grants
     # from the pass's rows): the engine reserves them before any tree grows.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculative.errors import RequestError
+from modeling.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 

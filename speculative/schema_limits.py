@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
-from speculative.errors import RequestError
+from modeling.errors import RequestError
 
 # Keywords whose value is a map of name → subschema, a list of subschemas, or one
 # subschema (`items` may be either, in older drafts). Anything else is data.

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from speculative.kv_cache import KVCache
-from speculative.model import Transformer
+from modeling.kv_cache import KVCache
+from modeling.protocol import Model
 
 
 class Session:
@@ -14,7 +14,7 @@ class Session:
     entries it holds. A conversation keeps its session so the next request prefills only
     what is new."""
 
-    def __init__(self, target: Transformer, capacity: int, draft: Transformer | None = None):
+    def __init__(self, target: Model, capacity: int, draft: Model | None = None):
         self.capacity = capacity
         self.target_cache: KVCache = target.new_cache(capacity)
         self.target_tokens: list[int] = []

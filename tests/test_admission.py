@@ -12,7 +12,7 @@ import pytest
 from daemon.admission import Ask, admit
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
-from speculative.errors import RequestError
+from modeling.errors import RequestError
 from speculative.grammar import Grammar
 from speculative.sampling import SamplingParams
 

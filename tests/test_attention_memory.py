@@ -11,11 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import speculative.attention as attention_module
+import modeling.layers.attention as attention_module
 from daemon.footprint import activation_footprint
+from modeling.config import ModelConfig
+from modeling.layers.attention import (
+    ATTENTION_CHUNK_BYTES,
+    attend,
+    attention_row_bytes,
+    query_chunk,
+)
 from offload.machine import gemm_copies_output
-from speculative.attention import ATTENTION_CHUNK_BYTES, attend, attention_row_bytes, query_chunk
-from speculative.config import ModelConfig
 from tests.peak_probe import needs_proc, run_child
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,8 +161,9 @@ def measure_pass(
     """In a child process (see the test): the peak one pass shape adds, and the plan's
     figure for it. `sequences` > 1 splits the pass's t tokens evenly among that many
     sequences, each with its own cache (a batched pass)."""
+    from modeling.decoder import Transformer
+    from modeling.protocol import Segment
     from offload.machine import PeakMemory
-    from speculative.model import Segment, Transformer
 
     attention_module.ATTENTION_CHUNK_BYTES = chunk_bytes  # this child process only
     torch.manual_seed(0)

@@ -18,9 +18,10 @@ from daemon.jobs import Failed, Finished, GenerationRequest, Job
 from daemon.metrics import Metrics
 from daemon.options import RuntimeOptions
 from daemon.runtime import STRATEGY_BUILDERS, Runtime
+from modeling.decoder import Transformer
+from modeling.kv_cache import KVCache
+from modeling.protocol import Segment
 from speculative.generation import Chunk, Generation
-from speculative.kv_cache import KVCache
-from speculative.model import Segment, Transformer
 from speculative.ngram import NgramDrafter
 from speculative.prefill import PREFILL_CHUNK
 from speculative.prefix_cache import PrefixCache

@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from modeling.checkpoints.checkpoint import load
+from modeling.decoder import Transformer
+from modeling.kv_cache import KVCache
+from modeling.protocol import Segment
 from offload.placement import build_streamer
 from speculative.acceptance import AcceptanceTable
-from speculative.checkpoint import load
 from speculative.children import RankedChildren
 from speculative.draft_tree import DraftTree, grow_tree_steps
-from speculative.kv_cache import KVCache
-from speculative.model import Segment, Transformer
 from speculative.passes import Allot, Forward, allot, execute
 from tests.test_stream import TREE_PARENTS, tree_mask
 

@@ -129,7 +129,7 @@ def test_the_planner_says_why_it_chose_its_budget():
 
 
 def test_a_generations_stats_carry_the_budget_reason(tiny_checkpoint):
-    from speculative.checkpoint import load
+    from modeling.checkpoints.checkpoint import load
     from speculative.generation import Generation
     from speculative.prefix_cache import PrefixCache
     from speculative.sampling import SamplingParams

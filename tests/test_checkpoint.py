@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from speculative.checkpoint import ModelNotFoundError, load, open_checkpoint, resolve
-from speculative.config import ModelConfig, UnsupportedModelError
-from speculative.safetensors_model import CheckpointError, weight_files
+from modeling.checkpoints.checkpoint import ModelNotFoundError, load, open_checkpoint, resolve
+from modeling.checkpoints.safetensors_model import CheckpointError, weight_files
+from modeling.config import ModelConfig, UnsupportedModelError
+from modeling.models import config_from_hf, parameter_count
 
 VOCAB = 96
 
@@ -127,7 +128,7 @@ def test_rope_scaling_wins_over_rope_parameters_as_in_transformers() -> None:
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     }
     reference = LlamaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
-    ours = ModelConfig.from_hf(raw).rope
+    ours = config_from_hf(raw).rope
     assert ours.kind == reference.rope_parameters["rope_type"] == "llama3"
     assert ours.theta == reference.rope_parameters["rope_theta"] == 500000.0
     assert ours.factor == 8.0 and ours.original_max_position_embeddings == 64
@@ -155,7 +156,7 @@ def _config(**changes: object) -> ModelConfig:
         "max_position_embeddings": 4096,
     }
     raw.update(changes)
-    return ModelConfig.from_hf(raw)
+    return config_from_hf(raw)
 
 
 def test_sliding_window_limits_the_context() -> None:
@@ -181,7 +182,7 @@ def test_parameter_count_matches_the_weights(tiny_checkpoint) -> None:
         path = tiny_checkpoint(family, tie_word_embeddings=tie, vocab_size=VOCAB)
         model, _, ckpt = load(path)
         unique = {id(p): p.numel() for p in model.parameters()}
-        assert ckpt.config.parameter_count() == sum(unique.values()), family
+        assert parameter_count(ckpt.config) == sum(unique.values()), family
 
 
 @pytest.mark.parametrize("stored_as", ["lm_head.weight", "model.embed_tokens.weight", "both"])
@@ -295,8 +296,8 @@ def test_hub_id_not_in_the_cache(offline_hub: Path) -> None:
 def test_skipped_parameters_stay_on_meta_and_the_rest_loads(tiny_checkpoint):
     """The disk offload tier loads a target without its streamed layers: they must take no
     memory (meta) yet keep their dtype and shape so the streamer can lay them out."""
-    from speculative.checkpoint import open_checkpoint
-    from speculative.safetensors_model import load_model
+    from modeling.checkpoints.checkpoint import open_checkpoint
+    from modeling.checkpoints.safetensors_model import load_model
 
     ckpt = open_checkpoint(tiny_checkpoint("llama"))
     model = load_model(
@@ -331,9 +332,7 @@ def test_plan_needs_only_the_config_of_a_hub_id(
     plan = json.loads(capsys.readouterr().out)
     assert (
         plan["target"]["num_layers"]
-        == ModelConfig.from_hf(
-            json.loads((llama / "config.json").read_text()), source="x"
-        ).num_layers
+        == config_from_hf(json.loads((llama / "config.json").read_text()), source="x").num_layers
     )
     # Not in the cache at all: the message names the config-only pull.
     assert main(["plan", "--model", "tiny-org/absent", "--device", "cpu"]) == 2
@@ -361,13 +360,13 @@ def test_pull_says_what_is_wrong_offline_and_without_a_network(
     assert main(["pull", "--config-only", "org/model"]) == 2
     err = capsys.readouterr().err
     assert "the hub cannot be reached from here" in err and "resume" not in err
-    from speculative.checkpoint import CONFIG_FILES
+    from modeling.checkpoints.checkpoint import CONFIG_FILES
 
     assert pull_cmd.CONFIG_FILES == CONFIG_FILES  # restated: pull imports no torch
 
 
 def test_load_refuses_a_quantize_for_an_opened_checkpoint(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
-    from speculative.checkpoint import load, open_checkpoint
+    from modeling.checkpoints.checkpoint import load, open_checkpoint
 
     opened = open_checkpoint(tiny_checkpoint())
     with pytest.raises(ValueError, match="open_checkpoint"):

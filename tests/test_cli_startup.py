@@ -99,14 +99,14 @@ def test_prefix_cache_default_restates_the_caches() -> None:
 
 
 def test_dtype_choices_restate_the_checkpoints() -> None:
-    from speculative.checkpoint import DTYPE_CHOICES as LOADER_CHOICES
+    from modeling.checkpoints.checkpoint import DTYPE_CHOICES as LOADER_CHOICES
 
     assert DTYPE_CHOICES == LOADER_CHOICES
 
 
 def test_quantize_choices_restate_the_loaders() -> None:
     from daemon.cli import argtypes
-    from speculative import quant
+    from modeling.weights import quant
 
     assert QUANTIZE_CHOICES == quant.QUANTIZE_CHOICES
     assert argtypes.QUANTIZE_GROUP == quant.QUANTIZE_GROUP

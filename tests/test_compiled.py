@@ -1,4 +1,4 @@
-"""Compiled passes (speculative/compiled.py) give the eager passes' outputs.
+"""Compiled passes (modeling/compiled.py) give the eager passes' outputs.
 
 One module-scoped compile of the real stories260k draft (two graphs, the warm-up's), shared
 by every test: compiling is the expensive part (tens of seconds on a cold disk cache), the
@@ -14,14 +14,15 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from modeling.checkpoints.checkpoint import load
+from modeling.compiled import MAX_TOKENS, CompiledPasses, ineligible
+from modeling.decoder import Transformer
+from modeling.kv_cache import KVCache
+from modeling.layers.attention import ATTENTION_CHUNK_BYTES, attention_row_bytes, query_chunk
+from modeling.layers.norms import RMSNorm
 from scripts.tiny_models import make_checkpoint
-from speculative.attention import ATTENTION_CHUNK_BYTES, attention_row_bytes, query_chunk
-from speculative.checkpoint import load
-from speculative.compiled import MAX_TOKENS, CompiledPasses, ineligible
 from speculative.drafting import ModelDrafter
 from speculative.generation import Generation
-from speculative.kv_cache import KVCache
-from speculative.model import RMSNorm, Transformer
 from speculative.rounds import Strategy
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
@@ -268,7 +269,7 @@ def test_the_guards_kept_are_the_inputs_and_the_global_state(
     """What a compiled step checks before each call (`_input_guards`): every guard on its
     six inputs, their symbolic sizes' relations and the grad/global state stay; none on
     the model's modules does (those are what cost ~70 µs a step)."""
-    import speculative.compiled as compiled_module
+    import modeling.compiled as compiled_module
 
     decisions: list[tuple[Any, bool]] = []
     real = compiled_module._input_guards

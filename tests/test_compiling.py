@@ -23,9 +23,10 @@ from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from daemon.settings import SettingsError
 from daemon.settings_loading import load_settings
-from speculative.checkpoint import load
-from speculative.config import ModelConfig
-from speculative.model import Transformer
+from modeling.checkpoints.checkpoint import load
+from modeling.config import ModelConfig
+from modeling.decoder import Transformer
+from modeling.models import layer_parameter_count
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +55,7 @@ def test_auto_compiles_the_daemons_small_cpu_models_only(stories_draft: Path) ->
     on, why = decide("auto", model, serving=False)
     assert not on and "one-shot" in why
     big = Transformer(_config(512, 1536))
-    assert big.config.layer_parameter_count() >= SMALL_LAYER_PARAMETERS
+    assert layer_parameter_count(big.config) >= SMALL_LAYER_PARAMETERS
     on, why = decide("auto", big, serving=True)
     assert not on and "compute-bound" in why
 

@@ -18,12 +18,13 @@ from daemon.memory_plan import OffloadOptions, choose_plan, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from daemon.settings_loading import load_settings
+from modeling.checkpoints.checkpoint import dtype_candidates, dtype_key
+from modeling.config import ModelConfig
+from modeling.models import config_from_hf
 from offload.plan import MemoryBudget
 from offload.planning import MIN_AUTO_CONTEXT, PlanError, longest_context, make_plan
 from scripts.real_shapes import full_config, hf_config
 from speculative.budget import AUTO_MAX_BUDGET
-from speculative.checkpoint import dtype_candidates, dtype_key
-from speculative.config import ModelConfig
 from speculative.prefill import PREFILL_CHUNK
 
 # Llama-3.1-8B/70B and Llama-3.2-1B as their config.json files declare them (bf16).
@@ -46,7 +47,7 @@ def cpu(ram: float) -> MemoryBudget:
 
 
 def config(name: str) -> ModelConfig:
-    return ModelConfig.from_hf(MODELS[name])
+    return config_from_hf(MODELS[name])
 
 
 def write_config(folder: Path, name: str) -> Path:
@@ -73,7 +74,7 @@ def test_the_checkpoint_dtype_is_read_from_config_json() -> None:
     assert [d for d, _ in dtype_candidates("auto", bf16, "cuda")] == ["bf16"]
     assert [d for d, _ in dtype_candidates("auto", bf16, "cpu")] == ["fp32", "bf16"]
     assert [d for d, _ in dtype_candidates("fp16", bf16, "cpu")] == ["fp16"]
-    fp32 = ModelConfig.from_hf({**MODELS["Llama-3.1-8B"], "torch_dtype": "float32"})
+    fp32 = config_from_hf({**MODELS["Llama-3.1-8B"], "torch_dtype": "float32"})
     assert [d for d, _ in dtype_candidates("auto", fp32, "cuda")] == ["fp32"]
     with pytest.raises(ValueError, match="auto, fp32"):
         dtype_candidates("fp8", bf16, "cuda")

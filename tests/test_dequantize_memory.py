@@ -11,9 +11,9 @@ import json
 import torch
 from torch import nn
 
-from speculative.packed import RebuildScratch
-from speculative.projections import FusedLinear, dequantize_projections
-from speculative.quant import on_load_quantization
+from modeling.weights.packed import RebuildScratch
+from modeling.weights.projections import FusedLinear, dequantize_projections
+from modeling.weights.quant import on_load_quantization
 from tests.peak_probe import needs_proc, run_child
 
 # An MLP of a real 8B's width at a quarter scale: gate/up stacked are 2 x 29 MB in fp32.

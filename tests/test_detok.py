@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from speculative.checkpoint import open_checkpoint
-from speculative.detok import REPLACEMENT, IncrementalDetokenizer, StopMatcher
-from speculative.tokenizer import Tokenizer
+from modeling.checkpoints.checkpoint import open_checkpoint
+from modeling.text.detok import REPLACEMENT, IncrementalDetokenizer, StopMatcher
+from modeling.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Once upon a time, a café served crème brûlée.",

@@ -13,15 +13,16 @@ from safetensors import safe_open
 
 from daemon.footprint import footprint
 from daemon.target_loading import disk_sources
+from modeling.checkpoints.checkpoint import load, open_checkpoint
+from modeling.decoder import Transformer
+from modeling.models.llama import Attention
+from modeling.weights.packed import CompressedLinear, PackedLinear
+from modeling.weights.projections import FUSED_PROJECTIONS, FusedLinear, stored_names, stored_state
 from offload.arena import HostArena
 from offload.layout import FlatLayout
 from offload.placement import build_streamer
 from offload.storage import DiskStorage
 from scripts.bench_fusion import unstacked
-from speculative.checkpoint import load, open_checkpoint
-from speculative.model import Attention, Transformer
-from speculative.packed import CompressedLinear, PackedLinear
-from speculative.projections import FUSED_PROJECTIONS, FusedLinear, stored_names, stored_state
 
 PROMPT = [1, 403, 407, 261, 378, 432, 383]
 

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from speculative.checkpoint import load
+from modeling.checkpoints.checkpoint import load
 from speculative.generation import ContextFullError, Generation
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive

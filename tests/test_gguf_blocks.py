@@ -1,4 +1,4 @@
-"""GGUF block decoding in torch (speculative/gguf_blocks.py) against gguf-py's reference
+"""GGUF block decoding in torch (modeling/weights/gguf_blocks.py) against gguf-py's reference
 dequantizers (`gguf.quants.dequantize`, which equal llama.cpp's C ones bit for bit): every
 type on random blocks, every tensor of the real files in ../shared/models/gguf, compared
 bit for bit; `GGUFLinear` as a projection; and the temporaries against `rebuild_bytes`."""
@@ -19,7 +19,7 @@ from gguf.quants import dequantize as reference_dequantize
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from speculative.gguf_blocks import (
+from modeling.weights.gguf_blocks import (
     BLOCK_SIZES,
     FLOAT_TYPES,
     UnsupportedGGMLTypeError,
@@ -28,8 +28,8 @@ from speculative.gguf_blocks import (
     dequantize_rows,
     row_bytes,
 )
-from speculative.gguf_modules import GGUFEmbedding, GGUFLinear
-from speculative.packed import RebuildScratch
+from modeling.weights.gguf_modules import GGUFEmbedding, GGUFLinear
+from modeling.weights.packed import RebuildScratch
 
 # Byte offsets of each type's float16 fields (d, and dmin or m) within its block: random
 # bytes there could be NaN or infinite, which compare unequal to themselves.

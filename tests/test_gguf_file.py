@@ -15,8 +15,8 @@ import gguf
 import numpy as np
 import pytest
 
-from speculative import gguf_file
-from speculative.gguf_file import GGUFFormatError, read_file_type, read_gguf
+from modeling.checkpoints import gguf_file
+from modeling.checkpoints.gguf_file import GGUFFormatError, read_file_type, read_gguf
 from tests.conftest import SHARED_MODELS
 from tests.test_model_stores import deadline
 

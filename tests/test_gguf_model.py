@@ -17,11 +17,12 @@ import torch
 from daemon.cli import main
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
+from modeling.checkpoints.checkpoint import load, open_checkpoint
+from modeling.checkpoints.gguf_model import GGUFError
+from modeling.models import layer_parameter_count
+from modeling.weights.gguf_modules import GGUFEmbedding, GGUFLinear
 from offload.stream import LayerStreamer
-from speculative.checkpoint import load, open_checkpoint
 from speculative.generation import Generation
-from speculative.gguf_model import GGUFError
-from speculative.gguf_modules import GGUFEmbedding, GGUFLinear
 from speculative.sampling import SamplingParams
 from tests.conftest import SHARED_MODELS
 
@@ -190,7 +191,7 @@ def with_metadata(tmp_path: Path, extra: dict[str, str | float]) -> Path:
     import gguf
     import numpy as np
 
-    from speculative.gguf_file import read_gguf
+    from modeling.checkpoints.gguf_file import read_gguf
 
     source = read_gguf(GGUF / "stories260k-F32.gguf")
     path = tmp_path / "extra.gguf"
@@ -280,7 +281,7 @@ def test_a_streamed_q4_k_m_target_moves_its_packed_bytes() -> None:
     layers = runtime.target.config.num_layers
     assert per_pass == layers * planned_layer == layers * streamer.layout.nbytes
     config = runtime.target.config
-    bf16 = config.num_layers * config.layer_parameter_count() * 2
+    bf16 = config.num_layers * layer_parameter_count(config) * 2
     assert per_pass < bf16 / 3  # Q4_K and Q6_K blocks: ~4.5-6.6 bits a weight
     for top in item["first_step_top5"]:
         assert abs(float(logits[top["id"]]) - top["logit"]) < 1e-3

@@ -1,4 +1,4 @@
-"""Tokenizers built from GGUF metadata (speculative/gguf_tokenizer.py) against the references
+"""Tokenizers built from GGUF metadata (modeling/text/gguf_tokenizer.py) against the references
 nobody here wrote: the ids stored beside llama.cpp's own GGUF files, the source folder's
 tokenizer.json, transformers' GGUF tokenizer, and llama.cpp's SPM rule written out below."""
 
@@ -16,16 +16,16 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
-from speculative.gguf_file import read_gguf
-from speculative.gguf_merges import merges_from_scores
-from speculative.gguf_pretokenizers import GROUPS, NOT_BYTE_LEVEL, PRE_TOKENIZERS
-from speculative.gguf_tokenizer import (
+from modeling.checkpoints.gguf_file import read_gguf
+from modeling.text.gguf_merges import merges_from_scores
+from modeling.text.gguf_pretokenizers import GROUPS, NOT_BYTE_LEVEL, PRE_TOKENIZERS
+from modeling.text.gguf_tokenizer import (
     MAX_MERGES,
     MAX_MERGES_TEXT,
     GGUFTokenizerError,
     tokenizer_from_gguf,
 )
-from speculative.tokenizer import Tokenizer
+from modeling.text.tokenizer import Tokenizer
 from tests.conftest import SHARED_MODELS
 from tests.test_model_stores import deadline
 
@@ -387,7 +387,7 @@ def test_a_value_of_the_wrong_type_names_the_key_and_the_file(
 def test_a_huge_token_is_refused_before_the_merges_are_derived() -> None:
     """One 300,000-character piece made deriving the merges quadratic (no answer in 60 s).
     The bound is far above any real token, and a piece at the bound builds in no time."""
-    from speculative import gguf_tokenizer
+    from modeling.text import gguf_tokenizer
 
     _, fields = _spm("stories260k-F16.gguf")
     tokens = list(fields["tokenizer.ggml.tokens"])
@@ -410,7 +410,7 @@ def test_a_huge_token_is_refused_before_the_merges_are_derived() -> None:
 def test_the_vocabulary_and_its_merges_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bounds on a vocabulary's tokens, its text and its merges (derived from a `llama`
     file's scores, or a `gpt2` file's), each refused in one line naming the key."""
-    from speculative import gguf_tokenizer
+    from modeling.text import gguf_tokenizer
 
     _, fields = _spm("stories260k-F16.gguf")
     for bound, value, expected in [
@@ -448,7 +448,7 @@ def test_merges_of_tokens_not_in_the_vocabulary_are_one_line(
     assert "out of vocabulary" in message and "\n" not in message
 
 
-# --- pre-tokenizer names (speculative/gguf_pretokenizers.py) ------------------------------
+# --- pre-tokenizer names (modeling/text/gguf_pretokenizers.py) ------------------------------
 
 SMOLLM2_DIR = SHARED_MODELS / "smollm2-135m-instruct"
 SMOLLM2 = "smollm2-135m-instruct-q4_1.gguf"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from speculative.checkpoint import load
+from modeling.checkpoints.checkpoint import load
 from speculative.generation import Generation
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive

@@ -18,6 +18,8 @@ from torch import nn
 
 from daemon.footprint import footprint
 from daemon.memory_plan import OffloadOptions, plan_request
+from modeling.config import ModelConfig
+from modeling.decoder import Transformer
 from offload import machine
 from offload.arena import PAGE, HostArena, arena_bytes
 from offload.layout import FlatLayout
@@ -27,8 +29,6 @@ from offload.planning import make_plan
 from offload.slots import MAX_TIMED_COPIES, CopyTimes
 from offload.storage import DiskStorage, LayerReadError, RamStorage, read_header
 from scripts.real_shapes import full_config
-from speculative.config import ModelConfig
-from speculative.model import Transformer
 from tests.test_stream import one_pass, passes, reference_logits, streamed_model
 
 __all__ = ["reference_logits"]  # the fixture, shared with test_stream

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from daemon.cli.commands import main
-from speculative.gguf_file import read_gguf
+from modeling.checkpoints.gguf_file import read_gguf
 from tests.conftest import ROOT, SHARED_MODELS
 
 SOURCE = SHARED_MODELS / "gguf" / "stories260k-Q8_0.gguf"

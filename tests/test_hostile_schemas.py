@@ -289,10 +289,10 @@ def test_the_compiler_threads_survive_what_the_limits_would_refuse(
         f"""
 import sys, threading
 sys.path.insert(0, {str(ROOT)!r})
-from speculative.checkpoint import open_checkpoint
+from modeling.checkpoints.checkpoint import open_checkpoint
 from speculative.grammar import Constraint, Grammar
 from speculative.grammar_compiler import GrammarCompiler
-from speculative.tokenizer import Tokenizer
+from modeling.text.tokenizer import Tokenizer
 from tests.test_hostile_schemas import ref_chain
 ckpt = open_checkpoint({str(stories_target)!r})
 tok = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)

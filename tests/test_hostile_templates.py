@@ -1,5 +1,5 @@
 """Hostile chat templates (issue 32). A chat template is code shipped in the model file, so
-every render keeps to limits (speculative/chat_template.py): steps (loop iterations, calls,
+every render keeps to limits (modeling/text/chat_template.py): steps (loop iterations, calls,
 filters), wall time, the size of any value it makes, what it writes, how deep it nests
 values and calls. A template that passes one stops itself, quickly and without taking the
 machine's memory, with an error naming the limit; the daemon answers the request with a 400
@@ -24,15 +24,15 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from daemon.http.server import BackgroundServer
 from daemon.settings_loading import load_settings
-from speculative.chat_template import (
+from modeling.checkpoints.gguf_file import read_gguf
+from modeling.text.chat_template import (
     MAX_CALL_DEPTH,
     MAX_STEPS,
     MAX_VALUE_SIZE,
     TemplateLimitError,
     compile_template,
 )
-from speculative.gguf_file import read_gguf
-from speculative.tokenizer import FALLBACK_CHAT_TEMPLATE, ChatTemplateError, Tokenizer
+from modeling.text.tokenizer import FALLBACK_CHAT_TEMPLATE, ChatTemplateError, Tokenizer
 from tests.test_tool_formats import LLAMA3_TEMPLATE, MISTRAL_TEMPLATE
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -1,4 +1,4 @@
-"""Half-quadratic quantization (speculative/hqq.py) against a straightforward reference of
+"""Half-quadratic quantization (modeling/weights/hqq.py) against a straightforward reference of
 the same optimisation, written element by element, and against plain min-max rounding;
 the packed layout round trip at every width the substitute draft uses."""
 
@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from speculative import hqq
-from speculative.hqq import HQQLinear, optimise_zero, pack, quantize
-from speculative.packed import unpack
+from modeling.weights import hqq
+from modeling.weights.hqq import HQQLinear, optimise_zero, pack, quantize
+from modeling.weights.packed import unpack
 
 
 def reference_zero(w: list[float], scale: float, zero: float, bits: int) -> float:

@@ -10,8 +10,8 @@ import json
 
 import torch
 
-import speculative.hqq as hqq
-from speculative.hqq import HQQLinear, block_rows, build_bytes
+import modeling.weights.hqq as hqq
+from modeling.weights.hqq import HQQLinear, block_rows, build_bytes
 from tests.peak_probe import needs_proc, run_child
 
 # Projections of several blocks each, in bf16 as a target holds them; the child makes the

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
+from modeling.checkpoints.checkpoint import load
 from offload.stream import LayerStreamer
-from speculative.checkpoint import load
 from tests.test_stream import PROMPT, TREE_TOKENS, streamed_model, tree_mask
 
 
@@ -156,7 +156,7 @@ def test_the_step_says_why_it_cannot_move_layers(stories_target: Path) -> None:
 
 def test_graph_pools_are_released_and_resumed(stories_draft: Path) -> None:
     from daemon.relief import GraphPools
-    from speculative.compiled import CompiledPasses
+    from modeling.compiled import CompiledPasses
     from tests.test_step_graphs import Replaying
 
     model, _, _ = load(stories_draft, "fp32", "cpu")

@@ -13,7 +13,7 @@ import pytest
 from daemon.cli import main
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
-from speculative.checkpoint import load
+from modeling.checkpoints.checkpoint import load
 from speculative.drafting import ModelDrafter
 from speculative.generation import Generation
 from speculative.ngram import NgramDrafter

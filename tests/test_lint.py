@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RUFF = Path(sys.executable).with_name("ruff")
 MYPY = Path(sys.executable).with_name("mypy")
-PACKAGES = ["speculative", "offload", "daemon"]
+PACKAGES = ["modeling", "speculative", "offload", "daemon"]
 
 
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]], ids=["check", "format"])

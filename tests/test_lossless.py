@@ -29,8 +29,8 @@ import torch
 
 from daemon.options import RuntimeOptions
 from daemon.runtime import STRATEGY_BUILDERS, Runtime
+from modeling.decoder import Transformer
 from speculative.grammar import Constraint, Grammar
-from speculative.model import Transformer
 from speculative.passes import Allot, Forward, PassRequest, allot, alone, execute
 from speculative.rounds import RoundSteps, Strategy
 from speculative.sampling import PenaltyContext, SamplingParams, probabilities

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from speculative.checkpoint import load
+from modeling.checkpoints.checkpoint import load
+from modeling.kv_cache import CacheFullError, KVCache
 from speculative.generation import Generation
-from speculative.kv_cache import CacheFullError, KVCache
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
 
@@ -181,7 +181,7 @@ def test_greedy_generation_matches_transformers_generate(shared_models: Path) ->
 def test_query_chunked_attention_agrees(tiny_checkpoint, monkeypatch) -> None:
     """Long passes attend over chunks of queries (bounded score memory): with a bound so
     small that every query row is its own chunk, the logits are those of one chunk."""
-    import speculative.attention as attention_module
+    import modeling.layers.attention as attention_module
 
     path = tiny_checkpoint("qwen2", vocab_size=96)
     model, _, _ = load(path)
@@ -253,8 +253,9 @@ def test_construction_draws_as_torch_modules_off_meta_and_nothing_on_it(
     the meta device, where only shapes count and drawing would import torch._dynamo."""
     from torch import nn
 
-    from speculative.checkpoint import open_checkpoint
-    from speculative.model import Transformer, rope_inv_freq
+    from modeling.checkpoints.checkpoint import open_checkpoint
+    from modeling.decoder import Transformer
+    from modeling.layers.rope import rope_inv_freq
 
     cfg = open_checkpoint(tiny_checkpoint("llama")).config
     torch.manual_seed(0)

@@ -21,8 +21,8 @@ from typing import Any
 import gguf
 import pytest
 
-from speculative import model_stores
-from speculative.model_stores import (
+from modeling.checkpoints import model_stores
+from modeling.checkpoints.model_stores import (
     StoreError,
     gguf_file_type,
     list_store_models,

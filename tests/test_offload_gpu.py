@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from daemon.target_loading import disk_sources
+from modeling.checkpoints.checkpoint import load
 from offload.arena import HostArena, arena_bytes
 from offload.placement import build_streamer
 from offload.slots import MAX_TIMED_COPIES
-from speculative.checkpoint import load
 
 pytestmark = [
     pytest.mark.gpu,

@@ -15,13 +15,13 @@ from daemon.footprint import footprint
 from daemon.memory_plan import GRAPHS, OffloadOptions, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
+from modeling.layers.attention import ATTENTION_CHUNK_BYTES
+from modeling.models import config_from_hf
 from offload.machine import detect_budget
 from offload.plan import MemoryBudget, PlanRequest
 from offload.planning import PlanError, host_tier_bytes, make_plan
 from offload.units import format_size, parse_rate, parse_size
-from speculative.attention import ATTENTION_CHUNK_BYTES
 from speculative.budget import AUTO_MAX_BUDGET
-from speculative.config import ModelConfig
 from speculative.prefill import PREFILL_CHUNK
 
 LLAMA3_ROPE = {
@@ -94,7 +94,7 @@ def true_layer_params(raw: dict) -> int:
 
 def fp(name: str, dtype: torch.dtype = torch.bfloat16):
     raw, _ = MODELS[name]
-    return footprint(ModelConfig.from_hf(raw), dtype, name)
+    return footprint(config_from_hf(raw), dtype, name)
 
 
 def budget(gpu: float, ram: float, bandwidth: float | None = 25e9) -> MemoryBudget:
@@ -264,7 +264,7 @@ def test_plan_a_gpu_profile_from_a_machine_without_one(tmp_path: Path, capsys) -
 def test_the_plan_warns_when_every_conversation_at_full_length_would_not_fit() -> None:
     """Caches grow with use: the plan holds one full-context sequence and warns (does not
     refuse) when a daemon's active and kept conversations at full length would overflow."""
-    target = footprint(ModelConfig.from_hf(MODELS["Llama-3.1-8B"][0]), torch.bfloat16, "8B")
+    target = footprint(config_from_hf(MODELS["Llama-3.1-8B"][0]), torch.bfloat16, "8B")
     budget = MemoryBudget("cuda", 24 * 2**30, "test", 64 * 2**30, "test", 25e9, "test")
 
     def plan_for(sequences: int):

@@ -20,11 +20,12 @@ from daemon.jobs import Finished, GenerationRequest, Job
 from daemon.metrics import Metrics
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
-from speculative.checkpoint import load
+from modeling.checkpoints.checkpoint import load
+from modeling.decoder import Transformer
+from modeling.kv_cache import KVCache
+from modeling.protocol import Segment
 from speculative.drafting import ModelDrafter
 from speculative.generation import Chunk, Generation
-from speculative.kv_cache import KVCache
-from speculative.model import Segment, Transformer
 from speculative.ngram import NgramDrafter
 from speculative.prefix_cache import PrefixCache
 from speculative.rounds import Strategy

@@ -21,9 +21,9 @@ from daemon.memory_plan import OffloadOptions, plan_request
 from daemon.metrics import Metrics
 from daemon.settings import SettingsError
 from daemon.settings_loading import load_settings
+from modeling.models import config_from_hf
 from offload.plan import MemoryBudget
 from offload.planning import PlanError, make_plan
-from speculative.config import ModelConfig
 from speculative.prefix_cache import DEFAULT_MAX_BYTES
 from speculative.rounds import GenerationStats, RoundStats
 
@@ -122,7 +122,7 @@ def _plan(device: str, cache: int, ram: float = 64e9):  # type: ignore[no-untype
     budget = MemoryBudget(
         device, int(24e9), "configured", int(ram), "configured", 25e9, "configured"
     )
-    target = footprint(ModelConfig.from_hf(LLAMA_8B), torch.bfloat16, "8B")
+    target = footprint(config_from_hf(LLAMA_8B), torch.bfloat16, "8B")
     request = plan_request(target, None, 8192, OffloadOptions(prefix_cache_bytes=cache), 64)
     return make_plan(request, budget)
 

@@ -20,15 +20,11 @@ from daemon.footprint import footprint
 from daemon.memory_plan import OffloadOptions, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
-from offload.layout import FlatLayout
-from offload.plan import MemoryBudget
-from offload.planning import make_plan
-from scripts.real_shapes import full_config
-from speculative.checkpoint import load, open_checkpoint
-from speculative.config import ModelConfig
-from speculative.generation import Generation
-from speculative.model import Transformer
-from speculative.packed import (
+from modeling.checkpoints.checkpoint import load, open_checkpoint
+from modeling.checkpoints.safetensors_model import CheckpointError
+from modeling.config import ModelConfig
+from modeling.decoder import Transformer
+from modeling.weights.packed import (
     AWQ_ORDER,
     AWQLinear,
     CompressedLinear,
@@ -36,8 +32,12 @@ from speculative.packed import (
     PackedLinear,
     unpack,
 )
-from speculative.quant import UnsupportedQuantizationError, parse_quantization
-from speculative.safetensors_model import CheckpointError
+from modeling.weights.quant import UnsupportedQuantizationError, parse_quantization
+from offload.layout import FlatLayout
+from offload.plan import MemoryBudget
+from offload.planning import make_plan
+from scripts.real_shapes import full_config
+from speculative.generation import Generation
 from speculative.sampling import SamplingParams
 
 FOLDERS = [

@@ -16,14 +16,14 @@ from daemon.footprint import footprint
 from daemon.memory_plan import OffloadOptions, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
+from modeling.checkpoints.checkpoint import load, open_checkpoint
+from modeling.checkpoints.safetensors_model import CheckpointError
+from modeling.weights.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
+from modeling.weights.quant import UnsupportedQuantizationError, on_load_quantization
 from offload.plan import MemoryBudget
 from offload.planning import make_plan
 from scripts.real_shapes import full_config
-from speculative.checkpoint import load, open_checkpoint
 from speculative.generation import Generation
-from speculative.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
-from speculative.quant import UnsupportedQuantizationError, on_load_quantization
-from speculative.safetensors_model import CheckpointError
 from speculative.sampling import SamplingParams
 from tests.peak_probe import needs_proc, run_child
 from tests.test_quant import FORMATS, quantized_config

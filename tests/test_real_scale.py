@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from modeling.decoder import Transformer
+from modeling.kv_cache import KVCache
 from offload.machine import PeakMemory
 from scripts.bench_scale import pass_plan, plan_figures
 from scripts.real_shapes import build_model, model_config, write_folder
-from speculative.kv_cache import KVCache
-from speculative.model import Transformer
 from speculative.passes import alone
 from speculative.prefill import feed
 from speculative.rounds import Round
@@ -150,7 +150,7 @@ def test_greedy_tree_output_is_the_autoregressive_output(
 def test_preset_folder_loads_with_a_tokenizer_of_its_vocabulary(
     preset: str, tmp_path: Path
 ) -> None:
-    from speculative.checkpoint import load
+    from modeling.checkpoints.checkpoint import load
 
     config = model_config(preset, layers=1, hidden_scale=1 / 16)
     model = build_model(config, seed=3)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from speculative.checkpoint import load
+from modeling.checkpoints.checkpoint import load
 from speculative.generation import Generation
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive

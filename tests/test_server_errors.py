@@ -21,9 +21,9 @@ from daemon import engine as engine_module
 from daemon.http import completions as completions_module
 from daemon.http.server import BackgroundServer, Server
 from daemon.settings_loading import load_settings
+from modeling.errors import RequestError
 from speculative import batching
 from speculative.budget import AUTO_MAX_BUDGET
-from speculative.errors import RequestError
 from speculative.generation import ContextFullError
 from tests.keyed_server import keyed_server
 

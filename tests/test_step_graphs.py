@@ -1,4 +1,4 @@
-"""Captured steps (speculative/graphs.py) give the eager passes' outputs.
+"""Captured steps (modeling/graphs.py) give the eager passes' outputs.
 
 Each test runs twice: on a CPU, where a "capture" runs the step once and a replay runs it
 again on the same fixed tensors (what a CUDA graph's replay does with the addresses it
@@ -15,13 +15,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import speculative.graphs as graphs_module
-from speculative.checkpoint import load
-from speculative.compiled import CompiledPasses
+import modeling.graphs as graphs_module
+from modeling.checkpoints.checkpoint import load
+from modeling.compiled import CompiledPasses
+from modeling.decoder import Transformer
+from modeling.graphs import BUCKETS, bucket_for
+from modeling.kv_cache import KVCache
 from speculative.generation import Generation
-from speculative.graphs import BUCKETS, bucket_for
-from speculative.kv_cache import KVCache
-from speculative.model import Transformer
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.tree import TreeSpeculation
@@ -322,8 +322,8 @@ def test_a_step_whose_scores_pass_the_graph_bound_runs_uncaptured(
 ) -> None:
     """A graph's pool keeps its working memory, so a step whose attention scores would pass
     GRAPH_ATTENTION_BYTES runs uncaptured (and unpadded); a single row is always captured."""
-    import speculative.compiled as compiled_module
-    from speculative.attention import attention_row_bytes
+    import modeling.compiled as compiled_module
+    from modeling.layers.attention import attention_row_bytes
 
     row = attention_row_bytes(model.config.num_heads, 512)
     monkeypatch.setattr(compiled_module, "GRAPH_ATTENTION_BYTES", 4 * row)  # 4 rows at 512

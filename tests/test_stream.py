@@ -14,11 +14,11 @@ from torch import nn
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from daemon.target_loading import disk_sources
+from modeling.checkpoints.checkpoint import load
+from modeling.decoder import Transformer
 from offload.placement import build_streamer
 from offload.stream import LayerStreamer
-from speculative.checkpoint import load
 from speculative.generation import Generation
-from speculative.model import Transformer
 from speculative.sampling import SamplingParams
 
 PROMPT = [1, 403, 407, 261, 378, 432, 383]

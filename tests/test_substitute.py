@@ -17,15 +17,15 @@ from daemon.memory_plan import OffloadOptions
 from daemon.options import RuntimeOptions
 from daemon.pair_plan import plan_with_draft
 from daemon.runtime import Runtime
+from modeling.checkpoints.checkpoint import load
+from modeling.substitute import build_substitute, share_placed
+from modeling.weights.hqq import HQQLinear
 from offload.plan import MemoryBudget
 from offload.planning import PlanError
 from scripts.real_shapes import build_model, full_config, model_config
-from speculative.checkpoint import load
 from speculative.generation import Generation
-from speculative.hqq import HQQLinear
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
-from speculative.substitute import build_substitute, share_placed
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = "Once upon a time"
@@ -271,7 +271,7 @@ def test_a_packed_target_shares_its_layers_at_equal_bits(shared_models: Path) ->
     """A 4-bit GPTQ target's 4-bit substitute is its own packed layers copied to the
     device as stored (nothing quantized again: the draft is the target, every drafted token
     is accepted); `auto` tries no more bits than the target has."""
-    from speculative.packed import GPTQLinear
+    from modeling.weights.packed import GPTQLinear
 
     path = str(shared_models / "quantized" / "gptq-w4-g32")
     options = RuntimeOptions(

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from speculative.checkpoint import open_checkpoint
-from speculative.tokenizer import FALLBACK_CHAT_TEMPLATE, ChatTemplateError, Tokenizer
+from modeling.checkpoints.checkpoint import open_checkpoint
+from modeling.text.tokenizer import FALLBACK_CHAT_TEMPLATE, ChatTemplateError, Tokenizer
 
 TEXTS = ["Once upon a time", "  two  spaces", "café 😀 naïve", "line\nbreak", ""]
 

@@ -10,8 +10,9 @@ import torch
 
 import speculative.strategies.tree as tree_strategy
 import speculative.strategies.tree_verification as tree_verification
+from modeling.checkpoints.checkpoint import load
+from modeling.decoder import Transformer
 from speculative.acceptance import AcceptanceTable
-from speculative.checkpoint import load
 from speculative.children import RankedChildren
 from speculative.draft_tree import (
     DraftTree,
@@ -20,7 +21,6 @@ from speculative.draft_tree import (
     verification_mask,
 )
 from speculative.generation import Generation
-from speculative.model import Transformer
 from speculative.passes import alone
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import SamplingParams, probabilities

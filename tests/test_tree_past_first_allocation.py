@@ -18,8 +18,8 @@ from daemon.http.server import BackgroundServer
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from daemon.settings_loading import load_settings
+from modeling.kv_cache import INITIAL_SLOTS
 from speculative.generation import Generation
-from speculative.kv_cache import INITIAL_SLOTS
 from speculative.sampling import SamplingParams
 
 BUDGETS = (600, 1024)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import speculative.verification as verification
+from modeling.checkpoints.checkpoint import load
 from speculative.acceptance import AcceptanceModel, AcceptanceTable, regime
-from speculative.checkpoint import load
 from speculative.children import DraftRows, SampledChildren
 from speculative.draft_tree import DraftTree
 from speculative.generation import Generation

@@ -18,10 +18,10 @@ from safetensors.torch import load_file, save_file
 from daemon.footprint import footprint
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime, RuntimeSetupError
+from modeling.checkpoints.checkpoint import load
 from offload.machine import PeakMemory
 from scripts.real_shapes import build_model, model_config
 from speculative.acceptance import AcceptanceTable
-from speculative.checkpoint import load
 from speculative.children import RankedChildren
 from speculative.draft_tree import DraftTree, grow_tree
 from speculative.drafting import ModelDrafter

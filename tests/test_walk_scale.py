@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculative.config import ModelConfig
+from modeling.config import ModelConfig
+from modeling.decoder import Transformer
 from speculative.draft_tree import DraftTree
-from speculative.model import Transformer
 from speculative.passes import alone
 from speculative.prefix_cache import PrefixCache
 from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams, draw, make_generator
@@ -195,7 +195,7 @@ def test_big_vocabulary_walk_allocates_no_node_by_vocabulary_temporaries() -> No
 def test_a_cache_grown_inside_the_forward_can_be_compacted_outside() -> None:
     """The model grows its KV cache inside its inference-mode forward; a tree commit then
     compacts it outside (a budget-1,024 round grows past the first 512 slots at once)."""
-    from speculative.kv_cache import KVCache
+    from modeling.kv_cache import KVCache
 
     model = _big_vocab_model(1000)
     cache = KVCache(model.config, capacity=64, initial=4)

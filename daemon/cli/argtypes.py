@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from daemon.settings_checks import size_bytes
 
-# speculative.quant's QUANTIZE_GROUP, restated so that building the command line does not
+# modeling.weights.quant's QUANTIZE_GROUP, restated so that building the command line does not
 # import torch; tests/test_cli_startup.py checks that the two agree.
 QUANTIZE_GROUP = 128
 

@@ -27,7 +27,7 @@ from daemon.settings import (
     substitute_cache_dir,
 )
 from daemon.startup import collector_paused
-from speculative.errors import RequestError
+from modeling.errors import RequestError
 
 if TYPE_CHECKING:
     from daemon.jobs import GenerationRequest
@@ -48,13 +48,13 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     PullError,
 )
 MODEL_USER_ERRORS = {
-    "speculative.checkpoint": ("ModelNotFoundError",),
-    "speculative.safetensors_model": ("CheckpointError",),
-    "speculative.config": ("UnsupportedModelError",),
-    "speculative.quant": ("UnsupportedQuantizationError",),
-    "speculative.gguf_model": ("GGUFError",),
-    "speculative.gguf_blocks": ("UnsupportedGGMLTypeError",),
-    "speculative.gguf_tokenizer": ("GGUFTokenizerError",),
+    "modeling.checkpoints.checkpoint": ("ModelNotFoundError",),
+    "modeling.checkpoints.safetensors_model": ("CheckpointError",),
+    "modeling.config": ("UnsupportedModelError",),
+    "modeling.weights.quant": ("UnsupportedQuantizationError",),
+    "modeling.checkpoints.gguf_model": ("GGUFError",),
+    "modeling.weights.gguf_blocks": ("UnsupportedGGMLTypeError",),
+    "modeling.text.gguf_tokenizer": ("GGUFTokenizerError",),
     "offload.planning": ("PlanError",),
     "daemon.runtime": ("RuntimeSetupError",),
 }

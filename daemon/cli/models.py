@@ -1,5 +1,5 @@
 """`specd models`: the models already on this machine that `--model` can name: Ollama's and
-LM Studio's GGUF files (speculative/model_stores.py) and the Hugging Face hub cache, with
+LM Studio's GGUF files (modeling/checkpoints/model_stores.py) and the Hugging Face hub cache, with
 their size and type. Nothing is loaded; a GGUF's type is read from its metadata alone. A
 store's entry that cannot be read is listed as unreadable, with a one-line note on stderr
 saying why; the rest are listed all the same."""
@@ -47,7 +47,7 @@ def hub_models() -> list[Found]:
 
 def _hub_kind(folder: Path) -> str:
     """What config.json says the weights are: a quantization format, or the dtype."""
-    from speculative.model_stores import read_text_file
+    from modeling.checkpoints.model_stores import read_text_file
 
     try:  # read as the stores' files are: a FIFO or a huge file is no config.json
         config = json.loads(read_text_file(folder / "config.json"))
@@ -63,7 +63,7 @@ def _hub_kind(folder: Path) -> str:
 
 
 def store_models() -> list[Found]:
-    from speculative.model_stores import list_store_models
+    from modeling.checkpoints.model_stores import list_store_models
 
     return [
         Found(e.name, e.file_type or "unknown type", e.size, e.path, e.store, e.note)

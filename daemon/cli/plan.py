@@ -32,8 +32,8 @@ from daemon.settings import (
     SUBSTITUTE_BITS_CHOICES,
 )
 from daemon.settings_checks import size_bytes
+from modeling.errors import RequestError
 from offload.units import parse_rate, parse_size
-from speculative.errors import RequestError
 
 if TYPE_CHECKING:  # torch: only `specd plan` itself needs it
     import torch
@@ -221,8 +221,8 @@ def _plan_device(options: RuntimeOptions) -> torch.device:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from daemon.pair_plan import plan_pair
+    from modeling.checkpoints.checkpoint import open_checkpoint
     from offload.machine import detect_budget
-    from speculative.checkpoint import open_checkpoint
 
     options = plan_options(args)
     device = _plan_device(options)

@@ -12,7 +12,7 @@ CHECKPOINT_FILES = [
     "tokenizer.model",
     "*.jinja",
 ]
-# `--config-only`: what `specd plan` needs (speculative.checkpoint.CONFIG_FILES).
+# `--config-only`: what `specd plan` needs (modeling.checkpoints.checkpoint.CONFIG_FILES).
 CONFIG_FILES = ["config.json", "generation_config.json"]
 
 

@@ -161,8 +161,8 @@ def check_local_models(options: RuntimeOptions) -> None:
     model store's), as the engine thread will: a missing, malformed or hostile file is then
     one line on stderr and exit status 2 before the daemon listens, not a load failure in
     its log. A hub id is left to the engine: resolving it may download."""
-    from speculative.checkpoint import open_checkpoint
-    from speculative.model_stores import resolve_store_ref
+    from modeling.checkpoints.checkpoint import open_checkpoint
+    from modeling.checkpoints.model_stores import resolve_store_ref
 
     for ref, quantize in (
         (options.model, options.quantize),

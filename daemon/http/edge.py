@@ -24,7 +24,7 @@ from daemon.hostname import allowed_host_names, host_name
 from daemon.http.openai_errors import ApiError, bad_request
 from daemon.http.openai_fields import WireLimits
 from daemon.metrics import Metrics
-from speculative.errors import RequestError
+from modeling.errors import RequestError
 
 log = logging.getLogger("specd.api")
 

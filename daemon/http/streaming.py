@@ -16,7 +16,7 @@ from daemon.http.openai_errors import ApiError, bad_request
 from daemon.http.openai_responses import SSE_DONE, SSE_KEEPALIVE, ResponseShape, sse, usage
 from daemon.http.openai_wire import CompletionRequest
 from daemon.jobs import Failed, Finished, Job, ServerShuttingDown
-from speculative.errors import RequestError
+from modeling.errors import RequestError
 from speculative.generation import Chunk
 from speculative.sampling import TokenLogprob
 from speculative.tool_calls import CallFormat, CallStream, read_answer

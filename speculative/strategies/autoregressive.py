@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
+from modeling.protocol import Model
 from speculative.grammar import MAX_FORCED, Constraint
 from speculative.grammar_masks import forced_logprobs, masked
-from speculative.model import Transformer
 from speculative.passes import feed_pass
 from speculative.prefill import PREFILL_CHUNK, prefill
 from speculative.rounds import Round, RoundStats, RoundSteps
@@ -28,7 +28,7 @@ class Autoregressive:
     name = "autoregressive"
     pass_rows = 1  # the one token's
 
-    def __init__(self, target: Transformer, prefill_chunk: int = PREFILL_CHUNK) -> None:
+    def __init__(self, target: Model, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.target = target
         self.prefill_chunk = prefill_chunk
 
@@ -50,11 +50,11 @@ class Autoregressive:
         yield from prefill(session, prompt_ids, target, chunk=self.prefill_chunk)
         stats = RoundStats()
         penalties = (
-            PenaltyContext(target.config.vocab_size, prompt_ids, target.device)
+            PenaltyContext(target.vocab_width, prompt_ids, target.device)
             if params.has_penalties
             else None
         )
-        noise = PositionNoise(generator, target.config.vocab_size)
+        noise = PositionNoise(generator, target.vocab_width)
         sequence = list(prompt_ids)  # the cache holds all but the last (the root)
         emitted = 0
         while emitted < max_new_tokens:

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
+from modeling.protocol import Model
 from speculative.drafting import Drafter
 from speculative.grammar import MAX_FORCED, Constraint
 from speculative.grammar_masks import forced_logprobs, mask_rows_
-from speculative.model import Transformer
 from speculative.passes import forward
 from speculative.prefill import PREFILL_CHUNK, prefill
 from speculative.rounds import Round, RoundStats, RoundSteps
@@ -42,7 +42,7 @@ class Linear:
 
     def __init__(
         self,
-        target: Transformer,
+        target: Model,
         drafter: Drafter,
         spec_length: int = 4,
         prefill_chunk: int = PREFILL_CHUNK,
@@ -101,7 +101,7 @@ class Linear:
         after the chain's tokens before it, and the tokens the grammar allows alone are
         emitted without a pass (riding in the next one)."""
         target, cache = self.target, session.target_cache
-        vocab = target.config.vocab_size
+        vocab = target.vocab_width
         # The draft model (if any) catches up on the prompt in the same steps; its
         # first proposal then feeds at most one chunk together with the root.
         yield from prefill(

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from modeling.protocol import Model
 from speculative.acceptance import TREE_VERIFICATION_CHOICES, AcceptanceModel
 from speculative.budget import AutoBudget, BudgetPlanner, FixedBudget, RoundRecord
 from speculative.children import ChildPolicy, DraftRows
@@ -32,7 +33,6 @@ from speculative.draft_tree import DraftTree, grow_tree_steps
 from speculative.drafting import check_draft_width
 from speculative.grammar import MAX_FORCED, Constraint
 from speculative.grammar_masks import forced_logprobs
-from speculative.model import Transformer
 from speculative.ngram import ngram_tree
 from speculative.passes import Steps, feed_pass, forward
 from speculative.prefill import PREFILL_CHUNK, prefill
@@ -60,8 +60,8 @@ class TreeSpeculation:
 
     def __init__(
         self,
-        target: Transformer,
-        draft: Transformer | None,
+        target: Model,
+        draft: Model | None,
         budget: int | str = "auto",
         max_depth: int | None = None,
         prefix_cache: PrefixCache | None = None,
@@ -74,7 +74,7 @@ class TreeSpeculation:
         """`draft` None means n-gram drafting (prompt lookup), whose trees are walked.
         `verification`: auto | walk | rejection (speculation.tree_verification).
         `acceptance`: what verification accepted so far (a runtime shares one).
-        `shared_cache`: the draft is the target's substitute (speculative/substitute.py):
+        `shared_cache`: the draft is the target's substitute (modeling/substitute.py):
         it drafts in the target's KV cache, past the committed rows, and keeps none."""
         if shared_cache and draft is None:
             raise ValueError("a shared KV cache needs a draft model (the substitute)")
@@ -122,7 +122,7 @@ class TreeSpeculation:
         take the tokens a grammar forces, bring the caches up (prefill steps), draft a
         tree, request its verification, walk and commit. Each model pass is a requested
         `Forward`: alone or batched with other generations', the round is the same."""
-        vocab = self.target.config.vocab_size
+        vocab = self.target.vocab_width
         state = Walker(
             seq=list(prompt_ids),
             key=self.prefix_cache.key(prompt_ids),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from modeling.kv_cache import KVCache
 from speculative.acceptance import AcceptanceModel, AcceptanceTable
 from speculative.children import (
     BiasedChildren,
@@ -26,7 +27,6 @@ from speculative.children import (
 from speculative.draft_tree import DraftTree, verification_mask
 from speculative.grammar import Constraint
 from speculative.grammar_masks import masked
-from speculative.kv_cache import KVCache
 from speculative.prefix_cache import PrefixCache
 from speculative.rounds import DraftedTree
 from speculative.sampling import (

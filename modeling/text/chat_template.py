@@ -26,10 +26,10 @@ long conversation is never refused for its length.
 
 This module is the sandbox: the code generator, the formatter, the template and environment
 that charge every render, tojson and the generation block. The limits and the per-render
-budget (`Budget`, `Counted`, the measuring) are in speculative/template_budget.py; the checks
+budget (`Budget`, `Counted`, the measuring) are in modeling/text/template_budget.py; the checks
 of operators, calls, string formatting and filters that refuse a huge value before it is
-made are in speculative/template_checks.py. Imported only when a template is compiled
-(speculative/tokenizer.py), since Jinja costs tens of milliseconds of start-up.
+made are in modeling/text/template_checks.py. Imported only when a template is compiled
+(modeling/text/tokenizer.py), since Jinja costs tens of milliseconds of start-up.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
 from jinja2.utils import Namespace
 from markupsafe import EscapeFormatter, Markup
 
-from speculative.template_budget import (
+from modeling.text.template_budget import (
     BUDGET,
     MAX_CALL_DEPTH,
     MAX_DEPTH,
@@ -71,7 +71,7 @@ from speculative.template_budget import (
     TemplateLimitError,
     current_budget,
 )
-from speculative.template_checks import (
+from modeling.text.template_checks import (
     COMPARING_TESTS,
     check_call,
     check_percent,

@@ -3,8 +3,8 @@
 decoder on the meta device and reads each tensor straight from the memory-mapped files into
 its final dtype and device, so loading never holds a second full copy of the weights. Every
 stored tensor is checked against the config: missing, unexpected, wrongly shaped or wrongly
-typed ones are a CheckpointError that names them. speculative/checkpoint.py finds and opens
-checkpoints; a GGUF file's weights are read by speculative/gguf_model.py."""
+typed ones are a CheckpointError that names them. modeling/checkpoints/checkpoint.py finds and opens
+checkpoints; a GGUF file's weights are read by modeling/checkpoints/gguf_model.py."""
 
 from __future__ import annotations
 
@@ -20,11 +20,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from speculative.config import ModelConfig
-from speculative.gguf_model import is_gguf
-from speculative.model import Transformer, rope_inv_freq
-from speculative.packed import CompressedLinear, PackedLinear
-from speculative.projections import fused_parts
+from modeling.checkpoints.gguf_model import is_gguf
+from modeling.config import ModelConfig
+from modeling.decoder import Transformer
+from modeling.layers.rope import rope_inv_freq
+from modeling.models import architecture
+from modeling.weights.packed import CompressedLinear, PackedLinear
+from modeling.weights.projections import fused_parts
 
 # The safetensors names of the dtypes packed tensors are stored in.
 _SAFETENSORS_NAMES = {
@@ -84,10 +86,6 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _hf_name_to_ours(name: str) -> str:
-    return name[len("model.") :] if name.startswith("model.") else name
-
-
 def load_model(
     path: Path,
     config: ModelConfig,
@@ -102,6 +100,7 @@ def load_model(
     Parameters whose name `skip` accepts (e.g. "layers.7.mlp.up_proj.weight") are checked
     against the file but left on the meta device in `dtype`: the disk offload tier reads
     those layers from the files itself, so they never take host memory."""
+    arch = architecture(config)
     with torch.device("meta"):
         model = Transformer(config)
     expected = {name: p.shape for name, p in model.named_parameters()}  # tied: embed only
@@ -111,7 +110,7 @@ def load_model(
     for part, (fused, row, end) in parts.items():
         expected.pop(fused, None)
         expected[part] = torch.Size((end - row, *model.get_parameter(fused).shape[1:]))
-    # Packed projections' stored tensors (speculative/packed.py) are buffers kept in the
+    # Packed projections' stored tensors (modeling/weights/packed.py) are buffers kept in the
     # dtype the format stores them in; parameters take the compute dtype.
     stored = dict(_stored_buffers(model))
     expected.update({name: b.shape for name, b in stored.items()})
@@ -143,7 +142,7 @@ def load_model(
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                name = _hf_name_to_ours(hf_name)
+                name = arch.hf_name(hf_name)
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
                 if tied and name == "lm_head.weight":

@@ -1,7 +1,7 @@
 """The substitute draft (SubSpec): the target itself, made cheap to run, as its own draft.
 
 Every decoder layer the target streams gets a resident copy whose projections are
-quantized to a few bits by HQQ (speculative/hqq.py, calibration-free); a layer the target
+quantized to a few bits by HQQ (modeling/weights/hqq.py, calibration-free); a layer the target
 keeps resident is its own substitute. Embedding, final norm and head are the target's
 tensors, shared, not copied, and so is the KV cache: the substitute attends over the
 target's verified rows for the committed prefix and writes rows only for its own
@@ -24,13 +24,14 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from speculative import hqq
-from speculative.config import ModelConfig
-from speculative.hqq import HQQLinear
-from speculative.model import DecoderLayer, Transformer
-from speculative.packed import PackedLinear
-from speculative.projections import FusedLinear
-from speculative.quant import QuantizationSpec
+from modeling.config import ModelConfig
+from modeling.decoder import Transformer
+from modeling.models import architecture
+from modeling.weights import hqq
+from modeling.weights.hqq import HQQLinear
+from modeling.weights.packed import PackedLinear
+from modeling.weights.projections import FusedLinear
+from modeling.weights.quant import QuantizationSpec
 
 SUBSTITUTE = "substitute"  # --draft substitute
 SUBSTITUTE_BITS = (8, 4, 3, 2)  # what `auto` tries, most first
@@ -103,13 +104,13 @@ def dense_projections(layer: nn.Module) -> Iterator[tuple[str, torch.Tensor, tor
 
 
 def quantized_layer(
-    config: ModelConfig, dense: nn.Module, device: torch.device, dtype: torch.dtype
-) -> DecoderLayer:
+    config: ModelConfig, index: int, dense: nn.Module, device: torch.device, dtype: torch.dtype
+) -> nn.Module:
     """A substitute layer for the target's `dense` (CPU) layer: its projections HQQ-packed
     on `device` (one projection's weight is copied there at a time: a GPU optimises it in
     a fraction of the CPU's time), its norms copied (a layer's norms are a few kilobytes)."""
     with torch.device(device):
-        layer = DecoderLayer(config)
+        layer = architecture(config).block(config, index)
     modules = dict(layer.named_modules())
     for name, weight, bias in dense_projections(dense):
         target = modules[name]
@@ -128,11 +129,13 @@ def quantized_layer(
 LayerMaker = Callable[[int, nn.Module], nn.Module]
 
 
-def empty_layer(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> DecoderLayer:
-    """A substitute layer of `config` (HQQ-packed) with nothing in it yet, on `device`:
-    what a stored substitute's tensors are loaded into."""
+def empty_layer(
+    config: ModelConfig, index: int, device: torch.device, dtype: torch.dtype
+) -> nn.Module:
+    """Substitute layer `index` of `config` (HQQ-packed) with nothing in it yet, on
+    `device`: what a stored substitute's tensors are loaded into."""
     with torch.device(device):
-        layer = DecoderLayer(config)
+        layer = architecture(config).block(config, index)
     return layer.to(dtype=dtype)
 
 
@@ -170,7 +173,7 @@ def build_substitute(
             new = (
                 make(i, layer)
                 if make is not None
-                else quantized_layer(config, layer, device, target.dtype)
+                else quantized_layer(config, i, layer, device, target.dtype)
             )
             for module in new.modules():
                 if isinstance(module, PackedLinear):

@@ -5,7 +5,7 @@ A file is taken as hostile: every metadata value the config is built from is che
 its type and range, `block_count` against the `blk.N` tensors the file really holds and the
 widths against the embedding's and the first layer's shapes, before anything is built per
 layer. This is all `specd plan` needs of a GGUF (no tensor's bytes are read), so it stands
-apart from speculative/gguf_model.py, which builds the decoder and copies the tensors in.
+apart from modeling/checkpoints/gguf_model.py, which builds the decoder and copies the tensors in.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from speculative.config import ModelConfig, UnsupportedModelError
-from speculative.gguf_blocks import FLOAT_TYPES, UnsupportedGGMLTypeError, supported_type
-from speculative.gguf_file import CORRUPT_FILE, GGUFContents, TensorInfo, short_repr
-from speculative.gguf_model import GGUFError, our_name
-from speculative.quant import EMBEDDING, QuantizationSpec
+from modeling.architecture import Architecture
+from modeling.checkpoints.gguf_file import CORRUPT_FILE, GGUFContents, TensorInfo, short_repr
+from modeling.checkpoints.gguf_model import GGUFError, our_name
+from modeling.config import ModelConfig, UnsupportedModelError
+from modeling.models import SUPPORTED_GGUF_ARCHITECTURES, config_from_hf, gguf_architecture
+from modeling.weights.gguf_blocks import FLOAT_TYPES, UnsupportedGGMLTypeError, supported_type
+from modeling.weights.quant import EMBEDDING, QuantizationSpec
 
-# general.architecture → our model_type. Mistral's files say "llama".
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _BLOCK = re.compile(r"blk\.(\d+)\.")
 
 
@@ -35,11 +35,14 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
     config.json is, and against the tensors the file holds."""
     meta, tensors, source = contents.metadata, contents.tensors_by_name, str(contents.path)
     arch = meta.get("general.architecture")
-    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+    found = gguf_architecture(arch) if isinstance(arch, str) else None
+    if found is None or not isinstance(arch, str):
         raise UnsupportedModelError(
             f"{source}: architecture {short_repr(arch)} is not supported; specd runs GGUF files "
-            f"of {', '.join(ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, Qwen2/2.5, Qwen3)"
+            f"of {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, "
+            "Qwen2/2.5, Qwen3)"
         )
+    module, model_type = found
 
     def count(name: str, default: int | None = None) -> int:
         """A whole number of at least 1 (a count or a width)."""
@@ -86,9 +89,9 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
                 f"{source}: tensor {name} is {list(tensors[name].ne)} but {keys} make it "
                 f"{list(shape)}: {CORRUPT_FILE}"
             )
-    quantization = _quantization(tensors, meta, source)
+    quantization = _quantization(tensors, meta, source, module)
     raw = {
-        "model_type": ARCHITECTURES[arch],
+        "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": intermediate,
@@ -106,7 +109,7 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
         "attention_bias": "blk.0.attn_output.bias" in tensors,
         **_rope_scaling(meta, arch, source),
     }
-    return replace(ModelConfig.from_hf(raw, source), quantization=quantization)
+    return replace(config_from_hf(raw, source), quantization=quantization)
 
 
 def _malformed(source: str, key: str, value: Any, wanted: str) -> GGUFError:
@@ -189,14 +192,14 @@ def _float_dtype(tensors: dict[str, TensorInfo]) -> str:
 
 
 def _quantization(
-    tensors: dict[str, TensorInfo], meta: dict[str, Any], source: str
+    tensors: dict[str, TensorInfo], meta: dict[str, Any], source: str, arch: Architecture
 ) -> QuantizationSpec | None:
     """None when every projection is stored as floats (a dense model); else the GGUF spec
     naming each projection's block type."""
     types: list[tuple[str, int]] = []
     stored: dict[str, int] = {}
     for gguf_name, info in tensors.items():
-        name = our_name(gguf_name)
+        name = our_name(gguf_name, arch)
         if name is None:
             continue
         try:

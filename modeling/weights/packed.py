@@ -11,7 +11,7 @@ In all three formats an int32 word holds 32/b codes of b bits, code i at bits iÂ
 lowest); the dequantized weight is (code - zero point) Ã— scale per output row and group.
 What differs is which dimension is packed, the code order and the zero point's convention
 (../shared/models/quantized/README.md describes each on real files). Which format a
-checkpoint uses is read from its config.json in speculative/quant.py.
+checkpoint uses is read from its config.json in modeling/weights/quant.py.
 """
 
 from __future__ import annotations

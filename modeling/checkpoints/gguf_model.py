@@ -1,7 +1,7 @@
 """GGUF files (llama.cpp's format; what Ollama and LM Studio keep): recognized, opened, and
 their tensors loaded into our decoder as they are stored.
 
-The header is read by speculative/gguf_file.py over a memory map (gguf-py's reader parses
+The header is read by modeling/checkpoints/gguf_file.py over a memory map (gguf-py's reader parses
 every metadata string in Python: seconds for a 128k vocabulary); each tensor is copied
 from the map into the model as it loads. Quantized projections stay in their blocks
 (`GGUFLinear`, rebuilt per pass like the other packed formats), and so does an untied
@@ -12,7 +12,7 @@ llama.cpp's rotary layout (pairs of adjacent values); they are put back in Huggi
 order (halves), whole rows, so the blocks need no decoding for it.
 
 A file is taken as hostile: its config is built and checked from the metadata by
-speculative/gguf_config.py, and here a tensor's shape is checked before its bytes are copied.
+modeling/checkpoints/gguf_config.py, and here a tensor's shape is checked before its bytes are copied.
 """
 
 from __future__ import annotations
@@ -25,30 +25,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from speculative.config import ModelConfig
-from speculative.gguf_blocks import dequantize
-from speculative.gguf_file import GGUFContents, GGUFFormatError, open_regular, read_gguf
-from speculative.gguf_modules import GGUFEmbedding, GGUFLinear
-from speculative.model import Transformer, rope_inv_freq
-from speculative.projections import fused_parts
+from modeling.architecture import Architecture
+from modeling.checkpoints.gguf_file import GGUFContents, GGUFFormatError, open_regular, read_gguf
+from modeling.config import ModelConfig
+from modeling.decoder import Transformer
+from modeling.layers.rope import rope_inv_freq
+from modeling.models import architecture
+from modeling.weights.gguf_blocks import dequantize
+from modeling.weights.gguf_modules import GGUFEmbedding, GGUFLinear
+from modeling.weights.projections import fused_parts
 
-# GGUF tensor names → ours, per layer and outside the layers.
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_OUTER_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_OUTER = re.compile(r"(\w+)\.weight")
 ROPE_FACTORS = "rope_freqs.weight"  # Llama 3.1's frequency divisors (its rope scaling)
 
 
@@ -75,7 +61,7 @@ SPLIT_PART = re.compile(r".*-\d{5}-of-\d{5}\.gguf", re.IGNORECASE)
 
 
 def open_gguf(path: Path) -> GGUFContents:
-    """The file's header read (speculative/gguf_file.py; its tensors stay in the memory
+    """The file's header read (modeling/checkpoints/gguf_file.py; its tensors stay in the memory
     map), or a GGUFError saying why it cannot be. One part of a split model is refused:
     its tensors are spread over several files."""
     try:
@@ -91,24 +77,9 @@ def open_gguf(path: Path) -> GGUFContents:
     return contents
 
 
-def our_name(name: str) -> str | None:
-    """A GGUF tensor name → ours ('blk.3.attn_q.weight' → 'layers.3.self_attn.q_proj.weight'),
-    None for one we do not know."""
-    layer = _LAYER.fullmatch(name)
-    if layer is not None:
-        part = _LAYER_NAMES.get(layer.group(2))
-        return f"layers.{layer.group(1)}.{part}.{layer.group(3)}" if part else None
-    outer = _OUTER.fullmatch(name)
-    if outer is not None and outer.group(1) in _OUTER_NAMES:
-        return f"{_OUTER_NAMES[outer.group(1)]}.weight"
-    return None
-
-
-def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo the converter's q/k row order: within each head, rows (2i, 2i+1) go back to
-    (i, i + head_dim / 2)."""
-    out = rows.shape[0]
-    return rows.reshape(heads, out // heads // 2, 2, -1).transpose(1, 2).reshape(out, -1)
+def our_name(name: str, arch: Architecture) -> str | None:
+    """A GGUF tensor name → ours, by `arch`'s name maps; None for one it does not have."""
+    return arch.gguf_name(name)
 
 
 def load_gguf_model(
@@ -118,6 +89,7 @@ def load_gguf_model(
     tensors in `dtype`, quantized projections as their blocks. Missing or unexpected
     tensors, or a shape that does not match the metadata, are a GGUFError."""
     path = contents.path
+    arch = architecture(cfg)
     with torch.device("meta"):
         model = Transformer(cfg)
     parts = fused_parts(model)
@@ -135,7 +107,7 @@ def load_gguf_model(
             factors = torch.from_numpy(contents.tensor_bytes(info).copy().view(np.float32))
             factors = factors.reshape(-1)  # (hd/2,)
             continue
-        name = our_name(info.name)
+        name = our_name(info.name, arch)
         kind = info.ggml_type
         if name is None:
             problems.append(f"unexpected tensor {info.name}")
@@ -156,13 +128,7 @@ def load_gguf_model(
         elif (shape := _parameter_shape(model, name, parts)) != tuple(reversed(info.ne)):
             problems.append(f"{name}: shape {tuple(reversed(info.ne))}, not {shape}")
             continue
-        rows = torch.from_numpy(stored.copy())
-        if cfg.model_type == "llama" and (".q_proj." in name or ".k_proj." in name):
-            heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-            if len(info.ne) == 1:  # a bias: its values are what the rows of q/k are
-                rows = _unpermute(rows.view(info.ne[0], -1), heads).reshape(1, -1)
-            else:
-                rows = _unpermute(rows, heads)
+        rows = arch.gguf_tensor(cfg, name, torch.from_numpy(stored.copy()), info.ne)
         columns = info.ne[0]
         if module is not None:
             if rows.shape[1] != module.blocks.shape[1]:  # room for another layer's type

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from speculative.config import ModelConfig
+from modeling.config import ModelConfig
 
 
 class CacheFullError(RuntimeError):
@@ -23,7 +23,7 @@ INITIAL_SLOTS = 512  # slots allocated up front; more are allocated (doubling) a
 class KVCache:
     # Storage is always made as normal tensors, also inside an inference-mode pass: `keep`
     # (called outside, by the strategies) updates it in place, and compiled passes
-    # (speculative/compiled.py) are specialised to one kind.
+    # (modeling/compiled.py) are specialised to one kind.
     @torch.inference_mode(False)
     def __init__(
         self,

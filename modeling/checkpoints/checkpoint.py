@@ -1,8 +1,8 @@
 """Checkpoints: a local Hugging Face folder, a hub id, a GGUF file or a model store's
 reference → config, weights, tokenizer. `open_checkpoint` reads the metadata only (enough
 to plan before anything is loaded); `load` loads the model and its tokenizer, a folder's
-weights through speculative/safetensors_model.py and a GGUF file's through
-speculative/gguf_model.py.
+weights through modeling/checkpoints/safetensors_model.py and a GGUF file's through
+modeling/checkpoints/gguf_model.py.
 """
 
 from __future__ import annotations
@@ -17,24 +17,25 @@ from typing import Any
 
 import torch
 
-from speculative.config import ModelConfig, UnsupportedModelError
-from speculative.gguf_config import config_from_gguf
-from speculative.gguf_file import GGUFContents
-from speculative.gguf_model import is_gguf, load_gguf_model, open_gguf
-from speculative.gguf_tokenizer import check_tokenizer_metadata, tokenizer_from_gguf
-from speculative.model import Transformer
-from speculative.model_stores import resolve_store_ref
-from speculative.quant import (
-    UnsupportedQuantizationError,
-    on_load_quantization,
-)
-from speculative.safetensors_model import (
+from modeling.checkpoints.gguf_config import config_from_gguf
+from modeling.checkpoints.gguf_file import GGUFContents
+from modeling.checkpoints.gguf_model import is_gguf, load_gguf_model, open_gguf
+from modeling.checkpoints.model_stores import resolve_store_ref
+from modeling.checkpoints.safetensors_model import (
     CheckpointError,
     load_model,
     refuse_irregular,
     weight_files,
 )
-from speculative.tokenizer import Tokenizer
+from modeling.config import ModelConfig, UnsupportedModelError
+from modeling.decoder import Transformer
+from modeling.models import config_from_hf
+from modeling.text.gguf_tokenizer import check_tokenizer_metadata, tokenizer_from_gguf
+from modeling.text.tokenizer import Tokenizer
+from modeling.weights.quant import (
+    UnsupportedQuantizationError,
+    on_load_quantization,
+)
 
 log = logging.getLogger("specd.checkpoint")
 
@@ -124,7 +125,7 @@ def open_checkpoint(
         raw = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelNotFoundError(f"{config_path}: cannot read config ({exc})") from exc
-    config = ModelConfig.from_hf(raw, source=str(config_path))
+    config = config_from_hf(raw, source=str(config_path))
     if quantize is not None:
         if config.quantization is not None:
             raise UnsupportedQuantizationError(
@@ -137,7 +138,7 @@ def open_checkpoint(
 
 
 def _open_gguf_checkpoint(path: Path, quantize: str | None, stop: list[str]) -> Checkpoint:
-    """A GGUF file's config from its metadata (speculative/gguf_config.py). `stop`: a model
+    """A GGUF file's config from its metadata (modeling/checkpoints/gguf_config.py). `stop`: a model
     store's default stop strings (Ollama's params); those that are tokens of the
     vocabulary end a generation as its end-of-sequence tokens do."""
     if quantize is not None:

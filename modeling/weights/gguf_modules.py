@@ -1,7 +1,7 @@
-"""The modules that keep GGUF tensors as their ggml blocks (speculative/gguf_blocks.py
+"""The modules that keep GGUF tensors as their ggml blocks (modeling/weights/gguf_blocks.py
 decodes them): `GGUFLinear` holds a projection's bytes as they are (uint8 [out, row_bytes])
 and rebuilds the [out, in] weight in torch right before its matmul, like the GPTQ/AWQ
-projections of speculative/packed.py; `GGUFEmbedding` decodes only the rows a lookup asks
+projections of modeling/weights/packed.py; `GGUFEmbedding` decodes only the rows a lookup asks
 for."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as GGMLType
 from torch import nn
 
-from speculative.gguf_blocks import (
+from modeling.weights.gguf_blocks import (
     BLOCK_SIZES,
     FLOAT_TYPES,
     dequantize,
@@ -19,7 +19,7 @@ from speculative.gguf_blocks import (
     row_bytes,
     supported_type,
 )
-from speculative.packed import PackedLinear, _itemsize
+from modeling.weights.packed import PackedLinear, _itemsize
 
 
 class GGUFLinear(PackedLinear):

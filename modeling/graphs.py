@@ -7,7 +7,7 @@ cannot change is any address or size: the graph reads and writes exactly the mem
 captured with. So a step is captured per
 
 - KV storage: the (k, v) tensors of the cache it writes, by address and allocation. A
-  cache's storage only changes when it grows (doubling, speculative/kv_cache.py), and the
+  cache's storage only changes when it grows (doubling, modeling/kv_cache.py), and the
   caching allocator hands a new session's cache the block a finished one freed, so a few
   storages serve a daemon's conversations; a graph is valid for any cache whose storage
   sits at its addresses, with its size;
@@ -43,7 +43,7 @@ import torch
 # Padded token counts of the captured steps: a decode step, a linear draft's few tokens and
 # a tree's frontier at each depth, up to compiled.MAX_TOKENS.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# The most attention scores a captured step may hold (speculative/attention.py's bound for
+# The most attention scores a captured step may hold (modeling/layers/attention.py's bound for
 # any pass is 128 MiB): a graph's pool keeps its working memory for good, so a captured step
 # attends with at most this many bytes of scores and a wider one runs uncaptured. The bound
 # is on the allocation (which doubles past the context used): for a 32-head model, 64 MiB

@@ -3,7 +3,7 @@
 A pass's layers see each sequence as its `Slots`: which rows of the pass are its new
 tokens, where their keys and values go in its cache, and the boolean mask over the slots
 they attend to (`SequenceSlots` in an eager pass, `FixedSlots` in a compiled one,
-speculative/compiled.py). `attend` is grouped-query attention over chunks of queries, so
+modeling/compiled.py). `attend` is grouped-query attention over chunks of queries, so
 that no pass holds more than ATTENTION_CHUNK_BYTES of scores; the memory plan reserves
 exactly that working set (daemon/footprint.py).
 """
@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from speculative.kv_cache import KVCache
+from modeling.kv_cache import KVCache
 
 
 @dataclass
@@ -44,7 +44,7 @@ class SequenceSlots:
 
 @dataclass
 class FixedSlots:
-    """A compiled pass's one sequence (speculative/compiled.py): shapes that do not depend on
+    """A compiled pass's one sequence (modeling/compiled.py): shapes that do not depend on
     where the sequence stands. New entries go to the slots `write` names, and every new
     token attends over every allocated slot under `mask` ((count, slots) bool), so a
     compiled graph serves any cache length of one allocation."""

@@ -4,7 +4,7 @@ A GGUF tensor with ne = [in, out] is stored row-major, each of its `out` rows a 
 of blocks. `dequantize` rebuilds a tensor's [out, in] values from those bytes (uint8
 [out, row_bytes]) on the tensor's own device, and `dequantize_rows` only the rows an
 embedding lookup asks for. The modules that keep a tensor's blocks (`GGUFLinear`,
-`GGUFEmbedding`) are speculative/gguf_modules.py. The block layouts are in ../shared/models/gguf/README.md.
+`GGUFEmbedding`) are modeling/weights/gguf_modules.py. The block layouts are in ../shared/models/gguf/README.md.
 
 Every type is decoded in float32 with the very operations, in the very order, of gguf-py's
 `gguf.quants.dequantize` (which equals llama.cpp's C dequantizers bit for bit): integer codes

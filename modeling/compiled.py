@@ -9,14 +9,14 @@ C++ wrapper on a CPU, Triton on CUDA).
 A graph must not depend on where the sequence stands, so a compiled pass stores through
 `FixedSlots`: the new tokens' keys and values go to slots named by a tensor, and every new
 token attends over the cache's whole allocation under a (tokens, slots) mask. The
-allocation grows by doubling (speculative/kv_cache.py), and graphs are compiled with dynamic
+allocation grows by doubling (modeling/kv_cache.py), and graphs are compiled with dynamic
 sizes, so two graphs serve every step: one for single tokens (the compiler specialises size
 1) and one for 2..MAX_TOKENS tokens, each over any allocation.
 
 Eligible: a model on its own layers (a streamer's list moves weights between calls), with
 no packed projections (rebuilt per call into a shared scratch), passes of one sequence with
 at most MAX_TOKENS tokens whose attention fits one query chunk over the allocation (the
-memory bound `attend` keeps, speculative/attention.py's ATTENTION_CHUNK_BYTES). Everything
+memory bound `attend` keeps, modeling/layers/attention.py's ATTENTION_CHUNK_BYTES). Everything
 else runs eager, and so does a model whose graph fails (logged once). The head (norm,
 vocabulary projection) stays eager over the rows that want logits, so a compiled pass holds
 what the plan's pass figure counts; attention over the whole allocation costs at most twice
@@ -26,7 +26,7 @@ Outputs equal eager ones up to float rounding (the fused kernels sum in another 
 batched pass does): greedy tokens identical in the tests, fp32 logits within 1e-5 plus 2e-6
 of the largest.
 
-On CUDA the step is also captured as CUDA graphs (speculative/graphs.py): each step padded
+On CUDA the step is also captured as CUDA graphs (modeling/graphs.py): each step padded
 to a token bucket and replayed with one launch per KV storage and bucket, so a resident
 draft's step costs its kernels' time, not their launches'. With `compile=False` the graphs
 capture the eager step (no compiler needed).
@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from speculative.attention import FixedSlots, full_mask, query_chunk
-from speculative.graphs import (
+from modeling.decoder import Transformer
+from modeling.graphs import (
     BUCKETS,
     GRAPH_ATTENTION_BYTES,
     Capture,
@@ -57,9 +57,10 @@ from speculative.graphs import (
     StepInputs,
     bucket_for,
 )
-from speculative.kv_cache import INITIAL_SLOTS, KVCache
-from speculative.model import Segment, Transformer
-from speculative.packed import PackedLinear
+from modeling.kv_cache import INITIAL_SLOTS, KVCache
+from modeling.layers.attention import FixedSlots, full_mask, query_chunk
+from modeling.protocol import Segment
+from modeling.weights.packed import PackedLinear
 
 log = logging.getLogger("specd.compile")
 
@@ -137,7 +138,7 @@ def _input_guards(entries: list[Any]) -> list[bool]:
 
 class CompiledPasses:
     """One model's compiled single-sequence passes (`Transformer.compiled`, a
-    speculative.model `HiddenStatesPass`).
+    modeling.decoder `HiddenStatesPass`).
 
     `hidden_states(segment)` runs a pass through the compiled graph (on CUDA, its captured
     CUDA graph) and returns its final hidden states, or None when the pass is not one it
@@ -145,7 +146,7 @@ class CompiledPasses:
 
     `compile`: trace the step with torch.compile (False: the eager step, for graphs alone).
     `graphs`: capture CUDA graphs (None: where the model is on CUDA). `capture`: how a
-    graph is captured (speculative/graphs.py; tests replay the step itself on a CPU)."""
+    graph is captured (modeling/graphs.py; tests replay the step itself on a CPU)."""
 
     def __init__(
         self,
@@ -280,7 +281,7 @@ class CompiledPasses:
         seconds it took."""
         t0 = time.perf_counter()
         model = self.model
-        # A KV cache's storage is never an inference tensor (speculative/kv_cache.py), so
+        # A KV cache's storage is never an inference tensor (modeling/kv_cache.py), so
         # the warm-up's graphs are the ones a session's cache hits.
         slots = 2 * MAX_TOKENS if self.graphs is None else INITIAL_SLOTS
         cache = KVCache(model.config, slots, dtype=model.dtype, device=model.device)

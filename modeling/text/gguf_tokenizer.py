@@ -10,7 +10,7 @@ tokenizer.json too:
   score, byte fallback (`<0xNN>`) for characters with no piece, spaces as `▁` with one `▁`
   prepended to the text (Metaspace), and a decoder that undoes all three.
 - `gpt2`: byte-level BPE with the file's merges, the text first split by the regexes that
-  `tokenizer.ggml.pre` names (llama.cpp's names and splits: speculative/gguf_pretokenizers.py).
+  `tokenizer.ggml.pre` names (llama.cpp's names and splits: modeling/text/gguf_pretokenizers.py).
 
 Where llama.cpp tokenizes an SPM text differently we follow transformers, which the rest of
 specd and its references are checked against. llama.cpp's SPM rule (merge the adjacent pair
@@ -35,7 +35,7 @@ generation ends at EOS, EOT, EOM or the end-of-turn tokens llama.cpp knows by na
 The metadata is a hostile file's: every key is checked for its type, length and range, and
 the vocabulary against the bounds below, before anything is built from it
 (`check_tokenizer_metadata`, which `specd plan` runs too). Deriving a `llama` file's merges
-costs a piece's length squared (each cut of it is looked up; speculative/gguf_merges.py),
+costs a piece's length squared (each cut of it is looked up; modeling/text/gguf_merges.py),
 so one piece of 300k characters alone would take hours: pieces are bounded, and the
 vocabulary's text in all.
 """
@@ -50,10 +50,10 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from speculative.gguf_file import CORRUPT_FILE, MAX_ARRAY_LENGTH, short_repr
-from speculative.gguf_merges import TooManyMergesError, merges_from_scores
-from speculative.gguf_pretokenizers import NOT_BYTE_LEVEL, PRE_TOKENIZERS
-from speculative.tokenizer import Tokenizer
+from modeling.checkpoints.gguf_file import CORRUPT_FILE, MAX_ARRAY_LENGTH, short_repr
+from modeling.text.gguf_merges import TooManyMergesError, merges_from_scores
+from modeling.text.gguf_pretokenizers import NOT_BYTE_LEVEL, PRE_TOKENIZERS
+from modeling.text.tokenizer import Tokenizer
 
 # tokenizer.ggml.token_type values
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
@@ -273,7 +273,7 @@ def _read(fields: Mapping[str, Any], source: str) -> _Fields:
         if pre not in PRE_TOKENIZERS:
             raise UnsupportedTokenizerError(
                 f"{source}: tokenizer.ggml.pre {pre!r} names a pre-tokenizer neither specd nor "
-                f"llama.cpp knows (speculative/gguf_pretokenizers.py lists the "
+                f"llama.cpp knows (modeling/text/gguf_pretokenizers.py lists the "
                 f"{len(PRE_TOKENIZERS)} specd builds)"
             )
         merges = _merges(fields, source)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from speculative.config import ModelConfig
-from speculative.packed import PackedLinear
+from modeling.config import ModelConfig
+from modeling.weights.packed import PackedLinear
 
 
 def linear(module: nn.Linear | PackedLinear, x: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@ The limits (steps, time, the size of a value, what is written, nesting, calls, i
 the per-render `Budget` that holds them, reached through a ContextVar so that the sandbox's
 hooks, the filters and the formatter all charge the render they run in. `Counted` makes every
 item of a loop (or of a stream a filter returns) a step; `Budget.measure` gives a value's
-size and depth without recursion. Kept apart from the sandbox (speculative/chat_template.py)
-and from the checks that use it (speculative/template_checks.py): this is the accounting,
+size and depth without recursion. Kept apart from the sandbox (modeling/text/chat_template.py)
+and from the checks that use it (modeling/text/template_checks.py): this is the accounting,
 those are the places that charge it.
 """
 

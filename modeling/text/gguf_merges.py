@@ -4,7 +4,7 @@ every split of a piece into two pieces, ranked by the piece's score.
 
 The derivation is a hostile file's cost: a piece is cut at every length some token has, so
 its work grows with the vocabulary's text, and the merges it yields are bounded by limits
-the caller gives (speculative/gguf_tokenizer.py's, with the file's other bounds). It stands
+the caller gives (modeling/text/gguf_tokenizer.py's, with the file's other bounds). It stands
 apart as pure work over strings and scores: no metadata keys, no `tokenizers` pipeline.
 """
 

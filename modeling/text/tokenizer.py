@@ -1,7 +1,7 @@
 """Tokenizer (`tokenizer.json` via `tokenizers`), BOS/EOS policy and chat templates.
 
 Chat templates come from the checkpoint (`tokenizer_config.json` or `chat_template.jinja`)
-and are rendered in a sandboxed Jinja environment (speculative/chat_template.py): a template
+and are rendered in a sandboxed Jinja environment (modeling/text/chat_template.py): a template
 is code shipped by whoever published the model, so it may not touch attributes or call
 anything unsafe. Jinja is imported only when a template is compiled: a checkpoint's own
 template at load (so a broken one fails there), the fallback at its first use, so that
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from speculative.config import ModelConfig
-from speculative.errors import RequestError
+from modeling.config import ModelConfig
+from modeling.errors import RequestError
 
 if TYPE_CHECKING:
     from jinja2 import Template
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 class ChatTemplateError(RequestError):
     """The chat template failed to render the given messages, or went past a limit of a
-    render (speculative/chat_template.py)."""
+    render (modeling/text/chat_template.py)."""
 
 
 # For base models without a template: a plain transcript the model can continue.
@@ -173,7 +173,7 @@ class Tokenizer:
         return "the model's chat template" if self.chat_template else "specd's fallback template"
 
     def _compiled_template(self) -> Template:
-        from speculative.chat_template import TemplateError, compile_template
+        from modeling.text.chat_template import TemplateError, compile_template
 
         if self._template is None:
             try:
@@ -190,7 +190,7 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        from speculative.chat_template import TemplateError, TemplateLimitError
+        from modeling.text.chat_template import TemplateError, TemplateLimitError
 
         template = self._compiled_template()
         try:
@@ -205,7 +205,7 @@ class Tokenizer:
             )
         except TemplateLimitError as exc:
             # A template is code from the model file; one that loops or grows without end
-            # is stopped (speculative/chat_template.py), and the request says so.
+            # is stopped (modeling/text/chat_template.py), and the request says so.
             raise ChatTemplateError(f"{self._whose_template()} was stopped: {exc}") from exc
         except TemplateError as exc:
             raise ChatTemplateError(f"{self._whose_template()} failed: {exc}") from exc

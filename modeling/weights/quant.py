@@ -1,6 +1,6 @@
 """Quantized checkpoints: what config.json's quantization_config declares, checked against
 what specd can load (GPTQ v1, AWQ GEMM, compressed-tensors `pack-quantized`), as a
-`QuantizationSpec` that builds each projection's packed module (speculative/packed.py);
+`QuantizationSpec` that builds each projection's packed module (modeling/weights/packed.py);
 and `--quantize`, which packs a full-precision checkpoint while loading it.
 """
 
@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from speculative.gguf_blocks import GGMLType
-from speculative.gguf_modules import GGUFEmbedding, GGUFLinear
-from speculative.hqq import HQQLinear
-from speculative.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
+from modeling.weights.gguf_blocks import GGMLType
+from modeling.weights.gguf_modules import GGUFEmbedding, GGUFLinear
+from modeling.weights.hqq import HQQLinear
+from modeling.weights.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
 
 SUPPORTED_FORMATS = (
     "gptq (checkpoint_format gptq, 4 or 8 bits)",
@@ -75,7 +75,7 @@ class QuantizationSpec:
             # A projection that is not a multiple of a group (a tiny model's 172 inputs)
             # takes the largest group that divides it; its last word may be part padding.
             group = max(g for g in range(1, min(group, in_features) + 1) if in_features % g == 0)
-            if self.method == "hqq":  # the substitute draft (speculative/substitute.py)
+            if self.method == "hqq":  # the substitute draft (modeling/substitute.py)
                 return HQQLinear(in_features, out_features, bias, self.bits, group)
             return CompressedLinear(
                 in_features, out_features, bias, self.bits, group, True, self.scale_dtype

@@ -1,5 +1,5 @@
 """Half-quadratic quantization (HQQ; Badri and Shaji, 2023): low-bit weights with no
-calibration data, for the substitute draft (speculative/substitute.py).
+calibration data, for the substitute draft (modeling/substitute.py).
 
 Each group of GROUP input channels of a projection's row gets an affine code book:
 w ≈ (code - zero) · scale, codes in 0 .. 2^b - 1. Min-max rounding alone is poor at 2-3
@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from speculative.packed import (
+from modeling.weights.packed import (
     PackedLinear,
     _grouped_rebuild_bytes,
     _itemsize,

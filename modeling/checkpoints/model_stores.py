@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from speculative.gguf_file import open_regular, read_file_type
+from modeling.checkpoints.gguf_file import open_regular, read_file_type
 
 OLLAMA_HOST, OLLAMA_NAMESPACE, OLLAMA_TAG = "registry.ollama.ai", "library", "latest"
 # The Linux installer's system service runs as the `ollama` user, whose home this is.
@@ -338,7 +338,7 @@ def _unreadable(path: Path) -> bool:
 def gguf_file_type(path: Path) -> str | None:
     """`general.file_type` as llama.cpp names it ("Q4_K_M", "F16"); None when the file does
     not say; UNREADABLE when it is no readable GGUF. Only the metadata is read, and none of
-    its values built (speculative/gguf_file.py's `read_file_type`)."""
+    its values built (modeling/checkpoints/gguf_file.py's `read_file_type`)."""
     try:
         return _read_file_type(path)
     except ValueError:  # GGUFFormatError: what it says is in _entry's note

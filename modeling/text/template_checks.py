@@ -2,10 +2,10 @@
 
 What could make a huge value from small ones (`'x' * 2000000000`, `2 ** 2000000000`,
 `'%2000000000s' % ''`, `'x'.center(2000000000)`, `'x'|center(2000000000)`) is estimated from
-its arguments and refused by the render's budget (speculative/template_budget.py) before it
+its arguments and refused by the render's budget (modeling/text/template_budget.py) before it
 is made: measuring it afterwards would be too late. Also the filters and tests wrapped so that
 each is a step (and those that work through every item of a big value, a step per item), and
-a `sum` that joins lists in one pass. The sandbox (speculative/chat_template.py) calls these
+a `sum` that joins lists in one pass. The sandbox (modeling/text/chat_template.py) calls these
 from its operator, call and filter hooks.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 from jinja2.filters import make_attrgetter, sync_do_sum
 from jinja2.utils import pass_environment
 
-from speculative.template_budget import (
+from modeling.text.template_budget import (
     MAX_INT_BITS,
     OPAQUE,
     Budget,

@@ -1,0 +1,122 @@
+"""The architecture contract: everything the rest of the runtime knows of an architecture,
+and all it may ask. An architecture module (modeling/models/<name>.py) makes one
+`Architecture` and the registry (modeling/models/__init__.py) finds it by config.json's
+`model_type` or a GGUF file's `general.architecture`.
+
+Who reads what:
+- the loaders (modeling/checkpoints/): `config` (config.json, or the Hugging Face-style
+  record a GGUF file's metadata is read into), `hf_name`, `gguf_name` and `gguf_tensor`
+  (the tensor fix-ups, e.g. Llama's q/k un-permute);
+- the decoder (modeling/decoder.py): `block`;
+- the memory plan (daemon/footprint.py through the registry's functions):
+  `layer_parameters`, `kv_layout`, `layer_activations`;
+- the substitute builder (modeling/substitute.py): `block`.
+
+Nothing outside an architecture module names its classes, so a new architecture is its
+module, its registry line and its tests.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from modeling.config import ModelConfig
+
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GGUF_OUTER = re.compile(r"(\w+)\.weight")
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's share of the KV cache: `kv_heads` heads of `head_dim` for keys and as
+    many for values, per position it holds."""
+
+    kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self, itemsize: int) -> int:
+        return 2 * self.kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """What one decoder layer's pass holds per token at its peak, in bytes, as the module's
+    code allocates it (daemon/footprint.py sums these with the attention's own working
+    set): `layer` over the whole block, `attention` while attention runs (the activations
+    alive beside the scores)."""
+
+    layer: int
+    attention: int
+
+
+class Architecture(ABC):
+    """One architecture family. `model_types`: config.json's `model_type` values it runs;
+    `gguf_architectures`: GGUF `general.architecture` → the model_type its config is read
+    as. `gguf_layer_names` / `gguf_outer_names`: llama.cpp's tensor names (the part after
+    `blk.N.`, and outside the layers) → ours."""
+
+    name: ClassVar[str]
+    model_types: ClassVar[tuple[str, ...]]
+    gguf_architectures: ClassVar[Mapping[str, str]] = {}
+    gguf_layer_names: ClassVar[Mapping[str, str]] = {}
+    gguf_outer_names: ClassVar[Mapping[str, str]] = {
+        "token_embd": "embed_tokens",
+        "output_norm": "norm",
+        "output": "lm_head",
+    }
+
+    @abstractmethod
+    def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
+        """A config.json record → ModelConfig, refusing (UnsupportedModelError naming the
+        key) whatever this module would compute differently from the reference."""
+
+    @abstractmethod
+    def block(self, cfg: ModelConfig, index: int) -> nn.Module:
+        """Decoder layer `index`, called as `block(x, cos, sin, sequences, index)`."""
+
+    @abstractmethod
+    def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
+        """Exact parameter count of layer `index`, from the shapes alone."""
+
+    @abstractmethod
+    def layer_activations(self, cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
+        """A layer pass's peak bytes per token in a model dtype of `itemsize` bytes; `copy`
+        is the bytes per value of a packed projection's fp32 buffer while its product runs
+        (0 for dense layers)."""
+
+    def kv_layout(self, cfg: ModelConfig) -> tuple[LayerKV, ...]:
+        """Each layer's KV shape; the same for every layer unless a module says otherwise."""
+        return (LayerKV(cfg.num_kv_heads, cfg.head_dim),) * cfg.num_layers
+
+    def hf_name(self, stored: str) -> str:
+        """A Hugging Face checkpoint's tensor name → ours (the decoder stack's `model.`
+        prefix dropped)."""
+        return stored.removeprefix("model.")
+
+    def gguf_name(self, name: str) -> str | None:
+        """A GGUF tensor name → ours ('blk.3.attn_q.weight' →
+        'layers.3.self_attn.q_proj.weight'), None for one this architecture does not have."""
+        layer = _GGUF_LAYER.fullmatch(name)
+        if layer is not None:
+            part = self.gguf_layer_names.get(layer.group(2))
+            return f"layers.{layer.group(1)}.{part}.{layer.group(3)}" if part else None
+        outer = _GGUF_OUTER.fullmatch(name)
+        if outer is not None and outer.group(1) in self.gguf_outer_names:
+            return f"{self.gguf_outer_names[outer.group(1)]}.weight"
+        return None
+
+    def gguf_tensor(
+        self, cfg: ModelConfig, name: str, rows: torch.Tensor, ne: tuple[int, ...]
+    ) -> torch.Tensor:
+        """A GGUF tensor's stored rows (rows, row bytes) (`name` is ours; `ne` its shape as
+        the file lists it)
+        as our layout wants them: the converter's changes undone, whole rows at a time so
+        that quantized blocks need no decoding. As stored unless a module says otherwise."""
+        return rows

@@ -1,0 +1,4 @@
+"""Reading models: a folder, a hub id, a GGUF file or a store reference opened as a
+`Checkpoint` (`checkpoint`); safetensors weights (`safetensors_model`); GGUF files, their
+config and their tensors (`gguf_file`, `gguf_config`, `gguf_model`); Ollama's and LM
+Studio's stores (`model_stores`)."""

@@ -1,0 +1,116 @@
+"""Model configuration: one typed record (`ModelConfig`) every part of the runtime reads,
+and the readers of config.json's shared keys (`required`, `rope_config`).
+
+Which architecture a config.json describes, and what it refuses, is its architecture
+module's (modeling/models/): `modeling.models.config_from_hf` reads a config through it.
+Anything the decoder would compute differently from the reference is refused at load time,
+with a message that names the offending key, rather than producing quietly wrong logits
+later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from modeling.weights.quant import QuantizationSpec
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint describes an architecture or option this runtime does not implement."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2; Llama with attention_bias
+    o_bias: bool = False  # Llama with attention_bias
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None  # active window, or None for full attention
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    # config.json's quantization_config: its projections are packed (modeling/weights/quant.py,
+    # modeling/weights/packed.py)
+    quantization: QuantizationSpec | None = None
+
+    @property
+    def max_context(self) -> int:
+        """The longest context this runtime computes exactly: full attention only, so a
+        sliding-window model is limited to its window."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+
+def required(raw: dict[str, Any], key: str, source: str) -> Any:
+    """config.json's `key`, or an UnsupportedModelError naming it."""
+    if key not in raw:
+        raise UnsupportedModelError(f"{source}: required key {key!r} is missing")
+    return raw[key]
+
+
+def eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    """config.json's `eos_token_id`: one id, a list of them, or none."""
+    eos = raw.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+
+
+def rope_config(raw: dict[str, Any], source: str) -> RopeConfig:
+    # transformers 4.x writes rope_theta + rope_scaling; 5.x writes rope_parameters. When a
+    # config carries both, transformers lets a non-empty rope_scaling win outright (its
+    # `convert_rope_params_to_dict`), so the logits we must match come from that one.
+    parameters = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    params = scaling or parameters
+    # Precedence: the chosen block, the top level, rope_parameters, 10000. Each step's
+    # default is a float, not Any (an Any default reads as dict.get's Optional overload).
+    theta: float = parameters.get("rope_theta", 10000.0)
+    theta = raw.get("rope_theta", theta)
+    theta = float(params.get("rope_theta", theta))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedModelError(
+            f"{source}: partial_rotary_factor {partial} is not supported (RoPE over the "
+            "whole head only)"
+        )
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{source}: rope scaling type {kind!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    return RopeConfig(
+        theta=theta,
+        kind=kind,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+        ),
+    )

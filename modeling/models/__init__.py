@@ -1,0 +1,83 @@
+"""The architecture registry: config.json's `model_type` and a GGUF file's
+`general.architecture` → the architecture module that runs it (modeling/architecture.py
+says what a module provides). A new architecture is its module and one line in
+`ARCHITECTURES`.
+
+The functions below are what the rest of the runtime and the memory plan ask of a config;
+none of them names an architecture.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from modeling.architecture import Architecture, LayerActivations
+from modeling.config import ModelConfig, UnsupportedModelError
+from modeling.models.llama import LLAMA
+
+ARCHITECTURES: tuple[Architecture, ...] = (LLAMA,)
+
+BY_MODEL_TYPE: dict[str, Architecture] = {
+    model_type: arch for arch in ARCHITECTURES for model_type in arch.model_types
+}
+# GGUF general.architecture → (its module, the model_type its config is read as)
+BY_GGUF: dict[str, tuple[Architecture, str]] = {
+    gguf: (arch, model_type)
+    for arch in ARCHITECTURES
+    for gguf, model_type in arch.gguf_architectures.items()
+}
+SUPPORTED_MODEL_TYPES = tuple(BY_MODEL_TYPE)
+SUPPORTED_GGUF_ARCHITECTURES = tuple(BY_GGUF)
+
+
+def architecture(config: ModelConfig) -> Architecture:
+    """The module that runs `config` (a ModelConfig is only ever made by one)."""
+    return BY_MODEL_TYPE[config.model_type]
+
+
+def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """A config.json record → ModelConfig, read by its architecture's module; an
+    UnsupportedModelError for a model_type no module runs."""
+    model_type = raw.get("model_type")
+    arch = BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    if arch is None:
+        names = ", ".join(raw.get("architectures") or []) or "unknown architecture"
+        raise UnsupportedModelError(
+            f"{source}: model_type {model_type!r} ({names}) is not supported; specd runs "
+            f"Llama-family decoders: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return arch.config(raw, source)
+
+
+def gguf_architecture(name: str) -> tuple[Architecture, str] | None:
+    """A GGUF `general.architecture` → (its module, the model_type it is read as)."""
+    return BY_GGUF.get(name)
+
+
+def layer_parameter_count(config: ModelConfig, index: int = 0) -> int:
+    """Exact parameters of layer `index`, from the shapes alone."""
+    return architecture(config).layer_parameters(config, index)
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """Exact parameters of the whole model, from the shapes alone (the memory planner's):
+    embedding, head unless tied, final norm, every layer."""
+    embed = config.vocab_size * config.hidden_size
+    head = 0 if config.tie_word_embeddings else embed
+    arch = architecture(config)
+    layers = sum(arch.layer_parameters(config, i) for i in range(config.num_layers))
+    return embed + head + config.hidden_size + layers
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes the KV cache holds per token, over every layer."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(layer.bytes_per_token(itemsize) for layer in architecture(config).kv_layout(config))
+
+
+def layer_activations(config: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
+    """A layer pass's peak bytes per token (the largest layer's; see
+    `Architecture.layer_activations`)."""
+    return architecture(config).layer_activations(config, itemsize, copy)

@@ -1,0 +1,297 @@
+"""The Llama family: Llama 2/3/3.1/3.2, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norm),
+one module because they are one block with three flags (`qkv_bias`, `o_bias`, `qk_norm`).
+
+A layer is pre-norm attention and a SwiGLU MLP, each added to the residual. Dense q/k/v and
+gate/up are stacked into one projection each (`FusedLinear`), packed ones stay the
+checkpoint's. From GGUF, Llama's converter permutes q and k rows for llama.cpp's rotary
+layout (pairs of adjacent values); `gguf_tensor` puts them back in Hugging Face's order
+(halves), whole rows, so blocks need no decoding for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modeling.architecture import Architecture, LayerActivations
+from modeling.config import ModelConfig, UnsupportedModelError, eos_ids, required, rope_config
+from modeling.layers.attention import Slots, attend_sequence
+from modeling.layers.norms import RMSNorm, norm_bytes
+from modeling.layers.rope import apply_rope
+from modeling.weights.packed import PackedLinear
+from modeling.weights.projections import FusedLinear, linear, projection
+from modeling.weights.quant import parse_quantization
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+        # Dense: one stacked projection (see FusedLinear); packed: the checkpoint's three.
+        self.qkv_proj: FusedLinear | None = None
+        self.q_proj: nn.Linear | PackedLinear | None = None
+        self.k_proj: nn.Linear | PackedLinear | None = None
+        self.v_proj: nn.Linear | PackedLinear | None = None
+        if cfg.quantization is None:
+            parts = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+            self.qkv_proj = FusedLinear(d, parts, cfg.qkv_bias)
+        else:
+            self.q_proj = projection(cfg, d, q, cfg.qkv_bias)
+            self.k_proj = projection(cfg, d, kv, cfg.qkv_bias)
+            self.v_proj = projection(cfg, d, kv, cfg.qkv_bias)
+        self.o_proj = projection(cfg, cfg.num_heads * hd, d, cfg.o_bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, hidden): every sequence's new tokens, concatenated
+        cos: torch.Tensor,  # (T, head_dim)
+        sin: torch.Tensor,  # (T, head_dim), first half negated (see apply_rope)
+        sequences: Sequence[Slots],
+        layer: int,
+    ) -> torch.Tensor:
+        """Projections over all T rows at once; each sequence's rows write its own cache
+        and attend to it under its own mask (ragged: no cache is padded to another's)."""
+        t = x.shape[0]
+        heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            # One matmul; q, k and v are views of its (T, (H + 2 Hkv) hd) output.
+            qkv = linear(self.qkv_proj, x).view(t, -1, hd).transpose(0, 1)  # (H+2Hkv, T, hd)
+            qk, v = qkv.split([heads + kv_heads, kv_heads])
+            if self.q_norm is None:
+                # RoPE is elementwise per head: q's and k's heads rotate in one go.
+                q, k = apply_rope(qk, cos, sin).split([heads, kv_heads])  # (H|Hkv, T, hd)
+            else:
+                q, k = qk.split([heads, kv_heads])
+        else:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            q = linear(self.q_proj, x).view(t, heads, hd).transpose(0, 1)  # (H, T, hd)
+            k = linear(self.k_proj, x).view(t, kv_heads, hd).transpose(0, 1)  # (Hkv, T, hd)
+            v = linear(self.v_proj, x).view(t, kv_heads, hd).transpose(0, 1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, after the split
+        if self.qkv_proj is None or self.q_norm is not None:
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+        if len(sequences) == 1:  # one sequence (most passes): no row slices
+            out = attend_sequence(sequences[0], layer, q, k, v)
+        else:
+            # Each sequence writes its rows of one output: the plan counts one output per
+            # token plus one chunk's (a cat of per-sequence outputs would hold two).
+            out = torch.empty_like(q)  # (H, T, hd)
+            for seq in sequences:
+                rows = slice(seq.row, seq.row + seq.count)
+                out[:, rows] = attend_sequence(seq, layer, q[:, rows], k[:, rows], v[:, rows])
+        return linear(self.o_proj, out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj: FusedLinear | None = None
+        self.gate_proj: nn.Linear | PackedLinear | None = None
+        self.up_proj: nn.Linear | PackedLinear | None = None
+        if cfg.quantization is None:
+            self.gate_up_proj = FusedLinear(d, [("gate_proj", f), ("up_proj", f)], cfg.mlp_bias)
+        else:
+            self.gate_proj = projection(cfg, d, f, cfg.mlp_bias)
+            self.up_proj = projection(cfg, d, f, cfg.mlp_bias)
+        self.down_proj = projection(cfg, f, d, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)  # (T, f) views each
+            # In place: the peak stays gate/up and silu(gate), 3f per token, as unfused.
+            return linear(self.down_proj, F.silu(gate).mul_(up))
+        assert self.gate_proj is not None and self.up_proj is not None
+        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, hidden)
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        sequences: Sequence[Slots],
+        layer: int,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, sequences, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _active_sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
+    window = raw.get("sliding_window")
+    if window is None:
+        return None
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        return None
+    window = int(window)
+    if window >= int(raw.get("max_position_embeddings", window)):
+        return None  # the window covers the whole context: plain full attention
+    return window
+
+
+def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo the converter's q/k row order: within each head, rows (2i, 2i+1) go back to
+    (i, i + head_dim / 2)."""
+    out = rows.shape[0]
+    return rows.reshape(heads, out // heads // 2, 2, -1).transpose(1, 2).reshape(out, -1)
+
+
+class Llama(Architecture):
+    name: ClassVar[str] = "llama"
+    model_types: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
+    # Mistral's files say "llama".
+    gguf_architectures: ClassVar[Mapping[str, str]] = {
+        "llama": "llama",
+        "qwen2": "qwen2",
+        "qwen3": "qwen3",
+    }
+    gguf_layer_names: ClassVar[Mapping[str, str]] = {
+        "attn_norm": "input_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+
+    def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
+        model_type = raw["model_type"]
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(
+                f"{source}: hidden_act {act!r} is not supported (only 'silu')"
+            )
+        hidden = int(required(raw, "hidden_size", source))
+        heads = int(required(raw, "num_attention_heads", source))
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise UnsupportedModelError(
+                f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
+        attention_bias = bool(raw.get("attention_bias", False))
+        return ModelConfig(
+            model_type=model_type,
+            vocab_size=int(required(raw, "vocab_size", source)),
+            hidden_size=hidden,
+            intermediate_size=int(required(raw, "intermediate_size", source)),
+            num_layers=int(required(raw, "num_hidden_layers", source)),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rope=rope_config(raw, source),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type in ("llama", "mistral") and attention_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=_active_sliding_window(raw, model_type),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids(raw),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            quantization=parse_quantization(raw, source),
+        )
+
+    def block(self, cfg: ModelConfig, index: int) -> nn.Module:
+        return DecoderLayer(cfg)
+
+    def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
+        d, h, kv, hd, f = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        )
+        attn = d * h * hd + 2 * d * kv * hd + h * hd * d
+        if cfg.qkv_bias:
+            attn += h * hd + 2 * kv * hd
+        if cfg.o_bias:
+            attn += d
+        if cfg.qk_norm:
+            attn += 2 * hd
+        mlp = 3 * d * f + ((2 * f + d) if cfg.mlp_bias else 0)
+        return attn + mlp + 2 * d
+
+    def layer_activations(self, cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
+        """Traced through `DecoderLayer`'s code: `x` is the layer's input (held by the
+        caller while the layer runs), `h` its norm."""
+        item = itemsize
+        d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+
+        def norm(n: int) -> int:
+            return norm_bytes(n, item)
+
+        phases = [
+            item * d + norm(d),  # input norm
+            # x, h, the stacked q/k/v output (q and k views of it), and RoPE on q and k in one
+            # go: x*cos, roll, roll*sin (the unstacked projections of packed models hold less)
+            item * (2 * d + 4 * q + 5 * kv),
+            # output, its (T, H*hd) copy and o_proj; the rotated q and k beside the stacked
+            # output, which v (a view of it) keeps alive
+            item * (3 * d + 4 * q + 3 * kv),
+            3 * item * d,  # residual add
+            2 * item * d + norm(d),  # post-attention norm (x and the new residual alive)
+            # MLP: x, residual, h, then the stacked gate/up output and silu(gate), multiplied
+            # by up in place (unstacked: silu(gate), up, their product)
+            item * (3 * d + 3 * f),
+            4 * item * d,  # the last residual add
+        ]
+        if copy:  # each product while it runs: its inputs, its output and the fp32 buffer
+            phases += [
+                item * (2 * d + q + 2 * kv) + copy * (q + 2 * kv),  # q/k/v
+                item * (3 * d + 4 * q + 3 * kv) + copy * d,  # o_proj: as the phase above
+                item * (3 * d + 2 * f) + copy * 2 * f,  # gate/up: x, residual, h
+                item * (4 * d + 3 * f) + copy * d,  # down: the MLP phase's tensors and its output
+            ]
+        if cfg.qk_norm:
+            phases += [
+                item * (2 * d + q + 2 * kv) + norm(q),  # q norm (beside the q/k/v output)
+                item * (2 * d + 2 * q + 2 * kv) + norm(kv),  # k norm (q and its norm alive)
+                item * (2 * d + 5 * q + 3 * kv),  # RoPE on q: normed q and k, three temporaries
+                item * (2 * d + 2 * q + 6 * kv),  # RoPE on k (q done)
+            ]
+        return LayerActivations(
+            layer=max(phases),
+            # x, h, the q/k/v output, rotated q and k, the attention output
+            attention=item * (2 * d + 3 * q + 3 * kv),
+        )
+
+    def gguf_tensor(
+        self, cfg: ModelConfig, name: str, rows: torch.Tensor, ne: tuple[int, ...]
+    ) -> torch.Tensor:
+        if cfg.model_type != "llama" or not (".q_proj." in name or ".k_proj." in name):
+            return rows
+        heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+        if len(ne) == 1:  # a bias: its values are what the rows of q/k are
+            return _unpermute(rows.view(ne[0], -1), heads).reshape(1, -1)
+        return _unpermute(rows, heads)
+
+
+LLAMA = Llama()
