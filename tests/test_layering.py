@@ -1,57 +1,20 @@
-"""Imports go one way (DESIGN.md, README's Development): `daemon → speculative, offload`,
-which never import each other or `daemon`; inside the daemon, `cli` may use `http`, `http`
-never uses `cli`, and the modules at `daemon/` use neither. And no two modules import each
-other, directly or round a longer circle. Every import counts, those inside functions and
-under TYPE_CHECKING too."""
+"""Imports go one way (docs/architecture.md, DESIGN.md): `daemon → speculative, offload,
+modeling`; `speculative → modeling` through the runtime's protocol, cache, errors and text
+modules only; `modeling` (the model runtime) and `offload` import none of the others; an
+architecture module (modeling/models/<name>.py) imports no other architecture module, not
+the registry and no loader. Inside the daemon, `cli` may use `http`, `http` never uses
+`cli`, and the modules at `daemon/` use neither. And no two modules import each other,
+directly or round a longer circle. Every import counts, those inside functions and under
+TYPE_CHECKING too."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
-# where the file lives → packages it must not import
-FORBIDDEN = {
-    "speculative": ("daemon", "offload"),
-    "offload": ("daemon", "speculative"),
-    "daemon": ("daemon.cli", "daemon.http"),  # the modules directly in daemon/
-    "daemon/http": ("daemon.cli",),
-}
-
-
-def imported_modules(path: Path) -> set[str]:
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return found
-
-
-def files(folder: str) -> list[Path]:
-    base = ROOT / folder
-    # The modules directly in daemon/ only: its subpackages have their own rules.
-    return sorted(base.glob("*.py") if folder == "daemon" else base.rglob("*.py"))
-
-
-@pytest.mark.parametrize("folder", FORBIDDEN)
-def test_imports_go_one_way(folder: str) -> None:
-    assert files(folder), f"no modules found in {folder}"
-    wrong = [
-        f"{path.relative_to(ROOT)} imports {module}"
-        for path in files(folder)
-        for module in sorted(imported_modules(path))
-        if any(module == p or module.startswith(f"{p}.") for p in FORBIDDEN[folder])
-    ]
-    assert not wrong, "\n".join(wrong)
-
-
-PACKAGES = ("speculative", "offload", "daemon")
+PACKAGES = ("modeling", "speculative", "offload", "daemon")
 
 
 def import_graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
@@ -91,6 +54,96 @@ def import_graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dic
                     found.add(submodule if submodule in paths else ours(source))
         graph[name] = {module for module in found if module is not None}
     return graph
+
+
+# What speculative/ may import of the runtime: a model is a `Model` (modeling.protocol).
+SPECULATIVE_SEES = ("modeling.protocol", "modeling.kv_cache", "modeling.errors", "modeling.text")
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(f"{package}.")
+
+
+def forbidden(importer: str, imported: str) -> str | None:
+    """Why `importer` may not import `imported` (both module names), or None."""
+    top = importer.split(".")[0]
+    if top in ("modeling", "offload"):
+        others = {"modeling", "speculative", "offload", "daemon"} - {top}
+        if imported.split(".")[0] in others:
+            return f"{top} imports none of {', '.join(sorted(others))}"
+    if importer.startswith("modeling.models."):  # an architecture module, not the registry
+        if _within(imported, "modeling.models"):
+            return "an architecture module imports no other architecture module nor the registry"
+        if _within(imported, "modeling.checkpoints"):
+            return "an architecture module imports no loader"
+    if top == "speculative":
+        if imported.split(".")[0] in ("daemon", "offload"):
+            return "speculative imports neither daemon nor offload"
+        if _within(imported, "modeling") and not any(
+            _within(imported, p) for p in SPECULATIVE_SEES
+        ):
+            return "speculative sees the runtime only through " + ", ".join(SPECULATIVE_SEES)
+    at_root = top == "daemon" and not any(
+        _within(importer, p) for p in ("daemon.cli", "daemon.http")
+    )
+    if at_root and (_within(imported, "daemon.cli") or _within(imported, "daemon.http")):
+        return "the modules at daemon/ use neither daemon.cli nor daemon.http"
+    if _within(importer, "daemon.http") and _within(imported, "daemon.cli"):
+        return "daemon.http never uses daemon.cli"
+    return None
+
+
+def breaks(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{module} imports {imported}: {why}"
+        for module in sorted(graph)
+        for imported in sorted(graph[module])
+        if (why := forbidden(module, imported)) is not None
+    ]
+
+
+def test_imports_go_one_way() -> None:
+    graph = import_graph()
+    for package in PACKAGES:
+        assert any(_within(m, package) for m in graph), f"no modules found in {package}"
+    wrong = breaks(graph)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_deliberate_violation_fails(tmp_path: Path) -> None:
+    sources = {
+        "modeling/__init__.py": "",
+        "modeling/protocol.py": "",
+        "modeling/decoder.py": "from speculative import algo\n",
+        "modeling/checkpoints/__init__.py": "",
+        "modeling/checkpoints/loader.py": "",
+        "modeling/models/__init__.py": "from modeling.models import a, b\n",
+        "modeling/models/a.py": "def f():\n    from modeling.models import b\n",
+        "modeling/models/b.py": "from ..checkpoints import loader\nfrom modeling import protocol\n",
+        "speculative/__init__.py": "",
+        "speculative/algo.py": "from modeling.protocol import Model\nimport modeling.decoder\n",
+        "offload/__init__.py": "",
+        "offload/stream.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import modeling\n",
+        "daemon/__init__.py": "",
+        "daemon/engine.py": "from daemon.http import server\nimport modeling.decoder\n",
+        "daemon/http/__init__.py": "",
+        "daemon/http/server.py": "from daemon.cli import main\n",
+        "daemon/cli/__init__.py": "",
+        "daemon/cli/main.py": "from daemon.http import server\n",
+    }
+    for name, text in sources.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    found = breaks(import_graph(tmp_path))
+    assert [line.split(":")[0] for line in found] == [
+        "daemon.engine imports daemon.http.server",
+        "daemon.http.server imports daemon.cli.main",
+        "modeling.decoder imports speculative.algo",
+        "modeling.models.a imports modeling.models.b",
+        "modeling.models.b imports modeling.checkpoints.loader",
+        "offload.stream imports modeling",
+        "speculative.algo imports modeling.decoder",
+    ], found
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
