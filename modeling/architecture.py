@@ -36,10 +36,13 @@ _GGUF_OUTER = re.compile(r"(\w+)\.weight")
 @dataclass(frozen=True)
 class LayerKV:
     """One layer's share of the KV cache: `kv_heads` heads of `head_dim` for keys and as
-    many for values, per position it holds."""
+    many for values, per position it holds; `window`: a sliding window layer's, in
+    positions (None: full attention). Every layer's cache holds the whole context today
+    (a window layer masks what it does not see), so the plan counts every position."""
 
     kv_heads: int
     head_dim: int
+    window: int | None = None
 
     def bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.kv_heads * self.head_dim * itemsize

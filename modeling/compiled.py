@@ -79,6 +79,8 @@ def ineligible(model: Transformer) -> str | None:
         return "its layers are streamed (weights move between passes)"
     if any(isinstance(m, PackedLinear) for m in model.layers.modules()):
         return "its projections are packed (each is rebuilt into a scratch per pass)"
+    if model.windowed:
+        return "its layers attend through sliding windows (a compiled pass holds one mask)"
     if model.device.type not in ("cpu", "cuda"):
         return f"device {model.device.type} has no compiler backend here"
     return None

@@ -15,7 +15,7 @@ from typing import Any
 
 from modeling.weights.quant import QuantizationSpec
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 class UnsupportedModelError(ValueError):
@@ -27,9 +27,19 @@ class RopeConfig:
     theta: float = 10000.0
     kind: str = "default"  # one of SUPPORTED_ROPE_TYPES
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int = 8192
+    # YaRN: the ramp's bounds in rotations, whether they are rounded outwards, and the
+    # factor on cos and sin (None: from `factor`, and mscale / mscale_all_dim when given)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    # The fraction of each head's dimensions that rotate (the rest pass as they are)
+    partial_rotary_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -51,12 +61,23 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     sliding_window: int | None = None  # active window, or None for full attention
+    # Each layer's kind, "full_attention" or "sliding_attention" (transformers' names);
+    # empty: every layer slides when `sliding_window` is set (Mistral)
+    layer_types: tuple[str, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
     # config.json's quantization_config: its projections are packed (modeling/weights/quant.py,
     # modeling/weights/packed.py)
     quantization: QuantizationSpec | None = None
+
+    def layer_window(self, index: int) -> int | None:
+        """Layer `index`'s sliding window in positions, None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[index] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def max_context(self) -> int:
@@ -93,24 +114,40 @@ def rope_config(raw: dict[str, Any], source: str) -> RopeConfig:
     theta = raw.get("rope_theta", theta)
     theta = float(params.get("rope_theta", theta))
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
-    if partial is not None and float(partial) != 1.0:
-        raise UnsupportedModelError(
-            f"{source}: partial_rotary_factor {partial} is not supported (RoPE over the "
-            "whole head only)"
-        )
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"{source}: rope scaling type {kind!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
+    factor = params.get("factor")
+    original = params.get("original_max_position_embeddings")
+    if kind == "yarn" and factor is None:
+        if original is None:
+            raise UnsupportedModelError(
+                f"{source}: yarn RoPE scaling needs factor or original_max_position_embeddings"
+            )
+        longest: Any = raw.get("max_position_embeddings", original)
+        factor = int(longest) / int(original)
+
+    def optional(key: str) -> float | None:
+        value = params.get(key)
+        return None if value is None else float(value)
+
     return RopeConfig(
         theta=theta,
         kind=kind,
-        factor=float(params.get("factor", 1.0)),
+        factor=float(factor if factor is not None else 1.0),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+            original if original is not None else raw.get("max_position_embeddings", 8192)
         ),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=optional("attention_factor"),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        partial_rotary_factor=float(partial) if partial is not None else 1.0,
     )

@@ -27,8 +27,8 @@ from modeling.config import ModelConfig
 from modeling.kv_cache import KVCache
 from modeling.layers.attention import SequenceSlots, Slots, full_mask
 from modeling.layers.norms import RMSNorm
-from modeling.layers.rope import rope_inv_freq
-from modeling.models import architecture
+from modeling.layers.rope import rope_attention_factor, rope_inv_freq, rotary_dim
+from modeling.models import architecture, windowed
 from modeling.protocol import HiddenStatesPass, LayerSequence, Segment
 from modeling.weights.packed import PackedLinear, RebuildScratch
 from modeling.weights.projections import dequantize_projections
@@ -58,6 +58,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         arch = architecture(cfg)
+        # Some layer attends through a window: caches keep their slots' positions.
+        self.windowed = windowed(cfg)
         self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers: nn.ModuleList | LayerSequence = nn.ModuleList(
             arch.block(cfg, i) for i in range(cfg.num_layers)
@@ -75,10 +77,11 @@ class Transformer(nn.Module):
                 module.scratch = self.rebuild_scratch
         # On the meta device only the shape counts (loading recomputes the table), and
         # computing it there runs torch._refs, which imports torch._dynamo (see _embedding).
-        inv_freq = torch.empty((cfg.head_dim + 1) // 2)  # (hd/2,)
+        inv_freq = torch.empty((rotary_dim(cfg.head_dim, cfg.rope) + 1) // 2)  # (hd/2,)
         if not inv_freq.is_meta:
             inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_factor = rope_attention_factor(cfg.rope)
         # Token ids `forward` speaks: its logits are (T, vocab_width). Equal to the embedding
         # rows unless this model drafts for a target of another width (`set_vocab_width`).
         self.vocab_width = cfg.vocab_size
@@ -152,13 +155,17 @@ class Transformer(nn.Module):
             hook()
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.config, capacity, dtype=self.dtype, device=self.device)
+        return KVCache(
+            self.config, capacity, dtype=self.dtype, device=self.device, positions=self.windowed
+        )
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed_sin), each (T, head_dim), for `apply_rope`."""
+        """(cos, signed_sin), each (T, rotary_dim), for `apply_rope`."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (T, hd/2)
         sin = freqs.sin()
         cos = freqs.cos()
+        if self.rope_factor != 1.0:  # YaRN's, on both, in fp32 as the reference does
+            sin, cos = sin * self.rope_factor, cos * self.rope_factor
         return (
             torch.cat((cos, cos), dim=-1).to(self.dtype),  # (T, hd)
             torch.cat((-sin, sin), dim=-1).to(self.dtype),
@@ -192,16 +199,18 @@ class Transformer(nn.Module):
         if self.compiled is not None and len(segments) == 1:
             fixed = self.compiled.hidden_states(segments[0])
             if fixed is not None:
-                segments[0].cache.commit_append(segments[0].length)
+                seg = segments[0]
+                seg.cache.write_positions(seg.cache.length, seg.positions)
+                seg.cache.commit_append(seg.length)
                 return [self._head(fixed[segments[0].logits_from :])]
         slots: list[SequenceSlots] = []
         row = 0
         for seg in segments:
             t = seg.length
             start = seg.cache.reserve(t)
-            slots.append(
-                SequenceSlots(row, t, seg.cache, start, full_mask(seg.mask, start, t, self.device))
-            )
+            seg.cache.write_positions(start, seg.positions)
+            mask = full_mask(seg.mask, start, t, self.device)
+            slots.append(SequenceSlots(row, t, seg.cache, start, mask, seg.positions))
             row += t
         if len(segments) == 1:  # the common case: no concatenation copies
             tokens, positions = segments[0].tokens, segments[0].positions

@@ -4,6 +4,10 @@ Slots and positions are different things: slot `i` is where an entry lives in th
 its RoPE position is whatever the caller passed to `forward`. During tree speculation the
 nodes of a tree occupy consecutive slots although several share a position; `keep` then
 compacts the accepted path back into a plain contiguous prefix.
+
+A model with window layers (`positions=True`) also keeps each slot's position
+(`positions`), which its window masks are made from (modeling/layers/attention.py); the
+model writes them as it reserves the slots (`write_positions`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         initial: int = INITIAL_SLOTS,
+        positions: bool = False,
     ) -> None:
         """`capacity` is the most entries the cache may ever hold (the context length);
         memory for them is allocated as the sequence grows, `initial` slots at first and
@@ -42,11 +47,10 @@ class KVCache:
         shape = (config.num_layers, config.num_kv_heads, slots, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, kv_heads, slots, hd)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-    @staticmethod
-    def bytes_for(config: ModelConfig, capacity: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * config.num_kv_heads * capacity * config.head_dim * itemsize
+        # (slots,) each slot's position, for window layers; None when no layer has a window
+        self.positions: torch.Tensor | None = (
+            torch.zeros(slots, dtype=torch.long, device=device) if positions else None
+        )
 
     @property
     def free(self) -> int:
@@ -59,7 +63,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        kept = 0 if self.positions is None else self.positions.numel() * 8
+        return 2 * self.k.numel() * self.k.element_size() + kept
 
     @torch.inference_mode(False)
     def _grow(self, needed: int) -> None:
@@ -73,6 +78,10 @@ class KVCache:
         k[:, :, : self.length] = self.k[:, :, : self.length]
         v[:, :, : self.length] = self.v[:, :, : self.length]
         self.k, self.v = k, v
+        if self.positions is not None:
+            positions = torch.zeros(slots, dtype=torch.long, device=self.positions.device)
+            positions[: self.length] = self.positions[: self.length]
+            self.positions = positions
 
     def reserve(self, n: int) -> int:
         """Check room for `n` new entries and return the first slot they will occupy.
@@ -84,6 +93,12 @@ class KVCache:
         if self.length + n > self.allocated:
             self._grow(self.length + n)
         return self.length
+
+    def write_positions(self, start: int, positions: torch.Tensor) -> None:
+        """Record the positions of the reserved slots from `start` (a no-op for a cache
+        that keeps none)."""
+        if self.positions is not None:
+            self.positions[start : start + positions.shape[0]] = positions
 
     def commit_append(self, n: int) -> None:
         self.length += n
@@ -110,4 +125,6 @@ class KVCache:
         # Gather first, then write: source and destination ranges may overlap.
         self.k[:, :, start : start + n] = self.k[:, :, idx]
         self.v[:, :, start : start + n] = self.v[:, :, idx]
+        if self.positions is not None:
+            self.positions[start : start + n] = self.positions[idx]
         self.length = start + n

@@ -71,6 +71,51 @@ def test_logits_match_transformers_variants(tiny_checkpoint, options: dict) -> N
     _check_parity(tiny_checkpoint("llama", vocab_size=96, **options), str(sorted(options)))
 
 
+@pytest.mark.parametrize(
+    ("family", "options"),
+    [
+        ("mistral", {"sliding_window": 8}),  # every layer slides; the prompt is 19 tokens
+        # layer 0 full, layer 1 sliding (Qwen2's max_window_layers)
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 0}),
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                }
+            },
+        ),
+        (
+            "qwen2",
+            {
+                "rope_scaling": {
+                    "rope_type": "yarn",
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 8,
+                    "beta_fast": 16,
+                    "beta_slow": 2,
+                    "attention_factor": 1.3,
+                }
+            },
+        ),
+    ],
+    ids=["mistral-window", "qwen2-window-layers", "qwen3-window", "llama-yarn", "qwen2-yarn-set"],
+)
+def test_logits_match_transformers_windows_and_yarn(
+    tiny_checkpoint, family: str, options: dict
+) -> None:
+    """Sliding windows by position (tree rows share positions, and each must equal its own
+    path under transformers' window by index) and YaRN's frequencies and attention factor,
+    past the window and the original context."""
+    path = tiny_checkpoint(family, vocab_size=96, **options)
+    config = load(path)[2].config
+    assert config.sliding_window == options.get("sliding_window")
+    _check_parity(path, f"{family}-{sorted(options)}")
+
+
 def _check_parity(path: Path, seed_key: str) -> None:
     ours, _, _ = load(path)
     ref = _hf_model(path)

@@ -6,11 +6,18 @@ they attend to (`SequenceSlots` in an eager pass, `FixedSlots` in a compiled one
 modeling/compiled.py). `attend` is grouped-query attention over chunks of queries, so
 that no pass holds more than ATTENTION_CHUNK_BYTES of scores; the memory plan reserves
 exactly that working set (daemon/footprint.py).
+
+Each layer says how it attends (`AttentionOptions`): the scores' scale, a sliding window,
+a soft cap on the scores (Gemma 2), and per-head sink logits (gpt-oss) are the layer's own
+weights, passed beside. A window is by *position* distance, never by slot: tree nodes
+share positions and sit in consecutive slots, so a query sees the keys whose position is
+less than `window` before its own (transformers' `kv_idx > q_idx - window`), read from the
+positions the cache keeps (`KVCache.positions`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -18,17 +25,53 @@ import torch
 from modeling.kv_cache import KVCache
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How one layer attends: `scale` on the scores (None: head_dim ** -0.5), a sliding
+    `window` in positions (None: the whole context), `softcap` (scores become
+    softcap * tanh(scores / softcap); None: none)."""
+
+    scale: float | None = None
+    window: int | None = None
+    softcap: float | None = None
+
+
+FULL = AttentionOptions()
+
+
 @dataclass
 class SequenceSlots:
     """Where one segment sits inside a pass, as the layers see it: rows [row, row + count)
     of the pass's activations, written to `cache` from slot `start`, attending under
-    `mask` ((count, start + count) bool, or None for a single token)."""
+    `mask` ((count, start + count) bool, or None for a single token). `positions`: the
+    new tokens' positions (count,), for window layers (the cache keeps every slot's)."""
 
     row: int
     count: int
     cache: KVCache
     start: int
     mask: torch.Tensor | None
+    positions: torch.Tensor | None = None
+    _windows: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The mask of a layer with this sliding window (None: `mask`), made once per pass
+        and window: `mask` and, for each new token, the slots whose position is less than
+        `window` before its own."""
+        if window is None:
+            return self.mask
+        made = self._windows.get(window)
+        if made is None:
+            if self.positions is None or self.cache.positions is None:
+                raise ValueError("a window layer needs the positions of the cache's slots")
+            end = self.start + self.count
+            keys = self.cache.positions[:end]  # (S,)
+            queries = self.positions.to(keys.device)  # (count,)
+            made = keys[None, :] > queries[:, None] - window  # (count, S)
+            if self.mask is not None:
+                made &= self.mask
+            self._windows[window] = made
+        return made
 
     def store(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -56,6 +99,11 @@ class FixedSlots:
     mask: torch.Tensor  # (count, slots) bool
     row: int = 0
 
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        if window is not None:  # compiled.ineligible keeps window models eager
+            raise ValueError("a compiled pass holds no window masks")
+        return self.mask
+
     def store(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +122,8 @@ class Slots(Protocol):
 
     @property
     def mask(self) -> torch.Tensor | None: ...
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None: ...
 
     def store(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -109,11 +159,13 @@ def attend_sequence(
     q: torch.Tensor,  # (H, count, hd) this sequence's queries
     k: torch.Tensor,  # (Hkv, count, hd) its new keys, RoPE applied
     v: torch.Tensor,
+    options: AttentionOptions = FULL,
+    sinks: torch.Tensor | None = None,  # (H,) the layer's sink logits
 ) -> torch.Tensor:
     """Write one sequence's new keys and values to its cache and attend to the cache under
-    its own mask: (H, count, hd)."""
+    its own mask (and the layer's window): (H, count, hd)."""
     keys, values = seq.store(layer, k, v)
-    return attend(q, keys, values, seq.mask)
+    return attend(q, keys, values, seq.mask_for(options.window), options, sinks)
 
 
 # The most bytes one chunk of queries may hold in attention working memory. Masked passes
@@ -148,6 +200,8 @@ def attend(
     k: torch.Tensor,  # (Hkv, S, hd), a strided view of the cache
     v: torch.Tensor,  # (Hkv, S, hd)
     mask: torch.Tensor | None,  # (T, S) bool, True = may attend; None = see everything
+    options: AttentionOptions = FULL,
+    sinks: torch.Tensor | None = None,  # (H,) sink logits: a softmax column per head, no value
 ) -> torch.Tensor:
     """Grouped-query attention, softmax in fp32, over chunks of queries so that no pass holds
     more than ATTENTION_CHUNK_BYTES of scores. Decoding and verification passes fit in one
@@ -158,12 +212,12 @@ def attend(
     heads, t = q.shape[0], q.shape[1]
     chunk = query_chunk(heads, k.shape[1])
     if t <= chunk:
-        return _attend_chunk(q, k, v, mask)
+        return _attend_chunk(q, k, v, mask, options, sinks)
     out = torch.empty_like(q)  # (H, T, hd)
     for t0 in range(0, t, chunk):
         t1 = min(t0 + chunk, t)
         rows = None if mask is None else mask[t0:t1]  # (c, S)
-        out[:, t0:t1] = _attend_chunk(q[:, t0:t1], k, v, rows)
+        out[:, t0:t1] = _attend_chunk(q[:, t0:t1], k, v, rows, options, sinks)
     return out
 
 
@@ -172,6 +226,8 @@ def _attend_chunk(
     k: torch.Tensor,  # (Hkv, S, hd)
     v: torch.Tensor,  # (Hkv, S, hd)
     mask: torch.Tensor | None,  # (c, S) bool
+    options: AttentionOptions = FULL,
+    sinks: torch.Tensor | None = None,  # (H,)
 ) -> torch.Tensor:
     heads, t, hd = q.shape
     kv_heads, s = k.shape[0], k.shape[1]
@@ -180,10 +236,27 @@ def _attend_chunk(
     # slice of a longer pass is not contiguous across heads: reshape copies it (c rows only).
     qg = q.reshape(kv_heads, group * t, hd)  # (Hkv, g*c, hd)
     scores = torch.matmul(qg, k.transpose(1, 2)).float()  # (Hkv, g*c, S) fp32
-    scores.mul_(hd**-0.5)  # in place: the same values as `* scale`, no second fp32 copy
+    # In place: the same values as `* scale`, no second fp32 copy.
+    scores.mul_(hd**-0.5 if options.scale is None else options.scale)
+    if options.softcap is not None:
+        scores.div_(options.softcap).tanh_().mul_(options.softcap)
     if mask is not None:
         scores.view(kv_heads, group, t, s).masked_fill_(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)  # (Hkv, g*c, S) fp32
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1)  # (Hkv, g*c, S) fp32
+    else:
+        weights = _softmax_with_sinks(scores.view(kv_heads, group, t, s), sinks)
     # Free the scores before casting: the peak stays at two fp32 copies (SCORE_BYTES).
     del scores
     return torch.matmul(weights.to(v.dtype), v).view(heads, t, hd)  # (H, c, hd)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax over each row's keys and its head's sink logit, the sink's share dropped (it
+    has no value): in place over the (Hkv, g, c, S) fp32 scores, no second copy."""
+    kv_heads, group = scores.shape[0], scores.shape[1]
+    sink = sinks.float().view(kv_heads, group, 1, 1)  # query head h = kv * group + g
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)  # (Hkv, g, c, 1)
+    scores.sub_(top).exp_()
+    total = scores.sum(dim=-1, keepdim=True) + (sink - top).exp()
+    return scores.div_(total).view(kv_heads, group * scores.shape[2], scores.shape[3])

@@ -71,10 +71,18 @@ def parameter_count(config: ModelConfig) -> int:
     return embed + head + config.hidden_size + layers
 
 
+def windowed(config: ModelConfig) -> bool:
+    """Whether any layer attends through a sliding window (its cache keeps positions)."""
+    return any(layer.window is not None for layer in architecture(config).kv_layout(config))
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes the KV cache holds per token, over every layer."""
+    """Bytes the KV cache holds per token, over every layer, and the slot's position when
+    a layer has a window (`KVCache.positions`, int64)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(layer.bytes_per_token(itemsize) for layer in architecture(config).kv_layout(config))
+    layout = architecture(config).kv_layout(config)
+    kept = 8 if any(layer.window is not None for layer in layout) else 0
+    return sum(layer.bytes_per_token(itemsize) for layer in layout) + kept
 
 
 def layer_activations(config: ModelConfig, itemsize: int, copy: int) -> LayerActivations:

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modeling.architecture import Architecture, LayerActivations
+from modeling.architecture import Architecture, LayerActivations, LayerKV
 from modeling.config import ModelConfig, UnsupportedModelError, eos_ids, required, rope_config
-from modeling.layers.attention import Slots, attend_sequence
+from modeling.layers.attention import AttentionOptions, Slots, attend_sequence
 from modeling.layers.norms import RMSNorm, norm_bytes
 from modeling.layers.rope import apply_rope
 from modeling.weights.packed import PackedLinear
@@ -28,8 +28,9 @@ from modeling.weights.quant import parse_quantization
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
+        self.options = AttentionOptions(window=cfg.layer_window(index))
         d, hd = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
         q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
@@ -81,14 +82,16 @@ class Attention(nn.Module):
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
         if len(sequences) == 1:  # one sequence (most passes): no row slices
-            out = attend_sequence(sequences[0], layer, q, k, v)
+            out = attend_sequence(sequences[0], layer, q, k, v, self.options)
         else:
             # Each sequence writes its rows of one output: the plan counts one output per
             # token plus one chunk's (a cat of per-sequence outputs would hold two).
             out = torch.empty_like(q)  # (H, T, hd)
             for seq in sequences:
                 rows = slice(seq.row, seq.row + seq.count)
-                out[:, rows] = attend_sequence(seq, layer, q[:, rows], k[:, rows], v[:, rows])
+                out[:, rows] = attend_sequence(
+                    seq, layer, q[:, rows], k[:, rows], v[:, rows], self.options
+                )
         return linear(self.o_proj, out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
 
 
@@ -116,10 +119,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -133,6 +136,33 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, sequences, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_types(
+    raw: dict[str, Any], window: int | None, layers: int, source: str
+) -> tuple[str, ...]:
+    """Which layers slide: config.json's `layer_types`, else Qwen2/3's layers from
+    `max_window_layers` on; empty (every layer, Mistral's) when neither says."""
+    if window is None:
+        return ()
+    given = raw.get("layer_types")
+    if given is not None:
+        if (
+            not isinstance(given, list)
+            or len(given) != layers
+            or not set(given) <= set(LAYER_TYPES)
+        ):
+            raise UnsupportedModelError(
+                f"{source}: layer_types must list {layers} of {', '.join(LAYER_TYPES)}"
+            )
+        return tuple(given)
+    if raw["model_type"] in ("qwen2", "qwen3"):
+        first = int(raw.get("max_window_layers", 28))
+        return tuple(LAYER_TYPES[i >= first] for i in range(layers))
+    return ()
 
 
 def _active_sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
@@ -192,25 +222,34 @@ class Llama(Architecture):
             raise UnsupportedModelError(
                 f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
             )
+        rope = rope_config(raw, source)
+        if rope.partial_rotary_factor != 1.0:
+            raise UnsupportedModelError(
+                f"{source}: partial_rotary_factor {rope.partial_rotary_factor} is not "
+                "supported by Llama-family models (RoPE over the whole head only)"
+            )
         attention_bias = bool(raw.get("attention_bias", False))
+        window = _active_sliding_window(raw, model_type)
+        layers = int(required(raw, "num_hidden_layers", source))
         return ModelConfig(
             model_type=model_type,
             vocab_size=int(required(raw, "vocab_size", source)),
             hidden_size=hidden,
             intermediate_size=int(required(raw, "intermediate_size", source)),
-            num_layers=int(required(raw, "num_hidden_layers", source)),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            rope=rope_config(raw, source),
+            rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type in ("llama", "mistral") and attention_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
-            sliding_window=_active_sliding_window(raw, model_type),
+            sliding_window=window,
+            layer_types=_layer_types(raw, window, layers, source),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids(raw),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -218,7 +257,13 @@ class Llama(Architecture):
         )
 
     def block(self, cfg: ModelConfig, index: int) -> nn.Module:
-        return DecoderLayer(cfg)
+        return DecoderLayer(cfg, index)
+
+    def kv_layout(self, cfg: ModelConfig) -> tuple[LayerKV, ...]:
+        return tuple(
+            LayerKV(cfg.num_kv_heads, cfg.head_dim, cfg.layer_window(i))
+            for i in range(cfg.num_layers)
+        )
 
     def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
         d, h, kv, hd, f = (
