@@ -81,10 +81,8 @@ class ModelConfig:
 
     @property
     def max_context(self) -> int:
-        """The longest context this runtime computes exactly: full attention only, so a
-        sliding-window model is limited to its window."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The longest context the model was made for (window layers are computed exactly
+        by position, so a window no longer limits it)."""
         return self.max_position_embeddings
 
 

@@ -159,22 +159,42 @@ def _config(**changes: object) -> ModelConfig:
     return config_from_hf(raw)
 
 
-def test_sliding_window_limits_the_context() -> None:
-    """Full attention is exact only up to the window, so a smaller window is the context."""
-    assert _config(sliding_window=1024).max_context == 1024
-    assert _config(sliding_window=1024).sliding_window == 1024
-    assert _config(sliding_window=8192).max_context == 4096  # window covers everything
-    assert _config(sliding_window=None).max_context == 4096
+def test_sliding_windows_are_read_per_layer() -> None:
+    """A window is computed by position, so the context stays the model's; which layers
+    slide comes from layer_types, Qwen's max_window_layers, or every layer (Mistral)."""
+    mistral = _config(model_type="mistral", sliding_window=1024, num_hidden_layers=2)
+    assert mistral.max_context == 4096 and mistral.sliding_window == 1024
+    assert [mistral.layer_window(i) for i in range(2)] == [1024, 1024]
+    assert _config(sliding_window=8192).sliding_window is None  # covers everything
+    assert _config(sliding_window=None).sliding_window is None
     # Qwen2/3 carry a window but use it only with use_sliding_window.
-    assert _config(model_type="qwen2", sliding_window=1024).max_context == 4096
-    qwen = _config(model_type="qwen2", sliding_window=1024, use_sliding_window=True)
-    assert qwen.max_context == 1024
+    assert _config(model_type="qwen2", sliding_window=1024).sliding_window is None
+    qwen = _config(
+        model_type="qwen2",
+        sliding_window=1024,
+        use_sliding_window=True,
+        max_window_layers=1,
+        num_hidden_layers=2,
+    )
+    assert qwen.max_context == 4096
+    assert [qwen.layer_window(i) for i in range(2)] == [None, 1024]
+    listed = _config(
+        model_type="qwen3",
+        sliding_window=64,
+        use_sliding_window=True,
+        layer_types=["sliding_attention", "full_attention"],
+        num_hidden_layers=2,
+    )
+    assert [listed.layer_window(i) for i in range(2)] == [64, None]
+    with pytest.raises(UnsupportedModelError, match="layer_types must list 2"):
+        _config(sliding_window=64, layer_types=["full_attention"], num_hidden_layers=2)
 
 
-def test_sliding_window_checkpoint_loads_with_window_context(tiny_checkpoint) -> None:
+def test_sliding_window_checkpoint_keeps_its_context(tiny_checkpoint) -> None:
     path = tiny_checkpoint("mistral", vocab_size=VOCAB, sliding_window=32)
-    _, _, ckpt = load(path)
-    assert ckpt.config.max_context == 32
+    model, _, ckpt = load(path)
+    assert ckpt.config.max_context == ckpt.config.max_position_embeddings > 32
+    assert model.new_cache(64).positions is not None  # window layers read slot positions
 
 
 def test_parameter_count_matches_the_weights(tiny_checkpoint) -> None:
