@@ -87,7 +87,8 @@ def activation_footprint(
 
     layer = layer_activations(config, item, copy)
     return ActivationFootprint(
-        persistent_bytes_per_token=2 * hd * item,  # RoPE cos and sin
+        # RoPE cos and sin, of each table (Gemma 3's sliding layers have their own)
+        persistent_bytes_per_token=2 * hd * item * (2 if config.local_rope is not None else 1),
         layer_bytes_per_token=layer.layer,
         attention_bytes_per_token=layer.attention,
         mask_bytes_per_pair=1,  # torch.bool

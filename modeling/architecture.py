@@ -98,9 +98,10 @@ class Architecture(ABC):
         """Each layer's KV shape; the same for every layer unless a module says otherwise."""
         return (LayerKV(cfg.num_kv_heads, cfg.head_dim),) * cfg.num_layers
 
-    def hf_name(self, stored: str) -> str:
+    def hf_name(self, stored: str) -> str | None:
         """A Hugging Face checkpoint's tensor name → ours (the decoder stack's `model.`
-        prefix dropped)."""
+        prefix dropped); None for a tensor the model does not use (a multimodal
+        checkpoint's vision tower)."""
         return stored.removeprefix("model.")
 
     def gguf_name(self, name: str) -> str | None:

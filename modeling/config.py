@@ -64,6 +64,13 @@ class ModelConfig:
     # Each layer's kind, "full_attention" or "sliding_attention" (transformers' names);
     # empty: every layer slides when `sliding_window` is set (Mistral)
     layer_types: tuple[str, ...] = ()
+    # The RoPE of sliding layers where it differs from `rope` (Gemma 3's local base)
+    local_rope: RopeConfig | None = None
+    hidden_act: str = "silu"
+    norm_offset: float = 0.0  # RMSNorm scales by offset + w ((1 + w): Gemma)
+    embedding_scale: float | None = None  # the embedding's output times this (Gemma: sqrt(d))
+    attention_scale: float | None = None  # on the scores; None: head_dim ** -0.5
+    attention_softcap: float | None = None  # Gemma 2's attn_logit_softcapping
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -78,6 +85,12 @@ class ModelConfig:
         if self.layer_types and self.layer_types[index] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def layer_rope(self, index: int) -> RopeConfig:
+        """The RoPE layer `index` rotates by: the local one for a sliding layer that has one."""
+        if self.local_rope is not None and self.layer_window(index) is not None:
+            return self.local_rope
+        return self.rope
 
     @property
     def max_context(self) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from modeling.config import ModelConfig
+from modeling.config import ModelConfig, RopeConfig
 from modeling.kv_cache import KVCache
 from modeling.layers.attention import SequenceSlots, Slots, full_mask
 from modeling.layers.norms import RMSNorm
@@ -52,7 +52,9 @@ class Transformer(nn.Module):
     `gate_up_proj`, see FusedLinear): safetensors_model.py loads each stored part into its
     rows."""
 
-    inv_freq: torch.Tensor  # registered buffer (nn.Module's __getattr__ types it loosely)
+    # registered buffers (nn.Module's __getattr__ types them loosely)
+    inv_freq: torch.Tensor
+    inv_freq_local: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -64,7 +66,7 @@ class Transformer(nn.Module):
         self.layers: nn.ModuleList | LayerSequence = nn.ModuleList(
             arch.block(cfg, i) for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         if cfg.quantization is not None and cfg.quantization.tensor_types:
             specialise(self, cfg.quantization)  # a GGUF file's types, per tensor
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -77,10 +79,16 @@ class Transformer(nn.Module):
                 module.scratch = self.rebuild_scratch
         # On the meta device only the shape counts (loading recomputes the table), and
         # computing it there runs torch._refs, which imports torch._dynamo (see _embedding).
-        inv_freq = torch.empty((rotary_dim(cfg.head_dim, cfg.rope) + 1) // 2)  # (hd/2,)
-        if not inv_freq.is_meta:
-            inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Sliding layers with a RoPE of their own (Gemma 3's local base) read a second table.
+        self.local_layers = tuple(
+            cfg.local_rope is not None and cfg.layer_window(i) is not None
+            for i in range(cfg.num_layers)
+        )
+        for name, rope in self._rope_configs():
+            table = torch.empty((rotary_dim(cfg.head_dim, rope) + 1) // 2)  # (hd/2,)
+            if not table.is_meta:
+                table = rope_inv_freq(cfg.head_dim, rope)
+            self.register_buffer(name, table, persistent=False)
         self.rope_factor = rope_attention_factor(cfg.rope)
         # Token ids `forward` speaks: its logits are (T, vocab_width). Equal to the embedding
         # rows unless this model drafts for a target of another width (`set_vocab_width`).
@@ -159,12 +167,40 @@ class Transformer(nn.Module):
             self.config, capacity, dtype=self.dtype, device=self.device, positions=self.windowed
         )
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed_sin), each (T, rotary_dim), for `apply_rope`."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (T, hd/2)
+    def _rope_configs(self) -> list[tuple[str, RopeConfig]]:
+        """The RoPE tables' buffer names and configs: `inv_freq` for every layer's, and
+        `inv_freq_local` for sliding layers with a RoPE of their own."""
+        cfg = self.config
+        tables = [("inv_freq", cfg.rope)]
+        if cfg.local_rope is not None and any(self.local_layers):
+            tables.append(("inv_freq_local", cfg.local_rope))
+        return tables
+
+    def set_rope(self, device: torch.device | str, factors: torch.Tensor | None = None) -> None:
+        """Compute the RoPE tables on `device` (a model built on the meta device has their
+        shapes only); `factors` divide the global table's frequencies (a GGUF file's
+        rope_freqs, Llama 3.1's scaling as llama.cpp stores it)."""
+        for name, rope in self._rope_configs():
+            table = rope_inv_freq(self.config.head_dim, rope)
+            if factors is not None and name == "inv_freq":
+                table = table / factors
+            setattr(self, name, table.to(device))
+
+    def share_rope(self, other: Transformer) -> None:
+        """Use `other`'s RoPE tables (the substitute draft and its target: one copy)."""
+        for name, _ in self._rope_configs():
+            self.register_buffer(name, getattr(other, name), persistent=False)
+
+    def rope(
+        self, positions: torch.Tensor, local: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin), each (T, rotary_dim), for `apply_rope`: the global table's, or
+        the sliding layers' own (`local`)."""
+        table = self.inv_freq_local if local else self.inv_freq
+        freqs = positions.float()[:, None] * table.float()[None, :]  # (T, hd/2)
         sin = freqs.sin()
         cos = freqs.cos()
-        if self.rope_factor != 1.0:  # YaRN's, on both, in fp32 as the reference does
+        if self.rope_factor != 1.0 and not local:  # YaRN's, in fp32 as the reference does
             sin, cos = sin * self.rope_factor, cos * self.rope_factor
         return (
             torch.cat((cos, cos), dim=-1).to(self.dtype),  # (T, hd)
@@ -244,14 +280,19 @@ class Transformer(nn.Module):
         compiled one (modeling/compiled.py, which traces this) share it."""
         tokens, positions = tokens.to(self.device), positions.to(self.device)
         cos, sin = self.rope(positions)
+        local = self.rope(positions, local=True) if any(self.local_layers) else (cos, sin)
         rows = self.config.vocab_size
         if self.vocab_width > rows:  # a target's padding id has no row here (set_vocab_width)
             tokens = torch.where(tokens < rows, tokens, 0)
         x = self.embed_tokens(tokens).to(self.dtype)  # (T, hidden); GGUF blocks decode fp32
+        if self.config.embedding_scale is not None:
+            # In the model dtype, as the reference multiplies (the lookup's output is fresh).
+            x = x.mul_(torch.tensor(self.config.embedding_scale).to(x.dtype))
         # A ModuleList's modules and a LayerSequence's layers are both callable blocks.
         blocks: Iterable[Callable[..., torch.Tensor]] = self.layers
         for i, layer in enumerate(blocks):
-            x = layer(x, cos, sin, sequences, i)
+            table = local if self.local_layers[i] else (cos, sin)
+            x = layer(x, *table, sequences, i)
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:

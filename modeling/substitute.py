@@ -161,7 +161,7 @@ def build_substitute(
     substitute.embed_tokens = target.embed_tokens
     substitute.norm = target.norm
     substitute.lm_head = target.lm_head
-    substitute.register_buffer("inv_freq", target.inv_freq, persistent=False)
+    substitute.share_rope(target)
     substitute.vocab_width = target.vocab_width
     # One rebuild scratch for both (a packed target's and the substitute's projections):
     # the two never run a pass at once, and the plan counts the larger once.
@@ -190,4 +190,4 @@ def build_substitute(
 def share_placed(substitute: Transformer, target: Transformer) -> None:
     """After `target` is placed: the substitute's RoPE table is the target's again (moving a
     module replaces its buffers; its shared embedding, norm and head moved in place)."""
-    substitute.register_buffer("inv_freq", target.inv_freq, persistent=False)
+    substitute.share_rope(target)

@@ -38,7 +38,6 @@ sys.path.insert(0, str(ROOT))
 
 from modeling.config import ModelConfig  # noqa: E402
 from modeling.decoder import Transformer  # noqa: E402
-from modeling.layers.rope import rope_inv_freq  # noqa: E402
 from modeling.models import config_from_hf  # noqa: E402
 from modeling.weights.gguf_blocks import BLOCK_SIZES, GGMLType  # noqa: E402
 from modeling.weights.gguf_modules import GGUFLinear  # noqa: E402
@@ -80,7 +79,7 @@ def random_model(
                 m.quantize_from(torch.empty(m.out_features, m.in_features).uniform_(-0.02, 0.02))
             if isinstance(m, GGUFLinear):
                 random_blocks(m)
-    model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)  # fp32, as the loader sets it
+    model.set_rope("cpu")  # fp32, as the loader sets it
     return model.eval()
 
 

@@ -33,7 +33,6 @@ if str(ROOT) not in sys.path:
 
 from modeling.config import ModelConfig, RopeConfig  # noqa: E402
 from modeling.decoder import Transformer  # noqa: E402
-from modeling.layers.rope import rope_inv_freq  # noqa: E402
 from modeling.weights.projections import stored_state  # noqa: E402
 
 _LLAMA31_ROPE = RopeConfig(
@@ -168,7 +167,7 @@ def build_model(
             p.normal_(0.0, std, generator=gen)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config.head_dim, config.rope).to(device)
+    model.set_rope(device)
     return model.eval()
 
 

@@ -32,6 +32,18 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": {"model_type": "mistral", "sliding_window": None},
     "qwen2": {"model_type": "qwen2"},
     "qwen3": {"model_type": "qwen3", "head_dim": 16},
+    # Layer 0 local (window 6, its own RoPE base), layer 1 global (linear factor 2)
+    "gemma3": {
+        "model_type": "gemma3_text",
+        "head_dim": 16,
+        "sliding_window": 6,
+        "sliding_window_pattern": 2,
+        "query_pre_attn_scalar": 24,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        },
+    },
 }
 
 _CORPUS = (

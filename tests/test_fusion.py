@@ -15,7 +15,7 @@ from daemon.footprint import footprint
 from daemon.target_loading import disk_sources
 from modeling.checkpoints.checkpoint import load, open_checkpoint
 from modeling.decoder import Transformer
-from modeling.models.llama import Attention
+from modeling.layers.self_attention import Attention
 from modeling.weights.packed import CompressedLinear, PackedLinear
 from modeling.weights.projections import FUSED_PROJECTIONS, FusedLinear, stored_names, stored_state
 from offload.arena import HostArena

@@ -29,7 +29,6 @@ from modeling.architecture import Architecture
 from modeling.checkpoints.gguf_file import GGUFContents, GGUFFormatError, open_regular, read_gguf
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
-from modeling.layers.rope import rope_inv_freq
 from modeling.models import architecture
 from modeling.weights.gguf_blocks import dequantize
 from modeling.weights.gguf_modules import GGUFEmbedding, GGUFLinear
@@ -152,10 +151,7 @@ def load_gguf_model(
         raise GGUFError(f"{path}: " + "; ".join(problems[:8]))
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)
-    if factors is not None:
-        inv_freq = inv_freq / factors  # llama.cpp divides each frequency by its factor
-    model.inv_freq = inv_freq.to(device)
+    model.set_rope(device, factors)  # llama.cpp divides each frequency by its factor
     return model.eval()
 
 

@@ -23,7 +23,6 @@ from torch import nn
 from modeling.checkpoints.gguf_model import is_gguf
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
-from modeling.layers.rope import rope_inv_freq
 from modeling.models import architecture
 from modeling.weights.packed import CompressedLinear, PackedLinear
 from modeling.weights.projections import fused_parts
@@ -143,7 +142,7 @@ def load_model(
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 name = arch.hf_name(hf_name)
-                if name.endswith(_IGNORED_SUFFIXES):
+                if name is None or name.endswith(_IGNORED_SUFFIXES):  # not the decoder's
                     continue
                 if tied and name == "lm_head.weight":
                     # Tied: the head is the embedding. Stored alone it is loaded as the
@@ -213,7 +212,7 @@ def load_model(
         raise CheckpointError(f"{path}: " + "; ".join(problems))
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config.head_dim, config.rope).to(device)
+    model.set_rope(device)
     return model.eval()
 
 

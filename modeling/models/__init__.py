@@ -15,9 +15,10 @@ import torch
 
 from modeling.architecture import Architecture, LayerActivations
 from modeling.config import ModelConfig, UnsupportedModelError
+from modeling.models.gemma3 import GEMMA3
 from modeling.models.llama import LLAMA
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA,)
+ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, GEMMA3)
 
 BY_MODEL_TYPE: dict[str, Architecture] = {
     model_type: arch for arch in ARCHITECTURES for model_type in arch.model_types
@@ -46,7 +47,7 @@ def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> ModelCon
         names = ", ".join(raw.get("architectures") or []) or "unknown architecture"
         raise UnsupportedModelError(
             f"{source}: model_type {model_type!r} ({names}) is not supported; specd runs "
-            f"Llama-family decoders: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return arch.config(raw, source)
 

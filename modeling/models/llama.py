@@ -14,108 +14,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from modeling.architecture import Architecture, LayerActivations, LayerKV
 from modeling.config import ModelConfig, UnsupportedModelError, eos_ids, required, rope_config
-from modeling.layers.attention import AttentionOptions, Slots, attend_sequence
+from modeling.layers.attention import Slots
+from modeling.layers.mlp import MLP
 from modeling.layers.norms import RMSNorm, norm_bytes
-from modeling.layers.rope import apply_rope
-from modeling.weights.packed import PackedLinear
-from modeling.weights.projections import FusedLinear, linear, projection
+from modeling.layers.self_attention import Attention
 from modeling.weights.quant import parse_quantization
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
-        super().__init__()
-        self.options = AttentionOptions(window=cfg.layer_window(index))
-        d, hd = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
-        q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        # Dense: one stacked projection (see FusedLinear); packed: the checkpoint's three.
-        self.qkv_proj: FusedLinear | None = None
-        self.q_proj: nn.Linear | PackedLinear | None = None
-        self.k_proj: nn.Linear | PackedLinear | None = None
-        self.v_proj: nn.Linear | PackedLinear | None = None
-        if cfg.quantization is None:
-            parts = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
-            self.qkv_proj = FusedLinear(d, parts, cfg.qkv_bias)
-        else:
-            self.q_proj = projection(cfg, d, q, cfg.qkv_bias)
-            self.k_proj = projection(cfg, d, kv, cfg.qkv_bias)
-            self.v_proj = projection(cfg, d, kv, cfg.qkv_bias)
-        self.o_proj = projection(cfg, cfg.num_heads * hd, d, cfg.o_bias)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-
-    def forward(
-        self,
-        x: torch.Tensor,  # (T, hidden): every sequence's new tokens, concatenated
-        cos: torch.Tensor,  # (T, head_dim)
-        sin: torch.Tensor,  # (T, head_dim), first half negated (see apply_rope)
-        sequences: Sequence[Slots],
-        layer: int,
-    ) -> torch.Tensor:
-        """Projections over all T rows at once; each sequence's rows write its own cache
-        and attend to it under its own mask (ragged: no cache is padded to another's)."""
-        t = x.shape[0]
-        heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None:
-            # One matmul; q, k and v are views of its (T, (H + 2 Hkv) hd) output.
-            qkv = linear(self.qkv_proj, x).view(t, -1, hd).transpose(0, 1)  # (H+2Hkv, T, hd)
-            qk, v = qkv.split([heads + kv_heads, kv_heads])
-            if self.q_norm is None:
-                # RoPE is elementwise per head: q's and k's heads rotate in one go.
-                q, k = apply_rope(qk, cos, sin).split([heads, kv_heads])  # (H|Hkv, T, hd)
-            else:
-                q, k = qk.split([heads, kv_heads])
-        else:
-            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
-            q = linear(self.q_proj, x).view(t, heads, hd).transpose(0, 1)  # (H, T, hd)
-            k = linear(self.k_proj, x).view(t, kv_heads, hd).transpose(0, 1)  # (Hkv, T, hd)
-            v = linear(self.v_proj, x).view(t, kv_heads, hd).transpose(0, 1)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)  # per head, after the split
-        if self.qkv_proj is None or self.q_norm is not None:
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-        if len(sequences) == 1:  # one sequence (most passes): no row slices
-            out = attend_sequence(sequences[0], layer, q, k, v, self.options)
-        else:
-            # Each sequence writes its rows of one output: the plan counts one output per
-            # token plus one chunk's (a cat of per-sequence outputs would hold two).
-            out = torch.empty_like(q)  # (H, T, hd)
-            for seq in sequences:
-                rows = slice(seq.row, seq.row + seq.count)
-                out[:, rows] = attend_sequence(
-                    seq, layer, q[:, rows], k[:, rows], v[:, rows], self.options
-                )
-        return linear(self.o_proj, out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_up_proj: FusedLinear | None = None
-        self.gate_proj: nn.Linear | PackedLinear | None = None
-        self.up_proj: nn.Linear | PackedLinear | None = None
-        if cfg.quantization is None:
-            self.gate_up_proj = FusedLinear(d, [("gate_proj", f), ("up_proj", f)], cfg.mlp_bias)
-        else:
-            self.gate_proj = projection(cfg, d, f, cfg.mlp_bias)
-            self.up_proj = projection(cfg, d, f, cfg.mlp_bias)
-        self.down_proj = projection(cfg, f, d, cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)  # (T, f) views each
-            # In place: the peak stays gate/up and silu(gate), 3f per token, as unfused.
-            return linear(self.down_proj, F.silu(gate).mul_(up))
-        assert self.gate_proj is not None and self.up_proj is not None
-        return linear(self.down_proj, F.silu(linear(self.gate_proj, x)) * linear(self.up_proj, x))
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,50 @@
+"""The gated MLP every architecture here uses: down(act(gate(x)) * up(x)), SwiGLU with
+SiLU (Llama, Qwen, Mistral) or GeGLU with tanh GELU (Gemma), gate and up stacked when
+dense. The activation is config.json's `hidden_act` (`ACTIVATIONS`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modeling.config import ModelConfig
+from modeling.weights.packed import PackedLinear
+from modeling.weights.projections import FusedLinear, linear, projection
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.in_place = cfg.hidden_act == "silu"  # Llama's, bit for bit as it always ran
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_up_proj: FusedLinear | None = None
+        self.gate_proj: nn.Linear | PackedLinear | None = None
+        self.up_proj: nn.Linear | PackedLinear | None = None
+        if cfg.quantization is None:
+            self.gate_up_proj = FusedLinear(d, [("gate_proj", f), ("up_proj", f)], cfg.mlp_bias)
+        else:
+            self.gate_proj = projection(cfg, d, f, cfg.mlp_bias)
+            self.up_proj = projection(cfg, d, f, cfg.mlp_bias)
+        self.down_proj = projection(cfg, f, d, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)  # (T, f) views each
+            # In place: the peak stays gate/up and act(gate), 3f per token, as unfused.
+            return linear(self.down_proj, self.act(gate).mul_(up))
+        assert self.gate_proj is not None and self.up_proj is not None
+        return linear(self.down_proj, self.act(linear(self.gate_proj, x)) * linear(self.up_proj, x))

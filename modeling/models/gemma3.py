@@ -1,0 +1,259 @@
+"""Gemma 3 (`gemma3_text`, and the text part of `gemma3` multimodal checkpoints): the 270M,
+1B, 4B, 12B and 27B models.
+
+What makes it Gemma: four norms per block (before and after attention, before and after
+the MLP), each and the final one scaling by (1 + w) in fp32; q/k norms; scores scaled by
+`query_pre_attn_scalar` ** -0.5, not head_dim's; GeGLU (tanh GELU); the embedding's output
+times sqrt(hidden) in the model dtype; local sliding-window layers and global layers by
+`layer_types` (or every `sliding_window_pattern`-th layer global), the local ones with a
+RoPE base of their own (`rope_local_base_freq`) and the global ones with the model's
+(and the linear factor of the 4B and larger). Missing keys take transformers'
+Gemma3TextConfig defaults, as the published configs rely on them (the 4B's text_config
+names six keys).
+
+A multimodal checkpoint's vision tower and projector are not loaded: `hf_name` drops them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from modeling.architecture import Architecture, LayerActivations, LayerKV
+from modeling.config import ModelConfig, UnsupportedModelError, eos_ids, rope_config
+from modeling.layers.attention import Slots
+from modeling.layers.mlp import MLP
+from modeling.layers.norms import RMSNorm, norm_bytes
+from modeling.layers.self_attention import Attention
+from modeling.weights.quant import parse_quantization
+
+# transformers' Gemma3TextConfig defaults (a published config leaves most of them out)
+DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+}
+# Keys a multimodal checkpoint states at its top level for its text part too.
+_TOP_LEVEL = ("torch_dtype", "dtype", "quantization_config", "eos_token_id", "bos_token_id")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+_MULTIMODAL_ONLY = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text model's keys over the defaults: config.json itself, or a multimodal
+    checkpoint's `text_config` with its top-level dtype, quantization and token ids."""
+    if raw["model_type"] != "gemma3":
+        return {**DEFAULTS, **raw}
+    text = dict(raw.get("text_config") or {})
+    for key in _TOP_LEVEL:
+        if key in raw and key not in text:
+            text[key] = raw[key]
+    return {**DEFAULTS, **text, "model_type": "gemma3"}
+
+
+def _ropes(raw: dict[str, Any], source: str) -> tuple[Any, Any]:
+    """The global layers' RoPE and the local (sliding) layers'. transformers 5 writes
+    `rope_parameters` per layer type; 4.x wrote rope_theta, rope_scaling (global only) and
+    rope_local_base_freq."""
+    parameters = raw.get("rope_parameters") or {}
+    if "full_attention" in parameters or "sliding_attention" in parameters:
+        full = parameters.get("full_attention") or {}
+        local = parameters.get("sliding_attention") or {}
+        full = {"rope_theta": DEFAULTS["rope_theta"], **full}
+        local = {"rope_theta": DEFAULTS["rope_local_base_freq"], **local}
+        return (
+            rope_config({"rope_parameters": full}, source),
+            rope_config({"rope_parameters": local}, source),
+        )
+    global_raw = {"rope_theta": raw["rope_theta"], "rope_scaling": raw.get("rope_scaling")}
+    global_raw["rope_parameters"] = parameters or None
+    local_raw = {"rope_theta": raw["rope_local_base_freq"]}
+    return rope_config(global_raw, source), rope_config(local_raw, source)
+
+
+class GemmaLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        d, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset
+        self.input_layernorm = RMSNorm(d, eps, offset)
+        self.self_attn = Attention(cfg, index)
+        self.post_attention_layernorm = RMSNorm(d, eps, offset)
+        self.pre_feedforward_layernorm = RMSNorm(d, eps, offset)
+        self.mlp = MLP(cfg)
+        self.post_feedforward_layernorm = RMSNorm(d, eps, offset)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, hidden)
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        sequences: Sequence[Slots],
+        layer: int,
+    ) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), cos, sin, sequences, layer)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+class Gemma3(Architecture):
+    name: ClassVar[str] = "gemma3"
+    model_types: ClassVar[tuple[str, ...]] = ("gemma3_text", "gemma3")
+
+    def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
+        raw = _text_config(raw)
+        act = raw.get("hidden_activation") or raw.get("hidden_act")
+        if act != "gelu_pytorch_tanh":
+            raise UnsupportedModelError(
+                f"{source}: hidden_activation {act!r} is not supported by Gemma 3 "
+                "(only 'gelu_pytorch_tanh')"
+            )
+        for key in ("use_bidirectional_attention", "final_logit_softcapping"):
+            if raw.get(key):
+                raise UnsupportedModelError(f"{source}: {key} {raw[key]!r} is not supported")
+        layers, heads = int(raw["num_hidden_layers"]), int(raw["num_attention_heads"])
+        kv_heads = int(raw["num_key_value_heads"])
+        if layers < 1 or heads < 1 or kv_heads < 1 or heads % kv_heads:
+            raise UnsupportedModelError(
+                f"{source}: num_attention_heads {heads} must be a positive multiple of "
+                f"num_key_value_heads {kv_heads}, and num_hidden_layers {layers} positive"
+            )
+        types = raw.get("layer_types")
+        if types is None:
+            pattern = int(raw["sliding_window_pattern"])
+            types = [_LAYER_TYPES[bool((i + 1) % pattern)] for i in range(layers)]
+        if (
+            not isinstance(types, list)
+            or len(types) != layers
+            or not set(types) <= set(_LAYER_TYPES)
+        ):
+            raise UnsupportedModelError(
+                f"{source}: layer_types must list {layers} of {', '.join(_LAYER_TYPES)}"
+            )
+        rope, local_rope = _ropes(raw, source)
+        if rope.partial_rotary_factor != 1.0 or local_rope.partial_rotary_factor != 1.0:
+            raise UnsupportedModelError(f"{source}: partial_rotary_factor is not supported")
+        bias = bool(raw["attention_bias"])
+        hidden = int(raw["hidden_size"])
+        softcap = raw.get("attn_logit_softcapping")
+        return ModelConfig(
+            model_type=raw["model_type"],
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(raw["head_dim"]),
+            rms_norm_eps=float(raw["rms_norm_eps"]),
+            max_position_embeddings=int(raw["max_position_embeddings"]),
+            rope=rope,
+            local_rope=local_rope,
+            tie_word_embeddings=bool(raw["tie_word_embeddings"]),
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=True,
+            sliding_window=int(raw["sliding_window"]),
+            layer_types=tuple(types),
+            hidden_act="gelu_pytorch_tanh",
+            norm_offset=1.0,
+            embedding_scale=math.sqrt(hidden),
+            attention_scale=float(raw["query_pre_attn_scalar"]) ** -0.5,
+            attention_softcap=None if softcap is None else float(softcap),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids(raw),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            quantization=parse_quantization(raw, source),
+        )
+
+    def block(self, cfg: ModelConfig, index: int) -> nn.Module:
+        return GemmaLayer(cfg, index)
+
+    def kv_layout(self, cfg: ModelConfig) -> tuple[LayerKV, ...]:
+        return tuple(
+            LayerKV(cfg.num_kv_heads, cfg.head_dim, cfg.layer_window(i))
+            for i in range(cfg.num_layers)
+        )
+
+    def hf_name(self, stored: str) -> str | None:
+        if stored.startswith(_MULTIMODAL_ONLY):
+            return None
+        for prefix in ("model.language_model.", "language_model.model.", "language_model."):
+            if stored.startswith(prefix):
+                return stored.removeprefix(prefix)
+        return stored.removeprefix("model.")
+
+    def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
+        d, h, kv, hd, f = (
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+        )
+        attn = d * h * hd + 2 * d * kv * hd + h * hd * d + 2 * hd
+        if cfg.qkv_bias:
+            attn += h * hd + 2 * kv * hd + d
+        return attn + 3 * d * f + 4 * d
+
+    def layer_activations(self, cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
+        """Traced through `GemmaLayer`: as Llama's block (modeling/models/llama.py) with the
+        q/k norms, plus the norms after attention and after the MLP, each over an output
+        while the residual and its input are alive."""
+        item = itemsize
+        d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+        q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+
+        def norm(n: int) -> int:
+            return norm_bytes(n, item)
+
+        phases = [
+            item * d + norm(d),  # input norm
+            item * (2 * d + q + 2 * kv) + norm(q),  # q norm beside the q/k/v output
+            item * (2 * d + 2 * q + 2 * kv) + norm(kv),  # k norm (q and its norm alive)
+            item * (2 * d + 5 * q + 3 * kv),  # RoPE on q
+            item * (2 * d + 2 * q + 6 * kv),  # RoPE on k
+            item * (3 * d + 4 * q + 3 * kv),  # output, its copy, o_proj
+            2 * item * d + norm(d),  # post-attention norm: x and the attention output
+            3 * item * d,  # residual add
+            2 * item * d + norm(d),  # pre-feedforward norm
+            item * (3 * d + 3 * f),  # MLP: x, h, gate/up and act(gate)
+            3 * item * d + norm(d),  # post-feedforward norm: x, the MLP output, its norm
+            4 * item * d,  # the last residual add
+        ]
+        if copy:
+            phases += [
+                item * (2 * d + q + 2 * kv) + copy * (q + 2 * kv),
+                item * (3 * d + 4 * q + 3 * kv) + copy * d,
+                item * (3 * d + 2 * f) + copy * 2 * f,
+                item * (4 * d + 3 * f) + copy * d,
+            ]
+        return LayerActivations(layer=max(phases), attention=item * (2 * d + 3 * q + 3 * kv))
+
+
+GEMMA3 = Gemma3()
