@@ -23,6 +23,7 @@ from daemon.substitute_cache import SubstituteCache
 from modeling.checkpoints.checkpoint import Checkpoint, load, open_checkpoint
 from modeling.checkpoints.safetensors_model import CheckpointError
 from modeling.decoder import Transformer
+from modeling.models import architecture
 from modeling.substitute import build_substitute, share_placed, shares_packed, substitute_config
 from modeling.text.tokenizer import Tokenizer
 from modeling.weights.projections import stored_names
@@ -42,11 +43,18 @@ def disk_sources(
 ) -> TensorSources:
     """For the disk tier: which file and key hold each streamed layer's tensors."""
     where = tensor_files(checkpoint.weight_files())
+    # Our names → the checkpoint's, by its architecture's name map (`hf_name`).
+    arch = architecture(checkpoint.config)
+    stored = {ours: key for key in where if (ours := arch.hf_name(key)) is not None}
     sources: dict[int, dict] = {}
     for i in layers:
-        # A stacked projection (qkv_proj, gate_up_proj) is read from its stored parts.
+        # A stacked projection (qkv_proj, gate_up_proj) is read from its stored parts,
+        # unless the checkpoint stores it whole (Phi-3).
         keys = {
-            name: [f"model.layers.{i}.{part}" for part in stored_names(name)]
+            name: [
+                stored.get(f"layers.{i}.{part}", f"layers.{i}.{part}")
+                for part in ([name] if f"layers.{i}.{name}" in stored else stored_names(name))
+            ]
             for name in layer_names
         }
         missing = [k for parts in keys.values() for k in parts if k not in where]

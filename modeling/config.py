@@ -71,6 +71,8 @@ class ModelConfig:
     embedding_scale: float | None = None  # the embedding's output times this (Gemma: sqrt(d))
     attention_scale: float | None = None  # on the scores; None: head_dim ** -0.5
     attention_softcap: float | None = None  # Gemma 2's attn_logit_softcapping
+    # The checkpoint stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3)
+    stored_fused: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None

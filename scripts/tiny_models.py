@@ -32,6 +32,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mistral": {"model_type": "mistral", "sliding_window": None},
     "qwen2": {"model_type": "qwen2"},
     "qwen3": {"model_type": "qwen3", "head_dim": 16},
+    "phi3": {"model_type": "phi3", "pad_token_id": 0},
+    # Phi-4-mini's partial rotary (3/4 of each head turns) and Phi-3-mini's window
+    "phi3-partial": {
+        "model_type": "phi3",
+        "pad_token_id": 0,
+        "partial_rotary_factor": 0.75,
+        "sliding_window": 7,
+    },
     # Layer 0 local (window 6, its own RoPE base), layer 1 global (linear factor 2)
     "gemma3": {
         "model_type": "gemma3_text",

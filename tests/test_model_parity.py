@@ -20,7 +20,7 @@ from speculative.generation import Generation
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-partial"]
 ATOL = 1e-4
 
 # A small draft tree under the last decoded token: node i's parent (-1 = hangs off the

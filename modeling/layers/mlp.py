@@ -1,6 +1,7 @@
 """The gated MLP every architecture here uses: down(act(gate(x)) * up(x)), SwiGLU with
 SiLU (Llama, Qwen, Mistral) or GeGLU with tanh GELU (Gemma), gate and up stacked when
-dense. The activation is config.json's `hidden_act` (`ACTIVATIONS`)."""
+dense (or as the checkpoint stores them, Phi-3's `gate_up_proj`). The activation is
+config.json's `hidden_act` (`ACTIVATIONS`)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.in_place = cfg.hidden_act == "silu"  # Llama's, bit for bit as it always ran
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_up_proj: FusedLinear | None = None
+        self.gate_up_proj: nn.Linear | PackedLinear | None = None
         self.gate_proj: nn.Linear | PackedLinear | None = None
         self.up_proj: nn.Linear | PackedLinear | None = None
-        if cfg.quantization is None:
+        if cfg.stored_fused:  # stored as one (Phi-3), gate's rows first: kept as stored
+            self.gate_up_proj = projection(cfg, d, 2 * f, cfg.mlp_bias)
+        elif cfg.quantization is None:
             self.gate_up_proj = FusedLinear(d, [("gate_proj", f), ("up_proj", f)], cfg.mlp_bias)
         else:
             self.gate_proj = projection(cfg, d, f, cfg.mlp_bias)

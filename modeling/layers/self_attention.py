@@ -2,7 +2,8 @@
 projections (dense ones stacked into one `FusedLinear`, packed ones the checkpoint's three),
 optional q/k norms per head (Qwen3, Gemma 3), RoPE, attention over each sequence's own cache
 with the layer's options (scale, sliding window, soft cap: `AttentionOptions`, from the
-config), and the output projection. The shared `build_attn` of llama.cpp's graph builders;
+config), and the output projection. A checkpoint that stores q/k/v as one `qkv_proj`
+(Phi-3) keeps it as stored. The shared `build_attn` of llama.cpp's graph builders;
 architecture modules compose it with their norms and MLP."""
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
         q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
         # Dense: one stacked projection (see FusedLinear); packed: the checkpoint's three.
-        self.qkv_proj: FusedLinear | None = None
+        self.qkv_proj: nn.Linear | PackedLinear | None = None
         self.q_proj: nn.Linear | PackedLinear | None = None
         self.k_proj: nn.Linear | PackedLinear | None = None
         self.v_proj: nn.Linear | PackedLinear | None = None
-        if cfg.quantization is None:
+        if cfg.stored_fused:  # stored as one (Phi-3): kept as stored, packed or not
+            self.qkv_proj = projection(cfg, d, q + 2 * kv, cfg.qkv_bias)
+        elif cfg.quantization is None:
             parts = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
             self.qkv_proj = FusedLinear(d, parts, cfg.qkv_bias)
         else:

@@ -17,8 +17,9 @@ from modeling.architecture import Architecture, LayerActivations
 from modeling.config import ModelConfig, UnsupportedModelError
 from modeling.models.gemma3 import GEMMA3
 from modeling.models.llama import LLAMA
+from modeling.models.phi3 import PHI3
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, GEMMA3)
+ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, GEMMA3, PHI3)
 
 BY_MODEL_TYPE: dict[str, Architecture] = {
     model_type: arch for arch in ARCHITECTURES for model_type in arch.model_types
