@@ -95,8 +95,12 @@ class Architecture(ABC):
         (0 for dense layers)."""
 
     def kv_layout(self, cfg: ModelConfig) -> tuple[LayerKV, ...]:
-        """Each layer's KV shape; the same for every layer unless a module says otherwise."""
-        return (LayerKV(cfg.num_kv_heads, cfg.head_dim),) * cfg.num_layers
+        """Each layer's KV shape and window (`ModelConfig.layer_window`); a module whose
+        layers differ otherwise says so."""
+        return tuple(
+            LayerKV(cfg.num_kv_heads, cfg.head_dim, cfg.layer_window(i))
+            for i in range(cfg.num_layers)
+        )
 
     def hf_name(self, stored: str) -> str | None:
         """A Hugging Face checkpoint's tensor name → ours (the decoder stack's `model.`

@@ -16,16 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from daemon.footprint import footprint
-from daemon.options import RuntimeOptions
-from daemon.runtime import Runtime
 from modeling.checkpoints.checkpoint import load
 from modeling.config import UnsupportedModelError
 from modeling.models import config_from_hf, parameter_count
-from speculative.generation import Generation
-from speculative.sampling import SamplingParams
-from speculative.strategies.autoregressive import Autoregressive
+from tests.greedy_checks import RUN_IDS, RUNS, speculation_runtime
 
-GREEDY = SamplingParams(temperature=0.0)
 # google/gemma-3-4b-it's text_config as published (the rest are Gemma3TextConfig defaults)
 GEMMA3_4B_TEXT = {
     "hidden_size": 2560,
@@ -117,35 +112,11 @@ def test_the_text_part_of_a_multimodal_checkpoint_loads(tiny_checkpoint, tmp_pat
     torch.testing.assert_close(mm(prompt, torch.arange(12), mm.new_cache(32)), want)
 
 
-STREAMED = {"offload": "stream", "resident_layers": 0}
-
-
-@pytest.mark.parametrize(
-    ("draft", "strategy", "extra"),
-    [
-        # streamed: every slot takes on the layer's window (local or global) as it computes
-        (None, "autoregressive", STREAMED),
-        ("ngram", "tree", {}),
-        ("substitute", "tree", {**STREAMED, "substitute_bits": 4}),
-    ],
-    ids=["streamed", "ngram", "substitute"],
-)
+@pytest.mark.parametrize(("draft", "strategy", "extra"), RUNS, ids=RUN_IDS)
 def test_speculation_is_the_targets_greedy(
     tiny_checkpoint, draft: str | None, strategy: str, extra: dict
 ) -> None:
     path = tiny_checkpoint("gemma3", vocab_size=96)
-    target, tok, _ = load(path)
-    prompt = torch.randint(3, 96, (8,), generator=torch.Generator().manual_seed(4)).tolist()
-    ar = Autoregressive(target)
-    want = Generation(ar, ar.new_session(96), tok, prompt, GREEDY, 40, ignore_eos=True)
-    reference = want.run().token_ids
-    rt = Runtime(
-        RuntimeOptions(
-            model=str(path), draft=draft, strategy=strategy, budget=16, device="cpu",
-            context=96, **extra,
-        )
-    )  # fmt: skip
+    rt = speculation_runtime(path, draft, strategy, extra, seed=4)
     if draft == "substitute":  # its own blocks, sharing both RoPE tables
         assert rt.draft is not None and rt.draft.inv_freq_local is rt.target.inv_freq_local
-    gen = rt.generation(prompt, GREEDY, 40, ignore_eos=True).run()
-    assert gen.token_ids == reference

@@ -16,11 +16,8 @@ from modeling.checkpoints.checkpoint import load
 from modeling.config import UnsupportedModelError
 from modeling.models import config_from_hf, parameter_count
 from modeling.weights.hqq import HQQLinear
-from speculative.generation import Generation
-from speculative.sampling import SamplingParams
-from speculative.strategies.autoregressive import Autoregressive
+from tests.greedy_checks import RUN_IDS, RUNS, speculation_runtime
 
-GREEDY = SamplingParams(temperature=0.0)
 PHI4 = {
     "model_type": "phi3", "vocab_size": 100352, "hidden_size": 5120, "intermediate_size": 17920,
     "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 10,
@@ -61,38 +58,15 @@ def test_fused_projections_load_as_stored(tiny_checkpoint) -> None:
     assert model.inv_freq.shape == (6,)  # 12 of the head's 16 dimensions turn
 
 
-STREAMED = {"offload": "stream", "resident_layers": 0}
-
-
-@pytest.mark.parametrize(
-    ("draft", "strategy", "extra"),
-    [
-        (None, "autoregressive", STREAMED),
-        ("ngram", "tree", {}),
-        ("substitute", "tree", {**STREAMED, "substitute_bits": 4}),
-    ],
-    ids=["streamed", "ngram", "substitute"],
-)
+@pytest.mark.parametrize(("draft", "strategy", "extra"), RUNS, ids=RUN_IDS)
 def test_speculation_is_the_targets_greedy(
     tiny_checkpoint, draft: str | None, strategy: str, extra: dict
 ) -> None:
     path = tiny_checkpoint("phi3-partial", vocab_size=96)
-    target, tok, _ = load(path)
-    prompt = torch.randint(3, 96, (8,), generator=torch.Generator().manual_seed(5)).tolist()
-    ar = Autoregressive(target)
-    want = Generation(ar, ar.new_session(96), tok, prompt, GREEDY, 40, ignore_eos=True)
-    reference = want.run().token_ids
-    rt = Runtime(
-        RuntimeOptions(
-            model=str(path), draft=draft, strategy=strategy, budget=16, device="cpu",
-            context=96, **extra,
-        )
-    )  # fmt: skip
+    rt = speculation_runtime(path, draft, strategy, extra, seed=5)
     if draft == "substitute":  # the stored qkv_proj quantized whole
         layer = rt.draft.layers[0]  # type: ignore[union-attr, index]
         assert isinstance(layer.self_attn.qkv_proj, HQQLinear)
-    gen = rt.generation(prompt, GREEDY, 40, ignore_eos=True).run()
-    assert gen.token_ids == reference
 
 
 def test_the_disk_tier_reads_the_stored_fused_tensors(tiny_checkpoint) -> None:

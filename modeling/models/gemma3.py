@@ -23,9 +23,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from modeling.architecture import Architecture, LayerActivations, LayerKV
+from modeling.architecture import Architecture, LayerActivations
 from modeling.config import ModelConfig, UnsupportedModelError, eos_ids, rope_config
 from modeling.layers.attention import Slots
+from modeling.layers.decoder_layer import layer_activations, layer_parameters, layer_phases
 from modeling.layers.mlp import MLP
 from modeling.layers.norms import RMSNorm, norm_bytes
 from modeling.layers.self_attention import Attention
@@ -194,12 +195,6 @@ class Gemma3(Architecture):
     def block(self, cfg: ModelConfig, index: int) -> nn.Module:
         return GemmaLayer(cfg, index)
 
-    def kv_layout(self, cfg: ModelConfig) -> tuple[LayerKV, ...]:
-        return tuple(
-            LayerKV(cfg.num_kv_heads, cfg.head_dim, cfg.layer_window(i))
-            for i in range(cfg.num_layers)
-        )
-
     def hf_name(self, stored: str) -> str | None:
         if stored.startswith(_MULTIMODAL_ONLY):
             return None
@@ -209,51 +204,17 @@ class Gemma3(Architecture):
         return stored.removeprefix("model.")
 
     def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
-        d, h, kv, hd, f = (
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.intermediate_size,
-        )
-        attn = d * h * hd + 2 * d * kv * hd + h * hd * d + 2 * hd
-        if cfg.qkv_bias:
-            attn += h * hd + 2 * kv * hd + d
-        return attn + 3 * d * f + 4 * d
+        return layer_parameters(cfg, norms=4)
 
     def layer_activations(self, cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
-        """Traced through `GemmaLayer`: as Llama's block (modeling/models/llama.py) with the
-        q/k norms, plus the norms after attention and after the MLP, each over an output
-        while the residual and its input are alive."""
-        item = itemsize
-        d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-        q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-
-        def norm(n: int) -> int:
-            return norm_bytes(n, item)
-
-        phases = [
-            item * d + norm(d),  # input norm
-            item * (2 * d + q + 2 * kv) + norm(q),  # q norm beside the q/k/v output
-            item * (2 * d + 2 * q + 2 * kv) + norm(kv),  # k norm (q and its norm alive)
-            item * (2 * d + 5 * q + 3 * kv),  # RoPE on q
-            item * (2 * d + 2 * q + 6 * kv),  # RoPE on k
-            item * (3 * d + 4 * q + 3 * kv),  # output, its copy, o_proj
-            2 * item * d + norm(d),  # post-attention norm: x and the attention output
-            3 * item * d,  # residual add
-            2 * item * d + norm(d),  # pre-feedforward norm
-            item * (3 * d + 3 * f),  # MLP: x, h, gate/up and act(gate)
-            3 * item * d + norm(d),  # post-feedforward norm: x, the MLP output, its norm
-            4 * item * d,  # the last residual add
-        ]
-        if copy:
-            phases += [
-                item * (2 * d + q + 2 * kv) + copy * (q + 2 * kv),
-                item * (3 * d + 4 * q + 3 * kv) + copy * d,
-                item * (3 * d + 2 * f) + copy * 2 * f,
-                item * (4 * d + 3 * f) + copy * d,
-            ]
-        return LayerActivations(layer=max(phases), attention=item * (2 * d + 3 * q + 3 * kv))
+        """Traced through `GemmaLayer`: the shared block's phases, plus the norms after
+        attention and after the MLP, each over an output while the residual is alive."""
+        d, item = cfg.hidden_size, itemsize
+        own = [2 * item * d + norm_bytes(d, item), 3 * item * d + norm_bytes(d, item)]
+        shared = layer_activations(cfg, itemsize, copy)
+        return LayerActivations(
+            layer=max([*layer_phases(cfg, itemsize, copy), *own]), attention=shared.attention
+        )
 
 
 GEMMA3 = Gemma3()

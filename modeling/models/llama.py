@@ -10,40 +10,16 @@ layout (pairs of adjacent values); `gguf_tensor` puts them back in Hugging Face'
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from modeling.architecture import Architecture, LayerActivations, LayerKV
+from modeling.architecture import Architecture, LayerActivations
 from modeling.config import ModelConfig, UnsupportedModelError, eos_ids, required, rope_config
-from modeling.layers.attention import Slots
-from modeling.layers.mlp import MLP
-from modeling.layers.norms import RMSNorm, norm_bytes
-from modeling.layers.self_attention import Attention
+from modeling.layers.decoder_layer import DecoderLayer, layer_activations, layer_parameters
 from modeling.weights.quant import parse_quantization
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, index)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # (T, hidden)
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        sequences: Sequence[Slots],
-        layer: int,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, sequences, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -166,74 +142,11 @@ class Llama(Architecture):
     def block(self, cfg: ModelConfig, index: int) -> nn.Module:
         return DecoderLayer(cfg, index)
 
-    def kv_layout(self, cfg: ModelConfig) -> tuple[LayerKV, ...]:
-        return tuple(
-            LayerKV(cfg.num_kv_heads, cfg.head_dim, cfg.layer_window(i))
-            for i in range(cfg.num_layers)
-        )
-
     def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
-        d, h, kv, hd, f = (
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            cfg.intermediate_size,
-        )
-        attn = d * h * hd + 2 * d * kv * hd + h * hd * d
-        if cfg.qkv_bias:
-            attn += h * hd + 2 * kv * hd
-        if cfg.o_bias:
-            attn += d
-        if cfg.qk_norm:
-            attn += 2 * hd
-        mlp = 3 * d * f + ((2 * f + d) if cfg.mlp_bias else 0)
-        return attn + mlp + 2 * d
+        return layer_parameters(cfg)
 
     def layer_activations(self, cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
-        """Traced through `DecoderLayer`'s code: `x` is the layer's input (held by the
-        caller while the layer runs), `h` its norm."""
-        item = itemsize
-        d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-        q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-
-        def norm(n: int) -> int:
-            return norm_bytes(n, item)
-
-        phases = [
-            item * d + norm(d),  # input norm
-            # x, h, the stacked q/k/v output (q and k views of it), and RoPE on q and k in one
-            # go: x*cos, roll, roll*sin (the unstacked projections of packed models hold less)
-            item * (2 * d + 4 * q + 5 * kv),
-            # output, its (T, H*hd) copy and o_proj; the rotated q and k beside the stacked
-            # output, which v (a view of it) keeps alive
-            item * (3 * d + 4 * q + 3 * kv),
-            3 * item * d,  # residual add
-            2 * item * d + norm(d),  # post-attention norm (x and the new residual alive)
-            # MLP: x, residual, h, then the stacked gate/up output and silu(gate), multiplied
-            # by up in place (unstacked: silu(gate), up, their product)
-            item * (3 * d + 3 * f),
-            4 * item * d,  # the last residual add
-        ]
-        if copy:  # each product while it runs: its inputs, its output and the fp32 buffer
-            phases += [
-                item * (2 * d + q + 2 * kv) + copy * (q + 2 * kv),  # q/k/v
-                item * (3 * d + 4 * q + 3 * kv) + copy * d,  # o_proj: as the phase above
-                item * (3 * d + 2 * f) + copy * 2 * f,  # gate/up: x, residual, h
-                item * (4 * d + 3 * f) + copy * d,  # down: the MLP phase's tensors and its output
-            ]
-        if cfg.qk_norm:
-            phases += [
-                item * (2 * d + q + 2 * kv) + norm(q),  # q norm (beside the q/k/v output)
-                item * (2 * d + 2 * q + 2 * kv) + norm(kv),  # k norm (q and its norm alive)
-                item * (2 * d + 5 * q + 3 * kv),  # RoPE on q: normed q and k, three temporaries
-                item * (2 * d + 2 * q + 6 * kv),  # RoPE on k (q done)
-            ]
-        return LayerActivations(
-            layer=max(phases),
-            # x, h, the q/k/v output, rotated q and k, the attention output
-            attention=item * (2 * d + 3 * q + 3 * kv),
-        )
+        return layer_activations(cfg, itemsize, copy)
 
     def gguf_tensor(
         self, cfg: ModelConfig, name: str, rows: torch.Tensor, ne: tuple[int, ...]

@@ -14,39 +14,14 @@ length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 
-from modeling.architecture import Architecture, LayerActivations, LayerKV
+from modeling.architecture import Architecture, LayerActivations
 from modeling.config import ModelConfig, UnsupportedModelError, eos_ids, required, rope_config
-from modeling.layers.attention import Slots
-from modeling.layers.mlp import MLP
-from modeling.layers.norms import RMSNorm, norm_bytes
-from modeling.layers.self_attention import Attention
+from modeling.layers.decoder_layer import DecoderLayer, layer_activations, layer_parameters
 from modeling.weights.quant import parse_quantization
-
-
-class Phi3Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, index)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # (T, hidden)
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        sequences: Sequence[Slots],
-        layer: int,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, sequences, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Phi3(Architecture):
@@ -101,49 +76,13 @@ class Phi3(Architecture):
         )
 
     def block(self, cfg: ModelConfig, index: int) -> nn.Module:
-        return Phi3Layer(cfg, index)
-
-    def kv_layout(self, cfg: ModelConfig) -> tuple[LayerKV, ...]:
-        return tuple(
-            LayerKV(cfg.num_kv_heads, cfg.head_dim, cfg.layer_window(i))
-            for i in range(cfg.num_layers)
-        )
+        return DecoderLayer(cfg, index)  # Llama's block; the config keeps its tensors whole
 
     def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
-        d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-        q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-        return d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+        return layer_parameters(cfg)
 
     def layer_activations(self, cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
-        """Traced through `Phi3Layer`: Llama's block with q/k/v and gate/up as stored (one
-        output each, as Llama's stacked ones), and partial RoPE's pieces: the rotated part's
-        temporaries and the cat that joins it to the part that passes."""
-        item = itemsize
-        d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-        q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-
-        def norm(n: int) -> int:
-            return norm_bytes(n, item)
-
-        phases = [
-            item * d + norm(d),  # input norm
-            # x, h, the q/k/v output, and RoPE on q and k in one go (x*cos, roll, roll*sin,
-            # their sum and, partial, the cat)
-            item * (2 * d + 6 * q + 7 * kv),
-            item * (3 * d + 4 * q + 3 * kv),  # output, its copy, o_proj
-            3 * item * d,  # residual add
-            2 * item * d + norm(d),  # post-attention norm
-            item * (3 * d + 3 * f),  # MLP: x, residual, h, gate/up and act(gate)
-            4 * item * d,  # the last residual add
-        ]
-        if copy:
-            phases += [
-                item * (2 * d + q + 2 * kv) + copy * (q + 2 * kv),
-                item * (3 * d + 4 * q + 3 * kv) + copy * d,
-                item * (3 * d + 2 * f) + copy * 2 * f,
-                item * (4 * d + 3 * f) + copy * d,
-            ]
-        return LayerActivations(layer=max(phases), attention=item * (2 * d + 3 * q + 3 * kv))
+        return layer_activations(cfg, itemsize, copy)
 
 
 PHI3 = Phi3()

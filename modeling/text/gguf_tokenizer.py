@@ -42,7 +42,6 @@ vocabulary's text in all.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -103,12 +102,11 @@ class _Fields:
 
 def check_tokenizer_metadata(fields: Mapping[str, Any], source: str) -> None:
     """GGUFTokenizerError, naming `source` and the key, for a tokenizer key that is
-    malformed (of the wrong type or length, out of range, past a bound); nothing is built
-    (Llama 3 sized: ~0.15 s). A tokenizer specd cannot build is no error here: what
-    only generation needs is for generation to refuse (`specd plan` runs this)."""
-    # The keys read before it are checked; those after it matter only to a build.
-    with contextlib.suppress(UnsupportedTokenizerError):
-        _read(fields, source)
+    malformed (of the wrong type or length, out of range, past a bound), and
+    UnsupportedTokenizerError for one specd cannot build (an unknown pre-tokenizer or
+    kind): opening a file refuses what loading it would, so `specd plan` and `specd models`
+    say so before any weight is read. Nothing is built (Llama 3 sized: ~0.15 s)."""
+    _read(fields, source)
 
 
 def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
