@@ -249,6 +249,29 @@ def test_a_tokenizer_specd_cannot_build_is_refused_by_plan_as_by_loading(
     assert said[0] == said[1]
 
 
+def test_specd_models_says_which_files_cannot_run(
+    quiet_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A store's file that `--model` would refuse is listed with the reason on its row
+    (issue 34: the listing showed no sign that a file cannot run)."""
+    from tests.test_model_stores import pull
+
+    store = quiet_home.parent / "ollama"
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    rwkv = rewrite(quiet_home.parent / "rwkv.gguf", {"tokenizer.ggml.model": ("rwkv", T.STRING)})
+    pull(store, "registry.ollama.ai/library/rwkv/latest", rwkv)
+    pull(store, "registry.ollama.ai/library/tiny/latest", rewrite(quiet_home.parent / "ok.gguf"))
+    assert main(["models", "--json"]) == 0
+    listed = {m["name"]: m for m in json.loads(capsys.readouterr().out)}
+    assert listed["ollama:tiny:latest"]["runs"] and listed["ollama:tiny:latest"]["why"] is None
+    assert not listed["ollama:rwkv:latest"]["runs"]
+    assert listed["ollama:rwkv:latest"]["why"].startswith("tokenizer.ggml.model is 'rwkv'")
+    assert main(["models"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert any("specd cannot run it: tokenizer.ggml.model is 'rwkv'" in row for row in rows)
+    assert sum("cannot run" in row for row in rows) == 1
+
+
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_every_malformed_field_is_one_line_naming_the_file_and_the_field(
     command: str,

@@ -2,14 +2,16 @@
 LM Studio's GGUF files (modeling/checkpoints/model_stores.py) and the Hugging Face hub cache, with
 their size and type. Nothing is loaded; a GGUF's type is read from its metadata alone. A
 store's entry that cannot be read is listed as unreadable, with a one-line note on stderr
-saying why; the rest are listed all the same."""
+saying why; the rest are listed all the same. Each readable entry is opened as `--model`
+would open it (its config and, for a GGUF, its tokenizer metadata, no weights), and one that
+specd cannot run says why on its row (`runs: false` and `why` in the JSON)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ class Found:
     path: Path
     source: str  # "ollama" | "lmstudio" | "hub"
     note: str | None = None  # why it is unreadable: one line naming the file
+    why: str | None = None  # why specd cannot run it (an architecture, a tokenizer...)
 
 
 def hub_models() -> list[Found]:
@@ -71,12 +74,33 @@ def store_models() -> list[Found]:
     ]
 
 
+def cannot_run(path: Path) -> str | None:
+    """Why `--model` would refuse this file or folder, as opening it says (config and
+    tokenizer metadata, no weights), without the path it starts with; None if it opens."""
+    from modeling.checkpoints.checkpoint import open_checkpoint
+
+    try:
+        open_checkpoint(path)
+    except (ValueError, OSError) as err:  # every refusal of a model's files is one of these
+        said = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return said.removeprefix(f"{path}: ").removeprefix(f"{path / 'config.json'}: ")
+    return None
+
+
+def _checked(found: Found) -> Found:
+    if found.kind in ("unreadable", "no config.json"):
+        return found
+    return replace(found, why=cannot_run(found.path))
+
+
 def _size(n: int) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    found = sorted(store_models() + hub_models(), key=lambda f: (f.source, f.name))
+    found = [
+        _checked(f) for f in sorted(store_models() + hub_models(), key=lambda f: (f.source, f.name))
+    ]
     for f in found:
         if f.note is not None:  # a store's file names are anyone's: no control characters
             note = "".join(c if c.isprintable() else repr(c)[1:-1] for c in f.note)
@@ -84,7 +108,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.json:
         rows: list[dict[str, Any]] = [
             {"name": f.name, "type": f.kind, "bytes": f.size, "path": str(f.path),
-             "source": f.source, "note": f.note}
+             "source": f.source, "note": f.note, "why": f.why,
+             "runs": f.why is None and f.kind not in ("unreadable", "no config.json")}
             for f in found
         ]  # fmt: skip
         print(json.dumps(rows, indent=2))
@@ -99,6 +124,9 @@ def cmd_models(args: argparse.Namespace) -> int:
     kinds = max(len(f.kind) for f in found)
     for f in found:
         print(f"{f.name:<{width}}  {f.kind:<{kinds}}  {_size(f.size):>9}  {f.path}")
+        if f.why is not None:
+            why = "".join(c if c.isprintable() else repr(c)[1:-1] for c in f.why)
+            print(f"{'':<{width}}  specd cannot run it: {why}")
     return 0
 
 
