@@ -15,7 +15,7 @@ from typing import Any
 
 from modeling.weights.quant import QuantizationSpec
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
 
 
 class UnsupportedModelError(ValueError):
@@ -40,6 +40,10 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     # The fraction of each head's dimensions that rotate (the rest pass as they are)
     partial_rotary_factor: float = 1.0
+    # LongRoPE (Phi-3.5, Phi-4-mini): each frequency's divisor, below and from position
+    # original_max_position_embeddings
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,11 +138,13 @@ def rope_config(raw: dict[str, Any], source: str) -> RopeConfig:
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
     factor = params.get("factor")
-    original = params.get("original_max_position_embeddings")
-    if kind == "yarn" and factor is None:
+    original = params.get(
+        "original_max_position_embeddings", raw.get("original_max_position_embeddings")
+    )
+    if kind in ("yarn", "longrope") and factor is None:
         if original is None:
             raise UnsupportedModelError(
-                f"{source}: yarn RoPE scaling needs factor or original_max_position_embeddings"
+                f"{source}: {kind} RoPE scaling needs factor or original_max_position_embeddings"
             )
         longest: Any = raw.get("max_position_embeddings", original)
         factor = int(longest) / int(original)
@@ -163,4 +169,23 @@ def rope_config(raw: dict[str, Any], source: str) -> RopeConfig:
         mscale=optional("mscale"),
         mscale_all_dim=optional("mscale_all_dim"),
         partial_rotary_factor=float(partial) if partial is not None else 1.0,
+        short_factor=_factors(params, "short_factor", kind, source),
+        long_factor=_factors(params, "long_factor", kind, source),
     )
+
+
+def _factors(params: dict[str, Any], key: str, kind: str, source: str) -> tuple[float, ...]:
+    """LongRoPE's `short_factor` / `long_factor`: finite positive numbers (their count is
+    checked against the rotary dimensions by the architecture that turns them)."""
+    if kind != "longrope":
+        return ()
+    values = params.get(key)
+    if not isinstance(values, list) or not values or len(values) > 4096:
+        raise UnsupportedModelError(f"{source}: longrope RoPE scaling needs a list {key}")
+    try:
+        factors = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        raise UnsupportedModelError(f"{source}: {key} holds a value that is no number") from None
+    if not all(0 < f < float("inf") for f in factors):
+        raise UnsupportedModelError(f"{source}: {key} holds a factor that is not above 0")
+    return factors

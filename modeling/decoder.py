@@ -54,6 +54,7 @@ class Transformer(nn.Module):
 
     # registered buffers (nn.Module's __getattr__ types them loosely)
     inv_freq: torch.Tensor
+    inv_freq_long: torch.Tensor
     inv_freq_local: torch.Tensor
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -84,10 +85,10 @@ class Transformer(nn.Module):
             cfg.local_rope is not None and cfg.layer_window(i) is not None
             for i in range(cfg.num_layers)
         )
-        for name, rope in self._rope_configs():
+        for name, rope, long in self._rope_configs():
             table = torch.empty((rotary_dim(cfg.head_dim, rope) + 1) // 2)  # (hd/2,)
             if not table.is_meta:
-                table = rope_inv_freq(cfg.head_dim, rope)
+                table = rope_inv_freq(cfg.head_dim, rope, long)
             self.register_buffer(name, table, persistent=False)
         self.rope_factor = rope_attention_factor(cfg.rope)
         # Token ids `forward` speaks: its logits are (T, vocab_width). Equal to the embedding
@@ -167,28 +168,31 @@ class Transformer(nn.Module):
             self.config, capacity, dtype=self.dtype, device=self.device, positions=self.windowed
         )
 
-    def _rope_configs(self) -> list[tuple[str, RopeConfig]]:
-        """The RoPE tables' buffer names and configs: `inv_freq` for every layer's, and
-        `inv_freq_local` for sliding layers with a RoPE of their own."""
+    def _rope_configs(self) -> list[tuple[str, RopeConfig, bool]]:
+        """The RoPE tables: buffer name, config, whether it is LongRoPE's long table.
+        `inv_freq` for every layer's, `inv_freq_long` for LongRoPE's positions from the
+        original context on, `inv_freq_local` for sliding layers with a RoPE of their own."""
         cfg = self.config
-        tables = [("inv_freq", cfg.rope)]
+        tables = [("inv_freq", cfg.rope, False)]
+        if cfg.rope.kind == "longrope":
+            tables.append(("inv_freq_long", cfg.rope, True))
         if cfg.local_rope is not None and any(self.local_layers):
-            tables.append(("inv_freq_local", cfg.local_rope))
+            tables.append(("inv_freq_local", cfg.local_rope, False))
         return tables
 
     def set_rope(self, device: torch.device | str, factors: torch.Tensor | None = None) -> None:
         """Compute the RoPE tables on `device` (a model built on the meta device has their
         shapes only); `factors` divide the global table's frequencies (a GGUF file's
         rope_freqs, Llama 3.1's scaling as llama.cpp stores it)."""
-        for name, rope in self._rope_configs():
-            table = rope_inv_freq(self.config.head_dim, rope)
+        for name, rope, long in self._rope_configs():
+            table = rope_inv_freq(self.config.head_dim, rope, long)
             if factors is not None and name == "inv_freq":
                 table = table / factors
             setattr(self, name, table.to(device))
 
     def share_rope(self, other: Transformer) -> None:
         """Use `other`'s RoPE tables (the substitute draft and its target: one copy)."""
-        for name, _ in self._rope_configs():
+        for name, _, _ in self._rope_configs():
             self.register_buffer(name, getattr(other, name), persistent=False)
 
     def rope(
@@ -198,9 +202,14 @@ class Transformer(nn.Module):
         the sliding layers' own (`local`)."""
         table = self.inv_freq_local if local else self.inv_freq
         freqs = positions.float()[:, None] * table.float()[None, :]  # (T, hd/2)
+        if self.config.rope.kind == "longrope" and not local:
+            # Each position by its own table: the long one from the original context on.
+            far = positions[:, None] >= self.config.rope.original_max_position_embeddings
+            long = positions.float()[:, None] * self.inv_freq_long.float()[None, :]
+            freqs = torch.where(far, long, freqs)
         sin = freqs.sin()
         cos = freqs.cos()
-        if self.rope_factor != 1.0 and not local:  # YaRN's, in fp32 as the reference does
+        if self.rope_factor != 1.0 and not local:  # YaRN's, LongRoPE's; fp32 as the reference
             sin, cos = sin * self.rope_factor, cos * self.rope_factor
         return (
             torch.cat((cos, cos), dim=-1).to(self.dtype),  # (T, hd)

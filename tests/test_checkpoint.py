@@ -99,9 +99,9 @@ def test_unsupported_rope_type_is_named(llama: Path, layout: str) -> None:
     """Both config layouts: transformers 5.x `rope_parameters`, 4.x `rope_scaling`."""
     raw = json.loads((llama / "config.json").read_text())
     raw.pop("rope_parameters", None)
-    raw[layout] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}
+    raw[layout] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
     (llama / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(UnsupportedModelError, match="rope scaling type 'longrope'"):
+    with pytest.raises(UnsupportedModelError, match="rope scaling type 'dynamic'"):
         open_checkpoint(llama)
 
 

@@ -43,10 +43,57 @@ def test_parameter_counts_are_transformers_at_real_shapes(shape: dict) -> None:
     assert parameter_count(config_from_hf(shape)) == sum(unique.values())
 
 
-def test_longrope_is_refused_by_name() -> None:
-    scaling = {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}
-    with pytest.raises(UnsupportedModelError, match="rope scaling type 'longrope'"):
+def test_longrope_factors_are_checked() -> None:
+    scaling = {"type": "longrope", "short_factor": [1.0] * 47, "long_factor": [2.0] * 48}
+    with pytest.raises(UnsupportedModelError, match="short_factor has 47 factors"):
         config_from_hf({**PHI4_MINI, "rope_scaling": scaling})
+    llama = {**PHI4_MINI, "model_type": "llama", "partial_rotary_factor": 1.0}
+    llama["original_max_position_embeddings"] = 4096
+    with pytest.raises(UnsupportedModelError, match="for Phi-3 models only"):
+        config_from_hf({**llama, "rope_scaling": {**scaling, "short_factor": [1.0] * 64}})
+
+
+LONGROPE = {
+    "original_max_position_embeddings": 8,
+    "rope_scaling": {
+        "type": "longrope",
+        "short_factor": [1.0, 1.1, 1.3, 1.7, 2.0, 2.5],
+        "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 13.0],
+    },
+}
+
+
+def test_longrope_matches_transformers_token_by_token(tiny_checkpoint) -> None:
+    """Short factors below the original context (8), long ones from it on, chosen per
+    position: our one-pass prefill of 20 tokens and our decode steps equal transformers fed
+    the same tokens one at a time (where its choice by the pass's length is each
+    position's own)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint("phi3-partial", vocab_size=96, **LONGROPE)
+    ours, _, ckpt = load(path)
+    assert ckpt.config.rope.kind == "longrope" and ckpt.config.rope.factor == 256 / 8
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = torch.randint(3, 96, (24,), generator=torch.Generator().manual_seed(8))
+    cache = ours.new_cache(64)
+    got = [ours(tokens[:20], torch.arange(20), cache)]  # (20, V)
+    got += [ours(tokens[i : i + 1], torch.tensor([i]), cache) for i in range(20, 24)]
+    mine = torch.cat(got)  # (24, V)
+    past, want = None, []
+    with torch.no_grad():
+        for i in range(24):
+            out = ref(input_ids=tokens[None, i : i + 1], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            want.append(out.logits[0])
+    torch.testing.assert_close(mine, torch.cat(want).float(), atol=1e-4, rtol=0)
+
+
+def test_speculation_across_the_original_context_is_greedy(tiny_checkpoint) -> None:
+    """A prompt of 8 (the original context) and 40 new tokens: every tree round from the
+    boundary on mixes both tables in one pass."""
+    path = tiny_checkpoint("phi3-partial", vocab_size=96, **LONGROPE)
+    speculation_runtime(path, "ngram", "tree", {}, seed=9)
+    speculation_runtime(path, "substitute", "tree", {**RUNS[2][2]}, seed=9)
 
 
 def test_fused_projections_load_as_stored(tiny_checkpoint) -> None:

@@ -1,5 +1,6 @@
 """Rotary position embeddings: the inverse-frequency table of a `RopeConfig` (default,
-linear, Llama 3.1's piecewise scaling, YaRN), the factor YaRN puts on cos and sin, and
+linear, Llama 3.1's piecewise scaling, YaRN, LongRoPE's short and long tables), the factor
+YaRN and LongRoPE put on cos and sin, and
 their application in the reference's rotate-half form, over the whole head or its first
 `rotary_dim` dimensions (partial rotary)."""
 
@@ -17,10 +18,19 @@ def rotary_dim(head_dim: int, rope: RopeConfig) -> int:
     return int(head_dim * rope.partial_rotary_factor)
 
 
-def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    """Inverse frequencies (rotary_dim/2,), scaled as `rope.kind` says."""
+def rope_inv_freq(head_dim: int, rope: RopeConfig, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies (rotary_dim/2,), scaled as `rope.kind` says; for LongRoPE the
+    short table, or with `long` the table of positions from original_max_position_embeddings
+    on (transformers picks by the sequence's length, max position + 1, which token by token
+    is each position's own)."""
     dim = rotary_dim(head_dim, rope)
     inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.kind == "longrope":
+        factors = rope.long_factor if long else rope.short_factor
+        return 1.0 / (
+            torch.tensor(factors, dtype=torch.float32)
+            * rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        )
     if rope.kind == "linear":
         return inv / rope.factor
     if rope.kind == "yarn":
@@ -63,11 +73,17 @@ def _yarn_inv_freq(inv: torch.Tensor, dim: int, rope: RopeConfig) -> torch.Tenso
 
 def rope_attention_factor(rope: RopeConfig) -> float:
     """The factor on cos and sin: 1 but for YaRN, whose default is 0.1 ln(factor) + 1 (or the
-    ratio of two such with mscale and mscale_all_dim)."""
-    if rope.kind != "yarn":
+    ratio of two such with mscale and mscale_all_dim), and LongRoPE, whose default is
+    sqrt(1 + ln(factor) / ln(original context))."""
+    if rope.kind not in ("yarn", "longrope"):
         return 1.0
     if rope.attention_factor is not None:
         return rope.attention_factor
+    if rope.kind == "longrope":
+        if rope.factor <= 1:
+            return 1.0
+        old = rope.original_max_position_embeddings
+        return math.sqrt(1 + math.log(rope.factor) / math.log(old))
 
     def scale(m: float) -> float:
         return 1.0 if rope.factor <= 1 else 0.1 * m * math.log(rope.factor) + 1.0

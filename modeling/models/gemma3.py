@@ -157,6 +157,10 @@ class Gemma3(Architecture):
                 f"{source}: layer_types must list {layers} of {', '.join(_LAYER_TYPES)}"
             )
         rope, local_rope = _ropes(raw, source)
+        if "longrope" in (rope.kind, local_rope.kind):
+            raise UnsupportedModelError(
+                f"{source}: rope scaling type 'longrope' is supported for Phi-3 models only"
+            )
         if rope.partial_rotary_factor != 1.0 or local_rope.partial_rotary_factor != 1.0:
             raise UnsupportedModelError(f"{source}: partial_rotary_factor is not supported")
         bias = bool(raw["attention_bias"])

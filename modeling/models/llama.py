@@ -106,6 +106,10 @@ class Llama(Architecture):
                 f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
             )
         rope = rope_config(raw, source)
+        if rope.kind == "longrope":
+            raise UnsupportedModelError(
+                f"{source}: rope scaling type 'longrope' is supported for Phi-3 models only"
+            )
         if rope.partial_rotary_factor != 1.0:
             raise UnsupportedModelError(
                 f"{source}: partial_rotary_factor {rope.partial_rotary_factor} is not "

@@ -7,9 +7,12 @@ is split at load and a packed one stays packed. The rest is the shared layers': 
 the first `partial_rotary_factor` of each head, the window by position for every layer
 when `sliding_window` is set, SwiGLU.
 
-Refused with their key: LongRoPE (`rope_scaling.type: longrope`, Phi-3.5 and the
-128k-context Phi-3 and Phi-4-mini), whose short and long factors switch with the sequence's
-length.
+LongRoPE (Phi-3.5, the 128k-context Phi-3s, Phi-4-mini): the short factors below
+`original_max_position_embeddings` and the long ones from it on, chosen per position
+(modeling/decoder.py's `rope`), which is what transformers computes token by token (it
+picks by the pass's longest position, so its one-pass prefill of a prompt longer than the
+original context would use the long table for every row: speculation needs each position's
+rotation not to depend on the pass it rides in).
 """
 
 from __future__ import annotations
@@ -43,13 +46,20 @@ class Phi3(Architecture):
                 f"num_key_value_heads {kv_heads}"
             )
         head_dim = int(raw.get("head_dim") or hidden // heads)
-        rope = rope_config(raw, source)
+        # transformers' Phi3Config default, which LongRoPE's factor and table switch read
+        rope = rope_config({"original_max_position_embeddings": 4096, **raw}, source)
         rotary = int(head_dim * rope.partial_rotary_factor)
         if rotary < 2 or rotary % 2:
             raise UnsupportedModelError(
                 f"{source}: partial_rotary_factor {rope.partial_rotary_factor} turns {rotary} "
                 f"of head_dim {head_dim} dimensions; RoPE needs an even number of at least 2"
             )
+        for key in ("short_factor", "long_factor"):
+            if rope.kind == "longrope" and len(getattr(rope, key)) != rotary // 2:
+                raise UnsupportedModelError(
+                    f"{source}: rope_scaling.{key} has {len(getattr(rope, key))} factors; "
+                    f"the {rotary} rotary dimensions need {rotary // 2}"
+                )
         window = raw.get("sliding_window")
         max_positions = int(raw.get("max_position_embeddings", 4096))
         if window is not None and int(window) >= max_positions:
