@@ -112,6 +112,20 @@ def required(raw: dict[str, Any], key: str, source: str) -> Any:
     return raw[key]
 
 
+def attention_widths(raw: dict[str, Any], source: str) -> tuple[int, int, int, int]:
+    """config.json's hidden size, attention heads, key/value heads and head dimension,
+    the heads a positive multiple of the key/value heads."""
+    hidden = int(required(raw, "hidden_size", source))
+    heads = int(required(raw, "num_attention_heads", source))
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise UnsupportedModelError(
+            f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+            f"{kv_heads}"
+        )
+    return hidden, heads, kv_heads, int(raw.get("head_dim") or hidden // heads)
+
+
 def eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
     """config.json's `eos_token_id`: one id, a list of them, or none."""
     eos = raw.get("eos_token_id")

@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 from modeling.architecture import Architecture, LayerActivations
-from modeling.config import ModelConfig, UnsupportedModelError, eos_ids, required, rope_config
+from modeling.config import (
+    ModelConfig,
+    UnsupportedModelError,
+    attention_widths,
+    eos_ids,
+    required,
+    rope_config,
+)
 from modeling.layers.decoder_layer import DecoderLayer, layer_activations, layer_parameters
 from modeling.weights.quant import parse_quantization
 
@@ -97,14 +104,7 @@ class Llama(Architecture):
             raise UnsupportedModelError(
                 f"{source}: hidden_act {act!r} is not supported (only 'silu')"
             )
-        hidden = int(required(raw, "hidden_size", source))
-        heads = int(required(raw, "num_attention_heads", source))
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        head_dim = int(raw.get("head_dim") or hidden // heads)
-        if heads % kv_heads:
-            raise UnsupportedModelError(
-                f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
-            )
+        hidden, heads, kv_heads, head_dim = attention_widths(raw, source)
         rope = rope_config(raw, source)
         if rope.kind == "longrope":
             raise UnsupportedModelError(

@@ -22,7 +22,14 @@ from typing import Any, ClassVar
 from torch import nn
 
 from modeling.architecture import Architecture, LayerActivations
-from modeling.config import ModelConfig, UnsupportedModelError, eos_ids, required, rope_config
+from modeling.config import (
+    ModelConfig,
+    UnsupportedModelError,
+    attention_widths,
+    eos_ids,
+    required,
+    rope_config,
+)
 from modeling.layers.decoder_layer import DecoderLayer, layer_activations, layer_parameters
 from modeling.weights.quant import parse_quantization
 
@@ -37,15 +44,7 @@ class Phi3(Architecture):
             raise UnsupportedModelError(
                 f"{source}: hidden_act {act!r} is not supported by Phi-3 (only 'silu')"
             )
-        hidden = int(required(raw, "hidden_size", source))
-        heads = int(required(raw, "num_attention_heads", source))
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        if heads < 1 or kv_heads < 1 or heads % kv_heads:
-            raise UnsupportedModelError(
-                f"{source}: num_attention_heads {heads} is not a multiple of "
-                f"num_key_value_heads {kv_heads}"
-            )
-        head_dim = int(raw.get("head_dim") or hidden // heads)
+        hidden, heads, kv_heads, head_dim = attention_widths(raw, source)
         # transformers' Phi3Config default, which LongRoPE's factor and table switch read
         rope = rope_config({"original_max_position_embeddings": 4096, **raw}, source)
         rotary = int(head_dim * rope.partial_rotary_factor)
