@@ -16,7 +16,7 @@ from modeling.config import ModelConfig
 from modeling.decoder import Transformer
 from modeling.layers.attention import ATTENTION_CHUNK_BYTES, attention_row_bytes
 from modeling.layers.norms import norm_bytes
-from modeling.models import kv_bytes_per_token, layer_activations
+from modeling.models import architecture, kv_bytes_per_token, layer_activations
 from modeling.weights.packed import PackedLinear
 from offload.activations import ActivationFootprint
 from offload.layout import FlatLayout
@@ -86,12 +86,15 @@ def activation_footprint(
     copy = 4 if gemm_output_copy else 0  # a product's own fp32 output buffer, per column
 
     layer = layer_activations(config, item, copy)
+    windows = {kv.window for kv in architecture(config).kv_layout(config) if kv.window is not None}
     return ActivationFootprint(
         # RoPE cos and sin, of each table (Gemma 3's sliding layers have their own)
         persistent_bytes_per_token=2 * hd * item * (2 if config.local_rope is not None else 1),
         layer_bytes_per_token=layer.layer,
         attention_bytes_per_token=layer.attention,
-        mask_bytes_per_pair=1,  # torch.bool
+        # torch.bool: the pass's mask, and one more per distinct sliding window
+        # (SequenceSlots.mask_for keeps each window's mask for the whole pass)
+        mask_bytes_per_pair=1 + len(windows),
         score_bytes_per_key=attention_row_bytes(config.num_heads, 1),
         score_bytes_per_query=2 * item * q,  # a chunk's copy of its queries and its output
         chunk_bytes=ATTENTION_CHUNK_BYTES,

@@ -104,9 +104,10 @@ def test_the_chunk_bound_holds_a_row_at_128k_for_64_heads() -> None:
     assert 1 < rows < 2048 and rows * attention_row_bytes(32, 8192) <= ATTENTION_CHUNK_BYTES
 
 
-def config(vocab: int) -> ModelConfig:
+def config(vocab: int, window: int | None = None) -> ModelConfig:
     return ModelConfig(
-        model_type="llama",
+        model_type="mistral" if window else "llama",
+        sliding_window=window,
         vocab_size=vocab,
         hidden_size=256,
         intermediate_size=704,
@@ -137,6 +138,8 @@ def test_the_plan_follows_the_models_chunking() -> None:
 # bf16 adds the fp32 copies (`.float()` of scores, norms and logits) that fp32 skips.
 # - batched: one pass over 8 sequences (each its own cache of the stated length): their
 #   trees sharing the pass's 264 rows, or 8 prefill chunks (speculative/batching.py).
+# - windowed-tree: a sliding-window model (its layers keep a second (T, S) mask, made from
+#   the cache's positions) with a small vocabulary and a long context, so the masks count.
 SHAPES = [
     ("batched-tree", "bfloat16", 128256, 2048, 264, True, ATTENTION_CHUNK_BYTES, 8),
     ("batched-prefill", "float32", 32000, 512, 1024, False, ATTENTION_CHUNK_BYTES, 8),
@@ -145,6 +148,7 @@ SHAPES = [
     ("prefill", "bfloat16", 32000, 1024, 1024, False, ATTENTION_CHUNK_BYTES),
     ("tree", "bfloat16", 128256, 2048, 257, True, ATTENTION_CHUNK_BYTES),
     ("layer", "bfloat16", 32000, 1024, 1024, False, 2 * 2**20),
+    ("windowed-tree", "float32", 512, 16384, 1025, True, 2**20, 1, 4096),
 ]
 
 
@@ -157,6 +161,7 @@ def measure_pass(
     is_tree: bool,
     chunk_bytes: int,
     sequences: int = 1,
+    window: int | None = None,
 ) -> dict:
     """In a child process (see the test): the peak one pass shape adds, and the plan's
     figure for it. `sequences` > 1 splits the pass's t tokens evenly among that many
@@ -167,7 +172,7 @@ def measure_pass(
 
     attention_module.ATTENTION_CHUNK_BYTES = chunk_bytes  # this child process only
     torch.manual_seed(0)
-    model = Transformer(config(vocab)).eval().to(getattr(torch, dtype))
+    model = Transformer(config(vocab, window)).eval().to(getattr(torch, dtype))
     each = t // sequences
     tokens = torch.randint(0, vocab, (each,))
     positions = torch.arange(start, start + each)
