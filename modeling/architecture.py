@@ -5,8 +5,9 @@ and all it may ask. An architecture module (modeling/models/<name>.py) makes one
 
 Who reads what:
 - the loaders (modeling/checkpoints/): `config` (config.json, or the Hugging Face-style
-  record a GGUF file's metadata is read into), `hf_name`, `gguf_name` and `gguf_tensor`
-  (the tensor fix-ups, e.g. Llama's q/k un-permute);
+  record a GGUF file's metadata is read into, with `gguf_config`'s keys of its own),
+  `hf_name`, `gguf_name`, `gguf_tensor` and `gguf_offset` (the tensor fix-ups, e.g.
+  Llama's q/k un-permute, Gemma's norms);
 - the decoder (modeling/decoder.py): `block`;
 - the memory plan (daemon/footprint.py through the registry's functions):
   `layer_parameters`, `kv_layout`, `layer_activations`;
@@ -22,7 +23,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -57,6 +58,20 @@ class LayerActivations:
 
     layer: int
     attention: int
+
+
+class GGUFKeys(Protocol):
+    """A GGUF file's `{architecture}.*` metadata, each value checked as it is read
+    (modeling/checkpoints/gguf_config.py): a missing key without a default, or a value of
+    the wrong kind, is an error naming the file and the key."""
+
+    def count(self, name: str, default: int | None = None) -> int:
+        """A whole number of at least 1 (a count or a width)."""
+        ...
+
+    def number(self, name: str, default: float | None = None) -> float:
+        """A finite number of at least 0 (an epsilon, a base)."""
+        ...
 
 
 class Architecture(ABC):
@@ -119,6 +134,17 @@ class Architecture(ABC):
         if outer is not None and outer.group(1) in self.gguf_outer_names:
             return f"{self.gguf_outer_names[outer.group(1)]}.weight"
         return None
+
+    def gguf_config(self, keys: GGUFKeys, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """config.json keys of this architecture's own that a GGUF file states (or that
+        llama.cpp fixes for it), over the ones every file has; `tensors`: the file's
+        tensor infos by name."""
+        return {}
+
+    def gguf_offset(self, cfg: ModelConfig, name: str) -> float:
+        """What the converter added to every value of the float tensor `name` (ours),
+        taken off in fp32 before the value is rounded to the model's dtype."""
+        return 0.0
 
     def gguf_tensor(
         self, cfg: ModelConfig, name: str, rows: torch.Tensor, ne: tuple[int, ...]

@@ -52,6 +52,17 @@ FAMILIES: dict[str, dict[str, Any]] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
         },
     },
+    # What a GGUF file can say of Gemma 3 (llama.cpp fixes the rest): every sixth layer
+    # global, a local base of 10,000, scores scaled by head_dim (here transformers'
+    # default 256, which its GGUF loader assumes)
+    "gemma3-gguf": {
+        "model_type": "gemma3_text",
+        "head_dim": 256,
+        "num_hidden_layers": 6,
+        "sliding_window": 6,
+        "query_pre_attn_scalar": 256,
+        "tie_word_embeddings": True,
+    },
 }
 
 _CORPUS = (

@@ -40,28 +40,12 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
         raise UnsupportedModelError(
             f"{source}: architecture {short_repr(arch)} is not supported; specd runs GGUF files "
             f"of {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, "
-            "Qwen2/2.5, Qwen3)"
+            "Qwen2/2.5, Qwen3, Gemma 3)"
         )
     module, model_type = found
 
-    def count(name: str, default: int | None = None) -> int:
-        """A whole number of at least 1 (a count or a width)."""
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise UnsupportedModelError(f"{source}: metadata key {arch}.{name} is missing")
-        if type(value) is not int or value < 1:
-            raise _malformed(source, f"{arch}.{name}", value, "a whole number of at least 1")
-        return value
-
-    def number(name: str, default: float | None = None) -> float:
-        """A finite number of at least 0 (an epsilon, a base)."""
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise UnsupportedModelError(f"{source}: metadata key {arch}.{name} is missing")
-        if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-            raise _malformed(source, f"{arch}.{name}", value, "a finite number of at least 0")
-        return float(value)
-
+    keys = _Keys(meta, arch, source)
+    count, number = keys.count, keys.number
     heads, hidden = count("attention.head_count"), count("embedding_length")
     kv_heads = count("attention.head_count_kv", heads)
     head_dim = count("attention.key_length", max(hidden // heads, 1))
@@ -83,10 +67,10 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
         "blk.0.attn_v.weight": ((hidden, kv_heads * head_dim), f"{widths}, {kv}"),
         "blk.0.ffn_up.weight": ((hidden, intermediate), f"{widths}, {arch}.feed_forward_length"),
     }
-    for name, (shape, keys) in expected.items():
+    for name, (shape, stated) in expected.items():
         if name in tensors and tensors[name].ne != shape:
             raise GGUFError(
-                f"{source}: tensor {name} is {list(tensors[name].ne)} but {keys} make it "
+                f"{source}: tensor {name} is {list(tensors[name].ne)} but {stated} make it "
                 f"{list(shape)}: {CORRUPT_FILE}"
             )
     quantization = _quantization(tensors, meta, source, module)
@@ -108,8 +92,40 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
         "torch_dtype": _float_dtype(tensors) if quantization is None else "bfloat16",
         "attention_bias": "blk.0.attn_output.bias" in tensors,
         **_rope_scaling(meta, arch, source),
+        **module.gguf_config(keys, tensors),
     }
     return replace(config_from_hf(raw, source), quantization=quantization)
+
+
+class _Keys:
+    """`{arch}.*` metadata values, checked as read (modeling/architecture.py's GGUFKeys)."""
+
+    def __init__(self, meta: dict[str, Any], arch: str, source: str) -> None:
+        self.meta, self.arch, self.source = meta, arch, source
+
+    def _value(self, name: str, default: Any) -> Any:
+        value = self.meta.get(f"{self.arch}.{name}", default)
+        if value is None:
+            raise UnsupportedModelError(
+                f"{self.source}: metadata key {self.arch}.{name} is missing"
+            )
+        return value
+
+    def count(self, name: str, default: int | None = None) -> int:
+        value = self._value(name, default)
+        if type(value) is not int or value < 1:
+            raise _malformed(
+                self.source, f"{self.arch}.{name}", value, "a whole number of at least 1"
+            )
+        return value
+
+    def number(self, name: str, default: float | None = None) -> float:
+        value = self._value(name, default)
+        if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+            raise _malformed(
+                self.source, f"{self.arch}.{name}", value, "a finite number of at least 0"
+            )
+        return float(value)
 
 
 def _malformed(source: str, key: str, value: Any, wanted: str) -> GGUFError:

@@ -139,7 +139,11 @@ def load_gguf_model(
             continue
         # Decoded a chunk at a time in fp32 and rounded once to `dtype`: no fp32 copy of a
         # whole embedding (4.2 GB for a 70B's).
-        value = dequantize(rows.to(device), kind, columns, dtype)
+        offset = arch.gguf_offset(cfg, name)
+        if offset:  # taken off before the value is rounded to `dtype`
+            value = (dequantize(rows.to(device), kind, columns, torch.float32) - offset).to(dtype)
+        else:
+            value = dequantize(rows.to(device), kind, columns, dtype)
         if len(info.ne) == 1:
             value = value.view(-1)
         _place(model, name, value, parts, problems)

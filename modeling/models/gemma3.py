@@ -12,18 +12,26 @@ Gemma3TextConfig defaults, as the published configs rely on them (the 4B's text_
 names six keys).
 
 A multimodal checkpoint's vision tower and projector are not loaded: `hf_name` drops them.
+
+From GGUF (`gemma3`, llama.cpp's converter): the file states the window and the global
+RoPE (base, and the linear factor as `rope.scaling.*`); what it leaves out llama.cpp fixes
+for the architecture, and so do we: every sixth layer global, a local RoPE base of 10,000,
+and the score scale 1/sqrt(head_dim) except the 27B's (62 layers: 1/sqrt(hidden / heads),
+its config's `query_pre_attn_scalar` 168). The converter stores each norm as 1 + w, so
+`gguf_offset` takes the 1 off in fp32 (exact: 1 + w - 1 for an fp32 1 + w of at least 1/2)
+and the norms scale by (1 + w) as they do from safetensors, in any dtype.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from modeling.architecture import Architecture, LayerActivations
+from modeling.architecture import Architecture, GGUFKeys, LayerActivations
 from modeling.config import ModelConfig, UnsupportedModelError, eos_ids, rope_config
 from modeling.layers.attention import Slots
 from modeling.layers.decoder_layer import layer_activations, layer_parameters, layer_phases
@@ -125,6 +133,22 @@ class GemmaLayer(nn.Module):
 class Gemma3(Architecture):
     name: ClassVar[str] = "gemma3"
     model_types: ClassVar[tuple[str, ...]] = ("gemma3_text", "gemma3")
+    gguf_architectures: ClassVar[Mapping[str, str]] = {"gemma3": "gemma3_text"}
+    gguf_layer_names: ClassVar[Mapping[str, str]] = {
+        "attn_norm": "input_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "ffn_gate": "mlp.gate_proj",
+        "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
 
     def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
         raw = _text_config(raw)
@@ -206,6 +230,21 @@ class Gemma3(Architecture):
             if stored.startswith(prefix):
                 return stored.removeprefix(prefix)
         return stored.removeprefix("model.")
+
+    def gguf_config(self, keys: GGUFKeys, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        hidden, heads = keys.count("embedding_length"), keys.count("attention.head_count")
+        head_dim = keys.count("attention.key_length", max(hidden // heads, 1))
+        return {
+            "sliding_window": keys.count("attention.sliding_window"),
+            "sliding_window_pattern": DEFAULTS["sliding_window_pattern"],
+            "rope_local_base_freq": DEFAULTS["rope_local_base_freq"],
+            "query_pre_attn_scalar": hidden // heads
+            if keys.count("block_count") == 62
+            else head_dim,
+        }
+
+    def gguf_offset(self, cfg: ModelConfig, name: str) -> float:
+        return 1.0 if name.endswith("norm.weight") else 0.0
 
     def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
         return layer_parameters(cfg, norms=4)

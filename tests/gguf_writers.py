@@ -1,0 +1,106 @@
+"""GGUF files written in the tests from tiny transformers checkpoints (never committed), as
+llama.cpp's converter (convert_hf_to_gguf.py) writes each architecture: its metadata keys,
+its tensor names, and what it does to values (Gemma's norms stored as 1 + w). The projections
+are Q8_0 blocks (gguf-py's quantizer), the rest F32, and the tokenizer is the shared
+stories260k file's 512-piece SentencePiece vocabulary under the file's architecture.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from safetensors.numpy import load_file
+
+from modeling.checkpoints.gguf_file import read_gguf
+from tests.conftest import SHARED_MODELS
+
+SPM_SOURCE = SHARED_MODELS / "gguf" / "stories260k-F32.gguf"
+SPM_VOCABULARY = 512
+
+# Hugging Face's names (after `model.layers.N.`) → llama.cpp's (after `blk.N.`)
+GEMMA3_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _tokenizer(writer: gguf.GGUFWriter, add_space_prefix: bool) -> None:
+    fields = read_gguf(SPM_SOURCE).metadata
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(fields["tokenizer.ggml.tokens"])
+    writer.add_token_scores(fields["tokenizer.ggml.scores"])
+    writer.add_token_types(fields["tokenizer.ggml.token_type"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(add_space_prefix)
+
+
+def _tensor(writer: gguf.GGUFWriter, name: str, value: np.ndarray) -> None:
+    value = np.ascontiguousarray(value, dtype=np.float32)
+    if value.ndim == 2 and name != "token_embd.weight" and value.shape[1] % 32 == 0:
+        kind = gguf.GGMLQuantizationType.Q8_0
+        blocks = gguf.quants.quantize(value, kind)
+        writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
+    else:
+        writer.add_tensor(name, value)
+
+
+def write_gemma3(folder: Path, path: Path) -> Path:
+    """The Gemma 3 checkpoint in `folder` as llama.cpp's Gemma3Model writes it: every
+    norm + 1, `gemma3.*` keys (the window; no pattern, no local base, no score scale:
+    llama.cpp fixes those), the embedding tied."""
+    config: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    assert config["vocab_size"] == SPM_VOCABULARY and config.get("tie_word_embeddings", True)
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    arch = "gemma3"
+    writer.add_uint32(f"{arch}.context_length", config["max_position_embeddings"])
+    writer.add_uint32(f"{arch}.embedding_length", config["hidden_size"])
+    writer.add_uint32(f"{arch}.block_count", config["num_hidden_layers"])
+    writer.add_uint32(f"{arch}.feed_forward_length", config["intermediate_size"])
+    writer.add_uint32(f"{arch}.attention.head_count", config["num_attention_heads"])
+    writer.add_uint32(f"{arch}.attention.head_count_kv", config["num_key_value_heads"])
+    writer.add_uint32(f"{arch}.attention.key_length", config["head_dim"])
+    writer.add_uint32(f"{arch}.attention.value_length", config["head_dim"])
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+    full = (config.get("rope_parameters") or {}).get("full_attention") or {}
+    writer.add_float32(f"{arch}.rope.freq_base", full.get("rope_theta", 1_000_000.0))
+    if full.get("rope_type") == "linear":
+        writer.add_string(f"{arch}.rope.scaling.type", "linear")
+        writer.add_float32(f"{arch}.rope.scaling.factor", full["factor"])
+    writer.add_uint32(f"{arch}.attention.sliding_window", config["sliding_window"])
+    _tokenizer(writer, add_space_prefix=False)
+    for name, value in load_file(folder / "model.safetensors").items():
+        name = name.removeprefix("model.")
+        if name.endswith("norm.weight"):
+            value = value + 1  # Gemma3RMSNorm scales by (1 + w); llama.cpp by w
+        if name == "embed_tokens.weight":
+            _tensor(writer, "token_embd.weight", value)
+        elif name == "norm.weight":
+            _tensor(writer, "output_norm.weight", value)
+        elif name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            part, _, kind = rest.rpartition(".")
+            _tensor(writer, f"blk.{index}.{GEMMA3_LAYER[part]}.{kind}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
