@@ -63,14 +63,25 @@ class LayerActivations:
 class GGUFKeys(Protocol):
     """A GGUF file's `{architecture}.*` metadata, each value checked as it is read
     (modeling/checkpoints/gguf_config.py): a missing key without a default, or a value of
-    the wrong kind, is an error naming the file and the key."""
+    the wrong kind, is an error naming the file (`source`) and the key."""
 
-    def count(self, name: str, default: int | None = None) -> int:
-        """A whole number of at least 1 (a count or a width)."""
+    source: str
+
+    def count(self, name: str, default: int | None = None, minimum: int = 1) -> int:
+        """A whole number of at least `minimum` (a count or a width)."""
         ...
 
     def number(self, name: str, default: float | None = None) -> float:
         """A finite number of at least 0 (an epsilon, a base)."""
+        ...
+
+    def has(self, name: str) -> bool:
+        """Whether the file states `{architecture}.{name}`."""
+        ...
+
+    def floats(self, tensor: str, length: int) -> list[float] | None:
+        """The values of the file's F32 tensor `tensor` of `length` values, finite and above
+        0 (RoPE factors); None if the file has no such tensor."""
         ...
 
 
@@ -89,6 +100,8 @@ class Architecture(ABC):
         "output_norm": "norm",
         "output": "lm_head",
     }
+    # tensors `gguf_config` reads into the config (LongRoPE's factors), not into the model
+    gguf_config_tensors: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     def config(self, raw: dict[str, Any], source: str) -> ModelConfig:

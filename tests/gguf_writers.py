@@ -1,7 +1,8 @@
 """GGUF files written in the tests from tiny transformers checkpoints (never committed), as
 llama.cpp's converter (convert_hf_to_gguf.py) writes each architecture: its metadata keys,
-its tensor names, and what it does to values (Gemma's norms stored as 1 + w). The projections
-are Q8_0 blocks (gguf-py's quantizer), the rest F32, and the tokenizer is the shared
+its tensor names, and what it does to values (Gemma's norms stored as 1 + w). The layers'
+projections are Q8_0 blocks (gguf-py's quantizer) unless a writer is told not to, the rest
+F32, and the tokenizer is the shared
 stories260k file's 512-piece SentencePiece vocabulary under the file's architecture.
 """
 
@@ -53,14 +54,81 @@ def _tokenizer(writer: gguf.GGUFWriter, add_space_prefix: bool) -> None:
     writer.add_add_space_prefix(add_space_prefix)
 
 
-def _tensor(writer: gguf.GGUFWriter, name: str, value: np.ndarray) -> None:
+def _tensor(writer: gguf.GGUFWriter, name: str, value: np.ndarray, quantize: bool = True) -> None:
     value = np.ascontiguousarray(value, dtype=np.float32)
-    if value.ndim == 2 and name != "token_embd.weight" and value.shape[1] % 32 == 0:
+    projection = value.ndim == 2 and name.startswith("blk.")
+    if quantize and projection and value.shape[1] % 32 == 0:
         kind = gguf.GGMLQuantizationType.Q8_0
         blocks = gguf.quants.quantize(value, kind)
         writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
     else:
         writer.add_tensor(name, value)
+
+
+def _finish(writer: gguf.GGUFWriter, path: Path) -> Path:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _shape_keys(writer: gguf.GGUFWriter, arch: str, config: dict[str, Any]) -> None:
+    writer.add_uint32(f"{arch}.context_length", config["max_position_embeddings"])
+    writer.add_uint32(f"{arch}.embedding_length", config["hidden_size"])
+    writer.add_uint32(f"{arch}.block_count", config["num_hidden_layers"])
+    writer.add_uint32(f"{arch}.feed_forward_length", config["intermediate_size"])
+    writer.add_uint32(f"{arch}.attention.head_count", config["num_attention_heads"])
+    writer.add_uint32(f"{arch}.attention.head_count_kv", config["num_key_value_heads"])
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
+
+
+PHI3_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_phi3(folder: Path, path: Path, quantize: bool = True) -> Path:
+    """The Phi-3 checkpoint in `folder` as llama.cpp's Phi3MiniModel writes it: `attn_qkv`
+    and the fused `ffn_up` as stored, the rotary width in dimensions, the window (0 for
+    none), LongRoPE's factors as two tensors; F32 throughout unless `quantize`."""
+    config: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    assert config["vocab_size"] == SPM_VOCABULARY
+    arch = "phi3"
+    writer = gguf.GGUFWriter(str(path), arch)
+    _shape_keys(writer, arch, config)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    writer.add_uint32(f"{arch}.rope.dimension_count", int(partial * hidden) // heads)
+    writer.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", 10000.0))
+    original = rope.get("original_max_position_embeddings") or config.get(
+        "original_max_position_embeddings", config["max_position_embeddings"]
+    )
+    writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
+    writer.add_uint32(f"{arch}.attention.sliding_window", config.get("sliding_window") or 0)
+    _tokenizer(writer, add_space_prefix=True)
+    writer.add_pad_token_id(config.get("pad_token_id") or 0)  # transformers' default: 32000
+    if rope.get("long_factor"):
+        writer.add_string(f"{arch}.rope.scaling.type", "longrope")
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
+    for name, value in load_file(folder / "model.safetensors").items():
+        name = name.removeprefix("model.")
+        outer = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}  # fmt: skip
+        if name in outer:
+            _tensor(writer, outer[name], value, quantize)
+        elif name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            part, _, kind = rest.rpartition(".")
+            _tensor(writer, f"blk.{index}.{PHI3_LAYER[part]}.{kind}", value, quantize)
+    return _finish(writer, path)
 
 
 def write_gemma3(folder: Path, path: Path) -> Path:
@@ -69,17 +137,11 @@ def write_gemma3(folder: Path, path: Path) -> Path:
     llama.cpp fixes those), the embedding tied."""
     config: dict[str, Any] = json.loads((folder / "config.json").read_text())
     assert config["vocab_size"] == SPM_VOCABULARY and config.get("tie_word_embeddings", True)
-    writer = gguf.GGUFWriter(str(path), "gemma3")
     arch = "gemma3"
-    writer.add_uint32(f"{arch}.context_length", config["max_position_embeddings"])
-    writer.add_uint32(f"{arch}.embedding_length", config["hidden_size"])
-    writer.add_uint32(f"{arch}.block_count", config["num_hidden_layers"])
-    writer.add_uint32(f"{arch}.feed_forward_length", config["intermediate_size"])
-    writer.add_uint32(f"{arch}.attention.head_count", config["num_attention_heads"])
-    writer.add_uint32(f"{arch}.attention.head_count_kv", config["num_key_value_heads"])
+    writer = gguf.GGUFWriter(str(path), arch)
+    _shape_keys(writer, arch, config)
     writer.add_uint32(f"{arch}.attention.key_length", config["head_dim"])
     writer.add_uint32(f"{arch}.attention.value_length", config["head_dim"])
-    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config["rms_norm_eps"])
     full = (config.get("rope_parameters") or {}).get("full_attention") or {}
     writer.add_float32(f"{arch}.rope.freq_base", full.get("rope_theta", 1_000_000.0))
     if full.get("rope_type") == "linear":
@@ -99,8 +161,4 @@ def write_gemma3(folder: Path, path: Path) -> Path:
             _, index, rest = name.split(".", 2)
             part, _, kind = rest.rpartition(".")
             _tensor(writer, f"blk.{index}.{GEMMA3_LAYER[part]}.{kind}", value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _finish(writer, path)

@@ -187,7 +187,8 @@ def test_a_model_in_ollamas_store_loads_and_is_listed(
 
 
 def with_metadata(tmp_path: Path, extra: dict[str, str | float]) -> Path:
-    """stories260k-F32 written again by gguf-py's writer with `extra` string/float keys."""
+    """stories260k-F32 written again by gguf-py's writer with `extra` keys (str, uint32 for
+    an int, float32)."""
     import gguf
     import numpy as np
 
@@ -216,6 +217,8 @@ def with_metadata(tmp_path: Path, extra: dict[str, str | float]) -> Path:
     for key, value in extra.items():
         if isinstance(value, str):
             writer.add_string(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
         else:
             writer.add_float32(key, value)
     for info in source.tensors:
@@ -238,11 +241,48 @@ def test_rope_scaling_is_read_or_refused(tmp_path: Path) -> None:
     )
     rope = open_checkpoint(linear).config.rope
     assert rope.kind == "linear" and rope.factor == 4.0
-    yarn = with_metadata(
-        tmp_path, {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}
+    dynamic = with_metadata(
+        tmp_path, {"llama.rope.scaling.type": "dynamic", "llama.rope.scaling.factor": 4.0}
     )
-    with pytest.raises(Exception, match="RoPE scaling 'yarn'"):
-        open_checkpoint(yarn)
+    with pytest.raises(Exception, match="RoPE scaling 'dynamic'"):
+        open_checkpoint(dynamic)
+
+
+YARN_KEYS = {
+    "llama.rope.scaling.type": "yarn",
+    "llama.rope.scaling.factor": 4.0,
+    "llama.rope.scaling.original_context_length": 64,
+    "llama.rope.scaling.yarn_beta_fast": 16.0,
+}
+
+
+def test_yarn_is_read_as_its_config_json_would_be(tmp_path: Path) -> None:
+    """YaRN keys as llama.cpp's converter writes them (Qwen2.5's long-context files): the
+    same logits, past the original context, as the safetensors source given that scaling
+    in config.json; an option specd does not compute is refused by name."""
+    path = with_metadata(tmp_path, YARN_KEYS)
+    folder = tmp_path / "stories-yarn"
+    shutil.copytree(SHARED_MODELS / "stories260k", folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0,
+                           "original_max_position_embeddings": 64}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(raw))
+    ours, _, ckpt = load(path, "fp32")
+    source, _, source_ckpt = load(folder, "fp32")
+    assert ckpt.config.rope == source_ckpt.config.rope and ckpt.config.rope.kind == "yarn"
+    tokens = torch.randint(3, 512, (100,), generator=torch.Generator().manual_seed(1))
+    want = source(tokens, torch.arange(100), source.new_cache(100))
+    torch.testing.assert_close(ours(tokens, torch.arange(100), ours.new_cache(100)), want)
+    plain, _, _ = load(GGUF / "stories260k-F32.gguf", "fp32")
+    unscaled = plain(tokens, torch.arange(100), plain.new_cache(100))
+    assert not torch.allclose(unscaled, want, atol=1e-3)  # the scaling shows
+    for key, value in (("yarn_log_multiplier", 0.1), ("yarn_ext_factor", 0.5)):
+        bad = with_metadata(tmp_path, {**YARN_KEYS, f"llama.rope.scaling.{key}": value})
+        with pytest.raises(Exception, match=key):
+            open_checkpoint(bad)
+    missing = {k: v for k, v in YARN_KEYS.items() if "original" not in k}
+    with pytest.raises(Exception, match="original_context_length"):
+        open_checkpoint(with_metadata(tmp_path, missing))
 
 
 def test_a_plan_that_streams_a_gguf_from_disk_is_refused(

@@ -15,6 +15,8 @@ import re
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
+
 from modeling.architecture import Architecture
 from modeling.checkpoints.gguf_file import CORRUPT_FILE, GGUFContents, TensorInfo, short_repr
 from modeling.checkpoints.gguf_model import GGUFError, our_name
@@ -40,11 +42,11 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
         raise UnsupportedModelError(
             f"{source}: architecture {short_repr(arch)} is not supported; specd runs GGUF files "
             f"of {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, "
-            "Qwen2/2.5, Qwen3, Gemma 3)"
+            "Qwen2/2.5, Qwen3, Gemma 3, Phi-3/Phi-4)"
         )
     module, model_type = found
 
-    keys = _Keys(meta, arch, source)
+    keys = _Keys(contents, arch)
     count, number = keys.count, keys.number
     heads, hidden = count("attention.head_count"), count("embedding_length")
     kv_heads = count("attention.head_count_kv", heads)
@@ -67,6 +69,13 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
         "blk.0.attn_v.weight": ((hidden, kv_heads * head_dim), f"{widths}, {kv}"),
         "blk.0.ffn_up.weight": ((hidden, intermediate), f"{widths}, {arch}.feed_forward_length"),
     }
+    if module.gguf_layer_names.get("ffn_up") == "mlp.gate_up_proj":  # stored fused (Phi-3)
+        qkv = (hidden, (heads + 2 * kv_heads) * head_dim)
+        expected["blk.0.attn_qkv.weight"] = (qkv, f"{widths}, {q}, {kv}")
+        expected["blk.0.ffn_up.weight"] = (
+            (hidden, 2 * intermediate),
+            f"{widths}, {arch}.feed_forward_length (gate and up)",
+        )
     for name, (shape, stated) in expected.items():
         if name in tensors and tensors[name].ne != shape:
             raise GGUFError(
@@ -100,8 +109,29 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
 class _Keys:
     """`{arch}.*` metadata values, checked as read (modeling/architecture.py's GGUFKeys)."""
 
-    def __init__(self, meta: dict[str, Any], arch: str, source: str) -> None:
-        self.meta, self.arch, self.source = meta, arch, source
+    def __init__(self, contents: GGUFContents, arch: str) -> None:
+        self.contents, self.arch = contents, arch
+        self.meta, self.source = contents.metadata, str(contents.path)
+
+    def has(self, name: str) -> bool:
+        return self.meta.get(f"{self.arch}.{name}") is not None
+
+    def floats(self, tensor: str, length: int) -> list[float] | None:
+        info = self.contents.tensors_by_name.get(tensor)
+        if info is None:
+            return None
+        if info.ggml_type != 0 or info.ne != (length,):
+            raise GGUFError(
+                f"{self.source}: tensor {tensor} is {list(info.ne)} of type {info.ggml_type}, "
+                f"not F32 [{length}]: {CORRUPT_FILE}"
+            )
+        values = self.contents.tensor_bytes(info).copy().view(np.float32).reshape(-1)
+        if not np.all(np.isfinite(values) & (values > 0)):
+            raise GGUFError(
+                f"{self.source}: tensor {tensor} holds a value that is not a finite number "
+                f"above 0: {CORRUPT_FILE}"
+            )
+        return values.tolist()
 
     def _value(self, name: str, default: Any) -> Any:
         value = self.meta.get(f"{self.arch}.{name}", default)
@@ -111,11 +141,11 @@ class _Keys:
             )
         return value
 
-    def count(self, name: str, default: int | None = None) -> int:
+    def count(self, name: str, default: int | None = None, minimum: int = 1) -> int:
         value = self._value(name, default)
-        if type(value) is not int or value < 1:
+        if type(value) is not int or value < minimum:
             raise _malformed(
-                self.source, f"{self.arch}.{name}", value, "a whole number of at least 1"
+                self.source, f"{self.arch}.{name}", value, f"a whole number of at least {minimum}"
             )
         return value
 
@@ -179,25 +209,58 @@ def _check_layers(tensors: dict[str, TensorInfo], layers: int, key: str, source:
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
-    """The file's RoPE scaling as config.json writes it: none, or linear (also the older
-    `rope.scale_linear`). Llama 3.1's own scaling is its `rope_freqs` tensor, not a key;
-    any other kind (YaRN in Qwen2.5's long-context files) is refused, as for config.json,
-    rather than run unscaled."""
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    factor_key = f"{arch}.rope.scaling.factor"
+    """The file's RoPE scaling as config.json writes it: none; linear (also the older
+    `rope.scale_linear`); YaRN (Qwen2.5's and Qwen3's long-context files, Ministral 3:
+    `rope.scaling.factor`, `.original_context_length`, and the betas and attention factor
+    when the converter wrote them); LongRoPE's kind, whose factors an architecture reads
+    (Phi-3: tensors). Llama 3.1's own scaling is its `rope_freqs` tensor, not a key. Any
+    other kind, or a YaRN option specd does not compute, is refused rather than run
+    unscaled."""
+    prefix = f"{arch}.rope.scaling."
+    kind = meta.get(f"{prefix}type")
+    factor_key = f"{prefix}factor"
     if meta.get(factor_key) is None:
         factor_key = f"{arch}.rope.scale_linear"
     factor = meta.get(factor_key)
     if kind in (None, "none") and meta.get(f"{arch}.rope.scale_linear") is None:
         return {}
-    if kind in (None, "linear") and factor is not None:
-        if type(factor) not in (int, float) or not 0 < factor < math.inf:
-            raise _malformed(source, factor_key, factor, "a finite number above 0")
+    if kind == "longrope":
+        return {"rope_scaling": {"rope_type": "longrope"}}
+    if kind not in (None, "linear", "yarn") or factor is None:
+        raise UnsupportedModelError(
+            f"{source}: RoPE scaling {short_repr(kind)} ({prefix}type) is not "
+            "supported; specd runs default, linear, YaRN, LongRoPE and Llama 3.1's RoPE"
+        )
+    if type(factor) not in (int, float) or not 0 < factor < math.inf:
+        raise _malformed(source, factor_key, factor, "a finite number above 0")
+    if kind != "yarn":
         return {"rope_scaling": {"rope_type": "linear", "factor": float(factor)}}
-    raise UnsupportedModelError(
-        f"{source}: RoPE scaling {short_repr(kind)} ({arch}.rope.scaling.type) is not "
-        "supported; specd runs default, linear and Llama 3.1's RoPE"
-    )
+    for name, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):
+        value = meta.get(f"{prefix}{name}")
+        if value is not None and value != neutral:
+            raise UnsupportedModelError(
+                f"{source}: {prefix}{name} {short_repr(value)} is not supported (specd's YaRN "
+                f"computes {name} {neutral})"
+            )
+    original = meta.get(f"{prefix}original_context_length")
+    if type(original) is not int or original < 1:
+        raise _malformed(
+            source, f"{prefix}original_context_length", original, "a whole number of at least 1"
+        )
+    scaling: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": original,
+    }
+    for name, ours in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                       ("yarn_attn_factor", "attention_factor")):  # fmt: skip
+        value = meta.get(f"{prefix}{name}")
+        if value is None:
+            continue
+        if type(value) not in (int, float) or not 0 < value < math.inf:
+            raise _malformed(source, f"{prefix}{name}", value, "a finite number above 0")
+        scaling[ours] = float(value)
+    return {"rope_scaling": scaling}
 
 
 def _float_dtype(tensors: dict[str, TensorInfo]) -> str:

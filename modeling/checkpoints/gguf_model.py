@@ -106,6 +106,8 @@ def load_gguf_model(
             factors = torch.from_numpy(contents.tensor_bytes(info).copy().view(np.float32))
             factors = factors.reshape(-1)  # (hd/2,)
             continue
+        if info.name in arch.gguf_config_tensors:
+            continue  # read into the config (modeling/checkpoints/gguf_config.py)
         name = our_name(info.name, arch)
         kind = info.ggml_type
         if name is None:

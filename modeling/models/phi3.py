@@ -13,15 +13,25 @@ LongRoPE (Phi-3.5, the 128k-context Phi-3s, Phi-4-mini): the short factors below
 picks by the pass's longest position, so its one-pass prefill of a prompt longer than the
 original context would use the long table for every row: speculation needs each position's
 rotation not to depend on the pass it rides in).
+
+From GGUF (`phi3`, llama.cpp's Phi3MiniModel, which also converts Phi-4): `attn_qkv` and
+the fused `ffn_up` (gate's rows, then up's) kept as stored; the rotary width as
+`rope.dimension_count`; LongRoPE's factors as the tensors `rope_factors_long` /
+`rope_factors_short` with `rope.scaling.original_context_length`; the window as
+`attention.sliding_window` (0 for Phi-4: none). llama.cpp switches Phi's window off
+("Phi SWA is currently disabled", and picks one LongRoPE table for the whole context) and
+transformers' GGUF loader reads neither; we run the file as the model's config.json runs,
+window and per-position tables included, so a GGUF and its safetensors source agree.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from torch import nn
 
-from modeling.architecture import Architecture, LayerActivations
+from modeling.architecture import Architecture, GGUFKeys, LayerActivations
 from modeling.config import (
     ModelConfig,
     UnsupportedModelError,
@@ -37,6 +47,18 @@ from modeling.weights.quant import parse_quantization
 class Phi3(Architecture):
     name: ClassVar[str] = "phi3"
     model_types: ClassVar[tuple[str, ...]] = ("phi3",)
+    gguf_architectures: ClassVar[Mapping[str, str]] = {"phi3": "phi3"}
+    gguf_layer_names: ClassVar[Mapping[str, str]] = {
+        "attn_norm": "input_layernorm",
+        "attn_qkv": "self_attn.qkv_proj",
+        "attn_output": "self_attn.o_proj",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_up": "mlp.gate_up_proj",
+        "ffn_down": "mlp.down_proj",
+    }
+    gguf_config_tensors: ClassVar[frozenset[str]] = frozenset(
+        {"rope_factors_long.weight", "rope_factors_short.weight"}
+    )
 
     def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
         act = raw.get("hidden_act", "silu")
@@ -83,6 +105,27 @@ class Phi3(Architecture):
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             quantization=parse_quantization(raw, source),
         )
+
+    def gguf_config(self, keys: GGUFKeys, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        hidden, heads = keys.count("embedding_length"), keys.count("attention.head_count")
+        head_dim = keys.count("attention.key_length", max(hidden // heads, 1))
+        rotary = keys.count("rope.dimension_count", head_dim)
+        raw: dict[str, Any] = {"partial_rotary_factor": rotary / head_dim}
+        window = keys.count("attention.sliding_window", 0, minimum=0)
+        raw["sliding_window"] = window or None
+        long = keys.floats("rope_factors_long.weight", rotary // 2)
+        short = keys.floats("rope_factors_short.weight", rotary // 2)
+        if (long is None) != (short is None):
+            raise UnsupportedModelError(
+                f"{keys.source}: the file has one of rope_factors_long and "
+                "rope_factors_short; LongRoPE needs both"
+            )
+        if long is not None and short is not None:
+            raw["rope_scaling"] = {"type": "longrope", "long_factor": long, "short_factor": short}
+            raw["original_max_position_embeddings"] = keys.count(
+                "rope.scaling.original_context_length"
+            )
+        return raw
 
     def block(self, cfg: ModelConfig, index: int) -> nn.Module:
         return DecoderLayer(cfg, index)  # Llama's block; the config keeps its tensors whole
