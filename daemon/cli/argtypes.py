@@ -11,6 +11,18 @@ from daemon.settings_checks import size_bytes
 # import torch; tests/test_cli_startup.py checks that the two agree.
 QUANTIZE_GROUP = 128
 
+# What --model and --draft accept, in every command that has them (they are opened by
+# modeling/checkpoints/checkpoint.py's `resolve`).
+MODEL_FORMS = (
+    "a Hugging Face model folder or hub id (ORG/NAME), a .gguf file, ollama:NAME[:TAG] or "
+    "lmstudio:PUBLISHER/REPO[/FILE]"
+)
+MODEL_HELP = f"the target: {MODEL_FORMS}"
+DRAFT_HELP = (
+    f"the draft: {MODEL_FORMS}; or 'ngram' (prompt lookup) or 'substitute' (the target's "
+    "own low-bit layers)"
+)
+
 # The temperatures specd accepts anywhere, the OpenAI API's range: the REST API refuses
 # others (daemon/http/openai_fields.py), and so do `specd generate` and `specd chat`.
 TEMPERATURE_RANGE = (0.0, 2.0)

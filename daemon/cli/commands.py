@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon.cli import chat, models, plan, pull, serve, service
-from daemon.cli.argtypes import count, count_or_auto, temperature, text
+from daemon.cli.argtypes import (
+    DRAFT_HELP,
+    MODEL_HELP,
+    count,
+    count_or_auto,
+    temperature,
+    text,
+)
 from daemon.cli.pull import PullError
 from daemon.options import RuntimeOptions
 from daemon.service import ServiceError
@@ -90,7 +97,7 @@ def _prompt_ids(text: str) -> list[int]:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="target: a Hugging Face model folder or hub id")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument(
         "--dtype",
         choices=DTYPE_CHOICES,
@@ -165,12 +172,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--draft",
-        default=None,
-        help="draft model folder / hub id, 'ngram' (prompt lookup) or 'substitute' (the "
-        "target's own low-bit layers)",
-    )
+    p.add_argument("--draft", default=None, help=DRAFT_HELP)
     p.add_argument(
         "--strategy",
         choices=STRATEGY_CHOICES,

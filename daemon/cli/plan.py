@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon.cli.argtypes import (
+    DRAFT_HELP,
+    MODEL_HELP,
     QUANTIZE_GROUP,
     count_or_auto,
     size_or_off,
@@ -149,8 +151,8 @@ def apply_offload_args(options: RuntimeOptions, args: argparse.Namespace) -> Run
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("plan", help="show where the models' memory goes (nothing is loaded)")
     p.add_argument("--config", type=Path, default=None, help="a specd YAML config file")
-    p.add_argument("--model", default=None, help="target folder (config.json is enough) or hub id")
-    p.add_argument("--draft", default=None, help="draft folder / hub id, 'ngram' or 'substitute'")
+    p.add_argument("--model", default=None, help=f"{MODEL_HELP} (a folder needs only config.json)")
+    p.add_argument("--draft", default=None, help=DRAFT_HELP)
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default auto")
     add_quantize_args(p, default=None)
     p.add_argument("--device", choices=DEVICE_CHOICES, default=None)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from daemon.cli.argtypes import count_or_auto
+from daemon.cli.argtypes import DRAFT_HELP, MODEL_HELP, count_or_auto
 from daemon.cli.plan import (
     add_context_arg,
     add_offload_args,
@@ -70,10 +70,8 @@ def add_address_args(p: argparse.ArgumentParser) -> None:
 def add_settings_args(p: argparse.ArgumentParser) -> None:
     """Flags that override the configuration (see config/specd.yaml for each key)."""
     add_address_args(p)
-    p.add_argument("--model", default=None, help="target model folder or hub id")
-    p.add_argument(
-        "--draft", default=None, help="draft model folder / hub id, 'ngram' or 'substitute'"
-    )
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--draft", default=None, help=DRAFT_HELP)
     p.add_argument("--name", default=None, help="model id served at /v1/models")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None, help="default auto")
     add_quantize_args(p, default=None)

@@ -236,7 +236,7 @@ def _prepare(
     config = app[CONFIG]
     body = parse_json_object(raw)
     req = parse_chat(body, config.limits) if chat else parse_completion(body, config.limits)
-    if req.model is not None and req.model != config.model_name:
+    if req.model is not None and not config.serves(req.model):
         raise ApiError(
             404,
             f"model {req.model!r} is not served here; this daemon serves {config.model_name!r}",

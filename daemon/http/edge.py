@@ -31,7 +31,7 @@ log = logging.getLogger("specd.api")
 
 @dataclass
 class ApiConfig:
-    model_name: str
+    model_name: str  # the id listed and echoed
     limits: WireLimits
     max_body_bytes: int
     keepalive_seconds: float = 5.0
@@ -43,6 +43,9 @@ class ApiConfig:
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     allowed_hosts: tuple[str, ...] = ()
+    # The other names a request's `model` may give (Settings.served_model_names): a GGUF
+    # file's path, an Ollama model's own name…
+    model_names: frozenset[str] = frozenset()
     # Paths served without the API key: /health, and the web chat's static files (the page
     # must load before it can ask for the key; the API it calls still needs it).
     public_paths: frozenset[str] = frozenset({"/health"})
@@ -51,6 +54,10 @@ class ApiConfig:
 
     def __post_init__(self) -> None:
         self.host_names = allowed_host_names(self.allowed_hosts)
+
+    def serves(self, model: str) -> bool:
+        """Whether a request's `model` names the model served here."""
+        return model == self.model_name or model in self.model_names
 
 
 ENGINE = web.AppKey("engine", Engine)

@@ -45,6 +45,7 @@ def read_api_key(path: str | None) -> str | None:
 def api_config(settings: Settings) -> ApiConfig:
     return ApiConfig(
         model_name=settings.served_model_name,
+        model_names=settings.served_model_names,
         limits=WireLimits(
             default_max_tokens=settings.limits.default_max_tokens,
             max_tokens=settings.limits.max_tokens,

@@ -83,6 +83,13 @@ def resolve(ref: str | os.PathLike[str], config_only: bool = False) -> Path:
             )
         return path
     text = str(ref)
+    if path.suffix.lower() == ".gguf":  # a file meant, never a hub id: say what is wrong
+        if not path.exists():
+            raise ModelNotFoundError(
+                f"model file {path} does not exist: check the path (`specd models` lists "
+                "the models on this machine)"
+            )
+        raise ModelNotFoundError(f"model file {path} is not a regular file")
     if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
         raise ModelNotFoundError(
             f"model {text!r} not found: give a Hugging Face model folder or a hub id like 'org/name'"
@@ -181,7 +188,11 @@ def dtype_candidates(
     doubles memory and transfers for no gain in what the checkpoint can express. On a CPU,
     where bf16 matmuls are slow and fp32 is what the reference computes, fp32 comes first
     and the checkpoint's dtype second, for when the model does not fit in RAM in fp32 (the
-    caller decides that). A config without a known dtype is taken as fp32."""
+    caller decides that). A config without a known dtype is taken as fp32.
+
+    A quantized GGUF file has no dtype of its own (its config's bf16 is what its blocks are
+    decoded to on CUDA), so the reasons name the tensor types it stores instead; a float
+    GGUF's dtype is its tensors', as a folder's is config.json's."""
     if requested != "auto":
         if requested not in DTYPES:
             raise ValueError(f"dtype {requested!r} is not one of {', '.join(DTYPE_CHOICES)}")
@@ -189,14 +200,17 @@ def dtype_candidates(
     stored = dtype_key(config.torch_dtype)
     if stored is None:
         return [("fp32", "auto: config.json names no dtype fp32, bf16 or fp16, so fp32")]
-    own = f"auto: the checkpoint's dtype (config.json: {config.torch_dtype})"
+    own = f"auto: the checkpoint's dtype ({config.torch_dtype})"
+    stored_as = f"the checkpoint is {stored}"
+    packed = config.quantization
+    if packed is not None and packed.method == "gguf":
+        kinds = ", ".join(kind for kind, _ in packed.type_bytes) or packed.file_type
+        stored_as = f"the GGUF file's layers are {kinds}"
+        own = f"auto: {stored} for the GGUF file's {kinds} layers"
     if device_type != "cpu" or stored == "fp32":
         return [(stored, f"{own} on {device_type.upper()}")]
     return [
-        (
-            "fp32",
-            f"auto: fp32 on the CPU, where the model fits in fp32 (the checkpoint is {stored})",
-        ),
+        ("fp32", f"auto: fp32 on the CPU, where the model fits in fp32 ({stored_as})"),
         (stored, f"{own}: in fp32 the model does not fit in the CPU's RAM budget"),
     ]
 
