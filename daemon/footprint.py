@@ -14,9 +14,15 @@ from torch import nn
 
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
+from modeling.kv_cache import WINDOW_ROOM
 from modeling.layers.attention import ATTENTION_CHUNK_BYTES, attention_row_bytes
 from modeling.layers.norms import norm_bytes
-from modeling.models import architecture, kv_bytes_per_token, layer_activations
+from modeling.models import (
+    architecture,
+    kv_bytes_per_token,
+    layer_activations,
+    window_kv_bytes_per_token,
+)
 from modeling.weights.packed import PackedLinear
 from offload.activations import ActivationFootprint
 from offload.layout import FlatLayout
@@ -50,6 +56,7 @@ def footprint(
         with torch.device("meta"):
             dense = Transformer(replace(config, quantization=None)).to(dtype)
         dense_layer = FlatLayout.of(cast(nn.ModuleList, dense.layers)[0]).nbytes
+    ring, window = window_kv_bytes_per_token(config, dtype)
     return ModelFootprint(
         name=name,
         dtype=str(dtype).removeprefix("torch."),
@@ -57,6 +64,9 @@ def footprint(
         layer_bytes=layer,
         num_layers=config.num_layers,
         kv_bytes_per_token=kv_bytes_per_token(config, dtype),
+        window_kv_bytes_per_slot=ring,
+        window=window,
+        window_room=WINDOW_ROOM,
         activations=activation_footprint(
             config, dtype, vocab_width, gemm_copies_output(dtype, device_type)
         ),

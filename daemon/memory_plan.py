@@ -130,7 +130,13 @@ def choose_plan(
         )
         if draft_fp is not None and draft_shares_target:
             layers = draft_fp.num_layers if substitute_layers is None else substitute_layers
-            draft_fp = replace(draft_fp, resident_bytes=0, kv_bytes_per_token=0, num_layers=layers)
+            draft_fp = replace(
+                draft_fp,
+                resident_bytes=0,
+                kv_bytes_per_token=0,
+                window_kv_bytes_per_slot=0,
+                num_layers=layers,
+            )
 
         def attempt(
             nodes: int | str,

@@ -146,6 +146,7 @@ class Runtime:
         self.max_pass_tokens: int = self.plan.request.pass_tokens
         self.max_pass_rows: int = self.plan.request.logit_rows
         self.target: Transformer = target
+        target.max_pass_tokens = self.max_pass_tokens  # its caches' window rings hold it
         self.tokenizer: Tokenizer = tokenizer
         # One cache of verified target logits for every tree strategy built here (keys are
         # token sequences, whatever the budget). Rows live in host RAM, pinned for a GPU.
@@ -178,6 +179,7 @@ class Runtime:
                 tokenizer, ckpt.config.vocab_size, draft_ckpt.config.vocab_size, options.draft
             )
             draft.set_vocab_width(target.vocab_width)  # no-op when the sizes are equal
+            draft.max_pass_tokens = self.max_pass_tokens
             self.draft, self.draft_kind = draft, "model"
             self.draft_checkpoint = draft_ckpt
 

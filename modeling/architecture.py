@@ -38,8 +38,9 @@ _GGUF_OUTER = re.compile(r"(\w+)\.weight")
 class LayerKV:
     """One layer's share of the KV cache: `kv_heads` heads of `head_dim` for keys and as
     many for values, per position it holds; `window`: a sliding window layer's, in
-    positions (None: full attention). Every layer's cache holds the whole context today
-    (a window layer masks what it does not see), so the plan counts every position."""
+    positions (None: full attention). A window layer's cache is a ring of a fixed size
+    (modeling/kv_cache.py's `window_ring_size`), which the plan counts for it instead of
+    the context."""
 
     kv_heads: int
     head_dim: int

@@ -63,6 +63,9 @@ class Transformer(nn.Module):
         arch = architecture(cfg)
         # Some layer attends through a window: caches keep their slots' positions.
         self.windowed = windowed(cfg)
+        # The largest pass the caller plans (a window layer's ring is sized for it, see
+        # modeling/kv_cache.py; 0: the ring's default room)
+        self.max_pass_tokens = 0
         self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers: nn.ModuleList | LayerSequence = nn.ModuleList(
             arch.block(cfg, i) for i in range(cfg.num_layers)
@@ -165,8 +168,9 @@ class Transformer(nn.Module):
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(
-            self.config, capacity, dtype=self.dtype, device=self.device, positions=self.windowed
-        )
+            self.config, capacity, dtype=self.dtype, device=self.device,
+            positions=self.windowed, pass_tokens=self.max_pass_tokens,
+        )  # fmt: skip
 
     def _rope_configs(self) -> list[tuple[str, RopeConfig, bool]]:
         """The RoPE tables: buffer name, config, whether it is LongRoPE's long table.

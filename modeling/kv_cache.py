@@ -8,6 +8,16 @@ compacts the accepted path back into a plain contiguous prefix.
 A model with window layers (`positions=True`) also keeps each slot's position
 (`positions`), which its window masks are made from (modeling/layers/attention.py); the
 model writes them as it reserves the slots (`write_positions`).
+
+Window layers keep only what a window can see. Their entries live apart from the
+full-attention layers' (`ring`), in a ring of `window_ring_size` slots: slot s sits at
+index s mod A once the sequence outgrows it, so a 32k context costs Gemma 3's local
+layers (window 1,024) 5,120 slots, not 32,768. The ring holds the window behind the
+committed prefix and twice the largest pass ahead of it (`pass_tokens`, at least
+`WINDOW_ROOM`): a pass's new entries never overwrite one its queries see, and
+speculation appended in the cache (drafts, trees) can be rolled back (`truncate`). A
+rollback past what the ring still holds is refused, never served with keys missing. Which
+slot sits at each index is arithmetic (`ring_slots`): the latest one written there.
 """
 
 from __future__ import annotations
@@ -22,6 +32,19 @@ class CacheFullError(RuntimeError):
 
 
 INITIAL_SLOTS = 512  # slots allocated up front; more are allocated (doubling) as needed
+# The largest pass a window layer's ring is sized for unless told more: a prefill chunk
+# (2,048 tokens), and a tree of up to 2,047 nodes.
+WINDOW_ROOM = 2048
+
+
+def window_ring_size(window: int, capacity: int, pass_tokens: int = 0) -> int:
+    """Slots a window layer's ring holds for passes of up to `pass_tokens` tokens (at
+    least `WINDOW_ROOM`): the window, and twice the pass ahead of it, or the window again
+    if that is more; never more than the context. Twice the pass is what speculation may
+    append before it rolls back: a draft tree of up to a pass's nodes, fed into a shared
+    cache after the accepted path's tokens (at most the tree's depth more); the window
+    again amortises the shift to one entry copied per new token."""
+    return min(capacity, window + max(window, 2 * max(WINDOW_ROOM, pass_tokens)))
 
 
 class KVCache:
@@ -37,20 +60,81 @@ class KVCache:
         device: torch.device | str = "cpu",
         initial: int = INITIAL_SLOTS,
         positions: bool = False,
+        pass_tokens: int = 0,
     ) -> None:
         """`capacity` is the most entries the cache may ever hold (the context length);
         memory for them is allocated as the sequence grows, `initial` slots at first and
         then doubling, so a 128k-token context costs nothing until it is used."""
         self.capacity = capacity
+        self.pass_tokens = pass_tokens  # the largest pass the ring is sized for (0: the room)
         self.length = 0  # slots [0, length) hold valid entries
+        windows = [config.layer_window(i) for i in range(config.num_layers)]
+        # layer -> (in the ring, its index in that store)
+        full = [i for i, w in enumerate(windows) if w is None]
+        windowed = [i for i, w in enumerate(windows) if w is not None]
+        self.where = {i: (False, j) for j, i in enumerate(full)}
+        self.where |= {i: (True, j) for j, i in enumerate(windowed)}
+        self.window = max((w for w in windows if w is not None), default=0)
         slots = min(capacity, max(initial, 1))
-        shape = (config.num_layers, config.num_kv_heads, slots, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (layers, kv_heads, slots, hd)
+        heads, hd = config.num_kv_heads, config.head_dim
+        shape = (len(full), heads, slots, hd)
+        self.k = torch.zeros(
+            shape, dtype=dtype, device=device
+        )  # (full layers, kv_heads, slots, hd)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # (window layers, kv_heads, A, hd); None when no layer has a window
+        self.ring_k: torch.Tensor | None = None
+        self.ring_v: torch.Tensor | None = None
+        self.written = -1  # the highest slot written to the ring
+        if windowed:
+            ring = (len(windowed), heads, min(slots, self.ring_target(1)), hd)
+            self.ring_k = torch.zeros(ring, dtype=dtype, device=device)
+            self.ring_v = torch.zeros(ring, dtype=dtype, device=device)
         # (slots,) each slot's position, for window layers; None when no layer has a window
         self.positions: torch.Tensor | None = (
             torch.zeros(slots, dtype=torch.long, device=device) if positions else None
         )
+
+    def ring_target(self, n: int) -> int:
+        return window_ring_size(self.window, self.capacity, max(n, self.pass_tokens))
+
+    @property
+    def ring_size(self) -> int:
+        return 0 if self.ring_k is None else self.ring_k.shape[2]
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether some slot sits at an index other than its own (slot >= ring size)."""
+        return self.written >= self.ring_size > 0
+
+    def ring_slots(self) -> torch.Tensor:
+        """(A,) the slot each ring index holds once wrapped: the latest written there."""
+        a = self.ring_size
+        index = torch.arange(a, device=self.positions_device)
+        return self.written - torch.remainder(self.written - index, a)
+
+    @property
+    def positions_device(self) -> torch.device:
+        return self.k.device
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Layer `layer`'s key and value storage (kv_heads, slots or A, hd), and whether it
+        is a ring."""
+        ring, index = self.where[layer]
+        if ring:
+            assert self.ring_k is not None and self.ring_v is not None
+            return self.ring_k[index], self.ring_v[index], True
+        return self.k[index], self.v[index], False
+
+    def clone(self) -> KVCache:
+        """An independent copy: the same entries, lengths and ring."""
+        copy = KVCache.__new__(KVCache)
+        copy.__dict__.update(self.__dict__)
+        for name in ("k", "v", "ring_k", "ring_v", "positions"):
+            value = getattr(self, name)
+            setattr(copy, name, None if value is None else value.clone())
+        copy.where = dict(self.where)
+        return copy
 
     @property
     def free(self) -> int:
@@ -64,7 +148,24 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         kept = 0 if self.positions is None else self.positions.numel() * 8
-        return 2 * self.k.numel() * self.k.element_size() + kept
+        ring = 0 if self.ring_k is None else 2 * self.ring_k.numel() * self.ring_k.element_size()
+        return 2 * self.k.numel() * self.k.element_size() + kept + ring
+
+    @torch.inference_mode(False)
+    def _resize_ring(self, size: int) -> None:
+        """A ring of `size` indices holding every slot the old one still holds below
+        `length` (at slot mod size)."""
+        assert self.ring_k is not None and self.ring_v is not None
+        old_k, old_v, old = self.ring_k, self.ring_v, self.ring_size
+        shape = (*old_k.shape[:2], size, old_k.shape[3])
+        self.ring_k = torch.zeros(shape, dtype=old_k.dtype, device=old_k.device)
+        self.ring_v = torch.zeros(shape, dtype=old_v.dtype, device=old_v.device)
+        first = max(0, self.written - old + 1)  # the oldest slot still held
+        held = torch.arange(first, self.length, device=old_k.device)
+        if held.numel():
+            self.ring_k[:, :, held % size] = old_k[:, :, held % old]
+            self.ring_v[:, :, held % size] = old_v[:, :, held % old]
+        self.written = self.length - 1
 
     @torch.inference_mode(False)
     def _grow(self, needed: int) -> None:
@@ -90,8 +191,17 @@ class KVCache:
             raise CacheFullError(
                 f"KV cache full: {self.length} + {n} entries exceed the capacity of {self.capacity}"
             )
-        if self.length + n > self.allocated:
-            self._grow(self.length + n)
+        end = self.length + n
+        if end > self.allocated:
+            self._grow(end)
+        if self.ring_k is not None:
+            target = max(self.ring_size, self.ring_target(n))
+            if end > self.ring_size and self.ring_size < target:
+                # Before it wraps the ring grows as the cache does (doubling); once it must
+                # wrap, to its full size.
+                size = target if self.wrapped else min(target, max(end, 2 * self.ring_size))
+                self._resize_ring(size)
+            self.written = max(self.written, end - 1)
         return self.length
 
     def write_positions(self, start: int, positions: torch.Tensor) -> None:
@@ -104,10 +214,23 @@ class KVCache:
         self.length += n
 
     def truncate(self, n: int) -> None:
-        """Roll back to the first `n` entries."""
+        """Roll back to the first `n` entries; a ValueError if a window layer's ring no
+        longer holds the window behind slot `n` (speculation went past its room)."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
+        if not self.can_truncate(n):
+            raise ValueError(
+                f"cannot truncate to {n}: the window layers' ring of {self.ring_size} slots "
+                f"holds slots from {self.written - self.ring_size + 1} on, and position {n} "
+                f"sees back to {n - self.window + 1}"
+            )
         self.length = n
+        if n == 0:
+            self.written = -1  # an empty ring: the next entries start at their own index
+
+    def can_truncate(self, n: int) -> bool:
+        """Whether rolling back to `n` entries keeps every key a window layer at `n` sees."""
+        return n == 0 or not self.wrapped or self.written - self.ring_size < n - self.window + 1
 
     def keep(self, indices: torch.Tensor | list[int], start: int = 0) -> None:
         """Keep only the entries at `indices` (ascending slots), compacted into slots
@@ -125,6 +248,11 @@ class KVCache:
         # Gather first, then write: source and destination ranges may overlap.
         self.k[:, :, start : start + n] = self.k[:, :, idx]
         self.v[:, :, start : start + n] = self.v[:, :, idx]
+        if self.ring_k is not None and self.ring_v is not None:
+            a = self.ring_size
+            into = torch.arange(start, start + n, device=idx.device) % a
+            self.ring_k[:, :, into] = self.ring_k[:, :, idx % a]
+            self.ring_v[:, :, into] = self.ring_v[:, :, idx % a]
         if self.positions is not None:
             self.positions[start : start + n] = self.positions[idx]
         self.length = start + n

@@ -35,9 +35,9 @@ def fixed_parts(r: PlanRequest, device: str) -> dict[str, int]:
     if d is not None:
         parts["draft weights"] = d.weight_bytes
     parts["target embeddings, norm, head"] = t.resident_bytes
-    parts[f"target KV cache ({r.context} tokens)"] = t.kv_bytes(r.context)
+    parts[f"target KV cache ({r.context} tokens)"] = t.kv_bytes(r.context, r.pass_tokens)
     if d is not None and d.kv_bytes_per_token:  # (a substitute draft shares the target's)
-        parts[f"draft KV cache ({r.context} tokens)"] = d.kv_bytes(r.context)
+        parts[f"draft KV cache ({r.context} tokens)"] = d.kv_bytes(r.context, r.pass_tokens)
     act = t.activation_bytes(r.pass_tokens, r.logit_rows, r.context)
     if d is not None:
         act = max(act, d.activation_bytes(r.pass_tokens, r.logit_rows, r.context))

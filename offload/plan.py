@@ -34,7 +34,7 @@ class ModelFootprint:
     resident_bytes: int  # everything but the decoder layers: embeddings, final norm, head
     layer_bytes: int  # one decoder layer (all layers share one shape)
     num_layers: int
-    kv_bytes_per_token: int  # K and V of every layer for one cached token
+    kv_bytes_per_token: int  # K and V of the full-attention layers for one cached token
     activations: ActivationFootprint  # what a pass allocates, by its shape
     # Packed weights (modeling/weights/packed.py): the format, one layer's bytes if it were
     # dequantized, and the most a projection's rebuild holds at once (the plan reserves it:
@@ -42,13 +42,24 @@ class ModelFootprint:
     quantization: str = ""
     dense_layer_bytes: int = 0
     dequant_bytes: int = 0
+    # Window layers (modeling/kv_cache.py): K and V per slot of their ring, its window,
+    # and the room it keeps ahead of the window (kv_cache.WINDOW_ROOM)
+    window_kv_bytes_per_slot: int = 0
+    window: int = 0
+    window_room: int = 0
 
     @property
     def weight_bytes(self) -> int:
         return self.resident_bytes + self.num_layers * self.layer_bytes
 
-    def kv_bytes(self, context: int) -> int:
-        return self.kv_bytes_per_token * context
+    def kv_bytes(self, context: int, pass_tokens: int = 0) -> int:
+        """A full KV cache of `context` tokens for passes of up to `pass_tokens`."""
+        ring = self.window_kv_bytes_per_slot
+        # the ring's size as modeling/kv_cache.py's window_ring_size makes it (this package
+        # imports no model code; tests/test_window_ring.py checks that the two agree)
+        ahead = 2 * max(self.window_room, pass_tokens)
+        slots = min(context, self.window + max(self.window, ahead))
+        return self.kv_bytes_per_token * context + (ring * slots if ring else 0)
 
     def activation_bytes(self, tokens: int, logit_rows: int, context: int) -> int:
         """Peak of a pass of `tokens` tokens returning `logit_rows` logit rows, attending

@@ -122,7 +122,9 @@ def _sequences_note(r: PlanRequest, budget: MemoryBudget, planned: int) -> list[
     device; the plan itself holds one (caches are allocated as sequences grow)."""
     if r.sequences <= 1:
         return []
-    per_sequence = r.target.kv_bytes(r.context) + (r.draft.kv_bytes(r.context) if r.draft else 0)
+    per_sequence = r.target.kv_bytes(r.context, r.pass_tokens) + (
+        r.draft.kv_bytes(r.context, r.pass_tokens) if r.draft else 0
+    )
     worst = planned + (r.sequences - 1) * per_sequence
     if worst <= budget.device_bytes:
         return []

@@ -26,14 +26,20 @@ class Session:
         least the last prompt token unfed (it is the first round's root). Returns how many
         prompt tokens the target cache still holds."""
         limit = max(len(prompt_ids) - 1, 0)
-        kept = common_prefix_len(self.target_tokens, prompt_ids, limit)
-        self.target_cache.truncate(kept)
+        kept = _rewind(self.target_cache, common_prefix_len(self.target_tokens, prompt_ids, limit))
         del self.target_tokens[kept:]
         if self.draft_cache is not None:
-            d = common_prefix_len(self.draft_tokens, prompt_ids, limit)
-            self.draft_cache.truncate(d)
+            d = _rewind(self.draft_cache, common_prefix_len(self.draft_tokens, prompt_ids, limit))
             del self.draft_tokens[d:]
         return kept
+
+
+def _rewind(cache: KVCache, n: int) -> int:
+    """Truncate to `n` entries, or to none where a window layer's ring no longer holds the
+    window behind `n` (a conversation that went back far past its window: prefilled anew)."""
+    n = n if cache.can_truncate(n) else 0
+    cache.truncate(n)
+    return n
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:

@@ -23,8 +23,9 @@ RUNS = [
     (None, "autoregressive", STREAMED),  # a slot takes on each layer's own options
     ("ngram", "tree", {}),
     ("substitute", "tree", {**STREAMED, "substitute_bits": 4}),
+    ("substitute", "linear", {**STREAMED, "substitute_bits": 4}),
 ]
-RUN_IDS = ["streamed", "ngram", "substitute"]
+RUN_IDS = ["streamed", "ngram", "substitute", "substitute-linear"]
 
 
 def speculation_runtime(

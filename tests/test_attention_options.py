@@ -137,7 +137,9 @@ def test_cache_positions_survive_growth_and_keep() -> None:
     cache.keep([4, 6], start=3)  # the accepted path: slots 4 and 6
     assert cache.length == 5
     assert cache.positions[:5].tolist() == [0, 1, 2, 3, 4]
-    assert cache.nbytes == 2 * cache.k.numel() * 4 + cache.allocated * 8
+    assert cache.ring_k is not None  # every layer slides: their entries are the ring's
+    kv = cache.k.numel() + cache.ring_k.numel()
+    assert cache.nbytes == 2 * kv * 4 + cache.allocated * 8
 
 
 def test_a_cache_without_windows_keeps_no_positions() -> None:

@@ -57,7 +57,9 @@ class SequenceSlots:
     def mask_for(self, window: int | None) -> torch.Tensor | None:
         """The mask of a layer with this sliding window (None: `mask`), made once per pass
         and window: `mask` and, for each new token, the slots whose position is less than
-        `window` before its own."""
+        `window` before its own; over the ring's indices once the window layers' ring has
+        wrapped (`KVCache` module docstring), where each index holds the slot
+        `ring_slots` names and a slot past the pass's is an entry rolled back."""
         if window is None:
             return self.mask
         made = self._windows.get(window)
@@ -65,11 +67,18 @@ class SequenceSlots:
             if self.positions is None or self.cache.positions is None:
                 raise ValueError("a window layer needs the positions of the cache's slots")
             end = self.start + self.count
-            keys = self.cache.positions[:end]  # (S,)
-            queries = self.positions.to(keys.device)  # (count,)
-            made = keys[None, :] > queries[:, None] - window  # (count, S)
-            if self.mask is not None:
-                made &= self.mask
+            queries = self.positions.to(self.cache.positions.device)  # (count,)
+            if self.cache.wrapped:
+                slots = self.cache.ring_slots()  # (A,)
+                keys = self.cache.positions[slots]
+                made = (keys[None, :] > queries[:, None] - window) & (slots < end)[None, :]
+                if self.mask is not None:
+                    made &= self.mask[:, slots.clamp(max=end - 1)]
+            else:
+                keys = self.cache.positions[:end]  # (S,)
+                made = keys[None, :] > queries[:, None] - window  # (count, S)
+                if self.mask is not None:
+                    made &= self.mask
             self._windows[window] = made
         return made
 
@@ -77,9 +86,15 @@ class SequenceSlots:
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys/values (Hkv, count, hd) to their slots; return the keys and
-        values they attend to: slots [0, start + count) (views of the cache)."""
-        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # (Hkv, slots, hd)
+        values they attend to: slots [0, start + count), or a wrapped ring's every index
+        (views of the cache)."""
+        k_cache, v_cache, ring = self.cache.layer_kv(layer)  # (Hkv, slots, hd)
         end = self.start + self.count
+        if ring and self.cache.wrapped:
+            index = torch.arange(self.start, end, device=k_cache.device) % k_cache.shape[1]
+            k_cache.index_copy_(1, index, k)
+            v_cache.index_copy_(1, index, v)
+            return k_cache, v_cache
         k_cache[:, self.start : end] = k
         v_cache[:, self.start : end] = v
         return k_cache[:, :end], v_cache[:, :end]

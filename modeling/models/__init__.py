@@ -15,6 +15,7 @@ import torch
 
 from modeling.architecture import Architecture, LayerActivations
 from modeling.config import ModelConfig, UnsupportedModelError
+from modeling.kv_cache import window_ring_size
 from modeling.models.gemma3 import GEMMA3
 from modeling.models.llama import LLAMA
 from modeling.models.phi3 import PHI3
@@ -79,12 +80,31 @@ def windowed(config: ModelConfig) -> bool:
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes the KV cache holds per token, over every layer, and the slot's position when
-    a layer has a window (`KVCache.positions`, int64)."""
+    """Bytes the KV cache holds per token of the context: the full-attention layers', and
+    the slot's position when a layer has a window (`KVCache.positions`, int64). Window
+    layers hold a ring of a fixed size instead (`window_kv_bytes_per_token`)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     layout = architecture(config).kv_layout(config)
     kept = 8 if any(layer.window is not None for layer in layout) else 0
-    return sum(layer.bytes_per_token(itemsize) for layer in layout) + kept
+    full = sum(layer.bytes_per_token(itemsize) for layer in layout if layer.window is None)
+    return full + kept
+
+
+def window_kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes per ring slot over every window layer, the ring's window: the largest)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    layout = architecture(config).kv_layout(config)
+    windowed = [layer for layer in layout if layer.window is not None]
+    window = max((layer.window or 0 for layer in windowed), default=0)
+    return sum(layer.bytes_per_token(itemsize) for layer in windowed), window
+
+
+def kv_bytes(config: ModelConfig, dtype: torch.dtype, context: int, pass_tokens: int = 0) -> int:
+    """Bytes of a full KV cache of `context` tokens for passes of up to `pass_tokens`
+    (modeling/kv_cache.py: window layers keep a ring of `window_ring_size` slots)."""
+    ring, window = window_kv_bytes_per_token(config, dtype)
+    rings = ring * window_ring_size(window, context, pass_tokens) if ring else 0
+    return kv_bytes_per_token(config, dtype) * context + rings
 
 
 def layer_activations(config: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
