@@ -175,7 +175,9 @@ def start(
     `listen` (host, port) is checked first, so a taken port is one line, not a failed start."""
     record = DaemonRecord.read(paths)
     if record is not None and alive(record):
-        raise ServiceError(f"specd is already running (pid {record.pid}, {record.url})")
+        raise ServiceError(
+            f"specd is already running (pid {record.pid}) at {record.url}; `specd stop` stops it"
+        )
     if listen is not None:
         check_listen(*listen)
     paths.log_dir.mkdir(parents=True, exist_ok=True)

@@ -374,11 +374,26 @@ def user_config_file() -> Path:
     return Path(platformdirs.user_config_dir("specd")) / "specd.yaml"
 
 
+# Hosts that bind every interface of the machine (IPv4, IPv6, and the empty name).
+ALL_INTERFACES = ("0.0.0.0", "::", "")
+
+
 def daemon_url(host: str, port: int | None) -> str:
     """The base URL a client uses to reach a daemon bound to `host`: an address that listens
     everywhere is reached through loopback, and IPv6 literals are bracketed."""
-    if host in ("0.0.0.0", "::", ""):
+    if host in ALL_INTERFACES:
         host = "127.0.0.1"
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"http://{host}:{port}"
+
+
+def listening_on(host: str, port: int | None) -> str:
+    """Where a daemon bound to `host` listens, as told to its user: an address that listens
+    everywhere is no URL to open, so it is named as such, with the loopback URL that opens
+    it on this machine (other machines use this machine's name or address)."""
+    url = daemon_url(host, port)
+    if host not in ALL_INTERFACES:
+        return f"listening on {url}"
+    where = f"[{host}]:{port}" if ":" in host else f"{host or '*'}:{port}"
+    return f"listening on {where} (all interfaces); open {url}"

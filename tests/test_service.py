@@ -231,3 +231,21 @@ def test_start_refuses_only_for_the_recorded_process(
     with pytest.raises(service.ServiceError, match=r"exited during start-up \(status 3"):
         service.start(paths, [], "http://127.0.0.1:9", 5.0)
     assert stranger.poll() is None
+
+
+def test_stop_takes_the_address_status_takes(
+    dirs: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`specd stop --port` names which daemon: the background one if it listens there;
+    one elsewhere is left running, saying where it is."""
+    paths = service.default_paths()
+    service.DaemonRecord(4321, "http://127.0.0.1:9").write(paths)
+    stopped: list[Path] = []
+    monkeypatch.setattr(service, "alive", lambda record: True)
+    monkeypatch.setattr(service, "stop", lambda p, wait: stopped.append(p.pid_file) or 4321)
+    assert main(["stop", "--port", "10"]) == 1
+    assert "listens at http://127.0.0.1:9, not http://127.0.0.1:10" in capsys.readouterr().err
+    assert stopped == []
+    assert main(["stop", "--port", "9"]) == 0
+    assert "specd (pid 4321) stopped" in capsys.readouterr().out
+    assert stopped == [paths.pid_file]

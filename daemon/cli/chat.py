@@ -153,11 +153,20 @@ def _end_call(screen: Screen, calls: list[ToolCall]) -> None:
 
 
 def stats_line(stats: dict[str, Any]) -> str:
+    """The answer's speed, from the daemon's `specd` figures. An answer for which no target
+    pass ran (every token replayed from the prefix cache, or forced by the response
+    format) has no speed to speak of: its tokens/s would be the cost of a table look-up."""
+    hits = stats.get("prefix_cache_hits") or 0
+    if stats.get("target_passes") == 0:
+        if hits:
+            return f"[replayed from the prefix cache: {hits} tokens, no target pass]"
+        return "[no target pass ran for this answer]"
     tps = stats.get("tokens_per_second")
     per_pass = stats.get("tokens_per_target_pass")
     shown_tps = "-" if tps is None else f"{tps:.1f}"
     shown_pass = "-" if per_pass is None else f"{per_pass:.2f}"
-    return f"[{shown_tps} tokens/s, {shown_pass} tokens per target pass]"
+    replayed = f", {hits} tokens from the prefix cache" if hits else ""
+    return f"[{shown_tps} tokens/s, {shown_pass} tokens per target pass{replayed}]"
 
 
 def _default_url(args: argparse.Namespace) -> str:

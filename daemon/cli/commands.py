@@ -77,6 +77,25 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     return (*USER_ERRORS, *loaded)
 
 
+class Subcommands(argparse._SubParsersAction):
+    """argparse's subcommands, except that a word the chosen subcommand does not know is
+    its error, shown with its usage: argparse leaves such words to the top-level parser,
+    whose usage lists only the subcommands' names. (Everything after a subcommand's name
+    is that subcommand's, so the words left over can be no other parser's.)"""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        unknown = getattr(namespace, argparse._UNRECOGNIZED_ARGS_ATTR, None)
+        if unknown:
+            self.choices[values[0]].error(f"unrecognized arguments: {' '.join(unknown)}")
+
+
 class Parser(argparse.ArgumentParser):
     """Every specd parser and subparser (subparsers take their parent's class): long options
     must be spelled out, so `--max-token 5` is an error rather than a guess, and a flag
@@ -85,6 +104,7 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.register("action", "parsers", Subcommands)
 
 
 def _prompt_ids(text: str) -> list[int]:

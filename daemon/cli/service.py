@@ -9,7 +9,7 @@ from pathlib import Path
 
 from daemon import service
 from daemon.cli.serve import add_address_args, add_settings_args, flag_argv, settings_from_args
-from daemon.settings import ServerSettings, Settings, SettingsError, daemon_url
+from daemon.settings import ServerSettings, Settings, SettingsError, daemon_url, listening_on
 
 
 def _url(settings: Settings) -> str:
@@ -39,12 +39,26 @@ def cmd_start(args: argparse.Namespace) -> int:
     paths = service.default_paths()
     listen = (settings.server.host, settings.server.port)
     record = service.start(paths, flag_argv(args), _url(settings), args.wait, listen)
-    print(f"specd is running (pid {record.pid}) at {record.url}; logs: {paths.log_file}")
+    # (Listening on every interface, it says so beside the loopback URL that opens it.)
+    where = listening_on(settings.server.host, settings.server.port)
+    print(f"specd is running (pid {record.pid}), {where}; logs: {paths.log_file}")
     return 0
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    pid = service.stop(service.default_paths(), args.wait)
+    paths = service.default_paths()
+    if args.host is not None or args.port is not None:
+        # An address names which daemon: the background one, if it is the one there.
+        record = service.DaemonRecord.read(paths)
+        wanted = _configured_url(args)
+        if record is not None and service.alive(record) and record.url != wanted:
+            print(
+                f"specd: the background daemon listens at {record.url}, not {wanted}; "
+                "left running (`specd stop` without an address stops it)",
+                file=sys.stderr,
+            )
+            return 1
+    pid = service.stop(paths, args.wait)
     print("specd was not running" if pid is None else f"specd (pid {pid}) stopped")
     return 0
 
@@ -172,7 +186,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     start.set_defaults(func=cmd_start)
 
     stop = sub.add_parser("stop", help="stop the background daemon")
-    stop.add_argument("--wait", type=float, default=30.0)
+    add_address_args(stop)
+    stop.add_argument("--wait", type=float, default=30.0, help="seconds to wait for it to exit")
     stop.set_defaults(func=cmd_stop)
 
     status = sub.add_parser(

@@ -20,6 +20,10 @@ from speculative.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from speculative.schema_limits import SchemaLimits, check_schema
 
 MAX_STOP_STRINGS = 16
+# A request without `temperature` samples at 1, as OpenAI's API does (the web chat's
+# Temperature box, left empty, sends none: GET /v1/specd/status tells it this value).
+DEFAULT_TEMPERATURE = 1.0
+
 # response_format.json_schema.name and a tool's function name, as OpenAI spells them.
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -209,7 +213,7 @@ def generation_fields(body: dict, limits: WireLimits, chat: bool) -> dict[str, A
     if not isinstance(ignore_eos, bool):
         raise bad_request("ignore_eos must be true or false", "ignore_eos")
     params = SamplingParams(
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        temperature=_number(body, "temperature", DEFAULT_TEMPERATURE, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True),
         top_k=top_k or 0,
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),

@@ -24,7 +24,7 @@ from daemon.options import RuntimeOptions
 from daemon.pressure import thresholds_from
 from daemon.runtime import Runtime
 from daemon.service import ListenError
-from daemon.settings import Settings, SettingsError, daemon_url
+from daemon.settings import Settings, SettingsError, daemon_url, listening_on
 
 log = logging.getLogger("specd.server")
 
@@ -117,7 +117,7 @@ class Server:
             await self.runner.cleanup()
             raise ListenError(host, port, exc) from None
         self.port = self.runner.addresses[0][1]
-        log.info("listening on http://%s:%d", self.settings.server.host, self.port)
+        log.info("%s", listening_on(host, self.port))
         self.engine.start()  # models load on the engine thread; /health says 503 until then
 
     async def stop(self) -> None:

@@ -17,17 +17,19 @@ from aiohttp import web
 
 from daemon.engine import Engine
 from daemon.http.edge import CONFIG, DRAINING, ENGINE, METRICS
+from daemon.http.openai_fields import DEFAULT_TEMPERATURE
 
 STATIC = Path(__file__).with_name("static")
 # path → (file, content type). Exact paths only: nothing else under static/ is served.
 PAGE_FILES = {
     "/": ("index.html", "text/html"),
-    # app.js is the entry module (<script type="module">); it imports the other five.
+    # app.js is the entry module (<script type="module">); it imports the other six.
     "/static/app.js": ("app.js", "text/javascript"),
     "/static/api.js": ("api.js", "text/javascript"),
     "/static/chat.js": ("chat.js", "text/javascript"),
     "/static/machine.js": ("machine.js", "text/javascript"),
     "/static/page.js": ("page.js", "text/javascript"),
+    "/static/stats.js": ("stats.js", "text/javascript"),
     "/static/tree.js": ("tree.js", "text/javascript"),
     "/static/style.css": ("style.css", "text/css"),
 }
@@ -68,6 +70,11 @@ async def specd_status(request: web.Request) -> web.Response:
         "queued": engine.queued,
         "target": engine.options.model,
         "draft": engine.options.draft,
+        # The tree budget configured: a node count, or "auto" (chosen each round, up to
+        # max_tree_budget nodes). Each answer's `specd` figures say what its rounds used.
+        "budget": engine.options.budget,
+        # What a request that names no temperature samples at (the page's empty box).
+        "default_temperature": DEFAULT_TEMPERATURE,
     }
     runtime = engine.runtime
     if runtime is None and engine.loading_note:

@@ -3,7 +3,8 @@
 // for it (the final chunk's `specd` figures), its tool calls when the request offered
 // tools, and, when traced, its rounds' draft trees.
 import { ApiError, askForKey, errorOf, headers, readEvents } from "./api.js";
-import { $, STORE, el, fmt, load } from "./page.js";
+import { $, STORE, el, load } from "./page.js";
+import { statItems } from "./stats.js";
 import { treeView } from "./tree.js";
 
 export const state = {
@@ -304,20 +305,9 @@ export function hideNotice() {
 // ---- rendering ----
 
 function statsLine(reply) {
-  const s = reply.stats || {};
-  const items = [
-    ["tokens/s", fmt(s.tokens_per_second, 1)],
-    ["first token", s.first_token_seconds !== undefined ? `${fmt(s.first_token_seconds, 3)} s` : "–"],
-    ["tokens/pass", fmt(s.tokens_per_target_pass)],
-    ["accepted", typeof s.acceptance_rate === "number" ? `${(100 * s.acceptance_rate).toFixed(0)}%` : "–"],
-    ["strategy", s.strategy || "–"],
-    ["tree budget", s.budget !== undefined && s.budget !== null ? String(s.budget) : "–"],
-    ["prefix-cache hits", s.prefix_cache_hits !== undefined ? String(s.prefix_cache_hits) : "–"],
-    ["batch", fmt(s.batch_size, 1)],
-  ];
   const line = el("div", { class: "stats" });
-  for (const [name, value] of items) {
-    const item = el("span", { "data-stat": name });
+  for (const [name, value, hover] of statItems(reply.stats || {})) {
+    const item = el("span", hover ? { "data-stat": name, title: hover } : { "data-stat": name });
     item.append(`${name} `, el("b", { text: value }));
     line.append(item);
   }

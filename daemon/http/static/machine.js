@@ -2,6 +2,7 @@
 // state, the memory plan, measured streaming), with a bar of resident vs streamed layers.
 import { askForKey, getJson } from "./api.js";
 import { $, el, fmt } from "./page.js";
+import { configuredBudgetText } from "./stats.js";
 
 function bytes(n) {
   if (typeof n !== "number") return "–";
@@ -32,6 +33,10 @@ export async function refreshMachine() {
     return;
   }
   $("model-name").textContent = status.model || "";
+  // The Temperature box, left empty, sends none: the daemon's own default applies.
+  if (typeof status.default_temperature === "number") {
+    $("temperature").placeholder = `server default (${status.default_temperature})`;
+  }
   const plan = status.plan || {};
   const resident = plan.resident_layers || 0;
   const streamed = plan.streamed_layers || 0;
@@ -43,6 +48,7 @@ export async function refreshMachine() {
       : status.draft || "none"],
     ["device", `${status.device || "–"} · ${status.dtype || "–"}`],
     ["strategy", status.strategy || "–"],
+    ["tree budget", configuredBudgetText(status)],
     ["context", status.context !== undefined ? `${status.context} tokens` : "–"],
     ["layers", `${resident} resident · ${streamed} streamed`],
     ["slots", plan.slots !== undefined ? String(plan.slots) : "–"],
