@@ -52,6 +52,9 @@ class DraftPlan:
 
     config: ModelConfig | None
     substitute_bits: int | None = None
+    # the substitute's layers that are low-bit copies (the streamed ones); the rest are
+    # the target's own resident layers, drafting at the target's cost
+    substitute_layers: int | None = None
 
     @property
     def substitute(self) -> bool:
@@ -160,9 +163,9 @@ def plan_with_draft(
             else f"{bits}-bit copies"
         )
         plan.notes.append(
-            f"the substitute draft shares the target's embedding, norm, head and KV cache; "
-            f"the target's {plan.resident_layers} resident layers are their own substitutes, "
-            f"so {copies} are made of the {plan.streamed_layers} streamed ones only"
+            f"the substitute draft: {plan.streamed_layers} of {target.num_layers} layers are "
+            f"{copies}; it shares the target's embedding, norm, head and KV cache, and the "
+            f"{plan.resident_layers} resident layers are their own substitutes"
         )
         if not plan.streamed_layers:
             plan.notes.append(
@@ -170,7 +173,7 @@ def plan_with_draft(
                 "costs a target pass (`auto` budgets decide whether drafting pays; a small "
                 "draft model of the family is cheaper)"
             )
-        return plan, DraftPlan(substitute_config(target, bits), bits)
+        return plan, DraftPlan(substitute_config(target, bits), bits, plan.streamed_layers)
     tried = ", ".join(f"{b}-bit" for b in choices)
     raise PlanError(
         f"the substitute draft does not fit at {tried} ({choices[-1]}-bit: {failure}); draft "

@@ -168,6 +168,8 @@ class Runtime:
         self.draft_checkpoint: Checkpoint | None = None
         self.draft_kind: str | None = None  # "model", "substitute", "ngram" or None
         self.substitute_bits: int | None = placed.draft.substitute_bits
+        # how many of the substitute's layers are low-bit copies (the rest are the target's)
+        self.substitute_layers: int | None = placed.draft.substitute_layers
         if options.draft == NGRAM:
             self.draft_kind = NGRAM
         elif placed.substitute is not None:
@@ -255,8 +257,14 @@ class Runtime:
         )
 
     def draft_stats(self) -> dict[str, int | str | None]:
-        """What this runtime drafts with (for GenerationStats.extra and the status)."""
-        return {"draft_kind": self.draft_kind, "substitute_bits": self.substitute_bits}
+        """What this runtime drafts with (for GenerationStats.extra and the status): the
+        kind, and for the substitute its bits and how many of its layers are copies at
+        those bits (with every layer resident, none: the target drafts for itself)."""
+        return {
+            "draft_kind": self.draft_kind,
+            "substitute_bits": self.substitute_bits,
+            "substitute_layers": self.substitute_layers,
+        }
 
     def offload_stats(self) -> dict[str, float | int | str]:
         """The streamer's figures since the last call (for GenerationStats.extra), or {}

@@ -57,6 +57,8 @@ def test_greedy_output_is_the_targets(
 ) -> None:
     rt = streamed_runtime(stories_target, bits, strategy)
     assert rt.draft_kind == "substitute" and rt.substitute_bits == bits
+    layers = rt.target.config.num_layers
+    assert rt.draft_stats()["substitute_layers"] == layers  # every layer streams: all copies
     gen = rt.generation(rt.tokenizer.encode(PROMPT), GREEDY, 120, ignore_eos=True).run()
     assert gen.token_ids == reference
     if bits == 4:  # a 4-bit copy of the target agrees with it: many tokens per pass
@@ -145,6 +147,7 @@ def test_auto_bits_plans_the_most_that_fit(name: str, gpu: float, ram: float, bi
         OffloadOptions(prefix_cache_bytes=1 << 30, sequences=12), cuda_budget(gpu, ram),
     )  # fmt: skip
     assert drafting.substitute_bits == bits
+    assert drafting.substitute_layers == plan.streamed_layers > 0
     assert plan.device_bytes <= plan.budget.device_bytes
     rendered = plan.render()
     assert f"substitute ({bits}-bit HQQ of the target)" in rendered
@@ -264,7 +267,8 @@ def test_the_plan_counts_copies_of_the_streamed_layers_only() -> None:
     per_layer = footprint(drafting.config, torch.bfloat16, "substitute").layer_bytes
     assert streamed.streamed_layers > 0
     assert streamed.device_parts["draft weights"] == streamed.streamed_layers * per_layer
-    assert f"{streamed.streamed_layers} streamed ones only" in streamed.render()
+    layers = streamed.resident_layers + streamed.streamed_layers
+    assert f"{streamed.streamed_layers} of {layers} layers are 4-bit copies" in streamed.render()
 
 
 def test_a_packed_target_shares_its_layers_at_equal_bits(shared_models: Path) -> None:
@@ -305,3 +309,18 @@ def test_a_packed_target_shares_its_layers_at_equal_bits(shared_models: Path) ->
         OffloadOptions(offload="stream", resident_layers=0), runtime.plan.budget,
     )  # fmt: skip
     assert drafting.substitute_bits == 4  # not 8: no more bits than the target has
+
+
+def test_a_resident_target_says_its_substitute_is_itself(stories_target: Path) -> None:
+    """Every layer resident (a CPU run): no layer has a low-bit copy, and the stats, the
+    status and the plan say so rather than only the bits asked for."""
+    rt = Runtime(
+        RuntimeOptions(model=str(stories_target), draft="substitute", substitute_bits=2,
+                       device="cpu", context=256)
+    )  # fmt: skip
+    assert rt.draft_stats() == {
+        "draft_kind": "substitute", "substitute_bits": 2, "substitute_layers": 0,
+    }  # fmt: skip
+    layers = rt.target.config.num_layers
+    assert f"0 of {layers} layers are 2-bit copies" in rt.plan.render()
+    assert "the substitute is the target itself" in rt.plan.render()

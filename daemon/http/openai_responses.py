@@ -31,6 +31,7 @@ SPECD_STAT_KEYS = (
     "strategy",
     "draft_kind",  # model | substitute | ngram (None: no draft)
     "substitute_bits",  # the substitute draft's bits (None: another draft)
+    "substitute_layers",  # its layers copied at those bits (the rest: the target's own)
     "max_tokens",  # the effective limit (cut to the room left when clamping)
     "tokens_per_target_pass",
     "acceptance_rate",
