@@ -7,11 +7,13 @@ model pair behaves the same in a script and behind the REST endpoint.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import psutil
 import torch
 
 from daemon.compiling import SMALL_LAYER_PARAMETERS, Compilation
+from daemon.draft_choice import AUTO, resolve_auto
 from daemon.memory_plan import plan_dtype
 from daemon.options import RuntimeOptions
 from daemon.target_loading import load_placed_target
@@ -20,6 +22,7 @@ from modeling.decoder import Transformer
 from modeling.models import layer_parameter_count
 from modeling.substitute import SUBSTITUTE
 from modeling.text.tokenizer import Tokenizer
+from offload.machine import detect_budget
 from offload.plan import MemoryPlan
 from offload.stream import LayerStreamer
 from speculative.acceptance import AcceptanceModel
@@ -126,6 +129,18 @@ class Runtime:
             raise RuntimeSetupError(
                 f"context must be a token count or 'auto', got {options.context!r}"
             )
+        self.draft_reason: str | None = None  # why `--draft auto` chose what it did
+        if options.draft == AUTO:
+            budget = detect_budget(
+                self.device, options.gpu_budget, options.ram_budget, options.bandwidth,
+                measure=False,
+            )  # fmt: skip
+            choice = resolve_auto(
+                options, open_checkpoint(options.model, options.quantize), budget,
+                self.device.type,
+            )  # fmt: skip
+            options = replace(options, draft=choice.draft)
+            self.options, self.draft_reason = options, choice.reason
         # The draft's checkpoint is opened once: its config is planned for, then it loads.
         draft_ckpt = (
             open_checkpoint(options.draft, options.draft_quantize)
@@ -264,6 +279,7 @@ class Runtime:
             "draft_kind": self.draft_kind,
             "substitute_bits": self.substitute_bits,
             "substitute_layers": self.substitute_layers,
+            "draft_reason": self.draft_reason,
         }
 
     def offload_stats(self) -> dict[str, float | int | str]:

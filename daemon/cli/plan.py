@@ -222,6 +222,7 @@ def _plan_device(options: RuntimeOptions) -> torch.device:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from daemon.draft_choice import AUTO, resolve_auto
     from daemon.pair_plan import plan_pair
     from modeling.checkpoints.checkpoint import open_checkpoint
     from offload.machine import detect_budget
@@ -231,7 +232,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # A plan needs config.json only: a hub id's weights need not be downloaded yet.
     target = open_checkpoint(options.model, options.quantize, config_only=True)
     draft = None
-    if options.draft and options.draft not in ("ngram", "substitute"):
+    if options.draft and options.draft not in ("ngram", "substitute", AUTO):
         draft = open_checkpoint(options.draft, options.draft_quantize, config_only=True).config
     # Measuring this machine's bus only makes sense when planning for this machine.
     this_machine = options.gpu_budget == "auto"
@@ -244,7 +245,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     # budget.device is the machine planned for: "cuda" when a GPU budget describes another
     # machine's card, so `auto` picks that machine's dtype.
+    reason = None
+    if options.draft == AUTO:  # what a run would choose; its tokenizer is needed for that
+        full = open_checkpoint(options.model, options.quantize)
+        choice = resolve_auto(options, full, budget, budget.device)
+        options, reason = dataclasses.replace(options, draft=choice.draft), choice.reason
+        if choice.draft not in ("ngram", "substitute"):
+            draft = open_checkpoint(choice.draft, options.draft_quantize, config_only=True).config
     plan, _ = plan_pair(options, target, draft, budget, budget.device, str(options.model))
+    if reason is not None:
+        plan.notes.insert(0, reason)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:

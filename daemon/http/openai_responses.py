@@ -32,6 +32,7 @@ SPECD_STAT_KEYS = (
     "draft_kind",  # model | substitute | ngram (None: no draft)
     "substitute_bits",  # the substitute draft's bits (None: another draft)
     "substitute_layers",  # its layers copied at those bits (the rest: the target's own)
+    "draft_reason",  # why `--draft auto` chose the draft (None: it was given)
     "max_tokens",  # the effective limit (cut to the room left when clamping)
     "tokens_per_target_pass",
     "acceptance_rate",

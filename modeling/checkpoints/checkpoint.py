@@ -243,14 +243,24 @@ def load(
                 "room in RAM (--ram-budget)"
             )
         contents = ckpt.gguf or open_gguf(ckpt.path)
+        tokenizer = load_tokenizer(ckpt)
+        return load_gguf_model(contents, ckpt.config, dtype, device), tokenizer, ckpt
+    tokenizer = load_tokenizer(ckpt)
+    model = load_model(ckpt.path, ckpt.config, dtype=dtype, device=device, skip=skip)
+    return model, tokenizer, ckpt
+
+
+def load_tokenizer(ckpt: Checkpoint) -> Tokenizer:
+    """The checkpoint's tokenizer alone (no weights): a GGUF file's from its metadata, with a
+    store's stop tokens; a folder's from its tokenizer files."""
+    if is_gguf(ckpt.path):
+        contents = ckpt.gguf or open_gguf(ckpt.path)
         tokenizer = tokenizer_from_gguf(contents.metadata, str(ckpt.path))
         stops = ckpt.generation_defaults.get("eos_token_id") or []  # a store's stop tokens
         tokenizer.eos_token_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *stops]))
-        return load_gguf_model(contents, ckpt.config, dtype, device), tokenizer, ckpt
+        return tokenizer
     refuse_irregular(*(ckpt.path / name for name in TOKENIZER_FILES))
-    tokenizer = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
-    model = load_model(ckpt.path, ckpt.config, dtype=dtype, device=device, skip=skip)
-    return model, tokenizer, ckpt
+    return Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
 
 
 __all__ = [
@@ -262,6 +272,7 @@ __all__ = [
     "dtype_candidates",
     "dtype_key",
     "load",
+    "load_tokenizer",
     "open_checkpoint",
     "resolve",
 ]
