@@ -320,6 +320,7 @@ def test_a_resident_target_says_its_substitute_is_itself(stories_target: Path) -
     )  # fmt: skip
     assert rt.draft_stats() == {
         "draft_kind": "substitute", "substitute_bits": 2, "substitute_layers": 0,
+        "draft_reason": None,  # given, not chosen by `--draft auto`
     }  # fmt: skip
     layers = rt.target.config.num_layers
     assert f"0 of {layers} layers are 2-bit copies" in rt.plan.render()
