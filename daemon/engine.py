@@ -311,6 +311,7 @@ class Engine:
                 for active in list(self._active):
                     self._fail(active, exc)
         self._fail_everything(ServerShuttingDown("the server is shutting down"))
+        self.runtime.save_learned()  # for the next start (daemon/learned_store.py)
 
     def _watch_memory(self) -> None:
         """Start the memory monitor, its auto lines settled from what is available now the
@@ -530,6 +531,7 @@ class Engine:
             ),
         )
         self._idle.release(active.pool_key, active.session)
+        self.runtime.save_learned(force=False)  # now and then: a crash loses little
 
     def _end(self, job: Job, event: Finished | Failed) -> None:
         """The job's last event: it leaves the engine."""

@@ -17,6 +17,9 @@ class RuntimeOptions:
     # and the folder built substitutes are kept in (None: built at every start).
     substitute_bits: int | str = "auto"
     substitute_cache: str | None = None
+    # The folder what trees learned about a model pair is kept in between runs
+    # (daemon/learned_store.py; None: every run starts from the prior).
+    learned_cache: str | None = None
     # Told what loading is doing, in a few words, while it takes long (the engine shows
     # it in the status): building the substitute draft, layer by layer.
     on_progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)

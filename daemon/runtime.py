@@ -6,14 +6,17 @@ model pair behaves the same in a script and behind the REST endpoint.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import psutil
 import torch
 
 from daemon.compiling import SMALL_LAYER_PARAMETERS, Compilation
 from daemon.draft_choice import AUTO, resolve_auto
+from daemon.learned_store import LearnedStore, pair_key
 from daemon.memory_plan import plan_dtype
 from daemon.options import RuntimeOptions
 from daemon.target_loading import load_placed_target
@@ -26,7 +29,7 @@ from offload.machine import detect_budget
 from offload.plan import MemoryPlan
 from offload.stream import LayerStreamer
 from speculative.acceptance import AcceptanceModel
-from speculative.budget import max_tree_budget
+from speculative.budget import AutoBudget, max_tree_budget
 from speculative.drafting import Drafter, ModelDrafter
 from speculative.generation import Generation
 from speculative.ngram import NgramDrafter
@@ -104,15 +107,17 @@ STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
     ),
     # Build once and reuse: with --budget auto it learns costs across requests; what
     # verification accepts is learned in the runtime's one model (`acceptance`).
-    "tree": lambda rt, budget, verification: TreeSpeculation(
-        rt.target,
-        rt.draft,
-        budget=budget,
-        max_depth=rt.options.max_depth,
-        prefix_cache=rt.prefix_cache,
-        verification=verification,
-        acceptance=rt.acceptance,
-        shared_cache=rt.draft_kind == SUBSTITUTE,
+    "tree": lambda rt, budget, verification: rt.learned_planner(
+        TreeSpeculation(
+            rt.target,
+            rt.draft,
+            budget=budget,
+            max_depth=rt.options.max_depth,
+            prefix_cache=rt.prefix_cache,
+            verification=verification,
+            acceptance=rt.acceptance,
+            shared_cache=rt.draft_kind == SUBSTITUTE,
+        )
     ),
 }
 
@@ -204,6 +209,42 @@ class Runtime:
         self.default_strategy = options.strategy or default
         self.check_strategy(self.default_strategy)
         self.compilation: Compilation | None = None
+        # What trees learned about this pair in earlier runs (daemon/learned_store.py), and
+        # the `--budget auto` planners built since, whose measurements are kept with it.
+        self.learned: LearnedStore | None = None
+        self._planners: list[weakref.ref[AutoBudget]] = []
+        if options.learned_cache and self.draft_kind:
+            key = pair_key(
+                ckpt, options.quantize, self.dtype, self.draft_kind, self.draft_checkpoint,
+                options.draft_quantize, self.substitute_bits,
+            )  # fmt: skip
+            placement = (
+                f"{self.device.type}/{self.plan.resident_layers} resident"
+                f"/{self.plan.streamed_layers} streamed"
+            )
+            self.learned = LearnedStore(Path(options.learned_cache), key, placement)
+            self.learned.load(self.acceptance)
+
+    def learned_planner(self, strategy: TreeSpeculation) -> TreeSpeculation:
+        """A new tree strategy's `--budget auto` planner starts from what this placement
+        measured before, and is kept (weakly) for `save_learned`."""
+        planner = strategy.planner
+        if isinstance(planner, AutoBudget):
+            if self.learned is not None:
+                self.learned.restore(planner)
+            self._planners = [r for r in self._planners if r() is not None]
+            self._planners.append(weakref.ref(planner))
+        return strategy
+
+    def save_learned(self, force: bool = True) -> None:
+        """Keep what trees have learned (the acceptance tables, and the most experienced
+        live `auto` planner's costs) for the next run; with `force` False at most every
+        SAVE_EVERY_S (the daemon calls it as generations finish)."""
+        if self.learned is None:
+            return
+        planners = [p for p in (r() for r in self._planners) if p is not None]
+        planner = max(planners, key=lambda p: p.rounds_seen, default=None)
+        self.learned.save(self.acceptance, planner, force=force)
 
     def compile(self, serving: bool) -> Compilation:
         """Decide which models run compiled passes (`options.compile`); the caller warms

@@ -47,6 +47,13 @@ COMPILE_CHOICES = ("auto", "off", "on")
 GGUF_SUFFIX, OLLAMA_PREFIX, LMSTUDIO_PREFIX = ".gguf", "ollama:", "lmstudio:"
 
 
+def learned_cache_dir(value: str | None) -> str | None:
+    """models.learned_cache as a folder: auto is the state directory's learned/."""
+    if value == "auto":
+        return str(Path(platformdirs.user_state_dir("specd")) / "learned")
+    return None if value is None else str(Path(value).expanduser())
+
+
 def substitute_cache_dir(value: str | None) -> str | None:
     """models.substitute_cache as a folder: auto is the state directory's substitutes/."""
     if value == "auto":
@@ -85,6 +92,10 @@ class ModelsSettings:
     # Where built substitutes are kept for the next start: auto (the state directory's
     # substitutes/), a folder, or null (build at every start).
     substitute_cache: str | None = _key("auto", text(nullable=True))
+    # Where what trees learn about a model pair (acceptance, `auto`'s pass costs) is kept
+    # for the next start: auto (the state directory's learned/), a folder, or null (every
+    # start from the prior).
+    learned_cache: str | None = _key("auto", text(nullable=True))
     device: str = _key("auto", choice(*DEVICE_CHOICES))
     threads: int | str = _key("auto", integer(1, 1024, auto=True))
 
@@ -261,6 +272,7 @@ class Settings:
             draft_quantize=self.models.draft_quantize,
             substitute_bits=self.models.substitute_bits,
             substitute_cache=substitute_cache_dir(self.models.substitute_cache),
+            learned_cache=learned_cache_dir(self.models.learned_cache),
             device=self.models.device,
             context="auto" if self.context.length is None else self.context.length,
             offload=self.offload.mode,

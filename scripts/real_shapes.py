@@ -79,6 +79,10 @@ PRESETS: dict[str, Shape] = {
         "qwen2", 8192, 64, 8, 29568, 152064, 32768, _QWEN25_ROPE, 80,
         qkv_bias=True, rms_norm_eps=1e-6,
     ),
+    "qwen2.5-14b": Shape(
+        "qwen2", 5120, 40, 8, 13824, 152064, 32768, _QWEN25_ROPE, 48,
+        qkv_bias=True, rms_norm_eps=1e-6,
+    ),
     "qwen2.5-32b": Shape(
         "qwen2", 5120, 40, 8, 27648, 152064, 32768, _QWEN25_ROPE, 64,
     ),

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from speculative.draft_tree import default_depth
 from speculative.pass_costs import CostLine, MarginalCost, half_octave
@@ -178,6 +178,93 @@ class AutoBudget:
         self._rounds = 0
         self.chosen = TreeShape(0, 0)
         self.reason = "auto: nothing measured yet"
+
+    def state(self) -> dict[str, Any]:
+        """What the planner measured, as JSON-able values (`load_state` reads it back): the
+        cost lines, the draft's pass cost and passes per budget, the tokens each shape
+        yielded, and how far exploring has gone."""
+        return {
+            "target": self.target.state(),
+            "plain": self.plain.state(),
+            "passes": self.passes.state(),
+            "sharing": self.sharing,
+            "draft_passes": {str(b): v for b, v in self._draft_passes.items()},
+            "draft_unit_seconds": self.draft_unit_seconds,
+            "draft_samples": self._draft_samples,
+            "shapes": [[s.budget, s.depth, self._sums[s], self._counts[s]] for s in self._counts],
+            "total_seconds": self.total_seconds,
+            "explore_seconds": self.explore_seconds,
+            "explore_budget": self._explore_budget,
+            "rounds": self._rounds,
+        }
+
+    def load_state(self, state: object) -> None:
+        """Take up a `state()` record (from a file: hostile until checked), within this
+        planner's own limits; ValueError naming what is wrong, leaving it as it was."""
+        if not isinstance(state, dict):
+            raise ValueError("budget: not a planner's record")
+        lines = [
+            CostLine.from_state(state.get(n), f"budget {n}") for n in ("target", "plain", "passes")
+        ]
+        numbers = {}
+        for name in ("sharing", "draft_unit_seconds", "total_seconds", "explore_seconds"):
+            value = state.get(name)
+            # (explore_seconds is a net loss: negative where exploring paid off)
+            low = -1e12 if name == "explore_seconds" else 0
+            if not isinstance(value, (int, float)) or not low <= value < 1e12:
+                raise ValueError(f"budget {name}: not a number within its range")
+            numbers[name] = float(value)
+        counts = {}
+        for name in ("draft_samples", "explore_budget", "rounds"):
+            value = state.get(name)
+            if not isinstance(value, int) or not 0 <= value < 1 << 40:
+                raise ValueError(f"budget {name}: not a count")
+            counts[name] = value
+        passes, shapes = state.get("draft_passes"), state.get("shapes")
+        if not isinstance(passes, dict) or not isinstance(shapes, list):
+            raise ValueError("budget: draft_passes or shapes missing")
+        if len(passes) > len(BUDGET_GRID) or len(shapes) > len(BUDGET_GRID) * len(DEPTH_GRID):
+            raise ValueError("budget: more budgets or shapes than the planner considers")
+        draft_passes = {}
+        for key, value in passes.items():
+            if not (isinstance(key, str) and key.isdigit() and int(key) in BUDGET_GRID):
+                raise ValueError(f"budget draft_passes: {key!r} is not a budget of the grid")
+            if not isinstance(value, (int, float)) or not 0 <= value <= AUTO_MAX_BUDGET:
+                raise ValueError(f"budget draft_passes at {key}: not a pass count")
+            draft_passes[int(key)] = float(value)
+        sums, seen = {}, {}
+        for entry in shapes:
+            ok = isinstance(entry, list) and len(entry) == 4
+            b, d, total, n = entry if ok else (None,) * 4
+            if not (ok and b in BUDGET_GRID and d in DEPTH_GRID and d <= b):
+                raise ValueError(f"budget shapes: {entry!r} is not a shape of the grid")
+            if not (isinstance(n, int) and n > 0 and isinstance(total, (int, float))
+                    and 0 <= total <= n * d):  # fmt: skip
+                raise ValueError(f"budget shapes: counts of {b}x{d} are not possible")
+            shape = TreeShape(b, d)
+            sums[shape], seen[shape] = float(total), n
+        self.target, self.plain, self.passes = lines
+        self.sharing = max(numbers["sharing"], 1.0)
+        self.draft_unit_seconds = numbers["draft_unit_seconds"]
+        self.total_seconds, self.explore_seconds = (
+            numbers["total_seconds"],
+            numbers["explore_seconds"],
+        )
+        self._draft_samples = min(counts["draft_samples"], 20)
+        self._explore_budget = max(1, min(counts["explore_budget"], self.max_budget))
+        self._rounds = counts["rounds"]
+        self._draft_passes = draft_passes
+        keep = [s for s in seen if s.budget <= self.max_budget and s.depth <= self.depth_cap]
+        self._sums = {s: sums[s] for s in keep}
+        self._counts = {s: seen[s] for s in keep}
+        self._choose()
+        if self._counts:
+            self.reason = "auto: what earlier runs of this model pair measured"
+
+    @property
+    def rounds_seen(self) -> int:
+        """Rounds chosen since the first (what `save_learned` ranks planners by)."""
+        return self._rounds
 
     def draft_seconds(self, shape: TreeShape) -> float:
         """A draft pass per level, or as many as rounds of this budget took (calibrated

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+MAX_SIZES = 256  # sizes a line read back from a file may hold (half-octaves need ~30)
 
 
 @dataclass
@@ -56,6 +59,37 @@ class CostLine:
             self._fit = (mx, my, slope)
         mx, my, slope = self._fit
         return max(my + slope * (n - mx), 1e-9)
+
+    def state(self) -> dict[str, dict[str, float]]:
+        """The per-size means, weights and sizes as JSON-able maps (`from_state`)."""
+        return {
+            name: {str(k): v for k, v in getattr(self, name).items()}
+            for name in ("means", "weights", "sizes")
+        }
+
+    @classmethod
+    def from_state(cls, state: object, what: str) -> CostLine:
+        """A line read back from a file (hostile until checked): ValueError naming `what`."""
+        if not isinstance(state, dict):
+            raise ValueError(f"{what}: not a cost line")
+        maps: list[dict[Any, Any]] = []
+        for name in ("means", "weights", "sizes"):
+            m = state.get(name)
+            if not isinstance(m, dict) or len(m) > MAX_SIZES:
+                raise ValueError(f"{what}: not a cost line of at most {MAX_SIZES} sizes")
+            maps.append(m)
+        if not maps[0].keys() == maps[1].keys() == maps[2].keys():
+            raise ValueError(f"{what}: its sizes disagree")
+        line = cls()
+        for key in maps[0]:
+            if not (isinstance(key, str) and key.isdigit() and 0 < int(key) < 1 << 24):
+                raise ValueError(f"{what}: size {key!r} is not a token count")
+            values = [m[key] for m in maps]
+            if not all(isinstance(v, (int, float)) and 0 < v < 1e9 for v in values):
+                raise ValueError(f"{what}: the figures at size {key} are not positive")
+            k = int(key)
+            line.means[k], line.weights[k], line.sizes[k] = (float(v) for v in values)
+        return line
 
     def intercept_and_slope(self) -> tuple[float, float]:
         """(seconds at 0 tokens, seconds per token) of the fitted line."""

@@ -171,7 +171,8 @@ def test_a_table_learns_what_verification_did() -> None:
     for _ in range(50):  # the first child always taken, the second never
         table.observe(ranks, q, torch.tensor([True, False]))
     after = table.log_acceptance(ranks, q).exp()
-    assert after[0] > 0.95 > before[0] and after[1] < 0.05 < before[1]
+    # (The prior is a chain already: a first child almost always, a second rarely.)
+    assert after[0] > 0.95 > before[0] and after[1] < before[1] / 4
     # Cells never seen follow their rank's outcomes, not the prior alone.
     unseen = table.log_acceptance(torch.tensor([1]), torch.tensor([0.9])).exp()
     assert float(unseen) > 0.9

@@ -32,6 +32,7 @@ from daemon.settings import (
     DTYPE_CHOICES,
     STRATEGY_CHOICES,
     SettingsError,
+    learned_cache_dir,
     substitute_cache_dir,
 )
 from daemon.startup import collector_paused
@@ -208,6 +209,7 @@ def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:
         draft_quantize=args.draft_quantize,
         substitute_bits=args.substitute_bits or "auto",
         substitute_cache=substitute_cache_dir("auto"),
+        learned_cache=learned_cache_dir("auto"),
         device=args.device,
         context=args.context,
         threads=args.threads,
@@ -293,6 +295,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             gen = generation(request).run()
             gen.stats.extra.update({**runtime.offload_stats(), **runtime.draft_stats()})
             print(json.dumps(generation_record(gen)), flush=True)
+        runtime.save_learned()  # for the next run of this pair (daemon/learned_store.py)
         return 0
     gen = generation(request)
     if args.json:
@@ -304,6 +307,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
+    runtime.save_learned()
     return 0
 
 

@@ -1,0 +1,341 @@
+"""Speculation on real text: tokens per target pass on MT-Bench (per category) and
+HumanEval, first turn through the model's chat template, for SmolLM2-135M-Instruct (the
+shared real chat model) and the stories pair for contrast, at T=0 and T=1; then what that
+means in tokens per second for the `config/profiles/` targets.
+
+Drafts: the substitute at 2, 3, 4 and 8 bits with every layer a low-bit copy (the target
+streamed: `--offload stream --resident-layers 0`, so each layer has its copy), n-gram
+prompt lookup, and optionally the target's own int8/int4 copy (`--drafts int8,int4`, on
+the F32 form of SmolLM2: scripts/real_forms.py). Per (draft, T, category): a tree at the
+budget (cold: a fresh acceptance model for every prompt, no learned file, which is what a
+first `specd generate` sees) and linear chains of the same draft; tokens per target pass,
+draft passes per target pass, acceptance (accepted / drafted), and the tree against the
+best chain.
+
+The projection: a streamed target's pass costs its transfer (`specd plan`'s bytes streamed
+per pass / the profile's bus rate, `bandwidth` below); a round costs that plus the draft
+passes it ran at a step cost (`--draft-step-ms`, assumed unless measured on a GPU); so
+tokens/s = tokens per pass / (pass seconds + draft passes per pass x step). Plain decoding
+is 1 / pass seconds.
+
+    .venv/bin/python scripts/bench_realtext.py                      # docs/measurements.md's table
+    .venv/bin/python scripts/bench_realtext.py --drafts sub4 --temperatures 0 --per-category 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from daemon.options import RuntimeOptions  # noqa: E402
+from daemon.runtime import Runtime, linear_drafter  # noqa: E402
+from scripts.pypi_models import Unavailable  # noqa: E402
+from scripts.real_forms import SMOLLM2_GGUF, smollm2_f32  # noqa: E402
+from scripts.realtext_data import human_eval, mt_bench  # noqa: E402
+from speculative.passes import alone  # noqa: E402
+from speculative.rounds import Strategy  # noqa: E402
+from speculative.sampling import SamplingParams  # noqa: E402
+from speculative.strategies.linear import Linear  # noqa: E402
+
+SHARED = ROOT.parent / "shared" / "models"
+DRAFTS = ("sub2", "sub3", "sub4", "sub8", "ngram")
+PROFILES = ROOT / "config" / "profiles"
+
+
+def draft_options(name: str, model: str, substitute_cache: Path, context: int) -> RuntimeOptions:
+    """The runtime of one draft kind: the substitute with every layer streamed (so every
+    layer has a low-bit copy), n-gram, or the target's own int8/int4 copy."""
+    common: dict[str, Any] = {"device": "cpu", "context": context, "prefix_cache": 0}
+    if name.startswith("sub"):
+        return RuntimeOptions(
+            model=model, draft="substitute", substitute_bits=int(name[3:]),
+            substitute_cache=str(substitute_cache), offload="stream", resident_layers=0,
+            **common,
+        )  # fmt: skip
+    if name == "ngram":
+        return RuntimeOptions(model=model, draft="ngram", **common)
+    if name in ("int8", "int4"):
+        return RuntimeOptions(model=model, draft=model, draft_quantize=name, **common)
+    if name == "trained":
+        return RuntimeOptions(model=model, draft=str(SHARED / "stories260k-draft"), **common)
+    raise SystemExit(f"unknown draft {name!r}")
+
+
+def prompts(tokenizer: Any, per_category: int, humaneval: int) -> dict[str, list[list[int]]]:
+    """Prompt ids per cell: MT-Bench's first turns per category and HumanEval's prompts,
+    through the chat template when the model has one (else as plain text)."""
+    cells: dict[str, list[str]] = {}
+    for q in mt_bench():
+        cell = cells.setdefault(q["category"], [])
+        if len(cell) < per_category:
+            cell.append(q["turns"][0])
+    cells["humaneval"] = [
+        "Complete this Python function:\n\n" + p["prompt"] for p in human_eval()[:humaneval]
+    ]
+
+    def ids(text: str) -> list[int]:
+        if tokenizer.has_chat_template:
+            return tokenizer.encode_chat([{"role": "user", "content": text}])
+        return tokenizer.encode(text)
+
+    return {name: [ids(t) for t in texts] for name, texts in cells.items()}
+
+
+def run(
+    rt: Runtime,
+    make: Any,
+    ids: list[list[int]],
+    params: SamplingParams,
+    tokens: int,
+    seeds: int,
+) -> dict[str, float]:
+    """Sums over the prompts (each `seeds` times, a fresh strategy from `make()` and a fresh
+    session each: cold)."""
+    out = {"tokens": 0, "passes": 0, "draft_passes": 0, "drafted": 0, "accepted": 0, "seconds": 0.0}
+    for i, prompt in enumerate(ids):
+        for s in range(seeds):
+            rt.acceptance.tables.clear()  # cold: nothing learned from the prompts before
+            strategy: Strategy = make()
+            session = strategy.new_session(rt.context)
+            generator = torch.Generator().manual_seed(1000 * i + s)
+            t0 = time.perf_counter()
+            for rnd in alone(strategy.steps(session, prompt, params, tokens, generator)):
+                st = rnd.stats
+                out["tokens"] += len(rnd.tokens)
+                out["passes"] += st.target_passes - st.prefill_passes
+                out["draft_passes"] += st.draft_passes
+                out["drafted"] += st.drafted
+                out["accepted"] += st.accepted
+            out["seconds"] += time.perf_counter() - t0
+    passes = max(out["passes"], 1)
+    out["tokens_per_pass"] = out["tokens"] / passes
+    out["draft_passes_per_pass"] = out["draft_passes"] / passes
+    out["acceptance"] = out["accepted"] / max(out["drafted"], 1)
+    return out
+
+
+# A profile's target and draft as the shapes of their published configs (scripts/real_shapes.py):
+# planned from config.json alone, nothing downloaded.
+PROFILE_SHAPES = {
+    "Qwen/Qwen2.5-14B-Instruct": "qwen2.5-14b",
+    "Qwen/Qwen2.5-32B-Instruct": "qwen2.5-32b",
+    "meta-llama/Llama-3.1-70B-Instruct": "llama-3.1-70b",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+}
+
+
+def plan_json(profile: Path, shape: Path, draft: str, bits: int | None, bus: str) -> dict[str, Any]:
+    """`specd plan --json` for a profile with its target replaced by a config-only folder
+    of the same shape and the draft measured here."""
+    import subprocess
+
+    command = [
+        sys.executable, "-m", "daemon.cli", "plan", "--config", str(profile), "--model",
+        str(shape), "--draft", draft, "--ram-budget", "128GB", "--bandwidth", bus, "--json",
+    ]  # fmt: skip
+    if bits is not None:
+        command += ["--substitute-bits", str(bits)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError((done.stderr.strip().splitlines() or ["no output"])[-1])
+    return json.loads(done.stdout)
+
+
+def projection(rows: list[dict[str, Any]], bus: str, gpu_rate: float) -> list[str]:
+    """Tokens/s for each GPU profile's target: a round costs the plan's seconds per pass
+    (the streamed bytes at the bus rate `bus`) plus its draft passes, each reading the
+    draft's weights once at `gpu_rate` bytes/s (assumed: no GPU measured here); with the
+    tokens and draft passes per pass measured above, for each draft at each temperature,
+    the best shown."""
+    import tempfile
+
+    import yaml
+
+    from scripts.real_shapes import full_config, hf_config
+
+    lines = [
+        "| profile | target | streamed per pass | pass s | plain tok/s | T | best draft "
+        "| tok/pass | draft passes/pass | draft pass ms | projected tok/s | × plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    summary = [r for r in rows if r["cell"] == "all"]
+    with tempfile.TemporaryDirectory() as scratch:
+        for path in sorted(PROFILES.glob("gpu-*.yaml")):
+            target = yaml.safe_load(path.read_text())["models"]["target"]
+            shape = Path(scratch) / PROFILE_SHAPES[target]
+            shape.mkdir(exist_ok=True)
+            (shape / "config.json").write_text(
+                json.dumps(hf_config(full_config(PROFILE_SHAPES[target])))
+            )
+            for temperature in sorted({r["temperature"] for r in summary}):
+                best: tuple[float, str] | None = None
+                for r in (r for r in summary if r["temperature"] == temperature):
+                    bits = int(r["draft"][3:]) if r["draft"].startswith("sub") else None
+                    kind = "substitute" if bits else r["draft"]
+                    if kind not in ("substitute", "ngram"):
+                        continue  # (the int copies were measured on another target)
+                    try:
+                        plan = plan_json(path, shape, kind, bits, bus)
+                    except RuntimeError:
+                        continue  # (this draft does not fit this profile's card)
+                    pass_s = plan["seconds_per_pass"] or 0.0
+                    if not pass_s:
+                        continue  # nothing streams: not a transfer-bound pass
+                    step_s = plan["device_parts"].get("draft weights", 0) / gpu_rate
+                    tree = r["tree"]
+                    rate = tree["tokens_per_pass"] / (
+                        pass_s + tree["draft_passes_per_pass"] * step_s
+                    )
+                    text = (
+                        f"| {path.stem} | {target} | "
+                        f"{plan['streamed_bytes_per_pass'] / 2**30:.1f} GiB | {pass_s:.2f} "
+                        f"| {1 / pass_s:.2f} | {temperature:g} | {r['draft']} "
+                        f"| {tree['tokens_per_pass']:.1f} | {tree['draft_passes_per_pass']:.1f} "
+                        f"| {step_s * 1e3:.1f} | {rate:.2f} | {rate * pass_s:.1f} |"
+                    )
+                    if best is None or rate > best[0]:
+                        best = (rate, text)
+                if best is not None:
+                    lines.append(best[1])
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    ap.add_argument("--model", default="smollm2", help="smollm2 | stories | a model path")
+    ap.add_argument("--drafts", default=",".join(DRAFTS))
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--budget", type=int, default=64)
+    ap.add_argument("--chains", default="16,64", help="linear chain lengths to compare")
+    ap.add_argument("--per-category", type=int, default=1, help="MT-Bench prompts per category")
+    ap.add_argument("--humaneval", type=int, default=2, help="HumanEval prompts")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--seeds", type=int, default=1, help="samples per prompt at T > 0")
+    ap.add_argument(
+        "--bus",
+        default="25GB/s",
+        help="the projection's host-to-GPU rate (PCIe 4.0 x16 as measured on desktops)",
+    )
+    ap.add_argument("--gpu-rate", default="300GB/s",
+                    help="the projection's rate at which a draft pass reads its weights on the "
+                    "card (assumed: about half a desktop card's memory bandwidth)")  # fmt: skip
+    ap.add_argument("--no-projection", action="store_true")
+    ap.add_argument("--substitute-cache", type=Path,
+                    default=Path.home() / ".cache" / "specd" / "bench-substitutes")  # fmt: skip
+    ap.add_argument("--json", type=Path, default=ROOT / "bench-results" / "realtext.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    drafts = args.drafts.split(",")
+    context = 2048
+    if args.model == "smollm2":
+        model = str(SMOLLM2_GGUF)
+        if {"int8", "int4"} & set(drafts):
+            try:
+                model = str(smollm2_f32())  # the aligned int copies need full precision
+            except Unavailable as err:
+                raise SystemExit(f"int8/int4 drafts need SmolLM2's F32 form: {err}") from None
+    elif args.model == "stories":
+        model, context = str(SHARED / "stories260k"), 512  # its whole context
+    else:
+        model = args.model
+    chains = [int(k) for k in args.chains.split(",")]
+    rows: list[dict[str, Any]] = []
+    print(
+        f"{Path(model).name}: budget {args.budget}, chains {chains}, {args.tokens} tokens, "
+        f"{args.per_category} MT-Bench prompt(s) per category, {args.humaneval} HumanEval, "
+        f"cold trees\n| draft | T | cell | tree tok/pass | " + " | ".join(f"K={k}" for k in chains)
+        + " | tree / best chain | draft passes / pass | acceptance |\n|"
+        + "---|" * (7 + len(chains)),
+        flush=True,
+    )  # fmt: skip
+    for name in drafts:
+        options = draft_options(name, model, args.substitute_cache, context)
+        rows += measure(Runtime(options), name, args)
+    worst = min(rows, key=lambda r: r["tree_over_best_chain"])
+    print(
+        f"\nworst cell: {worst['draft']} T={worst['temperature']:g} {worst['cell']}: "
+        f"tree {worst['tree_over_best_chain']:.2f}x the best chain"
+    )
+    table: list[str] = []
+    if not args.no_projection:
+        from offload.units import parse_size
+
+        table = projection(rows, args.bus, parse_size(args.gpu_rate.removesuffix("/s")))
+        print(f"\nprojection (bus {args.bus}, draft weights read at {args.gpu_rate}):")
+        print("\n".join(table))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                     "rows": rows, "projection": table}, indent=1))  # fmt: skip
+
+
+def measure(rt: Runtime, name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every cell of one draft: per temperature and prompt cell, the cold tree and each
+    chain; then the cells together ("all")."""
+    chains = [int(k) for k in args.chains.split(",")]
+    cells = prompts(rt.tokenizer, args.per_category, args.humaneval)
+    rows: list[dict[str, Any]] = []
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        params = SamplingParams(temperature=temperature)
+        seeds = 1 if params.greedy else args.seeds
+        totals: dict[str, dict[str, float]] = {}
+        for cell, ids in cells.items():
+            got = {
+                "tree": run(rt, lambda: rt.strategy("tree", budget=args.budget), ids,
+                            params, args.tokens, seeds),
+                **{f"K={k}": run(rt, lambda k=k: Linear(rt.target, linear_drafter(rt), k),
+                                 ids, params, args.tokens, seeds) for k in chains},
+            }  # fmt: skip
+            for key, value in got.items():
+                total = totals.setdefault(key, dict.fromkeys(value, 0.0))
+                for field in ("tokens", "passes", "draft_passes", "drafted", "accepted"):
+                    total[field] += value[field]
+            rows.append(row(name, temperature, cell, got, rt))
+            print(line(rows[-1], chains), flush=True)
+        for total in totals.values():
+            passes = max(total["passes"], 1)
+            total["tokens_per_pass"] = total["tokens"] / passes
+            total["draft_passes_per_pass"] = total["draft_passes"] / passes
+            total["acceptance"] = total["accepted"] / max(total["drafted"], 1)
+        rows.append(row(name, temperature, "all", totals, rt))
+        print(line(rows[-1], chains), flush=True)
+    return rows
+
+
+def row(
+    draft: str, temperature: float, cell: str, got: dict[str, dict[str, float]], rt: Runtime
+) -> dict[str, Any]:
+    tree = got.pop("tree")
+    best = max(c["tokens_per_pass"] for c in got.values())
+    return {
+        "draft": draft,
+        "temperature": temperature,
+        "cell": cell,
+        "substitute_layers": rt.substitute_layers,
+        "tree": tree,
+        "chains": got,
+        "tree_over_best_chain": tree["tokens_per_pass"] / best,
+    }
+
+
+def line(r: dict[str, Any], chains: list[int]) -> str:
+    tree = r["tree"]
+    return (
+        f"| {r['draft']} | {r['temperature']:g} | {r['cell']} | {tree['tokens_per_pass']:.2f} | "
+        + " | ".join(f"{r['chains'][f'K={k}']['tokens_per_pass']:.2f}" for k in chains)
+        + f" | {r['tree_over_best_chain']:.2f} | {tree['draft_passes_per_pass']:.1f} "
+        f"| {tree['acceptance']:.2f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()
