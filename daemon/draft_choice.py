@@ -108,15 +108,19 @@ def find_draft_model(
 
 def choose_draft(
     target: Checkpoint,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer | None,
     device_type: str,
     substitute_plan: Callable[[], MemoryPlan],
     found: Iterable[tuple[str, Path]] | None = None,
 ) -> DraftChoice:
     """What `auto` drafts with for `target` computing on `device_type` (the module's
     order). `substitute_plan`: the run's plan with the substitute draft (raises PlanError
-    when it does not fit); `found`: the models on this machine (default: `local_models`)."""
-    model = find_draft_model(target, tokenizer, local_models() if found is None else found)
+    when it does not fit); `found`: the models on this machine (default: `local_models`).
+    Without the target's tokenizer (`specd plan` of a folder holding config.json only) no
+    model can be matched to it, and the choice is among the other two."""
+    model = None
+    if tokenizer is not None:
+        model = find_draft_model(target, tokenizer, local_models() if found is None else found)
     if model is not None:
         name, path, params = model
         share = params / parameter_count(target.config)
@@ -166,6 +170,10 @@ def resolve_auto(
         with_substitute = replace(options, draft=SUBSTITUTE)
         return plan_pair(with_substitute, target, None, budget, device_type, str(target.path))[0]
 
-    choice = choose_draft(target, load_tokenizer(target), device_type, substitute_plan)
+    try:
+        tokenizer: Tokenizer | None = load_tokenizer(target)
+    except (ValueError, OSError):
+        tokenizer = None  # (a run refuses it when it loads; a plan plans without)
+    choice = choose_draft(target, tokenizer, device_type, substitute_plan)
     log.info("%s", choice.reason)
     return choice

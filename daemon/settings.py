@@ -47,6 +47,14 @@ COMPILE_CHOICES = ("auto", "off", "on")
 GGUF_SUFFIX, OLLAMA_PREFIX, LMSTUDIO_PREFIX = ".gguf", "ollama:", "lmstudio:"
 
 
+NO_DRAFT = "none"  # models.draft / --draft: plain decoding (as null is in a file)
+
+
+def no_draft(value: str | None) -> str | None:
+    """A draft reference as RuntimeOptions takes it: "none" is None (no draft)."""
+    return None if value is None or value.lower() == NO_DRAFT else value
+
+
 def learned_cache_dir(value: str | None) -> str | None:
     """models.learned_cache as a folder: auto is the state directory's learned/."""
     if value == "auto":
@@ -80,7 +88,9 @@ def _key(default: Any, check: Check) -> Any:
 @dataclass
 class ModelsSettings:
     target: str | None = _key(None, text(nullable=True))
-    draft: str | None = _key(None, text(nullable=True))
+    # auto (the default: daemon/draft_choice.py), a model, ngram, substitute, or null /
+    # "none" for no draft (plain decoding).
+    draft: str | None = _key("auto", text(nullable=True))
     name: str | None = _key(None, text(nullable=True))
     dtype: str = _key("auto", choice(*DTYPE_CHOICES))
     # int8 | int4: quantize a full-precision checkpoint's projections as they load (null:
@@ -260,7 +270,7 @@ class Settings:
     def runtime_options(self) -> RuntimeOptions:
         return RuntimeOptions(
             model=self.require_target(),
-            draft=self.models.draft,
+            draft=no_draft(self.models.draft),
             strategy=self.speculation.strategy,
             spec_length=self.speculation.spec_length,
             budget=self.speculation.budget,

@@ -32,7 +32,8 @@ are accepted and comes in as soon as they are seen to fail. First children are t
 every node verification visits, so that evidence comes within a round; siblings, once in
 the tree, learn their own rate. (The old prior, a first child accepted at 0.5 + q/2,
 spread a cold tree wide: an aligned draft's first 64-node tree yielded 37 tokens where the
-64-chain yielded 65, and a cold `--budget 64` run gave 0.71x the chain's tokens per pass.)
+64-chain yielded 65, and a cold `--budget 64` run gave 0.71x the chain's tokens per pass;
+a first child at 0.92 still cut a cold 64-node tree at depth ~40.)
 What a model pair has learned is kept on disk between runs (daemon/acceptance_store.py).
 """
 
@@ -57,7 +58,7 @@ PRIOR_WEIGHT = 2.0
 # The prior's first child, accepted almost always (a draft is chosen because it agrees),
 # and each later rank's share of what the first child misses (per child: the bins hold
 # ranks 2, 3, 4, 5-8, 9-16, 17+; together about all of the miss).
-FIRST_CHILD_PRIOR = 0.92
+FIRST_CHILD_PRIOR = 0.97
 SIBLING_SHARE = (0.45, 0.2, 0.1, 0.04, 0.01, 0.003)
 # Counts are decayed towards the latest outcomes once a cell holds this many trials, so a
 # model pair whose text changes character (code after prose) is followed.

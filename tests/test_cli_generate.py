@@ -36,6 +36,8 @@ def test_json_record_and_greedy_reference(capsys, stories_target, stories_refere
         "--max-tokens",
         str(n),
         "--ignore-eos",
+        "--draft",
+        "none",  # plain decoding: one pass per token (the default drafts: `auto`)
     )
     assert record["prompt_ids"] == item["prompt_ids"]  # --prompt adds BOS: the config says so
     assert record["token_ids"] == item["new_token_ids"][:n]
@@ -43,6 +45,19 @@ def test_json_record_and_greedy_reference(capsys, stories_target, stories_refere
     assert item["full_text"].startswith("The little dog" + record["text"])
     assert record["stats"]["target_passes"] == n + record["stats"]["prefill_passes"]
     assert record["stats"]["generated_tokens"] == n
+    assert record["stats"]["draft_kind"] is None and record["stats"]["strategy"] == "autoregressive"
+
+
+def test_the_default_draft_is_auto(capsys, stories_target, stories_reference) -> None:
+    """No --draft: `auto` chooses (prompt lookup on a CPU, no model of the stories
+    tokenizer being on this machine), says why, and greedy is still the target's own."""
+    item = _reference(stories_reference, "The little dog")
+    argv = ["--model", str(stories_target), "--prompt", "The little dog", "--max-tokens", "24"]
+    record = _json_run(capsys, *argv, "--ignore-eos", "--device", "cpu")
+    assert record["token_ids"] == item["new_token_ids"][:24]
+    stats = record["stats"]
+    assert stats["draft_kind"] == "ngram" and stats["strategy"] == "tree"
+    assert stats["draft_reason"].startswith("draft auto: prompt lookup")
 
 
 def test_prompt_ids_are_fed_exactly(capsys, stories_target, stories_reference) -> None:

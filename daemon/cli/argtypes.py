@@ -20,8 +20,9 @@ MODEL_FORMS = (
 MODEL_HELP = f"the target: {MODEL_FORMS}"
 DRAFT_HELP = (
     f"the draft: {MODEL_FORMS}; or 'ngram' (prompt lookup), 'substitute' (the target's "
-    "own low-bit layers) or 'auto' (a small model with the target's tokenizer found on "
-    "this machine, else the substitute on a GPU where it pays, else ngram)"
+    "own low-bit layers), 'auto' (the default: a small model with the target's tokenizer "
+    "found on this machine, else the substitute on a GPU where it pays, else ngram) or "
+    "'none' (plain decoding)"
 )
 
 # The temperatures specd accepts anywhere, the OpenAI API's range: the REST API refuses

@@ -33,6 +33,7 @@ from daemon.settings import (
     STRATEGY_CHOICES,
     SettingsError,
     learned_cache_dir,
+    no_draft,
     substitute_cache_dir,
 )
 from daemon.startup import collector_paused
@@ -164,7 +165,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft", default=None, help=DRAFT_HELP)
+    p.add_argument("--draft", default="auto", help=DRAFT_HELP)
     p.add_argument(
         "--strategy",
         choices=STRATEGY_CHOICES,
@@ -198,7 +199,7 @@ def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
 def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:
     return RuntimeOptions(
         model=args.model,
-        draft=args.draft,
+        draft=no_draft(args.draft),
         strategy=args.strategy,
         spec_length=args.spec_length,
         budget=args.budget,

@@ -32,6 +32,7 @@ from daemon.settings import (
     DTYPE_CHOICES,
     QUANTIZE_CHOICES,
     SUBSTITUTE_BITS_CHOICES,
+    no_draft,
 )
 from daemon.settings_checks import size_bytes
 from modeling.errors import RequestError
@@ -183,7 +184,7 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
         overrides = {"models.target": (args.model, "--model")} if args.model else None
         options = load_settings(config_file=args.config, overrides=overrides).runtime_options()
     elif args.model:
-        options = RuntimeOptions(model=args.model)
+        options = RuntimeOptions(model=args.model, draft="auto")  # as a run would draft
     else:
         raise RequestError("specd plan needs --model MODEL or --config FILE")
     for name in (
@@ -200,6 +201,7 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
     ):
         value = getattr(args, name)
         if value is not None:
+            value = no_draft(value) if name == "draft" else value
             options = dataclasses.replace(options, **{name: value})
     return apply_offload_args(options, args)
 
@@ -247,7 +249,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # machine's card, so `auto` picks that machine's dtype.
     reason = None
     if options.draft == AUTO:  # what a run would choose; its tokenizer is needed for that
-        full = open_checkpoint(options.model, options.quantize)
+        try:
+            full = open_checkpoint(options.model, options.quantize)
+        except (ValueError, OSError):
+            full = target  # config.json only: planned without matching a model to it
         choice = resolve_auto(options, full, budget, budget.device)
         options, reason = dataclasses.replace(options, draft=choice.draft), choice.reason
         if choice.draft not in ("ngram", "substitute"):
