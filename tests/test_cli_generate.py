@@ -37,7 +37,7 @@ def test_json_record_and_greedy_reference(capsys, stories_target, stories_refere
         str(n),
         "--ignore-eos",
         "--draft",
-        "none",  # plain decoding: one pass per token (the default drafts: `auto`)
+        "none",  # plain decoding, one pass per token (as without --draft)
     )
     assert record["prompt_ids"] == item["prompt_ids"]  # --prompt adds BOS: the config says so
     assert record["token_ids"] == item["new_token_ids"][:n]
@@ -48,12 +48,12 @@ def test_json_record_and_greedy_reference(capsys, stories_target, stories_refere
     assert record["stats"]["draft_kind"] is None and record["stats"]["strategy"] == "autoregressive"
 
 
-def test_the_default_draft_is_auto(capsys, stories_target, stories_reference) -> None:
-    """No --draft: `auto` chooses (prompt lookup on a CPU, no model of the stories
+def test_draft_auto_on_a_cpu_is_prompt_lookup(capsys, stories_target, stories_reference) -> None:
+    """--draft auto chooses (prompt lookup on a CPU, no model of the stories
     tokenizer being on this machine), says why, and greedy is still the target's own."""
     item = _reference(stories_reference, "The little dog")
     argv = ["--model", str(stories_target), "--prompt", "The little dog", "--max-tokens", "24"]
-    record = _json_run(capsys, *argv, "--ignore-eos", "--device", "cpu")
+    record = _json_run(capsys, *argv, "--ignore-eos", "--device", "cpu", "--draft", "auto")
     assert record["token_ids"] == item["new_token_ids"][:24]
     stats = record["stats"]
     assert stats["draft_kind"] == "ngram" and stats["strategy"] == "tree"

@@ -184,7 +184,7 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
         overrides = {"models.target": (args.model, "--model")} if args.model else None
         options = load_settings(config_file=args.config, overrides=overrides).runtime_options()
     elif args.model:
-        options = RuntimeOptions(model=args.model, draft="auto")  # as a run would draft
+        options = RuntimeOptions(model=args.model)
     else:
         raise RequestError("specd plan needs --model MODEL or --config FILE")
     for name in (
@@ -201,7 +201,8 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
     ):
         value = getattr(args, name)
         if value is not None:
-            value = no_draft(value) if name == "draft" else value
+            if name == "draft":
+                value = no_draft(value)
             options = dataclasses.replace(options, **{name: value})
     return apply_offload_args(options, args)
 
