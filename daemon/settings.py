@@ -88,9 +88,9 @@ def _key(default: Any, check: Check) -> Any:
 @dataclass
 class ModelsSettings:
     target: str | None = _key(None, text(nullable=True))
-    # a model, ngram, substitute, auto (daemon/draft_choice.py), or null / "none" for no
-    # draft (plain decoding, the default).
-    draft: str | None = _key(None, text(nullable=True))
+    # auto (the default: daemon/draft_choice.py), a model, ngram, substitute, or null /
+    # "none" for no draft (plain decoding).
+    draft: str | None = _key("auto", text(nullable=True))
     name: str | None = _key(None, text(nullable=True))
     dtype: str = _key("auto", choice(*DTYPE_CHOICES))
     # int8 | int4: quantize a full-precision checkpoint's projections as they load (null:

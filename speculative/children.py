@@ -79,6 +79,7 @@ class TreeView(Protocol):
     parents: torch.Tensor  # (C,)
     depths: torch.Tensor  # (C,)
     values: torch.Tensor  # (C,)
+    firsts: torch.Tensor  # (C,) first children on the path from the root (the node's own too)
 
     def path_tokens(self, node: int) -> list[int]: ...
 
@@ -111,10 +112,11 @@ def _valued(
     t, k = tokens.shape
     ranks = torch.arange(1, k + 1, device=tokens.device).expand(t, k)  # (t, k)
     flat_ranks = ranks.reshape(-1).contiguous()
+    firsts = tree.firsts[nodes][:, None].expand(t, k).reshape(-1)  # (t k,) the parents'
     if by_rank_only:
-        accept = table.log_rank_acceptance(flat_ranks).view(t, k)
+        accept = table.log_rank_acceptance(flat_ranks, firsts).view(t, k)
     else:
-        accept = table.log_acceptance(flat_ranks, q.reshape(-1)).view(t, k)
+        accept = table.log_acceptance(flat_ranks, q.reshape(-1), firsts).view(t, k)
     values = tree.values[nodes][:, None] + accept  # (t, k)
     values = values.masked_fill(~possible, float("-inf"))
     # Strictly decreasing along the rank, so that a later sibling never outranks or ties an

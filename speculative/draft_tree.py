@@ -37,6 +37,9 @@ class DraftTree:
         self.values = torch.zeros(capacity, dtype=torch.float32, device=device)  # (C,)
         self.ranks = torch.zeros(capacity, dtype=torch.long, device=device)  # (C,) 1-based
         self.q = torch.ones(capacity, dtype=torch.float32, device=device)  # (C,) draft prob
+        # First children (rank 1) on the path from the root, the node itself included: what
+        # the acceptance model conditions a path's next first child on.
+        self.firsts = torch.zeros(capacity, dtype=torch.long, device=device)  # (C,)
         self.ancestors = torch.zeros(capacity, capacity, dtype=torch.bool, device=device)  # (C, C)
         self.tokens[0] = root_token
         self.ancestors[0, 0] = True
@@ -51,6 +54,7 @@ class DraftTree:
         nodes = self.add(chosen.tokens, chosen.parents, chosen.values)
         self.ranks[nodes.start : nodes.stop] = chosen.ranks
         self.q[nodes.start : nodes.stop] = chosen.q.float()
+        self.firsts[nodes.start : nodes.stop] = self.firsts[chosen.parents] + (chosen.ranks == 1)
         return nodes
 
     def add(self, tokens: torch.Tensor, parents: torch.Tensor, values: torch.Tensor) -> range:

@@ -14,6 +14,14 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# `--draft auto` (the default) looks for a draft in the model stores and the hub cache: the
+# tests see empty ones, never the developer's downloads, so what it picks does not depend
+# on the machine (tests of the stores point these at their own folders).
+_NO_MODELS = tempfile.mkdtemp(prefix="specd-test-stores-")
+for _store in ("OLLAMA_MODELS", "LMSTUDIO_MODELS", "HF_HUB_CACHE"):
+    os.environ.setdefault(_store, os.path.join(_NO_MODELS, _store.lower()))
+
 sys.path.insert(0, str(ROOT))  # scripts/ (the tiny model factory) is not an installed package
 
 from scripts.tiny_models import make_checkpoint  # noqa: E402
@@ -30,6 +38,8 @@ os.environ["SPECD_RUNTIME_COMPILE"] = "off"
 # What the daemon keeps between runs (built substitute drafts, pid files) goes to a
 # folder of this test session's, never the user's state directory.
 os.environ.setdefault("XDG_STATE_HOME", tempfile.mkdtemp(prefix="specd-test-state-"))
+# The CPU kernels on GGUF blocks are built once per test session, beside it.
+os.environ.setdefault("SPECD_KERNEL_CACHE", tempfile.mkdtemp(prefix="specd-test-kernels-"))
 
 # Tiny models gain nothing from threads, and spinning OpenMP threads stall badly when the
 # two cores are busy; tests run single-threaded.

@@ -37,7 +37,7 @@ def test_json_record_and_greedy_reference(capsys, stories_target, stories_refere
         str(n),
         "--ignore-eos",
         "--draft",
-        "none",  # plain decoding, one pass per token (as without --draft)
+        "none",  # plain decoding, one pass per token (the default drafts: `auto`)
     )
     assert record["prompt_ids"] == item["prompt_ids"]  # --prompt adds BOS: the config says so
     assert record["token_ids"] == item["new_token_ids"][:n]
@@ -49,11 +49,11 @@ def test_json_record_and_greedy_reference(capsys, stories_target, stories_refere
 
 
 def test_draft_auto_on_a_cpu_is_prompt_lookup(capsys, stories_target, stories_reference) -> None:
-    """--draft auto chooses (prompt lookup on a CPU, no model of the stories
+    """No --draft is --draft auto: it chooses (prompt lookup on a CPU, no model of the stories
     tokenizer being on this machine), says why, and greedy is still the target's own."""
     item = _reference(stories_reference, "The little dog")
     argv = ["--model", str(stories_target), "--prompt", "The little dog", "--max-tokens", "24"]
-    record = _json_run(capsys, *argv, "--ignore-eos", "--device", "cpu", "--draft", "auto")
+    record = _json_run(capsys, *argv, "--ignore-eos", "--device", "cpu")  # the default: auto
     assert record["token_ids"] == item["new_token_ids"][:24]
     stats = record["stats"]
     assert stats["draft_kind"] == "ngram" and stats["strategy"] == "tree"

@@ -42,6 +42,7 @@ def server(stories_target: Path) -> Iterator[BackgroundServer]:
         environ={},
         overrides={
             "models.target": (str(stories_target), "test"),
+            "models.draft": ("none", "test"),  # plain decoding: every request a pass a token
             "runtime.compile": ("off", "test"),
             "server.port": (0, "test"),
             "server.keepalive_seconds": (0.05, "test"),

@@ -42,6 +42,7 @@ def server(
         tmp_path_factory,
         KEY,
         {
+            "models.draft": "none",  # a daemon without a draft (the default drafts: auto)
             "server.cors_origins": ["http://app.localhost:3000"],
             "context.length": CONTEXT,
             "limits.max_body_bytes": BODY_LIMIT,

@@ -242,11 +242,14 @@ def test_a_short_prompt_rides_in_the_first_tree_pass(
 ) -> None:
     """The substitute drafts over a short prompt itself (in the target's cache, rows it
     drops before the target verifies), so the prompt is prefilled by the first
-    verification pass: no plain target pass of its own, output unchanged."""
+    verification pass: no plain target pass of its own (every pass verified a tree; the
+    first counts as the prompt's prefill pass, which plain decoding spends), output
+    unchanged."""
     rt = streamed_runtime(stories_target, 4)
     gen = rt.generation(rt.tokenizer.encode(PROMPT), GREEDY, 120, ignore_eos=True).run()
     assert gen.token_ids == reference
-    assert gen.stats.prefill_passes == 0
+    assert gen.stats.target_passes == sum(gen.stats.verification_rounds.values())
+    assert gen.stats.prefill_passes == 1
 
 
 def test_the_plan_counts_copies_of_the_streamed_layers_only() -> None:
@@ -302,8 +305,10 @@ def test_a_packed_target_shares_its_layers_at_equal_bits(shared_models: Path) ->
     assert gen.token_ids == reference.token_ids
     stats = gen.stats.to_dict()
     # The draft is the target: every pass emits as many tokens as a tree of the budget can
-    # give (its chain of 16, the last drafted token's place taken by the target's own).
-    assert stats["tokens_per_target_pass"] == 16.0, stats
+    # give (its chain of 16, the last drafted token's place taken by the target's own): 3
+    # passes, the first also the prompt's prefill pass (plain decoding spends one there).
+    assert stats["target_passes"] == 3 and stats["prefill_passes"] == 1, stats
+    assert stats["tokens_per_target_pass"] == 24.0, stats
     _, drafting = plan_with_draft(
         runtime.target.config, "substitute", None, "auto", path, "fp32", "auto", "cpu",
         OffloadOptions(offload="stream", resident_layers=0), runtime.plan.budget,

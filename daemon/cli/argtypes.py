@@ -20,7 +20,7 @@ MODEL_FORMS = (
 MODEL_HELP = f"the target: {MODEL_FORMS}"
 DRAFT_HELP = (
     f"the draft: {MODEL_FORMS}; or 'ngram' (prompt lookup), 'substitute' (the target's "
-    "own low-bit layers), 'auto' (a small model with the target's tokenizer "
+    "own low-bit layers), 'auto' (the default: a small model with the target's tokenizer "
     "found on this machine, else the substitute on a GPU where it pays, else ngram) or "
     "'none' (plain decoding)"
 )

@@ -165,7 +165,7 @@ def add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft", default=None, help=DRAFT_HELP)
+    p.add_argument("--draft", default="auto", help=DRAFT_HELP)
     p.add_argument(
         "--strategy",
         choices=STRATEGY_CHOICES,

@@ -184,7 +184,7 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
         overrides = {"models.target": (args.model, "--model")} if args.model else None
         options = load_settings(config_file=args.config, overrides=overrides).runtime_options()
     elif args.model:
-        options = RuntimeOptions(model=args.model)
+        options = RuntimeOptions(model=args.model, draft="auto")  # as a run would draft
     else:
         raise RequestError("specd plan needs --model MODEL or --config FILE")
     for name in (

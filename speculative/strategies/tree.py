@@ -135,6 +135,15 @@ class TreeSpeculation:
             constraint=constraint,
         )
         stats = RoundStats()
+        # Passes plain decoding would spend feeding the prompt (x_1..x_{L-1}), and those
+        # spent so far: the verification pass that carries the prompt's last tokens does
+        # that work too, so it counts as a prefill pass while fewer were spent than plain
+        # decoding's (a tree folds a short prompt into its first pass, one pass in all
+        # where a chain spends a prefill pass and a round: counted as a round, the fold
+        # made the tree look a pass worse than the chain it beat by one).
+        prompt_rest = max(len(prompt_ids) - 1 - len(session.target_tokens), 0)
+        prefill_due = -(-prompt_rest // self.prefill_chunk)
+        prefilled = 0
         while state.emitted < max_new_tokens:
             t_round = time.perf_counter()
             tokens = self._walk_cached(session, state, stats, max_new_tokens)
@@ -178,6 +187,7 @@ class TreeSpeculation:
             )
             for step in caught_up:
                 if isinstance(step, Round):
+                    prefilled += step.stats.prefill_passes
                     step.tokens, tokens = tokens, []  # tokens walked above go out first
                     step.logprobs = state.take_logprobs()
                     state.emitted += len(step.tokens)
@@ -223,6 +233,9 @@ class TreeSpeculation:
                 del verified  # its logits (a view of the whole pass's) go before the next pass
                 path = drafted.path
                 stats.target_passes += 1
+                if pending and prefilled < prefill_due:  # it fed the prompt's rest
+                    stats.prefill_passes += 1
+                    prefilled += 1
                 stats.drafted += tree.size - 1
                 stats.accepted += len(path)
                 stats.tree_nodes += tree.size - 1
