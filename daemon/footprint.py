@@ -12,6 +12,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from modeling.checkpoints.gguf_model import keeps_head_packed, pack_head
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
 from modeling.kv_cache import WINDOW_ROOM
@@ -23,7 +24,10 @@ from modeling.models import (
     layer_activations,
     window_kv_bytes_per_token,
 )
+from modeling.weights import cpu_kernels
+from modeling.weights.gguf_blocks import FLOAT_TYPES, row_bytes
 from modeling.weights.packed import PackedLinear
+from modeling.weights.quant import EMBEDDING
 from offload.activations import ActivationFootprint
 from offload.layout import FlatLayout
 from offload.machine import gemm_copies_output
@@ -44,6 +48,14 @@ def footprint(
     computes (a CPU's matrix products may hold more, `gemm_copies_output`)."""
     with torch.device("meta"):
         model = Transformer(config).to(dtype)
+    if config.quantization is not None and keeps_head_packed(config, dtype, device_type):
+        # The output matrix stays its blocks, as loading keeps it (the CPU kernels).
+        kind = config.quantization.head_type
+        rows = torch.empty(
+            config.vocab_size, row_bytes(kind, config.hidden_size), dtype=torch.uint8,
+            device="meta",
+        )  # fmt: skip
+        pack_head(model, rows, kind, config)
     # A freshly built Transformer holds its own blocks: a ModuleList, never a streamer.
     block = cast(nn.ModuleList, model.layers)[0]
     # A layer's bytes as the streamer lays them out (slots, host arenas): the parameters
@@ -73,7 +85,19 @@ def footprint(
         quantization=config.quantization.label if config.quantization is not None else "",
         dense_layer_bytes=dense_layer,
         dequant_bytes=max((m.rebuild_bytes(dtype) for m in packed), default=0),
+        packed_kernels=packed_kernels(config, dtype, device_type),
     )
+
+
+def packed_kernels(config: ModelConfig, dtype: torch.dtype, device_type: str) -> bool:
+    """Whether every packed projection of `config` computes from its blocks on
+    `device_type` in `dtype` (modeling/weights/cpu_kernels.py: GGUF types, fp32, a CPU
+    whose kernels are built here)."""
+    spec = config.quantization
+    if device_type != "cpu" or dtype != torch.float32 or spec is None or spec.method != "gguf":
+        return False
+    kinds = {kind for name, kind in spec.tensor_types if name != EMBEDDING}
+    return all(kind in FLOAT_TYPES or cpu_kernels.supports(kind) for kind in kinds)
 
 
 def activation_footprint(

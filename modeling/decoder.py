@@ -66,14 +66,16 @@ class Transformer(nn.Module):
         # The largest pass the caller plans (a window layer's ring is sized for it, see
         # modeling/kv_cache.py; 0: the ring's default room)
         self.max_pass_tokens = 0
-        self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size)
+        # (a GGUF file's quantized table is a GGUFEmbedding: modeling/weights/quant.py)
+        self.embed_tokens: nn.Module = _embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers: nn.ModuleList | LayerSequence = nn.ModuleList(
             arch.block(cfg, i) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         if cfg.quantization is not None and cfg.quantization.tensor_types:
             specialise(self, cfg.quantization)  # a GGUF file's types, per tensor
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # (a GGUFLinear where the CPU kernels compute a GGUF head: gguf_model.pack_head)
+        self.lm_head: nn.Module = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Packed projections rebuild their weights into one shared scratch (modeling/weights/packed.py).

@@ -42,6 +42,10 @@ class ModelFootprint:
     quantization: str = ""
     dense_layer_bytes: int = 0
     dequant_bytes: int = 0
+    # Its packed projections compute from their blocks where the model computes (the CPU
+    # kernels, modeling/weights/cpu_kernels.py): a decode step then reads the packed bytes,
+    # so the layers stay packed even where their dequantized copy would fit.
+    packed_kernels: bool = False
     # Window layers (modeling/kv_cache.py): K and V per slot of their ring, its window,
     # and the room it keeps ahead of the window (kv_cache.WINDOW_ROOM)
     window_kv_bytes_per_slot: int = 0

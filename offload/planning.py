@@ -65,10 +65,15 @@ def make_plan(request: PlanRequest, budget: MemoryBudget) -> MemoryPlan:
         if not everything_fits:
             raise PlanError(_no_fit_message(r, budget, fixed, streaming=False))
         dense = t.dense_layer_bytes
-        keep_dense = layer < dense and room >= n * dense
+        keep_dense = layer < dense and room >= n * dense and not t.packed_kernels
         label = f"target layers ({n}, all resident{', dequantized' if keep_dense else ''})"
         parts = {**fixed, label: n * (dense if keep_dense else layer)}
         notes = _sequences_note(r, budget, sum(parts.values()))
+        if layer < dense and t.packed_kernels:
+            notes.append(
+                "packed layers computed where they lie (the CPU kernels read a layer's "
+                f"{format_size(layer)} a token, not its {format_size(dense)} dequantized)"
+            )
         if keep_dense:
             notes.append(
                 f"packed layers kept dequantized ({format_size(dense)} each instead of "

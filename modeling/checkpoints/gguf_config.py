@@ -295,7 +295,11 @@ def _quantization(
     if all(kind in FLOAT_TYPES for name, kind in types if name != EMBEDDING):
         return None  # float projections: a dense model (its embedding decoded at load)
     file_type = _file_type(meta.get("general.file_type"))
-    return QuantizationSpec.gguf(tuple(sorted(types)), file_type, tuple(sorted(stored.items())))
+    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    head_type = int(head.ggml_type) if head is not None else -1
+    return QuantizationSpec.gguf(
+        tuple(sorted(types)), file_type, tuple(sorted(stored.items())), head_type
+    )
 
 
 def _file_type(value: Any) -> str:

@@ -10,6 +10,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as GGMLType
 from torch import nn
 
+from modeling.weights import cpu_kernels
 from modeling.weights.gguf_blocks import (
     BLOCK_SIZES,
     FLOAT_TYPES,
@@ -68,6 +69,17 @@ class GGUFLinear(PackedLinear):
 
     def _is_own_weight(self, dtype: torch.dtype) -> bool:
         return FLOAT_TYPES.get(self.ggml_type) == dtype
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """A product of a few rows on the CPU reads the blocks where they lie
+        (modeling/weights/cpu_kernels.py); others rebuild the weight first."""
+        if cpu_kernels.usable(x, self.ggml_type):
+            if torch.compiler.is_compiling():  # one opaque node in the traced graph
+                y = torch.ops.specd.gguf_gemv(x, self.stored(), int(self.ggml_type))
+            else:  # (the operator's dispatch costs more than a small product)
+                y = cpu_kernels.gemv(x, self.stored(), self.ggml_type)
+            return y if self.bias is None else y + self.bias
+        return super().product(x)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         if self._is_own_weight(dtype):

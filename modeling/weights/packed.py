@@ -133,8 +133,13 @@ class PackedLinear(nn.Module, ABC):
         n = self.in_features * self.out_features
         return n * _itemsize(work) + 2 * n * self.bits // 8
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T + b: the weight rebuilt in x's dtype for this product (a format with a
+        kernel on its packed form overrides this)."""
         return nn.functional.linear(x, self.dequantize(x.dtype), self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         # `model.to(bf16)` sets the compute dtype; the packed tensors are data in the

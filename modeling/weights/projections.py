@@ -19,9 +19,10 @@ def linear(module: nn.Linear | PackedLinear, x: torch.Tensor) -> torch.Tensor:
     """`module(x)` without nn.Module's call machinery (hooks are never used here), which at
     decode sizes costs as much as the matmul itself. Reads the tensors at call time, so a
     streamer that rebinds them keeps working. A packed projection's weight is rebuilt in
-    the compute dtype for this call only."""
+    the compute dtype for this call only, or computed from its blocks where a kernel does
+    (`PackedLinear.product`)."""
     if isinstance(module, PackedLinear):
-        return F.linear(x, module.dequantize(x.dtype), module.bias)
+        return module.product(x)
     return F.linear(x, module.weight, module.bias)
 
 

@@ -45,6 +45,9 @@ class QuantizationSpec:
     tensor_types: tuple[tuple[str, int], ...] = ()
     file_type: str = ""
     type_bytes: tuple[tuple[str, int], ...] = ()  # the layers' stored bytes per block type
+    # The output matrix's ggml type (the embedding's where it is tied; -1: none recorded):
+    # on a CPU with kernels for it, the head stays packed (modeling/checkpoints/gguf_model.py).
+    head_type: int = -1
 
     @classmethod
     def gguf(
@@ -52,10 +55,11 @@ class QuantizationSpec:
         tensor_types: tuple[tuple[str, int], ...],
         file_type: str,
         type_bytes: tuple[tuple[str, int], ...],
+        head_type: int = -1,
     ) -> QuantizationSpec:
         return cls(
             "gguf", 0, -1, False, torch.float16, tensor_types=tensor_types,
-            file_type=file_type, type_bytes=type_bytes,
+            file_type=file_type, type_bytes=type_bytes, head_type=head_type,
         )  # fmt: skip
 
     @property

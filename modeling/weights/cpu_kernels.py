@@ -1,0 +1,244 @@
+"""Products on GGUF blocks where they lie, on the CPU (modeling/weights/cpu_kernels.c).
+
+Rebuilding a 4-bit projection to a float matrix for every product costs a token the bytes
+of the float matrix twice (written, then read by the product): a Q4_1 model decoded no
+faster than its F32 copy. These kernels read each group of 32 weights from the blocks into
+registers, compute every weight with the reference decoder's operations in its order
+(bit-identical weights; only the order of the sum over the inputs differs, as between two
+BLAS libraries), and multiply them into up to `max_rows()` rows of input at once: a decode
+step, a short chain, a few sequences in one pass. Longer passes (a prefill, a large tree)
+are bound by arithmetic, not by bytes, and keep the rebuilt matrix and the BLAS product.
+
+The C file is compiled once per machine with the system's C compiler (`$CC`, else cc, gcc
+or clang) into the user cache (`platformdirs.user_cache_dir("specd")/kernels/`, named by a
+hash of the source and the flags), on x86-64 CPUs with AVX2 and FMA (every desktop CPU
+since 2013-2015); elsewhere, without a compiler, or with SPECD_CPU_KERNELS=off, projections
+are rebuilt as before, and `status()` says why. Calls go through ctypes, which releases
+the GIL; every pointer's extent is checked here before the call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf.constants import GGMLQuantizationType as GGMLType
+
+log = logging.getLogger("specd.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
+VERSION = 1  # what the C file's specd_kernels_version() must return
+COMPILE_SECONDS = 120
+
+# ggml type → (C function suffix, block bytes, elements per block).
+TYPES: dict[GGMLType, tuple[str, int, int]] = {
+    GGMLType.Q8_0: ("q8_0", 34, 32),
+    GGMLType.Q4_0: ("q4_0", 18, 32),
+    GGMLType.Q4_1: ("q4_1", 20, 32),
+    GGMLType.Q5_0: ("q5_0", 22, 32),
+    GGMLType.Q5_1: ("q5_1", 24, 32),
+    GGMLType.Q4_K: ("q4_k", 144, 256),
+    GGMLType.Q5_K: ("q5_k", 176, 256),
+    GGMLType.Q6_K: ("q6_k", 210, 256),
+    GGMLType.IQ4_NL: ("iq4_nl", 18, 32),
+    GGMLType.IQ4_XS: ("iq4_xs", 136, 256),
+}
+
+
+class _Library:
+    """The compiled kernels, or why there are none (built on first use, once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tried = False
+        self.functions: dict[GGMLType, Any] = {}  # ctypes function pointers
+        self.max_rows = 0
+        self.reason = "not built yet"
+
+    def load(self) -> bool:
+        if self._tried:  # (every projection of every pass asks)
+            return bool(self.functions)
+        with self._lock:
+            if not self._tried:
+                self._tried = True
+                try:
+                    self._load()
+                    self.reason = "compiled for this CPU (AVX2, FMA)"
+                except _Unavailable as err:
+                    self.reason = str(err)
+                    log.info("CPU kernels on GGUF blocks unavailable: %s", err)
+            return bool(self.functions)
+
+    def _load(self) -> None:
+        if os.environ.get("SPECD_CPU_KERNELS", "").lower() in ("off", "0", "false", "no"):
+            raise _Unavailable("turned off by SPECD_CPU_KERNELS")
+        if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+            raise _Unavailable(
+                f"this CPU's vector unit ({torch.backends.cpu.get_cpu_capability()}) is not "
+                "AVX2 with FMA; projections are rebuilt for each product"
+            )
+        path = _build()
+        try:
+            lib = ctypes.CDLL(str(path))
+            if lib.specd_kernels_version() != VERSION:
+                raise _Unavailable(f"{path} is not version {VERSION} of the kernels")
+            self.max_rows = int(lib.specd_max_rows())
+            for kind, (name, _, _) in TYPES.items():
+                fn = getattr(lib, f"specd_gemv_{name}")
+                fn.restype = None
+                fn.argtypes = [
+                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                    ctypes.c_int64,
+                ]  # fmt: skip
+                self.functions[kind] = fn
+        except (OSError, AttributeError) as err:
+            raise _Unavailable(f"{path} could not be loaded: {err}") from None
+
+
+class _Unavailable(RuntimeError):
+    pass
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise _Unavailable("no C compiler (cc, gcc or clang) to build them with")
+
+
+def _cache_dir() -> Path:
+    from platformdirs import user_cache_dir
+
+    override = os.environ.get("SPECD_KERNEL_CACHE")
+    return Path(override) if override else Path(user_cache_dir("specd")) / "kernels"
+
+
+def _build() -> Path:
+    """The shared library for this source and these flags: built into the cache once
+    (into a temporary name, then renamed, so that two processes never load half a file)."""
+    source = SOURCE.read_bytes()
+    compiler = _compiler()
+    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    folder = _cache_dir()
+    target = folder / f"specd-cpu-kernels-{key}.so"
+    if target.is_file():
+        return target
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            built = Path(scratch) / target.name
+            done = subprocess.run(
+                [compiler, *FLAGS, str(SOURCE), "-o", str(built)],
+                capture_output=True,
+                text=True,
+                timeout=COMPILE_SECONDS,
+            )
+            if done.returncode != 0:
+                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                raise _Unavailable(f"{compiler} could not build {SOURCE.name}: {last}")
+            os.replace(built, target)
+    except (OSError, subprocess.SubprocessError) as err:
+        raise _Unavailable(f"building {SOURCE.name} failed: {err}") from None
+    log.info("built the CPU kernels on GGUF blocks: %s", target)
+    return target
+
+
+_LIBRARY = _Library()
+
+
+def available() -> bool:
+    """Whether the kernels run here (they are built on the first call)."""
+    return sys.byteorder == "little" and _LIBRARY.load()
+
+
+def status() -> str:
+    """Why the kernels are used or not (after `available()`)."""
+    return _LIBRARY.reason
+
+
+def max_rows() -> int:
+    """The most input rows one call multiplies (0 where the kernels are unavailable)."""
+    return _LIBRARY.max_rows if available() else 0
+
+
+def supports(kind: int | GGMLType) -> bool:
+    try:
+        return GGMLType(kind) in TYPES and available()
+    except ValueError:
+        return False
+
+
+def computes(kind: int | GGMLType, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a model computing in `dtype` on `device` multiplies blocks of `kind` with
+    these kernels (one pass's few rows; longer passes rebuild)."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and supports(kind)
+
+
+def usable(x: torch.Tensor, kind: int | GGMLType) -> bool:
+    """Whether `gemv` takes this input for blocks of `kind`: fp32 on the CPU, at most
+    `max_rows()` rows, outside autograd (the kernels have no backward)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and x.dim() >= 1
+        and x.numel() // max(x.shape[-1], 1) <= max_rows()
+        and supports(kind)
+    )
+
+
+def gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> torch.Tensor:
+    """x (..., K) fp32 times the (N, K) matrix whose rows are `blocks` (N, row_bytes) uint8
+    of ggml type `kind`: (..., N) fp32. Raises ValueError for shapes that do not fit, and
+    RuntimeError where the kernels are unavailable (`status()` says why)."""
+    if not available():
+        raise RuntimeError(f"the CPU kernels are unavailable: {status()}")
+    kind = GGMLType(kind)
+    _, size, elements = TYPES[kind]
+    k = x.shape[-1]
+    rows = x.numel() // max(k, 1)
+    n = blocks.shape[0] if blocks.dim() == 2 else -1
+    if (
+        x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or blocks.dtype != torch.uint8
+        or blocks.device.type != "cpu"
+        or blocks.dim() != 2
+        or k % elements
+        or blocks.shape[1] != k // elements * size
+        or not 1 <= rows <= _LIBRARY.max_rows
+    ):
+        raise ValueError(
+            f"{kind.name} product: input {x.dtype} {tuple(x.shape)} and blocks {blocks.dtype} "
+            f"{tuple(blocks.shape)} do not fit"
+        )
+    x2 = x.reshape(rows, k).contiguous()
+    b = blocks if blocks.is_contiguous() else blocks.contiguous()
+    out = torch.empty(rows, n, dtype=torch.float32)
+    fn = _LIBRARY.functions[kind]
+    fn(x2.data_ptr(), k, b.data_ptr(), b.shape[1], out.data_ptr(), n, rows, n, k)
+    return out.view(*x.shape[:-1], n)
+
+
+# An opaque operator for torch.compile: a traced pass calls the kernel as one node instead
+# of breaking its graph at the ctypes call.
+@torch.library.custom_op("specd::gguf_gemv", mutates_args=())
+def gguf_gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    return gemv(x, blocks, kind)
+
+
+@gguf_gemv.register_fake
+def _(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], blocks.shape[0]))

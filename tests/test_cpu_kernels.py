@@ -1,0 +1,147 @@
+"""The CPU kernels on GGUF blocks (modeling/weights/cpu_kernels.py): every weight they
+compute is the reference decoder's bit for bit, products equal the rebuilt matrix's to
+float summation order, a projection or head takes them only where they apply, and a
+real model's greedy text is unchanged with them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as GGMLType
+
+from modeling.weights import cpu_kernels
+from modeling.weights.gguf_blocks import BLOCK_SIZES, dequantize
+from modeling.weights.gguf_modules import GGUFEmbedding, GGUFLinear
+
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels.available(), reason=f"no CPU kernels here: {cpu_kernels.status()}"
+)
+
+KINDS = list(cpu_kernels.TYPES)
+
+
+def random_blocks(kind: GGMLType, rows: int, columns: int, seed: int) -> torch.Tensor:
+    """Random bytes as `rows` rows of `kind` blocks: every code and scale bit pattern, so
+    half scales include subnormals, negatives, infinities and NaNs."""
+    elements, size = BLOCK_SIZES[kind]
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (rows, columns // elements * size), dtype=torch.uint8, generator=g)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_every_weight_is_the_reference_decoders(kind: GGMLType) -> None:
+    """Multiplying by one-hot rows reads each weight alone: where the reference decodes a
+    finite row, the kernel's weights are equal bit for bit."""
+    elements, _ = BLOCK_SIZES[kind]
+    columns = 2 * max(elements, 64)
+    blocks = random_blocks(kind, 23, columns, seed=int(kind))
+    reference = dequantize(blocks, kind, columns)  # (23, columns)
+    finite = torch.isfinite(reference).all(1)
+    assert int(finite.sum()) >= 5  # (random scales: most rows are finite)
+    eye = torch.eye(columns)
+    rows = cpu_kernels.max_rows()
+    got = torch.cat(
+        [cpu_kernels.gemv(eye[i : i + rows], blocks, kind) for i in range(0, columns, rows)]
+    )
+    assert torch.equal(got.T[finite], reference[finite])
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name)
+def test_products_equal_the_rebuilt_matrix(kind: GGMLType) -> None:
+    """Up to `max_rows` rows at once, any row count of the matrix (odd, one): the rebuilt
+    matrix's product to float summation order (1e-5 of sum |x| |w|)."""
+    elements, _ = BLOCK_SIZES[kind]
+    columns = 3 * max(elements, 32)
+    blocks = random_blocks(kind, 41, columns, seed=100 + int(kind))
+    w = dequantize(blocks, kind, columns)
+    finite = torch.isfinite(w).all(1)
+    g = torch.Generator().manual_seed(7)
+    for rows in (1, 2, 5, cpu_kernels.max_rows()):
+        x = torch.randn(rows, columns, generator=g)
+        got = cpu_kernels.gemv(x, blocks, kind)[:, finite]
+        want = (x @ w.T)[:, finite]
+        scale = x.abs() @ w[finite].abs().T
+        assert bool(((got - want).abs() <= 1e-5 * scale + 1e-30).all()), (kind.name, rows)
+    one = cpu_kernels.gemv(torch.randn(columns, generator=g), blocks[:1], kind)
+    assert one.shape == (1,)
+
+
+@needs_kernels
+def test_shapes_that_do_not_fit_never_reach_the_kernel() -> None:
+    """The C code trusts its sizes: every mismatch is a ValueError here first."""
+    kind = GGMLType.Q4_0
+    blocks = random_blocks(kind, 4, 64, seed=1)
+    bad = [
+        (torch.randn(1, 96), blocks),  # K does not match the rows' bytes
+        (torch.randn(1, 48), random_blocks(kind, 4, 32, seed=1)[:, :9]),  # not whole blocks
+        (torch.randn(cpu_kernels.max_rows() + 1, 64), blocks),  # too many rows
+        (torch.randn(1, 64, dtype=torch.float64), blocks),
+        (torch.randn(1, 64), blocks.view(torch.int8)),
+        (torch.randn(0, 64), blocks),
+    ]
+    for x, b in bad:
+        with pytest.raises(ValueError, match="do not fit"):
+            cpu_kernels.gemv(x, b, kind)
+
+
+@needs_kernels
+def test_a_projection_takes_the_kernel_for_a_few_rows_only(monkeypatch) -> None:
+    """GGUFLinear: up to `max_rows` rows of fp32 on the CPU go to the kernel (bias added),
+    more rows and other dtypes rebuild the weight; both give the same product."""
+    kind = GGMLType.Q4_K
+    layer = GGUFLinear(256, 48, True, kind)
+    layer.blocks.copy_(random_blocks(kind, 48, 256, seed=3))
+    layer.blocks.view(48, -1, 144)[..., :4] = torch.tensor([0, 40, 0, 36], dtype=torch.uint8)
+    torch.nn.init.normal_(layer.bias)
+    calls = []
+    real = cpu_kernels.gemv
+    monkeypatch.setattr(cpu_kernels, "gemv", lambda *a: calls.append(a) or real(*a))
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        few = layer(x)
+        assert len(calls) == 1
+        w = layer.dequantize(torch.float32)
+        rebuilt = torch.nn.functional.linear(x, w, layer.bias)
+        assert bool(((few - rebuilt).abs() <= 1e-5 * (x.abs() @ w.abs().T) + 1e-5).all())
+        many = layer(torch.randn(cpu_kernels.max_rows() + 1, 256))
+        half = layer.to(torch.bfloat16)(x.bfloat16())
+    assert len(calls) == 1 and many.shape == (cpu_kernels.max_rows() + 1, 48)
+    assert half.dtype == torch.bfloat16
+
+
+def test_turned_off_it_says_why(monkeypatch) -> None:
+    monkeypatch.setenv("SPECD_CPU_KERNELS", "off")
+    library = cpu_kernels._Library()
+    assert not library.load() and "SPECD_CPU_KERNELS" in library.reason
+
+
+@needs_kernels
+def test_a_real_chat_models_greedy_text_is_unchanged(shared_models, monkeypatch) -> None:
+    """SmolLM2 as shipped (Q4_1, tied head): on the CPU its layers stay packed and its head
+    is the embedding's blocks (no dense copy); greedy ids equal the rebuilt model's."""
+    from modeling.checkpoints.checkpoint import load
+
+    path = shared_models / "smollm2-135m-instruct" / "smollm2-135m-instruct-q4_1.gguf"
+    model, tokenizer, _ = load(path, torch.float32, "cpu")
+    assert isinstance(model.lm_head, GGUFLinear) and isinstance(model.embed_tokens, GGUFEmbedding)
+    assert model.lm_head.blocks is model.embed_tokens.blocks
+    ids = tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+
+    def greedy(n: int) -> list[int]:
+        cache = model.new_cache(len(ids) + n)
+        logits = model(torch.tensor(ids), torch.arange(len(ids)), cache)[-1]
+        out = []
+        for _ in range(n):
+            out.append(int(logits.argmax()))
+            pos = torch.tensor([cache.length])
+            logits = model(torch.tensor(out[-1:]), pos, cache)[-1]
+        return out
+
+    with torch.inference_mode():
+        fast = greedy(24)
+        monkeypatch.setattr(cpu_kernels, "usable", lambda x, kind: False)
+        rebuilt = greedy(24)
+    assert fast == rebuilt
+    assert "Paris" in tokenizer.decode(fast)
