@@ -1,10 +1,22 @@
-"""Autoregressive decode speed: specd's runtime against transformers' `generate`.
+"""Autoregressive decode speed: specd's runtime against transformers' `generate`, and
+(`--real`) on a real model's forms against llama.cpp.
 
 Same checkpoint, prompt, dtype, token count and thread count; greedy; repeats interleaved
 (ours, theirs, ours, ...) so that drift on a shared machine hits both alike. Prints a table
 with the ratio and writes JSON. transformers is a bench/test-only dependency.
 
     .venv/bin/python scripts/bench_decode.py [--model DIR] [--max-tokens 128] [--repeats 5]
+
+`--real`: SmolLM2-135M-Instruct (../shared/models) as its Q4_1 GGUF with the CPU kernels
+(modeling/weights/cpu_kernels.py) and without (each projection rebuilt, as before them),
+its F32 form (scripts/real_forms.py) and that form `--quantize int8` / `int4`; eager and
+`--compile on`; 1 and 2 threads; each a fresh process per repeat, repeats interleaved.
+Decode tokens/s over `--max-tokens` after the prompt, and the weight bytes a decode step
+reads (layers and head; a rebuilt projection also writes and reads its float matrix).
+With `--llama-bench PATH` (llama.cpp's, built from the `llama-cpp-python` sdist's vendored
+source, never committed) the Q4_1 file runs there too, in the same loop.
+
+    .venv/bin/python scripts/bench_decode.py --real [--llama-bench PATH] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -74,6 +86,146 @@ def run_transformers(model, prompt_ids: list[int], n: int) -> tuple[float, list[
     return time.perf_counter() - t0, out[0, len(prompt_ids) :].tolist()
 
 
+REAL_FORMS = ("q4_1", "q4_1-rebuilt", "f32", "int8", "int4")
+
+
+def real_form(form: str) -> tuple[str, str | None, dict[str, str]]:
+    """(model path, --quantize, environment) of one form of SmolLM2."""
+    from scripts.real_forms import SMOLLM2_GGUF, smollm2_f32
+
+    if form == "q4_1":
+        return str(SMOLLM2_GGUF), None, {}
+    if form == "q4_1-rebuilt":
+        return str(SMOLLM2_GGUF), None, {"SPECD_CPU_KERNELS": "off"}
+    return str(smollm2_f32()), None if form == "f32" else form, {}
+
+
+def step_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Weight bytes one decode step reads: each projection's stored bytes where a kernel
+    computes from them (a packed one) or where it is dense; a rebuilt packed one also
+    writes and reads its float matrix. The embedding's one row is left out."""
+    from modeling.weights import cpu_kernels
+    from modeling.weights.gguf_modules import GGUFLinear
+    from modeling.weights.packed import PackedLinear
+
+    total = 0
+    x = torch.zeros(1, 1, dtype=dtype)
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            stored = sum(t.numel() * t.element_size() for t in module.buffers(recurse=False))
+            kernel = isinstance(module, GGUFLinear) and cpu_kernels.usable(x, module.ggml_type)
+            dense = module.in_features * module.out_features * x.element_size()
+            total += stored + (0 if kernel else 2 * dense)
+        elif isinstance(module, torch.nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+    return total
+
+
+def measure_real(form: str, compiled: bool, threads: int, n: int) -> dict:
+    """One process's run: load the form, warm up, decode n tokens after a short prompt."""
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
+    from speculative.passes import alone
+
+    path, quantize, _ = real_form(form)
+    torch.set_num_threads(threads)
+    options = RuntimeOptions(
+        model=path, quantize=quantize, device="cpu", threads=threads, draft=None,
+        compile="on" if compiled else "off", prefix_cache=0,
+    )  # fmt: skip
+    rt = Runtime(options)
+    if compiled:
+        rt.compile(serving=False).warm(lambda *_: None)
+    strategy = rt.strategy("autoregressive")
+    prompt = rt.tokenizer.encode_chat([{"role": "user", "content": "Tell me about Paris."}])
+
+    def decode(tokens: int) -> tuple[float, list[int]]:
+        session = strategy.new_session(rt.context)
+        steps = strategy.steps(
+            session, prompt, SamplingParams(temperature=0.0), tokens, torch.Generator()
+        )
+        ids: list[int] = []
+        start = None
+        for rnd in alone(steps):
+            if start is None and rnd.tokens:
+                start = time.perf_counter()  # the first token: the prompt is in
+            ids += rnd.tokens
+        assert start is not None
+        return (tokens - 1) / (time.perf_counter() - start), ids
+
+    decode(16)  # warm-up: first calls allocate, pick kernels (and compile)
+    rate, ids = decode(n)
+    return {"tokens_per_second": rate, "bytes_per_token": step_bytes(rt.target, rt.target.dtype),
+            "ids": ids}  # fmt: skip
+
+
+def run_llama_bench(binary: str, model: str, threads: int, n: int) -> float:
+    import subprocess
+
+    done = subprocess.run(
+        [binary, "-m", model, "-p", "0", "-n", str(n), "-t", str(threads), "-r", "1", "-o", "json"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    return float(json.loads(done.stdout)[0]["avg_ts"])
+
+
+def real_main(args: argparse.Namespace) -> None:
+    import os
+    import subprocess
+
+    configs = [
+        (form, compiled, threads)
+        for form in args.forms.split(",")
+        for compiled in ([False, True] if args.compile else [False])
+        for threads in (int(t) for t in args.threads_list.split(","))
+    ]
+    rows: dict[tuple, list[dict]] = {c: [] for c in configs}
+    llama: dict[int, list[float]] = {}
+    for repeat in range(args.repeats):
+        order = configs if repeat % 2 == 0 else configs[::-1]
+        for form, compiled, threads in order:
+            _, _, env = real_form(form)
+            done = subprocess.run(
+                [sys.executable, __file__, "--real-one", form, "--real-compiled", str(int(compiled)),
+                 "--threads", str(threads), "--max-tokens", str(args.max_tokens)],
+                capture_output=True, text=True, env={**os.environ, **env}, timeout=1800,
+            )  # fmt: skip
+            if done.returncode != 0:
+                raise SystemExit(f"{form}: {done.stderr.strip().splitlines()[-1:]}")
+            rows[(form, compiled, threads)].append(json.loads(done.stdout.splitlines()[-1]))
+        if args.llama_bench:
+            from scripts.real_forms import SMOLLM2_GGUF
+
+            for threads in (int(t) for t in args.threads_list.split(",")):
+                rate = run_llama_bench(args.llama_bench, str(SMOLLM2_GGUF), threads, args.max_tokens)
+                llama.setdefault(threads, []).append(rate)
+    print(f"SmolLM2-135M-Instruct, decode of {args.max_tokens} tokens after a chat prompt, "
+          f"median of {args.repeats} interleaved runs, {platform.machine()}")  # fmt: skip
+    print("| form | compiled | threads | tokens/s | x llama.cpp Q4_1 | MB read per token |")
+    print("|---|---|---|---|---|---|")
+    reference = rows[configs[0]][0]["ids"]
+    record = []
+    for (form, compiled, threads), runs in rows.items():
+        rate = statistics.median(r["tokens_per_second"] for r in runs)
+        ref = statistics.median(llama[threads]) if threads in llama else None
+        ratio = f"{rate / ref:.2f}" if ref else "-"
+        same = "" if runs[0]["ids"] == reference else " (other tokens)"
+        mb = runs[0]["bytes_per_token"] / 1e6
+        print(f"| {form}{same} | {'on' if compiled else 'off'} | {threads} | {rate:.1f} | {ratio} "
+              f"| {mb:.0f} |")  # fmt: skip
+        record.append({"form": form, "compiled": compiled, "threads": threads,
+                       "tokens_per_second": rate, "bytes_per_token": runs[0]["bytes_per_token"],
+                       "same_ids": runs[0]["ids"] == reference})  # fmt: skip
+    for threads, rates in llama.items():
+        print(f"| llama.cpp Q4_1 | - | {threads} | {statistics.median(rates):.1f} | 1.00 | - |")
+        record.append({"form": "llama.cpp q4_1", "threads": threads,
+                       "tokens_per_second": statistics.median(rates)})  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"max_tokens": args.max_tokens, "rows": record}, indent=2))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -85,7 +237,24 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads for both (1: steadiest on a busy box)"
     )
     ap.add_argument("--out", default=str(ROOT / "bench-results" / "decode.json"))
+    ap.add_argument("--real", action="store_true", help="SmolLM2's forms and llama.cpp")
+    ap.add_argument("--forms", default=",".join(REAL_FORMS))
+    ap.add_argument("--threads-list", default="1,2")
+    ap.add_argument("--compile", action="store_true", help="--real: also --compile on")
+    ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
+    ap.add_argument("--real-one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--real-compiled", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.real_one:
+        torch.set_grad_enabled(False)
+        result = measure_real(args.real_one, bool(args.real_compiled), args.threads, args.max_tokens)
+        print(json.dumps(result))
+        return
+    if args.real:
+        if args.out == str(ROOT / "bench-results" / "decode.json"):
+            args.out = str(ROOT / "bench-results" / "decode-real.json")
+        real_main(args)
+        return
 
     from transformers import AutoModelForCausalLM  # bench-only reference
 

@@ -18,7 +18,7 @@ from daemon.cli import main
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from modeling.checkpoints.checkpoint import load, open_checkpoint
-from modeling.checkpoints.gguf_model import GGUFError
+from modeling.checkpoints.gguf_model import GGUFError, keeps_head_packed
 from modeling.models import layer_parameter_count
 from modeling.weights.gguf_modules import GGUFEmbedding, GGUFLinear
 from offload.stream import LayerStreamer
@@ -44,9 +44,12 @@ def test_greedy_ids_equal_transformers_gguf_loader(name: str) -> None:
     stored = {t["name"]: t["type"] for t in ref["tensors"]}
     assert ckpt.config.tie_word_embeddings == ("output.weight" not in stored)
     # An untied quantized table stays as its blocks (rows decoded per lookup); a tied one
-    # is also the output matrix, decoded whole.
-    packed_table = "output.weight" in stored and stored["token_embd.weight"] not in FLOATS
-    assert isinstance(model.embed_tokens, GGUFEmbedding) == packed_table
+    # is also the output matrix: its blocks where the CPU kernels compute the head
+    # (modeling/weights/cpu_kernels.py), else decoded whole.
+    packed_head = keeps_head_packed(ckpt.config, torch.float32, "cpu")
+    untied = "output.weight" in stored and stored["token_embd.weight"] not in FLOATS
+    assert isinstance(model.embed_tokens, GGUFEmbedding) == (untied or packed_head)
+    assert isinstance(model.lm_head, GGUFLinear) == packed_head
     for item in ref["items"]:
         assert tokenizer.encode(item["prompt"]) == item["prompt_ids"]
         feed = list(item["prompt_ids"])
