@@ -77,7 +77,8 @@ def ineligible(model: Transformer) -> str | None:
     """Why `model`'s passes cannot be compiled, or None when they can."""
     if not isinstance(model.layers, nn.ModuleList):
         return "its layers are streamed (weights move between passes)"
-    if any(isinstance(m, PackedLinear) for m in model.layers.modules()):
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if not all(m.computed_in_place(model.dtype, model.device) for m in packed):
         return "its projections are packed (each is rebuilt into a scratch per pass)"
     if model.windowed:
         return "its layers attend through sliding windows (a compiled pass holds one mask)"

@@ -197,7 +197,9 @@ def real_main(args: argparse.Namespace) -> None:
             from scripts.real_forms import SMOLLM2_GGUF
 
             for threads in (int(t) for t in args.threads_list.split(",")):
-                rate = run_llama_bench(args.llama_bench, str(SMOLLM2_GGUF), threads, args.max_tokens)
+                rate = run_llama_bench(
+                    args.llama_bench, str(SMOLLM2_GGUF), threads, args.max_tokens
+                )
                 llama.setdefault(threads, []).append(rate)
     print(f"SmolLM2-135M-Instruct, decode of {args.max_tokens} tokens after a chat prompt, "
           f"median of {args.repeats} interleaved runs, {platform.machine()}")  # fmt: skip
@@ -247,7 +249,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.real_one:
         torch.set_grad_enabled(False)
-        result = measure_real(args.real_one, bool(args.real_compiled), args.threads, args.max_tokens)
+        result = measure_real(
+            args.real_one, bool(args.real_compiled), args.threads, args.max_tokens
+        )
         print(json.dumps(result))
         return
     if args.real:

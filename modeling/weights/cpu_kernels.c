@@ -9,13 +9,14 @@
  * bytes once (a 4-bit file: 0.56-0.63 bytes a weight, where rebuilding the float matrix
  * and multiplying it wrote and read 8).
  *
- * Each weight is computed with the very operations, in the very order, of the reference
- * decoders (modeling/weights/gguf_blocks.py, which equal gguf-py's and llama.cpp's bit for
- * bit): integer codes, then the scale products, each rounded as there, e.g. Q4_1 is
- * (q * d) + m and Q4_K is q * (d * sc) - (dmin * m). This file is compiled with
- * -ffp-contract=off so that no multiply and add of a weight are fused into one rounding.
- * Only the order of the sum over k differs from a dense product (as between two BLAS
- * libraries): 8 lanes, then across them.
+ * Every reference decoder (modeling/weights/gguf_blocks.py, equal to gguf-py's and
+ * llama.cpp's bit for bit) computes a weight as fl(fl(c * s) + o): exact integer codes c
+ * (offsets such as -8 applied), the group's scale s and offset o as products rounded as
+ * there (Q4_1: s = d, o = m; Q4_K: s = d * sc, o = -(dmin * m)). The product factors the
+ * scale and offset out of the group: sum(x c) s + o sum(x). That rounds as a different
+ * summation order would (as between two BLAS libraries), and for a one-hot x it is the
+ * weight itself bit for bit, which the tests check for every type. The scales are
+ * computed with -ffp-contract=off, as the reference's separate roundings.
  *
  * Block layouts: ../shared/models/gguf/README.md and gguf_blocks.py's decoders.
  */
@@ -23,7 +24,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define SPECD_KERNELS_VERSION 1
+#define SPECD_KERNELS_VERSION 3
 #define SPECD_MAX_ROWS 8
 
 int specd_kernels_version(void) { return SPECD_KERNELS_VERSION; }
@@ -67,64 +68,81 @@ static inline __m256i fifth_bits(uint32_t bits, int j0) {
     return _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(1)), 4);
 }
 
-/* ---- the decoders: group g (32 weights) of one block into w[0..3] ---- */
+/* ---- the decoders: group g (32 weights) of one block ----
+ * Each gives the group's codes as exact floats c[0..3] (8 weights each, offsets such as -8
+ * applied), the scale of c[0..1] and of c[2..3] (s[0], s[1]; equal but for Q6_K, whose
+ * scales cover 16 weights) and the group's offset o, such that the reference decoder's
+ * weight is fl(fl(c * s) + o): one rounding for the product, one for the offset (none
+ * where o is 0). */
 
-static inline void dec_q8_0(const uint8_t *b, int g, __m256 w[4]) { /* d, qs i8[32] */
+typedef struct {
+    __m256 c[4];
+    float s[2];
+    float o;
+} group_t;
+
+static inline void dec_q8_0(const uint8_t *b, int g, group_t *q) { /* d, qs i8[32] */
     (void)g;
-    __m256 d = _mm256_set1_ps(half_at(b));
     for (int v = 0; v < 4; v++) {
-        __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * v));
-        w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+        __m128i x = _mm_loadl_epi64((const __m128i *)(b + 2 + 8 * v));
+        q->c[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+    }
+    q->s[0] = q->s[1] = half_at(b);
+    q->o = 0.0f;
+}
+
+/* The 32 codes of 16 bytes of nibbles as int32 lanes, minus `offset`: each 8 bytes widened
+ * once give 8 low nibbles (elements j..j+7) and 8 high ones (elements 16+j..16+j+7). */
+static inline void nibble_ints(const uint8_t *qs, int offset, __m256i c[4]) {
+    const __m256i mask = _mm256_set1_epi32(15), off = _mm256_set1_epi32(offset);
+    for (int h = 0; h < 2; h++) {
+        __m256i v = u8_int(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
+        c[h] = _mm256_sub_epi32(_mm256_and_si256(v, mask), off);
+        c[2 + h] = _mm256_sub_epi32(_mm256_srli_epi32(v, 4), off);
     }
 }
 
-static inline void dec_q4_0(const uint8_t *b, int g, __m256 w[4]) { /* d, qs[16] */
-    (void)g;
-    __m256 d = _mm256_set1_ps(half_at(b));
-    __m128i lo, hi;
-    nibbles(b + 2, &lo, &hi);
-    const __m256i eight = _mm256_set1_epi32(8);
-    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int v = 0; v < 4; v++)
-        w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(u8_int(parts[v]), eight)), d);
+static inline void nibble_codes(const uint8_t *qs, int offset, __m256 c[4]) {
+    __m256i n[4];
+    nibble_ints(qs, offset, n);
+    for (int v = 0; v < 4; v++) c[v] = _mm256_cvtepi32_ps(n[v]);
 }
 
-static inline void dec_q4_1(const uint8_t *b, int g, __m256 w[4]) { /* d, m, qs[16] */
+static inline void dec_q4_0(const uint8_t *b, int g, group_t *q) { /* d, qs[16] */
     (void)g;
-    __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
-    __m128i lo, hi;
-    nibbles(b + 4, &lo, &hi);
-    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int v = 0; v < 4; v++) w[v] = _mm256_add_ps(_mm256_mul_ps(u8_float(parts[v]), d), m);
+    nibble_codes(b + 2, 8, q->c);
+    q->s[0] = q->s[1] = half_at(b);
+    q->o = 0.0f;
 }
 
-/* Q5_0 / Q5_1: the nibbles plus 16 x bit j of the u32 at byte `qh`. */
-static inline void q5_codes(const uint8_t *b, int qh, int qs, __m256i c[4]) {
+static inline void dec_q4_1(const uint8_t *b, int g, group_t *q) { /* d, m, qs[16] */
+    (void)g;
+    nibble_codes(b + 4, 0, q->c);
+    q->s[0] = q->s[1] = half_at(b);
+    q->o = half_at(b + 2);
+}
+
+/* Q5_0 / Q5_1: the nibbles plus 16 x bit j of the u32 at byte `qh`, minus `offset`. */
+static inline void q5_codes(const uint8_t *b, int qh, int qs, int offset, __m256 c[4]) {
     uint32_t bits;
     memcpy(&bits, b + qh, 4);
-    __m128i lo, hi;
-    nibbles(b + qs, &lo, &hi);
-    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int v = 0; v < 4; v++) c[v] = _mm256_add_epi32(u8_int(parts[v]), fifth_bits(bits, 8 * v));
+    __m256i n[4];
+    nibble_ints(b + qs, offset, n);
+    for (int v = 0; v < 4; v++) c[v] = _mm256_cvtepi32_ps(_mm256_add_epi32(n[v], fifth_bits(bits, 8 * v)));
 }
 
-static inline void dec_q5_0(const uint8_t *b, int g, __m256 w[4]) { /* d, qh[4], qs[16] */
+static inline void dec_q5_0(const uint8_t *b, int g, group_t *q) { /* d, qh[4], qs[16] */
     (void)g;
-    __m256 d = _mm256_set1_ps(half_at(b));
-    __m256i c[4];
-    q5_codes(b, 2, 6, c);
-    const __m256i sixteen = _mm256_set1_epi32(16);
-    for (int v = 0; v < 4; v++)
-        w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(c[v], sixteen)), d);
+    q5_codes(b, 2, 6, 16, q->c);
+    q->s[0] = q->s[1] = half_at(b);
+    q->o = 0.0f;
 }
 
-static inline void dec_q5_1(const uint8_t *b, int g, __m256 w[4]) { /* d, m, qh[4], qs[16] */
+static inline void dec_q5_1(const uint8_t *b, int g, group_t *q) { /* d, m, qh[4], qs[16] */
     (void)g;
-    __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
-    __m256i c[4];
-    q5_codes(b, 4, 8, c);
-    for (int v = 0; v < 4; v++)
-        w[v] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c[v]), d), m);
+    q5_codes(b, 4, 8, 0, q->c);
+    q->s[0] = q->s[1] = half_at(b);
+    q->o = half_at(b + 2);
 }
 
 /* Q4_K / Q5_K: group g's 6-bit scale and min from the 12 bytes at `s`. */
@@ -138,51 +156,49 @@ static inline void k_scale_min(const uint8_t *s, int g, int *sc, int *mn) {
     }
 }
 
-/* Q4_K's and Q5_K's codes of group g (low nibbles of qs[32 (g/2) ..] for even g, high for
- * odd) times (d * sc), minus (dmin * m): each product rounded as the reference does. */
-static inline void k_apply(const uint8_t *b, int g, __m256i c[4], __m256 w[4]) {
+/* Q4_K's and Q5_K's weight: q * (d * sc) - (dmin * m), each product rounded. */
+static inline void k_scales(const uint8_t *b, int g, group_t *q) {
     int sc, mn;
     k_scale_min(b + 4, g, &sc, &mn);
-    float ds = half_at(b) * (float)sc, dm = half_at(b + 2) * (float)mn;
-    __m256 vd = _mm256_set1_ps(ds), vm = _mm256_set1_ps(dm);
-    for (int v = 0; v < 4; v++) w[v] = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(c[v]), vd), vm);
+    q->s[0] = q->s[1] = half_at(b) * (float)sc;
+    q->o = -(half_at(b + 2) * (float)mn);
 }
 
+/* Group g's codes: low nibbles of qs[32 (g / 2) ..] for even g, high ones for odd. */
 static inline void k_nibbles(const uint8_t *qs, int g, __m256i c[4]) {
-    const __m128i mask = _mm_set1_epi8(15);
-    for (int h = 0; h < 2; h++) {
-        __m128i q = _mm_loadu_si128((const __m128i *)(qs + 32 * (g / 2) + 16 * h));
-        __m128i n = (g & 1) ? _mm_and_si128(_mm_srli_epi16(q, 4), mask) : _mm_and_si128(q, mask);
-        c[2 * h] = u8_int(n);
-        c[2 * h + 1] = u8_int(_mm_srli_si128(n, 8));
+    const __m256i mask = _mm256_set1_epi32(15);
+    const int shift = 4 * (g & 1);
+    for (int v = 0; v < 4; v++) {
+        __m256i x = u8_int(_mm_loadl_epi64((const __m128i *)(qs + 32 * (g / 2) + 8 * v)));
+        c[v] = _mm256_and_si256(_mm256_srli_epi32(x, shift), mask);
     }
 }
 
-static inline void dec_q4_k(const uint8_t *b, int g, __m256 w[4]) { /* d, dmin, scales[12], qs[128] */
+static inline void dec_q4_k(const uint8_t *b, int g, group_t *q) { /* d, dmin, scales[12], qs[128] */
     __m256i c[4];
     k_nibbles(b + 16, g, c);
-    k_apply(b, g, c, w);
+    for (int v = 0; v < 4; v++) q->c[v] = _mm256_cvtepi32_ps(c[v]);
+    k_scales(b, g, q);
 }
 
-static inline void dec_q5_k(const uint8_t *b, int g, __m256 w[4]) { /* d, dmin, scales[12], qh[32], qs[128] */
+static inline void dec_q5_k(const uint8_t *b, int g, group_t *q) { /* d, dmin, scales[12], qh[32], qs[128] */
     __m256i c[4];
     k_nibbles(b + 48, g, c);
     /* element 32g + l gains 16 x bit g of qh[l] */
     for (int v = 0; v < 4; v++) {
         __m256i h = u8_int(_mm_loadl_epi64((const __m128i *)(b + 16 + 8 * v)));
         h = _mm256_and_si256(_mm256_srli_epi32(h, g), _mm256_set1_epi32(1));
-        c[v] = _mm256_add_epi32(c[v], _mm256_slli_epi32(h, 4));
+        q->c[v] = _mm256_cvtepi32_ps(_mm256_add_epi32(c[v], _mm256_slli_epi32(h, 4)));
     }
-    k_apply(b, g, c, w);
+    k_scales(b, g, q);
 }
 
-static inline void dec_q6_k(const uint8_t *b, int g, __m256 w[4]) { /* ql[128], qh[64], scales i8[16], d */
+static inline void dec_q6_k(const uint8_t *b, int g, group_t *q) { /* ql[128], qh[64], scales i8[16], d */
     /* Element e = 128 h + 32 k + l (group g = 4 h + k): low 4 bits from ql[64 h + 32 (k % 2) + l]
      * (its high nibble when k >= 2), high 2 bits from qh[32 h + l] >> 2k; minus 32; times
      * (d * scale[e / 16]). */
     int h = g / 4, k = g % 4;
     const uint8_t *ql = b + 64 * h + 32 * (k % 2), *qh = b + 128 + 32 * h;
-    float d = half_at(b + 208);
     const __m256i mask = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
     const __m256i thirty_two = _mm256_set1_epi32(32);
     for (int v = 0; v < 4; v++) {
@@ -190,10 +206,13 @@ static inline void dec_q6_k(const uint8_t *b, int g, __m256 w[4]) { /* ql[128], 
         lo = _mm256_and_si256(_mm256_srli_epi32(lo, 4 * (k / 2)), mask);
         __m256i hi = u8_int(_mm_loadl_epi64((const __m128i *)(qh + 8 * v)));
         hi = _mm256_and_si256(_mm256_srli_epi32(hi, 2 * k), three);
-        __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), thirty_two);
-        float scale = d * (float)(int8_t)b[192 + 2 * g + v / 2];
-        w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scale));
+        __m256i code = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), thirty_two);
+        q->c[v] = _mm256_cvtepi32_ps(code);
     }
+    float d = half_at(b + 208);
+    q->s[0] = d * (float)(int8_t)b[192 + 2 * g];
+    q->s[1] = d * (float)(int8_t)b[192 + 2 * g + 1];
+    q->o = 0.0f;
 }
 
 static inline __m256 iq4_values(__m128i codes) { /* 8 nibbles → the IQ4 code book's values */
@@ -202,68 +221,117 @@ static inline __m256 iq4_values(__m128i codes) { /* 8 nibbles → the IQ4 code b
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(book, codes)));
 }
 
-static inline void dec_iq4_nl(const uint8_t *b, int g, __m256 w[4]) { /* d, qs[16] */
-    (void)g;
-    __m256 d = _mm256_set1_ps(half_at(b));
+static inline void iq4_codes(const uint8_t *qs, __m256 c[4]) {
     __m128i lo, hi;
-    nibbles(b + 2, &lo, &hi);
+    nibbles(qs, &lo, &hi);
     __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int v = 0; v < 4; v++) w[v] = _mm256_mul_ps(iq4_values(parts[v]), d);
+    for (int v = 0; v < 4; v++) c[v] = iq4_values(parts[v]);
 }
 
-static inline void dec_iq4_xs(const uint8_t *b, int g, __m256 w[4]) { /* d, scales_h u16, scales_l[4], qs[128] */
+static inline void dec_iq4_nl(const uint8_t *b, int g, group_t *q) { /* d, qs[16] */
+    (void)g;
+    iq4_codes(b + 2, q->c);
+    q->s[0] = q->s[1] = half_at(b);
+    q->o = 0.0f;
+}
+
+static inline void dec_iq4_xs(const uint8_t *b, int g, group_t *q) { /* d, scales_h u16, scales_l[4], qs[128] */
     int low = (b[4 + g / 2] >> (4 * (g % 2))) & 15;
     int high = (b[2 + g / 4] >> (2 * (g % 4))) & 3;
-    float scale = half_at(b) * (float)((low | (high << 4)) - 32);
-    __m256 d = _mm256_set1_ps(scale);
-    __m128i lo, hi;
-    nibbles(b + 8 + 16 * g, &lo, &hi);
-    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int v = 0; v < 4; v++) w[v] = _mm256_mul_ps(iq4_values(parts[v]), d);
+    iq4_codes(b + 8 + 16 * g, q->c);
+    q->s[0] = q->s[1] = half_at(b) * (float)((low | (high << 4)) - 32);
+    q->o = 0.0f;
 }
 
 /* ---- the product, one function per type ----
- * x: (M, K) rows ldx apart; blocks: (N, row_bytes); y: (M, N) rows ldy apart. One row of x
- * keeps four accumulators (four independent chains of fused multiply-adds); several rows
- * keep one each. */
+ * x: (M, K) rows ldx apart; xsum: room for (M, K / 32), filled here with each group's sum
+ * of x (for the offsets);
+ * blocks: (N, row_bytes); y: (M, N) rows ldy apart. Per group and row, the codes' products
+ * with x are summed per scale (c x, exact codes), scaled once (s), and the offset is
+ * o x sum(x): the weight's own operations factored out of the group, which changes the
+ * rounding as a different summation order would, and for a one-hot x is the weight itself
+ * bit for bit: fl(fl(c s) + o). */
+static void group_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int64_t ngroups) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t k = 0; k < ngroups; k++) {
+            const float *xk = x + i * ldx + 32 * k;
+            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xk), _mm256_loadu_ps(xk + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(xk + 16), _mm256_loadu_ps(xk + 24)));
+            xsum[i * ngroups + k] = hsum(s);
+        }
+}
+
 #define GEMV(NAME, BLOCK_BYTES, GROUPS)                                                        \
-    void specd_gemv_##NAME(const float *x, int64_t ldx, const uint8_t *blocks,               \
-                           int64_t row_bytes, float *y, int64_t ldy, int64_t M, int64_t N,    \
-                           int64_t K) {                                                       \
-        const int64_t nblocks = K / (32 * (GROUPS));                                          \
+    static inline void group_##NAME(const uint8_t *row, int64_t k, group_t *q) {              \
+        dec_##NAME(row + (k / (GROUPS)) * (BLOCK_BYTES), (int)(k % (GROUPS)), q);             \
+    }                                                                                         \
+    void specd_gemv_##NAME(const float *x, int64_t ldx, const float *xsum,                   \
+                           const uint8_t *blocks, int64_t row_bytes, float *y, int64_t ldy,   \
+                           int64_t M, int64_t N, int64_t K) {                                 \
+        const int64_t ngroups = K / 32;                                                       \
+        group_t q, r;                                                                         \
+        group_sums(x, ldx, (float *)xsum, M, ngroups);                                        \
         for (int64_t n = 0; n < N; n++) {                                                     \
             const uint8_t *row = blocks + n * row_bytes;                                      \
-            __m256 w[4];                                                                      \
-            if (M == 1) {                                                                     \
+            if (M == 1) { /* four independent chains: two groups a step, two scales each */  \
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                   \
-                for (int64_t blk = 0; blk < nblocks; blk++)                                   \
-                    for (int g = 0; g < (GROUPS); g++) {                                      \
-                        dec_##NAME(row + blk * (BLOCK_BYTES), g, w);                          \
-                        const float *xk = x + (blk * (GROUPS) + g) * 32;                      \
-                        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xk), w[0], a0);                  \
-                        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 8), w[1], a1);              \
-                        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 16), w[2], a2);             \
-                        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), w[3], a3);             \
-                    }                                                                         \
-                y[n] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));     \
+                float o0 = 0.0f, o1 = 0.0f;                                                   \
+                int64_t k = 0;                                                                \
+                for (; k + 1 < ngroups; k += 2) {                                             \
+                    group_##NAME(row, k, &q);                                                 \
+                    group_##NAME(row, k + 1, &r);                                             \
+                    const float *xk = x + 32 * k;                                             \
+                    __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(xk), q.c[0]);                   \
+                    __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(xk + 16), q.c[2]);              \
+                    __m256 p2 = _mm256_mul_ps(_mm256_loadu_ps(xk + 32), r.c[0]);              \
+                    __m256 p3 = _mm256_mul_ps(_mm256_loadu_ps(xk + 48), r.c[2]);              \
+                    p0 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 8), q.c[1], p0);                \
+                    p1 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), q.c[3], p1);               \
+                    p2 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 40), r.c[1], p2);               \
+                    p3 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 56), r.c[3], p3);               \
+                    a0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(q.s[0]), a0);                     \
+                    a1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(q.s[1]), a1);                     \
+                    a2 = _mm256_fmadd_ps(p2, _mm256_set1_ps(r.s[0]), a2);                     \
+                    a3 = _mm256_fmadd_ps(p3, _mm256_set1_ps(r.s[1]), a3);                     \
+                    o0 += q.o * xsum[k];                                                      \
+                    o1 += r.o * xsum[k + 1];                                                  \
+                }                                                                             \
+                for (; k < ngroups; k++) {                                                    \
+                    group_##NAME(row, k, &q);                                                 \
+                    const float *xk = x + 32 * k;                                             \
+                    __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(xk), q.c[0]);                   \
+                    __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(xk + 16), q.c[2]);              \
+                    p0 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 8), q.c[1], p0);                \
+                    p1 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), q.c[3], p1);               \
+                    a0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(q.s[0]), a0);                     \
+                    a1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(q.s[1]), a1);                     \
+                    o0 += q.o * xsum[k];                                                      \
+                }                                                                             \
+                __m256 sum = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));     \
+                y[n] = hsum(sum) + (o0 + o1);                                                 \
                 continue;                                                                     \
             }                                                                                 \
             __m256 acc[SPECD_MAX_ROWS];                                                       \
-            for (int64_t i = 0; i < M; i++) acc[i] = _mm256_setzero_ps();                     \
-            for (int64_t blk = 0; blk < nblocks; blk++)                                       \
-                for (int g = 0; g < (GROUPS); g++) {                                          \
-                    dec_##NAME(row + blk * (BLOCK_BYTES), g, w);                              \
-                    const int64_t k = (blk * (GROUPS) + g) * 32;                              \
-                    for (int64_t i = 0; i < M; i++) {                                         \
-                        const float *xk = x + i * ldx + k;                                    \
-                        __m256 s = _mm256_mul_ps(_mm256_loadu_ps(xk), w[0]);                  \
-                        s = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 8), w[1], s);                \
-                        s = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 16), w[2], s);               \
-                        s = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), w[3], s);               \
-                        acc[i] = _mm256_add_ps(acc[i], s);                                    \
-                    }                                                                         \
+            float off[SPECD_MAX_ROWS];                                                        \
+            for (int64_t i = 0; i < M; i++) {                                                 \
+                acc[i] = _mm256_setzero_ps();                                                 \
+                off[i] = 0.0f;                                                                \
+            }                                                                                 \
+            for (int64_t k = 0; k < ngroups; k++) {                                           \
+                group_##NAME(row, k, &q);                                                     \
+                const __m256 s0 = _mm256_set1_ps(q.s[0]), s1 = _mm256_set1_ps(q.s[1]);        \
+                for (int64_t i = 0; i < M; i++) {                                             \
+                    const float *xk = x + i * ldx + 32 * k;                                   \
+                    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(xk), q.c[0]);                    \
+                    __m256 b = _mm256_mul_ps(_mm256_loadu_ps(xk + 16), q.c[2]);               \
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 8), q.c[1], a);                  \
+                    b = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), q.c[3], b);                 \
+                    acc[i] = _mm256_fmadd_ps(a, s0, acc[i]);                                  \
+                    acc[i] = _mm256_fmadd_ps(b, s1, acc[i]);                                  \
+                    off[i] += q.o * xsum[i * ngroups + k];                                    \
                 }                                                                             \
-            for (int64_t i = 0; i < M; i++) y[i * ldy + n] = hsum(acc[i]);                    \
+            }                                                                                 \
+            for (int64_t i = 0; i < M; i++) y[i * ldy + n] = hsum(acc[i]) + off[i];           \
         }                                                                                     \
     }
 

@@ -3,9 +3,9 @@
 Rebuilding a 4-bit projection to a float matrix for every product costs a token the bytes
 of the float matrix twice (written, then read by the product): a Q4_1 model decoded no
 faster than its F32 copy. These kernels read each group of 32 weights from the blocks into
-registers, compute every weight with the reference decoder's operations in its order
-(bit-identical weights; only the order of the sum over the inputs differs, as between two
-BLAS libraries), and multiply them into up to `max_rows()` rows of input at once: a decode
+registers and multiply them into up to `max_rows()` rows of input at once, each group's
+scale and offset factored out of its sum (rounding as another summation order would; a
+one-hot input gives the reference decoder's weights bit for bit, see the C file): a decode
 step, a short chain, a few sequences in one pass. Longer passes (a prefill, a large tree)
 are bound by arithmetic, not by bytes, and keep the rebuilt matrix and the BLAS product.
 
@@ -38,7 +38,7 @@ log = logging.getLogger("specd.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
-VERSION = 1  # what the C file's specd_kernels_version() must return
+VERSION = 3  # what the C file's specd_kernels_version() must return
 COMPILE_SECONDS = 120
 
 # ggml type → (C function suffix, block bytes, elements per block).
@@ -98,9 +98,9 @@ class _Library:
                 fn = getattr(lib, f"specd_gemv_{name}")
                 fn.restype = None
                 fn.argtypes = [
-                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                    ctypes.c_int64,
+                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                    ctypes.c_int64, ctypes.c_int64,
                 ]  # fmt: skip
                 self.functions[kind] = fn
         except (OSError, AttributeError) as err:
@@ -188,57 +188,79 @@ def computes(kind: int | GGMLType, dtype: torch.dtype, device: torch.device | st
 
 def usable(x: torch.Tensor, kind: int | GGMLType) -> bool:
     """Whether `gemv` takes this input for blocks of `kind`: fp32 on the CPU, at most
-    `max_rows()` rows, outside autograd (the kernels have no backward)."""
+    `max_rows()` rows, outside autograd (the kernels have no backward). Asked by every
+    projection of every pass, so it reads as little as it can."""
+    if not available():
+        return False
+    shape = x.shape
     return (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and len(shape) >= 1
+        and x.numel() <= _LIBRARY.max_rows * shape[-1]
+        and kind in _LIBRARY.functions
         and not (x.requires_grad and torch.is_grad_enabled())
-        and x.dim() >= 1
-        and x.numel() // max(x.shape[-1], 1) <= max_rows()
-        and supports(kind)
     )
+
+
+_SCRATCH = threading.local()  # per thread: a float buffer for the groups' sums
 
 
 def gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> torch.Tensor:
     """x (..., K) fp32 times the (N, K) matrix whose rows are `blocks` (N, row_bytes) uint8
     of ggml type `kind`: (..., N) fp32. Raises ValueError for shapes that do not fit, and
-    RuntimeError where the kernels are unavailable (`status()` says why)."""
+    RuntimeError where the kernels are unavailable (`status()` says why). The C code trusts
+    its sizes: every extent it reads or writes is checked here first."""
     if not available():
         raise RuntimeError(f"the CPU kernels are unavailable: {status()}")
-    kind = GGMLType(kind)
-    _, size, elements = TYPES[kind]
-    k = x.shape[-1]
-    rows = x.numel() // max(k, 1)
-    n = blocks.shape[0] if blocks.dim() == 2 else -1
+    fn = _LIBRARY.functions.get(kind)  # type: ignore[call-overload]
+    spec = TYPES.get(kind)  # type: ignore[call-overload]
+    shape = x.shape
+    k = shape[-1] if shape else 0
+    rows = x.numel() // k if k else 0
     if (
-        x.dtype != torch.float32
+        fn is None
+        or spec is None
+        or x.dtype != torch.float32
         or x.device.type != "cpu"
         or blocks.dtype != torch.uint8
         or blocks.device.type != "cpu"
         or blocks.dim() != 2
-        or k % elements
-        or blocks.shape[1] != k // elements * size
+        or k % spec[2]
+        or blocks.shape[1] != k // spec[2] * spec[1]
         or not 1 <= rows <= _LIBRARY.max_rows
     ):
         raise ValueError(
-            f"{kind.name} product: input {x.dtype} {tuple(x.shape)} and blocks {blocks.dtype} "
-            f"{tuple(blocks.shape)} do not fit"
+            f"ggml type {kind} product: input {x.dtype} {tuple(shape)} and blocks "
+            f"{blocks.dtype} {tuple(blocks.shape)} do not fit"
         )
-    x2 = x.reshape(rows, k).contiguous()
-    b = blocks if blocks.is_contiguous() else blocks.contiguous()
-    out = torch.empty(rows, n, dtype=torch.float32)
-    fn = _LIBRARY.functions[kind]
-    fn(x2.data_ptr(), k, b.data_ptr(), b.shape[1], out.data_ptr(), n, rows, n, k)
-    return out.view(*x.shape[:-1], n)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if not blocks.is_contiguous():
+        blocks = blocks.contiguous()
+    n = blocks.shape[0]
+    sums = getattr(_SCRATCH, "sums", None)
+    if sums is None or sums.numel() < rows * (k // 32):
+        sums = _SCRATCH.sums = torch.empty(rows * (k // 32))
+    out = torch.empty((*shape[:-1], n))
+    fn(x.data_ptr(), k, sums.data_ptr(), blocks.data_ptr(), blocks.shape[1], out.data_ptr(), n,
+       rows, n, k)  # fmt: skip
+    return out
 
 
-# An opaque operator for torch.compile: a traced pass calls the kernel as one node instead
-# of breaking its graph at the ctypes call.
-@torch.library.custom_op("specd::gguf_gemv", mutates_args=())
-def gguf_gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    return gemv(x, blocks, kind)
+# An opaque operator for torch.compile: a traced pass calls it as one node instead of
+# breaking its graph at the ctypes call, for any number of rows (a compiled pass's token
+# count is symbolic): a few rows go to the kernel, more to the rebuilt matrix.
+@torch.library.custom_op("specd::gguf_product", mutates_args=())
+def gguf_product(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    if usable(x, kind):
+        return gemv(x, blocks, kind)
+    from modeling.weights.gguf_blocks import dequantize
+
+    weight = dequantize(blocks, kind, x.shape[-1], x.dtype)  # (N, K)
+    return torch.nn.functional.linear(x, weight)
 
 
-@gguf_gemv.register_fake
+@gguf_product.register_fake
 def _(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], blocks.shape[0]))

@@ -6,6 +6,8 @@ for."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from gguf.constants import GGMLQuantizationType as GGMLType
 from torch import nn
@@ -21,6 +23,12 @@ from modeling.weights.gguf_blocks import (
     supported_type,
 )
 from modeling.weights.packed import PackedLinear, _itemsize
+
+
+@functools.lru_cache(maxsize=256)
+def _row_bytes(kind: int, columns: int) -> int:
+    """`row_bytes`, remembered (every product asks for its projection's)."""
+    return row_bytes(kind, columns)
 
 
 class GGUFLinear(PackedLinear):
@@ -56,7 +64,7 @@ class GGUFLinear(PackedLinear):
 
     def stored(self) -> torch.Tensor:
         """This layer's rows as stored, (out, row_bytes) uint8."""
-        width = row_bytes(self.ggml_type, self.in_features)
+        width = _row_bytes(self.ggml_type, self.in_features)
         if width == self.blocks.shape[1]:
             return self.blocks
         return self.blocks.view(-1)[: self.out_features * width].view(self.out_features, width)
@@ -72,14 +80,18 @@ class GGUFLinear(PackedLinear):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """A product of a few rows on the CPU reads the blocks where they lie
-        (modeling/weights/cpu_kernels.py); others rebuild the weight first."""
-        if cpu_kernels.usable(x, self.ggml_type):
-            if torch.compiler.is_compiling():  # one opaque node in the traced graph
-                y = torch.ops.specd.gguf_gemv(x, self.stored(), int(self.ggml_type))
-            else:  # (the operator's dispatch costs more than a small product)
-                y = cpu_kernels.gemv(x, self.stored(), self.ggml_type)
-            return y if self.bias is None else y + self.bias
-        return super().product(x)
+        (modeling/weights/cpu_kernels.py); others rebuild the weight first. In a compiled
+        pass every product is one opaque operator that chooses so when it runs."""
+        if torch.compiler.is_compiling() and self.computed_in_place(x.dtype, x.device):
+            y = torch.ops.specd.gguf_product(x, self.stored(), int(self.ggml_type))
+        elif cpu_kernels.usable(x, self.ggml_type):
+            y = cpu_kernels.gemv(x, self.stored(), self.ggml_type)
+        else:
+            return super().product(x)
+        return y if self.bias is None else y + self.bias
+
+    def computed_in_place(self, dtype: torch.dtype, device: torch.device) -> bool:
+        return all(cpu_kernels.computes(kind, dtype, device) for kind in self.kinds)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         if self._is_own_weight(dtype):

@@ -141,6 +141,12 @@ class PackedLinear(nn.Module, ABC):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x)
 
+    def computed_in_place(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether a model computing in `dtype` on `device` multiplies this projection
+        from its packed form, never rebuilding it into the model's shared scratch (the
+        condition for compiling its passes)."""
+        return False
+
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         # `model.to(bf16)` sets the compute dtype; the packed tensors are data in the
         # checkpoint's layout (fp16 scales stay fp16: the plan counts and the disk tier
