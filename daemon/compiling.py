@@ -2,7 +2,11 @@
 them: in the foreground for a one-shot command, on a thread of its own for the daemon, so
 that no request waits for the compiler (it runs eager until the graphs are ready).
 
-`auto` compiles where `scripts/bench_overhead.py` measured a gain that pays for compiling:
+`auto` compiles where `scripts/bench_overhead.py` measured a gain that pays for compiling,
+and keeps the compiled passes only if they are faster here: once warm, a one-token step
+is timed eager and compiled, interleaved (`step_seconds`), and a compiled step that is not
+faster is dropped, its state saying so (SmolLM2's compiled steps once ran at half the eager
+speed, a KV cache copy per layer; any such regression now costs the measurement only):
 the daemon (long-running; the graphs are compiled once and loaded from PyTorch's disk cache
 after a restart) on a CPU with small layers (under SMALL_LAYER_PARAMETERS weights, where a
 step is dispatch-bound: decode 1.8x faster on the stories pair). Not for a one-shot
@@ -16,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +55,7 @@ class CompileState:
     reason: str
     warm_seconds: float | None = None
     passes: CompiledPasses | None = None  # once ready
+    step_ms: tuple[float, float] | None = None  # auto's measurement: (eager, compiled)
 
     def to_dict(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -56,6 +63,8 @@ class CompileState:
             "reason": self.reason,
             "warm_seconds": self.warm_seconds,
         }
+        if self.step_ms is not None:
+            out["step_ms"] = {"eager": self.step_ms[0], "compiled": self.step_ms[1]}
         graphs = self.passes.graphs if self.passes is not None else None
         if graphs is not None:  # CUDA graphs: how many, and what capturing has cost
             out["cuda_graphs"] = {
@@ -84,6 +93,46 @@ def decide(choice: str, model: Transformer, serving: bool) -> tuple[bool, str]:
     if params >= SMALL_LAYER_PARAMETERS:
         return False, f"auto: {params:,} weights per layer are compute-bound on a CPU"
     return True, f"auto: a CPU step of {params:,} weights per layer is dispatch-bound"
+
+
+# `auto` keeps compiled passes whose one-token step takes less than this share of the
+# eager step's (a gain inside the measurement's noise is no gain), timed STEP_SAMPLES times
+# each way, interleaved, the medians compared.
+KEEP_BELOW = 0.95
+STEP_SAMPLES = 9
+
+
+def step_seconds(
+    model: Transformer,
+    passes: CompiledPasses,
+    samples: int = STEP_SAMPLES,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[float, float]:
+    """(eager, compiled) median seconds of a one-token step of `model` on a scratch cache
+    of a few hundred tokens, the two taking turns (a shared machine's drift hits both)."""
+    from modeling.kv_cache import KVCache
+
+    context = 256
+    cache = KVCache(model.config, context + 1, dtype=model.dtype, device=model.device)
+    cache.reserve(context + 1)  # every slot allocated now, not during a timed step
+    times: dict[bool, list[float]] = {False: [], True: []}
+    token = torch.zeros(1, dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        for i in range(2 * samples + 2):
+            compiled = i % 2 == 1
+            cache.truncate(0)
+            cache.commit_append(context)  # a context's worth of rows (contents do not matter)
+            model.compiled = passes if compiled else None
+            try:
+                start = clock()
+                model(token, torch.tensor([context], device=model.device), cache)
+                if model.device.type == "cuda":
+                    torch.cuda.synchronize(model.device)
+                if i >= 2:  # the first of each: warm-up
+                    times[compiled].append(clock() - start)
+            finally:
+                model.compiled = None
+    return statistics.median(times[False]), statistics.median(times[True])
 
 
 def print_progress(line: str) -> None:
@@ -133,6 +182,7 @@ class Compilation:
         """`folders`: each model's checkpoint folder, from which a background warm-up first
         compiles the model's graphs in a child process (`precompile`)."""
         self.models = models
+        self.choice = choice
         self.folders = folders or {}
         self.states: dict[str, CompileState] = {}
         self._wanted: list[str] = []
@@ -169,6 +219,17 @@ class Compilation:
             try:
                 passes = CompiledPasses(model)
                 state.warm_seconds = passes.warm(say)
+                if self.choice == "auto":
+                    eager, compiled = step_seconds(model, passes)
+                    state.step_ms = (round(eager * 1e3, 3), round(compiled * 1e3, 3))
+                    if compiled >= eager * KEEP_BELOW:
+                        state.state = "off"
+                        state.reason = (
+                            f"auto: compiled steps measured no faster ({compiled * 1e3:.2f} ms "
+                            f"against {eager * 1e3:.2f} ms eager): runs eager"
+                        )
+                        log.info("the %s runs eager: %s", role, state.reason)
+                        continue
             except Exception as exc:  # the compiler is optional: never fatal
                 state.state, state.reason = "failed", f"{type(exc).__name__}: {exc}"
                 log.warning("compiling the %s's passes failed; it runs eager: %s", role, exc)

@@ -17,6 +17,7 @@ import pytest
 from torch._dynamo.utils import counters
 
 from daemon.cli.commands import main
+from daemon import compiling
 from daemon.compiling import SMALL_LAYER_PARAMETERS, Compilation, decide
 from daemon.http.server import BackgroundServer
 from daemon.options import RuntimeOptions
@@ -24,6 +25,7 @@ from daemon.runtime import Runtime
 from daemon.settings import SettingsError
 from daemon.settings_loading import load_settings
 from modeling.checkpoints.checkpoint import load
+from modeling.compiled import CompiledPasses
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
 from modeling.models import layer_parameter_count
@@ -81,6 +83,65 @@ def test_a_failed_compile_leaves_the_model_eager(monkeypatch: pytest.MonkeyPatch
     assert model.compiled is None
     assert compilation.to_dict()["target"]["state"] == "failed"
     assert "no C++ compiler" in str(compilation.to_dict()["target"]["reason"])
+
+
+class _SlowerPasses(CompiledPasses):
+    """Compiled passes that are not compiled and do their step three times: a compile that
+    made the model slower, without a compiler or a sleep."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__(model, compile=False)
+
+    def hidden_states(self, segment):  # type: ignore[no-untyped-def]
+        length = segment.cache.length
+        for _ in range(2):
+            super().hidden_states(segment)
+            segment.cache.truncate(length)
+        return super().hidden_states(segment)
+
+
+def test_auto_keeps_compiled_passes_only_where_they_measured_faster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`auto` times a one-token step eager and compiled before it keeps the compiled one: a
+    slower one is dropped (the model runs eager, and its state says why with both times);
+    `on` keeps what the user asked for."""
+    monkeypatch.setattr("daemon.compiling.CompiledPasses", _SlowerPasses)
+    model = Transformer(_config(64, 128)).eval()
+    compilation = Compilation("auto", {"target": model}, serving=True)
+    assert compilation.wanted
+    compilation.warm()
+    state = compilation.to_dict()["target"]
+    assert model.compiled is None and state["state"] == "off", state
+    assert "measured no faster" in str(state["reason"])
+    step = state["step_ms"]
+    assert isinstance(step, dict) and step["compiled"] > step["eager"] > 0
+    asked = Compilation("on", {"target": model}, serving=True)
+    asked.warm()
+    assert isinstance(model.compiled, _SlowerPasses)
+    assert asked.to_dict()["target"]["state"] == "ready"
+
+
+def test_auto_keeps_compiled_passes_that_measured_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same measurement with a clock on which a compiled step takes half an eager one."""
+    monkeypatch.setattr(
+        "daemon.compiling.CompiledPasses",
+        lambda model: CompiledPasses(model, compile=False),
+    )
+    model = Transformer(_config(64, 128)).eval()
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 0.5 if model.compiled is not None else 1.0
+        return now[0]
+
+    real = compiling.step_seconds
+    monkeypatch.setattr("daemon.compiling.step_seconds", lambda m, p: real(m, p, clock=clock))
+    compilation = Compilation("auto", {"target": model}, serving=True)
+    compilation.warm()
+    state = compilation.to_dict()["target"]
+    assert state["state"] == "ready" and model.compiled is not None, state
+    assert state["step_ms"] == {"eager": 1000.0, "compiled": 500.0}
 
 
 def test_runtime_compile_is_a_validated_setting(tmp_path: Path) -> None:
