@@ -193,21 +193,62 @@ static inline void dec_q5_k(const uint8_t *b, int g, group_t *q) { /* d, dmin, s
     k_scales(b, g, q);
 }
 
+/* Groups g and g + 1 (g even) of a Q4_K / Q5_K block: the low and the high nibbles of the
+ * same 32 bytes, widened once for both. */
+static inline void k_nibble_pair(const uint8_t *qs, int g, __m256i lo[4], __m256i hi[4]) {
+    const __m256i mask = _mm256_set1_epi32(15);
+    for (int v = 0; v < 4; v++) {
+        __m256i x = u8_int(_mm_loadl_epi64((const __m128i *)(qs + 32 * (g / 2) + 8 * v)));
+        lo[v] = _mm256_and_si256(x, mask);
+        hi[v] = _mm256_srli_epi32(x, 4);
+    }
+}
+
+static inline void pair_q4_k(const uint8_t *b, int g, group_t *q, group_t *r) {
+    __m256i lo[4], hi[4];
+    k_nibble_pair(b + 16, g, lo, hi);
+    for (int v = 0; v < 4; v++) {
+        q->c[v] = _mm256_cvtepi32_ps(lo[v]);
+        r->c[v] = _mm256_cvtepi32_ps(hi[v]);
+    }
+    k_scales(b, g, q);
+    k_scales(b, g + 1, r);
+}
+
+static inline void pair_q5_k(const uint8_t *b, int g, group_t *q, group_t *r) {
+    __m256i lo[4], hi[4];
+    k_nibble_pair(b + 48, g, lo, hi);
+    const __m256i one = _mm256_set1_epi32(1);
+    for (int v = 0; v < 4; v++) {
+        __m256i h = u8_int(_mm_loadl_epi64((const __m128i *)(b + 16 + 8 * v)));
+        __m256i hq = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, g), one), 4);
+        __m256i hr = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, g + 1), one), 4);
+        q->c[v] = _mm256_cvtepi32_ps(_mm256_add_epi32(lo[v], hq));
+        r->c[v] = _mm256_cvtepi32_ps(_mm256_add_epi32(hi[v], hr));
+    }
+    k_scales(b, g, q);
+    k_scales(b, g + 1, r);
+}
+
 static inline void dec_q6_k(const uint8_t *b, int g, group_t *q) { /* ql[128], qh[64], scales i8[16], d */
     /* Element e = 128 h + 32 k + l (group g = 4 h + k): low 4 bits from ql[64 h + 32 (k % 2) + l]
      * (its high nibble when k >= 2), high 2 bits from qh[32 h + l] >> 2k; minus 32; times
      * (d * scale[e / 16]). */
     int h = g / 4, k = g % 4;
     const uint8_t *ql = b + 64 * h + 32 * (k % 2), *qh = b + 128 + 32 * h;
-    const __m256i mask = _mm256_set1_epi32(15), three = _mm256_set1_epi32(3);
+    /* The 6-bit codes assembled 16 at a time in bytes, then widened 8 at a time. */
+    const __m128i low = _mm_set1_epi8(15), three = _mm_set1_epi8(3);
+    const __m128i lshift = _mm_cvtsi32_si128(4 * (k / 2)), hshift = _mm_cvtsi32_si128(2 * k);
     const __m256i thirty_two = _mm256_set1_epi32(32);
-    for (int v = 0; v < 4; v++) {
-        __m256i lo = u8_int(_mm_loadl_epi64((const __m128i *)(ql + 8 * v)));
-        lo = _mm256_and_si256(_mm256_srli_epi32(lo, 4 * (k / 2)), mask);
-        __m256i hi = u8_int(_mm_loadl_epi64((const __m128i *)(qh + 8 * v)));
-        hi = _mm256_and_si256(_mm256_srli_epi32(hi, 2 * k), three);
-        __m256i code = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), thirty_two);
-        q->c[v] = _mm256_cvtepi32_ps(code);
+    for (int half = 0; half < 2; half++) {
+        __m128i l = _mm_loadu_si128((const __m128i *)(ql + 16 * half));
+        __m128i u = _mm_loadu_si128((const __m128i *)(qh + 16 * half));
+        l = _mm_and_si128(_mm_srl_epi16(l, lshift), low);
+        u = _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(u, hshift), three), 4);
+        __m128i code = _mm_or_si128(l, u); /* 16 codes 0..63, each in its byte */
+        q->c[2 * half] = _mm256_cvtepi32_ps(_mm256_sub_epi32(u8_int(code), thirty_two));
+        q->c[2 * half + 1] =
+            _mm256_cvtepi32_ps(_mm256_sub_epi32(u8_int(_mm_srli_si128(code, 8)), thirty_two));
     }
     float d = half_at(b + 208);
     q->s[0] = d * (float)(int8_t)b[192 + 2 * g];
@@ -261,6 +302,18 @@ static void group_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int6
         }
 }
 
+/* Two consecutive groups k, k + 1 (k even): decoded together where a type shares their
+ * bytes (PAIRED), else one after the other. */
+#define PAIRED(NAME, BLOCK_BYTES, GROUPS)                                                      \
+    static inline void two_##NAME(const uint8_t *row, int64_t k, group_t *q, group_t *r) {    \
+        pair_##NAME(row + (k / (GROUPS)) * (BLOCK_BYTES), (int)(k % (GROUPS)), q, r);         \
+    }
+#define UNPAIRED(NAME, BLOCK_BYTES, GROUPS)                                                    \
+    static inline void two_##NAME(const uint8_t *row, int64_t k, group_t *q, group_t *r) {    \
+        dec_##NAME(row + (k / (GROUPS)) * (BLOCK_BYTES), (int)(k % (GROUPS)), q);             \
+        dec_##NAME(row + ((k + 1) / (GROUPS)) * (BLOCK_BYTES), (int)((k + 1) % (GROUPS)), r); \
+    }
+
 #define GEMV(NAME, BLOCK_BYTES, GROUPS)                                                        \
     static inline void group_##NAME(const uint8_t *row, int64_t k, group_t *q) {              \
         dec_##NAME(row + (k / (GROUPS)) * (BLOCK_BYTES), (int)(k % (GROUPS)), q);             \
@@ -278,8 +331,7 @@ static void group_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int6
                 float o0 = 0.0f, o1 = 0.0f;                                                   \
                 int64_t k = 0;                                                                \
                 for (; k + 1 < ngroups; k += 2) {                                             \
-                    group_##NAME(row, k, &q);                                                 \
-                    group_##NAME(row, k + 1, &r);                                             \
+                    two_##NAME(row, k, &q, &r);                                               \
                     const float *xk = x + 32 * k;                                             \
                     __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(xk), q.c[0]);                   \
                     __m256 p1 = _mm256_mul_ps(_mm256_loadu_ps(xk + 16), q.c[2]);              \
@@ -334,6 +386,17 @@ static void group_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int6
             for (int64_t i = 0; i < M; i++) y[i * ldy + n] = hsum(acc[i]) + off[i];           \
         }                                                                                     \
     }
+
+UNPAIRED(q8_0, 34, 1)
+UNPAIRED(q4_0, 18, 1)
+UNPAIRED(q4_1, 20, 1)
+UNPAIRED(q5_0, 22, 1)
+UNPAIRED(q5_1, 24, 1)
+PAIRED(q4_k, 144, 8)
+PAIRED(q5_k, 176, 8)
+UNPAIRED(q6_k, 210, 8)
+UNPAIRED(iq4_nl, 18, 1)
+UNPAIRED(iq4_xs, 136, 8)
 
 GEMV(q8_0, 34, 1)
 GEMV(q4_0, 18, 1)
