@@ -85,16 +85,19 @@ def main() -> None:
         nbytes = stored[0].numel()
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, n)
-            kernel = median_us(
-                lambda i: cpu_kernels.gemv(x, stored[i], kind), args.copies, args.repeats
-            )
-            rebuild = median_us(
-                lambda i: torch.nn.functional.linear(x, dequantize(stored[i], kind, n)),  # noqa: B023
-                args.copies, max(3, args.repeats // 2),
-            )  # fmt: skip
-            fp32 = median_us(
-                lambda i: torch.nn.functional.linear(x, dense[i]), args.copies, args.repeats
-            )
+
+            def kernel_product(i: int, x: torch.Tensor = x, kind: GGMLType = kind) -> object:
+                return cpu_kernels.gemv(x, stored[i], kind)
+
+            def rebuilt(i: int, x: torch.Tensor = x, kind: GGMLType = kind) -> object:
+                return torch.nn.functional.linear(x, dequantize(stored[i], kind, n))
+
+            def dense_product(i: int, x: torch.Tensor = x) -> object:
+                return torch.nn.functional.linear(x, dense[i])
+
+            kernel = median_us(kernel_product, args.copies, args.repeats)
+            rebuild = median_us(rebuilt, args.copies, max(3, args.repeats // 2))
+            fp32 = median_us(dense_product, args.copies, args.repeats)
             gbs = nbytes / kernel / 1e3
             print(f"| {kind.name} | {m} | {kernel:.0f} | {gbs:.1f} | {rebuild:.0f} | {fp32:.0f} "
                   f"| {rebuild / kernel:.1f} | {fp32 / kernel:.2f} |")  # fmt: skip

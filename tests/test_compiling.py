@@ -16,8 +16,8 @@ import psutil
 import pytest
 from torch._dynamo.utils import counters
 
-from daemon.cli.commands import main
 from daemon import compiling
+from daemon.cli.commands import main
 from daemon.compiling import SMALL_LAYER_PARAMETERS, Compilation, decide
 from daemon.http.server import BackgroundServer
 from daemon.options import RuntimeOptions
