@@ -86,10 +86,14 @@ def main() -> None:
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, n)
 
-            def kernel_product(i: int, x: torch.Tensor = x, kind: GGMLType = kind) -> object:
+            def kernel_product(
+                i: int, x: torch.Tensor = x, kind: GGMLType = kind, stored: list = stored
+            ) -> object:
                 return cpu_kernels.gemv(x, stored[i], kind)
 
-            def rebuilt(i: int, x: torch.Tensor = x, kind: GGMLType = kind) -> object:
+            def rebuilt(
+                i: int, x: torch.Tensor = x, kind: GGMLType = kind, stored: list = stored
+            ) -> object:
                 return torch.nn.functional.linear(x, dequantize(stored[i], kind, n))
 
             def dense_product(i: int, x: torch.Tensor = x) -> object:
