@@ -213,8 +213,8 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> torch.T
     its sizes: every extent it reads or writes is checked here first."""
     if not available():
         raise RuntimeError(f"the CPU kernels are unavailable: {status()}")
-    fn = _LIBRARY.functions.get(kind)  # type: ignore[call-overload]
-    spec = TYPES.get(kind)  # type: ignore[call-overload]
+    fn = _LIBRARY.functions.get(kind)  # type: ignore[arg-type]  (an int finds its enum)
+    spec = TYPES.get(kind)  # type: ignore[arg-type]
     shape = x.shape
     k = shape[-1] if shape else 0
     rows = x.numel() // k if k else 0
