@@ -213,7 +213,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> torch.T
     its sizes: every extent it reads or writes is checked here first."""
     if not available():
         raise RuntimeError(f"the CPU kernels are unavailable: {status()}")
-    fn = _LIBRARY.functions.get(kind)  # type: ignore[arg-type]  (an int finds its enum)
+    fn = _LIBRARY.functions.get(kind)  # type: ignore[arg-type]
     spec = TYPES.get(kind)  # type: ignore[arg-type]
     shape = x.shape
     k = shape[-1] if shape else 0
