@@ -25,6 +25,8 @@ from modeling.decoder import Transformer
 from modeling.models import layer_parameter_count
 from modeling.substitute import SUBSTITUTE
 from modeling.text.tokenizer import Tokenizer
+from modeling.weights import cpu_kernels
+from modeling.weights.packed import PackedLinear
 from offload.machine import detect_budget
 from offload.plan import MemoryPlan
 from offload.stream import LayerStreamer
@@ -55,6 +57,13 @@ def cpu_threads(requested: int | str, layer_parameters: int) -> int:
     if layer_parameters < SMALL_LAYER_PARAMETERS:
         return 1
     return max(1, psutil.cpu_count(logical=False) or torch.get_num_threads())
+
+
+def computes_in_place(model: Transformer) -> bool:
+    """Whether every packed projection of `model` is multiplied from its blocks (the CPU
+    kernels) and at least one is."""
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    return bool(packed) and all(m.computed_in_place(model.dtype, model.device) for m in packed)
 
 
 def pick_device(device: str) -> torch.device:
@@ -180,8 +189,17 @@ class Runtime:
         # CPU compute (a CPU device, or the host side of a streamed GPU run is not compute):
         # pick the thread count once the model's size is known.
         self.threads = cpu_threads(options.threads, layer_parameter_count(ckpt.config))
+        # Where the CPU kernels compute the projections from their blocks, they take the
+        # threads (they split each product's rows) and PyTorch's own operators keep one:
+        # both pools spinning at once made decode 4x slower on 2 cores (SmolLM2 Q4_1: 35.7
+        # tok/s kernels on 2 and torch on 1; 30.7 both on 1; 7.5 both on 2).
+        self.kernel_threads = 1
         if self.device.type == "cpu":
-            torch.set_num_threads(self.threads)
+            if computes_in_place(target):
+                self.kernel_threads = cpu_kernels.set_threads(self.threads)
+                torch.set_num_threads(1)
+            else:
+                torch.set_num_threads(self.threads)
         self.checkpoint: Checkpoint = ckpt
 
         self.draft: Transformer | None = None
@@ -245,6 +263,17 @@ class Runtime:
         planners = [p for p in (r() for r in self._planners) if p is not None]
         planner = max(planners, key=lambda p: p.rounds_seen, default=None)
         self.learned.save(self.acceptance, planner, force=force)
+
+    def cpu_kernels_status(self) -> dict[str, object]:
+        """Whether the target's packed projections are multiplied from their blocks (the
+        CPU kernels), why not where they are not, and the threads each side uses."""
+        used = self.device.type == "cpu" and computes_in_place(self.target)
+        return {
+            "used": used,
+            "status": cpu_kernels.status(),
+            "kernel_threads": self.kernel_threads,
+            "torch_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
+        }
 
     def compile(self, serving: bool) -> Compilation:
         """Decide which models run compiled passes (`options.compile`); the caller warms

@@ -96,8 +96,15 @@ def test_a_projection_takes_the_kernel_for_a_few_rows_only(monkeypatch) -> None:
     layer.blocks.view(48, -1, 144)[..., :4] = torch.tensor([0, 40, 0, 36], dtype=torch.uint8)
     torch.nn.init.normal_(layer.bias)
     calls = []
-    real = cpu_kernels.gemv
-    monkeypatch.setattr(cpu_kernels, "gemv", lambda *a: calls.append(a) or real(*a))
+    real = cpu_kernels.try_gemv
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        out = real(*args)
+        if out is not None:
+            calls.append(args)
+        return out
+
+    monkeypatch.setattr(cpu_kernels, "try_gemv", counted)
     x = torch.randn(3, 256)
     with torch.no_grad():
         few = layer(x)
@@ -141,7 +148,62 @@ def test_a_real_chat_models_greedy_text_is_unchanged(shared_models, monkeypatch)
 
     with torch.inference_mode():
         fast = greedy(24)
-        monkeypatch.setattr(cpu_kernels, "usable", lambda x, kind: False)
+        monkeypatch.setattr(cpu_kernels, "try_gemv", lambda x, blocks, kind: None)
         rebuilt = greedy(24)
     assert fast == rebuilt
     assert "Paris" in tokenizer.decode(fast)
+
+
+@needs_kernels
+def test_threads_split_rows_and_change_nothing() -> None:
+    """Each row is computed the same way whichever thread computes it: products with the
+    rows split among 2 and 3 threads equal one thread's bit for bit, also while another
+    Python thread multiplies at the same time (it then computes alone)."""
+    import threading
+
+    kind = GGMLType.Q4_K
+    blocks = random_blocks(kind, 384, 512, seed=11)
+    blocks.view(384, -1, 144)[..., :4] = torch.tensor([0, 40, 0, 36], dtype=torch.uint8)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
+    try:
+        assert cpu_kernels.set_threads(1) == 1
+        alone = cpu_kernels.gemv(x, blocks, kind)
+        for n in (2, 3):
+            assert cpu_kernels.set_threads(n) == n
+            assert torch.equal(cpu_kernels.gemv(x, blocks, kind), alone)
+        results: list[bool] = []
+
+        def other() -> None:
+            results.extend(
+                torch.equal(cpu_kernels.gemv(x, blocks, kind), alone) for _ in range(200)
+            )
+
+        side = threading.Thread(target=other)
+        side.start()
+        mine = [torch.equal(cpu_kernels.gemv(x, blocks, kind), alone) for _ in range(200)]
+        side.join()
+        assert all(mine) and all(results) and len(results) == 200
+    finally:
+        cpu_kernels.set_threads(1)
+
+
+@needs_kernels
+def test_a_runtime_gives_the_threads_to_the_kernels(shared_models) -> None:
+    """A CPU runtime whose projections the kernels compute gives them its threads and keeps
+    PyTorch's operators on one (both pools spinning on two cores was 4x slower), and says so
+    in its status; a dense model keeps PyTorch's threads."""
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
+
+    path = shared_models / "smollm2-135m-instruct" / "smollm2-135m-instruct-q4_1.gguf"
+    before = torch.get_num_threads()
+    try:
+        rt = Runtime(RuntimeOptions(model=str(path), device="cpu", threads=2, prefix_cache=0))
+        status = rt.cpu_kernels_status()
+        assert status["used"] and status["kernel_threads"] == 2 and status["torch_threads"] == 1
+        dense = Runtime(RuntimeOptions(model=str(shared_models / "stories260k"), device="cpu",
+                                       threads=2, prefix_cache=0))  # fmt: skip
+        assert not dense.cpu_kernels_status()["used"] and torch.get_num_threads() == 2
+    finally:
+        cpu_kernels.set_threads(1)
+        torch.set_num_threads(before)

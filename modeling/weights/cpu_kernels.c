@@ -21,10 +21,12 @@
  * Block layouts: ../shared/models/gguf/README.md and gguf_blocks.py's decoders.
  */
 #include <immintrin.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
-#define SPECD_KERNELS_VERSION 3
+#define SPECD_KERNELS_VERSION 4
 #define SPECD_MAX_ROWS 8
 
 int specd_kernels_version(void) { return SPECD_KERNELS_VERSION; }
@@ -318,12 +320,11 @@ static void group_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int6
     static inline void group_##NAME(const uint8_t *row, int64_t k, group_t *q) {              \
         dec_##NAME(row + (k / (GROUPS)) * (BLOCK_BYTES), (int)(k % (GROUPS)), q);             \
     }                                                                                         \
-    void specd_gemv_##NAME(const float *x, int64_t ldx, const float *xsum,                   \
-                           const uint8_t *blocks, int64_t row_bytes, float *y, int64_t ldy,   \
-                           int64_t M, int64_t N, int64_t K) {                                 \
+    static void rows_##NAME(const float *x, int64_t ldx, const float *xsum,                  \
+                            const uint8_t *blocks, int64_t row_bytes, float *y, int64_t ldy,  \
+                            int64_t M, int64_t N, int64_t K) {                                \
         const int64_t ngroups = K / 32;                                                       \
         group_t q, r;                                                                         \
-        group_sums(x, ldx, (float *)xsum, M, ngroups);                                        \
         for (int64_t n = 0; n < N; n++) {                                                     \
             const uint8_t *row = blocks + n * row_bytes;                                      \
             if (M == 1) { /* four independent chains: two groups a step, two scales each */  \
@@ -408,3 +409,142 @@ GEMV(q5_k, 176, 8)
 GEMV(q6_k, 210, 8)
 GEMV(iq4_nl, 18, 1)
 GEMV(iq4_xs, 136, 8)
+
+typedef void (*rows_fn)(const float *, int64_t, const float *, const uint8_t *, int64_t, float *,
+                        int64_t, int64_t, int64_t, int64_t);
+
+/* By the type index cpu_kernels.py names (its TYPES order). */
+static const rows_fn ROWS[] = {rows_q8_0, rows_q4_0, rows_q4_1, rows_q5_0, rows_q5_1,
+                               rows_q4_k, rows_q5_k, rows_q6_k, rows_iq4_nl, rows_iq4_xs};
+#define TYPE_COUNT ((int)(sizeof(ROWS) / sizeof(ROWS[0])))
+int specd_type_count(void) { return TYPE_COUNT; }
+
+/* ---- threads ----
+ * A product's rows n are split among `threads` threads: this one and up to
+ * SPECD_MAX_THREADS - 1 workers of a pool kept between calls (started by
+ * specd_set_threads, never stopped; a forked child computes alone). A worker spins for a short
+ * while after each job (the next product comes within microseconds during a pass), then
+ * sleeps on a condition variable (an idle daemon costs no CPU). Every row is computed the
+ * same way whichever thread computes it: the result does not depend on the thread count. */
+#define SPECD_MAX_THREADS 16
+#define SPIN_ROUNDS 20000 /* pauses before a worker sleeps: tens of microseconds */
+#define MIN_PARALLEL_WEIGHTS (1 << 16) /* smaller products stay on one thread */
+
+typedef struct {
+    rows_fn fn;
+    const float *x, *xsum;
+    const uint8_t *blocks;
+    float *y;
+    int64_t ldx, row_bytes, ldy, M, N, K;
+    int parts;
+} job_t;
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_mutex_t busy; /* held by the one product that uses the workers */
+    pthread_cond_t wake;
+    pthread_t workers[SPECD_MAX_THREADS];
+    /* The generation each worker was started at: the jobs after it are its (read when it
+     * starts, which may be after the next job was published). */
+    unsigned long long born[SPECD_MAX_THREADS];
+    int workers_started;
+    int threads; /* this one and the workers a product uses */
+    job_t job;
+    atomic_ullong generation; /* bumped once a job is published */
+    atomic_int remaining;     /* workers that have not finished with the job yet */
+    atomic_int sleepers;
+    atomic_int stop;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER,
+          .busy = PTHREAD_MUTEX_INITIALIZER,
+          .wake = PTHREAD_COND_INITIALIZER,
+          .threads = 1};
+
+static void run_part(const job_t *job, int part) {
+    int64_t start = job->N * part / job->parts, end = job->N * (part + 1) / job->parts;
+    if (end > start)
+        job->fn(job->x, job->ldx, job->xsum, job->blocks + start * job->row_bytes, job->row_bytes,
+                job->y + start, job->ldy, job->M, end - start, job->K);
+}
+
+static void *worker(void *arg) {
+    const int index = (int)(intptr_t)arg; /* 1 .. SPECD_MAX_THREADS - 1 */
+    unsigned long long seen = pool.born[index];
+    for (;;) {
+        unsigned long long now;
+        int spins = 0;
+        while ((now = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen) {
+            if (atomic_load(&pool.stop)) return NULL;
+            if (++spins < SPIN_ROUNDS) {
+                _mm_pause();
+                continue;
+            }
+            pthread_mutex_lock(&pool.lock);
+            atomic_fetch_add(&pool.sleepers, 1);
+            while (atomic_load(&pool.generation) == seen && !atomic_load(&pool.stop))
+                pthread_cond_wait(&pool.wake, &pool.lock);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            pthread_mutex_unlock(&pool.lock);
+            spins = 0;
+        }
+        seen = now;
+        /* Published before the generation (release/acquire), and not rewritten before every
+         * worker has said it is done with it: all of them answer every job. */
+        const job_t *job = &pool.job;
+        if (index < job->parts) run_part(job, index);
+        atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_acq_rel);
+    }
+}
+
+/* The threads products use from now on (1 .. SPECD_MAX_THREADS): workers are started as
+ * needed and stay (idle ones sleep). Returns the count in effect. Not to be called while a
+ * product runs (cpu_kernels.py holds a lock around both). */
+static void forgotten_in_a_child(void) {
+    /* A forked child has none of the workers: it computes alone. */
+    pool.workers_started = 0;
+    pool.threads = 1;
+}
+
+int specd_set_threads(int threads) {
+    static int registered = 0;
+    if (!registered) registered = pthread_atfork(NULL, NULL, forgotten_in_a_child) == 0;
+    if (threads < 1) threads = 1;
+    if (threads > SPECD_MAX_THREADS) threads = SPECD_MAX_THREADS;
+    pthread_mutex_lock(&pool.busy); /* no product is using the workers meanwhile */
+    while (pool.workers_started < threads - 1) {
+        int index = pool.workers_started + 1;
+        pool.born[index] = atomic_load(&pool.generation);
+        if (pthread_create(&pool.workers[index], NULL, worker, (void *)(intptr_t)index) != 0) break;
+        pool.workers_started++;
+    }
+    pool.threads = pool.workers_started + 1 < threads ? pool.workers_started + 1 : threads;
+    pthread_mutex_unlock(&pool.busy);
+    return pool.threads;
+}
+
+/* y = x W^T for blocks of type `type` (the ROWS index), as the rows_* functions say; xsum is
+ * room for (M, K / 32) floats, filled here. Returns 0, or -1 for an unknown type. */
+int specd_gemv(int type, const float *x, int64_t ldx, float *xsum, const uint8_t *blocks,
+               int64_t row_bytes, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    if (type < 0 || type >= TYPE_COUNT) return -1;
+    group_sums(x, ldx, xsum, M, K / 32);
+    int parts = pool.threads;
+    if (N * K < (int64_t)MIN_PARALLEL_WEIGHTS * parts) parts = (int)((N * K) / MIN_PARALLEL_WEIGHTS);
+    if (parts > N) parts = (int)N;
+    /* One product at a time uses the workers; another thread's meanwhile computes alone. */
+    if (parts <= 1 || pthread_mutex_trylock(&pool.busy) != 0) {
+        ROWS[type](x, ldx, xsum, blocks, row_bytes, y, ldy, M, N, K);
+        return 0;
+    }
+    pool.job = (job_t){ROWS[type], x, xsum, blocks, y, ldx, row_bytes, ldy, M, N, K, parts};
+    atomic_store(&pool.remaining, pool.workers_started);
+    atomic_fetch_add(&pool.generation, 1); /* sequentially consistent with `sleepers` */
+    if (atomic_load(&pool.sleepers) > 0) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    run_part(&pool.job, 0);
+    while (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0) _mm_pause();
+    pthread_mutex_unlock(&pool.busy);
+    return 0;
+}

@@ -37,8 +37,10 @@ from gguf.constants import GGMLQuantizationType as GGMLType
 log = logging.getLogger("specd.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11")
-VERSION = 3  # what the C file's specd_kernels_version() must return
+FLAGS = (
+    "-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11", "-pthread",
+)  # fmt: skip
+VERSION = 4  # what the C file's specd_kernels_version() must return
 COMPILE_SECONDS = 120
 
 # ggml type → (C function suffix, block bytes, elements per block).
@@ -62,7 +64,10 @@ class _Library:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tried = False
-        self.functions: dict[GGMLType, Any] = {}  # ctypes function pointers
+        self.functions: dict[GGMLType, int] = {}  # kind → the C file's type index
+        self.gemv: Any = None  # specd_gemv, through ctypes
+        self.set_threads: Any = None
+        self.threads = 1
         self.max_rows = 0
         self.reason = "not built yet"
 
@@ -94,15 +99,19 @@ class _Library:
             if lib.specd_kernels_version() != VERSION:
                 raise _Unavailable(f"{path} is not version {VERSION} of the kernels")
             self.max_rows = int(lib.specd_max_rows())
-            for kind, (name, _, _) in TYPES.items():
-                fn = getattr(lib, f"specd_gemv_{name}")
-                fn.restype = None
-                fn.argtypes = [
-                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                    ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                    ctypes.c_int64, ctypes.c_int64,
-                ]  # fmt: skip
-                self.functions[kind] = fn
+            if lib.specd_type_count() != len(TYPES):
+                raise _Unavailable(f"{path} does not know this file's {len(TYPES)} types")
+            gemv = lib.specd_gemv
+            gemv.restype = ctypes.c_int
+            gemv.argtypes = [
+                ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                ctypes.c_int64,
+            ]  # fmt: skip
+            lib.specd_set_threads.restype = ctypes.c_int
+            lib.specd_set_threads.argtypes = [ctypes.c_int]
+            self.gemv, self.set_threads = gemv, lib.specd_set_threads
+            self.functions = {kind: index for index, kind in enumerate(TYPES)}
         except (OSError, AttributeError) as err:
             raise _Unavailable(f"{path} could not be loaded: {err}") from None
 
@@ -208,31 +217,52 @@ _SCRATCH = threading.local()  # per thread: a float buffer for the groups' sums
 
 def gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> torch.Tensor:
     """x (..., K) fp32 times the (N, K) matrix whose rows are `blocks` (N, row_bytes) uint8
-    of ggml type `kind`: (..., N) fp32. Raises ValueError for shapes that do not fit, and
-    RuntimeError where the kernels are unavailable (`status()` says why). The C code trusts
-    its sizes: every extent it reads or writes is checked here first."""
+    of ggml type `kind`: (..., N) fp32. Raises ValueError for inputs that do not fit, and
+    RuntimeError where the kernels are unavailable (`status()` says why)."""
     if not available():
         raise RuntimeError(f"the CPU kernels are unavailable: {status()}")
-    fn = _LIBRARY.functions.get(kind)  # type: ignore[arg-type]
-    spec = TYPES.get(kind)  # type: ignore[arg-type]
+    out = try_gemv(x, blocks, kind)
+    if out is None:
+        raise ValueError(
+            f"ggml type {kind} product: input {x.dtype} {tuple(x.shape)} on {x.device} and "
+            f"these kernels do not fit (fp32 on the CPU, 1 to {_LIBRARY.max_rows} rows, no "
+            "gradient)"
+        )
+    return out
+
+
+def try_gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> torch.Tensor | None:
+    """`gemv`, or None where the kernels do not take this input (unavailable, another
+    dtype or device, more rows than `max_rows()`, a gradient to keep): every projection of
+    every pass asks, so the checks are made once here. Blocks that do not fit the input are
+    a ValueError: the C code trusts its sizes, and every extent it reads or writes is
+    checked first."""
+    lib = _LIBRARY
+    if not lib._tried:
+        available()
+    index = lib.functions.get(kind)  # type: ignore[arg-type]
     shape = x.shape
     k = shape[-1] if shape else 0
     rows = x.numel() // k if k else 0
     if (
-        fn is None
-        or spec is None
+        index is None
         or x.dtype != torch.float32
         or x.device.type != "cpu"
-        or blocks.dtype != torch.uint8
+        or not 1 <= rows <= lib.max_rows
+        or (x.requires_grad and torch.is_grad_enabled())
+    ):
+        return None
+    _, size, elements = TYPES[kind]  # type: ignore[index]
+    if (
+        blocks.dtype != torch.uint8
         or blocks.device.type != "cpu"
         or blocks.dim() != 2
-        or k % spec[2]
-        or blocks.shape[1] != k // spec[2] * spec[1]
-        or not 1 <= rows <= _LIBRARY.max_rows
+        or k % elements
+        or blocks.shape[1] != k // elements * size
     ):
         raise ValueError(
-            f"ggml type {kind} product: input {x.dtype} {tuple(shape)} and blocks "
-            f"{blocks.dtype} {tuple(blocks.shape)} do not fit"
+            f"ggml type {kind} product: input {tuple(shape)} and blocks {blocks.dtype} "
+            f"{tuple(blocks.shape)} do not fit"
         )
     if not x.is_contiguous():
         x = x.contiguous()
@@ -243,9 +273,23 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> torch.T
     if sums is None or sums.numel() < rows * (k // 32):
         sums = _SCRATCH.sums = torch.empty(rows * (k // 32))
     out = torch.empty((*shape[:-1], n))
-    fn(x.data_ptr(), k, sums.data_ptr(), blocks.data_ptr(), blocks.shape[1], out.data_ptr(), n,
-       rows, n, k)  # fmt: skip
+    lib.gemv(index, x.data_ptr(), k, sums.data_ptr(), blocks.data_ptr(), blocks.shape[1],
+             out.data_ptr(), n, rows, n, k)  # fmt: skip
     return out
+
+
+def set_threads(threads: int) -> int:
+    """The threads each product's rows are split among from now on (this one and a pool of
+    workers that sleep when idle); returns the count in effect (1 where the kernels are
+    unavailable). Results do not depend on it."""
+    if not available():
+        return 1
+    _LIBRARY.threads = int(_LIBRARY.set_threads(max(1, int(threads))))
+    return _LIBRARY.threads
+
+
+def threads() -> int:
+    return _LIBRARY.threads
 
 
 # An opaque operator for torch.compile: a traced pass calls it as one node instead of
@@ -253,8 +297,9 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> torch.T
 # count is symbolic): a few rows go to the kernel, more to the rebuilt matrix.
 @torch.library.custom_op("specd::gguf_product", mutates_args=())
 def gguf_product(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    if usable(x, kind):
-        return gemv(x, blocks, kind)
+    out = try_gemv(x, blocks, kind)
+    if out is not None:
+        return out
     from modeling.weights.gguf_blocks import dequantize
 
     weight = dequantize(blocks, kind, x.shape[-1], x.dtype)  # (N, K)

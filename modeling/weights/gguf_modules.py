@@ -84,10 +84,11 @@ class GGUFLinear(PackedLinear):
         pass every product is one opaque operator that chooses so when it runs."""
         if torch.compiler.is_compiling() and self.computed_in_place(x.dtype, x.device):
             y = torch.ops.specd.gguf_product(x, self.stored(), int(self.ggml_type))
-        elif cpu_kernels.usable(x, self.ggml_type):
-            y = cpu_kernels.gemv(x, self.stored(), self.ggml_type)
         else:
-            return super().product(x)
+            found = cpu_kernels.try_gemv(x, self.stored(), self.ggml_type)
+            if found is None:
+                return super().product(x)
+            y = found
         return y if self.bias is None else y + self.bias
 
     def computed_in_place(self, dtype: torch.dtype, device: torch.device) -> bool:
