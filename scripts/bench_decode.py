@@ -8,7 +8,8 @@ with the ratio and writes JSON. transformers is a bench/test-only dependency.
     .venv/bin/python scripts/bench_decode.py [--model DIR] [--max-tokens 128] [--repeats 5]
 
 `--real`: SmolLM2-135M-Instruct (../shared/models) as its Q4_1 GGUF with the CPU kernels
-(modeling/weights/cpu_kernels.py) and without (each projection rebuilt, as before them),
+(modeling/weights/cpu_kernels.py) and without them (SPECD_CPU_KERNELS=off: its layers
+dequantized at load where they fit, as before them),
 its F32 form (scripts/real_forms.py) and that form `--quantize int8` / `int4`; eager and
 `--compile on`; 1 and 2 threads; each a fresh process per repeat, repeats interleaved.
 Decode tokens/s over `--max-tokens` after the prompt, and the weight bytes a decode step
@@ -86,7 +87,7 @@ def run_transformers(model, prompt_ids: list[int], n: int) -> tuple[float, list[
     return time.perf_counter() - t0, out[0, len(prompt_ids) :].tolist()
 
 
-REAL_FORMS = ("q4_1", "q4_1-rebuilt", "f32", "int8", "int4")
+REAL_FORMS = ("q4_1", "q4_1-no-kernels", "f32", "int8", "int4")
 
 
 def real_form(form: str) -> tuple[str, str | None, dict[str, str]]:
@@ -95,7 +96,7 @@ def real_form(form: str) -> tuple[str, str | None, dict[str, str]]:
 
     if form == "q4_1":
         return str(SMOLLM2_GGUF), None, {}
-    if form == "q4_1-rebuilt":
+    if form == "q4_1-no-kernels":
         return str(SMOLLM2_GGUF), None, {"SPECD_CPU_KERNELS": "off"}
     return str(smollm2_f32()), None if form == "f32" else form, {}
 

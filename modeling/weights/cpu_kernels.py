@@ -38,7 +38,8 @@ log = logging.getLogger("specd.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = (
-    "-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11", "-pthread",
+    "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11",
+    "-pthread",
 )  # fmt: skip
 VERSION = 4  # what the C file's specd_kernels_version() must return
 COMPILE_SECONDS = 120
