@@ -313,6 +313,8 @@ static void group_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int6
         dec_##NAME(row + ((k + 1) / (GROUPS)) * (BLOCK_BYTES), (int)((k + 1) % (GROUPS)), r); \
     }
 
+#define PREFETCH_GROUPS 64
+
 #define GEMV(NAME, BLOCK_BYTES, GROUPS)                                                        \
     static inline void group_##NAME(const uint8_t *row, int64_t k, group_t *q) {              \
         dec_##NAME(row + (k / (GROUPS)) * (BLOCK_BYTES), (int)(k % (GROUPS)), q);             \
@@ -329,6 +331,9 @@ static void group_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int6
                 float o0 = 0.0f, o1 = 0.0f;                                                   \
                 int64_t k = 0;                                                                \
                 for (; k + 1 < ngroups; k += 2) {                                             \
+                    /* the bytes a few groups on: they arrive while these are computed */    \
+                    _mm_prefetch((const char *)row + (k + PREFETCH_GROUPS) * (BLOCK_BYTES) /  \
+                                 (GROUPS), _MM_HINT_T0);                                      \
                     two_##NAME(row, k, &q, &r);                                               \
                     const float *xk = x + 32 * k;                                             \
                     __m256 p0 = _mm256_mul_ps(_mm256_loadu_ps(xk), q.c[0]);                   \
