@@ -47,6 +47,19 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts layer (modeling/layers/moe.py): a router over `experts` gated
+    MLPs of `intermediate_size` each, `top_k` of them per token, their weights the
+    router's softmax over all experts, the top k taken, renormalised to sum 1 where
+    `normalize` (Qwen3-MoE's `norm_topk_prob`; always in Mixtral)."""
+
+    experts: int
+    top_k: int
+    intermediate_size: int
+    normalize: bool = True
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -83,6 +96,8 @@ class ModelConfig:
     # config.json's quantization_config: its projections are packed (modeling/weights/quant.py,
     # modeling/weights/packed.py)
     quantization: QuantizationSpec | None = None
+    # Every layer's MLP is a mixture of experts (Qwen3-MoE, Mixtral); None: dense MLPs
+    moe: MoEConfig | None = None
 
     def layer_window(self, index: int) -> int | None:
         """Layer `index`'s sliding window in positions, None for full attention."""

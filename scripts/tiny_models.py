@@ -40,6 +40,21 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "partial_rotary_factor": 0.75,
         "sliding_window": 7,
     },
+    # Mixtures of experts: 4 experts of 32, 2 per token (Qwen3-30B-A3B: 128 of 768, 8)
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    },
+    "mixtral": {
+        "model_type": "mixtral",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+    },
     # Layer 0 local (window 6, its own RoPE base), layer 1 global (linear factor 2)
     "gemma3": {
         "model_type": "gemma3_text",

@@ -27,11 +27,12 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: the gate/up width where it is not the config's (an expert's)."""
         super().__init__()
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.in_place = cfg.hidden_act == "silu"  # Llama's, bit for bit as it always ran
-        d, f = cfg.hidden_size, cfg.intermediate_size
+        d, f = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_up_proj: nn.Linear | PackedLinear | None = None
         self.gate_proj: nn.Linear | PackedLinear | None = None
         self.up_proj: nn.Linear | PackedLinear | None = None

@@ -18,9 +18,11 @@ from modeling.config import ModelConfig, UnsupportedModelError
 from modeling.kv_cache import window_ring_size
 from modeling.models.gemma3 import GEMMA3
 from modeling.models.llama import LLAMA
+from modeling.models.mixtral import MIXTRAL
 from modeling.models.phi3 import PHI3
+from modeling.models.qwen3_moe import QWEN3_MOE
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, GEMMA3, PHI3)
+ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL)
 
 BY_MODEL_TYPE: dict[str, Architecture] = {
     model_type: arch for arch in ARCHITECTURES for model_type in arch.model_types

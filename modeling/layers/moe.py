@@ -1,0 +1,121 @@
+"""The mixture-of-experts block (Qwen3-MoE, Mixtral): pre-norm attention as in the shared
+decoder layer, then instead of one gated MLP a router and `experts` of them, each token
+sent through its top k.
+
+Routing is the reference's, exactly: the router's logits (in the model dtype), their
+softmax in fp32 over all experts, the k largest (torch.topk, so ties fall as they do in
+transformers), renormalised to sum 1 where the config says (`MoEConfig.normalize`), then
+each chosen expert's output times its weight added to the token's, experts in ascending
+order (the order the reference adds them in, so sums round alike). Qwen3-MoE rounds the
+weights to the model dtype before they scale an expert's output; Mixtral scales in fp32
+and rounds the product (`weights_in_model_dtype`).
+
+Each expert is its own gated MLP module (`experts.<e>`: gate/up stacked when dense, as a
+checkpoint's `experts.<e>.gate_proj` and `up_proj` are stacked for the shared MLP), so a
+checkpoint's per-expert tensors load by name, packed formats pack per expert, and an
+expert is a unit that can live elsewhere than its layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from modeling.architecture import LayerActivations
+from modeling.config import ModelConfig
+from modeling.layers.attention import Slots
+from modeling.layers.decoder_layer import layer_parameters, layer_phases
+from modeling.layers.mlp import MLP
+from modeling.layers.norms import RMSNorm, norm_bytes
+from modeling.layers.self_attention import Attention
+from modeling.weights.projections import linear
+
+
+class SparseMoE(nn.Module):
+    """Router (`gate`, dense: [experts, hidden]) and `experts` gated MLPs."""
+
+    def __init__(self, cfg: ModelConfig, weights_in_model_dtype: bool = True) -> None:
+        super().__init__()
+        moe = cfg.moe
+        assert moe is not None, "a mixture-of-experts block needs the config's `moe`"
+        self.top_k, self.normalize = moe.top_k, moe.normalize
+        self.weights_in_model_dtype = weights_in_model_dtype
+        self.gate = nn.Linear(cfg.hidden_size, moe.experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg, moe.intermediate_size) for _ in range(moe.experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, k) chosen experts and their weights (fp32) for tokens x (T, hidden)."""
+        logits = linear(self.gate, x)  # (T, E) in the model dtype, as the reference's
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (T, E)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (T, k) each
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chosen, weights = self.route(x)  # (T, k), (T, k)
+        if self.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)  # (T, hidden)
+        for e in torch.unique(chosen).tolist():  # ascending, as the reference adds them
+            tokens, slots = torch.where(chosen == e)  # (n,) each: a token picks e once
+            y = self.experts[e](x[tokens]) * weights[tokens, slots, None]  # (n, hidden)
+            out.index_add_(0, tokens, y.to(x.dtype))
+        return out
+
+
+class MoEDecoderLayer(nn.Module):
+    """x + attention(norm(x)), then x + experts(norm(x)): the shared block's attention and
+    norms (modeling/layers/decoder_layer.py) with a `SparseMoE` for its MLP."""
+
+    def __init__(self, cfg: ModelConfig, index: int = 0, weights_in_model_dtype: bool = True):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.self_attn = Attention(cfg, index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.mlp = SparseMoE(cfg, weights_in_model_dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, hidden)
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        sequences: Sequence[Slots],
+        layer: int,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, sequences, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def moe_layer_parameters(cfg: ModelConfig) -> int:
+    """Exact parameters of a `MoEDecoderLayer`: the shared block's attention and norms, the
+    router, and every expert's gate, up and down projections."""
+    moe = cfg.moe
+    assert moe is not None
+    d, f = cfg.hidden_size, moe.intermediate_size
+    attention_and_norms = layer_parameters(replace(cfg, intermediate_size=0, mlp_bias=False))
+    expert = 3 * d * f + ((2 * f + d) if cfg.mlp_bias else 0)
+    return attention_and_norms + moe.experts * d + moe.experts * expert
+
+
+def moe_layer_activations(cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
+    """`MoEDecoderLayer`'s peak per token: the shared block's attention phases, and the
+    experts' phase: x, the residual, the norm's output and the accumulated output; the
+    router's logits (model dtype), softmax (fp32), top-k weights and indices; one expert's
+    gathered rows, its gate/up and act(gate) (all a pass's tokens may pick one expert) and
+    its weighted output."""
+    moe = cfg.moe
+    assert moe is not None
+    d, f, e, k = cfg.hidden_size, moe.intermediate_size, moe.experts, moe.top_k
+    attention = layer_phases(replace(cfg, intermediate_size=f), itemsize, copy)
+    router = itemsize * e + 4 * e + k * (4 + 8 + 4)
+    experts = itemsize * (4 * d + d + 3 * f + d) + router + copy * 2 * f
+    hd = cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    return LayerActivations(
+        layer=max(*attention, experts, itemsize * d + norm_bytes(d, itemsize)),
+        attention=itemsize * (2 * d + 3 * q + 3 * kv),
+    )

@@ -1,0 +1,100 @@
+"""Mixtral (8x7B, 8x22B): Mistral's attention and in every layer a mixture of experts
+(modeling/layers/moe.py): a router over `num_local_experts` gated MLPs of
+`intermediate_size`, `num_experts_per_tok` per token, the softmax weights of the chosen
+ones renormalised, each expert's output scaled in fp32. Checkpoints name the block
+`block_sparse_moe` and an expert's projections w1 (gate), w3 (up) and w2 (down); they load
+under the shared names (`mlp.experts.<e>.gate_proj`, ...).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+from torch import nn
+
+from modeling.architecture import Architecture, LayerActivations
+from modeling.config import (
+    ModelConfig,
+    MoEConfig,
+    UnsupportedModelError,
+    attention_widths,
+    eos_ids,
+    required,
+    rope_config,
+)
+from modeling.layers.moe import MoEDecoderLayer, moe_layer_activations, moe_layer_parameters
+from modeling.weights.quant import parse_quantization
+
+# A stored expert projection's name → ours.
+_EXPERT = re.compile(r"(layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight|bias)")
+_PROJECTION = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+class Mixtral(Architecture):
+    name: ClassVar[str] = "mixtral"
+    model_types: ClassVar[tuple[str, ...]] = ("mixtral",)
+
+    def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(
+                f"{source}: hidden_act {act!r} is not supported (only 'silu')"
+            )
+        hidden, heads, kv_heads, head_dim = attention_widths(raw, source)
+        rope = rope_config(raw, source)
+        if rope.kind == "longrope" or rope.partial_rotary_factor != 1.0:
+            raise UnsupportedModelError(
+                f"{source}: rope {rope.kind} with partial_rotary_factor "
+                f"{rope.partial_rotary_factor} is not supported for mixtral"
+            )
+        experts = int(required(raw, "num_local_experts", source))
+        top_k = int(required(raw, "num_experts_per_tok", source))
+        if not 1 <= top_k <= experts:
+            raise UnsupportedModelError(
+                f"{source}: num_experts_per_tok {top_k} must be 1 to num_local_experts {experts}"
+            )
+        intermediate = int(required(raw, "intermediate_size", source))
+        max_position = int(raw.get("max_position_embeddings", 4096 * 32))
+        window = raw.get("sliding_window")
+        window = None if window is None or int(window) >= max_position else int(window)
+        return ModelConfig(
+            model_type="mixtral",
+            vocab_size=int(required(raw, "vocab_size", source)),
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_layers=int(required(raw, "num_hidden_layers", source)),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            max_position_embeddings=max_position,
+            rope=rope,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            sliding_window=window,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids(raw),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            quantization=parse_quantization(raw, source),
+            moe=MoEConfig(experts=experts, top_k=top_k, intermediate_size=intermediate),
+        )
+
+    def block(self, cfg: ModelConfig, index: int) -> nn.Module:
+        return MoEDecoderLayer(cfg, index, weights_in_model_dtype=False)
+
+    def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
+        return moe_layer_parameters(cfg)
+
+    def layer_activations(self, cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
+        return moe_layer_activations(cfg, itemsize, copy)
+
+    def hf_name(self, stored: str) -> str | None:
+        name = stored.removeprefix("model.")
+        expert = _EXPERT.fullmatch(name)
+        if expert is not None:
+            layer, index, part, attr = expert.groups()
+            return f"{layer}.mlp.experts.{index}.{_PROJECTION[part]}.{attr}"
+        return name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+
+
+MIXTRAL = Mixtral()

@@ -1,0 +1,115 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention (q/k norms, no biases) and
+in every layer a mixture of experts (modeling/layers/moe.py): a router over `num_experts`
+gated MLPs of `moe_intermediate_size`, `num_experts_per_tok` per token, their softmax
+weights renormalised where `norm_topk_prob` says. Checkpoints store each expert apart
+(`mlp.experts.<e>.gate_proj`, `up_proj`, `down_proj`) and the router as `mlp.gate`.
+
+Configs whose layers are not all sparse (`mlp_only_layers`, `decoder_sparse_step` above 1)
+are refused by name: every layer of a model here has one shape (the streamer and the plan
+rely on it), and no published Qwen3-MoE checkpoint mixes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from torch import nn
+
+from modeling.architecture import Architecture, LayerActivations
+from modeling.config import (
+    ModelConfig,
+    MoEConfig,
+    UnsupportedModelError,
+    attention_widths,
+    eos_ids,
+    required,
+    rope_config,
+)
+from modeling.layers.moe import MoEDecoderLayer, moe_layer_activations, moe_layer_parameters
+from modeling.weights.quant import parse_quantization
+
+
+def _count(raw: dict[str, Any], keys: tuple[str, ...], source: str) -> int:
+    """The first of `keys` config.json states, a whole number of at least 1."""
+    for key in keys:
+        if key in raw:
+            value = raw[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UnsupportedModelError(f"{source}: {key} must be a count of at least 1")
+            return value
+    raise UnsupportedModelError(f"{source}: required key {keys[0]!r} is missing")
+
+
+class Qwen3Moe(Architecture):
+    name: ClassVar[str] = "qwen3_moe"
+    model_types: ClassVar[tuple[str, ...]] = ("qwen3_moe",)
+
+    def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(
+                f"{source}: hidden_act {act!r} is not supported (only 'silu')"
+            )
+        if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step", 1)) != 1:
+            raise UnsupportedModelError(
+                f"{source}: mlp_only_layers / decoder_sparse_step mix dense and expert layers, "
+                "which specd does not run (every layer here is one shape)"
+            )
+        if raw.get("use_sliding_window"):
+            raise UnsupportedModelError(
+                f"{source}: use_sliding_window is not supported for qwen3_moe"
+            )
+        hidden, heads, kv_heads, head_dim = attention_widths(raw, source)
+        rope = rope_config(raw, source)
+        if rope.kind == "longrope" or rope.partial_rotary_factor != 1.0:
+            raise UnsupportedModelError(
+                f"{source}: rope {rope.kind} with partial_rotary_factor "
+                f"{rope.partial_rotary_factor} is not supported for qwen3_moe"
+            )
+        experts = _count(raw, ("num_experts", "num_local_experts"), source)
+        top_k = _count(raw, ("num_experts_per_tok",), source)
+        if top_k > experts:
+            raise UnsupportedModelError(
+                f"{source}: num_experts_per_tok {top_k} is more than the {experts} experts"
+            )
+        moe = MoEConfig(
+            experts=experts,
+            top_k=top_k,
+            intermediate_size=_count(raw, ("moe_intermediate_size",), source),
+            normalize=bool(raw.get("norm_topk_prob", False)),
+        )
+        attention_bias = bool(raw.get("attention_bias", False))
+        return ModelConfig(
+            model_type="qwen3_moe",
+            vocab_size=int(required(raw, "vocab_size", source)),
+            hidden_size=hidden,
+            intermediate_size=int(raw.get("intermediate_size") or moe.intermediate_size),
+            num_layers=int(required(raw, "num_hidden_layers", source)),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rope=rope,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            qk_norm=True,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids(raw),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            quantization=parse_quantization(raw, source),
+            moe=moe,
+        )
+
+    def block(self, cfg: ModelConfig, index: int) -> nn.Module:
+        return MoEDecoderLayer(cfg, index, weights_in_model_dtype=True)
+
+    def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
+        return moe_layer_parameters(cfg)
+
+    def layer_activations(self, cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
+        return moe_layer_activations(cfg, itemsize, copy)
+
+
+QWEN3_MOE = Qwen3Moe()
