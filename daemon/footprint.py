@@ -69,6 +69,9 @@ def footprint(
             dense = Transformer(replace(config, quantization=None)).to(dtype)
         dense_layer = FlatLayout.of(cast(nn.ModuleList, dense.layers)[0]).nbytes
     ring, window = window_kv_bytes_per_token(config, dtype)
+    expert_bytes = 0
+    if config.moe is not None:  # one routed expert as the expert cache lays one out
+        expert_bytes = FlatLayout.of(block.get_submodule("mlp.experts.0")).nbytes
     return ModelFootprint(
         name=name,
         dtype=str(dtype).removeprefix("torch."),
@@ -86,6 +89,9 @@ def footprint(
         dense_layer_bytes=dense_layer,
         dequant_bytes=max((m.rebuild_bytes(dtype) for m in packed), default=0),
         packed_kernels=packed_kernels(config, dtype, device_type),
+        expert_bytes=expert_bytes,
+        experts=config.moe.experts if config.moe is not None else 0,
+        experts_per_token=config.moe.top_k if config.moe is not None else 0,
     )
 
 

@@ -48,6 +48,8 @@ class OffloadOptions:
     sequences: int = 1  # KV caches that may coexist (see PlanRequest)
     prefix_cache_bytes: int = 0  # the tree strategy's cache of target logits (0: off)
     cuda_graphs: bool = False  # steps captured as CUDA graphs (`--compile on` on CUDA)
+    experts: str = "auto"  # a mixture of experts' routed experts (offload.EXPERT_MODES)
+    expert_slots: int | None = None  # the expert cache's most experts (None: all that fit)
 
 
 # What CUDA graphs hold, as modeling/graphs.py and compiled.py capture them.
@@ -90,6 +92,8 @@ def plan_request(
         sequences=options.sequences,
         prefix_cache_bytes=options.prefix_cache_bytes,
         graphs=GRAPHS if options.cuda_graphs else None,
+        experts=options.experts,
+        expert_slots=options.expert_slots,
     )
 
 

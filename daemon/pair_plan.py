@@ -33,6 +33,8 @@ def offload_options(options: RuntimeOptions) -> OffloadOptions:
         resident_layers=options.resident_layers,
         slots=options.slots,
         host_tier=options.host_tier,
+        experts=options.experts,
+        expert_slots=options.expert_slots,
         sequences=options.sequences,
         prefix_cache_bytes=options.prefix_cache if options.draft else 0,
         # `auto` does not compile on CUDA yet (daemon/compiling.py): only `on` captures.

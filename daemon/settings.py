@@ -142,6 +142,7 @@ class OffloadSettings:
     slots: int = _key(2, integer(2, 16))
     gpu_budget: str = _key("auto", size_or_auto)
     host_tier: str = _key("auto", choice("auto", "ram", "disk"))
+    experts: str = _key("auto", choice("auto", "device", "stream", "cpu"))
     ram_budget: str = _key("auto", size_or_auto)
     bandwidth: str | None = _key(None, rate_or_null)
 
@@ -290,6 +291,7 @@ class Settings:
             slots=self.offload.slots,
             gpu_budget=self.offload.gpu_budget,
             host_tier=self.offload.host_tier,
+            experts=self.offload.experts,
             ram_budget=self.offload.ram_budget,
             bandwidth=self.offload.bandwidth,
             threads=self.models.threads,

@@ -23,10 +23,12 @@ from daemon.substitute_cache import SubstituteCache
 from modeling.checkpoints.checkpoint import Checkpoint, load, open_checkpoint
 from modeling.checkpoints.safetensors_model import CheckpointError
 from modeling.decoder import Transformer
+from modeling.layers.moe import SparseMoE
 from modeling.models import architecture
 from modeling.substitute import build_substitute, share_placed, shares_packed, substitute_config
 from modeling.text.tokenizer import Tokenizer
 from modeling.weights.projections import stored_names
+from offload.experts import ExpertCache, HostExperts
 from offload.layout import FlatLayout
 from offload.machine import detect_budget
 from offload.placement import build_streamer
@@ -106,6 +108,15 @@ def load_target(
     `before_placing(model, plan)` runs once every layer the plan keeps in RAM is loaded,
     before any moves (where the substitute draft is built from them)."""
     dtype = plan_dtype(plan)
+    if plan.expert_mode != "device":  # loaded in RAM, then all but the experts placed
+        if before_placing is not None:
+            raise PlanError(
+                "the substitute draft of a mixture of experts whose experts live in RAM is "
+                "not built yet: use --experts device, or --draft ngram or a draft model"
+            )
+        model, tokenizer, ckpt = load(ckpt, dtype, "cpu")
+        place_experts(model, plan, device)
+        return model, tokenizer, ckpt, None
     if not plan.streamed_layers:
         model, tokenizer, ckpt = load(ckpt, dtype, device)
         if plan.dequantized_resident:
@@ -127,6 +138,35 @@ def load_target(
     if before_placing is not None:
         before_placing(model, plan)
     return model, tokenizer, ckpt, place_target(model, ckpt, plan, device)
+
+
+def place_experts(model: Transformer, plan: MemoryPlan, device: torch.device) -> None:
+    """Every routed expert of `model` (loaded in RAM) handed to its source as `plan` says
+    (offload/experts.py: host copies and a device cache of `plan.expert_slots`, or host RAM
+    where they compute on the CPU), then the rest of the model moved to `device`."""
+    blocks = [cast(SparseMoE, layer.mlp) for layer in cast(nn.ModuleList, model.layers)]
+    experts = []
+    for block in blocks:
+        experts.append(list(block.experts))
+        block.experts = nn.ModuleList()  # the source holds them now; .to(device) skips them
+    source: ExpertCache | HostExperts
+    if plan.expert_mode == "stream":
+        source = ExpertCache(experts, device, plan.expert_slots, pin=device.type == "cuda")
+    else:
+        source = HostExperts(experts)
+    del experts
+    model.to(device)
+    for index, block in enumerate(blocks):
+        block.source, block.layer = source, index
+
+
+def expert_source(model: Transformer) -> ExpertCache | HostExperts | None:
+    """The source `place_experts` gave `model`'s experts, or None (with their layers)."""
+    layers = model.layers
+    first = layers[0] if isinstance(layers, nn.ModuleList) and len(layers) else None
+    block = getattr(first, "mlp", None)
+    source = getattr(block, "source", None)
+    return source if isinstance(source, (ExpertCache, HostExperts)) else None
 
 
 @dataclass

@@ -21,6 +21,10 @@ from offload.activations import ActivationFootprint
 from offload.units import format_size
 
 OFFLOAD_MODES = ("none", "stream", "auto")
+# Where a mixture of experts' routed experts live (`--experts`, offload.experts): with their
+# layers (device), in host RAM copied to a device cache as routed (stream), in host RAM
+# computed there (cpu), or auto: device where everything fits, else stream on a GPU.
+EXPERT_MODES = ("auto", "device", "stream", "cpu")
 TIER_CHOICES = ("ram", "disk", "auto")
 MIN_SLOTS = 2
 
@@ -42,6 +46,11 @@ class ModelFootprint:
     quantization: str = ""
     dense_layer_bytes: int = 0
     dequant_bytes: int = 0
+    # A mixture of experts: each routed expert's bytes (as the streamer lays one out), the
+    # experts of a layer and those a token routes to (0: a dense model)
+    expert_bytes: int = 0
+    experts: int = 0
+    experts_per_token: int = 0
     # Its packed projections compute from their blocks where the model computes (the CPU
     # kernels, modeling/weights/cpu_kernels.py): a decode step then reads the packed bytes,
     # so the layers stay packed even where their dequantized copy would fit.
@@ -132,6 +141,10 @@ class PlanRequest:
     prefix_cache_bytes: int = 0
     # Steps captured as CUDA graphs (`--compile on` on a GPU), None: none.
     graphs: GraphRequest | None = None
+    # Where a mixture of experts' routed experts live (EXPERT_MODES), and at most how many
+    # the device cache holds under `stream` (None: as many as fit)
+    experts: str = "auto"
+    expert_slots: int | None = None
 
 
 @dataclass
@@ -155,6 +168,10 @@ class MemoryPlan:
     # Packed target layers that all fit the device even dequantized are kept so (no
     # rebuild per pass); streamed plans keep them packed (the device is full by design).
     dequantized_resident: bool = False
+    # A mixture of experts' routed experts: where they live ("device" with their layers,
+    # "stream": host RAM and `expert_slots` device slots, "cpu": host RAM, computed there)
+    expert_mode: str = "device"
+    expert_slots: int = 0
 
     @property
     def device_bytes(self) -> int:
@@ -185,6 +202,8 @@ class MemoryPlan:
             "seconds_per_pass": self.seconds_per_pass,
             "notes": list(self.notes),
             "dequantized_resident": self.dequantized_resident,
+            "experts": self.expert_mode,
+            "expert_slots": self.expert_slots,
         }
 
     def render(self) -> str:

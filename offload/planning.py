@@ -13,6 +13,7 @@ from dataclasses import replace
 from offload.arena import arena_bytes
 from offload.device_parts import fixed_parts
 from offload.plan import (
+    EXPERT_MODES,
     MIN_SLOTS,
     OFFLOAD_MODES,
     TIER_CHOICES,
@@ -57,6 +58,14 @@ def make_plan(request: PlanRequest, budget: MemoryBudget) -> MemoryPlan:
     room = budget.device_bytes - fixed_bytes
 
     everything_fits = room >= n * layer
+    if t.experts:
+        if r.experts not in EXPERT_MODES:
+            raise PlanError(f"experts {r.experts!r} is not one of {', '.join(EXPERT_MODES)}")
+        mode = r.experts
+        if mode == "auto":  # with their layers where everything fits; else by routing on a GPU
+            mode = "device" if everything_fits or budget.device != "cuda" else "stream"
+        if mode != "device":
+            return _plan_experts(r, budget, fixed, host_cache, mode)
     all_resident = r.offload == "none" or (
         r.offload == "auto"
         and (r.resident_layers == n or (r.resident_layers is None and everything_fits))
@@ -120,6 +129,70 @@ def make_plan(request: PlanRequest, budget: MemoryBudget) -> MemoryPlan:
         r, budget, parts, resident, streamed, r.slots, tier, reason, host_bytes, per_pass,
         seconds, notes,
     )  # fmt: skip
+
+
+def expected_experts(experts: int, per_token: int, tokens: int) -> float:
+    """The distinct experts `tokens` tokens wake in one layer, each routed to `per_token`
+    of `experts` uniformly at random (the estimate before any routing is measured):
+    E (1 - (1 - k/E)^n)."""
+    return experts * (1 - (1 - per_token / experts) ** tokens)
+
+
+def _plan_experts(
+    r: PlanRequest, budget: MemoryBudget, fixed: dict[str, int], host_cache: int, mode: str
+) -> MemoryPlan:
+    """Every layer resident but its routed experts, which live in host RAM: copied as
+    routed into a device cache of as many experts as the room left holds (`stream`), or
+    computed on the CPU (`cpu`)."""
+    t = r.target
+    n, e, k = t.num_layers, t.experts, t.experts_per_token
+    rest = t.layer_bytes - e * t.expert_bytes  # attention, norms, router
+    total = n * e
+    parts = {**fixed, f"target layers without their experts ({n}, resident)": n * rest}
+    room = budget.device_bytes - sum(parts.values())
+    if room < (t.expert_bytes if mode == "stream" else 0):
+        raise PlanError(
+            f"the target's layers without their experts ({format_size(n * rest)}) and the "
+            f"fixed parts ({format_size(sum(fixed.values()))}) do not fit the "
+            f"{format_size(budget.device_bytes)} device budget with room for an expert: "
+            "lower --context or give more --gpu-budget"
+        )
+    slots = min(total, room // t.expert_bytes) if mode == "stream" else 0
+    if r.expert_slots is not None and mode == "stream":
+        if r.expert_slots < 1:
+            raise PlanError("--expert-slots must be at least 1")
+        slots = min(slots, r.expert_slots)
+    if slots:
+        parts[f"expert cache ({slots} of {total} experts)"] = slots * t.expert_bytes
+    host = total * t.expert_bytes
+    if host + host_cache > budget.ram_bytes:
+        raise PlanError(
+            f"the routed experts ({format_size(host)}) do not fit the RAM budget "
+            f"({format_size(budget.ram_bytes)}): give more --ram-budget"
+        )
+    notes = _sequences_note(r, budget, sum(parts.values()))
+    if mode == "stream":
+        # Before routing is measured: each layer's experts cached alike, routing uniform.
+        miss = 1 - slots / total
+        per_pass = int(n * expected_experts(e, k, 1) * miss * t.expert_bytes)
+        tree = int(n * expected_experts(e, k, r.pass_tokens) * miss * t.expert_bytes)
+        seconds = per_pass / budget.bandwidth if budget.bandwidth else None
+        reason = f"the routed experts in RAM ({format_size(host)}), copied to the cache as routed"
+        notes.append(
+            f"experts by routing: a token wakes {k} of {e} experts a layer; a pass of one "
+            f"token moves {format_size(per_pass)} and one of {r.pass_tokens} tokens "
+            f"{format_size(tree)} (uniform routing, {slots / total:.0%} of the experts "
+            "cached; measured routing replaces this estimate)"
+        )
+    else:
+        per_pass, seconds = 0, None
+        reason = f"the routed experts in RAM ({format_size(host)}), computed on the CPU"
+        notes.append(f"experts on the CPU: a token's {k} experts a layer run there")
+    plan = MemoryPlan(
+        r, budget, parts, n, 0, 0, "ram", reason, host + host_cache, per_pass, seconds, notes
+    )
+    plan.expert_mode, plan.expert_slots = mode, slots
+    return plan
 
 
 def _sequences_note(r: PlanRequest, budget: MemoryBudget, planned: int) -> list[str]:

@@ -126,3 +126,102 @@ def test_a_config_says_it_is_a_mixture() -> None:
     cfg = config_from_hf(REAL_SHAPES["qwen3-30b-a3b"])
     assert cfg.moe == MoEConfig(experts=128, top_k=8, intermediate_size=768, normalize=True)
     assert replace(cfg, moe=None).moe is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_experts_placed_by_routing_decode_as_with_their_layers(tiny_checkpoint, family) -> None:
+    """`--experts stream` (a device cache of 3 of the 12 experts, and of 1) and `--experts
+    cpu` give the tokens the experts with their layers give, alone and under an n-gram
+    tree (whose rows route to many experts in one pass); the cache counts what it moved."""
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
+    from daemon.target_loading import expert_source
+    from speculative.sampling import SamplingParams
+
+    path = tiny_checkpoint(family, vocab_size=96, num_layers=3)
+    prompt = [5, 9, 17, 33, 2, 8, 40, 11, 5, 9, 17]
+    greedy = SamplingParams(temperature=0.0)
+    runs: dict[tuple, list[int]] = {}
+    for mode, slots in (("device", None), ("stream", 3), ("stream", 1), ("cpu", None)):
+        for draft in (None, "ngram"):
+            rt = Runtime(RuntimeOptions(model=str(path), device="cpu", experts=mode,
+                                        expert_slots=slots, context=96, draft=draft))  # fmt: skip
+            assert rt.plan.expert_mode == mode and rt.plan.expert_slots == (slots or 0)
+            runs[(mode, slots, draft)] = (
+                rt.generation(prompt, greedy, 24, ignore_eos=True).run().token_ids
+            )
+            source = expert_source(rt.target)
+            if mode == "stream":
+                assert source is not None and source.slots == slots
+                stats = source.stats
+                assert stats.copies == stats.asked - stats.hits > 0
+                assert stats.bytes_copied == stats.copies * source.expert_bytes
+            else:
+                assert (source is None) == (mode == "device")
+    assert len({tuple(ids) for ids in runs.values()}) == 1, runs
+
+
+def test_a_pass_copies_only_the_routed_experts_the_cache_lacks(tiny_checkpoint) -> None:
+    """The expert cache by itself: a layer pass copies the experts it asks for that no slot
+    holds, one copy of each one's bytes; asked again with room for them, nothing; with too
+    little room the frequently routed expert stays and a rare one goes through the bypass
+    slot."""
+    from offload.experts import ExpertCache
+
+    model = load(tiny_checkpoint("qwen3_moe", vocab_size=96, num_layers=2))[0]
+    experts = [list(layer.mlp.experts) for layer in model.layers]  # 2 layers x 4
+    originals = [[e.gate_up_proj.weight.clone() for e in row] for row in experts]
+    cache = ExpertCache(experts, "cpu", slots=8)
+    cache.prepare(0, [1, 3])
+    got = [cache.expert(0, 1), cache.expert(0, 3)]
+    assert cache.stats.copies == 2 and cache.stats.bytes_copied == 2 * cache.expert_bytes
+    assert torch.equal(got[0].gate_up_proj.weight, originals[0][1])
+    assert torch.equal(got[1].gate_up_proj.weight, originals[0][3])
+    cache.prepare(0, [1, 3])
+    cache.expert(0, 1), cache.expert(0, 3)
+    assert cache.stats.copies == 2 and cache.stats.hits == 2  # both were there
+
+    small = ExpertCache(experts, "cpu", slots=3)  # two to keep, one bypass
+    for _ in range(5):  # expert (0, 0) routed often
+        small.prepare(0, [0])
+        small.expert(0, 0)
+    for e in (1, 2, 3):  # each once: none may push (0, 0) out
+        small.prepare(1, [e])
+        small.expert(1, e)
+    small.prepare(0, [0])
+    expert = small.expert(0, 0)
+    assert small.stats.hits == 5 and torch.equal(expert.gate_up_proj.weight, originals[0][0])
+
+
+@pytest.mark.parametrize("budget", ["8GiB", "12GiB", "16GiB", "24GiB"])
+def test_the_plan_of_qwen3_30b_a3b_by_routing(tmp_path: Path, budget: str) -> None:
+    """A Qwen3-30B-A3B shape on a desktop card: attention, norms and routers resident, the
+    experts in RAM with a device cache of what room is left, and a pass expected to move
+    far less than whole layers streamed."""
+    import json
+
+    from daemon.cli import main
+
+    folder = tmp_path / "qwen3-30b-a3b"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps({**REAL_SHAPES["qwen3-30b-a3b"], "torch_dtype": "bfloat16"})
+    )
+    argv = ["plan", "--model", str(folder), "--device", "cuda", "--gpu-budget", budget,
+            "--ram-budget", "64GiB", "--bandwidth", "25GB/s", "--draft", "none",
+            "--context", "8192", "--json"]  # fmt: skip
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*argv, "--experts", "stream"]) == 0
+    plan = json.loads(out.getvalue())
+    assert plan["experts"] == "stream" and plan["expert_slots"] > 0
+    assert any(k.startswith("expert cache") for k in plan["device_parts"])
+    assert plan["streamed_layers"] == 0 and plan["resident_layers"] == 48
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*argv, "--experts", "device", "--offload", "stream"]) == 0
+    layers = json.loads(out.getvalue())
+    assert plan["seconds_per_pass"] < layers["seconds_per_pass"] / 5

@@ -127,6 +127,14 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-budget", type=_size_or_auto, default=None, help="24GB, 512MiB or auto")
     g.add_argument("--ram-budget", type=_size_or_auto, default=None, help="64GB or auto")
     g.add_argument("--host-tier", choices=("ram", "disk", "auto"), default=None)
+    g.add_argument(
+        "--experts",
+        choices=("auto", "device", "stream", "cpu"),
+        default=None,
+        help="a mixture of experts' routed experts: with their layers (device), in RAM "
+        "copied to a device cache as routed (stream), in RAM computed on the CPU (cpu), or "
+        "auto (device where everything fits, else stream on a GPU)",
+    )
     g.add_argument("--bandwidth", type=_rate, default=None, help="host→device rate, e.g. 25GB/s")
 
 
@@ -137,6 +145,7 @@ _OFFLOAD_FIELDS = (
     "gpu_budget",
     "ram_budget",
     "host_tier",
+    "experts",
     "bandwidth",
 )
 

@@ -51,6 +51,7 @@ FLAG_KEYS = {
     "gpu_budget": "offload.gpu_budget",
     "ram_budget": "offload.ram_budget",
     "host_tier": "offload.host_tier",
+    "experts": "offload.experts",
     "bandwidth": "offload.bandwidth",
     "context": "context.length",
     "host": "server.host",

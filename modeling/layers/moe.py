@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -34,8 +35,28 @@ from modeling.layers.self_attention import Attention
 from modeling.weights.projections import linear
 
 
+class ExpertSource(Protocol):
+    """Where a layer's routed experts are when they are not its own modules (offload/experts.py:
+    a device cache filled as routed, or host RAM): `prepare` names the experts a layer pass
+    will ask for (distinct), then `expert` gives each, one at a time, ready to compute (on
+    the device, or on the CPU where they are computed there)."""
+
+    def prepare(self, layer: int, wanted: Sequence[int]) -> None: ...
+
+    def expert(self, layer: int, index: int) -> nn.Module: ...
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for parameter in module.parameters():
+        return parameter.device
+    for buffer in module.buffers():
+        return buffer.device
+    raise ValueError("an expert with no tensors")
+
+
 class SparseMoE(nn.Module):
-    """Router (`gate`, dense: [experts, hidden]) and `experts` gated MLPs."""
+    """Router (`gate`, dense: [experts, hidden]) and `experts` gated MLPs; or, once placed by
+    routing (`source` set, `experts` emptied), the experts `source` gives."""
 
     def __init__(self, cfg: ModelConfig, weights_in_model_dtype: bool = True) -> None:
         super().__init__()
@@ -45,6 +66,8 @@ class SparseMoE(nn.Module):
         self.weights_in_model_dtype = weights_in_model_dtype
         self.gate = nn.Linear(cfg.hidden_size, moe.experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg, moe.intermediate_size) for _ in range(moe.experts))
+        self.source: ExpertSource | None = None
+        self.layer = 0  # this block's layer, for `source`
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, k) chosen experts and their weights (fp32) for tokens x (T, hidden)."""
@@ -60,9 +83,20 @@ class SparseMoE(nn.Module):
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
         out = torch.zeros_like(x)  # (T, hidden)
-        for e in torch.unique(chosen).tolist():  # ascending, as the reference adds them
+        wanted = torch.unique(chosen).tolist()  # ascending, as the reference adds them
+        source = self.source
+        if source is not None:
+            source.prepare(self.layer, wanted)
+        for e in wanted:
             tokens, slots = torch.where(chosen == e)  # (n,) each: a token picks e once
-            y = self.experts[e](x[tokens]) * weights[tokens, slots, None]  # (n, hidden)
+            expert = self.experts[e] if source is None else source.expert(self.layer, e)
+            rows = x[tokens]  # (n, hidden)
+            where = _device_of(expert)
+            if where != x.device:  # an expert computed on the CPU: its rows go there and back
+                y = expert(rows.to(where)).to(x.device)
+            else:
+                y = expert(rows)
+            y = y * weights[tokens, slots, None]  # (n, hidden)
             out.index_add_(0, tokens, y.to(x.dtype))
         return out
 
