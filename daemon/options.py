@@ -48,7 +48,9 @@ class RuntimeOptions:
     host_tier: str = "auto"  # ram | disk | auto
     # a mixture of experts' routed experts: auto | device | stream | cpu (offload/experts.py)
     experts: str = "auto"
-    expert_slots: int | None = None  # --experts stream: at most this many cached (None: all that fit)
+    expert_slots: int | None = (
+        None  # --experts stream: at most this many cached (None: all that fit)
+    )
     ram_budget: str = "auto"  # a size or auto (available RAM minus a reserve)
     bandwidth: str | None = None  # host→device rate for the plan's estimate ("25GB/s")
     threads: int | str = "auto"  # CPU compute threads (torch intra-op), or auto
