@@ -158,6 +158,22 @@ class Metrics:
             "and the substitute's bits (none for another draft).",
             ["kind", "substitute_bits"], registry=r,
         )  # fmt: skip
+        self.expert_bytes = Counter(
+            "specd_expert_bytes_total",
+            "Bytes of routed experts copied to the device's expert cache (--experts stream).",
+            registry=r,
+        )
+        self.experts_woken = Gauge(
+            "specd_experts_woken_per_layer_pass",
+            "Distinct experts a layer pass woke, over the latest generation (mixtures of "
+            "experts).",
+            r,
+        )
+        self.expert_hit_rate = Gauge(
+            "specd_expert_cache_hit_rate",
+            "Share of routed experts found in the device's expert cache, latest generation.",
+            r,
+        )
         self.stream_bandwidth = Gauge(
             "specd_stream_bandwidth_bytes_per_second",
             "Average host-to-device bandwidth of target weight streaming.",
@@ -226,6 +242,11 @@ class Metrics:
         for key in STREAM_SECONDS_KEYS:
             if isinstance(stats.extra.get(key), int | float):
                 self.stream_seconds.inc(stats.extra[key])
+        moved = stats.extra.get("expert_bytes_copied")
+        if isinstance(moved, int | float):
+            self.expert_bytes.inc(moved)
+            self.experts_woken.set(float(stats.extra.get("experts_woken_per_layer_pass", 0)))
+            self.expert_hit_rate.set(float(stats.extra.get("expert_hit_rate", 0)))
 
     def render(self) -> str:
         """The Prometheus text exposition; the two derived gauges are brought up to date

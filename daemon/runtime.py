@@ -6,6 +6,7 @@ model pair behaves the same in a script and behind the REST endpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
@@ -19,7 +20,7 @@ from daemon.draft_choice import AUTO, resolve_auto
 from daemon.learned_store import LearnedStore, pair_key
 from daemon.memory_plan import plan_dtype
 from daemon.options import RuntimeOptions
-from daemon.target_loading import load_placed_target
+from daemon.target_loading import expert_source, load_placed_target
 from modeling.checkpoints.checkpoint import DTYPE_CHOICES, Checkpoint, load, open_checkpoint
 from modeling.decoder import Transformer
 from modeling.models import layer_parameter_count
@@ -27,6 +28,7 @@ from modeling.substitute import SUBSTITUTE
 from modeling.text.tokenizer import Tokenizer
 from modeling.weights import cpu_kernels
 from modeling.weights.packed import PackedLinear
+from offload.experts import ExpertStats
 from offload.machine import detect_budget
 from offload.plan import MemoryPlan
 from offload.stream import LayerStreamer
@@ -194,6 +196,7 @@ class Runtime:
         # both pools spinning at once made decode 4x slower on 2 cores (SmolLM2 Q4_1: 35.7
         # tok/s kernels on 2 and torch on 1; 30.7 both on 1; 7.5 both on 2).
         self.kernel_threads = 1
+        self._experts_seen = ExpertStats()  # routing's counts at the last offload_stats()
         if self.device.type == "cpu":
             if computes_in_place(target):
                 self.kernel_threads = cpu_kernels.set_threads(self.threads)
@@ -353,10 +356,36 @@ class Runtime:
         }
 
     def offload_stats(self) -> dict[str, float | int | str]:
-        """The streamer's figures since the last call (for GenerationStats.extra), or {}
-        when nothing streams."""
-        if self.streamer is None:
-            return {}
-        stats = self.streamer.stats()
-        self.streamer.reset_counters()
+        """The streamer's figures since the last call (for GenerationStats.extra), and a
+        mixture of experts' routing since then (the distinct experts a layer pass woke, the
+        bytes of experts copied to the device and the cache's hit rate); {} when nothing
+        streams and no expert moves."""
+        stats: dict[str, float | int | str] = {}
+        if self.streamer is not None:
+            stats.update(self.streamer.stats())
+            self.streamer.reset_counters()
+        source = expert_source(self.target)
+        if source is not None:
+            now = dataclasses.replace(source.stats)
+            last, self._experts_seen = self._experts_seen, now
+            passes = now.layer_passes - last.layer_passes
+            asked = now.asked - last.asked
+            stats["experts_woken_per_layer_pass"] = (
+                (now.woken - last.woken) / passes if passes else 0.0
+            )
+            stats["expert_bytes_copied"] = now.bytes_copied - last.bytes_copied
+            stats["expert_hit_rate"] = (now.hits - last.hits) / asked if asked else 0.0
         return stats
+
+    def expert_status(self) -> dict[str, object] | None:
+        """Where a mixture of experts' routed experts live and what routing has cost so far
+        (None for a dense model)."""
+        if self.target.config.moe is None:
+            return None
+        source = expert_source(self.target)
+        return {
+            "mode": self.plan.expert_mode,
+            "slots": self.plan.expert_slots,
+            "experts": self.target.config.moe.experts * self.target.config.num_layers,
+            **(source.stats.to_dict() if source is not None else {}),
+        }

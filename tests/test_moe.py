@@ -225,3 +225,27 @@ def test_the_plan_of_qwen3_30b_a3b_by_routing(tmp_path: Path, budget: str) -> No
         assert main([*argv, "--experts", "device", "--offload", "stream"]) == 0
     layers = json.loads(out.getvalue())
     assert plan["seconds_per_pass"] < layers["seconds_per_pass"] / 5
+
+
+def test_routing_is_reported(tiny_checkpoint) -> None:
+    """What routing cost is in each generation's stats (experts woken per layer pass, the
+    bytes copied, the cache's hit rate: what /metrics exports) and in the status."""
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
+    from speculative.sampling import SamplingParams
+
+    path = tiny_checkpoint("qwen3_moe", vocab_size=96, num_layers=2)
+    rt = Runtime(RuntimeOptions(model=str(path), device="cpu", experts="stream", expert_slots=2,
+                                context=96, draft=None))  # fmt: skip
+    rt.generation([5, 9, 17, 33], SamplingParams(temperature=0.0), 12, ignore_eos=True).run()
+    stats = rt.offload_stats()
+    assert 1 <= stats["experts_woken_per_layer_pass"] <= 4
+    assert stats["expert_bytes_copied"] > 0 and 0 <= stats["expert_hit_rate"] < 1
+    assert rt.offload_stats()["expert_bytes_copied"] == 0  # since the last call: nothing
+    status = rt.expert_status()
+    assert status is not None and status["mode"] == "stream" and status["slots"] == 2
+    assert status["experts"] == 8 and status["expert_copies"] > 0
+    dense = Runtime(
+        RuntimeOptions(model=str(tiny_checkpoint("llama", vocab_size=96)), device="cpu")
+    )
+    assert dense.expert_status() is None and "expert_bytes_copied" not in dense.offload_stats()

@@ -92,6 +92,8 @@ async def specd_status(request: web.Request) -> web.Response:
             compile=runtime.compilation.to_dict() if runtime.compilation is not None else {},
             # Products on packed blocks on the CPU (modeling/weights/cpu_kernels.py).
             cpu_kernels=runtime.cpu_kernels_status(),
+            # A mixture of experts: where its routed experts live, what routing moved.
+            experts=runtime.expert_status(),
             # What tree verification accepted, per verification and temperature regime.
             tree_acceptance=runtime.acceptance.to_dict(),
             # The cache of verified target logits: it allocates its slots as rows need
