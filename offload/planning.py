@@ -174,15 +174,22 @@ def _plan_experts(
     if mode == "stream":
         # Before routing is measured: each layer's experts cached alike, routing uniform.
         miss = 1 - slots / total
-        per_pass = int(n * expected_experts(e, k, 1) * miss * t.expert_bytes)
-        tree = int(n * expected_experts(e, k, r.pass_tokens) * miss * t.expert_bytes)
+
+        def moved(tokens: int) -> int:
+            return int(n * expected_experts(e, k, tokens) * miss * t.expert_bytes)
+
+        per_pass = moved(1)
         seconds = per_pass / budget.bandwidth if budget.bandwidth else None
         reason = f"the routed experts in RAM ({format_size(host)}), copied to the cache as routed"
+        trees = ", ".join(
+            f"{format_size(moved(m))} for {m} ({expected_experts(e, k, m):.0f} of {e} woken)"
+            for m in (16, 64)
+        )
         notes.append(
-            f"experts by routing: a token wakes {k} of {e} experts a layer; a pass of one "
-            f"token moves {format_size(per_pass)} and one of {r.pass_tokens} tokens "
-            f"{format_size(tree)} (uniform routing, {slots / total:.0%} of the experts "
-            "cached; measured routing replaces this estimate)"
+            f"experts by routing: a token wakes {k} of {e} experts a layer; a pass moves "
+            f"{format_size(per_pass)} for 1 token, {trees} (uniform routing, "
+            f"{slots / total:.0%} of the experts cached; /v1/specd/status reports what routing "
+            "moves)"
         )
     else:
         per_pass, seconds = 0, None
