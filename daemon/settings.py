@@ -143,6 +143,7 @@ class OffloadSettings:
     gpu_budget: str = _key("auto", size_or_auto)
     host_tier: str = _key("auto", choice("auto", "ram", "disk"))
     experts: str = _key("auto", choice("auto", "device", "stream", "cpu"))
+    expert_slots: int | None = _key(None, integer(1, 1 << 20, nullable=True))
     ram_budget: str = _key("auto", size_or_auto)
     bandwidth: str | None = _key(None, rate_or_null)
 
@@ -292,6 +293,7 @@ class Settings:
             gpu_budget=self.offload.gpu_budget,
             host_tier=self.offload.host_tier,
             experts=self.offload.experts,
+            expert_slots=self.offload.expert_slots,
             ram_budget=self.offload.ram_budget,
             bandwidth=self.offload.bandwidth,
             threads=self.models.threads,

@@ -22,6 +22,7 @@ from daemon.cli.argtypes import (
     DRAFT_HELP,
     MODEL_HELP,
     QUANTIZE_GROUP,
+    count,
     count_or_auto,
     size_or_off,
 )
@@ -135,6 +136,12 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
         "copied to a device cache as routed (stream), in RAM computed on the CPU (cpu), or "
         "auto (device where everything fits, else stream on a GPU)",
     )
+    g.add_argument(
+        "--expert-slots",
+        type=count("--expert-slots", 1),
+        default=None,
+        help="--experts stream: the most experts the device cache holds (default: all that fit)",
+    )
     g.add_argument("--bandwidth", type=_rate, default=None, help="host→device rate, e.g. 25GB/s")
 
 
@@ -146,6 +153,7 @@ _OFFLOAD_FIELDS = (
     "ram_budget",
     "host_tier",
     "experts",
+    "expert_slots",
     "bandwidth",
 )
 

@@ -52,6 +52,7 @@ FLAG_KEYS = {
     "ram_budget": "offload.ram_budget",
     "host_tier": "offload.host_tier",
     "experts": "offload.experts",
+    "expert_slots": "offload.expert_slots",
     "bandwidth": "offload.bandwidth",
     "context": "context.length",
     "host": "server.host",
