@@ -165,8 +165,7 @@ class Metrics:
         )
         self.experts_woken = Gauge(
             "specd_experts_woken_per_layer_pass",
-            "Distinct experts a layer pass woke, over the latest generation (mixtures of "
-            "experts).",
+            "Distinct experts a layer pass woke, over the latest generation (mixtures of experts).",
             r,
         )
         self.expert_hit_rate = Gauge(
