@@ -33,6 +33,14 @@ from modeling.config import ModelConfig
 _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GGUF_OUTER = re.compile(r"(\w+)\.weight")
 
+# llama.cpp's stacked expert tensors (after `blk.N.`; ne = [columns, rows, experts]) → the
+# projection each expert's slice is in our `mlp.experts.<e>`.
+GGUF_EXPERTS: Mapping[str, str] = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+
 
 @dataclass(frozen=True)
 class LayerKV:
@@ -67,6 +75,7 @@ class GGUFKeys(Protocol):
     the wrong kind, is an error naming the file (`source`) and the key."""
 
     source: str
+    arch: str  # the file's general.architecture: the keys' prefix
 
     def count(self, name: str, default: int | None = None, minimum: int = 1) -> int:
         """A whole number of at least `minimum` (a count or a width)."""
@@ -90,7 +99,9 @@ class Architecture(ABC):
     """One architecture family. `model_types`: config.json's `model_type` values it runs;
     `gguf_architectures`: GGUF `general.architecture` → the model_type its config is read
     as. `gguf_layer_names` / `gguf_outer_names`: llama.cpp's tensor names (the part after
-    `blk.N.`, and outside the layers) → ours."""
+    `blk.N.`, and outside the layers) → ours; `gguf_experts`: the stacked expert tensors a
+    mixture of experts' file holds (`GGUF_EXPERTS`), each split into one tensor per expert
+    as it loads (`gguf_expert`)."""
 
     name: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
@@ -101,6 +112,7 @@ class Architecture(ABC):
         "output_norm": "norm",
         "output": "lm_head",
     }
+    gguf_experts: ClassVar[Mapping[str, str]] = {}
     # tensors `gguf_config` reads into the config (LongRoPE's factors), not into the model
     gguf_config_tensors: ClassVar[frozenset[str]] = frozenset()
 
@@ -148,6 +160,15 @@ class Architecture(ABC):
         if outer is not None and outer.group(1) in self.gguf_outer_names:
             return f"{self.gguf_outer_names[outer.group(1)]}.weight"
         return None
+
+    def gguf_expert(self, name: str) -> tuple[int, str] | None:
+        """A stacked expert tensor's GGUF name → (its layer, the projection each expert's
+        slice is: 'gate_proj'); None for any other tensor."""
+        layer = _GGUF_LAYER.fullmatch(name)
+        if layer is None or layer.group(3) != "weight" or len(layer.group(1)) > 9:
+            return None
+        part = self.gguf_experts.get(layer.group(2))
+        return None if part is None else (int(layer.group(1)), part)
 
     def gguf_config(self, keys: GGUFKeys, tensors: Mapping[str, Any]) -> dict[str, Any]:
         """config.json keys of this architecture's own that a GGUF file states (or that

@@ -9,6 +9,7 @@ stories260k file's 512-piece SentencePiece vocabulary under the file's architect
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +163,119 @@ def write_gemma3(folder: Path, path: Path) -> Path:
             part, _, kind = rest.rpartition(".")
             _tensor(writer, f"blk.{index}.{GEMMA3_LAYER[part]}.{kind}", value)
     return _finish(writer, path)
+
+
+# Mixtures of experts: Hugging Face's names after `model.layers.N.` → llama.cpp's, and each
+# expert's projection → the stacked tensor it is a slice of (Qwen3-MoE's, Mixtral's names).
+MOE_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+}
+MOE_STACKS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+              "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+
+
+def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's Llama converter's q/k row order (pairs of adjacent values per head)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def write_moe(
+    folder: Path,
+    path: Path,
+    quantize: bool = True,
+    keys: dict[str, Any] | None = None,
+    arch: str | None = None,
+) -> Path:
+    """The Qwen3-MoE or Mixtral checkpoint in `folder` as llama.cpp's converter writes it:
+    Qwen3-MoE as `qwen3moe`, Mixtral as `llama` with `llama.expert_count` and q/k permuted;
+    each layer's experts stacked into `ffn_{gate,up,down}_exps` ([columns, rows, experts]),
+    the router `ffn_gate_inp` kept F32. `keys`: metadata written over the converter's (to
+    make hostile files); `arch`: another `general.architecture` than the converter's."""
+    config: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    assert config["vocab_size"] == SPM_VOCABULARY
+    mixtral = config["model_type"] == "mixtral"
+    arch = arch or ("llama" if mixtral else "qwen3moe")
+    experts = config.get("num_experts") or config["num_local_experts"]
+    values: dict[str, Any] = {
+        "expert_count": experts,
+        "expert_used_count": config["num_experts_per_tok"],
+        "rope.freq_base": (config.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+    }
+    if not mixtral:
+        values["expert_feed_forward_length"] = config["moe_intermediate_size"]
+        values["attention.key_length"] = config["head_dim"]
+    values.update(keys or {})
+    writer = gguf.GGUFWriter(str(path), arch)
+    _shape_keys(writer, arch, config)
+    for key, value in values.items():
+        if isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.{key}", value)
+    _tokenizer(writer, add_space_prefix=True)
+    heads = {"self_attn.q_proj": config["num_attention_heads"],
+             "self_attn.k_proj": config["num_key_value_heads"]}  # fmt: skip
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, value in load_file(folder / "model.safetensors").items():
+        name = name.removeprefix("model.")
+        outer = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}  # fmt: skip
+        if name in outer:
+            _tensor(writer, outer[name], value, quantize)
+            continue
+        _, index, rest = name.split(".", 2)
+        expert = _EXPERT.fullmatch(rest)
+        if expert is not None:
+            stack = f"blk.{index}.{MOE_STACKS[expert[2]]}.weight"
+            stacks.setdefault(stack, {})[int(expert[1])] = value
+            continue
+        part, _, kind = rest.rpartition(".")
+        if mixtral and part in heads:
+            value = _llama_permute(value, heads[part])
+        router = MOE_LAYER[part] == "ffn_gate_inp"
+        _tensor(writer, f"blk.{index}.{MOE_LAYER[part]}.{kind}", value, quantize and not router)
+    for stack, per_expert in stacks.items():
+        value = np.stack([per_expert[e] for e in range(len(per_expert))])  # (experts, rows, cols)
+        if quantize and value.shape[-1] % 32 == 0:
+            kind = gguf.GGMLQuantizationType.Q8_0
+            blocks = gguf.quants.quantize(np.ascontiguousarray(value, dtype=np.float32), kind)
+            writer.add_tensor(stack, blocks, raw_shape=blocks.shape, raw_dtype=kind)
+        else:
+            writer.add_tensor(stack, np.ascontiguousarray(value, dtype=np.float32))
+    return _finish(writer, path)
+
+
+def as_stored(folder: Path, out: Path) -> Path:
+    """`folder`'s checkpoint with each projection `_tensor` would quantize replaced by its
+    Q8_0 blocks' values (quantized and decoded by gguf-py): what a file written with
+    `quantize` holds, as a checkpoint transformers reads (the reference)."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for item in folder.iterdir():
+        if item.name != "model.safetensors" and item.is_file():
+            shutil.copy(item, out / item.name)
+    kind = gguf.GGMLQuantizationType.Q8_0
+    tensors = {}
+    for name, value in load_file(folder / "model.safetensors").items():
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
+        if value.ndim == 2 and ".layers." in name and value.shape[1] % 32 == 0 and not router:
+            value = gguf.quants.dequantize(gguf.quants.quantize(value, kind), kind)
+        tensors[name] = value
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out

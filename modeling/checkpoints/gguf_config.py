@@ -19,7 +19,7 @@ import numpy as np
 
 from modeling.architecture import Architecture
 from modeling.checkpoints.gguf_file import CORRUPT_FILE, GGUFContents, TensorInfo, short_repr
-from modeling.checkpoints.gguf_model import GGUFError, our_name
+from modeling.checkpoints.gguf_model import GGUFError, gguf_parts
 from modeling.config import ModelConfig, UnsupportedModelError
 from modeling.models import SUPPORTED_GGUF_ARCHITECTURES, config_from_hf, gguf_architecture
 from modeling.weights.gguf_blocks import FLOAT_TYPES, UnsupportedGGMLTypeError, supported_type
@@ -42,7 +42,7 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
         raise UnsupportedModelError(
             f"{source}: architecture {short_repr(arch)} is not supported; specd runs GGUF files "
             f"of {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, "
-            "Qwen2/2.5, Qwen3, Gemma 3, Phi-3/Phi-4)"
+            "Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral, Gemma 3, Phi-3/Phi-4)"
         )
     module, model_type = found
 
@@ -82,7 +82,8 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
                 f"{source}: tensor {name} is {list(tensors[name].ne)} but {stated} make it "
                 f"{list(shape)}: {CORRUPT_FILE}"
             )
-    quantization = _quantization(tensors, meta, source, module)
+    experts = _check_experts(keys, tensors, hidden, intermediate, module)
+    quantization = _quantization(tensors, meta, source, module, experts)
     raw = {
         "model_type": model_type,
         "vocab_size": vocab,
@@ -271,27 +272,30 @@ def _float_dtype(tensors: dict[str, TensorInfo]) -> str:
 
 
 def _quantization(
-    tensors: dict[str, TensorInfo], meta: dict[str, Any], source: str, arch: Architecture
+    tensors: dict[str, TensorInfo],
+    meta: dict[str, Any],
+    source: str,
+    arch: Architecture,
+    experts: int,
 ) -> QuantizationSpec | None:
     """None when every projection is stored as floats (a dense model); else the GGUF spec
-    naming each projection's block type."""
+    naming each projection's block type (each expert's, of a stacked expert tensor)."""
     types: list[tuple[str, int]] = []
     stored: dict[str, int] = {}
     for gguf_name, info in tensors.items():
-        name = our_name(gguf_name, arch)
-        if name is None:
+        names = [name for name, *_ in gguf_parts(info, arch, experts)]
+        if names[0] is None:
             continue
         try:
             kind = supported_type(info.ggml_type)
         except UnsupportedGGMLTypeError as err:
             raise GGUFError(f"{source}: tensor {gguf_name}: {err}") from None
-        if name.startswith("layers."):
+        if names[0].startswith("layers."):
             stored[kind.name] = stored.get(kind.name, 0) + info.n_bytes
-        if _projection(name):
-            types.append((name, int(kind)))
+        types += [(name, int(kind)) for name in names if name and _projection(name)]
         untied = "output.weight" in tensors
-        if name == EMBEDDING and untied and kind not in FLOAT_TYPES:
-            types.append((name, int(kind)))  # kept as blocks, rows decoded per lookup
+        if names[0] == EMBEDDING and untied and kind not in FLOAT_TYPES:
+            types.append((EMBEDDING, int(kind)))  # kept as blocks, rows decoded per lookup
     if all(kind in FLOAT_TYPES for name, kind in types if name != EMBEDDING):
         return None  # float projections: a dense model (its embedding decoded at load)
     file_type = _file_type(meta.get("general.file_type"))
@@ -300,6 +304,64 @@ def _quantization(
     return QuantizationSpec.gguf(
         tuple(sorted(types)), file_type, tuple(sorted(stored.items())), head_type
     )
+
+
+def _check_experts(
+    keys: _Keys,
+    tensors: dict[str, TensorInfo],
+    hidden: int,
+    intermediate: int,
+    arch: Architecture,
+) -> int:
+    """The experts a mixture of experts' file states (`expert_count`; 0 for a dense file),
+    with every stacked expert tensor and router checked against it and the widths before
+    anything is split by it or built for it. A file that routes other than by softmax over
+    its experts, or has shared experts, is refused by name."""
+    source, prefix = keys.source, keys.arch
+    stacked = [name for name in tensors if arch.gguf_expert(name) is not None]
+    experts = keys.count("expert_count", 0, minimum=0)
+    if not experts:
+        if stacked:
+            raise GGUFError(
+                f"{source}: tensor {stacked[0]} stacks experts but {prefix}.expert_count is "
+                f"missing: {CORRUPT_FILE}"
+            )
+        return 0
+    if not arch.gguf_experts:
+        raise UnsupportedModelError(
+            f"{source}: {prefix}.expert_count is {experts}, but specd runs {prefix} files "
+            "without experts only (mixtures of experts: qwen3moe, and Mixtral as llama)"
+        )
+    used = keys.count("expert_used_count")
+    if used > experts:
+        raise _malformed(source, f"{prefix}.expert_used_count", used,
+                         f"at most {prefix}.expert_count {experts}")  # fmt: skip
+    for key, plain in (("expert_gating_func", 1), ("expert_shared_count", 0)):
+        if keys.has(key) and keys.count(key, minimum=0) != plain:
+            raise UnsupportedModelError(
+                f"{source}: {prefix}.{key} {keys.count(key, minimum=0)} is not supported "
+                "(specd routes by softmax over the experts, with no shared expert)"
+            )
+    ff = keys.count("expert_feed_forward_length", intermediate)
+    widths = (
+        f"{prefix}.embedding_length, {prefix}.expert_feed_forward_length, {prefix}.expert_count"
+    )
+    for name, info in tensors.items():
+        expert = arch.gguf_expert(name)
+        shape: tuple[int, ...]
+        if expert is not None:
+            shape = (ff, hidden, experts) if expert[1] == "down_proj" else (hidden, ff, experts)
+            stated = widths
+        elif name.endswith(".ffn_gate_inp.weight"):
+            shape, stated = (hidden, experts), f"{prefix}.embedding_length, {prefix}.expert_count"
+        else:
+            continue
+        if info.ne != shape:
+            raise GGUFError(
+                f"{source}: tensor {name} is {list(info.ne)} but {stated} make it "
+                f"{list(shape)}: {CORRUPT_FILE}"
+            )
+    return experts
 
 
 def _file_type(value: Any) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+from math import prod
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,13 @@ import torch
 from torch import nn
 
 from modeling.architecture import Architecture
-from modeling.checkpoints.gguf_file import GGUFContents, GGUFFormatError, open_regular, read_gguf
+from modeling.checkpoints.gguf_file import (
+    GGUFContents,
+    GGUFFormatError,
+    TensorInfo,
+    open_regular,
+    read_gguf,
+)
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
 from modeling.models import architecture
@@ -83,6 +90,27 @@ def our_name(name: str, arch: Architecture) -> str | None:
     return arch.gguf_name(name)
 
 
+def gguf_parts(
+    info: TensorInfo, arch: Architecture, experts: int
+) -> list[tuple[str | None, int, int, tuple[int, ...]]]:
+    """The tensors of ours that the GGUF tensor `info` holds, each as (our name, None for
+    one `arch` does not have; its first and end row among the stored rows; its shape as
+    the file would list it alone): the tensor itself, or for a stacked expert tensor
+    (ne = [columns, rows, experts]) one slice per expert, `experts` of them (a stack of
+    another count is not ours: nothing is looped over on a file's word)."""
+    expert = arch.gguf_expert(info.name)
+    if expert is None:
+        return [(our_name(info.name, arch), 0, prod(info.ne[1:]), info.ne)]
+    if len(info.ne) != 3 or info.ne[2] != experts:
+        return [(None, 0, 0, info.ne)]
+    layer, part = expert
+    rows = info.ne[1]
+    return [
+        (f"layers.{layer}.mlp.experts.{e}.{part}.weight", e * rows, (e + 1) * rows, info.ne[:2])
+        for e in range(experts)
+    ]
+
+
 def load_gguf_model(
     contents: GGUFContents, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
 ) -> Transformer:
@@ -114,54 +142,57 @@ def load_gguf_model(
             continue
         if info.name in arch.gguf_config_tensors:
             continue  # read into the config (modeling/checkpoints/gguf_config.py)
-        name = our_name(info.name, arch)
         kind = info.ggml_type
-        if name is None:
-            problems.append(f"unexpected tensor {info.name}")
-            continue
-        # The shape is checked before the bytes are copied: a hostile file's tensor may
-        # be far larger than the model its metadata describes.
-        stored = contents.tensor_bytes(info)  # (rows, row bytes), a view of the map
-        packed = f"{name.removesuffix('.weight')}.blocks"
-        module = model.get_submodule(packed.rsplit(".", 1)[0]) if packed in expected else None
-        if module is not None:  # kept as its blocks: a projection, or the embedding
-            assert isinstance(module, GGUFLinear | GGUFEmbedding)
-            if module.ggml_type != kind or tuple(module.stored().shape) != stored.shape:
-                problems.append(f"{info.name}: {stored.shape} bytes of type {kind}")
+        experts = cfg.moe.experts if cfg.moe is not None else 0
+        for name, first, end, ne in gguf_parts(info, arch, experts):
+            if name is None:
+                problems.append(f"unexpected tensor {info.name}")
                 continue
-        elif name == "lm_head.weight" and cfg.tie_word_embeddings:
-            problems.append("unexpected tensor output.weight (the embedding is tied)")
-            continue
-        elif (shape := _parameter_shape(model, name, parts)) != tuple(reversed(info.ne)):
-            problems.append(f"{name}: shape {tuple(reversed(info.ne))}, not {shape}")
-            continue
-        rows = arch.gguf_tensor(cfg, name, torch.from_numpy(stored.copy()), info.ne)
-        columns = info.ne[0]
-        head = name == "lm_head.weight" or (name == EMBEDDING and cfg.tie_word_embeddings)
-        if module is None and head and packed_head and kind == spec.head_type:  # type: ignore[union-attr]
-            # (a head whose type is not the one recorded is decoded: the file lied)
-            pack_head(model, rows.to(device), kind, cfg)
+            # The shape is checked before the bytes are copied: a hostile file's tensor may
+            # be far larger than the model its metadata describes.
+            stored = contents.tensor_bytes(info)[first:end]  # (rows, row bytes), a view
+            packed = f"{name.removesuffix('.weight')}.blocks"
+            module = model.get_submodule(packed.rsplit(".", 1)[0]) if packed in expected else None
+            if module is not None:  # kept as its blocks: a projection, or the embedding
+                assert isinstance(module, GGUFLinear | GGUFEmbedding)
+                if module.ggml_type != kind or tuple(module.stored().shape) != stored.shape:
+                    problems.append(f"{info.name}: {stored.shape} bytes of type {kind}")
+                    continue
+            elif name == "lm_head.weight" and cfg.tie_word_embeddings:
+                problems.append("unexpected tensor output.weight (the embedding is tied)")
+                continue
+            elif (shape := _parameter_shape(model, name, parts)) != tuple(reversed(ne)):
+                problems.append(f"{name}: shape {tuple(reversed(ne))}, not {shape}")
+                continue
+            rows = arch.gguf_tensor(cfg, name, torch.from_numpy(stored.copy()), ne)
+            columns = ne[0]
+            head = name == "lm_head.weight" or (name == EMBEDDING and cfg.tie_word_embeddings)
+            if module is None and head and packed_head and kind == spec.head_type:  # type: ignore[union-attr]
+                # (a head whose type is not the one recorded is decoded: the file lied)
+                pack_head(model, rows.to(device), kind, cfg)
+                seen.add(name)
+                continue
+            if module is not None:
+                if rows.shape[1] != module.blocks.shape[1]:  # room for another layer's type
+                    room = torch.zeros(module.blocks.shape, dtype=torch.uint8)
+                    room.view(-1)[: rows.numel()].copy_(rows.view(-1))
+                    rows = room
+                module._buffers["blocks"] = rows.to(device)
+                seen.add(packed)
+                continue
+            # Decoded a chunk at a time in fp32 and rounded once to `dtype`: no fp32 copy of a
+            # whole embedding (4.2 GB for a 70B's).
+            offset = arch.gguf_offset(cfg, name)
+            if offset:  # taken off before the value is rounded to `dtype`
+                value = (dequantize(rows.to(device), kind, columns, torch.float32) - offset).to(
+                    dtype
+                )
+            else:
+                value = dequantize(rows.to(device), kind, columns, dtype)
+            if len(ne) == 1:
+                value = value.view(-1)
+            _place(model, name, value, parts, problems)
             seen.add(name)
-            continue
-        if module is not None:
-            if rows.shape[1] != module.blocks.shape[1]:  # room for another layer's type
-                room = torch.zeros(module.blocks.shape, dtype=torch.uint8)
-                room.view(-1)[: rows.numel()].copy_(rows.view(-1))
-                rows = room
-            module._buffers["blocks"] = rows.to(device)
-            seen.add(packed)
-            continue
-        # Decoded a chunk at a time in fp32 and rounded once to `dtype`: no fp32 copy of a
-        # whole embedding (4.2 GB for a 70B's).
-        offset = arch.gguf_offset(cfg, name)
-        if offset:  # taken off before the value is rounded to `dtype`
-            value = (dequantize(rows.to(device), kind, columns, torch.float32) - offset).to(dtype)
-        else:
-            value = dequantize(rows.to(device), kind, columns, dtype)
-        if len(info.ne) == 1:
-            value = value.view(-1)
-        _place(model, name, value, parts, problems)
-        seen.add(name)
     missing = sorted(expected - seen - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
     if missing:
         problems.append("missing tensors: " + ", ".join(missing[:8]))

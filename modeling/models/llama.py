@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from modeling.architecture import Architecture, LayerActivations
+from modeling.architecture import GGUF_EXPERTS, Architecture, GGUFKeys, LayerActivations
 from modeling.config import (
     ModelConfig,
     UnsupportedModelError,
@@ -74,6 +74,37 @@ def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return rows.reshape(heads, out // heads // 2, 2, -1).transpose(1, 2).reshape(out, -1)
 
 
+# llama.cpp's layer tensor names (after `blk.N.`) → ours, for Llama, Qwen2/3 and their mixtures
+# of experts (whose router is `ffn_gate_inp`; their experts are stacked: GGUF_EXPERTS).
+GGUF_LAYERS: Mapping[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+}
+
+
+def unpermute_qk(
+    cfg: ModelConfig, name: str, rows: torch.Tensor, ne: tuple[int, ...]
+) -> torch.Tensor:
+    """The stored rows of q or k (weight or bias) of a file from llama.cpp's Llama converter
+    in Hugging Face's order; any other tensor as stored."""
+    if not (".q_proj." in name or ".k_proj." in name):
+        return rows
+    heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+    if len(ne) == 1:  # a bias: its values are what the rows of q/k are
+        return _unpermute(rows.view(ne[0], -1), heads).reshape(1, -1)
+    return _unpermute(rows, heads)
+
+
 class Llama(Architecture):
     name: ClassVar[str] = "llama"
     model_types: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3")
@@ -83,19 +114,10 @@ class Llama(Architecture):
         "qwen2": "qwen2",
         "qwen3": "qwen3",
     }
-    gguf_layer_names: ClassVar[Mapping[str, str]] = {
-        "attn_norm": "input_layernorm",
-        "attn_q": "self_attn.q_proj",
-        "attn_k": "self_attn.k_proj",
-        "attn_v": "self_attn.v_proj",
-        "attn_output": "self_attn.o_proj",
-        "attn_q_norm": "self_attn.q_norm",
-        "attn_k_norm": "self_attn.k_norm",
-        "ffn_norm": "post_attention_layernorm",
-        "ffn_gate": "mlp.gate_proj",
-        "ffn_up": "mlp.up_proj",
-        "ffn_down": "mlp.down_proj",
-    }
+    gguf_layer_names: ClassVar[Mapping[str, str]] = GGUF_LAYERS
+    # Mixtral's files say "llama" too, with experts: read as model_type mixtral
+    # (`gguf_config`), whose module loads them (modeling/models/mixtral.py).
+    gguf_experts: ClassVar[Mapping[str, str]] = GGUF_EXPERTS
 
     def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
         model_type = raw["model_type"]
@@ -155,12 +177,19 @@ class Llama(Architecture):
     def gguf_tensor(
         self, cfg: ModelConfig, name: str, rows: torch.Tensor, ne: tuple[int, ...]
     ) -> torch.Tensor:
-        if cfg.model_type != "llama" or not (".q_proj." in name or ".k_proj." in name):
-            return rows
-        heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-        if len(ne) == 1:  # a bias: its values are what the rows of q/k are
-            return _unpermute(rows.view(ne[0], -1), heads).reshape(1, -1)
-        return _unpermute(rows, heads)
+        return rows if cfg.model_type != "llama" else unpermute_qk(cfg, name, rows, ne)
+
+    def gguf_config(self, keys: GGUFKeys, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        experts = keys.count("expert_count", 0, minimum=0)
+        if not experts:
+            return {}
+        if keys.arch != "llama":  # (checked against the tensors: gguf_config.py)
+            raise UnsupportedModelError(
+                f"{keys.source}: {keys.arch}.expert_count is {experts}: specd runs mixtures of "
+                f"experts as qwen3moe, or Mixtral as llama, not as {keys.arch}"
+            )
+        return {"model_type": "mixtral", "num_local_experts": experts,
+                "num_experts_per_tok": keys.count("expert_used_count")}  # fmt: skip
 
 
 LLAMA = Llama()

@@ -3,17 +3,22 @@
 `intermediate_size`, `num_experts_per_tok` per token, the softmax weights of the chosen
 ones renormalised, each expert's output scaled in fp32. Checkpoints name the block
 `block_sparse_moe` and an expert's projections w1 (gate), w3 (up) and w2 (down); they load
-under the shared names (`mlp.experts.<e>.gate_proj`, ...).
+under the shared names (`mlp.experts.<e>.gate_proj`, ...). Its GGUF files are llama.cpp's
+Llama converter's (`general.architecture` llama with `llama.expert_count`, read as mixtral
+by modeling/models/llama.py): q and k permuted as Llama's, the experts stacked
+(`ffn_*_exps`, split per expert as they load), the router `ffn_gate_inp`.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
-from modeling.architecture import Architecture, LayerActivations
+from modeling.architecture import GGUF_EXPERTS, Architecture, LayerActivations
 from modeling.config import (
     ModelConfig,
     MoEConfig,
@@ -24,6 +29,7 @@ from modeling.config import (
     rope_config,
 )
 from modeling.layers.moe import MoEDecoderLayer, moe_layer_activations, moe_layer_parameters
+from modeling.models.llama import GGUF_LAYERS, unpermute_qk
 from modeling.weights.quant import parse_quantization
 
 # A stored expert projection's name → ours.
@@ -34,6 +40,8 @@ _PROJECTION = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 class Mixtral(Architecture):
     name: ClassVar[str] = "mixtral"
     model_types: ClassVar[tuple[str, ...]] = ("mixtral",)
+    gguf_layer_names: ClassVar[Mapping[str, str]] = GGUF_LAYERS
+    gguf_experts: ClassVar[Mapping[str, str]] = GGUF_EXPERTS
 
     def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
         act = raw.get("hidden_act", "silu")
@@ -95,6 +103,11 @@ class Mixtral(Architecture):
             layer, index, part, attr = expert.groups()
             return f"{layer}.mlp.experts.{index}.{_PROJECTION[part]}.{attr}"
         return name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+
+    def gguf_tensor(
+        self, cfg: ModelConfig, name: str, rows: torch.Tensor, ne: tuple[int, ...]
+    ) -> torch.Tensor:
+        return unpermute_qk(cfg, name, rows, ne)
 
 
 MIXTRAL = Mixtral()

@@ -2,7 +2,11 @@
 in every layer a mixture of experts (modeling/layers/moe.py): a router over `num_experts`
 gated MLPs of `moe_intermediate_size`, `num_experts_per_tok` per token, their softmax
 weights renormalised where `norm_topk_prob` says. Checkpoints store each expert apart
-(`mlp.experts.<e>.gate_proj`, `up_proj`, `down_proj`) and the router as `mlp.gate`.
+(`mlp.experts.<e>.gate_proj`, `up_proj`, `down_proj`) and the router as `mlp.gate`. GGUF
+files (`general.architecture` qwen3moe) stack each layer's experts (`ffn_*_exps`, split per
+expert as they load) and name the router `ffn_gate_inp`; llama.cpp always renormalises the
+chosen weights for qwen3moe (the file does not say), as Qwen3-MoE's releases set
+`norm_topk_prob`.
 
 Configs whose layers are not all sparse (`mlp_only_layers`, `decoder_sparse_step` above 1)
 are refused by name: every layer of a model here has one shape (the streamer and the plan
@@ -11,11 +15,12 @@ rely on it), and no published Qwen3-MoE checkpoint mixes them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from torch import nn
 
-from modeling.architecture import Architecture, LayerActivations
+from modeling.architecture import GGUF_EXPERTS, Architecture, GGUFKeys, LayerActivations
 from modeling.config import (
     ModelConfig,
     MoEConfig,
@@ -26,6 +31,7 @@ from modeling.config import (
     rope_config,
 )
 from modeling.layers.moe import MoEDecoderLayer, moe_layer_activations, moe_layer_parameters
+from modeling.models.llama import GGUF_LAYERS
 from modeling.weights.quant import parse_quantization
 
 
@@ -43,6 +49,9 @@ def _count(raw: dict[str, Any], keys: tuple[str, ...], source: str) -> int:
 class Qwen3Moe(Architecture):
     name: ClassVar[str] = "qwen3_moe"
     model_types: ClassVar[tuple[str, ...]] = ("qwen3_moe",)
+    gguf_architectures: ClassVar[Mapping[str, str]] = {"qwen3moe": "qwen3_moe"}
+    gguf_layer_names: ClassVar[Mapping[str, str]] = GGUF_LAYERS
+    gguf_experts: ClassVar[Mapping[str, str]] = GGUF_EXPERTS
 
     def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
         act = raw.get("hidden_act", "silu")
@@ -101,6 +110,14 @@ class Qwen3Moe(Architecture):
             quantization=parse_quantization(raw, source),
             moe=moe,
         )
+
+    def gguf_config(self, keys: GGUFKeys, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "num_experts": keys.count("expert_count"),
+            "num_experts_per_tok": keys.count("expert_used_count"),
+            "moe_intermediate_size": keys.count("expert_feed_forward_length"),
+            "norm_topk_prob": True,
+        }
 
     def block(self, cfg: ModelConfig, index: int) -> nn.Module:
         return MoEDecoderLayer(cfg, index, weights_in_model_dtype=True)
