@@ -167,7 +167,8 @@ def projection(rows: list[dict[str, Any]], bus: str, gpu_rate: float) -> list[st
         "| tok/pass | draft passes/pass | draft pass ms | projected tok/s | × plain |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    summary = [r for r in rows if r["cell"] == "all"]
+    # SmolLM2's rows only: the stories pair is there for contrast, not as a real text's rate.
+    summary = [r for r in rows if r["cell"] == "all" and r.get("model", "smollm2") == "smollm2"]
     with tempfile.TemporaryDirectory() as scratch:
         for path in sorted(PROFILES.glob("gpu-*.yaml")):
             target = yaml.safe_load(path.read_text())["models"]["target"]
@@ -255,18 +256,20 @@ def main() -> None:
     print(
         f"{Path(model).name}: budget {args.budget}, chains {chains}, {args.tokens} tokens, "
         f"{args.per_category} MT-Bench prompt(s) per category, {args.humaneval} HumanEval, "
-        f"cold trees\n| draft | T | cell | tree tok/pass | " + " | ".join(f"K={k}" for k in chains)
+        f"cold trees\n| model | draft | T | cell | tree tok/pass | " + " | ".join(f"K={k}" for k in chains)
         + " | tree / best chain | draft passes / pass | acceptance |\n|"
-        + "---|" * (7 + len(chains)),
+        + "---|" * (8 + len(chains)),
         flush=True,
     )  # fmt: skip
     for name in drafts if not args.projection_from else []:
         options = draft_options(name, model, args.substitute_cache, context)
-        rows += measure(Runtime(options), name, args)
+        rows += [{"model": args.model, **r} for r in measure(Runtime(options), name, args)]
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows}, indent=1))  # each draft as it ends
     for path in args.projection_from:
         rows += json.loads(path.read_text())["rows"]
+    for r in rows if args.projection_from else []:
+        print(line(r, chains))
     worst = min(rows, key=lambda r: r["tree_over_best_chain"])
     print(
         f"\nworst cell: {worst['draft']} T={worst['temperature']:g} {worst['cell']}: "
@@ -341,7 +344,8 @@ def row(
 def line(r: dict[str, Any], chains: list[int]) -> str:
     tree = r["tree"]
     return (
-        f"| {r['draft']} | {r['temperature']:g} | {r['cell']} | {tree['tokens_per_pass']:.2f} | "
+        f"| {r.get('model', 'smollm2')} | {r['draft']} | {r['temperature']:g} | {r['cell']} "
+        f"| {tree['tokens_per_pass']:.2f} | "
         + " | ".join(f"{r['chains'][f'K={k}']['tokens_per_pass']:.2f}" for k in chains)
         + f" | {r['tree_over_best_chain']:.2f} | {tree['draft_passes_per_pass']:.1f} "
         f"| {tree['acceptance']:.2f} |"
