@@ -10,6 +10,7 @@ import dataclasses
 import weakref
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -31,6 +32,7 @@ from modeling.weights.packed import PackedLinear
 from offload.experts import ExpertStats
 from offload.machine import detect_budget
 from offload.plan import MemoryPlan
+from offload.planning import expected_experts
 from offload.stream import LayerStreamer
 from speculative.acceptance import AcceptanceModel
 from speculative.budget import AutoBudget, max_tree_budget
@@ -251,11 +253,23 @@ class Runtime:
         measured before, and is kept (weakly) for `save_learned`."""
         planner = strategy.planner
         if isinstance(planner, AutoBudget):
+            planner.price_passes_by(self.pass_feature())
             if self.learned is not None:
                 self.learned.restore(planner)
             self._planners = [r for r in self._planners if r() is not None]
             self._planners.append(weakref.ref(planner))
         return strategy
+
+    def pass_feature(self) -> Callable[[float], float] | None:
+        """What a target pass's cost grows with, for `--budget auto` (speculative/pass_costs.py):
+        a mixture of experts whose routed experts live off the device (`--experts stream`
+        or `cpu`) pays per distinct expert a pass wakes, so its cost is priced by the
+        expected experts n tokens wake a layer (uniform routing: E (1 - (1 - k/E)^n); the
+        fitted line's slope takes up how skewed real routing is); None (its tokens) else."""
+        moe = self.target.config.moe
+        if moe is None or self.plan.expert_mode not in ("stream", "cpu"):
+            return None
+        return partial(expected_experts, moe.experts, moe.top_k)
 
     def save_learned(self, force: bool = True) -> None:
         """Keep what trees have learned (the acceptance tables, and the most experienced

@@ -131,7 +131,7 @@ def make_plan(request: PlanRequest, budget: MemoryBudget) -> MemoryPlan:
     )  # fmt: skip
 
 
-def expected_experts(experts: int, per_token: int, tokens: int) -> float:
+def expected_experts(experts: int, per_token: int, tokens: float) -> float:
     """The distinct experts `tokens` tokens wake in one layer, each routed to `per_token`
     of `experts` uniformly at random (the estimate before any routing is measured):
     E (1 - (1 - k/E)^n)."""

@@ -178,6 +178,17 @@ class AutoBudget:
         self._rounds = 0
         self.chosen = TreeShape(0, 0)
         self.reason = "auto: nothing measured yet"
+        self._pass_feature: Callable[[float], float] | None = None
+
+    def price_passes_by(self, feature: Callable[[float], float] | None) -> None:
+        """What a target pass's cost grows with, as a function of its tokens (None: the
+        tokens): a mixture of experts whose experts live off the device passes the expected
+        distinct experts its tokens wake (speculative/pass_costs.py)."""
+        self._pass_feature = feature
+        for line in (self.target, self.passes):
+            line.price_by(feature)
+        if self._counts:
+            self._choose()
 
     def state(self) -> dict[str, Any]:
         """What the planner measured, as JSON-able values (`load_state` reads it back): the
@@ -244,6 +255,8 @@ class AutoBudget:
             shape = TreeShape(b, d)
             sums[shape], seen[shape] = float(total), n
         self.target, self.plain, self.passes = lines
+        for line in (self.target, self.passes):
+            line.price_by(self._pass_feature)
         self.sharing = max(numbers["sharing"], 1.0)
         self.draft_unit_seconds = numbers["draft_unit_seconds"]
         self.total_seconds, self.explore_seconds = (

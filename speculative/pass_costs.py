@@ -1,11 +1,18 @@
 """What a target pass costs, learned from the passes seen, for `AutoBudget`
-(speculative/budget.py) to predict a tree's cost with: `CostLine`, seconds ≈ a + b·n fitted
-through per-size running means that follow drift, and `MarginalCost`, what a generation's
-own tokens cost in a pass it shares with others."""
+(speculative/budget.py) to predict a tree's cost with: `CostLine`, seconds ≈ a + b·f(n)
+fitted through per-size running means that follow drift, and `MarginalCost`, what a
+generation's own tokens cost in a pass it shares with others.
+
+f(n) is n itself for a dense target. A mixture of experts whose routed experts live off the
+device pays per distinct expert its tokens wake, and that union grows sublinearly (64
+tokens wake 126 of Qwen3-30B-A3B's 128 experts a layer, 256 no more): its line is priced by
+the expected experts woken (`feature`), so a 256-node tree is not predicted to cost 4x a
+64-node one because the first few sizes rose steeply."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,8 +21,10 @@ MAX_SIZES = 256  # sizes a line read back from a file may hold (half-octaves nee
 
 @dataclass
 class CostLine:
-    """seconds ≈ a + b·n, fitted through per-size running means (recent rounds weigh
-    more, so drift on a shared machine is followed)."""
+    """seconds ≈ a + b·f(n), fitted through per-size running means (recent rounds weigh
+    more, so drift on a shared machine is followed). f (`feature`, set by `price_by`) is
+    the identity unless a pass's cost grows otherwise than with its tokens; the sizes kept
+    are token counts either way (what a file keeps: `state`)."""
 
     decay: float = 0.9
     means: dict[int, float] = field(default_factory=dict)
@@ -25,7 +34,15 @@ class CostLine:
     sizes: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._fit: tuple[float, float, float] | None = None  # (mean n, mean s, slope)
+        self._fit: tuple[float, float, float] | None = None  # (mean f(n), mean s, slope)
+        self.feature: Callable[[float], float] | None = None
+
+    def price_by(self, feature: Callable[[float], float] | None) -> None:
+        """Fit seconds against `feature`(tokens) from now on (None: the tokens)."""
+        self.feature, self._fit = feature, None
+
+    def _x(self, n: float) -> float:
+        return n if self.feature is None else self.feature(n)
 
     def observe(self, n: int, seconds: float, key: int | None = None) -> None:
         """One measurement of `seconds` at size `n`, kept under `key` (default `n`)."""
@@ -49,7 +66,8 @@ class CostLine:
         if len(self.means) == 1:
             return next(iter(self.means.values()))  # one size seen: assume flat
         if self._fit is None:  # the planner predicts many sizes per observation: fit once
-            w, x = self.weights, self.sizes
+            w = self.weights
+            x = {k: self._x(n) for k, n in self.sizes.items()}
             total = sum(w.values())
             mx = sum(w[k] * x[k] for k in w) / total
             my = sum(w[k] * self.means[k] for k in w) / total
@@ -58,7 +76,7 @@ class CostLine:
             slope = max(0.0, covar / var) if var > 0 else 0.0
             self._fit = (mx, my, slope)
         mx, my, slope = self._fit
-        return max(my + slope * (n - mx), 1e-9)
+        return max(my + slope * (self._x(n) - mx), 1e-9)
 
     def state(self) -> dict[str, dict[str, float]]:
         """The per-size means, weights and sizes as JSON-able maps (`from_state`)."""

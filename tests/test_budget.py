@@ -185,3 +185,52 @@ def test_shared_passes_charge_each_tree_its_marginal_cost():
     fixed, slope = cpu.passes.intercept_and_slope()
     assert cost.predict(10) == pytest.approx(fixed / cpu.sharing + slope * 10)
     assert slope == pytest.approx(2e-4, rel=0.05)
+
+
+def test_an_expert_targets_passes_are_priced_by_the_experts_they_wake():
+    """A Qwen3-30B-A3B-shaped target whose experts stream: a pass costs a fixed part plus
+    each distinct expert its tokens wake (E (1 - (1 - k/E)^n) a layer: 126 of 128 at 64
+    tokens, no more at 256). Measured at the small sizes exploring starts with, a line in
+    tokens extrapolates the first steep rise (16 experts at 2 tokens, 85 at 17) to 9x the
+    true cost at 257 and stops at a 4-node tree (19 tokens/s where 64 nodes give 29);
+    priced by the experts woken it predicts every size and chooses the best shape."""
+    from functools import partial
+
+    from offload.planning import expected_experts
+
+    woken = partial(expected_experts, 128, 8)
+
+    def true_seconds(n: float) -> float:
+        return 0.02 + 0.004 * woken(n)  # 4 ms an expert (every layer's copy of it)
+
+    class Truth:
+        def predict(self, n: int) -> float:
+            return true_seconds(n)
+
+    def draft(shape: TreeShape) -> float:
+        return shape.draft_passes * 0.004
+
+    tokens = _expected_tokens(0.8)
+    best = choose_shape(tokens, Truth(), draft)  # type: ignore[arg-type]
+    by_tokens, by_experts = CostLine(), CostLine()
+    by_experts.price_by(woken)
+    for n in (2, 3, 5, 9, 17):
+        for line in (by_tokens, by_experts):
+            line.observe(n, true_seconds(n))
+    for n in (33, 129, 257):
+        assert by_experts.predict(n) == pytest.approx(true_seconds(n), rel=1e-9)
+    assert choose_shape(tokens, by_experts, draft) == best
+    assert best.budget >= 64
+    assert choose_shape(tokens, by_tokens, draft).budget < best.budget
+
+
+def test_the_planner_keeps_its_pricing_when_it_takes_up_a_record():
+    """A planner priced by experts woken, given a record saved from another (its lines
+    in tokens, as a file keeps them), still prices by experts woken."""
+    planner = _simulate(AutoBudget(), lambda n: 5.0 + 1e-4 * n, 0.005, 0.7, 20)
+    priced = AutoBudget()
+    feature = lambda n: min(n, 8.0)  # noqa: E731
+    priced.price_passes_by(feature)
+    priced.load_state(planner.state())
+    assert priced.target.feature is feature and priced.passes.feature is feature
+    assert priced.target.state() == planner.target.state()

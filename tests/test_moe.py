@@ -249,3 +249,22 @@ def test_routing_is_reported(tiny_checkpoint) -> None:
         RuntimeOptions(model=str(tiny_checkpoint("llama", vocab_size=96)), device="cpu")
     )
     assert dense.expert_status() is None and "expert_bytes_copied" not in dense.offload_stats()
+
+
+def test_auto_trees_over_streamed_experts_are_priced_by_experts_woken(tiny_checkpoint) -> None:
+    """`--budget auto` over a target whose experts stream (or compute on the CPU) fits its
+    pass cost against the experts a pass is expected to wake (4 experts, 2 a token: 2 at
+    one token, 3.5 at three, never past 4); with the experts in their layers, against
+    tokens."""
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
+
+    path = tiny_checkpoint("qwen3_moe", vocab_size=96)
+    for mode, priced in (("stream", True), ("cpu", True), ("device", False)):
+        rt = Runtime(RuntimeOptions(model=str(path), device="cpu", experts=mode, context=96,
+                                    draft="ngram", budget="auto"))  # fmt: skip
+        planner = rt.strategy("tree", budget="auto").planner
+        feature = planner.target.feature  # type: ignore[attr-defined]
+        assert (feature is not None) == priced, mode
+        if priced:
+            assert [feature(n) for n in (1, 3, 64)] == pytest.approx([2.0, 3.5, 4.0])
