@@ -6,7 +6,8 @@ and all it may ask. An architecture module (modeling/models/<name>.py) makes one
 Who reads what:
 - the loaders (modeling/checkpoints/): `config` (config.json, or the Hugging Face-style
   record a GGUF file's metadata is read into, with `gguf_config`'s keys of its own),
-  `hf_name`, `gguf_name`, `gguf_tensor` and `gguf_offset` (the tensor fix-ups, e.g.
+  `hf_name` (and `hf_stack_shape` / `hf_unstack` for tensors that stack a layer's experts),
+  `gguf_name`, `gguf_tensor` and `gguf_offset` (the tensor fix-ups, e.g.
   Llama's q/k un-permute, Gemma's norms);
 - the decoder (modeling/decoder.py): `block`;
 - the memory plan (daemon/footprint.py through the registry's functions):
@@ -148,6 +149,17 @@ class Architecture(ABC):
         prefix dropped); None for a tensor the model does not use (a multimodal
         checkpoint's vision tower)."""
         return stored.removeprefix("model.")
+
+    def hf_stack_shape(self, cfg: ModelConfig, stored: str) -> tuple[int, ...] | None:
+        """The shape of a checkpoint tensor that holds every expert of a layer at once
+        (gpt-oss's `mlp.experts.gate_up_proj`), loaded as one tensor per expert
+        (`hf_unstack`); None for any other tensor."""
+        return None
+
+    def hf_unstack(self, stored: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A stacked tensor of `hf_stack_shape`'s shape → each expert's tensor by our name,
+        in the layout our modules hold it."""
+        raise NotImplementedError(f"{self.name} stacks no tensors ({stored})")
 
     def gguf_name(self, name: str) -> str | None:
         """A GGUF tensor name → ours ('blk.3.attn_q.weight' →

@@ -51,12 +51,19 @@ class MoEConfig:
     """A mixture-of-experts layer (modeling/layers/moe.py): a router over `experts` gated
     MLPs of `intermediate_size` each, `top_k` of them per token, their weights the
     router's softmax over all experts, the top k taken, renormalised to sum 1 where
-    `normalize` (Qwen3-MoE's `norm_topk_prob`; always in Mixtral)."""
+    `normalize` (Qwen3-MoE's `norm_topk_prob`; always in Mixtral). gpt-oss's differ: its
+    router has a bias and takes the softmax over the chosen k logits only (`softmax_topk`,
+    in the model dtype), and its experts have biases and a clamped SwiGLU (`swiglu_limit`,
+    `swiglu_alpha`: modeling/layers/moe.py's `ClampedExpert`)."""
 
     experts: int
     top_k: int
     intermediate_size: int
     normalize: bool = True
+    router_bias: bool = False
+    softmax_topk: bool = False
+    swiglu_limit: float | None = None  # None: the model's gated MLP (`MLP`)
+    swiglu_alpha: float = 1.702
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,7 @@ class ModelConfig:
     embedding_scale: float | None = None  # the embedding's output times this (Gemma: sqrt(d))
     attention_scale: float | None = None  # on the scores; None: head_dim ** -0.5
     attention_softcap: float | None = None  # Gemma 2's attn_logit_softcapping
+    attention_sinks: bool = False  # a learned sink logit per head (gpt-oss: `self_attn.sinks`)
     # The checkpoint stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3)
     stored_fused: bool = False
     bos_token_id: int | None = None

@@ -55,6 +55,26 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2,
         "sliding_window": None,
     },
+    # gpt-oss: 4 experts of 32 (biases, clamped SwiGLU), 2 a token, softmax over the chosen
+    # logits; attention sinks and biases; sliding (window 6) and full layers alternating;
+    # YaRN without truncation (gpt-oss-20b: 32 experts of 2880, 4 a token, window 128)
+    "gpt_oss": {
+        "model_type": "gpt_oss",
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 6,
+        "swiglu_limit": 7.0,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": 64,
+            "truncate": False,
+        },
+    },
     # Layer 0 local (window 6, its own RoPE base), layer 1 global (linear factor 2)
     "gemma3": {
         "model_type": "gemma3_text",
@@ -175,7 +195,7 @@ def make_checkpoint(
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):
                 p.copy_(0.1 * torch.randn_like(p))
     kwargs: dict[str, Any] = {}
     if max_shard_size:

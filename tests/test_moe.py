@@ -1,6 +1,6 @@
-"""Mixture-of-experts models (issue 37, first step): Qwen3-MoE and Mixtral from safetensors,
-resident. Checkpoints are written by transformers itself (its per-expert tensor names),
-and the reference is transformers: logits (prefill, cached decode steps, a tree pass) to
+"""Mixture-of-experts models (issue 37): Qwen3-MoE, Mixtral and gpt-oss from safetensors.
+Checkpoints are written by transformers itself (per-expert tensors; gpt-oss's stacked, split
+as they load), and the reference is transformers: logits (prefill, cached decode steps, a tree pass) to
 fp32 rounding, routing exactly, greedy speculation equal to plain decoding, and exact
 parameter counts at the published models' shapes."""
 
@@ -19,7 +19,7 @@ from modeling.config import MoEConfig
 from modeling.layers.moe import MoEDecoderLayer, SparseMoE
 from modeling.models import config_from_hf, parameter_count
 
-FAMILIES = ["qwen3_moe", "mixtral"]
+FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -49,7 +49,8 @@ def test_routing_is_the_references(tiny_checkpoint, family: str) -> None:
     router = getattr(ref_block, "gate", None) or ref_block.router
     with torch.no_grad():
         _, ref_weights, ref_chosen = router(x)
-        ref_out = ref_block(x[None])[0]
+        ref_out = ref_block(x[None])
+        ref_out = (ref_out[0] if isinstance(ref_out, tuple) else ref_out)[0]  # gpt-oss: a pair
     assert torch.equal(chosen, ref_chosen)
     torch.testing.assert_close(weights, ref_weights.float(), atol=0, rtol=0)
     assert set(chosen.unique().tolist()) == set(range(ours.config.moe.experts))
@@ -93,6 +94,18 @@ REAL_SHAPES = {
         "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
         "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
         "sliding_window": None, "tie_word_embeddings": False,
+    },
+    # gpt-oss-20b's config.json (published, its MXFP4 quantization_config left out): 20.9B
+    "gpt-oss-20b": {
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
+        "num_experts_per_tok": 4, "sliding_window": 128, "max_position_embeddings": 131072,
+        "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0,
+        "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096,
+        "truncate": False}, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+        "attention_bias": True, "swiglu_limit": 7.0,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
     },
 }  # fmt: skip
 
@@ -268,3 +281,28 @@ def test_auto_trees_over_streamed_experts_are_priced_by_experts_woken(tiny_check
         assert (feature is not None) == priced, mode
         if priced:
             assert [feature(n) for n in (1, 3, 64)] == pytest.approx([2.0, 3.5, 4.0])
+
+
+def test_gpt_oss_checkpoints_it_cannot_run_are_refused_by_name(tiny_checkpoint, tmp_path) -> None:
+    """OpenAI's MXFP4 release is refused naming its quant_method (a bf16 copy runs), and a
+    stacked expert tensor of another shape is named before its bytes are read."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from modeling.checkpoints.safetensors_model import CheckpointError
+    from modeling.weights.quant import UnsupportedQuantizationError
+
+    source = tiny_checkpoint("gpt_oss", vocab_size=96)
+    raw = json.loads((source / "config.json").read_text())
+    with pytest.raises(UnsupportedQuantizationError, match="mxfp4"):
+        config_from_hf({**raw, "quantization_config": {"quant_method": "mxfp4"}})
+    bad = tmp_path / "bad"
+    shutil.copytree(source, bad)
+    tensors = load_file(bad / "model.safetensors")
+    name = "model.layers.1.mlp.experts.down_proj"
+    tensors[name] = tensors[name][:3].contiguous()  # 3 experts where the config says 4
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"experts\.down_proj \(3, 128, 64\)"):
+        load(bad)

@@ -141,6 +141,29 @@ def load_model(
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                stack = arch.hf_stack_shape(config, hf_name)
+                if stack is not None:  # every expert of a layer in one tensor: split
+                    if skip is not None:
+                        raise CheckpointError(
+                            f"{path}: {hf_name} holds a layer's experts in one tensor, which "
+                            "the disk tier cannot stream as stored; keep the model in RAM "
+                            "(a larger --ram-budget)"
+                        )
+                    shape = tuple(f.get_slice(hf_name).get_shape())
+                    if shape != stack:  # checked before the bytes are read
+                        wrong_shape.append(f"{hf_name} {shape} (expected {stack})")
+                        continue
+                    stacked = f.get_tensor(hf_name)
+                    for one, value in arch.hf_unstack(hf_name, stacked):
+                        if one not in expected or tuple(value.shape) != tuple(expected[one]):
+                            wrong_shape.append(f"{hf_name}: {one} {tuple(value.shape)}")
+                            continue
+                        seen.add(one)
+                        _assign(model, one, value.to(device=device, dtype=dtype))
+                    if reporter:
+                        reporter.advance(stacked.numel() * stacked.element_size())
+                    del stacked
+                    continue
                 name = arch.hf_name(hf_name)
                 if name is None or name.endswith(_IGNORED_SUFFIXES):  # not the decoder's
                     continue

@@ -52,6 +52,8 @@ def layer_parameters(cfg: ModelConfig, norms: int = 2) -> int:
         attn += d
     if cfg.qk_norm:
         attn += 2 * hd
+    if cfg.attention_sinks:
+        attn += cfg.num_heads
     mlp = 3 * d * f + ((2 * f + d) if cfg.mlp_bias else 0)
     return attn + mlp + norms * d
 

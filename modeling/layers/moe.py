@@ -14,6 +14,11 @@ Each expert is its own gated MLP module (`experts.<e>`: gate/up stacked when den
 checkpoint's `experts.<e>.gate_proj` and `up_proj` are stacked for the shared MLP), so a
 checkpoint's per-expert tensors load by name, packed formats pack per expert, and an
 expert is a unit that can live elsewhere than its layer.
+
+gpt-oss routes otherwise (`MoEConfig.softmax_topk`): its router has a bias, the k largest
+logits are taken and the softmax is over those k alone, in the model dtype. Its experts
+(`ClampedExpert`) have biases and a clamped SwiGLU: gate clamped above at the limit, up to
+[-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from modeling.layers.decoder_layer import layer_parameters, layer_phases
 from modeling.layers.mlp import MLP
 from modeling.layers.norms import RMSNorm, norm_bytes
 from modeling.layers.self_attention import Attention
-from modeling.weights.projections import linear
+from modeling.weights.projections import linear, projection
 
 
 class ExpertSource(Protocol):
@@ -54,6 +59,26 @@ def _device_of(module: nn.Module) -> torch.device:
     raise ValueError("an expert with no tensors")
 
 
+class ClampedExpert(nn.Module):
+    """gpt-oss's expert: gate and up (stacked, gate's rows first, with their biases), down
+    with its bias, and the clamped SwiGLU between (see the module)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        moe = cfg.moe
+        assert moe is not None and moe.swiglu_limit is not None
+        d, f = cfg.hidden_size, moe.intermediate_size
+        self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
+        self.gate_up_proj = projection(cfg, d, 2 * f, True)
+        self.down_proj = projection(cfg, f, d, True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)  # (T, f) views each
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return linear(self.down_proj, (up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+
+
 class SparseMoE(nn.Module):
     """Router (`gate`, dense: [experts, hidden]) and `experts` gated MLPs; or, once placed by
     routing (`source` set, `experts` emptied), the experts `source` gives."""
@@ -63,15 +88,23 @@ class SparseMoE(nn.Module):
         moe = cfg.moe
         assert moe is not None, "a mixture-of-experts block needs the config's `moe`"
         self.top_k, self.normalize = moe.top_k, moe.normalize
+        self.softmax_topk = moe.softmax_topk
         self.weights_in_model_dtype = weights_in_model_dtype
-        self.gate = nn.Linear(cfg.hidden_size, moe.experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg, moe.intermediate_size) for _ in range(moe.experts))
+        self.gate = nn.Linear(cfg.hidden_size, moe.experts, bias=moe.router_bias)
+        self.experts = nn.ModuleList(
+            ClampedExpert(cfg) if moe.swiglu_limit is not None else MLP(cfg, moe.intermediate_size)
+            for _ in range(moe.experts)
+        )
         self.source: ExpertSource | None = None
         self.layer = 0  # this block's layer, for `source`
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, k) chosen experts and their weights (fp32) for tokens x (T, hidden)."""
+        """(T, k) chosen experts and their weights (fp32; gpt-oss's in the model dtype) for
+        tokens x (T, hidden)."""
         logits = linear(self.gate, x)  # (T, E) in the model dtype, as the reference's
+        if self.softmax_topk:  # gpt-oss: the softmax of the k largest logits alone
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)  # (T, k) each
+            return chosen, torch.softmax(top, dim=-1, dtype=top.dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (T, E)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (T, k) each
         if self.normalize:
@@ -131,8 +164,10 @@ def moe_layer_parameters(cfg: ModelConfig) -> int:
     assert moe is not None
     d, f = cfg.hidden_size, moe.intermediate_size
     attention_and_norms = layer_parameters(replace(cfg, intermediate_size=0, mlp_bias=False))
-    expert = 3 * d * f + ((2 * f + d) if cfg.mlp_bias else 0)
-    return attention_and_norms + moe.experts * d + moe.experts * expert
+    biased = cfg.mlp_bias or moe.swiglu_limit is not None  # (gpt-oss's experts have biases)
+    expert = 3 * d * f + ((2 * f + d) if biased else 0)
+    router = moe.experts * d + (moe.experts if moe.router_bias else 0)
+    return attention_and_norms + router + moe.experts * expert
 
 
 def moe_layer_activations(cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:

@@ -48,6 +48,8 @@ class Attention(nn.Module):
         offset = cfg.norm_offset
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, offset) if cfg.qk_norm else None
+        # gpt-oss: each head's learned sink logit, a softmax column with no value
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads)) if cfg.attention_sinks else None
 
     def stream_state(self) -> AttentionOptions:
         """What a streaming slot takes on to compute this layer (offload/layout.py's
@@ -89,7 +91,7 @@ class Attention(nn.Module):
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
         if len(sequences) == 1:  # one sequence (most passes): no row slices
-            out = attend_sequence(sequences[0], layer, q, k, v, self.options)
+            out = attend_sequence(sequences[0], layer, q, k, v, self.options, self.sinks)
         else:
             # Each sequence writes its rows of one output: the plan counts one output per
             # token plus one chunk's (a cat of per-sequence outputs would hold two).
@@ -97,6 +99,6 @@ class Attention(nn.Module):
             for seq in sequences:
                 rows = slice(seq.row, seq.row + seq.count)
                 out[:, rows] = attend_sequence(
-                    seq, layer, q[:, rows], k[:, rows], v[:, rows], self.options
+                    seq, layer, q[:, rows], k[:, rows], v[:, rows], self.options, self.sinks
                 )
         return linear(self.o_proj, out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))

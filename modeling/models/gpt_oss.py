@@ -1,0 +1,144 @@
+"""gpt-oss (gpt-oss-20b, gpt-oss-120b): attention with biases and a learned sink logit per
+head (a softmax column with no value), sliding (window 128) and full layers alternating,
+YaRN without truncation; in every layer a mixture of experts routed by gpt-oss's rule
+(the router has a bias; the softmax is over the k largest logits only) whose experts have
+biases and a clamped SwiGLU (modeling/layers/moe.py's `ClampedExpert`).
+
+Checkpoints as transformers keeps them hold each layer's experts stacked:
+`mlp.experts.gate_up_proj` (experts, hidden, 2 x ff) with gate and up interleaved column by
+column, `down_proj` (experts, ff, hidden), and their biases; they are split into one
+expert each as they load (`hf_stack_shape`, `hf_unstack`), gate's rows first, so that an
+expert can live apart from its layer (`--experts stream|cpu`). The router is
+`mlp.router`. OpenAI's own release stores the experts as MXFP4 blocks
+(`quantization_config` mxfp4), which is refused by name for now (a bf16 copy runs).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from modeling.architecture import Architecture, LayerActivations
+from modeling.config import (
+    ModelConfig,
+    MoEConfig,
+    UnsupportedModelError,
+    attention_widths,
+    eos_ids,
+    required,
+    rope_config,
+)
+from modeling.layers.moe import MoEDecoderLayer, moe_layer_activations, moe_layer_parameters
+from modeling.models.llama import LAYER_TYPES, _layer_types
+from modeling.weights.quant import parse_quantization
+
+_STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
+
+
+class GptOss(Architecture):
+    name: ClassVar[str] = "gpt_oss"
+    model_types: ClassVar[tuple[str, ...]] = ("gpt_oss",)
+
+    def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
+        hidden, heads, kv_heads, head_dim = attention_widths(raw, source)
+        rope = rope_config(raw, source)
+        if rope.kind == "longrope" or rope.partial_rotary_factor != 1.0:
+            raise UnsupportedModelError(
+                f"{source}: rope {rope.kind} with partial_rotary_factor "
+                f"{rope.partial_rotary_factor} is not supported for gpt_oss"
+            )
+        experts = int(required(raw, "num_local_experts", source))
+        top_k = int(required(raw, "num_experts_per_tok", source))
+        if not 1 <= top_k <= experts:
+            raise UnsupportedModelError(
+                f"{source}: num_experts_per_tok {top_k} must be 1 to num_local_experts {experts}"
+            )
+        layers = int(required(raw, "num_hidden_layers", source))
+        window = raw.get("sliding_window")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                                   or window < 1):  # fmt: skip
+            raise UnsupportedModelError(f"{source}: sliding_window must be a whole number >= 1")
+        if window is not None and raw.get("layer_types") is None:
+            # transformers' default: even layers slide, odd ones attend to everything
+            raw = {**raw, "layer_types": [LAYER_TYPES[(i + 1) % 2] for i in range(layers)]}
+        limit = raw.get("swiglu_limit", 7.0)
+        alpha = raw.get("swiglu_alpha", 1.702)
+        for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise UnsupportedModelError(f"{source}: {key} must be a number above 0")
+        bias = bool(raw.get("attention_bias", True))
+        intermediate = int(required(raw, "intermediate_size", source))
+        return ModelConfig(
+            model_type="gpt_oss",
+            vocab_size=int(required(raw, "vocab_size", source)),
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
+            rope=rope,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=bias,
+            o_bias=bias,
+            sliding_window=window,
+            layer_types=_layer_types(raw, window, layers, source),
+            attention_sinks=True,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos_ids(raw),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            quantization=parse_quantization(raw, source),
+            moe=MoEConfig(
+                experts=experts,
+                top_k=top_k,
+                intermediate_size=intermediate,
+                normalize=False,
+                router_bias=True,
+                softmax_topk=True,
+                swiglu_limit=float(limit),
+                swiglu_alpha=float(alpha),
+            ),
+        )
+
+    def block(self, cfg: ModelConfig, index: int) -> nn.Module:
+        return MoEDecoderLayer(cfg, index, weights_in_model_dtype=True)
+
+    def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
+        return moe_layer_parameters(cfg)
+
+    def layer_activations(self, cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
+        return moe_layer_activations(cfg, itemsize, copy)
+
+    def hf_name(self, stored: str) -> str | None:
+        return stored.removeprefix("model.").replace(".mlp.router.", ".mlp.gate.")
+
+    def hf_stack_shape(self, cfg: ModelConfig, stored: str) -> tuple[int, ...] | None:
+        stacked = _STACKED.fullmatch(stored)
+        if stacked is None or cfg.moe is None:
+            return None
+        e, d, f = cfg.moe.experts, cfg.hidden_size, cfg.moe.intermediate_size
+        part, bias = stacked.group(2), stacked.group(3)
+        if part == "gate_up_proj":
+            return (e, 2 * f) if bias else (e, d, 2 * f)
+        return (e, d) if bias else (e, f, d)
+
+    def hf_unstack(self, stored: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        stacked = _STACKED.fullmatch(stored)
+        assert stacked is not None
+        layer, part, bias = stacked.groups()
+        attr = "bias" if bias else "weight"
+        out = []
+        for e in range(tensor.shape[0]):
+            value = tensor[e] if bias else tensor[e].T  # (out,) or (out, in) as nn.Linear's
+            if part == "gate_up_proj":  # interleaved gate, up, gate, ... → gate's rows first
+                value = torch.cat([value[0::2], value[1::2]])
+            out.append((f"layers.{layer}.mlp.experts.{e}.{part}.{attr}", value.contiguous()))
+        return out
+
+
+GPT_OSS = GptOss()
