@@ -114,6 +114,9 @@ class Architecture(ABC):
         "output": "lm_head",
     }
     gguf_experts: ClassVar[Mapping[str, str]] = {}
+    # llama.cpp's `expert_gating_func` this architecture routes by, where a file states it
+    # (1: softmax over every expert; 3: softmax over the chosen ones' logits, gpt-oss)
+    gguf_expert_gating: ClassVar[int] = 1
     # tensors `gguf_config` reads into the config (LongRoPE's factors), not into the model
     gguf_config_tensors: ClassVar[frozenset[str]] = frozenset()
 
@@ -173,14 +176,15 @@ class Architecture(ABC):
             return f"{self.gguf_outer_names[outer.group(1)]}.weight"
         return None
 
-    def gguf_expert(self, name: str) -> tuple[int, str] | None:
+    def gguf_expert(self, name: str) -> tuple[int, str, str] | None:
         """A stacked expert tensor's GGUF name → (its layer, the projection each expert's
-        slice is: 'gate_proj'); None for any other tensor."""
+        slice is: 'gate_proj', 'weight' or 'bias' (gpt-oss's experts have biases, stacked
+        as [rows, experts])); None for any other tensor."""
         layer = _GGUF_LAYER.fullmatch(name)
-        if layer is None or layer.group(3) != "weight" or len(layer.group(1)) > 9:
+        if layer is None or len(layer.group(1)) > 9:
             return None
         part = self.gguf_experts.get(layer.group(2))
-        return None if part is None else (int(layer.group(1)), part)
+        return None if part is None else (int(layer.group(1)), part, layer.group(3))
 
     def gguf_config(self, keys: GGUFKeys, tensors: Mapping[str, Any]) -> dict[str, Any]:
         """config.json keys of this architecture's own that a GGUF file states (or that

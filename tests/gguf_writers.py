@@ -279,3 +279,112 @@ def as_stored(folder: Path, out: Path) -> Path:
         tensors[name] = value
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+GPT_OSS_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "post_attention_norm",
+    "mlp.router": "ffn_gate_inp",
+}
+
+
+def _mxfp4(writer: gguf.GGUFWriter, name: str, value: np.ndarray) -> None:
+    kind = gguf.GGMLQuantizationType.MXFP4
+    blocks = gguf.quants.quantize(np.ascontiguousarray(value, dtype=np.float32), kind)
+    writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
+
+
+def write_gpt_oss(folder: Path, path: Path, quantize: bool = True) -> Path:
+    """The gpt-oss checkpoint in `folder` as llama.cpp's GptOssModel writes it: gate and up
+    taken apart from transformers' interleaved `gate_up_proj` and each layer's experts
+    stacked ([columns, rows, experts]; MXFP4 blocks where `quantize`, as the released
+    files hold them), their biases stacked as [rows, experts], the router and sinks F32,
+    attention projections Q8_0 (where `quantize`), YaRN's keys without its truncation."""
+    config: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    assert config["vocab_size"] == SPM_VOCABULARY
+    arch = "gpt-oss"
+    writer = gguf.GGUFWriter(str(path), arch)
+    _shape_keys(writer, arch, config)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    for key, value in (
+        ("expert_count", config["num_local_experts"]),
+        ("expert_used_count", config["num_experts_per_tok"]),
+        ("expert_feed_forward_length", config["intermediate_size"]),
+        ("attention.key_length", config["head_dim"]),
+        ("attention.value_length", config["head_dim"]),
+        ("attention.sliding_window", config["sliding_window"]),
+        ("rope.scaling.original_context_length", rope["original_max_position_embeddings"]),
+    ):
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_float32(f"{arch}.rope.freq_base", rope.get("rope_theta", 150000.0))
+    writer.add_string(f"{arch}.rope.scaling.type", "yarn")
+    writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
+    _tokenizer(writer, add_space_prefix=True)
+    for name, value in load_file(folder / "model.safetensors").items():
+        name = name.removeprefix("model.")
+        outer = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}  # fmt: skip
+        if name in outer:
+            _tensor(writer, outer[name], value, quantize)
+            continue
+        _, index, rest = name.split(".", 2)
+        at = f"blk.{index}"
+        if rest == "self_attn.sinks":
+            writer.add_tensor(f"{at}.attn_sinks.weight", value.astype(np.float32))
+        elif rest == "mlp.experts.gate_up_proj":  # (experts, hidden, 2 ff), interleaved
+            rows = value.transpose(0, 2, 1)  # (experts, 2 ff, hidden)
+            for part, half in (("ffn_gate_exps", rows[:, 0::2]), ("ffn_up_exps", rows[:, 1::2])):
+                if quantize:
+                    _mxfp4(writer, f"{at}.{part}.weight", half)
+                else:
+                    writer.add_tensor(f"{at}.{part}.weight", np.ascontiguousarray(half))
+        elif rest == "mlp.experts.gate_up_proj_bias":  # (experts, 2 ff)
+            writer.add_tensor(f"{at}.ffn_gate_exps.bias", np.ascontiguousarray(value[:, 0::2]))
+            writer.add_tensor(f"{at}.ffn_up_exps.bias", np.ascontiguousarray(value[:, 1::2]))
+        elif rest == "mlp.experts.down_proj":  # (experts, ff, hidden)
+            rows = np.ascontiguousarray(value.transpose(0, 2, 1))  # (experts, hidden, ff)
+            if quantize:
+                _mxfp4(writer, f"{at}.ffn_down_exps.weight", rows)
+            else:
+                writer.add_tensor(f"{at}.ffn_down_exps.weight", rows)
+        elif rest == "mlp.experts.down_proj_bias":
+            writer.add_tensor(f"{at}.ffn_down_exps.bias", value)
+        else:
+            part, _, kind = rest.rpartition(".")
+            router = part == "mlp.router"
+            _tensor(writer, f"{at}.{GPT_OSS_LAYER[part]}.{kind}", value, quantize and not router)
+    return _finish(writer, path)
+
+
+def as_stored_gpt_oss(folder: Path, out: Path) -> Path:
+    """`folder`'s gpt-oss checkpoint with the values `write_gpt_oss(quantize=True)` stores:
+    attention projections through Q8_0, experts through MXFP4 (along each row's inputs,
+    as the file's blocks run), the router F32: the reference transformers reads."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for item in folder.iterdir():
+        if item.name != "model.safetensors" and item.is_file():
+            shutil.copy(item, out / item.name)
+    q8, mx = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4
+
+    def through(value: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+        return gguf.quants.dequantize(gguf.quants.quantize(value, kind), kind)
+
+    tensors = {}
+    for name, value in load_file(folder / "model.safetensors").items():
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # (E, in, out)
+            rows = np.ascontiguousarray(value.transpose(0, 2, 1))  # (E, out, in): as stored
+            value = np.ascontiguousarray(through(rows, mx).transpose(0, 2, 1))
+        elif value.ndim == 2 and name.endswith("_proj.weight"):  # (not the experts' biases)
+            value = through(value, q8)
+        tensors[name] = value
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out

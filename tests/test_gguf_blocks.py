@@ -46,6 +46,7 @@ HALF_FIELDS = {
     GGMLType.Q6_K: (208,),
     GGMLType.IQ4_NL: (0,),
     GGMLType.IQ4_XS: (0,),
+    GGMLType.MXFP4: (),  # its scale is a byte: kept in range below
 }
 TYPES = list(BLOCK_SIZES)
 
@@ -71,6 +72,9 @@ def random_blocks(ggml_type: GGMLType, rows: int, columns: int, seed: int = 0) -
     by_block = blocks.view(-1, size)
     for at in HALF_FIELDS[ggml_type]:
         by_block[:, at : at + 2] = finite_halves(by_block.shape[0], gen)
+    if ggml_type == GGMLType.MXFP4:  # 2^(e - 128) x 12 within float16 (and a subnormal e)
+        by_block[:, 0] = torch.randint(98, 140, (by_block.shape[0],), generator=gen).to(torch.uint8)
+        by_block[0, 0] = 1
     return blocks
 
 

@@ -19,7 +19,13 @@ from modeling.checkpoints.gguf_model import GGUFError
 from modeling.config import UnsupportedModelError
 from modeling.layers.moe import MoEDecoderLayer
 from modeling.weights.gguf_modules import GGUFLinear
-from tests.gguf_writers import SPM_VOCABULARY, as_stored, write_moe
+from tests.gguf_writers import (
+    SPM_VOCABULARY,
+    as_stored,
+    as_stored_gpt_oss,
+    write_gpt_oss,
+    write_moe,
+)
 
 FAMILIES = ["qwen3_moe", "mixtral"]
 
@@ -135,3 +141,56 @@ def test_a_dense_architecture_with_experts_is_refused(tiny_checkpoint, tmp_path:
     path = write_moe(folder, tmp_path / "qwen3.gguf", quantize=False, arch="qwen3")
     with pytest.raises(UnsupportedModelError, match=r"qwen3\.expert_count"):
         load(path, "fp32")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_files(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """quantized → (a gpt-oss GGUF file, the checkpoint transformers reads as its reference)."""
+    folder = tiny_checkpoint("gpt_oss", vocab_size=SPM_VOCABULARY, num_layers=3)
+    out = tmp_path_factory.mktemp("gpt-oss-gguf")
+    return {
+        False: (write_gpt_oss(folder, out / "f32.gguf", quantize=False), folder),
+        True: (write_gpt_oss(folder, out / "mxfp4.gguf"), as_stored_gpt_oss(folder, out / "ref")),
+    }
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["f32", "mxfp4"])
+def test_a_gpt_oss_file_is_transformers_on_its_weights(gpt_oss_files, quantized: bool) -> None:
+    """gpt-oss as llama.cpp writes it (MXFP4 experts kept as their blocks, one `GGUFLinear`
+    each; sinks, biases, the window, YaRN untruncated): every position's logits equal
+    transformers' on the file's weights, past the window."""
+    from transformers import AutoModelForCausalLM
+
+    path, reference = gpt_oss_files[quantized]
+    model, _, ckpt = load(path, "fp32")
+    cfg = ckpt.config
+    assert cfg.model_type == "gpt_oss" and cfg.moe is not None and cfg.moe.softmax_topk
+    assert cfg.layer_window(0) == 6 and cfg.layer_window(1) is None and not cfg.rope.truncate
+    expert = model.layers[2].mlp.experts[3]
+    assert isinstance(expert.down_proj, GGUFLinear) == quantized
+    if quantized:
+        assert expert.down_proj.ggml_type == 39  # MXFP4
+    ref = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    ids = torch.randint(3, SPM_VOCABULARY, (23,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = ref(ids[None]).logits[0]
+    torch.testing.assert_close(_logits(model, ids.tolist()), expected, atol=2e-4, rtol=1e-4)
+
+
+def test_a_gpt_oss_file_speculates_and_streams_its_experts(gpt_oss_files) -> None:
+    """The MXFP4 file under an n-gram tree, with its experts streamed through a cache of 2
+    and on the CPU: plain greedy decoding's tokens."""
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
+    from speculative.sampling import SamplingParams
+
+    path, _ = gpt_oss_files[True]
+    prompt = [5, 9, 17, 33, 2, 8, 40, 11, 5, 9, 17]
+    greedy = SamplingParams(temperature=0.0)
+    runs = {}
+    for mode, slots, draft in (("device", None, None), ("device", None, "ngram"),
+                               ("stream", 2, "ngram"), ("cpu", None, None)):  # fmt: skip
+        rt = Runtime(RuntimeOptions(model=str(path), device="cpu", experts=mode,
+                                    expert_slots=slots, context=96, draft=draft))  # fmt: skip
+        runs[(mode, draft)] = rt.generation(prompt, greedy, 20, ignore_eos=True).run().token_ids
+    assert len({tuple(ids) for ids in runs.values()}) == 1, runs

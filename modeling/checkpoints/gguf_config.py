@@ -336,11 +336,11 @@ def _check_experts(
     if used > experts:
         raise _malformed(source, f"{prefix}.expert_used_count", used,
                          f"at most {prefix}.expert_count {experts}")  # fmt: skip
-    for key, plain in (("expert_gating_func", 1), ("expert_shared_count", 0)):
+    for key, plain in (("expert_gating_func", arch.gguf_expert_gating), ("expert_shared_count", 0)):
         if keys.has(key) and keys.count(key, minimum=0) != plain:
             raise UnsupportedModelError(
                 f"{source}: {prefix}.{key} {keys.count(key, minimum=0)} is not supported "
-                "(specd routes by softmax over the experts, with no shared expert)"
+                "(specd routes as llama.cpp does for this architecture, with no shared expert)"
             )
     ff = keys.count("expert_feed_forward_length", intermediate)
     widths = (
@@ -350,7 +350,8 @@ def _check_experts(
         expert = arch.gguf_expert(name)
         shape: tuple[int, ...]
         if expert is not None:
-            shape = (ff, hidden, experts) if expert[1] == "down_proj" else (hidden, ff, experts)
+            rows, columns = (hidden, ff) if expert[1] == "down_proj" else (ff, hidden)
+            shape = (columns, rows, experts) if expert[2] == "weight" else (rows, experts)
             stated = widths
         elif name.endswith(".ffn_gate_inp.weight"):
             shape, stated = (hidden, experts), f"{prefix}.embedding_length, {prefix}.expert_count"

@@ -101,14 +101,16 @@ def gguf_parts(
     expert = arch.gguf_expert(info.name)
     if expert is None:
         return [(our_name(info.name, arch), 0, prod(info.ne[1:]), info.ne)]
-    if len(info.ne) != 3 or info.ne[2] != experts:
+    layer, part, attr = expert
+    dims = 3 if attr == "weight" else 2  # a bias: [rows, experts], one row of values each
+    if len(info.ne) != dims or info.ne[-1] != experts:
         return [(None, 0, 0, info.ne)]
-    layer, part = expert
-    rows = info.ne[1]
+    rows = info.ne[1] if attr == "weight" else 1
     return [
-        (f"layers.{layer}.mlp.experts.{e}.{part}.weight", e * rows, (e + 1) * rows, info.ne[:2])
+        (f"layers.{layer}.mlp.experts.{e}.{part}.{attr}", e * rows, (e + 1) * rows,
+         info.ne[: dims - 1])
         for e in range(experts)
-    ]
+    ]  # fmt: skip
 
 
 def load_gguf_model(

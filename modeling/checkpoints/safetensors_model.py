@@ -159,7 +159,10 @@ def load_model(
                             wrong_shape.append(f"{hf_name}: {one} {tuple(value.shape)}")
                             continue
                         seen.add(one)
-                        _assign(model, one, value.to(device=device, dtype=dtype))
+                        if one in parts:  # gate and up, stacked in the expert's module
+                            _load_part(model, parts[one], value, device, dtype)
+                        else:
+                            _assign(model, one, value.to(device=device, dtype=dtype))
                     if reporter:
                         reporter.advance(stacked.numel() * stacked.element_size())
                     del stacked

@@ -37,7 +37,8 @@ from modeling.layers.decoder_layer import layer_parameters, layer_phases
 from modeling.layers.mlp import MLP
 from modeling.layers.norms import RMSNorm, norm_bytes
 from modeling.layers.self_attention import Attention
-from modeling.weights.projections import linear, projection
+from modeling.weights.packed import PackedLinear
+from modeling.weights.projections import FusedLinear, linear, projection
 
 
 class ExpertSource(Protocol):
@@ -60,8 +61,9 @@ def _device_of(module: nn.Module) -> torch.device:
 
 
 class ClampedExpert(nn.Module):
-    """gpt-oss's expert: gate and up (stacked, gate's rows first, with their biases), down
-    with its bias, and the clamped SwiGLU between (see the module)."""
+    """gpt-oss's expert: gate and up with their biases (stacked when dense, as the shared
+    MLP's; packed, each its own), down with its bias, and the clamped SwiGLU between (see
+    the module)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -69,11 +71,22 @@ class ClampedExpert(nn.Module):
         assert moe is not None and moe.swiglu_limit is not None
         d, f = cfg.hidden_size, moe.intermediate_size
         self.limit, self.alpha = moe.swiglu_limit, moe.swiglu_alpha
-        self.gate_up_proj = projection(cfg, d, 2 * f, True)
+        self.gate_up_proj: FusedLinear | None = None
+        self.gate_proj: nn.Linear | PackedLinear | None = None
+        self.up_proj: nn.Linear | PackedLinear | None = None
+        if cfg.quantization is None:
+            self.gate_up_proj = FusedLinear(d, [("gate_proj", f), ("up_proj", f)], True)
+        else:
+            self.gate_proj = projection(cfg, d, f, True)
+            self.up_proj = projection(cfg, d, f, True)
         self.down_proj = projection(cfg, f, d, True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)  # (T, f) views each
+        if self.gate_up_proj is not None:
+            gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)  # (T, f) views each
+        else:
+            assert self.gate_proj is not None and self.up_proj is not None
+            gate, up = linear(self.gate_proj, x), linear(self.up_proj, x)
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         return linear(self.down_proj, (up + 1) * (gate * torch.sigmoid(gate * self.alpha)))

@@ -7,21 +7,29 @@ biases and a clamped SwiGLU (modeling/layers/moe.py's `ClampedExpert`).
 Checkpoints as transformers keeps them hold each layer's experts stacked:
 `mlp.experts.gate_up_proj` (experts, hidden, 2 x ff) with gate and up interleaved column by
 column, `down_proj` (experts, ff, hidden), and their biases; they are split into one
-expert each as they load (`hf_stack_shape`, `hf_unstack`), gate's rows first, so that an
-expert can live apart from its layer (`--experts stream|cpu`). The router is
-`mlp.router`. OpenAI's own release stores the experts as MXFP4 blocks
-(`quantization_config` mxfp4), which is refused by name for now (a bf16 copy runs).
+expert each as they load (`hf_stack_shape`, `hf_unstack`: gate and up apart, as the
+shared MLP's are stored), so that an expert can live apart from its layer (`--experts
+stream|cpu`). The router is `mlp.router`. OpenAI's own release stores the experts as MXFP4
+blocks (`quantization_config` mxfp4), which is refused by name for now (a bf16 copy runs).
+
+GGUF files (`general.architecture` gpt-oss, Ollama's `gpt-oss:20b`) hold the experts as
+llama.cpp's converter writes them: gate and up apart (`ffn_gate_exps`, `ffn_up_exps`,
+`ffn_down_exps`, MXFP4 blocks kept packed per expert and decoded per pass), their biases
+stacked as [rows, experts], the router `ffn_gate_inp` with its bias, the sinks
+`attn_sinks`; llama.cpp routes it by its fixed rule (`expert_gating_func` 3 where stated)
+and applies YaRN as the model defines it, untruncated.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from modeling.architecture import Architecture, LayerActivations
+from modeling.architecture import GGUF_EXPERTS, Architecture, GGUFKeys, LayerActivations
 from modeling.config import (
     ModelConfig,
     MoEConfig,
@@ -35,14 +43,32 @@ from modeling.layers.moe import MoEDecoderLayer, moe_layer_activations, moe_laye
 from modeling.models.llama import LAYER_TYPES, _layer_types
 from modeling.weights.quant import parse_quantization
 
+_GGUF_SINKS = re.compile(r"blk\.(\d{1,9})\.attn_sinks\.weight")
 _STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 
 
 class GptOss(Architecture):
     name: ClassVar[str] = "gpt_oss"
     model_types: ClassVar[tuple[str, ...]] = ("gpt_oss",)
+    gguf_architectures: ClassVar[Mapping[str, str]] = {"gpt-oss": "gpt_oss"}
+    gguf_layer_names: ClassVar[Mapping[str, str]] = {
+        "attn_norm": "input_layernorm",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.gate",
+    }
+    gguf_experts: ClassVar[Mapping[str, str]] = GGUF_EXPERTS
+    gguf_expert_gating: ClassVar[int] = 3
 
     def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
+        scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+        if isinstance(scaling, dict) and scaling.get("rope_type") == "yarn":
+            # gpt-oss's YaRN is untruncated (its config.json says so; a GGUF file does not)
+            key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+            raw = {**raw, key: {"truncate": False, **scaling}}
         hidden, heads, kv_heads, head_dim = attention_widths(raw, source)
         rope = rope_config(raw, source)
         if rope.kind == "longrope" or rope.partial_rotary_factor != 1.0:
@@ -114,6 +140,20 @@ class GptOss(Architecture):
     def layer_activations(self, cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
         return moe_layer_activations(cfg, itemsize, copy)
 
+    def gguf_name(self, name: str) -> str | None:
+        sinks = _GGUF_SINKS.fullmatch(name)
+        if sinks is not None:
+            return f"layers.{sinks.group(1)}.self_attn.sinks"
+        return super().gguf_name(name)
+
+    def gguf_config(self, keys: GGUFKeys, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "num_local_experts": keys.count("expert_count"),
+            "num_experts_per_tok": keys.count("expert_used_count"),
+            "intermediate_size": keys.count("expert_feed_forward_length"),
+            "sliding_window": keys.count("attention.sliding_window"),
+        }
+
     def hf_name(self, stored: str) -> str | None:
         return stored.removeprefix("model.").replace(".mlp.router.", ".mlp.gate.")
 
@@ -135,9 +175,12 @@ class GptOss(Architecture):
         out = []
         for e in range(tensor.shape[0]):
             value = tensor[e] if bias else tensor[e].T  # (out,) or (out, in) as nn.Linear's
-            if part == "gate_up_proj":  # interleaved gate, up, gate, ... → gate's rows first
-                value = torch.cat([value[0::2], value[1::2]])
-            out.append((f"layers.{layer}.mlp.experts.{e}.{part}.{attr}", value.contiguous()))
+            at = f"layers.{layer}.mlp.experts.{e}"
+            if part == "gate_up_proj":  # gate, up interleaved row by row
+                out.append((f"{at}.gate_proj.{attr}", value[0::2].contiguous()))
+                out.append((f"{at}.up_proj.{attr}", value[1::2].contiguous()))
+            else:
+                out.append((f"{at}.{part}.{attr}", value.contiguous()))
         return out
 
 

@@ -205,6 +205,27 @@ def _iq4_xs(b: torch.Tensor, x: torch.Tensor) -> None:  # d, scales_h u16, scale
     x.view(-1, 8, 32).mul_((_half(b, 0) * scales)[..., None])
 
 
+# MXFP4's e2m1 code book, doubled (its scale is halved to match: `_mxfp4`)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+@functools.cache
+def _mxfp4_values(device: torch.device) -> torch.Tensor:
+    return torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=device)
+
+
+def _mxfp4(b: torch.Tensor, x: torch.Tensor) -> None:  # e u8 (E8M0), qs u8[16]
+    """gpt-oss's experts: 32 e2m1 codes (IQ4's nibble order) times half of 2^(e - 127),
+    built from its bits as ggml does (2^(e - 128) for every e, subnormal below 2)."""
+    codes = torch.empty((b.shape[0], 1, 2, 16), dtype=torch.int32, device=b.device)
+    _nibbles(b[:, None, 1:], codes)
+    torch.index_select(_mxfp4_values(b.device), 0, codes.view(-1), out=x.view(-1))
+    del codes
+    e = b[:, 0].to(torch.int32)
+    bits = torch.where(e < 2, torch.bitwise_left_shift(0x00200000, e), (e - 1) << 23)
+    x *= bits.view(torch.float32)[:, None]
+
+
 # type → (fills x (n, elements) float32 from blocks b (n, bytes), the most bytes per block it
 # holds beside x at once, traced from the code above). Each decoder has an element-sized
 # phase (u8 nibbles, bits or 2-bit codes: half a byte or a byte per element; IQ4's int32
@@ -223,6 +244,7 @@ _DECODERS: dict[GGMLType, tuple[Callable[[torch.Tensor, torch.Tensor], None], in
     GGMLType.Q6_K: (_q6_k, 256),  # the high bits
     GGMLType.IQ4_NL: (_iq4_nl, 4 * 32 + 16),  # int32 codes and one nibble half
     GGMLType.IQ4_XS: (_iq4_xs, 4 * 256 + 128),
+    GGMLType.MXFP4: (_mxfp4, 4 * 32 + 4),  # int32 codes, then the scales' bits
 }
 
 # Beside those, a handful of small tensors (bit positions, a short chunk's scales), each
