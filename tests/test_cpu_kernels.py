@@ -25,7 +25,13 @@ def random_blocks(kind: GGMLType, rows: int, columns: int, seed: int) -> torch.T
     half scales include subnormals, negatives, infinities and NaNs."""
     elements, size = BLOCK_SIZES[kind]
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (rows, columns // elements * size), dtype=torch.uint8, generator=g)
+    blocks = torch.randint(
+        0, 256, (rows, columns // elements * size), dtype=torch.uint8, generator=g
+    )
+    if kind == GGMLType.MXFP4:  # its scale byte: 2^(e - 128), subnormal ones included, but
+        # none so large that a row's sum overflows (12 x 2^127 is already infinite)
+        blocks.view(-1, size)[:, 0] %= 160
+    return blocks
 
 
 @needs_kernels

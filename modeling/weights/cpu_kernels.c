@@ -26,7 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define SPECD_KERNELS_VERSION 4
+#define SPECD_KERNELS_VERSION 5
 #define SPECD_MAX_ROWS 8
 
 int specd_kernels_version(void) { return SPECD_KERNELS_VERSION; }
@@ -283,6 +283,27 @@ static inline void dec_iq4_xs(const uint8_t *b, int g, group_t *q) { /* d, scale
     q->o = 0.0f;
 }
 
+/* MXFP4 (gpt-oss's experts): 32 e2m1 codes, IQ4's nibble order, from a doubled code book,
+ * times 2^(e - 128) built from its bits as ggml builds it (subnormal for e < 2). */
+static inline float e8m0_half(uint8_t e) {
+    uint32_t bits = e < 2 ? (0x00200000u << e) : ((uint32_t)(e - 1) << 23);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline void dec_mxfp4(const uint8_t *b, int g, group_t *q) { /* e, qs[16] */
+    (void)g;
+    const __m128i book = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    __m128i lo, hi;
+    nibbles(b + 1, &lo, &hi);
+    __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int v = 0; v < 4; v++)
+        q->c[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_shuffle_epi8(book, parts[v])));
+    q->s[0] = q->s[1] = e8m0_half(b[0]);
+    q->o = 0.0f;
+}
+
 /* ---- the product, one function per type ----
  * x: (M, K) rows ldx apart; xsum: room for (M, K / 32), filled here with each group's sum
  * of x (for the offsets);
@@ -400,6 +421,7 @@ PAIRED(q5_k, 176, 8)
 UNPAIRED(q6_k, 210, 8)
 UNPAIRED(iq4_nl, 18, 1)
 UNPAIRED(iq4_xs, 136, 8)
+UNPAIRED(mxfp4, 17, 1)
 
 GEMV(q8_0, 34, 1)
 GEMV(q4_0, 18, 1)
@@ -411,13 +433,15 @@ GEMV(q5_k, 176, 8)
 GEMV(q6_k, 210, 8)
 GEMV(iq4_nl, 18, 1)
 GEMV(iq4_xs, 136, 8)
+GEMV(mxfp4, 17, 1)
 
 typedef void (*rows_fn)(const float *, int64_t, const float *, const uint8_t *, int64_t, float *,
                         int64_t, int64_t, int64_t, int64_t);
 
 /* By the type index cpu_kernels.py names (its TYPES order). */
 static const rows_fn ROWS[] = {rows_q8_0, rows_q4_0, rows_q4_1, rows_q5_0, rows_q5_1,
-                               rows_q4_k, rows_q5_k, rows_q6_k, rows_iq4_nl, rows_iq4_xs};
+                               rows_q4_k, rows_q5_k, rows_q6_k, rows_iq4_nl, rows_iq4_xs,
+                               rows_mxfp4};
 #define TYPE_COUNT ((int)(sizeof(ROWS) / sizeof(ROWS[0])))
 int specd_type_count(void) { return TYPE_COUNT; }
 
