@@ -41,9 +41,11 @@ def blocks_of(kind: GGMLType, rows: int, columns: int, seed: int) -> torch.Tenso
     elements, size = BLOCK_SIZES[kind]
     g = torch.Generator().manual_seed(seed)
     b = torch.randint(0, 256, (rows * columns // elements, size), dtype=torch.uint8, generator=g)
-    for at in HALVES[kind]:
+    for at in HALVES.get(kind, ()):
         scale = (torch.rand(b.shape[0], generator=g) * 2e-3 + 1e-4).half()
         b[:, at : at + 2] = scale.view(torch.uint8).view(-1, 2)
+    if kind == GGMLType.MXFP4:  # its E8M0 byte: scales 2^-18 .. 2^-8, as HALVES' are small
+        b[:, 0] = torch.randint(110, 120, (b.shape[0],), generator=g).to(torch.uint8)
     return b.view(rows, -1)
 
 
@@ -65,6 +67,7 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=6, help="distinct matrices taken in turn")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--types", default="", help="only these types (e.g. Q4_0,MXFP4); default all")
     ap.add_argument("--json", type=Path, default=ROOT / "bench-results" / "cpu-kernels.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -80,7 +83,8 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     rows_out = []
-    for kind in cpu_kernels.TYPES:
+    kinds = [k for k in cpu_kernels.TYPES if not args.types or k.name in args.types.split(",")]
+    for kind in kinds:
         stored = [blocks_of(kind, n, n, seed) for seed in range(args.copies)]
         nbytes = stored[0].numel()
         for m in (int(r) for r in args.rows.split(",")):
