@@ -226,3 +226,26 @@ def _factors(params: dict[str, Any], key: str, kind: str, source: str) -> tuple[
     if not all(0 < f < float("inf") for f in factors):
         raise UnsupportedModelError(f"{source}: {key} holds a factor that is not above 0")
     return factors
+
+
+def whole_head_rope(raw: dict[str, Any], source: str, model_type: str) -> RopeConfig:
+    """`rope_config`, refusing what a module that turns the whole head does not compute
+    (LongRoPE, partial rotary)."""
+    rope = rope_config(raw, source)
+    if rope.kind == "longrope" or rope.partial_rotary_factor != 1.0:
+        raise UnsupportedModelError(
+            f"{source}: rope {rope.kind} with partial_rotary_factor "
+            f"{rope.partial_rotary_factor} is not supported for {model_type}"
+        )
+    return rope
+
+
+def routed_experts(raw: dict[str, Any], source: str, key: str) -> tuple[int, int]:
+    """(experts, experts per token): `key` and `num_experts_per_tok`, 1 <= k <= experts."""
+    experts = int(required(raw, key, source))
+    top_k = int(required(raw, "num_experts_per_tok", source))
+    if not 1 <= top_k <= experts:
+        raise UnsupportedModelError(
+            f"{source}: num_experts_per_tok {top_k} must be 1 to {key} {experts}"
+        )
+    return experts, top_k

@@ -229,13 +229,10 @@ def write_moe(
              "self_attn.k_proj": config["num_key_value_heads"]}  # fmt: skip
     stacks: dict[str, dict[int, np.ndarray]] = {}
     for name, value in load_file(folder / "model.safetensors").items():
-        name = name.removeprefix("model.")
-        outer = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}  # fmt: skip
-        if name in outer:
-            _tensor(writer, outer[name], value, quantize)
+        layer = _outer_or_layer(writer, name, value, quantize)
+        if layer is None:
             continue
-        _, index, rest = name.split(".", 2)
+        index, rest = layer
         expert = _EXPERT.fullmatch(rest)
         if expert is not None:
             stack = f"blk.{index}.{MOE_STACKS[expert[2]]}.weight"
@@ -257,18 +254,37 @@ def write_moe(
     return _finish(writer, path)
 
 
-def as_stored(folder: Path, out: Path) -> Path:
-    """`folder`'s checkpoint with each projection `_tensor` would quantize replaced by its
-    Q8_0 blocks' values (quantized and decoded by gguf-py): what a file written with
-    `quantize` holds, as a checkpoint transformers reads (the reference)."""
-    import shutil
+def _outer_or_layer(
+    writer: gguf.GGUFWriter, name: str, value: np.ndarray, quantize: bool
+) -> tuple[str, str] | None:
+    """A checkpoint tensor outside the layers written under llama.cpp's name (None); a
+    layer's: (its index, the name after `model.layers.N.`), for the caller to write."""
+    name = name.removeprefix("model.")
+    outer = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}  # fmt: skip
+    if name in outer:
+        _tensor(writer, outer[name], value, quantize)
+        return None
+    _, index, rest = name.split(".", 2)
+    return index, rest
 
-    from safetensors.numpy import save_file
+
+def _copy_all_but_weights(folder: Path, out: Path) -> None:
+    import shutil
 
     out.mkdir(parents=True, exist_ok=True)
     for item in folder.iterdir():
         if item.name != "model.safetensors" and item.is_file():
             shutil.copy(item, out / item.name)
+
+
+def as_stored(folder: Path, out: Path) -> Path:
+    """`folder`'s checkpoint with each projection `_tensor` would quantize replaced by its
+    Q8_0 blocks' values (quantized and decoded by gguf-py): what a file written with
+    `quantize` holds, as a checkpoint transformers reads (the reference)."""
+    from safetensors.numpy import save_file
+
+    _copy_all_but_weights(folder, out)
     kind = gguf.GGMLQuantizationType.Q8_0
     tensors = {}
     for name, value in load_file(folder / "model.safetensors").items():
@@ -325,13 +341,10 @@ def write_gpt_oss(folder: Path, path: Path, quantize: bool = True) -> Path:
     writer.add_float32(f"{arch}.rope.scaling.factor", rope["factor"])
     _tokenizer(writer, add_space_prefix=True)
     for name, value in load_file(folder / "model.safetensors").items():
-        name = name.removeprefix("model.")
-        outer = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}  # fmt: skip
-        if name in outer:
-            _tensor(writer, outer[name], value, quantize)
+        layer = _outer_or_layer(writer, name, value, quantize)
+        if layer is None:
             continue
-        _, index, rest = name.split(".", 2)
+        index, rest = layer
         at = f"blk.{index}"
         if rest == "self_attn.sinks":
             writer.add_tensor(f"{at}.attn_sinks.weight", value.astype(np.float32))
@@ -364,14 +377,9 @@ def as_stored_gpt_oss(folder: Path, out: Path) -> Path:
     """`folder`'s gpt-oss checkpoint with the values `write_gpt_oss(quantize=True)` stores:
     attention projections through Q8_0, experts through MXFP4 (along each row's inputs,
     as the file's blocks run), the router F32: the reference transformers reads."""
-    import shutil
-
     from safetensors.numpy import save_file
 
-    out.mkdir(parents=True, exist_ok=True)
-    for item in folder.iterdir():
-        if item.name != "model.safetensors" and item.is_file():
-            shutil.copy(item, out / item.name)
+    _copy_all_but_weights(folder, out)
     q8, mx = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.MXFP4
 
     def through(value: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 from torch import nn
 
-from modeling.architecture import LayerActivations
+from modeling.architecture import Architecture, LayerActivations
 from modeling.config import ModelConfig
 from modeling.layers.attention import Slots
 from modeling.layers.decoder_layer import layer_parameters, layer_phases
@@ -201,3 +201,20 @@ def moe_layer_activations(cfg: ModelConfig, itemsize: int, copy: int) -> LayerAc
         layer=max(*attention, experts, itemsize * d + norm_bytes(d, itemsize)),
         attention=itemsize * (2 * d + 3 * q + 3 * kv),
     )
+
+
+class MoEArchitecture(Architecture):
+    """An architecture whose every layer is a `MoEDecoderLayer` (Qwen3-MoE, Mixtral,
+    gpt-oss): its block, exact parameters and activations; `weights_in_model_dtype` as
+    `SparseMoE` takes it."""
+
+    weights_in_model_dtype: ClassVar[bool] = True
+
+    def block(self, cfg: ModelConfig, index: int) -> nn.Module:
+        return MoEDecoderLayer(cfg, index, weights_in_model_dtype=self.weights_in_model_dtype)
+
+    def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
+        return moe_layer_parameters(cfg)
+
+    def layer_activations(self, cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
+        return moe_layer_activations(cfg, itemsize, copy)

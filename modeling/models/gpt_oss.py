@@ -27,9 +27,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
-from modeling.architecture import GGUF_EXPERTS, Architecture, GGUFKeys, LayerActivations
+from modeling.architecture import GGUF_EXPERTS, GGUFKeys
 from modeling.config import (
     ModelConfig,
     MoEConfig,
@@ -37,9 +36,10 @@ from modeling.config import (
     attention_widths,
     eos_ids,
     required,
-    rope_config,
+    routed_experts,
+    whole_head_rope,
 )
-from modeling.layers.moe import MoEDecoderLayer, moe_layer_activations, moe_layer_parameters
+from modeling.layers.moe import MoEArchitecture
 from modeling.models.llama import LAYER_TYPES, _layer_types
 from modeling.weights.quant import parse_quantization
 
@@ -47,7 +47,7 @@ _GGUF_SINKS = re.compile(r"blk\.(\d{1,9})\.attn_sinks\.weight")
 _STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
 
 
-class GptOss(Architecture):
+class GptOss(MoEArchitecture):
     name: ClassVar[str] = "gpt_oss"
     model_types: ClassVar[tuple[str, ...]] = ("gpt_oss",)
     gguf_architectures: ClassVar[Mapping[str, str]] = {"gpt-oss": "gpt_oss"}
@@ -70,18 +70,8 @@ class GptOss(Architecture):
             key = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
             raw = {**raw, key: {"truncate": False, **scaling}}
         hidden, heads, kv_heads, head_dim = attention_widths(raw, source)
-        rope = rope_config(raw, source)
-        if rope.kind == "longrope" or rope.partial_rotary_factor != 1.0:
-            raise UnsupportedModelError(
-                f"{source}: rope {rope.kind} with partial_rotary_factor "
-                f"{rope.partial_rotary_factor} is not supported for gpt_oss"
-            )
-        experts = int(required(raw, "num_local_experts", source))
-        top_k = int(required(raw, "num_experts_per_tok", source))
-        if not 1 <= top_k <= experts:
-            raise UnsupportedModelError(
-                f"{source}: num_experts_per_tok {top_k} must be 1 to num_local_experts {experts}"
-            )
+        rope = whole_head_rope(raw, source, "gpt_oss")
+        experts, top_k = routed_experts(raw, source, "num_local_experts")
         layers = int(required(raw, "num_hidden_layers", source))
         window = raw.get("sliding_window")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int)
@@ -130,15 +120,6 @@ class GptOss(Architecture):
                 swiglu_alpha=float(alpha),
             ),
         )
-
-    def block(self, cfg: ModelConfig, index: int) -> nn.Module:
-        return MoEDecoderLayer(cfg, index, weights_in_model_dtype=True)
-
-    def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
-        return moe_layer_parameters(cfg)
-
-    def layer_activations(self, cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
-        return moe_layer_activations(cfg, itemsize, copy)
 
     def gguf_name(self, name: str) -> str | None:
         sinks = _GGUF_SINKS.fullmatch(name)

@@ -16,9 +16,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
-from modeling.architecture import GGUF_EXPERTS, Architecture, LayerActivations
+from modeling.architecture import GGUF_EXPERTS
 from modeling.config import (
     ModelConfig,
     MoEConfig,
@@ -26,9 +25,10 @@ from modeling.config import (
     attention_widths,
     eos_ids,
     required,
-    rope_config,
+    routed_experts,
+    whole_head_rope,
 )
-from modeling.layers.moe import MoEDecoderLayer, moe_layer_activations, moe_layer_parameters
+from modeling.layers.moe import MoEArchitecture
 from modeling.models.llama import GGUF_LAYERS, unpermute_qk
 from modeling.weights.quant import parse_quantization
 
@@ -37,7 +37,8 @@ _EXPERT = re.compile(r"(layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])
 _PROJECTION = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-class Mixtral(Architecture):
+class Mixtral(MoEArchitecture):
+    weights_in_model_dtype: ClassVar[bool] = False  # scaled in fp32, the product rounded
     name: ClassVar[str] = "mixtral"
     model_types: ClassVar[tuple[str, ...]] = ("mixtral",)
     gguf_layer_names: ClassVar[Mapping[str, str]] = GGUF_LAYERS
@@ -50,18 +51,8 @@ class Mixtral(Architecture):
                 f"{source}: hidden_act {act!r} is not supported (only 'silu')"
             )
         hidden, heads, kv_heads, head_dim = attention_widths(raw, source)
-        rope = rope_config(raw, source)
-        if rope.kind == "longrope" or rope.partial_rotary_factor != 1.0:
-            raise UnsupportedModelError(
-                f"{source}: rope {rope.kind} with partial_rotary_factor "
-                f"{rope.partial_rotary_factor} is not supported for mixtral"
-            )
-        experts = int(required(raw, "num_local_experts", source))
-        top_k = int(required(raw, "num_experts_per_tok", source))
-        if not 1 <= top_k <= experts:
-            raise UnsupportedModelError(
-                f"{source}: num_experts_per_tok {top_k} must be 1 to num_local_experts {experts}"
-            )
+        rope = whole_head_rope(raw, source, "mixtral")
+        experts, top_k = routed_experts(raw, source, "num_local_experts")
         intermediate = int(required(raw, "intermediate_size", source))
         max_position = int(raw.get("max_position_embeddings", 4096 * 32))
         window = raw.get("sliding_window")
@@ -86,15 +77,6 @@ class Mixtral(Architecture):
             quantization=parse_quantization(raw, source),
             moe=MoEConfig(experts=experts, top_k=top_k, intermediate_size=intermediate),
         )
-
-    def block(self, cfg: ModelConfig, index: int) -> nn.Module:
-        return MoEDecoderLayer(cfg, index, weights_in_model_dtype=False)
-
-    def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
-        return moe_layer_parameters(cfg)
-
-    def layer_activations(self, cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
-        return moe_layer_activations(cfg, itemsize, copy)
 
     def hf_name(self, stored: str) -> str | None:
         name = stored.removeprefix("model.")

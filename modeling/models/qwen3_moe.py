@@ -18,9 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from torch import nn
-
-from modeling.architecture import GGUF_EXPERTS, Architecture, GGUFKeys, LayerActivations
+from modeling.architecture import GGUF_EXPERTS, GGUFKeys
 from modeling.config import (
     ModelConfig,
     MoEConfig,
@@ -30,7 +28,7 @@ from modeling.config import (
     required,
     rope_config,
 )
-from modeling.layers.moe import MoEDecoderLayer, moe_layer_activations, moe_layer_parameters
+from modeling.layers.moe import MoEArchitecture
 from modeling.models.llama import GGUF_LAYERS
 from modeling.weights.quant import parse_quantization
 
@@ -46,7 +44,7 @@ def _count(raw: dict[str, Any], keys: tuple[str, ...], source: str) -> int:
     raise UnsupportedModelError(f"{source}: required key {keys[0]!r} is missing")
 
 
-class Qwen3Moe(Architecture):
+class Qwen3Moe(MoEArchitecture):
     name: ClassVar[str] = "qwen3_moe"
     model_types: ClassVar[tuple[str, ...]] = ("qwen3_moe",)
     gguf_architectures: ClassVar[Mapping[str, str]] = {"qwen3moe": "qwen3_moe"}
@@ -118,15 +116,6 @@ class Qwen3Moe(Architecture):
             "moe_intermediate_size": keys.count("expert_feed_forward_length"),
             "norm_topk_prob": True,
         }
-
-    def block(self, cfg: ModelConfig, index: int) -> nn.Module:
-        return MoEDecoderLayer(cfg, index, weights_in_model_dtype=True)
-
-    def layer_parameters(self, cfg: ModelConfig, index: int) -> int:
-        return moe_layer_parameters(cfg)
-
-    def layer_activations(self, cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
-        return moe_layer_activations(cfg, itemsize, copy)
 
 
 QWEN3_MOE = Qwen3Moe()
