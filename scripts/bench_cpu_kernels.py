@@ -33,7 +33,7 @@ from modeling.weights.gguf_blocks import BLOCK_SIZES, dequantize  # noqa: E402
 HALVES = {
     GGMLType.Q8_0: (0,), GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,),
     GGMLType.Q5_1: (0, 2), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2),
-    GGMLType.Q6_K: (208,), GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,),
+    GGMLType.Q6_K: (208,), GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,), GGMLType.Q3_K: (108,),
 }  # fmt: skip
 
 

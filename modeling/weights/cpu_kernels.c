@@ -26,7 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define SPECD_KERNELS_VERSION 5
+#define SPECD_KERNELS_VERSION 6
 #define SPECD_MAX_ROWS 8
 
 int specd_kernels_version(void) { return SPECD_KERNELS_VERSION; }
@@ -283,6 +283,30 @@ static inline void dec_iq4_xs(const uint8_t *b, int g, group_t *q) { /* d, scale
     q->o = 0.0f;
 }
 
+static inline void dec_q3_k(const uint8_t *b, int g, group_t *q) { /* hmask[32], qs[64], scales[12], d */
+    /* Element 32 g + l: 2 bits from qs[32 (g / 4) + l] >> 2 (g % 4), and 4 below unless bit
+     * g of hmask[l] is set; times d x (its 6-bit scale - 32), one scale per 16 elements. */
+    const uint8_t *qs = b + 32 + 32 * (g / 4);
+    const int shift = 2 * (g % 4);
+    const __m256i three = _mm256_set1_epi32(3), one = _mm256_set1_epi32(1);
+    const __m256i four = _mm256_set1_epi32(4);
+    for (int v = 0; v < 4; v++) {
+        __m256i c = u8_int(_mm_loadl_epi64((const __m128i *)(qs + 8 * v)));
+        c = _mm256_and_si256(_mm256_srli_epi32(c, shift), three);
+        __m256i h = u8_int(_mm_loadl_epi64((const __m128i *)(b + 8 * v)));
+        h = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, g), one), 2);
+        q->c[v] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_sub_epi32(c, four), h));
+    }
+    const uint8_t *s = b + 96;
+    const float d = half_at(b + 108);
+    for (int j = 0; j < 2; j++) {
+        const int i = 2 * g + j;
+        const int sc = ((s[i % 8] >> (4 * (i / 8))) & 15) | (((s[8 + i % 4] >> (2 * (i / 4))) & 3) << 4);
+        q->s[j] = d * (float)(sc - 32);
+    }
+    q->o = 0.0f;
+}
+
 /* MXFP4 (gpt-oss's experts): 32 e2m1 codes, IQ4's nibble order, from a doubled code book,
  * times 2^(e - 128) built from its bits as ggml builds it (subnormal for e < 2). */
 static inline float e8m0_half(uint8_t e) {
@@ -422,6 +446,7 @@ UNPAIRED(q6_k, 210, 8)
 UNPAIRED(iq4_nl, 18, 1)
 UNPAIRED(iq4_xs, 136, 8)
 UNPAIRED(mxfp4, 17, 1)
+UNPAIRED(q3_k, 110, 8)
 
 GEMV(q8_0, 34, 1)
 GEMV(q4_0, 18, 1)
@@ -434,6 +459,7 @@ GEMV(q6_k, 210, 8)
 GEMV(iq4_nl, 18, 1)
 GEMV(iq4_xs, 136, 8)
 GEMV(mxfp4, 17, 1)
+GEMV(q3_k, 110, 8)
 
 typedef void (*rows_fn)(const float *, int64_t, const float *, const uint8_t *, int64_t, float *,
                         int64_t, int64_t, int64_t, int64_t);
@@ -441,7 +467,7 @@ typedef void (*rows_fn)(const float *, int64_t, const float *, const uint8_t *, 
 /* By the type index cpu_kernels.py names (its TYPES order). */
 static const rows_fn ROWS[] = {rows_q8_0, rows_q4_0, rows_q4_1, rows_q5_0, rows_q5_1,
                                rows_q4_k, rows_q5_k, rows_q6_k, rows_iq4_nl, rows_iq4_xs,
-                               rows_mxfp4};
+                               rows_mxfp4, rows_q3_k};
 #define TYPE_COUNT ((int)(sizeof(ROWS) / sizeof(ROWS[0])))
 int specd_type_count(void) { return TYPE_COUNT; }
 

@@ -41,7 +41,7 @@ FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11",
     "-pthread",
 )  # fmt: skip
-VERSION = 5  # what the C file's specd_kernels_version() must return
+VERSION = 6  # what the C file's specd_kernels_version() must return
 COMPILE_SECONDS = 120
 
 # ggml type → (C function suffix, block bytes, elements per block).
@@ -57,6 +57,7 @@ TYPES: dict[GGMLType, tuple[str, int, int]] = {
     GGMLType.IQ4_NL: ("iq4_nl", 18, 32),
     GGMLType.IQ4_XS: ("iq4_xs", 136, 256),
     GGMLType.MXFP4: ("mxfp4", 17, 32),
+    GGMLType.Q3_K: ("q3_k", 110, 256),
 }
 
 
