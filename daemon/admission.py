@@ -141,6 +141,12 @@ def settle(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Set
             "budget_too_large",
         )
     grammar, calls = ask.grammar, None
+    if ask.tools is not None and ask.tool_choice != "none" and runtime.tokenizer.harmony:
+        raise RequestError(
+            "this model writes tool calls in OpenAI's harmony format (gpt-oss), which specd "
+            "does not read yet: ask without tools, or with tool_choice none",
+            "tools",
+        )
     if ask.tools is not None:
         calls = call_format(runtime.tokenizer)
         vocabulary = runtime.tokenizer.vocabulary

@@ -137,14 +137,16 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
     if req.params.logprobs is not None and engine.runtime is not None:
         piece = engine.runtime.tokenizer.piece  # log-probabilities name tokens as text
     shape = ResponseShape(chat=chat, model=config.model_name, piece=piece)
+    harmony = chat and engine.runtime is not None and engine.runtime.tokenizer.harmony
     try:
         previous = admitted.prompt_ids[-1]
         if req.stream:
             return await stream(
-                request, job, shape, req, config.keepalive_seconds, previous, admitted.calls
-            )
+                request, job, shape, req, config.keepalive_seconds, previous, admitted.calls,
+                harmony,
+            )  # fmt: skip
         calls_only = req.tool_choice not in (None, "auto")
-        return await collect(request, job, shape, previous, admitted.calls, calls_only)
+        return await collect(request, job, shape, previous, admitted.calls, calls_only, harmony)
     finally:
         if not job.done:
             job.cancel()  # the client went away (or we failed): free the engine's slot

@@ -137,14 +137,18 @@ class ResponseShape:
         logprobs: list[TokenLogprob] | None = None,
         previous: int = 0,
         tool_calls: list[dict[str, Any]] | None = None,
+        reasoning: str = "",
     ) -> dict[str, Any]:
         """The whole answer; with `tool_calls` (the answer read back as calls: empty when
-        it was text) a message that made calls has them and no content."""
+        it was text) a message that made calls has them and no content; `reasoning` (a
+        harmony model's analysis channel) as the message's `reasoning_content`."""
         lp = self.logprobs(logprobs or [], previous)
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:
                 message = {"role": "assistant", "content": None, "tool_calls": tool_calls}
+            if reasoning:
+                message["reasoning_content"] = reasoning
             choice = {
                 "index": 0,
                 "message": message,
@@ -170,12 +174,15 @@ class ResponseShape:
         logprobs: list[TokenLogprob] | None = None,
         offset: int = 0,
         previous: int = 0,
+        reasoning: str = "",
     ) -> dict[str, Any]:
         lp = self.logprobs(logprobs, previous, offset) if logprobs else None
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
             if not first and text:
                 delta["content"] = text
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": lp}
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": lp}

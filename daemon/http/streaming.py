@@ -17,6 +17,7 @@ from daemon.http.openai_responses import SSE_DONE, SSE_KEEPALIVE, ResponseShape,
 from daemon.http.openai_wire import CompletionRequest
 from daemon.jobs import Failed, Finished, Job, ServerShuttingDown
 from modeling.errors import RequestError
+from modeling.text.harmony import HarmonyReader, read_turn
 from speculative.generation import Chunk
 from speculative.sampling import TokenLogprob
 from speculative.tool_calls import CallFormat, CallStream, read_answer
@@ -62,6 +63,7 @@ async def collect(
     previous: int,
     calls: CallFormat | None = None,  # the answer is read as tool calls in this format
     calls_only: bool = False,  # tool_choice required or named
+    harmony: bool = False,  # a harmony model's turn: its answer and reasoning read apart
 ) -> web.Response:
     """The whole answer in one body. Nothing is written before the end, so a client that
     left is not noticed by a failed write as a stream's is: its connection is looked at
@@ -82,13 +84,16 @@ async def collect(
         elif isinstance(event, Finished):
             cached = int(event.stats.get("cached_prompt_tokens", 0))
             u = usage(event.prompt_tokens, event.completion_tokens, cached)
-            answer, made = "".join(text), None
+            answer, made, reasoning = "".join(text), None, ""
+            if harmony:
+                answer, reasoning = read_turn(answer)
             if calls:  # read as a stream of it is read: the two always agree
                 answer, made = read_answer(answer, calls, calls_only)
             reason = "tool_calls" if made and event.finish_reason == "stop" else event.finish_reason
             body = shape.full(
                 answer, reason, u, event.stats, logprobs, previous,
                 tool_calls=[c.as_openai() for c in made] if made else None,
+                reasoning=reasoning,
             )  # fmt: skip
             return web.json_response(body)
         elif isinstance(event, Failed):
@@ -103,6 +108,7 @@ async def stream(
     keepalive: float,
     previous: int,  # the prompt's last token (log-probabilities name tokens in context)
     call_format: CallFormat | None = None,  # the answer is read as tool calls in this format
+    harmony: bool = False,  # a harmony model's turn: its answer and reasoning read apart
 ) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={
@@ -119,6 +125,7 @@ async def stream(
     offset = 0  # characters of text sent so far (the completions' text_offset)
     calls_only = req.tool_choice not in (None, "auto")
     calls = CallStream(call_format, calls_only) if call_format is not None else None
+    turn = HarmonyReader() if harmony else None
     if shape.chat:  # the role arrives before any text, as OpenAI's own stream does
         await response.write(sse(shape.chunk("", first=True)))
         first = False
@@ -138,6 +145,13 @@ async def stream(
                 await response.write(sse(shape.trace_chunk(trace)))
             text = "".join(e.text for e in batch if isinstance(e, Chunk))
             logprobs = [lp for e in batch if isinstance(e, Chunk) for lp in e.logprobs]
+            reasoning = ""
+            if turn is not None:
+                read = turn.feed(text)
+                if isinstance(batch[-1], Finished):
+                    read += turn.finish()
+                text = "".join(t for kind, t in read if kind == "content")
+                reasoning = "".join(t for kind, t in read if kind == "reasoning")
             if calls is not None:
                 events = calls.feed(text)
                 if isinstance(batch[-1], Finished):
@@ -148,10 +162,11 @@ async def stream(
                     await response.write(sse(shape.tool_chunk(deltas)))
                 if calls.index >= 0:
                     logprobs = []  # a call's tokens are not content
-            if text or logprobs:
+            if text or logprobs or reasoning:
                 chunk = shape.chunk(
-                    text, first=first, logprobs=logprobs, offset=offset, previous=previous
-                )
+                    text, first=first, logprobs=logprobs, offset=offset, previous=previous,
+                    reasoning=reasoning,
+                )  # fmt: skip
                 await response.write(sse(chunk))
                 first = False
                 offset += len(text)

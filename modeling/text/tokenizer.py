@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from modeling.config import ModelConfig
 from modeling.errors import RequestError
+from modeling.text import harmony
 
 if TYPE_CHECKING:
     from jinja2 import Template
@@ -63,6 +64,16 @@ class Tokenizer:
         self.eos_token = eos_token
         self.bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
         self.add_bos = add_bos  # None: whatever tokenizer.json's post-processor does
+        # OpenAI's harmony format (gpt-oss): its message markers stay in decoded text, for
+        # the answer to be read from it (modeling/text/harmony.py), and its turn ends at
+        # `<|return|>` or `<|call|>`.
+        markers = {m: tokenizer.token_to_id(m) for m in harmony.MARKERS}
+        self.harmony = markers[harmony.CHANNEL] is not None and markers[harmony.MESSAGE] is not None
+        self.shown_specials: dict[int, str] = {}
+        if self.harmony:
+            self.shown_specials = {i: m for m, i in markers.items() if i is not None}
+            stops = [i for m in harmony.STOPS if (i := markers[m]) is not None]
+            eos_token_ids = [*eos_token_ids, *stops]
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
         self.has_chat_template = chat_template is not None
@@ -156,7 +167,20 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        shown = self.shown_specials
+        if not (skip_special_tokens and shown) or not any(i in shown for i in ids):
+            return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        # Harmony's markers spelled out between the runs decoded as usual.
+        parts: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if i in shown:
+                parts += [self.backend.decode(run, skip_special_tokens=True), shown[i]]
+                run = []
+            else:
+                run.append(i)
+        parts.append(self.backend.decode(run, skip_special_tokens=True))
+        return "".join(parts)
 
     def piece(self, token: int, after: int | None = None) -> str:
         """One token's text as it reads after the token `after` (None: on its own), special
