@@ -304,9 +304,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         gen.stats.extra.update({**runtime.offload_stats(), **runtime.draft_stats()})
         print(json.dumps(generation_record(gen)))
     else:
+        from modeling.text.harmony import HarmonyReader
+
+        # A harmony model's (gpt-oss) turn: the answer on stdout, its reasoning on stderr.
+        turn = HarmonyReader() if args.chat and runtime.tokenizer.harmony else None
         for chunk in gen:
-            sys.stdout.write(chunk.text)
+            if turn is None:
+                sys.stdout.write(chunk.text)
+            else:
+                for kind, text in turn.feed(chunk.text):
+                    (sys.stdout if kind == "content" else sys.stderr).write(text)
+                sys.stderr.flush()
             sys.stdout.flush()
+        for kind, text in turn.finish() if turn is not None else []:
+            (sys.stdout if kind == "content" else sys.stderr).write(text)
         sys.stdout.write("\n")
     runtime.save_learned()
     return 0
