@@ -115,8 +115,9 @@ class Architecture(ABC):
     }
     gguf_experts: ClassVar[Mapping[str, str]] = {}
     # llama.cpp's `expert_gating_func` this architecture routes by, where a file states it
-    # (1: softmax over every expert; 3: softmax over the chosen ones' logits, gpt-oss)
-    gguf_expert_gating: ClassVar[int] = 1
+    # (1: softmax over every expert); None: llama.cpp routes it by its own fixed rule and
+    # reads no such key (gpt-oss)
+    gguf_expert_gating: ClassVar[int | None] = 1
     # tensors `gguf_config` reads into the config (LongRoPE's factors), not into the model
     gguf_config_tensors: ClassVar[frozenset[str]] = frozenset()
 

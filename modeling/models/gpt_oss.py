@@ -16,8 +16,8 @@ GGUF files (`general.architecture` gpt-oss, Ollama's `gpt-oss:20b`) hold the exp
 llama.cpp's converter writes them: gate and up apart (`ffn_gate_exps`, `ffn_up_exps`,
 `ffn_down_exps`, MXFP4 blocks kept packed per expert and decoded per pass), their biases
 stacked as [rows, experts], the router `ffn_gate_inp` with its bias, the sinks
-`attn_sinks`; llama.cpp routes it by its fixed rule (`expert_gating_func` 3 where stated)
-and applies YaRN as the model defines it, untruncated.
+`attn_sinks`; llama.cpp routes it by its fixed rule (any `expert_gating_func` ignored) and
+applies YaRN as the model defines it, untruncated.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class GptOss(MoEArchitecture):
         "ffn_gate_inp": "mlp.gate",
     }
     gguf_experts: ClassVar[Mapping[str, str]] = GGUF_EXPERTS
-    gguf_expert_gating: ClassVar[int] = 3
+    gguf_expert_gating: ClassVar[int | None] = None  # softmax over the chosen, fixed
 
     def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
         scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
