@@ -141,13 +141,17 @@ def settle(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Set
             "budget_too_large",
         )
     grammar, calls = ask.grammar, None
-    if ask.tools is not None and ask.tool_choice != "none" and runtime.tokenizer.harmony:
-        raise RequestError(
-            "this model writes tool calls in OpenAI's harmony format (gpt-oss), which specd "
-            "does not read yet: ask without tools, or with tool_choice none",
-            "tools",
-        )
-    if ask.tools is not None:
+    if ask.tools is not None and runtime.tokenizer.harmony:
+        # A harmony model (gpt-oss) names the function in a message's header and writes its
+        # arguments as the body: read back from its text (speculative/harmony.py), not
+        # constrained by a grammar, so no call can be required of it.
+        if ask.tool_choice not in (None, "auto", "none"):
+            raise RequestError(
+                "this model writes tool calls in OpenAI's harmony format (gpt-oss), whose "
+                "calls specd reads but cannot require: tool_choice auto or none",
+                "tool_choice",
+            )
+    elif ask.tools is not None:
         calls = call_format(runtime.tokenizer)
         vocabulary = runtime.tokenizer.vocabulary
         choice, parallel = ask.tool_choice, ask.parallel_tool_calls
@@ -260,9 +264,10 @@ def _encode_conversation(
     tok: Tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None
 ) -> list[int]:
     """A conversation's prompt ids: the tools, earlier calls and their results rendered by
-    the model's template where it has a tool format (Qwen's, Llama 3's, Mistral's), else
+    the model's template where it has a tool format (Qwen's, Llama 3's, Mistral's,
+    harmony's), else
     in specd's fallback format (speculative/tool_calls.py)."""
-    if native_format(tok.chat_template, tok.vocabulary) is not None:
+    if tok.harmony or native_format(tok.chat_template, tok.vocabulary) is not None:
         offered = [t.as_openai() for t in tools] if tools else None
         return tok.encode_chat(messages, tools=offered)
     return tok.encode_chat(render_tool_messages(messages, tools))

@@ -206,3 +206,41 @@ class Architecture(ABC):
         as our layout wants them: the converter's changes undone, whole rows at a time so
         that quantized blocks need no decoding. As stored unless a module says otherwise."""
         return rows
+
+
+def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo the converter's q/k row order: within each head, rows (2i, 2i+1) go back to
+    (i, i + head_dim / 2)."""
+    out = rows.shape[0]
+    return rows.reshape(heads, out // heads // 2, 2, -1).transpose(1, 2).reshape(out, -1)
+
+
+# llama.cpp's layer tensor names (after `blk.N.`) → ours, for Llama, Qwen2/3 and their mixtures
+# of experts (whose router is `ffn_gate_inp`; their experts are stacked: GGUF_EXPERTS).
+GGUF_LAYERS: Mapping[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+}
+
+
+def unpermute_qk(
+    cfg: ModelConfig, name: str, rows: torch.Tensor, ne: tuple[int, ...]
+) -> torch.Tensor:
+    """The stored rows of q or k (weight or bias) of a file from llama.cpp's Llama converter
+    in Hugging Face's order; any other tensor as stored."""
+    if not (".q_proj." in name or ".k_proj." in name):
+        return rows
+    heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+    if len(ne) == 1:  # a bias: its values are what the rows of q/k are
+        return _unpermute(rows.view(ne[0], -1), heads).reshape(1, -1)
+    return _unpermute(rows, heads)

@@ -249,3 +249,16 @@ def routed_experts(raw: dict[str, Any], source: str, key: str) -> tuple[int, int
             f"{source}: num_experts_per_tok {top_k} must be 1 to {key} {experts}"
         )
     return experts, top_k
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
+
+
+def given_layer_types(raw: dict[str, Any], layers: int, source: str) -> tuple[str, ...]:
+    """config.json's `layer_types`: one of LAYER_TYPES for each of `layers` layers."""
+    given = raw.get("layer_types")
+    if not isinstance(given, list) or len(given) != layers or not set(given) <= set(LAYER_TYPES):
+        raise UnsupportedModelError(
+            f"{source}: layer_types must list {layers} of {', '.join(LAYER_TYPES)}"
+        )
+    return tuple(given)

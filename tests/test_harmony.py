@@ -1,7 +1,7 @@
-"""OpenAI's harmony format (gpt-oss): a turn's text read into its answer and its reasoning
-however it streams, the tokenizer keeping the markers in decoded text and ending a turn at
-`<|return|>` or `<|call|>`, the chat response's `reasoning_content`, and tools refused by
-name for such a model (its calls are not read yet)."""
+"""OpenAI's harmony format (gpt-oss): a turn's text read into its answer, its reasoning and
+its tool calls however it streams, the tokenizer keeping the markers in decoded text and
+ending a turn at `<|return|>` or `<|call|>`, the chat response's `reasoning_content`, and
+a required call refused by name (harmony calls are read back, not constrained)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from daemon.http.openai_responses import ResponseShape
-from modeling.text.harmony import MARKERS, MAX_HEADER, HarmonyReader, read_turn
+from modeling.text.harmony import MARKERS
 from modeling.text.tokenizer import Tokenizer
+from speculative.harmony import MAX_HEADER, HarmonyReader, read_turn
 
 TURN = (
     "<|channel|>analysis<|message|>The user greets; answer briefly.<|end|>"
@@ -24,35 +25,66 @@ TURN = (
 )
 
 
-def _read_in_pieces(text: str, cuts: list[int]) -> tuple[str, str]:
+CALLS = (
+    "<|channel|>analysis<|message|>Two cities: call twice.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city":"Paris"}<|call|>'
+    '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"tz":"CET"}'
+)
+
+
+def _read_in_pieces(text: str, cuts: list[int]) -> tuple[str, str, list[tuple[str, str]]]:
     reader, events = HarmonyReader(), []
     for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
         events += reader.feed(text[a:b])
     events += reader.finish()
+    calls = [[e[3], ""] for e in events if e[0] == "call"]
+    for e in events:
+        if e[0] == "arguments":
+            calls[e[1]][1] += e[2]
     return (
-        "".join(t for kind, t in events if kind == "content"),
-        "".join(t for kind, t in events if kind == "reasoning"),
+        "".join(e[1] for e in events if e[0] == "content"),
+        "".join(e[1] for e in events if e[0] == "reasoning"),
+        [(name, arguments) for name, arguments in calls],
     )
 
 
-def test_a_turn_is_its_answer_and_its_reasoning_however_it_streams() -> None:
-    whole = read_turn(TURN)
-    assert whole == ("Hello! <b>How</b> can I help?", "The user greets; answer briefly.")
-    for cut in range(len(TURN) + 1):  # every split in two, and one character at a time
-        assert _read_in_pieces(TURN, [cut]) == whole, cut
-    assert _read_in_pieces(TURN, list(range(1, len(TURN)))) == whole
+def _whole(text: str) -> tuple[str, str, list[tuple[str, str]]]:
+    answer, reasoning, calls = read_turn(text)
+    return answer, reasoning, [(c.name, c.arguments) for c in calls]
+
+
+@pytest.mark.parametrize("text", [TURN, CALLS], ids=["answer", "calls"])
+def test_a_turn_is_its_answer_reasoning_and_calls_however_it_streams(text: str) -> None:
+    whole = _whole(text)
+    for cut in range(len(text) + 1):  # every split in two, and one character at a time
+        assert _read_in_pieces(text, [cut]) == whole, cut
+    assert _read_in_pieces(text, list(range(1, len(text)))) == whole
+
+
+def test_what_a_turn_holds() -> None:
+    assert _whole(TURN) == ("Hello! <b>How</b> can I help?", "The user greets; answer briefly.", [])
+    assert _whole(CALLS) == (
+        "", "Two cities: call twice.",
+        [("get_weather", '{"city":"Paris"}'), ("get_time", '{"tz":"CET"}')],
+    )  # fmt: skip
+    ids = {c.id for c in read_turn(CALLS)[2]}
+    assert len(ids) == 2 and all(i.startswith("call_") for i in ids)
+    # a message to a built-in tool (browser, python) is not for the user, nor a function
+    builtin = "<|channel|>analysis to=browser.search<|message|>{}<|end|>"
+    assert _whole(builtin + "<|start|>assistant<|channel|>final<|message|>ok") == ("ok", "{}", [])
 
 
 def test_what_is_not_a_harmony_message_passes_through() -> None:
-    assert read_turn("plain words, <| not a marker") == ("plain words, <| not a marker", "")
-    assert read_turn("stray<|end|> marker<|") == ("stray marker<|", "")
-    assert read_turn("") == ("", "")
+    assert _whole("plain words, <| not a marker") == ("plain words, <| not a marker", "", [])
+    assert _whole("stray<|end|> marker<|") == ("stray marker<|", "", [])
+    assert _whole("") == ("", "", [])
     # a header that never reaches its message is read as text once it is too long
     long = "<|channel|>" + "x" * (MAX_HEADER + 10)
-    assert read_turn(long) == ("x" * (MAX_HEADER + 10), "")  # (its marker dropped)
+    assert _whole(long) == ("x" * (MAX_HEADER + 10), "", [])  # (its marker dropped)
     # a preamble on the commentary channel is for the user; an unfinished header is not text
-    assert read_turn("<|channel|>commentary<|message|>Let me check.<|end|><|start|>assist") == (
-        "Let me check.", "",
+    assert _whole("<|channel|>commentary<|message|>Let me check.<|end|><|start|>assist") == (
+        "Let me check.", "", [],
     )  # fmt: skip
 
 
@@ -123,22 +155,22 @@ def _chat(server, body: dict) -> tuple[int, dict]:  # type: ignore[no-untyped-de
     return resp.status, data
 
 
-def test_a_harmony_model_answers_and_refuses_tools_by_name(harmony_server) -> None:
+def test_a_harmony_model_answers_and_refuses_a_required_call_by_name(harmony_server) -> None:
     """A chat answer from a harmony model is a well-formed message (this random model writes
-    no harmony structure: its text is the answer); tools are a 400 naming `tools` (its
-    calls are not read yet), tool_choice none is served."""
+    no harmony structure: its text is the answer, stray markers dropped), with tools offered
+    too; a required call is a 400 naming `tool_choice` (harmony calls are read back, not
+    constrained)."""
     messages = [{"role": "user", "content": "hi"}]
-    status, body = _chat(harmony_server, {"model": "model", "messages": messages, "max_tokens": 8})
-    assert status == 200, body
-    assert body["choices"][0]["message"]["role"] == "assistant"
-    assert "<|" not in (body["choices"][0]["message"]["content"] or "")
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    status, body = _chat(
-        harmony_server, {"model": "model", "messages": messages, "max_tokens": 8, "tools": [tool]}
-    )
-    assert status == 400 and body["error"]["param"] == "tools", body
-    assert "harmony" in body["error"]["message"]
-    none = {"model": "model", "messages": messages, "max_tokens": 8, "tools": [tool],
-            "tool_choice": "none"}  # fmt: skip
-    status, body = _chat(harmony_server, none)
-    assert status == 200, body
+    for extra in ({}, {"tools": [tool]}, {"tools": [tool], "tool_choice": "none"}):
+        body = {"model": "model", "messages": messages, "max_tokens": 8, **extra}
+        status, answer = _chat(harmony_server, body)
+        assert status == 200, answer
+        message = answer["choices"][0]["message"]
+        assert message["role"] == "assistant" and "<|" not in (message["content"] or "")
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        body = {"model": "model", "messages": messages, "max_tokens": 8, "tools": [tool],
+                "tool_choice": choice}  # fmt: skip
+        status, answer = _chat(harmony_server, body)
+        assert status == 400 and answer["error"]["param"] == "tool_choice", answer
+        assert "harmony" in answer["error"]["message"]

@@ -304,7 +304,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         gen.stats.extra.update({**runtime.offload_stats(), **runtime.draft_stats()})
         print(json.dumps(generation_record(gen)))
     else:
-        from modeling.text.harmony import HarmonyReader
+        from speculative.harmony import HarmonyReader
 
         # A harmony model's (gpt-oss) turn: the answer on stdout, its reasoning on stderr.
         turn = HarmonyReader() if args.chat and runtime.tokenizer.harmony else None

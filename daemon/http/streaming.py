@@ -17,8 +17,8 @@ from daemon.http.openai_responses import SSE_DONE, SSE_KEEPALIVE, ResponseShape,
 from daemon.http.openai_wire import CompletionRequest
 from daemon.jobs import Failed, Finished, Job, ServerShuttingDown
 from modeling.errors import RequestError
-from modeling.text.harmony import HarmonyReader, read_turn
 from speculative.generation import Chunk
+from speculative.harmony import HarmonyReader, read_turn
 from speculative.sampling import TokenLogprob
 from speculative.tool_calls import CallFormat, CallStream, read_answer
 
@@ -85,8 +85,8 @@ async def collect(
             cached = int(event.stats.get("cached_prompt_tokens", 0))
             u = usage(event.prompt_tokens, event.completion_tokens, cached)
             answer, made, reasoning = "".join(text), None, ""
-            if harmony:
-                answer, reasoning = read_turn(answer)
+            if harmony:  # its answer, reasoning and calls (not under a grammar: read back)
+                answer, reasoning, made = read_turn(answer)
             if calls:  # read as a stream of it is read: the two always agree
                 answer, made = read_answer(answer, calls, calls_only)
             reason = "tool_calls" if made and event.finish_reason == "stop" else event.finish_reason
@@ -150,8 +150,11 @@ async def stream(
                 read = turn.feed(text)
                 if isinstance(batch[-1], Finished):
                     read += turn.finish()
-                text = "".join(t for kind, t in read if kind == "content")
-                reasoning = "".join(t for kind, t in read if kind == "reasoning")
+                text = "".join(e[1] for e in read if e[0] == "content")
+                reasoning = "".join(e[1] for e in read if e[0] == "reasoning")
+                deltas = [e for e in read if e[0] in ("call", "arguments")]
+                if deltas:
+                    await response.write(sse(shape.tool_chunk(deltas)))
             if calls is not None:
                 events = calls.feed(text)
                 if isinstance(batch[-1], Finished):
@@ -174,7 +177,8 @@ async def stream(
             event = batch[-1]
             if isinstance(event, Finished):
                 reason = event.finish_reason
-                if calls is not None and calls.index >= 0 and reason == "stop":
+                called = (calls is not None and calls.index >= 0) or (turn and turn.calls)
+                if called and reason == "stop":
                     reason = "tool_calls"
                 await response.write(sse(shape.chunk("", finish_reason=reason, stats=event.stats)))
                 if req.include_usage:

@@ -30,17 +30,18 @@ import torch
 
 from modeling.architecture import GGUF_EXPERTS, GGUFKeys
 from modeling.config import (
+    LAYER_TYPES,
     ModelConfig,
     MoEConfig,
     UnsupportedModelError,
     attention_widths,
     eos_ids,
+    given_layer_types,
     required,
     routed_experts,
     whole_head_rope,
 )
 from modeling.layers.moe import MoEArchitecture
-from modeling.models.llama import LAYER_TYPES, _layer_types
 from modeling.weights.quant import parse_quantization
 
 _GGUF_SINKS = re.compile(r"blk\.(\d{1,9})\.attn_sinks\.weight")
@@ -103,7 +104,7 @@ class GptOss(MoEArchitecture):
             qkv_bias=bias,
             o_bias=bias,
             sliding_window=window,
-            layer_types=_layer_types(raw, window, layers, source),
+            layer_types=given_layer_types(raw, layers, source) if window is not None else (),
             attention_sinks=True,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids(raw),

@@ -16,19 +16,26 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from modeling.architecture import GGUF_EXPERTS, Architecture, GGUFKeys, LayerActivations
+from modeling.architecture import (
+    GGUF_EXPERTS,
+    GGUF_LAYERS,
+    Architecture,
+    GGUFKeys,
+    LayerActivations,
+    unpermute_qk,
+)
 from modeling.config import (
+    LAYER_TYPES,
     ModelConfig,
     UnsupportedModelError,
     attention_widths,
     eos_ids,
+    given_layer_types,
     required,
     rope_config,
 )
 from modeling.layers.decoder_layer import DecoderLayer, layer_activations, layer_parameters
 from modeling.weights.quant import parse_quantization
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def _layer_types(
@@ -38,17 +45,8 @@ def _layer_types(
     `max_window_layers` on; empty (every layer, Mistral's) when neither says."""
     if window is None:
         return ()
-    given = raw.get("layer_types")
-    if given is not None:
-        if (
-            not isinstance(given, list)
-            or len(given) != layers
-            or not set(given) <= set(LAYER_TYPES)
-        ):
-            raise UnsupportedModelError(
-                f"{source}: layer_types must list {layers} of {', '.join(LAYER_TYPES)}"
-            )
-        return tuple(given)
+    if raw.get("layer_types") is not None:
+        return given_layer_types(raw, layers, source)
     if raw["model_type"] in ("qwen2", "qwen3"):
         first = int(raw.get("max_window_layers", 28))
         return tuple(LAYER_TYPES[i >= first] for i in range(layers))
@@ -65,44 +63,6 @@ def _active_sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
     if window >= int(raw.get("max_position_embeddings", window)):
         return None  # the window covers the whole context: plain full attention
     return window
-
-
-def _unpermute(rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo the converter's q/k row order: within each head, rows (2i, 2i+1) go back to
-    (i, i + head_dim / 2)."""
-    out = rows.shape[0]
-    return rows.reshape(heads, out // heads // 2, 2, -1).transpose(1, 2).reshape(out, -1)
-
-
-# llama.cpp's layer tensor names (after `blk.N.`) → ours, for Llama, Qwen2/3 and their mixtures
-# of experts (whose router is `ffn_gate_inp`; their experts are stacked: GGUF_EXPERTS).
-GGUF_LAYERS: Mapping[str, str] = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",
-}
-
-
-def unpermute_qk(
-    cfg: ModelConfig, name: str, rows: torch.Tensor, ne: tuple[int, ...]
-) -> torch.Tensor:
-    """The stored rows of q or k (weight or bias) of a file from llama.cpp's Llama converter
-    in Hugging Face's order; any other tensor as stored."""
-    if not (".q_proj." in name or ".k_proj." in name):
-        return rows
-    heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-    if len(ne) == 1:  # a bias: its values are what the rows of q/k are
-        return _unpermute(rows.view(ne[0], -1), heads).reshape(1, -1)
-    return _unpermute(rows, heads)
 
 
 class Llama(Architecture):

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from modeling.architecture import GGUF_EXPERTS
+from modeling.architecture import GGUF_EXPERTS, GGUF_LAYERS, unpermute_qk
 from modeling.config import (
     ModelConfig,
     MoEConfig,
@@ -29,7 +29,6 @@ from modeling.config import (
     whole_head_rope,
 )
 from modeling.layers.moe import MoEArchitecture
-from modeling.models.llama import GGUF_LAYERS, unpermute_qk
 from modeling.weights.quant import parse_quantization
 
 # A stored expert projection's name → ours.

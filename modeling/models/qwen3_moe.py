@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from modeling.architecture import GGUF_EXPERTS, GGUFKeys
+from modeling.architecture import GGUF_EXPERTS, GGUF_LAYERS, GGUFKeys
 from modeling.config import (
     ModelConfig,
     MoEConfig,
@@ -29,7 +29,6 @@ from modeling.config import (
     rope_config,
 )
 from modeling.layers.moe import MoEArchitecture
-from modeling.models.llama import GGUF_LAYERS
 from modeling.weights.quant import parse_quantization
 
 

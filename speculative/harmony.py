@@ -1,0 +1,158 @@
+"""OpenAI's harmony format (gpt-oss): an assistant turn is one or more messages, each a
+header and a body,
+
+    <|channel|>analysis<|message|>...thinking...<|end|>
+    <|start|>assistant<|channel|>final<|message|>...the answer...<|return|>
+
+the header naming the channel (`analysis`: reasoning, not for the user; `final`: the
+answer; `commentary`: preambles and tool calls) and the markers being special tokens. A
+tool call is a message whose header names its recipient, its body the arguments:
+
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>
+
+The tokenizer keeps these markers in its decoded text for such a model
+(`Tokenizer.harmony`), and `HarmonyReader` reads that text, as it streams, into the answer,
+its reasoning and its calls; `<|return|>` and `<|call|>` end the turn (stop tokens).
+
+Text that does not begin as a harmony message (a raw completion, or a model that skips the
+format) is passed through as the answer, any marker in it dropped (a stray special token is
+not text, as any other model's would not be). A header is bounded: one longer than
+`MAX_HEADER` characters without its `<|message|>` is read as the answer's text too.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any
+
+from modeling.text.harmony import CALL, CHANNEL, END, MARKERS, MESSAGE, RETURN, START
+from speculative.tool_calls import ToolCall
+
+MAX_HEADER = 512
+_BODY_ENDS = (END, CALL, RETURN, START)
+# A header's recipient: `to=functions.NAME` (the function's name as OpenAI allows them)
+_RECIPIENT = re.compile(r"\bto=(\S*)")
+_FUNCTION = re.compile(r"functions\.([A-Za-z0-9_-]{1,64})")
+
+
+def _held(text: str) -> int:
+    """How many characters at the end of `text` could begin a marker (kept back)."""
+    for n in range(min(len(text), max(map(len, MARKERS)) - 1), 0, -1):
+        tail = text[-n:]
+        if any(m.startswith(tail) for m in MARKERS):
+            return n
+    return 0
+
+
+class HarmonyReader:
+    """`feed` the decoded text of an assistant's turn as it comes; each call returns events
+    `("content", text)` (the answer), `("reasoning", text)` (the analysis channel), and for
+    a tool call `("call", index, id, name)` then `("arguments", index, text)` pieces (the
+    deltas OpenAI streams, as speculative/tool_calls.py's CallStream gives them); `finish`
+    returns what was held back. However the text is split, the events add up alike."""
+
+    def __init__(self) -> None:
+        self.buffer = ""  # text not read yet (a header's so far, or a body's held tail)
+        self.state = "header"  # "header", "body", or "plain" (not harmony: passed through)
+        self.kind = "content"  # where the current body goes: content, reasoning, arguments
+        self.calls = 0  # calls begun
+
+    def feed(self, text: str) -> list[tuple[Any, ...]]:
+        self.buffer += text
+        out: list[tuple[str, str]] = []
+        while self.buffer:
+            if self.state == "plain":  # markers here are stray special tokens: not text
+                text = self.buffer
+                for marker in MARKERS:
+                    text = text.replace(marker, "")
+                keep = _held(text)
+                out.append(("content", text[: len(text) - keep]))
+                self.buffer = text[len(text) - keep :]
+                break
+            elif self.state == "header":
+                if not self._read_header(out):
+                    break
+            elif not self._read_body(out):
+                break
+        return [e for e in out if e[-1]]
+
+    def finish(self) -> list[tuple[Any, ...]]:
+        """What is left: a body's held tail, or plain text; an unfinished header (the turn
+        cut off inside it) is structure, not text, and is dropped."""
+        out = [self._piece(self.buffer) if self.state == "body" else ("content", self.buffer)]
+        if self.state == "header":
+            out = []
+        self.buffer = ""
+        return [e for e in out if e[-1]]
+
+    def _piece(self, text: str) -> tuple[Any, ...]:
+        if self.kind == "arguments":
+            return ("arguments", self.calls - 1, text)
+        return (self.kind, text)
+
+    def _read_header(self, out: list[tuple[Any, ...]]) -> bool:
+        """Up to the header's `<|message|>`; False while more text is needed."""
+        text = self.buffer
+        if not text.startswith((START, CHANNEL)):
+            if any(m.startswith(text) for m in (START, CHANNEL)):
+                return False  # a marker's first characters: wait for the rest
+            self.state = "plain"  # not a harmony message
+            return True
+        at = text.find(MESSAGE)
+        if at < 0:
+            if len(text) > MAX_HEADER:  # no message is coming: read it as the answer
+                self.state = "plain"
+                return True
+            return False
+        self.kind, recipient = _kind(text[:at])
+        if recipient is not None:  # a tool call: its header names the function
+            out.append(("call", self.calls, "call_" + secrets.token_hex(12), recipient))
+            self.calls += 1
+        self.buffer = text[at + len(MESSAGE) :]
+        self.state = "body"
+        return True
+
+    def _read_body(self, out: list[tuple[Any, ...]]) -> bool:
+        """Up to the body's end marker; False (what is safe emitted) while more is needed."""
+        ends = [(at, m) for m in _BODY_ENDS if (at := self.buffer.find(m)) >= 0]
+        if not ends:
+            keep = _held(self.buffer)
+            out.append(self._piece(self.buffer[: len(self.buffer) - keep]))
+            self.buffer = self.buffer[len(self.buffer) - keep :]
+            return False
+        at, marker = min(ends)
+        out.append(self._piece(self.buffer[:at]))
+        # A `<|start|>` opens the next header itself; the others end this message.
+        self.buffer = self.buffer[at:] if marker == START else self.buffer[at + len(marker) :]
+        self.state = "header"
+        return True
+
+
+def _kind(header: str) -> tuple[str, str | None]:
+    """Where a message's body goes, from its header, and the function it calls: a header
+    naming a function (`to=functions.NAME`, in the role's part or the channel's) makes the
+    body a call's arguments, one to a built-in tool reasoning; else the analysis channel is
+    reasoning and everything else (final, commentary) the answer."""
+    to = _RECIPIENT.search(header)
+    if to is not None:
+        function = _FUNCTION.fullmatch(to.group(1).split("<|", 1)[0])
+        if function is not None:
+            return "arguments", function.group(1)
+        return "reasoning", None  # to a built-in tool (browser, python): not for the user
+    channel = header.rsplit(CHANNEL, 1)[-1] if CHANNEL in header else ""
+    name = channel.split("<|", 1)[0].split()
+    return ("reasoning" if name and name[0] == "analysis" else "content"), None
+
+
+def read_turn(text: str) -> tuple[str, str, list[ToolCall]]:
+    """A whole turn's (answer, reasoning, calls)."""
+    reader = HarmonyReader()
+    events = reader.feed(text) + reader.finish()
+    answer = "".join(e[1] for e in events if e[0] == "content")
+    reasoning = "".join(e[1] for e in events if e[0] == "reasoning")
+    calls = [ToolCall(e[2], e[3], "") for e in events if e[0] == "call"]
+    for e in events:
+        if e[0] == "arguments":
+            calls[e[1]].arguments += e[2]
+    return answer, reasoning, calls
