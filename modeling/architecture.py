@@ -165,6 +165,11 @@ class Architecture(ABC):
         in the layout our modules hold it."""
         raise NotImplementedError(f"{self.name} stacks no tensors ({stored})")
 
+    def hf_join(self, parts: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """One tensor of ours from the parts `hf_unstack` gave under its name + `#part`
+        (gpt-oss's MXFP4 codes and scales, stored apart): None while a part is missing."""
+        raise NotImplementedError(f"{self.name} joins no tensors")
+
     def gguf_name(self, name: str) -> str | None:
         """A GGUF tensor name → ours ('blk.3.attn_q.weight' →
         'layers.3.self_attn.q_proj.weight'), None for one this architecture does not have."""

@@ -64,6 +64,9 @@ class MoEConfig:
     softmax_topk: bool = False
     swiglu_limit: float | None = None  # None: the model's gated MLP (`MLP`)
     swiglu_alpha: float = 1.702
+    # The ggml type the experts are kept in as blocks where the checkpoint stores them
+    # packed and the rest dense (gpt-oss's MXFP4 release); None: as the config says
+    expert_blocks: int | None = None
 
 
 @dataclass(frozen=True)

@@ -284,8 +284,8 @@ def test_auto_trees_over_streamed_experts_are_priced_by_experts_woken(tiny_check
 
 
 def test_gpt_oss_checkpoints_it_cannot_run_are_refused_by_name(tiny_checkpoint, tmp_path) -> None:
-    """OpenAI's MXFP4 release is refused naming its quant_method (a bf16 copy runs), and a
-    stacked expert tensor of another shape is named before its bytes are read."""
+    """A quantization gpt-oss's loader does not read is refused naming its quant_method,
+    and a stacked expert tensor of another shape is named before its bytes are read."""
     import json
     import shutil
 
@@ -296,8 +296,8 @@ def test_gpt_oss_checkpoints_it_cannot_run_are_refused_by_name(tiny_checkpoint, 
 
     source = tiny_checkpoint("gpt_oss", vocab_size=96)
     raw = json.loads((source / "config.json").read_text())
-    with pytest.raises(UnsupportedQuantizationError, match="mxfp4"):
-        config_from_hf({**raw, "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(UnsupportedQuantizationError, match="bitsandbytes"):
+        config_from_hf({**raw, "quantization_config": {"quant_method": "bitsandbytes"}})
     bad = tmp_path / "bad"
     shutil.copytree(source, bad)
     tensors = load_file(bad / "model.safetensors")
@@ -306,3 +306,74 @@ def test_gpt_oss_checkpoints_it_cannot_run_are_refused_by_name(tiny_checkpoint, 
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"experts\.down_proj \(3, 128, 64\)"):
         load(bad)
+
+
+def _mxfp4_release(folder: Path, out: Path, reference: Path) -> None:
+    """`folder`'s gpt-oss checkpoint as OpenAI's release stores it (experts as MXFP4
+    `*_blocks` and `*_scales` by output row, two codes a byte low nibble first, the rest
+    as it was, `quantization_config` mxfp4) in `out`, and in `reference` the same weights
+    dense (each expert through MXFP4 and back, by gguf-py) for transformers to read."""
+    import json
+    import shutil
+
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    kind = gguf.GGMLQuantizationType.MXFP4
+    packed, dense = {}, {}
+    for name, value in load_file(folder / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # (E, in, out)
+            rows = np.ascontiguousarray(value.transpose(0, 2, 1), dtype=np.float32)
+            blocks = gguf.quants.quantize(rows, kind).reshape(*rows.shape[:2], -1, 17)
+            codes = np.stack([blocks[..., 1:] & 15, blocks[..., 1:] >> 4], -2).reshape(
+                *blocks.shape[:3], 32
+            )  # ggml's order: 16 low nibbles, then 16 high ones
+            packed[name + "_blocks"] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+            packed[name + "_scales"] = np.ascontiguousarray(blocks[..., 0])
+            back = gguf.quants.dequantize(gguf.quants.quantize(rows, kind), kind)
+            dense[name] = np.ascontiguousarray(back.transpose(0, 2, 1))
+        else:
+            packed[name] = dense[name] = value
+    for where, tensors in ((out, packed), (reference, dense)):
+        where.mkdir(parents=True)
+        for item in folder.iterdir():
+            if item.name != "model.safetensors":
+                shutil.copy(item, where / item.name)
+        save_file(tensors, where / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn"]}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def test_gpt_oss_mxfp4_release_keeps_its_experts_packed(tiny_checkpoint, tmp_path: Path) -> None:
+    """OpenAI's MXFP4 layout: each expert's blocks re-laid losslessly as ggml's MXFP4 (its
+    codes and scale as stored), multiplied from them; logits equal transformers' on the
+    decoded weights, and experts streamed give the resident model's greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
+    from modeling.weights.gguf_modules import GGUFLinear
+    from speculative.sampling import SamplingParams
+
+    _mxfp4_release(tiny_checkpoint("gpt_oss", vocab_size=96), tmp_path / "m", tmp_path / "ref")
+    model, _, ckpt = load(tmp_path / "m")
+    assert ckpt.config.moe is not None and ckpt.config.moe.expert_blocks == 39
+    expert = model.layers[1].mlp.experts[2]
+    assert isinstance(expert.up_proj, GGUFLinear) and expert.up_proj.ggml_type == 39
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path / "ref", dtype=torch.float32).eval()
+    ids = torch.randint(3, 96, (19,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = ref(ids[None]).logits[0]
+        got = model(ids, torch.arange(19), model.new_cache(20))
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+    prompt, greedy = [5, 9, 17, 33, 2, 8, 40, 11], SamplingParams(temperature=0.0)
+    runs = [
+        Runtime(RuntimeOptions(model=str(tmp_path / "m"), device="cpu", experts=mode,
+                               expert_slots=slots, context=64, draft=None))
+        .generation(prompt, greedy, 16, ignore_eos=True).run().token_ids
+        for mode, slots in (("device", None), ("stream", 2))
+    ]  # fmt: skip
+    assert runs[0] == runs[1]

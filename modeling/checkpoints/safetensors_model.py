@@ -135,6 +135,7 @@ def load_model(
     reporter = _Progress(total, path.name) if show else None
 
     seen: set[str] = set()
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # parts of a tensor stored apart
     unexpected: list[str] = []
     wrong_shape: list[str] = []
     wrong_dtype: list[str] = []
@@ -155,11 +156,21 @@ def load_model(
                         continue
                     stacked = f.get_tensor(hf_name)
                     for one, value in arch.hf_unstack(hf_name, stacked):
+                        if "#" in one:  # a part of one tensor stored apart (MXFP4's scales)
+                            base, part = one.split("#", 1)
+                            pending.setdefault(base, {})[part] = value
+                            joined = arch.hf_join(pending[base])
+                            if joined is None:
+                                continue
+                            one, value = base, joined
+                            del pending[base]
                         if one not in expected or tuple(value.shape) != tuple(expected[one]):
                             wrong_shape.append(f"{hf_name}: {one} {tuple(value.shape)}")
                             continue
                         seen.add(one)
-                        if one in parts:  # gate and up, stacked in the expert's module
+                        if one in stored:  # packed blocks: their bytes as they are
+                            _assign(model, one, value.to(device=device))
+                        elif one in parts:  # gate and up, stacked in the expert's module
                             _load_part(model, parts[one], value, device, dtype)
                         else:
                             _assign(model, one, value.to(device=device, dtype=dtype))

@@ -37,6 +37,7 @@ from modeling.layers.decoder_layer import layer_parameters, layer_phases
 from modeling.layers.mlp import MLP
 from modeling.layers.norms import RMSNorm, norm_bytes
 from modeling.layers.self_attention import Attention
+from modeling.weights.gguf_modules import GGUFLinear
 from modeling.weights.packed import PackedLinear
 from modeling.weights.projections import FusedLinear, linear, projection
 
@@ -74,12 +75,17 @@ class ClampedExpert(nn.Module):
         self.gate_up_proj: FusedLinear | None = None
         self.gate_proj: nn.Linear | PackedLinear | None = None
         self.up_proj: nn.Linear | PackedLinear | None = None
-        if cfg.quantization is None:
+        if moe.expert_blocks is not None:  # packed where the rest is dense (MXFP4)
+            self.gate_proj = GGUFLinear(d, f, True, moe.expert_blocks)
+            self.up_proj = GGUFLinear(d, f, True, moe.expert_blocks)
+        elif cfg.quantization is None:
             self.gate_up_proj = FusedLinear(d, [("gate_proj", f), ("up_proj", f)], True)
         else:
             self.gate_proj = projection(cfg, d, f, True)
             self.up_proj = projection(cfg, d, f, True)
-        self.down_proj = projection(cfg, f, d, True)
+        self.down_proj: nn.Linear | PackedLinear = projection(cfg, f, d, True)
+        if moe.expert_blocks is not None:
+            self.down_proj = GGUFLinear(f, d, True, moe.expert_blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:

@@ -10,7 +10,9 @@ column, `down_proj` (experts, ff, hidden), and their biases; they are split into
 expert each as they load (`hf_stack_shape`, `hf_unstack`: gate and up apart, as the
 shared MLP's are stored), so that an expert can live apart from its layer (`--experts
 stream|cpu`). The router is `mlp.router`. OpenAI's own release stores the experts as MXFP4
-blocks (`quantization_config` mxfp4), which is refused by name for now (a bf16 copy runs).
+(`quantization_config` mxfp4: `*_blocks`, two codes a byte, and `*_scales`, by output row);
+each expert's are re-laid, losslessly, as ggml's MXFP4 blocks (`hf_join`) and kept packed,
+one `GGUFLinear` each, the rest of the model dense.
 
 GGUF files (`general.architecture` gpt-oss, Ollama's `gpt-oss:20b`) hold the experts as
 llama.cpp's converter writes them: gate and up apart (`ffn_gate_exps`, `ffn_up_exps`,
@@ -45,7 +47,10 @@ from modeling.layers.moe import MoEArchitecture
 from modeling.weights.quant import parse_quantization
 
 _GGUF_SINKS = re.compile(r"blk\.(\d{1,9})\.attn_sinks\.weight")
-_STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
+_STACKED = re.compile(
+    r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?"
+)
+MXFP4 = 39  # ggml's type of OpenAI's MXFP4 blocks
 
 
 class GptOss(MoEArchitecture):
@@ -65,6 +70,10 @@ class GptOss(MoEArchitecture):
     gguf_expert_gating: ClassVar[int | None] = None  # softmax over the chosen, fixed
 
     def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
+        quant = raw.get("quantization_config")
+        packed = isinstance(quant, dict) and str(quant.get("quant_method", "")).lower() == "mxfp4"
+        if packed:  # OpenAI's release: the experts MXFP4, the rest bf16
+            raw = {k: v for k, v in raw.items() if k != "quantization_config"}
         scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
         if isinstance(scaling, dict) and scaling.get("rope_type") == "yarn":
             # gpt-oss's YaRN is untruncated (its config.json says so; a GGUF file does not)
@@ -119,6 +128,7 @@ class GptOss(MoEArchitecture):
                 softmax_topk=True,
                 swiglu_limit=float(limit),
                 swiglu_alpha=float(alpha),
+                expert_blocks=MXFP4 if packed else None,
             ),
         )
 
@@ -144,19 +154,29 @@ class GptOss(MoEArchitecture):
         if stacked is None or cfg.moe is None:
             return None
         e, d, f = cfg.moe.experts, cfg.hidden_size, cfg.moe.intermediate_size
-        part, bias = stacked.group(2), stacked.group(3)
-        if part == "gate_up_proj":
-            return (e, 2 * f) if bias else (e, d, 2 * f)
-        return (e, d) if bias else (e, f, d)
+        part, kind = stacked.group(2), stacked.group(3)
+        rows, columns = (2 * f, d) if part == "gate_up_proj" else (d, f)
+        if kind in ("_blocks", "_scales"):  # MXFP4: (experts, rows, groups of 32[, 16 bytes])
+            if cfg.moe.expert_blocks != MXFP4 or columns % 32:
+                return None
+            return (e, rows, columns // 32, 16) if kind == "_blocks" else (e, rows, columns // 32)
+        if cfg.moe.expert_blocks is not None:
+            return (e, rows) if kind == "_bias" else None  # (packed: the weights are blocks)
+        return (e, rows) if kind == "_bias" else (e, columns, rows)
 
     def hf_unstack(self, stored: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         stacked = _STACKED.fullmatch(stored)
         assert stacked is not None
-        layer, part, bias = stacked.groups()
-        attr = "bias" if bias else "weight"
+        layer, part, kind = stacked.groups()
+        if kind == "_blocks":
+            tensor = _ggml_codes(tensor)  # (experts, rows, groups, 16): ggml's nibble order
+        attr = {"_bias": "bias", "_blocks": "blocks#codes", "_scales": "blocks#scales"}.get(
+            kind, "weight"
+        )
         out = []
         for e in range(tensor.shape[0]):
-            value = tensor[e] if bias else tensor[e].T  # (out,) or (out, in) as nn.Linear's
+            # (out,) or (out, in) as nn.Linear's; blocks and scales are stored by output row
+            value = tensor[e].T if kind is None else tensor[e]
             at = f"layers.{layer}.mlp.experts.{e}"
             if part == "gate_up_proj":  # gate, up interleaved row by row
                 out.append((f"{at}.gate_proj.{attr}", value[0::2].contiguous()))
@@ -164,6 +184,22 @@ class GptOss(MoEArchitecture):
             else:
                 out.append((f"{at}.{part}.{attr}", value.contiguous()))
         return out
+
+    def hf_join(self, parts: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """An MXFP4 projection's blocks from its stored parts: per 32 weights, the scale byte
+        then the 16 code bytes, as ggml lays a block out (rows, groups x 17)."""
+        if set(parts) != {"codes", "scales"}:
+            return None
+        codes, scales = parts["codes"], parts["scales"]  # (rows, groups, 16), (rows, groups)
+        return torch.cat([scales[..., None], codes], dim=-1).reshape(scales.shape[0], -1)
+
+
+def _ggml_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """OpenAI's MXFP4 bytes (each byte two consecutive codes, low nibble first) in ggml's
+    order (byte j: code j low, code j + 16 high): the same codes and scale, laid out as
+    ggml's MXFP4 blocks are, so they are decoded and multiplied as a GGUF file's."""
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2)  # (..., 32) in order
+    return codes[..., :16] | (codes[..., 16:] << 4)
 
 
 GPT_OSS = GptOss()
