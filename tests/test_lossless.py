@@ -402,3 +402,27 @@ def test_a_request_sampled_inside_a_batch_has_the_target_distribution(
     empirical = empirical_in_batches(strategy, PROMPT, params, n, RUNS)
     tv, bound = total_variation(empirical, exact), tv_bound(exact, RUNS)
     assert tv < bound, f"{strategy_name} in batches: TV {tv:.4f} >= bound {bound:.4f}"
+
+
+@pytest.mark.parametrize(
+    ("family", "experts"),
+    [("qwen3_moe", "stream"), ("gpt_oss", "device")],
+    ids=["qwen3_moe", "gpt_oss"],
+)
+def test_a_mixture_of_experts_target_is_sampled_exactly(pair, tiny_checkpoint, family, experts):
+    """A mixture-of-experts target (Qwen3-MoE with its experts streamed through a cache of
+    3; gpt-oss with its sinks, clamped experts and top-k softmax routing) under a tree of
+    the unrelated draft: its exact distribution, by the same bound."""
+    params, n = SETTINGS["temperature-1"]
+    target = tiny_checkpoint(family, init_std=0.5, seed=11, **TINY)
+    rt = Runtime(
+        RuntimeOptions(
+            model=str(target), draft=str(pair[1]), strategy="tree", budget=6, max_depth=3,
+            context=CONTEXT, experts=experts, expert_slots=3 if experts == "stream" else None,
+        )
+    )  # fmt: skip
+    assert rt.target.config.moe is not None and rt.plan.expert_mode == experts
+    exact = exact_distribution(rt.target, PROMPT, params, n)
+    empirical = empirical_distribution(rt.strategy("tree"), PROMPT, params, n, RUNS)
+    tv, bound = total_variation(empirical, exact), tv_bound(exact, RUNS)
+    assert tv < bound, f"{family}: TV {tv:.4f} >= bound {bound:.4f}"
