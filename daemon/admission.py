@@ -267,6 +267,10 @@ def _encode_conversation(
     the model's template where it has a tool format (Qwen's, Llama 3's, Mistral's,
     harmony's), else
     in specd's fallback format (speculative/tool_calls.py)."""
+    if tok.harmony:  # its template tests `"..." in message.content`: a call's None is absent
+        messages = [
+            {k: v for k, v in m.items() if not (k == "content" and v is None)} for m in messages
+        ]
     if tok.harmony or native_format(tok.chat_template, tok.vocabulary) is not None:
         offered = [t.as_openai() for t in tools] if tools else None
         return tok.encode_chat(messages, tools=offered)
