@@ -174,3 +174,27 @@ def test_a_harmony_model_answers_and_refuses_a_required_call_by_name(harmony_ser
         status, answer = _chat(harmony_server, body)
         assert status == 400 and answer["error"]["param"] == "tool_choice", answer
         assert "harmony" in answer["error"]["message"]
+
+
+def test_a_call_without_content_renders_in_a_harmony_conversation(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    """gpt-oss's template tests `"..." in message.content` wherever a message has content:
+    an assistant call sent with `content: null` (as OpenAI's client sends it) is rendered
+    without the key, not refused."""
+    from daemon.admission import _encode_conversation
+
+    base = tiny_checkpoint("llama", vocab_size=96, tokenizer_size=80)
+    backend = HFTokenizer.from_file(str(_harmony_tokenizer(tmp_path, base)))
+    template = (
+        "{% for m in messages %}{% if 'content' in m and '<|channel|>' in m.content %}"
+        "{{ raise_exception('tags') }}{% endif %}{{ m.role }}:{{ m.content or '' }};{% endfor %}"
+    )
+    tok = Tokenizer(backend, eos_token_ids=[2], chat_template=template)
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {}}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "1"},
+    ]
+    assert _encode_conversation(tok, messages, None)
