@@ -52,7 +52,8 @@ class HarmonyReader:
     deltas OpenAI streams, as speculative/tool_calls.py's CallStream gives them); `finish`
     returns what was held back. However the text is split, the events add up alike."""
 
-    def __init__(self) -> None:
+    def __init__(self, calls: bool = True) -> None:
+        self.calls_allowed = calls  # False: a message to a function is not for the user either
         self.buffer = ""  # text not read yet (a header's so far, or a body's held tail)
         self.state = "header"  # "header", "body", or "plain" (not harmony: passed through)
         self.kind = "content"  # where the current body goes: content, reasoning, arguments
@@ -106,6 +107,8 @@ class HarmonyReader:
                 return True
             return False
         self.kind, recipient = _kind(text[:at])
+        if recipient is not None and not self.calls_allowed:
+            self.kind, recipient = "reasoning", None  # (tool_choice none: no call is made)
         if recipient is not None:  # a tool call: its header names the function
             out.append(("call", self.calls, "call_" + secrets.token_hex(12), recipient))
             self.calls += 1
@@ -145,9 +148,10 @@ def _kind(header: str) -> tuple[str, str | None]:
     return ("reasoning" if name and name[0] == "analysis" else "content"), None
 
 
-def read_turn(text: str) -> tuple[str, str, list[ToolCall]]:
-    """A whole turn's (answer, reasoning, calls)."""
-    reader = HarmonyReader()
+def read_turn(text: str, allow_calls: bool = True) -> tuple[str, str, list[ToolCall]]:
+    """A whole turn's (answer, reasoning, calls); with `allow_calls` False a call's message
+    is read as reasoning."""
+    reader = HarmonyReader(allow_calls)
     events = reader.feed(text) + reader.finish()
     answer = "".join(e[1] for e in events if e[0] == "content")
     reasoning = "".join(e[1] for e in events if e[0] == "reasoning")

@@ -68,6 +68,11 @@ def test_what_a_turn_holds() -> None:
         "", "Two cities: call twice.",
         [("get_weather", '{"city":"Paris"}'), ("get_time", '{"tz":"CET"}')],
     )  # fmt: skip
+    # no tools offered: a message to a function is no call, nor for the user
+    assert read_turn(CALLS, allow_calls=False)[:2] == (
+        "", 'Two cities: call twice.{"city":"Paris"}{"tz":"CET"}',
+    )  # fmt: skip
+    assert read_turn(CALLS, allow_calls=False)[2] == []
     ids = {c.id for c in read_turn(CALLS)[2]}
     assert len(ids) == 2 and all(i.startswith("call_") for i in ids)
     # a message to a built-in tool (browser, python) is not for the user, nor a function

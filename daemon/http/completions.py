@@ -138,15 +138,18 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         piece = engine.runtime.tokenizer.piece  # log-probabilities name tokens as text
     shape = ResponseShape(chat=chat, model=config.model_name, piece=piece)
     harmony = chat and engine.runtime is not None and engine.runtime.tokenizer.harmony
+    harmony_calls = req.tools is not None and req.tool_choice != "none"
     try:
         previous = admitted.prompt_ids[-1]
         if req.stream:
             return await stream(
                 request, job, shape, req, config.keepalive_seconds, previous, admitted.calls,
-                harmony,
+                harmony, harmony_calls,
             )  # fmt: skip
         calls_only = req.tool_choice not in (None, "auto")
-        return await collect(request, job, shape, previous, admitted.calls, calls_only, harmony)
+        return await collect(
+            request, job, shape, previous, admitted.calls, calls_only, harmony, harmony_calls
+        )
     finally:
         if not job.done:
             job.cancel()  # the client went away (or we failed): free the engine's slot

@@ -64,6 +64,7 @@ async def collect(
     calls: CallFormat | None = None,  # the answer is read as tool calls in this format
     calls_only: bool = False,  # tool_choice required or named
     harmony: bool = False,  # a harmony model's turn: its answer and reasoning read apart
+    harmony_calls: bool = False,  # ... and its calls (tools offered, tool_choice not none)
 ) -> web.Response:
     """The whole answer in one body. Nothing is written before the end, so a client that
     left is not noticed by a failed write as a stream's is: its connection is looked at
@@ -86,7 +87,7 @@ async def collect(
             u = usage(event.prompt_tokens, event.completion_tokens, cached)
             answer, made, reasoning = "".join(text), None, ""
             if harmony:  # its answer, reasoning and calls (not under a grammar: read back)
-                answer, reasoning, made = read_turn(answer)
+                answer, reasoning, made = read_turn(answer, harmony_calls)
             if calls:  # read as a stream of it is read: the two always agree
                 answer, made = read_answer(answer, calls, calls_only)
             reason = "tool_calls" if made and event.finish_reason == "stop" else event.finish_reason
@@ -109,6 +110,7 @@ async def stream(
     previous: int,  # the prompt's last token (log-probabilities name tokens in context)
     call_format: CallFormat | None = None,  # the answer is read as tool calls in this format
     harmony: bool = False,  # a harmony model's turn: its answer and reasoning read apart
+    harmony_calls: bool = False,  # ... and its calls (tools offered, tool_choice not none)
 ) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={
@@ -125,7 +127,7 @@ async def stream(
     offset = 0  # characters of text sent so far (the completions' text_offset)
     calls_only = req.tool_choice not in (None, "auto")
     calls = CallStream(call_format, calls_only) if call_format is not None else None
-    turn = HarmonyReader() if harmony else None
+    turn = HarmonyReader(harmony_calls) if harmony else None
     if shape.chat:  # the role arrives before any text, as OpenAI's own stream does
         await response.write(sse(shape.chunk("", first=True)))
         first = False
