@@ -118,6 +118,8 @@ class Architecture(ABC):
     # (1: softmax over every expert); None: llama.cpp routes it by its own fixed rule and
     # reads no such key (gpt-oss)
     gguf_expert_gating: ClassVar[int | None] = 1
+    # `expert_shared_count` a file may state (None: the shared expert's tensors decide)
+    gguf_expert_shared: ClassVar[int | None] = 0
     # tensors `gguf_config` reads into the config (LongRoPE's factors), not into the model
     gguf_config_tensors: ClassVar[frozenset[str]] = frozenset()
 

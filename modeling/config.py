@@ -64,6 +64,9 @@ class MoEConfig:
     softmax_topk: bool = False
     swiglu_limit: float | None = None  # None: the model's gated MLP (`MLP`)
     swiglu_alpha: float = 1.702
+    # A shared expert every token goes through, scaled by sigmoid(gate(x)) (Qwen2-MoE):
+    # its gated MLP's width; None: none
+    shared_intermediate_size: int | None = None
     # The ggml type the experts are kept in as blocks where the checkpoint stores them
     # packed and the rest dense (gpt-oss's MXFP4 release); None: as the config says
     expert_blocks: int | None = None

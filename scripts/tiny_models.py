@@ -49,6 +49,16 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 32,
         "norm_topk_prob": True,
     },
+    # Qwen2-MoE: Qwen2's attention, 4 experts of 32, 2 a token, unnormalised, and a shared
+    # expert of 48 behind a sigmoid gate
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "norm_topk_prob": False,
+    },
     "mixtral": {
         "model_type": "mixtral",
         "num_local_experts": 4,

@@ -178,6 +178,10 @@ MOE_LAYER = {
     "post_attention_layernorm": "ffn_norm",
     "mlp.gate": "ffn_gate_inp",
     "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 MOE_STACKS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
               "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
@@ -198,15 +202,18 @@ def write_moe(
     keys: dict[str, Any] | None = None,
     arch: str | None = None,
 ) -> Path:
-    """The Qwen3-MoE or Mixtral checkpoint in `folder` as llama.cpp's converter writes it:
-    Qwen3-MoE as `qwen3moe`, Mixtral as `llama` with `llama.expert_count` and q/k permuted;
+    """The Qwen3-MoE, Qwen2-MoE or Mixtral checkpoint in `folder` as llama.cpp's converter
+    writes it: `qwen3moe`, `qwen2moe` (its shared expert `ffn_*_shexp` and gate
+    `ffn_gate_inp_shexp`), Mixtral as `llama` with `llama.expert_count` and q/k permuted;
     each layer's experts stacked into `ffn_{gate,up,down}_exps` ([columns, rows, experts]),
     the router `ffn_gate_inp` kept F32. `keys`: metadata written over the converter's (to
     make hostile files); `arch`: another `general.architecture` than the converter's."""
     config: dict[str, Any] = json.loads((folder / "config.json").read_text())
     assert config["vocab_size"] == SPM_VOCABULARY
     mixtral = config["model_type"] == "mixtral"
-    arch = arch or ("llama" if mixtral else "qwen3moe")
+    arch = arch or {"mixtral": "llama", "qwen2_moe": "qwen2moe"}.get(
+        config["model_type"], "qwen3moe"
+    )
     experts = config.get("num_experts") or config["num_local_experts"]
     values: dict[str, Any] = {
         "expert_count": experts,
@@ -215,7 +222,10 @@ def write_moe(
     }
     if not mixtral:
         values["expert_feed_forward_length"] = config["moe_intermediate_size"]
-        values["attention.key_length"] = config["head_dim"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        values["attention.key_length"] = head_dim
+    if config.get("shared_expert_intermediate_size"):
+        values["expert_shared_feed_forward_length"] = config["shared_expert_intermediate_size"]
     values.update(keys or {})
     writer = gguf.GGUFWriter(str(path), arch)
     _shape_keys(writer, arch, config)
@@ -241,7 +251,7 @@ def write_moe(
         part, _, kind = rest.rpartition(".")
         if mixtral and part in heads:
             value = _llama_permute(value, heads[part])
-        router = MOE_LAYER[part] == "ffn_gate_inp"
+        router = MOE_LAYER[part] in ("ffn_gate_inp", "ffn_gate_inp_shexp")
         _tensor(writer, f"blk.{index}.{MOE_LAYER[part]}.{kind}", value, quantize and not router)
     for stack, per_expert in stacks.items():
         value = np.stack([per_expert[e] for e in range(len(per_expert))])  # (experts, rows, cols)
@@ -289,7 +299,9 @@ def as_stored(folder: Path, out: Path) -> Path:
     tensors = {}
     for name, value in load_file(folder / "model.safetensors").items():
         value = np.ascontiguousarray(value, dtype=np.float32)
-        router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))
+        router = name.endswith(
+            ("mlp.gate.weight", "block_sparse_moe.gate.weight", "shared_expert_gate.weight")
+        )
         if value.ndim == 2 and ".layers." in name and value.shape[1] % 32 == 0 and not router:
             value = gguf.quants.dequantize(gguf.quants.quantize(value, kind), kind)
         tensors[name] = value

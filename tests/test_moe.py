@@ -1,4 +1,5 @@
-"""Mixture-of-experts models (issue 37): Qwen3-MoE, Mixtral and gpt-oss from safetensors.
+"""Mixture-of-experts models (issue 37): Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss from
+safetensors.
 Checkpoints are written by transformers itself (per-expert tensors; gpt-oss's stacked, split
 as they load), and the reference is transformers: logits (prefill, cached decode steps, a tree pass) to
 fp32 rounding, routing exactly, greedy speculation equal to plain decoding, and exact
@@ -19,7 +20,7 @@ from modeling.config import MoEConfig
 from modeling.layers.moe import MoEDecoderLayer, SparseMoE
 from modeling.models import config_from_hf, parameter_count
 
-FAMILIES = ["qwen3_moe", "mixtral", "gpt_oss"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -94,6 +95,16 @@ REAL_SHAPES = {
         "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
         "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
         "sliding_window": None, "tie_word_embeddings": False,
+    },
+    # Qwen1.5-MoE-A2.7B's config.json (published): 14.3B, a shared expert of 5,632
+    "qwen1.5-moe-a2.7b": {
+        "model_type": "qwen2_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "intermediate_size": 5632, "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632, "num_hidden_layers": 24,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60,
+        "num_experts_per_tok": 4, "norm_topk_prob": False, "max_position_embeddings": 8192,
+        "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
     },
     # gpt-oss-20b's config.json (published, its MXFP4 quantization_config left out): 20.9B
     "gpt-oss-20b": {

@@ -27,7 +27,7 @@ from tests.gguf_writers import (
     write_moe,
 )
 
-FAMILIES = ["qwen3_moe", "mixtral"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral"]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,8 @@ def test_a_written_file_is_transformers_on_its_weights(files, family: str, quant
     model, _, ckpt = load(path, "fp32")
     cfg = ckpt.config
     assert cfg.model_type == family and cfg.moe is not None and cfg.moe.experts == 4
-    assert cfg.moe.normalize  # qwen3moe: llama.cpp's fixed choice; Mixtral's own
+    # qwen3moe: llama.cpp's fixed choice; Mixtral's own; Qwen2-MoE's releases do not
+    assert cfg.moe.normalize == (family != "qwen2_moe")
     layer = model.layers[1]
     assert isinstance(layer, MoEDecoderLayer)
     expert = layer.mlp.experts[3]
@@ -120,9 +121,8 @@ def test_the_plan_counts_a_files_packed_experts(files) -> None:
         ({"expert_used_count": 9}, GGUFError, "expert_used_count"),
         ({"expert_feed_forward_length": 48}, GGUFError, "expert_feed_forward_length"),
         ({"expert_gating_func": 2}, UnsupportedModelError, "expert_gating_func"),
-        ({"expert_shared_count": 1}, UnsupportedModelError, "expert_shared_count"),
     ],
-    ids=["count", "no-count", "used", "width", "sigmoid", "shared"],
+    ids=["count", "no-count", "used", "width", "sigmoid"],
 )
 def test_expert_metadata_the_tensors_deny_is_refused_by_name(
     tiny_checkpoint, tmp_path: Path, keys: dict, error: type, words: str
@@ -194,3 +194,14 @@ def test_a_gpt_oss_file_speculates_and_streams_its_experts(gpt_oss_files) -> Non
                                     expert_slots=slots, context=96, draft=draft))  # fmt: skip
         runs[(mode, draft)] = rt.generation(prompt, greedy, 20, ignore_eos=True).run().token_ids
     assert len({tuple(ids) for ids in runs.values()}) == 1, runs
+
+
+def test_shared_experts_where_the_architecture_has_none_are_refused(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    """A Mixtral file (llama) stating a shared expert: refused by the key, not run without
+    it (Qwen2-MoE's are read: its tensors say)."""
+    folder = tiny_checkpoint("mixtral", vocab_size=SPM_VOCABULARY, num_layers=3)
+    path = write_moe(folder, tmp_path / "bad.gguf", keys={"expert_shared_count": 1})
+    with pytest.raises(UnsupportedModelError, match="expert_shared_count"):
+        load(path, "fp32")

@@ -336,7 +336,9 @@ def _check_experts(
     if used > experts:
         raise _malformed(source, f"{prefix}.expert_used_count", used,
                          f"at most {prefix}.expert_count {experts}")  # fmt: skip
-    for key, plain in (("expert_gating_func", arch.gguf_expert_gating), ("expert_shared_count", 0)):
+    checked = (("expert_gating_func", arch.gguf_expert_gating),
+               ("expert_shared_count", arch.gguf_expert_shared))  # fmt: skip
+    for key, plain in checked:
         if plain is not None and keys.has(key) and keys.count(key, minimum=0) != plain:
             raise UnsupportedModelError(
                 f"{source}: {prefix}.{key} {keys.count(key, minimum=0)} is not supported "

@@ -116,6 +116,12 @@ class SparseMoE(nn.Module):
         )
         self.source: ExpertSource | None = None
         self.layer = 0  # this block's layer, for `source`
+        # Qwen2-MoE: a shared expert every token goes through, its output scaled by
+        # sigmoid(gate(x)) and added after the routed ones (resident with its layer)
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_intermediate_size is not None:
+            self.shared_expert = MLP(cfg, moe.shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(T, k) chosen experts and their weights (fp32; gpt-oss's in the model dtype) for
@@ -150,6 +156,9 @@ class SparseMoE(nn.Module):
                 y = expert(rows)
             y = y * weights[tokens, slots, None]  # (n, hidden)
             out.index_add_(0, tokens, y.to(x.dtype))
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            gate = torch.sigmoid(linear(self.shared_expert_gate, x))  # (T, 1)
+            out = out + gate * self.shared_expert(x)
         return out
 
 
@@ -186,7 +195,10 @@ def moe_layer_parameters(cfg: ModelConfig) -> int:
     biased = cfg.mlp_bias or moe.swiglu_limit is not None  # (gpt-oss's experts have biases)
     expert = 3 * d * f + ((2 * f + d) if biased else 0)
     router = moe.experts * d + (moe.experts if moe.router_bias else 0)
-    return attention_and_norms + router + moe.experts * expert
+    shared = 0
+    if moe.shared_intermediate_size is not None:  # its gated MLP and its gate
+        shared = 3 * d * moe.shared_intermediate_size + d
+    return attention_and_norms + router + moe.experts * expert + shared
 
 
 def moe_layer_activations(cfg: ModelConfig, itemsize: int, copy: int) -> LayerActivations:
@@ -201,6 +213,9 @@ def moe_layer_activations(cfg: ModelConfig, itemsize: int, copy: int) -> LayerAc
     attention = layer_phases(replace(cfg, intermediate_size=f), itemsize, copy)
     router = itemsize * e + 4 * e + k * (4 + 8 + 4)
     experts = itemsize * (4 * d + d + 3 * f + d) + router + copy * 2 * f
+    if moe.shared_intermediate_size is not None:  # the shared expert's gate/up, act, output
+        fs = moe.shared_intermediate_size
+        experts += itemsize * (3 * fs + 2 * d) + copy * 2 * fs
     hd = cfg.head_dim
     q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
     return LayerActivations(

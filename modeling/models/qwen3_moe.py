@@ -45,10 +45,21 @@ def _count(raw: dict[str, Any], keys: tuple[str, ...], source: str) -> int:
 
 class Qwen3Moe(MoEArchitecture):
     name: ClassVar[str] = "qwen3_moe"
-    model_types: ClassVar[tuple[str, ...]] = ("qwen3_moe",)
-    gguf_architectures: ClassVar[Mapping[str, str]] = {"qwen3moe": "qwen3_moe"}
-    gguf_layer_names: ClassVar[Mapping[str, str]] = GGUF_LAYERS
+    model_types: ClassVar[tuple[str, ...]] = ("qwen3_moe", "qwen2_moe")
+    gguf_architectures: ClassVar[Mapping[str, str]] = {
+        "qwen3moe": "qwen3_moe",
+        "qwen2moe": "qwen2_moe",
+    }
+    gguf_layer_names: ClassVar[Mapping[str, str]] = {
+        **GGUF_LAYERS,
+        # Qwen2-MoE's shared expert and its sigmoid gate
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    }
     gguf_experts: ClassVar[Mapping[str, str]] = GGUF_EXPERTS
+    gguf_expert_shared: ClassVar[int | None] = None  # the tensors say (Qwen2-MoE: one)
 
     def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
         act = raw.get("hidden_act", "silu")
@@ -61,17 +72,19 @@ class Qwen3Moe(MoEArchitecture):
                 f"{source}: mlp_only_layers / decoder_sparse_step mix dense and expert layers, "
                 "which specd does not run (every layer here is one shape)"
             )
+        model_type = raw.get("model_type", "qwen3_moe")
         if raw.get("use_sliding_window"):
             raise UnsupportedModelError(
-                f"{source}: use_sliding_window is not supported for qwen3_moe"
+                f"{source}: use_sliding_window is not supported for {model_type}"
             )
         hidden, heads, kv_heads, head_dim = attention_widths(raw, source)
         rope = rope_config(raw, source)
         if rope.kind == "longrope" or rope.partial_rotary_factor != 1.0:
             raise UnsupportedModelError(
                 f"{source}: rope {rope.kind} with partial_rotary_factor "
-                f"{rope.partial_rotary_factor} is not supported for qwen3_moe"
+                f"{rope.partial_rotary_factor} is not supported for {model_type}"
             )
+        qwen2 = model_type == "qwen2_moe"
         experts = _count(raw, ("num_experts", "num_local_experts"), source)
         top_k = _count(raw, ("num_experts_per_tok",), source)
         if top_k > experts:
@@ -83,10 +96,14 @@ class Qwen3Moe(MoEArchitecture):
             top_k=top_k,
             intermediate_size=_count(raw, ("moe_intermediate_size",), source),
             normalize=bool(raw.get("norm_topk_prob", False)),
+            shared_intermediate_size=(
+                _count(raw, ("shared_expert_intermediate_size",), source) if qwen2 else None
+            ),
         )
+        # Qwen2-MoE: Qwen2's attention (q/k/v biases, no q/k norms) and a gated shared expert
         attention_bias = bool(raw.get("attention_bias", False))
         return ModelConfig(
-            model_type="qwen3_moe",
+            model_type=model_type,
             vocab_size=int(required(raw, "vocab_size", source)),
             hidden_size=hidden,
             intermediate_size=int(raw.get("intermediate_size") or moe.intermediate_size),
@@ -98,9 +115,9 @@ class Qwen3Moe(MoEArchitecture):
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=attention_bias,
+            qkv_bias=attention_bias or qwen2,
             o_bias=attention_bias,
-            qk_norm=True,
+            qk_norm=not qwen2,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids(raw),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -109,12 +126,16 @@ class Qwen3Moe(MoEArchitecture):
         )
 
     def gguf_config(self, keys: GGUFKeys, tensors: Mapping[str, Any]) -> dict[str, Any]:
-        return {
+        raw = {
             "num_experts": keys.count("expert_count"),
             "num_experts_per_tok": keys.count("expert_used_count"),
             "moe_intermediate_size": keys.count("expert_feed_forward_length"),
             "norm_topk_prob": True,
         }
+        if keys.arch == "qwen2moe":  # llama.cpp does not renormalise Qwen2-MoE's weights
+            raw["norm_topk_prob"] = False
+            raw["shared_expert_intermediate_size"] = keys.count("expert_shared_feed_forward_length")
+        return raw
 
 
 QWEN3_MOE = Qwen3Moe()
