@@ -141,9 +141,15 @@ def test_configs_it_cannot_run_are_refused_by_name() -> None:
         ("num_experts_per_tok", 200, "num_experts_per_tok"),
         ("num_experts", 0, "num_experts"),
         ("use_sliding_window", True, "use_sliding_window"),
+        # counts that would have us build 10^8 modules before a weight is read
+        ("num_experts", 10**8, "experts per layer is 100000000"),
+        ("num_hidden_layers", 10**8, "num_hidden_layers is 100000000"),
+        ("num_hidden_layers", 1000, "layers x experts is 128000"),
     ):
         with pytest.raises(ValueError, match=words):
             config_from_hf({**base, key: value})
+    with pytest.raises(ValueError, match="num_hidden_layers is 100000000"):
+        config_from_hf({**REAL_SHAPES["mixtral-8x7b"], "num_hidden_layers": 10**8})
 
 
 def test_a_config_says_it_is_a_mixture() -> None:

@@ -21,12 +21,14 @@ from modeling.layers.self_attention import Attention
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0, mlp: nn.Module | None = None) -> None:
+        """`mlp`: the block's feed-forward where it is not the shared gated MLP (a mixture of
+        experts: modeling/layers/moe.py)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.self_attn = Attention(cfg, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp if mlp is not None else MLP(cfg)
 
     def forward(
         self,

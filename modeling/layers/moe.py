@@ -1,4 +1,4 @@
-"""The mixture-of-experts block (Qwen3-MoE, Mixtral): pre-norm attention as in the shared
+"""The mixture-of-experts block (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss): pre-norm attention as in the shared
 decoder layer, then instead of one gated MLP a router and `experts` of them, each token
 sent through its top k.
 
@@ -32,11 +32,9 @@ from torch import nn
 
 from modeling.architecture import Architecture, LayerActivations
 from modeling.config import ModelConfig
-from modeling.layers.attention import Slots
-from modeling.layers.decoder_layer import layer_parameters, layer_phases
+from modeling.layers.decoder_layer import DecoderLayer, layer_parameters, layer_phases
 from modeling.layers.mlp import MLP
-from modeling.layers.norms import RMSNorm, norm_bytes
-from modeling.layers.self_attention import Attention
+from modeling.layers.norms import norm_bytes
 from modeling.weights.gguf_modules import GGUFLinear
 from modeling.weights.packed import PackedLinear
 from modeling.weights.projections import FusedLinear, linear, projection
@@ -83,9 +81,11 @@ class ClampedExpert(nn.Module):
         else:
             self.gate_proj = projection(cfg, d, f, True)
             self.up_proj = projection(cfg, d, f, True)
-        self.down_proj: nn.Linear | PackedLinear = projection(cfg, f, d, True)
-        if moe.expert_blocks is not None:
-            self.down_proj = GGUFLinear(f, d, True, moe.expert_blocks)
+        self.down_proj: nn.Linear | PackedLinear = (
+            GGUFLinear(f, d, True, moe.expert_blocks)
+            if moe.expert_blocks is not None
+            else projection(cfg, f, d, True)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
@@ -162,27 +162,12 @@ class SparseMoE(nn.Module):
         return out
 
 
-class MoEDecoderLayer(nn.Module):
-    """x + attention(norm(x)), then x + experts(norm(x)): the shared block's attention and
-    norms (modeling/layers/decoder_layer.py) with a `SparseMoE` for its MLP."""
+class MoEDecoderLayer(DecoderLayer):
+    """x + attention(norm(x)), then x + experts(norm(x)): the shared block
+    (modeling/layers/decoder_layer.py) with a `SparseMoE` for its MLP."""
 
     def __init__(self, cfg: ModelConfig, index: int = 0, weights_in_model_dtype: bool = True):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.self_attn = Attention(cfg, index)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.mlp = SparseMoE(cfg, weights_in_model_dtype)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # (T, hidden)
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        sequences: Sequence[Slots],
-        layer: int,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, sequences, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(cfg, index, SparseMoE(cfg, weights_in_model_dtype))
 
 
 def moe_layer_parameters(cfg: ModelConfig) -> int:
@@ -225,8 +210,8 @@ def moe_layer_activations(cfg: ModelConfig, itemsize: int, copy: int) -> LayerAc
 
 
 class MoEArchitecture(Architecture):
-    """An architecture whose every layer is a `MoEDecoderLayer` (Qwen3-MoE, Mixtral,
-    gpt-oss): its block, exact parameters and activations; `weights_in_model_dtype` as
+    """An architecture whose every layer is a `MoEDecoderLayer` (Qwen3-MoE, Qwen2-MoE,
+    Mixtral, gpt-oss): its block, exact parameters and activations; `weights_in_model_dtype` as
     `SparseMoE` takes it."""
 
     weights_in_model_dtype: ClassVar[bool] = True

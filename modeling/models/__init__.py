@@ -54,7 +54,32 @@ def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> ModelCon
             f"{source}: model_type {model_type!r} ({names}) is not supported; specd runs "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    return arch.config(raw, source)
+    return _bounded(arch.config(raw, source), source)
+
+
+# What a config may make us build (on the meta device, for the plan, before any weight is
+# read): published models have at most ~160 layers and 384 experts a layer, 61 x 384 in all.
+MAX_LAYERS = 1024
+MAX_EXPERTS = 1024
+MAX_EXPERT_MODULES = 1 << 16  # layers x experts
+
+
+def _bounded(cfg: ModelConfig, source: str) -> ModelConfig:
+    """`cfg`, or an UnsupportedModelError naming the count a hostile or broken config gives
+    past what any model has: a module is built per layer and per expert before a weight is
+    read, so 10^8 of them would hang the loader and the plan."""
+    experts = cfg.moe.experts if cfg.moe is not None else 1
+    for key, value, most in (
+        ("num_hidden_layers", cfg.num_layers, MAX_LAYERS),
+        ("experts per layer", experts, MAX_EXPERTS),
+        ("layers x experts", cfg.num_layers * experts, MAX_EXPERT_MODULES),
+    ):
+        if value > most:
+            raise UnsupportedModelError(
+                f"{source}: {key} is {value}, past the {most} specd builds (no published "
+                "model has as many): the config is corrupt"
+            )
+    return cfg
 
 
 def gguf_architecture(name: str) -> tuple[Architecture, str] | None:
