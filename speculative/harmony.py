@@ -52,8 +52,8 @@ class HarmonyReader:
     deltas OpenAI streams, as speculative/tool_calls.py's CallStream gives them); `finish`
     returns what was held back. However the text is split, the events add up alike."""
 
-    def __init__(self, calls: bool = True) -> None:
-        self.calls_allowed = calls  # False: a message to a function is not for the user either
+    def __init__(self, allow_calls: bool = True) -> None:
+        self.calls_allowed = allow_calls  # False: a message to a function is no call either
         self.buffer = ""  # text not read yet (a header's so far, or a body's held tail)
         self.state = "header"  # "header", "body", or "plain" (not harmony: passed through)
         self.kind = "content"  # where the current body goes: content, reasoning, arguments
@@ -61,7 +61,7 @@ class HarmonyReader:
 
     def feed(self, text: str) -> list[tuple[Any, ...]]:
         self.buffer += text
-        out: list[tuple[str, str]] = []
+        out: list[tuple[Any, ...]] = []
         while self.buffer:
             if self.state == "plain":  # markers here are stray special tokens: not text
                 text = self.buffer
