@@ -10,7 +10,9 @@ In this order:
    opened only for the few whose size and vocabulary could match, largest first.
 2. on a GPU, the substitute draft (the target's own low-bit layers), where the plan fits
    it and some layers stream: with every layer resident the substitute would be the
-   target itself, drafting at its full cost, which cannot pay.
+   target itself, drafting at its full cost, which cannot pay; nor for a mixture whose
+   experts live in RAM, where the copies of every expert would take the expert cache's
+   room (`--draft substitute` asks for it).
 3. prompt lookup (`ngram`): nothing to load or build. On a CPU it is the choice after a
    found model: a substitute takes minutes per billion weights to build there, and with
    the target resident it is the target itself anyway.
@@ -30,6 +32,7 @@ from modeling.substitute import SUBSTITUTE
 from modeling.text.tokenizer import Tokenizer
 from offload.plan import MemoryBudget, MemoryPlan
 from offload.planning import PlanError
+from offload.units import format_size
 
 log = logging.getLogger("specd.draft")
 
@@ -143,6 +146,15 @@ def choose_draft(
             NGRAM,
             f"draft auto: prompt lookup (no model with the target's tokenizer on this "
             f"machine; the substitute does not fit: {str(err).splitlines()[0]})",
+        )
+    if plan.expert_mode != "device":
+        copies = plan.device_parts.get("draft weights", 0)
+        return DraftChoice(
+            NGRAM,
+            "draft auto: prompt lookup (no model with the target's tokenizer on this "
+            f"machine; the substitute's low-bit copies of every expert ({format_size(copies)}) "
+            "would take that room from the expert cache, and a tree wakes many experts a "
+            "pass: --draft substitute tries it, --budget auto then decides whether it pays)",
         )
     if not plan.streamed_layers:
         return DraftChoice(

@@ -110,6 +110,7 @@ def choose_plan(
     draft_name: str = "draft",
     draft_shares_target: bool = False,
     substitute_layers: int | None = None,
+    substitute_experts: bool = False,
 ) -> MemoryPlan:
     """The memory plan with `dtype` and `context` settled: given values are checked, `auto`
     ones chosen, and the plan says which and why (`dtype_reason`, `context_reason`).
@@ -118,7 +119,10 @@ def choose_plan(
     machine's GPU), which decides what dtype `auto` means. `draft_shares_target`: the
     draft is the target's substitute, sharing its embedding, head and KV cache, with
     quantized copies of `substitute_layers` layers only (the streamed ones: a resident
-    target layer is its own substitute). Raises PlanError."""
+    target layer is its own substitute). `substitute_experts`: the target is a mixture
+    whose routed experts live in RAM, and the substitute holds low-bit copies of every
+    layer's routed experts alone (the rest of each layer is the target's, resident).
+    Raises PlanError."""
     limit = target.max_context
     if context != "auto" and int(context) > limit:
         raise PlanError(f"context {context} is longer than {name} supports ({limit})")
@@ -141,6 +145,12 @@ def choose_plan(
                 window_kv_bytes_per_slot=0,
                 num_layers=layers,
             )
+            if substitute_experts:
+                draft_fp = replace(
+                    draft_fp,
+                    layer_bytes=draft_fp.experts * draft_fp.expert_bytes,
+                    num_layers=target.num_layers,
+                )
 
         def attempt(
             nodes: int | str,

@@ -94,6 +94,15 @@ def _substitute_plan(
         if plan.streamed_layers <= counted:
             break
         counted = plan.streamed_layers
+    if plan.expert_mode != "device":
+        # Routed experts in RAM: the substitute copies every layer's experts (resident, so
+        # a draft pass moves none). Counting them leaves the device less room, so the
+        # experts stay in RAM (`auto` keeps them with their layers only where all fits).
+        plan = choose_plan(
+            target, config, name, dtype, context, device_type, options, budget, tree_budget,
+            label, draft_shares_target=True, substitute_experts=True,
+        )  # fmt: skip
+        assert plan.expert_mode != "device", "counting the copies left more room"
     if plan.streamed_layers and not shares_packed(target, bits):
         _check_build(plan, target)
     return plan
@@ -164,6 +173,14 @@ def plan_with_draft(
             if shares_packed(target, bits)
             else f"{bits}-bit copies"
         )
+        if plan.expert_mode != "device":
+            plan.notes.append(
+                f"the substitute draft: {bits}-bit copies of the routed experts of all "
+                f"{target.num_layers} layers, resident (a draft pass moves no expert); the "
+                "rest of each layer (attention, norms, router) is the target's own, and it "
+                "shares the target's embedding, norm, head and KV cache"
+            )
+            return plan, DraftPlan(substitute_config(target, bits), bits, target.num_layers)
         plan.notes.append(
             f"the substitute draft: {plan.streamed_layers} of {target.num_layers} layers are "
             f"{copies}; it shares the target's embedding, norm, head and KV cache, and the "

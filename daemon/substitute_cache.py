@@ -28,7 +28,7 @@ from torch import nn
 
 from modeling.checkpoints.checkpoint import Checkpoint
 from modeling.config import ModelConfig
-from modeling.substitute import empty_layer, quantized_layer
+from modeling.substitute import empty_layer, quantized_layer, routed_copies_layer
 from modeling.weights import hqq
 
 log = logging.getLogger("specd.loading")
@@ -39,10 +39,14 @@ MANIFEST = "manifest.json"
 
 
 def cache_key(
-    checkpoint: Checkpoint, bits: int, dtype: torch.dtype, quantized: Sequence[int]
+    checkpoint: Checkpoint,
+    bits: int,
+    dtype: torch.dtype,
+    quantized: Sequence[int],
+    routed_only: bool = False,
 ) -> str:
     spec = checkpoint.config.quantization
-    identity = {
+    identity: dict[str, object] = {
         "format": FORMAT,
         "bits": bits,
         "dtype": str(dtype),
@@ -54,6 +58,8 @@ def cache_key(
             for f in sorted(checkpoint.weight_files())
         ],
     }
+    if routed_only:  # copies of the routed experts alone (the rest is the target's)
+        identity["routed_only"] = True
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -70,10 +76,14 @@ class SubstituteCache:
         dtype: torch.dtype,
         device: torch.device,
         quantized: Sequence[int],
+        routed_only: bool = False,
     ) -> None:
         self.directory = directory
         self.config, self.dtype, self.device = config, dtype, device
-        self.path = directory / cache_key(checkpoint, bits, dtype, quantized)
+        # A mixture whose experts live in RAM: its layers' expert copies alone are stored
+        # (`routed_copies_layer`; the rest of each layer is the target's own)
+        self.routed_only = routed_only
+        self.path = directory / cache_key(checkpoint, bits, dtype, quantized, routed_only)
         self.hit = (self.path / MANIFEST).is_file()
         self.partial = self.path.with_name(self.path.name + ".partial")
         self.meta = {"target": str(checkpoint.path), "bits": bits, "layers": list(quantized)}
@@ -85,15 +95,29 @@ class SubstituteCache:
     def __call__(self, index: int, dense: nn.Module) -> nn.Module:
         name = f"layer-{index}.safetensors"
         if self.hit:
-            layer = empty_layer(self.config, index, self.device, self.dtype)
+            if self.routed_only:
+                layer = routed_copies_layer(
+                    self.config, index, dense, self.device, self.dtype, quantize=False
+                )
+            else:
+                layer = empty_layer(self.config, index, self.device, self.dtype)
+            own = self._own(layer)
             with safe_open(self.path / name, framework="pt", device="cpu") as f:
-                layer.load_state_dict({key: f.get_tensor(key) for key in layer.state_dict()})
+                own.load_state_dict({key: f.get_tensor(key) for key in own.state_dict()})
             return layer
-        layer = quantized_layer(self.config, index, dense, self.device, self.dtype)
+        if self.routed_only:
+            layer = routed_copies_layer(self.config, index, dense, self.device, self.dtype)
+        else:
+            layer = quantized_layer(self.config, index, dense, self.device, self.dtype)
         self.partial.mkdir(parents=True, exist_ok=True)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in layer.state_dict().items()}
+        state = self._own(layer).state_dict()
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
         save_file(tensors, str(self.partial / name))
         return layer
+
+    def _own(self, layer: nn.Module) -> nn.Module:
+        """What of `layer` is the substitute's own, stored: all of it, or its expert copies."""
+        return layer.get_submodule("mlp.experts") if self.routed_only else layer
 
     def save(self) -> None:
         """Put the complete build in place (nothing to do when it was read), and keep only

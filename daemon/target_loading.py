@@ -22,10 +22,18 @@ from daemon.pair_plan import DraftPlan, plan_pair
 from daemon.substitute_cache import SubstituteCache
 from modeling.checkpoints.checkpoint import Checkpoint, load, open_checkpoint
 from modeling.checkpoints.safetensors_model import CheckpointError
+from modeling.config import ModelConfig
 from modeling.decoder import Transformer
 from modeling.layers.moe import SparseMoE
 from modeling.models import architecture
-from modeling.substitute import build_substitute, share_placed, shares_packed, substitute_config
+from modeling.substitute import (
+    LayerMaker,
+    build_substitute,
+    routed_copies_layer,
+    share_placed,
+    shares_packed,
+    substitute_config,
+)
 from modeling.text.tokenizer import Tokenizer
 from modeling.weights.projections import stored_names
 from offload.experts import ExpertCache, HostExperts
@@ -109,12 +117,9 @@ def load_target(
     before any moves (where the substitute draft is built from them)."""
     dtype = plan_dtype(plan)
     if plan.expert_mode != "device":  # loaded in RAM, then all but the experts placed
-        if before_placing is not None:
-            raise PlanError(
-                "the substitute draft of a mixture of experts whose experts live in RAM is "
-                "not built yet: use --experts device, or --draft ngram or a draft model"
-            )
         model, tokenizer, ckpt = load(ckpt, dtype, "cpu")
+        if before_placing is not None:
+            before_placing(model, plan)
         place_experts(model, plan, device)
         return model, tokenizer, ckpt, None
     if not plan.streamed_layers:
@@ -214,6 +219,12 @@ def load_placed_target(
     return PlacedTarget(model, tokenizer, ckpt, plan, streamer, drafting, *built)
 
 
+def _routed_copies(
+    config: ModelConfig, device: torch.device, dtype: torch.dtype, index: int, dense: nn.Module
+) -> nn.Module:
+    return routed_copies_layer(config, index, dense, device, dtype)
+
+
 def substitute_from(
     model: Transformer,
     checkpoint: Checkpoint,
@@ -234,15 +245,22 @@ def substitute_from(
             "(or --host-tier ram), or draft with a model"
         )
     layers = list(cast(nn.ModuleList, model.layers))
-    first_streamed = plan.resident_layers if plan.streamed_layers else len(layers)
+    # A mixture whose routed experts live in RAM: every layer is resident but its experts,
+    # so every layer gets low-bit copies of its experts (and shares the rest).
+    routed = plan.expert_mode != "device"
+    first_streamed = 0 if routed else plan.resident_layers if plan.streamed_layers else len(layers)
     quantized = list(range(first_streamed, len(layers)))
     stored = None
     # Shared packed layers are copied as stored: nothing to quantize, nothing to keep.
     if cache is not None and quantized and not shares_packed(model.config, bits):
         stored = SubstituteCache(
             cache, checkpoint, substitute_config(model.config, bits), bits, model.dtype,
-            device, quantized,
+            device, quantized, routed_only=routed,
         )  # fmt: skip
+    make: LayerMaker | None = stored
+    if make is None and routed:
+        config = substitute_config(model.config, bits)
+        make = partial(_routed_copies, config, device, model.dtype)
     started = time.perf_counter()
 
     def progress(done: int, total: int) -> None:
@@ -252,12 +270,13 @@ def substitute_from(
             on_progress(note)
 
     substitute = build_substitute(
-        model, bits, layers, lambda i: i >= first_streamed, device, progress, make=stored
+        model, bits, layers, lambda i: i >= first_streamed, device, progress, make=make
     )
     how = "read from " + str(stored.path) if stored is not None and stored.hit else "built"
     kind = "packed layers copied as stored" if shares_packed(model.config, bits) else "HQQ"
+    what = "the routed experts of %d layers" if routed else "%d streamed layers"
     log.info(
-        "substitute draft: %d-bit %s of %d streamed layers, %s in %.1f s",
+        "substitute draft: %d-bit %s of " + what + ", %s in %.1f s",
         bits, kind, len(quantized), how, time.perf_counter() - started,
     )  # fmt: skip
     if stored is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from typing import cast
 
 import torch
 from torch import nn
@@ -69,7 +70,10 @@ def substitute_config(target: ModelConfig, bits: int) -> ModelConfig:
     target's own where it shares them (`shares_packed`)."""
     if shares_packed(target, bits):
         return target
-    return replace(target, quantization=substitute_spec(bits))
+    moe = target.moe
+    if moe is not None and moe.expert_blocks is not None:  # gpt-oss's MXFP4 experts: HQQ too
+        moe = replace(moe, expert_blocks=None)
+    return replace(target, quantization=substitute_spec(bits), moe=moe)
 
 
 def build_peak_bytes(target: ModelConfig, weight_itemsize: int) -> int:
@@ -95,7 +99,7 @@ def dense_projections(layer: nn.Module) -> Iterator[tuple[str, torch.Tensor, tor
             row = 0
             for part, rows in module.parts:
                 bias = module.bias[row : row + rows] if module.bias is not None else None
-                yield f"{owner}.{part}", module.weight[row : row + rows], bias
+                yield f"{owner}.{part}" if owner else part, module.weight[row : row + rows], bias
                 row += rows
         elif isinstance(module, PackedLinear):
             yield name, module.dequantize(torch.float32), module.bias
@@ -108,21 +112,72 @@ def quantized_layer(
 ) -> nn.Module:
     """A substitute layer for the target's `dense` (CPU) layer: its projections HQQ-packed
     on `device` (one projection's weight is copied there at a time: a GPU optimises it in
-    a fraction of the CPU's time), its norms copied (a layer's norms are a few kilobytes)."""
+    a fraction of the CPU's time), the rest copied (norms, attention sinks, a mixture's
+    router: a few kilobytes a layer)."""
     with torch.device(device):
         layer = architecture(config).block(config, index)
-    modules = dict(layer.named_modules())
+    _quantize_into(layer, dense, device)
+    return layer.to(device=device, dtype=dtype)
+
+
+def _quantize_into(module: nn.Module, dense: nn.Module, device: torch.device) -> None:
+    """`module` (the substitute's, on `device`) made from the target's `dense`: each of its
+    HQQ projections quantized from the dense one of the same name, every other parameter
+    copied by name (a router stays exact: which experts a draft token reads is the
+    target's choice, at its few kilobytes)."""
+    modules = dict(module.named_modules())
+    quantized: set[str] = set()
     for name, weight, bias in dense_projections(dense):
         target = modules[name]
-        assert isinstance(target, HQQLinear), name
+        if not isinstance(target, HQQLinear):
+            continue  # kept as the target's: copied with the other parameters below
         target.quantize_from(weight.detach().to(device))
         if bias is not None and target.bias is not None:
             target.bias.data.copy_(bias.detach())
+        quantized.add(name)
     theirs = dict(dense.named_parameters())
-    for name, param in layer.named_parameters():
-        if name.endswith("norm.weight"):
-            param.data.copy_(theirs[name].detach())
-    return layer.to(device=device, dtype=dtype)
+    for name, param in module.named_parameters():
+        owner = name.rpartition(".")[0]
+        if owner in quantized:
+            continue
+        if name not in theirs or theirs[name].shape != param.shape:
+            raise ValueError(f"the substitute's {name} has no counterpart in the target's layer")
+        param.data.copy_(theirs[name].detach())
+
+
+def routed_copies_layer(
+    config: ModelConfig,
+    index: int,
+    dense: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantize: bool = True,
+) -> nn.Module:
+    """The substitute layer of a mixture's layer whose routed experts live in host RAM
+    (`--experts stream|cpu`): the target's own attention, norms, router and shared expert
+    (resident on the device: shared, as a resident layer is its own substitute) around
+    HQQ copies of every routed expert on `device`, resident, so a draft pass moves no
+    expert. `quantize` False leaves the copies empty (a stored substitute is read into
+    them: daemon/substitute_cache.py)."""
+    with torch.device("meta"):
+        layer = architecture(config).block(config, index)
+    theirs = dense.get_submodule("mlp")
+    moe = layer.get_submodule("mlp")
+    for name, child in dense.named_children():
+        if name != "mlp":
+            setattr(layer, name, child)
+    for name, child in theirs.named_children():
+        if name != "experts":
+            setattr(moe, name, child)
+    copies = nn.ModuleList()
+    their_experts = cast(nn.ModuleList, theirs.get_submodule("experts"))
+    for expert, own in zip(cast(nn.ModuleList, moe.experts), their_experts, strict=True):
+        expert = expert.to_empty(device=device)
+        if quantize:
+            _quantize_into(expert, own, device)
+        copies.append(expert.to(dtype=dtype))
+    moe.experts = copies
+    return layer
 
 
 # Makes a substitute layer: (its index, the target's dense layer) → the quantized layer.

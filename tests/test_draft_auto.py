@@ -65,8 +65,11 @@ def test_the_largest_small_model_of_the_same_tokenizer_is_found(models: dict[str
     assert choice.draft == str(models["larger"]) and "larger" in choice.reason
 
 
-def plan_stub(streamed: int, resident: int = 2) -> Any:
-    return SimpleNamespace(streamed_layers=streamed, resident_layers=resident)
+def plan_stub(streamed: int, resident: int = 2, experts: str = "device") -> Any:
+    return SimpleNamespace(
+        streamed_layers=streamed, resident_layers=resident, expert_mode=experts,
+        device_parts={"draft weights": 8 * 2**30},
+    )  # fmt: skip
 
 
 def test_without_a_model_a_gpu_drafts_with_the_substitute_where_it_pays(
@@ -77,6 +80,9 @@ def test_without_a_model_a_gpu_drafts_with_the_substitute_where_it_pays(
     assert choice.draft == "substitute" and "2 of 4 layers stream" in choice.reason
     resident = choose_draft(target, tok, "cuda", lambda: plan_stub(streamed=0, resident=4), [])
     assert resident.draft == "ngram" and "the target itself" in resident.reason
+    # A mixture whose experts live in RAM: the copies would take the expert cache's room.
+    routed = choose_draft(target, tok, "cuda", lambda: plan_stub(0, 4, "stream"), found=[])
+    assert routed.draft == "ngram" and "copies of every expert (8 GiB)" in routed.reason
 
     def too_big() -> Any:
         raise PlanError("the substitute draft does not fit at 2-bit\nmore")

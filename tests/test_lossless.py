@@ -405,20 +405,25 @@ def test_a_request_sampled_inside_a_batch_has_the_target_distribution(
 
 
 @pytest.mark.parametrize(
-    ("family", "experts"),
-    [("qwen3_moe", "stream"), ("gpt_oss", "device")],
-    ids=["qwen3_moe", "gpt_oss"],
-)
-def test_a_mixture_of_experts_target_is_sampled_exactly(pair, tiny_checkpoint, family, experts):
+    ("family", "experts", "draft"),
+    [("qwen3_moe", "stream", "pair"), ("gpt_oss", "device", "pair"),
+     ("qwen2_moe", "cpu", "substitute")],
+    ids=["qwen3_moe", "gpt_oss", "qwen2_moe-substitute"],
+)  # fmt: skip
+def test_a_mixture_of_experts_target_is_sampled_exactly(
+    pair, tiny_checkpoint, family, experts, draft
+):
     """A mixture-of-experts target (Qwen3-MoE with its experts streamed through a cache of
-    3; gpt-oss with its sinks, clamped experts and top-k softmax routing) under a tree of
-    the unrelated draft: its exact distribution, by the same bound."""
+    3; gpt-oss with its sinks, clamped experts and top-k softmax routing; Qwen2-MoE with
+    its experts on the CPU, drafted by its substitute's 2-bit expert copies) under a tree:
+    its exact distribution, by the same bound."""
     params, n = SETTINGS["temperature-1"]
     target = tiny_checkpoint(family, init_std=0.5, seed=11, **TINY)
     rt = Runtime(
         RuntimeOptions(
-            model=str(target), draft=str(pair[1]), strategy="tree", budget=6, max_depth=3,
-            context=CONTEXT, experts=experts, expert_slots=3 if experts == "stream" else None,
+            model=str(target), draft=str(pair[1]) if draft == "pair" else draft,
+            substitute_bits=2, strategy="tree", budget=6, max_depth=3, context=CONTEXT,
+            experts=experts, expert_slots=3 if experts == "stream" else None,
         )
     )  # fmt: skip
     assert rt.target.config.moe is not None and rt.plan.expert_mode == experts

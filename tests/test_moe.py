@@ -14,11 +14,13 @@ import pytest
 import torch
 from greedy_checks import RUN_IDS, RUNS, speculation_runtime
 from test_model_parity import _check_parity
+from torch import nn
 
 from modeling.checkpoints.checkpoint import load
 from modeling.config import MoEConfig
 from modeling.layers.moe import MoEDecoderLayer, SparseMoE
 from modeling.models import config_from_hf, parameter_count
+from offload.layout import FlatLayout
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
 
@@ -373,6 +375,7 @@ def test_gpt_oss_mxfp4_release_keeps_its_experts_packed(tiny_checkpoint, tmp_pat
     from daemon.options import RuntimeOptions
     from daemon.runtime import Runtime
     from modeling.weights.gguf_modules import GGUFLinear
+    from modeling.weights.hqq import HQQLinear
     from speculative.sampling import SamplingParams
 
     _mxfp4_release(tiny_checkpoint("gpt_oss", vocab_size=96), tmp_path / "m", tmp_path / "ref")
@@ -394,3 +397,101 @@ def test_gpt_oss_mxfp4_release_keeps_its_experts_packed(tiny_checkpoint, tmp_pat
         for mode, slots in (("device", None), ("stream", 2))
     ]  # fmt: skip
     assert runs[0] == runs[1]
+    # Its substitute: HQQ copies of the MXFP4 experts (decoded, then quantized), drafting
+    # on the CPU beside the experts the target computes there.
+    rt = Runtime(RuntimeOptions(model=str(tmp_path / "m"), device="cpu", experts="cpu",
+                                context=64, draft="substitute", substitute_bits=4, budget=6))  # fmt: skip
+    assert rt.draft is not None
+    assert isinstance(rt.draft.layers[1].mlp.experts[2].up_proj, HQQLinear)
+    out = rt.generation(prompt, greedy, 16, ignore_eos=True).run()
+    assert out.token_ids == runs[0] and out.stats.accepted > 0
+
+
+@pytest.mark.parametrize(("family", "mode"), [("qwen3_moe", "stream"), ("gpt_oss", "cpu")])
+def test_the_substitute_of_a_mixture_in_ram_copies_its_experts(
+    tiny_checkpoint, tmp_path: Path, family: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--draft substitute` of a target whose experts live in RAM: every layer's routed
+    experts get resident 4-bit copies, the rest
+    of each layer is the target's own module, the plan counts the copies, and a draft pass
+    asks the target's expert source for nothing (only target passes route through it).
+    Greedy output is the target's; a second start reads the stored copies."""
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
+    from daemon.target_loading import expert_source
+    from modeling.weights.hqq import HQQLinear
+    from speculative.sampling import SamplingParams
+
+    path = tiny_checkpoint(family, vocab_size=96, num_layers=3)
+    prompt = [5, 9, 17, 33, 2, 8, 40, 11, 5, 9, 17]
+    greedy = SamplingParams(temperature=0.0)
+    plain = Runtime(RuntimeOptions(model=str(path), device="cpu", context=96, draft=None))
+    expected = plain.generation(prompt, greedy, 24, ignore_eos=True).run().token_ids
+    options = RuntimeOptions(
+        model=str(path), device="cpu", context=96, draft="substitute", substitute_bits=4,
+        experts=mode, expert_slots=3 if mode == "stream" else None, budget=8,
+        substitute_cache=str(tmp_path),
+    )  # fmt: skip
+    rt = Runtime(options)
+    assert rt.plan.expert_mode == mode and rt.draft is not None
+    assert rt.substitute_layers == 3
+    sub_layers, layers = list(rt.draft.layers), list(rt.target.layers)
+    for own, theirs in zip(sub_layers, layers, strict=True):
+        assert own.self_attn is theirs.self_attn and own.mlp.gate is theirs.mlp.gate
+        assert own.input_layernorm is theirs.input_layernorm
+        assert len(own.mlp.experts) == 4 and not len(theirs.mlp.experts)  # the source's
+        projections = [m for m in own.mlp.experts.modules() if isinstance(m, nn.Linear | HQQLinear)]
+        assert projections and all(isinstance(m, HQQLinear) for m in projections)
+    expert = sub_layers[0].mlp.experts[0]
+    copies = rt.plan.device_parts["draft weights"]
+    assert copies == 3 * 4 * FlatLayout.of(expert).nbytes
+    assert any("copies of the routed experts of all 3 layers" in n for n in rt.plan.notes)
+
+    source = expert_source(rt.target)
+    assert source is not None
+    generation = rt.generation(prompt, greedy, 24, ignore_eos=True)
+    out = generation.run()
+    assert out.token_ids == expected
+    stats = out.stats
+    assert stats.draft_passes > 0 and stats.accepted > 0
+    # The target's passes alone route through the source (its 3 layers each); the draft's
+    # dozens of passes, none.
+    assert source.stats.layer_passes == 3 * stats.target_passes
+
+    monkeypatch.setattr(HQQLinear, "quantize_from", _no_quantizing)
+    again = Runtime(options)
+    assert again.draft is not None
+    for a, b in zip(rt.draft.layers, again.draft.layers, strict=True):
+        for (name, x), (_, y) in zip(
+            a.mlp.experts.state_dict().items(), b.mlp.experts.state_dict().items(), strict=True
+        ):
+            assert torch.equal(x, y), name
+    assert again.generation(prompt, greedy, 24, ignore_eos=True).run().token_ids == expected
+
+
+def _no_quantizing(self, weight: torch.Tensor) -> None:
+    raise AssertionError("the stored substitute was quantized again")
+
+
+def test_the_substitute_of_streamed_mixture_layers(tiny_checkpoint) -> None:
+    """Whole mixture layers streamed (`--experts device --offload stream`): each gets a
+    low-bit copy whose router and shared-expert gate are the target's exactly (only the
+    projections are quantized), and greedy output is the target's."""
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
+    from speculative.sampling import SamplingParams
+
+    path = tiny_checkpoint("qwen2_moe", vocab_size=96, num_layers=3)
+    prompt, greedy = [5, 9, 17, 33, 2, 8, 40, 11, 5, 9, 17], SamplingParams(temperature=0.0)
+    plain = Runtime(RuntimeOptions(model=str(path), device="cpu", context=96, draft=None))
+    expected = plain.generation(prompt, greedy, 24, ignore_eos=True).run().token_ids
+    rt = Runtime(RuntimeOptions(model=str(path), device="cpu", context=96, draft="substitute",
+                                substitute_bits=4, experts="device", offload="stream",
+                                resident_layers=0, budget=8))  # fmt: skip
+    assert rt.draft is not None and rt.plan.streamed_layers == 3
+    model = load(path)[0]
+    for own, theirs in zip(rt.draft.layers, model.layers, strict=True):
+        assert torch.equal(own.mlp.gate.weight, theirs.mlp.gate.weight)
+        assert torch.equal(own.mlp.shared_expert_gate.weight, theirs.mlp.shared_expert_gate.weight)
+    out = rt.generation(prompt, greedy, 24, ignore_eos=True).run()
+    assert out.token_ids == expected and out.stats.accepted > 0
