@@ -53,6 +53,8 @@ class RuntimeOptions:
     )
     ram_budget: str = "auto"  # a size or auto (available RAM minus a reserve)
     bandwidth: str | None = None  # host→device rate for the plan's estimate ("25GB/s")
+    # The CPU's rate for experts computed there (`--experts auto`), None: measured on a GPU
+    cpu_rate: str | None = None
     threads: int | str = "auto"  # CPU compute threads (torch intra-op), or auto
     # Compiled passes: auto | off | on (daemon/compiling.py). The configuration's default is
     # auto; a runtime built directly (tests, scripts) compiles only when asked.

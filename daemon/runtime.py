@@ -267,7 +267,7 @@ class Runtime:
         expected experts n tokens wake a layer (uniform routing: E (1 - (1 - k/E)^n); the
         fitted line's slope takes up how skewed real routing is); None (its tokens) else."""
         moe = self.target.config.moe
-        if moe is None or self.plan.expert_mode not in ("stream", "cpu"):
+        if moe is None or self.plan.expert_mode not in ("stream", "cpu", "mixed"):
             return None
         return partial(expected_experts, moe.experts, moe.top_k)
 
@@ -400,6 +400,7 @@ class Runtime:
         return {
             "mode": self.plan.expert_mode,
             "slots": self.plan.expert_slots,
+            "layers": self.plan.to_dict()["expert_layers"],
             "experts": self.target.config.moe.experts * self.target.config.num_layers,
             **(source.stats.to_dict() if source is not None else {}),
         }

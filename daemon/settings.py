@@ -146,6 +146,7 @@ class OffloadSettings:
     expert_slots: int | None = _key(None, integer(1, 1 << 20, nullable=True))
     ram_budget: str = _key("auto", size_or_auto)
     bandwidth: str | None = _key(None, rate_or_null)
+    cpu_rate: str | None = _key(None, rate_or_null)
 
 
 @dataclass
@@ -296,6 +297,7 @@ class Settings:
             expert_slots=self.offload.expert_slots,
             ram_budget=self.offload.ram_budget,
             bandwidth=self.offload.bandwidth,
+            cpu_rate=self.offload.cpu_rate,
             threads=self.models.threads,
             compile=self.runtime.compile,
             sequences=self.limits.max_concurrent + self.limits.cached_sessions,

@@ -148,10 +148,15 @@ def load_target(
 def place_experts(model: Transformer, plan: MemoryPlan, device: torch.device) -> None:
     """Every routed expert of `model` (loaded in RAM) handed to its source as `plan` says
     (offload/experts.py: host copies and a device cache of `plan.expert_slots`, or host RAM
-    where they compute on the CPU), then the rest of the model moved to `device`."""
+    where they compute on the CPU), or kept with its layer where the plan keeps that
+    layer's experts on the device; then the rest of the model moved to `device`."""
     blocks = [cast(SparseMoE, layer.mlp) for layer in cast(nn.ModuleList, model.layers)]
-    experts = []
-    for block in blocks:
+    modes = plan.expert_layer_modes()
+    experts: list[list[nn.Module]] = []
+    for block, mode in zip(blocks, modes, strict=True):
+        if mode == "device":
+            experts.append([])  # with its layer: moved to the device below
+            continue
         experts.append(list(block.experts))
         block.experts = nn.ModuleList()  # the source holds them now; .to(device) skips them
     source: ExpertCache | HostExperts
@@ -161,17 +166,19 @@ def place_experts(model: Transformer, plan: MemoryPlan, device: torch.device) ->
         source = HostExperts(experts)
     del experts
     model.to(device)
-    for index, block in enumerate(blocks):
-        block.source, block.layer = source, index
+    for index, (block, mode) in enumerate(zip(blocks, modes, strict=True)):
+        if mode != "device":
+            block.source, block.layer = source, index
 
 
 def expert_source(model: Transformer) -> ExpertCache | HostExperts | None:
     """The source `place_experts` gave `model`'s experts, or None (with their layers)."""
     layers = model.layers
-    first = layers[0] if isinstance(layers, nn.ModuleList) and len(layers) else None
-    block = getattr(first, "mlp", None)
-    source = getattr(block, "source", None)
-    return source if isinstance(source, (ExpertCache, HostExperts)) else None
+    for layer in layers if isinstance(layers, nn.ModuleList) else ():
+        source = getattr(getattr(layer, "mlp", None), "source", None)
+        if isinstance(source, (ExpertCache, HostExperts)):
+            return source
+    return None
 
 
 @dataclass
@@ -195,10 +202,14 @@ def load_placed_target(
     is loaded, and `auto` dtype, context and substitute bits are settled), then loaded and
     placed. `draft`: the draft model's checkpoint, opened (its config is planned for), or
     None; with `--draft substitute` the substitute is built from the target's layers."""
-    budget = detect_budget(
-        device, options.gpu_budget, options.ram_budget, options.bandwidth, measure=False
-    )
     ckpt = open_checkpoint(options.model, options.quantize)
+    # `--experts auto` weighs the bus against the CPU for a mixture on a GPU: measured then
+    # (a fraction of a second), where they are not given.
+    routed = ckpt.config.moe is not None and options.experts == "auto"
+    budget = detect_budget(
+        device, options.gpu_budget, options.ram_budget, options.bandwidth,
+        measure=routed and device.type == "cuda", cpu_rate=options.cpu_rate,
+    )  # fmt: skip
     draft_config = draft.config if draft is not None else None
     plan, drafting = plan_pair(options, ckpt, draft_config, budget, device.type, str(ckpt.path))
     built: list[Transformer] = []

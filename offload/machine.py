@@ -43,6 +43,30 @@ def measure_bandwidth(device: torch.device | str, size: int = 256 * 2**20) -> tu
     return size / best, "measured: RAM copy (CPU device)"
 
 
+# What `measure_cpu_rates` times: one token through a 4,096² matrix in each dtype a
+# mixture's experts may be kept in on the host.
+CPU_RATE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def measure_cpu_rates(side: int = 4096) -> tuple[tuple[str, float], ...]:
+    """The rate (bytes of weights read per second) at which this CPU multiplies one token
+    by a `side`² matrix, per dtype in CPU_RATE_DTYPES, best of three: what computing a
+    mixture's experts on the CPU costs a decode step (a CPU without bf16 instructions
+    multiplies bf16 several times slower than fp32; that is measured, not assumed)."""
+    rates = []
+    for dtype in CPU_RATE_DTYPES:
+        weight = torch.ones(side, side, dtype=dtype)
+        x = torch.ones(1, side, dtype=dtype)
+        torch.nn.functional.linear(x, weight)  # warm-up
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, weight)
+            best = min(best, time.perf_counter() - t0)
+        rates.append((str(dtype).removeprefix("torch."), weight.nbytes / max(best, 1e-9)))
+    return tuple(rates)
+
+
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
     """This machine's CPU feature flags (Linux's /proc/cpuinfo: `flags` on x86, `Features`
@@ -82,6 +106,7 @@ def detect_budget(
     ram_budget: str | int = "auto",
     bandwidth: str | float | None = None,
     measure: bool = True,
+    cpu_rate: str | float | None = None,
 ) -> MemoryBudget:
     """Budgets from the user's values, or measured on this machine: free GPU memory minus a
     reserve (CUDA context, allocator slack), available RAM minus a reserve for everything
@@ -110,7 +135,18 @@ def detect_budget(
         rate, rate_source = measure_bandwidth(device)
     else:
         rate, rate_source = None, "not measured"
-    return MemoryBudget(kind, dev, dev_source, ram, ram_source, rate, rate_source)
+    # The CPU's rate matters only where experts may compute on it beside a GPU.
+    cpu_rates: tuple[tuple[str, float], ...] = ()
+    cpu_source = "not measured"
+    if cpu_rate is not None:
+        given = parse_rate(cpu_rate, "--cpu-rate")
+        names = [str(d).removeprefix("torch.") for d in CPU_RATE_DTYPES] + ["packed"]
+        cpu_rates, cpu_source = tuple((n, given) for n in names), "configured"
+    elif measure and kind == "cuda" and device.type == "cuda":
+        cpu_rates, cpu_source = measure_cpu_rates(), "measured: one token through a matrix"
+    return MemoryBudget(
+        kind, dev, dev_source, ram, ram_source, rate, rate_source, cpu_rates, cpu_source
+    )
 
 
 class PeakMemory:

@@ -23,7 +23,9 @@ from offload.units import format_size
 OFFLOAD_MODES = ("none", "stream", "auto")
 # Where a mixture of experts' routed experts live (`--experts`, offload.experts): with their
 # layers (device), in host RAM copied to a device cache as routed (stream), in host RAM
-# computed there (cpu), or auto: device where everything fits, else stream on a GPU.
+# computed there (cpu), or auto: device where everything fits, else on a GPU per layer:
+# the layers whose experts fit keep them, the others stream them or compute them on the
+# CPU, whichever the measured rates make cheaper.
 EXPERT_MODES = ("auto", "device", "stream", "cpu")
 TIER_CHOICES = ("ram", "disk", "auto")
 MIN_SLOTS = 2
@@ -104,6 +106,15 @@ class MemoryBudget:
     ram_source: str
     bandwidth: float | None  # host→device bytes/s
     bandwidth_source: str
+    # The rate (bytes/s of weights read) at which this CPU multiplies a token by a matrix,
+    # per dtype ("bfloat16", "float16", "float32"; "packed" only where configured): what a
+    # mixture's experts computed on the CPU cost (`--experts auto`). Empty: not measured.
+    cpu_rates: tuple[tuple[str, float], ...] = ()
+    cpu_rate_source: str = "not measured"
+
+    def cpu_rate(self, dtype: str) -> float | None:
+        """The CPU's rate for weights in `dtype` (a dtype name, or "packed"), or None."""
+        return dict(self.cpu_rates).get(dtype)
 
 
 @dataclass(frozen=True)
@@ -169,9 +180,17 @@ class MemoryPlan:
     # rebuild per pass); streamed plans keep them packed (the device is full by design).
     dequantized_resident: bool = False
     # A mixture of experts' routed experts: where they live ("device" with their layers,
-    # "stream": host RAM and `expert_slots` device slots, "cpu": host RAM, computed there)
+    # "stream": host RAM and `expert_slots` device slots, "cpu": host RAM, computed there,
+    # "mixed": per layer as `expert_layers` says, each "device" or "cpu")
     expert_mode: str = "device"
     expert_slots: int = 0
+    expert_layers: tuple[str, ...] = ()
+
+    def expert_layer_modes(self) -> tuple[str, ...]:
+        """Where each layer's routed experts live (one mode per layer)."""
+        if self.expert_layers:
+            return self.expert_layers
+        return (self.expert_mode,) * self.request.target.num_layers
 
     @property
     def device_bytes(self) -> int:
@@ -204,6 +223,12 @@ class MemoryPlan:
             "dequantized_resident": self.dequantized_resident,
             "experts": self.expert_mode,
             "expert_slots": self.expert_slots,
+            "expert_layers": {
+                mode: self.expert_layer_modes().count(mode)
+                for mode in dict.fromkeys(self.expert_layer_modes())
+            }
+            if self.request.target.experts
+            else {},
         }
 
     def render(self) -> str:
@@ -230,6 +255,11 @@ class MemoryPlan:
             f"  budget   {b.device} {format_size(b.device_bytes)} ({b.device_source}); "
             f"RAM {format_size(b.ram_bytes)} ({b.ram_source})",
             f"  host→device {_rate(b.bandwidth)} ({b.bandwidth_source})",
+            *(
+                [f"  CPU      {_cpu_rates(b)} ({b.cpu_rate_source})"]
+                if t.experts and b.cpu_rates
+                else []
+            ),
             "",
             f"  on the {b.device}:",
         ]
@@ -254,7 +284,13 @@ class MemoryPlan:
                 f"{format_size(self.host_bytes - pinned_cache)} of RAM ({self.host_tier_reason})"
             )
             per_pass = format_size(self.streamed_bytes_per_pass)
-            if self.seconds_per_pass is None:
+            on_cpu = self.expert_layer_modes().count("cpu") if t.experts else 0
+            if on_cpu and not self.streamed_bytes_per_pass:
+                lines.append(
+                    f"  expected nothing streamed: the CPU computes the routed experts of "
+                    f"{on_cpu} layers"
+                )
+            elif self.seconds_per_pass is None:
                 lines.append(f"  expected {per_pass} streamed per target pass")
             else:
                 lines.append(
@@ -265,6 +301,10 @@ class MemoryPlan:
             lines.append(f"  host     nothing streams ({self.host_tier_reason})")
         lines += [f"  note     {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _cpu_rates(b: MemoryBudget) -> str:
+    return ", ".join(f"{dtype} {_rate(rate)}" for dtype, rate in b.cpu_rates)
 
 
 def _rate(bandwidth: float | None) -> str:

@@ -62,8 +62,10 @@ def make_plan(request: PlanRequest, budget: MemoryBudget) -> MemoryPlan:
         if r.experts not in EXPERT_MODES:
             raise PlanError(f"experts {r.experts!r} is not one of {', '.join(EXPERT_MODES)}")
         mode = r.experts
-        if mode == "auto":  # with their layers where everything fits; else by routing on a GPU
-            mode = "device" if everything_fits or budget.device != "cuda" else "stream"
+        if mode == "auto":  # with their layers where everything fits; else per layer on a GPU
+            if not everything_fits and budget.device == "cuda":
+                return _auto_experts(r, budget, fixed, host_cache)
+            mode = "device"
         if mode != "device":
             return _plan_experts(r, budget, fixed, host_cache, mode)
     all_resident = r.offload == "none" or (
@@ -200,6 +202,76 @@ def _plan_experts(
     )
     plan.expert_mode, plan.expert_slots = mode, slots
     return plan
+
+
+def _auto_experts(
+    r: PlanRequest, budget: MemoryBudget, fixed: dict[str, int], host_cache: int
+) -> MemoryPlan:
+    """`--experts auto` where a mixture's experts do not all fit a GPU: every layer's
+    attention, norms and router resident, then either (a) the experts of as many whole
+    layers as fit kept on the device and the other layers' experts computed on the CPU
+    (each of those layers' tokens reads its k experts there), or (b) every expert in RAM,
+    copied to a device cache as routed (`stream`), whichever a one-token pass costs less
+    at the measured rates: the CPU's for the experts' dtype (`MemoryBudget.cpu_rates`)
+    against the bus's for the bytes (b) is expected to copy. Under uniform routing a slot
+    saves the same bytes wherever it goes, so whole layers on the device lose nothing to
+    (b)'s spread cache, and the comparison is one of rates. Without a measured CPU rate,
+    (b)."""
+    t = r.target
+    n, e, k = t.num_layers, t.experts, t.experts_per_token
+    stream = _plan_experts(r, budget, fixed, host_cache, "stream")
+    kind = "packed" if t.quantization else t.dtype
+    rate = budget.cpu_rate(kind)
+    if rate is None or not budget.bandwidth:
+        stream.notes.append(
+            f"experts auto: streamed by routing (the CPU's rate for {kind} experts is not "
+            "measured: --cpu-rate gives it, --experts cpu computes them there)"
+        )
+        return stream
+    rest = t.layer_bytes - e * t.expert_bytes
+    room = budget.device_bytes - sum(fixed.values()) - n * rest
+    whole = min(n - 1, max(0, room) // (e * t.expert_bytes))
+    on_cpu = n - whole
+    cpu_seconds = on_cpu * k * t.expert_bytes / rate
+    stream_seconds = stream.streamed_bytes_per_pass / budget.bandwidth
+    versus = (
+        f"a 1-token pass computes {k} experts in each of {on_cpu} layers on the CPU "
+        f"({format_size(on_cpu * k * t.expert_bytes)} at {rate / 1e9:.3g} GB/s for {kind}: "
+        f"{cpu_seconds * 1e3:.3g} ms) or copies {format_size(stream.streamed_bytes_per_pass)} "
+        f"to the cache ({budget.bandwidth / 1e9:.3g} GB/s: {stream_seconds * 1e3:.3g} ms)"
+    )
+    if cpu_seconds >= stream_seconds:
+        stream.notes.append(f"experts auto: streamed by routing: {versus}")
+        return stream
+    if not whole:
+        plan = _plan_experts(r, budget, fixed, host_cache, "cpu")
+        plan.notes.append(f"experts auto: on the CPU: {versus}")
+        return plan
+    parts = {
+        **fixed,
+        f"target layers without their experts ({n}, resident)": n * rest,
+        f"routed experts of {_layers(0, whole)} (resident)": whole * e * t.expert_bytes,
+    }
+    host = on_cpu * e * t.expert_bytes
+    if host + host_cache > budget.ram_bytes:
+        raise PlanError(
+            f"the routed experts of {on_cpu} layers ({format_size(host)}) do not fit the RAM "
+            f"budget ({format_size(budget.ram_bytes)}): give more --ram-budget"
+        )
+    notes = _sequences_note(r, budget, sum(parts.values()))
+    notes.append(
+        f"experts auto, per layer: {_layers(0, whole)} keep their experts on the device, "
+        f"{_layers(whole, n)} compute theirs on the CPU, since {versus}"
+    )
+    reason = f"the routed experts of {on_cpu} layers in RAM ({format_size(host)}), computed there"
+    plan = MemoryPlan(r, budget, parts, n, 0, 0, "ram", reason, host + host_cache, 0, None, notes)
+    plan.expert_mode = "mixed"
+    plan.expert_layers = ("device",) * whole + ("cpu",) * on_cpu
+    return plan
+
+
+def _layers(first: int, end: int) -> str:
+    return f"layer {first}" if end == first + 1 else f"layers {first}-{end - 1}"
 
 
 def _sequences_note(r: PlanRequest, budget: MemoryBudget, planned: int) -> list[str]:

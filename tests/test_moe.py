@@ -495,3 +495,86 @@ def test_the_substitute_of_streamed_mixture_layers(tiny_checkpoint) -> None:
         assert torch.equal(own.mlp.shared_expert_gate.weight, theirs.mlp.shared_expert_gate.weight)
     out = rt.generation(prompt, greedy, 24, ignore_eos=True).run()
     assert out.token_ids == expected and out.stats.accepted > 0
+
+
+def _plan_json(folder: Path, *flags: str) -> dict:
+    import contextlib
+    import io
+    import json
+
+    from daemon.cli import main
+
+    argv = ["plan", "--model", str(folder), "--device", "cuda", "--ram-budget", "64GiB",
+            "--bandwidth", "25GB/s", "--draft", "none", "--context", "8192", "--json", *flags]  # fmt: skip
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return json.loads(out.getvalue())
+
+
+def test_experts_auto_weighs_the_cpu_against_the_bus(tmp_path: Path) -> None:
+    """`--experts auto` for a Qwen3-30B-A3B shape on 16 GB (bus 25 GB/s): with a CPU that
+    multiplies at 40 GB/s, the experts of as many whole layers as fit stay on the card
+    and the other layers compute theirs on the CPU (a token's 2.7 GiB there costs less
+    than the 2.6 GiB a pass copies); at 10 GB/s they stream by routing; on 4.5 GB, where
+    no layer's experts fit beside the rest, all compute on the CPU; with no CPU rate
+    known, they stream and the plan says why."""
+    import json
+
+    folder = tmp_path / "qwen3-30b-a3b"
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps({**REAL_SHAPES["qwen3-30b-a3b"], "torch_dtype": "bfloat16"})
+    )
+    fast = _plan_json(folder, "--gpu-budget", "16GiB", "--cpu-rate", "40GB/s")
+    assert fast["experts"] == "mixed" and fast["expert_layers"] == {"device": 10, "cpu": 38}
+    assert fast["device_parts"]["routed experts of layers 0-9 (resident)"] == 10 * 128 * (
+        3 * 2048 * 768 * 2
+    )
+    assert fast["device_bytes"] <= 16 * 2**30 and fast["streamed_bytes_per_pass"] == 0
+    assert any("71.7 ms" in n and "112 ms" in n for n in fast["notes"]), fast["notes"]
+    slow = _plan_json(folder, "--gpu-budget", "16GiB", "--cpu-rate", "10GB/s")
+    assert slow["experts"] == "stream" and slow["expert_layers"] == {"stream": 48}
+    assert any("streamed by routing: " in n and "287 ms" in n for n in slow["notes"])
+    small = _plan_json(folder, "--gpu-budget", "4.5GiB", "--cpu-rate", "40GB/s")
+    assert small["experts"] == "cpu" and small["expert_layers"] == {"cpu": 48}
+    unknown = _plan_json(folder, "--gpu-budget", "16GiB")
+    assert unknown["experts"] == "stream" and unknown["budget"]["cpu_rates"] == []
+    assert any("is not measured: --cpu-rate gives it" in n for n in unknown["notes"])
+
+
+def test_experts_kept_per_layer_decode_as_with_their_layers(tiny_checkpoint) -> None:
+    """A per-layer plan (`auto` with a fast CPU and room for one layer's experts): layer 0
+    keeps its experts, layers 1 and 2 compute theirs from host RAM; greedy tokens, alone
+    and under an n-gram tree, are the resident model's, and only those two layers route
+    through the source."""
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
+    from daemon.target_loading import expert_source
+    from speculative.sampling import SamplingParams
+
+    path = tiny_checkpoint("qwen3_moe", vocab_size=96, num_layers=3)
+    prompt, greedy = [5, 9, 17, 33, 2, 8, 40, 11, 5, 9, 17], SamplingParams(temperature=0.0)
+    plain = Runtime(RuntimeOptions(model=str(path), device="cpu", context=96, draft=None))
+    expected = plain.generation(prompt, greedy, 24, ignore_eos=True).run().token_ids
+    for draft in (None, "ngram"):
+        rt = Runtime(RuntimeOptions(model=str(path), device="cpu", context=96, draft=draft,
+                                    budget=8, gpu_budget="900KiB", bandwidth="1GB/s",
+                                    cpu_rate="100GB/s"))  # fmt: skip
+        assert rt.plan.expert_layers == ("device", "cpu", "cpu")
+        assert rt.expert_status()["layers"] == {"device": 1, "cpu": 2}
+        layers = list(rt.target.layers)
+        assert len(layers[0].mlp.experts) == 4 and layers[0].mlp.source is None
+        assert not len(layers[1].mlp.experts) and layers[2].mlp.source is not None
+        out = rt.generation(prompt, greedy, 24, ignore_eos=True).run()
+        assert out.token_ids == expected
+        source = expert_source(rt.target)
+        assert source is not None and source.stats.layer_passes == 2 * out.stats.target_passes
+
+
+def test_the_cpu_rates_are_measured_per_dtype() -> None:
+    from offload.machine import measure_cpu_rates
+
+    rates = dict(measure_cpu_rates(side=512))
+    assert set(rates) == {"bfloat16", "float16", "float32"}
+    assert all(rate > 1e6 for rate in rates.values())

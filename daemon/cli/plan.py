@@ -134,7 +134,9 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a mixture of experts' routed experts: with their layers (device), in RAM "
         "copied to a device cache as routed (stream), in RAM computed on the CPU (cpu), or "
-        "auto (device where everything fits, else stream on a GPU)",
+        "auto (device where everything fits; else on a GPU, per layer: the layers whose "
+        "experts fit keep them, the rest stream or compute on the CPU, as the measured "
+        "rates say)",
     )
     g.add_argument(
         "--expert-slots",
@@ -143,6 +145,13 @@ def add_offload_args(p: argparse.ArgumentParser) -> None:
         help="--experts stream: the most experts the device cache holds (default: all that fit)",
     )
     g.add_argument("--bandwidth", type=_rate, default=None, help="host→device rate, e.g. 25GB/s")
+    g.add_argument(
+        "--cpu-rate",
+        type=_rate,
+        default=None,
+        help="the rate the CPU reads weights multiplying a token, e.g. 40GB/s: what experts "
+        "computed there cost under --experts auto (default: measured on a GPU machine)",
+    )
 
 
 _OFFLOAD_FIELDS = (
@@ -155,6 +164,7 @@ _OFFLOAD_FIELDS = (
     "experts",
     "expert_slots",
     "bandwidth",
+    "cpu_rate",
 )
 
 
@@ -262,6 +272,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         options.ram_budget,
         options.bandwidth,
         measure=this_machine and options.bandwidth is None,
+        cpu_rate=options.cpu_rate,
     )
     # budget.device is the machine planned for: "cuda" when a GPU budget describes another
     # machine's card, so `auto` picks that machine's dtype.

@@ -54,6 +54,7 @@ FLAG_KEYS = {
     "experts": "offload.experts",
     "expert_slots": "offload.expert_slots",
     "bandwidth": "offload.bandwidth",
+    "cpu_rate": "offload.cpu_rate",
     "context": "context.length",
     "host": "server.host",
     "port": "server.port",
