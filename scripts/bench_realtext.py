@@ -264,13 +264,14 @@ def main() -> None:
     )  # fmt: skip
     for name in drafts if not args.projection_from else []:
         options = draft_options(name, model, args.substitute_cache, context)
-        rows += [{"model": args.model, **r} for r in measure(Runtime(options), name, args)]
+        rows += measure(Runtime(options), name, args)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows}, indent=1))  # each draft as it ends
     for path in args.projection_from:
         rows += json.loads(path.read_text())["rows"]
     for r in rows if args.projection_from else []:
         print(line(r, chains))
+    print("\n" + "\n".join(cells_table(rows)))
     worst = min(rows, key=lambda r: r["tree_over_best_chain"])
     print(
         f"\nworst cell: {worst['draft']} T={worst['temperature']:g} {worst['cell']}: "
@@ -319,14 +320,14 @@ def measure(rt: Runtime, name: str, args: argparse.Namespace) -> list[dict[str, 
                 total = totals.setdefault(key, dict.fromkeys(value, 0.0))
                 for field in ("tokens", "passes", "draft_passes", "drafted", "accepted"):
                     total[field] += value[field]
-            rows.append(row(name, temperature, cell, got, rt))
+            rows.append({"model": args.model, **row(name, temperature, cell, got, rt)})
             print(line(rows[-1], chains), flush=True)
         for total in totals.values():
             passes = max(total["passes"], 1)
             total["tokens_per_pass"] = total["tokens"] / passes
             total["draft_passes_per_pass"] = total["draft_passes"] / passes
             total["acceptance"] = total["accepted"] / max(total["drafted"], 1)
-        rows.append(row(name, temperature, "all", totals, rt))
+        rows.append({"model": args.model, **row(name, temperature, "all", totals, rt)})
         print(line(rows[-1], chains), flush=True)
     return rows
 
@@ -345,6 +346,35 @@ def row(
         "chains": got,
         "tree_over_best_chain": tree["tokens_per_pass"] / best,
     }
+
+
+def cells_table(rows: list[dict[str, Any]]) -> list[str]:
+    """docs/measurements.md's table: a line per (model, draft, T), a column per cell, each
+    the tree over the best chain with (tree / best chain) tokens per pass; "—" where a cell
+    did not run."""
+    cells: list[str] = []
+    for r in rows:
+        if r["cell"] not in cells:
+            cells.append(r["cell"])
+    cells = [c for c in cells if c != "all"] + ["all"]
+    keyed: dict[tuple[str, str, float], dict[str, str]] = {}
+    for r in rows:
+        best = max(c["tokens_per_pass"] for c in r["chains"].values())
+        key = (r.get("model", "smollm2"), r["draft"], r["temperature"])
+        keyed.setdefault(key, {})[r["cell"]] = (
+            f"{r['tree_over_best_chain']:.2f} ({r['tree']['tokens_per_pass']:.1f}/{best:.1f})"
+        )
+    out = [
+        "| model | draft | T | " + " | ".join(cells) + " |",
+        "|---|---|---|" + "---|" * len(cells),
+    ]
+    for (model, draft, temperature), got in keyed.items():
+        out.append(
+            f"| {model} | {draft} | {temperature:g} | "
+            + " | ".join(got.get(c, "—") for c in cells)
+            + " |"
+        )
+    return out
 
 
 def line(r: dict[str, Any], chains: list[int]) -> str:
