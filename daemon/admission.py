@@ -40,6 +40,7 @@ from modeling.errors import RequestError
 from modeling.text.tokenizer import ChatTemplateError, Tokenizer
 from speculative.grammar import Grammar
 from speculative.grammar_compiler import GrammarCompiler
+from speculative.harmony import harmony_call_grammar
 from speculative.sampling import SamplingParams
 from speculative.tool_calls import (
     HERMES,
@@ -143,13 +144,11 @@ def settle(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Set
     grammar, calls = ask.grammar, None
     if ask.tools is not None and runtime.tokenizer.harmony:
         # A harmony model (gpt-oss) names the function in a message's header and writes its
-        # arguments as the body: read back from its text (speculative/harmony.py), not
-        # constrained by a grammar, so no call can be required of it.
+        # arguments as the body: read back from its text (speculative/harmony.py); a call
+        # required (or one named) is generated under a grammar of that format.
         if ask.tool_choice not in (None, "auto", "none"):
-            raise RequestError(
-                "this model writes tool calls in OpenAI's harmony format (gpt-oss), whose "
-                "calls specd reads but cannot require: tool_choice auto or none",
-                "tool_choice",
+            grammar = harmony_call_grammar(
+                ask.tools, ask.tool_choice, runtime.tokenizer.vocabulary, "tools"
             )
     elif ask.tools is not None:
         calls = call_format(runtime.tokenizer)

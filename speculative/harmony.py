@@ -22,12 +22,17 @@ not text, as any other model's would not be). A header is bounded: one longer th
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
-from modeling.text.harmony import CALL, CHANNEL, END, MARKERS, MESSAGE, RETURN, START
-from speculative.tool_calls import ToolCall
+import llguidance
+
+from modeling.text.harmony import CALL, CHANNEL, CONSTRAIN, END, MARKERS, MESSAGE, RETURN, START
+from speculative.grammar import JSON_OPTIONS, Grammar
+from speculative.tool_calls import Tool, ToolCall
 
 MAX_HEADER = 512
 _BODY_ENDS = (END, CALL, RETURN, START)
@@ -160,3 +165,33 @@ def read_turn(text: str, allow_calls: bool = True) -> tuple[str, str, list[ToolC
         if e[0] == "arguments":
             calls[e[1]].arguments += e[2]
     return answer, reasoning, calls
+
+
+def harmony_call_grammar(
+    tools: Sequence[Tool], choice: str, vocabulary: dict[str, int], field: str
+) -> Grammar:
+    """What a harmony turn may be when a call is required (`choice` "required", or a
+    function's name: a call to it): at most one analysis message (the model's reasoning,
+    any text), then one call, `<|channel|>commentary to=functions.NAME <|constrain|>json
+    <|message|>ARGUMENTS<|call|>`, its arguments generated under the function's parameter
+    schema. The markers are the vocabulary's special tokens; `<|call|>` ends the turn."""
+    chosen = [t for t in tools if choice == "required" or t.name == choice]
+    token = {m: f"<[{vocabulary[m]}]>" for m in (START, CHANNEL, MESSAGE, END, CONSTRAIN, CALL)}
+    schema = lambda t: {**t.parameters, "x-guidance": JSON_OPTIONS}  # noqa: E731
+    lark = "\n".join(
+        [
+            "start: analysis? call",
+            f'analysis: {token[CHANNEL]} "analysis" {token[MESSAGE]} REASONING {token[END]} '
+            f'{token[START]} "assistant"',
+            f'call: {token[CHANNEL]} "commentary to=functions." '
+            f"({' | '.join(f'call_{i}' for i in range(len(chosen)))})",
+            *(
+                f'call_{i}: {json.dumps(t.name + " ")} {token[CONSTRAIN]} "json" '
+                f"{token[MESSAGE]} arguments_{i} {token[CALL]}"
+                for i, t in enumerate(chosen)
+            ),
+            *(f"arguments_{i}: %json {json.dumps(schema(t))}" for i, t in enumerate(chosen)),
+            r"REASONING: /(.|\n)*/",
+        ]
+    )
+    return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), field, "tools")

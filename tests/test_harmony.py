@@ -1,7 +1,7 @@
 """OpenAI's harmony format (gpt-oss): a turn's text read into its answer, its reasoning and
 its tool calls however it streams, the tokenizer keeping the markers in decoded text and
 ending a turn at `<|return|>` or `<|call|>`, the chat response's `reasoning_content`, and
-a required call refused by name (harmony calls are read back, not constrained)."""
+a required call generated under the harmony call's grammar."""
 
 from __future__ import annotations
 
@@ -143,7 +143,8 @@ def test_the_response_carries_the_reasoning_apart() -> None:
 def harmony_server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     from tests.keyed_server import keyed_server
 
-    base = tiny_checkpoint("llama", vocab_size=96, tokenizer_size=80)
+    # A byte-level tokenizer (300 entries, the markers after them): it spells any text
+    base = tiny_checkpoint("llama", vocab_size=320, tokenizer_size=300)
     folder = tmp_path_factory.mktemp("harmony-model") / "model"
     shutil.copytree(base, folder)
     shutil.copy(_harmony_tokenizer(folder.parent, base), folder / "tokenizer.json")
@@ -160,25 +161,38 @@ def _chat(server, body: dict) -> tuple[int, dict]:  # type: ignore[no-untyped-de
     return resp.status, data
 
 
-def test_a_harmony_model_answers_and_refuses_a_required_call_by_name(harmony_server) -> None:
+def test_a_harmony_model_answers_and_makes_a_required_call(harmony_server) -> None:
     """A chat answer from a harmony model is a well-formed message (this random model writes
     no harmony structure: its text is the answer, stray markers dropped), with tools offered
-    too; a required call is a 400 naming `tool_choice` (harmony calls are read back, not
-    constrained)."""
+    too; a required call, or one named, is generated under the harmony call's grammar (the
+    random model can write nothing else) and read back as the call, its arguments valid
+    for the function's schema."""
     messages = [{"role": "user", "content": "hi"}]
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    for extra in ({}, {"tools": [tool]}, {"tools": [tool], "tool_choice": "none"}):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "count", "parameters": schema}},
+    ]
+    for extra in ({}, {"tools": tools}, {"tools": tools, "tool_choice": "none"}):
         body = {"model": "model", "messages": messages, "max_tokens": 8, **extra}
         status, answer = _chat(harmony_server, body)
         assert status == 200, answer
         message = answer["choices"][0]["message"]
         assert message["role"] == "assistant" and "<|" not in (message["content"] or "")
-    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
-        body = {"model": "model", "messages": messages, "max_tokens": 8, "tools": [tool],
-                "tool_choice": choice}  # fmt: skip
+    named = {"type": "function", "function": {"name": "count"}}
+    for choice, names in (("required", {"f", "count"}), (named, {"count"})):
+        body = {"model": "model", "messages": messages, "max_tokens": 96, "tools": tools,
+                "tool_choice": choice, "seed": 1}  # fmt: skip
         status, answer = _chat(harmony_server, body)
-        assert status == 400 and answer["error"]["param"] == "tool_choice", answer
-        assert "harmony" in answer["error"]["message"]
+        assert status == 200, answer
+        choice0 = answer["choices"][0]
+        (call,) = choice0["message"]["tool_calls"]
+        assert choice0["finish_reason"] == "tool_calls" and call["function"]["name"] in names
+        arguments = json.loads(call["function"]["arguments"])
+        assert isinstance(arguments, dict)
+        if call["function"]["name"] == "count":
+            assert set(arguments) == {"n"} and isinstance(arguments["n"], int)
 
 
 def test_a_call_without_content_renders_in_a_harmony_conversation(

@@ -86,7 +86,7 @@ async def collect(
             cached = int(event.stats.get("cached_prompt_tokens", 0))
             u = usage(event.prompt_tokens, event.completion_tokens, cached)
             answer, made, reasoning = "".join(text), None, ""
-            if harmony:  # its answer, reasoning and calls (not under a grammar: read back)
+            if harmony:  # its answer, reasoning and calls, read back from its text
                 answer, reasoning, made = read_turn(answer, harmony_calls)
             if calls:  # read as a stream of it is read: the two always agree
                 answer, made = read_answer(answer, calls, calls_only)
