@@ -30,6 +30,7 @@ from typing import Any
 
 import llguidance
 
+from modeling.errors import RequestError
 from modeling.text.harmony import CALL, CHANNEL, CONSTRAIN, END, MARKERS, MESSAGE, RETURN, START
 from speculative.grammar import JSON_OPTIONS, Grammar
 from speculative.tool_calls import Tool, ToolCall
@@ -176,7 +177,15 @@ def harmony_call_grammar(
     <|message|>ARGUMENTS<|call|>`, its arguments generated under the function's parameter
     schema. The markers are the vocabulary's special tokens; `<|call|>` ends the turn."""
     chosen = [t for t in tools if choice == "required" or t.name == choice]
-    token = {m: f"<[{vocabulary[m]}]>" for m in (START, CHANNEL, MESSAGE, END, CONSTRAIN, CALL)}
+    needed = (START, CHANNEL, MESSAGE, END, CONSTRAIN, CALL)
+    missing = [m for m in needed if m not in vocabulary]
+    if missing:
+        raise RequestError(
+            f"this model's vocabulary lacks harmony's {', '.join(missing)}, which a required "
+            "call is written with: tool_choice auto or none",
+            "tool_choice",
+        )
+    token = {m: f"<[{vocabulary[m]}]>" for m in needed}
     schema = lambda t: {**t.parameters, "x-guidance": JSON_OPTIONS}  # noqa: E731
     lark = "\n".join(
         [

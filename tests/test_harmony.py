@@ -217,3 +217,14 @@ def test_a_call_without_content_renders_in_a_harmony_conversation(
         {"role": "tool", "tool_call_id": "call_1", "content": "1"},
     ]
     assert _encode_conversation(tok, messages, None)
+
+
+def test_a_required_call_needs_every_harmony_marker() -> None:
+    from modeling.errors import RequestError
+    from speculative.harmony import harmony_call_grammar
+    from speculative.tool_calls import Tool
+
+    vocabulary = {m: 90 + i for i, m in enumerate(MARKERS) if m != "<|constrain|>"}
+    with pytest.raises(RequestError, match="lacks harmony's <\\|constrain\\|>") as err:
+        harmony_call_grammar([Tool("f", "", {"type": "object"})], "required", vocabulary, "tools")
+    assert err.value.param == "tool_choice"
