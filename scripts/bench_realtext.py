@@ -220,6 +220,7 @@ def main() -> None:
     ap.add_argument("--chains", default="16,64", help="linear chain lengths to compare")
     ap.add_argument("--per-category", type=int, default=1, help="MT-Bench prompts per category")
     ap.add_argument("--humaneval", type=int, default=2, help="HumanEval prompts")
+    ap.add_argument("--cells", default="", help="only these cells (e.g. writing,humaneval)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--seeds", type=int, default=1, help="samples per prompt at T > 0")
     ap.add_argument(
@@ -242,11 +243,16 @@ def main() -> None:
     drafts = args.drafts.split(",")
     context = 2048
     if args.model == "smollm2":
+        # Its F32 form (scripts/real_forms.py: the Q4_1 file's own values as F32) is the
+        # target where it can be made: the same logits to float rounding, so the same tokens
+        # per pass, but a tree's 65-token pass is one BLAS product a projection where the
+        # Q4_1 blocks past the CPU kernels' few rows are rebuilt every pass (several times
+        # slower). The substitutes quantize the same values either way.
         model = str(SMOLLM2_GGUF)
-        if {"int8", "int4"} & set(drafts):
-            try:
-                model = str(smollm2_f32())  # the aligned int copies need full precision
-            except Unavailable as err:
+        try:
+            model = str(smollm2_f32())
+        except Unavailable as err:
+            if {"int8", "int4"} & set(drafts):  # the aligned int copies need full precision
                 raise SystemExit(f"int8/int4 drafts need SmolLM2's F32 form: {err}") from None
     elif args.model == "stories":
         model, context = str(SHARED / "stories260k"), 512  # its whole context
@@ -294,6 +300,12 @@ def measure(rt: Runtime, name: str, args: argparse.Namespace) -> list[dict[str, 
     chain; then the cells together ("all")."""
     chains = [int(k) for k in args.chains.split(",")]
     cells = prompts(rt.tokenizer, args.per_category, args.humaneval)
+    if args.cells:
+        wanted = args.cells.split(",")
+        unknown = sorted(set(wanted) - set(cells))
+        if unknown:
+            raise SystemExit(f"--cells: no cell {unknown} (cells: {', '.join(cells)})")
+        cells = {name: cells[name] for name in wanted}
     rows: list[dict[str, Any]] = []
     if rt.draft is not None and rt.draft_kind == "substitute":
         # The substitute's layers rebuilt to dense once (the same weights: what it drafts is
