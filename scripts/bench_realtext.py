@@ -220,6 +220,7 @@ def main() -> None:
     ap.add_argument("--chains", default="16,64", help="linear chain lengths to compare")
     ap.add_argument("--per-category", type=int, default=1, help="MT-Bench prompts per category")
     ap.add_argument("--humaneval", type=int, default=2, help="HumanEval prompts")
+    ap.add_argument("--tree-verification", default="auto", choices=("auto", "walk", "rejection"))
     ap.add_argument("--cells", default="", help="only these cells (e.g. writing,humaneval)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--seeds", type=int, default=1, help="samples per prompt at T > 0")
@@ -323,8 +324,9 @@ def measure(rt: Runtime, name: str, args: argparse.Namespace) -> list[dict[str, 
         totals: dict[str, dict[str, float]] = {}
         for cell, ids in cells.items():
             got = {
-                "tree": run(rt, lambda: rt.strategy("tree", budget=args.budget), ids,
-                            params, args.tokens, seeds),
+                "tree": run(rt, lambda: rt.strategy("tree", budget=args.budget,
+                                                    verification=args.tree_verification),
+                            ids, params, args.tokens, seeds),
                 **{f"K={k}": run(rt, lambda k=k: Linear(rt.target, linear_drafter(rt), k),
                                  ids, params, args.tokens, seeds) for k in chains},
             }  # fmt: skip
