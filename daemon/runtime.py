@@ -29,10 +29,10 @@ from modeling.substitute import SUBSTITUTE
 from modeling.text.tokenizer import Tokenizer
 from modeling.weights import cpu_kernels
 from modeling.weights.packed import PackedLinear
+from offload.expert_plans import expected_experts
 from offload.experts import ExpertStats
 from offload.machine import detect_budget
 from offload.plan import MemoryPlan
-from offload.planning import expected_experts
 from offload.stream import LayerStreamer
 from speculative.acceptance import AcceptanceModel
 from speculative.budget import AutoBudget, max_tree_budget
@@ -400,7 +400,7 @@ class Runtime:
         return {
             "mode": self.plan.expert_mode,
             "slots": self.plan.expert_slots,
-            "layers": self.plan.to_dict()["expert_layers"],
+            "layers": self.plan.expert_layer_counts(),
             "experts": self.target.config.moe.experts * self.target.config.num_layers,
             **(source.stats.to_dict() if source is not None else {}),
         }

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from offload.plan import GraphRequest, ModelFootprint, PlanRequest
+from offload.plan import GraphRequest, MemoryBudget, ModelFootprint, PlanRequest
+from offload.units import format_size
 
 
 def graph_bytes(m: ModelFootprint, g: GraphRequest, context: int) -> int:
@@ -67,3 +68,24 @@ def fixed_parts(r: PlanRequest, device: str) -> dict[str, int]:
             graph_bytes(m, g, r.context) for m in (t, d) if m is not None
         )
     return parts
+
+
+def sequences_note(r: PlanRequest, budget: MemoryBudget, planned: int) -> list[str]:
+    """A warning when every possible conversation at full length would overflow the
+    device; the plan itself holds one (caches are allocated as sequences grow)."""
+    if r.sequences <= 1:
+        return []
+    per_sequence = r.target.kv_bytes(r.context, r.pass_tokens) + (
+        r.draft.kv_bytes(r.context, r.pass_tokens) if r.draft else 0
+    )
+    worst = planned + (r.sequences - 1) * per_sequence
+    if worst <= budget.device_bytes:
+        return []
+    fit = 1 + max(0, budget.device_bytes - planned) // max(per_sequence, 1)
+    return [
+        f"KV caches grow with use and this plan holds one {r.context}-token sequence; "
+        f"{r.sequences} conversations (limits.max_concurrent + limits.cached_sessions) at "
+        f"full length would need {format_size(worst)} of the {format_size(budget.device_bytes)} "
+        f"budget (about {fit} fit): lower those limits or context.length if conversations "
+        "run long"
+    ]

@@ -31,6 +31,10 @@ TIER_CHOICES = ("ram", "disk", "auto")
 MIN_SLOTS = 2
 
 
+class PlanError(ValueError):
+    """The models cannot be placed within the budgets; the message says what would fit."""
+
+
 @dataclass(frozen=True)
 class ModelFootprint:
     """What one model needs, in bytes, independent of where it is placed."""
@@ -192,6 +196,13 @@ class MemoryPlan:
             return self.expert_layers
         return (self.expert_mode,) * self.request.target.num_layers
 
+    def expert_layer_counts(self) -> dict[str, int]:
+        """How many layers keep their routed experts each way ({} for a dense model)."""
+        if not self.request.target.experts:
+            return {}
+        modes = self.expert_layer_modes()
+        return {mode: modes.count(mode) for mode in dict.fromkeys(modes)}
+
     @property
     def device_bytes(self) -> int:
         return sum(self.device_parts.values())
@@ -223,12 +234,7 @@ class MemoryPlan:
             "dequantized_resident": self.dequantized_resident,
             "experts": self.expert_mode,
             "expert_slots": self.expert_slots,
-            "expert_layers": {
-                mode: self.expert_layer_modes().count(mode)
-                for mode in dict.fromkeys(self.expert_layer_modes())
-            }
-            if self.request.target.experts
-            else {},
+            "expert_layers": self.expert_layer_counts(),
         }
 
     def render(self) -> str:

@@ -196,7 +196,7 @@ def test_an_expert_targets_passes_are_priced_by_the_experts_they_wake():
     priced by the experts woken it predicts every size and chooses the best shape."""
     from functools import partial
 
-    from offload.planning import expected_experts
+    from offload.expert_plans import expected_experts
 
     woken = partial(expected_experts, 128, 8)
 

@@ -81,7 +81,8 @@ def test_a_written_file_is_transformers_on_its_weights(files, family: str, quant
 @pytest.mark.parametrize("family", FAMILIES)
 def test_experts_by_routing_from_a_file_decode_alike(files, family: str) -> None:
     """The Q8_0 file with its experts in their layers, streamed through a device cache of 2
-    and computed on the CPU: one greedy output, alone and under an n-gram tree."""
+    and computed on the CPU: one greedy output, alone, under an n-gram tree and drafted by
+    its substitute (low-bit copies of the file's packed experts)."""
     from daemon.options import RuntimeOptions
     from daemon.runtime import Runtime
     from speculative.sampling import SamplingParams
@@ -91,9 +92,10 @@ def test_experts_by_routing_from_a_file_decode_alike(files, family: str) -> None
     greedy = SamplingParams(temperature=0.0)
     runs = {}
     for mode, slots in (("device", None), ("stream", 2), ("cpu", None)):
-        for draft in (None, "ngram"):
+        for draft in (None, "ngram", "substitute"):
             rt = Runtime(RuntimeOptions(model=str(path), device="cpu", experts=mode,
-                                        expert_slots=slots, context=96, draft=draft))  # fmt: skip
+                                        expert_slots=slots, context=96, draft=draft,
+                                        substitute_bits=4, budget=8))  # fmt: skip
             assert rt.plan.expert_mode == mode
             runs[(mode, draft)] = rt.generation(prompt, greedy, 20, ignore_eos=True).run().token_ids
     assert len({tuple(ids) for ids in runs.values()}) == 1, runs

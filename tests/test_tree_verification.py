@@ -277,3 +277,20 @@ def test_stats_say_how_trees_were_verified(stories) -> None:
     # token (a plain step when one token is left: nothing to draft for).
     assert list(stats["verification_rounds"]) == ["rejection"]
     assert stats["rounds"] - 1 <= stats["verification_rounds"]["rejection"] <= stats["rounds"]
+
+
+def test_auto_gives_rejection_its_first_rounds_even_failing(stories) -> None:
+    """Rejection's first REJECTION_FIRST rounds in a regime are its own, however its first
+    children fare (a cold run's few rounds are not split with a walk that starts cold);
+    only then, failing, is the walk tried."""
+    target, draft, _ = stories
+    strategy = TreeSpeculation(target, draft, budget=16, prefix_cache=PrefixCache(0))
+    reject_t = strategy.acceptance.table("rejection", T1)
+    first = torch.tensor([1]), torch.tensor([0.5])
+    for _ in range(REJECTION_FIRST):
+        kind, _table = choose_verification("auto", strategy.acceptance, T1, ngram=False)
+        assert kind == "rejection"
+        reject_t.observe(*first, torch.tensor([False]))
+        reject_t.note_round(1)
+    assert reject_t.marginal()[0] < REJECTION_STAYS
+    assert choose_verification("auto", strategy.acceptance, T1, ngram=False)[0] == "walk"
