@@ -27,7 +27,7 @@ from modeling.models import (
 from modeling.weights import cpu_kernels
 from modeling.weights.gguf_blocks import FLOAT_TYPES, row_bytes
 from modeling.weights.packed import PackedLinear
-from modeling.weights.quant import EMBEDDING
+from modeling.weights.quant import EMBEDDING, laid_out_for
 from offload.activations import ActivationFootprint
 from offload.layout import FlatLayout
 from offload.machine import gemm_copies_output
@@ -45,7 +45,10 @@ def footprint(
     """Sizes of one model in `dtype`, from a meta-device instance (no memory, no weights).
     `vocab_width`: the width its logits are given (a draft speaks its target's, see
     `Transformer.set_vocab_width`); None: its own vocabulary. `device_type`: where it
-    computes (a CPU's matrix products may hold more, `gemm_copies_output`)."""
+    computes (a CPU's matrix products may hold more, `gemm_copies_output`; `--quantize`'s
+    layout follows it, as loading lays it out: `laid_out_for`)."""
+    spec = laid_out_for(config.quantization, dtype, device_type)
+    config = replace(config, quantization=spec)
     with torch.device("meta"):
         model = Transformer(config).to(dtype)
     if config.quantization is not None and keeps_head_packed(config, dtype, device_type):
@@ -88,19 +91,25 @@ def footprint(
         quantization=config.quantization.label if config.quantization is not None else "",
         dense_layer_bytes=dense_layer,
         dequant_bytes=max((m.rebuild_bytes(dtype) for m in packed), default=0),
-        packed_kernels=packed_kernels(config, dtype, device_type),
+        packed_kernels=packed_kernels(config, dtype, device_type, packed),
         expert_bytes=expert_bytes,
         experts=config.moe.experts if config.moe is not None else 0,
         experts_per_token=config.moe.top_k if config.moe is not None else 0,
     )
 
 
-def packed_kernels(config: ModelConfig, dtype: torch.dtype, device_type: str) -> bool:
-    """Whether every packed projection of `config` computes from its blocks on
-    `device_type` in `dtype` (modeling/weights/cpu_kernels.py: GGUF types, fp32, a CPU
-    whose kernels are built here)."""
+def packed_kernels(
+    config: ModelConfig, dtype: torch.dtype, device_type: str, packed: list[PackedLinear]
+) -> bool:
+    """Whether every packed projection of `config` (`packed`, its model's) computes from
+    its blocks on `device_type` in `dtype` (modeling/weights/cpu_kernels.py: GGUF types and
+    `--quantize`'s blocks, fp32, a CPU whose kernels are built here)."""
     spec = config.quantization
-    if device_type != "cpu" or dtype != torch.float32 or spec is None or spec.method != "gguf":
+    if device_type != "cpu" or dtype != torch.float32 or spec is None:
+        return False
+    if spec.blocks:  # (a projection too narrow for 32-blocks stays packed: rebuilt)
+        return all(m.computed_in_place(dtype, torch.device(device_type)) for m in packed)
+    if spec.method != "gguf":
         return False
     kinds = {kind for name, kind in spec.tensor_types if name != EMBEDDING}
     return all(kind in FLOAT_TYPES or cpu_kernels.supports(kind) for kind in kinds)

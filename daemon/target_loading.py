@@ -117,7 +117,7 @@ def load_target(
     before any moves (where the substitute draft is built from them)."""
     dtype = plan_dtype(plan)
     if plan.expert_mode != "device":  # loaded in RAM, then all but the experts placed
-        model, tokenizer, ckpt = load(ckpt, dtype, "cpu")
+        model, tokenizer, ckpt = load(ckpt, dtype, "cpu", computes_on=device)
         if before_placing is not None:
             before_placing(model, plan)
         place_experts(model, plan, device)
@@ -139,7 +139,7 @@ def load_target(
     if plan.host_tier == "disk":
         # Streamed layers are read from the files at every pass: never load them into RAM.
         skip = partial(_is_streamed_layer, first_streamed=plan.resident_layers)
-    model, tokenizer, ckpt = load(ckpt, dtype, "cpu", skip=skip)
+    model, tokenizer, ckpt = load(ckpt, dtype, "cpu", skip=skip, computes_on=device)
     if before_placing is not None:
         before_placing(model, plan)
     return model, tokenizer, ckpt, place_target(model, ckpt, plan, device)

@@ -87,18 +87,21 @@ def run_transformers(model, prompt_ids: list[int], n: int) -> tuple[float, list[
     return time.perf_counter() - t0, out[0, len(prompt_ids) :].tolist()
 
 
-REAL_FORMS = ("q4_1", "q4_1-no-kernels", "f32", "int8", "int4")
+REAL_FORMS = ("q4_1", "q4_1-no-kernels", "f32", "int8", "int4", "int8-no-kernels")
 
 
 def real_form(form: str) -> tuple[str, str | None, dict[str, str]]:
-    """(model path, --quantize, environment) of one form of SmolLM2."""
+    """(model path, --quantize, environment) of one form of SmolLM2: the Q4_1 file, its F32
+    form, that form `--quantize int8|int4`; `-no-kernels`: with SPECD_CPU_KERNELS=off."""
     from scripts.real_forms import SMOLLM2_GGUF, smollm2_f32
 
-    if form == "q4_1":
-        return str(SMOLLM2_GGUF), None, {}
-    if form == "q4_1-no-kernels":
-        return str(SMOLLM2_GGUF), None, {"SPECD_CPU_KERNELS": "off"}
-    return str(smollm2_f32()), None if form == "f32" else form, {}
+    base = form.removesuffix("-no-kernels")
+    env = {"SPECD_CPU_KERNELS": "off"} if base != form else {}
+    if base == "q4_1":
+        return str(SMOLLM2_GGUF), None, env
+    if base not in ("f32", "int8", "int4"):
+        raise SystemExit(f"unknown form {form!r}: choose from {', '.join(REAL_FORMS)}")
+    return str(smollm2_f32()), None if base == "f32" else base, env
 
 
 def step_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:

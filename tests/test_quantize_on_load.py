@@ -18,8 +18,16 @@ from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from modeling.checkpoints.checkpoint import load, open_checkpoint
 from modeling.checkpoints.safetensors_model import CheckpointError
+from modeling.weights import cpu_kernels
+from modeling.weights.gguf_blocks import GGMLType
+from modeling.weights.gguf_modules import BlockQuantizedLinear
 from modeling.weights.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
-from modeling.weights.quant import UnsupportedQuantizationError, on_load_quantization
+from modeling.weights.quant import (
+    UnsupportedQuantizationError,
+    laid_out_for,
+    on_load_quantization,
+)
+from offload.layout import FlatLayout
 from offload.plan import MemoryBudget
 from offload.planning import make_plan
 from scripts.real_shapes import full_config
@@ -274,3 +282,94 @@ def test_every_projection_rebuilds_into_one_shared_scratch(stories_target: Path)
     model(torch.tensor(ids), torch.arange(len(ids)), model.new_cache(64))
     assert all(model.rebuild_scratch._flat[k] is v for k, v in buffers.items())  # reused
     assert 0 < model.rebuild_scratch.nbytes <= rt.plan.request.target.dequant_bytes
+
+
+# -- on a CPU with the kernels: `--quantize`'s values as ggml Q8_0 / Q4_0 blocks -----------
+
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels.available(), reason=f"no CPU kernels here: {cpu_kernels.status()}"
+)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n_in, group", [(384, 128), (576, 96)])  # SmolLM2's 576: groups of 96
+def test_blocks_rebuild_the_packed_weight_bit_for_bit(bits: int, n_in: int, group: int) -> None:
+    """The block layout holds the compressed layout's values exactly: the same rounding, each
+    32-block its group's fp16 scale (a group of zeros, a lone outlier, both signs' ends)."""
+    torch.manual_seed(bits)
+    w = torch.randn(80, n_in)
+    w[3, :group] = 0.0
+    w[5, 7] = 40.0
+    w[6, :group] = -torch.linspace(0, 1, group)  # the most negative value at the group's end
+    packed = CompressedLinear(n_in, 80, False, bits, group, True, torch.float16)
+    packed.quantize_from(w)
+    blocks = BlockQuantizedLinear(n_in, 80, False, bits, group)
+    blocks.quantize_from(w, rows=32)  # several row blocks
+    assert torch.equal(blocks.dequantize(torch.float32), packed.dequantize(torch.float32))
+    assert blocks.ggml_type == (GGMLType.Q8_0 if bits == 8 else GGMLType.Q4_0)
+    per_block = 34 if bits == 8 else 18
+    assert blocks.blocks.numel() == 80 * n_in // 32 * per_block
+
+
+def test_widths_that_are_not_32_blocks_stay_packed() -> None:
+    with pytest.raises(ValueError, match="not ggml blocks"):
+        BlockQuantizedLinear(172, 64, False, 8, 86)
+    spec = replace(on_load_quantization("int8"), blocks=True)
+    assert isinstance(spec.linear(172, 64, False), CompressedLinear)  # its group is 86
+    assert isinstance(spec.linear(256, 64, True), BlockQuantizedLinear)
+    assert "Q8_0 blocks" in spec.label
+
+
+@needs_kernels
+def test_the_layout_follows_where_the_model_computes() -> None:
+    spec = on_load_quantization("int4")
+    assert laid_out_for(spec, torch.float32, "cpu") == replace(spec, blocks=True)
+    assert laid_out_for(spec, torch.bfloat16, "cpu") == spec  # no kernel computes bf16
+    assert laid_out_for(spec, torch.float32, "cuda") == spec
+    stored = replace(spec, on_load=False)  # a compressed-tensors checkpoint's own layout
+    assert laid_out_for(stored, torch.float32, "cpu") == stored
+
+
+@needs_kernels
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_a_cpu_target_quantized_on_load_computes_its_blocks_where_they_lie(
+    tiny_checkpoint, quantize: str
+) -> None:
+    """On a CPU every projection of a model whose widths are 32-blocks is Q8_0/Q4_0 blocks
+    the kernels multiply: never kept dequantized, the plan's layer the loaded layer to the
+    byte, the logits those of the packed layout (the same values) and greedy unchanged,
+    for a pass the kernels take and for a longer one that rebuilds."""
+    path = tiny_checkpoint("llama", hidden_size=128, intermediate_size=256, num_layers=2)
+    rt = Runtime(
+        RuntimeOptions(
+            model=str(path), quantize=quantize, draft=str(path), dtype="fp32", device="cpu"
+        )
+    )  # its own full-precision form drafting: trees of many rows, which rebuild
+    packed = [m for m in rt.target.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(isinstance(m, BlockQuantizedLinear) for m in packed)
+    assert not rt.plan.dequantized_resident
+    assert any("computed where they lie" in n for n in rt.plan.notes)
+    layer = FlatLayout.of(rt.target.layers[0]).nbytes
+    fp = footprint(open_checkpoint(path, quantize).config, torch.float32, "t", device_type="cpu")
+    assert fp.layer_bytes == layer and fp.packed_kernels
+    # The packed layout, as a GPU would hold it, loaded here for reference.
+    reference, _, _ = load(path, "fp32", "cpu", quantize=quantize, computes_on="cuda")
+    assert not [m for m in reference.modules() if isinstance(m, BlockQuantizedLinear)]
+    for n in (1, cpu_kernels.max_rows() + 3):
+        x, pos = torch.arange(3, 3 + n), torch.arange(n)
+        a = rt.target(x, pos, rt.target.new_cache(64))
+        b = reference(x, pos, reference.new_cache(64))
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    ids = rt.tokenizer.encode("hello world")
+    cache, feed, expected = reference.new_cache(64), list(ids), []
+    for _ in range(12):  # the packed layout's greedy, one token a pass
+        start = len(ids) + len(expected) - len(feed)
+        logits = reference(torch.tensor(feed), torch.arange(start, start + len(feed)), cache)
+        feed = [int(logits[-1].argmax())]
+        expected.append(feed[0])
+    for strategy in ("autoregressive", "tree"):
+        strat = rt.strategy(strategy)
+        gen = Generation(
+            strat, rt.new_session(strat), rt.tokenizer, ids, GREEDY, 12, ignore_eos=True
+        )
+        assert gen.run().token_ids == expected, strategy

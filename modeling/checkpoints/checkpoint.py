@@ -34,6 +34,7 @@ from modeling.text.gguf_tokenizer import check_tokenizer_metadata, tokenizer_fro
 from modeling.text.tokenizer import Tokenizer
 from modeling.weights.quant import (
     UnsupportedQuantizationError,
+    laid_out_for,
     on_load_quantization,
 )
 
@@ -221,11 +222,14 @@ def load(
     device: torch.device | str = "cpu",
     skip: Callable[[str], bool] | None = None,
     quantize: str | None = None,
+    computes_on: torch.device | str | None = None,
 ) -> tuple[Transformer, Tokenizer, Checkpoint]:
     """Everything needed to generate from one model reference (see `load_model` for `skip`,
     `open_checkpoint` for `quantize`). A Checkpoint already opened (to plan) is used as it
     is, quantization included (its `quantize` was given to open_checkpoint; giving one here
-    too is an error): resolving a hub id again costs the hub's round trips."""
+    too is an error): resolving a hub id again costs the hub's round trips. `computes_on`:
+    where the model will compute, when that is not `device` (a streamed target loads into
+    RAM for a GPU): `--quantize`'s layout follows it (`laid_out_for`)."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -246,7 +250,9 @@ def load(
         tokenizer = load_tokenizer(ckpt)
         return load_gguf_model(contents, ckpt.config, dtype, device), tokenizer, ckpt
     tokenizer = load_tokenizer(ckpt)
-    model = load_model(ckpt.path, ckpt.config, dtype=dtype, device=device, skip=skip)
+    spec = laid_out_for(ckpt.config.quantization, dtype, computes_on or device)
+    config = replace(ckpt.config, quantization=spec)
+    model = load_model(ckpt.path, config, dtype=dtype, device=device, skip=skip)
     return model, tokenizer, ckpt
 
 

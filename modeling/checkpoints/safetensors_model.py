@@ -24,6 +24,7 @@ from modeling.checkpoints.gguf_model import is_gguf
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
 from modeling.models import architecture
+from modeling.weights.gguf_modules import BlockQuantizedLinear
 from modeling.weights.packed import CompressedLinear, PackedLinear
 from modeling.weights.projections import fused_parts
 
@@ -114,7 +115,7 @@ def load_model(
     stored = dict(_stored_buffers(model))
     expected.update({name: b.shape for name, b in stored.items()})
     # `--quantize`: the file holds full-precision projections, each packed as it is read.
-    quantized_on_load: dict[str, CompressedLinear] = {}
+    quantized_on_load: dict[str, CompressedLinear | BlockQuantizedLinear] = {}
     if config.quantization is not None and config.quantization.on_load:
         if skip is not None:
             raise CheckpointError(
@@ -123,10 +124,11 @@ def load_model(
                 "compressed-tensors checkpoint to stream 4-bit layers from disk)"
             )
         for owner, module in model.named_modules():
-            if isinstance(module, CompressedLinear):
+            if isinstance(module, CompressedLinear | BlockQuantizedLinear):
                 quantized_on_load[f"{owner}.weight"] = module
-                for attr in ("weight_packed", "weight_scale", "weight_shape"):
-                    del expected[f"{owner}.{attr}"], stored[f"{owner}.{attr}"]
+                for attr, buf in module._buffers.items():
+                    if buf is not None and attr not in module._non_persistent_buffers_set:
+                        del expected[f"{owner}.{attr}"], stored[f"{owner}.{attr}"]
                 expected[f"{owner}.weight"] = torch.Size((module.out_features, module.in_features))
     tied = config.tie_word_embeddings
     files = weight_files(path)

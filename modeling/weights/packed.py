@@ -364,10 +364,8 @@ class CompressedLinear(PackedLinear):
         )
         for r0 in range(0, out, rows):
             w = weight[r0 : r0 + rows].float().view(-1, inp // self.group, self.group)  # (r, G, g)
-            scale = (w.abs().amax(-1) / qmax).to(scales.dtype)  # (r, G)
-            # The stored (rounded) scale is the one dequantization multiplies by.
-            safe = scale.float().masked_fill(scale == 0, 1.0)
-            codes = torch.round(w / safe[:, :, None]).clamp_(-qmax - 1, qmax).long() + qmax + 1
+            values, scale = symmetric_values(w, self.bits, scales.dtype)
+            codes = values + qmax + 1
             codes = torch.nn.functional.pad(codes.view(codes.shape[0], inp), (0, pad))
             words = (codes.view(codes.shape[0], -1, per_word) << shifts).sum(-1)  # (r, words)
             packed[r0 : r0 + rows] = torch.where(words >= 1 << 31, words - (1 << 32), words).int()
@@ -375,6 +373,20 @@ class CompressedLinear(PackedLinear):
         self._buffers["weight_packed"] = packed
         self._buffers["weight_scale"] = scales
         self._buffers["weight_shape"] = torch.tensor([out, inp], device=weight.device)
+
+
+def symmetric_values(
+    w: torch.Tensor, bits: int, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`--quantize`'s rounding, for every layout it is stored in: w (rows, G, group) fp32;
+    per row and group, scale = max|w| / (2^(b-1) - 1) rounded to `scale_dtype`, and the
+    value round(w / scale) in [-2^(b-1), 2^(b-1) - 1] (int64): the stored, rounded scale is
+    the one dequantization multiplies by, and a group of zeros is zeros."""
+    qmax = (1 << (bits - 1)) - 1
+    scale = (w.abs().amax(-1) / qmax).to(scale_dtype)  # (r, G)
+    safe = scale.float().masked_fill(scale == 0, 1.0)
+    values = torch.round(w / safe[:, :, None]).clamp_(-qmax - 1, qmax).long()  # (r, G, g)
+    return values, scale
 
 
 def _per_group_bytes(groups: int, out_features: int, work: torch.dtype) -> int:

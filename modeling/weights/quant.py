@@ -6,14 +6,20 @@ and `--quantize`, which packs a full-precision checkpoint while loading it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from modeling.weights import cpu_kernels
 from modeling.weights.gguf_blocks import GGMLType
-from modeling.weights.gguf_modules import GGUFEmbedding, GGUFLinear
+from modeling.weights.gguf_modules import (
+    BLOCK_TYPES,
+    BlockQuantizedLinear,
+    GGUFEmbedding,
+    GGUFLinear,
+)
 from modeling.weights.hqq import HQQLinear
 from modeling.weights.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
 
@@ -40,6 +46,9 @@ class QuantizationSpec:
     scale_dtype: torch.dtype  # the stored scales' dtype
     # Quantized while loading a full-precision checkpoint (`--quantize`), not as stored.
     on_load: bool = False
+    # `--quantize`'s values laid out as ggml Q8_0/Q4_0 blocks, where the CPU kernels
+    # multiply those (`laid_out_for`); else compressed-tensors' packing.
+    blocks: bool = False
     # A GGUF file: each projection's own block type (our name → ggml type), which differ
     # within a file (a Q4_K_M mix holds Q4_K and Q6_K, and Q5_0 where rows are short).
     tensor_types: tuple[tuple[str, int], ...] = ()
@@ -69,6 +78,8 @@ class QuantizationSpec:
             return f"gguf {self.file_type} as stored (layers: {kinds})"
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
         how = "quantized on load" if self.on_load else "as stored"
+        if self.blocks:
+            how += f", as {BLOCK_TYPES[self.bits].name} blocks"
         return f"{self.method} {self.bits}-bit, {group} ({how})"
 
     def linear(self, in_features: int, out_features: int, bias: bool) -> PackedLinear:
@@ -81,6 +92,8 @@ class QuantizationSpec:
             group = max(g for g in range(1, min(group, in_features) + 1) if in_features % g == 0)
             if self.method == "hqq":  # the substitute draft (modeling/substitute.py)
                 return HQQLinear(in_features, out_features, bias, self.bits, group)
+            if self.blocks and group % 32 == 0:  # (a tiny model's odd widths: packed)
+                return BlockQuantizedLinear(in_features, out_features, bias, self.bits, group)
             return CompressedLinear(
                 in_features, out_features, bias, self.bits, group, True, self.scale_dtype
             )
@@ -154,6 +167,25 @@ def on_load_quantization(kind: str) -> QuantizationSpec:
     return QuantizationSpec(
         "compressed-tensors", bits, QUANTIZE_GROUP, True, torch.float16, on_load=True
     )
+
+
+def laid_out_for(
+    spec: QuantizationSpec | None, dtype: torch.dtype, device: torch.device | str
+) -> QuantizationSpec | None:
+    """`spec` as a model computing in `dtype` on `device` holds it: `--quantize`'s values as
+    ggml Q8_0/Q4_0 blocks where the CPU kernels multiply those where they lie (fp32 on a
+    CPU with the kernels built), since no kernel reads compressed-tensors' packing and a
+    CPU would otherwise rebuild the float matrix for every product. The same values either
+    way (`BlockQuantizedLinear`); the plan (daemon/footprint.py) and the loader ask here
+    alike, so the bytes planned are the bytes loaded."""
+    if spec is None or not spec.on_load or spec.method != "compressed-tensors" or spec.blocks:
+        return spec
+    kind = BLOCK_TYPES.get(spec.bits)
+    if kind is None or spec.scale_dtype != torch.float16:
+        return spec
+    if not cpu_kernels.computes(kind, dtype, device):
+        return spec
+    return replace(spec, blocks=True)
 
 
 _FLOAT_NAMES = {
