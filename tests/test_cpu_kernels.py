@@ -102,7 +102,7 @@ def test_a_projection_takes_the_kernel_for_a_few_rows_only(monkeypatch) -> None:
     layer.blocks.view(48, -1, 144)[..., :4] = torch.tensor([0, 40, 0, 36], dtype=torch.uint8)
     torch.nn.init.normal_(layer.bias)
     calls = []
-    real = cpu_kernels.try_gemv
+    real = cpu_kernels.BlockProduct.__call__
 
     def counted(*args):  # type: ignore[no-untyped-def]
         out = real(*args)
@@ -110,7 +110,7 @@ def test_a_projection_takes_the_kernel_for_a_few_rows_only(monkeypatch) -> None:
             calls.append(args)
         return out
 
-    monkeypatch.setattr(cpu_kernels, "try_gemv", counted)
+    monkeypatch.setattr(cpu_kernels.BlockProduct, "__call__", counted)
     x = torch.randn(3, 256)
     with torch.no_grad():
         few = layer(x)
@@ -213,3 +213,32 @@ def test_a_runtime_gives_the_threads_to_the_kernels(shared_models) -> None:
     finally:
         cpu_kernels.set_threads(1)
         torch.set_num_threads(before)
+
+
+@needs_kernels
+def test_a_projection_follows_its_blocks_when_a_slot_changes_layer() -> None:
+    """A GGUFLinear checks its blocks once per tensor and type (`BlockProduct`): a streamed
+    slot that takes another layer's type in place, or a new tensor bound in place of the
+    old, is multiplied as what it now holds."""
+    layer = GGUFLinear(64, 16, False, GGMLType.Q4_0, kinds=(GGMLType.Q8_0,))
+    x = torch.randn(2, 64)
+
+    def check() -> None:
+        with torch.no_grad():
+            got = layer(x)
+        w = layer.dequantize(torch.float32)
+        assert bool(((got - x @ w.T).abs() <= 1e-5 * (x.abs() @ w.abs().T) + 1e-5).all())
+
+    def blocks(kind: GGMLType, seed: int) -> torch.Tensor:  # d = 0.5 in every block
+        out = random_blocks(kind, 16, 64, seed)
+        out.view(16, 2, -1)[..., :2] = torch.tensor([0, 56], dtype=torch.uint8)
+        return out
+
+    q4 = blocks(GGMLType.Q4_0, 5)
+    layer.blocks.view(-1)[: q4.numel()] = q4.view(-1)
+    check()
+    layer.load_stream_state(int(GGMLType.Q8_0))  # the same slot, the next layer's type
+    layer.blocks.copy_(blocks(GGMLType.Q8_0, 6))
+    check()
+    layer._buffers["blocks"] = blocks(GGMLType.Q8_0, 7)
+    check()

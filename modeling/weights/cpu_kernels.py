@@ -236,49 +236,84 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> torch.T
 
 def try_gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> torch.Tensor | None:
     """`gemv`, or None where the kernels do not take this input (unavailable, another
-    dtype or device, more rows than `max_rows()`, a gradient to keep): every projection of
-    every pass asks, so the checks are made once here. Blocks that do not fit the input are
-    a ValueError: the C code trusts its sizes, and every extent it reads or writes is
-    checked first."""
-    lib = _LIBRARY
-    if not lib._tried:
+    dtype or device, more rows than `max_rows()`, a gradient to keep). Blocks that do not
+    fit the input are a ValueError: the C code trusts its sizes, and every extent it reads
+    or writes is checked first. A projection called for every pass holds a `BlockProduct`
+    instead, its blocks checked once."""
+    if not _LIBRARY._tried:
         available()
-    index = lib.functions.get(kind)  # type: ignore[arg-type]
-    shape = x.shape
-    k = shape[-1] if shape else 0
-    rows = x.numel() // k if k else 0
-    if (
-        index is None
-        or x.dtype != torch.float32
-        or x.device.type != "cpu"
-        or not 1 <= rows <= lib.max_rows
-        or (x.requires_grad and torch.is_grad_enabled())
-    ):
+    if kind not in _LIBRARY.functions or not x.dim():  # type: ignore[comparison-overlap]
         return None
-    _, size, elements = TYPES[kind]  # type: ignore[index]
-    if (
-        blocks.dtype != torch.uint8
-        or blocks.device.type != "cpu"
-        or blocks.dim() != 2
-        or k % elements
-        or blocks.shape[1] != k // elements * size
-    ):
-        raise ValueError(
-            f"ggml type {kind} product: input {tuple(shape)} and blocks {blocks.dtype} "
-            f"{tuple(blocks.shape)} do not fit"
-        )
-    if not x.is_contiguous():
-        x = x.contiguous()
     if not blocks.is_contiguous():
         blocks = blocks.contiguous()
-    n = blocks.shape[0]
-    sums = getattr(_SCRATCH, "sums", None)
-    if sums is None or sums.numel() < rows * (k // 32):
-        sums = _SCRATCH.sums = torch.empty(rows * (k // 32))
-    out = torch.empty((*shape[:-1], n))
-    lib.gemv(index, x.data_ptr(), k, sums.data_ptr(), blocks.data_ptr(), blocks.shape[1],
-             out.data_ptr(), n, rows, n, k)  # fmt: skip
-    return out
+    k = x.shape[-1]
+    # (a compiled pass's operator calls here for every product: each geometry checked once)
+    key = (blocks.data_ptr(), blocks.shape, blocks.dtype, blocks.device.type, int(kind), k)
+    product = _PRODUCTS.get(key)
+    if product is None:
+        product = BlockProduct(blocks, kind, k)
+        if len(_PRODUCTS) >= 4096:  # geometries only, no tensors: a bound, not a leak
+            _PRODUCTS.clear()
+        _PRODUCTS[key] = product
+    return product(x, blocks)
+
+
+_PRODUCTS: dict[tuple[Any, ...], BlockProduct] = {}
+
+
+class BlockProduct:
+    """One projection's product on its blocks, (N, row_bytes) uint8 of ggml type `kind`
+    over K inputs, its geometry checked once: each call then checks only its input, which
+    a projection pays for every pass (a decode step of a 30-layer model makes 210 products,
+    and the checks cost more than a small product's kernel). It holds no tensor: a call
+    gives the blocks (the same geometry; `GGUFLinear` keys its BlockProduct on their
+    address and shape), whose bytes are read then."""
+
+    __slots__ = ("index", "k", "n", "width")
+
+    def __init__(self, blocks: torch.Tensor, kind: int | GGMLType, k: int) -> None:
+        index = _LIBRARY.functions.get(kind)  # type: ignore[call-overload]
+        if index is None:
+            raise ValueError(f"no kernel for ggml type {kind}: {status()}")
+        _, size, elements = TYPES[kind]  # type: ignore[index]
+        if (
+            blocks.dtype != torch.uint8
+            or blocks.device.type != "cpu"
+            or blocks.dim() != 2
+            or not blocks.is_contiguous()
+            or k <= 0
+            or k % elements
+            or blocks.shape[1] != k // elements * size
+        ):
+            raise ValueError(
+                f"ggml type {kind} product: {k} inputs and blocks {blocks.dtype} "
+                f"{tuple(blocks.shape)} do not fit"
+            )
+        self.index, self.width, self.n, self.k = index, blocks.shape[1], blocks.shape[0], k
+
+    def __call__(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor | None:
+        """x (..., K) fp32 times the matrix of `blocks` (this geometry): (..., N) fp32; None
+        where the kernels do not take x (another dtype or device, 0 or more than
+        `max_rows()` rows, a gradient to keep)."""
+        lib, k = _LIBRARY, self.k
+        shape = x.shape
+        if not shape or shape[-1] != k:
+            raise ValueError(f"input {tuple(shape)} and {k} inputs a row do not fit")
+        if x.dtype is not torch.float32 or not x.is_cpu:
+            return None
+        rows = x.numel() // k
+        if not 1 <= rows <= lib.max_rows or (x.requires_grad and torch.is_grad_enabled()):
+            return None
+        if not x.is_contiguous():
+            x = x.contiguous()
+        sums = getattr(_SCRATCH, "sums", None)
+        if sums is None or sums.numel() < rows * (k // 32):
+            sums = _SCRATCH.sums = torch.empty(lib.max_rows * (k // 32))
+        n = self.n
+        out = torch.empty((*shape[:-1], n))
+        lib.gemv(self.index, x.data_ptr(), k, sums.data_ptr(), blocks.data_ptr(),
+                 self.width, out.data_ptr(), n, rows, n, k)  # fmt: skip
+        return out
 
 
 def set_threads(threads: int) -> int:

@@ -61,6 +61,12 @@ class GGUFLinear(PackedLinear):
         self.kinds = tuple(supported_type(k) for k in {ggml_type, *kinds})
         room = max(row_bytes(k, in_features) for k in self.kinds)
         self.register_buffer("blocks", torch.zeros(out_features, room, dtype=torch.uint8))
+        # The kernel's product for the blocks as they were last seen: (their address,
+        # shape and type) → a BlockProduct, or None where no kernel takes them.
+        self._kernel: tuple[tuple[int, torch.Size, int], cpu_kernels.BlockProduct | None] = (
+            (0, torch.Size(), -1),
+            None,
+        )
 
     def stored(self) -> torch.Tensor:
         """This layer's rows as stored, (out, row_bytes) uint8."""
@@ -85,11 +91,28 @@ class GGUFLinear(PackedLinear):
         if torch.compiler.is_compiling() and self.computed_in_place(x.dtype, x.device):
             y = torch.ops.specd.gguf_product(x, self.stored(), int(self.ggml_type))
         else:
-            found = cpu_kernels.try_gemv(x, self.stored(), self.ggml_type)
+            blocks = self._buffers["blocks"]
+            assert blocks is not None
+            key = (blocks.data_ptr(), blocks.shape, int(self.ggml_type))
+            seen, kernel = self._kernel
+            if seen != key:
+                kernel = self._block_product()
+                self._kernel = (key, kernel)
+            found = None if kernel is None else kernel(x, blocks)
             if found is None:
                 return super().product(x)
             y = found
         return y if self.bias is None else y + self.bias
+
+    def _block_product(self) -> cpu_kernels.BlockProduct | None:
+        """The kernel's product on this layer's rows (`stored()`, which begin where the
+        blocks do), or None where no kernel computes this type here."""
+        if not (cpu_kernels.available() and cpu_kernels.supports(self.ggml_type)):
+            return None
+        stored = self.stored()
+        if not stored.is_contiguous() or stored.device.type != "cpu":
+            return None
+        return cpu_kernels.BlockProduct(stored, self.ggml_type, self.in_features)
 
     def computed_in_place(self, dtype: torch.dtype, device: torch.device) -> bool:
         return all(cpu_kernels.computes(kind, dtype, device) for kind in self.kinds)
