@@ -272,7 +272,7 @@ class BlockProduct:
     __slots__ = ("index", "k", "n", "width")
 
     def __init__(self, blocks: torch.Tensor, kind: int | GGMLType, k: int) -> None:
-        index = _LIBRARY.functions.get(kind)  # type: ignore[call-overload]
+        index = _LIBRARY.functions.get(kind)  # type: ignore[arg-type]
         if index is None:
             raise ValueError(f"no kernel for ggml type {kind}: {status()}")
         _, size, elements = TYPES[kind]  # type: ignore[index]
