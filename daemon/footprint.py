@@ -61,6 +61,8 @@ def footprint(
         pack_head(model, rows, kind, config)
     # A freshly built Transformer holds its own blocks: a ModuleList, never a streamer.
     block = cast(nn.ModuleList, model.layers)[0]
+    if spec is not None and spec.blocks and not spec.on_load:
+        _larger_of_each_projection(block, replace(config, quantization=replace(spec, blocks=False)))
     # A layer's bytes as the streamer lays them out (slots, host arenas): the parameters
     # with each tensor's alignment padding, so the plan's figures are what gets allocated.
     layer = FlatLayout.of(block).nbytes
@@ -96,6 +98,21 @@ def footprint(
         experts=config.moe.experts if config.moe is not None else 0,
         experts_per_token=config.moe.top_k if config.moe is not None else 0,
     )
+
+
+def _larger_of_each_projection(block: nn.Module, stored: ModelConfig) -> None:
+    """A checkpoint laid out as blocks on this CPU keeps a projection with no exact block
+    form as stored (`BlockQuantizedLinear.from_packed`), so each projection of `block` is
+    planned at the larger of its two forms (blocks are larger at real widths; GPTQ's
+    per-input group index makes the stored form larger on a toy)."""
+    with torch.device("meta"):
+        other = cast(nn.ModuleList, Transformer(stored).layers)[0]
+    for name, module in list(block.named_modules()):
+        if isinstance(module, PackedLinear):
+            alternative = other.get_submodule(name)
+            if module_bytes(alternative) > module_bytes(module):
+                parent, _, attr = name.rpartition(".")
+                setattr(block.get_submodule(parent), attr, alternative)
 
 
 def packed_kernels(

@@ -24,6 +24,8 @@ from modeling.checkpoints.checkpoint import load, open_checkpoint
 from modeling.checkpoints.safetensors_model import CheckpointError
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
+from modeling.weights import cpu_kernels
+from modeling.weights.gguf_modules import BlockQuantizedLinear
 from modeling.weights.packed import (
     AWQ_ORDER,
     AWQLinear,
@@ -102,7 +104,9 @@ def greedy(runtime: Runtime, ids: list[int], strategy: str = "autoregressive") -
 @pytest.mark.parametrize("name", FOLDERS)
 def test_loads_packed_and_dequantizes_exactly_as_the_tool(quantized: Path, name: str) -> None:
     folder = quantized / name
-    model, _, ckpt = load(folder, "fp32")
+    # As stored (the layout a GPU holds; on this CPU a symmetric GPTQ is laid out as ggml
+    # blocks: test_symmetric_checkpoints_are_computed_as_blocks_on_a_cpu).
+    model, _, ckpt = load(folder, "fp32", computes_on="cuda")
     spec = ckpt.config.quantization
     assert spec is not None
     stored = {"gptq": torch.float16, "awq": torch.float16, "compressed-tensors": torch.float32}
@@ -164,7 +168,8 @@ def test_logits_and_greedy_tokens_match_the_reference(
         layer = runtime.streamer.layout  # type: ignore[union-attr]
         names = {e.name for e in layer.tensors}
         assert "mlp.down_proj.weight" not in names
-        assert any(e.dtype == torch.int32 for e in layer.tensors)
+        # (int32 words as stored; uint8 ggml blocks where this CPU lays a symmetric one out)
+        assert any(e.dtype in (torch.int32, torch.uint8) for e in layer.tensors)
 
 
 @pytest.mark.parametrize("strategy", ["linear", "tree"])
@@ -231,7 +236,7 @@ def test_unsupported_formats_are_refused_naming_them(
 
 
 def test_packed_tensors_keep_their_stored_dtypes_through_to(quantized: Path) -> None:
-    model, _, _ = load(quantized / "gptq-w4-g32", "fp32")
+    model, _, _ = load(quantized / "gptq-w4-g32", "fp32", computes_on="cuda")  # as stored
     down = model.layers[0].mlp.down_proj  # type: ignore[index]
     assert isinstance(down, GPTQLinear)
     scales = down.scales.clone()
@@ -377,3 +382,58 @@ def test_gptq_exporters_zero_biases_are_accepted(quantized: Path, tmp_path: Path
     )
     with pytest.raises(CheckpointError, match=r"down_proj\.bias \(non-zero"):
         load(with_biases(folder, tmp_path / "nonzero", 0.5), "fp32")
+
+
+CONVERTED = {  # folder → (projections laid out as blocks per layer, of 7)
+    "gptq-w4-g32": 7,
+    "gptq-w8-g32": 7,
+    "gptq-w4-g32-descact": 6,  # down_proj's 3 groups are permuted (act-order): as stored
+    "gptq-w4-g32-asym": 0,  # a zero point per group: no Q4_0 form
+    "compressed-tensors-w4a16-gptq": 0,  # fp32 scales: no Q4_0 form
+    "awq-w4-g32": 0,
+}
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels here")
+@pytest.mark.parametrize("name", list(CONVERTED))
+def test_symmetric_checkpoints_are_computed_as_blocks_on_a_cpu(quantized: Path, name: str) -> None:
+    """On a CPU with the kernels, a symmetric GPTQ projection (zero points 2^(b-1), groups
+    in runs, fp16 scales) is laid out as Q4_0/Q8_0 blocks that rebuild the stored weight bit
+    for bit; any other stays as stored. The plan counts the layer as it is loaded."""
+    folder = quantized / name
+    model = load(folder, "fp32", "cpu")[0]
+    stored = load(folder, "fp32", "cpu", computes_on="cuda")[0]
+    for layer, reference in zip(model.layers, stored.layers, strict=True):
+        assert isinstance(layer, nn.Module) and isinstance(reference, nn.Module)
+        blocks = 0
+        for proj in PROJECTIONS:
+            module, as_stored = layer.get_submodule(proj), reference.get_submodule(proj)
+            assert isinstance(module, PackedLinear) and isinstance(as_stored, PackedLinear)
+            blocks += isinstance(module, BlockQuantizedLinear)
+            assert torch.equal(
+                module.dequantize(torch.float32), as_stored.dequantize(torch.float32)
+            )
+        assert blocks == CONVERTED[name]
+    # Planned at the larger of each projection's two forms (which one loads depends on
+    # its values): here GPTQ's per-input group index makes the stored form the larger.
+    config = open_checkpoint(folder).config
+    fp = footprint(config, torch.float32, name, device_type="cpu")
+    assert fp.layer_bytes >= FlatLayout.of(model.layers[0]).nbytes  # type: ignore[index]
+    assert fp.layer_bytes == FlatLayout.of(stored.layers[0]).nbytes  # type: ignore[index]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels here")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_real_shaped_symmetric_gptq_is_planned_as_blocks_on_a_cpu(bits: int) -> None:
+    """At a real width the blocks are the larger form (2 bytes a 32-block against 2 a
+    128-group): the plan counts them, computed where they lie; on a GPU, as stored."""
+    config = quantized_config("llama-3.1-8b", {**FORMATS["gptq"], "bits": bits})
+    cpu = footprint(config, torch.float32, "8b", device_type="cpu")
+    gpu = footprint(config, torch.float32, "8b", device_type="cuda")
+    with torch.device("meta"):
+        blocks = Transformer(
+            replace(config, quantization=replace(config.quantization, blocks=True))
+        ).layers[0]  # type: ignore[index]
+    assert cpu.packed_kernels and not gpu.packed_kernels
+    assert cpu.layer_bytes == FlatLayout.of(blocks).nbytes > gpu.layer_bytes
+    assert cpu.layer_bytes < 1.1 * gpu.layer_bytes

@@ -326,8 +326,12 @@ def test_the_layout_follows_where_the_model_computes() -> None:
     assert laid_out_for(spec, torch.float32, "cpu") == replace(spec, blocks=True)
     assert laid_out_for(spec, torch.bfloat16, "cpu") == spec  # no kernel computes bf16
     assert laid_out_for(spec, torch.float32, "cuda") == spec
-    stored = replace(spec, on_load=False)  # a compressed-tensors checkpoint's own layout
-    assert laid_out_for(stored, torch.float32, "cpu") == stored
+    # A checkpoint's own layout: symmetric with fp16 scales has a block form; a zero
+    # point per group or other scales do not.
+    stored = replace(spec, on_load=False)
+    assert laid_out_for(stored, torch.float32, "cpu") == replace(stored, blocks=True)
+    for other in (replace(stored, symmetric=False), replace(stored, scale_dtype=torch.float32)):
+        assert laid_out_for(other, torch.float32, "cpu") == other
 
 
 @needs_kernels

@@ -9,11 +9,13 @@ checkpoints; a GGUF file's weights are read by modeling/checkpoints/gguf_model.p
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,8 +27,10 @@ from modeling.config import ModelConfig
 from modeling.decoder import Transformer
 from modeling.models import architecture
 from modeling.weights.gguf_modules import BlockQuantizedLinear
-from modeling.weights.packed import CompressedLinear, PackedLinear
+from modeling.weights.packed import CompressedLinear, GPTQLinear, PackedLinear
 from modeling.weights.projections import fused_parts
+
+log = logging.getLogger("specd.checkpoint")
 
 # The safetensors names of the dtypes packed tensors are stored in.
 _SAFETENSORS_NAMES = {
@@ -101,6 +105,14 @@ def load_model(
     against the file but left on the meta device in `dtype`: the disk offload tier reads
     those layers from the files itself, so they never take host memory."""
     arch = architecture(config)
+    spec = config.quantization
+    # A symmetric checkpoint to be laid out as blocks (`laid_out_for`): read as stored,
+    # then converted projection by projection (`_to_blocks`); the disk tier reads the
+    # files' own layout, so it keeps that.
+    relayout = spec is not None and spec.blocks and not spec.on_load
+    if relayout:
+        assert spec is not None
+        config = replace(config, quantization=replace(spec, blocks=False))
     with torch.device("meta"):
         model = Transformer(config)
     expected = {name: p.shape for name, p in model.named_parameters()}  # tied: embed only
@@ -251,8 +263,30 @@ def load_model(
         raise CheckpointError(f"{path}: " + "; ".join(problems))
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
+    if relayout and skip is None:
+        _to_blocks(model)
     model.set_rope(device)
     return model.eval()
+
+
+def _to_blocks(model: Transformer) -> None:
+    """Each packed projection that has an exact block form, replaced by it (one
+    projection's two forms at a time); the others stay as stored, and the log says so."""
+    kept = []
+    for owner, module in list(model.named_modules()):
+        if isinstance(module, GPTQLinear | CompressedLinear):
+            blocks = BlockQuantizedLinear.from_packed(module)
+            if blocks is None:
+                kept.append(owner)
+                continue
+            parent_name, _, attr = owner.rpartition(".")
+            setattr(model.get_submodule(parent_name), attr, blocks)
+    if kept:
+        log.info(
+            "%d packed projections have no exact Q4_0/Q8_0 form (act-order, zero points or "
+            "scales that are not fp16) and are rebuilt for each product, e.g. %s",
+            len(kept), kept[0],
+        )  # fmt: skip
 
 
 def _load_part(

@@ -22,7 +22,14 @@ from modeling.weights.gguf_blocks import (
     row_bytes,
     supported_type,
 )
-from modeling.weights.packed import PackedLinear, _itemsize, symmetric_values
+from modeling.weights.packed import (
+    CompressedLinear,
+    GPTQLinear,
+    PackedLinear,
+    _itemsize,
+    symmetric_values,
+    unpack,
+)
 
 
 @functools.lru_cache(maxsize=256)
@@ -145,13 +152,14 @@ BLOCK_TYPES = {8: GGMLType.Q8_0, 4: GGMLType.Q4_0}
 
 
 class BlockQuantizedLinear(GGUFLinear):
-    """`--quantize int8|int4` laid out as ggml Q8_0 / Q4_0 blocks, where the CPU kernels
-    compute those where they lie (modeling/weights/quant.py decides): the same rounding
-    and values as compressed-tensors' layout (`symmetric_values`: per row and group of
-    `group` inputs a fp16 scale, values in [-128, 127] or [-8, 7]), each 32-block holding
-    its group's scale. So it rebuilds bit for bit the weight `CompressedLinear` does, for
-    2 bytes more per 32 weights than one scale per 128 (Q8_0 34 bytes a block: +4.6%;
-    Q4_0 18: +9%), which the plan counts as it counts any layer: by this module's bytes."""
+    """Symmetric group-wise integer weights laid out as ggml Q8_0 / Q4_0 blocks, where the
+    CPU kernels compute those where they lie (modeling/weights/quant.py decides): each
+    32-block holds its group's fp16 scale and values in [-128, 127] or [-8, 7], so it
+    rebuilds bit for bit the weight of the layout it replaces, for 2 bytes more per 32
+    weights than one scale per 128 (Q8_0 34 bytes a block: +4.6%; Q4_0 18: +9%), which the
+    plan counts as it counts any layer: by this module's bytes. Made by `--quantize`
+    (`quantize_from`: compressed-tensors' rounding, `symmetric_values`) and from a
+    symmetric GPTQ or compressed-tensors checkpoint's projection (`from_packed`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group: int):
         if bits not in BLOCK_TYPES or group % 32 or in_features % group:
@@ -167,22 +175,74 @@ class BlockQuantizedLinear(GGUFLinear):
         out, inp = self.out_features, self.in_features
         if tuple(weight.shape) != (out, inp):
             raise ValueError(f"weight {tuple(weight.shape)} is not ({out}, {inp})")
-        bits = 8 if self.ggml_type == GGMLType.Q8_0 else 4
-        size = BLOCK_SIZES[self.ggml_type][1]
-        blocks = torch.empty(out, inp // 32, size, dtype=torch.uint8, device=weight.device)
+        blocks = self._new_blocks(weight.device)
         for r0 in range(0, out, rows):
             w = weight[r0 : r0 + rows].float().view(-1, inp // self.group, self.group)
-            values, scale = symmetric_values(w, bits, torch.float16)  # (r, G, g), (r, G)
-            values = values.view(values.shape[0], -1, 32)  # (r, blocks, 32)
-            d = scale.repeat_interleave(self.group // 32, dim=1)  # each block its group's
-            part = blocks[r0 : r0 + rows]
-            part[:, :, :2] = d.contiguous().view(torch.uint8).view(*d.shape, 2)
-            if bits == 8:  # qs: the values as int8
-                part[:, :, 2:] = values.to(torch.int8).view(torch.uint8)
-            else:  # qs[j]: value j + 8 in the low nibble, value j + 16 + 8 in the high
-                q = (values + 8).to(torch.uint8)
-                part[:, :, 2:] = q[:, :, :16] | (q[:, :, 16:] << 4)
+            values, scale = symmetric_values(w, self._bits, torch.float16)  # (r, G, g), (r, G)
+            self._write(blocks[r0 : r0 + rows], values, scale)
         self._buffers["blocks"] = blocks.view(out, -1)
+
+    @classmethod
+    @torch.no_grad()
+    def from_packed(cls, module: PackedLinear) -> BlockQuantizedLinear | None:
+        """The same weight as blocks, or None where it has no exact block form: a GPTQ (v1)
+        projection whose zero points are all 2^(b-1) (symmetric) and whose groups are
+        runs of inputs (no act-order permutation), or a symmetric compressed-tensors one,
+        with fp16 scales and groups of a multiple of 32 inputs."""
+        bits, out, inp = module.bits, module.out_features, module.in_features
+        offset = 1 << (bits - 1)
+        if bits not in BLOCK_TYPES or inp % 32:
+            return None
+        if isinstance(module, GPTQLinear):
+            groups = module.qzeros.shape[0]
+            if module.scales.dtype != torch.float16 or not module._groups_contiguous():
+                return None
+            zeros = unpack(module.qzeros, bits, 1) + 1  # (G, out): v1 stores zero - 1
+            if not bool((zeros == offset).all()):
+                return None
+            codes = unpack(module.qweight, bits, 0).t()  # (out, in)
+            scale = module.scales.t()  # (out, G)
+        elif isinstance(module, CompressedLinear):
+            groups = module.weight_scale.shape[1]
+            if module.weight_zero_point is not None or module.weight_scale.dtype != torch.float16:
+                return None
+            codes = unpack(module.weight_packed, bits, 1)[:, :inp]  # (out, in)
+            scale = module.weight_scale  # (out, G)
+        else:
+            return None
+        group = inp // groups
+        if group % 32 or groups * group != inp:
+            return None
+        converted = cls(inp, out, module.bias is not None, bits, group)
+        blocks = converted._new_blocks(codes.device)
+        values = (codes.long() - offset).view(out, groups, group)
+        converted._write(blocks, values, scale.contiguous())
+        converted._buffers["blocks"] = blocks.view(out, -1)
+        if module.bias is not None:
+            converted.bias = module.bias
+        converted.scratch = module.scratch
+        return converted
+
+    @property
+    def _bits(self) -> int:
+        return 8 if self.ggml_type == GGMLType.Q8_0 else 4
+
+    def _new_blocks(self, device: torch.device) -> torch.Tensor:
+        size = BLOCK_SIZES[self.ggml_type][1]
+        blocks = torch.empty(self.out_features, self.in_features // 32, size, dtype=torch.uint8)
+        return blocks.to(device)
+
+    def _write(self, blocks: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> None:
+        """Rows of `blocks` (r, in/32, block bytes) from values (r, G, group) in the type's
+        range and their fp16 scales (r, G)."""
+        values = values.reshape(values.shape[0], -1, 32)  # (r, blocks, 32)
+        d = scale.repeat_interleave(self.group // 32, dim=1)  # each block its group's
+        blocks[:, :, :2] = d.contiguous().view(torch.uint8).view(*d.shape, 2)
+        if self._bits == 8:  # qs: the values as int8
+            blocks[:, :, 2:] = values.to(torch.int8).view(torch.uint8)
+        else:  # qs[j]: value j + 8 in the low nibble, value j + 16 + 8 in the high
+            q = (values + 8).to(torch.uint8)
+            blocks[:, :, 2:] = q[:, :, :16] | (q[:, :, 16:] << 4)
 
 
 class GGUFEmbedding(nn.Module):

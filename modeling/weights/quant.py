@@ -97,6 +97,10 @@ class QuantizationSpec:
             return CompressedLinear(
                 in_features, out_features, bias, self.bits, group, True, self.scale_dtype
             )
+        if self.blocks and in_features % group == 0 and group % 32 == 0:
+            # A symmetric checkpoint's projection as the loader lays it out on this CPU
+            # (`BlockQuantizedLinear.from_packed`): what the plan counts.
+            return BlockQuantizedLinear(in_features, out_features, bias, self.bits, group)
         if in_features % group or in_features * self.bits % 32 or out_features * self.bits % 32:
             raise UnsupportedQuantizationError(
                 f"a {in_features} → {out_features} projection cannot be packed as {self.method} "
@@ -172,13 +176,18 @@ def on_load_quantization(kind: str) -> QuantizationSpec:
 def laid_out_for(
     spec: QuantizationSpec | None, dtype: torch.dtype, device: torch.device | str
 ) -> QuantizationSpec | None:
-    """`spec` as a model computing in `dtype` on `device` holds it: `--quantize`'s values as
-    ggml Q8_0/Q4_0 blocks where the CPU kernels multiply those where they lie (fp32 on a
-    CPU with the kernels built), since no kernel reads compressed-tensors' packing and a
-    CPU would otherwise rebuild the float matrix for every product. The same values either
-    way (`BlockQuantizedLinear`); the plan (daemon/footprint.py) and the loader ask here
-    alike, so the bytes planned are the bytes loaded."""
-    if spec is None or not spec.on_load or spec.method != "compressed-tensors" or spec.blocks:
+    """`spec` as a model computing in `dtype` on `device` holds it: symmetric integer
+    weights with fp16 scales (`--quantize`, and GPTQ or compressed-tensors checkpoints
+    quantized so) as ggml Q8_0/Q4_0 blocks where the CPU kernels multiply those where they
+    lie (fp32 on a CPU with the kernels built), since no kernel reads the GPTQ or
+    compressed-tensors packing and a CPU would otherwise rebuild the float matrix for
+    every product. The same values either way (`BlockQuantizedLinear`); the plan
+    (daemon/footprint.py) and the loader ask here alike, so the bytes planned are the
+    bytes loaded (a checkpoint's projection without an exact block form, such as GPTQ's
+    act-order, stays as stored: no larger than planned)."""
+    if spec is None or spec.blocks or spec.method not in ("compressed-tensors", "gptq"):
+        return spec
+    if not (spec.on_load or spec.symmetric):  # a zero point per group: no Q4_0/Q8_0 form
         return spec
     kind = BLOCK_TYPES.get(spec.bits)
     if kind is None or spec.scale_dtype != torch.float16:
