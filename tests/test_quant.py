@@ -414,6 +414,11 @@ def test_symmetric_checkpoints_are_computed_as_blocks_on_a_cpu(quantized: Path, 
                 module.dequantize(torch.float32), as_stored.dequantize(torch.float32)
             )
         assert blocks == CONVERTED[name]
+    gate = stored.layers[0].mlp.gate_proj  # type: ignore[index]
+    in_rows = BlockQuantizedLinear.from_packed(gate, rows=40)  # 96 outputs: 40, 40, 16
+    if in_rows is not None:  # (one model's projections rebuild into one shared scratch)
+        rebuilt = in_rows.dequantize(torch.float32).clone()
+        assert torch.equal(rebuilt, gate.dequantize(torch.float32))
     # Planned at the larger of each projection's two forms (which one loads depends on
     # its values): here GPTQ's per-input group index makes the stored form the larger.
     config = open_checkpoint(folder).config

@@ -184,11 +184,12 @@ class BlockQuantizedLinear(GGUFLinear):
 
     @classmethod
     @torch.no_grad()
-    def from_packed(cls, module: PackedLinear) -> BlockQuantizedLinear | None:
+    def from_packed(cls, module: PackedLinear, rows: int = 1024) -> BlockQuantizedLinear | None:
         """The same weight as blocks, or None where it has no exact block form: a GPTQ (v1)
         projection whose zero points are all 2^(b-1) (symmetric) and whose groups are
         runs of inputs (no act-order permutation), or a symmetric compressed-tensors one,
-        with fp16 scales and groups of a multiple of 32 inputs."""
+        with fp16 scales and groups of a multiple of 32 inputs. `rows` outputs at a time,
+        so the unpacked codes are a block of rows' (a 70B projection's whole would be GBs)."""
         bits, out, inp = module.bits, module.out_features, module.in_features
         offset = 1 << (bits - 1)
         if bits not in BLOCK_TYPES or inp % 32:
@@ -197,16 +198,22 @@ class BlockQuantizedLinear(GGUFLinear):
             groups = module.qzeros.shape[0]
             if module.scales.dtype != torch.float16 or not module._groups_contiguous():
                 return None
-            zeros = unpack(module.qzeros, bits, 1) + 1  # (G, out): v1 stores zero - 1
+            zeros = unpack(module.qzeros, bits, 1, torch.int16) + 1  # (G, out): zero - 1
             if not bool((zeros == offset).all()):
                 return None
-            codes = unpack(module.qweight, bits, 0).t()  # (out, in)
+
+            def codes(r0: int, r1: int) -> torch.Tensor:  # (r, in): packed along the input
+                return unpack(module.qweight[:, r0:r1], bits, 0, torch.int16).t()
+
             scale = module.scales.t()  # (out, G)
         elif isinstance(module, CompressedLinear):
             groups = module.weight_scale.shape[1]
             if module.weight_zero_point is not None or module.weight_scale.dtype != torch.float16:
                 return None
-            codes = unpack(module.weight_packed, bits, 1)[:, :inp]  # (out, in)
+
+            def codes(r0: int, r1: int) -> torch.Tensor:  # (r, in), a padded last word cut
+                return unpack(module.weight_packed[r0:r1], bits, 1, torch.int16)[:, :inp]
+
             scale = module.weight_scale  # (out, G)
         else:
             return None
@@ -214,9 +221,11 @@ class BlockQuantizedLinear(GGUFLinear):
         if group % 32 or groups * group != inp:
             return None
         converted = cls(inp, out, module.bias is not None, bits, group)
-        blocks = converted._new_blocks(codes.device)
-        values = (codes.long() - offset).view(out, groups, group)
-        converted._write(blocks, values, scale.contiguous())
+        blocks = converted._new_blocks(scale.device)
+        for r0 in range(0, out, rows):
+            r1 = min(out, r0 + rows)
+            values = (codes(r0, r1) - offset).view(r1 - r0, groups, group)
+            converted._write(blocks[r0:r1], values, scale[r0:r1].contiguous())
         converted._buffers["blocks"] = blocks.view(out, -1)
         if module.bias is not None:
             converted.bias = module.bias
