@@ -35,6 +35,7 @@ from modeling.checkpoints.checkpoint import DTYPES, load
 from modeling.compiled import CompiledPasses, ineligible, use_cache_dir
 from modeling.decoder import Transformer
 from modeling.models import layer_parameter_count
+from modeling.weights.quant import QUANTIZE_CHOICES
 
 log = logging.getLogger("specd.compile")
 
@@ -246,10 +247,7 @@ class Compilation:
         waits for the interpreter lock between kernels (64-token answers took up to 12 s
         instead of 0.15 s on the project's 2-core CPU). Waiting for a child holds nothing.
         Best effort: if the child fails, the in-process warm-up compiles by itself."""
-        model = self.models[role]
-        dtype = next(name for name, value in DTYPES.items() if value == model.dtype)
-        command = [sys.executable, "-m", "daemon.compiling", str(self.folders[role])]
-        command += ["--dtype", dtype, "--vocab-width", str(model.vocab_width)]
+        command = precompile_command(self.models[role], self.folders[role])
         try:
             child = subprocess.Popen(
                 command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -299,6 +297,18 @@ class Compilation:
         return {role: state.to_dict() for role, state in self.states.items()}
 
 
+def precompile_command(model: Transformer, folder: Path | str) -> list[str]:
+    """The child's command line: `model`'s checkpoint loaded as the daemon loaded it (its
+    dtype, vocabulary width and `--quantize`), so that it compiles the same graphs."""
+    dtype = next(name for name, value in DTYPES.items() if value == model.dtype)
+    command = [sys.executable, "-m", "daemon.compiling", str(folder)]
+    command += ["--dtype", dtype, "--vocab-width", str(model.vocab_width)]
+    spec = model.config.quantization
+    if spec is not None and spec.on_load and spec.method == "compressed-tensors":
+        command += ["--quantize", f"int{spec.bits}"]
+    return command
+
+
 def precompile_main(argv: list[str] | None = None) -> int:
     """The child of `Compilation._precompile`: load a checkpoint as the daemon did and
     compile its graphs into the disk cache (TORCHINDUCTOR_CACHE_DIR, inherited)."""
@@ -306,12 +316,13 @@ def precompile_main(argv: list[str] | None = None) -> int:
     ap.add_argument("folder")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--vocab-width", type=int, default=None)
+    ap.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None)
     args = ap.parse_args(argv)
     import torch._inductor.config as inductor
 
     inductor.compile_threads = 1  # the daemon's requests keep the other cores
     torch.set_num_threads(1)
-    model = load(args.folder, args.dtype)[0]
+    model = load(args.folder, args.dtype, quantize=args.quantize)[0]
     if args.vocab_width is not None:
         model.set_vocab_width(args.vocab_width)
     seconds = CompiledPasses(model).warm()

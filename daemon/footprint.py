@@ -61,13 +61,15 @@ def footprint(
         pack_head(model, rows, kind, config)
     # A freshly built Transformer holds its own blocks: a ModuleList, never a streamer.
     block = cast(nn.ModuleList, model.layers)[0]
+    outside_layers = module_bytes(model) - config.num_layers * module_bytes(block)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    stored_forms: list[PackedLinear] = []
     if spec is not None and spec.blocks and not spec.on_load:
-        _larger_of_each_projection(block, replace(config, quantization=replace(spec, blocks=False)))
+        stored = replace(config, quantization=replace(spec, blocks=False))
+        stored_forms = _larger_of_each_projection(block, stored)
     # A layer's bytes as the streamer lays them out (slots, host arenas): the parameters
     # with each tensor's alignment padding, so the plan's figures are what gets allocated.
     layer = FlatLayout.of(block).nbytes
-    outside_layers = module_bytes(model) - config.num_layers * module_bytes(block)
-    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     dense_layer = 0
     if config.quantization is not None:
         with torch.device("meta"):
@@ -92,7 +94,7 @@ def footprint(
         ),
         quantization=config.quantization.label if config.quantization is not None else "",
         dense_layer_bytes=dense_layer,
-        dequant_bytes=max((m.rebuild_bytes(dtype) for m in packed), default=0),
+        dequant_bytes=max((m.rebuild_bytes(dtype) for m in packed + stored_forms), default=0),
         packed_kernels=packed_kernels(config, dtype, device_type, packed),
         expert_bytes=expert_bytes,
         experts=config.moe.experts if config.moe is not None else 0,
@@ -100,19 +102,25 @@ def footprint(
     )
 
 
-def _larger_of_each_projection(block: nn.Module, stored: ModelConfig) -> None:
-    """A checkpoint laid out as blocks on this CPU keeps a projection with no exact block
-    form as stored (`BlockQuantizedLinear.from_packed`), so each projection of `block` is
-    planned at the larger of its two forms (blocks are larger at real widths; GPTQ's
-    per-input group index makes the stored form larger on a toy)."""
+def _larger_of_each_projection(block: nn.Module, stored: ModelConfig) -> list[PackedLinear]:
+    """A checkpoint to be laid out as blocks on this CPU loads as stored where its values
+    turn out to have no exact block form (`safetensors_model._to_blocks`), so each
+    projection of `block` (layer 0, which the layer's bytes are measured on) is planned at
+    the larger of its two forms (blocks are larger at real widths; GPTQ's per-input group
+    index makes the stored form larger on a toy). Returns the stored forms, whose rebuild
+    the plan also holds."""
     with torch.device("meta"):
         other = cast(nn.ModuleList, Transformer(stored).layers)[0]
+    forms = []
     for name, module in list(block.named_modules()):
         if isinstance(module, PackedLinear):
             alternative = other.get_submodule(name)
+            assert isinstance(alternative, PackedLinear)
+            forms.append(alternative)
             if module_bytes(alternative) > module_bytes(module):
                 parent, _, attr = name.rpartition(".")
                 setattr(block.get_submodule(parent), attr, alternative)
+    return forms
 
 
 def packed_kernels(

@@ -273,3 +273,18 @@ def test_precompiling_in_a_child_fills_the_cache_the_daemon_loads(stories_draft:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("compiled ") and "stories260k-draft" in done.stdout
+
+
+def test_the_precompile_child_loads_the_model_as_the_daemon_did(tiny_checkpoint) -> None:
+    """A model quantized on load is compiled by the child from the same --quantize (else
+    it would compile the full-precision model's graphs, holding all of its weights)."""
+    path = tiny_checkpoint("llama")
+    quantized = load(path, "fp32", "cpu", quantize="int8")[0]
+    command = compiling.precompile_command(quantized, path)
+    assert command[-2:] == ["--quantize", "int8"] and "--dtype" in command
+    assert "--quantize" not in compiling.precompile_command(load(path, "fp32")[0], path)
+    args = command[command.index(str(path)) :]
+    model = load(path, "fp32", quantize="int8")[0]  # what precompile_main loads from them
+    assert "--quantize" in args and type(model.layers[0].mlp.down_proj) is type(  # type: ignore[index]
+        quantized.layers[0].mlp.down_proj  # type: ignore[index]
+    )

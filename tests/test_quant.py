@@ -36,7 +36,7 @@ from modeling.weights.packed import (
 )
 from modeling.weights.quant import UnsupportedQuantizationError, parse_quantization
 from offload.layout import FlatLayout
-from offload.plan import MemoryBudget
+from offload.plan import MemoryBudget, module_bytes
 from offload.planning import make_plan
 from scripts.real_shapes import full_config
 from speculative.generation import Generation
@@ -387,7 +387,7 @@ def test_gptq_exporters_zero_biases_are_accepted(quantized: Path, tmp_path: Path
 CONVERTED = {  # folder → (projections laid out as blocks per layer, of 7)
     "gptq-w4-g32": 7,
     "gptq-w8-g32": 7,
-    "gptq-w4-g32-descact": 6,  # down_proj's 3 groups are permuted (act-order): as stored
+    "gptq-w4-g32-descact": 0,  # desc_act (down_proj's groups permuted): as stored
     "gptq-w4-g32-asym": 0,  # a zero point per group: no Q4_0 form
     "compressed-tensors-w4a16-gptq": 0,  # fp32 scales: no Q4_0 form
     "awq-w4-g32": 0,
@@ -425,6 +425,12 @@ def test_symmetric_checkpoints_are_computed_as_blocks_on_a_cpu(quantized: Path, 
     fp = footprint(config, torch.float32, name, device_type="cpu")
     assert fp.layer_bytes >= FlatLayout.of(model.layers[0]).nbytes  # type: ignore[index]
     assert fp.layer_bytes == FlatLayout.of(stored.layers[0]).nbytes  # type: ignore[index]
+    layers = len(model.layers)  # type: ignore[arg-type]
+    assert fp.resident_bytes == module_bytes(model) - layers * module_bytes(model.layers[0])  # type: ignore[index]
+    rebuilds = [
+        m.rebuild_bytes(torch.float32) for m in stored.modules() if isinstance(m, PackedLinear)
+    ]
+    assert fp.dequant_bytes >= max(rebuilds)  # either form's rebuild is held
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels here")
@@ -442,3 +448,23 @@ def test_a_real_shaped_symmetric_gptq_is_planned_as_blocks_on_a_cpu(bits: int) -
     assert cpu.packed_kernels and not gpu.packed_kernels
     assert cpu.layer_bytes == FlatLayout.of(blocks).nbytes > gpu.layer_bytes
     assert cpu.layer_bytes < 1.1 * gpu.layer_bytes
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels here")
+def test_a_checkpoint_whose_zero_points_belie_its_config_loads_as_stored(
+    quantized: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """sym: true, but one zero point is not 2^(b-1): no projection has a block form it can
+    be trusted with, so every layer loads as stored (one layout for a streamer), the same
+    weights, and the log names the projection."""
+    folder = tmp_path / "lying"
+    shutil.copytree(quantized / "gptq-w4-g32", folder)
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.qzeros"
+    tensors[name] = tensors[name] ^ 1  # one code's lowest bit in every word: zero 8 → 9
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("WARNING", logger="specd.checkpoint"):
+        model = load(folder, "fp32", "cpu")[0]
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(isinstance(m, GPTQLinear) for m in packed)
+    assert "layers.1.mlp.up_proj" in caplog.text

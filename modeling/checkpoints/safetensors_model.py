@@ -264,29 +264,35 @@ def load_model(
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
     if relayout and skip is None:
-        _to_blocks(model)
+        _to_blocks(model, path)
     model.set_rope(device)
     return model.eval()
 
 
-def _to_blocks(model: Transformer) -> None:
-    """Each packed projection that has an exact block form, replaced by it (one
-    projection's two forms at a time); the others stay as stored, and the log says so."""
-    kept = []
-    for owner, module in list(model.named_modules()):
-        if isinstance(module, GPTQLinear | CompressedLinear):
-            blocks = BlockQuantizedLinear.from_packed(module)
-            if blocks is None:
-                kept.append(owner)
-                continue
-            parent_name, _, attr = owner.rpartition(".")
-            setattr(model.get_submodule(parent_name), attr, blocks)
-    if kept:
-        log.info(
-            "%d packed projections have no exact Q4_0/Q8_0 form (act-order, zero points or "
-            "scales that are not fp16) and are rebuilt for each product, e.g. %s",
-            len(kept), kept[0],
+def _to_blocks(model: Transformer, path: Path) -> None:
+    """Every packed projection replaced by its block form (one projection's two forms at
+    a time), or none where one has no exact block form against what config.json says
+    (zero points other than 2^(b-1)): then the model loads as stored, all its layers alike
+    (a streamer needs one layout), and the plan, which counts each projection at the
+    larger of its forms, holds it."""
+    packed = [
+        (owner, module)
+        for owner, module in model.named_modules()
+        if isinstance(module, GPTQLinear | CompressedLinear)
+    ]
+    odd = next((o for o, m in packed if not BlockQuantizedLinear.has_block_form(m)), None)
+    if odd is not None:
+        log.warning(
+            "%s: %s has no exact Q4_0/Q8_0 form (its zero points or scales are not what "
+            "quantization_config says): the packed layers are rebuilt for each product",
+            path, odd,
         )  # fmt: skip
+        return
+    for owner, module in packed:
+        blocks = BlockQuantizedLinear.from_packed(module)
+        assert blocks is not None
+        parent_name, _, attr = owner.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, blocks)
 
 
 def _load_part(

@@ -182,44 +182,56 @@ class BlockQuantizedLinear(GGUFLinear):
             self._write(blocks[r0 : r0 + rows], values, scale)
         self._buffers["blocks"] = blocks.view(out, -1)
 
-    @classmethod
+    @staticmethod
     @torch.no_grad()
-    def from_packed(cls, module: PackedLinear, rows: int = 1024) -> BlockQuantizedLinear | None:
-        """The same weight as blocks, or None where it has no exact block form: a GPTQ (v1)
-        projection whose zero points are all 2^(b-1) (symmetric) and whose groups are
-        runs of inputs (no act-order permutation), or a symmetric compressed-tensors one,
-        with fp16 scales and groups of a multiple of 32 inputs. `rows` outputs at a time,
-        so the unpacked codes are a block of rows' (a 70B projection's whole would be GBs)."""
-        bits, out, inp = module.bits, module.out_features, module.in_features
-        offset = 1 << (bits - 1)
+    def has_block_form(module: PackedLinear) -> bool:
+        """Whether `module`'s weight is exactly Q4_0/Q8_0 blocks: a GPTQ (v1) projection
+        whose zero points are all 2^(b-1) (symmetric) and whose groups are runs of inputs
+        (no act-order permutation), or a symmetric compressed-tensors one, with fp16
+        scales and groups of a multiple of 32 inputs."""
+        bits, inp = module.bits, module.in_features
         if bits not in BLOCK_TYPES or inp % 32:
-            return None
+            return False
         if isinstance(module, GPTQLinear):
             groups = module.qzeros.shape[0]
             if module.scales.dtype != torch.float16 or not module._groups_contiguous():
-                return None
+                return False
             zeros = unpack(module.qzeros, bits, 1, torch.int16) + 1  # (G, out): zero - 1
-            if not bool((zeros == offset).all()):
-                return None
+            if not bool((zeros == 1 << (bits - 1)).all()):
+                return False
+        elif isinstance(module, CompressedLinear):
+            groups = module.weight_scale.shape[1]
+            if module.weight_zero_point is not None or module.weight_scale.dtype != torch.float16:
+                return False
+        else:
+            return False
+        return groups * (inp // groups) == inp and (inp // groups) % 32 == 0
+
+    @classmethod
+    @torch.no_grad()
+    def from_packed(cls, module: PackedLinear, rows: int = 1024) -> BlockQuantizedLinear | None:
+        """The same weight as blocks, or None where it has none (`has_block_form`). `rows`
+        outputs at a time, so the unpacked codes are a block of rows' (a 70B projection's
+        whole would be GBs)."""
+        if not cls.has_block_form(module):
+            return None
+        bits, out, inp = module.bits, module.out_features, module.in_features
+        offset = 1 << (bits - 1)
+        if isinstance(module, GPTQLinear):
 
             def codes(r0: int, r1: int) -> torch.Tensor:  # (r, in): packed along the input
                 return unpack(module.qweight[:, r0:r1], bits, 0, torch.int16).t()
 
             scale = module.scales.t()  # (out, G)
-        elif isinstance(module, CompressedLinear):
-            groups = module.weight_scale.shape[1]
-            if module.weight_zero_point is not None or module.weight_scale.dtype != torch.float16:
-                return None
+        else:
+            assert isinstance(module, CompressedLinear)
 
             def codes(r0: int, r1: int) -> torch.Tensor:  # (r, in), a padded last word cut
                 return unpack(module.weight_packed[r0:r1], bits, 1, torch.int16)[:, :inp]
 
             scale = module.weight_scale  # (out, G)
-        else:
-            return None
+        groups = scale.shape[1]
         group = inp // groups
-        if group % 32 or groups * group != inp:
-            return None
         converted = cls(inp, out, module.bias is not None, bits, group)
         blocks = converted._new_blocks(scale.device)
         for r0 in range(0, out, rows):

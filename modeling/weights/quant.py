@@ -46,9 +46,11 @@ class QuantizationSpec:
     scale_dtype: torch.dtype  # the stored scales' dtype
     # Quantized while loading a full-precision checkpoint (`--quantize`), not as stored.
     on_load: bool = False
-    # `--quantize`'s values laid out as ggml Q8_0/Q4_0 blocks, where the CPU kernels
-    # multiply those (`laid_out_for`); else compressed-tensors' packing.
+    # Symmetric integer weights laid out as ggml Q8_0/Q4_0 blocks, where the CPU kernels
+    # multiply those (`laid_out_for`); else as stored (or compressed-tensors' packing).
     blocks: bool = False
+    # GPTQ's desc_act: groups permuted along the input (no block form).
+    act_order: bool = False
     # A GGUF file: each projection's own block type (our name → ggml type), which differ
     # within a file (a Q4_K_M mix holds Q4_K and Q6_K, and Q5_0 where rows are short).
     tensor_types: tuple[tuple[str, int], ...] = ()
@@ -183,12 +185,12 @@ def laid_out_for(
     compressed-tensors packing and a CPU would otherwise rebuild the float matrix for
     every product. The same values either way (`BlockQuantizedLinear`); the plan
     (daemon/footprint.py) and the loader ask here alike, so the bytes planned are the
-    bytes loaded (a checkpoint's projection without an exact block form, such as GPTQ's
-    act-order, stays as stored: no larger than planned)."""
+    bytes loaded (a checkpoint whose projections turn out to have no exact block form,
+    against what its config says, loads as stored: planned too)."""
     if spec is None or spec.blocks or spec.method not in ("compressed-tensors", "gptq"):
         return spec
-    if not (spec.on_load or spec.symmetric):  # a zero point per group: no Q4_0/Q8_0 form
-        return spec
+    if not (spec.on_load or spec.symmetric) or spec.act_order:  # no Q4_0/Q8_0 form:
+        return spec  # a zero point per group, or groups permuted along the input
     kind = BLOCK_TYPES.get(spec.bits)
     if kind is None or spec.scale_dtype != torch.float16:
         return spec
@@ -246,8 +248,9 @@ def _gptq(q: dict[str, Any], source: str) -> QuantizationSpec:
         raise _refuse(source, f"gptq with pack_dtype {q.get('pack_dtype')!r}")
     bits = _bits(q, "bits", (4, 8), source, "gptq")
     return QuantizationSpec(
-        "gptq", bits, int(q.get("group_size", 128)), bool(q.get("sym", True)), torch.float16
-    )
+        "gptq", bits, int(q.get("group_size", 128)), bool(q.get("sym", True)), torch.float16,
+        act_order=bool(q.get("desc_act", False)),
+    )  # fmt: skip
 
 
 def _awq(q: dict[str, Any], source: str) -> QuantizationSpec:
