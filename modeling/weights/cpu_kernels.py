@@ -308,9 +308,9 @@ class BlockProduct:
             x = x.contiguous()
         sums = getattr(_SCRATCH, "sums", None)
         if sums is None or sums.numel() < rows * (k // 32):
-            sums = _SCRATCH.sums = torch.empty(lib.max_rows * (k // 32))
+            sums = _SCRATCH.sums = torch.empty(lib.max_rows * (k // 32), dtype=torch.float32)
         n = self.n
-        out = torch.empty((*shape[:-1], n))
+        out = torch.empty((*shape[:-1], n), dtype=torch.float32)  # what the C code writes
         lib.gemv(self.index, x.data_ptr(), k, sums.data_ptr(), blocks.data_ptr(),
                  self.width, out.data_ptr(), n, rows, n, k)  # fmt: skip
         return out
