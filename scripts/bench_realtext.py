@@ -396,7 +396,10 @@ def line(r: dict[str, Any], chains: list[int]) -> str:
     return (
         f"| {r.get('model', 'smollm2')} | {r['draft']} | {r['temperature']:g} | {r['cell']} "
         f"| {tree['tokens_per_pass']:.2f} | "
-        + " | ".join(f"{r['chains'][f'K={k}']['tokens_per_pass']:.2f}" for k in chains)
+        + " | ".join(  # (runs read back with --projection-from may have other chains)
+            f"{r['chains'][f'K={k}']['tokens_per_pass']:.2f}" if f"K={k}" in r["chains"] else "—"
+            for k in chains
+        )
         + f" | {r['tree_over_best_chain']:.2f} | {tree['draft_passes_per_pass']:.1f} "
         f"| {tree['acceptance']:.2f} |"
     )
