@@ -178,7 +178,7 @@ class BlockQuantizedLinear(GGUFLinear):
         blocks = self._new_blocks(weight.device)
         for r0 in range(0, out, rows):
             w = weight[r0 : r0 + rows].float().view(-1, inp // self.group, self.group)
-            values, scale = symmetric_values(w, self._bits, torch.float16)  # (r, G, g), (r, G)
+            values, scale = symmetric_values(w, self.bits, torch.float16)  # (r, G, g), (r, G)
             self._write(blocks[r0 : r0 + rows], values, scale)
         self._buffers["blocks"] = blocks.view(out, -1)
 
@@ -244,14 +244,10 @@ class BlockQuantizedLinear(GGUFLinear):
         converted.scratch = module.scratch
         return converted
 
-    @property
-    def _bits(self) -> int:
-        return 8 if self.ggml_type == GGMLType.Q8_0 else 4
-
     def _new_blocks(self, device: torch.device) -> torch.Tensor:
         size = BLOCK_SIZES[self.ggml_type][1]
-        blocks = torch.empty(self.out_features, self.in_features // 32, size, dtype=torch.uint8)
-        return blocks.to(device)
+        shape = (self.out_features, self.in_features // 32, size)
+        return torch.empty(shape, dtype=torch.uint8, device=device)
 
     def _write(self, blocks: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> None:
         """Rows of `blocks` (r, in/32, block bytes) from values (r, G, group) in the type's
@@ -259,7 +255,7 @@ class BlockQuantizedLinear(GGUFLinear):
         values = values.reshape(values.shape[0], -1, 32)  # (r, blocks, 32)
         d = scale.repeat_interleave(self.group // 32, dim=1)  # each block its group's
         blocks[:, :, :2] = d.contiguous().view(torch.uint8).view(*d.shape, 2)
-        if self._bits == 8:  # qs: the values as int8
+        if self.bits == 8:  # qs: the values as int8
             blocks[:, :, 2:] = values.to(torch.int8).view(torch.uint8)
         else:  # qs[j]: value j + 8 in the low nibble, value j + 16 + 8 in the high
             q = (values + 8).to(torch.uint8)
