@@ -60,6 +60,7 @@ from modeling.graphs import (
 from modeling.kv_cache import INITIAL_SLOTS, KVCache
 from modeling.layers.attention import FixedSlots, full_mask, query_chunk
 from modeling.protocol import Segment
+from modeling.weights import cpu_kernels
 from modeling.weights.packed import PackedLinear
 
 log = logging.getLogger("specd.compile")
@@ -167,6 +168,8 @@ class CompiledPasses:
             raise ValueError(f"CUDA graphs need a CUDA device, not {model.device}")
         self._step: Callable[..., torch.Tensor] = self._traced
         if compile:
+            if model.device.type == "cpu":
+                cpu_kernels.available()  # built (or found missing) before a graph asks
             options: dict[str, str | int | bool | Callable[..., Any]] = (
                 {"cpp_wrapper": True} if model.device.type == "cpu" else {}
             )

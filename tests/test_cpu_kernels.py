@@ -133,7 +133,8 @@ def test_turned_off_it_says_why(monkeypatch) -> None:
 @needs_kernels
 def test_a_real_chat_models_greedy_text_is_unchanged(shared_models, monkeypatch) -> None:
     """SmolLM2 as shipped (Q4_1, tied head): on the CPU its layers stay packed and its head
-    is the embedding's blocks (no dense copy); greedy ids equal the rebuilt model's."""
+    is the embedding's blocks (no dense copy); greedy ids with the kernels (products,
+    norms, attention) equal those of PyTorch's operators on the rebuilt weights."""
     from modeling.checkpoints.checkpoint import load
 
     path = shared_models / "smollm2-135m-instruct" / "smollm2-135m-instruct-q4_1.gguf"
@@ -154,7 +155,10 @@ def test_a_real_chat_models_greedy_text_is_unchanged(shared_models, monkeypatch)
 
     with torch.inference_mode():
         fast = greedy(24)
-        monkeypatch.setattr(cpu_kernels, "try_gemv", lambda x, blocks, kind: None)
+        # PyTorch's operators throughout: rebuilt projections, its norms and attention
+        monkeypatch.setattr(cpu_kernels.BlockProduct, "__call__", lambda self, x: None)
+        monkeypatch.setattr(cpu_kernels, "rms_norm", lambda *args: None)
+        monkeypatch.setattr(cpu_kernels, "attention", lambda *args: None)
         rebuilt = greedy(24)
     assert fast == rebuilt
     assert "Paris" in tokenizer.decode(fast)
@@ -242,3 +246,158 @@ def test_a_projection_follows_its_blocks_when_a_slot_changes_layer() -> None:
     check()
     layer._buffers["blocks"] = blocks(GGMLType.Q8_0, 7)
     check()
+
+
+def close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Equal to float summation order: within 1e-5 of the magnitudes summed (`scale`)."""
+    return bool(((got - want).abs() <= 1e-5 * scale + 1e-6).all())
+
+
+@needs_kernels
+def test_stacked_projections_are_one_call_with_each_ones_values(monkeypatch) -> None:
+    """q/k/v (or gate/up) of one input in one kernel call, each part of its own type and
+    bias: the columns of each are its product alone, bit for bit; more rows than the
+    kernels take, or a part that is not GGUF blocks, are not stacked (None)."""
+    from modeling.weights.projections import linear, stacked
+
+    g = torch.Generator().manual_seed(4)
+    parts = []
+    for kind, rows, seed in (
+        (GGMLType.Q4_K, 64, 1),
+        (GGMLType.Q8_0, 32, 2),
+        (GGMLType.Q6_K, 32, 3),
+    ):
+        layer = GGUFLinear(256, rows, True, kind)
+        blocks = random_blocks(kind, rows, 256, seed)
+        size = BLOCK_SIZES[kind][1]
+        if kind == GGMLType.Q8_0:  # finite scales: d = 2^-8
+            blocks.view(rows, -1, size)[..., :2] = torch.tensor([0, 28], dtype=torch.uint8)
+        elif kind == GGMLType.Q4_K:
+            blocks.view(rows, -1, size)[..., :4] = torch.tensor([0, 40, 0, 36], dtype=torch.uint8)
+        else:  # Q6_K: d last
+            blocks.view(rows, -1, size)[..., -2:] = torch.tensor([0, 28], dtype=torch.uint8)
+        layer.blocks.copy_(blocks)
+        layer.bias.data.normal_(generator=g)
+        parts.append(layer)
+    calls = []
+    real = cpu_kernels._LIBRARY.products
+    monkeypatch.setattr(cpu_kernels._LIBRARY, "products", lambda *a: calls.append(a) or real(*a))
+    with torch.no_grad():
+        for rows in (1, 3, cpu_kernels.max_rows()):
+            x = torch.randn(rows, 256, generator=g)
+            calls.clear()
+            both = stacked(parts, x)
+            assert both is not None and len(calls) == 1 and both.shape == (rows, 128)
+            assert torch.equal(both, torch.cat([linear(p, x) for p in parts], dim=-1))
+        assert stacked(parts, torch.randn(cpu_kernels.max_rows() + 1, 256)) is None
+        assert stacked([parts[0], torch.nn.Linear(256, 8)], x) is None
+
+
+@needs_kernels
+def test_the_compiled_operator_stacks_any_number_of_rows() -> None:
+    """`specd::gguf_products`, as a compiled pass calls it: a few rows through the kernels,
+    more through the rebuilt matrices, the parts' outputs side by side either way."""
+    kinds = [GGMLType.Q8_0, GGMLType.Q4_0]
+    blocks = [random_blocks(k, 16, 64, seed=int(k)) for k in kinds]
+    for b in blocks:
+        b.view(16, 2, -1)[..., :2] = torch.tensor([0, 56], dtype=torch.uint8)  # d = 0.5
+    weight = torch.cat([dequantize(b, k, 64) for b, k in zip(blocks, kinds, strict=True)])
+    for rows in (2, cpu_kernels.max_rows() + 5):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        got = torch.ops.specd.gguf_products(x, blocks, [int(k) for k in kinds])
+        assert close(got, x @ weight.T, x.abs() @ weight.abs().T)
+
+
+@needs_kernels
+def test_norms_of_a_few_rows_equal_pytorchs() -> None:
+    """RMSNorm's kernel on (T, d) rows and on a (heads, T, hd) view of a stacked output (a
+    q/k norm), with and without Gemma's offset: PyTorch's values to float rounding; more
+    rows than the kernels take, another dtype, or a gradient to keep are not taken."""
+    from modeling.layers.norms import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    for offset in (0.0, 1.0):
+        norm = RMSNorm(64, 1e-6, offset)
+        norm.weight.data.normal_(generator=g)
+        qkv = torch.randn(3, 12 * 64, generator=g) * 7  # (T, heads * hd): heads 0-8 are q
+        views = [
+            torch.randn(1, 64, generator=g),
+            torch.randn(cpu_kernels.max_rows(), 64, generator=g) * 1e3,
+            qkv.view(3, 12, 64).transpose(0, 1)[:9],  # (9, 3, 64), rows 768 floats apart
+        ]
+        for x in views:
+            want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (offset + norm.weight)
+            with torch.no_grad():
+                got = norm(x)
+            assert got.shape == x.shape and got.is_contiguous()
+            assert torch.allclose(got, want, rtol=2e-6, atol=1e-6)
+    w = torch.ones(64)
+    assert cpu_kernels.rms_norm(torch.randn(cpu_kernels.max_rows() + 1, 64), w, 1e-6) is None
+    assert cpu_kernels.rms_norm(torch.randn(2, 64, dtype=torch.float64), w, 1e-6) is None
+    with torch.enable_grad():
+        assert cpu_kernels.rms_norm(torch.randn(2, 64, requires_grad=True), w, 1e-6) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "rows", "keys", "hd", "softcap", "sinks", "masked"),
+    [
+        (9, 3, 1, 150, 64, None, False, False),  # SmolLM2's decode step
+        (32, 8, 8, 3000, 128, None, False, True),  # an 8B's short chain
+        (8, 8, 1, 10, 256, 30.0, False, False),  # soft cap (Gemma 2), head 256
+        (64, 8, 3, 77, 64, None, True, True),  # sinks (gpt-oss)
+        (4, 1, 1, 1, 8, None, False, False),  # one key
+    ],
+)
+def test_attention_of_a_few_rows_equals_pytorchs(
+    heads: int, kv_heads: int, rows: int, keys: int, hd: int, softcap, sinks: bool, masked: bool
+) -> None:
+    """The kernels' attention against `_attend` (PyTorch's operators), over strided views
+    of a longer cache: the same values to float rounding, on any number of threads."""
+    from modeling.layers.attention import AttentionOptions, _attend
+
+    g = torch.Generator().manual_seed(heads * keys)
+    q = torch.randn(heads, rows, hd, generator=g)
+    cache_k = torch.randn(kv_heads, keys + 20, hd, generator=g) * 2
+    cache_v = torch.randn(kv_heads, keys + 20, hd, generator=g)
+    k, v = cache_k[:, :keys], cache_v[:, :keys]
+    mask = None
+    if masked:
+        mask = torch.rand(rows, keys, generator=g) > 0.3
+        mask[:, 0] = True
+    sink = torch.randn(heads, generator=g) if sinks else None
+    scale = hd**-0.5
+    want = _attend(q, k, v, mask, AttentionOptions(scale, None, softcap), sink)
+    got = cpu_kernels.attention(q, k, v, mask, scale, softcap, sink)
+    assert got is not None and got.shape == (heads, rows, hd)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    try:  # (kv head, row) items split among threads: the same values bit for bit
+        cpu_kernels.set_threads(3)
+        assert torch.equal(cpu_kernels.attention(q, k, v, mask, scale, softcap, sink), got)
+    finally:
+        cpu_kernels.set_threads(1)
+
+
+@needs_kernels
+def test_attention_reads_no_key_past_the_last_one_a_row_sees() -> None:
+    """A compiled pass attends over the cache's whole allocation, its unwritten slots
+    hidden: the kernels stop at each row's last visible key, so what lies past it (NaN
+    here) is never read; rows the kernels do not take are left to PyTorch (None)."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(4, 2, 64, generator=g)
+    k = torch.randn(2, 100, 64, generator=g)
+    v = torch.randn(2, 100, 64, generator=g)
+    k[:, 60:] = float("nan")
+    v[:, 60:] = float("nan")
+    mask = torch.zeros(2, 100, dtype=torch.bool)
+    mask[0, :59] = True
+    mask[1, :60] = True
+    got = cpu_kernels.attention(q, k, v, mask, 0.125)
+    want = cpu_kernels.attention(q, k[:, :60], v[:, :60], mask[:, :60], 0.125)
+    assert got is not None and want is not None and torch.equal(got, want)
+    assert bool(torch.isfinite(got).all())
+    many = torch.randn(4, cpu_kernels.max_rows() + 1, 64)
+    assert cpu_kernels.attention(many, k, v, None, 0.125) is None
+    assert (
+        cpu_kernels.attention(q[..., :60], k[..., :60], v[..., :60], None, 0.125) is None
+    )  # hd % 8

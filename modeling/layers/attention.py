@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from modeling.kv_cache import KVCache
+from modeling.weights import cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -239,6 +240,61 @@ def attend(
     on CPU, SDPA's `enable_gqa` path costs milliseconds per call (it copies the strided cache
     views), and with a boolean mask it falls back to the math kernel, which materialises the
     whole (heads, T, S) score matrix, so SDPA would be neither faster nor bounded here."""
+    t = q.shape[1]
+    if q.dtype == torch.float32 and q.device.type == "cpu":
+        # A few rows (a decode step, a short chain): one call of the CPU kernels, whose
+        # working set is less than one chunk's scores; in a compiled pass, their operator
+        # (modeling/compiled.py builds them before it traces).
+        scale = q.shape[2] ** -0.5 if options.scale is None else options.scale
+        if torch.compiler.is_compiling():
+            if cpu_kernels.loaded():
+                return torch.ops.specd.attention(q, k, v, mask, scale, options.softcap, sinks)
+        elif t <= cpu_kernels.max_rows():
+            out = cpu_kernels.attention(q, k, v, mask, scale, options.softcap, sinks)
+            if out is not None:
+                return out
+    return _attend(q, k, v, mask, options, sinks)
+
+
+def _attention_operator(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """`attend` as one opaque node of a compiled pass (whose token count is symbolic): a
+    few rows to the CPU kernels, which read no key past the last one a row sees (a compiled
+    pass attends over the cache's whole allocation), more to `_attend`."""
+    out = cpu_kernels.attention(q, k, v, mask, scale, softcap, sinks)
+    if out is None:
+        out = _attend(q, k, v, mask, AttentionOptions(scale, None, softcap), sinks)
+    return out
+
+
+def _attention_fake(q, k, v, mask, scale, softcap, sinks):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+cpu_kernels.operator(
+    "attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float? softcap, "
+    "Tensor? sinks) -> Tensor",
+    _attention_operator,
+    _attention_fake,
+)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    options: AttentionOptions,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """`attend` in PyTorch's operators, over chunks of queries."""
     heads, t = q.shape[0], q.shape[1]
     chunk = query_chunk(heads, k.shape[1])
     if t <= chunk:

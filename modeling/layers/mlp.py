@@ -13,7 +13,7 @@ from torch import nn
 
 from modeling.config import ModelConfig
 from modeling.weights.packed import PackedLinear
-from modeling.weights.projections import FusedLinear, linear, projection
+from modeling.weights.projections import FusedLinear, linear, projection, stacked
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -46,8 +46,13 @@ class MLP(nn.Module):
         self.down_proj = projection(cfg, f, d, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up: torch.Tensor | None
         if self.gate_up_proj is not None:
-            gate, up = linear(self.gate_up_proj, x).chunk(2, dim=-1)  # (T, f) views each
+            gate_up = linear(self.gate_up_proj, x)
+        else:  # packed: one kernel call where the format has one, else two products
+            gate_up = stacked((self.gate_proj, self.up_proj), x)
+        if gate_up is not None:
+            gate, up = gate_up.chunk(2, dim=-1)  # (T, f) views each
             # In place: the peak stays gate/up and act(gate), 3f per token, as unfused.
             return linear(self.down_proj, self.act(gate).mul_(up))
         assert self.gate_proj is not None and self.up_proj is not None

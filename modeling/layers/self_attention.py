@@ -18,7 +18,7 @@ from modeling.layers.attention import AttentionOptions, Slots, attend_sequence
 from modeling.layers.norms import RMSNorm
 from modeling.layers.rope import apply_rope
 from modeling.weights.packed import PackedLinear
-from modeling.weights.projections import FusedLinear, linear, projection
+from modeling.weights.projections import FusedLinear, linear, projection, stacked
 
 
 class Attention(nn.Module):
@@ -71,9 +71,15 @@ class Attention(nn.Module):
         and attend to it under its own mask (ragged: no cache is padded to another's)."""
         t = x.shape[0]
         heads, kv_heads, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        # Dense: one matmul, q, k and v views of its output; packed: one kernel call where
+        # the format has one (`stacked`), else three products.
+        qkv: torch.Tensor | None
         if self.qkv_proj is not None:
-            # One matmul; q, k and v are views of its (T, (H + 2 Hkv) hd) output.
-            qkv = linear(self.qkv_proj, x).view(t, -1, hd).transpose(0, 1)  # (H+2Hkv, T, hd)
+            qkv = linear(self.qkv_proj, x)
+        else:
+            qkv = stacked((self.q_proj, self.k_proj, self.v_proj), x)
+        if qkv is not None:
+            qkv = qkv.view(t, -1, hd).transpose(0, 1)  # (H+2Hkv, T, hd)
             qk, v = qkv.split([heads + kv_heads, kv_heads])
             if self.q_norm is None:
                 # RoPE is elementwise per head: q's and k's heads rotate in one go.
@@ -87,7 +93,7 @@ class Attention(nn.Module):
             v = linear(self.v_proj, x).view(t, kv_heads, hd).transpose(0, 1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, after the split
-        if self.qkv_proj is None or self.q_norm is not None:
+        if qkv is None or self.q_norm is not None:
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
         if len(sequences) == 1:  # one sequence (most passes): no row slices

@@ -24,9 +24,10 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
-#define SPECD_KERNELS_VERSION 6
+#define SPECD_KERNELS_VERSION 7
 #define SPECD_MAX_ROWS 8
 
 int specd_kernels_version(void) { return SPECD_KERNELS_VERSION; }
@@ -358,9 +359,21 @@ static void group_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int6
         dec_##NAME(row + ((k + 1) / (GROUPS)) * (BLOCK_BYTES), (int)((k + 1) % (GROUPS)), r); \
     }
 
+/* The one-row path's scales of two consecutive 32-blocks whose fp16 scale d leads them
+ * (SCALES 1: Q4_0, Q5_0, Q8_0, IQ4_NL) and fp16 offset m follows it (SCALES 2: Q4_1, Q5_1):
+ * both blocks' (d, m) converted in one instruction, (d0, m0, d1, m1), where converting
+ * each half alone made these types' products a third slower. The same values as the
+ * decoders' `half_at`; SCALES 0: the decoders' s and o (every other type). */
+static inline __m128 two_scales(const uint8_t *b0, const uint8_t *b1) {
+    uint32_t u0, u1;
+    memcpy(&u0, b0, 4);
+    memcpy(&u1, b1, 4);
+    return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)u0), (int)u1, 1));
+}
+
 #define PREFETCH_GROUPS 64
 
-#define GEMV(NAME, BLOCK_BYTES, GROUPS)                                                        \
+#define GEMV(NAME, BLOCK_BYTES, GROUPS, SCALES)                                                \
     static inline void group_##NAME(const uint8_t *row, int64_t k, group_t *q) {              \
         dec_##NAME(row + (k / (GROUPS)) * (BLOCK_BYTES), (int)(k % (GROUPS)), q);             \
     }                                                                                         \
@@ -374,6 +387,7 @@ static void group_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int6
             if (M == 1) { /* four independent chains: two groups a step, two scales each */  \
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                   \
                 float o0 = 0.0f, o1 = 0.0f;                                                   \
+                __m128 offsets = _mm_setzero_ps(); /* SCALES 2: lanes 1 and 3 are o0, o1 */   \
                 int64_t k = 0;                                                                \
                 for (; k + 1 < ngroups; k += 2) {                                             \
                     /* the bytes a few groups on: they arrive while these are computed */    \
@@ -389,12 +403,33 @@ static void group_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int6
                     p1 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), q.c[3], p1);               \
                     p2 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 40), r.c[1], p2);               \
                     p3 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 56), r.c[3], p3);               \
-                    a0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(q.s[0]), a0);                     \
-                    a1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(q.s[1]), a1);                     \
-                    a2 = _mm256_fmadd_ps(p2, _mm256_set1_ps(r.s[0]), a2);                     \
-                    a3 = _mm256_fmadd_ps(p3, _mm256_set1_ps(r.s[1]), a3);                     \
-                    o0 += q.o * xsum[k];                                                      \
-                    o1 += r.o * xsum[k + 1];                                                  \
+                    if (SCALES) {                                                             \
+                        const uint8_t *b = row + k * (BLOCK_BYTES);                           \
+                        const __m128 dm = two_scales(b, b + (BLOCK_BYTES));                   \
+                        const __m256 sq = _mm256_broadcastss_ps(dm);                          \
+                        const __m256 sr = _mm256_broadcastss_ps(_mm_movehl_ps(dm, dm));       \
+                        a0 = _mm256_fmadd_ps(p0, sq, a0);                                     \
+                        a1 = _mm256_fmadd_ps(p1, sq, a1);                                     \
+                        a2 = _mm256_fmadd_ps(p2, sr, a2);                                     \
+                        a3 = _mm256_fmadd_ps(p3, sr, a3);                                     \
+                        if (SCALES == 2) { /* (0, xsum[k], 0, xsum[k + 1]) */                 \
+                            const __m128 pair = _mm_castsi128_ps(                             \
+                                _mm_loadl_epi64((const __m128i *)(xsum + k)));                \
+                            const __m128 xs = _mm_unpacklo_ps(_mm_setzero_ps(), pair);        \
+                            offsets = _mm_add_ps(offsets, _mm_mul_ps(dm, xs));                \
+                        }                                                                     \
+                    } else {                                                                  \
+                        a0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(q.s[0]), a0);                 \
+                        a1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(q.s[1]), a1);                 \
+                        a2 = _mm256_fmadd_ps(p2, _mm256_set1_ps(r.s[0]), a2);                 \
+                        a3 = _mm256_fmadd_ps(p3, _mm256_set1_ps(r.s[1]), a3);                 \
+                        o0 += q.o * xsum[k];                                                  \
+                        o1 += r.o * xsum[k + 1];                                              \
+                    }                                                                         \
+                }                                                                             \
+                if (SCALES == 2) {                                                            \
+                    o0 = _mm_cvtss_f32(_mm_movehdup_ps(offsets));                             \
+                    o1 = _mm_cvtss_f32(_mm_shuffle_ps(offsets, offsets, 3));                  \
                 }                                                                             \
                 for (; k < ngroups; k++) {                                                    \
                     group_##NAME(row, k, &q);                                                 \
@@ -448,18 +483,18 @@ UNPAIRED(iq4_xs, 136, 8)
 UNPAIRED(mxfp4, 17, 1)
 UNPAIRED(q3_k, 110, 8)
 
-GEMV(q8_0, 34, 1)
-GEMV(q4_0, 18, 1)
-GEMV(q4_1, 20, 1)
-GEMV(q5_0, 22, 1)
-GEMV(q5_1, 24, 1)
-GEMV(q4_k, 144, 8)
-GEMV(q5_k, 176, 8)
-GEMV(q6_k, 210, 8)
-GEMV(iq4_nl, 18, 1)
-GEMV(iq4_xs, 136, 8)
-GEMV(mxfp4, 17, 1)
-GEMV(q3_k, 110, 8)
+GEMV(q8_0, 34, 1, 1)
+GEMV(q4_0, 18, 1, 1)
+GEMV(q4_1, 20, 1, 2)
+GEMV(q5_0, 22, 1, 1)
+GEMV(q5_1, 24, 1, 2)
+GEMV(q4_k, 144, 8, 0)
+GEMV(q5_k, 176, 8, 0)
+GEMV(q6_k, 210, 8, 0)
+GEMV(iq4_nl, 18, 1, 1)
+GEMV(iq4_xs, 136, 8, 0)
+GEMV(mxfp4, 17, 1, 0)
+GEMV(q3_k, 110, 8, 0)
 
 typedef void (*rows_fn)(const float *, int64_t, const float *, const uint8_t *, int64_t, float *,
                         int64_t, int64_t, int64_t, int64_t);
@@ -482,12 +517,14 @@ int specd_type_count(void) { return TYPE_COUNT; }
 #define SPIN_ROUNDS 20000 /* pauses before a worker sleeps: tens of microseconds */
 #define MIN_PARALLEL_WEIGHTS (1 << 16) /* smaller products stay on one thread */
 
+/* A job: items [0, items) split into `parts` runs, run(ctx, start, end, part) each; `part`
+ * is the thread's index, for its own scratch. */
+typedef void (*task_fn)(const void *ctx, int64_t start, int64_t end, int part);
+
 typedef struct {
-    rows_fn fn;
-    const float *x, *xsum;
-    const uint8_t *blocks;
-    float *y;
-    int64_t ldx, row_bytes, ldy, M, N, K;
+    task_fn run;
+    const void *ctx;
+    int64_t items;
     int parts;
 } job_t;
 
@@ -512,10 +549,30 @@ static struct {
           .threads = 1};
 
 static void run_part(const job_t *job, int part) {
-    int64_t start = job->N * part / job->parts, end = job->N * (part + 1) / job->parts;
-    if (end > start)
-        job->fn(job->x, job->ldx, job->xsum, job->blocks + start * job->row_bytes, job->row_bytes,
-                job->y + start, job->ldy, job->M, end - start, job->K);
+    int64_t start = job->items * part / job->parts, end = job->items * (part + 1) / job->parts;
+    if (end > start) job->run(job->ctx, start, end, part);
+}
+
+/* Runs `run` over items [0, items) on up to `parts` threads (this one and the pool's
+ * workers; parts <= 1, or the workers busy with another thread's job: this one alone). */
+static void run_job(task_fn run, const void *ctx, int64_t items, int parts) {
+    if (parts > pool.threads) parts = pool.threads;
+    if (parts > items) parts = (int)items;
+    if (parts <= 1 || pthread_mutex_trylock(&pool.busy) != 0) {
+        if (items > 0) run(ctx, 0, items, 0);
+        return;
+    }
+    pool.job = (job_t){run, ctx, items, parts};
+    atomic_store(&pool.remaining, pool.workers_started);
+    atomic_fetch_add(&pool.generation, 1); /* sequentially consistent with `sleepers` */
+    if (atomic_load(&pool.sleepers) > 0) {
+        pthread_mutex_lock(&pool.lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.lock);
+    }
+    run_part(&pool.job, 0);
+    while (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0) _mm_pause();
+    pthread_mutex_unlock(&pool.busy);
 }
 
 static void *worker(void *arg) {
@@ -573,30 +630,235 @@ int specd_set_threads(int threads) {
     return pool.threads;
 }
 
+/* One product on already summed groups (xsum), its rows split among the pool's threads. */
+typedef struct {
+    rows_fn fn;
+    const float *x, *xsum;
+    const uint8_t *blocks;
+    float *y;
+    int64_t ldx, row_bytes, ldy, M, K;
+} product_t;
+
+static void product_rows(const void *ctx, int64_t start, int64_t end, int part) {
+    const product_t *p = ctx;
+    (void)part;
+    p->fn(p->x, p->ldx, p->xsum, p->blocks + start * p->row_bytes, p->row_bytes, p->y + start,
+          p->ldy, p->M, end - start, p->K);
+}
+
+static void product(int type, const float *x, int64_t ldx, const float *xsum, const uint8_t *blocks,
+                    int64_t row_bytes, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    const product_t p = {ROWS[type], x, xsum, blocks, y, ldx, row_bytes, ldy, M, K};
+    int64_t parts = (N * K) / MIN_PARALLEL_WEIGHTS; /* small products stay on one thread */
+    run_job(product_rows, &p, N, parts > SPECD_MAX_THREADS ? SPECD_MAX_THREADS : (int)parts);
+}
+
 /* y = x W^T for blocks of type `type` (the ROWS index), as the rows_* functions say; xsum is
  * room for (M, K / 32) floats, filled here. Returns 0, or -1 for an unknown type. */
 int specd_gemv(int type, const float *x, int64_t ldx, float *xsum, const uint8_t *blocks,
                int64_t row_bytes, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     if (type < 0 || type >= TYPE_COUNT) return -1;
     group_sums(x, ldx, xsum, M, K / 32);
-    int parts = pool.threads;
-    if (N * K < (int64_t)MIN_PARALLEL_WEIGHTS * parts) parts = (int)((N * K) / MIN_PARALLEL_WEIGHTS);
-    if (parts > N) parts = (int)N;
-    /* One product at a time uses the workers; another thread's meanwhile computes alone. */
-    if (parts <= 1 || pthread_mutex_trylock(&pool.busy) != 0) {
-        ROWS[type](x, ldx, xsum, blocks, row_bytes, y, ldy, M, N, K);
-        return 0;
-    }
-    pool.job = (job_t){ROWS[type], x, xsum, blocks, y, ldx, row_bytes, ldy, M, N, K, parts};
-    atomic_store(&pool.remaining, pool.workers_started);
-    atomic_fetch_add(&pool.generation, 1); /* sequentially consistent with `sleepers` */
-    if (atomic_load(&pool.sleepers) > 0) {
-        pthread_mutex_lock(&pool.lock);
-        pthread_cond_broadcast(&pool.wake);
-        pthread_mutex_unlock(&pool.lock);
-    }
-    run_part(&pool.job, 0);
-    while (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0) _mm_pause();
-    pthread_mutex_unlock(&pool.busy);
+    product(type, x, ldx, xsum, blocks, row_bytes, y, ldy, M, N, K);
     return 0;
+}
+
+/* The products of one input x (M, K), contiguous, by several matrices ("parts": a layer's
+ * q/k/v, its gate/up), their outputs side by side in y (M, N0 + N1 + ...), contiguous: one
+ * call, x's groups summed once. `plan`: parts, K, then per part its type (the ROWS index),
+ * blocks' address, row bytes and N; made once per projection by cpu_kernels.py, which has
+ * checked every extent. Returns 0, or -1 for an unknown type (nothing computed). */
+int specd_products(const int64_t *plan, const float *x, float *xsum, float *y, int64_t M) {
+    const int64_t parts = plan[0], K = plan[1];
+    int64_t width = 0;
+    for (int64_t p = 0; p < parts; p++) {
+        const int64_t type = plan[2 + 4 * p];
+        if (type < 0 || type >= TYPE_COUNT) return -1;
+        width += plan[2 + 4 * p + 3];
+    }
+    group_sums(x, K, xsum, M, K / 32);
+    int64_t column = 0;
+    for (int64_t p = 0; p < parts; p++) {
+        const int64_t *part = plan + 2 + 4 * p;
+        const uint8_t *blocks = (const uint8_t *)(intptr_t)part[1];
+        product((int)part[0], x, K, xsum, blocks, part[2], y + column, width, M, part[3], K);
+        column += part[3];
+    }
+    return 0;
+}
+
+/* ---- a few rows' RMS norm and attention, fp32 ----
+ * A decode step's norms and attention are a few hundred floats each: as PyTorch operators
+ * they cost a token more than their arithmetic (six operators a norm, ten an attention, each
+ * dispatched apart). Here each is one call, for the passes whose products the kernels
+ * above compute (a few rows, cpu_kernels.py decides); the values are the operators', rounded
+ * as another summation order would. */
+
+/* e^x for 8 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 minimax polynomial
+ * (relative error about 1e-7, as libm's expf within 2 ulp); below -87.3 it is 0, above 88.7
+ * inf; a NaN stays NaN. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.7228391f), lo = _mm256_set1_ps(-87.3365479f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    __m256 t = _mm256_min_ps(hi, x); /* (a NaN x passes both: min/max return it) */
+    t = _mm256_max_ps(lo, t);
+    const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504f)),
+                                                   _mm256_set1_ps(0.5f)));
+    /* r = t - n ln2, ln2 in two parts so that n * the first is exact */
+    __m256 r = _mm256_sub_ps(t, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+    /* times 2^n (n in [-126, 128]: 2^n as two halves, so that 2^128 needs no inf exponent) */
+    const __m256i e = _mm256_cvtps_epi32(n);
+    const __m256i half = _mm256_srai_epi32(e, 1);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    const __m256 b = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(e, half), _mm256_set1_epi32(127)), 23));
+    p = _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+    return _mm256_andnot_ps(under, p);
+}
+
+static inline float exp1(float x) {
+    float out[8];
+    _mm256_storeu_ps(out, exp8(_mm256_set1_ps(x)));
+    return out[0];
+}
+
+/* x's rows (A, B, d), row (a, b) at a * sa + b * sb (elements; each row contiguous), normalised
+ * as RMSNorm does: y = x / sqrt(mean(x^2) + eps) * (offset + w), into y (A, B, d)
+ * contiguous. */
+void specd_rms_norm(const float *x, int64_t sa, int64_t sb, int64_t A, int64_t B, int64_t d,
+                    const float *w, float offset, float eps, float *y) {
+    for (int64_t a = 0; a < A; a++)
+        for (int64_t b = 0; b < B; b++) {
+            const float *xr = x + a * sa + b * sb;
+            float *yr = y + (a * B + b) * d;
+            __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+            int64_t j = 0;
+            for (; j + 16 <= d; j += 16) {
+                const __m256 u = _mm256_loadu_ps(xr + j), v = _mm256_loadu_ps(xr + j + 8);
+                s0 = _mm256_add_ps(s0, _mm256_mul_ps(u, u));
+                s1 = _mm256_add_ps(s1, _mm256_mul_ps(v, v));
+            }
+            float ss = hsum(_mm256_add_ps(s0, s1));
+            for (; j < d; j++) ss += xr[j] * xr[j];
+            const float r = 1.0f / sqrtf(ss / (float)d + eps);
+            const __m256 rv = _mm256_set1_ps(r), off = _mm256_set1_ps(offset);
+            j = 0;
+            for (; j + 8 <= d; j += 8) {
+                const __m256 scale = _mm256_add_ps(off, _mm256_loadu_ps(w + j));
+                _mm256_storeu_ps(yr + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + j), rv), scale));
+            }
+            for (; j < d; j++) yr[j] = (xr[j] * r) * (offset + w[j]);
+        }
+}
+
+/* Grouped-query attention of T query rows over S keys (cpu_kernels.py packs this from the
+ * tensors it has checked; every field 8 bytes, in this order). q (H, T, hd), k and v
+ * (Hkv, S, hd), strides in elements, rows contiguous; mask (T, S) bytes, 0 = hidden, or
+ * NULL; sinks (H,) or NULL; out (H, T, hd) contiguous; scratch: parts x (H / Hkv) x S
+ * floats. */
+typedef struct {
+    const float *q, *k, *v, *sinks;
+    const uint8_t *mask;
+    float *out, *scratch;
+    int64_t q_h, q_t, k_h, k_s, v_h, v_s, m_t, H, Hkv, T, S, hd, parts;
+    double scale, softcap; /* softcap 0: none */
+} attention_t;
+
+static inline float dot(const float *a, const float *b, int64_t n) { /* n % 8 == 0 */
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), s1);
+    }
+    if (j < n) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), s0);
+    return hsum(_mm256_add_ps(s0, s1));
+}
+
+/* Items (kv head, query row): the group's query heads read each key and value once. */
+static void attention_rows(const void *ctx, int64_t start, int64_t end, int part) {
+    const attention_t *a = ctx;
+    const int64_t group = a->H / a->Hkv, S = a->S, hd = a->hd;
+    const float scale = (float)a->scale, cap = (float)a->softcap;
+    float *scores = a->scratch + (int64_t)part * group * S;
+    float top[64], total[64]; /* group <= 64 (cpu_kernels.py checks) */
+    float acc[64 * 8] __attribute__((aligned(32)));
+    for (int64_t item = start; item < end; item++) {
+        const int64_t kv = item / a->T, t = item % a->T;
+        const uint8_t *m = a->mask ? a->mask + t * a->m_t : NULL;
+        int64_t seen = S; /* keys past the last one this row sees are skipped */
+        if (m)
+            while (seen > 0 && !m[seen - 1]) seen--;
+        const float *kbase = a->k + kv * a->k_h, *vbase = a->v + kv * a->v_h;
+        for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
+        for (int64_t s = 0; s < seen; s++) {
+            if (m && !m[s]) {
+                for (int64_t g = 0; g < group; g++) scores[g * S + s] = -INFINITY;
+                continue;
+            }
+            const float *key = kbase + s * a->k_s;
+            for (int64_t g = 0; g < group; g++) {
+                const float *q = a->q + (kv * group + g) * a->q_h + t * a->q_t;
+                float d = dot(q, key, hd) * scale;
+                if (cap != 0.0f) d = cap * tanhf(d / cap);
+                scores[g * S + s] = d;
+                top[g] = d > top[g] ? d : top[g];
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            float *sc = scores + g * S;
+            float sink = 0.0f;
+            if (a->sinks) {
+                sink = a->sinks[kv * group + g];
+                top[g] = sink > top[g] ? sink : top[g];
+            }
+            const __m256 mx = _mm256_set1_ps(top[g]);
+            __m256 sum = _mm256_setzero_ps();
+            int64_t s = 0;
+            for (; s + 8 <= seen; s += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + s), mx));
+                _mm256_storeu_ps(sc + s, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            float tot = hsum(sum);
+            for (; s < seen; s++) {
+                sc[s] = exp1(sc[s] - top[g]);
+                tot += sc[s];
+            }
+            if (a->sinks) tot += exp1(sink - top[g]);
+            total[g] = tot;
+        }
+        for (int64_t g = 0; g < group; g++) {
+            const float *sc = scores + g * S;
+            float *out = a->out + ((kv * group + g) * a->T + t) * hd;
+            for (int64_t j0 = 0; j0 < hd; j0 += 64 * 8) { /* hd in runs of 512 */
+                const int64_t width = hd - j0 < 512 ? hd - j0 : 512;
+                for (int64_t j = 0; j < width; j += 8) _mm256_store_ps(acc + j, _mm256_setzero_ps());
+                for (int64_t s = 0; s < seen; s++) {
+                    if (sc[s] == 0.0f) continue; /* hidden (or vanished) keys add nothing */
+                    const __m256 w = _mm256_set1_ps(sc[s] / total[g]);
+                    const float *value = vbase + s * a->v_s + j0;
+                    for (int64_t j = 0; j < width; j += 8)
+                        _mm256_store_ps(acc + j, _mm256_fmadd_ps(w, _mm256_loadu_ps(value + j),
+                                                                 _mm256_load_ps(acc + j)));
+                }
+                for (int64_t j = 0; j < width; j += 8) _mm256_storeu_ps(out + j0 + j, _mm256_load_ps(acc + j));
+            }
+        }
+    }
+}
+
+void specd_attention(const attention_t *a) {
+    const int64_t work = a->H * a->T * a->S * a->hd;
+    int64_t parts = work / MIN_PARALLEL_WEIGHTS;
+    if (parts > a->parts) parts = a->parts;
+    run_job(attention_rows, a, a->Hkv * a->T, (int)parts);
 }

@@ -24,10 +24,12 @@ import hashlib
 import logging
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,8 @@ FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11",
     "-pthread",
 )  # fmt: skip
-VERSION = 6  # what the C file's specd_kernels_version() must return
+LIBRARIES = ("-lm",)  # after the source: expf's and tanhf's libm
+VERSION = 7  # what the C file's specd_kernels_version() must return
 COMPILE_SECONDS = 120
 
 # ggml type → (C function suffix, block bytes, elements per block).
@@ -69,6 +72,9 @@ class _Library:
         self._tried = False
         self.functions: dict[GGMLType, int] = {}  # kind → the C file's type index
         self.gemv: Any = None  # specd_gemv, through ctypes
+        self.products: Any = None  # specd_products
+        self.rms_norm: Any = None  # specd_rms_norm
+        self.attention: Any = None  # specd_attention
         self.set_threads: Any = None
         self.threads = 1
         self.max_rows = 0
@@ -111,9 +117,21 @@ class _Library:
                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                 ctypes.c_int64,
             ]  # fmt: skip
+            products = lib.specd_products
+            products.restype = ctypes.c_int
+            products.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
+            lib.specd_rms_norm.restype = None
+            lib.specd_rms_norm.argtypes = (
+                [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_float,
+                ctypes.c_float, ctypes.c_void_p]
+            )  # fmt: skip
+            lib.specd_attention.restype = None
+            lib.specd_attention.argtypes = [ctypes.c_void_p]
+            self.rms_norm, self.attention = lib.specd_rms_norm, lib.specd_attention
             lib.specd_set_threads.restype = ctypes.c_int
             lib.specd_set_threads.argtypes = [ctypes.c_int]
-            self.gemv, self.set_threads = gemv, lib.specd_set_threads
+            self.gemv, self.products = gemv, products
+            self.set_threads = lib.specd_set_threads
             self.functions = {kind: index for index, kind in enumerate(TYPES)}
         except (OSError, AttributeError) as err:
             raise _Unavailable(f"{path} could not be loaded: {err}") from None
@@ -142,7 +160,9 @@ def _build() -> Path:
     (into a temporary name, then renamed, so that two processes never load half a file)."""
     source = SOURCE.read_bytes()
     compiler = _compiler()
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join((compiler, *FLAGS, *LIBRARIES)).encode()).hexdigest()[
+        :16
+    ]
     folder = _cache_dir()
     target = folder / f"specd-cpu-kernels-{key}.so"
     if target.is_file():
@@ -152,7 +172,7 @@ def _build() -> Path:
         with tempfile.TemporaryDirectory(dir=folder) as scratch:
             built = Path(scratch) / target.name
             done = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built)],
+                [compiler, *FLAGS, str(SOURCE), "-o", str(built), *LIBRARIES],
                 capture_output=True,
                 text=True,
                 timeout=COMPILE_SECONDS,
@@ -173,6 +193,12 @@ _LIBRARY = _Library()
 def available() -> bool:
     """Whether the kernels run here (they are built on the first call)."""
     return sys.byteorder == "little" and _LIBRARY.load()
+
+
+def loaded() -> bool:
+    """Whether the kernels were built and loaded (without building them: a traced pass
+    asks, where taking the build's lock cannot be traced)."""
+    return bool(_LIBRARY.functions)
 
 
 def status() -> str:
@@ -240,60 +266,76 @@ def try_gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> tor
     fit the input are a ValueError: the C code trusts its sizes, and every extent it reads
     or writes is checked first. A projection called for every pass holds a `BlockProduct`
     instead, its blocks checked once."""
+    return try_products(x, [(blocks, kind)])
+
+
+def try_products(
+    x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int | GGMLType]]
+) -> torch.Tensor | None:
+    """x times several projections' blocks, their outputs side by side (`BlockProduct`),
+    or None where the kernels do not take x; each geometry checked once (a compiled
+    pass's operator calls here for every product)."""
     if not _LIBRARY._tried:
         available()
-    if kind not in _LIBRARY.functions or not x.dim():  # type: ignore[comparison-overlap]
+    if not x.dim() or any(kind not in _LIBRARY.functions for _, kind in parts):  # type: ignore[comparison-overlap]
         return None
-    if not blocks.is_contiguous():
-        blocks = blocks.contiguous()
+    parts = [(b if b.is_contiguous() else b.contiguous(), kind) for b, kind in parts]
     k = x.shape[-1]
-    # (a compiled pass's operator calls here for every product: each geometry checked once)
-    key = (blocks.data_ptr(), blocks.shape, blocks.dtype, blocks.device.type, int(kind), k)
+    key = (k, *((b.data_ptr(), b.shape, b.dtype, b.device.type, int(kind)) for b, kind in parts))
     product = _PRODUCTS.get(key)
     if product is None:
-        product = BlockProduct(blocks, kind, k)
-        if len(_PRODUCTS) >= 4096:  # geometries only, no tensors: a bound, not a leak
+        product = BlockProduct(parts, k)
+        if len(_PRODUCTS) >= 4096:  # plans only, no tensors: a bound, not a leak
             _PRODUCTS.clear()
         _PRODUCTS[key] = product
-    return product(x, blocks)
+    return product(x)
 
 
 _PRODUCTS: dict[tuple[Any, ...], BlockProduct] = {}
 
 
 class BlockProduct:
-    """One projection's product on its blocks, (N, row_bytes) uint8 of ggml type `kind`
-    over K inputs, its geometry checked once: each call then checks only its input, which
-    a projection pays for every pass (a decode step of a 30-layer model makes 210 products,
-    and the checks cost more than a small product's kernel). It holds no tensor: a call
-    gives the blocks (the same geometry; `GGUFLinear` keys its BlockProduct on their
-    address and shape), whose bytes are read then."""
+    """The products of one input by one or more projections' blocks (each (N, row_bytes)
+    uint8 of its ggml type, over the same K inputs), their outputs side by side: a layer's
+    q/k/v or gate/up in one call. Every extent is checked once, here: each call then checks
+    only its input, which a projection pays for every pass (a decode step of a 30-layer
+    model makes 120-210 products, and the checks cost more than a small product's kernel).
+    It holds no tensor but the blocks' addresses: its owner keys it on them (with their
+    shapes and types, `GGUFLinear`) and makes another when they change, and the bytes there
+    are read at each call."""
 
-    __slots__ = ("index", "k", "n", "width")
+    __slots__ = ("_address", "_plan", "k", "n")
 
-    def __init__(self, blocks: torch.Tensor, kind: int | GGMLType, k: int) -> None:
-        index = _LIBRARY.functions.get(kind)  # type: ignore[arg-type]
-        if index is None:
-            raise ValueError(f"no kernel for ggml type {kind}: {status()}")
-        _, size, elements = TYPES[kind]  # type: ignore[index]
-        if (
-            blocks.dtype != torch.uint8
-            or blocks.device.type != "cpu"
-            or blocks.dim() != 2
-            or not blocks.is_contiguous()
-            or k <= 0
-            or k % elements
-            or blocks.shape[1] != k // elements * size
-        ):
-            raise ValueError(
-                f"ggml type {kind} product: {k} inputs and blocks {blocks.dtype} "
-                f"{tuple(blocks.shape)} do not fit"
-            )
-        self.index, self.width, self.n, self.k = index, blocks.shape[1], blocks.shape[0], k
+    def __init__(self, parts: Sequence[tuple[torch.Tensor, int | GGMLType]], k: int) -> None:
+        plan = [len(parts), k]
+        for blocks, kind in parts:
+            index = _LIBRARY.functions.get(kind)  # type: ignore[arg-type]
+            if index is None:
+                raise ValueError(f"no kernel for ggml type {kind}: {status()}")
+            _, size, elements = TYPES[kind]  # type: ignore[index]
+            if (
+                blocks.dtype != torch.uint8
+                or blocks.device.type != "cpu"
+                or blocks.dim() != 2
+                or not blocks.is_contiguous()
+                or k <= 0
+                or k % elements
+                or blocks.shape[1] != k // elements * size
+            ):
+                raise ValueError(
+                    f"ggml type {kind} product: {k} inputs and blocks {blocks.dtype} "
+                    f"{tuple(blocks.shape)} do not fit"
+                )
+            plan += [index, blocks.data_ptr(), blocks.shape[1], blocks.shape[0]]
+        if not parts:
+            raise ValueError("a product of no projections")
+        self.k, self.n = k, sum(int(blocks.shape[0]) for blocks, _ in parts)
+        self._plan = (ctypes.c_int64 * len(plan))(*plan)
+        self._address = ctypes.addressof(self._plan)
 
-    def __call__(self, x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor | None:
-        """x (..., K) fp32 times the matrix of `blocks` (this geometry): (..., N) fp32; None
-        where the kernels do not take x (another dtype or device, 0 or more than
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x (..., K) fp32 times the parts' matrices: (..., N) fp32, the parts' outputs in
+        order; None where the kernels do not take x (another dtype or device, 0 or more than
         `max_rows()` rows, a gradient to keep)."""
         lib, k = _LIBRARY, self.k
         shape = x.shape
@@ -309,11 +351,114 @@ class BlockProduct:
         sums = getattr(_SCRATCH, "sums", None)
         if sums is None or sums.numel() < rows * (k // 32):
             sums = _SCRATCH.sums = torch.empty(lib.max_rows * (k // 32), dtype=torch.float32)
-        n = self.n
-        out = torch.empty((*shape[:-1], n), dtype=torch.float32)  # what the C code writes
-        lib.gemv(self.index, x.data_ptr(), k, sums.data_ptr(), blocks.data_ptr(),
-                 self.width, out.data_ptr(), n, rows, n, k)  # fmt: skip
+        out = torch.empty((*shape[:-1], self.n), dtype=torch.float32)  # what the C code writes
+        lib.products(self._address, x.data_ptr(), sums.data_ptr(), out.data_ptr(), rows)
         return out
+
+
+def _few_rows(t: torch.Tensor) -> bool:
+    """fp32 on the CPU, outside autograd, each row contiguous: what the C code reads."""
+    return (
+        t.dtype is torch.float32
+        and t.is_cpu
+        and t.stride(-1) == 1
+        and not (t.requires_grad and torch.is_grad_enabled())
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0
+) -> torch.Tensor | None:
+    """RMSNorm of x's last dimension, (..., d) fp32 with at most `max_rows()` rows in its
+    second-last (a pass's tokens; a per-head norm's (H, T, hd) has H of them each):
+    x / sqrt(mean(x²) + eps) * (offset + weight), a new contiguous tensor; None where the
+    kernels do not take it (then PyTorch's operators compute the same values)."""
+    lib = _LIBRARY
+    if not lib.functions and not available():
+        return None
+    shape = x.shape
+    if not 2 <= len(shape) <= 3 or not 1 <= shape[-2] <= lib.max_rows or not _few_rows(x):
+        return None
+    d = shape[-1]
+    if weight.dtype is not torch.float32 or not weight.is_cpu or weight.shape != (d,):
+        return None
+    if not weight.is_contiguous():
+        return None
+    strides = x.stride()
+    a, sa = (shape[0], strides[0]) if len(shape) == 3 else (1, 0)
+    out = torch.empty(shape, dtype=torch.float32)
+    lib.rms_norm(x.data_ptr(), sa, strides[-2], a, shape[-2], d, weight.data_ptr(), offset, eps,
+                 out.data_ptr())  # fmt: skip
+    return out
+
+
+# specd_attention's argument: 7 addresses, 13 counts and strides, 2 doubles (the C struct).
+_ATTENTION = struct.Struct("<7Q13q2d")
+_ATTENTION_ARGS = threading.local()
+MAX_GROUP = 64  # query heads per kv head the C code has room for
+
+
+def attention(
+    q: torch.Tensor,  # (H, T, hd)
+    k: torch.Tensor,  # (Hkv, S, hd), rows contiguous (a view of the cache)
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # (T, S) bool, True = may attend
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # (H,)
+) -> torch.Tensor | None:
+    """Grouped-query attention of at most `max_rows()` query rows, as
+    modeling/layers/attention.py computes it (scores times `scale`, the soft cap, -inf where
+    the mask hides, softmax in fp32 with the sinks' column, weights times values): (H, T,
+    hd) fp32; keys past the last one a row sees are not read (a compiled pass's whole
+    allocation). None where the kernels do not take these tensors."""
+    lib = _LIBRARY
+    if not lib.functions and not available():
+        return None
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return None
+    heads, t, hd = q.shape
+    kv_heads, s = k.shape[0], k.shape[1]
+    if (
+        not 1 <= t <= lib.max_rows
+        or v.shape != k.shape
+        or k.shape[2] != hd
+        or hd % 8
+        or kv_heads == 0
+        or heads % kv_heads
+        or heads // kv_heads > MAX_GROUP
+        or not (_few_rows(q) and _few_rows(k) and _few_rows(v))
+    ):
+        return None
+    if mask is not None and (
+        mask.dtype is not torch.bool or mask.shape != (t, s) or mask.stride(-1) != 1
+        or not mask.is_cpu
+    ):  # fmt: skip
+        return None
+    if sinks is not None:
+        if sinks.dtype is not torch.float32 or sinks.shape != (heads,) or not sinks.is_cpu:
+            return None
+        sinks = sinks.contiguous()
+    parts = min(lib.threads, kv_heads * t)  # each part's scores: (H / Hkv, S) fp32
+    scratch = getattr(_SCRATCH, "scores", None)
+    need = parts * (heads // kv_heads) * s
+    if scratch is None or scratch.numel() < need:
+        scratch = _SCRATCH.scores = torch.empty(need, dtype=torch.float32)
+    out = torch.empty((heads, t, hd), dtype=torch.float32)
+    args = getattr(_ATTENTION_ARGS, "buffer", None)
+    if args is None:
+        args = _ATTENTION_ARGS.buffer = ctypes.create_string_buffer(_ATTENTION.size)
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
+    _ATTENTION.pack_into(
+        args, 0,
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if sinks is None else sinks.data_ptr(),
+        0 if mask is None else mask.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+        qs[0], qs[1], ks[0], ks[1], vs[0], vs[1], 0 if mask is None else mask.stride(0),
+        heads, kv_heads, t, s, hd, parts,
+        scale, softcap or 0.0,
+    )  # fmt: skip
+    lib.attention(args)
+    return out
 
 
 def set_threads(threads: int) -> int:
@@ -332,18 +477,41 @@ def threads() -> int:
 
 # An opaque operator for torch.compile: a traced pass calls it as one node instead of
 # breaking its graph at the ctypes call, for any number of rows (a compiled pass's token
-# count is symbolic): a few rows go to the kernel, more to the rebuilt matrix.
-@torch.library.custom_op("specd::gguf_product", mutates_args=())
-def gguf_product(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    out = try_gemv(x, blocks, kind)
+# count is symbolic): a few rows go to the kernel, more to the rebuilt matrices. Several
+# projections of one input (q/k/v, gate/up) are one call, their outputs side by side.
+# Registered with the dispatcher directly (`operator`): `torch.library.custom_op`'s wrappers
+# cost a compiled decode step of a 30-layer model more than its norms and RoPE.
+def gguf_products(x: torch.Tensor, blocks: list[torch.Tensor], kinds: list[int]) -> torch.Tensor:
+    out = try_products(x, list(zip(blocks, kinds, strict=True)))
     if out is not None:
         return out
     from modeling.weights.gguf_blocks import dequantize
 
-    weight = dequantize(blocks, kind, x.shape[-1], x.dtype)  # (N, K)
-    return torch.nn.functional.linear(x, weight)
+    return torch.cat(
+        [
+            torch.nn.functional.linear(x, dequantize(b, kind, x.shape[-1], x.dtype))  # (N, K)
+            for b, kind in zip(blocks, kinds, strict=True)
+        ],
+        dim=-1,
+    )
 
 
-@gguf_product.register_fake
-def _(x: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], blocks.shape[0]))
+def _gguf_products_fake(
+    x: torch.Tensor, blocks: list[torch.Tensor], kinds: list[int]
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(b.shape[0] for b in blocks)))
+
+
+_OPERATORS = torch.library.Library("specd", "FRAGMENT")  # kept for the process
+
+
+def operator(schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> None:
+    """Define `specd::<schema>`, computed by `impl` on the CPU, its shapes by `fake`."""
+    _OPERATORS.define(schema)
+    name = schema.split("(", 1)[0]
+    _OPERATORS.impl(name, impl, "CPU")
+    torch.library.register_fake(f"specd::{name}", fake, lib=_OPERATORS)
+
+
+operator("gguf_products(Tensor x, Tensor[] blocks, int[] kinds) -> Tensor", gguf_products,
+         _gguf_products_fake)  # fmt: skip

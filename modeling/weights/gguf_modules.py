@@ -7,6 +7,7 @@ for."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 from gguf.constants import GGMLQuantizationType as GGMLType
@@ -74,6 +75,11 @@ class GGUFLinear(PackedLinear):
             (0, torch.Size(), -1),
             None,
         )
+        # The same for this projection stacked with others (`stacked_product`): keyed on
+        # every part's blocks.
+        self._stacked: tuple[
+            tuple[tuple[int, torch.Size, int], ...], cpu_kernels.BlockProduct | None
+        ] = ((), None)
 
     def stored(self) -> torch.Tensor:
         """This layer's rows as stored, (out, row_bytes) uint8."""
@@ -96,30 +102,76 @@ class GGUFLinear(PackedLinear):
         (modeling/weights/cpu_kernels.py); others rebuild the weight first. In a compiled
         pass every product is one opaque operator that chooses so when it runs."""
         if torch.compiler.is_compiling() and self.computed_in_place(x.dtype, x.device):
-            y = torch.ops.specd.gguf_product(x, self.stored(), int(self.ggml_type))
+            y = torch.ops.specd.gguf_products(x, [self.stored()], [int(self.ggml_type)])
         else:
-            blocks = self._buffers["blocks"]
-            assert blocks is not None
-            key = (blocks.data_ptr(), blocks.shape, int(self.ggml_type))
+            key = self._blocks_key()
             seen, kernel = self._kernel
             if seen != key:
-                kernel = self._block_product()
+                kernel = self._block_product([self])
                 self._kernel = (key, kernel)
-            found = None if kernel is None else kernel(x, blocks)
+            found = None if kernel is None else kernel(x)
             if found is None:
                 return super().product(x)
             y = found
         return y if self.bias is None else y + self.bias
 
-    def _block_product(self) -> cpu_kernels.BlockProduct | None:
-        """The kernel's product on this layer's rows (`stored()`, which begin where the
-        blocks do), or None where no kernel computes this type here."""
-        if not (cpu_kernels.available() and cpu_kernels.supports(self.ggml_type)):
+    def _blocks_key(self) -> tuple[int, torch.Size, int]:
+        """What a kernel's plan for these blocks depends on: their address, shape and type."""
+        blocks = self._buffers["blocks"]
+        assert blocks is not None
+        return (blocks.data_ptr(), blocks.shape, int(self.ggml_type))
+
+    @staticmethod
+    def _block_product(parts: list[GGUFLinear]) -> cpu_kernels.BlockProduct | None:
+        """The kernel's product on these projections' rows (`stored()`, which begin where
+        their blocks do), or None where no kernel computes them all here."""
+        if not cpu_kernels.available():
             return None
-        stored = self.stored()
-        if not stored.is_contiguous() or stored.device.type != "cpu":
-            return None
-        return cpu_kernels.BlockProduct(stored, self.ggml_type, self.in_features)
+        stored = []
+        for part in parts:
+            rows = part.stored()
+            if (
+                not cpu_kernels.supports(part.ggml_type)
+                or not rows.is_contiguous()
+                or rows.device.type != "cpu"
+                or part.in_features != parts[0].in_features
+            ):
+                return None
+            stored.append((rows, part.ggml_type))
+        return cpu_kernels.BlockProduct(stored, parts[0].in_features)
+
+    def stacked_product(
+        self, others: Sequence[nn.Module | None], x: torch.Tensor
+    ) -> torch.Tensor | None:
+        """One kernel call for this projection and `others` where each is GGUF blocks the
+        CPU kernels compute here and x is a few fp32 rows (the plan kept on this one, keyed
+        on every part's blocks); each part's bias added to its columns. A compiled pass
+        calls the kernels' operator (`cpu_kernels.gguf_products`) with every part."""
+        parts = [self]
+        for other in others:
+            if not isinstance(other, GGUFLinear) or other.in_features != self.in_features:
+                return None
+            parts.append(other)
+        if torch.compiler.is_compiling():
+            if not all(p.computed_in_place(x.dtype, x.device) for p in parts):
+                return None
+            y = torch.ops.specd.gguf_products(
+                x, [p.stored() for p in parts], [int(p.ggml_type) for p in parts]
+            )
+        else:
+            key = tuple(part._blocks_key() for part in parts)
+            seen, kernel = self._stacked
+            if seen != key:
+                kernel = self._block_product(parts)
+                self._stacked = (key, kernel)
+            y = None if kernel is None else kernel(x)
+        if y is not None:
+            column = 0
+            for part in parts:
+                if part.bias is not None:  # the values of y + b, in y's columns
+                    y[..., column : column + part.out_features].add_(part.bias)
+                column += part.out_features
+        return y
 
     def computed_in_place(self, dtype: torch.dtype, device: torch.device) -> bool:
         return all(cpu_kernels.computes(kind, dtype, device) for kind in self.kinds)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -140,6 +140,15 @@ class PackedLinear(nn.Module, ABC):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x)
+
+    def stacked_product(
+        self, others: Sequence[nn.Module | None], x: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The products of x by this projection and `others` (more projections of the same
+        input: a layer's q/k/v, its gate/up) side by side, (..., the outputs summed), where
+        a format computes them in one call (`GGUFLinear` on the CPU kernels); None here and
+        wherever it does not (each is then applied alone, with the same values)."""
+        return None
 
     def computed_in_place(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether a model computing in `dtype` on `device` multiplies this projection

@@ -26,6 +26,19 @@ def linear(module: nn.Linear | PackedLinear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
+def stacked(
+    modules: Sequence[nn.Linear | PackedLinear | None], x: torch.Tensor
+) -> torch.Tensor | None:
+    """The products of x by several projections of it (a packed layer's q/k/v, its gate/up)
+    side by side, (..., their outputs summed), where their format computes them in one call
+    (`PackedLinear.stacked_product`: GGUF blocks on the CPU kernels, one call where there
+    were three); None otherwise: each is then applied with `linear`, to the same values."""
+    first = modules[0]
+    if isinstance(first, PackedLinear):
+        return first.stacked_product(modules[1:], x)
+    return None
+
+
 def projection(cfg: ModelConfig, n_in: int, n_out: int, bias: bool) -> nn.Linear | PackedLinear:
     """A decoder projection: packed as config.json's quantization_config says, else plain."""
     if cfg.quantization is not None:
