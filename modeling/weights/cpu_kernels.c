@@ -763,7 +763,7 @@ void specd_rms_norm(const float *x, int64_t sa, int64_t sb, int64_t A, int64_t B
  * tensors it has checked; every field 8 bytes, in this order). q (H, T, hd), k and v
  * (Hkv, S, hd), strides in elements, rows contiguous; mask (T, S) bytes, 0 = hidden, or
  * NULL; sinks (H,) or NULL; out (H, T, hd) contiguous; scratch: parts x (H / Hkv) x S
- * floats. */
+ * floats; (H / Hkv) x hd <= 16384. */
 typedef struct {
     const float *q, *k, *v, *sinks;
     const uint8_t *mask;
@@ -783,75 +783,100 @@ static inline float dot(const float *a, const float *b, int64_t n) { /* n % 8 ==
     return hsum(_mm256_add_ps(s0, s1));
 }
 
-/* Items (kv head, query row): the group's query heads read each key and value once. */
+/* q's products with 8 keys `stride` apart (n % 8 == 0): eight independent sums, reduced
+ * together into one vector, key i in lane i. */
+static inline __m256 dot8(const float *q, const float *key, int64_t stride, int64_t n) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + j);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(key + i * stride + j), a[i]);
+    }
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    /* u0: keys 0-3 of each 128-bit half; u1: keys 4-7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Items (kv head, query row): the group's query heads read each key and value once, while
+ * it is in the first-level cache. */
 static void attention_rows(const void *ctx, int64_t start, int64_t end, int part) {
     const attention_t *a = ctx;
     const int64_t group = a->H / a->Hkv, S = a->S, hd = a->hd;
     const float scale = (float)a->scale, cap = (float)a->softcap;
     float *scores = a->scratch + (int64_t)part * group * S;
-    float top[64], total[64]; /* group <= 64 (cpu_kernels.py checks) */
-    float acc[64 * 8] __attribute__((aligned(32)));
+    /* each query head's output while the values are summed: group x hd <= 16384 floats
+     * (cpu_kernels.py checks) */
+    float acc[16384] __attribute__((aligned(32)));
     for (int64_t item = start; item < end; item++) {
         const int64_t kv = item / a->T, t = item % a->T;
         const uint8_t *m = a->mask ? a->mask + t * a->m_t : NULL;
-        int64_t seen = S; /* keys past the last one this row sees are skipped */
+        int64_t seen = S; /* keys past the last one this row sees are not read */
         if (m)
             while (seen > 0 && !m[seen - 1]) seen--;
         const float *kbase = a->k + kv * a->k_h, *vbase = a->v + kv * a->v_h;
-        for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
-        for (int64_t s = 0; s < seen; s++) {
-            if (m && !m[s]) {
-                for (int64_t g = 0; g < group; g++) scores[g * S + s] = -INFINITY;
-                continue;
-            }
-            const float *key = kbase + s * a->k_s;
-            for (int64_t g = 0; g < group; g++) {
-                const float *q = a->q + (kv * group + g) * a->q_h + t * a->q_t;
-                float d = dot(q, key, hd) * scale;
-                if (cap != 0.0f) d = cap * tanhf(d / cap);
-                scores[g * S + s] = d;
-                top[g] = d > top[g] ? d : top[g];
-            }
-        }
+        const float *q0 = a->q + kv * group * a->q_h + t * a->q_t;
+        int64_t s = 0;
+        for (; s + 8 <= seen; s += 8)
+            for (int64_t g = 0; g < group; g++)
+                _mm256_storeu_ps(scores + g * S + s,
+                                 _mm256_mul_ps(dot8(q0 + g * a->q_h, kbase + s * a->k_s, a->k_s, hd),
+                                               _mm256_set1_ps(scale)));
+        for (; s < seen; s++)
+            for (int64_t g = 0; g < group; g++)
+                scores[g * S + s] = dot(q0 + g * a->q_h, kbase + s * a->k_s, hd) * scale;
         for (int64_t g = 0; g < group; g++) {
             float *sc = scores + g * S;
+            if (cap != 0.0f)
+                for (s = 0; s < seen; s++) sc[s] = cap * tanhf(sc[s] / cap);
+            if (m)
+                for (s = 0; s < seen; s++)
+                    if (!m[s]) sc[s] = -INFINITY;
+            __m256 mx = _mm256_set1_ps(-INFINITY);
+            for (s = 0; s + 8 <= seen; s += 8) mx = _mm256_max_ps(_mm256_loadu_ps(sc + s), mx);
+            float hi[8];
+            _mm256_storeu_ps(hi, mx);
+            float most = -INFINITY;
+            for (int i = 0; i < 8; i++) most = hi[i] > most ? hi[i] : most;
+            for (; s < seen; s++) most = sc[s] > most ? sc[s] : most;
             float sink = 0.0f;
             if (a->sinks) {
                 sink = a->sinks[kv * group + g];
-                top[g] = sink > top[g] ? sink : top[g];
+                most = sink > most ? sink : most;
             }
-            const __m256 mx = _mm256_set1_ps(top[g]);
+            const __m256 mv = _mm256_set1_ps(most);
             __m256 sum = _mm256_setzero_ps();
-            int64_t s = 0;
-            for (; s + 8 <= seen; s += 8) {
-                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + s), mx));
+            for (s = 0; s + 8 <= seen; s += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + s), mv));
                 _mm256_storeu_ps(sc + s, e);
                 sum = _mm256_add_ps(sum, e);
             }
             float tot = hsum(sum);
             for (; s < seen; s++) {
-                sc[s] = exp1(sc[s] - top[g]);
+                sc[s] = exp1(sc[s] - most);
                 tot += sc[s];
             }
-            if (a->sinks) tot += exp1(sink - top[g]);
-            total[g] = tot;
+            if (a->sinks) tot += exp1(sink - most);
+            const __m256 tv = _mm256_set1_ps(tot); /* the weights: e / total */
+            for (s = 0; s + 8 <= seen; s += 8) _mm256_storeu_ps(sc + s, _mm256_div_ps(_mm256_loadu_ps(sc + s), tv));
+            for (; s < seen; s++) sc[s] /= tot;
+            for (int64_t j = 0; j < hd; j += 8) _mm256_store_ps(acc + g * hd + j, _mm256_setzero_ps());
+        }
+        for (s = 0; s < seen; s++) {
+            const float *value = vbase + s * a->v_s;
+            for (int64_t g = 0; g < group; g++) {
+                const float w = scores[g * S + s];
+                if (w == 0.0f) continue; /* hidden (or vanished) keys add nothing */
+                const __m256 wv = _mm256_set1_ps(w);
+                float *ag = acc + g * hd;
+                for (int64_t j = 0; j < hd; j += 8)
+                    _mm256_store_ps(ag + j, _mm256_fmadd_ps(wv, _mm256_loadu_ps(value + j), _mm256_load_ps(ag + j)));
+            }
         }
         for (int64_t g = 0; g < group; g++) {
-            const float *sc = scores + g * S;
             float *out = a->out + ((kv * group + g) * a->T + t) * hd;
-            for (int64_t j0 = 0; j0 < hd; j0 += 64 * 8) { /* hd in runs of 512 */
-                const int64_t width = hd - j0 < 512 ? hd - j0 : 512;
-                for (int64_t j = 0; j < width; j += 8) _mm256_store_ps(acc + j, _mm256_setzero_ps());
-                for (int64_t s = 0; s < seen; s++) {
-                    if (sc[s] == 0.0f) continue; /* hidden (or vanished) keys add nothing */
-                    const __m256 w = _mm256_set1_ps(sc[s] / total[g]);
-                    const float *value = vbase + s * a->v_s + j0;
-                    for (int64_t j = 0; j < width; j += 8)
-                        _mm256_store_ps(acc + j, _mm256_fmadd_ps(w, _mm256_loadu_ps(value + j),
-                                                                 _mm256_load_ps(acc + j)));
-                }
-                for (int64_t j = 0; j < width; j += 8) _mm256_storeu_ps(out + j0 + j, _mm256_load_ps(acc + j));
-            }
+            for (int64_t j = 0; j < hd; j += 8) _mm256_storeu_ps(out + j, _mm256_load_ps(acc + g * hd + j));
         }
     }
 }

@@ -395,7 +395,7 @@ def rms_norm(
 # specd_attention's argument: 7 addresses, 13 counts and strides, 2 doubles (the C struct).
 _ATTENTION = struct.Struct("<7Q13q2d")
 _ATTENTION_ARGS = threading.local()
-MAX_GROUP = 64  # query heads per kv head the C code has room for
+MAX_GROUP_WIDTH = 16384  # query heads per kv head x head_dim: the C code's accumulators
 
 
 def attention(
@@ -426,7 +426,7 @@ def attention(
         or hd % 8
         or kv_heads == 0
         or heads % kv_heads
-        or heads // kv_heads > MAX_GROUP
+        or heads // kv_heads * hd > MAX_GROUP_WIDTH
         or not (_few_rows(q) and _few_rows(k) and _few_rows(v))
     ):
         return None
