@@ -334,8 +334,13 @@ def test_norms_of_a_few_rows_equal_pytorchs() -> None:
     w = torch.ones(64)
     assert cpu_kernels.rms_norm(torch.randn(cpu_kernels.max_rows() + 1, 64), w, 1e-6) is None
     assert cpu_kernels.rms_norm(torch.randn(2, 64, dtype=torch.float64), w, 1e-6) is None
-    with torch.enable_grad():
+    with torch.enable_grad():  # the kernels have no backward: a gradient to keep stays PyTorch's
         assert cpu_kernels.rms_norm(torch.randn(2, 64, requires_grad=True), w, 1e-6) is None
+        trained = torch.nn.Parameter(torch.ones(64))
+        assert cpu_kernels.rms_norm(torch.randn(2, 64), trained, 1e-6) is None
+        q = torch.randn(2, 1, 8)
+        sinks = torch.nn.Parameter(torch.zeros(2))
+        assert cpu_kernels.attention(q, q, q, None, 1.0, None, sinks) is None
 
 
 @needs_kernels
@@ -396,6 +401,11 @@ def test_attention_reads_no_key_past_the_last_one_a_row_sees() -> None:
     want = cpu_kernels.attention(q, k[:, :60], v[:, :60], mask[:, :60], 0.125)
     assert got is not None and want is not None and torch.equal(got, want)
     assert bool(torch.isfinite(got).all())
+    hidden = mask.clone()
+    hidden[1] = False  # a row that sees nothing: NaN, as PyTorch's softmax gives
+    nothing = cpu_kernels.attention(q, k[:, :60], v[:, :60], hidden[:, :60], 0.125)
+    assert nothing is not None and bool(nothing[:, 1].isnan().all())
+    assert torch.equal(nothing[:, 0], want[:, 0])
     many = torch.randn(4, cpu_kernels.max_rows() + 1, 64)
     assert cpu_kernels.attention(many, k, v, None, 0.125) is None
     assert (

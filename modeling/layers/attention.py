@@ -269,8 +269,8 @@ def _attention_operator(
     few rows to the CPU kernels, which read no key past the last one a row sees (a compiled
     pass attends over the cache's whole allocation), more to `_attend`."""
     out = cpu_kernels.attention(q, k, v, mask, scale, softcap, sinks)
-    if out is None:
-        out = _attend(q, k, v, mask, AttentionOptions(scale, None, softcap), sinks)
+    if out is None:  # (contiguous, as the fake says: a chunked output keeps q's strides)
+        out = _attend(q, k, v, mask, AttentionOptions(scale, None, softcap), sinks).contiguous()
     return out
 
 

@@ -363,7 +363,9 @@ static void group_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int6
  * (SCALES 1: Q4_0, Q5_0, Q8_0, IQ4_NL) and fp16 offset m follows it (SCALES 2: Q4_1, Q5_1):
  * both blocks' (d, m) converted in one instruction, (d0, m0, d1, m1), where converting
  * each half alone made these types' products a third slower. The same values as the
- * decoders' `half_at`; SCALES 0: the decoders' s and o (every other type). */
+ * decoders' `half_at`, and the same sums for finite x (SCALES 1 adds no 0 x sum(x) for
+ * the offset it does not have: an infinite x gives inf, not NaN); SCALES 0: the decoders'
+ * s and o (every other type). */
 static inline __m128 two_scales(const uint8_t *b0, const uint8_t *b1) {
     uint32_t u0, u1;
     memcpy(&u0, b0, 4);
@@ -844,6 +846,11 @@ static void attention_rows(const void *ctx, int64_t start, int64_t end, int part
             if (a->sinks) {
                 sink = a->sinks[kv * group + g];
                 most = sink > most ? sink : most;
+            }
+            if (most == -INFINITY) { /* every key hidden, no sink: NaN, as softmax gives */
+                for (s = 0; s < seen; s++) sc[s] = 0.0f;
+                for (int64_t j = 0; j < hd; j += 8) _mm256_store_ps(acc + g * hd + j, _mm256_set1_ps(NAN));
+                continue;
             }
             const __m256 mv = _mm256_set1_ps(most);
             __m256 sum = _mm256_setzero_ps();

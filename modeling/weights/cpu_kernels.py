@@ -357,7 +357,9 @@ class BlockProduct:
 
 
 def _few_rows(t: torch.Tensor) -> bool:
-    """fp32 on the CPU, outside autograd, each row contiguous: what the C code reads."""
+    """fp32 on the CPU, outside autograd (no gradient to keep for it: the kernels have no
+    backward), each row contiguous: what the C code reads. Asked of every input, weights
+    and sinks included."""
     return (
         t.dtype is torch.float32
         and t.is_cpu
@@ -374,15 +376,13 @@ def rms_norm(
     x / sqrt(mean(x²) + eps) * (offset + weight), a new contiguous tensor; None where the
     kernels do not take it (then PyTorch's operators compute the same values)."""
     lib = _LIBRARY
-    if not lib.functions and not available():
+    if not _few_rows(x) or (not lib.functions and not available()):
         return None
     shape = x.shape
-    if not 2 <= len(shape) <= 3 or not 1 <= shape[-2] <= lib.max_rows or not _few_rows(x):
+    if not 2 <= len(shape) <= 3 or not 1 <= shape[-2] <= lib.max_rows:
         return None
     d = shape[-1]
-    if weight.dtype is not torch.float32 or not weight.is_cpu or weight.shape != (d,):
-        return None
-    if not weight.is_contiguous():
+    if not _few_rows(weight) or weight.shape != (d,) or not weight.is_contiguous():
         return None
     strides = x.stride()
     a, sa = (shape[0], strides[0]) if len(shape) == 3 else (1, 0)
@@ -413,7 +413,7 @@ def attention(
     hd) fp32; keys past the last one a row sees are not read (a compiled pass's whole
     allocation). None where the kernels do not take these tensors."""
     lib = _LIBRARY
-    if not lib.functions and not available():
+    if not _few_rows(q) or (not lib.functions and not available()):
         return None
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         return None
@@ -436,7 +436,7 @@ def attention(
     ):  # fmt: skip
         return None
     if sinks is not None:
-        if sinks.dtype is not torch.float32 or sinks.shape != (heads,) or not sinks.is_cpu:
+        if not _few_rows(sinks) or sinks.shape != (heads,):
             return None
         sinks = sinks.contiguous()
     parts = min(lib.threads, kv_heads * t)  # each part's scores: (H / Hkv, S) fp32

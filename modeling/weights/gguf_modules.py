@@ -104,7 +104,9 @@ class GGUFLinear(PackedLinear):
         if torch.compiler.is_compiling() and self.computed_in_place(x.dtype, x.device):
             y = torch.ops.specd.gguf_products(x, [self.stored()], [int(self.ggml_type)])
         else:
-            key = self._blocks_key()
+            blocks = self._buffers["blocks"]  # (held here while the kernel reads it)
+            assert blocks is not None
+            key = (blocks.data_ptr(), blocks.shape, int(self.ggml_type))
             seen, kernel = self._kernel
             if seen != key:
                 kernel = self._block_product([self])
@@ -114,12 +116,6 @@ class GGUFLinear(PackedLinear):
                 return super().product(x)
             y = found
         return y if self.bias is None else y + self.bias
-
-    def _blocks_key(self) -> tuple[int, torch.Size, int]:
-        """What a kernel's plan for these blocks depends on: their address, shape and type."""
-        blocks = self._buffers["blocks"]
-        assert blocks is not None
-        return (blocks.data_ptr(), blocks.shape, int(self.ggml_type))
 
     @staticmethod
     def _block_product(parts: list[GGUFLinear]) -> cpu_kernels.BlockProduct | None:
@@ -159,7 +155,11 @@ class GGUFLinear(PackedLinear):
                 x, [p.stored() for p in parts], [int(p.ggml_type) for p in parts]
             )
         else:
-            key = tuple(part._blocks_key() for part in parts)
+            held = [part._buffers["blocks"] for part in parts]  # (while the kernel reads them)
+            key = tuple(
+                (b.data_ptr(), b.shape, int(p.ggml_type))  # type: ignore[union-attr]
+                for b, p in zip(held, parts, strict=True)
+            )
             seen, kernel = self._stacked
             if seen != key:
                 kernel = self._block_product(parts)
