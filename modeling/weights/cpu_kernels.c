@@ -359,7 +359,7 @@ static void group_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int6
         dec_##NAME(row + ((k + 1) / (GROUPS)) * (BLOCK_BYTES), (int)((k + 1) % (GROUPS)), r); \
     }
 
-/* The one-row path's scales of two consecutive 32-blocks whose fp16 scale d leads them
+/* SCALES 1 and 2: the one-row path's scales of two consecutive 32-blocks whose fp16 scale d leads them
  * (SCALES 1: Q4_0, Q5_0, Q8_0, IQ4_NL) and fp16 offset m follows it (SCALES 2: Q4_1, Q5_1):
  * both blocks' (d, m) converted in one instruction, (d0, m0, d1, m1), where converting
  * each half alone made these types' products a third slower. The same values as the
@@ -371,6 +371,36 @@ static inline __m128 two_scales(const uint8_t *b0, const uint8_t *b1) {
     memcpy(&u0, b0, 4);
     memcpy(&u1, b1, 4);
     return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128((int)u0), (int)u1, 1));
+}
+
+/* SCALES 3 (Q4_K, Q5_K): the one-row path's scales and offsets of a 256-block's eight
+ * groups at once, when it enters the block: the twelve 6-bit pairs unpacked four bytes at a
+ * time and converted as one vector (per group, as `k_scales` does it, they cost a third of
+ * the product). s[g] = d sc_g exactly as there; the offsets -(dmin mn_g) come back as a
+ * vector, summed against the groups' sums of x in lanes (another order of the same sum). */
+static inline __m256 k_block_scales(const uint8_t *b, float s[8]) {
+    uint32_t lo, mid, hi; /* scale bytes 0-3, 4-7, 8-11 */
+    memcpy(&lo, b + 4, 4);
+    memcpy(&mid, b + 8, 4);
+    memcpy(&hi, b + 12, 4);
+    const uint32_t six = 0x3f3f3f3fu, four = 0x0f0f0f0fu, two = 0x03030303u;
+    const uint32_t sc_hi = (hi & four) | (((lo >> 6) & two) << 4);
+    const uint32_t mn_hi = ((hi >> 4) & four) | (((mid >> 6) & two) << 4);
+    const __m256 sc = u8_float(_mm_setr_epi32((int)(lo & six), (int)sc_hi, 0, 0));
+    const __m256 mn = u8_float(_mm_setr_epi32((int)(mid & six), (int)mn_hi, 0, 0));
+    _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(half_at(b)), sc));
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    return _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_at(b + 2)), mn), sign);
+}
+
+/* SCALES 4 (Q6_K): a 256-block's sixteen scales (one per 16 weights), d * scale each as
+ * `dec_q6_k` makes them, converted as two vectors when the one-row path enters the block. */
+static inline void q6_block_scales(const uint8_t *b, float s[16]) {
+    const __m256 d = _mm256_set1_ps(half_at(b + 208));
+    for (int h = 0; h < 2; h++) {
+        const __m128i raw = _mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h));
+        _mm256_storeu_ps(s + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))));
+    }
 }
 
 #define PREFETCH_GROUPS 64
@@ -390,6 +420,8 @@ static inline __m128 two_scales(const uint8_t *b0, const uint8_t *b1) {
                 __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                   \
                 float o0 = 0.0f, o1 = 0.0f;                                                   \
                 __m128 offsets = _mm_setzero_ps(); /* SCALES 2: lanes 1 and 3 are o0, o1 */   \
+                __m256 koffsets = _mm256_setzero_ps(); /* SCALES 3: per group of a block */  \
+                float ks[16]; /* SCALES 3 and 4: the current 256-block's scales */           \
                 int64_t k = 0;                                                                \
                 for (; k + 1 < ngroups; k += 2) {                                             \
                     /* the bytes a few groups on: they arrive while these are computed */    \
@@ -405,7 +437,26 @@ static inline __m128 two_scales(const uint8_t *b0, const uint8_t *b1) {
                     p1 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), q.c[3], p1);               \
                     p2 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 40), r.c[1], p2);               \
                     p3 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 56), r.c[3], p3);               \
-                    if (SCALES) {                                                             \
+                    if (SCALES == 3) {                                                        \
+                        const int g = (int)(k % 8);                                           \
+                        if (g == 0) {                                                         \
+                            const __m256 o = k_block_scales(row + (k / 8) * (BLOCK_BYTES), ks); \
+                            koffsets = _mm256_add_ps(koffsets,                                \
+                                                     _mm256_mul_ps(o, _mm256_loadu_ps(xsum + k))); \
+                        }                                                                     \
+                        const __m256 sq = _mm256_set1_ps(ks[g]), sr = _mm256_set1_ps(ks[g + 1]); \
+                        a0 = _mm256_fmadd_ps(p0, sq, a0);                                     \
+                        a1 = _mm256_fmadd_ps(p1, sq, a1);                                     \
+                        a2 = _mm256_fmadd_ps(p2, sr, a2);                                     \
+                        a3 = _mm256_fmadd_ps(p3, sr, a3);                                     \
+                    } else if (SCALES == 4) {                                                 \
+                        const int g = (int)(k % 8);                                           \
+                        if (g == 0) q6_block_scales(row + (k / 8) * (BLOCK_BYTES), ks);       \
+                        a0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(ks[2 * g]), a0);              \
+                        a1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(ks[2 * g + 1]), a1);          \
+                        a2 = _mm256_fmadd_ps(p2, _mm256_set1_ps(ks[2 * g + 2]), a2);          \
+                        a3 = _mm256_fmadd_ps(p3, _mm256_set1_ps(ks[2 * g + 3]), a3);          \
+                    } else if (SCALES) {                                                      \
                         const uint8_t *b = row + k * (BLOCK_BYTES);                           \
                         const __m128 dm = two_scales(b, b + (BLOCK_BYTES));                   \
                         const __m256 sq = _mm256_broadcastss_ps(dm);                          \
@@ -433,6 +484,7 @@ static inline __m128 two_scales(const uint8_t *b0, const uint8_t *b1) {
                     o0 = _mm_cvtss_f32(_mm_movehdup_ps(offsets));                             \
                     o1 = _mm_cvtss_f32(_mm_shuffle_ps(offsets, offsets, 3));                  \
                 }                                                                             \
+                if (SCALES == 3) o0 = hsum(koffsets); /* (256-blocks: no group is left) */   \
                 for (; k < ngroups; k++) {                                                    \
                     group_##NAME(row, k, &q);                                                 \
                     const float *xk = x + 32 * k;                                             \
@@ -490,9 +542,9 @@ GEMV(q4_0, 18, 1, 1)
 GEMV(q4_1, 20, 1, 2)
 GEMV(q5_0, 22, 1, 1)
 GEMV(q5_1, 24, 1, 2)
-GEMV(q4_k, 144, 8, 0)
-GEMV(q5_k, 176, 8, 0)
-GEMV(q6_k, 210, 8, 0)
+GEMV(q4_k, 144, 8, 3)
+GEMV(q5_k, 176, 8, 3)
+GEMV(q6_k, 210, 8, 4)
 GEMV(iq4_nl, 18, 1, 1)
 GEMV(iq4_xs, 136, 8, 0)
 GEMV(mxfp4, 17, 1, 0)
