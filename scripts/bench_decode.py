@@ -10,7 +10,9 @@ with the ratio and writes JSON. transformers is a bench/test-only dependency.
 `--real`: SmolLM2-135M-Instruct (../shared/models) as its Q4_1 GGUF with the CPU kernels
 (modeling/weights/cpu_kernels.py) and without them (SPECD_CPU_KERNELS=off: its layers
 dequantized at load where they fit, as before them),
-its F32 form (scripts/real_forms.py) and that form `--quantize int8` / `int4`; eager and
+its F32 form (scripts/real_forms.py) and that form `--quantize int8` / `int4`, or any
+other GGUF of it (`file:PATH`, e.g. llama.cpp's `llama-quantize` Q4_K_M of the Q4_1 file;
+llama.cpp runs that file too); eager and
 `--compile on`; 1 and 2 threads; each a fresh process per repeat, repeats interleaved.
 Decode tokens/s over `--max-tokens` after the prompt, and the weight bytes a decode step
 reads (layers and head; a rebuilt projection also writes and reads its float matrix).
@@ -99,6 +101,8 @@ def real_form(form: str) -> tuple[str, str | None, dict[str, str]]:
     env = {"SPECD_CPU_KERNELS": "off"} if base != form else {}
     if base == "q4_1":
         return str(SMOLLM2_GGUF), None, env
+    if base.startswith("file:"):  # another GGUF of SmolLM2 (llama-quantize's Q4_K_M of it)
+        return base.removeprefix("file:"), None, env
     if base not in ("f32", "int8", "int4"):
         raise SystemExit(f"unknown form {form!r}: choose from {', '.join(REAL_FORMS)}")
     return str(smollm2_f32()), None if base == "f32" else base, env
@@ -173,9 +177,20 @@ def run_llama_bench(binary: str, model: str, threads: int, n: int) -> float:
     return float(json.loads(done.stdout)[0]["avg_ts"])
 
 
+def llama_files(forms: str) -> list[str]:
+    """The GGUF files llama.cpp runs beside `forms`: the Q4_1 file, and each `file:` form's."""
+    from scripts.real_forms import SMOLLM2_GGUF
+
+    return [str(SMOLLM2_GGUF)] + [
+        f.removeprefix("file:") for f in forms.split(",") if f.startswith("file:")
+    ]
+
+
 def real_main(args: argparse.Namespace) -> None:
     import os
     import subprocess
+
+    from scripts.real_forms import SMOLLM2_GGUF
 
     configs = [
         (form, compiled, threads)
@@ -184,7 +199,7 @@ def real_main(args: argparse.Namespace) -> None:
         for threads in (int(t) for t in args.threads_list.split(","))
     ]
     rows: dict[tuple, list[dict]] = {c: [] for c in configs}
-    llama: dict[int, list[float]] = {}
+    llama: dict[tuple[str, int], list[float]] = {}  # (GGUF file, threads) → tokens/s
     for repeat in range(args.repeats):
         order = configs if repeat % 2 == 0 else configs[::-1]
         for form, compiled, threads in order:
@@ -198,22 +213,22 @@ def real_main(args: argparse.Namespace) -> None:
                 raise SystemExit(f"{form}: {done.stderr.strip().splitlines()[-1:]}")
             rows[(form, compiled, threads)].append(json.loads(done.stdout.splitlines()[-1]))
         if args.llama_bench:
-            from scripts.real_forms import SMOLLM2_GGUF
-
-            for threads in (int(t) for t in args.threads_list.split(",")):
-                rate = run_llama_bench(
-                    args.llama_bench, str(SMOLLM2_GGUF), threads, args.max_tokens
-                )
-                llama.setdefault(threads, []).append(rate)
+            for path in llama_files(args.forms):
+                for threads in (int(t) for t in args.threads_list.split(",")):
+                    rate = run_llama_bench(args.llama_bench, path, threads, args.max_tokens)
+                    llama.setdefault((path, threads), []).append(rate)
     print(f"SmolLM2-135M-Instruct, decode of {args.max_tokens} tokens after a chat prompt, "
           f"median of {args.repeats} interleaved runs, {platform.machine()}")  # fmt: skip
-    print("| form | compiled | threads | tokens/s | x llama.cpp Q4_1 | MB read per token |")
+    print(
+        "| form | compiled | threads | tokens/s | x llama.cpp (its file, or Q4_1) | MB read per token |"
+    )
     print("|---|---|---|---|---|---|")
     reference = rows[configs[0]][0]["ids"]
     record = []
     for (form, compiled, threads), runs in rows.items():
         rate = statistics.median(r["tokens_per_second"] for r in runs)
-        ref = statistics.median(llama[threads]) if threads in llama else None
+        path = real_form(form)[0] if form.startswith("file:") else str(SMOLLM2_GGUF)
+        ref = statistics.median(llama[path, threads]) if (path, threads) in llama else None
         ratio = f"{rate / ref:.2f}" if ref else "-"
         same = "" if runs[0]["ids"] == reference else " (other tokens)"
         mb = runs[0]["bytes_per_token"] / 1e6
@@ -222,9 +237,10 @@ def real_main(args: argparse.Namespace) -> None:
         record.append({"form": form, "compiled": compiled, "threads": threads,
                        "tokens_per_second": rate, "bytes_per_token": runs[0]["bytes_per_token"],
                        "same_ids": runs[0]["ids"] == reference})  # fmt: skip
-    for threads, rates in llama.items():
-        print(f"| llama.cpp Q4_1 | - | {threads} | {statistics.median(rates):.1f} | 1.00 | - |")
-        record.append({"form": "llama.cpp q4_1", "threads": threads,
+    for (path, threads), rates in llama.items():
+        name = "q4_1" if path == str(SMOLLM2_GGUF) else Path(path).name
+        print(f"| llama.cpp {name} | - | {threads} | {statistics.median(rates):.1f} | 1.00 | - |")
+        record.append({"form": f"llama.cpp {name}", "threads": threads,
                        "tokens_per_second": statistics.median(rates)})  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
