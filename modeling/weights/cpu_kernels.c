@@ -61,13 +61,6 @@ static inline void nibbles(const uint8_t *qs, __m128i *lo, __m128i *hi) {
     *hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
 }
 
-/* Bits j0 .. j0+7 of a little-endian u32 as 8 int32 lanes of 0 or 16 (Q5's fifth bits). */
-static inline __m256i fifth_bits(uint32_t bits, int j0) {
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256i b = _mm256_srlv_epi32(_mm256_set1_epi32((int)(bits >> j0)), lanes);
-    return _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(1)), 4);
-}
-
 /* ---- the decoders: group g (32 weights) of one block ----
  * Each gives the group's codes as exact floats c[0..3] (8 weights each, offsets such as -8
  * applied), the scale of c[0..1] and of c[2..3] (s[0], s[1]; equal but for Q6_K, whose
@@ -124,11 +117,24 @@ static inline void dec_q4_1(const uint8_t *b, int g, group_t *q) { /* d, m, qs[1
 
 /* Q5_0 / Q5_1: the nibbles plus 16 x bit j of the u32 at byte `qh`, minus `offset`. */
 static inline void q5_codes(const uint8_t *b, int qh, int qs, int offset, __m256 c[4]) {
+    /* The 32 codes as bytes in element order, then widened 8 at a time: the nibbles (low
+     * ones elements 0-15, high ones 16-31) plus 16 where bit e of the u32 at `qh` is set,
+     * the bits spread to one byte each (byte e of a broadcast's shuffle, masked by its bit). */
     uint32_t bits;
     memcpy(&bits, b + qh, 4);
-    __m256i n[4];
-    nibble_ints(b + qs, offset, n);
-    for (int v = 0; v < 4; v++) c[v] = _mm256_cvtepi32_ps(_mm256_add_epi32(n[v], fifth_bits(bits, 8 * v)));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + qs)), low = _mm_set1_epi8(15);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low), _mm_and_si128(q, low));
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                         3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i mask = _mm256_set1_epi64x(0x8040201008040201LL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, mask), mask);
+    const __m256i codes = _mm256_add_epi8(nib, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    const __m128i first = _mm256_castsi256_si128(codes), second = _mm256_extracti128_si256(codes, 1);
+    const __m128i parts[4] = {first, _mm_srli_si128(first, 8), second, _mm_srli_si128(second, 8)};
+    const __m256i off = _mm256_set1_epi32(offset);
+    for (int v = 0; v < 4; v++) c[v] = _mm256_cvtepi32_ps(_mm256_sub_epi32(u8_int(parts[v]), off));
 }
 
 static inline void dec_q5_0(const uint8_t *b, int g, group_t *q) { /* d, qh[4], qs[16] */
