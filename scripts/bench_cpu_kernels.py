@@ -27,17 +27,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from modeling.weights import cpu_kernels  # noqa: E402
-from modeling.weights.gguf_blocks import BLOCK_SIZES, dequantize  # noqa: E402
+from modeling.weights.gguf_blocks import BLOCK_SIZES, BlockType, SpecdType, dequantize  # noqa: E402
 
 # Byte offsets of each type's float16 scale fields in its block.
 HALVES = {
     GGMLType.Q8_0: (0,), GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,),
     GGMLType.Q5_1: (0, 2), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2),
     GGMLType.Q6_K: (208,), GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,), GGMLType.Q3_K: (108,),
+    SpecdType.Q4_Z: (0,),
 }  # fmt: skip
 
 
-def blocks_of(kind: GGMLType, rows: int, columns: int, seed: int) -> torch.Tensor:
+def blocks_of(kind: BlockType, rows: int, columns: int, seed: int) -> torch.Tensor:
     elements, size = BLOCK_SIZES[kind]
     g = torch.Generator().manual_seed(seed)
     b = torch.randint(0, 256, (rows * columns // elements, size), dtype=torch.uint8, generator=g)
@@ -91,12 +92,12 @@ def main() -> None:
             x = torch.randn(m, n)
 
             def kernel_product(
-                i: int, x: torch.Tensor = x, kind: GGMLType = kind, stored: list = stored
+                i: int, x: torch.Tensor = x, kind: BlockType = kind, stored: list = stored
             ) -> object:
                 return cpu_kernels.gemv(x, stored[i], kind)
 
             def rebuilt(
-                i: int, x: torch.Tensor = x, kind: GGMLType = kind, stored: list = stored
+                i: int, x: torch.Tensor = x, kind: BlockType = kind, stored: list = stored
             ) -> object:
                 return torch.nn.functional.linear(x, dequantize(stored[i], kind, n))
 

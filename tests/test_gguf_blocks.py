@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten
 from modeling.weights.gguf_blocks import (
     BLOCK_SIZES,
     FLOAT_TYPES,
+    SpecdType,
     UnsupportedGGMLTypeError,
     dequantize,
     dequantize_bytes,
@@ -47,6 +48,7 @@ HALF_FIELDS = {
     GGMLType.IQ4_NL: (0,),
     GGMLType.IQ4_XS: (0,),
     GGMLType.MXFP4: (),  # its scale is a byte: kept in range below
+    SpecdType.Q4_Z: (0,),
 }
 TYPES = list(BLOCK_SIZES)
 
@@ -80,6 +82,12 @@ def random_blocks(ggml_type: GGMLType, rows: int, columns: int, seed: int = 0) -
 
 def reference(blocks: torch.Tensor | np.ndarray, ggml_type: GGMLType) -> torch.Tensor:
     raw = blocks.numpy() if isinstance(blocks, torch.Tensor) else blocks
+    if ggml_type == SpecdType.Q4_Z:  # specd's own: (q - z) × d, as AWQ's and GPTQ's weights
+        b = raw.reshape(-1, 19)
+        d = b[:, :2].copy().view(np.float16).astype(np.float32)  # (n, 1)
+        q = np.concatenate([b[:, 3:] & 15, b[:, 3:] >> 4], axis=1).astype(np.float32)
+        weights = (q - b[:, 2:3].astype(np.float32)) * d
+        return torch.from_numpy(weights.reshape(raw.shape[0], -1))
     return torch.from_numpy(np.array(reference_dequantize(raw, ggml_type), dtype=np.float32))
 
 

@@ -25,7 +25,7 @@ from modeling.checkpoints.safetensors_model import CheckpointError
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
 from modeling.weights import cpu_kernels
-from modeling.weights.gguf_modules import BlockQuantizedLinear
+from modeling.weights.block_layout import BlockQuantizedLinear
 from modeling.weights.packed import (
     AWQ_ORDER,
     AWQLinear,
@@ -384,13 +384,15 @@ def test_gptq_exporters_zero_biases_are_accepted(quantized: Path, tmp_path: Path
         load(with_biases(folder, tmp_path / "nonzero", 0.5), "fp32")
 
 
-CONVERTED = {  # folder → (projections laid out as blocks per layer, of 7)
-    "gptq-w4-g32": 7,
-    "gptq-w8-g32": 7,
-    "gptq-w4-g32-descact": 0,  # desc_act (down_proj's groups permuted): as stored
-    "gptq-w4-g32-asym": 0,  # a zero point per group: no Q4_0 form
-    "compressed-tensors-w4a16-gptq": 0,  # fp32 scales: no Q4_0 form
-    "awq-w4-g32": 0,
+CONVERTED = {  # folder → the block type every projection is laid out as (None: as stored)
+    "gptq-w4-g32": "Q4_0",
+    "gptq-w8-g32": "Q8_0",
+    "gptq-w4-g32-descact": "Q4_0",  # desc_act: inputs sorted by group (down_proj's permuted)
+    "gptq-w4-g32-asym": "Q4_Z",  # a zero point per group
+    "awq-w4-g32": "Q4_Z",
+    "autoawq-w4-g32": "Q4_Z",
+    "compressed-tensors-w4a16-asym-rtn": None,  # fp32 scales: no fp16 block form
+    "compressed-tensors-w4a16-gptq": None,
 }
 
 
@@ -405,26 +407,33 @@ def test_symmetric_checkpoints_are_computed_as_blocks_on_a_cpu(quantized: Path, 
     stored = load(folder, "fp32", "cpu", computes_on="cuda")[0]
     for layer, reference in zip(model.layers, stored.layers, strict=True):
         assert isinstance(layer, nn.Module) and isinstance(reference, nn.Module)
-        blocks = 0
+        kinds = set()
         for proj in PROJECTIONS:
             module, as_stored = layer.get_submodule(proj), reference.get_submodule(proj)
             assert isinstance(module, PackedLinear) and isinstance(as_stored, PackedLinear)
-            blocks += isinstance(module, BlockQuantizedLinear)
+            kinds.add(module.ggml_type.name if isinstance(module, BlockQuantizedLinear) else None)
             assert torch.equal(
                 module.dequantize(torch.float32), as_stored.dequantize(torch.float32)
             )
-        assert blocks == CONVERTED[name]
+            x = torch.randn(3, module.in_features)  # the kernels' product, every input order
+            assert torch.allclose(module(x), as_stored(x), rtol=1e-5, atol=1e-5)
+        assert kinds == {CONVERTED[name]}
+    spec = open_checkpoint(folder).config.quantization
+    assert spec is not None
     gate = stored.layers[0].mlp.gate_proj  # type: ignore[index]
-    in_rows = BlockQuantizedLinear.from_packed(gate, rows=40)  # 96 outputs: 40, 40, 16
+    in_rows = BlockQuantizedLinear.from_packed(  # 96 outputs: 40, 40, 16
+        gate, spec.symmetric, spec.act_order, rows=40
+    )
     if in_rows is not None:  # (one model's projections rebuild into one shared scratch)
         rebuilt = in_rows.dequantize(torch.float32).clone()
         assert torch.equal(rebuilt, gate.dequantize(torch.float32))
     # Planned at the larger of each projection's two forms (which one loads depends on
-    # its values): here GPTQ's per-input group index makes the stored form the larger.
+    # its values): on this toy GPTQ's per-input group index makes the stored form the
+    # larger, AWQ's has none (its blocks are larger).
     config = open_checkpoint(folder).config
     fp = footprint(config, torch.float32, name, device_type="cpu")
-    assert fp.layer_bytes >= FlatLayout.of(model.layers[0]).nbytes  # type: ignore[index]
-    assert fp.layer_bytes == FlatLayout.of(stored.layers[0]).nbytes  # type: ignore[index]
+    forms = [FlatLayout.of(m.layers[0]).nbytes for m in (model, stored)]  # type: ignore[index]
+    assert fp.layer_bytes == max(forms)
     layers = len(model.layers)  # type: ignore[arg-type]
     assert fp.resident_bytes == module_bytes(model) - layers * module_bytes(model.layers[0])  # type: ignore[index]
     rebuilds = [

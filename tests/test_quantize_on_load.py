@@ -19,8 +19,8 @@ from daemon.runtime import Runtime
 from modeling.checkpoints.checkpoint import load, open_checkpoint
 from modeling.checkpoints.safetensors_model import CheckpointError
 from modeling.weights import cpu_kernels
+from modeling.weights.block_layout import BlockQuantizedLinear
 from modeling.weights.gguf_blocks import GGMLType
-from modeling.weights.gguf_modules import BlockQuantizedLinear
 from modeling.weights.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
 from modeling.weights.quant import (
     UnsupportedQuantizationError,
@@ -312,7 +312,7 @@ def test_blocks_rebuild_the_packed_weight_bit_for_bit(bits: int, n_in: int, grou
 
 
 def test_widths_that_are_not_32_blocks_stay_packed() -> None:
-    with pytest.raises(ValueError, match="not ggml blocks"):
+    with pytest.raises(ValueError, match="are not blocks"):
         BlockQuantizedLinear(172, 64, False, 8, 86)
     spec = replace(on_load_quantization("int8"), blocks=True)
     assert isinstance(spec.linear(172, 64, False), CompressedLinear)  # its group is 86
@@ -326,11 +326,17 @@ def test_the_layout_follows_where_the_model_computes() -> None:
     assert laid_out_for(spec, torch.float32, "cpu") == replace(spec, blocks=True)
     assert laid_out_for(spec, torch.bfloat16, "cpu") == spec  # no kernel computes bf16
     assert laid_out_for(spec, torch.float32, "cuda") == spec
-    # A checkpoint's own layout: symmetric with fp16 scales has a block form; a zero
-    # point per group or other scales do not.
+    # A checkpoint's own layout: with fp16 scales, symmetric and 4-bit with a zero point
+    # per group have a block form (Q4_0, Q4_Z); 8 bits with zero points (9-bit values)
+    # or other scales do not.
     stored = replace(spec, on_load=False)
-    assert laid_out_for(stored, torch.float32, "cpu") == replace(stored, blocks=True)
-    for other in (replace(stored, symmetric=False), replace(stored, scale_dtype=torch.float32)):
+    for held in (stored, replace(stored, symmetric=False), replace(stored, act_order=True)):
+        assert laid_out_for(held, torch.float32, "cpu") == replace(held, blocks=True)
+    for other in (
+        replace(stored, symmetric=False, bits=8),
+        replace(stored, scale_dtype=torch.float32),
+        replace(stored, scale_dtype=torch.bfloat16),
+    ):
         assert laid_out_for(other, torch.float32, "cpu") == other
 
 

@@ -278,7 +278,7 @@ def test_a_packed_target_shares_its_layers_at_equal_bits(shared_models: Path) ->
     """A 4-bit GPTQ target's 4-bit substitute is its own packed layers copied to the
     device as stored (nothing quantized again: the draft is the target, every drafted token
     is accepted); `auto` tries no more bits than the target has."""
-    from modeling.weights.gguf_modules import BlockQuantizedLinear
+    from modeling.weights.block_layout import BlockQuantizedLinear
     from modeling.weights.packed import GPTQLinear
 
     path = str(shared_models / "quantized" / "gptq-w4-g32")

@@ -26,9 +26,10 @@ from modeling.checkpoints.gguf_model import is_gguf
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
 from modeling.models import architecture
-from modeling.weights.gguf_modules import BlockQuantizedLinear
-from modeling.weights.packed import CompressedLinear, GPTQLinear, PackedLinear
+from modeling.weights.block_layout import BlockQuantizedLinear
+from modeling.weights.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
 from modeling.weights.projections import fused_parts
+from modeling.weights.quant import QuantizationSpec
 
 log = logging.getLogger("specd.checkpoint")
 
@@ -264,32 +265,37 @@ def load_model(
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
     if relayout and skip is None:
-        _to_blocks(model, path)
+        assert spec is not None
+        _to_blocks(model, path, spec)
     model.set_rope(device)
     return model.eval()
 
 
-def _to_blocks(model: Transformer, path: Path) -> None:
+def _to_blocks(model: Transformer, path: Path, spec: QuantizationSpec) -> None:
     """Every packed projection replaced by its block form (one projection's two forms at
     a time), or none where one has no exact block form against what config.json says
-    (zero points other than 2^(b-1)): then the model loads as stored, all its layers alike
-    (a streamer needs one layout), and the plan, which counts each projection at the
-    larger of its forms, holds it."""
+    (zero points other than 2^(b-1) under `sym`, groups of unequal sizes): then the model
+    loads as stored, all its layers alike (a streamer needs one layout), and the plan,
+    which counts each projection at the larger of its forms, holds it."""
     packed = [
         (owner, module)
         for owner, module in model.named_modules()
-        if isinstance(module, GPTQLinear | CompressedLinear)
+        if isinstance(module, GPTQLinear | AWQLinear | CompressedLinear)
     ]
-    odd = next((o for o, m in packed if not BlockQuantizedLinear.has_block_form(m)), None)
+    symmetric, act_order = spec.symmetric, spec.act_order
+    odd = next(
+        (o for o, m in packed if not BlockQuantizedLinear.has_block_form(m, symmetric, act_order)),
+        None,
+    )
     if odd is not None:
         log.warning(
-            "%s: %s has no exact Q4_0/Q8_0 form (its zero points or scales are not what "
+            "%s: %s has no exact block form (its zero points, groups or scales are not what "
             "quantization_config says): the packed layers are rebuilt for each product",
             path, odd,
         )  # fmt: skip
         return
     for owner, module in packed:
-        blocks = BlockQuantizedLinear.from_packed(module)
+        blocks = BlockQuantizedLinear.from_packed(module, symmetric, act_order)
         assert blocks is not None
         parent_name, _, attr = owner.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, blocks)

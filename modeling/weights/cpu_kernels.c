@@ -27,7 +27,7 @@
 #include <math.h>
 #include <string.h>
 
-#define SPECD_KERNELS_VERSION 7
+#define SPECD_KERNELS_VERSION 8
 #define SPECD_MAX_ROWS 8
 
 int specd_kernels_version(void) { return SPECD_KERNELS_VERSION; }
@@ -104,6 +104,15 @@ static inline void nibble_codes(const uint8_t *qs, int offset, __m256 c[4]) {
 static inline void dec_q4_0(const uint8_t *b, int g, group_t *q) { /* d, qs[16] */
     (void)g;
     nibble_codes(b + 2, 8, q->c);
+    q->s[0] = q->s[1] = half_at(b);
+    q->o = 0.0f;
+}
+
+/* Q4_Z, specd's own (gguf_blocks.py): Q4_0's nibbles less the block's own zero point z,
+ * for AWQ's and asymmetric GPTQ's and compressed-tensors' 4-bit weights (c = q - z). */
+static inline void dec_q4_z(const uint8_t *b, int g, group_t *q) { /* d, z u8, qs[16] */
+    (void)g;
+    nibble_codes(b + 3, b[2], q->c);
     q->s[0] = q->s[1] = half_at(b);
     q->o = 0.0f;
 }
@@ -366,7 +375,7 @@ static void group_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int6
     }
 
 /* SCALES 1 and 2: the one-row path's scales of two consecutive 32-blocks whose fp16 scale d leads them
- * (SCALES 1: Q4_0, Q5_0, Q8_0, IQ4_NL) and fp16 offset m follows it (SCALES 2: Q4_1, Q5_1):
+ * (SCALES 1: Q4_0, Q5_0, Q8_0, IQ4_NL, Q4_Z) and fp16 offset m follows it (SCALES 2: Q4_1, Q5_1):
  * both blocks' (d, m) converted in one instruction, (d0, m0, d1, m1), where converting
  * each half alone made these types' products a third slower. The same values as the
  * decoders' `half_at`, and the same sums for finite x (SCALES 1 adds no 0 x sum(x) for
@@ -542,6 +551,7 @@ UNPAIRED(iq4_nl, 18, 1)
 UNPAIRED(iq4_xs, 136, 8)
 UNPAIRED(mxfp4, 17, 1)
 UNPAIRED(q3_k, 110, 8)
+UNPAIRED(q4_z, 19, 1)
 
 GEMV(q8_0, 34, 1, 1)
 GEMV(q4_0, 18, 1, 1)
@@ -555,6 +565,7 @@ GEMV(iq4_nl, 18, 1, 1)
 GEMV(iq4_xs, 136, 8, 0)
 GEMV(mxfp4, 17, 1, 0)
 GEMV(q3_k, 110, 8, 0)
+GEMV(q4_z, 19, 1, 1)
 
 typedef void (*rows_fn)(const float *, int64_t, const float *, const uint8_t *, int64_t, float *,
                         int64_t, int64_t, int64_t, int64_t);
@@ -562,7 +573,7 @@ typedef void (*rows_fn)(const float *, int64_t, const float *, const uint8_t *, 
 /* By the type index cpu_kernels.py names (its TYPES order). */
 static const rows_fn ROWS[] = {rows_q8_0, rows_q4_0, rows_q4_1, rows_q5_0, rows_q5_1,
                                rows_q4_k, rows_q5_k, rows_q6_k, rows_iq4_nl, rows_iq4_xs,
-                               rows_mxfp4, rows_q3_k};
+                               rows_mxfp4, rows_q3_k, rows_q4_z};
 #define TYPE_COUNT ((int)(sizeof(ROWS) / sizeof(ROWS[0])))
 int specd_type_count(void) { return TYPE_COUNT; }
 

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from gguf.constants import GGMLQuantizationType as GGMLType
 
+from modeling.weights.gguf_blocks import BlockType, SpecdType, block_type
+
 log = logging.getLogger("specd.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -44,11 +46,12 @@ FLAGS = (
     "-pthread",
 )  # fmt: skip
 LIBRARIES = ("-lm",)  # after the source: expf's and tanhf's libm
-VERSION = 7  # what the C file's specd_kernels_version() must return
+VERSION = 8  # what the C file's specd_kernels_version() must return
 COMPILE_SECONDS = 120
 
-# ggml type → (C function suffix, block bytes, elements per block).
-TYPES: dict[GGMLType, tuple[str, int, int]] = {
+# ggml type (or specd's own) → (C function suffix, block bytes, elements per block), in the
+# order of the C file's table.
+TYPES: dict[BlockType, tuple[str, int, int]] = {
     GGMLType.Q8_0: ("q8_0", 34, 32),
     GGMLType.Q4_0: ("q4_0", 18, 32),
     GGMLType.Q4_1: ("q4_1", 20, 32),
@@ -61,6 +64,7 @@ TYPES: dict[GGMLType, tuple[str, int, int]] = {
     GGMLType.IQ4_XS: ("iq4_xs", 136, 256),
     GGMLType.MXFP4: ("mxfp4", 17, 32),
     GGMLType.Q3_K: ("q3_k", 110, 256),
+    SpecdType.Q4_Z: ("q4_z", 19, 32),
 }
 
 
@@ -70,7 +74,7 @@ class _Library:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tried = False
-        self.functions: dict[GGMLType, int] = {}  # kind → the C file's type index
+        self.functions: dict[BlockType, int] = {}  # kind → the C file's type index
         self.gemv: Any = None  # specd_gemv, through ctypes
         self.products: Any = None  # specd_products
         self.rms_norm: Any = None  # specd_rms_norm
@@ -211,20 +215,17 @@ def max_rows() -> int:
     return _LIBRARY.max_rows if available() else 0
 
 
-def supports(kind: int | GGMLType) -> bool:
-    try:
-        return GGMLType(kind) in TYPES and available()
-    except ValueError:
-        return False
+def supports(kind: int | BlockType) -> bool:
+    return block_type(kind) in TYPES and available()
 
 
-def computes(kind: int | GGMLType, dtype: torch.dtype, device: torch.device | str) -> bool:
+def computes(kind: int | BlockType, dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether a model computing in `dtype` on `device` multiplies blocks of `kind` with
     these kernels (one pass's few rows; longer passes rebuild)."""
     return torch.device(device).type == "cpu" and dtype == torch.float32 and supports(kind)
 
 
-def usable(x: torch.Tensor, kind: int | GGMLType) -> bool:
+def usable(x: torch.Tensor, kind: int | BlockType) -> bool:
     """Whether `gemv` takes this input for blocks of `kind`: fp32 on the CPU, at most
     `max_rows()` rows, outside autograd (the kernels have no backward). Asked by every
     projection of every pass, so it reads as little as it can."""
@@ -244,7 +245,7 @@ def usable(x: torch.Tensor, kind: int | GGMLType) -> bool:
 _SCRATCH = threading.local()  # per thread: a float buffer for the groups' sums
 
 
-def gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> torch.Tensor:
+def gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | BlockType) -> torch.Tensor:
     """x (..., K) fp32 times the (N, K) matrix whose rows are `blocks` (N, row_bytes) uint8
     of ggml type `kind`: (..., N) fp32. Raises ValueError for inputs that do not fit, and
     RuntimeError where the kernels are unavailable (`status()` says why)."""
@@ -260,7 +261,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> torch.T
     return out
 
 
-def try_gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> torch.Tensor | None:
+def try_gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | BlockType) -> torch.Tensor | None:
     """`gemv`, or None where the kernels do not take this input (unavailable, another
     dtype or device, more rows than `max_rows()`, a gradient to keep). Blocks that do not
     fit the input are a ValueError: the C code trusts its sizes, and every extent it reads
@@ -270,7 +271,7 @@ def try_gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | GGMLType) -> tor
 
 
 def try_products(
-    x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int | GGMLType]]
+    x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, int | BlockType]]
 ) -> torch.Tensor | None:
     """x times several projections' blocks, their outputs side by side (`BlockProduct`),
     or None where the kernels do not take x; each geometry checked once (a compiled
@@ -306,7 +307,7 @@ class BlockProduct:
 
     __slots__ = ("_address", "_plan", "k", "n")
 
-    def __init__(self, parts: Sequence[tuple[torch.Tensor, int | GGMLType]], k: int) -> None:
+    def __init__(self, parts: Sequence[tuple[torch.Tensor, int | BlockType]], k: int) -> None:
         plan = [len(parts), k]
         for blocks, kind in parts:
             index = _LIBRARY.functions.get(kind)  # type: ignore[arg-type]

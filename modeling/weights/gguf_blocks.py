@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from enum import IntEnum
 
 import torch
 from gguf.constants import GGML_QUANT_SIZES
@@ -28,7 +29,7 @@ from gguf.constants import GGMLQuantizationType as GGMLType
 CHUNK_ELEMENTS = 1 << 24
 
 # Types whose "blocks" are plain values: rebuilding is one dtype conversion.
-FLOAT_TYPES = {
+FLOAT_TYPES: dict[BlockType, torch.dtype] = {
     GGMLType.F32: torch.float32,
     GGMLType.F16: torch.float16,
     GGMLType.BF16: torch.bfloat16,
@@ -39,6 +40,22 @@ IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69
 
 class UnsupportedGGMLTypeError(ValueError):
     """A GGUF tensor of a ggml type specd cannot decode."""
+
+
+class SpecdType(IntEnum):
+    """Block layouts of specd's own beside ggml's, for packed checkpoints that no ggml type
+    holds exactly, so the CPU kernels compute them where they lie (`BlockQuantizedLinear`).
+    Never in a file: a GGUF reader turns a tensor's type into ggml's enum, which has none
+    of these numbers.
+
+    Q4_Z: 32 weights in 19 bytes, d f16, z u8, qs u8[16] in Q4_0's nibble order; weight
+    (q - z) × d, one rounding: AWQ's, asymmetric GPTQ's and compressed-tensors' 4-bit
+    groups, whose zero point is an integer per group (GPTQ's up to 16)."""
+
+    Q4_Z = 1004
+
+
+BlockType = GGMLType | SpecdType
 
 
 def _half(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -68,6 +85,12 @@ def _q4_0(b: torch.Tensor, x: torch.Tensor) -> None:  # d f16, qs u8[16]
     _nibbles(b[:, 2:], x.view(-1, 2, 16))
     x -= 8
     x *= _half(b, 0)
+
+
+def _q4_z(b: torch.Tensor, x: torch.Tensor) -> None:  # d f16, z u8, qs u8[16]
+    _nibbles(b[:, 3:], x.view(-1, 2, 16))
+    x -= b[:, 2:3]  # integers: exact
+    x *= b[:, :2].contiguous().view(torch.float16).float()  # (odd-sized blocks: copied)
 
 
 def _q4_1(b: torch.Tensor, x: torch.Tensor) -> None:  # d f16, m f16, qs u8[16]
@@ -231,7 +254,7 @@ def _mxfp4(b: torch.Tensor, x: torch.Tensor) -> None:  # e u8 (E8M0), qs u8[16]
 # phase (u8 nibbles, bits or 2-bit codes: half a byte or a byte per element; IQ4's int32
 # codes: four more) that is freed before its per-block scale tensors are made, and those
 # are fewer bytes (Q8_0, which has no such phase, holds its d alone).
-_DECODERS: dict[GGMLType, tuple[Callable[[torch.Tensor, torch.Tensor], None], int]] = {
+_DECODERS: dict[BlockType, tuple[Callable[[torch.Tensor, torch.Tensor], None], int]] = {
     GGMLType.Q8_0: (_q8_0, 4),  # d
     GGMLType.Q4_0: (_q4_0, 16),  # one nibble half
     GGMLType.Q4_1: (_q4_1, 16),
@@ -245,6 +268,7 @@ _DECODERS: dict[GGMLType, tuple[Callable[[torch.Tensor, torch.Tensor], None], in
     GGMLType.IQ4_NL: (_iq4_nl, 4 * 32 + 16),  # int32 codes and one nibble half
     GGMLType.IQ4_XS: (_iq4_xs, 4 * 256 + 128),
     GGMLType.MXFP4: (_mxfp4, 4 * 32 + 4),  # int32 codes, then the scales' bits
+    SpecdType.Q4_Z: (_q4_z, 16),  # one nibble half
 }
 
 # Beside those, a handful of small tensors (bit positions, a short chunk's scales), each
@@ -252,33 +276,40 @@ _DECODERS: dict[GGMLType, tuple[Callable[[torch.Tensor, torch.Tensor], None], in
 _SMALL_TENSORS_BYTES = 8 * 512
 
 # (elements, bytes) per block of every type this module decodes.
-BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
-    t: GGML_QUANT_SIZES[t] for t in (*FLOAT_TYPES, *_DECODERS)
+BLOCK_SIZES: dict[BlockType, tuple[int, int]] = {
+    **{t: GGML_QUANT_SIZES[t] for t in (*FLOAT_TYPES, *_DECODERS) if isinstance(t, GGMLType)},
+    SpecdType.Q4_Z: (32, 19),
 }
 
 
-def supported_type(value: int | GGMLType) -> GGMLType:
+def block_type(value: int | BlockType) -> BlockType | None:
+    """`value` as ggml's type or specd's own, None for neither."""
+    for enum in (GGMLType, SpecdType):
+        try:
+            return enum(value)
+        except ValueError:
+            pass
+    return None
+
+
+def supported_type(value: int | BlockType) -> BlockType:
     """`value` as a type this module decodes, else UnsupportedGGMLTypeError."""
-    try:
-        kind = GGMLType(value)
-    except ValueError:
-        kind = None
+    kind = block_type(value)
     if kind is None or kind not in BLOCK_SIZES:
         name = value if kind is None else f"{kind.name} ({int(kind)})"
-        supported = ", ".join(t.name for t in BLOCK_SIZES)
+        supported = ", ".join(t.name for t in BLOCK_SIZES if isinstance(t, GGMLType))
         raise UnsupportedGGMLTypeError(
             f"ggml type {name} cannot be decoded; supported: {supported}"
         )
     return kind
 
 
-def row_bytes(ggml_type: int | GGMLType, columns: int) -> int:
+def row_bytes(ggml_type: int | BlockType, columns: int) -> int:
     """Bytes of one stored row of `columns` values: a GGUF row is whole blocks."""
-    elements, size = BLOCK_SIZES[supported_type(ggml_type)]
+    kind = supported_type(ggml_type)
+    elements, size = BLOCK_SIZES[kind]
     if columns % elements:
-        raise ValueError(
-            f"{columns} columns are not whole {GGMLType(ggml_type).name} blocks of {elements}"
-        )
+        raise ValueError(f"{columns} columns are not whole {kind.name} blocks of {elements}")
     return columns // elements * size
 
 
@@ -288,7 +319,7 @@ def _chunk_rows(columns: int, chunk_elements: int) -> int:
 
 def dequantize(
     blocks: torch.Tensor,  # (rows, row_bytes) uint8
-    ggml_type: int | GGMLType,
+    ggml_type: int | BlockType,
     columns: int,
     dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
@@ -332,7 +363,7 @@ def dequantize(
 def dequantize_bytes(
     rows: int,
     columns: int,
-    ggml_type: int | GGMLType,
+    ggml_type: int | BlockType,
     dtype: torch.dtype,
     *,
     chunk_elements: int = CHUNK_ELEMENTS,
@@ -353,7 +384,7 @@ def dequantize_bytes(
 
 def dequantize_rows(
     blocks: torch.Tensor,  # (vocab, row_bytes) uint8
-    ggml_type: int | GGMLType,
+    ggml_type: int | BlockType,
     columns: int,
     ids: torch.Tensor,  # (...) int
     dtype: torch.dtype = torch.float32,

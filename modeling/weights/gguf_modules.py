@@ -10,27 +10,20 @@ import functools
 from collections.abc import Sequence
 
 import torch
-from gguf.constants import GGMLQuantizationType as GGMLType
 from torch import nn
 
 from modeling.weights import cpu_kernels
 from modeling.weights.gguf_blocks import (
     BLOCK_SIZES,
     FLOAT_TYPES,
+    BlockType,
     dequantize,
     dequantize_bytes,
     dequantize_rows,
     row_bytes,
     supported_type,
 )
-from modeling.weights.packed import (
-    CompressedLinear,
-    GPTQLinear,
-    PackedLinear,
-    _itemsize,
-    symmetric_values,
-    unpack,
-)
+from modeling.weights.packed import PackedLinear, _itemsize
 
 
 @functools.lru_cache(maxsize=256)
@@ -58,8 +51,8 @@ class GGUFLinear(PackedLinear):
         in_features: int,
         out_features: int,
         bias: bool,
-        ggml_type: int | GGMLType,
-        kinds: tuple[int | GGMLType, ...] = (),
+        ggml_type: int | BlockType,
+        kinds: tuple[int | BlockType, ...] = (),
     ) -> None:
         ggml_type = supported_type(ggml_type)
         elements, size = BLOCK_SIZES[ggml_type]
@@ -92,7 +85,7 @@ class GGUFLinear(PackedLinear):
         return int(self.ggml_type)
 
     def load_stream_state(self, kind: int) -> None:
-        self.ggml_type = GGMLType(kind)
+        self.ggml_type = supported_type(kind)
 
     def _is_own_weight(self, dtype: torch.dtype) -> bool:
         return FLOAT_TYPES.get(self.ggml_type) == dtype
@@ -113,7 +106,7 @@ class GGUFLinear(PackedLinear):
                 self._kernel = (key, kernel)
             found = None if kernel is None else kernel(x)
             if found is None:
-                return super().product(x)
+                return nn.functional.linear(x, self._block_weight(x.dtype), self.bias)
             y = found
         return y if self.bias is None else y + self.bias
 
@@ -142,12 +135,23 @@ class GGUFLinear(PackedLinear):
         """One kernel call for this projection and `others` where each is GGUF blocks the
         CPU kernels compute here and x is a few fp32 rows (the plan kept on this one, keyed
         on every part's blocks); each part's bias added to its columns. A compiled pass
-        calls the kernels' operator (`cpu_kernels.gguf_products`) with every part."""
+        calls the kernels' operator (`cpu_kernels.gguf_products`) with every part. Parts
+        that take their input in another order (`BlockQuantizedLinear.input_order`) are
+        stacked by that class."""
+        parts = self._stackable(others)
+        if parts is None or any(getattr(p, "input_order", None) is not None for p in parts):
+            return None
+        return self._stacked_call(parts, x)
+
+    def _stackable(self, others: Sequence[nn.Module | None]) -> list[GGUFLinear] | None:
         parts = [self]
         for other in others:
             if not isinstance(other, GGUFLinear) or other.in_features != self.in_features:
                 return None
             parts.append(other)
+        return parts
+
+    def _stacked_call(self, parts: list[GGUFLinear], x: torch.Tensor) -> torch.Tensor | None:
         if torch.compiler.is_compiling():
             if not all(p.computed_in_place(x.dtype, x.device) for p in parts):
                 return None
@@ -177,6 +181,10 @@ class GGUFLinear(PackedLinear):
         return all(cpu_kernels.computes(kind, dtype, device) for kind in self.kinds)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._block_weight(dtype)
+
+    def _block_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight its blocks hold, (out, in) in `dtype`, its columns in their order."""
         if self._is_own_weight(dtype):
             return self.stored().view(dtype)  # (out, in)
         n = self.out_features * self.in_features
@@ -198,122 +206,6 @@ class GGUFLinear(PackedLinear):
         return f"in={self.in_features}, out={self.out_features}, type={self.ggml_type.name}{also}"
 
 
-# `--quantize`'s bits → the ggml block type that holds its values exactly: a group of 128
-# inputs with one fp16 scale is four 32-blocks with that scale each.
-BLOCK_TYPES = {8: GGMLType.Q8_0, 4: GGMLType.Q4_0}
-
-
-class BlockQuantizedLinear(GGUFLinear):
-    """Symmetric group-wise integer weights laid out as ggml Q8_0 / Q4_0 blocks, where the
-    CPU kernels compute those where they lie (modeling/weights/quant.py decides): each
-    32-block holds its group's fp16 scale and values in [-128, 127] or [-8, 7], so it
-    rebuilds bit for bit the weight of the layout it replaces, for 2 bytes more per 32
-    weights than one scale per 128 (Q8_0 34 bytes a block: +4.6%; Q4_0 18: +9%), which the
-    plan counts as it counts any layer: by this module's bytes. Made by `--quantize`
-    (`quantize_from`: compressed-tensors' rounding, `symmetric_values`) and from a
-    symmetric GPTQ or compressed-tensors checkpoint's projection (`from_packed`)."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group: int):
-        if bits not in BLOCK_TYPES or group % 32 or in_features % group:
-            raise ValueError(
-                f"{bits}-bit groups of {group} over {in_features} inputs are not ggml blocks"
-            )
-        super().__init__(in_features, out_features, bias, BLOCK_TYPES[bits])
-        self.group = group
-
-    @torch.no_grad()
-    def quantize_from(self, weight: torch.Tensor, rows: int = 1024) -> None:
-        """Fill the blocks from a full-precision [out, in] weight, `rows` at a time."""
-        out, inp = self.out_features, self.in_features
-        if tuple(weight.shape) != (out, inp):
-            raise ValueError(f"weight {tuple(weight.shape)} is not ({out}, {inp})")
-        blocks = self._new_blocks(weight.device)
-        for r0 in range(0, out, rows):
-            w = weight[r0 : r0 + rows].float().view(-1, inp // self.group, self.group)
-            values, scale = symmetric_values(w, self.bits, torch.float16)  # (r, G, g), (r, G)
-            self._write(blocks[r0 : r0 + rows], values, scale)
-        self._buffers["blocks"] = blocks.view(out, -1)
-
-    @staticmethod
-    @torch.no_grad()
-    def has_block_form(module: PackedLinear) -> bool:
-        """Whether `module`'s weight is exactly Q4_0/Q8_0 blocks: a GPTQ (v1) projection
-        whose zero points are all 2^(b-1) (symmetric) and whose groups are runs of inputs
-        (no act-order permutation), or a symmetric compressed-tensors one, with fp16
-        scales and groups of a multiple of 32 inputs."""
-        bits, inp = module.bits, module.in_features
-        if bits not in BLOCK_TYPES or inp % 32:
-            return False
-        if isinstance(module, GPTQLinear):
-            groups = module.qzeros.shape[0]
-            if module.scales.dtype != torch.float16 or not module._groups_contiguous():
-                return False
-            zeros = unpack(module.qzeros, bits, 1, torch.int16) + 1  # (G, out): zero - 1
-            if not bool((zeros == 1 << (bits - 1)).all()):
-                return False
-        elif isinstance(module, CompressedLinear):
-            groups = module.weight_scale.shape[1]
-            if module.weight_zero_point is not None or module.weight_scale.dtype != torch.float16:
-                return False
-        else:
-            return False
-        return groups * (inp // groups) == inp and (inp // groups) % 32 == 0
-
-    @classmethod
-    @torch.no_grad()
-    def from_packed(cls, module: PackedLinear, rows: int = 1024) -> BlockQuantizedLinear | None:
-        """The same weight as blocks, or None where it has none (`has_block_form`). `rows`
-        outputs at a time, so the unpacked codes are a block of rows' (a 70B projection's
-        whole would be GBs)."""
-        if not cls.has_block_form(module):
-            return None
-        bits, out, inp = module.bits, module.out_features, module.in_features
-        offset = 1 << (bits - 1)
-        if isinstance(module, GPTQLinear):
-
-            def codes(r0: int, r1: int) -> torch.Tensor:  # (r, in): packed along the input
-                return unpack(module.qweight[:, r0:r1], bits, 0, torch.int16).t()
-
-            scale = module.scales.t()  # (out, G)
-        else:
-            assert isinstance(module, CompressedLinear)
-
-            def codes(r0: int, r1: int) -> torch.Tensor:  # (r, in), a padded last word cut
-                return unpack(module.weight_packed[r0:r1], bits, 1, torch.int16)[:, :inp]
-
-            scale = module.weight_scale  # (out, G)
-        groups = scale.shape[1]
-        group = inp // groups
-        converted = cls(inp, out, module.bias is not None, bits, group)
-        blocks = converted._new_blocks(scale.device)
-        for r0 in range(0, out, rows):
-            r1 = min(out, r0 + rows)
-            values = (codes(r0, r1) - offset).view(r1 - r0, groups, group)
-            converted._write(blocks[r0:r1], values, scale[r0:r1].contiguous())
-        converted._buffers["blocks"] = blocks.view(out, -1)
-        if module.bias is not None:
-            converted.bias = module.bias
-        converted.scratch = module.scratch
-        return converted
-
-    def _new_blocks(self, device: torch.device) -> torch.Tensor:
-        size = BLOCK_SIZES[self.ggml_type][1]
-        shape = (self.out_features, self.in_features // 32, size)
-        return torch.empty(shape, dtype=torch.uint8, device=device)
-
-    def _write(self, blocks: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> None:
-        """Rows of `blocks` (r, in/32, block bytes) from values (r, G, group) in the type's
-        range and their fp16 scales (r, G)."""
-        values = values.reshape(values.shape[0], -1, 32)  # (r, blocks, 32)
-        d = scale.repeat_interleave(self.group // 32, dim=1)  # each block its group's
-        blocks[:, :, :2] = d.contiguous().view(torch.uint8).view(*d.shape, 2)
-        if self.bits == 8:  # qs: the values as int8
-            blocks[:, :, 2:] = values.to(torch.int8).view(torch.uint8)
-        else:  # qs[j]: value j + 8 in the low nibble, value j + 16 + 8 in the high
-            q = (values + 8).to(torch.uint8)
-            blocks[:, :, 2:] = q[:, :, :16] | (q[:, :, 16:] << 4)
-
-
 class GGUFEmbedding(nn.Module):
     """An embedding table kept as a GGUF tensor's blocks (`blocks` uint8 [rows,
     row_bytes]): a lookup decodes only the rows asked for (`dequantize_rows`), in fp32,
@@ -322,7 +214,7 @@ class GGUFEmbedding(nn.Module):
 
     blocks: torch.Tensor
 
-    def __init__(self, rows: int, dim: int, ggml_type: int | GGMLType) -> None:
+    def __init__(self, rows: int, dim: int, ggml_type: int | BlockType) -> None:
         super().__init__()
         self.ggml_type = supported_type(ggml_type)
         self.num_embeddings, self.embedding_dim = rows, dim

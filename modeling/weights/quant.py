@@ -13,13 +13,9 @@ import torch
 from torch import nn
 
 from modeling.weights import cpu_kernels
+from modeling.weights.block_layout import BlockQuantizedLinear, layout_type
 from modeling.weights.gguf_blocks import GGMLType
-from modeling.weights.gguf_modules import (
-    BLOCK_TYPES,
-    BlockQuantizedLinear,
-    GGUFEmbedding,
-    GGUFLinear,
-)
+from modeling.weights.gguf_modules import GGUFEmbedding, GGUFLinear
 from modeling.weights.hqq import HQQLinear
 from modeling.weights.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
 
@@ -46,10 +42,11 @@ class QuantizationSpec:
     scale_dtype: torch.dtype  # the stored scales' dtype
     # Quantized while loading a full-precision checkpoint (`--quantize`), not as stored.
     on_load: bool = False
-    # Symmetric integer weights laid out as ggml Q8_0/Q4_0 blocks, where the CPU kernels
-    # multiply those (`laid_out_for`); else as stored (or compressed-tensors' packing).
+    # Group-wise integer weights laid out as 32-blocks (Q8_0/Q4_0, or Q4_Z with zero
+    # points), where the CPU kernels multiply those (`laid_out_for`); else as stored (or
+    # compressed-tensors' packing).
     blocks: bool = False
-    # GPTQ's desc_act: groups permuted along the input (no block form).
+    # GPTQ's desc_act: groups permuted along the input (blocks sort the inputs by group).
     act_order: bool = False
     # A GGUF file: each projection's own block type (our name → ggml type), which differ
     # within a file (a Q4_K_M mix holds Q4_K and Q6_K, and Q5_0 where rows are short).
@@ -80,8 +77,9 @@ class QuantizationSpec:
             return f"gguf {self.file_type} as stored (layers: {kinds})"
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
         how = "quantized on load" if self.on_load else "as stored"
-        if self.blocks:
-            how += f", as {BLOCK_TYPES[self.bits].name} blocks"
+        kind = layout_type(self.bits, self.symmetric)
+        if self.blocks and kind is not None:
+            how += f", as {kind.name} blocks"
         return f"{self.method} {self.bits}-bit, {group} ({how})"
 
     def linear(self, in_features: int, out_features: int, bias: bool) -> PackedLinear:
@@ -100,9 +98,12 @@ class QuantizationSpec:
                 in_features, out_features, bias, self.bits, group, True, self.scale_dtype
             )
         if self.blocks and in_features % group == 0 and group % 32 == 0:
-            # A symmetric checkpoint's projection as the loader lays it out on this CPU
+            # A checkpoint's projection as the loader lays it out on this CPU
             # (`BlockQuantizedLinear.from_packed`): what the plan counts.
-            return BlockQuantizedLinear(in_features, out_features, bias, self.bits, group)
+            return BlockQuantizedLinear(
+                in_features, out_features, bias, self.bits, group, self.symmetric,
+                self.act_order,
+            )  # fmt: skip
         if in_features % group or in_features * self.bits % 32 or out_features * self.bits % 32:
             raise UnsupportedQuantizationError(
                 f"a {in_features} → {out_features} projection cannot be packed as {self.method} "
@@ -178,22 +179,20 @@ def on_load_quantization(kind: str) -> QuantizationSpec:
 def laid_out_for(
     spec: QuantizationSpec | None, dtype: torch.dtype, device: torch.device | str
 ) -> QuantizationSpec | None:
-    """`spec` as a model computing in `dtype` on `device` holds it: symmetric integer
-    weights with fp16 scales (`--quantize`, and GPTQ or compressed-tensors checkpoints
-    quantized so) as ggml Q8_0/Q4_0 blocks where the CPU kernels multiply those where they
-    lie (fp32 on a CPU with the kernels built), since no kernel reads the GPTQ or
-    compressed-tensors packing and a CPU would otherwise rebuild the float matrix for
-    every product. The same values either way (`BlockQuantizedLinear`); the plan
+    """`spec` as a model computing in `dtype` on `device` holds it: group-wise integer
+    weights with fp16 scales (`--quantize`; GPTQ, AWQ and compressed-tensors checkpoints:
+    symmetric of 4 or 8 bits, 4 bits with zero points, GPTQ's act-order too) as 32-blocks
+    the CPU kernels multiply where they lie (fp32 on a CPU with the kernels built), since
+    no kernel reads those packings and a CPU would otherwise rebuild the float matrix for
+    every product. The same values either way (modeling/weights/block_layout.py); the plan
     (daemon/footprint.py) and the loader ask here alike, so the bytes planned are the
     bytes loaded (a checkpoint whose projections turn out to have no exact block form,
     against what its config says, loads as stored: planned too)."""
-    if spec is None or spec.blocks or spec.method not in ("compressed-tensors", "gptq"):
+    if spec is None or spec.blocks or spec.method not in ("compressed-tensors", "gptq", "awq"):
         return spec
-    if not (spec.on_load or spec.symmetric) or spec.act_order:  # no Q4_0/Q8_0 form:
-        return spec  # a zero point per group, or groups permuted along the input
-    kind = BLOCK_TYPES.get(spec.bits)
-    if kind is None or spec.scale_dtype != torch.float16:
-        return spec
+    kind = layout_type(spec.bits, spec.symmetric or spec.on_load)
+    if kind is None or spec.scale_dtype != torch.float16:  # 8 bits with zero points;
+        return spec  # bf16 or fp32 scales (no fp16 form)
     if not cpu_kernels.computes(kind, dtype, device):
         return spec
     return replace(spec, blocks=True)
