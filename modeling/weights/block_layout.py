@@ -156,27 +156,28 @@ class BlockQuantizedLinear(GGUFLinear):
         zeros: Callable[[int, int], torch.Tensor] | None = None  # (r, G) zero points
         if isinstance(module, GPTQLinear):
             packed_gptq = module
+            if act_order:  # the inputs sorted by group (stably): groups are runs again
+                order = torch.sort(module.g_idx.long(), stable=True).indices
 
             def codes(r0: int, r1: int) -> torch.Tensor:  # packed along the input
-                return unpack(packed_gptq.qweight[:, r0:r1], bits, 0, torch.int16).t()
+                c = unpack(packed_gptq.qweight[:, r0:r1], bits, 0, torch.uint8)  # (in, r)
+                return (c if order is None else c.index_select(0, order)).t()
 
             def zeros(r0: int, r1: int) -> torch.Tensor:  # v1 stores zero - 1
-                z = unpack(packed_gptq.qzeros, bits, 1, torch.int16)[:, r0:r1]
+                z = unpack(packed_gptq.qzeros, bits, 1, torch.uint8)[:, r0:r1]
                 return z.t() + 1
 
             scale = module.scales.t()  # (out, G)
-            if act_order:  # the inputs sorted by group (stably): groups are runs again
-                order = torch.sort(module.g_idx.long(), stable=True).indices
         elif isinstance(module, AWQLinear):
             packed_awq = module
 
             def codes(r0: int, r1: int) -> torch.Tensor:  # packed along the output
                 words = packed_awq.qweight[:, r0 // 8 : -(-r1 // 8)]
-                return unpack(words, 4, 1, torch.int16, AWQ_ORDER).t()
+                return unpack(words, 4, 1, torch.uint8, AWQ_ORDER).t()
 
             def zeros(r0: int, r1: int) -> torch.Tensor:
                 words = packed_awq.qzeros[:, r0 // 8 : -(-r1 // 8)]
-                return unpack(words, 4, 1, torch.int16, AWQ_ORDER).t()
+                return unpack(words, 4, 1, torch.uint8, AWQ_ORDER).t()
 
             scale = module.scales.t()
         else:
@@ -184,7 +185,7 @@ class BlockQuantizedLinear(GGUFLinear):
             packed_ct = module
 
             def codes(r0: int, r1: int) -> torch.Tensor:  # a padded last word cut
-                return unpack(packed_ct.weight_packed[r0:r1], bits, 1, torch.int16)[:, :inp]
+                return unpack(packed_ct.weight_packed[r0:r1], bits, 1, torch.uint8)[:, :inp]
 
             if module.weight_zero_point is not None:
 
@@ -192,7 +193,7 @@ class BlockQuantizedLinear(GGUFLinear):
                     assert packed_ct.weight_zero_point is not None
                     per_word = 32 // bits
                     words = packed_ct.weight_zero_point[r0 // per_word : -(-r1 // per_word)]
-                    z = unpack(words, bits, 0, torch.int16)
+                    z = unpack(words, bits, 0, torch.uint8)
                     return z[r0 % per_word : r0 % per_word + r1 - r0]
 
             scale = module.weight_scale
@@ -205,9 +206,7 @@ class BlockQuantizedLinear(GGUFLinear):
         blocks = converted._new_blocks(scale.device)
         for r0 in range(0, out, rows):
             r1 = min(out, r0 + rows)
-            q = codes(r0, r1)  # (r, in)
-            if order is not None:
-                q = q[:, order]
+            q = codes(r0, r1)  # (r, in), in the blocks' order
             z = None if zeros is None else zeros(r0, r1)
             converted._write(blocks[r0:r1], q, z, scale[r0:r1].contiguous())
         converted._buffers["blocks"] = blocks.view(out, -1)
@@ -233,15 +232,15 @@ class BlockQuantizedLinear(GGUFLinear):
         """Rows of `blocks` (r, in/32, block bytes) from unsigned codes (r, in) in [0,
         2^b) as stored (symmetric: value + 2^(b-1)), their groups' zero points (r, G)
         (None: symmetric) and fp16 scales (r, G)."""
-        codes = codes.reshape(codes.shape[0], -1, 32)  # (r, blocks, 32)
+        codes = codes.to(torch.uint8).reshape(codes.shape[0], -1, 32)  # (r, blocks, 32)
         per_group = self.group // 32
         d = scale.repeat_interleave(per_group, dim=1)  # each block its group's
         blocks[:, :, :2] = d.contiguous().view(torch.uint8).view(*d.shape, 2)
-        if self.bits_stored == 8:  # Q8_0's qs: the values as int8
-            blocks[:, :, 2:] = (codes - 128).to(torch.int8).view(torch.uint8)
+        if self.bits_stored == 8:  # Q8_0's qs: the values c - 128 as int8, i.e. c ^ 0x80
+            blocks[:, :, 2:] = codes ^ 128
             return
-        q = codes.to(torch.uint8)  # qs[j]: code j in the low nibble, code j + 16 in the high
-        nibbles = q[:, :, :16] | (q[:, :, 16:] << 4)
+        # qs[j]: code j in the low nibble, code j + 16 in the high
+        nibbles = codes[:, :, :16] | (codes[:, :, 16:] << 4)
         if zeros is None:
             blocks[:, :, 2:] = nibbles
         else:
