@@ -34,7 +34,7 @@ HALVES = {
     GGMLType.Q8_0: (0,), GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,),
     GGMLType.Q5_1: (0, 2), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2),
     GGMLType.Q6_K: (208,), GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,), GGMLType.Q3_K: (108,),
-    SpecdType.Q4_Z: (0,),
+    SpecdType.Q4_Z: (0,), GGMLType.Q2_K: (80, 82),
 }  # fmt: skip
 
 

@@ -266,6 +266,7 @@ def test_stacked_projections_are_one_call_with_each_ones_values(monkeypatch) -> 
         (GGMLType.Q4_K, 64, 1),
         (GGMLType.Q8_0, 32, 2),
         (GGMLType.Q6_K, 32, 3),
+        (GGMLType.Q2_K, 32, 4),  # an offset per 16: the call sums halves of x too
     ):
         layer = GGUFLinear(256, rows, True, kind)
         blocks = random_blocks(kind, rows, 256, seed)
@@ -274,6 +275,8 @@ def test_stacked_projections_are_one_call_with_each_ones_values(monkeypatch) -> 
             blocks.view(rows, -1, size)[..., :2] = torch.tensor([0, 28], dtype=torch.uint8)
         elif kind == GGMLType.Q4_K:
             blocks.view(rows, -1, size)[..., :4] = torch.tensor([0, 40, 0, 36], dtype=torch.uint8)
+        elif kind == GGMLType.Q2_K:  # d, dmin last
+            blocks.view(rows, -1, size)[..., -4:] = torch.tensor([0, 28, 0, 24], dtype=torch.uint8)
         else:  # Q6_K: d last
             blocks.view(rows, -1, size)[..., -2:] = torch.tensor([0, 28], dtype=torch.uint8)
         layer.blocks.copy_(blocks)
@@ -287,7 +290,7 @@ def test_stacked_projections_are_one_call_with_each_ones_values(monkeypatch) -> 
             x = torch.randn(rows, 256, generator=g)
             calls.clear()
             both = stacked(parts, x)
-            assert both is not None and len(calls) == 1 and both.shape == (rows, 128)
+            assert both is not None and len(calls) == 1 and both.shape == (rows, 160)
             assert torch.equal(both, torch.cat([linear(p, x) for p in parts], dim=-1))
         assert stacked(parts, torch.randn(cpu_kernels.max_rows() + 1, 256)) is None
         assert stacked([parts[0], torch.nn.Linear(256, 8)], x) is None

@@ -27,7 +27,7 @@
 #include <math.h>
 #include <string.h>
 
-#define SPECD_KERNELS_VERSION 8
+#define SPECD_KERNELS_VERSION 9
 #define SPECD_MAX_ROWS 8
 
 int specd_kernels_version(void) { return SPECD_KERNELS_VERSION; }
@@ -72,6 +72,7 @@ typedef struct {
     __m256 c[4];
     float s[2];
     float o;
+    float o2; /* Q2_K alone: the offset of c[2..3] (o is then c[0..1]'s), see SCALES 5 */
 } group_t;
 
 static inline void dec_q8_0(const uint8_t *b, int g, group_t *q) { /* d, qs i8[32] */
@@ -323,6 +324,25 @@ static inline void dec_q3_k(const uint8_t *b, int g, group_t *q) { /* hmask[32],
     q->o = 0.0f;
 }
 
+/* Q2_K: element 32 g + l (g = 4 h + j) is bits 2j of qs[32 h + l]; each 16 has its own
+ * 4-bit scale and 4-bit min in scales[2 g + (l >= 16)]: weight fl(dl q) - ml, with
+ * dl = d x (sc & 15) and ml = dmin x (sc >> 4), so the group has two offsets. */
+static inline void dec_q2_k(const uint8_t *b, int g, group_t *q) { /* scales[16], qs[64], d, dmin */
+    const uint8_t *qs = b + 16 + 32 * (g / 4);
+    const int shift = 2 * (g % 4);
+    const __m256i three = _mm256_set1_epi32(3);
+    for (int v = 0; v < 4; v++) {
+        __m256i c = u8_int(_mm_loadl_epi64((const __m128i *)(qs + 8 * v)));
+        q->c[v] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(c, shift), three));
+    }
+    const float d = half_at(b + 80), dmin = half_at(b + 82);
+    const int s0 = b[2 * g], s1 = b[2 * g + 1];
+    q->s[0] = d * (float)(s0 & 15);
+    q->s[1] = d * (float)(s1 & 15);
+    q->o = -(dmin * (float)(s0 >> 4));
+    q->o2 = -(dmin * (float)(s1 >> 4));
+}
+
 /* MXFP4 (gpt-oss's experts): 32 e2m1 codes, IQ4's nibble order, from a doubled code book,
  * times 2^(e - 128) built from its bits as ggml builds it (subnormal for e < 2). */
 static inline float e8m0_half(uint8_t e) {
@@ -359,6 +379,17 @@ static void group_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int6
             __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xk), _mm256_loadu_ps(xk + 8)),
                                      _mm256_add_ps(_mm256_loadu_ps(xk + 16), _mm256_loadu_ps(xk + 24)));
             xsum[i * ngroups + k] = hsum(s);
+        }
+}
+
+/* For SCALES 5 (Q2_K, an offset per 16): the sums of each half group, (M, 2 ngroups), at
+ * xsum + M ngroups (the room cpu_kernels.py gives is 3 M ngroups). */
+static void half_sums(const float *x, int64_t ldx, float *xsum, int64_t M, int64_t ngroups) {
+    float *halves = xsum + M * ngroups;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t h = 0; h < 2 * ngroups; h++) {
+            const float *xh = x + i * ldx + 16 * h;
+            halves[i * 2 * ngroups + h] = hsum(_mm256_add_ps(_mm256_loadu_ps(xh), _mm256_loadu_ps(xh + 8)));
         }
 }
 
@@ -428,6 +459,7 @@ static inline void q6_block_scales(const uint8_t *b, float s[16]) {
                             const uint8_t *blocks, int64_t row_bytes, float *y, int64_t ldy,  \
                             int64_t M, int64_t N, int64_t K) {                                \
         const int64_t ngroups = K / 32;                                                       \
+        const float *halves = xsum + M * ngroups; /* SCALES 5: (M, 2 ngroups) */             \
         group_t q, r;                                                                         \
         for (int64_t n = 0; n < N; n++) {                                                     \
             const uint8_t *row = blocks + n * row_bytes;                                      \
@@ -471,7 +503,7 @@ static inline void q6_block_scales(const uint8_t *b, float s[16]) {
                         a1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(ks[2 * g + 1]), a1);          \
                         a2 = _mm256_fmadd_ps(p2, _mm256_set1_ps(ks[2 * g + 2]), a2);          \
                         a3 = _mm256_fmadd_ps(p3, _mm256_set1_ps(ks[2 * g + 3]), a3);          \
-                    } else if (SCALES) {                                                      \
+                    } else if (SCALES == 1 || SCALES == 2) {                                  \
                         const uint8_t *b = row + k * (BLOCK_BYTES);                           \
                         const __m128 dm = two_scales(b, b + (BLOCK_BYTES));                   \
                         const __m256 sq = _mm256_broadcastss_ps(dm);                          \
@@ -491,8 +523,13 @@ static inline void q6_block_scales(const uint8_t *b, float s[16]) {
                         a1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(q.s[1]), a1);                 \
                         a2 = _mm256_fmadd_ps(p2, _mm256_set1_ps(r.s[0]), a2);                 \
                         a3 = _mm256_fmadd_ps(p3, _mm256_set1_ps(r.s[1]), a3);                 \
-                        o0 += q.o * xsum[k];                                                  \
-                        o1 += r.o * xsum[k + 1];                                              \
+                        if (SCALES == 5) {                                                    \
+                            o0 += q.o * halves[2 * k] + q.o2 * halves[2 * k + 1];             \
+                            o1 += r.o * halves[2 * k + 2] + r.o2 * halves[2 * k + 3];         \
+                        } else {                                                              \
+                            o0 += q.o * xsum[k];                                              \
+                            o1 += r.o * xsum[k + 1];                                          \
+                        }                                                                     \
                     }                                                                         \
                 }                                                                             \
                 if (SCALES == 2) {                                                            \
@@ -509,7 +546,10 @@ static inline void q6_block_scales(const uint8_t *b, float s[16]) {
                     p1 = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), q.c[3], p1);               \
                     a0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(q.s[0]), a0);                     \
                     a1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(q.s[1]), a1);                     \
-                    o0 += q.o * xsum[k];                                                      \
+                    if (SCALES == 5)                                                          \
+                        o0 += q.o * halves[2 * k] + q.o2 * halves[2 * k + 1];                 \
+                    else                                                                      \
+                        o0 += q.o * xsum[k];                                                  \
                 }                                                                             \
                 __m256 sum = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));     \
                 y[n] = hsum(sum) + (o0 + o1);                                                 \
@@ -532,7 +572,12 @@ static inline void q6_block_scales(const uint8_t *b, float s[16]) {
                     b = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), q.c[3], b);                 \
                     acc[i] = _mm256_fmadd_ps(a, s0, acc[i]);                                  \
                     acc[i] = _mm256_fmadd_ps(b, s1, acc[i]);                                  \
-                    off[i] += q.o * xsum[i * ngroups + k];                                    \
+                    if (SCALES == 5) {                                                        \
+                        const float *hk = halves + i * 2 * ngroups + 2 * k;                   \
+                        off[i] += q.o * hk[0] + q.o2 * hk[1];                                 \
+                    } else {                                                                  \
+                        off[i] += q.o * xsum[i * ngroups + k];                                \
+                    }                                                                         \
                 }                                                                             \
             }                                                                                 \
             for (int64_t i = 0; i < M; i++) y[i * ldy + n] = hsum(acc[i]) + off[i];           \
@@ -552,6 +597,7 @@ UNPAIRED(iq4_xs, 136, 8)
 UNPAIRED(mxfp4, 17, 1)
 UNPAIRED(q3_k, 110, 8)
 UNPAIRED(q4_z, 19, 1)
+UNPAIRED(q2_k, 84, 8)
 
 GEMV(q8_0, 34, 1, 1)
 GEMV(q4_0, 18, 1, 1)
@@ -566,6 +612,7 @@ GEMV(iq4_xs, 136, 8, 0)
 GEMV(mxfp4, 17, 1, 0)
 GEMV(q3_k, 110, 8, 0)
 GEMV(q4_z, 19, 1, 1)
+GEMV(q2_k, 84, 8, 5)
 
 typedef void (*rows_fn)(const float *, int64_t, const float *, const uint8_t *, int64_t, float *,
                         int64_t, int64_t, int64_t, int64_t);
@@ -573,7 +620,7 @@ typedef void (*rows_fn)(const float *, int64_t, const float *, const uint8_t *, 
 /* By the type index cpu_kernels.py names (its TYPES order). */
 static const rows_fn ROWS[] = {rows_q8_0, rows_q4_0, rows_q4_1, rows_q5_0, rows_q5_1,
                                rows_q4_k, rows_q5_k, rows_q6_k, rows_iq4_nl, rows_iq4_xs,
-                               rows_mxfp4, rows_q3_k, rows_q4_z};
+                               rows_mxfp4, rows_q3_k, rows_q4_z, rows_q2_k};
 #define TYPE_COUNT ((int)(sizeof(ROWS) / sizeof(ROWS[0])))
 int specd_type_count(void) { return TYPE_COUNT; }
 
@@ -725,11 +772,12 @@ static void product(int type, const float *x, int64_t ldx, const float *xsum, co
 }
 
 /* y = x W^T for blocks of type `type` (the ROWS index), as the rows_* functions say; xsum is
- * room for (M, K / 32) floats, filled here. Returns 0, or -1 for an unknown type. */
+ * room for 3 (M, K / 32) floats (the group sums, then Q2_K's half sums), filled here. Returns 0, or -1 for an unknown type. */
 int specd_gemv(int type, const float *x, int64_t ldx, float *xsum, const uint8_t *blocks,
                int64_t row_bytes, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     if (type < 0 || type >= TYPE_COUNT) return -1;
     group_sums(x, ldx, xsum, M, K / 32);
+    if (ROWS[type] == rows_q2_k) half_sums(x, ldx, xsum, M, K / 32);
     product(type, x, ldx, xsum, blocks, row_bytes, y, ldy, M, N, K);
     return 0;
 }
@@ -742,12 +790,15 @@ int specd_gemv(int type, const float *x, int64_t ldx, float *xsum, const uint8_t
 int specd_products(const int64_t *plan, const float *x, float *xsum, float *y, int64_t M) {
     const int64_t parts = plan[0], K = plan[1];
     int64_t width = 0;
+    int halves = 0;
     for (int64_t p = 0; p < parts; p++) {
         const int64_t type = plan[2 + 4 * p];
         if (type < 0 || type >= TYPE_COUNT) return -1;
         width += plan[2 + 4 * p + 3];
+        halves |= ROWS[type] == rows_q2_k;
     }
     group_sums(x, K, xsum, M, K / 32);
+    if (halves) half_sums(x, K, xsum, M, K / 32);
     int64_t column = 0;
     for (int64_t p = 0; p < parts; p++) {
         const int64_t *part = plan + 2 + 4 * p;

@@ -46,7 +46,7 @@ FLAGS = (
     "-pthread",
 )  # fmt: skip
 LIBRARIES = ("-lm",)  # after the source: expf's and tanhf's libm
-VERSION = 8  # what the C file's specd_kernels_version() must return
+VERSION = 9  # what the C file's specd_kernels_version() must return
 COMPILE_SECONDS = 120
 
 # ggml type (or specd's own) → (C function suffix, block bytes, elements per block), in the
@@ -65,6 +65,7 @@ TYPES: dict[BlockType, tuple[str, int, int]] = {
     GGMLType.MXFP4: ("mxfp4", 17, 32),
     GGMLType.Q3_K: ("q3_k", 110, 256),
     SpecdType.Q4_Z: ("q4_z", 19, 32),
+    GGMLType.Q2_K: ("q2_k", 84, 256),
 }
 
 
@@ -349,9 +350,9 @@ class BlockProduct:
             return None
         if not x.is_contiguous():
             x = x.contiguous()
-        sums = getattr(_SCRATCH, "sums", None)
-        if sums is None or sums.numel() < rows * (k // 32):
-            sums = _SCRATCH.sums = torch.empty(lib.max_rows * (k // 32), dtype=torch.float32)
+        sums = getattr(_SCRATCH, "sums", None)  # each group's sum, then each half's (Q2_K)
+        if sums is None or sums.numel() < 3 * rows * (k // 32):
+            sums = _SCRATCH.sums = torch.empty(3 * lib.max_rows * (k // 32), dtype=torch.float32)
         out = torch.empty((*shape[:-1], self.n), dtype=torch.float32)  # what the C code writes
         lib.products(self._address, x.data_ptr(), sums.data_ptr(), out.data_ptr(), rows)
         return out
