@@ -123,6 +123,7 @@ def test_what_has_no_block_form_is_said_before_converting() -> None:
     assert not BlockQuantizedLinear.has_block_form(uneven, True, True)
     assert not BlockQuantizedLinear.has_block_form(awq(), True)  # AWQ has zero points
     assert not BlockQuantizedLinear.has_block_form(compressed(True), False)
+    assert not BlockQuantizedLinear.has_block_form(awq(), False, act_order=True)  # GPTQ's
     bf16 = compressed(False)
     bf16.weight_scale = bf16.weight_scale.bfloat16()
     assert not BlockQuantizedLinear.has_block_form(bf16, False)
@@ -147,6 +148,15 @@ def test_act_order_parts_share_one_gather_or_go_alone() -> None:
         assert stacked is not None
         assert torch.allclose(stacked, torch.cat([first(x), second(x)], -1), atol=1e-5)
     assert first.stacked_product([other], x) is None
+    # A streamer's slot takes the next layer in place (the same addresses): its parts'
+    # orders differ now, and the stacked call must see it.
+    layer = [BlockQuantizedLinear.from_packed(gptq(True, True, seed=s), True, True) for s in (5, 6)]
+    for slot, source in zip(same, layer, strict=True):
+        assert slot is not None and source is not None
+        for name in ("blocks", "input_order"):
+            slot._buffers[name].copy_(source._buffers[name])  # type: ignore[union-attr]
+    assert first.stacked_product([second], x) is None
+    assert torch.equal(first(x), layer[0](x))  # type: ignore[misc]
     plain = BlockQuantizedLinear.from_packed(gptq(True, False), True)
     assert plain is not None and plain.stacked_product([first], x) is None
 
@@ -178,6 +188,22 @@ def test_a_real_shaped_checkpoint_is_planned_as_its_blocks(quantization: dict) -
     projections = [m for m in layer.modules() if isinstance(m, PackedLinear)]
     assert projections and all(isinstance(m, BlockQuantizedLinear) for m in projections)
     assert cpu.packed_kernels and cpu.layer_bytes == FlatLayout.of(layer).nbytes
-    assert gpu.layer_bytes < cpu.layer_bytes < 1.15 * gpu.layer_bytes
+    assert gpu.layer_bytes < cpu.layer_bytes < 1.15 * gpu.layer_bytes  # Q4_Z: 76 / 66.5 B
     kind = "Q4_0" if spec is not None and spec.symmetric else "Q4_Z"
     assert f"as {kind} blocks" in cpu.quantization
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["awq", "gptq-act-order"])
+def test_a_compiled_pass_computes_the_blocks(name: str) -> None:
+    """In a compiled pass (one graph, as modeling/compiled.py traces a model) Q4_Z blocks
+    and the act-order gather are the kernels' operator: the eager products' values."""
+    make, symmetric, act_order, _ = CASES[name]
+    blocks = BlockQuantizedLinear.from_packed(make(), symmetric, act_order)
+    assert blocks is not None
+    compiled = torch.compile(blocks, fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        for rows in (1, 3, 12):
+            x = torch.randn(rows, IN, generator=gen)
+            assert torch.allclose(compiled(x), blocks(x), rtol=1e-5, atol=1e-5)

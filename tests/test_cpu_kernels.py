@@ -51,6 +51,9 @@ def test_every_weight_is_the_reference_decoders(kind: GGMLType) -> None:
         [cpu_kernels.gemv(eye[i : i + rows], blocks, kind) for i in range(0, columns, rows)]
     )
     assert torch.equal(got.T[finite], reference[finite])
+    # The one-row path (its own scale and offset handling): every 7th column alone.
+    alone = torch.stack([cpu_kernels.gemv(eye[i], blocks, kind) for i in range(0, columns, 7)])
+    assert torch.equal(alone.T[finite], reference[finite][:, ::7])
 
 
 @needs_kernels

@@ -330,7 +330,8 @@ def test_the_layout_follows_where_the_model_computes() -> None:
     # per group have a block form (Q4_0, Q4_Z); 8 bits with zero points (9-bit values)
     # or other scales do not.
     stored = replace(spec, on_load=False)
-    for held in (stored, replace(stored, symmetric=False), replace(stored, act_order=True)):
+    gptq = replace(stored, method="gptq", act_order=True)  # desc_act: inputs sorted by group
+    for held in (stored, replace(stored, symmetric=False), gptq):
         assert laid_out_for(held, torch.float32, "cpu") == replace(held, blocks=True)
     for other in (
         replace(stored, symmetric=False, bits=8),

@@ -22,7 +22,12 @@ from modeling.checkpoints.gguf_file import CORRUPT_FILE, GGUFContents, TensorInf
 from modeling.checkpoints.gguf_model import GGUFError, gguf_parts
 from modeling.config import ModelConfig, UnsupportedModelError
 from modeling.models import SUPPORTED_GGUF_ARCHITECTURES, config_from_hf, gguf_architecture
-from modeling.weights.gguf_blocks import FLOAT_TYPES, UnsupportedGGMLTypeError, supported_type
+from modeling.weights.gguf_blocks import (
+    FLOAT_TYPES,
+    GGMLType,
+    UnsupportedGGMLTypeError,
+    supported_type,
+)
 from modeling.weights.quant import EMBEDDING, QuantizationSpec
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
@@ -288,6 +293,8 @@ def _quantization(
             continue
         try:
             kind = supported_type(info.ggml_type)
+            if not isinstance(kind, GGMLType):  # (specd's own layouts are never a file's)
+                raise UnsupportedGGMLTypeError(f"ggml type {int(kind)} is not ggml's")
         except UnsupportedGGMLTypeError as err:
             raise GGUFError(f"{source}: tensor {gguf_name}: {err}") from None
         if names[0].startswith("layers."):

@@ -302,18 +302,18 @@ static inline void dec_iq4_xs(const uint8_t *b, int g, group_t *q) { /* d, scale
 
 static inline void dec_q3_k(const uint8_t *b, int g, group_t *q) { /* hmask[32], qs[64], scales[12], d */
     /* Element 32 g + l: 2 bits from qs[32 (g / 4) + l] >> 2 (g % 4), and 4 below unless bit
-     * g of hmask[l] is set; times d x (its 6-bit scale - 32), one scale per 16 elements. */
-    const uint8_t *qs = b + 32 + 32 * (g / 4);
-    const int shift = 2 * (g % 4);
-    const __m256i three = _mm256_set1_epi32(3), one = _mm256_set1_epi32(1);
-    const __m256i four = _mm256_set1_epi32(4);
-    for (int v = 0; v < 4; v++) {
-        __m256i c = u8_int(_mm_loadl_epi64((const __m128i *)(qs + 8 * v)));
-        c = _mm256_and_si256(_mm256_srli_epi32(c, shift), three);
-        __m256i h = u8_int(_mm_loadl_epi64((const __m128i *)(b + 8 * v)));
-        h = _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(h, g), one), 2);
-        q->c[v] = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_sub_epi32(c, four), h));
-    }
+     * g of hmask[l] is set; times d x (its 6-bit scale - 32), one scale per 16 elements.
+     * The 32 codes are assembled as bytes at once, then widened 8 at a time. */
+    const __m256i qs = _mm256_loadu_si256((const __m256i *)(b + 32 + 32 * (g / 4)));
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)b);
+    const __m256i low = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * (g % 4))),
+                                         _mm256_set1_epi8(3));
+    const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(hm, _mm256_set1_epi8((char)(1 << g))),
+                                            _mm256_setzero_si256());
+    const __m256i codes = _mm256_sub_epi8(low, _mm256_and_si256(clear, _mm256_set1_epi8(4)));
+    const __m128i first = _mm256_castsi256_si128(codes), second = _mm256_extracti128_si256(codes, 1);
+    const __m128i parts[4] = {first, _mm_srli_si128(first, 8), second, _mm_srli_si128(second, 8)};
+    for (int v = 0; v < 4; v++) q->c[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[v]));
     const uint8_t *s = b + 96;
     const float d = half_at(b + 108);
     for (int j = 0; j < 2; j++) {
@@ -328,13 +328,12 @@ static inline void dec_q3_k(const uint8_t *b, int g, group_t *q) { /* hmask[32],
  * 4-bit scale and 4-bit min in scales[2 g + (l >= 16)]: weight fl(dl q) - ml, with
  * dl = d x (sc & 15) and ml = dmin x (sc >> 4), so the group has two offsets. */
 static inline void dec_q2_k(const uint8_t *b, int g, group_t *q) { /* scales[16], qs[64], d, dmin */
-    const uint8_t *qs = b + 16 + 32 * (g / 4);
-    const int shift = 2 * (g % 4);
-    const __m256i three = _mm256_set1_epi32(3);
-    for (int v = 0; v < 4; v++) {
-        __m256i c = u8_int(_mm_loadl_epi64((const __m128i *)(qs + 8 * v)));
-        q->c[v] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(c, shift), three));
-    }
+    const __m256i qs = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * (g / 4)));
+    const __m256i codes = _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * (g % 4))),
+                                           _mm256_set1_epi8(3)); /* 32 codes as bytes */
+    const __m128i first = _mm256_castsi256_si128(codes), second = _mm256_extracti128_si256(codes, 1);
+    const __m128i parts[4] = {first, _mm_srli_si128(first, 8), second, _mm_srli_si128(second, 8)};
+    for (int v = 0; v < 4; v++) q->c[v] = u8_float(parts[v]);
     const float d = half_at(b + 80), dmin = half_at(b + 82);
     const int s0 = b[2 * g], s1 = b[2 * g + 1];
     q->s[0] = d * (float)(s0 & 15);
@@ -449,6 +448,31 @@ static inline void q6_block_scales(const uint8_t *b, float s[16]) {
     }
 }
 
+/* SCALES 6 (Q3_K): a 256-block's sixteen scales d x (6-bit scale - 32), as `dec_q3_k`
+ * makes them, once when the one-row path enters the block. */
+static inline void q3_block_scales(const uint8_t *b, float s[16]) {
+    const uint8_t *raw = b + 96;
+    const float d = half_at(b + 108);
+    for (int i = 0; i < 16; i++) {
+        const int sc = ((raw[i % 8] >> (4 * (i / 8))) & 15) | (((raw[8 + i % 4] >> (2 * (i / 4))) & 3) << 4);
+        s[i] = d * (float)(sc - 32);
+    }
+}
+
+/* SCALES 5 (Q2_K): a 256-block's sixteen scales d (sc & 15), and its sixteen offsets
+ * -(dmin (sc >> 4)) as two vectors (summed against x's half sums in lanes), as `dec_q2_k`
+ * makes each. */
+static inline void q2_block_scales(const uint8_t *b, float s[16], __m256 off[2]) {
+    const __m256 d = _mm256_set1_ps(half_at(b + 80)), dmin = _mm256_set1_ps(half_at(b + 82));
+    const __m128i raw = _mm_loadu_si128((const __m128i *)b), low = _mm_set1_epi8(15);
+    const __m128i sc = _mm_and_si128(raw, low), mn = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int h = 0; h < 2; h++) {
+        _mm256_storeu_ps(s + 8 * h, _mm256_mul_ps(d, u8_float(h ? _mm_srli_si128(sc, 8) : sc)));
+        off[h] = _mm256_xor_ps(_mm256_mul_ps(dmin, u8_float(h ? _mm_srli_si128(mn, 8) : mn)), sign);
+    }
+}
+
 #define PREFETCH_GROUPS 64
 
 #define GEMV(NAME, BLOCK_BYTES, GROUPS, SCALES)                                                \
@@ -496,9 +520,19 @@ static inline void q6_block_scales(const uint8_t *b, float s[16]) {
                         a1 = _mm256_fmadd_ps(p1, sq, a1);                                     \
                         a2 = _mm256_fmadd_ps(p2, sr, a2);                                     \
                         a3 = _mm256_fmadd_ps(p3, sr, a3);                                     \
-                    } else if (SCALES == 4) {                                                 \
+                    } else if (SCALES == 4 || SCALES == 5 || SCALES == 6) {                   \
                         const int g = (int)(k % 8);                                           \
-                        if (g == 0) q6_block_scales(row + (k / 8) * (BLOCK_BYTES), ks);       \
+                        if (g == 0) {                                                         \
+                            const uint8_t *blk = row + (k / 8) * (BLOCK_BYTES);               \
+                            if (SCALES == 4) q6_block_scales(blk, ks);                        \
+                            if (SCALES == 6) q3_block_scales(blk, ks);                        \
+                            if (SCALES == 5) { /* offsets: against the 16 half sums */        \
+                                __m256 off[2];                                                \
+                                q2_block_scales(blk, ks, off);                                \
+                                koffsets = _mm256_fmadd_ps(off[0], _mm256_loadu_ps(halves + 2 * k), koffsets); \
+                                koffsets = _mm256_fmadd_ps(off[1], _mm256_loadu_ps(halves + 2 * k + 8), koffsets); \
+                            }                                                                 \
+                        }                                                                     \
                         a0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(ks[2 * g]), a0);              \
                         a1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(ks[2 * g + 1]), a1);          \
                         a2 = _mm256_fmadd_ps(p2, _mm256_set1_ps(ks[2 * g + 2]), a2);          \
@@ -523,20 +557,15 @@ static inline void q6_block_scales(const uint8_t *b, float s[16]) {
                         a1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(q.s[1]), a1);                 \
                         a2 = _mm256_fmadd_ps(p2, _mm256_set1_ps(r.s[0]), a2);                 \
                         a3 = _mm256_fmadd_ps(p3, _mm256_set1_ps(r.s[1]), a3);                 \
-                        if (SCALES == 5) {                                                    \
-                            o0 += q.o * halves[2 * k] + q.o2 * halves[2 * k + 1];             \
-                            o1 += r.o * halves[2 * k + 2] + r.o2 * halves[2 * k + 3];         \
-                        } else {                                                              \
-                            o0 += q.o * xsum[k];                                              \
-                            o1 += r.o * xsum[k + 1];                                          \
-                        }                                                                     \
+                        o0 += q.o * xsum[k];                                                  \
+                        o1 += r.o * xsum[k + 1];                                              \
                     }                                                                         \
                 }                                                                             \
                 if (SCALES == 2) {                                                            \
                     o0 = _mm_cvtss_f32(_mm_movehdup_ps(offsets));                             \
                     o1 = _mm_cvtss_f32(_mm_shuffle_ps(offsets, offsets, 3));                  \
                 }                                                                             \
-                if (SCALES == 3) o0 = hsum(koffsets); /* (256-blocks: no group is left) */   \
+                if (SCALES == 3 || SCALES == 5) o0 = hsum(koffsets); /* (256-blocks: none left) */ \
                 for (; k < ngroups; k++) {                                                    \
                     group_##NAME(row, k, &q);                                                 \
                     const float *xk = x + 32 * k;                                             \
@@ -555,15 +584,46 @@ static inline void q6_block_scales(const uint8_t *b, float s[16]) {
                 y[n] = hsum(sum) + (o0 + o1);                                                 \
                 continue;                                                                     \
             }                                                                                 \
-            __m256 acc[SPECD_MAX_ROWS];                                                       \
+            /* Several rows: each group decoded once for all of them. The 256-block types     \
+             * (SCALES 3-6) take their scales (and offsets, as vectors against the sums)      \
+             * once per block, as the one-row path does; the others per group. */             \
+            __m256 acc[SPECD_MAX_ROWS], koff[SPECD_MAX_ROWS];                                 \
             float off[SPECD_MAX_ROWS];                                                        \
             for (int64_t i = 0; i < M; i++) {                                                 \
-                acc[i] = _mm256_setzero_ps();                                                 \
+                acc[i] = koff[i] = _mm256_setzero_ps();                                       \
                 off[i] = 0.0f;                                                                \
             }                                                                                 \
+            float ks[16];                                                                     \
             for (int64_t k = 0; k < ngroups; k++) {                                           \
                 group_##NAME(row, k, &q);                                                     \
-                const __m256 s0 = _mm256_set1_ps(q.s[0]), s1 = _mm256_set1_ps(q.s[1]);        \
+                __m256 s0, s1;                                                                \
+                if (SCALES >= 3) {                                                            \
+                    const int g = (int)(k % 8);                                               \
+                    if (g == 0) {                                                             \
+                        const uint8_t *blk = row + (k / 8) * (BLOCK_BYTES);                   \
+                        if (SCALES == 3) {                                                    \
+                            const __m256 o = k_block_scales(blk, ks);                         \
+                            for (int64_t i = 0; i < M; i++)                                   \
+                                koff[i] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xsum + i * ngroups + k), koff[i]);\
+                        }                                                                     \
+                        if (SCALES == 4) q6_block_scales(blk, ks);                            \
+                        if (SCALES == 6) q3_block_scales(blk, ks);                            \
+                        if (SCALES == 5) {                                                    \
+                            __m256 o[2];                                                      \
+                            q2_block_scales(blk, ks, o);                                      \
+                            for (int64_t i = 0; i < M; i++) {                                 \
+                                const float *hk = halves + i * 2 * ngroups + 2 * k;           \
+                                koff[i] = _mm256_fmadd_ps(o[0], _mm256_loadu_ps(hk), koff[i]);\
+                                koff[i] = _mm256_fmadd_ps(o[1], _mm256_loadu_ps(hk + 8), koff[i]);\
+                            }                                                                 \
+                        }                                                                     \
+                    }                                                                         \
+                    s0 = _mm256_set1_ps(SCALES == 3 ? ks[g] : ks[2 * g]);                     \
+                    s1 = _mm256_set1_ps(SCALES == 3 ? ks[g] : ks[2 * g + 1]);                 \
+                } else {                                                                      \
+                    s0 = _mm256_set1_ps(q.s[0]);                                              \
+                    s1 = _mm256_set1_ps(q.s[1]);                                              \
+                }                                                                             \
                 for (int64_t i = 0; i < M; i++) {                                             \
                     const float *xk = x + i * ldx + 32 * k;                                   \
                     __m256 a = _mm256_mul_ps(_mm256_loadu_ps(xk), q.c[0]);                    \
@@ -572,15 +632,11 @@ static inline void q6_block_scales(const uint8_t *b, float s[16]) {
                     b = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), q.c[3], b);                 \
                     acc[i] = _mm256_fmadd_ps(a, s0, acc[i]);                                  \
                     acc[i] = _mm256_fmadd_ps(b, s1, acc[i]);                                  \
-                    if (SCALES == 5) {                                                        \
-                        const float *hk = halves + i * 2 * ngroups + 2 * k;                   \
-                        off[i] += q.o * hk[0] + q.o2 * hk[1];                                 \
-                    } else {                                                                  \
-                        off[i] += q.o * xsum[i * ngroups + k];                                \
-                    }                                                                         \
+                    if (SCALES < 3) off[i] += q.o * xsum[i * ngroups + k];                    \
                 }                                                                             \
             }                                                                                 \
-            for (int64_t i = 0; i < M; i++) y[i * ldy + n] = hsum(acc[i]) + off[i];           \
+            for (int64_t i = 0; i < M; i++)                                                   \
+                y[i * ldy + n] = hsum(acc[i]) + (SCALES == 3 || SCALES == 5 ? hsum(koff[i]) : off[i]);\
         }                                                                                     \
     }
 
@@ -610,7 +666,7 @@ GEMV(q6_k, 210, 8, 4)
 GEMV(iq4_nl, 18, 1, 1)
 GEMV(iq4_xs, 136, 8, 0)
 GEMV(mxfp4, 17, 1, 0)
-GEMV(q3_k, 110, 8, 0)
+GEMV(q3_k, 110, 8, 6)
 GEMV(q4_z, 19, 1, 1)
 GEMV(q2_k, 84, 8, 5)
 

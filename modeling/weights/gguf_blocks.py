@@ -45,8 +45,8 @@ class UnsupportedGGMLTypeError(ValueError):
 class SpecdType(IntEnum):
     """Block layouts of specd's own beside ggml's, for packed checkpoints that no ggml type
     holds exactly, so the CPU kernels compute them where they lie (`BlockQuantizedLinear`).
-    Never in a file: a GGUF reader turns a tensor's type into ggml's enum, which has none
-    of these numbers.
+    Never in a file: the GGUF reader (modeling/checkpoints/gguf_file.py) refuses a type
+    gguf-py does not size, and gguf_config.py accepts ggml's types alone.
 
     Q4_Z: 32 weights in 19 bytes, d f16, z u8, qs u8[16] in Q4_0's nibble order; weight
     (q - z) × d, one rounding: AWQ's, asymmetric GPTQ's and compressed-tensors' 4-bit
@@ -283,12 +283,14 @@ BLOCK_SIZES: dict[BlockType, tuple[int, int]] = {
 
 
 def block_type(value: int | BlockType) -> BlockType | None:
-    """`value` as ggml's type or specd's own, None for neither."""
+    """`value` as ggml's type or specd's own, None for neither (no exception raised: a
+    compiled pass traces this)."""
+    if isinstance(value, GGMLType | SpecdType):
+        return value
     for enum in (GGMLType, SpecdType):
-        try:
-            return enum(value)
-        except ValueError:
-            pass
+        member = enum._value2member_map_.get(int(value))
+        if member is not None:
+            return member  # type: ignore[return-value]
     return None
 
 
