@@ -477,3 +477,19 @@ def test_a_checkpoint_whose_zero_points_belie_its_config_loads_as_stored(
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert packed and all(isinstance(m, GPTQLinear) for m in packed)
     assert "layers.1.mlp.up_proj" in caplog.text
+
+
+def test_a_group_index_past_the_groups_is_refused_naming_it(
+    quantized: Path, tmp_path: Path
+) -> None:
+    """A damaged (or hostile) GPTQ file whose g_idx names a group it has no scales for is
+    refused at load, naming the tensor, on every device's layout."""
+    folder = tmp_path / "damaged"
+    shutil.copytree(quantized / "gptq-w4-g32-descact", folder)
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.g_idx"
+    tensors[name][5] = 99
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    for computes_on in ("cpu", "cuda"):
+        with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.down_proj\.g_idx"):
+            load(folder, "fp32", "cpu", computes_on=computes_on)

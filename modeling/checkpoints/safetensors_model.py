@@ -264,11 +264,28 @@ def load_model(
         raise CheckpointError(f"{path}: " + "; ".join(problems))
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
+    _check_group_indices(model, path)
     if relayout and skip is None:
         assert spec is not None
         _to_blocks(model, path, spec)
     model.set_rope(device)
     return model.eval()
+
+
+def _check_group_indices(model: Transformer, path: Path) -> None:
+    """GPTQ's g_idx names each input's group: one outside 0 .. G-1 (a damaged or hostile
+    file) would index past the scales at the first pass, so it is refused here, naming
+    the tensor (layers the disk tier streams are read from the files later, as stored)."""
+    for owner, module in model.named_modules():
+        if not isinstance(module, GPTQLinear) or module.g_idx.is_meta:
+            continue
+        groups = module.qzeros.shape[0]
+        g_idx = module.g_idx
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+            raise CheckpointError(
+                f"{path}: {owner}.g_idx names groups outside 0..{groups - 1} (the file is "
+                "damaged: download or quantize it again)"
+            )
 
 
 def _to_blocks(model: Transformer, path: Path, spec: QuantizationSpec) -> None:

@@ -118,7 +118,10 @@ class BlockQuantizedLinear(GGUFLinear):
             if module.scales.dtype != torch.float16:
                 return False
             if act_order:
-                sizes = torch.bincount(module.g_idx.long(), minlength=groups)
+                g_idx = module.g_idx.long()
+                if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+                    return False
+                sizes = torch.bincount(g_idx, minlength=groups)
                 if sizes.numel() != groups or not bool((sizes == inp // groups).all()):
                     return False
             elif not module._groups_contiguous():
