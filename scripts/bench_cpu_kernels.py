@@ -35,6 +35,7 @@ HALVES = {
     GGMLType.Q5_1: (0, 2), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2),
     GGMLType.Q6_K: (208,), GGMLType.IQ4_NL: (0,), GGMLType.IQ4_XS: (0,), GGMLType.Q3_K: (108,),
     SpecdType.Q4_Z: (0,), GGMLType.Q2_K: (80, 82),
+    SpecdType.Q4_0B: (0,), SpecdType.Q8_0B: (0,), SpecdType.Q4_ZB: (0,),
 }  # fmt: skip
 
 
@@ -43,7 +44,10 @@ def blocks_of(kind: BlockType, rows: int, columns: int, seed: int) -> torch.Tens
     g = torch.Generator().manual_seed(seed)
     b = torch.randint(0, 256, (rows * columns // elements, size), dtype=torch.uint8, generator=g)
     for at in HALVES.get(kind, ()):
-        scale = (torch.rand(b.shape[0], generator=g) * 2e-3 + 1e-4).half()
+        bf16 = kind in (SpecdType.Q4_0B, SpecdType.Q8_0B, SpecdType.Q4_ZB)
+        scale = (torch.rand(b.shape[0], generator=g) * 2e-3 + 1e-4).to(
+            torch.bfloat16 if bf16 else torch.float16
+        )
         b[:, at : at + 2] = scale.view(torch.uint8).view(-1, 2)
     if kind == GGMLType.MXFP4:  # its E8M0 byte: scales 2^-18 .. 2^-8, as HALVES' are small
         b[:, 0] = torch.randint(110, 120, (b.shape[0],), generator=g).to(torch.uint8)

@@ -21,7 +21,7 @@ from modeling.weights.gguf_blocks import GGMLType, SpecdType
 from modeling.weights.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
 from modeling.weights.quant import laid_out_for, parse_quantization
 from offload.layout import FlatLayout
-from tests.test_quant import full_config
+from tests.test_quant import FORMATS, full_config
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=cpu_kernels.status())
 
@@ -66,11 +66,13 @@ def awq(seed: int = 0) -> AWQLinear:
     return m
 
 
-def compressed(symmetric: bool, seed: int = 0) -> CompressedLinear:
+def compressed(
+    symmetric: bool, seed: int = 0, dtype: torch.dtype = torch.float16, bits: int = 4
+) -> CompressedLinear:
     gen = torch.Generator().manual_seed(seed)
-    m = CompressedLinear(IN, OUT, False, 4, GROUP, symmetric, torch.float16)
-    m.weight_packed.copy_(words(OUT, IN // 8, gen=gen))
-    m.weight_scale.copy_(scales(OUT, IN // GROUP, gen=gen))
+    m = CompressedLinear(IN, OUT, False, bits, GROUP, symmetric, dtype)
+    m.weight_packed.copy_(words(OUT, IN * bits // 32, gen=gen))
+    m.weight_scale.copy_(scales(OUT, IN // GROUP, gen=gen).to(dtype))
     m.weight_shape.copy_(torch.tensor([OUT, IN]))
     if m.weight_zero_point is not None:
         m.weight_zero_point.copy_(words(OUT // 8, IN // GROUP, gen=gen))
@@ -83,7 +85,27 @@ CASES = {  # name → (the stored projection, symmetric, act-order, the block ty
     "gptq-act-order": (lambda: gptq(True, True), True, True, GGMLType.Q4_0),
     "awq": (awq, False, False, SpecdType.Q4_Z),
     "compressed-asym": (lambda: compressed(False), False, False, SpecdType.Q4_Z),
+    # compressed-tensors as published: the model's dtype for the scales
+    "compressed-bf16": (
+        lambda: compressed(True, dtype=torch.bfloat16),
+        True,
+        False,
+        SpecdType.Q4_0B,
+    ),
+    "compressed-bf16-8bit": (
+        lambda: compressed(True, dtype=torch.bfloat16, bits=8),
+        True,
+        False,
+        SpecdType.Q8_0B,
+    ),
+    "compressed-bf16-asym": (
+        lambda: compressed(False, dtype=torch.bfloat16),
+        False,
+        False,
+        SpecdType.Q4_ZB,
+    ),
 }
+BLOCK_BYTES = {SpecdType.Q4_Z: 19, SpecdType.Q4_ZB: 19, SpecdType.Q8_0B: 34}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -96,7 +118,7 @@ def test_blocks_rebuild_the_stored_weight_bit_for_bit(name: str) -> None:
     assert (blocks.input_order is not None) == act_order
     want = stored.dequantize(torch.float32)
     assert torch.equal(blocks.dequantize(torch.float32), want)
-    assert blocks.blocks.numel() == OUT * IN // 32 * (19 if kind == SpecdType.Q4_Z else 18)
+    assert blocks.blocks.numel() == OUT * IN // 32 * BLOCK_BYTES.get(kind, 18)
     # Products of 1, 3 (the kernels where built) and 20 rows (rebuilt): the stored weight's.
     gen = torch.Generator().manual_seed(1)
     for rows in (1, 3, 20):
@@ -124,9 +146,9 @@ def test_what_has_no_block_form_is_said_before_converting() -> None:
     assert not BlockQuantizedLinear.has_block_form(awq(), True)  # AWQ has zero points
     assert not BlockQuantizedLinear.has_block_form(compressed(True), False)
     assert not BlockQuantizedLinear.has_block_form(awq(), False, act_order=True)  # GPTQ's
-    bf16 = compressed(False)
-    bf16.weight_scale = bf16.weight_scale.bfloat16()
-    assert not BlockQuantizedLinear.has_block_form(bf16, False)
+    fp32 = compressed(False)
+    fp32.weight_scale = fp32.weight_scale.float()
+    assert not BlockQuantizedLinear.has_block_form(fp32, False)  # no fp32-scaled blocks
     assert layout_type(8, False) is None  # 8-bit codes minus zero points span 9 bits
     with pytest.raises(ValueError, match="with zero points over 1024 inputs are not blocks"):
         BlockQuantizedLinear(IN, OUT, False, 8, GROUP, symmetric=False)
@@ -163,15 +185,19 @@ def test_act_order_parts_share_one_gather_or_go_alone() -> None:
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no CPU kernels here")
 @pytest.mark.parametrize(
-    "quantization",
+    "quantization, kind",
     [
-        {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
-        {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False},
-        {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": True},
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}, "Q4_Z"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False}, "Q4_Z"),
+        (
+            {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": True},
+            "Q4_0",
+        ),
+        (FORMATS["compressed-tensors"], "Q4_0B"),  # bf16 scales, as llmcompressor saves them
     ],
-    ids=["awq", "gptq-asym", "gptq-act-order"],
+    ids=["awq", "gptq-asym", "gptq-act-order", "compressed-tensors-bf16"],
 )
-def test_a_real_shaped_checkpoint_is_planned_as_its_blocks(quantization: dict) -> None:
+def test_a_real_shaped_checkpoint_is_planned_as_its_blocks(quantization: dict, kind: str) -> None:
     """Llama 3.1 8B's shapes: on a CPU the plan counts the layer as its blocks (Q4_Z 19
     bytes a 32-block, Q4_0 18 and an input order), within 15% of the stored layer a GPU
     holds, and says which blocks."""
@@ -187,9 +213,9 @@ def test_a_real_shaped_checkpoint_is_planned_as_its_blocks(quantization: dict) -
     assert isinstance(layer, nn.Module)
     projections = [m for m in layer.modules() if isinstance(m, PackedLinear)]
     assert projections and all(isinstance(m, BlockQuantizedLinear) for m in projections)
+    assert {m.ggml_type.name for m in projections} == {kind}  # type: ignore[union-attr]
     assert cpu.packed_kernels and cpu.layer_bytes == FlatLayout.of(layer).nbytes
     assert gpu.layer_bytes < cpu.layer_bytes < 1.15 * gpu.layer_bytes  # Q4_Z: 76 / 66.5 B
-    kind = "Q4_0" if spec is not None and spec.symmetric else "Q4_Z"
     assert f"as {kind} blocks" in cpu.quantization
 
 

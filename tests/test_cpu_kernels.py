@@ -10,7 +10,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as GGMLType
 
 from modeling.weights import cpu_kernels
-from modeling.weights.gguf_blocks import BLOCK_SIZES, dequantize
+from modeling.weights.gguf_blocks import BLOCK_SIZES, SpecdType, dequantize
 from modeling.weights.gguf_modules import GGUFEmbedding, GGUFLinear
 
 needs_kernels = pytest.mark.skipif(
@@ -28,6 +28,10 @@ def random_blocks(kind: GGMLType, rows: int, columns: int, seed: int) -> torch.T
     blocks = torch.randint(
         0, 256, (rows, columns // elements * size), dtype=torch.uint8, generator=g
     )
+    if kind in (SpecdType.Q4_0B, SpecdType.Q8_0B, SpecdType.Q4_ZB):  # bf16 scales of
+        # either sign, 2^-31 .. 2^1 (a bf16's range would overflow the rows' sums)
+        high = blocks.view(-1, size)[:, 1]
+        high.copy_((high & 0x80) | (0x30 + high % 16))
     if kind == GGMLType.MXFP4:  # its scale byte: 2^(e - 128), subnormal ones included, but
         # none so large that a row's sum overflows (12 x 2^127 is already infinite)
         blocks.view(-1, size)[:, 0] %= 160

@@ -49,7 +49,11 @@ HALF_FIELDS = {
     GGMLType.IQ4_XS: (0,),
     GGMLType.MXFP4: (),  # its scale is a byte: kept in range below
     SpecdType.Q4_Z: (0,),
+    SpecdType.Q4_0B: (),  # bf16 scales: kept finite below
+    SpecdType.Q8_0B: (),
+    SpecdType.Q4_ZB: (),
 }
+BF16_SCALED = (SpecdType.Q4_0B, SpecdType.Q8_0B, SpecdType.Q4_ZB)
 TYPES = list(BLOCK_SIZES)
 
 
@@ -74,6 +78,8 @@ def random_blocks(ggml_type: GGMLType, rows: int, columns: int, seed: int = 0) -
     by_block = blocks.view(-1, size)
     for at in HALF_FIELDS[ggml_type]:
         by_block[:, at : at + 2] = finite_halves(by_block.shape[0], gen)
+    if ggml_type in BF16_SCALED:  # the exponent's top bit clear: finite, subnormals too
+        by_block[:, 1] &= 0xBF
     if ggml_type == GGMLType.MXFP4:  # 2^(e - 128) x 12 within float16 (and a subnormal e)
         by_block[:, 0] = torch.randint(98, 140, (by_block.shape[0],), generator=gen).to(torch.uint8)
         by_block[0, 0] = 1
@@ -82,12 +88,22 @@ def random_blocks(ggml_type: GGMLType, rows: int, columns: int, seed: int = 0) -
 
 def reference(blocks: torch.Tensor | np.ndarray, ggml_type: GGMLType) -> torch.Tensor:
     raw = blocks.numpy() if isinstance(blocks, torch.Tensor) else blocks
-    if ggml_type == SpecdType.Q4_Z:  # specd's own: (q - z) × d, as AWQ's and GPTQ's weights
-        b = raw.reshape(-1, 19)
-        d = b[:, :2].copy().view(np.float16).astype(np.float32)  # (n, 1)
-        q = np.concatenate([b[:, 3:] & 15, b[:, 3:] >> 4], axis=1).astype(np.float32)
-        weights = (q - b[:, 2:3].astype(np.float32)) * d
-        return torch.from_numpy(weights.reshape(raw.shape[0], -1))
+    if ggml_type in SpecdType:  # specd's own: codes less 8 or the zero point, times d
+        size = BLOCK_SIZES[ggml_type][1]
+        b = raw.reshape(-1, size)
+        if ggml_type in BF16_SCALED:  # a bf16 is a float32's top half
+            d = (b[:, :2].copy().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            d = b[:, :2].copy().view(np.float16).astype(np.float32)  # (n, 1)
+        if ggml_type == SpecdType.Q8_0B:
+            return torch.from_numpy(
+                (b[:, 2:].view(np.int8).astype(np.float32) * d).reshape(raw.shape[0], -1)
+            )
+        zeroed = ggml_type in (SpecdType.Q4_Z, SpecdType.Q4_ZB)
+        qs = b[:, 3:] if zeroed else b[:, 2:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.float32)
+        z = b[:, 2:3].astype(np.float32) if zeroed else np.float32(8)
+        return torch.from_numpy(((q - z) * d).reshape(raw.shape[0], -1))
     return torch.from_numpy(np.array(reference_dequantize(raw, ggml_type), dtype=np.float32))
 
 

@@ -326,17 +326,17 @@ def test_the_layout_follows_where_the_model_computes() -> None:
     assert laid_out_for(spec, torch.float32, "cpu") == replace(spec, blocks=True)
     assert laid_out_for(spec, torch.bfloat16, "cpu") == spec  # no kernel computes bf16
     assert laid_out_for(spec, torch.float32, "cuda") == spec
-    # A checkpoint's own layout: with fp16 scales, symmetric and 4-bit with a zero point
-    # per group have a block form (Q4_0, Q4_Z); 8 bits with zero points (9-bit values)
-    # or other scales do not.
+    # A checkpoint's own layout: with fp16 or bf16 scales, symmetric and 4-bit with a
+    # zero point per group have a block form (Q4_0, Q4_Z; Q4_0B, Q4_ZB); 8 bits with zero
+    # points (9-bit values) or fp32 scales do not.
     stored = replace(spec, on_load=False)
     gptq = replace(stored, method="gptq", act_order=True)  # desc_act: inputs sorted by group
-    for held in (stored, replace(stored, symmetric=False), gptq):
+    bf16 = replace(stored, scale_dtype=torch.bfloat16)
+    for held in (stored, replace(stored, symmetric=False), gptq, bf16, replace(bf16, bits=8)):
         assert laid_out_for(held, torch.float32, "cpu") == replace(held, blocks=True)
     for other in (
         replace(stored, symmetric=False, bits=8),
         replace(stored, scale_dtype=torch.float32),
-        replace(stored, scale_dtype=torch.bfloat16),
     ):
         assert laid_out_for(other, torch.float32, "cpu") == other
 

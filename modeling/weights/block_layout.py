@@ -34,17 +34,26 @@ from modeling.weights.packed import (
     unpack,
 )
 
-# Bits → the block type that holds a group-wise layout's values exactly: symmetric (zero
-# point 2^(b-1): ggml's), and with an integer zero point per group (specd's own). A group
-# of 128 inputs with one fp16 scale is four 32-blocks with that scale each.
-BLOCK_TYPES: dict[int, BlockType] = {8: GGMLType.Q8_0, 4: GGMLType.Q4_0}
-ZERO_POINT_TYPES: dict[int, BlockType] = {4: SpecdType.Q4_Z}
+# (bits, symmetric, the scales' dtype) → the block type that holds a group-wise layout's
+# values exactly: symmetric (zero point 2^(b-1): ggml's, or specd's with a bf16 scale), and
+# with an integer zero point per group (specd's own). A group of 128 inputs with one
+# scale is four 32-blocks with that scale each.
+LAYOUTS: dict[tuple[int, bool, torch.dtype], BlockType] = {
+    (8, True, torch.float16): GGMLType.Q8_0,
+    (4, True, torch.float16): GGMLType.Q4_0,
+    (4, False, torch.float16): SpecdType.Q4_Z,
+    (8, True, torch.bfloat16): SpecdType.Q8_0B,
+    (4, True, torch.bfloat16): SpecdType.Q4_0B,
+    (4, False, torch.bfloat16): SpecdType.Q4_ZB,
+}
 
 
-def layout_type(bits: int, symmetric: bool) -> BlockType | None:
-    """The block type of `bits`-bit groups, None where there is none (8 bits with a zero
-    point: codes minus zero points span 9 bits)."""
-    return (BLOCK_TYPES if symmetric else ZERO_POINT_TYPES).get(bits)
+def layout_type(
+    bits: int, symmetric: bool, scale_dtype: torch.dtype = torch.float16
+) -> BlockType | None:
+    """The block type of `bits`-bit groups with `scale_dtype` scales, None where there is
+    none (8 bits with a zero point: codes minus zero points span 9 bits; fp32 scales)."""
+    return LAYOUTS.get((bits, symmetric, scale_dtype))
 
 
 class BlockQuantizedLinear(GGUFLinear):
@@ -70,8 +79,9 @@ class BlockQuantizedLinear(GGUFLinear):
         group: int,
         symmetric: bool = True,
         act_order: bool = False,
+        scale_dtype: torch.dtype = torch.float16,
     ) -> None:
-        kind = layout_type(bits, symmetric)
+        kind = layout_type(bits, symmetric, scale_dtype)
         if kind is None or group % 32 or in_features % group:
             zero = "" if symmetric else " with zero points"
             raise ValueError(
@@ -79,6 +89,7 @@ class BlockQuantizedLinear(GGUFLinear):
             )
         super().__init__(in_features, out_features, bias, kind)
         self.group, self.bits_stored, self.symmetric = group, bits, symmetric
+        self.scale_dtype = scale_dtype
         order = torch.arange(in_features, dtype=torch.int32) if act_order else None
         self.register_buffer("input_order", order)
 
@@ -89,8 +100,8 @@ class BlockQuantizedLinear(GGUFLinear):
         out, inp = self.out_features, self.in_features
         if tuple(weight.shape) != (out, inp):
             raise ValueError(f"weight {tuple(weight.shape)} is not ({out}, {inp})")
-        if not self.symmetric or self.input_order is not None:
-            raise ValueError("quantizing on load is symmetric, in the inputs' order")
+        if not self.symmetric or self.input_order is not None or self.scale_dtype != torch.float16:
+            raise ValueError("quantizing on load is symmetric, fp16-scaled, in the inputs' order")
         blocks = self._new_blocks(weight.device)
         offset = 1 << (self.bits_stored - 1)
         for r0 in range(0, out, rows):
@@ -102,21 +113,19 @@ class BlockQuantizedLinear(GGUFLinear):
     @staticmethod
     @torch.no_grad()
     def has_block_form(module: PackedLinear, symmetric: bool, act_order: bool = False) -> bool:
-        """Whether `module`'s weight is exactly blocks of `layout_type(bits, symmetric)`:
-        fp16 scales, groups of a multiple of 32 inputs; symmetric: every zero point
-        2^(b-1) (GPTQ stores them; compressed-tensors has none); groups in runs of inputs,
-        or with `act_order` (GPTQ's `desc_act`) groups of equal size in any order. What a
-        checkpoint's config says is checked against its tensors here, before anything is
-        converted."""
-        bits, inp = module.bits, module.in_features
-        if layout_type(bits, symmetric) is None or inp % 32:
+        """Whether `module`'s weight is exactly blocks of `layout_type(bits, symmetric,
+        its scales' dtype)`: fp16 scales (bf16 too for compressed-tensors), groups of a
+        multiple of 32 inputs; symmetric: every zero point 2^(b-1) (GPTQ stores them;
+        compressed-tensors has none); groups in runs of inputs, or with `act_order` (GPTQ's
+        `desc_act`) groups of equal size in any order. What a checkpoint's config says is
+        checked against its tensors here, before anything is converted."""
+        bits, inp, dtype = module.bits, module.in_features, _scale_dtype(module)
+        if dtype is None or layout_type(bits, symmetric, dtype) is None or inp % 32:
             return False
         if act_order and not isinstance(module, GPTQLinear):  # (GPTQ's option alone)
             return False
         if isinstance(module, GPTQLinear):
             groups = module.qzeros.shape[0]
-            if module.scales.dtype != torch.float16:
-                return False
             if act_order:
                 g_idx = module.g_idx.long()
                 if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
@@ -132,13 +141,11 @@ class BlockQuantizedLinear(GGUFLinear):
                     return False
         elif isinstance(module, AWQLinear):
             groups = module.qzeros.shape[0]
-            if symmetric or module.scales.dtype != torch.float16:
+            if symmetric:
                 return False
         elif isinstance(module, CompressedLinear):
             groups = module.weight_scale.shape[1]
             if (module.weight_zero_point is None) != symmetric:
-                return False
-            if module.weight_scale.dtype != torch.float16:
                 return False
         else:
             return False
@@ -207,8 +214,9 @@ class BlockQuantizedLinear(GGUFLinear):
             zeros = None
         groups = scale.shape[1]
         converted = cls(
-            inp, out, module.bias is not None, bits, inp // groups, symmetric, act_order
-        )
+            inp, out, module.bias is not None, bits, inp // groups, symmetric, act_order,
+            scale.dtype,
+        )  # fmt: skip
         blocks = converted._new_blocks(scale.device)
         for r0 in range(0, out, rows):
             r1 = min(out, r0 + rows)
@@ -237,7 +245,7 @@ class BlockQuantizedLinear(GGUFLinear):
     ) -> None:
         """Rows of `blocks` (r, in/32, block bytes) from unsigned codes (r, in) in [0,
         2^b) as stored (symmetric: value + 2^(b-1)), their groups' zero points (r, G)
-        (None: symmetric) and fp16 scales (r, G)."""
+        (None: symmetric) and scales (r, G) in the layout's dtype (fp16 or bf16)."""
         codes = codes.to(torch.uint8).reshape(codes.shape[0], -1, 32)  # (r, blocks, 32)
         per_group = self.group // 32
         d = scale.repeat_interleave(per_group, dim=1)  # each block its group's
@@ -298,3 +306,12 @@ class BlockQuantizedLinear(GGUFLinear):
         if self.input_order is not None:  # `dequantize`'s copy in the inputs' order
             extra = self.out_features * self.in_features * _itemsize(dtype)
         return super().rebuild_bytes(dtype) + extra
+
+
+def _scale_dtype(module: PackedLinear) -> torch.dtype | None:
+    """The dtype of a packed projection's stored scales (None: not a format laid out)."""
+    if isinstance(module, GPTQLinear | AWQLinear):
+        return module.scales.dtype
+    if isinstance(module, CompressedLinear):
+        return module.weight_scale.dtype
+    return None

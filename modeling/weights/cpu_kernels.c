@@ -27,7 +27,7 @@
 #include <math.h>
 #include <string.h>
 
-#define SPECD_KERNELS_VERSION 9
+#define SPECD_KERNELS_VERSION 10
 #define SPECD_MAX_ROWS 8
 
 int specd_kernels_version(void) { return SPECD_KERNELS_VERSION; }
@@ -39,6 +39,16 @@ static inline float half_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
+}
+
+/* A bfloat16 at p as a float, exactly (its bits are a float's top half). */
+static inline float bf16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
 static inline float hsum(__m256 v) {
@@ -116,6 +126,22 @@ static inline void dec_q4_z(const uint8_t *b, int g, group_t *q) { /* d, z u8, q
     nibble_codes(b + 3, b[2], q->c);
     q->s[0] = q->s[1] = half_at(b);
     q->o = 0.0f;
+}
+
+/* Q4_0B, Q8_0B, Q4_ZB (specd's own): Q4_0, Q8_0 and Q4_Z with a bf16 scale. */
+static inline void dec_q4_0b(const uint8_t *b, int g, group_t *q) {
+    dec_q4_0(b, g, q);
+    q->s[0] = q->s[1] = bf16_at(b);
+}
+
+static inline void dec_q8_0b(const uint8_t *b, int g, group_t *q) {
+    dec_q8_0(b, g, q);
+    q->s[0] = q->s[1] = bf16_at(b);
+}
+
+static inline void dec_q4_zb(const uint8_t *b, int g, group_t *q) {
+    dec_q4_z(b, g, q);
+    q->s[0] = q->s[1] = bf16_at(b);
 }
 
 static inline void dec_q4_1(const uint8_t *b, int g, group_t *q) { /* d, m, qs[16] */
@@ -654,6 +680,9 @@ UNPAIRED(mxfp4, 17, 1)
 UNPAIRED(q3_k, 110, 8)
 UNPAIRED(q4_z, 19, 1)
 UNPAIRED(q2_k, 84, 8)
+UNPAIRED(q4_0b, 18, 1)
+UNPAIRED(q8_0b, 34, 1)
+UNPAIRED(q4_zb, 19, 1)
 
 GEMV(q8_0, 34, 1, 1)
 GEMV(q4_0, 18, 1, 1)
@@ -669,6 +698,9 @@ GEMV(mxfp4, 17, 1, 0)
 GEMV(q3_k, 110, 8, 6)
 GEMV(q4_z, 19, 1, 1)
 GEMV(q2_k, 84, 8, 5)
+GEMV(q4_0b, 18, 1, 0)
+GEMV(q8_0b, 34, 1, 0)
+GEMV(q4_zb, 19, 1, 0)
 
 typedef void (*rows_fn)(const float *, int64_t, const float *, const uint8_t *, int64_t, float *,
                         int64_t, int64_t, int64_t, int64_t);
@@ -676,7 +708,8 @@ typedef void (*rows_fn)(const float *, int64_t, const float *, const uint8_t *, 
 /* By the type index cpu_kernels.py names (its TYPES order). */
 static const rows_fn ROWS[] = {rows_q8_0, rows_q4_0, rows_q4_1, rows_q5_0, rows_q5_1,
                                rows_q4_k, rows_q5_k, rows_q6_k, rows_iq4_nl, rows_iq4_xs,
-                               rows_mxfp4, rows_q3_k, rows_q4_z, rows_q2_k};
+                               rows_mxfp4, rows_q3_k, rows_q4_z, rows_q2_k,
+                               rows_q4_0b, rows_q8_0b, rows_q4_zb};
 #define TYPE_COUNT ((int)(sizeof(ROWS) / sizeof(ROWS[0])))
 int specd_type_count(void) { return TYPE_COUNT; }
 

@@ -46,7 +46,7 @@ FLAGS = (
     "-pthread",
 )  # fmt: skip
 LIBRARIES = ("-lm",)  # after the source: expf's and tanhf's libm
-VERSION = 9  # what the C file's specd_kernels_version() must return
+VERSION = 10  # what the C file's specd_kernels_version() must return
 COMPILE_SECONDS = 120
 
 # ggml type (or specd's own) → (C function suffix, block bytes, elements per block), in the
@@ -66,6 +66,9 @@ TYPES: dict[BlockType, tuple[str, int, int]] = {
     GGMLType.Q3_K: ("q3_k", 110, 256),
     SpecdType.Q4_Z: ("q4_z", 19, 32),
     GGMLType.Q2_K: ("q2_k", 84, 256),
+    SpecdType.Q4_0B: ("q4_0b", 18, 32),
+    SpecdType.Q8_0B: ("q8_0b", 34, 32),
+    SpecdType.Q4_ZB: ("q4_zb", 19, 32),
 }
 
 

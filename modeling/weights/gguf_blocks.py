@@ -50,9 +50,14 @@ class SpecdType(IntEnum):
 
     Q4_Z: 32 weights in 19 bytes, d f16, z u8, qs u8[16] in Q4_0's nibble order; weight
     (q - z) × d, one rounding: AWQ's, asymmetric GPTQ's and compressed-tensors' 4-bit
-    groups, whose zero point is an integer per group (GPTQ's up to 16)."""
+    groups, whose zero point is an integer per group (GPTQ's up to 16).
+    Q4_0B, Q8_0B, Q4_ZB: Q4_0, Q8_0 and Q4_Z with a bf16 scale (compressed-tensors
+    checkpoints store their scales in the model's dtype, bf16 as published)."""
 
     Q4_Z = 1004
+    Q4_0B = 1005
+    Q8_0B = 1006
+    Q4_ZB = 1007
 
 
 BlockType = GGMLType | SpecdType
@@ -87,10 +92,31 @@ def _q4_0(b: torch.Tensor, x: torch.Tensor) -> None:  # d f16, qs u8[16]
     x *= _half(b, 0)
 
 
-def _q4_z(b: torch.Tensor, x: torch.Tensor) -> None:  # d f16, z u8, qs u8[16]
-    _nibbles(b[:, 3:], x.view(-1, 2, 16))
+def _scale(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The 2-byte scale leading each block, widened: (n, 1) float32 (copied: an odd-sized
+    block's field is not aligned for a view)."""
+    return b[:, :2].contiguous().view(dtype).float()
+
+
+def _q4_z(b: torch.Tensor, x: torch.Tensor, dtype: torch.dtype = torch.float16) -> None:
+    _nibbles(b[:, 3:], x.view(-1, 2, 16))  # d, z u8, qs u8[16]
     x -= b[:, 2:3]  # integers: exact
-    x *= b[:, :2].contiguous().view(torch.float16).float()  # (odd-sized blocks: copied)
+    x *= _scale(b, dtype)
+
+
+def _q4_zb(b: torch.Tensor, x: torch.Tensor) -> None:  # d bf16, z u8, qs u8[16]
+    _q4_z(b, x, torch.bfloat16)
+
+
+def _q4_0b(b: torch.Tensor, x: torch.Tensor) -> None:  # d bf16, qs u8[16]
+    _nibbles(b[:, 2:], x.view(-1, 2, 16))
+    x -= 8
+    x *= _scale(b, torch.bfloat16)
+
+
+def _q8_0b(b: torch.Tensor, x: torch.Tensor) -> None:  # d bf16, qs i8[32]
+    x.copy_(b[:, 2:].view(torch.int8))
+    x *= _scale(b, torch.bfloat16)
 
 
 def _q4_1(b: torch.Tensor, x: torch.Tensor) -> None:  # d f16, m f16, qs u8[16]
@@ -269,6 +295,9 @@ _DECODERS: dict[BlockType, tuple[Callable[[torch.Tensor, torch.Tensor], None], i
     GGMLType.IQ4_XS: (_iq4_xs, 4 * 256 + 128),
     GGMLType.MXFP4: (_mxfp4, 4 * 32 + 4),  # int32 codes, then the scales' bits
     SpecdType.Q4_Z: (_q4_z, 16),  # one nibble half
+    SpecdType.Q4_0B: (_q4_0b, 16),
+    SpecdType.Q8_0B: (_q8_0b, 4),
+    SpecdType.Q4_ZB: (_q4_zb, 16),
 }
 
 # Beside those, a handful of small tensors (bit positions, a short chunk's scales), each
@@ -279,6 +308,9 @@ _SMALL_TENSORS_BYTES = 8 * 512
 BLOCK_SIZES: dict[BlockType, tuple[int, int]] = {
     **{t: GGML_QUANT_SIZES[t] for t in (*FLOAT_TYPES, *_DECODERS) if isinstance(t, GGMLType)},
     SpecdType.Q4_Z: (32, 19),
+    SpecdType.Q4_0B: (32, 18),
+    SpecdType.Q8_0B: (32, 34),
+    SpecdType.Q4_ZB: (32, 19),
 }
 
 

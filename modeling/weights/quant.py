@@ -77,7 +77,7 @@ class QuantizationSpec:
             return f"gguf {self.file_type} as stored (layers: {kinds})"
         group = "per channel" if self.group_size == -1 else f"group {self.group_size}"
         how = "quantized on load" if self.on_load else "as stored"
-        kind = layout_type(self.bits, self.symmetric)
+        kind = layout_type(self.bits, self.symmetric or self.on_load, self.scale_dtype)
         if self.blocks and kind is not None:
             how += f", as {kind.name} blocks"
         return f"{self.method} {self.bits}-bit, {group} ({how})"
@@ -102,7 +102,7 @@ class QuantizationSpec:
             # (`BlockQuantizedLinear.from_packed`): what the plan counts.
             return BlockQuantizedLinear(
                 in_features, out_features, bias, self.bits, group, self.symmetric,
-                self.act_order,
+                self.act_order, self.scale_dtype,
             )  # fmt: skip
         if in_features % group or in_features * self.bits % 32 or out_features * self.bits % 32:
             raise UnsupportedQuantizationError(
@@ -180,7 +180,7 @@ def laid_out_for(
     spec: QuantizationSpec | None, dtype: torch.dtype, device: torch.device | str
 ) -> QuantizationSpec | None:
     """`spec` as a model computing in `dtype` on `device` holds it: group-wise integer
-    weights with fp16 scales (`--quantize`; GPTQ, AWQ and compressed-tensors checkpoints:
+    weights with fp16 or bf16 scales (`--quantize`; GPTQ, AWQ and compressed-tensors checkpoints:
     symmetric of 4 or 8 bits, 4 bits with zero points, GPTQ's act-order too) as 32-blocks
     the CPU kernels multiply where they lie (fp32 on a CPU with the kernels built), since
     no kernel reads those packings and a CPU would otherwise rebuild the float matrix for
@@ -190,9 +190,9 @@ def laid_out_for(
     against what its config says, loads as stored: planned too)."""
     if spec is None or spec.blocks or spec.method not in ("compressed-tensors", "gptq", "awq"):
         return spec
-    kind = layout_type(spec.bits, spec.symmetric or spec.on_load)
-    if kind is None or spec.scale_dtype != torch.float16:  # 8 bits with zero points;
-        return spec  # bf16 or fp32 scales (no fp16 form)
+    kind = layout_type(spec.bits, spec.symmetric or spec.on_load, spec.scale_dtype)
+    if kind is None:  # 8 bits with zero points; fp32 scales
+        return spec
     if not cpu_kernels.computes(kind, dtype, device):
         return spec
     return replace(spec, blocks=True)
