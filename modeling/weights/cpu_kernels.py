@@ -9,193 +9,27 @@ one-hot input gives the reference decoder's weights bit for bit, see the C file)
 step, a short chain, a few sequences in one pass. Longer passes (a prefill, a large tree)
 are bound by arithmetic, not by bytes, and keep the rebuilt matrix and the BLAS product.
 
-The C file is compiled once per machine with the system's C compiler (`$CC`, else cc, gcc
-or clang) into the user cache (`platformdirs.user_cache_dir("specd")/kernels/`, named by a
-hash of the source and the flags), on x86-64 CPUs with AVX2 and FMA (every desktop CPU
-since 2013-2015); elsewhere, without a compiler, or with SPECD_CPU_KERNELS=off, projections
-are rebuilt as before, and `status()` says why. Calls go through ctypes, which releases
-the GIL; every pointer's extent is checked here before the call.
+The C file is built once per machine (modeling/weights/cpu_library.py); where it cannot
+be (another CPU, no compiler, SPECD_CPU_KERNELS=off) projections are rebuilt as before,
+and `status()` says why. Calls go through ctypes, which releases the GIL; every pointer's
+extent is checked here before the call.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
 import struct
-import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-from gguf.constants import GGMLQuantizationType as GGMLType
 
-from modeling.weights.gguf_blocks import BlockType, SpecdType, block_type
-
-log = logging.getLogger("specd.kernels")
-
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-FLAGS = (
-    "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11",
-    "-pthread",
-)  # fmt: skip
-LIBRARIES = ("-lm",)  # after the source: expf's and tanhf's libm
-VERSION = 10  # what the C file's specd_kernels_version() must return
-COMPILE_SECONDS = 120
-
-# ggml type (or specd's own) → (C function suffix, block bytes, elements per block), in the
-# order of the C file's table.
-TYPES: dict[BlockType, tuple[str, int, int]] = {
-    GGMLType.Q8_0: ("q8_0", 34, 32),
-    GGMLType.Q4_0: ("q4_0", 18, 32),
-    GGMLType.Q4_1: ("q4_1", 20, 32),
-    GGMLType.Q5_0: ("q5_0", 22, 32),
-    GGMLType.Q5_1: ("q5_1", 24, 32),
-    GGMLType.Q4_K: ("q4_k", 144, 256),
-    GGMLType.Q5_K: ("q5_k", 176, 256),
-    GGMLType.Q6_K: ("q6_k", 210, 256),
-    GGMLType.IQ4_NL: ("iq4_nl", 18, 32),
-    GGMLType.IQ4_XS: ("iq4_xs", 136, 256),
-    GGMLType.MXFP4: ("mxfp4", 17, 32),
-    GGMLType.Q3_K: ("q3_k", 110, 256),
-    SpecdType.Q4_Z: ("q4_z", 19, 32),
-    GGMLType.Q2_K: ("q2_k", 84, 256),
-    SpecdType.Q4_0B: ("q4_0b", 18, 32),
-    SpecdType.Q8_0B: ("q8_0b", 34, 32),
-    SpecdType.Q4_ZB: ("q4_zb", 19, 32),
-}
-
-
-class _Library:
-    """The compiled kernels, or why there are none (built on first use, once)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._tried = False
-        self.functions: dict[BlockType, int] = {}  # kind → the C file's type index
-        self.gemv: Any = None  # specd_gemv, through ctypes
-        self.products: Any = None  # specd_products
-        self.rms_norm: Any = None  # specd_rms_norm
-        self.attention: Any = None  # specd_attention
-        self.set_threads: Any = None
-        self.threads = 1
-        self.max_rows = 0
-        self.reason = "not built yet"
-
-    def load(self) -> bool:
-        if self._tried:  # (every projection of every pass asks)
-            return bool(self.functions)
-        with self._lock:
-            if not self._tried:
-                self._tried = True
-                try:
-                    self._load()
-                    self.reason = "compiled for this CPU (AVX2, FMA)"
-                except _Unavailable as err:
-                    self.reason = str(err)
-                    log.info("CPU kernels on GGUF blocks unavailable: %s", err)
-            return bool(self.functions)
-
-    def _load(self) -> None:
-        if os.environ.get("SPECD_CPU_KERNELS", "").lower() in ("off", "0", "false", "no"):
-            raise _Unavailable("turned off by SPECD_CPU_KERNELS")
-        if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-            raise _Unavailable(
-                f"this CPU's vector unit ({torch.backends.cpu.get_cpu_capability()}) is not "
-                "AVX2 with FMA; projections are rebuilt for each product"
-            )
-        path = _build()
-        try:
-            lib = ctypes.CDLL(str(path))
-            if lib.specd_kernels_version() != VERSION:
-                raise _Unavailable(f"{path} is not version {VERSION} of the kernels")
-            self.max_rows = int(lib.specd_max_rows())
-            if lib.specd_type_count() != len(TYPES):
-                raise _Unavailable(f"{path} does not know this file's {len(TYPES)} types")
-            gemv = lib.specd_gemv
-            gemv.restype = ctypes.c_int
-            gemv.argtypes = [
-                ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                ctypes.c_int64,
-            ]  # fmt: skip
-            products = lib.specd_products
-            products.restype = ctypes.c_int
-            products.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
-            lib.specd_rms_norm.restype = None
-            lib.specd_rms_norm.argtypes = (
-                [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_float,
-                ctypes.c_float, ctypes.c_void_p]
-            )  # fmt: skip
-            lib.specd_attention.restype = None
-            lib.specd_attention.argtypes = [ctypes.c_void_p]
-            self.rms_norm, self.attention = lib.specd_rms_norm, lib.specd_attention
-            lib.specd_set_threads.restype = ctypes.c_int
-            lib.specd_set_threads.argtypes = [ctypes.c_int]
-            self.gemv, self.products = gemv, products
-            self.set_threads = lib.specd_set_threads
-            self.functions = {kind: index for index, kind in enumerate(TYPES)}
-        except (OSError, AttributeError) as err:
-            raise _Unavailable(f"{path} could not be loaded: {err}") from None
-
-
-class _Unavailable(RuntimeError):
-    pass
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    raise _Unavailable("no C compiler (cc, gcc or clang) to build them with")
-
-
-def _cache_dir() -> Path:
-    from platformdirs import user_cache_dir
-
-    override = os.environ.get("SPECD_KERNEL_CACHE")
-    return Path(override) if override else Path(user_cache_dir("specd")) / "kernels"
-
-
-def _build() -> Path:
-    """The shared library for this source and these flags: built into the cache once
-    (into a temporary name, then renamed, so that two processes never load half a file)."""
-    source = SOURCE.read_bytes()
-    compiler = _compiler()
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS, *LIBRARIES)).encode()).hexdigest()[
-        :16
-    ]
-    folder = _cache_dir()
-    target = folder / f"specd-cpu-kernels-{key}.so"
-    if target.is_file():
-        return target
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as scratch:
-            built = Path(scratch) / target.name
-            done = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built), *LIBRARIES],
-                capture_output=True,
-                text=True,
-                timeout=COMPILE_SECONDS,
-            )
-            if done.returncode != 0:
-                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                raise _Unavailable(f"{compiler} could not build {SOURCE.name}: {last}")
-            os.replace(built, target)
-    except (OSError, subprocess.SubprocessError) as err:
-        raise _Unavailable(f"building {SOURCE.name} failed: {err}") from None
-    log.info("built the CPU kernels on GGUF blocks: %s", target)
-    return target
-
-
-_LIBRARY = _Library()
+from modeling.weights.cpu_library import _LIBRARY
+from modeling.weights.cpu_library import TYPES as TYPES  # (the kernels' types, for callers)
+from modeling.weights.cpu_library import _Library as _Library  # (tests build their own)
+from modeling.weights.gguf_blocks import BlockType, block_type
 
 
 def available() -> bool:
