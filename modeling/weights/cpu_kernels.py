@@ -344,11 +344,14 @@ def _gguf_products_fake(
 _OPERATORS = torch.library.Library("specd", "FRAGMENT")  # kept for the process
 
 
-def operator(schema: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> None:
-    """Define `specd::<schema>`, computed by `impl` on the CPU, its shapes by `fake`."""
+def operator(
+    schema: str, impl: Callable[..., Any], fake: Callable[..., Any], dispatch: str = "CPU"
+) -> None:
+    """Define `specd::<schema>`, computed by `impl` on the CPU (or the `dispatch` key's
+    devices), its shapes by `fake`."""
     _OPERATORS.define(schema)
     name = schema.split("(", 1)[0]
-    _OPERATORS.impl(name, impl, "CPU")
+    _OPERATORS.impl(name, impl, dispatch)
     torch.library.register_fake(f"specd::{name}", fake, lib=_OPERATORS)
 
 
