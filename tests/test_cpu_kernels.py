@@ -50,7 +50,7 @@ def test_every_weight_is_the_reference_decoders(kind: GGMLType) -> None:
     finite = torch.isfinite(reference).all(1)
     assert int(finite.sum()) >= 5  # (random scales: most rows are finite)
     eye = torch.eye(columns)
-    rows = cpu_kernels.max_rows()
+    rows = cpu_kernels.max_product_rows()  # (chunks of max_rows within a call)
     got = torch.cat(
         [cpu_kernels.gemv(eye[i : i + rows], blocks, kind) for i in range(0, columns, rows)]
     )
@@ -71,7 +71,7 @@ def test_products_equal_the_rebuilt_matrix(kind: GGMLType) -> None:
     w = dequantize(blocks, kind, columns)
     finite = torch.isfinite(w).all(1)
     g = torch.Generator().manual_seed(7)
-    for rows in (1, 2, 5, cpu_kernels.max_rows()):
+    for rows in (1, 2, 5, cpu_kernels.max_rows(), 13, cpu_kernels.max_product_rows()):
         x = torch.randn(rows, columns, generator=g)
         got = cpu_kernels.gemv(x, blocks, kind)[:, finite]
         want = (x @ w.T)[:, finite]
@@ -89,7 +89,7 @@ def test_shapes_that_do_not_fit_never_reach_the_kernel() -> None:
     bad = [
         (torch.randn(1, 96), blocks),  # K does not match the rows' bytes
         (torch.randn(1, 48), random_blocks(kind, 4, 32, seed=1)[:, :9]),  # not whole blocks
-        (torch.randn(cpu_kernels.max_rows() + 1, 64), blocks),  # too many rows
+        (torch.randn(cpu_kernels.max_product_rows() + 1, 64), blocks),  # too many rows
         (torch.randn(1, 64, dtype=torch.float64), blocks),
         (torch.randn(1, 64), blocks.view(torch.int8)),
         (torch.randn(0, 64), blocks),
@@ -101,7 +101,7 @@ def test_shapes_that_do_not_fit_never_reach_the_kernel() -> None:
 
 @needs_kernels
 def test_a_projection_takes_the_kernel_for_a_few_rows_only(monkeypatch) -> None:
-    """GGUFLinear: up to `max_rows` rows of fp32 on the CPU go to the kernel (bias added),
+    """GGUFLinear: up to `max_product_rows` rows of fp32 on the CPU go to the kernel (bias added),
     more rows and other dtypes rebuild the weight; both give the same product."""
     kind = GGMLType.Q4_K
     layer = GGUFLinear(256, 48, True, kind)
@@ -125,9 +125,9 @@ def test_a_projection_takes_the_kernel_for_a_few_rows_only(monkeypatch) -> None:
         w = layer.dequantize(torch.float32)
         rebuilt = torch.nn.functional.linear(x, w, layer.bias)
         assert bool(((few - rebuilt).abs() <= 1e-5 * (x.abs() @ w.abs().T) + 1e-5).all())
-        many = layer(torch.randn(cpu_kernels.max_rows() + 1, 256))
+        many = layer(torch.randn(cpu_kernels.max_product_rows() + 1, 256))
         half = layer.to(torch.bfloat16)(x.bfloat16())
-    assert len(calls) == 1 and many.shape == (cpu_kernels.max_rows() + 1, 48)
+    assert len(calls) == 1 and many.shape == (cpu_kernels.max_product_rows() + 1, 48)
     assert half.dtype == torch.bfloat16
 
 
@@ -293,13 +293,13 @@ def test_stacked_projections_are_one_call_with_each_ones_values(monkeypatch) -> 
     real = cpu_kernels._LIBRARY.products
     monkeypatch.setattr(cpu_kernels._LIBRARY, "products", lambda *a: calls.append(a) or real(*a))
     with torch.no_grad():
-        for rows in (1, 3, cpu_kernels.max_rows()):
+        for rows in (1, 3, cpu_kernels.max_rows(), cpu_kernels.max_product_rows()):
             x = torch.randn(rows, 256, generator=g)
             calls.clear()
             both = stacked(parts, x)
             assert both is not None and len(calls) == 1 and both.shape == (rows, 160)
             assert torch.equal(both, torch.cat([linear(p, x) for p in parts], dim=-1))
-        assert stacked(parts, torch.randn(cpu_kernels.max_rows() + 1, 256)) is None
+        assert stacked(parts, torch.randn(cpu_kernels.max_product_rows() + 1, 256)) is None
         assert stacked([parts[0], torch.nn.Linear(256, 8)], x) is None
 
 
@@ -312,7 +312,7 @@ def test_the_compiled_operator_stacks_any_number_of_rows() -> None:
     for b in blocks:
         b.view(16, 2, -1)[..., :2] = torch.tensor([0, 56], dtype=torch.uint8)  # d = 0.5
     weight = torch.cat([dequantize(b, k, 64) for b, k in zip(blocks, kinds, strict=True)])
-    for rows in (2, cpu_kernels.max_rows() + 5):
+    for rows in (2, cpu_kernels.max_rows() + 5, cpu_kernels.max_product_rows() + 5):
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
         got = torch.ops.specd.gguf_products(x, blocks, [int(k) for k in kinds])
         assert close(got, x @ weight.T, x.abs() @ weight.abs().T)

@@ -366,10 +366,10 @@ def test_a_cpu_target_quantized_on_load_computes_its_blocks_where_they_lie(
     # The packed layout, as a GPU would hold it, loaded here for reference.
     reference, _, _ = load(path, "fp32", "cpu", quantize=quantize, computes_on="cuda")
     assert not [m for m in reference.modules() if isinstance(m, BlockQuantizedLinear)]
-    for n in (1, cpu_kernels.max_rows() + 3):
+    for n in (1, cpu_kernels.max_rows() + 3, cpu_kernels.max_product_rows() + 3):
         x, pos = torch.arange(3, 3 + n), torch.arange(n)
-        a = rt.target(x, pos, rt.target.new_cache(64))
-        b = reference(x, pos, reference.new_cache(64))
+        a = rt.target(x, pos, rt.target.new_cache(96))
+        b = reference(x, pos, reference.new_cache(96))
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     ids = rt.tokenizer.encode("hello world")
     cache, feed, expected = reference.new_cache(64), list(ids), []

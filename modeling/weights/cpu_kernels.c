@@ -2,7 +2,7 @@
  * (modeling/weights/cpu_kernels.py builds this file with the machine's C compiler and
  * calls it through ctypes).
  *
- *     y[i, n] = sum_k x[i, k] * w[n, k]      i < M <= SPECD_MAX_ROWS, n < N, k < K
+ *     y[i, n] = sum_k x[i, k] * w[n, k]      i < M <= SPECD_MAX_PRODUCT_ROWS, n < N, k < K
  *
  * w is never materialised: each group of 32 weights is decoded into four registers and
  * used by every row of x before the next group is read, so a token reads the file's
@@ -27,11 +27,13 @@
 #include <math.h>
 #include <string.h>
 
-#define SPECD_KERNELS_VERSION 10
-#define SPECD_MAX_ROWS 8
+#define SPECD_KERNELS_VERSION 11
+#define SPECD_MAX_ROWS 8          /* a norm's or an attention's rows; a product's chunk */
+#define SPECD_MAX_PRODUCT_ROWS 72 /* a product's rows (a budget-64 tree and its root), in chunks of SPECD_MAX_ROWS */
 
 int specd_kernels_version(void) { return SPECD_KERNELS_VERSION; }
 int specd_max_rows(void) { return SPECD_MAX_ROWS; }
+int specd_max_product_rows(void) { return SPECD_MAX_PRODUCT_ROWS; }
 
 /* An IEEE half at p (little-endian) as a float, exactly (F16C's conversion, which every
  * AVX2 CPU has). */
@@ -610,59 +612,67 @@ static inline void q2_block_scales(const uint8_t *b, float s[16], __m256 off[2])
                 y[n] = hsum(sum) + (o0 + o1);                                                 \
                 continue;                                                                     \
             }                                                                                 \
-            /* Several rows: each group decoded once for all of them. The 256-block types     \
-             * (SCALES 3-6) take their scales (and offsets, as vectors against the sums)      \
-             * once per block, as the one-row path does; the others per group. */             \
-            __m256 acc[SPECD_MAX_ROWS], koff[SPECD_MAX_ROWS];                                 \
-            float off[SPECD_MAX_ROWS];                                                        \
-            for (int64_t i = 0; i < M; i++) {                                                 \
-                acc[i] = koff[i] = _mm256_setzero_ps();                                       \
-                off[i] = 0.0f;                                                                \
-            }                                                                                 \
-            float ks[16];                                                                     \
-            for (int64_t k = 0; k < ngroups; k++) {                                           \
-                group_##NAME(row, k, &q);                                                     \
-                __m256 s0, s1;                                                                \
-                if (SCALES >= 3) {                                                            \
-                    const int g = (int)(k % 8);                                               \
-                    if (g == 0) {                                                             \
-                        const uint8_t *blk = row + (k / 8) * (BLOCK_BYTES);                   \
-                        if (SCALES == 3) {                                                    \
-                            const __m256 o = k_block_scales(blk, ks);                         \
-                            for (int64_t i = 0; i < M; i++)                                   \
-                                koff[i] = _mm256_fmadd_ps(o, _mm256_loadu_ps(xsum + i * ngroups + k), koff[i]);\
-                        }                                                                     \
-                        if (SCALES == 4) q6_block_scales(blk, ks);                            \
-                        if (SCALES == 6) q3_block_scales(blk, ks);                            \
-                        if (SCALES == 5) {                                                    \
-                            __m256 o[2];                                                      \
-                            q2_block_scales(blk, ks, o);                                      \
-                            for (int64_t i = 0; i < M; i++) {                                 \
-                                const float *hk = halves + i * 2 * ngroups + 2 * k;           \
-                                koff[i] = _mm256_fmadd_ps(o[0], _mm256_loadu_ps(hk), koff[i]);\
-                                koff[i] = _mm256_fmadd_ps(o[1], _mm256_loadu_ps(hk + 8), koff[i]);\
+            /* Several rows: each group decoded once for a chunk of up to SPECD_MAX_ROWS of   \
+             * them; further chunks decode this output row's blocks again from the cache      \
+             * (a row's blocks are a few KB), so the weights come from memory once for        \
+             * every row of the call. The 256-block types (SCALES 3-6) take their scales      \
+             * (and offsets, as vectors against the sums) once per block, as the one-row      \
+             * path does; the others per group. */                                            \
+            for (int64_t i0 = 0; i0 < M; i0 += SPECD_MAX_ROWS) {                              \
+                const int64_t m = M - i0 < SPECD_MAX_ROWS ? M - i0 : SPECD_MAX_ROWS;          \
+                const float *xc = x + i0 * ldx, *sc = xsum + i0 * ngroups;                    \
+                const float *hc = halves + i0 * 2 * ngroups;                                  \
+                __m256 acc[SPECD_MAX_ROWS], koff[SPECD_MAX_ROWS];                             \
+                float off[SPECD_MAX_ROWS];                                                    \
+                for (int64_t i = 0; i < m; i++) {                                             \
+                    acc[i] = koff[i] = _mm256_setzero_ps();                                   \
+                    off[i] = 0.0f;                                                            \
+                }                                                                             \
+                float ks[16];                                                                 \
+                for (int64_t k = 0; k < ngroups; k++) {                                       \
+                    group_##NAME(row, k, &q);                                                 \
+                    __m256 s0, s1;                                                            \
+                    if (SCALES >= 3) {                                                        \
+                        const int g = (int)(k % 8);                                           \
+                        if (g == 0) {                                                         \
+                            const uint8_t *blk = row + (k / 8) * (BLOCK_BYTES);               \
+                            if (SCALES == 3) {                                                \
+                                const __m256 o = k_block_scales(blk, ks);                     \
+                                for (int64_t i = 0; i < m; i++)                               \
+                                    koff[i] = _mm256_fmadd_ps(o, _mm256_loadu_ps(sc + i * ngroups + k), koff[i]);\
+                            }                                                                 \
+                            if (SCALES == 4) q6_block_scales(blk, ks);                        \
+                            if (SCALES == 6) q3_block_scales(blk, ks);                        \
+                            if (SCALES == 5) {                                                \
+                                __m256 o[2];                                                  \
+                                q2_block_scales(blk, ks, o);                                  \
+                                for (int64_t i = 0; i < m; i++) {                             \
+                                    const float *hk = hc + i * 2 * ngroups + 2 * k;           \
+                                    koff[i] = _mm256_fmadd_ps(o[0], _mm256_loadu_ps(hk), koff[i]);\
+                                    koff[i] = _mm256_fmadd_ps(o[1], _mm256_loadu_ps(hk + 8), koff[i]);\
+                                }                                                             \
                             }                                                                 \
                         }                                                                     \
+                        s0 = _mm256_set1_ps(SCALES == 3 ? ks[g] : ks[2 * g]);                 \
+                        s1 = _mm256_set1_ps(SCALES == 3 ? ks[g] : ks[2 * g + 1]);             \
+                    } else {                                                                  \
+                        s0 = _mm256_set1_ps(q.s[0]);                                          \
+                        s1 = _mm256_set1_ps(q.s[1]);                                          \
                     }                                                                         \
-                    s0 = _mm256_set1_ps(SCALES == 3 ? ks[g] : ks[2 * g]);                     \
-                    s1 = _mm256_set1_ps(SCALES == 3 ? ks[g] : ks[2 * g + 1]);                 \
-                } else {                                                                      \
-                    s0 = _mm256_set1_ps(q.s[0]);                                              \
-                    s1 = _mm256_set1_ps(q.s[1]);                                              \
+                    for (int64_t i = 0; i < m; i++) {                                         \
+                        const float *xk = xc + i * ldx + 32 * k;                              \
+                        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(xk), q.c[0]);                \
+                        __m256 b = _mm256_mul_ps(_mm256_loadu_ps(xk + 16), q.c[2]);           \
+                        a = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 8), q.c[1], a);              \
+                        b = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), q.c[3], b);             \
+                        acc[i] = _mm256_fmadd_ps(a, s0, acc[i]);                              \
+                        acc[i] = _mm256_fmadd_ps(b, s1, acc[i]);                              \
+                        if (SCALES < 3) off[i] += q.o * sc[i * ngroups + k];                  \
+                    }                                                                         \
                 }                                                                             \
-                for (int64_t i = 0; i < M; i++) {                                             \
-                    const float *xk = x + i * ldx + 32 * k;                                   \
-                    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(xk), q.c[0]);                    \
-                    __m256 b = _mm256_mul_ps(_mm256_loadu_ps(xk + 16), q.c[2]);               \
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 8), q.c[1], a);                  \
-                    b = _mm256_fmadd_ps(_mm256_loadu_ps(xk + 24), q.c[3], b);                 \
-                    acc[i] = _mm256_fmadd_ps(a, s0, acc[i]);                                  \
-                    acc[i] = _mm256_fmadd_ps(b, s1, acc[i]);                                  \
-                    if (SCALES < 3) off[i] += q.o * xsum[i * ngroups + k];                    \
-                }                                                                             \
+                for (int64_t i = 0; i < m; i++)                                               \
+                    y[(i0 + i) * ldy + n] = hsum(acc[i]) + (SCALES == 3 || SCALES == 5 ? hsum(koff[i]) : off[i]);\
             }                                                                                 \
-            for (int64_t i = 0; i < M; i++)                                                   \
-                y[i * ldy + n] = hsum(acc[i]) + (SCALES == 3 || SCALES == 5 ? hsum(koff[i]) : off[i]);\
         }                                                                                     \
     }
 

@@ -3,7 +3,8 @@
 Rebuilding a 4-bit projection to a float matrix for every product costs a token the bytes
 of the float matrix twice (written, then read by the product): a Q4_1 model decoded no
 faster than its F32 copy. These kernels read each group of 32 weights from the blocks into
-registers and multiply them into up to `max_rows()` rows of input at once, each group's
+registers and multiply them into up to `max_product_rows()` rows of input (decoded once
+for each chunk of `max_rows()` rows, the weights read from memory once), each group's
 scale and offset factored out of its sum (rounding as another summation order would; a
 one-hot input gives the reference decoder's weights bit for bit, see the C file): a decode
 step, a short chain, a few sequences in one pass. Longer passes (a prefill, a large tree)
@@ -48,6 +49,13 @@ def status() -> str:
     return _LIBRARY.reason
 
 
+def max_product_rows() -> int:
+    """The most input rows one product call multiplies (0 where the kernels are
+    unavailable): a chain's or a small tree's verification, where rebuilding the matrix
+    for BLAS costs more than the kernels' rows."""
+    return _LIBRARY.max_product_rows if available() else 0
+
+
 def max_rows() -> int:
     """The most input rows one call multiplies (0 where the kernels are unavailable)."""
     return _LIBRARY.max_rows if available() else 0
@@ -65,7 +73,7 @@ def computes(kind: int | BlockType, dtype: torch.dtype, device: torch.device | s
 
 def usable(x: torch.Tensor, kind: int | BlockType) -> bool:
     """Whether `gemv` takes this input for blocks of `kind`: fp32 on the CPU, at most
-    `max_rows()` rows, outside autograd (the kernels have no backward). Asked by every
+    `max_product_rows()` rows, outside autograd (the kernels have no backward). Asked by every
     projection of every pass, so it reads as little as it can."""
     if not available():
         return False
@@ -74,7 +82,7 @@ def usable(x: torch.Tensor, kind: int | BlockType) -> bool:
         x.dtype == torch.float32
         and x.device.type == "cpu"
         and len(shape) >= 1
-        and x.numel() <= _LIBRARY.max_rows * shape[-1]
+        and x.numel() <= _LIBRARY.max_product_rows * shape[-1]
         and kind in _LIBRARY.functions
         and not (x.requires_grad and torch.is_grad_enabled())
     )
@@ -93,7 +101,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | BlockType) -> torch.
     if out is None:
         raise ValueError(
             f"ggml type {kind} product: input {x.dtype} {tuple(x.shape)} on {x.device} and "
-            f"these kernels do not fit (fp32 on the CPU, 1 to {_LIBRARY.max_rows} rows, no "
+            f"these kernels do not fit (fp32 on the CPU, 1 to {_LIBRARY.max_product_rows} rows, no "
             "gradient)"
         )
     return out
@@ -101,7 +109,7 @@ def gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | BlockType) -> torch.
 
 def try_gemv(x: torch.Tensor, blocks: torch.Tensor, kind: int | BlockType) -> torch.Tensor | None:
     """`gemv`, or None where the kernels do not take this input (unavailable, another
-    dtype or device, more rows than `max_rows()`, a gradient to keep). Blocks that do not
+    dtype or device, more rows than `max_product_rows()`, a gradient to keep). Blocks that do not
     fit the input are a ValueError: the C code trusts its sizes, and every extent it reads
     or writes is checked first. A projection called for every pass holds a `BlockProduct`
     instead, its blocks checked once."""
@@ -175,7 +183,7 @@ class BlockProduct:
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """x (..., K) fp32 times the parts' matrices: (..., N) fp32, the parts' outputs in
         order; None where the kernels do not take x (another dtype or device, 0 or more than
-        `max_rows()` rows, a gradient to keep)."""
+        `max_product_rows()` rows, a gradient to keep)."""
         lib, k = _LIBRARY, self.k
         shape = x.shape
         if not shape or shape[-1] != k:
@@ -183,13 +191,15 @@ class BlockProduct:
         if x.dtype is not torch.float32 or not x.is_cpu:
             return None
         rows = x.numel() // k
-        if not 1 <= rows <= lib.max_rows or (x.requires_grad and torch.is_grad_enabled()):
+        if not 1 <= rows <= lib.max_product_rows or (x.requires_grad and torch.is_grad_enabled()):
             return None
         if not x.is_contiguous():
             x = x.contiguous()
         sums = getattr(_SCRATCH, "sums", None)  # each group's sum, then each half's (Q2_K)
         if sums is None or sums.numel() < 3 * rows * (k // 32):
-            sums = _SCRATCH.sums = torch.empty(3 * lib.max_rows * (k // 32), dtype=torch.float32)
+            sums = _SCRATCH.sums = torch.empty(
+                3 * lib.max_product_rows * (k // 32), dtype=torch.float32
+            )
         out = torch.empty((*shape[:-1], self.n), dtype=torch.float32)  # what the C code writes
         lib.products(self._address, x.data_ptr(), sums.data_ptr(), out.data_ptr(), rows)
         return out

@@ -35,7 +35,7 @@ FLAGS = (
     "-pthread",
 )  # fmt: skip
 LIBRARIES = ("-lm",)  # after the source: expf's and tanhf's libm
-VERSION = 10  # what the C file's specd_kernels_version() must return
+VERSION = 11  # what the C file's specd_kernels_version() must return
 COMPILE_SECONDS = 120
 
 # ggml type (or specd's own) → (C function suffix, block bytes, elements per block), in the
@@ -74,7 +74,8 @@ class _Library:
         self.attention: Any = None  # specd_attention
         self.set_threads: Any = None
         self.threads = 1
-        self.max_rows = 0
+        self.max_rows = 0  # a norm's or an attention's rows
+        self.max_product_rows = 0  # a product's rows
         self.reason = "not built yet"
 
     def load(self) -> bool:
@@ -105,6 +106,7 @@ class _Library:
             if lib.specd_kernels_version() != VERSION:
                 raise _Unavailable(f"{path} is not version {VERSION} of the kernels")
             self.max_rows = int(lib.specd_max_rows())
+            self.max_product_rows = int(lib.specd_max_product_rows())
             if lib.specd_type_count() != len(TYPES):
                 raise _Unavailable(f"{path} does not know this file's {len(TYPES)} types")
             gemv = lib.specd_gemv
