@@ -7,9 +7,11 @@ real-shaped quantized configs, and the refusal of formats specd does not load.""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -479,17 +481,99 @@ def test_a_checkpoint_whose_zero_points_belie_its_config_loads_as_stored(
     assert "layers.1.mlp.up_proj" in caplog.text
 
 
-def test_a_group_index_past_the_groups_is_refused_naming_it(
-    quantized: Path, tmp_path: Path
-) -> None:
-    """A damaged (or hostile) GPTQ file whose g_idx names a group it has no scales for is
-    refused at load, naming the tensor, on every device's layout."""
+def damaged(quantized: Path, tmp_path: Path, source: str, edit: Any) -> Path:
+    """A copy of a shared checkpoint with `edit` applied to its tensors."""
     folder = tmp_path / "damaged"
-    shutil.copytree(quantized / "gptq-w4-g32-descact", folder)
+    shutil.copytree(quantized / source, folder)
     tensors = load_file(folder / "model.safetensors")
-    name = "model.layers.1.mlp.down_proj.g_idx"
-    tensors[name][5] = 99
+    edit(tensors)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("value", [99, -1])
+def test_a_group_index_past_the_groups_is_refused_naming_it(
+    quantized: Path, tmp_path: Path, value: int
+) -> None:
+    """A damaged (or hostile) GPTQ file whose g_idx names a group it has no scales for (or
+    a negative one, which would wrap to the last) is refused at load, naming the tensor, on
+    every device's layout and from the disk tier, whose layers are read as they stream."""
+    name = "model.layers.1.mlp.down_proj.g_idx"
+    folder = damaged(
+        quantized, tmp_path, "gptq-w4-g32-descact", lambda t: t[name].__setitem__(5, value)
+    )
     for computes_on in ("cpu", "cuda"):
         with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.down_proj\.g_idx"):
             load(folder, "fp32", "cpu", computes_on=computes_on)
+    disk = RuntimeOptions(
+        model=str(folder), device="cpu", dtype="fp32", context=64, **OFFLOAD["stream-disk"],  # type: ignore[arg-type]
+    )  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.down_proj\.g_idx"):
+        Runtime(disk)
+
+
+@pytest.mark.parametrize("source, scale", [("gptq-w4-g32", "scales"), ("awq-w4-g32", "scales")])
+def test_a_nan_scale_is_refused_naming_it(
+    quantized: Path, tmp_path: Path, source: str, scale: str
+) -> None:
+    """One NaN scale makes every logit NaN (greedy then repeats token 0): refused at load."""
+    name = f"model.layers.1.mlp.up_proj.{scale}"
+    folder = damaged(
+        quantized, tmp_path, source, lambda t: t[name].view(-1).__setitem__(0, math.nan)
+    )
+    with pytest.raises(CheckpointError, match=r"layers\.1\.mlp\.up_proj\.scales holds NaN"):
+        load(folder, "fp32", "cpu")
+
+
+def test_a_truncated_file_is_named_not_a_traceback(quantized: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "cut"
+    shutil.copytree(quantized / "gptq-w4-g32", folder)
+    data = (folder / "model.safetensors").read_bytes()
+    for length in (100, len(data) - 1000):  # inside the header; inside the tensors
+        (folder / "model.safetensors").write_bytes(data[:length])
+        with pytest.raises(CheckpointError, match=r"model\.safetensors: .*download it again"):
+            load(folder, "fp32", "cpu")
+
+
+def test_a_streamed_slot_sees_each_layers_group_order() -> None:
+    """A streamer's slot holds one layer's g_idx after another in the same tensor: whether
+    its groups are runs is asked again for each (it was remembered from the first)."""
+    m = GPTQLinear(64, 16, False, 4, 32)
+    m.qweight.random_(-(1 << 31), (1 << 31) - 1)
+    m.qzeros.random_(-(1 << 31), (1 << 31) - 1)
+    m.scales.copy_(torch.rand(2, 16).half())
+    m.g_idx.copy_(torch.arange(64) // 32)
+    first = m.dequantize(torch.float32).clone()
+    m.g_idx.copy_(torch.arange(64) % 2)  # the next layer's, in place: groups interleaved
+    codes = unpack(m.qweight, 4, 0, torch.float32)  # (in, out)
+    zeros = unpack(m.qzeros, 4, 1, torch.float32) + 1
+    want = ((codes - zeros[m.g_idx.long()]) * m.scales.float()[m.g_idx.long()]).t()
+    assert torch.equal(m.dequantize(torch.float32), want)
+    assert not torch.equal(want, first)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"group_size": 0}, "group_size 0 is neither -1"),
+        ({"group_size": -32}, "group_size -32 is neither -1"),
+        ({"group_size": "abc"}, "group_size is 'abc', not an int"),
+        ({"bits": "four"}, "bits is 'four', not an int"),
+        ({"sym": "false"}, "sym is 'false', not a bool"),
+        ({"desc_act": 1}, "desc_act is 1, not a bool"),
+        ({"quant_method": ["gptq"]}, "quant_method is \\['gptq'\\], not a str"),
+    ],
+)
+def test_hostile_quantization_configs_are_refused_naming_the_key(
+    change: dict, message: str
+) -> None:
+    raw = {"quantization_config": {**FORMATS["gptq"], **change}}
+    with pytest.raises(UnsupportedQuantizationError, match=message):
+        parse_quantization(raw, "config.json")
+    ct = json.loads(json.dumps(FORMATS["compressed-tensors"]))
+    ct["config_groups"]["group_0"]["weights"].pop("group_size")
+    with pytest.raises(UnsupportedQuantizationError, match="needs group_size"):
+        parse_quantization({"quantization_config": ct}, "config.json")
+    for bad in ("gptq", {**ct, "config_groups": [1]}, {**ct, "ignore": 5}):
+        with pytest.raises(UnsupportedQuantizationError, match=r"config\.json: "):
+            parse_quantization({"quantization_config": bad}, "config.json")

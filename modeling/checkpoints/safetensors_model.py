@@ -8,18 +8,20 @@ checkpoints; a GGUF file's weights are read by modeling/checkpoints/gguf_model.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import stat
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from modeling.checkpoints.gguf_model import is_gguf
@@ -91,6 +93,19 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+@contextlib.contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    """A safetensors file open for reading; one that is damaged or cut short (a download
+    that stopped) is a CheckpointError naming it, wherever safetensors finds out."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            yield f
+    except SafetensorError as err:
+        raise CheckpointError(
+            f"{file}: {err} (the file is damaged or incomplete: download it again)"
+        ) from None
+
+
 def load_model(
     path: Path,
     config: ModelConfig,
@@ -155,7 +170,7 @@ def load_model(
     wrong_shape: list[str] = []
     wrong_dtype: list[str] = []
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _opened(file) as f:
             for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 stack = arch.hf_stack_shape(config, hf_name)
                 if stack is not None:  # every expert of a layer in one tensor: split
@@ -242,6 +257,8 @@ def load_model(
                     del part
                     continue
                 if skip is not None and skip(name):
+                    if name.endswith(".g_idx"):  # a few KB: checked as a loaded layer's is
+                        _check_group_index(model, name, f.get_tensor(hf_name), path)
                     _assign(model, name, torch.empty(shape, dtype=want, device="meta"))
                     continue
                 tensor = f.get_tensor(hf_name).to(device=device, dtype=want)
@@ -274,18 +291,33 @@ def load_model(
 
 def _check_group_indices(model: Transformer, path: Path) -> None:
     """GPTQ's g_idx names each input's group: one outside 0 .. G-1 (a damaged or hostile
-    file) would index past the scales at the first pass, so it is refused here, naming
-    the tensor (layers the disk tier streams are read from the files later, as stored)."""
+    file) would index past the scales at the first pass, or wrap to the last group, so it
+    is refused at load, naming the tensor (the disk tier's layers are checked as they are
+    read, `_check_group_index`). And a packed layer's scales must be numbers: one NaN or
+    infinite scale makes every logit NaN, and greedy decoding then repeats token 0."""
     for owner, module in model.named_modules():
-        if not isinstance(module, GPTQLinear) or module.g_idx.is_meta:
-            continue
-        groups = module.qzeros.shape[0]
-        g_idx = module.g_idx
-        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
-            raise CheckpointError(
-                f"{path}: {owner}.g_idx names groups outside 0..{groups - 1} (the file is "
-                "damaged: download or quantize it again)"
-            )
+        if isinstance(module, GPTQLinear) and not module.g_idx.is_meta:
+            _check_group_index(model, f"{owner}.g_idx", module.g_idx, path)
+        for name in ("scales", "weight_scale"):
+            scale = getattr(module, name, None)
+            if not isinstance(module, PackedLinear) or not isinstance(scale, torch.Tensor):
+                continue
+            if not scale.is_meta and not bool(torch.isfinite(scale).all()):
+                raise CheckpointError(
+                    f"{path}: {owner}.{name} holds NaN or infinite scales (the file is "
+                    "damaged: download or quantize it again)"
+                )
+
+
+def _check_group_index(model: Transformer, name: str, g_idx: torch.Tensor, path: Path) -> None:
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    assert isinstance(module, GPTQLinear)
+    groups = module.qzeros.shape[0]
+    if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+        raise CheckpointError(
+            f"{path}: {name} names groups outside 0..{groups - 1} (the file is damaged: "
+            "download or quantize it again)"
+        )
 
 
 def _to_blocks(model: Transformer, path: Path, spec: QuantizationSpec) -> None:

@@ -212,7 +212,6 @@ class GPTQLinear(PackedLinear):
         )
         self.register_buffer("scales", torch.zeros(groups, out_features, dtype=torch.float16))
         self.register_buffer("g_idx", torch.zeros(in_features, dtype=torch.int32))
-        self._contiguous: bool | None = None  # see _groups_contiguous
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         work = _work_dtype(self.scales.dtype, dtype)
@@ -233,15 +232,14 @@ class GPTQLinear(PackedLinear):
         return self._finish(weight.t(), dtype)  # (out, in)
 
     def _groups_contiguous(self) -> bool:
-        """Whether g_idx is input // group (no desc_act permutation); checked once, the
-        stored g_idx never changes (a streamer only moves it)."""
-        if self._contiguous is None:
-            groups = self.qzeros.shape[0]
-            run = torch.arange(self.in_features, device=self.g_idx.device) // (
-                self.in_features // groups
-            )
-            self._contiguous = bool(torch.equal(self.g_idx.long(), run))
-        return self._contiguous
+        """Whether g_idx is input // group (no desc_act permutation). Asked each time (a few
+        microseconds, against a rebuild's milliseconds): a streamer's slot holds one layer's
+        g_idx after another, and a file may permute some layers' groups and not others."""
+        groups = self.qzeros.shape[0]
+        run = torch.arange(self.in_features, device=self.g_idx.device) // (
+            self.in_features // groups
+        )
+        return bool(torch.equal(self.g_idx.long(), run))
 
     def rebuild_bytes(self, dtype: torch.dtype) -> int:
         # Planned for desc_act (config.json does not say whether g_idx is a permutation):

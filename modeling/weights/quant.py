@@ -6,7 +6,7 @@ and `--quantize`, which packs a full-precision checkpoint while loading it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -56,6 +56,8 @@ class QuantizationSpec:
     # The output matrix's ggml type (the embedding's where it is tied; -1: none recorded):
     # on a CPU with kernels for it, the head stays packed (modeling/checkpoints/gguf_model.py).
     head_type: int = -1
+    # The config.json it was read from, for messages (not part of what the spec is).
+    source: str = field(default="", compare=False)
 
     @classmethod
     def gguf(
@@ -106,6 +108,7 @@ class QuantizationSpec:
             )  # fmt: skip
         if in_features % group or in_features * self.bits % 32 or out_features * self.bits % 32:
             raise UnsupportedQuantizationError(
+                f"{self.source + ': ' if self.source else ''}"
                 f"a {in_features} → {out_features} projection cannot be packed as {self.method} "
                 f"with {self.bits} bits and group size {self.group_size}"
             )
@@ -214,84 +217,140 @@ def _refuse(source: str, what: str) -> UnsupportedQuantizationError:
 
 def parse_quantization(raw: dict[str, Any], source: str) -> QuantizationSpec | None:
     """config.json's quantization_config as a spec, None when there is none; anything this
-    module cannot load exactly is refused here, naming the format."""
+    module cannot load exactly is refused here, naming the format, and a value of the wrong
+    kind (a hostile or damaged file) naming its key."""
     q = raw.get("quantization_config")
     if not q:
         return None
-    method = str(q.get("quant_method", "")).lower()
+    q = _section(q, "quantization_config", source)
+    method = _field(q, "quant_method", str, "", source).lower()
     if method == "gptq":
-        return _gptq(q, source)
-    if method == "awq":
-        return _awq(q, source)
-    if method == "compressed-tensors":
-        return _compressed(q, raw, source)
-    raise _refuse(source, f"quant_method {method!r}")
+        spec = _gptq(q, source)
+    elif method == "awq":
+        spec = _awq(q, source)
+    elif method == "compressed-tensors":
+        spec = _compressed(q, raw, source)
+    else:
+        raise _refuse(source, f"quant_method {method!r}")
+    return replace(spec, source=source)
+
+
+def _section(value: Any, key: str, source: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UnsupportedQuantizationError(
+            f"{source}: {key} is {type(value).__name__} {short(value)}, not an object"
+        )
+    return value
+
+
+def _field(q: dict[str, Any], key: str, kind: type, default: Any, source: str) -> Any:
+    """q[key] (default where absent or null), refused unless it is a `kind` (a bool is not
+    an int here, nor a string "false" a bool)."""
+    value = q.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise UnsupportedQuantizationError(
+            f"{source}: quantization_config {key} is {short(value)}, not a{'n' if kind is int else ''}"
+            f" {kind.__name__}"
+        )
+    return value
+
+
+def short(value: Any) -> str:
+    """A value for a one-line message (a hostile file's string may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _group_size(q: dict[str, Any], key: str, default: int | None, source: str) -> int:
+    """A group size: a positive number of inputs, or -1 for one group a row."""
+    size = _field(q, key, int, default, source)
+    if size is None:
+        raise UnsupportedQuantizationError(f"{source}: quantization_config needs {key}")
+    if size != -1 and not 1 <= size <= 1 << 20:
+        raise UnsupportedQuantizationError(
+            f"{source}: quantization_config {key} {size} is neither -1 (one group a row) nor "
+            "a number of inputs"
+        )
+    return size
 
 
 def _bits(q: dict[str, Any], key: str, allowed: tuple[int, ...], source: str, fmt: str) -> int:
-    bits = int(q.get(key, 0))
+    bits = _field(q, key, int, 0, source)
     if bits not in allowed:
         raise _refuse(source, f"{fmt} with {bits} bits")
     return bits
 
 
 def _gptq(q: dict[str, Any], source: str) -> QuantizationSpec:
-    fmt = str(q.get("checkpoint_format") or q.get("format") or "gptq").lower()
+    fmt = _field(q, "checkpoint_format", str, "", source) or _field(q, "format", str, "", source)
+    fmt = (fmt or "gptq").lower()
     if fmt != "gptq":
         raise _refuse(source, f"gptq checkpoint_format {fmt!r} (only 'gptq', the v1 layout)")
     if q.get("lm_head"):
         raise _refuse(source, "gptq with a quantized lm_head")
     if q.get("dynamic"):
         raise _refuse(source, "gptq with per-module 'dynamic' overrides")
-    if str(q.get("pack_dtype", "int32")) != "int32":
+    if _field(q, "pack_dtype", str, "int32", source) != "int32":
         raise _refuse(source, f"gptq with pack_dtype {q.get('pack_dtype')!r}")
     bits = _bits(q, "bits", (4, 8), source, "gptq")
     return QuantizationSpec(
-        "gptq", bits, int(q.get("group_size", 128)), bool(q.get("sym", True)), torch.float16,
-        act_order=bool(q.get("desc_act", False)),
+        "gptq", bits, _group_size(q, "group_size", 128, source),
+        _field(q, "sym", bool, True, source), torch.float16,
+        act_order=_field(q, "desc_act", bool, False, source),
     )  # fmt: skip
 
 
 def _awq(q: dict[str, Any], source: str) -> QuantizationSpec:
-    version = str(q.get("version", "gemm")).lower()
+    version = _field(q, "version", str, "gemm", source).lower()
     if version != "gemm":
         raise _refuse(source, f"awq version {version!r} (only 'gemm')")
-    if not q.get("zero_point", True):
+    if not _field(q, "zero_point", bool, True, source):
         raise _refuse(source, "awq without zero point")
     if q.get("modules_to_not_convert"):
-        raise _refuse(source, f"awq modules_to_not_convert {q['modules_to_not_convert']}")
+        raise _refuse(source, f"awq modules_to_not_convert {short(q['modules_to_not_convert'])}")
     bits = _bits(q, "bits", (4,), source, "awq")
-    return QuantizationSpec("awq", bits, int(q.get("group_size", 128)), False, torch.float16)
+    return QuantizationSpec(
+        "awq", bits, _group_size(q, "group_size", 128, source), False, torch.float16
+    )
 
 
 def _compressed(q: dict[str, Any], raw: dict[str, Any], source: str) -> QuantizationSpec:
-    groups = q.get("config_groups") or {}
+    groups = _section(q.get("config_groups") or {}, "quantization_config.config_groups", source)
     if len(groups) != 1:
         raise _refuse(source, f"compressed-tensors with {len(groups)} config groups")
-    group = next(iter(groups.values()))
-    fmt = str(group.get("format") or q.get("format") or "")
+    group = _section(next(iter(groups.values())), "its config group", source)
+    fmt = _field(group, "format", str, "", source) or _field(q, "format", str, "", source)
     if fmt != "pack-quantized":
         raise _refuse(source, f"compressed-tensors format {fmt!r} (only 'pack-quantized')")
     if q.get("sparsity_config") or q.get("transform_config"):
         raise _refuse(source, "compressed-tensors with sparsity or transforms")
     if group.get("input_activations") or group.get("output_activations"):
         raise _refuse(source, "compressed-tensors with quantized activations")
-    if [t for t in group.get("targets", []) if t != "Linear"]:
-        raise _refuse(source, f"compressed-tensors targets {group['targets']}")
-    if [m for m in q.get("ignore", []) if m != "lm_head"]:
-        raise _refuse(source, f"compressed-tensors ignore list {q['ignore']} (only lm_head)")
-    w = group.get("weights") or {}
+    targets = _field(group, "targets", list, [], source)
+    if [t for t in targets if t != "Linear"]:
+        raise _refuse(source, f"compressed-tensors targets {short(targets)}")
+    ignore = _field(q, "ignore", list, [], source)
+    if [m for m in ignore if m != "lm_head"]:
+        raise _refuse(source, f"compressed-tensors ignore list {short(ignore)} (only lm_head)")
+    w = _section(group.get("weights") or {}, "its weights", source)
     if w.get("type", "int") != "int" or w.get("dynamic") or w.get("block_structure"):
         raise _refuse(source, "compressed-tensors weights other than static int")
     if w.get("actorder") not in (None, "static", "weight"):
-        raise _refuse(source, f"compressed-tensors actorder {w['actorder']!r}")
+        raise _refuse(source, f"compressed-tensors actorder {short(w['actorder'])}")
     strategy = w.get("strategy")
     if strategy not in ("group", "channel"):
-        raise _refuse(source, f"compressed-tensors weight strategy {strategy!r}")
+        raise _refuse(source, f"compressed-tensors weight strategy {short(strategy)}")
     bits = _bits(w, "num_bits", (4, 8), source, "compressed-tensors")
-    scale_name = str(w.get("scale_dtype") or raw.get("torch_dtype") or raw.get("dtype") or "")
-    scale_dtype = _FLOAT_NAMES.get(scale_name.removeprefix("torch."), torch.float32)
-    group_size = int(w["group_size"]) if strategy == "group" else -1
-    return QuantizationSpec(
-        "compressed-tensors", bits, group_size, bool(w.get("symmetric", True)), scale_dtype
+    scale_name = (
+        _field(w, "scale_dtype", str, "", source)
+        or _field(raw, "torch_dtype", str, "", source)
+        or _field(raw, "dtype", str, "", source)
     )
+    scale_dtype = _FLOAT_NAMES.get(scale_name.removeprefix("torch."), torch.float32)
+    group_size = _group_size(w, "group_size", None, source) if strategy == "group" else -1
+    return QuantizationSpec(
+        "compressed-tensors", bits, group_size, _field(w, "symmetric", bool, True, source),
+        scale_dtype,
+    )  # fmt: skip
