@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -229,13 +230,12 @@ def test_gptq_contiguous_groups_rebuild_exactly_like_the_per_input_gather() -> N
     assert isinstance(module, GPTQLinear)
     module.g_idx = torch.arange(module.in_features, dtype=torch.int32) // 128  # no desc_act
     fast = module.dequantize(torch.bfloat16)
-    assert module._contiguous is True
-    module._contiguous = False  # force the gather
-    assert torch.equal(module.dequantize(torch.bfloat16), fast)
+    assert module._groups_contiguous()
+    with patch.object(GPTQLinear, "_groups_contiguous", lambda self: False):  # the gather
+        assert torch.equal(module.dequantize(torch.bfloat16), fast)
     permuted = build("gptq-desc-act")
     assert isinstance(permuted, GPTQLinear)
-    permuted.dequantize(torch.float32)
-    assert permuted._contiguous is False
+    assert not permuted._groups_contiguous()
 
 
 def test_packed_layers_are_kept_dequantized_when_the_plan_has_room(stories_target: Path) -> None:
