@@ -119,9 +119,10 @@ def test_blocks_rebuild_the_stored_weight_bit_for_bit(name: str) -> None:
     want = stored.dequantize(torch.float32)
     assert torch.equal(blocks.dequantize(torch.float32), want)
     assert blocks.blocks.numel() == OUT * IN // 32 * BLOCK_BYTES.get(kind, 18)
-    # Products of 1, 3 (the kernels where built) and 20 rows (rebuilt): the stored weight's.
+    # Products of 1, 3, 20 (the kernels where built) and 80 rows (rebuilt): the stored
+    # weight's.
     gen = torch.Generator().manual_seed(1)
-    for rows in (1, 3, 20):
+    for rows in (1, 3, 20, 80):
         x = torch.randn(rows, IN, generator=gen)
         assert torch.allclose(blocks(x), x @ want.t(), rtol=1e-5, atol=1e-4)
 
