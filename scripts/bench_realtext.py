@@ -18,6 +18,15 @@ passes it ran at a step cost (`--draft-step-ms`, assumed unless measured on a GP
 tokens/s = tokens per pass / (pass seconds + draft passes per pass x step). Plain decoding
 is 1 / pass seconds.
 
+On a GPU (`--device cuda --timed`, issue 35's GPU item; scripts/gpu_checks.sh runs it):
+every draft's target streamed (`--offload stream --resident-layers 0`, `--gpu-budget`),
+the substitute's packed steps as they run (on a CPU they are rebuilt to dense once, since
+there only tokens per pass are measured), and each cell also decoded plainly by the same
+streamed target; tokens per second of the tree, the best chain and plain decoding, from
+the rounds after each prompt's prefill, against the projection's
+formula fed with this run's own parts: tree tokens per pass / (the plain pass's seconds +
+the tree's draft passes per pass x one draft pass's seconds, from the best chain's run).
+
     .venv/bin/python scripts/bench_realtext.py                      # docs/measurements.md's table
     .venv/bin/python scripts/bench_realtext.py --drafts sub4 --temperatures 0 --per-category 1
 """
@@ -52,15 +61,25 @@ DRAFTS = ("sub2", "sub3", "sub4", "sub8", "ngram")
 PROFILES = ROOT / "config" / "profiles"
 
 
-def draft_options(name: str, model: str, substitute_cache: Path, context: int) -> RuntimeOptions:
+def draft_options(
+    name: str,
+    model: str,
+    substitute_cache: Path,
+    context: int,
+    device: str = "cpu",
+    gpu_budget: str = "auto",
+) -> RuntimeOptions:
     """The runtime of one draft kind: the substitute with every layer streamed (so every
-    layer has a low-bit copy), n-gram, or the target's own int8/int4 copy."""
-    common: dict[str, Any] = {"device": "cpu", "context": context, "prefix_cache": 0}
+    layer has a low-bit copy), n-gram, or the target's own int8/int4 copy. On a GPU every
+    kind's target streams (what the timed figures are about)."""
+    common: dict[str, Any] = {"device": device, "context": context, "prefix_cache": 0}
+    if device != "cpu":
+        common.update(offload="stream", resident_layers=0, gpu_budget=gpu_budget)
     if name.startswith("sub"):
+        common.update(offload="stream", resident_layers=0)
         return RuntimeOptions(
             model=model, draft="substitute", substitute_bits=int(name[3:]),
-            substitute_cache=str(substitute_cache), offload="stream", resident_layers=0,
-            **common,
+            substitute_cache=str(substitute_cache), **common,
         )  # fmt: skip
     if name == "ngram":
         return RuntimeOptions(model=model, draft="ngram", **common)
@@ -100,8 +119,12 @@ def run(
     seeds: int,
 ) -> dict[str, float]:
     """Sums over the prompts (each `seeds` times, a fresh strategy from `make()` and a fresh
-    session each: cold)."""
-    out = {"tokens": 0, "passes": 0, "draft_passes": 0, "drafted": 0, "accepted": 0, "seconds": 0.0}
+    session each: cold). `timed_tokens` and `timed_seconds` count the rounds after the
+    prompt's prefill (a round that holds prefill passes is left out); `timed_passes` are
+    those rounds' target passes."""
+    out = {"tokens": 0, "passes": 0, "draft_passes": 0, "drafted": 0, "accepted": 0,
+           "seconds": 0.0, "timed_tokens": 0, "timed_seconds": 0.0, "timed_passes": 0,
+           "timed_draft_passes": 0}  # fmt: skip
     for i, prompt in enumerate(ids):
         for s in range(seeds):
             rt.acceptance.tables.clear()  # cold: nothing learned from the prompts before
@@ -109,6 +132,7 @@ def run(
             session = strategy.new_session(rt.context)
             generator = torch.Generator().manual_seed(1000 * i + s)
             t0 = time.perf_counter()
+            first_end = None
             for rnd in alone(strategy.steps(session, prompt, params, tokens, generator)):
                 st = rnd.stats
                 out["tokens"] += len(rnd.tokens)
@@ -116,12 +140,59 @@ def run(
                 out["draft_passes"] += st.draft_passes
                 out["drafted"] += st.drafted
                 out["accepted"] += st.accepted
-            out["seconds"] += time.perf_counter() - t0
+                if st.prefill_passes:  # (the prompt's passes lead; none is timed)
+                    synchronize()
+                    first_end = time.perf_counter()
+                    continue
+                out["timed_tokens"] += len(rnd.tokens)
+                out["timed_passes"] += st.target_passes - st.prefill_passes
+                out["timed_draft_passes"] += st.draft_passes
+            synchronize()
+            end = time.perf_counter()
+            out["seconds"] += end - t0
+            out["timed_seconds"] += end - (first_end or end)
     passes = max(out["passes"], 1)
     out["tokens_per_pass"] = out["tokens"] / passes
     out["draft_passes_per_pass"] = out["draft_passes"] / passes
     out["acceptance"] = out["accepted"] / max(out["drafted"], 1)
     return out
+
+
+# What a cell's runs add up to in the "all" row.
+SUMMED = ("tokens", "passes", "draft_passes", "drafted", "accepted", "seconds", "timed_tokens",
+          "timed_seconds", "timed_passes", "timed_draft_passes")  # fmt: skip
+
+
+def synchronize() -> None:
+    """Wait for the GPU's queued work (a round's tokens are on the host when it ends, but
+    a timed interval should not end on work still in flight)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def rate(run: dict[str, float]) -> float:
+    """Tokens per second of a run's timed rounds (0 where none was timed)."""
+    return run["timed_tokens"] / run["timed_seconds"] if run["timed_seconds"] else 0.0
+
+
+def timed_figures(
+    tree: dict[str, float], chains: dict[str, dict[str, float]], plain: dict[str, float]
+) -> dict[str, float]:
+    """Measured tokens/s of the tree, the best chain (by tokens/s) and plain decoding, and
+    the projection's formula with this run's parts: a plain pass's seconds, one draft
+    pass's seconds (the best chain's seconds beyond its target passes, per draft pass)."""
+    pass_s = plain["timed_seconds"] / max(plain["timed_passes"], 1)
+    best = max(chains.values(), key=rate)
+    spare = best["timed_seconds"] - best["timed_passes"] * pass_s
+    step_s = max(spare, 0.0) / best["timed_draft_passes"] if best["timed_draft_passes"] else 0.0
+    passes = max(tree["timed_passes"], 1)
+    projected = (tree["timed_tokens"] / passes) / (
+        pass_s + tree["timed_draft_passes"] / passes * step_s
+    )
+    return {
+        "plain_tok_s": rate(plain), "tree_tok_s": rate(tree), "best_chain_tok_s": rate(best),
+        "pass_ms": pass_s * 1e3, "draft_step_ms": step_s * 1e3, "projected_tree_tok_s": projected,
+    }  # fmt: skip
 
 
 # A profile's target and draft as the shapes of their published configs (scripts/real_shapes.py):
@@ -237,6 +308,10 @@ def main() -> None:
                     help="measure nothing: the table and projection of these runs' JSON")  # fmt: skip
     ap.add_argument("--substitute-cache", type=Path,
                     default=Path.home() / ".cache" / "specd" / "bench-substitutes")  # fmt: skip
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (every target streamed there)")
+    ap.add_argument("--gpu-budget", default="auto", help="on a GPU: its budget (e.g. 256MB)")
+    ap.add_argument("--timed", action="store_true",
+                    help="also plain decoding per cell, and tokens/s (meaningful on a GPU)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=ROOT / "bench-results" / "realtext.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -270,7 +345,9 @@ def main() -> None:
         flush=True,
     )  # fmt: skip
     for name in drafts if not args.projection_from else []:
-        options = draft_options(name, model, args.substitute_cache, context)
+        options = draft_options(
+            name, model, args.substitute_cache, context, args.device, args.gpu_budget
+        )
         rows += measure(Runtime(options), name, args)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows}, indent=1))  # each draft as it ends
@@ -279,6 +356,8 @@ def main() -> None:
     for r in rows if args.projection_from else []:
         print(line(r, chains))
     print("\n" + "\n".join(cells_table(rows)))
+    if any("timed" in r for r in rows):
+        print("\n" + "\n".join(timed_table(rows)))
     worst = min(rows, key=lambda r: r["tree_over_best_chain"])
     print(
         f"\nworst cell: {worst['draft']} T={worst['temperature']:g} {worst['cell']}: "
@@ -308,12 +387,12 @@ def measure(rt: Runtime, name: str, args: argparse.Namespace) -> list[dict[str, 
             raise SystemExit(f"--cells: no cell {unknown} (cells: {', '.join(cells)})")
         cells = {name: cells[name] for name in wanted}
     rows: list[dict[str, Any]] = []
-    if rt.draft is not None and rt.draft_kind == "substitute":
+    if rt.draft is not None and rt.draft_kind == "substitute" and args.device == "cpu":
         # The substitute's layers rebuilt to dense once (the same weights: what it drafts is
         # unchanged, to float rounding), so that its CPU passes cost 36 ms, not 153: this
         # measures tokens per pass; the packed pass's speed is issue 36's.
         rt.draft.dequantize_layers()
-    elif rt.draft is not None and name in ("int8", "int4"):
+    elif rt.draft is not None and name in ("int8", "int4") and args.device == "cpu":
         # Likewise the target's int8/int4 copy: its packed projections rebuilt to dense once
         # (its drafts unchanged, to float rounding), 4x fewer seconds a draft pass.
         for module in list(rt.draft.modules()):
@@ -330,18 +409,30 @@ def measure(rt: Runtime, name: str, args: argparse.Namespace) -> list[dict[str, 
                 **{f"K={k}": run(rt, lambda k=k: Linear(rt.target, linear_drafter(rt), k),
                                  ids, params, args.tokens, seeds) for k in chains},
             }  # fmt: skip
-            for key, value in got.items():
+            timed = None
+            if args.timed:  # the same streamed target alone, the same prompts and seeds
+                plain = run(rt, lambda: rt.strategy("autoregressive"), ids, params,
+                            args.tokens, seeds)  # fmt: skip
+                chains_only = {k: v for k, v in got.items() if k != "tree"}
+                timed = timed_figures(got["tree"], chains_only, plain)
+            for key, value in [*got.items(), *([("plain", plain)] if args.timed else [])]:
                 total = totals.setdefault(key, dict.fromkeys(value, 0.0))
-                for field in ("tokens", "passes", "draft_passes", "drafted", "accepted"):
+                for field in SUMMED:
                     total[field] += value[field]
             rows.append({"model": args.model, **row(name, temperature, cell, got, rt)})
+            if timed is not None:
+                rows[-1]["timed"] = timed
             print(line(rows[-1], chains), flush=True)
         for total in totals.values():
             passes = max(total["passes"], 1)
             total["tokens_per_pass"] = total["tokens"] / passes
             total["draft_passes_per_pass"] = total["draft_passes"] / passes
             total["acceptance"] = total["accepted"] / max(total["drafted"], 1)
+        plain_total = totals.pop("plain", None)
         rows.append({"model": args.model, **row(name, temperature, "all", totals, rt)})
+        if plain_total is not None:
+            chains_only = {k: v for k, v in totals.items() if k != "tree"}
+            rows[-1]["timed"] = timed_figures(rows[-1]["tree"], chains_only, plain_total)
         print(line(rows[-1], chains), flush=True)
     return rows
 
@@ -387,6 +478,29 @@ def cells_table(rows: list[dict[str, Any]]) -> list[str]:
             f"| {model} | {draft} | {temperature:g} | "
             + " | ".join(got.get(c, "—") for c in cells)
             + " |"
+        )
+    return out
+
+
+def timed_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The timed cells (`--timed`): measured tokens/s against plain decoding and against
+    the projection's formula with the run's own pass and draft-step times."""
+    out = [
+        "| model | draft | T | cell | plain tok/s | tree tok/s | best chain tok/s | tree x plain "
+        "| pass ms | draft step ms | projected tree tok/s | measured / projected |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r.get("timed")
+        if t is None:
+            continue
+        over = t["tree_tok_s"] / t["plain_tok_s"] if t["plain_tok_s"] else 0.0
+        fit = t["tree_tok_s"] / t["projected_tree_tok_s"] if t["projected_tree_tok_s"] else 0.0
+        out.append(
+            f"| {r.get('model', 'smollm2')} | {r['draft']} | {r['temperature']:g} | {r['cell']} "
+            f"| {t['plain_tok_s']:.1f} | {t['tree_tok_s']:.1f} | {t['best_chain_tok_s']:.1f} "
+            f"| {over:.2f} | {t['pass_ms']:.2f} | {t['draft_step_ms']:.2f} "
+            f"| {t['projected_tree_tok_s']:.1f} | {fit:.2f} |"
         )
     return out
 
