@@ -386,6 +386,16 @@ def measure(rt: Runtime, name: str, args: argparse.Namespace) -> list[dict[str, 
         if unknown:
             raise SystemExit(f"--cells: no cell {unknown} (cells: {', '.join(cells)})")
         cells = {name: cells[name] for name in wanted}
+    # A prompt the context cannot hold with a tree beyond it is left out, saying so (the
+    # stories model's 512 positions against a long HumanEval prompt); one that fits ends
+    # its text where the context does.
+    room = rt.context - args.budget - 2
+    for cell, ids in cells.items():
+        kept = [p for p in ids if len(p) <= room]
+        if len(kept) < len(ids):
+            print(f"{cell}: {len(ids) - len(kept)} prompt(s) longer than {room} tokens left out")
+        cells[cell] = kept
+    cells = {cell: ids for cell, ids in cells.items() if ids}
     rows: list[dict[str, Any]] = []
     if rt.draft is not None and rt.draft_kind == "substitute" and args.device == "cpu":
         # The substitute's layers rebuilt to dense once (the same weights: what it drafts is
