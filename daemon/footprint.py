@@ -95,6 +95,9 @@ def footprint(
         quantization=config.quantization.label if config.quantization is not None else "",
         dense_layer_bytes=dense_layer,
         dequant_bytes=max((m.rebuild_bytes(dtype) for m in packed + stored_forms), default=0),
+        traced_dequant_bytes=max(
+            (m.rebuild_bytes(dtype) for m in packed if m.traceable), default=0
+        ),
         packed_kernels=packed_kernels(config, dtype, device_type, packed),
         expert_bytes=expert_bytes,
         experts=config.moe.experts if config.moe is not None else 0,

@@ -13,8 +13,10 @@ allocation grows by doubling (modeling/kv_cache.py), and graphs are compiled wit
 sizes, so two graphs serve every step: one for single tokens (the compiler specialises size
 1) and one for 2..MAX_TOKENS tokens, each over any allocation.
 
-Eligible: a model on its own layers (a streamer's list moves weights between calls), with
-no packed projections (rebuilt per call into a shared scratch), passes of one sequence with
+Eligible: a model on its own layers (a streamer's list moves weights between calls), whose
+packed projections are computed where they lie (the CPU kernels) or rebuilt by operations a
+graph traces (`PackedLinear.traceable`: HQQ, the substitute draft's; then into the graph's
+own temporaries, which a CUDA graph's pool keeps: the plan counts them), passes of one sequence with
 at most MAX_TOKENS tokens whose attention fits one query chunk over the allocation (the
 memory bound `attend` keeps, modeling/layers/attention.py's ATTENTION_CHUNK_BYTES). Everything
 else runs eager, and so does a model whose graph fails (logged once). The head (norm,
@@ -79,7 +81,7 @@ def ineligible(model: Transformer) -> str | None:
     if not isinstance(model.layers, nn.ModuleList):
         return "its layers are streamed (weights move between passes)"
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    if not all(m.computed_in_place(model.dtype, model.device) for m in packed):
+    if not all(m.traceable or m.computed_in_place(model.dtype, model.device) for m in packed):
         return "its projections are packed (each is rebuilt into a scratch per pass)"
     if model.windowed:
         return "its layers attend through sliding windows (a compiled pass holds one mask)"

@@ -20,9 +20,12 @@ def graph_bytes(m: ModelFootprint, g: GraphRequest, context: int) -> int:
     and the warm-up runs one more beside a served pass (on its scratch cache). Each graph
     keeps its (tokens, hidden) output and its (tokens, slots) mask, whose rows times slots
     the score bound limits (one row of a single-token step spans the context). A streamed
-    target is not captured; counted anyway, as the plan chooses streaming after this."""
+    target is not captured; counted anyway, as the plan chooses streaming after this. A
+    packed model whose projections the graph rebuilds (`traced_dequant_bytes`: the
+    substitute's HQQ) holds the largest rebuilt weight in its step's working set too."""
     a = m.activations
     step = replace(a, chunk_bytes=g.chunk_bytes).pass_bytes(g.tokens, 0, context)
+    step += m.traced_dequant_bytes
     mask = max(min(g.chunk_bytes // a.score_bytes_per_key, g.tokens * context), context)
     per_graph = g.tokens * a.hidden_bytes_per_token + mask
     return 3 * step + m.kv_bytes(g.warm_slots) + g.count * per_graph + g.workspace_bytes

@@ -52,6 +52,9 @@ class ModelFootprint:
     quantization: str = ""
     dense_layer_bytes: int = 0
     dequant_bytes: int = 0
+    # Of those, what a compiled step rebuilds inside its graph (traceable packed
+    # projections: the substitute's HQQ), held by a CUDA graph's pool (`graph_bytes`).
+    traced_dequant_bytes: int = 0
     # A mixture of experts: each routed expert's bytes (as the streamer lays one out), the
     # experts of a layer and those a token routes to (0: a dense model)
     expert_bytes: int = 0

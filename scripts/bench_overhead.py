@@ -395,6 +395,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--shaped", default="llama-3.2-1b", help="shaped: real_shapes preset")
     ap.add_argument("--hidden-scale", type=float, default=1.0, help="shaped: width scale")
+    ap.add_argument("--shaped-bits", type=int, choices=(2, 3, 4, 8), default=None,
+                    help="shaped: the model's HQQ substitute at these bits instead")  # fmt: skip
+    ap.add_argument("--shaped-layers", type=int, default=None, help="shaped: fewer layers")
+    ap.add_argument("--shaped-repeats", type=int, default=50, help="shaped: steps timed")
     ap.add_argument("--json", type=Path, default=None, help="write every section here")
     args = ap.parse_args(argv)
     if args.runs < 1:

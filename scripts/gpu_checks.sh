@@ -9,7 +9,8 @@
 #     bash scripts/gpu_checks.sh                 # with .venv (scripts/setup.sh), or
 #     PYTHON=python3 bash scripts/gpu_checks.sh  # a Python that has torch with CUDA
 #
-# GPU_CHECKS names the sections to run (default: tests overhead rebuild offload realtext);
+# GPU_CHECKS names the sections to run (default: tests overhead rebuild substitute offload
+# realtext);
 # GPU_CHECKS_SECONDS (default 540) bounds them all: each section gets its own cap or what is
 # left, whichever is less, so one call of the device tool (10 minutes) holds the run.
 # On a bare GPU image with no network, scripts/gpu_kit.sh gathers what is missing into
@@ -23,7 +24,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if [ -z "${PYTHON:-}" ] && [ ! -x .venv/bin/python ]; then PYTHON=python3; fi
 python=${PYTHON:-.venv/bin/python}
 deadline=$((SECONDS + ${GPU_CHECKS_SECONDS:-540}))
-sections=" ${GPU_CHECKS:-tests overhead rebuild offload realtext} "
+sections=" ${GPU_CHECKS:-tests overhead rebuild substitute offload realtext} "
 
 # ---- the kit (scripts/gpu_kit.sh), where one came along ----
 kit=/tmp/specd-kit  # kept between two calls on a warm machine
@@ -80,11 +81,15 @@ section() {
 # selenium) a bare GPU image lacks, and hold nothing `-m gpu` would run.
 mapfile -t modules < <(grep -l "pytest.mark.gpu" tests/*.py)
 section tests 240 "$python" -m pytest -m gpu -q -p no:cacheprovider -rs "${modules[@]}"
-section overhead 120 "$python" scripts/bench_overhead.py --sections shaped budget --json "$out/overhead.json"
-section rebuild 60 "$python" scripts/bench_rebuild.py --json "$out/rebuild.json"
+# Issue 36: the 4-bit substitute's step (8B-shaped layers, HQQ) eager against compiled and
+# compiled+graphed (what --compile on runs), its projections rebuilt inside the graph.
+section substitute 120 "$python" scripts/bench_overhead.py --sections shaped --shaped llama-3.1-8b \
+    --shaped-layers 4 --shaped-bits 4 --shaped-repeats 20 --json "$out/substitute-step.json"
 # Issue 36: a streamed 8B-shaped int4 pass within 1.2x of its transfer time (the ratio column).
 section offload 90 "$python" scripts/bench_offload.py --shapes 8b --layers 8 --tokens 1,64,256 \
     --quantize int4 --no-accelerate --repeats 3 --out "$out/offload-int4.json"
+section overhead 120 "$python" scripts/bench_overhead.py --sections shaped budget --json "$out/overhead.json"
+section rebuild 60 "$python" scripts/bench_rebuild.py --json "$out/rebuild.json"
 # Issue 35: SmolLM2 streamed on the GPU, measured tokens/s against plain decoding and the
 # projection (the file comes in two parts: the second call of docs/gpu-checks.md).
 if [ -f "$smollm2_dir/smollm2-135m-instruct-q4_1.gguf" ]; then

@@ -16,6 +16,7 @@ import torch
 from modeling.compiled import CompiledPasses
 from modeling.decoder import Transformer
 from modeling.graphs import bucket_for
+from modeling.weights.packed import PackedLinear
 from speculative.budget import TreeShape, choose_shape
 from speculative.pass_costs import CostLine
 
@@ -65,20 +66,36 @@ def _shaped_variants(model: Transformer) -> dict[str, CompiledPasses | None]:
         variants["compiled"] = CompiledPasses(model)
         return variants
     variants["compiled"] = CompiledPasses(model, graphs=False)
-    variants["graphed"] = CompiledPasses(model, compile=False)
+    if not any(isinstance(m, PackedLinear) for m in model.modules()):
+        # (an eager step's rebuilds go to the model's shared scratch: not captured alone)
+        variants["graphed"] = CompiledPasses(model, compile=False)
     variants["compiled+graphed"] = CompiledPasses(model)
     return variants
 
 
 def _shaped_rows(
-    preset: str, hidden_scale: float, device: str, dtype: torch.dtype, repeats: int
+    preset: str,
+    hidden_scale: float,
+    device: str,
+    dtype: torch.dtype,
+    repeats: int,
+    bits: int | None = None,
+    layers: int | None = None,
 ) -> list[dict[str, Any]]:
     """Draft steps of a random real-shaped model at 1-64 nodes, eager against compiled (and
-    on CUDA against CUDA graphs). `ratio`: eager over what `--compile on` runs."""
+    on CUDA against CUDA graphs). `ratio`: eager over what `--compile on` runs. `bits`: the
+    model's `bits` HQQ substitute instead (every layer a copy: issue 36's substitute step,
+    its projections rebuilt per step eager and inside the graph compiled); `layers`: fewer
+    than the preset's."""
+    from modeling.substitute import build_substitute
     from scripts.real_shapes import PRESETS, build_model, model_config
 
-    config = model_config(preset, layers=PRESETS[preset].num_layers, hidden_scale=hidden_scale)
+    count = layers or PRESETS[preset].num_layers
+    config = model_config(preset, layers=count, hidden_scale=hidden_scale)
     model = build_model(config, dtype, device)
+    if bits is not None:
+        every = list(model.layers)
+        model = build_substitute(model, bits, every, lambda i: True, torch.device(device))
     variants = _shaped_variants(model)
     for name, passes in variants.items():
         if passes is not None:
@@ -112,15 +129,19 @@ _SHAPED: dict[tuple[str, float], dict[str, Any]] = {}
 
 
 def shaped(args: argparse.Namespace) -> dict[str, Any]:
-    key = (args.shaped, args.hidden_scale)
+    key = (args.shaped, args.hidden_scale, args.shaped_bits, args.shaped_layers)
     if key in _SHAPED:  # measured already in this run (the budget section reads it)
         return _SHAPED[key]
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
-    print(f"\n{args.shaped}-shaped draft (width x{args.hidden_scale}), {device}")
-    rows = _shaped_rows(args.shaped, args.hidden_scale, device, dtype, 50)
+    what = "draft" if args.shaped_bits is None else f"{args.shaped_bits}-bit substitute"
+    layers = "" if args.shaped_layers is None else f", {args.shaped_layers} layers"
+    print(f"\n{args.shaped}-shaped {what} (width x{args.hidden_scale}{layers}), {device}")
+    rows = _shaped_rows(args.shaped, args.hidden_scale, device, dtype, args.shaped_repeats,
+                        args.shaped_bits, args.shaped_layers)  # fmt: skip
     print_steps(rows)
     _SHAPED[key] = {"preset": args.shaped, "hidden_scale": args.hidden_scale, "device": device,
+                    "bits": args.shaped_bits, "layers": args.shaped_layers,
                     "rows": rows}  # fmt: skip
     return _SHAPED[key]
 

@@ -20,7 +20,10 @@ from modeling.decoder import Transformer
 from modeling.kv_cache import KVCache
 from modeling.layers.attention import ATTENTION_CHUNK_BYTES, attention_row_bytes, query_chunk
 from modeling.layers.norms import RMSNorm
+from modeling.substitute import build_substitute
 from modeling.weights import cpu_kernels
+from modeling.weights.hqq import HQQLinear
+from modeling.weights.packed import PackedLinear
 from scripts.tiny_models import make_checkpoint
 from speculative.drafting import ModelDrafter
 from speculative.generation import Generation
@@ -247,6 +250,30 @@ def test_streamed_or_packed_models_are_not_compiled(tmp_path: Path) -> None:
     plain.set_layers(list(plain.layers))  # a layer list that is not the model's own
     reason = ineligible(plain)
     assert reason is not None and "streamed" in reason
+
+
+def test_the_hqq_substitute_compiles_and_equals_its_eager_passes(stories_draft: Path) -> None:
+    """The substitute draft's HQQ projections are rebuilt inside the graph (issue 36: its
+    step at compiled speed on CUDA); the same tokens and logits as its eager passes (the
+    2-layer stories draft as the target it is made from: a short compile)."""
+    target = load(str(stories_draft))[0]
+    layers = list(target.layers)
+    substitute = build_substitute(target, 4, layers, lambda i: True, torch.device("cpu"))
+    assert all(isinstance(m, HQQLinear) for m in substitute.layers[0].modules()
+               if isinstance(m, PackedLinear))  # fmt: skip
+    assert ineligible(substitute) is None
+    eager_tokens, eager_logits = _steps(substitute)
+    passes = CompiledPasses(substitute)
+    passes.warm()
+    substitute.compiled = passes
+    scratch = substitute.rebuild_scratch.nbytes
+    tokens, logits = _steps(substitute)
+    assert passes.passes == 32  # every pass compiled, none fell back to eager
+    assert substitute.rebuild_scratch.nbytes == scratch  # the graphs' own temporaries
+    assert tokens == eager_tokens
+    for a, b in zip(logits, eager_logits, strict=True):
+        _close(a, b)
+    substitute.compiled = None
 
 
 def test_a_compiled_model_refuses_changes(stories_draft: Path) -> None:

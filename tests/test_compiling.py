@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from torch._dynamo.utils import counters
 
 from daemon import compiling
@@ -60,6 +61,20 @@ def test_auto_compiles_the_daemons_small_cpu_models_only(stories_draft: Path) ->
     assert layer_parameter_count(big.config) >= SMALL_LAYER_PARAMETERS
     on, why = decide("auto", big, serving=True)
     assert not on and "compute-bound" in why
+
+
+def test_the_hqq_substitute_compiles_when_asked_and_auto_leaves_it(stories_draft: Path) -> None:
+    """Its HQQ projections are rebuilt inside the graph: `--compile on` compiles it (on
+    CUDA its step at compiled speed); `auto` leaves it eager (the background warm-up's
+    child compiles a checkpoint's graphs, never a substitute's)."""
+    from modeling.substitute import build_substitute
+
+    target = load(str(stories_draft))[0]
+    sub = build_substitute(target, 4, list(target.layers), lambda i: True, torch.device("cpu"))
+    assert decide("on", sub, serving=True) == (True, "on (--compile on)")
+    on, why = decide("auto", sub, serving=True)
+    assert not on and "rebuilt in the graph" in why
+    assert decide("auto", target, serving=True)[0]  # the dense model it was made from
 
 
 def test_models_that_cannot_compile_say_why_even_when_asked() -> None:

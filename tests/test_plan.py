@@ -17,6 +17,7 @@ from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from modeling.layers.attention import ATTENTION_CHUNK_BYTES
 from modeling.models import config_from_hf
+from offload.device_parts import graph_bytes
 from offload.machine import detect_budget
 from offload.plan import MemoryBudget, PlanRequest
 from offload.planning import PlanError, host_tier_bytes, make_plan
@@ -337,6 +338,23 @@ def test_cuda_graphs_are_planned() -> None:
     on_cpu = make_plan(request, replace(budget(24e9, 64e9), device="cpu"))
     for other in (plain, on_cpu):
         assert not any(k.startswith("CUDA graph") for k in other.device_parts)
+
+
+def test_cuda_graphs_of_the_hqq_substitute_hold_a_rebuilt_projection() -> None:
+    """A compiled substitute step rebuilds its HQQ projections inside the graph (issue 36),
+    so its pool holds the largest rebuilt weight as part of the step's working set: an
+    8B's 4-bit substitute, its (2 x 14,336, 4,096) gate/up in bf16 and the codes, ~0.3 GB
+    a working set. A dense draft holds none."""
+    from modeling.substitute import substitute_config
+
+    target = config_from_hf(MODELS["Llama-3.1-8B"][0])
+    sub = footprint(substitute_config(target, 4), torch.bfloat16, "substitute")
+    dense = footprint(target, torch.bfloat16, "target")
+    assert dense.traced_dequant_bytes == 0
+    assert sub.traced_dequant_bytes == sub.dequant_bytes > 14336 * 4096 * 2
+    with_rebuild = graph_bytes(sub, GRAPHS, 8192)
+    without = graph_bytes(replace(sub, traced_dequant_bytes=0), GRAPHS, 8192)
+    assert with_rebuild - without == 3 * sub.traced_dequant_bytes
 
 
 def test_specd_plan_shows_the_cuda_graphs_with_compile_on(shared_models: Path, capsys) -> None:

@@ -145,6 +145,7 @@ class HQQLinear(PackedLinear):
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+    traceable = True  # (the substitute draft's steps compile: modeling/compiled.py)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group: int):
         super().__init__(in_features, out_features, bias, bits)

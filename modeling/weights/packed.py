@@ -95,7 +95,14 @@ class RebuildScratch:
 
 class PackedLinear(nn.Module, ABC):
     """A Linear whose weight is stored packed; `dequantize(dtype)` rebuilds it ([out, in])
-    for one use. Each format is a subclass holding that format's stored tensors."""
+    for one use. Each format is a subclass holding that format's stored tensors.
+
+    `traceable`: whether `dequantize` is tensor operations alone (no branch on the data, no
+    Python loop over chunks), so a compiled pass traces it and fuses the unpacking into a
+    few kernels; there the weight is rebuilt into the graph's own temporary, not into the
+    model's scratch (which eager passes grow and share)."""
+
+    traceable = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int) -> None:
         super().__init__()
@@ -106,14 +113,16 @@ class PackedLinear(nn.Module, ABC):
         self.scratch: RebuildScratch | None = None
 
     def _codes_buffer(self, n: int, work: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        return None if self.scratch is None else self.scratch.take("codes", n, work, device)
+        if self.scratch is None or torch.compiler.is_compiling():
+            return None
+        return self.scratch.take("codes", n, work, device)
 
     def _finish(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The rebuilt [out, in] weight in `dtype`: the codes themselves when they are in
         `dtype` already, else converted into the scratch's result buffer (or a new one)."""
         if weight.dtype == dtype:
             return weight
-        if self.scratch is None:
+        if self.scratch is None or torch.compiler.is_compiling():
             return weight.to(dtype)
         flat = self.scratch.take("result", weight.numel(), dtype, weight.device)
         return flat[: weight.numel()].view(weight.shape).copy_(weight)
