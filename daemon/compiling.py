@@ -32,10 +32,9 @@ from pathlib import Path
 import torch
 
 from modeling.checkpoints.checkpoint import DTYPES, load
-from modeling.compiled import CompiledPasses, ineligible, use_cache_dir
+from modeling.compiled import CompiledPasses, ineligible, rebuilds_in_graph, use_cache_dir
 from modeling.decoder import Transformer
 from modeling.models import layer_parameter_count
-from modeling.weights.packed import PackedLinear
 from modeling.weights.quant import QUANTIZE_CHOICES
 
 log = logging.getLogger("specd.compile")
@@ -97,17 +96,6 @@ def decide(choice: str, model: Transformer, serving: bool) -> tuple[bool, str]:
     if params >= SMALL_LAYER_PARAMETERS:
         return False, f"auto: {params:,} weights per layer are compute-bound on a CPU"
     return True, f"auto: a CPU step of {params:,} weights per layer is dispatch-bound"
-
-
-def rebuilds_in_graph(model: Transformer) -> bool:
-    """Whether a compiled pass of `model` would rebuild packed projections (the HQQ
-    substitute's) rather than compute them where they lie."""
-    return any(
-        isinstance(m, PackedLinear)
-        and m.traceable
-        and not m.computed_in_place(model.dtype, model.device)
-        for m in model.modules()
-    )
 
 
 # `auto` keeps compiled passes whose one-token step takes less than this share of the

@@ -90,6 +90,17 @@ def ineligible(model: Transformer) -> str | None:
     return None
 
 
+def rebuilds_in_graph(model: Transformer) -> bool:
+    """Whether a compiled pass of `model` rebuilds packed projections (the HQQ substitute's)
+    rather than computing them where they lie."""
+    return any(
+        isinstance(m, PackedLinear)
+        and m.traceable
+        and not m.computed_in_place(model.dtype, model.device)
+        for m in model.modules()
+    )
+
+
 def use_cache_dir(path: Path) -> None:
     """Keep PyTorch's compile caches in `path` (specd's cache folder) unless the user chose
     a folder already, so compiled graphs survive restarts and /tmp cleaning."""
@@ -166,6 +177,12 @@ class CompiledPasses:
             raise ValueError(f"cannot compile this model's passes: {reason}")
         self.model = model
         use_graphs = model.device.type == "cuda" if graphs is None else graphs
+        if use_graphs and not compile and rebuilds_in_graph(model):
+            # The eager step rebuilds into the model's shared scratch, which a graph would
+            # then hold and overwrite at each replay: only a traced step rebuilds its own.
+            raise ValueError(
+                "cannot capture this model's eager steps: it rebuilds packed projections"
+            )
         if use_graphs and capture is None and model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {model.device}")
         self._step: Callable[..., torch.Tensor] = self._traced

@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 
-from modeling.compiled import CompiledPasses
+from modeling.compiled import CompiledPasses, rebuilds_in_graph
 from modeling.decoder import Transformer
 from modeling.graphs import bucket_for
-from modeling.weights.packed import PackedLinear
 from speculative.budget import TreeShape, choose_shape
 from speculative.pass_costs import CostLine
 
@@ -66,8 +65,7 @@ def _shaped_variants(model: Transformer) -> dict[str, CompiledPasses | None]:
         variants["compiled"] = CompiledPasses(model)
         return variants
     variants["compiled"] = CompiledPasses(model, graphs=False)
-    if not any(isinstance(m, PackedLinear) for m in model.modules()):
-        # (an eager step's rebuilds go to the model's shared scratch: not captured alone)
+    if not rebuilds_in_graph(model):  # (an eager step's rebuilds are not captured alone)
         variants["graphed"] = CompiledPasses(model, compile=False)
     variants["compiled+graphed"] = CompiledPasses(model)
     return variants

@@ -262,6 +262,8 @@ def test_the_hqq_substitute_compiles_and_equals_its_eager_passes(stories_draft: 
     assert all(isinstance(m, HQQLinear) for m in substitute.layers[0].modules()
                if isinstance(m, PackedLinear))  # fmt: skip
     assert ineligible(substitute) is None
+    with pytest.raises(ValueError, match="rebuilds packed"):  # its eager step, captured
+        CompiledPasses(substitute, compile=False, graphs=True)
     eager_tokens, eager_logits = _steps(substitute)
     passes = CompiledPasses(substitute)
     passes.warm()
