@@ -237,6 +237,36 @@ def test_on_cuda_the_substitute_is_built_there_and_exact(
     assert gen.token_ids == reference
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_compiled_substitute_is_exact(
+    stories_target: Path, reference: list[int]
+) -> None:
+    """Its steps compiled and captured as CUDA graphs (issue 36: the substitute's step at
+    its compiled speed), each HQQ projection rebuilt inside the graph: greedy output the
+    target's, and the draft's passes ran through the graphs."""
+    from daemon.compiling import Compilation
+
+    rt = Runtime(
+        RuntimeOptions(
+            model=str(stories_target), draft="substitute", substitute_bits=4, device="cuda",
+            offload="stream", resident_layers=0, budget=32, context=512, dtype="fp32",
+            prefix_cache=0,
+        )
+    )  # fmt: skip
+    assert rt.draft is not None
+    compilation = Compilation("on", {"draft": rt.draft}, serving=True)
+    compilation.warm()
+    state = compilation.to_dict()["draft"]
+    assert state["state"] == "ready", state
+    prompt = rt.tokenizer.encode(PROMPT)
+    gen = rt.generation(prompt, GREEDY, 120, strategy="tree", ignore_eos=True).run()
+    assert gen.token_ids == reference
+    passes = compilation.states["draft"].passes
+    assert passes is not None and 0 < passes.passes <= gen.stats.draft_passes
+    assert passes.graphs is not None and passes.graphs.replays > 0
+
+
 def test_a_short_prompt_rides_in_the_first_tree_pass(
     stories_target: Path, reference: list[int]
 ) -> None:
