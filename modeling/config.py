@@ -10,6 +10,7 @@ later.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,7 +173,15 @@ def rope_config(raw: dict[str, Any], source: str) -> RopeConfig:
     # default is a float, not Any (an Any default reads as dict.get's Optional overload).
     theta: float = parameters.get("rope_theta", 10000.0)
     theta = raw.get("rope_theta", theta)
-    theta = float(params.get("rope_theta", theta))
+    given = params.get("rope_theta", theta)
+    try:
+        theta = float(given)
+    except (TypeError, ValueError):
+        theta = math.nan
+    if not math.isfinite(theta) or theta <= 0:  # the frequencies would be inf or NaN
+        raise UnsupportedModelError(
+            f"{source}: rope_theta {str(given)[:40]!r} is not a number above 0"
+        )
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in SUPPORTED_ROPE_TYPES:

@@ -58,6 +58,28 @@ class GrammarError(RequestError):
     the request field that carried it."""
 
 
+# What the engine says when it gives up on a grammar for one of its own limits (the
+# Earley items of one token's row, the lexer's fuel), as opposed to a token it refuses.
+_LIMIT_WORDS = ("max is", "fuel", "too many", "limit")
+
+
+def engine_stopped(field: str, message: str) -> GrammarError:
+    """The request error for a matcher the engine stopped: a grammar no text can extend
+    (a schema matching no finite text, `{"$ref": "#"}`, says "NoExtensionBias") or one of
+    its limits, reached on this grammar."""
+    said = engine_message(message)
+    if said.startswith("NoExtensionBias"):
+        return GrammarError(
+            f"{field}: no text matches this grammar (it cannot be continued or completed "
+            "here: a schema that refers to itself with nothing else, say)",
+            field,
+            "unsupported_grammar",
+        )
+    return GrammarError(
+        f"{field}: the grammar engine stopped: {said}", field, "unsupported_grammar"
+    )
+
+
 def engine_message(message: str) -> str:
     """What the engine said, as a client may be shown it: a panic (an internal limit of
     the engine, such as its 65,535 grammar symbols, which `allOf` over many `anyOf`
@@ -180,7 +202,9 @@ class Grammar:
             raise GrammarError(f"{self.field}: {said}", self.field, "unsupported_grammar")
         words = torch.empty((vocab.vocab_size + 31) // 32, dtype=torch.int32)
         matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
-        if matcher.is_error() or not spellable(matcher, words, vocab.eos_tokens):
+        if matcher.is_error():
+            raise engine_stopped(self.field, matcher.get_error())
+        if not spellable(matcher, words, vocab.eos_tokens):
             raise GrammarError(
                 f"{self.field}: the model's vocabulary cannot spell the start of this "
                 "grammar (no token, and no byte fallback, for its first character)",
@@ -237,7 +261,7 @@ class Constraint:
     def words(self) -> torch.Tensor:
         """(W,) int32 mask words of the next token at the committed state."""
         words = self._at_home()
-        if not spellable(self.matcher, words, self.vocab.eos_tokens):
+        if self.matcher.is_error() or not spellable(self.matcher, words, self.vocab.eos_tokens):
             self._unspellable()
         return words
 
@@ -252,9 +276,7 @@ class Constraint:
         field = self.grammar.field
         said = engine_message(self.matcher.get_error())
         if said:  # the engine stopped (one of its own limits), not the vocabulary
-            raise GrammarError(
-                f"{field}: the grammar engine stopped: {said}", field, "unsupported_grammar"
-            )
+            raise engine_stopped(field, said)
         raise GrammarError(
             f"{field}: the model's vocabulary has no token for what the grammar requires "
             "next (no piece, and no byte fallback)",
@@ -273,9 +295,14 @@ class Constraint:
             if self.matcher.is_stopped():
                 break
             if not self.matcher.consume_token(int(token)):
+                said = self.matcher.get_error()
+                if any(word in said for word in _LIMIT_WORDS):
+                    # The mask allowed it, but taking it reaches one of the engine's limits
+                    # (500 optional properties: a row of 2,007 items, where 2,000 is the
+                    # most): this grammar is beyond the engine, which is the request's.
+                    raise engine_stopped(self.grammar.field, said)
                 raise RuntimeError(
-                    f"the grammar refused token {token} that was drawn under its mask: "
-                    f"{self.matcher.get_error()}"
+                    f"the grammar refused token {token} that was drawn under its mask: {said}"
                 )
 
     def take_forced(self, limit: int) -> list[int]:
@@ -285,6 +312,8 @@ class Constraint:
         self._home()
         taken: list[int] = []
         while len(taken) < limit:
+            if self.matcher.is_error():  # stopped by the engine, not at the grammar's end
+                self._unspellable()
             if self.matcher.is_stopped():
                 # The text completes the grammar and nothing may follow: an end of
                 # sequence is all its mask allows (the one the tokenizer names first).

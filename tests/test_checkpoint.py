@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -102,6 +103,17 @@ def test_unsupported_rope_type_is_named(llama: Path, layout: str) -> None:
     raw[layout] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
     (llama / "config.json").write_text(json.dumps(raw))
     with pytest.raises(UnsupportedModelError, match="rope scaling type 'dynamic'"):
+        open_checkpoint(llama)
+
+
+@pytest.mark.parametrize("theta", [0, -1.0, "abc", None, float("nan")])
+def test_a_rope_theta_that_is_no_positive_number_is_named(llama: Path, theta: Any) -> None:
+    """0 made every RoPE frequency infinite (every answer token id 0, silently)."""
+    raw = json.loads((llama / "config.json").read_text())
+    raw.pop("rope_parameters", None)  # (whose rope_theta would win over the top level's)
+    raw["rope_theta"] = theta
+    (llama / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedModelError, match=r"rope_theta .* is not a number above 0"):
         open_checkpoint(llama)
 
 

@@ -415,6 +415,7 @@ def test_unknown_pre_in_a_written_file(byte_level_vocab: Any, tmp_path: Path) ->
     ("change", "key"),
     [
         ({"tokenizer.ggml.tokens": [1, 2, 3]}, "tokenizer.ggml.tokens"),
+        ({"tokenizer.ggml.tokens": [""] * 512}, "tokenizer.ggml.tokens"),  # (a text: 0 tokens)
         ({"tokenizer.ggml.scores": ["0.5"] * 512}, "tokenizer.ggml.scores"),
         ({"tokenizer.ggml.scores": "scores"}, "tokenizer.ggml.scores"),
         ({"tokenizer.ggml.token_type": ["1"] * 512}, "tokenizer.ggml.token_type"),
@@ -486,6 +487,33 @@ def test_the_vocabulary_and_its_merges_are_bounded(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(gguf_tokenizer, "MAX_MERGES", 100)
     with pytest.raises(GGUFTokenizerError, match=r"^bpe\.gguf: tokenizer\.ggml\.merges has 120"):
         tokenizer_from_gguf(byte_level, "bpe.gguf")
+
+
+def test_a_template_that_does_not_compile_names_the_file_and_the_key() -> None:
+    from modeling.text.tokenizer import ChatTemplateError
+
+    _, fields = _spm("stories260k-F16.gguf")
+    broken = {**fields, "tokenizer.chat_template": "{% if %}"}
+    with pytest.raises(ChatTemplateError) as raised:
+        tokenizer_from_gguf(broken, "tmpl.gguf")
+    assert str(raised.value).startswith(
+        "the model's chat template (tmpl.gguf: tokenizer.chat_template) does not compile: "
+    )
+
+
+def test_a_merge_longer_than_a_token_is_refused_in_a_short_line(
+    byte_level_vocab: Any, tmp_path: Path
+) -> None:
+    """A merge whose halves make a token past the token bound (a megabyte's) was quoted
+    whole by the `tokenizers` library's refusal: a one-line error of a megabyte."""
+    path = _write_byte_level(tmp_path / "ok.gguf", byte_level_vocab, "qwen2")
+    fields = read_gguf(path).metadata
+    merges = ["a" * 1_000_000 + " b", *fields["tokenizer.ggml.merges"]]
+    with pytest.raises(GGUFTokenizerError) as raised:
+        tokenizer_from_gguf({**fields, "tokenizer.ggml.merges": merges}, "long-merge.gguf")
+    said = str(raised.value)
+    assert said.startswith("long-merge.gguf: tokenizer.ggml.merges has a merge of 1,000,001")
+    assert len(said) < 300 and "\n" not in said
 
 
 def test_merges_of_tokens_not_in_the_vocabulary_are_one_line(

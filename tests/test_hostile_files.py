@@ -124,6 +124,13 @@ MALFORMED: list[tuple[str, dict[str, tuple[Any, ...] | None], str]] = [
         {"llama.rope.freq_base": ("10000", T.STRING)},
         "llama.rope.freq_base",
     ),
+    # (0: every frequency inf or NaN, every answer token 0)
+    ("rope base zero", {"llama.rope.freq_base": (0.0, T.FLOAT32)}, "llama.rope.freq_base"),
+    (
+        "every token empty",  # (a text is then no tokens: a division by 0 at admission)
+        {"tokenizer.ggml.tokens": ([""] * 512, T.ARRAY, T.STRING)},
+        "tokenizer.ggml.tokens",
+    ),
     (
         "rope factor as text",
         {

@@ -424,6 +424,40 @@ def nested(depth: int, brackets: str) -> str:
     return opening * depth + "1" + closing * depth
 
 
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_not_json(server: BackgroundServer, constant: str) -> None:
+    """Python's json reads them; in a schema `{"const": NaN}` became null and the answer
+    was `{"a": null}`. A 400, anywhere in the body."""
+    schema = {"type": "object", "properties": {"a": {"const": 0}}, "required": ["a"]}
+    body = json.dumps(
+        chat(
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        )
+    )
+    body = body.replace('"const": 0', f'"const": {constant}')  # fmt: skip
+    for raw in (body, json.dumps(completion()).replace('"temperature": 0', f'"x": {constant}')):
+        path = "/v1/chat/completions" if "messages" in raw else "/v1/completions"
+        reply = exchange(port(server), request("POST", path, body=raw.encode()))
+        error = assert_openai_error(reply, 400, "invalid_json")
+        assert f"{constant} is not a JSON value" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"n": True}, "n"), ({"n": "1"}, "n"), ({"n": 1.0}, "n"),
+     ({"stream": True, "stream_options": {"include_usage": "false"}},
+      "stream_options.include_usage"),
+     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage")],
+)  # fmt: skip
+def test_fields_of_the_wrong_type_that_python_would_take_are_a_400(
+    server: BackgroundServer, fields: dict[str, Any], param: str
+) -> None:
+    """`n: true` was 1 and `"include_usage": "false"` a true value."""
+    raw = request("POST", "/v1/chat/completions", body=chat(**fields))
+    error = assert_openai_error(exchange(port(server), raw), 400, param=param)
+    assert param.split(".")[-1] in error["message"]
+
+
 @pytest.mark.parametrize("brackets", ["[]", "{}"])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_body_nested_20000_deep_is_a_400(

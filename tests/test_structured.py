@@ -152,6 +152,40 @@ def test_what_the_engine_cannot_do_is_refused_naming_the_field(runtime: Runtime)
         assert err.value.param == "response_format.json_schema.schema"
 
 
+def test_a_schema_no_text_matches_is_refused_before_generation(runtime: Runtime) -> None:
+    """A schema that refers to itself and nothing else matches no text: the engine stops
+    at its first mask ("NoExtensionBias"), which once ended the answer at once, empty,
+    with finish_reason "stop" and a 200. Now a 400 naming the field, at the constraint's
+    making (before any pass) and at `check` alike."""
+    field = "response_format.json_schema.schema"
+    for schema in (
+        {"$ref": "#"},
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    ):
+        grammar = Grammar.json_schema(schema, field)
+        with pytest.raises(GrammarError, match="no text matches") as err:
+            grammar.check(runtime.tokenizer)
+        assert (err.value.param, err.value.code) == (field, "unsupported_grammar")
+        with pytest.raises(GrammarError, match="no text matches") as err:
+            Constraint(grammar, runtime.tokenizer, runtime.target.vocab_width)
+        assert (err.value.param, err.value.code) == (field, "unsupported_grammar")
+
+
+def test_an_engine_limit_reached_while_generating_is_the_requests_error(runtime: Runtime) -> None:
+    """500 optional properties pass the schema limits and the first mask, but a later
+    token takes the engine past its 2,000 Earley items in a row: a 400 naming the field
+    (it was a RuntimeError, a 500, mid-answer)."""
+    field = "response_format.json_schema.schema"
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(500)}}
+    constraint = Constraint(Grammar.json_schema(schema, field), runtime.tokenizer,
+                            runtime.target.vocab_width)  # fmt: skip
+    with pytest.raises(GrammarError, match="max is 2000") as err:
+        for _ in range(12):  # the second token each mask allows: '{', '"', then a name
+            allowed = expand(constraint.words(), constraint.width).nonzero().flatten()
+            constraint.commit([int(allowed[min(1, len(allowed) - 1)])])
+    assert (err.value.param, err.value.code) == (field, "unsupported_grammar")
+
+
 # -- through the daemon ----------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from daemon.cli import chat, models, plan, pull, serve, service
 from daemon.cli.argtypes import (
@@ -323,6 +323,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _not_json(name: str) -> Any:
+    """NaN and the infinities, which Python's json reads and JSON does not have."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def output_grammar(args: argparse.Namespace) -> Grammar | None:
     """--json-schema FILE / --json-object as a grammar (None: free text)."""
     from speculative.grammar import Grammar
@@ -333,7 +338,9 @@ def output_grammar(args: argparse.Namespace) -> Grammar | None:
     if args.json_schema is None:
         return None
     try:
-        schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+        schema = json.loads(
+            Path(args.json_schema).read_text(encoding="utf-8"), parse_constant=_not_json
+        )
     except OSError as err:
         raise RequestError(f"--json-schema {args.json_schema}: {err.strerror}") from None
     except (ValueError, UnicodeDecodeError) as err:

@@ -199,7 +199,13 @@ def generation_fields(body: dict, limits: WireLimits, chat: bool) -> dict[str, A
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
-    include_usage = bool((options or {}).get("include_usage", False))
+    include_usage = (options or {}).get("include_usage", False)
+    if include_usage is None:
+        include_usage = False
+    if not isinstance(include_usage, bool):  # ("false" is a true value to bool())
+        raise bad_request(
+            "stream_options.include_usage must be true or false", "stream_options.include_usage"
+        )
     strategy = body.get("strategy")
     if strategy is not None and strategy not in STRATEGY_CHOICES:
         raise bad_request(f"strategy must be one of {', '.join(STRATEGY_CHOICES)}", "strategy")

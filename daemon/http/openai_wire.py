@@ -61,17 +61,30 @@ def _parse_int(literal: str) -> int | OversizedNumber:
     return OversizedNumber(literal) if oversized else int(literal)
 
 
+class _NotJsonConstant(Exception):
+    """NaN, Infinity or -Infinity, which Python's json reads and JSON does not have."""
+
+
+def _no_constant(name: str) -> Any:
+    raise _NotJsonConstant(name)
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         try:
-            body = json.loads(raw)
+            body = json.loads(raw, parse_constant=_no_constant)
         except ValueError as exc:
             if isinstance(exc, json.JSONDecodeError | UnicodeDecodeError):
                 raise
-            body = json.loads(raw, parse_int=_parse_int)  # an integer past int()'s limit
+            # an integer past int()'s limit
+            body = json.loads(raw, parse_int=_parse_int, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(
             f"the request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    except _NotJsonConstant as exc:  # a schema's {"const": NaN} would become null
+        raise bad_request(
+            f"the request body is not valid JSON: {exc} is not a JSON value", code="invalid_json"
         ) from None
     except RecursionError:
         # json's decoder recurses once per level: `[[[[…` twenty thousand deep exhausts
@@ -87,6 +100,10 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 def _refuse_unsupported(body: dict) -> None:
     """Fields whose meaning specd cannot honour are refused rather than silently ignored."""
     n = body.get("n")
+    if n is not None and type(n) is not int:  # (true == 1 in Python)
+        raise bad_request(
+            f"n must be an integer (1: specd returns one choice), not a {type(n).__name__}", "n"
+        )
     if n is not None and n != 1:
         raise bad_request("n > 1 is not supported: specd returns one choice per request", "n")
     if body.get("functions"):

@@ -100,7 +100,7 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
         "head_dim": head_dim,
         "rms_norm_eps": number("attention.layer_norm_rms_epsilon"),
         "max_position_embeddings": count("context_length", 2048),
-        "rope_theta": number("rope.freq_base", 10000.0),
+        "rope_theta": number("rope.freq_base", 10000.0, positive=True),  # (0: inf, NaN)
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": _token_id(meta, "tokenizer.ggml.bos_token_id", vocab, source),
         "eos_token_id": _token_id(meta, "tokenizer.ggml.eos_token_id", vocab, source),
@@ -155,12 +155,16 @@ class _Keys:
             )
         return value
 
-    def number(self, name: str, default: float | None = None) -> float:
+    def number(self, name: str, default: float | None = None, positive: bool = False) -> float:
         value = self._value(name, default)
-        if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-            raise _malformed(
-                self.source, f"{self.arch}.{name}", value, "a finite number of at least 0"
-            )
+        if (
+            type(value) not in (int, float)
+            or not math.isfinite(value)
+            or value < 0
+            or (positive and value == 0)
+        ):
+            wanted = "a finite number above 0" if positive else "a finite number of at least 0"
+            raise _malformed(self.source, f"{self.arch}.{name}", value, wanted)
         return float(value)
 
 

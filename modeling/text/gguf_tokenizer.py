@@ -55,6 +55,7 @@ MAX_PIECE_LENGTH = 1024  # characters in one token
 MAX_VOCABULARY_TEXT = 2**23  # characters in all the tokens together
 MAX_MERGES = 2**21  # a `gpt2` file's, or those a `llama` file's scores give
 MAX_MERGES_TEXT = 2**24  # characters in all the merges together, both sides
+MAX_MESSAGE = 200  # characters of the tokenizers library's refusal quoted in ours
 
 # Tokens llama.cpp ends a generation at by their text alone (llama-vocab.cpp, "EOG").
 END_OF_TURN_TOKENS = frozenset(
@@ -124,6 +125,8 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
         if type(exc) is not Exception:  # the `tokenizers` library refuses with a bare one
             raise
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if len(first) > MAX_MESSAGE:  # it quotes the file's text, which may be megabytes
+            first = first[:MAX_MESSAGE] + " …"
         raise GGUFTokenizerError(
             f"{source}: the tokenizer.ggml.* keys do not make a tokenizer ({first}): {CORRUPT_FILE}"
         ) from None
@@ -157,6 +160,7 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
         add_bos=add_bos_policy,
         eos_token_ids=eos_ids,
         chat_template=read.chat_template,
+        template_source=f"{source}: tokenizer.chat_template",
     )
 
 
@@ -271,6 +275,8 @@ def _tokens(fields: Mapping[str, Any], source: str) -> list[str]:
             f"{MAX_VOCABULARY:,} (the largest real one has 262,144): {CORRUPT_FILE}"
         )
     longest = max(tokens, key=len)
+    if not longest:  # (a text would then be no tokens at all)
+        raise GGUFTokenizerError(f"{source}: {key} are all empty strings: {CORRUPT_FILE}")
     if len(longest) > MAX_PIECE_LENGTH:
         raise GGUFTokenizerError(
             f"{source}: {key}[{tokens.index(longest)}] is {len(longest):,} characters long; "
@@ -300,6 +306,11 @@ def _merges(fields: Mapping[str, Any], source: str) -> list[tuple[str, str]]:
         left, space, right = merge.partition(" ")
         if not space:
             raise GGUFTokenizerError(f"{source}: {key} has {merge[:80]!r}, no pair")
+        if len(left) + len(right) > MAX_PIECE_LENGTH:  # a merge makes one token of the two
+            raise GGUFTokenizerError(
+                f"{source}: {key} has a merge of {len(left) + len(right):,} characters "
+                f"({merge[:40]!r}…); a token is at most {MAX_PIECE_LENGTH:,}: {CORRUPT_FILE}"
+            )
         merges.append((left, right))
     return merges
 

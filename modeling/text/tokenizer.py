@@ -58,8 +58,12 @@ class Tokenizer:
         add_bos: bool | None = None,
         eos_token_ids: Sequence[int] = (),
         chat_template: str | None = None,
+        template_source: str = "",
     ) -> None:
+        """`template_source`: where the chat template came from (a file and its key), for
+        the messages that blame it."""
         self.backend = tokenizer
+        self.template_source = template_source
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
@@ -110,12 +114,13 @@ class Tokenizer:
         if bos is None and config.bos_token_id is not None:
             bos = backend.id_to_token(config.bos_token_id)
         template = tc.get("chat_template")
+        source = f"{tc_path}: chat_template"
         if isinstance(template, list):  # named templates: use the default one
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
         jinja_file = path / "chat_template.jinja"
         if template is None and jinja_file.is_file():
-            template = jinja_file.read_text()
+            template, source = jinja_file.read_text(), str(jinja_file)
         add_bos = tc.get("add_bos_token")
         return cls(
             backend,
@@ -124,6 +129,7 @@ class Tokenizer:
             add_bos=bool(add_bos) if add_bos is not None else None,
             eos_token_ids=eos_ids,
             chat_template=template,
+            template_source=source,
         )
 
     @property
@@ -148,7 +154,7 @@ class Tokenizer:
         byte-level token's characters are its bytes, a SentencePiece piece's are its text,
         byte fallback's `<0x..>` is one byte), so a text of n characters has at least
         n / max_token_chars tokens, short of a normaliser contracting it."""
-        return max((len(piece) for piece in self.vocabulary), default=1)
+        return max(1, max((len(piece) for piece in self.vocabulary), default=1))
 
     def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
         # `encode_batch` releases the GIL while it works (`encode` holds it: 0.6 s for a
@@ -193,8 +199,13 @@ class Tokenizer:
         before = self.decode([after], skip_special_tokens=False)
         return self.decode([after, token], skip_special_tokens=False)[len(before) :]
 
-    def _whose_template(self) -> str:
-        return "the model's chat template" if self.chat_template else "specd's fallback template"
+    def _whose_template(self, where: bool = False) -> str:
+        """The template, for a message; `where`: with the file and key it came from (at
+        load; a request's error names no server path)."""
+        if not self.chat_template:
+            return "specd's fallback template"
+        source = f" ({self.template_source})" if where and self.template_source else ""
+        return f"the model's chat template{source}"
 
     def _compiled_template(self) -> Template:
         from modeling.text.chat_template import TemplateError, compile_template
@@ -204,7 +215,7 @@ class Tokenizer:
                 self._template = compile_template(self.chat_template or FALLBACK_CHAT_TEMPLATE)
             except TemplateError as exc:
                 raise ChatTemplateError(
-                    f"{self._whose_template()} does not compile: {exc}"
+                    f"{self._whose_template(where=True)} does not compile: {exc}"
                 ) from exc
         return self._template
 
