@@ -424,6 +424,32 @@ def nested(depth: int, brackets: str) -> str:
     return opening * depth + "1" + closing * depth
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_unknown_expectation_is_a_417_in_the_openai_shape(
+    server: BackgroundServer, path: str
+) -> None:
+    """aiohttp answered `Expect: foo` itself, in plain text, before any middleware."""
+    body = chat() if "chat" in path else completion()
+    raw = request("POST", path, headers=[("Expect", "foo" * 100)], body=body)
+    error = assert_openai_error(exchange(port(server), raw), 417, "expectation_failed", "Expect")
+    assert "100-continue" in error["message"] and len(error["message"]) < 200
+
+
+def test_100_continue_is_answered_and_then_the_request(server: BackgroundServer) -> None:
+    raw = request("POST", "/v1/completions", headers=[("Expect", "100-continue")],
+                  body=completion())  # fmt: skip
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port(server)), timeout=30) as sock:
+        sock.sendall(head + b"\r\n\r\n")
+        interim = sock.recv(65536)
+        assert interim.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"), interim
+        sock.sendall(rest)
+        received = interim[len(b"HTTP/1.1 100 Continue\r\n\r\n") :]
+        while piece := sock.recv(65536):
+            received += piece
+    assert received.startswith(b"HTTP/1.1 200 "), received[:200]
+
+
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
 def test_nan_and_infinity_are_not_json(server: BackgroundServer, constant: str) -> None:
     """Python's json reads them; in a schema `{"const": NaN}` became null and the answer

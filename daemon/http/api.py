@@ -22,7 +22,15 @@ from daemon.http.completions import (
     chat_completions,
     completions,
 )
-from daemon.http.edge import CONFIG, DRAINING, ENGINE, METRICS, ApiConfig, edge_middleware
+from daemon.http.edge import (
+    CONFIG,
+    DRAINING,
+    ENGINE,
+    METRICS,
+    ApiConfig,
+    edge_middleware,
+    expect_handler,
+)
 from daemon.metrics import Metrics
 from speculative.grammar_compiler import GrammarCompiler
 
@@ -89,7 +97,7 @@ def create_app(engine: Engine, metrics_: Metrics, config: ApiConfig) -> web.Appl
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_handler)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect_handler)
     # CORS preflights (OPTIONS with an allowed Origin) are answered by the middleware.
     return app

@@ -72,6 +72,23 @@ def error_response(err: ApiError) -> web.Response:
     return web.json_response(err.body(), status=err.status, headers=err.headers)
 
 
+async def expect_handler(request: web.Request) -> web.StreamResponse | None:
+    """The `Expect:` header, answered before the body is read: `100-continue` as aiohttp
+    does (an interim 100), any other expectation refused in the OpenAI error shape (aiohttp
+    answers it with a plain-text 417 that no middleware sees)."""
+    expect = request.headers.get("Expect", "")
+    if request.version != (1, 1):
+        return None  # (HTTP/1.0 has no interim responses: aiohttp ignores the header too)
+    if expect.lower() == "100-continue":
+        assert request.writer is not None
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # (the answer's own size starts after it)
+        return None
+    shown = expect if len(expect) <= 60 else expect[:60] + "…"
+    message = f"the Expect header {shown!r} is not supported (only 100-continue)"
+    return error_response(ApiError(417, message, param="Expect", code="expectation_failed"))
+
+
 def _check_host(value: str, where: str, config: ApiConfig) -> None:
     if host_name(value) not in config.host_names:
         raise ApiError(
