@@ -497,7 +497,7 @@ def test_a_template_that_does_not_compile_names_the_file_and_the_key() -> None:
     with pytest.raises(ChatTemplateError) as raised:
         tokenizer_from_gguf(broken, "tmpl.gguf")
     assert str(raised.value).startswith(
-        "the model's chat template (tmpl.gguf: tokenizer.chat_template) does not compile: "
+        "tmpl.gguf: tokenizer.chat_template, the model's chat template, does not compile: "
     )
 
 

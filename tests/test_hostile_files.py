@@ -180,6 +180,11 @@ MALFORMED: list[tuple[str, dict[str, tuple[Any, ...] | None], str]] = [
         "tokenizer.chat_template",
     ),
     ("architecture as a number", {"general.architecture": (5, T.UINT32)}, "architecture 5"),
+    (
+        "a template that does not compile",  # (plan said OK where generate refused)
+        {"tokenizer.chat_template": ("{% if %}", T.STRING)},
+        "tokenizer.chat_template, the model's chat template, does not compile",
+    ),
 ]
 
 

@@ -31,7 +31,7 @@ from modeling.config import ModelConfig, UnsupportedModelError
 from modeling.decoder import Transformer
 from modeling.models import config_from_hf
 from modeling.text.gguf_tokenizer import check_tokenizer_metadata, tokenizer_from_gguf
-from modeling.text.tokenizer import Tokenizer
+from modeling.text.tokenizer import Tokenizer, compile_chat_template
 from modeling.weights.quant import (
     UnsupportedQuantizationError,
     laid_out_for,
@@ -158,6 +158,9 @@ def _open_gguf_checkpoint(path: Path, quantize: str | None, stop: list[str]) -> 
     # The tokenizer's keys too, though nothing here tokenizes: a plan refuses a file that
     # generation would, and the store's stop strings below are looked up in its tokens.
     check_tokenizer_metadata(contents.metadata, str(path))
+    template = contents.metadata.get("tokenizer.chat_template")
+    if isinstance(template, str):  # (a few milliseconds; its type was checked above)
+        compile_chat_template(template, f"{path}: tokenizer.chat_template")
     tokens = (contents.metadata.get("tokenizer.ggml.tokens") or []) if stop else []
     vocabulary = {t: i for i, t in enumerate(tokens)}
     stops = [vocabulary[s] for s in stop if s in vocabulary]

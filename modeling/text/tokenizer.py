@@ -31,6 +31,18 @@ class ChatTemplateError(RequestError):
     render (modeling/text/chat_template.py)."""
 
 
+def compile_chat_template(template: str, source: str) -> Template:
+    """A model's chat template compiled (sandboxed: modeling/text/chat_template.py), or
+    ChatTemplateError naming `source` (the file and key it came from; "" for specd's own)."""
+    from modeling.text.chat_template import TemplateError, compile_template
+
+    try:
+        return compile_template(template)
+    except TemplateError as exc:
+        whose = f"{source}, the model's chat template," if source else "the chat template"
+        raise ChatTemplateError(f"{whose} does not compile: {exc}") from exc
+
+
 # For base models without a template: a plain transcript the model can continue.
 FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}"
@@ -199,24 +211,16 @@ class Tokenizer:
         before = self.decode([after], skip_special_tokens=False)
         return self.decode([after, token], skip_special_tokens=False)[len(before) :]
 
-    def _whose_template(self, where: bool = False) -> str:
-        """The template, for a message; `where`: with the file and key it came from (at
-        load; a request's error names no server path)."""
-        if not self.chat_template:
-            return "specd's fallback template"
-        source = f" ({self.template_source})" if where and self.template_source else ""
-        return f"the model's chat template{source}"
+    def _whose_template(self) -> str:
+        """The template, for a request's error (which names no server path)."""
+        return "the model's chat template" if self.chat_template else "specd's fallback template"
 
     def _compiled_template(self) -> Template:
-        from modeling.text.chat_template import TemplateError, compile_template
-
         if self._template is None:
-            try:
-                self._template = compile_template(self.chat_template or FALLBACK_CHAT_TEMPLATE)
-            except TemplateError as exc:
-                raise ChatTemplateError(
-                    f"{self._whose_template(where=True)} does not compile: {exc}"
-                ) from exc
+            source = self.template_source if self.chat_template else ""
+            self._template = compile_chat_template(
+                self.chat_template or FALLBACK_CHAT_TEMPLATE, source
+            )
         return self._template
 
     def render_chat(
