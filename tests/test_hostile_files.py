@@ -39,9 +39,11 @@ def rewrite(
     path: Path,
     changes: dict[str, tuple[Any, ...] | None] | None = None,
     tensors: dict[str, np.ndarray] | None = None,
+    drop: tuple[str, ...] = (),
 ) -> Path:
     """SOURCE written again by gguf-py's writer: `changes` maps a key to (value, type) or
-    (value, ARRAY, item type), or to None to leave it out; `tensors` are added."""
+    (value, ARRAY, item type), or to None to leave it out; `tensors` are added, those
+    named in `drop` left out."""
     changes = changes or {}
     source, reader = read_gguf(SOURCE), gguf.GGUFReader(SOURCE)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -55,6 +57,8 @@ def rewrite(
             value, value_type, *sub_type = change
             writer.add_key_value(key, value, value_type, sub_type=(sub_type or [None])[0])
     for info in source.tensors:
+        if info.name in drop:
+            continue
         stored = source.tensor_bytes(info).copy()
         if info.ggml_type == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(info.name, stored.view(np.float32).reshape(info.ne[::-1]))
@@ -199,6 +203,11 @@ def malformed_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple
     }
     stray = {"blk.99.attn_norm.weight": np.ones(64, dtype=np.float32)}
     files["a stray layer"] = (rewrite(folder / "stray.gguf", tensors=stray), "blk.99")
+    # (plan said OK: only loading looked at the tensors, now their infos are checked first)
+    files["a missing tensor"] = (
+        rewrite(folder / "missing.gguf", drop=("blk.1.attn_q.weight",)),
+        "missing tensors: layers.1.",
+    )
     files["a zero dimension"] = (
         with_zero_dimension(folder / "zero-dim.gguf", "blk.1.ffn_up.weight"),
         "tensor blk.1.ffn_up.weight has a dimension of 0",

@@ -19,7 +19,12 @@ import torch
 
 from modeling.checkpoints.gguf_config import config_from_gguf
 from modeling.checkpoints.gguf_file import GGUFContents
-from modeling.checkpoints.gguf_model import is_gguf, load_gguf_model, open_gguf
+from modeling.checkpoints.gguf_model import (
+    check_gguf_tensors,
+    is_gguf,
+    load_gguf_model,
+    open_gguf,
+)
 from modeling.checkpoints.model_stores import resolve_store_ref
 from modeling.checkpoints.safetensors_model import (
     CheckpointError,
@@ -161,6 +166,7 @@ def _open_gguf_checkpoint(path: Path, quantize: str | None, stop: list[str]) -> 
     template = contents.metadata.get("tokenizer.chat_template")
     if isinstance(template, str):  # (a few milliseconds; its type was checked above)
         compile_chat_template(template, f"{path}: tokenizer.chat_template")
+    check_gguf_tensors(contents, config)  # (their infos: tens of milliseconds, no bytes)
     tokens = (contents.metadata.get("tokenizer.ggml.tokens") or []) if stop else []
     vocabulary = {t: i for i, t in enumerate(tokens)}
     stops = [vocabulary[s] for s in stop if s in vocabulary]

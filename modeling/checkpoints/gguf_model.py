@@ -113,12 +113,30 @@ def gguf_parts(
     ]  # fmt: skip
 
 
+def check_gguf_tensors(contents: GGUFContents, cfg: ModelConfig) -> None:
+    """GGUFError for what `load_gguf_model` would refuse in the file's tensors (missing or
+    unexpected ones, a shape or type the metadata does not give), from their infos alone:
+    no byte is read. `specd plan` refuses a file as loading would."""
+    _tensors(contents, cfg, torch.float32, "meta", check_only=True)
+
+
 def load_gguf_model(
     contents: GGUFContents, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
 ) -> Transformer:
     """The decoder of `cfg` with every tensor of the GGUF file at `path` in place: float
     tensors in `dtype`, quantized projections as their blocks. Missing or unexpected
     tensors, or a shape that does not match the metadata, are a GGUFError."""
+    return _tensors(contents, cfg, dtype, device)
+
+
+def _tensors(
+    contents: GGUFContents,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    check_only: bool = False,
+) -> Transformer:
+    """`load_gguf_model`; `check_only`: its checks alone (the model stays on meta)."""
     path = contents.path
     arch = architecture(cfg)
     with torch.device("meta"):
@@ -138,6 +156,8 @@ def load_gguf_model(
         if info.name == ROPE_FACTORS:
             if info.ggml_type != 0 or info.ne != ((cfg.head_dim + 1) // 2,):
                 problems.append(f"{info.name}: {info.ne} of type {info.ggml_type}, not F32 [hd/2]")
+                continue
+            if check_only:
                 continue
             factors = torch.from_numpy(contents.tensor_bytes(info).copy().view(np.float32))
             factors = factors.reshape(-1)  # (hd/2,)
@@ -165,6 +185,9 @@ def load_gguf_model(
                 continue
             elif (shape := _parameter_shape(model, name, parts)) != tuple(reversed(ne)):
                 problems.append(f"{name}: shape {tuple(reversed(ne))}, not {shape}")
+                continue
+            if check_only:
+                seen.add(packed if module is not None else name)
                 continue
             rows = arch.gguf_tensor(cfg, name, torch.from_numpy(stored.copy()), ne)
             columns = ne[0]
@@ -200,6 +223,8 @@ def load_gguf_model(
         problems.append("missing tensors: " + ", ".join(missing[:8]))
     if problems:
         raise GGUFError(f"{path}: " + "; ".join(problems[:8]))
+    if check_only:
+        return model
     if cfg.tie_word_embeddings and not isinstance(model.lm_head, GGUFLinear):
         model.lm_head.weight = model.embed_tokens.weight
     model.set_rope(device, factors)  # llama.cpp divides each frequency by its factor
