@@ -300,6 +300,11 @@ class Runtime:
         if self.draft is not None and self.draft_checkpoint is not None:
             models["draft"] = self.draft
             folders["draft"] = self.draft_checkpoint.path
+        elif self.draft is not None and self.options.compile == "on":
+            # The substitute, made here: no folder for `auto`'s child to precompile from,
+            # and compiling in this process would hold requests for tens of seconds; so
+            # it compiles when asked (its HQQ steps: modeling/compiled.py), never by auto.
+            models["draft"] = self.draft
         self.compilation = Compilation(self.options.compile, models, serving, folders=folders)
         return self.compilation
 

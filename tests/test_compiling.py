@@ -77,6 +77,23 @@ def test_the_hqq_substitute_compiles_when_asked_and_auto_leaves_it(stories_draft
     assert decide("auto", target, serving=True)[0]  # the dense model it was made from
 
 
+def test_the_runtime_offers_its_substitute_draft_to_the_compiler(stories_target: Path) -> None:
+    """The substitute has no checkpoint folder of its own: it was left out of the models
+    a runtime compiles, so --compile on never reached it."""
+    rt = Runtime(
+        RuntimeOptions(
+            model=str(stories_target), draft="substitute", substitute_bits=4, device="cpu",
+            offload="stream", resident_layers=0, context=256, compile="on",
+        )
+    )  # fmt: skip
+    compilation = rt.compile(serving=True)
+    assert compilation.models["draft"] is rt.draft and "draft" not in compilation.folders
+    state = compilation.to_dict()["draft"]
+    assert (state["state"], state["reason"]) == ("warming", "on (--compile on)")
+    rt.options.compile = "auto"  # (no child can precompile it: auto leaves it out)
+    assert "draft" not in rt.compile(serving=True).models
+
+
 def test_models_that_cannot_compile_say_why_even_when_asked() -> None:
     model = Transformer(_config(64, 128))
     model.set_layers(list(model.layers))  # what a streamer looks like to the model

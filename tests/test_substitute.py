@@ -245,17 +245,15 @@ def test_on_cuda_the_compiled_substitute_is_exact(
     """Its steps compiled and captured as CUDA graphs (issue 36: the substitute's step at
     its compiled speed), each HQQ projection rebuilt inside the graph: greedy output the
     target's, and the draft's passes ran through the graphs."""
-    from daemon.compiling import Compilation
-
     rt = Runtime(
         RuntimeOptions(
             model=str(stories_target), draft="substitute", substitute_bits=4, device="cuda",
             offload="stream", resident_layers=0, budget=32, context=512, dtype="fp32",
-            prefix_cache=0,
+            prefix_cache=0, compile="on",
         )
     )  # fmt: skip
     assert rt.draft is not None
-    compilation = Compilation("on", {"draft": rt.draft}, serving=True)
+    compilation = rt.compile(serving=True)  # as the daemon does with --compile on
     compilation.warm()
     state = compilation.to_dict()["draft"]
     assert state["state"] == "ready", state
