@@ -87,7 +87,7 @@ def find_draft_model(
         if _same_path(path, target.path):
             continue
         try:
-            config = open_checkpoint(path, config_only=True).config
+            config = open_checkpoint(path, config_only=True, verify=False).config
         except (ValueError, OSError):
             continue  # `specd models` says why; it is no draft
         params = parameter_count(config)

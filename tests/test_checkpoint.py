@@ -117,6 +117,27 @@ def test_a_rope_theta_that_is_no_positive_number_is_named(llama: Path, theta: An
         open_checkpoint(llama)
 
 
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [("{% if %}", "chat_template, the model's chat template, does not compile"),
+     (5, "chat_template is a int, not a template"),
+     ([{"name": "default"}], "chat_template is a list, but not of named templates")],
+)  # fmt: skip
+def test_a_folders_broken_template_is_refused_when_it_is_opened(
+    llama: Path, template: Any, says: str
+) -> None:
+    """As a GGUF file's: `specd plan` refuses it as loading does, naming the file."""
+    from modeling.text.tokenizer import ChatTemplateError
+
+    file = llama / "tokenizer_config.json"
+    tc = json.loads(file.read_text()) if file.is_file() else {}
+    file.write_text(json.dumps({**tc, "chat_template": template}))
+    with pytest.raises(ChatTemplateError) as raised:
+        open_checkpoint(llama)
+    assert str(raised.value).startswith(f"{file}") and says in str(raised.value)
+    assert open_checkpoint(llama, verify=False).config is not None  # (a scan's open)
+
+
 def test_rope_scaling_wins_over_rope_parameters_as_in_transformers() -> None:
     """A config carrying both layouts: transformers applies the non-empty rope_scaling."""
     from transformers import LlamaConfig

@@ -186,6 +186,37 @@ def test_an_engine_limit_reached_while_generating_is_the_requests_error(runtime:
     assert (err.value.param, err.value.code) == (field, "unsupported_grammar")
 
 
+def test_a_refused_token_whose_text_names_a_limit_is_still_a_bug(runtime: Runtime) -> None:
+    """The engine's refusal of a drawn token quotes the token's text: words such as
+    "limit" there must not turn the mask/draw disagreement (a bug: a 500) into the
+    request's 400; only the engine's own limit messages do."""
+
+    class Refusing:  # the matcher's three calls `commit` makes, refusing with `said`
+        def __init__(self, said: str) -> None:
+            self.said = said
+
+        def is_stopped(self) -> bool:
+            return False
+
+        def consume_token(self, token: int) -> bool:
+            return False
+
+        def get_error(self) -> str:
+            return self.said
+
+    field = "response_format.json_schema.schema"
+    grammar = Grammar.json_schema({"type": "object"}, field)
+    for said, error in [
+        ('Parser Error: token "max is fuel limit" doesn\'t satisfy the grammar', RuntimeError),
+        ("Parser Error: Current row has 2007 items; max is 2000", GrammarError),
+    ]:
+        constraint = Constraint(grammar, runtime.tokenizer, runtime.target.vocab_width)
+        constraint.matcher = Refusing(said)  # type: ignore[assignment]
+        with pytest.raises(error) as raised:
+            constraint.commit([5])
+        assert type(raised.value) is error
+
+
 # -- through the daemon ----------------------------------------------------------------
 
 

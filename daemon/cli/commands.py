@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -328,6 +329,14 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _finite_float(literal: str) -> float:
+    """A number past a float's range (`1e999`) is refused, not read as infinity."""
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"{literal[:40]} is past a float's range")
+    return value
+
+
 def output_grammar(args: argparse.Namespace) -> Grammar | None:
     """--json-schema FILE / --json-object as a grammar (None: free text)."""
     from speculative.grammar import Grammar
@@ -339,7 +348,9 @@ def output_grammar(args: argparse.Namespace) -> Grammar | None:
         return None
     try:
         schema = json.loads(
-            Path(args.json_schema).read_text(encoding="utf-8"), parse_constant=_not_json
+            Path(args.json_schema).read_text(encoding="utf-8"),
+            parse_constant=_not_json,
+            parse_float=_finite_float,
         )
     except OSError as err:
         raise RequestError(f"--json-schema {args.json_schema}: {err.strerror}") from None

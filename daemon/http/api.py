@@ -94,9 +94,9 @@ def create_app(engine: Engine, metrics_: Metrics, config: ApiConfig) -> web.Appl
         app[GRAMMARS].close()
 
     app.on_cleanup.append(stop_preparers)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health, expect_handler=expect_handler)
+    app.router.add_get("/metrics", metrics, expect_handler=expect_handler)
+    app.router.add_get("/v1/models", models, expect_handler=expect_handler)
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_handler)
     app.router.add_post("/v1/completions", completions, expect_handler=expect_handler)
     # CORS preflights (OPTIONS with an allowed Origin) are answered by the middleware.

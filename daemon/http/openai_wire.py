@@ -13,6 +13,7 @@ here touches HTTP or the models: what depends on the models is admission's
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,25 +67,36 @@ class _NotJsonConstant(Exception):
 
 
 def _no_constant(name: str) -> Any:
-    raise _NotJsonConstant(name)
+    raise _NotJsonConstant(f"{name} is not a JSON value")
+
+
+def _finite_float(literal: str) -> float:
+    """A JSON number as a float; one past a float's range (`1e999`) is refused as NaN is,
+    not read as infinity."""
+    value = float(literal)
+    if not math.isfinite(value):
+        raise _NotJsonConstant(f"{literal[:40]} is past a float's range")
+    return value
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         try:
-            body = json.loads(raw, parse_constant=_no_constant)
+            body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
         except ValueError as exc:
             if isinstance(exc, json.JSONDecodeError | UnicodeDecodeError):
                 raise
             # an integer past int()'s limit
-            body = json.loads(raw, parse_int=_parse_int, parse_constant=_no_constant)
+            body = json.loads(
+                raw, parse_int=_parse_int, parse_constant=_no_constant, parse_float=_finite_float
+            )
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(
             f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
     except _NotJsonConstant as exc:  # a schema's {"const": NaN} would become null
         raise bad_request(
-            f"the request body is not valid JSON: {exc} is not a JSON value", code="invalid_json"
+            f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from None
     except RecursionError:
         # json's decoder recurses once per level: `[[[[…` twenty thousand deep exhausts

@@ -16,7 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from daemon.engine import Engine
-from daemon.http.edge import CONFIG, DRAINING, ENGINE, METRICS
+from daemon.http.edge import CONFIG, DRAINING, ENGINE, METRICS, expect_handler
 from daemon.http.openai_fields import DEFAULT_TEMPERATURE
 
 STATIC = Path(__file__).with_name("static")
@@ -143,5 +143,5 @@ def memory_pressure(engine: Engine) -> dict[str, Any]:
 
 def add_routes(app: web.Application) -> None:
     for path in PAGE_FILES:
-        app.router.add_get(path, page_file)
-    app.router.add_get("/v1/specd/status", specd_status)
+        app.router.add_get(path, page_file, expect_handler=expect_handler)
+    app.router.add_get("/v1/specd/status", specd_status, expect_handler=expect_handler)

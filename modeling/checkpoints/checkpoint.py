@@ -36,7 +36,12 @@ from modeling.config import ModelConfig, UnsupportedModelError
 from modeling.decoder import Transformer
 from modeling.models import config_from_hf
 from modeling.text.gguf_tokenizer import check_tokenizer_metadata, tokenizer_from_gguf
-from modeling.text.tokenizer import Tokenizer, compile_chat_template
+from modeling.text.tokenizer import (
+    Tokenizer,
+    compile_chat_template,
+    folder_chat_template,
+    tokenizer_config,
+)
 from modeling.weights.quant import (
     UnsupportedQuantizationError,
     laid_out_for,
@@ -121,17 +126,24 @@ def resolve(ref: str | os.PathLike[str], config_only: bool = False) -> Path:
 
 
 def open_checkpoint(
-    ref: str | os.PathLike[str], quantize: str | None = None, config_only: bool = False
+    ref: str | os.PathLike[str],
+    quantize: str | None = None,
+    config_only: bool = False,
+    verify: bool = True,
 ) -> Checkpoint:
     """Resolve and read the metadata only (config and generation defaults): cheap enough for
     planning before anything is loaded. `quantize` ("int8" | "int4"): a full-precision
     checkpoint's projections are to be quantized as they load (`on_load_quantization`);
     the config then describes the packed model, so the plan counts packed bytes.
-    `config_only`: a hub id needs only its config files in the cache (see `resolve`)."""
+    `config_only`: a hub id needs only its config files in the cache (see `resolve`).
+    `verify`: a GGUF file's chat template and tensor infos are checked as loading would
+    (so `specd plan` refuses what loading would); False for a scan of many candidates
+    (a mixture's tensor infos take seconds)."""
     store = resolve_store_ref(str(ref))  # read its manifest once
     path = store.path if store is not None else resolve(ref, config_only)
     if is_gguf(path):
-        return _open_gguf_checkpoint(path, quantize, store.stop if store is not None else [])
+        stop = store.stop if store is not None else []
+        return _open_gguf_checkpoint(path, quantize, stop, verify)
     config_path, gen_path = path / "config.json", path / "generation_config.json"
     refuse_irregular(config_path, gen_path)  # a hub snapshot's too, not checked by resolve
     try:
@@ -147,10 +159,16 @@ def open_checkpoint(
             )
         config = replace(config, quantization=on_load_quantization(quantize))
     defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    if verify:  # (its template compiles as loading compiles it: milliseconds)
+        template, source = folder_chat_template(path, tokenizer_config(path))
+        if template is not None:
+            compile_chat_template(template, source)
     return Checkpoint(path=path, config=config, generation_defaults=defaults)
 
 
-def _open_gguf_checkpoint(path: Path, quantize: str | None, stop: list[str]) -> Checkpoint:
+def _open_gguf_checkpoint(
+    path: Path, quantize: str | None, stop: list[str], verify: bool = True
+) -> Checkpoint:
     """A GGUF file's config from its metadata (modeling/checkpoints/gguf_config.py). `stop`: a model
     store's default stop strings (Ollama's params); those that are tokens of the
     vocabulary end a generation as its end-of-sequence tokens do."""
@@ -164,9 +182,10 @@ def _open_gguf_checkpoint(path: Path, quantize: str | None, stop: list[str]) -> 
     # generation would, and the store's stop strings below are looked up in its tokens.
     check_tokenizer_metadata(contents.metadata, str(path))
     template = contents.metadata.get("tokenizer.chat_template")
-    if isinstance(template, str):  # (a few milliseconds; its type was checked above)
+    if verify and isinstance(template, str):  # (milliseconds; its type was checked above)
         compile_chat_template(template, f"{path}: tokenizer.chat_template")
-    check_gguf_tensors(contents, config)  # (their infos: tens of milliseconds, no bytes)
+    if verify:  # (no byte read: 55 ms for SmolLM2, ~2 s for a 128-expert mixture's layout)
+        check_gguf_tensors(contents, config)
     tokens = (contents.metadata.get("tokenizer.ggml.tokens") or []) if stop else []
     vocabulary = {t: i for i, t in enumerate(tokens)}
     stops = [vocabulary[s] for s in stop if s in vocabulary]

@@ -31,6 +31,40 @@ class ChatTemplateError(RequestError):
     render (modeling/text/chat_template.py)."""
 
 
+def tokenizer_config(path: Path) -> dict[str, Any]:
+    """A model folder's tokenizer_config.json ({} where there is none), or ChatTemplateError
+    naming the file where it is no JSON object."""
+    file = path / "tokenizer_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        tc = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ChatTemplateError(f"{file} is not JSON: {str(exc)[:120]}") from None
+    if not isinstance(tc, dict):
+        raise ChatTemplateError(f"{file} is not a JSON object")
+    return tc
+
+
+def folder_chat_template(path: Path, tc: dict[str, Any]) -> tuple[str | None, str]:
+    """A model folder's chat template and where it came from: tokenizer_config.json's
+    `chat_template` (a text, or named ones: the default's), else chat_template.jinja.
+    ChatTemplateError naming the file and key for one of another type."""
+    source = f"{path / 'tokenizer_config.json'}: chat_template"
+    template = tc.get("chat_template")
+    if isinstance(template, list):  # named templates: use the default one
+        if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
+            raise ChatTemplateError(f"{source} is a list, but not of named templates")
+        named = {t.get("name"): t["template"] for t in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    if template is not None and not isinstance(template, str):
+        raise ChatTemplateError(f"{source} is a {type(template).__name__}, not a template")
+    jinja_file = path / "chat_template.jinja"
+    if template is None and jinja_file.is_file():
+        template, source = jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+    return template, source
+
+
 def compile_chat_template(template: str, source: str) -> Template:
     """A model's chat template compiled (sandboxed: modeling/text/chat_template.py), or
     ChatTemplateError naming `source` (the file and key it came from; "" for specd's own)."""
@@ -107,8 +141,7 @@ class Tokenizer:
                 f"{path} has no tokenizer.json (specd reads tokenizers in the `tokenizers` format)"
             )
         backend = HFTokenizer.from_file(str(file))
-        tc_path = path / "tokenizer_config.json"
-        tc = json.loads(tc_path.read_text()) if tc_path.is_file() else {}
+        tc = tokenizer_config(path)
         bos = _token_text(tc.get("bos_token"))
         eos = _token_text(tc.get("eos_token"))
         # EOS ids: the generation config's (may be a list) and the model config's, plus the
@@ -125,14 +158,7 @@ class Tokenizer:
             eos_ids.append(eos_id)
         if bos is None and config.bos_token_id is not None:
             bos = backend.id_to_token(config.bos_token_id)
-        template = tc.get("chat_template")
-        source = f"{tc_path}: chat_template"
-        if isinstance(template, list):  # named templates: use the default one
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
-        jinja_file = path / "chat_template.jinja"
-        if template is None and jinja_file.is_file():
-            template, source = jinja_file.read_text(), str(jinja_file)
+        template, source = folder_chat_template(path, tc)
         add_bos = tc.get("add_bos_token")
         return cls(
             backend,
