@@ -59,8 +59,10 @@ class GrammarError(RequestError):
 
 
 # What the engine says when it gives up on a grammar for one of its own limits (the
-# Earley items of one token's row, the lexer's fuel), as opposed to a token it refuses.
-_LIMIT_WORDS = ("max is", "fuel", "too many", "limit")
+# Earley items of one token's row, the lexer's fuel), as opposed to a token it refuses
+# (whose message quotes the token's text, which may hold any of these words).
+_LIMIT_PHRASES = ("items; max is", "fuel", "Too many items")
+_REFUSED_TOKEN = "doesn't satisfy the grammar"
 
 
 def engine_stopped(field: str, message: str) -> GrammarError:
@@ -296,7 +298,8 @@ class Constraint:
                 break
             if not self.matcher.consume_token(int(token)):
                 said = self.matcher.get_error()
-                if any(word in said for word in _LIMIT_WORDS):
+                limit = any(phrase in said for phrase in _LIMIT_PHRASES)
+                if limit and _REFUSED_TOKEN not in said:
                     # The mask allowed it, but taking it reaches one of the engine's limits
                     # (500 optional properties: a row of 2,007 items, where 2,000 is the
                     # most): this grammar is beyond the engine, which is the request's.
