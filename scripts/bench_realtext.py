@@ -18,7 +18,8 @@ passes it ran at a step cost (`--draft-step-ms`, assumed unless measured on a GP
 tokens/s = tokens per pass / (pass seconds + draft passes per pass x step). Plain decoding
 is 1 / pass seconds.
 
-On a GPU (`--device cuda --timed`, issue 35's GPU item; scripts/gpu_checks.sh runs it):
+On a GPU (`--device cuda --timed`, issue 35's GPU item; scripts/gpu_checks.sh runs it
+with `--compile on`, the drafts' steps compiled as the daemon's --compile on does):
 every draft's target streamed (`--offload stream --resident-layers 0`, `--gpu-budget`),
 the substitute's packed steps as they run (on a CPU they are rebuilt to dense once, since
 there only tokens per pass are measured), and each cell also decoded plainly by the same
@@ -68,11 +69,15 @@ def draft_options(
     context: int,
     device: str = "cpu",
     gpu_budget: str = "auto",
+    compile: str = "off",
 ) -> RuntimeOptions:
     """The runtime of one draft kind: the substitute with every layer streamed (so every
     layer has a low-bit copy), n-gram, or the target's own int8/int4 copy. On a GPU every
-    kind's target streams (what the timed figures are about)."""
-    common: dict[str, Any] = {"device": device, "context": context, "prefix_cache": 0}
+    kind's target streams (what the timed figures are about). `compile`: "on" compiles
+    what --compile on does (the draft's steps; a streamed target runs eager)."""
+    common: dict[str, Any] = {
+        "device": device, "context": context, "prefix_cache": 0, "compile": compile
+    }  # fmt: skip
     if device != "cpu":
         common.update(offload="stream", resident_layers=0, gpu_budget=gpu_budget)
     if name.startswith("sub"):
@@ -310,6 +315,8 @@ def main() -> None:
                     default=Path.home() / ".cache" / "specd" / "bench-substitutes")  # fmt: skip
     ap.add_argument("--device", default="cpu", help="cpu | cuda (every target streamed there)")
     ap.add_argument("--gpu-budget", default="auto", help="on a GPU: its budget (e.g. 256MB)")
+    ap.add_argument("--compile", default="off", choices=("off", "on"),
+                    help="compile the drafts' steps as --compile on does (timed runs)")  # fmt: skip
     ap.add_argument("--timed", action="store_true",
                     help="also plain decoding per cell, and tokens/s (meaningful on a GPU)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=ROOT / "bench-results" / "realtext.json")
@@ -346,9 +353,14 @@ def main() -> None:
     )  # fmt: skip
     for name in drafts if not args.projection_from else []:
         options = draft_options(
-            name, model, args.substitute_cache, context, args.device, args.gpu_budget
+            name, model, args.substitute_cache, context, args.device, args.gpu_budget, args.compile
         )
-        rows += measure(Runtime(options), name, args)
+        rt = Runtime(options)
+        if args.compile == "on":  # before the first cell, as a daemon warms before serving
+            compilation = rt.compile(serving=True)
+            compilation.warm(lambda line: print(f"  {line}", flush=True))
+            print(f"  compiled: {compilation.to_dict()}", flush=True)
+        rows += measure(rt, name, args)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows}, indent=1))  # each draft as it ends
     for path in args.projection_from:
@@ -397,12 +409,14 @@ def measure(rt: Runtime, name: str, args: argparse.Namespace) -> list[dict[str, 
         cells[cell] = kept
     cells = {cell: ids for cell, ids in cells.items() if ids}
     rows: list[dict[str, Any]] = []
-    if rt.draft is not None and rt.draft_kind == "substitute" and args.device == "cpu":
+    # (a compiled draft keeps its packed layers: its graphs were traced over them)
+    dense_once = args.device == "cpu" and args.compile == "off"
+    if rt.draft is not None and rt.draft_kind == "substitute" and dense_once:
         # The substitute's layers rebuilt to dense once (the same weights: what it drafts is
         # unchanged, to float rounding), so that its CPU passes cost 36 ms, not 153: this
         # measures tokens per pass; the packed pass's speed is issue 36's.
         rt.draft.dequantize_layers()
-    elif rt.draft is not None and name in ("int8", "int4") and args.device == "cpu":
+    elif rt.draft is not None and name in ("int8", "int4") and dense_once:
         # Likewise the target's int8/int4 copy: its packed projections rebuilt to dense once
         # (its drafts unchanged, to float rounding), 4x fewer seconds a draft pass.
         for module in list(rt.draft.modules()):

@@ -94,8 +94,8 @@ section rebuild 60 "$python" scripts/bench_rebuild.py --json "$out/rebuild.json"
 # Issue 35: SmolLM2 streamed on the GPU, measured tokens/s against plain decoding and the
 # projection (the file comes in two parts: the second call of docs/gpu-checks.md).
 if [ -f "$smollm2_dir/smollm2-135m-instruct-q4_1.gguf" ]; then
-    section realtext 420 "$python" scripts/bench_realtext.py --device cuda --timed \
-        --drafts sub4,ngram --temperatures 0,1 --cells writing,coding,humaneval --humaneval 1 \
+    section realtext 420 "$python" scripts/bench_realtext.py --device cuda --timed --compile on \
+        --drafts sub4,ngram --temperatures 0,1 --cells writing,humaneval --humaneval 1 \
         --no-projection --json "$out/realtext-gpu.json"
 elif [[ $sections == *" realtext "* ]]; then
     echo "gpu_checks: realtext not run: no SmolLM2 file (docs/gpu-checks.md: its second part comes in a second call)" \
