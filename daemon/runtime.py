@@ -153,15 +153,14 @@ class Runtime:
                 self.device, options.gpu_budget, options.ram_budget, options.bandwidth,
                 measure=False,
             )  # fmt: skip
-            choice = resolve_auto(
-                options, open_checkpoint(options.model, options.quantize), budget,
-                self.device.type,
-            )  # fmt: skip
+            # (loading checks what `verify` would, once)
+            target_ckpt = open_checkpoint(options.model, options.quantize, verify=False)
+            choice = resolve_auto(options, target_ckpt, budget, self.device.type)
             options = replace(options, draft=choice.draft)
             self.options, self.draft_reason = options, choice.reason
         # The draft's checkpoint is opened once: its config is planned for, then it loads.
         draft_ckpt = (
-            open_checkpoint(options.draft, options.draft_quantize)
+            open_checkpoint(options.draft, options.draft_quantize, verify=False)  # (loaded)
             if options.draft and options.draft not in (NGRAM, SUBSTITUTE)
             else None
         )

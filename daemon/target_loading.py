@@ -202,7 +202,8 @@ def load_placed_target(
     is loaded, and `auto` dtype, context and substitute bits are settled), then loaded and
     placed. `draft`: the draft model's checkpoint, opened (its config is planned for), or
     None; with `--draft substitute` the substitute is built from the target's layers."""
-    ckpt = open_checkpoint(options.model, options.quantize)
+    # (its template and tensors are checked as they load: not a second time here)
+    ckpt = open_checkpoint(options.model, options.quantize, verify=False)
     # `--experts auto` weighs the bus against the CPU for a mixture on a GPU: measured then
     # (a fraction of a second), where they are not given.
     routed = ckpt.config.moe is not None and options.experts == "auto"

@@ -276,8 +276,8 @@ class Constraint:
 
     def _unspellable(self) -> None:
         field = self.grammar.field
-        said = engine_message(self.matcher.get_error())
-        if said:  # the engine stopped (one of its own limits), not the vocabulary
+        said = self.matcher.get_error()
+        if engine_message(said):  # the engine stopped (one of its limits), not the vocabulary
             raise engine_stopped(field, said)
         raise GrammarError(
             f"{field}: the model's vocabulary has no token for what the grammar requires "

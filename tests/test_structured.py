@@ -331,6 +331,10 @@ def test_the_command_line_takes_a_schema_file(
     schema.write_text('{"type": "array", "uniqueItems": true}')
     assert main([*argv, "--json-schema", str(schema)]) == 2
     assert "uniqueItems" in capsys.readouterr().err
+    for value, says in (("NaN", "NaN is not a JSON value"), ("1e999", "past a float's range")):
+        schema.write_text(f'{{"type": "object", "properties": {{"a": {{"const": {value}}}}}}}')
+        assert main([*argv, "--json-schema", str(schema)]) == 2  # (was a const of null)
+        assert says in capsys.readouterr().err
 
 
 # -- tool calls ---------------------------------------------------------------------------

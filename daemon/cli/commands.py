@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from daemon import strict_json
 from daemon.cli import chat, models, plan, pull, serve, service
 from daemon.cli.argtypes import (
     DRAFT_HELP,
@@ -324,19 +324,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_json(name: str) -> Any:
-    """NaN and the infinities, which Python's json reads and JSON does not have."""
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _finite_float(literal: str) -> float:
-    """A number past a float's range (`1e999`) is refused, not read as infinity."""
-    value = float(literal)
-    if not math.isfinite(value):
-        raise ValueError(f"{literal[:40]} is past a float's range")
-    return value
-
-
 def output_grammar(args: argparse.Namespace) -> Grammar | None:
     """--json-schema FILE / --json-object as a grammar (None: free text)."""
     from speculative.grammar import Grammar
@@ -347,11 +334,7 @@ def output_grammar(args: argparse.Namespace) -> Grammar | None:
     if args.json_schema is None:
         return None
     try:
-        schema = json.loads(
-            Path(args.json_schema).read_text(encoding="utf-8"),
-            parse_constant=_not_json,
-            parse_float=_finite_float,
-        )
+        schema = strict_json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
     except OSError as err:
         raise RequestError(f"--json-schema {args.json_schema}: {err.strerror}") from None
     except (ValueError, UnicodeDecodeError) as err:

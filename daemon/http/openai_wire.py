@@ -13,10 +13,10 @@ here touches HTTP or the models: what depends on the models is admission's
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from daemon import strict_json
 from daemon.admission import Ask
 from daemon.http.openai_errors import bad_request
 from daemon.http.openai_fields import WireLimits, checked_text, generation_fields, is_int
@@ -62,39 +62,17 @@ def _parse_int(literal: str) -> int | OversizedNumber:
     return OversizedNumber(literal) if oversized else int(literal)
 
 
-class _NotJsonConstant(Exception):
-    """NaN, Infinity or -Infinity, which Python's json reads and JSON does not have."""
-
-
-def _no_constant(name: str) -> Any:
-    raise _NotJsonConstant(f"{name} is not a JSON value")
-
-
-def _finite_float(literal: str) -> float:
-    """A JSON number as a float; one past a float's range (`1e999`) is refused as NaN is,
-    not read as infinity."""
-    value = float(literal)
-    if not math.isfinite(value):
-        raise _NotJsonConstant(f"{literal[:40]} is past a float's range")
-    return value
-
-
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         try:
-            body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+            body = strict_json.loads(raw)
         except ValueError as exc:
-            if isinstance(exc, json.JSONDecodeError | UnicodeDecodeError):
+            if isinstance(
+                exc, json.JSONDecodeError | UnicodeDecodeError | strict_json.NotJsonValue
+            ):
                 raise
-            # an integer past int()'s limit
-            body = json.loads(
-                raw, parse_int=_parse_int, parse_constant=_no_constant, parse_float=_finite_float
-            )
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(
-            f"the request body is not valid JSON: {exc}", code="invalid_json"
-        ) from None
-    except _NotJsonConstant as exc:  # a schema's {"const": NaN} would become null
+            body = strict_json.loads(raw, parse_int=_parse_int)  # an int past int()'s limit
+    except (json.JSONDecodeError, UnicodeDecodeError, strict_json.NotJsonValue) as exc:
         raise bad_request(
             f"the request body is not valid JSON: {exc}", code="invalid_json"
         ) from None

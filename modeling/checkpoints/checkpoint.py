@@ -136,9 +136,10 @@ def open_checkpoint(
     checkpoint's projections are to be quantized as they load (`on_load_quantization`);
     the config then describes the packed model, so the plan counts packed bytes.
     `config_only`: a hub id needs only its config files in the cache (see `resolve`).
-    `verify`: a GGUF file's chat template and tensor infos are checked as loading would
-    (so `specd plan` refuses what loading would); False for a scan of many candidates
-    (a mixture's tensor infos take seconds)."""
+    `verify`: the chat template and (GGUF) the tensor infos are checked as loading would,
+    so `specd plan` refuses what loading would; False where the model is about to load
+    (which checks them as it goes) or for a scan of many candidates (a 128-expert
+    mixture's tensor infos take a second or two)."""
     store = resolve_store_ref(str(ref))  # read its manifest once
     path = store.path if store is not None else resolve(ref, config_only)
     if is_gguf(path):
