@@ -9,6 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
+class RuntimeSetupError(RuntimeError):
+    """A runtime that cannot be built as asked (a user error, reported in one line)."""
+
+
 @dataclass
 class RuntimeOptions:
     model: str

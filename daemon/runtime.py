@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -17,12 +16,13 @@ import psutil
 import torch
 
 from daemon.compiling import SMALL_LAYER_PARAMETERS, Compilation
-from daemon.draft_choice import AUTO, resolve_auto
+from daemon.draft_choice import NGRAM
+from daemon.draft_loading import load_draft_model, settle_draft
 from daemon.learned_store import LearnedStore, pair_key
 from daemon.memory_plan import plan_dtype
-from daemon.options import RuntimeOptions
+from daemon.options import RuntimeOptions, RuntimeSetupError
 from daemon.target_loading import expert_source, load_placed_target
-from modeling.checkpoints.checkpoint import DTYPE_CHOICES, Checkpoint, load, open_checkpoint
+from modeling.checkpoints.checkpoint import DTYPE_CHOICES, Checkpoint
 from modeling.decoder import Transformer
 from modeling.models import layer_parameter_count
 from modeling.substitute import SUBSTITUTE
@@ -31,7 +31,6 @@ from modeling.weights import cpu_kernels
 from modeling.weights.packed import PackedLinear
 from offload.expert_plans import expected_experts
 from offload.experts import ExpertStats
-from offload.machine import detect_budget
 from offload.plan import MemoryPlan
 from offload.stream import LayerStreamer
 from speculative.acceptance import AcceptanceModel
@@ -46,12 +45,6 @@ from speculative.session import Session
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear
 from speculative.strategies.tree import TreeSpeculation
-
-NGRAM = "ngram"  # --draft ngram: prompt-lookup drafting, no draft model
-
-
-class RuntimeSetupError(RuntimeError):
-    """A runtime that cannot be built as asked (a user error, reported in one line)."""
 
 
 def cpu_threads(requested: int | str, layer_parameters: int) -> int:
@@ -76,31 +69,6 @@ def pick_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeSetupError("--device cuda was asked for but no CUDA device is available")
     return torch.device(device)
-
-
-def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_ref: str) -> None:
-    """Speculation compares token ids, so both models must mean the same thing by each id."""
-    if target.vocabulary != draft.vocabulary:
-        raise RuntimeSetupError(
-            f"draft {draft_ref!r} uses a different tokenizer/vocabulary than the target: "
-            "speculation needs both models to share one vocabulary (pick a draft from the "
-            "same model family)"
-        )
-
-
-def check_embeddings_cover(
-    tokenizer: Tokenizer, target_rows: int, draft_rows: int, draft_ref: str
-) -> None:
-    """Both embeddings must hold a row for every id the shared tokenizer can produce; past
-    that, sizes may differ (Qwen2.5 0.5B-3B have 151,936 rows, 14B-72B 152,064: padding)
-    and the draft is adapted to the target's width (`Transformer.set_vocab_width`)."""
-    need = tokenizer.id_limit
-    for name, rows in (("target", target_rows), (f"draft {draft_ref!r}", draft_rows)):
-        if rows < need:
-            raise RuntimeSetupError(
-                f"the {name} has {rows} embedding rows but its tokenizer produces ids up to "
-                f"{need - 1} ({need} needed): the checkpoint does not match its tokenizer"
-            )
 
 
 def linear_drafter(rt: Runtime) -> Drafter:
@@ -147,23 +115,10 @@ class Runtime:
             raise RuntimeSetupError(
                 f"context must be a token count or 'auto', got {options.context!r}"
             )
-        self.draft_reason: str | None = None  # why `--draft auto` chose what it did
-        if options.draft == AUTO:
-            budget = detect_budget(
-                self.device, options.gpu_budget, options.ram_budget, options.bandwidth,
-                measure=False,
-            )  # fmt: skip
-            # (loading checks what `verify` would, once)
-            target_ckpt = open_checkpoint(options.model, options.quantize, verify=False)
-            choice = resolve_auto(options, target_ckpt, budget, self.device.type)
-            options = replace(options, draft=choice.draft)
-            self.options, self.draft_reason = options, choice.reason
-        # The draft's checkpoint is opened once: its config is planned for, then it loads.
-        draft_ckpt = (
-            open_checkpoint(options.draft, options.draft_quantize, verify=False)  # (loaded)
-            if options.draft and options.draft not in (NGRAM, SUBSTITUTE)
-            else None
-        )
+        asked = settle_draft(options, self.device)
+        options = self.options = asked.options
+        self.draft_reason: str | None = asked.reason  # why `--draft auto` chose what it did
+        draft_ckpt = asked.checkpoint
         placed = load_placed_target(options, self.device, draft_ckpt)
         target, tokenizer, ckpt = placed.model, placed.tokenizer, placed.checkpoint
         self.plan: MemoryPlan = placed.plan
@@ -216,17 +171,11 @@ class Runtime:
             self.draft_kind = NGRAM
         elif placed.substitute is not None:
             self.draft, self.draft_kind = placed.substitute, SUBSTITUTE
-        elif options.draft and draft_ckpt is not None:
-            draft, draft_tok, draft_ckpt = load(draft_ckpt, self.dtype, self.device)
-            check_same_vocabulary(tokenizer, draft_tok, options.draft)
-            check_embeddings_cover(
-                tokenizer, ckpt.config.vocab_size, draft_ckpt.config.vocab_size, options.draft
+        elif draft_ckpt is not None:
+            self.draft, self.draft_checkpoint = load_draft_model(
+                asked, target, ckpt, tokenizer, self.dtype, self.device
             )
-            draft.set_vocab_width(target.vocab_width)  # no-op when the sizes are equal
-            draft.max_pass_tokens = self.max_pass_tokens
-            self.draft, self.draft_kind = draft, "model"
-            self.draft_checkpoint = draft_ckpt
-
+            self.draft_kind = "model"
         default = "tree" if self.draft_kind else "autoregressive"
         self.default_strategy = options.strategy or default
         self.check_strategy(self.default_strategy)
