@@ -1,8 +1,8 @@
 """The daemon's settings: typed dataclasses, one per section of the YAML config, each key with
 its built-in default and its check (daemon/settings_checks.py); the values every front end accepts for an option
 (`DTYPE_CHOICES`, `STRATEGY_CHOICES`, …); `Settings.runtime_options`, what the runtime
-is built from; and the id the target is served under and the names a request may give it
-(`served_model_id`, `served_model_aliases`). Where the values come from (files, environment,
+is built from. The id the target is served under and the names a request may give it are
+daemon/served_names.py. Where the values come from (files, environment,
 flags) is daemon/settings_loading.py."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import platformdirs
 
 from daemon.options import RuntimeOptions
+from daemon.served_names import served_model_aliases, served_model_id
 from daemon.settings_checks import (
     Check,
     choice,
@@ -43,8 +44,6 @@ STRATEGY_CHOICES = ("autoregressive", "linear", "tree")
 TREE_VERIFICATION_CHOICES = ("auto", "walk", "rejection")  # speculative.acceptance
 SUBSTITUTE_BITS_CHOICES = ("auto", 8, 4, 3, 2)  # modeling.substitute
 COMPILE_CHOICES = ("auto", "off", "on")
-# The target references that name a GGUF file or a model store's (modeling/checkpoints/).
-GGUF_SUFFIX, OLLAMA_PREFIX, LMSTUDIO_PREFIX = ".gguf", "ollama:", "lmstudio:"
 
 
 NO_DRAFT = "none"  # models.draft / --draft: plain decoding (as null is in a file)
@@ -336,61 +335,6 @@ class Settings:
     def section(self, name: str) -> Any:
         """A section's settings by its name ("server", "memory.pressure")."""
         return getattr(self, attribute(name))
-
-
-def served_model_id(target: str) -> str:
-    """The id /v1/models lists and every response echoes for a target reference: a folder's
-    or hub id's last part (`org/Llama-3.2-1B` → `Llama-3.2-1B`), a GGUF file's name without
-    `.gguf` (an LM Studio store's file's too), an Ollama reference as given."""
-    text = target.rstrip("/")
-    if text.startswith(OLLAMA_PREFIX):
-        return text  # its last part alone would lose the store, or the namespace before a '/'
-    name = Path(text).name
-    stem = name[: -len(GGUF_SUFFIX)]
-    return stem if name.lower().endswith(GGUF_SUFFIX) and stem else name
-
-
-def served_model_aliases(target: str) -> frozenset[str]:
-    """The names besides its id that a request's `model` may give the target by: a GGUF
-    file's name with its extension and its path (as given, and absolute); a store reference
-    as given; an Ollama model also as Ollama's own clients name it (`NAME:TAG`, and `NAME`
-    for the tag latest), with or without `ollama:`. A folder or hub id: none (its id only)."""
-    text = target.rstrip("/")
-    if text.startswith(OLLAMA_PREFIX):
-        names = _ollama_names(text.removeprefix(OLLAMA_PREFIX))
-        return frozenset({*names, *(OLLAMA_PREFIX + name for name in names)})
-    if text.startswith(LMSTUDIO_PREFIX):
-        return frozenset({text, Path(text).name})
-    if not text.lower().endswith(GGUF_SUFFIX):
-        return frozenset()
-    path = Path(text).expanduser()
-    return frozenset({path.name, text, str(path), str(path.absolute())})
-
-
-def _ollama_names(name: str) -> set[str]:
-    """An Ollama model name's spellings, as Ollama completes them: `tiny`, `tiny:latest`,
-    `library/tiny` and `registry.ollama.ai/library/tiny:latest` name one model."""
-    # Imported here: the stores' module pulls in numpy and gguf, which reading the settings
-    # does not need (it only runs for an Ollama target, which loads them anyway).
-    from modeling.checkpoints.model_stores import (
-        OLLAMA_HOST,
-        OLLAMA_NAMESPACE,
-        OLLAMA_TAG,
-        StoreError,
-        _ollama_name,
-    )
-
-    try:
-        host, namespace, model, tag = _ollama_name(name)
-    except StoreError:  # not a name Ollama completes: answered as given only
-        return {name}
-    bases = [f"{host}/{namespace}/{model}"]
-    if host.lower() == OLLAMA_HOST:
-        bases.append(f"{namespace}/{model}")
-        if namespace.lower() == OLLAMA_NAMESPACE:
-            bases.append(model)
-    untagged = set(bases) if tag == OLLAMA_TAG else set()
-    return {name, *untagged, *(f"{base}:{tag}" for base in bases)}
 
 
 def attribute(section: str) -> str:
