@@ -172,20 +172,26 @@ def choose_draft(
 
 
 def resolve_auto(
-    options: RuntimeOptions, target: Checkpoint, budget: MemoryBudget, device_type: str
+    options: RuntimeOptions,
+    target: Checkpoint,
+    budget: MemoryBudget,
+    device_type: str,
+    tokenizer: Tokenizer | None = None,
 ) -> DraftChoice:
-    """`choose_draft` for a run's `options` (whose draft is auto) and its target, opened;
-    the substitute planned on `budget` as the run would plan it. Logged."""
+    """`choose_draft` for a run's `options` (whose draft is auto) and its target, opened
+    (and its `tokenizer` where the caller has built it); the substitute planned on `budget`
+    as the run would plan it. Logged."""
     from daemon.pair_plan import plan_pair
 
     def substitute_plan() -> MemoryPlan:
         with_substitute = replace(options, draft=SUBSTITUTE)
         return plan_pair(with_substitute, target, None, budget, device_type, str(target.path))[0]
 
-    try:
-        tokenizer: Tokenizer | None = load_tokenizer(target)
-    except (ValueError, OSError):
-        tokenizer = None  # (a run refuses it when it loads; a plan plans without)
+    if tokenizer is None:
+        try:
+            tokenizer = load_tokenizer(target)
+        except (ValueError, OSError):
+            tokenizer = None  # (a run refuses it when it loads; a plan of a hub id plans without)
     choice = choose_draft(target, tokenizer, device_type, substitute_plan)
     log.info("%s", choice.reason)
     return choice

@@ -270,6 +270,43 @@ def test_a_tokenizer_specd_cannot_build_is_refused_by_plan_as_by_loading(
     assert said[0] == said[1]
 
 
+def test_a_merge_outside_the_vocabulary_is_refused_by_plan_as_by_loading(
+    quiet_home: Path, capsys: Any
+) -> None:
+    """A byte-level (gpt2) file whose merges name a token its vocabulary lacks: only
+    building the tokenizer finds it, which `specd plan` now does as loading does (it said
+    OK, and generate refused)."""
+    from tests.test_gguf_tokenizer import train_byte_level
+
+    tokens, merges = train_byte_level()
+    rows = len(read_gguf(SOURCE).metadata["tokenizer.ggml.tokens"])  # the embedding's 512
+    tokens = tokens[:rows]
+    kept = [m for m in merges if "".join(m.split(" ")) in set(tokens)]
+
+    def gpt2(name: str, merges: list[str]) -> Path:
+        return rewrite(
+            quiet_home.parent / name,
+            {
+                "tokenizer.ggml.model": ("gpt2", T.STRING),
+                "tokenizer.ggml.pre": ("gpt2", T.STRING),
+                "tokenizer.ggml.tokens": (tokens, T.ARRAY, T.STRING),
+                "tokenizer.ggml.merges": (merges, T.ARRAY, T.STRING),
+                "tokenizer.ggml.scores": None,
+            },
+        )
+
+    assert main(["plan", "--model", str(gpt2("fine.gguf", kept))]) == 0
+    capsys.readouterr()
+    path = gpt2("bad-merges.gguf", ["zzz qqq", *kept])
+    said = []
+    for command in (["plan", "--model", str(path)], [c.format(path) for c in COMMANDS["generate"]]):
+        assert main(command) == 2
+        said.append(capsys.readouterr().err)
+    assert said[0].startswith(f"specd: error: {path}: the tokenizer.ggml.* keys do not make")
+    assert "out of vocabulary" in said[0] and said[0].count("\n") == 1
+    assert said[0] == said[1]
+
+
 def test_specd_models_says_which_files_cannot_run(
     quiet_home: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:

@@ -254,16 +254,24 @@ def _plan_device(options: RuntimeOptions) -> torch.device:
 def cmd_plan(args: argparse.Namespace) -> int:
     from daemon.draft_choice import AUTO, resolve_auto
     from daemon.pair_plan import plan_pair
-    from modeling.checkpoints.checkpoint import open_checkpoint
+    from modeling.checkpoints.checkpoint import has_tokenizer, load_tokenizer, open_checkpoint
     from offload.machine import detect_budget
 
     options = plan_options(args)
     device = _plan_device(options)
-    # A plan needs config.json only: a hub id's weights need not be downloaded yet.
+    # A plan needs config.json only: a hub id's weights need not be downloaded yet. Each
+    # model is checked as loading checks it (its chat template, a GGUF file's tensor
+    # infos), and its tokenizer, where at hand, is built as loading builds it (a merge
+    # outside the vocabulary), so that a plan refuses what a run would (0.3 s for SmolLM2's
+    # 49k tokens).
     target = open_checkpoint(options.model, options.quantize, config_only=True)
+    tokenizer = load_tokenizer(target) if has_tokenizer(target) else None
     draft = None
     if options.draft and options.draft not in ("ngram", "substitute", AUTO):
-        draft = open_checkpoint(options.draft, options.draft_quantize, config_only=True).config
+        opened = open_checkpoint(options.draft, options.draft_quantize, config_only=True)
+        if has_tokenizer(opened):
+            load_tokenizer(opened)
+        draft = opened.config
     # Measuring this machine's bus only makes sense when planning for this machine.
     this_machine = options.gpu_budget == "auto"
     budget = detect_budget(
@@ -278,11 +286,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # machine's card, so `auto` picks that machine's dtype.
     reason = None
     if options.draft == AUTO:  # what a run would choose; its tokenizer is needed for that
-        try:
-            full = open_checkpoint(options.model, options.quantize)
-        except (ValueError, OSError):
-            full = target  # config.json only: planned without matching a model to it
-        choice = resolve_auto(options, full, budget, budget.device)
+        choice = resolve_auto(options, target, budget, budget.device, tokenizer)
         options, reason = dataclasses.replace(options, draft=choice.draft), choice.reason
         if choice.draft not in ("ngram", "substitute"):
             draft = open_checkpoint(choice.draft, options.draft_quantize, config_only=True).config

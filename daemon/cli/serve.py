@@ -162,8 +162,7 @@ def check_local_models(options: RuntimeOptions) -> None:
     model store's), as the engine thread will: a missing, malformed or hostile file is then
     one line on stderr and exit status 2 before the daemon listens, not a load failure in
     its log. A hub id is left to the engine: resolving it may download."""
-    from modeling.checkpoints.checkpoint import open_checkpoint
-    from modeling.checkpoints.model_stores import resolve_store_ref
+    from modeling.checkpoints.checkpoint import on_this_machine, open_checkpoint
 
     for ref, quantize in (
         (options.model, options.quantize),
@@ -171,7 +170,7 @@ def check_local_models(options: RuntimeOptions) -> None:
     ):
         if ref is None or ref in ("ngram", "substitute"):
             continue
-        if resolve_store_ref(ref) is not None or Path(ref).expanduser().exists():
+        if on_this_machine(ref):
             open_checkpoint(ref, quantize)
 
 

@@ -125,6 +125,12 @@ def resolve(ref: str | os.PathLike[str], config_only: bool = False) -> Path:
         ) from exc
 
 
+def on_this_machine(ref: str | os.PathLike[str]) -> bool:
+    """Whether `ref` names a model on this machine (a folder, a GGUF file, a model store's
+    reference) rather than a hub id, whose files resolving may download."""
+    return resolve_store_ref(str(ref)) is not None or Path(ref).expanduser().exists()
+
+
 def open_checkpoint(
     ref: str | os.PathLike[str],
     quantize: str | None = None,
@@ -285,6 +291,12 @@ def load(
     return model, tokenizer, ckpt
 
 
+def has_tokenizer(ckpt: Checkpoint) -> bool:
+    """Whether the checkpoint's tokenizer is at hand: a GGUF file's always is; a folder's
+    where it holds tokenizer.json (a folder of config.json alone is planned without)."""
+    return is_gguf(ckpt.path) or (ckpt.path / "tokenizer.json").is_file()
+
+
 def load_tokenizer(ckpt: Checkpoint) -> Tokenizer:
     """The checkpoint's tokenizer alone (no weights): a GGUF file's from its metadata, with a
     store's stop tokens; a folder's from its tokenizer files."""
@@ -306,8 +318,10 @@ __all__ = [
     "UnsupportedModelError",
     "dtype_candidates",
     "dtype_key",
+    "has_tokenizer",
     "load",
     "load_tokenizer",
+    "on_this_machine",
     "open_checkpoint",
     "resolve",
 ]
