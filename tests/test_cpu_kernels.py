@@ -5,6 +5,9 @@ real model's greedy text is unchanged with them."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as GGMLType
@@ -18,6 +21,20 @@ needs_kernels = pytest.mark.skipif(
 )
 
 KINDS = list(cpu_kernels.TYPES)
+
+
+def test_the_kernels_build_wherever_they_can() -> None:
+    """The tests below skip where the kernels are unavailable; that must mean a machine
+    without them (another vector unit, no C compiler, turned off), never a C file that does
+    not compile or a library that does not load, which would skip them all silently."""
+    vector_unit = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    compiler = any(shutil.which(name) for name in ("cc", "gcc", "clang"))
+    turned_off = os.environ.get("SPECD_CPU_KERNELS", "").lower() in ("off", "0", "false", "no")
+    if not vector_unit or not compiler or turned_off:
+        assert not cpu_kernels.available()
+        return
+    assert cpu_kernels.available(), cpu_kernels.status()
+    assert cpu_kernels.status() == "compiled for this CPU (AVX2, FMA)"
 
 
 def random_blocks(kind: GGMLType, rows: int, columns: int, seed: int) -> torch.Tensor:

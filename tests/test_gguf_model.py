@@ -105,6 +105,10 @@ def test_generate_takes_a_gguf_file(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["generate", "--model", str(GGUF / "stories260k-Q8_0.gguf"), "--prompt"]
     assert main([*argv, "Once upon a time", "--max-tokens", "8", "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
+    item = reference("stories260k-Q8_0")["items"][0]  # transformers' GGUF loader, greedy
+    assert item["prompt"] == "Once upon a time"
+    assert record["prompt_ids"] == item["prompt_ids"]
+    assert record["token_ids"] == item["greedy_new_token_ids"][:8]
     assert record["stats"]["generated_tokens"] == 8
 
 

@@ -33,7 +33,7 @@ T1 = SamplingParams(temperature=1.0)
 # are rejected often and what follows a rejection carries most of the mass.
 P = torch.tensor([0.55, 0.05, 0.1, 0.2, 0.1])
 Q = torch.tensor([0.05, 0.5, 0.25, 0.1, 0.1])
-TRIALS = 4000
+TRIALS = 1500  # the bound is 0.078; without the residual the TV is 0.26
 
 
 def _first_tokens(children: int, trials: int, seed: int = 0) -> tuple[torch.Tensor, float]:
@@ -100,7 +100,7 @@ def test_a_sampled_childs_worth_does_not_depend_on_its_token() -> None:
 
 
 def test_more_sampled_children_only_add_acceptance() -> None:
-    rates = [_first_tokens(k, 2000, seed=k)[1] for k in (1, 2, 3)]
+    rates = [_first_tokens(k, 1000, seed=k)[1] for k in (1, 2, 3)]  # 0.39, 0.57, 0.64
     assert rates[0] < rates[1] < rates[2], rates
 
 
