@@ -67,7 +67,10 @@ def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeSetupError("--device cuda was asked for but no CUDA device is available")
+        raise RuntimeSetupError(
+            "device cuda was asked for (--device, or models.device in the configuration: a "
+            "GPU profile sets it) but no CUDA device is available: use auto or cpu"
+        )
     return torch.device(device)
 
 

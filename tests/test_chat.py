@@ -60,6 +60,14 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args: Any) -> None:
         pass
 
+    def do_GET(self) -> None:  # /health, as specd answers it
+        raw = json.dumps({"status": "ready", "model": "stand-in", "active": 0}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.server.bodies.append(body)
@@ -360,3 +368,73 @@ def test_chat_with_a_bad_url_fails_before_any_input(
     assert chat_cmd.cmd_chat(args) == 1
     err = capsys.readouterr().err
     assert "cannot use daemon URL 'localhost:8716'" in err and "http://HOST:PORT" in err
+
+
+class NotSpecd(BaseHTTPRequestHandler):
+    """Another program on specd's port (`python -m http.server`): HTML for everything."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _page(self) -> None:
+        raw = b"<!DOCTYPE HTML><html><body>Error 501</body></html>"
+        self.send_response(501)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    do_GET = do_POST = _page
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_interactive_chat_with_no_daemon_fails_before_the_prompt(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It showed the prompt and failed on every line, then ended with status 0."""
+
+    def no_input(prompt: str = "") -> str:
+        raise AssertionError("chat asked for input with no daemon to answer")
+
+    monkeypatch.setattr("builtins.input", no_input)
+    assert main(["chat", "--url", f"http://127.0.0.1:{free_port()}"]) == 1
+    captured = capsys.readouterr()
+    assert "specd chat at" not in captured.out
+    assert "cannot reach specd at http://127.0.0.1:" in captured.err
+    assert "`specd start --model MODEL` starts it" in captured.err
+
+
+@pytest.mark.parametrize("once", [True, False])
+def test_another_program_on_the_port_is_named_as_such(
+    once: bool, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`specd chat --once` printed the other program's HTML page as the error."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotSpecd)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    typed(monkeypatch, "hello")
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert main(["chat", "--url", url, *(["--once", "hi"] if once else [])]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capsys.readouterr().err
+    assert f"something other than specd answers at {url} (HTTP 501" in err
+    assert "DOCTYPE" not in err
+
+
+def test_piped_messages_that_all_failed_end_with_status_1(
+    daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    typed(monkeypatch, "x" * (CONTEXT_CHARS + 1))  # too long alone: refused every time
+    assert main(["chat", "--url", daemon.url]) == 1
+    assert "context holds 512" in capsys.readouterr().err
+    typed(monkeypatch, "x" * (CONTEXT_CHARS + 1), "short")  # the last one answered: 0
+    assert main(["chat", "--url", daemon.url]) == 0

@@ -350,6 +350,19 @@ def test_every_malformed_field_is_one_line_naming_the_file_and_the_field(
         assert seconds < 5, (label, seconds)  # refused from the header, not after a loop
 
 
+@pytest.mark.parametrize("missing", ["../no-such/stories26k", "no-such/x.gguf", "/no/such"])
+def test_a_missing_path_is_refused_before_the_daemon_listens(
+    missing: str, quiet_home: Path, capsys: Any
+) -> None:
+    """A path (no hub id can be one) that is not there: `specd serve` said "listening" and
+    then logged the failure twice; now it is one line before it listens, as plan says."""
+    for command in ("serve", "plan"):
+        assert main([part.format(missing) for part in COMMANDS[command]]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and ("does not exist" in err or "not found" in err), err
+        assert "listening" not in err
+
+
 def specd(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`specd ARGV` as a user runs it, in its own process, ended after TIMEOUT seconds."""
     return subprocess.run(

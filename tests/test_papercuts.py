@@ -232,7 +232,21 @@ def test_a_wheel_builds_without_warnings_and_holds_the_page(tmp_path: Path) -> N
     ("argv", "prog", "unknown"),
     [
         (["chat", "--bogus"], "specd chat", "--bogus"),
-        (["generate", "--model", "m", "--modle", "x"], "specd generate", "--modle x"),
+        (
+            ["generate", "--model", "m", "--max-token", "3"],
+            "specd generate",
+            "--max-token 3 (--max-token: did you mean --max-tokens?)",
+        ),
+        (
+            ["generate", "--model", "m", "--modle", "x"],
+            "specd generate",
+            "--modle x (--modle: did you mean --model?)",
+        ),
+        (
+            ["start", "--modle", "m"],
+            "specd start",
+            "--modle m (--modle: did you mean --model?)",
+        ),
         (["config", "show", "--nope"], "specd config show", "--nope"),
         (["service", "install", "--what"], "specd service install", "--what"),
     ],
@@ -240,12 +254,15 @@ def test_a_wheel_builds_without_warnings_and_holds_the_page(tmp_path: Path) -> N
 def test_a_wrong_flag_is_the_subcommands_error(
     argv: list[str], prog: str, unknown: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Said in a few lines (a newcomer's `specd start --modle` printed 30 lines of usage
+    before the error), with the flag meant where a misspelt one is close to one."""
     with pytest.raises(SystemExit) as exit_:
         main(argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"usage: {prog} [-h]")
     assert err.endswith(f"{prog}: error: unrecognized arguments: {unknown}\n")
+    assert err.count("\n") <= 5, err
 
 
 def test_an_unknown_subcommand_is_still_the_top_levels_error(
@@ -306,3 +323,51 @@ def test_start_on_every_interface_prints_what_it_listens_on(
         "open http://127.0.0.1:8716; logs: "
     )
     assert asked == ["http://127.0.0.1:8716"]  # what `specd start` polls for /health
+
+
+# ---- a reader of stdout that leaves early (`specd status | head -2`) ----
+
+
+def test_a_closed_stdout_is_no_traceback(tmp_path: Path) -> None:
+    """`specd status | head -2` printed a BrokenPipeError traceback: whoever read the
+    output has what it wanted, so specd leaves quietly, with the shell's 128 + SIGPIPE."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path)}
+    argv = [sys.executable, "-m", "daemon.cli", "config", "show"]
+    run = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert run.stdout is not None and run.stderr is not None
+    run.stdout.close()  # before it writes a line
+    err = run.stderr.read().decode()
+    assert run.wait(timeout=60) == 141, err
+    assert err == ""
+
+
+# ---- what `--draft auto` chose, in `specd status` ----
+
+
+def test_the_status_names_the_draft_auto_chose(
+    stories_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`specd status` said `draft auto`; the daemon's status now gives what auto settled on
+    and why, and `specd status` prints both."""
+    from daemon.cli.service import format_machine
+
+    for name in ("HOME", "HF_HOME"):  # no stores or hub cache of the user's to find
+        monkeypatch.setenv(name, str(tmp_path))
+    for name in ("OLLAMA_MODELS", "LMSTUDIO_MODELS"):
+        monkeypatch.delenv(name, raising=False)
+    settings = load_settings(
+        environ={},
+        overrides={
+            "models.target": (str(stories_target), "test"),
+            "models.draft": ("auto", "test"),
+            "runtime.compile": ("off", "test"),
+            "server.port": (0, "test"),
+        },
+    )
+    with BackgroundServer(settings) as srv:
+        status = get(srv.url + "/v1/specd/status")
+    assert status["draft"] == "ngram" and status["draft_kind"] == "ngram"
+    assert status["draft_reason"].startswith("draft auto: prompt lookup")
+    lines = format_machine(status).splitlines()
+    assert lines[0] == f"  target {stories_target}, draft ngram"
+    assert lines[1] == f"  {status['draft_reason']}"

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 from daemon import service
 from daemon.cli.argtypes import temperature
-from daemon.cli.chat_client import Answer, ChatError, ChatStream, ToolCall, daemon_address
+from daemon.cli.chat_client import Answer, ChatError, ChatStream, ToolCall, daemon_address, probe
 from daemon.cli.serve import add_address_args, add_tree_verification_arg, settings_from_args
 from daemon.settings import daemon_url
 
@@ -249,19 +249,27 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"specd: error: {exc}", file=sys.stderr)
             return 1
         return 130 if answer.stopped else 0
+    try:
+        probe(url)  # before the prompt: not after the first message is typed
+    except ChatError as exc:
+        print(f"specd: error: {exc}", file=sys.stderr)
+        return 1
     print(f"specd chat at {url} ({COMMANDS})")
     with line_editing():
         return _loop(options, conversation, screen)
 
 
 def _loop(options: ChatOptions, conversation: Conversation, screen: Screen) -> int:
+    """The conversation, until /exit or the end of input: 0, or 1 where the last message
+    got an error instead of an answer (piped input whose daemon went away)."""
+    failed = False
     while True:
         try:
             line = input("> ")
         except EOFError:
             screen.at_line_start = False  # the cursor is after the prompt
             screen.end_line()
-            return 0
+            return 1 if failed else 0
         except KeyboardInterrupt:  # at the prompt: a fresh line, as a shell does
             screen.at_line_start = False
             screen.note(f"[{COMMANDS}]")
@@ -277,10 +285,12 @@ def _loop(options: ChatOptions, conversation: Conversation, screen: Screen) -> i
             continue
         try:
             ask(options, conversation, line, screen)  # Ctrl-C stops the answer, not the chat
+            failed = False
         except ChatError as exc:
             # The daemon refused this turn or is gone: say so, keep the conversation.
             screen.end_line()
             print(f"specd: error: {exc}", file=sys.stderr)
+            failed = True
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -84,12 +84,10 @@ class ChatStream:
             self._conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
             self._response = self._conn.getresponse()
             if self._response.status != 200:
-                raise _http_error(self._response.status, self._response.read())
+                raise _http_error(self._response.status, self._response.read(), url)
         except OSError as exc:
             self.close()
-            raise ChatError(
-                f"cannot reach specd at {url}: {exc} (is it running? `specd status`)"
-            ) from None
+            raise unreachable(url, exc) from None
         except BaseException:
             self.close()
             raise
@@ -164,9 +162,45 @@ def daemon_address(url: str) -> tuple[str, int]:
     return parts.hostname, port
 
 
-def _http_error(status: int, raw: bytes) -> ChatError:
+def unreachable(url: str, exc: OSError) -> ChatError:
+    return ChatError(
+        f"cannot reach specd at {url}: {exc} (is it running? `specd status` says; "
+        "`specd start --model MODEL` starts it)"
+    )
+
+
+def not_specd(url: str, status: int) -> ChatError:
+    return ChatError(
+        f"something other than specd answers at {url} (HTTP {status}, not specd's answer): "
+        "give specd's address with --port or --url"
+    )
+
+
+def _http_error(status: int, raw: bytes, url: str) -> ChatError:
     try:
         error = json.loads(raw)["error"]
         return ChatError(f"HTTP {status}: {error['message']}", error.get("code"))
     except (ValueError, KeyError, TypeError):
-        return ChatError(f"HTTP {status}: {raw[:200]!r}")
+        return not_specd(url, status)
+
+
+def probe(url: str, timeout: float = 10.0) -> None:
+    """GET /health at `url`: a ChatError unless specd answers there (loading, or failed to
+    load, is specd's own answer, which a message then gets)."""
+    host, port = daemon_address(url)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", "/health")
+        response = conn.getresponse()
+        raw = response.read(1 << 16)
+    except OSError as exc:
+        raise unreachable(url, exc) from None
+    finally:
+        conn.close()
+    try:
+        body = json.loads(raw)
+        specd = isinstance(body, dict) and "status" in body and "model" in body
+    except ValueError:
+        specd = False
+    if not specd:
+        raise not_specd(url, response.status)

@@ -7,6 +7,8 @@ pay for it (see tests/test_cli_startup.py)."""
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -83,6 +85,20 @@ def _command(argv: Sequence[str]) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # (a pipe's buffer: written here, not at the interpreter's exit)
+        return status
+    except BrokenPipeError:
+        # Whoever read stdout has gone (`specd status | head -2`): what it wanted was
+        # written. Later writes (the interpreter's own flush at exit) go nowhere, as the
+        # shell's 128 + SIGPIPE says.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(_command(argv))
     args = parser.parse_args(argv)

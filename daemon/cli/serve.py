@@ -159,18 +159,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def check_local_models(options: RuntimeOptions) -> None:
     """Read the metadata of each model that is on this machine (a folder, a GGUF file, a
-    model store's), as the engine thread will: a missing, malformed or hostile file is then
-    one line on stderr and exit status 2 before the daemon listens, not a load failure in
-    its log. A hub id is left to the engine: resolving it may download."""
+    model store's, or a path, which no hub id is), as the engine thread will: a missing,
+    malformed or hostile file is then one line on stderr and exit status 2 before the
+    daemon listens, not a load failure in its log. A hub id is left to the engine:
+    resolving it may download."""
     from modeling.checkpoints.checkpoint import on_this_machine, open_checkpoint
 
     for ref, quantize in (
         (options.model, options.quantize),
         (options.draft, options.draft_quantize),
     ):
-        if ref is None or ref in ("ngram", "substitute"):
+        if ref is None or ref in ("ngram", "substitute", "auto"):
             continue
-        if on_this_machine(ref):
+        if on_this_machine(ref):  # (or a path that is not there: a missing file)
             open_checkpoint(ref, quantize)
 
 

@@ -114,7 +114,8 @@ def format_machine(status: dict) -> str:
     gbps = stream.get("gbps")
     seconds = plan.get("seconds_per_pass")
     lines = [
-        f"  target {status.get('target')}, draft {status.get('draft') or 'none'}",
+        f"  target {status.get('target')}, draft {status.get('draft') or 'none'}"
+        + (f"\n  {status['draft_reason']}" if status.get("draft_reason") else ""),
         f"  {status.get('device')} {status.get('dtype')}, strategy {status.get('strategy')}, "
         f"context {status.get('context')} tokens",
         f"  plan: {plan.get('resident_layers')} resident / {plan.get('streamed_layers')} "

@@ -86,6 +86,7 @@ async def specd_status(request: web.Request) -> web.Response:
             context=runtime.context,
             strategy=runtime.default_strategy,
             **runtime.draft_stats(),
+            draft=runtime.options.draft,  # what `auto` settled on (draft_reason: why)
             max_tree_budget=runtime.max_tree_budget,
             plan=runtime.plan.to_dict(),
             # Per model: off, warming (passes run eager until ready), ready or failed.

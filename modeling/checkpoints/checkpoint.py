@@ -101,9 +101,11 @@ def resolve(ref: str | os.PathLike[str], config_only: bool = False) -> Path:
                 "the models on this machine)"
             )
         raise ModelNotFoundError(f"model file {path} is not a regular file")
-    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+    if path.exists() or not _hub_id_shaped(text):
         raise ModelNotFoundError(
-            f"model {text!r} not found: give a Hugging Face model folder or a hub id like 'org/name'"
+            f"model {text!r} not found: give a Hugging Face model folder, a .gguf file, a "
+            "hub id like 'org/name', or a store's model (ollama:NAME, lmstudio:PUB/REPO; "
+            "`specd models` lists them)"
         )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -127,8 +129,20 @@ def resolve(ref: str | os.PathLike[str], config_only: bool = False) -> Path:
 
 def on_this_machine(ref: str | os.PathLike[str]) -> bool:
     """Whether `ref` names a model on this machine (a folder, a GGUF file, a model store's
-    reference) rather than a hub id, whose files resolving may download."""
-    return resolve_store_ref(str(ref)) is not None or Path(ref).expanduser().exists()
+    reference), or can only mean one (a path), rather than a hub id, whose files resolving
+    may download."""
+    if resolve_store_ref(str(ref)) is not None or Path(ref).expanduser().exists():
+        return True
+    return not _hub_id_shaped(str(ref))
+
+
+def _hub_id_shaped(text: str) -> bool:
+    """'org/name': what `resolve` asks the hub for (a path or a .gguf file never is)."""
+    return (
+        Path(text).suffix.lower() != ".gguf"
+        and not text.startswith((".", "/", "~"))
+        and text.count("/") == 1
+    )
 
 
 def open_checkpoint(
