@@ -55,4 +55,7 @@ print(
     f"{stats.get('tokens_per_target_pass', 0):.2f} tokens per target pass, "
     f"{stats.get('target_passes')} target passes"
 )
+# What `--budget auto` chose for this answer's rounds, and why: a plain step where it
+# predicts trees do not pay (it learns across runs: daemon/learned_store.py).
+print(f"tree budget: {stats.get('budget_reason')}")
 EOF
