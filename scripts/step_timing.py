@@ -144,8 +144,11 @@ def shaped(args: argparse.Namespace) -> dict[str, Any]:
     return _SHAPED[key]
 
 
-# Tokens per tree round of the real stories260k pair (greedy) at the tree builder's shapes,
-# measured: the acceptance the budget section assumes (tests/test_budget.py uses it too).
+# Tokens per tree round of the real stories260k pair (greedy), as the tree builder of
+# 2026-11-21 gave them at its shapes (it then capped a budget's depth; today's default
+# depth is the budget, and calibrated growth decides): an acceptance curve the budget
+# section's arithmetic assumes (tests/test_budget.py uses it too), not re-measured here.
+# `scripts/bench_trees.py --drafts trained --temperatures 0` measures today's trees.
 STORIES_TOKENS_PER_ROUND = {
     TreeShape(1, 1): 1.6,
     TreeShape(2, 2): 2.2,
