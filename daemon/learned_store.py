@@ -16,14 +16,17 @@ through a temporary file renamed into place; the MAX_STORED most recently used a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
 
+from daemon.small_files import read_small
 from modeling.checkpoints.checkpoint import Checkpoint
 from speculative.acceptance import Q_EDGES, RANK_EDGES, AcceptanceModel
 from speculative.budget import AutoBudget
@@ -35,6 +38,7 @@ MAX_STORED = 64  # model pairs kept
 MAX_BYTES = 1 << 20  # a file past this is not read (a real one is a few tens of kB)
 MAX_PLACEMENTS = 8  # placements whose pass costs a file keeps
 SAVE_EVERY_S = 30.0  # the daemon writes at most this often (and when it stops)
+STORED_NAME = re.compile(r"[0-9a-f]{32}\.json")  # `pair_key`'s names: the only ones evicted
 
 
 def _files(checkpoint: Checkpoint) -> list[list[Any]]:
@@ -82,14 +86,10 @@ class LearnedStore:
     def load(self, acceptance: AcceptanceModel) -> None:
         """Read the file into `acceptance` if there is one that checks out; anything else
         is one log line and a fresh start."""
-        try:
-            size = self.path.stat().st_size
-        except OSError:
+        if not self.path.exists() and not self.path.is_symlink():
             return  # nothing learned yet
         try:
-            if size > MAX_BYTES:
-                raise ValueError(f"{size} bytes, past the {MAX_BYTES} a learned file may hold")
-            record = json.loads(self.path.read_bytes())
+            record = json.loads(read_small(self.path, MAX_BYTES))
             if not isinstance(record, dict) or record.get("format") != FORMAT:
                 raise ValueError("not a learned-state file of this specd's format")
             budgets = record.get("budgets", {})
@@ -97,7 +97,8 @@ class LearnedStore:
                 raise ValueError("budgets: not a record per placement")
             loaded = AcceptanceModel()
             rounds = loaded.load_state(record.get("acceptance"))
-        except (OSError, ValueError, RecursionError) as err:
+        except (OSError, ValueError, RecursionError, OverflowError) as err:
+            # (OverflowError: a number past a float, the checks' own safety net)
             log.warning("ignoring learned state %s (it will be replaced): %s", self.path, err)
             return
         acceptance.tables = loaded.tables
@@ -112,7 +113,7 @@ class LearnedStore:
             return
         try:
             planner.load_state(record)
-        except ValueError as err:
+        except (ValueError, OverflowError) as err:
             log.warning("ignoring the learned pass costs in %s: %s", self.path, err)
             self.budgets.pop(self.placement, None)
 
@@ -131,15 +132,20 @@ class LearnedStore:
             while len(self.budgets) > MAX_PLACEMENTS:
                 self.budgets.pop(next(iter(self.budgets)))
         record = {"format": FORMAT, "acceptance": acceptance.state(), "budgets": self.budgets}
+        partial = self.path.with_suffix(f".{os.getpid()}.partial")
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_suffix(f".{os.getpid()}.partial")
             partial.write_text(json.dumps(record))
             os.replace(partial, self.path)
+            # Only files named as this store names them: the folder may be the user's own.
             stored = sorted(
-                self.directory.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True
+                (p for p in self.directory.glob("*.json") if STORED_NAME.fullmatch(p.name)),
+                key=lambda p: p.stat().st_mtime_ns,
+                reverse=True,
             )
             for old in stored[MAX_STORED:]:
                 old.unlink(missing_ok=True)
         except OSError as err:
             log.warning("could not keep what trees learned in %s: %s", self.path, err)
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)

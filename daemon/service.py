@@ -8,6 +8,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -22,6 +23,8 @@ from xml.sax.saxutils import escape
 
 import platformdirs
 import psutil
+
+from daemon.small_files import SmallFileError, read_small, regular
 
 SERVICE_NAME = "specd"
 LAUNCHD_LABEL = "dev.specd.daemon"
@@ -95,19 +98,47 @@ class DaemonRecord:
 
     @classmethod
     def read(cls, paths: ServicePaths) -> DaemonRecord | None:
+        """The pid file's record, or None where there is none or it is not one specd wrote
+        (read as hostile: a regular file of at most PID_FILE_BYTES, each value checked)."""
         try:
-            data = json.loads(paths.pid_file.read_text())
-            created = data.get("created")
-            return cls(
-                int(data["pid"]), str(data["url"]), None if created is None else float(created)
-            )
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            data = json.loads(read_small(paths.pid_file, PID_FILE_BYTES))
+        except (OSError, ValueError, RecursionError):
             return None
+        if not isinstance(data, dict):
+            return None
+        pid, url, created = data.get("pid"), data.get("url"), data.get("created")
+        if type(pid) is not int or not 0 < pid < MAX_PID:
+            return None
+        if not (isinstance(url, str) and URL.fullmatch(url)):
+            return None
+        if created is not None and not (
+            isinstance(created, (int, float)) and 0 < created < 1e11  # (seconds since 1970)
+        ):
+            return None
+        return cls(pid, url, None if created is None else float(created))
 
     def write(self, paths: ServicePaths) -> None:
         paths.state_dir.mkdir(parents=True, exist_ok=True)
         body = {"pid": self.pid, "url": self.url, "created": self.created}
         paths.pid_file.write_text(json.dumps(body))
+
+
+PID_FILE_BYTES = 4096
+MAX_PID = 1 << 22  # Linux's pid_max limit (macOS's is lower)
+URL = re.compile(r"http://[A-Za-z0-9.:\[\]%-]{1,300}")  # what `daemon_url` makes
+
+
+def check_pid_file(paths: ServicePaths) -> None:
+    """A ServiceError where the pid file cannot be kept (its path is a folder, a FIFO):
+    checked before a daemon is started, which `stop` would otherwise never find."""
+    try:
+        regular(paths.pid_file)
+    except FileNotFoundError:
+        return
+    except (OSError, SmallFileError) as exc:
+        raise ServiceError(
+            f"the pid file cannot be kept: {exc}; remove {paths.pid_file} and start again"
+        ) from None
 
 
 # The start times psutil reads for one process agree to the clock tick; two processes
@@ -124,9 +155,12 @@ def alive(record: DaemonRecord) -> bool:
         proc = psutil.Process(record.pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return False
-        if record.created is not None:
-            return abs(proc.create_time() - record.created) <= CREATED_TOLERANCE
-        return _serves(proc.cmdline())  # a record from before start times were kept
+        # Its start time, where recorded, tells it apart from a later process given the
+        # same pid; its command line, from any other process a hostile file names.
+        started = record.created
+        if started is not None and abs(proc.create_time() - started) > CREATED_TOLERANCE:
+            return False
+        return _serves(proc.cmdline())
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
     except psutil.AccessDenied:
@@ -180,6 +214,7 @@ def start(
         )
     if listen is not None:
         check_listen(*listen)
+    check_pid_file(paths)
     paths.log_dir.mkdir(parents=True, exist_ok=True)
     with open(paths.log_file, "ab") as log:
         # The log keeps every run; a failed start shows only what this run wrote.
@@ -225,6 +260,7 @@ def stop(paths: ServicePaths, wait_seconds: float = 30.0) -> int | None:
     process left alone)."""
     record = DaemonRecord.read(paths)
     if record is None or not alive(record):
+        check_pid_file(paths)  # (a folder there: one line, not unlink's traceback)
         paths.pid_file.unlink(missing_ok=True)
         return None
     os.kill(record.pid, signal.SIGTERM)
@@ -244,13 +280,18 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
+TAIL_BYTES = 1 << 20  # what is read of a log's end for its last lines
+
+
 def tail(file: Path, lines: int, start: int = 0) -> str:
-    """The last `lines` lines of `file`, reading from byte offset `start`."""
+    """The last `lines` lines of `file`, reading from byte offset `start` (at most its
+    last TAIL_BYTES)."""
     try:
+        size = regular(file).st_size
         with open(file, "rb") as f:
-            f.seek(start)
-            text = f.read().decode(errors="replace")
-    except OSError:
+            f.seek(max(start, size - TAIL_BYTES))
+            text = f.read(TAIL_BYTES).decode(errors="replace")
+    except (OSError, SmallFileError):
         return ""
     return "\n".join(text.splitlines()[-lines:])
 

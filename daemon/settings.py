@@ -20,6 +20,7 @@ from daemon.settings_checks import (
     choice,
     flag,
     host_list,
+    host_name,
     integer,
     number,
     rate,
@@ -157,7 +158,7 @@ class ContextSettings:
 
 @dataclass
 class ServerSettings:
-    host: str = _key("127.0.0.1", text())
+    host: str = _key("127.0.0.1", host_name)
     port: int = _key(8716, integer(0, 65535))
     api_key_file: str | None = _key(None, text(nullable=True))
     cors_origins: list[str] = field(default_factory=list, metadata={"check": text_list})

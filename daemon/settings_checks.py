@@ -4,6 +4,7 @@ one. `size_bytes` reads a size that may be off (0), for the checks and the flags
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +70,17 @@ def text(*, nullable: bool = False) -> Check:
         return value
 
     return check
+
+
+HOST = re.compile(r"[A-Za-z0-9._%:-]{1,253}|\[[0-9A-Fa-f:.%]{2,60}\]")
+
+
+def host_name(value: Any) -> Any:
+    """server.host: a name or an address to bind (`0.0.0.0`, `::`, `myhost.lan`); no
+    spaces or other characters a URL cannot hold (`specd status` builds one from it)."""
+    if not isinstance(value, str) or not HOST.fullmatch(value):
+        raise ValueError("a host name or address, e.g. 127.0.0.1, 0.0.0.0 or ::")
+    return value
 
 
 def text_list(value: Any) -> Any:

@@ -27,24 +27,70 @@ from daemon.settings import (
     attribute,
     user_config_file,
 )
+from daemon.small_files import SmallFileError, read_small
 
 PACKAGED_DEFAULT = Path(__file__).resolve().parents[1] / "config" / "specd.yaml"
 PROFILES_DIR = PACKAGED_DEFAULT.parent / "profiles"
 ENV_PREFIX = "SPECD_"
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
+# A configuration is a few dozen keys: a file past these is not one (read as hostile).
+MAX_CONFIG_BYTES = 1 << 20
+MAX_VALUES = 10_000  # values a file or variable may hold, counted as written out: an
+MAX_DEPTH = 32  # alias repeated 9 times 9 levels down is 387 million, in a 1 kB file
+
+
+class NotYAML(SettingsError):
+    """Text that is not YAML at all (an environment variable's is then taken as text)."""
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """`text` as YAML (safe: no tags that run code), or a SettingsError naming `where`: not
+    valid YAML, nested past MAX_DEPTH, or holding more than MAX_VALUES values once its
+    anchors are expanded (checked before anything walks it: an error line that shows it
+    would be gigabytes)."""
     try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise SettingsError(f"{path}: the file does not exist; give an existing file") from None
-    except OSError as exc:
-        raise SettingsError(f"{path}: cannot be read: {exc.strerror}") from None
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}: " if mark is not None else ""
+        line = f"line {mark.line + 1}: " if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise SettingsError(f"{path}: {where}not valid YAML ({problem}); fix the syntax") from None
+        raise NotYAML(f"{where}: {line}not valid YAML ({problem}); fix the syntax") from None
+    except RecursionError:
+        raise SettingsError(f"{where}: nested past any configuration; fix the file") from None
+    except ValueError as exc:  # (an integer of more digits than Python converts)
+        raise SettingsError(f"{where}: {str(exc)[:200]}") from None
+    seen = 0
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES or depth > MAX_DEPTH:
+            raise SettingsError(
+                f"{where}: holds more than {MAX_VALUES:,} values or nests past {MAX_DEPTH} "
+                "levels (its anchors expanded); a configuration is a few dozen keys"
+            )
+        if isinstance(value, dict):
+            stack += [(v, depth + 1) for pair in value.items() for v in pair]
+        elif isinstance(value, list):
+            stack += [(v, depth + 1) for v in value]
+    return data
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        raw = read_small(path, MAX_CONFIG_BYTES)
+    except FileNotFoundError:
+        raise SettingsError(f"{path}: the file does not exist; give an existing file") from None
+    except SmallFileError as exc:
+        raise SettingsError(f"{exc}; give a configuration file") from None
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot be read: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SettingsError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    data = parse_yaml(text, str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -52,6 +98,12 @@ def read_yaml(path: Path) -> dict[str, Any]:
             f"{path}: the top level is {_kind(data)}; it must be a mapping of sections ({_names()})"
         )
     return data
+
+
+def _shown(value: Any, most: int = 80) -> str:
+    """A value as an error line shows it: its repr, cut to `most` characters."""
+    text = repr(value)
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def _names() -> str:
@@ -137,9 +189,12 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict[str, tuple[Any, str]], l
             )
             continue
         try:
-            value = yaml.safe_load(raw) if raw != "" else None
-        except yaml.YAMLError:
-            value = raw
+            value = parse_yaml(raw, f"env {var}") if raw != "" else None
+        except NotYAML:
+            value = raw  # (taken as the text it is)
+        except SettingsError as exc:  # (an alias bomb, a nesting past any configuration)
+            problems += exc.problems
+            continue
         if f"{section}.{key}" in layer:
             other = layer[f"{section}.{key}"][1].removeprefix("env ")
             problems.append(
@@ -213,7 +268,7 @@ def build(values: Mapping[str, tuple[Any, str]], problems: Sequence[str] = ()) -
                 kwargs[f.name] = f.metadata["check"](raw)
             except ValueError as exc:
                 where = source.removeprefix("file ")
-                problems.append(f"{where}: {key}: {raw!r} is not allowed; expected {exc}")
+                problems.append(f"{where}: {key}: {_shown(raw)} is not allowed; expected {exc}")
             sources[key] = source
         if not problems:
             sections[name] = cls(**kwargs)

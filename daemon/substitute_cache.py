@@ -13,16 +13,19 @@ is renamed into place once complete, so an interrupted build leaves nothing to b
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -36,6 +39,7 @@ log = logging.getLogger("specd.loading")
 FORMAT = 2  # the folder's layout: bump when what is stored changes
 MAX_STORED = 4  # substitutes kept (each as large as the substitute itself)
 MANIFEST = "manifest.json"
+STORED_NAME = re.compile(r"[0-9a-f]{32}")  # `cache_key`'s names: the only folders evicted
 
 
 def cache_key(
@@ -86,33 +90,63 @@ class SubstituteCache:
         self.path = directory / cache_key(checkpoint, bits, dtype, quantized, routed_only)
         self.hit = (self.path / MANIFEST).is_file()
         self.partial = self.path.with_name(self.path.name + ".partial")
-        self.meta = {"target": str(checkpoint.path), "bits": bits, "layers": list(quantized)}
+        self.quantized = list(quantized)
+        self.meta = {"target": str(checkpoint.path), "bits": bits, "layers": self.quantized}
+        self.writable = True  # False once the folder cannot be written: built, not kept
+        self.stale = False  # a stored layer did not read back: the folder is built anew
         if self.hit:
-            os.utime(self.path / MANIFEST)  # recently used: kept longest
+            with contextlib.suppress(OSError):
+                os.utime(self.path / MANIFEST)  # recently used: kept longest
         else:
             shutil.rmtree(self.partial, ignore_errors=True)  # an interrupted build's
 
     def __call__(self, index: int, dense: nn.Module) -> nn.Module:
         name = f"layer-{index}.safetensors"
         if self.hit:
-            if self.routed_only:
-                layer = routed_copies_layer(
-                    self.config, index, dense, self.device, self.dtype, quantize=False
-                )
-            else:
-                layer = empty_layer(self.config, index, self.device, self.dtype)
-            own = self._own(layer)
-            with safe_open(self.path / name, framework="pt", device="cpu") as f:
-                own.load_state_dict({key: f.get_tensor(key) for key in own.state_dict()})
-            return layer
+            try:
+                return self._read(index, dense, self.path / name)
+            except (OSError, RuntimeError, ValueError, KeyError, SafetensorError) as err:
+                # A file of the cache is hostile input like any other: one line, and the
+                # substitute is built (the folder is replaced on the next complete build).
+                log.warning(
+                    "substitute cache %s: %s does not read back (%s); building the "
+                    "substitute instead", self.path, name, str(err)[:200],
+                )  # fmt: skip
+                self.hit, self.stale = False, True
         if self.routed_only:
             layer = routed_copies_layer(self.config, index, dense, self.device, self.dtype)
         else:
             layer = quantized_layer(self.config, index, dense, self.device, self.dtype)
-        self.partial.mkdir(parents=True, exist_ok=True)
-        state = self._own(layer).state_dict()
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-        save_file(tensors, str(self.partial / name))
+        if self.writable:
+            state = self._own(layer).state_dict()
+            tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+            try:
+                self.partial.mkdir(parents=True, exist_ok=True)
+                save_file(tensors, str(self.partial / name))
+            except OSError as err:
+                log.warning("substitute cache %s cannot be written (%s): built, not kept",
+                            self.directory, err)  # fmt: skip
+                self.writable = False
+        return layer
+
+    def _read(self, index: int, dense: nn.Module, file: Path) -> nn.Module:
+        """Layer `index` as stored in `file`: a regular file holding exactly the layer's
+        tensors, in its shapes, every value finite (else an error the caller handles)."""
+        if self.routed_only:
+            layer = routed_copies_layer(
+                self.config, index, dense, self.device, self.dtype, quantize=False
+            )
+        else:
+            layer = empty_layer(self.config, index, self.device, self.dtype)
+        own = self._own(layer)
+        if not stat.S_ISREG(os.stat(file).st_mode):  # (a FIFO would wait forever)
+            raise ValueError("not a regular file")
+        with safe_open(file, framework="pt", device="cpu") as f:
+            stored = {key: f.get_tensor(key) for key in own.state_dict()}
+        bad = [k for k, v in stored.items() if v.is_floating_point() and not v.isfinite().all()]
+        if bad:
+            raise ValueError(f"{bad[0]} holds values that are not finite")
+        own.load_state_dict(stored)  # (a wrong shape: RuntimeError)
         return layer
 
     def _own(self, layer: nn.Module) -> nn.Module:
@@ -124,14 +158,28 @@ class SubstituteCache:
         the MAX_STORED most recently used substitutes."""
         if self.hit or not self.partial.is_dir():
             return
-        (self.partial / MANIFEST).write_text(json.dumps(self.meta))
-        shutil.rmtree(self.path, ignore_errors=True)
-        os.replace(self.partial, self.path)
-        log.info("substitute draft stored: %s", self.path)
-        stored = sorted(
-            (p for p in self.directory.iterdir() if (p / MANIFEST).is_file()),
-            key=lambda p: (p / MANIFEST).stat().st_mtime_ns,
-            reverse=True,
-        )
-        for old in stored[MAX_STORED:]:
-            shutil.rmtree(old, ignore_errors=True)
+        built = {f"layer-{i}.safetensors" for i in self.quantized}
+        try:
+            if not self.writable or not built <= {p.name for p in self.partial.iterdir()}:
+                # (a stale folder read in part: the next run builds and keeps it whole)
+                shutil.rmtree(self.partial, ignore_errors=True)
+                shutil.rmtree(self.path, ignore_errors=True)
+                return
+            (self.partial / MANIFEST).write_text(json.dumps(self.meta))
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.replace(self.partial, self.path)
+            log.info("substitute draft stored: %s", self.path)
+            # Only folders named as this cache names them: the folder may be the user's own.
+            stored = sorted(
+                (
+                    p
+                    for p in self.directory.iterdir()
+                    if STORED_NAME.fullmatch(p.name) and (p / MANIFEST).is_file()
+                ),
+                key=lambda p: (p / MANIFEST).stat().st_mtime_ns,
+                reverse=True,
+            )
+            for old in stored[MAX_STORED:]:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as err:
+            log.warning("substitute cache %s cannot be written (%s)", self.directory, err)

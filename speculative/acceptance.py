@@ -98,6 +98,8 @@ def _cells(value: object, shape: torch.Size, what: str) -> torch.Tensor:
         and all(isinstance(x, (int, float)) for r in value for x in r)
     ):
         raise ValueError(f"{what}: not a {rows} x {cols} table of counts")
+    if any(isinstance(x, int) and not -(1 << 53) < x < 1 << 53 for r in value for x in r):
+        raise ValueError(f"{what}: a count past what a float holds exactly")
     out = torch.tensor(value, dtype=torch.float64)
     if not bool(torch.isfinite(out).all()) or bool((out < 0).any()):
         raise ValueError(f"{what}: counts must be finite and >= 0")

@@ -249,7 +249,7 @@ class AutoBudget:
             b, d, total, n = entry if ok else (None,) * 4
             if not (ok and b in BUDGET_GRID and d in DEPTH_GRID and d <= b):
                 raise ValueError(f"budget shapes: {entry!r} is not a shape of the grid")
-            if not (isinstance(n, int) and n > 0 and isinstance(total, (int, float))
+            if not (isinstance(n, int) and 0 < n < 1 << 40 and isinstance(total, (int, float))
                     and 0 <= total <= n * d):  # fmt: skip
                 raise ValueError(f"budget shapes: counts of {b}x{d} are not possible")
             shape = TreeShape(b, d)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -438,3 +439,21 @@ def test_attention_reads_no_key_past_the_last_one_a_row_sees() -> None:
     assert (
         cpu_kernels.attention(q[..., :60], k[..., :60], v[..., :60], None, 0.125) is None
     )  # hd % 8
+
+
+@needs_kernels
+def test_a_library_cut_short_in_the_cache_is_built_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cached library cut short (a full disk) killed every run with SIGBUS when loaded;
+    a zero-length one disabled the kernels for good. Its digest is kept beside it now."""
+    from modeling.weights import cpu_library
+
+    monkeypatch.setenv("SPECD_KERNEL_CACHE", str(tmp_path))
+    built = cpu_library._build()
+    whole = built.read_bytes()
+    assert cpu_library._intact(built)
+    for damaged in (whole[: len(whole) // 2], b""):
+        built.write_bytes(damaged)
+        assert not cpu_library._intact(built)
+        assert cpu_library._build() == built and built.read_bytes() == whole

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from daemon.learned_store import MAX_BYTES, LearnedStore
+from daemon.learned_store import MAX_BYTES, MAX_STORED, LearnedStore
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from modeling.checkpoints.checkpoint import load
@@ -135,6 +136,19 @@ HOSTILE = {
 }
 
 
+def _a_count_past_a_float() -> bytes:
+    """A real table's record with one count of 401 digits: torch.tensor raised an
+    OverflowError, which stopped `specd generate` and the daemon at every start."""
+    model = AcceptanceModel()
+    model.table("walk", GREEDY).note_round(3)
+    state = model.state()
+    state["walk/greedy"]["trials"][0][0] = 10**400
+    return json.dumps({"format": 1, "acceptance": state}).encode()
+
+
+HOSTILE["a count past a float"] = _a_count_past_a_float()
+
+
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_a_hostile_learned_file_is_named_and_replaced(
     name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -179,3 +193,50 @@ def test_bad_pass_costs_are_dropped_and_the_tables_kept(tmp_path: Path) -> None:
     loaded.restore(fresh)
     assert fresh.state() == AutoBudget().state()  # untouched
     assert "cpu" not in loaded.budgets
+
+
+def test_a_huge_count_in_the_pass_costs_is_dropped(tmp_path: Path) -> None:
+    """A shape's count past any float made every request of the daemon a 500 (the planner's
+    OverflowError), and the record was written back at the stop, never healing."""
+    model = AcceptanceModel()
+    model.table("walk", GREEDY).note_round(5)
+    record = AutoBudget().state()
+    record["shapes"] = [[1, 1, 10**400, 10**400]]
+    store = LearnedStore(tmp_path, "k", "cpu")
+    store.budgets["cpu"] = record
+    store.save(model, None)
+    loaded = LearnedStore(tmp_path, "k", "cpu")
+    loaded.load(AcceptanceModel())
+    fresh = AutoBudget()
+    loaded.restore(fresh)
+    assert fresh.state() == AutoBudget().state() and "cpu" not in loaded.budgets
+
+
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "folder"])
+def test_a_learned_file_that_is_no_file_is_not_read(
+    kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A FIFO waited forever; a link to /dev/zero read until the kernel killed specd (its
+    size is 0, so the size check passed)."""
+    store = LearnedStore(tmp_path, "k", "cpu")
+    if kind == "fifo":
+        os.mkfifo(store.path)
+    elif kind == "folder":
+        store.path.mkdir()
+    else:
+        store.path.symlink_to("/dev/zero")
+    with caplog.at_level(logging.WARNING, logger="specd.learned"):
+        store.load(AcceptanceModel())
+    assert store.loaded_rounds == 0 and "not a regular file" in caplog.text
+
+
+def test_the_store_evicts_only_its_own_files(tmp_path: Path) -> None:
+    """`models.learned_cache` may name a folder of the user's: eviction deleted any *.json."""
+    mine = [tmp_path / f"important-{i}.json" for i in range(MAX_STORED + 6)]
+    for path in mine:
+        path.write_text("{}")
+    model = AcceptanceModel()
+    for i in range(MAX_STORED + 2):
+        LearnedStore(tmp_path, f"{i:032x}", "cpu").save(model, None)
+    assert all(path.is_file() for path in mine)
+    assert len([p for p in tmp_path.glob("*.json") if p not in mine]) == MAX_STORED

@@ -277,8 +277,11 @@ def test_an_unknown_subcommand_is_still_the_top_levels_error(
 # ---- 6. `specd start` says how to stop the daemon it finds running ----
 
 
-def test_start_names_the_running_daemon_and_how_to_stop_it(tmp_path: Path) -> None:
+def test_start_names_the_running_daemon_and_how_to_stop_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     paths = service.ServicePaths(tmp_path / "state", tmp_path / "log")
+    monkeypatch.setattr(service, "_serves", lambda argv: True)  # this process stands in
     me = psutil.Process()
     service.DaemonRecord(me.pid, "http://127.0.0.1:8716", me.create_time()).write(paths)
     with pytest.raises(service.ServiceError) as refused:

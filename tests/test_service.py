@@ -178,17 +178,18 @@ def stranger() -> Iterator[subprocess.Popen]:
         proc.wait()
 
 
-@pytest.mark.parametrize("created", ["earlier", "unrecorded"])
+@pytest.mark.parametrize("created", ["earlier", "unrecorded", "its own"])
 def test_a_reused_pid_is_never_signalled(
     dirs: Path, capsys: pytest.CaptureFixture[str], stranger: subprocess.Popen, created: str
 ) -> None:
     """The pid file names a pid that now belongs to another program: a process started
     after the daemon was (the recorded start time differs), or, for a pid file written
-    before start times were kept, one whose command line is not `specd serve`. Status says
+    before start times were kept, one whose command line is not `specd serve`, or a
+    hostile file that gives the program's own start time (`stop` killed it). Status says
     not running, stop leaves it alone, and start is not refused."""
     paths = service.default_paths()
     started = psutil.Process(stranger.pid).create_time()
-    when = started - 30.0 if created == "earlier" else None
+    when = {"earlier": started - 30.0, "unrecorded": None, "its own": started}[created]
     service.DaemonRecord(stranger.pid, "http://127.0.0.1:9", when).write(paths)
     assert main(["status", "--port", "9"]) == 3
     assert "not running" in capsys.readouterr().out
@@ -218,10 +219,22 @@ def test_start_refuses_only_for_the_recorded_process(
     dirs: Path, stranger: subprocess.Popen, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     paths = service.default_paths()
-    me = psutil.Process()
-    service.DaemonRecord(me.pid, "http://127.0.0.1:9", me.create_time()).write(paths)
-    with pytest.raises(service.ServiceError, match="already running"):
-        service.start(paths, [], "http://127.0.0.1:9", 5.0)
+    # A process whose command line is `specd serve`'s (it only sleeps).
+    serving = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "-m", "daemon.cli", "serve"]
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while "serve" not in psutil.Process(serving.pid).cmdline():  # (until it has exec'd)
+            assert time.monotonic() < deadline, "the stand-in did not start"
+            time.sleep(0.01)
+        created = psutil.Process(serving.pid).create_time()
+        service.DaemonRecord(serving.pid, "http://127.0.0.1:9", created).write(paths)
+        with pytest.raises(service.ServiceError, match="already running"):
+            service.start(paths, [], "http://127.0.0.1:9", 5.0)
+    finally:
+        serving.kill()
+        serving.wait()
     # A stale record: start goes on (here to a "daemon" that exits at once).
     monkeypatch.setattr(
         service, "serve_command", lambda flags: [sys.executable, "-c", "raise SystemExit(3)"]

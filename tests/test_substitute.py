@@ -6,6 +6,8 @@ plans the issue asks for. Losslessness at T > 0 is tests/test_lossless.py's."""
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -195,6 +197,67 @@ def test_a_second_start_reads_the_stored_substitute(
     monkeypatch.undo()
     Runtime(replace(options, substitute_bits=8))
     assert len(list(tmp_path.glob("*/manifest.json"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "a wrong shape", "not finite", "fifo"])
+def test_a_damaged_stored_substitute_is_built_again(
+    damage: str,
+    stories_target: Path,
+    tmp_path: Path,
+    reference: list[int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A stored layer that does not read back (cut short, garbage, other shapes, a NaN, a
+    FIFO) crashed every start until the user deleted the folder, or hung: now it is one
+    line, the substitute is built, and the next complete build replaces the folder."""
+    from safetensors.torch import load_file, save_file
+
+    options = RuntimeOptions(
+        model=str(stories_target), draft="substitute", substitute_bits=4, offload="stream",
+        resident_layers=0, budget=32, device="cpu", context=512, substitute_cache=str(tmp_path),
+    )  # fmt: skip
+    Runtime(options)
+    (folder,) = (m.parent for m in tmp_path.glob("*/manifest.json"))
+    layer = folder / "layer-2.safetensors"
+    if damage == "truncated":
+        layer.write_bytes(layer.read_bytes()[:100])
+    elif damage == "garbage":
+        layer.write_bytes(b"\xff" * 4096)
+    elif damage == "fifo":
+        layer.unlink()
+        os.mkfifo(layer)
+    else:
+        tensors = load_file(layer)
+        name = next(k for k, v in tensors.items() if v.is_floating_point() and v.ndim == 1)
+        bad = tensors[name].clone()
+        tensors[name] = bad[:-1] if damage == "a wrong shape" else bad.fill_(float("nan"))
+        save_file(tensors, layer)
+    with caplog.at_level(logging.WARNING, logger="specd.loading"):
+        again = Runtime(options)
+    assert "layer-2.safetensors does not read back" in caplog.text
+    ids = again.tokenizer.encode(PROMPT)
+    assert again.generation(ids, GREEDY, 120, ignore_eos=True).run().token_ids == reference
+    assert not folder.exists()  # read in part: dropped, for the next start to build whole
+    Runtime(options)
+    assert (
+        len(list(folder.glob("layer-*.safetensors"))) == 5 and (folder / "manifest.json").is_file()
+    )
+
+
+def test_a_substitute_cache_that_cannot_be_written_is_skipped(
+    stories_target: Path, tmp_path: Path, reference: list[int]
+) -> None:
+    """`substitutes` being a file (or a folder not writable) crashed the build."""
+    blocked = tmp_path / "substitutes"
+    blocked.write_text("not a folder")
+    options = RuntimeOptions(
+        model=str(stories_target), draft="substitute", substitute_bits=4, offload="stream",
+        resident_layers=0, budget=32, device="cpu", context=512, substitute_cache=str(blocked),
+    )  # fmt: skip
+    rt = Runtime(options)
+    ids = rt.tokenizer.encode(PROMPT)
+    assert rt.generation(ids, GREEDY, 120, ignore_eos=True).run().token_ids == reference
+    assert blocked.read_text() == "not a folder"
 
 
 def test_the_engine_says_how_far_the_build_is(stories_target: Path) -> None:

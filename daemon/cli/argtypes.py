@@ -60,25 +60,36 @@ def text(flag: str) -> Callable[[str], str]:
     return parse
 
 
-def count(flag: str, minimum: int) -> Callable[[str], int]:
-    """A type for flags like `--max-depth 8` or `--concurrency 4`: an integer >= `minimum`."""
+MAX_THREADS = 1024  # models.threads' bound too (daemon/settings.py)
+
+
+def count(flag: str, minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """A type for flags like `--max-depth 8` or `--concurrency 4`: an integer >= `minimum`
+    (and <= `maximum` where one is given)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes a whole number, got {text[:40]!r}"
+            ) from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{flag} must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{flag} must be at most {maximum}, got {value}")
         return value
 
     return parse
 
 
-def count_or_auto(flag: str, minimum: int) -> Callable[[str], int | str]:
-    """A type for flags like `--budget 64|auto`: an integer >= `minimum`, or 'auto'."""
+def count_or_auto(
+    flag: str, minimum: int, maximum: int | None = None
+) -> Callable[[str], int | str]:
+    """A type for flags like `--budget 64|auto`: an integer >= `minimum` (<= `maximum`),
+    or 'auto'."""
 
-    number = count(flag, minimum)
+    number = count(flag, minimum, maximum)
 
     def parse(text: str) -> int | str:
         if text == "auto":
@@ -87,7 +98,7 @@ def count_or_auto(flag: str, minimum: int) -> Callable[[str], int | str]:
             int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"{flag} takes a number or 'auto', got {text!r}"
+                f"{flag} takes a whole number or 'auto', got {text[:40]!r}"
             ) from None
         return number(text)
 

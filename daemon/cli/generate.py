@@ -15,6 +15,7 @@ from daemon import strict_json
 from daemon.cli import plan, serve
 from daemon.cli.argtypes import (
     DRAFT_HELP,
+    MAX_THREADS,
     MODEL_HELP,
     count,
     count_or_auto,
@@ -68,7 +69,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     p.add_argument(
         "--threads",
-        type=count_or_auto("--threads", 1),
+        type=count_or_auto("--threads", 1, MAX_THREADS),
         default="auto",
         help="CPU compute threads, or auto (1 for tiny models, else the physical cores)",
     )

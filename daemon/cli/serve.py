@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from daemon.cli.argtypes import DRAFT_HELP, MODEL_HELP, count_or_auto
+from daemon.cli.argtypes import DRAFT_HELP, MAX_THREADS, MODEL_HELP, count_or_auto
 from daemon.cli.plan import (
     add_context_arg,
     add_offload_args,
@@ -80,7 +80,10 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
     add_quantize_args(p, default=None)
     p.add_argument("--device", choices=DEVICE_CHOICES, default=None)
     p.add_argument(
-        "--threads", type=count_or_auto("--threads", 1), default=None, help="CPU threads or auto"
+        "--threads",
+        type=count_or_auto("--threads", 1, MAX_THREADS),
+        default=None,
+        help="CPU threads or auto",
     )
     p.add_argument(
         "--compile", choices=COMPILE_CHOICES, default=None, help="compiled passes (default auto)"

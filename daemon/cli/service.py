@@ -10,6 +10,7 @@ from pathlib import Path
 from daemon import service
 from daemon.cli.serve import add_address_args, add_settings_args, flag_argv, settings_from_args
 from daemon.settings import ServerSettings, Settings, SettingsError, daemon_url, listening_on
+from daemon.small_files import MAX_KEY_BYTES, read_small
 
 
 def _url(settings: Settings) -> str:
@@ -93,8 +94,8 @@ def _api_key(args: argparse.Namespace) -> str | None:
     if path is None:
         return None
     try:
-        return Path(path).expanduser().read_text().strip() or None
-    except OSError:
+        return read_small(Path(path).expanduser(), MAX_KEY_BYTES).decode().strip() or None
+    except (OSError, ValueError):
         return None
 
 
@@ -154,7 +155,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         with open(log_file, errors="replace") as f:
             f.seek(0, 2)
             while True:
-                line = f.readline()
+                line = f.readline(1 << 16)  # (a line without end is shown in pieces)
                 if line:
                     sys.stdout.write(line)
                     sys.stdout.flush()

@@ -25,6 +25,7 @@ from daemon.pressure import thresholds_from
 from daemon.runtime import Runtime
 from daemon.service import ListenError
 from daemon.settings import Settings, SettingsError, daemon_url, listening_on
+from daemon.small_files import MAX_KEY_BYTES, SmallFileError, read_small
 
 log = logging.getLogger("specd.server")
 
@@ -34,9 +35,11 @@ def read_api_key(path: str | None) -> str | None:
         return None
     file = Path(path).expanduser()
     try:
-        key = file.read_text().strip()
+        key = read_small(file, MAX_KEY_BYTES).decode("utf-8").strip()
     except OSError as exc:
         raise SettingsError(f"server.api_key_file {file} cannot be read: {exc.strerror}") from None
+    except (SmallFileError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"server.api_key_file: {exc}; put the API key in a text file") from None
     if not key:
         raise SettingsError(f"server.api_key_file {file} is empty: put the API key in it")
     return key

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -154,9 +155,26 @@ def _cache_dir() -> Path:
     return Path(override) if override else Path(user_cache_dir("specd")) / "kernels"
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _intact(target: Path) -> bool:
+    """Whether the cached library is the one built: its bytes' digest is the one written
+    beside it. A library cut short (a full disk, a crash) is a SIGBUS when loaded, not an
+    error: it is never loaded, and is built again."""
+    try:
+        if not stat.S_ISREG(os.stat(target).st_mode) or target.stat().st_size > 1 << 26:
+            return False
+        return _digest(target) == target.with_name(target.name + ".sha256").read_text().strip()
+    except OSError:
+        return False
+
+
 def _build() -> Path:
     """The shared library for this source and these flags: built into the cache once
-    (into a temporary name, then renamed, so that two processes never load half a file)."""
+    (into a temporary name, then renamed, so that two processes never load half a file),
+    with its digest beside it (`_intact`)."""
     source = SOURCE.read_bytes()
     compiler = _compiler()
     key = hashlib.sha256(source + " ".join((compiler, *FLAGS, *LIBRARIES)).encode()).hexdigest()[
@@ -164,7 +182,7 @@ def _build() -> Path:
     ]
     folder = _cache_dir()
     target = folder / f"specd-cpu-kernels-{key}.so"
-    if target.is_file():
+    if _intact(target):
         return target
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -179,6 +197,9 @@ def _build() -> Path:
             if done.returncode != 0:
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
                 raise _Unavailable(f"{compiler} could not build {SOURCE.name}: {last}")
+            digest = target.with_name(target.name + ".sha256")
+            (Path(scratch) / digest.name).write_text(_digest(built))
+            os.replace(Path(scratch) / digest.name, digest)
             os.replace(built, target)
     except (OSError, subprocess.SubprocessError) as err:
         raise _Unavailable(f"building {SOURCE.name} failed: {err}") from None
