@@ -41,12 +41,14 @@ class ListenError(ServiceError):
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if error.errno == errno.EADDRINUSE:
             why = "the address is already in use (another specd, or another program)"
-        else:
+            fix = "pick another port with --port PORT or server.port in the config"
+        elif error.errno == errno.EACCES:
             why = error.strerror or str(error)
-        super().__init__(
-            f"cannot listen on {where}: {why}; pick another port with --port PORT "
-            "or server.port in the config"
-        )
+            fix = "pick a port above 1023 with --port PORT or server.port in the config"
+        else:  # (an address this machine does not have, a name that does not resolve)
+            why = error.strerror or str(error)
+            fix = "give one of this machine's addresses with --host HOST or server.host"
+        super().__init__(f"cannot listen on {where}: {why}; {fix}")
 
 
 def check_listen(host: str, port: int) -> None:
@@ -131,14 +133,16 @@ URL = re.compile(r"http://[A-Za-z0-9.:\[\]%-]{1,300}")  # what `daemon_url` make
 def check_pid_file(paths: ServicePaths) -> None:
     """A ServiceError where the pid file cannot be kept (its path is a folder, a FIFO):
     checked before a daemon is started, which `stop` would otherwise never find."""
+    _check_keepable(paths.pid_file, "the pid file")
+
+
+def _check_keepable(path: Path, what: str) -> None:
     try:
-        regular(paths.pid_file)
+        regular(path)
     except FileNotFoundError:
         return
     except (OSError, SmallFileError) as exc:
-        raise ServiceError(
-            f"the pid file cannot be kept: {exc}; remove {paths.pid_file} and start again"
-        ) from None
+        raise ServiceError(f"{what} cannot be kept: {exc}; remove {path} and start again") from None
 
 
 # The start times psutil reads for one process agree to the clock tick; two processes
@@ -215,7 +219,9 @@ def start(
     if listen is not None:
         check_listen(*listen)
     check_pid_file(paths)
+    _check_keepable(paths.log_file, "the log")  # (opening a FIFO to append would wait)
     paths.log_dir.mkdir(parents=True, exist_ok=True)
+    rotate_log(paths.log_file)
     with open(paths.log_file, "ab") as log:
         # The log keeps every run; a failed start shows only what this run wrote.
         this_run = log.tell()
@@ -245,6 +251,17 @@ def start(
         f"specd (pid {proc.pid}) did not become ready within {wait_seconds:.0f} s; "
         f"see {paths.log_file} (it keeps loading in the background)"
     )
+
+
+LOG_KEEP_BYTES = 64 << 20  # a log past this at a start becomes specd.log.1 (one kept)
+
+
+def rotate_log(file: Path) -> None:
+    """The log keeps every run's lines: past LOG_KEEP_BYTES, a start moves it to
+    `specd.log.1` (replacing the one before) and begins a new one."""
+    with contextlib.suppress(OSError, SmallFileError):
+        if regular(file).st_size > LOG_KEEP_BYTES:
+            os.replace(file, file.with_name(file.name + ".1"))
 
 
 def _created(pid: int) -> float | None:

@@ -214,3 +214,35 @@ def test_threads_past_the_bound_are_a_usage_error(
         main([command, "--model", "m", "--threads", "100000"])
     assert exit_.value.code == 2
     assert "--threads must be at most 1024, got 100000" in capsys.readouterr().err
+
+
+def test_a_start_moves_a_long_log_aside(tmp_path: Path) -> None:
+    """The log was never rotated: every run's lines, for as long as specd is used."""
+    log = tmp_path / "specd.log"
+    with open(log, "wb") as f:
+        f.seek(service.LOG_KEEP_BYTES)
+        f.write(b"\nthe old run\n")
+    service.rotate_log(log)
+    assert not log.exists() and service.tail(tmp_path / "specd.log.1", 1) == "the old run"
+    log.write_text("a new run\n")
+    service.rotate_log(log)  # (a short one stays)
+    assert log.read_text() == "a new run\n"
+
+
+def test_an_address_that_is_not_this_machines_says_so() -> None:
+    """`--host 256.1.1.1` said to pick another port."""
+    with pytest.raises(service.ListenError) as raised:
+        service.check_listen("256.1.1.1", 18_999)
+    said = str(raised.value)
+    assert "give one of this machine's addresses with --host" in said
+    assert "pick another port" not in said
+
+
+@pytest.mark.parametrize("ids", ["1,,2", "1,2,", "1, x"])
+def test_prompt_ids_with_an_empty_or_bad_item_are_a_usage_error(
+    ids: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--prompt-ids 1,,2` was read as [1, 2]."""
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", "m", "--prompt-ids", ids])
+    assert "--prompt-ids takes comma-separated integers" in capsys.readouterr().err

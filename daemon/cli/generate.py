@@ -49,11 +49,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _prompt_ids(text: str) -> list[int]:
+    """`1,2,3`: every item an integer (`1,,2` is a typo, not [1, 2]); `""` is no ids."""
+    if not text.strip():
+        return []
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return [int(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--prompt-ids takes comma-separated integers, got {text!r}"
+            f"--prompt-ids takes comma-separated integers, got {text[:80]!r}"
         ) from None
 
 
