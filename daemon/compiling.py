@@ -196,9 +196,10 @@ class Compilation:
             self.states[role] = CompileState(role, "warming" if on else "off", reason)
             if on:
                 self._wanted.append(role)
+        self.cache_dir = cache_dir or compile_cache_dir()
         if self._wanted:
             try:
-                use_cache_dir(cache_dir or compile_cache_dir())
+                use_cache_dir(self.cache_dir)
             except OSError as exc:  # an unwritable cache folder: run eager, say why
                 log.warning("no compile cache folder (%s): the models run eager", exc)
                 for role in self._wanted:
@@ -235,7 +236,11 @@ class Compilation:
                         continue
             except Exception as exc:  # the compiler is optional: never fatal
                 state.state, state.reason = "failed", f"{type(exc).__name__}: {exc}"
-                log.warning("compiling the %s's passes failed; it runs eager: %s", role, exc)
+                log.warning(
+                    "compiling the %s's passes failed; it runs eager: %s (if this repeats at "
+                    "every start, the compile cache may be damaged: remove %s)",
+                    role, str(exc)[:300], self.cache_dir,
+                )  # fmt: skip
                 continue
             model.compiled = passes  # from now on its passes run compiled
             state.state, state.passes = "ready", passes
