@@ -1,7 +1,7 @@
 """What a run drafts with, opened and loaded: `--draft auto` settled (daemon/draft_choice.py),
 a draft model's checkpoint opened before the target is planned (the plan holds both), and
-after the target loads, the draft model loaded and checked against it (one vocabulary,
-embeddings that cover every id). The substitute draft is built with the target
+after the target loads, the draft model loaded and checked against it (one vocabulary;
+that each embedding covers its tokenizer's ids is checked as each model loads). The substitute draft is built with the target
 (daemon/target_loading.py); prompt lookup loads nothing.
 """
 
@@ -61,21 +61,6 @@ def check_same_vocabulary(target: Tokenizer, draft: Tokenizer, draft_ref: str) -
         )
 
 
-def check_embeddings_cover(
-    tokenizer: Tokenizer, target_rows: int, draft_rows: int, draft_ref: str
-) -> None:
-    """Both embeddings must hold a row for every id the shared tokenizer can produce; past
-    that, sizes may differ (Qwen2.5 0.5B-3B have 151,936 rows, 14B-72B 152,064: padding)
-    and the draft is adapted to the target's width (`Transformer.set_vocab_width`)."""
-    need = tokenizer.id_limit
-    for name, rows in (("target", target_rows), (f"draft {draft_ref!r}", draft_rows)):
-        if rows < need:
-            raise RuntimeSetupError(
-                f"the {name} has {rows} embedding rows but its tokenizer produces ids up to "
-                f"{need - 1} ({need} needed): the checkpoint does not match its tokenizer"
-            )
-
-
 def load_draft_model(
     asked: DraftAsked,
     target: Transformer,
@@ -89,11 +74,9 @@ def load_draft_model(
     its passes bounded as the target's are."""
     assert asked.checkpoint is not None and asked.options.draft is not None
     ref = asked.options.draft
+    # (each model's embedding covers its tokenizer's ids: checked as it loads)
     draft, draft_tok, draft_ckpt = load(asked.checkpoint, dtype, device)
     check_same_vocabulary(tokenizer, draft_tok, ref)
-    check_embeddings_cover(
-        tokenizer, target_ckpt.config.vocab_size, draft_ckpt.config.vocab_size, ref
-    )
     draft.set_vocab_width(target.vocab_width)  # no-op when the sizes are equal
     draft.max_pass_tokens = target.max_pass_tokens
     return draft, draft_ckpt

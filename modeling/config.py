@@ -1,5 +1,6 @@
-"""Model configuration: one typed record (`ModelConfig`) every part of the runtime reads,
-and the readers of config.json's shared keys (`required`, `rope_config`).
+"""Model configuration: one typed record (`ModelConfig`) every part of the runtime reads.
+The readers of config.json's shared keys (`integer`, `number`, `rope_config`, ...) are
+modeling/config_readers.py.
 
 Which architecture a config.json describes, and what it refuses, is its architecture
 module's (modeling/models/): `modeling.models.config_from_hf` reads a config through it.
@@ -10,9 +11,7 @@ later.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from modeling.weights.quant import QuantizationSpec
 
@@ -133,147 +132,3 @@ class ModelConfig:
         """The longest context the model was made for (window layers are computed exactly
         by position, so a window no longer limits it)."""
         return self.max_position_embeddings
-
-
-def required(raw: dict[str, Any], key: str, source: str) -> Any:
-    """config.json's `key`, or an UnsupportedModelError naming it."""
-    if key not in raw:
-        raise UnsupportedModelError(f"{source}: required key {key!r} is missing")
-    return raw[key]
-
-
-def attention_widths(raw: dict[str, Any], source: str) -> tuple[int, int, int, int]:
-    """config.json's hidden size, attention heads, key/value heads and head dimension,
-    the heads a positive multiple of the key/value heads."""
-    hidden = int(required(raw, "hidden_size", source))
-    heads = int(required(raw, "num_attention_heads", source))
-    kv_heads = int(raw.get("num_key_value_heads") or heads)
-    if heads < 1 or kv_heads < 1 or heads % kv_heads:
-        raise UnsupportedModelError(
-            f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
-            f"{kv_heads}"
-        )
-    return hidden, heads, kv_heads, int(raw.get("head_dim") or hidden // heads)
-
-
-def eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
-    """config.json's `eos_token_id`: one id, a list of them, or none."""
-    eos = raw.get("eos_token_id")
-    return tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-
-
-def rope_config(raw: dict[str, Any], source: str) -> RopeConfig:
-    # transformers 4.x writes rope_theta + rope_scaling; 5.x writes rope_parameters. When a
-    # config carries both, transformers lets a non-empty rope_scaling win outright (its
-    # `convert_rope_params_to_dict`), so the logits we must match come from that one.
-    parameters = dict(raw.get("rope_parameters") or {})
-    scaling = dict(raw.get("rope_scaling") or {})
-    params = scaling or parameters
-    # Precedence: the chosen block, the top level, rope_parameters, 10000. Each step's
-    # default is a float, not Any (an Any default reads as dict.get's Optional overload).
-    theta: float = parameters.get("rope_theta", 10000.0)
-    theta = raw.get("rope_theta", theta)
-    given = params.get("rope_theta", theta)
-    try:
-        theta = float(given)
-    except (TypeError, ValueError):
-        theta = math.nan
-    if not math.isfinite(theta) or theta <= 0:  # the frequencies would be inf or NaN
-        raise UnsupportedModelError(
-            f"{source}: rope_theta {str(given)[:40]!r} is not a number above 0"
-        )
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"{source}: rope scaling type {kind!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
-    factor = params.get("factor")
-    original = params.get(
-        "original_max_position_embeddings", raw.get("original_max_position_embeddings")
-    )
-    if kind in ("yarn", "longrope") and factor is None:
-        if original is None:
-            raise UnsupportedModelError(
-                f"{source}: {kind} RoPE scaling needs factor or original_max_position_embeddings"
-            )
-        longest: Any = raw.get("max_position_embeddings", original)
-        factor = int(longest) / int(original)
-
-    def optional(key: str) -> float | None:
-        value = params.get(key)
-        return None if value is None else float(value)
-
-    return RopeConfig(
-        theta=theta,
-        kind=kind,
-        factor=float(factor if factor is not None else 1.0),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            original if original is not None else raw.get("max_position_embeddings", 8192)
-        ),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        truncate=bool(params.get("truncate", True)),
-        attention_factor=optional("attention_factor"),
-        mscale=optional("mscale"),
-        mscale_all_dim=optional("mscale_all_dim"),
-        partial_rotary_factor=float(partial) if partial is not None else 1.0,
-        short_factor=_factors(params, "short_factor", kind, source),
-        long_factor=_factors(params, "long_factor", kind, source),
-    )
-
-
-def _factors(params: dict[str, Any], key: str, kind: str, source: str) -> tuple[float, ...]:
-    """LongRoPE's `short_factor` / `long_factor`: finite positive numbers (their count is
-    checked against the rotary dimensions by the architecture that turns them)."""
-    if kind != "longrope":
-        return ()
-    values = params.get(key)
-    if not isinstance(values, list) or not values or len(values) > 4096:
-        raise UnsupportedModelError(f"{source}: longrope RoPE scaling needs a list {key}")
-    try:
-        factors = tuple(float(v) for v in values)
-    except (TypeError, ValueError):
-        raise UnsupportedModelError(f"{source}: {key} holds a value that is no number") from None
-    if not all(0 < f < float("inf") for f in factors):
-        raise UnsupportedModelError(f"{source}: {key} holds a factor that is not above 0")
-    return factors
-
-
-def whole_head_rope(raw: dict[str, Any], source: str, model_type: str) -> RopeConfig:
-    """`rope_config`, refusing what a module that turns the whole head does not compute
-    (LongRoPE, partial rotary)."""
-    rope = rope_config(raw, source)
-    if rope.kind == "longrope" or rope.partial_rotary_factor != 1.0:
-        raise UnsupportedModelError(
-            f"{source}: rope {rope.kind} with partial_rotary_factor "
-            f"{rope.partial_rotary_factor} is not supported for {model_type}"
-        )
-    return rope
-
-
-def routed_experts(raw: dict[str, Any], source: str, key: str) -> tuple[int, int]:
-    """(experts, experts per token): `key` and `num_experts_per_tok`, 1 <= k <= experts."""
-    experts = int(required(raw, key, source))
-    top_k = int(required(raw, "num_experts_per_tok", source))
-    if not 1 <= top_k <= experts:
-        raise UnsupportedModelError(
-            f"{source}: num_experts_per_tok {top_k} must be 1 to {key} {experts}"
-        )
-    return experts, top_k
-
-
-LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
-
-
-def given_layer_types(raw: dict[str, Any], layers: int, source: str) -> tuple[str, ...]:
-    """config.json's `layer_types`: one of LAYER_TYPES for each of `layers` layers."""
-    given = raw.get("layer_types")
-    if not isinstance(given, list) or len(given) != layers or not set(given) <= set(LAYER_TYPES):
-        raise UnsupportedModelError(
-            f"{source}: layer_types must list {layers} of {', '.join(LAYER_TYPES)}"
-        )
-    return tuple(given)

@@ -7,7 +7,6 @@ modeling/checkpoints/gguf_model.py.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 
 from modeling.checkpoints.gguf_config import config_from_gguf
-from modeling.checkpoints.gguf_file import GGUFContents
+from modeling.checkpoints.gguf_file import GGUFContents, short_repr
 from modeling.checkpoints.gguf_model import (
     check_gguf_tensors,
     is_gguf,
@@ -27,15 +26,22 @@ from modeling.checkpoints.gguf_model import (
 )
 from modeling.checkpoints.model_stores import resolve_store_ref
 from modeling.checkpoints.safetensors_model import (
+    DAMAGED,
     CheckpointError,
+    indexed_shards,
     load_model,
+    read_json_object,
     refuse_irregular,
     weight_files,
 )
 from modeling.config import ModelConfig, UnsupportedModelError
 from modeling.decoder import Transformer
 from modeling.models import config_from_hf
-from modeling.text.gguf_tokenizer import check_tokenizer_metadata, tokenizer_from_gguf
+from modeling.text.gguf_tokenizer import (
+    MAX_VOCABULARY,
+    check_tokenizer_metadata,
+    tokenizer_from_gguf,
+)
 from modeling.text.tokenizer import (
     Tokenizer,
     compile_chat_template,
@@ -167,11 +173,9 @@ def open_checkpoint(
         return _open_gguf_checkpoint(path, quantize, stop, verify)
     config_path, gen_path = path / "config.json", path / "generation_config.json"
     refuse_irregular(config_path, gen_path)  # a hub snapshot's too, not checked by resolve
-    try:
-        raw = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelNotFoundError(f"{config_path}: cannot read config ({exc})") from exc
-    config = config_from_hf(raw, source=str(config_path))
+    config = config_from_hf(read_json_object(config_path), source=str(config_path))
+    _check_token_ids(config_path, "bos_token_id", config.bos_token_id, config)
+    _check_token_ids(config_path, "eos_token_id", list(config.eos_token_ids), config)
     if quantize is not None:
         if config.quantization is not None:
             raise UnsupportedQuantizationError(
@@ -179,12 +183,32 @@ def open_checkpoint(
                 f"({config.quantization.label}); it loads as it is, without --quantize"
             )
         config = replace(config, quantization=on_load_quantization(quantize))
-    defaults = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    defaults = _generation_defaults(gen_path, config) if gen_path.is_file() else {}
     if verify:  # (its template compiles as loading compiles it: milliseconds)
         template, source = folder_chat_template(path, tokenizer_config(path))
         if template is not None:
             compile_chat_template(template, source)
+        indexed_shards(path)  # (where there is an index: its shard names, not the shards)
     return Checkpoint(path=path, config=config, generation_defaults=defaults)
+
+
+def _generation_defaults(file: Path, config: ModelConfig) -> dict[str, Any]:
+    """generation_config.json, its `eos_token_id` (the one key read: one id or a list of
+    them) checked to be ids of the model's vocabulary."""
+    defaults = read_json_object(file)
+    _check_token_ids(file, "eos_token_id", defaults.get("eos_token_id"), config)
+    return defaults
+
+
+def _check_token_ids(file: Path, key: str, value: Any, config: ModelConfig) -> None:
+    """A CheckpointError naming `file` and `key` unless `value` is None, a token id of the
+    model's vocabulary (a row of its embedding) or a list of them."""
+    ids = value if isinstance(value, list) else [value] if value is not None else []
+    if not all(type(i) is int and 0 <= i < config.vocab_size for i in ids):
+        raise CheckpointError(
+            f"{file}: {key} is {short_repr(value)}; it must be a token id below the model's "
+            f"vocab_size {config.vocab_size}, or a list of them: {DAMAGED}"
+        )
 
 
 def _open_gguf_checkpoint(
@@ -319,9 +343,37 @@ def load_tokenizer(ckpt: Checkpoint) -> Tokenizer:
         tokenizer = tokenizer_from_gguf(contents.metadata, str(ckpt.path))
         stops = ckpt.generation_defaults.get("eos_token_id") or []  # a store's stop tokens
         tokenizer.eos_token_ids = tuple(dict.fromkeys([*tokenizer.eos_token_ids, *stops]))
-        return tokenizer
-    refuse_irregular(*(ckpt.path / name for name in TOKENIZER_FILES))
-    return Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
+        source = f"{ckpt.path}: tokenizer.ggml.tokens"  # (their count bounded as they are read)
+    else:
+        refuse_irregular(*(ckpt.path / name for name in TOKENIZER_FILES))
+        tokenizer = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
+        source = str(ckpt.path / "tokenizer.json")
+        count = tokenizer.vocab_size  # (counted by the library: no dict built yet)
+        if not 0 < count <= MAX_VOCABULARY:
+            raise CheckpointError(
+                f"{source}: the vocabulary holds {count:,} tokens; specd reads vocabularies "
+                f"of 1 to {MAX_VOCABULARY:,} (the largest real one has 262,144): {DAMAGED}"
+            )
+    _check_embeddings_cover(tokenizer, ckpt.config, source)
+    return tokenizer
+
+
+def _check_embeddings_cover(tokenizer: Tokenizer, config: ModelConfig, source: str) -> None:
+    """Every id the tokenizer can produce must have a row of the embedding (config's
+    vocab_size, which the weights are checked against): a token past it would index out of
+    the table at the first prompt that holds it, in the middle of a request."""
+    rows, count = config.vocab_size, tokenizer.vocab_size
+    if count > rows:  # (counted without the id → token dict: 1.5 GB for 3M tokens)
+        raise CheckpointError(
+            f"{source}: the tokenizer holds {count:,} tokens but the model has {rows:,} "
+            f"embedding rows: the tokenizer is not this model's; {DAMAGED}"
+        )
+    need = tokenizer.id_limit
+    if need > rows:
+        raise CheckpointError(
+            f"{source}: the tokenizer produces ids up to {need - 1:,} but the model has "
+            f"{rows:,} embedding rows: the tokenizer is not this model's; {DAMAGED}"
+        )
 
 
 __all__ = [

@@ -98,7 +98,7 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": number("attention.layer_norm_rms_epsilon"),
+        "rms_norm_eps": number("attention.layer_norm_rms_epsilon", positive=True),
         "max_position_embeddings": count("context_length", 2048),
         "rope_theta": number("rope.freq_base", 10000.0, positive=True),  # (0: inf, NaN)
         "tie_word_embeddings": "output.weight" not in tensors,

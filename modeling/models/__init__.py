@@ -22,6 +22,7 @@ from modeling.models.llama import LLAMA
 from modeling.models.mixtral import MIXTRAL
 from modeling.models.phi3 import PHI3
 from modeling.models.qwen3_moe import QWEN3_MOE
+from modeling.weights.quant import short
 
 ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL, GPT_OSS)
 
@@ -45,13 +46,20 @@ def architecture(config: ModelConfig) -> Architecture:
 
 def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """A config.json record → ModelConfig, read by its architecture's module; an
-    UnsupportedModelError for a model_type no module runs."""
+    UnsupportedModelError for a model_type no module runs, or for a value no model has."""
+    if not isinstance(raw, dict):  # (the file's JSON may be anything)
+        raise UnsupportedModelError(
+            f"{source}: the file holds {short(raw)}, not an object of config keys: fix the "
+            "file or download the model again"
+        )
     model_type = raw.get("model_type")
     arch = BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
-        names = ", ".join(raw.get("architectures") or []) or "unknown architecture"
+        given: Any = raw.get("architectures")
+        strings = isinstance(given, list) and all(isinstance(n, str) for n in given)
+        names = (", ".join(given) if strings else "")[:80] or "unknown architecture"
         raise UnsupportedModelError(
-            f"{source}: model_type {model_type!r} ({names}) is not supported; specd runs "
+            f"{source}: model_type {short(model_type)} ({names}) is not supported; specd runs "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     return _bounded(arch.config(raw, source), source)
@@ -62,23 +70,54 @@ def config_from_hf(raw: dict[str, Any], source: str = "config.json") -> ModelCon
 MAX_LAYERS = 1024
 MAX_EXPERTS = 1024
 MAX_EXPERT_MODULES = 1 << 16  # layers x experts
+# Widths past any model's, so that a corrupt one is named here rather than met as "the
+# plan needs 276 TiB": published models have hidden sizes to 16,384, MLPs to 53,248,
+# vocabularies to 262,144, 128 heads of at most 256 dimensions and contexts to 10M.
+MAX_WIDTH = 1 << 20  # hidden_size, intermediate sizes
+MAX_VOCAB = 1 << 24
+MAX_HEADS = 1 << 14  # heads, key/value heads, head_dim
+MAX_CONTEXT = 1 << 30  # max_position_embeddings, sliding_window
 
 
 def _bounded(cfg: ModelConfig, source: str) -> ModelConfig:
-    """`cfg`, or an UnsupportedModelError naming the count a hostile or broken config gives
-    past what any model has: a module is built per layer and per expert before a weight is
-    read, so 10^8 of them would hang the loader and the plan."""
-    experts = cfg.moe.experts if cfg.moe is not None else 1
+    """`cfg`, or an UnsupportedModelError naming the value a hostile or broken config gives
+    that no model has: a count or width below 1 or past any model's (a module is built per
+    layer and per expert before a weight is read, so 10^8 of them would hang the loader and
+    the plan), or an RMSNorm epsilon outside (0, 1), which divides by zero or flattens every
+    activation to nothing. (Each architecture's reader has checked the types; a GGUF file's
+    config comes through here too.)"""
+    moe, window = cfg.moe, cfg.sliding_window
+    experts = moe.experts if moe is not None else 1
+    shared = moe.shared_intermediate_size if moe is not None else None
     for key, value, most in (
         ("num_hidden_layers", cfg.num_layers, MAX_LAYERS),
         ("experts per layer", experts, MAX_EXPERTS),
         ("layers x experts", cfg.num_layers * experts, MAX_EXPERT_MODULES),
+        ("vocab_size", cfg.vocab_size, MAX_VOCAB),
+        ("hidden_size", cfg.hidden_size, MAX_WIDTH),
+        ("intermediate_size", cfg.intermediate_size, MAX_WIDTH),
+        ("moe_intermediate_size", moe.intermediate_size if moe else 1, MAX_WIDTH),
+        ("shared_expert_intermediate_size", 1 if shared is None else shared, MAX_WIDTH),
+        ("num_attention_heads", cfg.num_heads, MAX_HEADS),
+        ("num_key_value_heads", cfg.num_kv_heads, MAX_HEADS),
+        ("head_dim", cfg.head_dim, MAX_HEADS),
+        ("max_position_embeddings", cfg.max_position_embeddings, MAX_CONTEXT),
+        ("sliding_window", 1 if window is None else window, MAX_CONTEXT),
     ):
         if value > most:
             raise UnsupportedModelError(
-                f"{source}: {key} is {value}, past the {most} specd builds (no published "
+                f"{source}: {key} is {short(value)}, past the {most} specd builds (no published "
                 "model has as many): the config is corrupt"
             )
+        if value < 1:
+            raise UnsupportedModelError(
+                f"{source}: {key} is {value}; it must be at least 1: the config is corrupt"
+            )
+    if not 0 < cfg.rms_norm_eps < 1:
+        raise UnsupportedModelError(
+            f"{source}: rms_norm_eps is {cfg.rms_norm_eps}; it must be above 0 and below 1 "
+            "(models use 1e-5 or 1e-6): the config is corrupt"
+        )
     return cfg
 
 

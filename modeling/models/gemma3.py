@@ -32,13 +32,22 @@ import torch
 from torch import nn
 
 from modeling.architecture import Architecture, GGUFKeys, LayerActivations
-from modeling.config import ModelConfig, UnsupportedModelError, eos_ids, rope_config
+from modeling.config import ModelConfig, UnsupportedModelError
+from modeling.config_readers import (
+    attention_widths,
+    bos_id,
+    dtype_name,
+    eos_ids,
+    integer,
+    number,
+    rope_config,
+)
 from modeling.layers.attention import Slots
 from modeling.layers.decoder_layer import layer_activations, layer_parameters, layer_phases
 from modeling.layers.mlp import MLP
 from modeling.layers.norms import RMSNorm, norm_bytes
 from modeling.layers.self_attention import Attention
-from modeling.weights.quant import parse_quantization
+from modeling.weights.quant import parse_quantization, short
 
 # transformers' Gemma3TextConfig defaults (a published config leaves most of them out)
 DEFAULTS: dict[str, Any] = {
@@ -73,12 +82,18 @@ _MULTIMODAL_ONLY = (
 )
 
 
-def _text_config(raw: dict[str, Any]) -> dict[str, Any]:
+def _text_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
     """The text model's keys over the defaults: config.json itself, or a multimodal
     checkpoint's `text_config` with its top-level dtype, quantization and token ids."""
     if raw["model_type"] != "gemma3":
         return {**DEFAULTS, **raw}
-    text = dict(raw.get("text_config") or {})
+    text = raw.get("text_config") or {}
+    if not isinstance(text, dict):
+        raise UnsupportedModelError(
+            f"{source}: text_config is {short(text)}; it must be an object: fix the file or "
+            "download the model again"
+        )
+    text = dict(text)
     for key in _TOP_LEVEL:
         if key in raw and key not in text:
             text[key] = raw[key]
@@ -90,18 +105,30 @@ def _ropes(raw: dict[str, Any], source: str) -> tuple[Any, Any]:
     `rope_parameters` per layer type; 4.x wrote rope_theta, rope_scaling (global only) and
     rope_local_base_freq."""
     parameters = raw.get("rope_parameters") or {}
-    if "full_attention" in parameters or "sliding_attention" in parameters:
-        full = parameters.get("full_attention") or {}
-        local = parameters.get("sliding_attention") or {}
-        full = {"rope_theta": DEFAULTS["rope_theta"], **full}
-        local = {"rope_theta": DEFAULTS["rope_local_base_freq"], **local}
-        return (
-            rope_config({"rope_parameters": full}, source),
-            rope_config({"rope_parameters": local}, source),
-        )
+    if isinstance(parameters, dict) and (
+        "full_attention" in parameters or "sliding_attention" in parameters
+    ):
+        ropes = []
+        for kind, theta in (("full_attention", "rope_theta"),
+                            ("sliding_attention", "rope_local_base_freq")):  # fmt: skip
+            given = parameters.get(kind) or {}
+            if not isinstance(given, dict):
+                raise UnsupportedModelError(
+                    f"{source}: rope_parameters.{kind} is {short(given)}; it must be an "
+                    "object of RoPE parameters: fix the file or download the model again"
+                )
+            given = {"rope_theta": DEFAULTS[theta], **given}
+            ropes.append(rope_config({"rope_parameters": given}, source))
+        return ropes[0], ropes[1]
     global_raw = {"rope_theta": raw["rope_theta"], "rope_scaling": raw.get("rope_scaling")}
     global_raw["rope_parameters"] = parameters or None
-    local_raw = {"rope_theta": raw["rope_local_base_freq"]}
+    local_base = number(raw, "rope_local_base_freq", source)
+    if local_base <= 0:  # (rope_config's message would name rope_theta)
+        raise UnsupportedModelError(
+            f"{source}: rope_local_base_freq is {local_base}; it must be above 0: fix the file "
+            "or download the model again"
+        )
+    local_raw = {"rope_theta": local_base}
     return rope_config(global_raw, source), rope_config(local_raw, source)
 
 
@@ -151,7 +178,7 @@ class Gemma3(Architecture):
     }
 
     def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
-        raw = _text_config(raw)
+        raw = _text_config(raw, source)
         act = raw.get("hidden_activation") or raw.get("hidden_act")
         if act != "gelu_pytorch_tanh":
             raise UnsupportedModelError(
@@ -161,16 +188,11 @@ class Gemma3(Architecture):
         for key in ("use_bidirectional_attention", "final_logit_softcapping"):
             if raw.get(key):
                 raise UnsupportedModelError(f"{source}: {key} {raw[key]!r} is not supported")
-        layers, heads = int(raw["num_hidden_layers"]), int(raw["num_attention_heads"])
-        kv_heads = int(raw["num_key_value_heads"])
-        if layers < 1 or heads < 1 or kv_heads < 1 or heads % kv_heads:
-            raise UnsupportedModelError(
-                f"{source}: num_attention_heads {heads} must be a positive multiple of "
-                f"num_key_value_heads {kv_heads}, and num_hidden_layers {layers} positive"
-            )
+        layers = integer(raw, "num_hidden_layers", source)
+        hidden, heads, kv_heads, head_dim = attention_widths(raw, source)
         types = raw.get("layer_types")
         if types is None:
-            pattern = int(raw["sliding_window_pattern"])
+            pattern = integer(raw, "sliding_window_pattern", source)
             types = [_LAYER_TYPES[bool((i + 1) % pattern)] for i in range(layers)]
         if (
             not isinstance(types, list)
@@ -188,35 +210,43 @@ class Gemma3(Architecture):
         if rope.partial_rotary_factor != 1.0 or local_rope.partial_rotary_factor != 1.0:
             raise UnsupportedModelError(f"{source}: partial_rotary_factor is not supported")
         bias = bool(raw["attention_bias"])
-        hidden = int(raw["hidden_size"])
+        scalar = number(raw, "query_pre_attn_scalar", source)
         softcap = raw.get("attn_logit_softcapping")
+        if softcap is not None:
+            softcap = number(raw, "attn_logit_softcapping", source)
+        for key, value in (("query_pre_attn_scalar", scalar), ("attn_logit_softcapping", softcap)):
+            if value is not None and value <= 0:  # scores times scalar ** -0.5; / softcap
+                raise UnsupportedModelError(
+                    f"{source}: {key} is {value}; it must be above 0: fix the file or "
+                    "download the model again"
+                )
         return ModelConfig(
             model_type=raw["model_type"],
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=integer(raw, "vocab_size", source),
             hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
+            intermediate_size=integer(raw, "intermediate_size", source),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=int(raw["head_dim"]),
-            rms_norm_eps=float(raw["rms_norm_eps"]),
-            max_position_embeddings=int(raw["max_position_embeddings"]),
+            head_dim=head_dim,
+            rms_norm_eps=number(raw, "rms_norm_eps", source),
+            max_position_embeddings=integer(raw, "max_position_embeddings", source),
             rope=rope,
             local_rope=local_rope,
             tie_word_embeddings=bool(raw["tie_word_embeddings"]),
             qkv_bias=bias,
             o_bias=bias,
             qk_norm=True,
-            sliding_window=int(raw["sliding_window"]),
+            sliding_window=integer(raw, "sliding_window", source),
             layer_types=tuple(types),
             hidden_act="gelu_pytorch_tanh",
             norm_offset=1.0,
             embedding_scale=math.sqrt(hidden),
-            attention_scale=float(raw["query_pre_attn_scalar"]) ** -0.5,
-            attention_softcap=None if softcap is None else float(softcap),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids(raw),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            attention_scale=scalar**-0.5,
+            attention_softcap=softcap,
+            bos_token_id=bos_id(raw, source),
+            eos_token_ids=eos_ids(raw, source),
+            torch_dtype=dtype_name(raw, source),
             quantization=parse_quantization(raw, source),
         )
 

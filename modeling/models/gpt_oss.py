@@ -31,15 +31,16 @@ from typing import Any, ClassVar
 import torch
 
 from modeling.architecture import GGUF_EXPERTS, GGUFKeys
-from modeling.config import (
+from modeling.config import ModelConfig, MoEConfig, UnsupportedModelError
+from modeling.config_readers import (
     LAYER_TYPES,
-    ModelConfig,
-    MoEConfig,
-    UnsupportedModelError,
     attention_widths,
+    bos_id,
+    dtype_name,
     eos_ids,
     given_layer_types,
-    required,
+    integer,
+    number,
     routed_experts,
     whole_head_rope,
 )
@@ -82,11 +83,10 @@ class GptOss(MoEArchitecture):
         hidden, heads, kv_heads, head_dim = attention_widths(raw, source)
         rope = whole_head_rope(raw, source, "gpt_oss")
         experts, top_k = routed_experts(raw, source, "num_local_experts")
-        layers = int(required(raw, "num_hidden_layers", source))
-        window = raw.get("sliding_window")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                                   or window < 1):  # fmt: skip
-            raise UnsupportedModelError(f"{source}: sliding_window must be a whole number >= 1")
+        layers = integer(raw, "num_hidden_layers", source)
+        window = None
+        if raw.get("sliding_window") is not None:
+            window = integer(raw, "sliding_window", source)
         if window is not None and raw.get("layer_types") is None:
             # transformers' default: even layers slide, odd ones attend to everything
             raw = {**raw, "layer_types": [LAYER_TYPES[(i + 1) % 2] for i in range(layers)]}
@@ -96,18 +96,18 @@ class GptOss(MoEArchitecture):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise UnsupportedModelError(f"{source}: {key} must be a number above 0")
         bias = bool(raw.get("attention_bias", True))
-        intermediate = int(required(raw, "intermediate_size", source))
+        intermediate = integer(raw, "intermediate_size", source)
         return ModelConfig(
             model_type="gpt_oss",
-            vocab_size=int(required(raw, "vocab_size", source)),
+            vocab_size=integer(raw, "vocab_size", source),
             hidden_size=hidden,
             intermediate_size=intermediate,
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 131072)),
+            rms_norm_eps=number(raw, "rms_norm_eps", source, 1e-5),
+            max_position_embeddings=integer(raw, "max_position_embeddings", source, 131072),
             rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=bias,
@@ -115,9 +115,9 @@ class GptOss(MoEArchitecture):
             sliding_window=window,
             layer_types=given_layer_types(raw, layers, source) if window is not None else (),
             attention_sinks=True,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids(raw),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            bos_token_id=bos_id(raw, source),
+            eos_token_ids=eos_ids(raw, source),
+            torch_dtype=dtype_name(raw, source),
             quantization=parse_quantization(raw, source),
             moe=MoEConfig(
                 experts=experts,

@@ -24,14 +24,16 @@ from modeling.architecture import (
     LayerActivations,
     unpermute_qk,
 )
-from modeling.config import (
+from modeling.config import ModelConfig, UnsupportedModelError
+from modeling.config_readers import (
     LAYER_TYPES,
-    ModelConfig,
-    UnsupportedModelError,
     attention_widths,
+    bos_id,
+    dtype_name,
     eos_ids,
     given_layer_types,
-    required,
+    integer,
+    number,
     rope_config,
 )
 from modeling.layers.decoder_layer import DecoderLayer, layer_activations, layer_parameters
@@ -48,19 +50,18 @@ def _layer_types(
     if raw.get("layer_types") is not None:
         return given_layer_types(raw, layers, source)
     if raw["model_type"] in ("qwen2", "qwen3"):
-        first = int(raw.get("max_window_layers", 28))
+        first = integer(raw, "max_window_layers", source, 28, minimum=0)
         return tuple(LAYER_TYPES[i >= first] for i in range(layers))
     return ()
 
 
-def _active_sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
-    window = raw.get("sliding_window")
-    if window is None:
+def _active_sliding_window(raw: dict[str, Any], model_type: str, source: str) -> int | None:
+    if raw.get("sliding_window") is None:
         return None
     if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
         return None
-    window = int(window)
-    if window >= int(raw.get("max_position_embeddings", window)):
+    window = integer(raw, "sliding_window", source)
+    if window >= integer(raw, "max_position_embeddings", source, window):
         return None  # the window covers the whole context: plain full attention
     return window
 
@@ -98,19 +99,19 @@ class Llama(Architecture):
                 "supported by Llama-family models (RoPE over the whole head only)"
             )
         attention_bias = bool(raw.get("attention_bias", False))
-        window = _active_sliding_window(raw, model_type)
-        layers = int(required(raw, "num_hidden_layers", source))
+        window = _active_sliding_window(raw, model_type, source)
+        layers = integer(raw, "num_hidden_layers", source)
         return ModelConfig(
             model_type=model_type,
-            vocab_size=int(required(raw, "vocab_size", source)),
+            vocab_size=integer(raw, "vocab_size", source),
             hidden_size=hidden,
-            intermediate_size=int(required(raw, "intermediate_size", source)),
+            intermediate_size=integer(raw, "intermediate_size", source),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=number(raw, "rms_norm_eps", source, 1e-6),
+            max_position_embeddings=integer(raw, "max_position_embeddings", source, 2048),
             rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or attention_bias,
@@ -119,9 +120,9 @@ class Llama(Architecture):
             qk_norm=model_type == "qwen3",
             sliding_window=window,
             layer_types=_layer_types(raw, window, layers, source),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids(raw),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            bos_token_id=bos_id(raw, source),
+            eos_token_ids=eos_ids(raw, source),
+            torch_dtype=dtype_name(raw, source),
             quantization=parse_quantization(raw, source),
         )
 

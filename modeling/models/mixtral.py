@@ -18,13 +18,14 @@ from typing import Any, ClassVar
 import torch
 
 from modeling.architecture import GGUF_EXPERTS, GGUF_LAYERS, unpermute_qk
-from modeling.config import (
-    ModelConfig,
-    MoEConfig,
-    UnsupportedModelError,
+from modeling.config import ModelConfig, MoEConfig, UnsupportedModelError
+from modeling.config_readers import (
     attention_widths,
+    bos_id,
+    dtype_name,
     eos_ids,
-    required,
+    integer,
+    number,
     routed_experts,
     whole_head_rope,
 )
@@ -52,27 +53,29 @@ class Mixtral(MoEArchitecture):
         hidden, heads, kv_heads, head_dim = attention_widths(raw, source)
         rope = whole_head_rope(raw, source, "mixtral")
         experts, top_k = routed_experts(raw, source, "num_local_experts")
-        intermediate = int(required(raw, "intermediate_size", source))
-        max_position = int(raw.get("max_position_embeddings", 4096 * 32))
-        window = raw.get("sliding_window")
-        window = None if window is None or int(window) >= max_position else int(window)
+        intermediate = integer(raw, "intermediate_size", source)
+        max_position = integer(raw, "max_position_embeddings", source, 4096 * 32)
+        window = None
+        if raw.get("sliding_window") is not None:
+            window = integer(raw, "sliding_window", source)
+            window = None if window >= max_position else window
         return ModelConfig(
             model_type="mixtral",
-            vocab_size=int(required(raw, "vocab_size", source)),
+            vocab_size=integer(raw, "vocab_size", source),
             hidden_size=hidden,
             intermediate_size=intermediate,
-            num_layers=int(required(raw, "num_hidden_layers", source)),
+            num_layers=integer(raw, "num_hidden_layers", source),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            rms_norm_eps=number(raw, "rms_norm_eps", source, 1e-5),
             max_position_embeddings=max_position,
             rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             sliding_window=window,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids(raw),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            bos_token_id=bos_id(raw, source),
+            eos_token_ids=eos_ids(raw, source),
+            torch_dtype=dtype_name(raw, source),
             quantization=parse_quantization(raw, source),
             moe=MoEConfig(experts=experts, top_k=top_k, intermediate_size=intermediate),
         )

@@ -32,12 +32,14 @@ from typing import Any, ClassVar
 from torch import nn
 
 from modeling.architecture import Architecture, GGUFKeys, LayerActivations
-from modeling.config import (
-    ModelConfig,
-    UnsupportedModelError,
+from modeling.config import ModelConfig, UnsupportedModelError
+from modeling.config_readers import (
     attention_widths,
+    bos_id,
+    dtype_name,
     eos_ids,
-    required,
+    integer,
+    number,
     rope_config,
 )
 from modeling.layers.decoder_layer import DecoderLayer, layer_activations, layer_parameters
@@ -81,28 +83,30 @@ class Phi3(Architecture):
                     f"{source}: rope_scaling.{key} has {len(getattr(rope, key))} factors; "
                     f"the {rotary} rotary dimensions need {rotary // 2}"
                 )
-        window = raw.get("sliding_window")
-        max_positions = int(raw.get("max_position_embeddings", 4096))
-        if window is not None and int(window) >= max_positions:
-            window = None  # covers the whole context: plain full attention
+        max_positions = integer(raw, "max_position_embeddings", source, 4096)
+        window = None
+        if raw.get("sliding_window") is not None:
+            window = integer(raw, "sliding_window", source)
+            if window >= max_positions:
+                window = None  # covers the whole context: plain full attention
         return ModelConfig(
             model_type="phi3",
-            vocab_size=int(required(raw, "vocab_size", source)),
+            vocab_size=integer(raw, "vocab_size", source),
             hidden_size=hidden,
-            intermediate_size=int(required(raw, "intermediate_size", source)),
-            num_layers=int(required(raw, "num_hidden_layers", source)),
+            intermediate_size=integer(raw, "intermediate_size", source),
+            num_layers=integer(raw, "num_hidden_layers", source),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            rms_norm_eps=number(raw, "rms_norm_eps", source, 1e-5),
             max_position_embeddings=max_positions,
             rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            sliding_window=None if window is None else int(window),
+            sliding_window=window,
             stored_fused=True,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids(raw),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            bos_token_id=bos_id(raw, source),
+            eos_token_ids=eos_ids(raw, source),
+            torch_dtype=dtype_name(raw, source),
             quantization=parse_quantization(raw, source),
         )
 

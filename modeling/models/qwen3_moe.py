@@ -19,13 +19,14 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from modeling.architecture import GGUF_EXPERTS, GGUF_LAYERS, GGUFKeys
-from modeling.config import (
-    ModelConfig,
-    MoEConfig,
-    UnsupportedModelError,
+from modeling.config import ModelConfig, MoEConfig, UnsupportedModelError
+from modeling.config_readers import (
     attention_widths,
+    bos_id,
+    dtype_name,
     eos_ids,
-    required,
+    integer,
+    number,
     rope_config,
 )
 from modeling.layers.moe import MoEArchitecture
@@ -67,7 +68,7 @@ class Qwen3Moe(MoEArchitecture):
             raise UnsupportedModelError(
                 f"{source}: hidden_act {act!r} is not supported (only 'silu')"
             )
-        if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step", 1)) != 1:
+        if raw.get("mlp_only_layers") or integer(raw, "decoder_sparse_step", source, 1) != 1:
             raise UnsupportedModelError(
                 f"{source}: mlp_only_layers / decoder_sparse_step mix dense and expert layers, "
                 "which specd does not run (every layer here is one shape)"
@@ -104,23 +105,23 @@ class Qwen3Moe(MoEArchitecture):
         attention_bias = bool(raw.get("attention_bias", False))
         return ModelConfig(
             model_type=model_type,
-            vocab_size=int(required(raw, "vocab_size", source)),
+            vocab_size=integer(raw, "vocab_size", source),
             hidden_size=hidden,
-            intermediate_size=int(raw.get("intermediate_size") or moe.intermediate_size),
-            num_layers=int(required(raw, "num_hidden_layers", source)),
+            intermediate_size=integer(raw, "intermediate_size", source, moe.intermediate_size),
+            num_layers=integer(raw, "num_hidden_layers", source),
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=number(raw, "rms_norm_eps", source, 1e-6),
+            max_position_embeddings=integer(raw, "max_position_embeddings", source, 2048),
             rope=rope,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=attention_bias or qwen2,
             o_bias=attention_bias,
             qk_norm=not qwen2,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids(raw),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            bos_token_id=bos_id(raw, source),
+            eos_token_ids=eos_ids(raw, source),
+            torch_dtype=dtype_name(raw, source),
             quantization=parse_quantization(raw, source),
             moe=moe,
         )

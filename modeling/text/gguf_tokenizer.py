@@ -42,7 +42,7 @@ from modeling.checkpoints.gguf_file import CORRUPT_FILE, MAX_ARRAY_LENGTH, short
 from modeling.text.gguf_merges import TooManyMergesError
 from modeling.text.gguf_pretokenizers import NOT_BYTE_LEVEL, PRE_TOKENIZERS
 from modeling.text.gguf_spm import sentencepiece, spelled_pieces
-from modeling.text.tokenizer import Tokenizer
+from modeling.text.tokenizer import Tokenizer, library_refusal
 
 # tokenizer.ggml.token_type values
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
@@ -55,7 +55,6 @@ MAX_PIECE_LENGTH = 1024  # characters in one token
 MAX_VOCABULARY_TEXT = 2**23  # characters in all the tokens together
 MAX_MERGES = 2**21  # a `gpt2` file's, or those a `llama` file's scores give
 MAX_MERGES_TEXT = 2**24  # characters in all the merges together, both sides
-MAX_MESSAGE = 200  # characters of the tokenizers library's refusal quoted in ours
 
 # Tokens llama.cpp ends a generation at by their text alone (llama-vocab.cpp, "EOG").
 END_OF_TURN_TOKENS = frozenset(
@@ -122,13 +121,9 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
             backend = _byte_level(read, special | set(user_defined))
             add_bos_default = PRE_TOKENIZERS[read.pre].add_bos
     except Exception as exc:
-        if type(exc) is not Exception:  # the `tokenizers` library refuses with a bare one
-            raise
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if len(first) > MAX_MESSAGE:  # it quotes the file's text, which may be megabytes
-            first = first[:MAX_MESSAGE] + " …"
+        said = library_refusal(exc)
         raise GGUFTokenizerError(
-            f"{source}: the tokenizer.ggml.* keys do not make a tokenizer ({first}): {CORRUPT_FILE}"
+            f"{source}: the tokenizer.ggml.* keys do not make a tokenizer ({said}): {CORRUPT_FILE}"
         ) from None
     backend.add_special_tokens(
         [AddedToken(tokens[i], normalized=False, special=True) for i in sorted(special)]

@@ -11,13 +11,20 @@ template at load (so a broken one fails there), the fallback at its first use, s
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from modeling.checkpoints.gguf_file import short_repr
+from modeling.checkpoints.safetensors_model import (
+    DAMAGED,
+    MAX_TOKENIZER_BYTES,
+    CheckpointError,
+    read_json_object,
+    read_text,
+)
 from modeling.config import ModelConfig
 from modeling.errors import RequestError
 from modeling.text import harmony
@@ -31,19 +38,16 @@ class ChatTemplateError(RequestError):
     render (modeling/text/chat_template.py)."""
 
 
+# Characters of the `tokenizers` library's refusal quoted in ours: it quotes the file,
+# which may be megabytes on one line.
+MAX_MESSAGE = 200  # characters of the tokenizers library's refusal quoted in ours
+
+
 def tokenizer_config(path: Path) -> dict[str, Any]:
-    """A model folder's tokenizer_config.json ({} where there is none), or ChatTemplateError
-    naming the file where it is no JSON object."""
+    """A model folder's tokenizer_config.json ({} where there is none), or CheckpointError
+    naming the file where it is no JSON object (read_json_object)."""
     file = path / "tokenizer_config.json"
-    if not file.is_file():
-        return {}
-    try:
-        tc = json.loads(file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ChatTemplateError(f"{file} is not JSON: {str(exc)[:120]}") from None
-    if not isinstance(tc, dict):
-        raise ChatTemplateError(f"{file} is not a JSON object")
-    return tc
+    return read_json_object(file) if file.is_file() else {}
 
 
 def folder_chat_template(path: Path, tc: dict[str, Any]) -> tuple[str | None, str]:
@@ -61,7 +65,7 @@ def folder_chat_template(path: Path, tc: dict[str, Any]) -> tuple[str | None, st
         raise ChatTemplateError(f"{source} is a {type(template).__name__}, not a template")
     jinja_file = path / "chat_template.jinja"
     if template is None and jinja_file.is_file():
-        template, source = jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+        template, source = read_text(jinja_file), str(jinja_file)
     return template, source
 
 
@@ -88,10 +92,39 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
+def _backend(file: Path) -> HFTokenizer:
+    """tokenizer.json as the `tokenizers` library reads it, or CheckpointError naming the
+    file: past MAX_TOKENIZER_BYTES (checked before it is parsed), or refused by the library
+    (which bounds its own nesting)."""
+    text = read_text(file, MAX_TOKENIZER_BYTES)
+    try:
+        return HFTokenizer.from_str(text)
+    except Exception as exc:
+        said = library_refusal(exc)
+        raise CheckpointError(f"{file}: not a tokenizer ({said}): {DAMAGED}") from None
+
+
+def library_refusal(exc: Exception) -> str:
+    """What the `tokenizers` library said refusing a file, cut to MAX_MESSAGE characters (it
+    quotes the file's text, which may be megabytes); any other exception is re-raised (the
+    library refuses with a bare Exception: anything else is a bug)."""
+    if type(exc) is not Exception:
+        raise exc
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return first if len(first) <= MAX_MESSAGE else first[:MAX_MESSAGE] + " …"
+
+
+def _token_text(tc: dict[str, Any], key: str, file: Path) -> str | None:
+    """tokenizer_config.json's `key` (bos_token, eos_token): a token's text, or an object
+    with its text as `content` (an AddedToken as transformers writes it), or none."""
+    value = tc.get(key)
+    text = value.get("content") if isinstance(value, dict) else value
+    if text is not None and not isinstance(text, str):
+        raise CheckpointError(
+            f"{file}: {key} is {short_repr(value)}; it must be a token's text or an object "
+            f"with it as `content`: {DAMAGED}"
+        )
+    return text
 
 
 class Tokenizer:
@@ -140,10 +173,11 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"{path} has no tokenizer.json (specd reads tokenizers in the `tokenizers` format)"
             )
-        backend = HFTokenizer.from_file(str(file))
+        backend = _backend(file)
         tc = tokenizer_config(path)
-        bos = _token_text(tc.get("bos_token"))
-        eos = _token_text(tc.get("eos_token"))
+        tc_file = path / "tokenizer_config.json"
+        bos = _token_text(tc, "bos_token", tc_file)
+        eos = _token_text(tc, "eos_token", tc_file)
         # EOS ids: the generation config's (may be a list) and the model config's, plus the
         # tokenizer's eos token; any of them ends a generation.
         eos_ids: list[int] = []
@@ -160,11 +194,16 @@ class Tokenizer:
             bos = backend.id_to_token(config.bos_token_id)
         template, source = folder_chat_template(path, tc)
         add_bos = tc.get("add_bos_token")
+        if add_bos is not None and not isinstance(add_bos, bool):
+            raise CheckpointError(
+                f"{tc_file}: add_bos_token is {short_repr(add_bos)}; it must be true, false "
+                f"or null: {DAMAGED}"
+            )
         return cls(
             backend,
             bos_token=bos,
             eos_token=eos,
-            add_bos=bool(add_bos) if add_bos is not None else None,
+            add_bos=add_bos,
             eos_token_ids=eos_ids,
             chat_template=template,
             template_source=source,

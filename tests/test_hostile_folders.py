@@ -1,0 +1,272 @@
+"""Hostile model folders: copies of the shared stories260k whose JSON files (config.json,
+generation_config.json, tokenizer.json, tokenizer_config.json, a shard index) are garbage,
+nested without end, of the wrong types or too large, whose shard index points outside the
+folder, or whose tokenizer produces ids the embedding has no row for. `specd plan` and
+`specd generate` must answer each with exit status 2 and one line on stderr naming the
+file and the key, before they read past a bound or recurse into the file (the GGUF files'
+own: tests/test_hostile_files.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from daemon.cli.commands import main
+from modeling.checkpoints import checkpoint
+from modeling.checkpoints.safetensors_model import (
+    INDEX,
+    MAX_JSON_DEPTH,
+    MAX_TEXT_BYTES,
+    MAX_TOKENIZER_BYTES,
+    CheckpointError,
+    weight_files,
+)
+from tests.conftest import SHARED_MODELS
+from tests.test_hostile_files import SOURCE, quiet_home, rewrite  # noqa: F401 (a fixture)
+
+STORIES = SHARED_MODELS / "stories260k"
+MODEL = ["--model", "{}", "--draft", "none"]
+COMMANDS = {
+    "plan": ["plan", *MODEL],
+    "generate": ["generate", *MODEL, "--max-tokens", "2", "--prompt", "Once <big>"],
+}
+Mutation = Callable[[Path], None]
+
+
+def _write(name: str, text: str) -> Mutation:
+    return lambda folder: (folder / name).write_text(text)
+
+
+def _edit(name: str, change: Callable[[Any], Any]) -> Mutation:
+    """The folder's JSON file `name` rewritten as `change` returns it (given it parsed)."""
+
+    def mutate(folder: Path) -> None:
+        file = folder / name
+        file.write_text(json.dumps(change(json.loads(file.read_text()))))
+
+    return mutate
+
+
+def _sparse(name: str, size: int) -> Mutation:
+    """`name` as `size` zero bytes: a sparse file, nothing on disk."""
+
+    def mutate(folder: Path) -> None:
+        with (folder / name).open("wb") as f:
+            f.truncate(size)
+
+    return mutate
+
+
+def _index(weight_map: Any) -> Mutation:
+    return _write(INDEX, json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def _with(key: str, value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda raw: {**raw, key: value}
+
+
+def _vocab(token: str, value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def change(tok: dict[str, Any]) -> dict[str, Any]:
+        tok["model"]["vocab"][token] = value
+        return tok
+
+    return change
+
+
+def _added(token: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def change(tok: dict[str, Any]) -> dict[str, Any]:
+        tok["added_tokens"].append({**tok["added_tokens"][0], **token})
+        return tok
+
+    return change
+
+
+def _merge(merge: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def change(tok: dict[str, Any]) -> dict[str, Any]:
+        tok["model"]["merges"].append(merge)
+        return tok
+
+    return change
+
+
+def _model_type(tok: dict[str, Any]) -> dict[str, Any]:
+    tok["model"]["type"] = "Bogus"
+    return tok
+
+
+def _first_added_id(value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def change(tok: dict[str, Any]) -> dict[str, Any]:
+        tok["added_tokens"][0]["id"] = value
+        return tok
+
+    return change
+
+
+DEEP = "[" * 100_000
+TOKENIZER, TC = "tokenizer.json", "tokenizer_config.json"
+GEN, CONFIG = "generation_config.json", "config.json"
+# label → (mutation, the file named, what the line says of it: the key, or the fault)
+MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
+    # model.safetensors.index.json
+    "index-weight-map-a-list": (_index(["model.safetensors"]), INDEX, "weight_map is"),
+    "index-root-a-list": (_write(INDEX, "[1]"), INDEX, "not a JSON object"),
+    "index-without-weight-map": (_write(INDEX, "{}"), INDEX, "weight_map is None"),
+    "index-shard-a-number": (_index({"a": 5}), INDEX, "weight_map['a'] is 5"),
+    "index-garbage": (_write(INDEX, "{garbage"), INDEX, "not JSON"),
+    "index-nested-deep": (_write(INDEX, DEEP), INDEX, "nested over"),
+    "index-shard-up-the-tree": (_index({"a": "../../../../etc/passwd"}), INDEX, "weight_map['a']"),
+    "index-shard-absolute": (_index({"a": "/etc/passwd"}), INDEX, "weight_map['a']"),
+    "index-shard-in-a-folder": (_index({"a": "sub/model.safetensors"}), INDEX, "weight_map['a']"),
+    "index-too-large": (_sparse(INDEX, MAX_TEXT_BYTES + 1), INDEX, "bytes"),
+    # tokenizer.json: the `tokenizers` library's refusals, each in one short line
+    "tokenizer-nested-deep": (_write(TOKENIZER, "[" * 50_000), TOKENIZER, "not a tokenizer"),
+    "tokenizer-id-too-large": (_edit(TOKENIZER, _vocab("<unk>", 10**12)), TOKENIZER, "u32"),
+    "tokenizer-id-negative": (_edit(TOKENIZER, _vocab("<unk>", -1)), TOKENIZER, "u32"),
+    "tokenizer-merge-unknown": (_edit(TOKENIZER, _merge(["zzq", "qqz"])), TOKENIZER, "zzq"),
+    "tokenizer-merge-a-number": (_edit(TOKENIZER, _merge(5)), TOKENIZER, "not a tokenizer"),
+    "tokenizer-added-id-text": (_edit(TOKENIZER, _first_added_id("x")), TOKENIZER, "u32"),
+    "tokenizer-model-type": (_edit(TOKENIZER, _model_type), TOKENIZER, "not a tokenizer"),
+    "tokenizer-root-a-list": (_write(TOKENIZER, "[]"), TOKENIZER, "not a tokenizer"),
+    "tokenizer-garbage": (_write(TOKENIZER, "{nope"), TOKENIZER, "not a tokenizer"),
+    "tokenizer-too-large": (_sparse(TOKENIZER, MAX_TOKENIZER_BYTES + 1), TOKENIZER, "bytes"),
+    # ids the embedding (512 rows) has no row for: a token the prompt holds indexed past it
+    "tokenizer-token-past-the-embedding": (
+        _edit(TOKENIZER, _added({"id": 1_000_000, "content": "<big>", "special": False})),
+        TOKENIZER,
+        "513 tokens but the model has 512 embedding rows",
+    ),
+    "tokenizer-id-past-the-embedding": (
+        _edit(TOKENIZER, _vocab("<unk>", 700)),  # (as many tokens, one id past the rows)
+        TOKENIZER,
+        "ids up to 700 but the model has 512 embedding rows",
+    ),
+    # tokenizer_config.json
+    "bos-token-a-number": (_edit(TC, _with("bos_token", 5)), TC, "bos_token is 5"),
+    "bos-token-content-a-number": (_edit(TC, _with("bos_token", {"content": 5})), TC, "bos_token"),
+    "eos-token-a-list": (_edit(TC, _with("eos_token", ["</s>"])), TC, "eos_token is"),
+    "add-bos-token-text": (_edit(TC, _with("add_bos_token", "yes")), TC, "add_bos_token is"),
+    "tokenizer-config-garbage": (_write(TC, "{nope"), TC, "not JSON"),
+    "tokenizer-config-nested-deep": (_write(TC, DEEP), TC, "nested over"),
+    # generation_config.json
+    "eos-id-nested-list": (_edit(GEN, _with("eos_token_id", [[2]])), GEN, "eos_token_id is"),
+    "eos-id-an-object": (_edit(GEN, _with("eos_token_id", {"a": 1})), GEN, "eos_token_id is"),
+    "eos-id-past-the-vocabulary": (_edit(GEN, _with("eos_token_id", 512)), GEN, "eos_token_id"),
+    "generation-config-a-list": (_write(GEN, "[1]"), GEN, "not a JSON object"),
+    "generation-config-garbage": (_write(GEN, "{nope"), GEN, "not JSON"),
+    "generation-config-nested-deep": (_write(GEN, DEEP), GEN, "nested over"),
+    # config.json
+    "config-nested-deep": (_write(CONFIG, DEEP), CONFIG, "nested over"),
+    "config-300-mb": (_sparse(CONFIG, 300 * 2**20), CONFIG, "bytes"),
+    "bos-id-past-the-vocabulary": (_edit(CONFIG, _with("bos_token_id", 10**12)), CONFIG, "bos"),
+}
+
+
+def hostile_copy(parent: Path, mutate: Mutation) -> Path:
+    folder = parent / "model"
+    shutil.copytree(STORIES, folder)
+    for file in [folder, *folder.iterdir()]:
+        file.chmod(0o755 if file.is_dir() else 0o644)  # (the shared copy is read-only)
+    mutate(folder)
+    return folder
+
+
+@pytest.mark.parametrize("label", list(MUTATIONS))
+@pytest.mark.usefixtures("quiet_home")
+def test_each_mutation_is_one_line_naming_the_file_and_key(
+    label: str, tmp_path: Path, capsys: Any
+) -> None:
+    mutate, name, says = MUTATIONS[label]
+    folder = hostile_copy(tmp_path, mutate)
+    for command, words in COMMANDS.items():
+        start = time.perf_counter()
+        status = main([word.format(folder) for word in words])
+        err = capsys.readouterr().err
+        assert status == 2, (command, err)
+        assert err.count("\n") == 1 and err.startswith(f"specd: error: {folder / name}: "), err
+        assert says in err and len(err) < 400, (command, err)
+        assert time.perf_counter() - start < 10, command  # refused at a bound, not past it
+
+
+@pytest.mark.usefixtures("quiet_home")
+def test_the_unmutated_copy_plans_and_generates(tmp_path: Path, capsys: Any) -> None:
+    """What the mutations start from (and `Once <big>`, plain text to it) is fine."""
+    folder = hostile_copy(tmp_path, lambda folder: None)
+    for words in COMMANDS.values():
+        assert main([word.format(folder) for word in words]) == 0
+    capsys.readouterr()
+
+
+def test_a_file_that_is_no_utf8_names_the_file(tmp_path: Path) -> None:
+    folder = hostile_copy(tmp_path, lambda folder: (folder / CONFIG).write_bytes(b'{"a": "\xff"}'))
+    with pytest.raises(CheckpointError, match=rf"^{folder / CONFIG}: not UTF-8 text \(byte 7\)"):
+        checkpoint.open_checkpoint(folder)
+
+
+def test_a_sharded_index_names_shards_in_the_folder_only(tmp_path: Path) -> None:
+    """The shards an index names are read from the model's folder: a good index loads, one
+    that names a path up the tree or elsewhere is refused before anything is opened."""
+    good = hostile_copy(
+        tmp_path / "good", _index({"model.embed_tokens.weight": "model.safetensors"})
+    )
+    assert weight_files(good) == [good / "model.safetensors"]
+    checkpoint.load(good)  # (the index's one shard is the whole model)
+    shards = ("../model.safetensors", "/etc/passwd", "..", ".", "", "a\\b", "a\0b")
+    for n, shard in enumerate(shards):
+        bad = hostile_copy(tmp_path / f"bad{n}", _index({"x": shard}))
+        with pytest.raises(CheckpointError, match=r"weight_map\['x'\] is .* a shard is named"):
+            weight_files(bad)
+
+
+def test_a_vocabulary_past_the_bound_is_refused_before_its_ids_are_listed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """specd reads vocabularies of at most the GGUF bound (MAX_VOCABULARY): counted by the
+    library, before the id → token dict that a 3M-token file would take 1.5 GB for."""
+    monkeypatch.setattr(checkpoint, "MAX_VOCABULARY", 100)
+    folder = hostile_copy(tmp_path, lambda folder: None)
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: the vocabulary holds 512 tok"):
+        checkpoint.load_tokenizer(checkpoint.open_checkpoint(folder))
+
+
+@pytest.mark.usefixtures("quiet_home")
+def test_a_gguf_vocabulary_past_its_embedding_is_refused(tmp_path: Path, capsys: Any) -> None:
+    """A GGUF file whose vocab_size key (and embedding) says 256 rows for 512 tokens: the
+    tokens past 255 have no row."""
+    from gguf import GGUFValueType
+
+    from modeling.checkpoints.gguf_file import read_gguf
+
+    info = next(t for t in read_gguf(SOURCE).tensors if t.name == "token_embd.weight")
+    rows = np.zeros((256, info.ne[0]), dtype=np.float32)
+    path = rewrite(
+        tmp_path / "short.gguf",
+        {"llama.vocab_size": (256, GGUFValueType.UINT32)},
+        tensors={"token_embd.weight": rows},
+        drop=("token_embd.weight",),
+    )
+    for words in COMMANDS.values():
+        assert main([word.format(path) for word in words]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"specd: error: {path}: tokenizer.ggml.tokens: the tokenizer ")
+        assert "but the model has 256 embedding rows" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("depth", "refused"), [(32, False), (33, True)])
+def test_json_nesting_is_bounded_at_max_json_depth(
+    depth: int, refused: bool, tmp_path: Path
+) -> None:
+    """The object itself is one level: a config of 32 levels is read, one of 33 refused."""
+    nested = "[" * (depth - 1) + "]" * (depth - 1)
+    folder = hostile_copy(tmp_path, _edit(CONFIG, _with("x", json.loads(nested))))
+    if refused:
+        with pytest.raises(CheckpointError, match=rf"config\.json: nested over {MAX_JSON_DEPTH}"):
+            checkpoint.open_checkpoint(folder)
+    else:
+        assert checkpoint.open_checkpoint(folder).config.vocab_size == 512
