@@ -77,6 +77,22 @@ def number(
     return float(value)
 
 
+def flag(
+    raw: dict[str, Any], key: str, source: str, default: bool, label: str | None = None
+) -> bool:
+    """config.json's `key` (`label` in messages) as true or false; `default` where it is
+    absent or null. The text "false" is refused, not read as true."""
+    value = raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise UnsupportedModelError(
+            f"{source}: {label or key} is {short(value)}; it must be true or false: fix the "
+            "file or download the model again"
+        )
+    return value
+
+
 def dtype_name(raw: dict[str, Any], source: str) -> str | None:
     """config.json's `torch_dtype` (or `dtype`, newer exports'): None, "auto" or the name of
     a torch dtype ("bfloat16", "torch.float16"); anything else is refused, as transformers
@@ -207,7 +223,7 @@ def rope_config(raw: dict[str, Any], source: str) -> RopeConfig:
         original_max_position_embeddings=original,
         beta_fast=value("beta_fast", 32.0) or 32.0,  # (0: the default, as transformers reads it)
         beta_slow=value("beta_slow", 1.0) or 1.0,
-        truncate=bool(params.get("truncate", True)),
+        truncate=flag(params, "truncate", source, True, label=f"{block}.truncate"),
         attention_factor=optional("attention_factor"),
         mscale=optional("mscale"),
         mscale_all_dim=optional("mscale_all_dim"),

@@ -54,6 +54,13 @@ def linear(factor: Any) -> dict[str, Any]:
 # (changes to stories260k's config.json, the key the message must name)
 HOSTILE: list[tuple[dict[str, Any], str]] = [
     # counts and widths: IndexError, "negative dimension", TypeError, ValueError
+    # true or false: the text "false" was read as true
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
+    ({"attention_bias": 1}, "attention_bias"),
+    (
+        {"rope_scaling": {"rope_type": "yarn", "factor": 2.0, "truncate": "no"}},
+        "rope_scaling.truncate",
+    ),
     ({"num_hidden_layers": 0}, "num_hidden_layers"),
     ({"num_hidden_layers": -1}, "num_hidden_layers"),
     ({"num_hidden_layers": None}, "num_hidden_layers"),
@@ -178,6 +185,7 @@ ARCHITECTURES: list[tuple[dict[str, Any], str]] = [
     ({**MIXTRAL, "num_local_experts": "4"}, "num_local_experts"),
     ({**MIXTRAL, "num_experts_per_tok": None}, "num_experts_per_tok"),
     ({**QWEN3_MOE, "decoder_sparse_step": "x"}, "decoder_sparse_step"),
+    ({**QWEN3_MOE, "norm_topk_prob": "true"}, "norm_topk_prob"),
     ({**QWEN3_MOE, "moe_intermediate_size": 10**9}, "moe_intermediate_size"),
     (
         {**QWEN3_MOE, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 10**9},

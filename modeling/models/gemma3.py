@@ -38,6 +38,7 @@ from modeling.config_readers import (
     bos_id,
     dtype_name,
     eos_ids,
+    flag,
     integer,
     number,
     rope_config,
@@ -209,7 +210,7 @@ class Gemma3(Architecture):
             )
         if rope.partial_rotary_factor != 1.0 or local_rope.partial_rotary_factor != 1.0:
             raise UnsupportedModelError(f"{source}: partial_rotary_factor is not supported")
-        bias = bool(raw["attention_bias"])
+        bias = flag(raw, "attention_bias", source, False)
         scalar = number(raw, "query_pre_attn_scalar", source)
         softcap = raw.get("attn_logit_softcapping")
         if softcap is not None:
@@ -233,7 +234,7 @@ class Gemma3(Architecture):
             max_position_embeddings=integer(raw, "max_position_embeddings", source),
             rope=rope,
             local_rope=local_rope,
-            tie_word_embeddings=bool(raw["tie_word_embeddings"]),
+            tie_word_embeddings=flag(raw, "tie_word_embeddings", source, True),
             qkv_bias=bias,
             o_bias=bias,
             qk_norm=True,

@@ -38,6 +38,7 @@ from modeling.config_readers import (
     bos_id,
     dtype_name,
     eos_ids,
+    flag,
     given_layer_types,
     integer,
     number,
@@ -95,7 +96,7 @@ class GptOss(MoEArchitecture):
         for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise UnsupportedModelError(f"{source}: {key} must be a number above 0")
-        bias = bool(raw.get("attention_bias", True))
+        bias = flag(raw, "attention_bias", source, True)
         intermediate = integer(raw, "intermediate_size", source)
         return ModelConfig(
             model_type="gpt_oss",
@@ -109,7 +110,7 @@ class GptOss(MoEArchitecture):
             rms_norm_eps=number(raw, "rms_norm_eps", source, 1e-5),
             max_position_embeddings=integer(raw, "max_position_embeddings", source, 131072),
             rope=rope,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=flag(raw, "tie_word_embeddings", source, False),
             qkv_bias=bias,
             o_bias=bias,
             sliding_window=window,

@@ -31,6 +31,7 @@ from modeling.config_readers import (
     bos_id,
     dtype_name,
     eos_ids,
+    flag,
     given_layer_types,
     integer,
     number,
@@ -98,7 +99,7 @@ class Llama(Architecture):
                 f"{source}: partial_rotary_factor {rope.partial_rotary_factor} is not "
                 "supported by Llama-family models (RoPE over the whole head only)"
             )
-        attention_bias = bool(raw.get("attention_bias", False))
+        attention_bias = flag(raw, "attention_bias", source, False)
         window = _active_sliding_window(raw, model_type, source)
         layers = integer(raw, "num_hidden_layers", source)
         return ModelConfig(
@@ -113,10 +114,10 @@ class Llama(Architecture):
             rms_norm_eps=number(raw, "rms_norm_eps", source, 1e-6),
             max_position_embeddings=integer(raw, "max_position_embeddings", source, 2048),
             rope=rope,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=flag(raw, "tie_word_embeddings", source, False),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=model_type in ("llama", "mistral") and attention_bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            mlp_bias=flag(raw, "mlp_bias", source, False),
             qk_norm=model_type == "qwen3",
             sliding_window=window,
             layer_types=_layer_types(raw, window, layers, source),

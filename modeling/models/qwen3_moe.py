@@ -25,6 +25,7 @@ from modeling.config_readers import (
     bos_id,
     dtype_name,
     eos_ids,
+    flag,
     integer,
     number,
     rope_config,
@@ -96,13 +97,13 @@ class Qwen3Moe(MoEArchitecture):
             experts=experts,
             top_k=top_k,
             intermediate_size=_count(raw, ("moe_intermediate_size",), source),
-            normalize=bool(raw.get("norm_topk_prob", False)),
+            normalize=flag(raw, "norm_topk_prob", source, False),
             shared_intermediate_size=(
                 _count(raw, ("shared_expert_intermediate_size",), source) if qwen2 else None
             ),
         )
         # Qwen2-MoE: Qwen2's attention (q/k/v biases, no q/k norms) and a gated shared expert
-        attention_bias = bool(raw.get("attention_bias", False))
+        attention_bias = flag(raw, "attention_bias", source, False)
         return ModelConfig(
             model_type=model_type,
             vocab_size=integer(raw, "vocab_size", source),
@@ -115,7 +116,7 @@ class Qwen3Moe(MoEArchitecture):
             rms_norm_eps=number(raw, "rms_norm_eps", source, 1e-6),
             max_position_embeddings=integer(raw, "max_position_embeddings", source, 2048),
             rope=rope,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=flag(raw, "tie_word_embeddings", source, False),
             qkv_bias=attention_bias or qwen2,
             o_bias=attention_bias,
             qk_norm=not qwen2,
