@@ -24,8 +24,8 @@ from torch import nn
 from daemon.pools import SessionPool, StrategyPool
 from daemon.pressure import PressureThresholds
 from daemon.target_loading import disk_sources
+from modeling.checkpoints.folder_files import CheckpointError
 from modeling.checkpoints.gguf_model import is_gguf
-from modeling.checkpoints.safetensors_model import CheckpointError
 from modeling.compiled import CompiledPasses
 from offload.layout import FlatLayout
 from offload.storage import DiskStorage, RamStorage

@@ -21,7 +21,7 @@ from daemon.options import RuntimeOptions
 from daemon.pair_plan import DraftPlan, plan_pair
 from daemon.substitute_cache import SubstituteCache
 from modeling.checkpoints.checkpoint import Checkpoint, load, open_checkpoint
-from modeling.checkpoints.safetensors_model import CheckpointError
+from modeling.checkpoints.folder_files import CheckpointError
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
 from modeling.layers.moe import SparseMoE

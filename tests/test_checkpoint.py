@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from modeling.checkpoints.checkpoint import ModelNotFoundError, load, open_checkpoint, resolve
-from modeling.checkpoints.safetensors_model import CheckpointError, weight_files
+from modeling.checkpoints.folder_files import CheckpointError
+from modeling.checkpoints.safetensors_model import weight_files
 from modeling.config import ModelConfig, UnsupportedModelError
 from modeling.models import config_from_hf, parameter_count
 

@@ -20,14 +20,14 @@ import pytest
 
 from daemon.cli.commands import main
 from modeling.checkpoints import checkpoint
-from modeling.checkpoints.safetensors_model import (
+from modeling.checkpoints.folder_files import (
     INDEX,
     MAX_JSON_DEPTH,
     MAX_TEXT_BYTES,
     MAX_TOKENIZER_BYTES,
     CheckpointError,
-    weight_files,
 )
+from modeling.checkpoints.safetensors_model import weight_files
 from tests.conftest import SHARED_MODELS
 from tests.test_hostile_files import SOURCE, quiet_home, rewrite  # noqa: F401 (a fixture)
 

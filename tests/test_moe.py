@@ -310,7 +310,7 @@ def test_gpt_oss_checkpoints_it_cannot_run_are_refused_by_name(tiny_checkpoint, 
 
     from safetensors.torch import load_file, save_file
 
-    from modeling.checkpoints.safetensors_model import CheckpointError
+    from modeling.checkpoints.folder_files import CheckpointError
     from modeling.weights.quant import UnsupportedQuantizationError
 
     source = tiny_checkpoint("gpt_oss", vocab_size=96)

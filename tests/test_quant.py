@@ -23,7 +23,7 @@ from daemon.memory_plan import OffloadOptions, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from modeling.checkpoints.checkpoint import load, open_checkpoint
-from modeling.checkpoints.safetensors_model import CheckpointError
+from modeling.checkpoints.folder_files import CheckpointError
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
 from modeling.weights import cpu_kernels

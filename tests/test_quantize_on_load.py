@@ -18,7 +18,7 @@ from daemon.memory_plan import OffloadOptions, plan_request
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime
 from modeling.checkpoints.checkpoint import load, open_checkpoint
-from modeling.checkpoints.safetensors_model import CheckpointError
+from modeling.checkpoints.folder_files import CheckpointError
 from modeling.weights import cpu_kernels
 from modeling.weights.block_layout import BlockQuantizedLinear
 from modeling.weights.gguf_blocks import GGMLType

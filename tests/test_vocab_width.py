@@ -19,7 +19,7 @@ from daemon.footprint import footprint
 from daemon.options import RuntimeOptions
 from daemon.runtime import Runtime, RuntimeSetupError
 from modeling.checkpoints.checkpoint import load
-from modeling.checkpoints.safetensors_model import CheckpointError
+from modeling.checkpoints.folder_files import CheckpointError
 from offload.machine import PeakMemory
 from scripts.real_shapes import build_model, model_config
 from speculative.acceptance import AcceptanceTable

@@ -35,7 +35,7 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 MODEL_USER_ERRORS = {
     "modeling.checkpoints.checkpoint": ("ModelNotFoundError",),
-    "modeling.checkpoints.safetensors_model": ("CheckpointError",),
+    "modeling.checkpoints.folder_files": ("CheckpointError",),
     "modeling.config": ("UnsupportedModelError",),
     "modeling.weights.quant": ("UnsupportedQuantizationError",),
     "modeling.checkpoints.gguf_model": ("GGUFError",),

@@ -16,6 +16,13 @@ from typing import Any
 
 import torch
 
+from modeling.checkpoints.folder_files import (
+    DAMAGED,
+    CheckpointError,
+    indexed_shards,
+    read_json_object,
+    refuse_irregular,
+)
 from modeling.checkpoints.gguf_config import config_from_gguf
 from modeling.checkpoints.gguf_file import GGUFContents, short_repr
 from modeling.checkpoints.gguf_model import (
@@ -25,15 +32,7 @@ from modeling.checkpoints.gguf_model import (
     open_gguf,
 )
 from modeling.checkpoints.model_stores import resolve_store_ref
-from modeling.checkpoints.safetensors_model import (
-    DAMAGED,
-    CheckpointError,
-    indexed_shards,
-    load_model,
-    read_json_object,
-    refuse_irregular,
-    weight_files,
-)
+from modeling.checkpoints.safetensors_model import load_model, weight_files
 from modeling.config import ModelConfig, UnsupportedModelError
 from modeling.decoder import Transformer
 from modeling.models import config_from_hf

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from modeling.checkpoints.gguf_file import short_repr
-from modeling.checkpoints.safetensors_model import (
+from modeling.checkpoints.folder_files import (
     DAMAGED,
     MAX_TOKENIZER_BYTES,
     CheckpointError,
     read_json_object,
     read_text,
 )
+from modeling.checkpoints.gguf_file import short_repr
 from modeling.config import ModelConfig
 from modeling.errors import RequestError
 from modeling.text import harmony
