@@ -86,7 +86,7 @@ class LearnedStore:
     def load(self, acceptance: AcceptanceModel) -> None:
         """Read the file into `acceptance` if there is one that checks out; anything else
         is one log line and a fresh start."""
-        if not self.path.exists() and not self.path.is_symlink():
+        if not os.path.lexists(self.path):
             return  # nothing learned yet
         try:
             record = json.loads(read_small(self.path, MAX_BYTES))

@@ -64,8 +64,8 @@ def parse_yaml(text: str, where: str) -> Any:
     stack: list[tuple[Any, int]] = [(data, 0)]
     while stack:
         value, depth = stack.pop()
-        seen += 1
-        if seen > MAX_VALUES or depth > MAX_DEPTH:
+        seen += 1 + (len(value) if isinstance(value, dict | list) else 0)
+        if seen > MAX_VALUES or depth > MAX_DEPTH:  # (counted before its items are pushed)
             raise SettingsError(
                 f"{where}: holds more than {MAX_VALUES:,} values or nests past {MAX_DEPTH} "
                 "levels (its anchors expanded); a configuration is a few dozen keys"

@@ -20,7 +20,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from modeling.checkpoints.checkpoint import Checkpoint
+from modeling.checkpoints.folder_files import refuse_irregular
 from modeling.config import ModelConfig
 from modeling.substitute import empty_layer, quantized_layer, routed_copies_layer
 from modeling.weights import hqq
@@ -93,7 +93,6 @@ class SubstituteCache:
         self.quantized = list(quantized)
         self.meta = {"target": str(checkpoint.path), "bits": bits, "layers": self.quantized}
         self.writable = True  # False once the folder cannot be written: built, not kept
-        self.stale = False  # a stored layer did not read back: the folder is built anew
         if self.hit:
             with contextlib.suppress(OSError):
                 os.utime(self.path / MANIFEST)  # recently used: kept longest
@@ -112,7 +111,7 @@ class SubstituteCache:
                     "substitute cache %s: %s does not read back (%s); building the "
                     "substitute instead", self.path, name, str(err)[:200],
                 )  # fmt: skip
-                self.hit, self.stale = False, True
+                self.hit = False  # (`save` drops the folder: it was read in part)
         if self.routed_only:
             layer = routed_copies_layer(self.config, index, dense, self.device, self.dtype)
         else:
@@ -139,8 +138,7 @@ class SubstituteCache:
         else:
             layer = empty_layer(self.config, index, self.device, self.dtype)
         own = self._own(layer)
-        if not stat.S_ISREG(os.stat(file).st_mode):  # (a FIFO would wait forever)
-            raise ValueError("not a regular file")
+        refuse_irregular(file)  # (a FIFO would wait forever)
         with safe_open(file, framework="pt", device="cpu") as f:
             stored = {key: f.get_tensor(key) for key in own.state_dict()}
         bad = [k for k, v in stored.items() if v.is_floating_point() and not v.isfinite().all()]

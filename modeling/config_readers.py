@@ -320,7 +320,11 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names
 def given_layer_types(raw: dict[str, Any], layers: int, source: str) -> tuple[str, ...]:
     """config.json's `layer_types`: one of LAYER_TYPES for each of `layers` layers."""
     given = raw.get("layer_types")
-    if not isinstance(given, list) or len(given) != layers or not set(given) <= set(LAYER_TYPES):
+    if (
+        not isinstance(given, list)
+        or len(given) != layers
+        or not all(t in LAYER_TYPES for t in given)
+    ):
         raise UnsupportedModelError(
             f"{source}: layer_types must list {layers} of {', '.join(LAYER_TYPES)}"
         )

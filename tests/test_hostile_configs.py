@@ -54,6 +54,7 @@ def linear(factor: Any) -> dict[str, Any]:
 # (changes to stories260k's config.json, the key the message must name)
 HOSTILE: list[tuple[dict[str, Any], str]] = [
     # counts and widths: IndexError, "negative dimension", TypeError, ValueError
+    ({"sliding_window": 64, "layer_types": [{}] * 5}, "layer_types"),  # (unhashable: TypeError)
     # true or false: the text "false" was read as true
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings"),
     ({"attention_bias": 1}, "attention_bias"),
@@ -213,6 +214,7 @@ ARCHITECTURES: list[tuple[dict[str, Any], str]] = [
     ({**GEMMA3, "query_pre_attn_scalar": -256}, "query_pre_attn_scalar"),
     ({**GEMMA3, "attn_logit_softcapping": 0}, "attn_logit_softcapping"),
     ({**GEMMA3, "sliding_window_pattern": 0}, "sliding_window_pattern"),
+    ({**GEMMA3, "layer_types": [{}, {}]}, "layer_types"),  # (unhashable: a TypeError)
     ({**GEMMA3, "sliding_window": None}, "sliding_window"),
     ({**GEMMA3, "hidden_size": -640}, "hidden_size"),
     ({**GEMMA3, "num_key_value_heads": 0}, "num_key_value_heads"),

@@ -12,7 +12,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from modeling.checkpoints.gguf_file import open_regular, short_repr
+from modeling.checkpoints.gguf_file import short_repr
+from modeling.checkpoints.regular import open_regular
 
 # Bounds on a model folder's text files, checked before one is read (a hostile file may
 # claim anything). tokenizer.json: the largest real ones are ~33 MB (Gemma 3's, 262,144

@@ -22,9 +22,7 @@ since a sparse file has all the bytes it claims at no cost to whoever made it. T
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 import struct
 from dataclasses import dataclass, field
 from math import prod
@@ -33,6 +31,8 @@ from typing import Any
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES
+
+from modeling.checkpoints.regular import open_regular
 
 # Value types 0-12 (gguf.GGUFValueType) but string (8) and array (9): their struct codes.
 _SCALARS = {
@@ -118,17 +118,6 @@ def read_file_type(path: Path) -> int | None:
             return int(reader.scalar(value_type, key))
         reader.skip(value_type, key)
     return None
-
-
-def open_regular(path: Path) -> int:
-    """A file descriptor for reading the regular file at `path`, else OSError. Opened
-    without blocking (a FIFO's open waits for a writer: forever, for a model path) and
-    checked once open, so a file swapped for a FIFO after some earlier check is refused."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file (a FIFO, a device or a folder)")
-    return fd
 
 
 def _map(path: Path) -> np.memmap:

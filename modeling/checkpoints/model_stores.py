@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeling.checkpoints.gguf_file import open_regular, read_file_type
+from modeling.checkpoints.gguf_file import read_file_type
+from modeling.checkpoints.regular import open_regular
 
 OLLAMA_HOST, OLLAMA_NAMESPACE, OLLAMA_TAG = "registry.ollama.ai", "library", "latest"
 # The Linux installer's system service runs as the `ollama` user, whose home this is.

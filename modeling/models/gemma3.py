@@ -198,7 +198,7 @@ class Gemma3(Architecture):
         if (
             not isinstance(types, list)
             or len(types) != layers
-            or not set(types) <= set(_LAYER_TYPES)
+            or not all(t in _LAYER_TYPES for t in types)
         ):
             raise UnsupportedModelError(
                 f"{source}: layer_types must list {layers} of {', '.join(_LAYER_TYPES)}"

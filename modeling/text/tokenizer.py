@@ -40,7 +40,7 @@ class ChatTemplateError(RequestError):
 
 # Characters of the `tokenizers` library's refusal quoted in ours: it quotes the file,
 # which may be megabytes on one line.
-MAX_MESSAGE = 200  # characters of the tokenizers library's refusal quoted in ours
+MAX_MESSAGE = 200
 
 
 def tokenizer_config(path: Path) -> dict[str, Any]:
