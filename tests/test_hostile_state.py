@@ -17,7 +17,7 @@ from daemon import service
 from daemon.cli import main
 from daemon.http.server import read_api_key
 from daemon.settings import SettingsError
-from daemon.settings_loading import MAX_VALUES, load_settings, read_yaml
+from daemon.settings_loading import MAX_CONFIG_BYTES, MAX_VALUES, load_settings, read_yaml
 from daemon.small_files import SmallFileError, read_small
 from tests.conftest import ROOT
 
@@ -159,6 +159,15 @@ def test_a_config_that_is_no_text_file_is_one_line(kind: str, tmp_path: Path) ->
         make(config, kind)
         said = "not a regular file"
     with pytest.raises(SettingsError, match=said):
+        read_yaml(config)
+
+
+def test_a_config_past_its_bound_is_refused_before_parsing(tmp_path: Path) -> None:
+    """1 MiB of one flat list took the pure-Python parser 15 s: a config is at most 256 KiB
+    (`MAX_CONFIG_BYTES`), read with libyaml's parser where PyYAML has it."""
+    config = tmp_path / "specd.yaml"
+    config.write_text("server:\n  allowed_hosts: [" + "a, " * (MAX_CONFIG_BYTES // 3) + "a]\n")
+    with pytest.raises(SettingsError, match=f"past the {MAX_CONFIG_BYTES:,} such a file may hold"):
         read_yaml(config)
 
 

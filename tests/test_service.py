@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from daemon import service
+from daemon import service, service_files
 from daemon.cli import main
 
 
@@ -26,7 +26,7 @@ def dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_systemd_unit(dirs: Path) -> None:
-    spec = service.service_file(
+    spec = service_files.service_file(
         "linux", ["--model", "/m/x", "--port", "9000"], Path("/srv"), dirs, service.default_paths()
     )
     assert spec.path == dirs / "xdg_config_home" / "systemd" / "user" / "specd.service"
@@ -45,9 +45,9 @@ def test_systemd_unit(dirs: Path) -> None:
 
 def test_launchd_plist_is_valid_xml(dirs: Path) -> None:
     paths = service.default_paths()
-    spec = service.service_file("darwin", ["--model", "a&b"], Path("/srv"), dirs, paths)
+    spec = service_files.service_file("darwin", ["--model", "a&b"], Path("/srv"), dirs, paths)
     plist = plistlib.loads(spec.content.encode())
-    assert plist["Label"] == service.LAUNCHD_LABEL
+    assert plist["Label"] == service_files.LAUNCHD_LABEL
     assert plist["ProgramArguments"][-3:] == ["serve", "--model", "a&b"]
     assert plist["RunAtLoad"] is True and plist["StandardErrorPath"] == str(paths.log_file)
     assert spec.path.name.endswith(".plist") and "LaunchAgents" in str(spec.path)
@@ -55,7 +55,7 @@ def test_launchd_plist_is_valid_xml(dirs: Path) -> None:
 
 def test_unsupported_platform(dirs: Path) -> None:
     with pytest.raises(service.ServiceError, match="specd start"):
-        service.service_file("win32", [], Path("/"), dirs, service.default_paths())
+        service_files.service_file("win32", [], Path("/"), dirs, service.default_paths())
 
 
 def test_service_install_writes_the_unit(

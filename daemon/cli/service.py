@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from daemon import service
+from daemon import service, service_files
 from daemon.cli.serve import add_address_args, add_settings_args, flag_argv, settings_from_args
 from daemon.settings import ServerSettings, Settings, SettingsError, daemon_url, listening_on
 from daemon.small_files import MAX_KEY_BYTES, read_small
@@ -167,7 +167,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 def cmd_service_install(args: argparse.Namespace) -> int:
     settings_from_args(args)  # the flags must make a valid configuration
     paths = service.default_paths()
-    spec = service.service_file(
+    spec = service_files.service_file(
         args.platform or sys.platform, flag_argv(args), Path.cwd(), Path.home(), paths
     )
     if args.print_only:
