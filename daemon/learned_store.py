@@ -29,7 +29,7 @@ from typing import Any
 from daemon.small_files import read_small
 from modeling.checkpoints.checkpoint import Checkpoint
 from speculative.acceptance import Q_EDGES, RANK_EDGES, AcceptanceModel
-from speculative.budget import AutoBudget
+from speculative.auto_budget import AutoBudget
 
 log = logging.getLogger("specd.learned")
 

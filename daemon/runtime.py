@@ -34,7 +34,8 @@ from offload.experts import ExpertStats
 from offload.plan import MemoryPlan
 from offload.stream import LayerStreamer
 from speculative.acceptance import AcceptanceModel
-from speculative.budget import AutoBudget, max_tree_budget
+from speculative.auto_budget import AutoBudget
+from speculative.budget import max_tree_budget
 from speculative.drafting import Drafter, ModelDrafter
 from speculative.generation import Generation
 from speculative.ngram import NgramDrafter

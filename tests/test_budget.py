@@ -7,7 +7,8 @@ import random
 import pytest
 
 from scripts.step_timing import STORIES_TOKENS_PER_ROUND
-from speculative.budget import AutoBudget, FixedBudget, RoundRecord, TreeShape, choose_shape
+from speculative.auto_budget import AutoBudget
+from speculative.budget import FixedBudget, RoundRecord, TreeShape, choose_shape
 from speculative.pass_costs import CostLine
 
 

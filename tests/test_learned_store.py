@@ -22,7 +22,7 @@ from speculative.acceptance import (
     AcceptanceModel,
     AcceptanceTable,
 )
-from speculative.budget import AutoBudget
+from speculative.auto_budget import AutoBudget
 from speculative.drafting import ModelDrafter
 from speculative.passes import alone
 from speculative.prefix_cache import PrefixCache

@@ -27,7 +27,8 @@ import torch
 
 from modeling.protocol import Model
 from speculative.acceptance import TREE_VERIFICATION_CHOICES, AcceptanceModel
-from speculative.budget import AutoBudget, BudgetPlanner, FixedBudget, RoundRecord
+from speculative.auto_budget import AutoBudget
+from speculative.budget import BudgetPlanner, FixedBudget, RoundRecord
 from speculative.children import ChildPolicy, DraftRows
 from speculative.draft_tree import DraftTree, grow_tree_steps
 from speculative.drafting import check_draft_width
