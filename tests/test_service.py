@@ -262,3 +262,30 @@ def test_stop_takes_the_address_status_takes(
     assert main(["stop", "--port", "9"]) == 0
     assert "specd (pid 4321) stopped" in capsys.readouterr().out
     assert stopped == [paths.pid_file]
+
+
+def test_status_and_chat_ask_the_daemon_the_command_line_names(
+    dirs: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A background daemon listens at :9. `status --port 10` and `chat --port 10` ask :10
+    (they asked :9, the pid file's, and reported its model); without an address they ask
+    the background one. A broken configuration's problems are shown either way."""
+    paths = service.default_paths()
+    service.DaemonRecord(4321, "http://127.0.0.1:9").write(paths)
+    monkeypatch.setattr(service, "alive", lambda record: True)
+    asked: list[str] = []
+    monkeypatch.setattr(service, "fetch_health", lambda url: asked.append(url) or (0, {}))
+    assert main(["status", "--port", "10"]) == 3
+    assert "not answering at http://127.0.0.1:10 (not running)" in capsys.readouterr().out
+    config = dirs / "xdg_config_home" / "specd" / "specd.yaml"
+    config.parent.mkdir(parents=True)
+    config.write_text("models:\n  dtype: fp8\n")
+    assert main(["status"]) == 3
+    captured = capsys.readouterr()
+    assert "not answering at http://127.0.0.1:9 (pid 4321)" in captured.out
+    assert "models.dtype: 'fp8' is not allowed" in captured.err
+    assert "asking" not in captured.err  # (the pid file's address was asked, not the flags')
+    assert asked == ["http://127.0.0.1:10", "http://127.0.0.1:9"]
+    config.unlink()
+    assert main(["chat", "--port", "10", "--once", "hi"]) == 1
+    assert "127.0.0.1:10" in capsys.readouterr().err

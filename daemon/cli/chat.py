@@ -24,7 +24,12 @@ from typing import Any, TextIO
 from daemon import service
 from daemon.cli.argtypes import temperature
 from daemon.cli.chat_client import Answer, ChatError, ChatStream, ToolCall, daemon_address, probe
-from daemon.cli.serve import add_address_args, add_tree_verification_arg, settings_from_args
+from daemon.cli.serve import (
+    add_address_args,
+    add_tree_verification_arg,
+    names_address,
+    settings_from_args,
+)
 from daemon.settings import daemon_url
 
 # The daemon's error code for a prompt longer than its context (daemon/admission.py).
@@ -170,7 +175,9 @@ def stats_line(stats: dict[str, Any]) -> str:
 
 
 def _default_url(args: argparse.Namespace) -> str:
-    record = service.DaemonRecord.read(service.default_paths())
+    """The daemon the command line names (--host, --port, --config), else the background
+    one if it runs, else the configured address."""
+    record = None if names_address(args) else service.DaemonRecord.read(service.default_paths())
     if record is not None and service.alive(record):
         return record.url
     settings = settings_from_args(args)

@@ -70,6 +70,12 @@ def add_address_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None, help="default 8716")
 
 
+def names_address(args: argparse.Namespace) -> bool:
+    """Whether the command line names a daemon (--host, --port or --config): that one is
+    asked, not the background daemon of the pid file."""
+    return args.host is not None or args.port is not None or args.config is not None
+
+
 def add_settings_args(p: argparse.ArgumentParser) -> None:
     """Flags that override the configuration (see config/specd.yaml for each key)."""
     add_address_args(p)

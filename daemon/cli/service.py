@@ -8,7 +8,13 @@ import time
 from pathlib import Path
 
 from daemon import service, service_files
-from daemon.cli.serve import add_address_args, add_settings_args, flag_argv, settings_from_args
+from daemon.cli.serve import (
+    add_address_args,
+    add_settings_args,
+    flag_argv,
+    names_address,
+    settings_from_args,
+)
 from daemon.settings import ServerSettings, Settings, SettingsError, daemon_url, listening_on
 from daemon.small_files import MAX_KEY_BYTES, read_small
 
@@ -17,10 +23,10 @@ def _url(settings: Settings) -> str:
     return daemon_url(settings.server.host, settings.server.port)
 
 
-def _configured_url(args: argparse.Namespace) -> str:
+def _configured_url(args: argparse.Namespace, quiet: bool = False) -> str:
     """The configured daemon's URL. A broken configuration does not stop `status` (it is
     how one looks at a daemon still running with the old one): the problems are shown and
-    the flags over the built-in address are asked."""
+    the flags over the built-in address are asked (`quiet`: that URL is not the one asked)."""
     try:
         return _url(settings_from_args(args))
     except SettingsError as exc:
@@ -30,7 +36,8 @@ def _configured_url(args: argparse.Namespace) -> str:
         host = args.host if args.host is not None else built_in.host
         port = args.port if args.port is not None else built_in.port
         url = daemon_url(host, port)
-        print(f"specd: warning: configuration ignored; asking {url}", file=sys.stderr)
+        if not quiet:
+            print(f"specd: warning: configuration ignored; asking {url}", file=sys.stderr)
         return url
 
 
@@ -48,7 +55,7 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     paths = service.default_paths()
-    if args.host is not None or args.port is not None:
+    if names_address(args):
         # An address names which daemon: the background one, if it is the one there.
         record = service.DaemonRecord.read(paths)
         wanted = _configured_url(args)
@@ -67,7 +74,14 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     paths = service.default_paths()
     record = service.DaemonRecord.read(paths)
-    url = record.url if record is not None else _configured_url(args)
+    # The daemon the command line names (--host, --port, --config), else the background one.
+    if record is None or names_address(args):
+        url = _configured_url(args)
+    else:
+        _configured_url(args, quiet=True)  # (shows a broken configuration's problems)
+        url = record.url
+    if record is not None and record.url != url:
+        record = None  # the background daemon is another one
     running = record is not None and service.alive(record)
     status, body = service.fetch_health(url)
     pid = f"pid {record.pid}" if running and record is not None else "no pid file"
@@ -90,7 +104,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
     try:
         path = settings_from_args(args).server.api_key_file
     except SettingsError:
-        return None  # (the problems were shown already)
+        return None  # (`cmd_status` has shown the problems)
     if path is None:
         return None
     try:
