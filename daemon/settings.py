@@ -139,7 +139,7 @@ class SpeculationSettings:
 class OffloadSettings:
     mode: str = _key("auto", choice("auto", "none", "stream"))
     resident_layers: int | str = _key("auto", integer(0, 1024, auto=True))
-    slots: int = _key(2, integer(2, 16))
+    slots: int = _key(2, integer(2, 16))  # offload.plan.MIN_SLOTS, MAX_SLOTS (which import torch)
     gpu_budget: str = _key("auto", size_or_auto)
     host_tier: str = _key("auto", choice("auto", "ram", "disk"))
     experts: str = _key("auto", choice("auto", "device", "stream", "cpu"))

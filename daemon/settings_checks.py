@@ -23,6 +23,14 @@ def size_bytes(value: int | str, what: str = "size") -> int:
     return parse_size(value, what)
 
 
+def _with_unit(value: Any) -> Any:
+    """A size or rate as the configuration gives it: text with its unit. A bare number
+    (`gpu_budget: 24`, `bandwidth: 25`) would be bytes, which nobody means: refused."""
+    if not isinstance(value, str):
+        raise TypeError(value)
+    return value
+
+
 Check = Callable[[Any], Any]
 
 
@@ -108,7 +116,7 @@ def size_or_auto(value: Any) -> Any:
     if value == "auto":
         return value
     try:
-        parse_size(value)
+        size_bytes(value if value == 0 else _with_unit(value))
     except (ValueError, TypeError):
         raise ValueError("'auto' or a size such as 24GB or 512MiB") from None
     return value
@@ -116,7 +124,7 @@ def size_or_auto(value: Any) -> Any:
 
 def size_or_zero(value: Any) -> Any:
     try:
-        size_bytes(value)
+        size_bytes(value if value == 0 else _with_unit(value))
     except (ValueError, TypeError):
         raise ValueError("0 (off) or a size such as 1GiB or 512MB") from None
     return value
@@ -126,7 +134,7 @@ def rate_or_null(value: Any) -> Any:
     if value is None:
         return None
     try:
-        parse_rate(value)
+        parse_rate(_with_unit(value))
     except (ValueError, TypeError):
         raise ValueError("null (measured) or a rate such as 25GB/s") from None
     return value
@@ -134,7 +142,7 @@ def rate_or_null(value: Any) -> Any:
 
 def rate(value: Any) -> Any:
     try:
-        parse_rate(value)
+        parse_rate(_with_unit(value))
     except (ValueError, TypeError):
         raise ValueError("a rate such as 16MB/s") from None
     return value

@@ -29,6 +29,9 @@ OFFLOAD_MODES = ("none", "stream", "auto")
 EXPERT_MODES = ("auto", "device", "stream", "cpu")
 TIER_CHOICES = ("ram", "disk", "auto")
 MIN_SLOTS = 2
+# More slots than this only hold more layers in flight than a copy stream can fill (the
+# ring waits on the bus either way): a bound on what a flag can make us allocate.
+MAX_SLOTS = 16
 
 
 class PlanError(ValueError):

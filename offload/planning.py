@@ -15,6 +15,7 @@ from offload.device_parts import fixed_parts, sequences_note
 from offload.expert_plans import auto_experts, plan_experts
 from offload.plan import (
     EXPERT_MODES,
+    MAX_SLOTS,
     MIN_SLOTS,
     OFFLOAD_MODES,
     TIER_CHOICES,
@@ -39,8 +40,8 @@ def make_plan(request: PlanRequest, budget: MemoryBudget) -> MemoryPlan:
         raise PlanError(f"offload {r.offload!r} is not one of {', '.join(OFFLOAD_MODES)}")
     if r.host_tier not in TIER_CHOICES:
         raise PlanError(f"host tier {r.host_tier!r} is not one of {', '.join(TIER_CHOICES)}")
-    if r.slots < MIN_SLOTS:
-        raise PlanError(f"--slots must be at least {MIN_SLOTS} (got {r.slots})")
+    if not MIN_SLOTS <= r.slots <= MAX_SLOTS:
+        raise PlanError(f"--slots must be from {MIN_SLOTS} to {MAX_SLOTS} (got {r.slots})")
     n, layer = t.num_layers, t.layer_bytes
     if r.resident_layers is not None and not 0 <= r.resident_layers <= n:
         raise PlanError(f"--resident-layers {r.resident_layers} is outside 0..{n}")

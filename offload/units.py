@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 _UNITS = {
-    "": 1,
     "b": 1,
     "k": 10**3,
     "kb": 10**3,
@@ -24,29 +23,38 @@ _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$")
 
 
 def parse_size(text: str | int, what: str = "size") -> int:
-    """Bytes from '24GB', '24 GB', '512MiB', '1.5G', '1e9'-free plain integers.
-    Decimal units (KB, MB, GB, G) are powers of 1000, binary ones (KiB, MiB, GiB) of 1024."""
+    """Bytes from '24GB', '24 GB', '512MiB', '1.5G'; an int is a byte count. Decimal units
+    (KB, MB, GB, G) are powers of 1000, binary ones (KiB, MiB, GiB) of 1024. Text needs its
+    unit ('B' for bytes): `--gpu-budget 24` meaning 24 GB must not plan with 24 bytes."""
     if isinstance(text, int):
         return text
+    said = f"{what} {text!r}" if what else repr(text)
     match = _SIZE.match(text.lower())
-    if not match or match.group(2) not in _UNITS:
+    if not match or not match.group(2) or match.group(2) not in _UNITS:
         raise ValueError(
-            f"{what} {text!r} is not a size: write a number with a unit, e.g. 24GB, 512MiB, 1.5G"
+            f"{said} is not a size: write a number with a unit, e.g. 24GB, 512MiB, 1.5G"
         )
     value = float(match.group(1)) * _UNITS[match.group(2)]
-    if value <= 0:
-        raise ValueError(f"{what} {text!r} must be positive")
+    if value < 1:
+        raise ValueError(f"{said} must be at least one byte")
     return int(value)
 
 
 def parse_rate(text: str | float, what: str = "bandwidth") -> float:
-    """Bytes per second from '25GB/s', '25GB', '12.5 GiB/s'."""
+    """Bytes per second from '25GB/s', '25GB', '12.5 GiB/s' (text needs its unit, as a size
+    does); a number is bytes per second."""
     if isinstance(text, (int, float)):
         return float(text)
     cleaned = text.strip()
     if cleaned.lower().endswith("/s"):
         cleaned = cleaned[:-2]
-    return float(parse_size(cleaned, what))
+    try:
+        return float(parse_size(cleaned, what))
+    except ValueError:
+        said = f"{what} {text!r}" if what else repr(text)
+        raise ValueError(
+            f"{said} is not a rate: write a number with a unit, e.g. 25GB/s, 800MB/s"
+        ) from None
 
 
 def format_size(n: float) -> str:

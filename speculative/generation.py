@@ -179,9 +179,11 @@ class Generation:
                 self.stats.generated_tokens = self.completion_tokens
                 self.stats.total_seconds = time.perf_counter() - t0
                 trace = []
-                if self.trace and rnd.tree is not None and self.traced_rounds < TRACE_MAX_ROUNDS:
+                # (A tree of the root alone, where the draft proposed nothing, verified no draft.)
+                tree = rnd.tree if rnd.tree is not None and len(rnd.tree.tokens) > 1 else None
+                if self.trace and tree is not None and self.traced_rounds < TRACE_MAX_ROUNDS:
                     self.traced_rounds += 1
-                    trace.append(trace_round(self.traced_rounds, rnd, rnd.tree, self.tokenizer))
+                    trace.append(trace_round(self.traced_rounds, rnd, tree, self.tokenizer))
                 # A round with no tokens (a prefill step) still yields an empty chunk: the
                 # caller gets control back between chunks of a long prompt.
                 # The emitted tokens' log-probabilities, as many as were taken.

@@ -159,3 +159,20 @@ def test_stats_record(stories, reference) -> None:
     assert record["tokens_per_target_pass"] == 1.0
     assert record["acceptance_rate"] is None
     assert record["tokens_per_second"] > 0
+
+
+def test_a_trace_has_only_rounds_that_verified_a_draft(stories, reference) -> None:
+    """An n-gram tree round where the lookup found nothing verifies the root alone: it
+    sends no trace (it sent `"nodes": 0`), while rounds that drafted still do."""
+    from speculative.strategies.tree import TreeSpeculation
+
+    target, tok = stories[0].target, stories[1]
+    strategy = TreeSpeculation(target, None, budget=8)
+    session = strategy.new_session(256)
+    gen = Generation(strategy, session, tok, reference["prompt_ids"], GREEDY, max_tokens=48,
+                     trace=True)  # fmt: skip
+    chunks = list(gen)
+    traced = [t for c in chunks for t in c.trace]
+    assert gen.token_ids == reference["new_token_ids"][:48]
+    assert traced and all(t["nodes"] > 0 for t in traced)
+    assert len(traced) < gen.stats.target_passes  # (rounds with nothing to look up sent none)

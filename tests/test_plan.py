@@ -204,9 +204,28 @@ def test_sizes_as_people_write_them() -> None:
     assert parse_size("1.5G") == 1_500_000_000
     assert parse_rate("25GB/s") == 25e9
     assert format_size(1.5 * 2**30) == "1.5 GiB"
-    for bad in ("lots", "24XB", "-1GB", "0"):
+    assert parse_size("512B") == 512 and parse_rate("800 MB/s") == 8e8
+    # Text needs its unit: `--gpu-budget 24` meant 24 GB and planned with 24 bytes, and
+    # `--bandwidth 25` estimated passes at 25 bytes a second.
+    for bad in ("lots", "24XB", "-1GB", "0", "24", "0.5", "0.5B"):
         with pytest.raises(ValueError, match="size"):
             parse_size(bad)
+    with pytest.raises(ValueError, match="not a rate: write a number with a unit"):
+        parse_rate("25")
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--gpu-budget", "24"), ("--bandwidth", "25"), ("--cpu-rate", "8")]
+)
+def test_a_size_or_rate_without_its_unit_is_refused(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from daemon.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", "--model", "x", flag, value])
+    assert exited.value.code == 2
+    assert f"{flag}: " in capsys.readouterr().err
 
 
 def test_measured_budget_on_this_machine() -> None:
@@ -365,3 +384,17 @@ def test_specd_plan_shows_the_cuda_graphs_with_compile_on(shared_models: Path, c
     assert "CUDA graphs (steps of up to 64 tokens)" in capsys.readouterr().out
     assert cli.main([*argv, "--compile", "auto"]) == 0  # auto does not capture on CUDA yet
     assert "CUDA graphs" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("slots", ["1", "17"])
+def test_slots_have_the_same_bounds_in_the_plan_and_the_configuration(
+    slots: str, stories_target: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`specd plan --slots 17` planned 17 slots (100,000 too) where the daemon's
+    configuration refused it: both now take 2 to 16."""
+    from daemon.cli import main
+
+    assert main(["plan", "--model", str(stories_target), "--slots", slots]) == 2
+    assert f"--slots must be from 2 to 16 (got {slots})" in capsys.readouterr().err
+    assert main(["config", "show", "--slots", slots]) == 2
+    assert "expected an integer from 2 to 16" in capsys.readouterr().err

@@ -210,3 +210,24 @@ def test_list_keys_without_any_layer_are_empty_lists() -> None:
     settings = build({})
     assert settings.server.cors_origins == [] and settings.server.allowed_hosts == []
     assert settings.sources["server.cors_origins"] == "built-in"
+
+
+def test_sizes_and_rates_in_a_configuration_need_their_unit(tmp_path: Path) -> None:
+    """A bare number would be bytes (`gpu_budget: 24` planned with 24 bytes, `bandwidth: 25`
+    estimated at 25 B/s): refused, naming the key; 0 still turns the prefix cache off."""
+    file = write(
+        tmp_path,
+        "offload:\n  gpu_budget: 24\n  bandwidth: 25\n  cpu_rate: '8'\n"
+        "speculation:\n  prefix_cache: 0\n",
+    )
+    with pytest.raises(SettingsError) as info:
+        load_settings(file, environ={})
+    assert sorted(p.split(": ")[1] for p in info.value.problems) == [
+        "offload.bandwidth",
+        "offload.cpu_rate",
+        "offload.gpu_budget",
+    ]
+    ok = write(tmp_path, "models:\n  target: m\noffload:\n  gpu_budget: 24GB\n"
+               "  bandwidth: 25GB/s\nspeculation:\n  prefix_cache: 0\n")  # fmt: skip
+    settings = load_settings(ok, environ={})
+    assert settings.offload.gpu_budget == "24GB" and settings.runtime_options().prefix_cache == 0

@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # torch: only `specd plan` itself needs it
 def _size_or_auto(text: str) -> str:
     if text != "auto":
         try:
-            parse_size(text)
+            parse_size(text, "")
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return text
@@ -54,7 +54,7 @@ def _size_or_auto(text: str) -> str:
 
 def _rate(text: str) -> str:
     try:
-        parse_rate(text)
+        parse_rate(text, "")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
