@@ -60,7 +60,7 @@ from modeling.graphs import (
     bucket_for,
 )
 from modeling.kv_cache import INITIAL_SLOTS, KVCache
-from modeling.layers.attention import FixedSlots, full_mask, query_chunk
+from modeling.layers.attention import FixedSlots, full_mask, query_chunk, query_scales
 from modeling.protocol import Segment
 from modeling.weights import cpu_kernels
 from modeling.weights.packed import PackedLinear
@@ -214,7 +214,9 @@ class CompiledPasses:
         write: torch.Tensor,  # (T,) slots
         mask: torch.Tensor,  # (T, slots) bool
     ) -> torch.Tensor:
-        fixed = FixedSlots(int(tokens.shape[0]), k, v, write, mask)
+        model = self.model
+        scale = query_scales(model.config.query_scale, positions, model.dtype)
+        fixed = FixedSlots(int(tokens.shape[0]), k, v, write, mask, query_scale=scale)
         return self.model.hidden_states(tokens, positions, [fixed])
 
     def _marked_step(self, inputs: StepInputs) -> torch.Tensor:

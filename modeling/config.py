@@ -102,6 +102,9 @@ class ModelConfig:
     attention_scale: float | None = None  # on the scores; None: head_dim ** -0.5
     attention_softcap: float | None = None  # Gemma 2's attn_logit_softcapping
     attention_sinks: bool = False  # a learned sink logit per head (gpt-oss: `self_attn.sinks`)
+    # (beta, floor): Llama 4's attention temperature (Ministral 3): after RoPE each query is
+    # scaled by 1 + beta * ln(1 + floor(position / floor)); None: none
+    query_scale: tuple[float, int] | None = None
     # The checkpoint stores q/k/v as one qkv_proj and gate/up as one gate_up_proj (Phi-3)
     stored_fused: bool = False
     bos_token_id: int | None = None

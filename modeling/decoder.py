@@ -25,7 +25,7 @@ from torch import nn
 
 from modeling.config import ModelConfig, RopeConfig
 from modeling.kv_cache import KVCache
-from modeling.layers.attention import SequenceSlots, Slots, full_mask
+from modeling.layers.attention import SequenceSlots, Slots, full_mask, query_scales
 from modeling.layers.norms import RMSNorm
 from modeling.layers.rope import rope_attention_factor, rope_inv_freq, rotary_dim
 from modeling.models import architecture, windowed
@@ -261,7 +261,8 @@ class Transformer(nn.Module):
             start = seg.cache.reserve(t)
             seg.cache.write_positions(start, seg.positions)
             mask = full_mask(seg.mask, start, t, self.device)
-            slots.append(SequenceSlots(row, t, seg.cache, start, mask, seg.positions))
+            scale = query_scales(self.config.query_scale, seg.positions.to(self.device), self.dtype)
+            slots.append(SequenceSlots(row, t, seg.cache, start, mask, seg.positions, scale))
             row += t
         if len(segments) == 1:  # the common case: no concatenation copies
             tokens, positions = segments[0].tokens, segments[0].positions

@@ -30,6 +30,24 @@ FAMILIES: dict[str, dict[str, Any]] = {
         },
     },
     "mistral": {"model_type": "mistral", "sliding_window": None},
+    # Ministral 3: Mistral's block, YaRN (mscale and mscale_all_dim 1: no factor on cos and
+    # sin) and Llama 4's attention temperature from the original context on (8 here, 16,384
+    # in the real ones), so the parity passes cross three of its steps
+    "ministral3": {
+        "model_type": "ministral3",
+        "head_dim": 16,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": 8,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "llama_4_scaling_beta": 0.1,
+        },
+    },
     "qwen2": {"model_type": "qwen2"},
     "qwen3": {"model_type": "qwen3", "head_dim": 16},
     "phi3": {"model_type": "phi3", "pad_token_id": 0},

@@ -408,3 +408,64 @@ def as_stored_gpt_oss(folder: Path, out: Path) -> Path:
         tensors[name] = value
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+LLAMA_LAYER = {
+    **{k: v for k, v in MOE_LAYER.items() if k.startswith(("input", "self_attn", "post"))},
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_mistral3(
+    folder: Path, path: Path, quantize: bool = True, keys: dict[str, Any] | None = None
+) -> Path:
+    """The Ministral 3 checkpoint in `folder` as llama.cpp's Mistral3Model writes it:
+    architecture `mistral3`, Llama's tensors with q/k permuted, YaRN's keys with
+    `mscale_all_dim` as the log multiplier, and the attention temperature's beta as
+    `attention.temperature_scale`. `keys`: metadata written over the converter's (None:
+    left out)."""
+    config: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    assert config["vocab_size"] == SPM_VOCABULARY
+    rope = config["rope_parameters"]
+    head_dim = config["head_dim"]
+    values: dict[str, Any] = {
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "rope.dimension_count": head_dim,
+        "rope.freq_base": float(rope["rope_theta"]),
+        "rope.scaling.type": "yarn",
+        "rope.scaling.factor": float(rope["factor"]),
+        "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
+        "rope.scaling.yarn_log_multiplier": float(rope["mscale_all_dim"]),
+        "rope.scaling.yarn_beta_fast": float(rope["beta_fast"]),
+        "rope.scaling.yarn_beta_slow": float(rope["beta_slow"]),
+        "attention.temperature_scale": float(rope["llama_4_scaling_beta"]),
+    }
+    values.update(keys or {})
+    arch = "mistral3"
+    writer = gguf.GGUFWriter(str(path), arch)
+    _shape_keys(writer, arch, config)
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, str):
+            writer.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.{key}", value)
+    _tokenizer(writer, add_space_prefix=True)
+    heads = {"self_attn.q_proj": config["num_attention_heads"],
+             "self_attn.k_proj": config["num_key_value_heads"]}  # fmt: skip
+    for name, value in load_file(folder / "model.safetensors").items():
+        layer = _outer_or_layer(writer, name, value, quantize)
+        if layer is None:
+            continue
+        index, rest = layer
+        part, _, kind = rest.rpartition(".")
+        if part in heads:
+            value = _llama_permute(value, heads[part])
+        _tensor(writer, f"blk.{index}.{LLAMA_LAYER[part]}.{kind}", value, quantize)
+    return _finish(writer, path)

@@ -20,7 +20,17 @@ from speculative.generation import Generation
 from speculative.sampling import SamplingParams
 from speculative.strategies.autoregressive import Autoregressive
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "phi3-partial"]
+FAMILIES = [
+    "llama",
+    "llama3",
+    "mistral",
+    "ministral3",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "phi3",
+    "phi3-partial",
+]
 ATOL = 1e-4
 
 # A small draft tree under the last decoded token: node i's parent (-1 = hangs off the
@@ -116,9 +126,9 @@ def test_logits_match_transformers_windows_and_yarn(
     _check_parity(path, f"{family}-{sorted(options)}")
 
 
-def _check_parity(path: Path, seed_key: str) -> None:
+def _check_parity(path: Path, seed_key: str, ref: torch.nn.Module | None = None) -> None:
     ours, _, _ = load(path)
-    ref = _hf_model(path)
+    ref = ref if ref is not None else _hf_model(path)
     gen = torch.Generator().manual_seed(zlib.crc32(seed_key.encode()))
     prompt = torch.randint(3, 96, (19,), generator=gen)  # (P,)
     decode = torch.randint(3, 96, (4,), generator=gen)  # (D,)
@@ -312,3 +322,40 @@ def test_construction_draws_as_torch_modules_off_meta_and_nothing_on_it(
     with torch.device("meta"):
         meta = Transformer(cfg)
     assert meta.embed_tokens.weight.is_meta and meta.inv_freq.shape == model.inv_freq.shape
+
+
+@pytest.mark.parametrize("text", ["ministral3", "mistral"])
+def test_a_mistral3_multimodal_checkpoint_runs_its_text_model(tmp_path: Path, text: str) -> None:
+    """Ministral 3 and Mistral Small 3.x come as `Mistral3ForConditionalGeneration`: the
+    text model's config in `text_config` (model_type ministral3, or mistral for Mistral
+    Small), its tensors under `model.language_model.`, a vision tower specd skips, and the
+    head tied by the top level's `tie_word_embeddings` (transformers' rule)."""
+    from transformers import (
+        AutoConfig,
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        PixtralVisionConfig,
+    )
+
+    from scripts.tiny_models import FAMILIES, build_tokenizer
+
+    spec = dict(FAMILIES["ministral3" if text == "ministral3" else "mistral"])
+    spec.pop("model_type")
+    text_config = AutoConfig.for_model(
+        text, vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.2, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6, **spec,
+    )  # fmt: skip
+    vision = PixtralVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=32, patch_size=8, head_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    config = Mistral3Config(vision_config=vision, text_config=text_config, image_token_index=10)
+    reference = Mistral3ForConditionalGeneration(config).eval()
+    reference.save_pretrained(tmp_path)
+    build_tokenizer(96).save(str(tmp_path / "tokenizer.json"))
+    loaded = load(tmp_path)[2].config
+    assert loaded.model_type == "mistral3" and loaded.tie_word_embeddings
+    assert (loaded.query_scale is not None) is (text == "ministral3")
+    _check_parity(tmp_path, f"mistral3-{text}", reference)

@@ -47,7 +47,8 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
         raise UnsupportedModelError(
             f"{source}: architecture {short_repr(arch)} is not supported; specd runs GGUF files "
             f"of {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (Llama 2/3/3.1/3.2, Mistral, "
-            "Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral, Gemma 3, Phi-3/Phi-4)"
+            "Ministral 3, Mistral Small 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral, Gemma 3, "
+            "Phi-3/Phi-4, gpt-oss)"
         )
     module, model_type = found
 
@@ -106,7 +107,7 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
         "eos_token_id": _token_id(meta, "tokenizer.ggml.eos_token_id", vocab, source),
         "torch_dtype": _float_dtype(tensors) if quantization is None else "bfloat16",
         "attention_bias": "blk.0.attn_output.bias" in tensors,
-        **_rope_scaling(meta, arch, source),
+        **_rope_scaling(meta, arch, source, module.gguf_yarn_unit_factor),
         **module.gguf_config(keys, tensors),
     }
     return replace(config_from_hf(raw, source), quantization=quantization)
@@ -218,14 +219,17 @@ def _check_layers(tensors: dict[str, TensorInfo], layers: int, key: str, source:
         )
 
 
-def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any]:
+def _rope_scaling(
+    meta: dict[str, Any], arch: str, source: str, unit_factor: bool = False
+) -> dict[str, Any]:
     """The file's RoPE scaling as config.json writes it: none; linear (also the older
     `rope.scale_linear`); YaRN (Qwen2.5's and Qwen3's long-context files, Ministral 3:
     `rope.scaling.factor`, `.original_context_length`, and the betas and attention factor
     when the converter wrote them); LongRoPE's kind, whose factors an architecture reads
     (Phi-3: tensors). Llama 3.1's own scaling is its `rope_freqs` tensor, not a key. Any
     other kind, or a YaRN option specd does not compute, is refused rather than run
-    unscaled."""
+    unscaled. `unit_factor`: the architecture's graph fixes YaRN's factor on cos and sin at
+    1 (Mistral 3's), whatever the file's log multiplier says."""
     prefix = f"{arch}.rope.scaling."
     kind = meta.get(f"{prefix}type")
     factor_key = f"{prefix}factor"
@@ -247,6 +251,8 @@ def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any
         return {"rope_scaling": {"rope_type": "linear", "factor": float(factor)}}
     for name, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):
         value = meta.get(f"{prefix}{name}")
+        if unit_factor and name == "yarn_log_multiplier":
+            continue
         if value is not None and value != neutral:
             raise UnsupportedModelError(
                 f"{source}: {prefix}{name} {short_repr(value)} is not supported (specd's YaRN "
@@ -270,6 +276,8 @@ def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any
         if type(value) not in (int, float) or not 0 < value < math.inf:
             raise _malformed(source, f"{prefix}{name}", value, "a finite number above 0")
         scaling[ours] = float(value)
+    if unit_factor:
+        scaling["attention_factor"] = 1.0
     return {"rope_scaling": scaling}
 
 

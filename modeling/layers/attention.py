@@ -53,6 +53,7 @@ class SequenceSlots:
     start: int
     mask: torch.Tensor | None
     positions: torch.Tensor | None = None
+    query_scale: torch.Tensor | None = None  # (count, 1): `query_scales`, where the model has one
     _windows: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
@@ -114,6 +115,7 @@ class FixedSlots:
     write: torch.Tensor  # (count,) slot of each new token
     mask: torch.Tensor  # (count, slots) bool
     row: int = 0
+    query_scale: torch.Tensor | None = None  # (count, 1)
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         if window is not None:  # compiled.ineligible keeps window models eager
@@ -174,6 +176,7 @@ class Slots(Protocol):
 
     row: int
     count: int
+    query_scale: torch.Tensor | None
 
     @property
     def mask(self) -> torch.Tensor | None: ...
@@ -183,6 +186,21 @@ class Slots(Protocol):
     def store(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def query_scales(
+    scale: tuple[float, int] | None, positions: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """Each query's factor under Llama 4's attention temperature (`ModelConfig.query_scale`,
+    (beta, floor)): 1 + beta * ln(1 + floor(position / floor)), computed in fp32 and cast
+    to the queries' dtype as the reference does; (T, 1), or None for a model without one.
+    It is 1 below `floor` (16,384 for Ministral 3) and grows by beta * ln 2 at the first
+    multiple: long contexts only."""
+    if scale is None:
+        return None
+    beta, floor = scale
+    steps = torch.div(positions, floor, rounding_mode="floor").float()
+    return (1.0 + beta * torch.log(1.0 + steps)).to(dtype)[:, None]
 
 
 def full_mask(
@@ -218,8 +236,11 @@ def attend_sequence(
     sinks: torch.Tensor | None = None,  # (H,) the layer's sink logits
 ) -> torch.Tensor:
     """Write one sequence's new keys and values to its cache and attend to the cache under
-    its own mask (and the layer's window): (H, count, hd)."""
+    its own mask (and the layer's window), its queries scaled by their positions' factors
+    where the model has them (`query_scales`): (H, count, hd)."""
     keys, values = seq.store(layer, k, v)
+    if seq.query_scale is not None:  # (in place: the rotated q is this pass's own)
+        q = q.mul_(seq.query_scale)  # (H, count, hd) * (count, 1)
     return attend(q, keys, values, seq.mask_for(options.window), options, sinks)
 
 

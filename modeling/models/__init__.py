@@ -19,12 +19,21 @@ from modeling.kv_cache import window_ring_size
 from modeling.models.gemma3 import GEMMA3
 from modeling.models.gpt_oss import GPT_OSS
 from modeling.models.llama import LLAMA
+from modeling.models.mistral3 import MISTRAL3
 from modeling.models.mixtral import MIXTRAL
 from modeling.models.phi3 import PHI3
 from modeling.models.qwen3_moe import QWEN3_MOE
 from modeling.weights.quant import short
 
-ARCHITECTURES: tuple[Architecture, ...] = (LLAMA, GEMMA3, PHI3, QWEN3_MOE, MIXTRAL, GPT_OSS)
+ARCHITECTURES: tuple[Architecture, ...] = (
+    LLAMA,
+    MISTRAL3,
+    GEMMA3,
+    PHI3,
+    QWEN3_MOE,
+    MIXTRAL,
+    GPT_OSS,
+)
 
 BY_MODEL_TYPE: dict[str, Architecture] = {
     model_type: arch for arch in ARCHITECTURES for model_type in arch.model_types
