@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,7 +209,51 @@ def start(
     listen: tuple[str, int] | None = None,
 ) -> DaemonRecord:
     """Start `specd serve` detached, logging to the log file; wait until /health says ready.
-    `listen` (host, port) is checked first, so a taken port is one line, not a failed start."""
+    `listen` (host, port) is checked first, so a taken port is one line, not a failed start.
+    One start at a time (`_start_lock`): two at once each spawned a daemon, and the pid
+    file could name the one that lost the port while the other served, out of `stop`'s
+    reach."""
+    with _start_lock(paths):
+        return _start(paths, flags, url, wait_seconds, listen)
+
+
+@contextlib.contextmanager
+def _start_lock(paths: ServicePaths) -> Iterator[None]:
+    """An exclusive lock on `specd.start.lock` in the state folder for as long as a start
+    runs (released by the kernel if the process dies); a ServiceError at once if another
+    start holds it."""
+    try:
+        import fcntl
+    except ImportError:  # (no flock on this system: starts are not serialised)
+        yield
+        return
+    lock = paths.state_dir / "specd.start.lock"
+    try:
+        paths.state_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError as exc:
+        raise ServiceError(
+            f"the start lock cannot be kept: {exc}; remove {lock} and start again"
+        ) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise ServiceError(
+                "another `specd start` is starting specd now; `specd status` shows it once it is up"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _start(
+    paths: ServicePaths,
+    flags: list[str],
+    url: str,
+    wait_seconds: float,
+    listen: tuple[str, int] | None,
+) -> DaemonRecord:
     record = DaemonRecord.read(paths)
     if record is not None and alive(record):
         raise ServiceError(
@@ -236,13 +281,14 @@ def start(
     deadline = time.monotonic() + wait_seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            paths.pid_file.unlink(missing_ok=True)
+            if DaemonRecord.read(paths) == record:  # (only the record this start wrote)
+                paths.pid_file.unlink(missing_ok=True)
             raise ServiceError(
                 f"specd exited during start-up (status {proc.returncode}); its log:\n"
                 + tail(paths.log_file, 15, start=this_run)
             )
-        status, _ = fetch_health(url, timeout=1.0)
-        if status == 200:
+        status, body = fetch_health(url, timeout=1.0)
+        if status == 200 and body.get("pid") == proc.pid:  # (ours, not another at the URL)
             return record
         time.sleep(0.05)  # polling a child process's readiness: a cheap local request
     raise ServiceError(

@@ -453,6 +453,26 @@ def test_100_continue_is_answered_and_then_the_request(server: BackgroundServer)
     assert received.startswith(b"HTTP/1.1 200 "), received[:200]
 
 
+@pytest.mark.parametrize("expect", [True, False], ids=["100-continue", "no-expect"])
+def test_an_oversized_body_is_refused_at_once_and_never_read(
+    server: BackgroundServer, expect: bool
+) -> None:
+    """A 1 GiB Content-Length on a kept-alive connection: a 413 before any body (with
+    `Expect: 100-continue`, no interim 100 first), and the connection closed rather than
+    the body drained (it was read whole, or waited for, with the connection kept)."""
+    headers = [("Expect", "100-continue")] if expect else []
+    head = request("POST", "/v1/completions", headers=headers, body=b"")
+    head = head.replace(b"Content-Length: 0", b"Content-Length: %d" % (1 << 30))
+    head = head.replace(b"Connection: close\r\n", b"")
+    with socket.create_connection(("127.0.0.1", port(server)), timeout=5) as sock:
+        sock.sendall(head)
+        received = b""
+        while piece := sock.recv(65536):  # (a timeout here: the server kept the connection)
+            received += piece
+    assert received.startswith(b"HTTP/1.1 413 "), received[:100]
+    assert b"Connection: close" in received and b"request_too_large" in received
+
+
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"])
 def test_nan_and_infinity_are_not_json(server: BackgroundServer, constant: str) -> None:
     """Python's json reads them; in a schema `{"const": NaN}` became null and the answer

@@ -289,3 +289,40 @@ def test_status_and_chat_ask_the_daemon_the_command_line_names(
     config.unlink()
     assert main(["chat", "--port", "10", "--once", "hi"]) == 1
     assert "127.0.0.1:10" in capsys.readouterr().err
+
+
+def test_one_start_at_a_time(dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a start runs (it holds the start lock), another is refused at once: two at
+    once each spawned a daemon, and the pid file could name the one that lost the port."""
+    import fcntl
+
+    paths = service.default_paths()
+    paths.state_dir.mkdir(parents=True)
+    with open(paths.state_dir / "specd.start.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(service.ServiceError, match="another `specd start` is starting"):
+            service.start(paths, [], "http://127.0.0.1:9", 5.0)
+    # Released: a start goes on (here to a "daemon" that exits at once).
+    monkeypatch.setattr(
+        service, "serve_command", lambda flags: [sys.executable, "-c", "raise SystemExit(3)"]
+    )
+    with pytest.raises(service.ServiceError, match=r"exited during start-up \(status 3"):
+        service.start(paths, [], "http://127.0.0.1:9", 5.0)
+
+
+def test_a_start_is_ready_only_when_its_own_daemon_answers(
+    dirs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another server answering ready at the URL (the daemon of a start that won the port)
+    is not this start's daemon: this one's exit is reported, and the pid file it wrote is
+    removed; the other's answer was taken for its own."""
+    paths = service.default_paths()
+    monkeypatch.setattr(service, "fetch_health", lambda url, timeout=2.0: (200, {"pid": 1}))
+    monkeypatch.setattr(
+        service,
+        "serve_command",
+        lambda flags: [sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(1)"],
+    )
+    with pytest.raises(service.ServiceError, match=r"exited during start-up \(status 1"):
+        service.start(paths, [], "http://127.0.0.1:9", 10.0)
+    assert not paths.pid_file.exists()

@@ -8,6 +8,7 @@ daemon/http/edge.py; the web chat's routes in daemon/http/webchat.py.
 from __future__ import annotations
 
 import asyncio
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 from aiohttp import web
@@ -45,6 +46,7 @@ async def health(request: web.Request) -> web.Response:
         "queued": engine.queued,
         # ok | tight | critical (off: not watched); at critical new requests get 503.
         "memory_pressure": engine.pressure.level if engine.pressure is not None else "off",
+        "pid": os.getpid(),  # (`specd start` checks that the daemon answering is its own)
     }
     if state == "ready":
         return web.json_response(body)

@@ -80,6 +80,13 @@ async def expect_handler(request: web.Request) -> web.StreamResponse | None:
     if request.version != (1, 1):
         return None  # (HTTP/1.0 has no interim responses: aiohttp ignores the header too)
     if expect.lower() == "100-continue":
+        limit = request.app[CONFIG].max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            # The final answer instead of the interim one: the body is not wanted.
+            response = error_response(_too_large(limit))
+            response.force_close()
+            request.content.feed_eof()  # (nothing of it is read: no lingering for it)
+            return response
         assert request.writer is not None
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # (the answer's own size starts after it)
@@ -153,15 +160,11 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
         response.force_close()
         request.content.feed_eof()  # nothing more will be read: aiohttp need not drain it
     except web.HTTPRequestEntityTooLarge:
-        response = error_response(
-            ApiError(
-                413,
-                f"the request body is larger than {config.max_body_bytes} bytes "
-                "(limits.max_body_bytes)",
-                type="invalid_request_error",
-                code="request_too_large",
-            )
-        )
+        # The rest of the body is not read (aiohttp would drain it to reuse the connection:
+        # a 1 GiB chunked body was taken in whole after the answer): the connection closes.
+        response = error_response(_too_large(config.max_body_bytes))
+        response.force_close()
+        request.content.feed_eof()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -184,6 +187,15 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if origin and origin in config.cors_origins and not response.prepared:
         response.headers.update(cors_headers(origin))
     return response
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(
+        413,
+        f"the request body is larger than {limit} bytes (limits.max_body_bytes)",
+        type="invalid_request_error",
+        code="request_too_large",
+    )
 
 
 # The most of a refusal's message the log line keeps (a message may quote the request).

@@ -150,6 +150,12 @@ async def serve(settings: Settings) -> int:
     if not stopper.done():
         log.info("ready: serving %s", settings.served_model_name)
         await stopper
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        # A second signal changes nothing, the stop is under way; ignored for good (the
+        # loop's handlers go when it closes, and a signal during the interpreter's exit
+        # then killed the process: exit status -15 after a clean stop).
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
     log.info("stopping: ending in-flight requests")
     await server.stop()
     log.info("stopped")
