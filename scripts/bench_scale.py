@@ -75,7 +75,7 @@ from daemon.memory_plan import OffloadOptions, plan_request  # noqa: E402
 from modeling.checkpoints.checkpoint import DTYPES  # noqa: E402
 from modeling.config import ModelConfig  # noqa: E402
 from modeling.decoder import Transformer  # noqa: E402
-from modeling.kv_cache import KVCache  # noqa: E402
+from modeling.kv_cache import WINDOW_ROOM, KVCache  # noqa: E402
 from offload.machine import PeakMemory  # noqa: E402
 from offload.plan import MemoryBudget, MemoryPlan  # noqa: E402
 from offload.planning import make_plan  # noqa: E402
@@ -114,7 +114,8 @@ def pass_plan(
     tree of N nodes: N + 1 tokens and rows) and a prefix cache of `prefix_cache_bytes`, for
     a `device` ("cpu": the cache is a device part; "cuda": it lives in pinned host RAM)."""
     t = footprint(target, dtype, "target", device_type=device)
-    d = footprint(draft, dtype, "draft", device_type=device)
+    # The draft's logits at the target's width, as the daemon plans them (choose_plan)
+    d = footprint(draft, dtype, "draft", target.vocab_size, device_type=device)
     options = OffloadOptions(offload="none", prefix_cache_bytes=prefix_cache_bytes)
     request = plan_request(t, d, context, options, tree_budget=max(logit_rows - 1, 1))
     exact = dataclasses.replace(request, pass_tokens=tokens, logit_rows=logit_rows)
@@ -197,13 +198,41 @@ def probe(device: torch.device) -> PeakMemory:
     return PeakMemory(device)
 
 
+def context_cache(
+    model: Transformer, context: int, generator: torch.Generator | None = None
+) -> KVCache:
+    """A cache of `model`'s kind (window layers' ring and slot positions included) allocated
+    for the whole context and written everywhere: random K/V from `generator`, zeros
+    without one. Every page is touched, so a pass measured afterwards is its own memory,
+    not the cache growing."""
+    cache = KVCache(
+        model.config, context, model.dtype, model.device, initial=context,
+        positions=model.windowed, pass_tokens=model.max_pass_tokens,
+    )  # fmt: skip
+    for store in (cache.k, cache.v, cache.ring_k, cache.ring_v):
+        if store is None:
+            continue
+        if generator is None:
+            store.zero_()
+        else:
+            store.normal_(generator=generator)
+    if cache.positions is not None:
+        cache.positions.copy_(torch.arange(context, device=cache.positions.device))
+    return cache
+
+
 def full_cache(model: Transformer, context: int, hold: int, generator: torch.Generator) -> KVCache:
     """A cache allocated for the whole context and written everywhere with random K/V (as a
     long conversation leaves it), holding `hold` tokens: a 32k context without a 32k prefill."""
-    cache = KVCache(model.config, context, model.dtype, model.device, initial=context)
-    cache.k.normal_(generator=generator)
-    cache.v.normal_(generator=generator)
-    cache.commit_append(hold)
+    cache = context_cache(model, context, generator)
+    # In passes of the ring's room, as a conversation fills it: a window ring then knows the
+    # slots it holds, at the size a daemon's cache has (one reserve of all `hold` slots
+    # would size it for a pass of that many tokens: up to the whole context).
+    step = max(cache.pass_tokens, WINDOW_ROOM)
+    while cache.length < hold:
+        n = min(step, hold - cache.length)
+        cache.reserve(n)
+        cache.commit_append(n)
     return cache
 
 
