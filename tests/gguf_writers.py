@@ -188,6 +188,34 @@ MOE_STACKS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj
 _EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 
 
+def _llama_like(
+    path: Path, arch: str, config: dict[str, Any], values: dict[str, Any]
+) -> gguf.GGUFWriter:
+    """A writer with the shape keys, `values` under `{arch}.` (strings, floats as F32, the
+    rest U32; None left out) and the shared SentencePiece tokenizer."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    _shape_keys(writer, arch, config)
+    for key, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, str):
+            writer.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.{key}", value)
+    _tokenizer(writer, add_space_prefix=True)
+    return writer
+
+
+def _qk_heads(config: dict[str, Any]) -> dict[str, int]:
+    """The heads of the projections llama.cpp's Llama converter permutes."""
+    return {
+        "self_attn.q_proj": config["num_attention_heads"],
+        "self_attn.k_proj": config["num_key_value_heads"],
+    }
+
+
 def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's Llama converter's q/k row order (pairs of adjacent values per head)."""
     return (
@@ -227,16 +255,8 @@ def write_moe(
     if config.get("shared_expert_intermediate_size"):
         values["expert_shared_feed_forward_length"] = config["shared_expert_intermediate_size"]
     values.update(keys or {})
-    writer = gguf.GGUFWriter(str(path), arch)
-    _shape_keys(writer, arch, config)
-    for key, value in values.items():
-        if isinstance(value, float):
-            writer.add_float32(f"{arch}.{key}", value)
-        else:
-            writer.add_uint32(f"{arch}.{key}", value)
-    _tokenizer(writer, add_space_prefix=True)
-    heads = {"self_attn.q_proj": config["num_attention_heads"],
-             "self_attn.k_proj": config["num_key_value_heads"]}  # fmt: skip
+    writer = _llama_like(path, arch, config, values)
+    heads = _qk_heads(config)
     stacks: dict[str, dict[int, np.ndarray]] = {}
     for name, value in load_file(folder / "model.safetensors").items():
         layer = _outer_or_layer(writer, name, value, quantize)
@@ -444,21 +464,8 @@ def write_mistral3(
         "attention.temperature_scale": float(rope["llama_4_scaling_beta"]),
     }
     values.update(keys or {})
-    arch = "mistral3"
-    writer = gguf.GGUFWriter(str(path), arch)
-    _shape_keys(writer, arch, config)
-    for key, value in values.items():
-        if value is None:
-            continue
-        if isinstance(value, str):
-            writer.add_string(f"{arch}.{key}", value)
-        elif isinstance(value, float):
-            writer.add_float32(f"{arch}.{key}", value)
-        else:
-            writer.add_uint32(f"{arch}.{key}", value)
-    _tokenizer(writer, add_space_prefix=True)
-    heads = {"self_attn.q_proj": config["num_attention_heads"],
-             "self_attn.k_proj": config["num_key_value_heads"]}  # fmt: skip
+    writer = _llama_like(path, "mistral3", config, values)
+    heads = _qk_heads(config)
     for name, value in load_file(folder / "model.safetensors").items():
         layer = _outer_or_layer(writer, name, value, quantize)
         if layer is None:
