@@ -1,7 +1,7 @@
 """What trees learned about a model pair, kept on disk between runs, so that a restart (or
 the next `specd generate`) starts from what the last one measured rather than from the
 prior: the acceptance tables (calibration, and with them `auto`'s verification choice:
-speculative/acceptance.py) and `--budget auto`'s measured costs (speculative/budget.py).
+speculative/acceptance.py) and `--budget auto`'s measured costs (speculative/auto_budget.py).
 
 One small JSON file per model pair under `<state dir>/learned/` (beside the substitute
 cache's `substitutes/`; `models.learned_cache`), named by a key over what acceptance

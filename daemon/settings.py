@@ -25,6 +25,7 @@ from daemon.settings_checks import (
     number,
     rate,
     rate_or_null,
+    size_auto_or_zero,
     size_bytes,
     size_or_auto,
     size_or_zero,
@@ -220,12 +221,12 @@ class MemoryPressureSettings:
     period_seconds: float = _key(1.0, number(0.05, 60.0))
     # Host RAM available (psutil) below which the level is tight, critical; auto: 2 GiB or
     # half of what is available once the models are loaded, if less; critical half that.
-    tight_host_free: int | str = _key("auto", size_or_auto)
-    critical_host_free: int | str = _key("auto", size_or_auto)
+    tight_host_free: int | str = _key("auto", size_auto_or_zero)
+    critical_host_free: int | str = _key("auto", size_auto_or_zero)
     # Free device memory: auto is a tenth of the margin the memory plan left (at least
     # 256 MiB) for tight, half of that for critical.
-    tight_device_free: int | str = _key("auto", size_or_auto)
-    critical_device_free: int | str = _key("auto", size_or_auto)
+    tight_device_free: int | str = _key("auto", size_auto_or_zero)
+    critical_device_free: int | str = _key("auto", size_auto_or_zero)
     # Swapping faster than this (in and out together) is critical.
     critical_swap_rate: str = _key("16MB/s", rate)
     # How long memory must stay back above a line before its level is left, and between

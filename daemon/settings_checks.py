@@ -113,12 +113,24 @@ def flag(value: Any) -> Any:
 
 
 def size_or_auto(value: Any) -> Any:
+    """A budget: 'auto' or a size with its unit (0 is no budget: refused)."""
+    if value == "auto":
+        return value
+    try:
+        parse_size(_with_unit(value))
+    except (ValueError, TypeError):
+        raise ValueError("'auto' or a size such as 24GB or 512MiB") from None
+    return value
+
+
+def size_auto_or_zero(value: Any) -> Any:
+    """A threshold: 'auto', 0 (never) or a size with its unit."""
     if value == "auto":
         return value
     try:
         size_bytes(value if value == 0 else _with_unit(value))
     except (ValueError, TypeError):
-        raise ValueError("'auto' or a size such as 24GB or 512MiB") from None
+        raise ValueError("'auto', 0 or a size such as 2GiB or 512MB") from None
     return value
 
 

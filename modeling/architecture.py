@@ -122,9 +122,9 @@ class Architecture(ABC):
     gguf_expert_shared: ClassVar[int | None] = 0
     # tensors `gguf_config` reads into the config (LongRoPE's factors), not into the model
     gguf_config_tensors: ClassVar[frozenset[str]] = frozenset()
-    # llama.cpp's graph for it fixes YaRN's factor on cos and sin at 1, whatever the file's
-    # `rope.scaling.yarn_log_multiplier` says (Mistral 3)
-    gguf_yarn_unit_factor: ClassVar[bool] = False
+    # llama.cpp reads its files' `rope.scaling.yarn_log_multiplier` (YaRN's `mscale_all_dim`,
+    # Mistral 3's); for the others it ignores the key, and specd refuses one that is not 0
+    gguf_yarn_log_multiplier: ClassVar[bool] = False
 
     @abstractmethod
     def config(self, raw: dict[str, Any], source: str) -> ModelConfig:

@@ -261,7 +261,10 @@ class Transformer(nn.Module):
             start = seg.cache.reserve(t)
             seg.cache.write_positions(start, seg.positions)
             mask = full_mask(seg.mask, start, t, self.device)
-            scale = query_scales(self.config.query_scale, seg.positions.to(self.device), self.dtype)
+            scale = None
+            if self.config.query_scale is not None:
+                positions = seg.positions.to(self.device)
+                scale = query_scales(self.config.query_scale, positions, self.dtype)
             slots.append(SequenceSlots(row, t, seg.cache, start, mask, seg.positions, scale))
             row += t
         if len(segments) == 1:  # the common case: no concatenation copies

@@ -427,3 +427,27 @@ def test_load_refuses_a_quantize_for_an_opened_checkpoint(tiny_checkpoint) -> No
         load(opened, "fp32", quantize="int8")
     packed = open_checkpoint(tiny_checkpoint(), "int8")
     assert packed.config.quantization is not None
+
+
+def test_mistrals_own_format_beside_the_checkpoint_is_neither_downloaded_nor_read(
+    tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    """Mistral's repositories hold `consolidated.safetensors` (their own tensor names, as
+    large as the checkpoint) beside the Hugging Face files: a hub id or `specd pull` skips
+    it (it doubled the download), and a folder that has it loads the others (without a
+    shard index every *.safetensors was read: unexpected tensors)."""
+    from daemon.cli import main
+
+    folder = tmp_path / "mistral"
+    shutil.copytree(tiny_checkpoint(), folder)
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)},
+              str(folder / "consolidated.safetensors"))  # fmt: skip
+    assert load(folder)[0] is not None
+    calls: list[dict] = []
+    monkeypatch.setattr(
+        "huggingface_hub.snapshot_download", lambda **kw: calls.append(kw) or str(folder)
+    )
+    assert resolve("mistralai/Model") == folder
+    assert main(["pull", "mistralai/Model"]) == 0
+    assert [c["ignore_patterns"] for c in calls] == [["consolidated*.safetensors"]] * 2
+    capsys.readouterr()

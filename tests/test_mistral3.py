@@ -6,6 +6,7 @@ what the file says is read as llama.cpp reads it, and hostile values are one lin
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from modeling.checkpoints.checkpoint import load
 from modeling.config import UnsupportedModelError
+from modeling.layers.rope import rope_attention_factor
 from modeling.models import SUPPORTED_GGUF_ARCHITECTURES
 from scripts.tiny_models import make_checkpoint
 from tests.gguf_writers import SPM_VOCABULARY, as_stored, write_mistral3
@@ -38,11 +40,27 @@ def test_a_mistral3_file_runs_as_transformers_runs_its_checkpoint(
     config = load(path)[2].config
     assert config.model_type == "ministral3" and config.query_scale is not None
     assert config.query_scale == (pytest.approx(0.1), FLOOR)  # (a float32 in the file)
-    # YaRN's factor on cos and sin is 1 although the file's log multiplier is 1.0, as
-    # llama.cpp's mistral3 graph and transformers (mscale == mscale_all_dim) have it.
-    assert config.rope.kind == "yarn" and config.rope.attention_factor == 1.0
+    # The file's log multiplier is mscale_all_dim (1.0), beside an mscale of 1: a factor of
+    # 1 on cos and sin, as transformers' ratio gives.
+    assert config.rope.kind == "yarn" and rope_attention_factor(config.rope) == 1.0
     reference = folder if not quantize else as_stored(folder, tmp_path / "stored")
     _check_parity(path, f"mistral3-gguf-{quantize}", _hf_model(reference))
+
+
+def test_a_log_multiplier_of_0_is_yarns_own_factor(tmp_path: Path) -> None:
+    """`mscale_all_dim` 0 (Mistral's own configs with `apply_scale`, Devstral 2): the
+    converter writes a log multiplier of 0, and the factor on cos and sin is YaRN's
+    0.1 ln(factor) + 1, as transformers and llama.cpp compute it (it was fixed at 1)."""
+    from scripts.tiny_models import FAMILIES
+
+    rope = {**FAMILIES["ministral3"]["rope_parameters"], "mscale_all_dim": 0.0}
+    folder = make_checkpoint(
+        tmp_path / "m", "ministral3", vocab_size=SPM_VOCABULARY, rope_parameters=rope
+    )
+    path = write_mistral3(folder, tmp_path / "m.gguf", quantize=False)
+    config = load(path)[2].config
+    assert rope_attention_factor(config.rope) == pytest.approx(0.1 * math.log(16.0) + 1)
+    _check_parity(path, "mistral3-gguf-mscale-0", _hf_model(folder))
 
 
 def test_the_architecture_is_listed(folder: Path) -> None:
@@ -131,3 +149,23 @@ def test_hostile_mistral3_configs_are_one_line(raw: dict, said: str) -> None:
     with pytest.raises(UnsupportedModelError) as info:
         config_from_hf({**base, **raw}, "x/config.json")
     assert said in str(info.value) and str(info.value).startswith("x/config.json: ")
+
+
+def test_a_ministral3_config_that_leaves_keys_out_reads_transformers_defaults() -> None:
+    """Ministral3Config's defaults: head_dim 128 (not hidden / heads), and YaRN from 16,384
+    positions with the temperature's beta 0.1 where no RoPE block is given."""
+    from transformers import Ministral3Config
+
+    from modeling.models import config_from_hf
+
+    raw = {"model_type": "ministral3", "vocab_size": 96, "hidden_size": 64,
+           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2}  # fmt: skip
+    ours = config_from_hf(raw, "x/config.json")
+    ref = Ministral3Config(**{k: v for k, v in raw.items() if k != "model_type"})
+    assert ours.head_dim == ref.head_dim == 128
+    assert ours.rope.kind == ref.rope_parameters["rope_type"] == "yarn"
+    assert ours.rope.original_max_position_embeddings == 16384
+    assert ours.query_scale == (ref.rope_parameters["llama_4_scaling_beta"], 16384)
+    assert ours.rms_norm_eps == ref.rms_norm_eps
+    assert ours.max_position_embeddings == ref.max_position_embeddings

@@ -217,16 +217,20 @@ def test_sizes_and_rates_in_a_configuration_need_their_unit(tmp_path: Path) -> N
     estimated at 25 B/s): refused, naming the key; 0 still turns the prefix cache off."""
     file = write(
         tmp_path,
-        "offload:\n  gpu_budget: 24\n  bandwidth: 25\n  cpu_rate: '8'\n"
+        "offload:\n  gpu_budget: 24\n  ram_budget: '0'\n  bandwidth: 25\n  cpu_rate: '8'\n"
         "speculation:\n  prefix_cache: 0\n",
-    )
+    )  # (a budget of 0 is none: refused; a pressure threshold of 0 is "never")
     with pytest.raises(SettingsError) as info:
         load_settings(file, environ={})
     assert sorted(p.split(": ")[1] for p in info.value.problems) == [
         "offload.bandwidth",
         "offload.cpu_rate",
         "offload.gpu_budget",
+        "offload.ram_budget",
     ]
+    never = write(tmp_path, "models:\n  target: m\nmemory:\n  pressure:\n    tight_host_free: 0\n"
+                  "    critical_host_free: '0'\n")  # fmt: skip
+    assert load_settings(never, environ={}).memory_pressure.tight_host_free == 0
     ok = write(tmp_path, "models:\n  target: m\noffload:\n  gpu_budget: 24GB\n"
                "  bandwidth: 25GB/s\nspeculation:\n  prefix_cache: 0\n")  # fmt: skip
     settings = load_settings(ok, environ={})

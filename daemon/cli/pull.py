@@ -5,15 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-# What specd reads from a checkpoint; everything else (other formats, images) is skipped.
-CHECKPOINT_FILES = [
-    "*.json",
-    "*.safetensors",
-    "tokenizer.model",
-    "*.jinja",
-]
-# `--config-only`: what `specd plan` needs (modeling.checkpoints.checkpoint.CONFIG_FILES).
-CONFIG_FILES = ["config.json", "generation_config.json"]
+from modeling.checkpoints.hub_patterns import CHECKPOINT_FILES, CONFIG_FILES, SKIPPED_FILES
 
 
 class PullError(RuntimeError):
@@ -35,7 +27,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
         )
     what = CONFIG_FILES if args.config_only else CHECKPOINT_FILES
     try:
-        path = snapshot_download(repo_id=args.model, revision=args.revision, allow_patterns=what)
+        path = snapshot_download(
+            repo_id=args.model,
+            revision=args.revision,
+            allow_patterns=what,
+            ignore_patterns=SKIPPED_FILES,
+        )
     except RepositoryNotFoundError:
         raise PullError(
             f"{args.model!r} was not found on the hub (or it is gated: run "

@@ -31,6 +31,7 @@ from modeling.checkpoints.gguf_model import (
     load_gguf_model,
     open_gguf,
 )
+from modeling.checkpoints.hub_patterns import CHECKPOINT_FILES, CONFIG_FILES, SKIPPED_FILES
 from modeling.checkpoints.model_stores import resolve_store_ref
 from modeling.checkpoints.safetensors_model import load_model, weight_files
 from modeling.config import ModelConfig, UnsupportedModelError
@@ -58,9 +59,6 @@ log = logging.getLogger("specd.checkpoint")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # --dtype / models.dtype: one of DTYPES, or auto (see `dtype_candidates`).
 DTYPE_CHOICES = ("auto", *DTYPES)
-_WEIGHT_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja"]
-# What planning reads: a plan needs no weights (`specd plan`, `specd pull --config-only`).
-CONFIG_FILES = ["config.json", "generation_config.json"]
 # What Tokenizer.from_folder reads, each only if it is there.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -115,9 +113,11 @@ def resolve(ref: str | os.PathLike[str], config_only: bool = False) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    patterns = CONFIG_FILES if config_only else _WEIGHT_PATTERNS
+    patterns = CONFIG_FILES if config_only else CHECKPOINT_FILES
     try:
-        return Path(snapshot_download(repo_id=text, allow_patterns=patterns))
+        return Path(
+            snapshot_download(repo_id=text, allow_patterns=patterns, ignore_patterns=SKIPPED_FILES)
+        )
     except LocalEntryNotFoundError as exc:
         pull = f"specd pull --config-only {text}" if config_only else f"specd pull {text}"
         raise ModelNotFoundError(

@@ -107,7 +107,7 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
         "eos_token_id": _token_id(meta, "tokenizer.ggml.eos_token_id", vocab, source),
         "torch_dtype": _float_dtype(tensors) if quantization is None else "bfloat16",
         "attention_bias": "blk.0.attn_output.bias" in tensors,
-        **_rope_scaling(meta, arch, source, module.gguf_yarn_unit_factor),
+        **_rope_scaling(meta, arch, source, module.gguf_yarn_log_multiplier),
         **module.gguf_config(keys, tensors),
     }
     return replace(config_from_hf(raw, source), quantization=quantization)
@@ -220,7 +220,7 @@ def _check_layers(tensors: dict[str, TensorInfo], layers: int, key: str, source:
 
 
 def _rope_scaling(
-    meta: dict[str, Any], arch: str, source: str, unit_factor: bool = False
+    meta: dict[str, Any], arch: str, source: str, log_multiplier: bool = False
 ) -> dict[str, Any]:
     """The file's RoPE scaling as config.json writes it: none; linear (also the older
     `rope.scale_linear`); YaRN (Qwen2.5's and Qwen3's long-context files, Ministral 3:
@@ -228,8 +228,10 @@ def _rope_scaling(
     when the converter wrote them); LongRoPE's kind, whose factors an architecture reads
     (Phi-3: tensors). Llama 3.1's own scaling is its `rope_freqs` tensor, not a key. Any
     other kind, or a YaRN option specd does not compute, is refused rather than run
-    unscaled. `unit_factor`: the architecture's graph fixes YaRN's factor on cos and sin at
-    1 (Mistral 3's), whatever the file's log multiplier says."""
+    unscaled. `log_multiplier`: llama.cpp reads the architecture's
+    `rope.scaling.yarn_log_multiplier` (Mistral 3's: the converter writes `mscale_all_dim`
+    there) as transformers' `mscale_all_dim` beside an `mscale` of 1, 0 or absent meaning
+    neither; other architectures' it ignores, and specd refuses one that is not 0."""
     prefix = f"{arch}.rope.scaling."
     kind = meta.get(f"{prefix}type")
     factor_key = f"{prefix}factor"
@@ -251,7 +253,7 @@ def _rope_scaling(
         return {"rope_scaling": {"rope_type": "linear", "factor": float(factor)}}
     for name, neutral in (("yarn_ext_factor", 1.0), ("yarn_log_multiplier", 0.0)):
         value = meta.get(f"{prefix}{name}")
-        if unit_factor and name == "yarn_log_multiplier":
+        if log_multiplier and name == "yarn_log_multiplier":
             continue
         if value is not None and value != neutral:
             raise UnsupportedModelError(
@@ -276,8 +278,14 @@ def _rope_scaling(
         if type(value) not in (int, float) or not 0 < value < math.inf:
             raise _malformed(source, f"{prefix}{name}", value, "a finite number above 0")
         scaling[ours] = float(value)
-    if unit_factor:
-        scaling["attention_factor"] = 1.0
+    multiplier = meta.get(f"{prefix}yarn_log_multiplier")
+    if log_multiplier and multiplier is not None:
+        if type(multiplier) not in (int, float) or not 0 <= multiplier < math.inf:
+            raise _malformed(
+                source, f"{prefix}yarn_log_multiplier", multiplier, "a finite number of at least 0"
+            )
+        if multiplier:  # (llama.cpp: mscale 1 beside it, as transformers' ratio reads them)
+            scaling["mscale"], scaling["mscale_all_dim"] = 1.0, float(multiplier)
     return {"rope_scaling": scaling}
 
 

@@ -62,6 +62,9 @@ def weight_files(path: Path) -> list[Path]:
             raise CheckpointError(f"{path / INDEX}: shard files missing: {', '.join(missing)}")
         return [path / s for s in shards]
     files = sorted(path.glob("*.safetensors"))
+    ours = [f for f in files if not f.name.startswith("consolidated")]
+    if ours:  # (Mistral's own format beside the Hugging Face one: hub_patterns.SKIPPED_FILES)
+        files = ours
     refuse_irregular(*files)
     if not files:
         bins = sorted(p.name for p in path.glob("*.bin"))

@@ -10,10 +10,10 @@ Checkpoints come as the multimodal `Mistral3ForConditionalGeneration` (model_typ
 `mistral3`, the text model's keys in `text_config`, whose model_type is `ministral3` or,
 for Mistral Small, `mistral`; the vision tower's tensors are skipped) or as the text model
 alone (`ministral3`). llama.cpp's converter writes both as GGUF architecture `mistral3`:
-Llama's tensors with q and k permuted, YaRN's keys, and the temperature's beta as
-`attention.temperature_scale` (its floor is YaRN's original context, as llama.cpp reads
-it). llama.cpp's graph fixes YaRN's factor on cos and sin at 1, as transformers computes
-it from `mscale` / `mscale_all_dim` of 1, whatever `rope.scaling.yarn_log_multiplier` says.
+Llama's tensors with q and k permuted, YaRN's keys (`mscale_all_dim` as
+`rope.scaling.yarn_log_multiplier`, which llama.cpp reads beside an `mscale` of 1), and the
+temperature's beta as `attention.temperature_scale` (its floor is YaRN's original context,
+as llama.cpp reads it).
 """
 
 from __future__ import annotations
@@ -55,6 +55,20 @@ _MULTIMODAL_ONLY = (
 )
 _TEXT_MODEL_TYPES = ("ministral3", "mistral")
 BETA = "llama_4_scaling_beta"
+# Ministral3Config's defaults for the keys a config may leave out (transformers 5), besides
+# eps and the context (`Mistral3.config`)
+_MINISTRAL3_HEAD_DIM = 128
+_MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 1_000_000.0,
+    "factor": 16.0,
+    "original_max_position_embeddings": 16_384,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale_all_dim": 1.0,
+    "mscale": 1.0,
+    BETA: 0.1,
+}
 
 
 def _text_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
@@ -87,10 +101,10 @@ def _query_scale(raw: dict[str, Any], floor: int, source: str) -> tuple[float, i
     """(beta, floor) of the attention temperature, from the RoPE block's
     `llama_4_scaling_beta` (a GGUF file's `attention.temperature_scale`, read to the top
     level); None where it is absent or 0."""
-    block = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    where, label = (
-        (block, f"rope_parameters.{BETA}") if block.get(BETA) is not None else (raw, BETA)
-    )
+    # The block `rope_config` reads: rope_scaling where it is given, else rope_parameters.
+    name = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+    block = raw.get(name) or {}
+    where, label = (block, f"{name}.{BETA}") if block.get(BETA) is not None else (raw, BETA)
     if where.get(BETA) is None:
         return None
     beta = number(where, BETA, source, 0.0, label=label)
@@ -104,10 +118,15 @@ class Mistral3(Architecture):
     model_types: ClassVar[tuple[str, ...]] = ("mistral3", "ministral3")
     gguf_architectures: ClassVar[Mapping[str, str]] = {"mistral3": "ministral3"}
     gguf_layer_names: ClassVar[Mapping[str, str]] = GGUF_LAYERS
-    gguf_yarn_unit_factor: ClassVar[bool] = True
+    gguf_yarn_log_multiplier: ClassVar[bool] = True
 
     def config(self, raw: dict[str, Any], source: str) -> ModelConfig:
         text = _text_config(raw, source)
+        if text["model_type"] == "ministral3":
+            if text.get("head_dim") is None:
+                text = {**text, "head_dim": _MINISTRAL3_HEAD_DIM}
+            if not text.get("rope_scaling") and not text.get("rope_parameters"):
+                text = {**text, "rope_parameters": _MINISTRAL3_ROPE}
         act = text.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(
@@ -176,9 +195,13 @@ class Mistral3(Architecture):
         return unpermute_qk(cfg, name, rows, ne)  # (the converter's Llama permutation)
 
     def gguf_config(self, keys: GGUFKeys, tensors: Mapping[str, Any]) -> dict[str, Any]:
-        if not keys.has("attention.temperature_scale"):
-            return {}
-        return {BETA: keys.number("attention.temperature_scale")}
+        out: dict[str, Any] = {}
+        if not keys.has("rope.scaling.factor") and not keys.has("rope.scale_linear"):
+            # Unscaled, as the file says (Mistral Small 3.x), not Ministral3Config's default
+            out["rope_parameters"] = {"rope_type": "default"}
+        if keys.has("attention.temperature_scale"):
+            out[BETA] = keys.number("attention.temperature_scale")
+        return out
 
 
 MISTRAL3 = Mistral3()
