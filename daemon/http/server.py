@@ -151,12 +151,13 @@ async def serve(settings: Settings) -> int:
         log.info("ready: serving %s", settings.served_model_name)
         await stopper
     for sig in (signal.SIGTERM, signal.SIGINT):
-        # A second signal changes nothing, the stop is under way; ignored for good (the
-        # loop's handlers go when it closes, and a signal during the interpreter's exit
-        # then killed the process: exit status -15 after a clean stop).
         loop.remove_signal_handler(sig)
-        signal.signal(sig, signal.SIG_IGN)
-    log.info("stopping: ending in-flight requests")
+    # Another SIGTERM changes nothing, the stop is under way: ignored for good (the loop's
+    # handlers go when it closes, and one during the interpreter's exit killed the process:
+    # exit status -15 after a clean stop). Another Ctrl-C is a person's "quit now".
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    log.info("stopping: ending in-flight requests (Ctrl-C again to quit at once)")
     await server.stop()
     log.info("stopped")
     return 0
