@@ -240,8 +240,8 @@ def _checked_rope(rope: RopeConfig, params: dict[str, Any], block: str, source: 
     wanted: list[tuple[str, bool, str]] = [
         ("partial_rotary_factor", 0 < rope.partial_rotary_factor <= 1, "above 0 and at most 1"),
     ]
-    if rope.kind != "default":
-        wanted.append(("factor", rope.factor > 0, "above 0"))  # frequencies / factor
+    if rope.kind != "default":  # frequencies / factor: 5e-324 made them inf
+        wanted.append(("factor", 1e-3 <= rope.factor <= 1e6, "from 0.001 to 1,000,000"))
     if rope.kind == "llama3":  # divides by each frequency factor and by their difference
         low = rope.low_freq_factor
         wanted += [
@@ -258,11 +258,12 @@ def _checked_rope(rope: RopeConfig, params: dict[str, Any], block: str, source: 
         original = rope.original_max_position_embeddings
         wanted.append(("original_max_position_embeddings", original >= 2, "at least 2"))
     if rope.kind in ("yarn", "longrope"):
+        # (On cos and sin: 1e30 made every logit NaN, an mscale of 1e30 attention uniform.)
         given = rope.attention_factor, rope.mscale, rope.mscale_all_dim
         wanted += [
-            ("attention_factor", given[0] is None or given[0] > 0, "above 0"),
-            ("mscale", given[1] is None or given[1] >= 0, "at least 0"),
-            ("mscale_all_dim", given[2] is None or given[2] >= 0, "at least 0"),
+            ("attention_factor", given[0] is None or 0 < given[0] <= 100, "above 0, at most 100"),
+            ("mscale", given[1] is None or 0 <= given[1] <= 100, "from 0 to 100"),
+            ("mscale_all_dim", given[2] is None or 0 <= given[2] <= 100, "from 0 to 100"),
         ]
     for key, ok, rule in wanted:
         if not ok:

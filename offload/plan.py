@@ -248,13 +248,20 @@ class MemoryPlan:
         lines = [
             "specd memory plan",
             f"  target   {t.name}: {t.num_layers} layers × {format_size(t.layer_bytes)}, "
-            f"{format_size(t.weight_bytes)} in {t.dtype}",
+            f"{format_size(t.weight_bytes)} "
+            + (f"as stored, computed in {t.dtype}" if t.quantization else f"in {t.dtype}"),
         ]
         if t.quantization:
+            rebuild = f"one projection at a time, {format_size(t.dequant_bytes)} at most"
+            how = (
+                "products computed from the blocks by the CPU kernels; a pass longer than "
+                f"theirs rebuilds {rebuild}"
+                if t.packed_kernels
+                else f"rebuilt for its matmul: {rebuild}"
+            )
             lines.append(
                 f"  packed   {t.quantization}: a layer is {format_size(t.layer_bytes)} "
-                f"({format_size(t.dense_layer_bytes)} dequantized); one projection at a "
-                f"time is rebuilt for its matmul ({format_size(t.dequant_bytes)} at most)"
+                f"({format_size(t.dense_layer_bytes)} dequantized); {how}"
             )
         if r.draft:
             d = r.draft

@@ -455,14 +455,15 @@ def write_mistral3(
         "attention.value_length": head_dim,
         "rope.dimension_count": head_dim,
         "rope.freq_base": float(rope["rope_theta"]),
-        "rope.scaling.type": "yarn",
+        "rope.scaling.type": rope["rope_type"],
         "rope.scaling.factor": float(rope["factor"]),
         "rope.scaling.original_context_length": rope["original_max_position_embeddings"],
-        "rope.scaling.yarn_log_multiplier": float(rope["mscale_all_dim"]),
-        "rope.scaling.yarn_beta_fast": float(rope["beta_fast"]),
-        "rope.scaling.yarn_beta_slow": float(rope["beta_slow"]),
         "attention.temperature_scale": float(rope["llama_4_scaling_beta"]),
     }
+    for key, name in (("yarn_log_multiplier", "mscale_all_dim"), ("yarn_beta_fast", "beta_fast"),
+                      ("yarn_beta_slow", "beta_slow")):  # fmt: skip
+        if name in rope:  # (YaRN's)
+            values[f"rope.scaling.{key}"] = float(rope[name])
     values.update(keys or {})
     writer = _llama_like(path, "mistral3", config, values)
     heads = _qk_heads(config)

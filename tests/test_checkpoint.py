@@ -443,6 +443,13 @@ def test_mistrals_own_format_beside_the_checkpoint_is_neither_downloaded_nor_rea
     save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)},
               str(folder / "consolidated.safetensors"))  # fmt: skip
     assert load(folder)[0] is not None
+    alone = tmp_path / "native"  # Mistral's format only: say so, not list every tensor
+    alone.mkdir()
+    for name in ("config.json", "tokenizer.json", "consolidated.safetensors"):
+        shutil.copy(folder / name, alone)
+    with pytest.raises(CheckpointError, match="Mistral's own format") as info:
+        load(alone)
+    assert len(str(info.value)) < 300
     calls: list[dict] = []
     monkeypatch.setattr(
         "huggingface_hub.snapshot_download", lambda **kw: calls.append(kw) or str(folder)

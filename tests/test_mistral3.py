@@ -73,12 +73,28 @@ def test_the_architecture_is_listed(folder: Path) -> None:
         ({"attention.temperature_scale": -0.5}, "temperature_scale"),
         (
             {"attention.temperature_scale": 1e9},
-            "llama_4_scaling_beta 1000000000.0 is not from 0 to 10",
+            "temperature_scale 1000000000.0 is not from 0 to 10",
         ),
+        # (the floor: 2**64 - 1 wrapped negative in the division and every logit was NaN)
+        ({"rope.scaling.original_context_length": 2**32 - 1}, "past the"),
+        ({"rope.scaling.yarn_attn_factor": 1e30}, "attention_factor"),
+        ({"rope.scaling.yarn_log_multiplier": 1e30}, "yarn_log_multiplier"),
+        ({"rope.scaling.factor": 1e-30}, "factor"),
+        ({"rope.dimension_count": 8}, "turns whole heads"),
         ({"expert_count": 4}, "mistral3 files without experts only"),
         ({"rope.scaling.original_context_length": 0}, "original_context_length"),
     ],
-    ids=["negative-beta", "huge-beta", "experts", "no-floor"],
+    ids=[
+        "negative-beta",
+        "huge-beta",
+        "huge-floor",
+        "huge-attn-factor",
+        "huge-log-mul",
+        "tiny-factor",
+        "partial-rotary",
+        "experts",
+        "no-floor",
+    ],
 )
 def test_hostile_mistral3_keys_are_one_line(
     folder: Path, tmp_path: Path, keys: dict, said: str
@@ -169,3 +185,31 @@ def test_a_ministral3_config_that_leaves_keys_out_reads_transformers_defaults() 
     assert ours.query_scale == (ref.rope_parameters["llama_4_scaling_beta"], 16384)
     assert ours.rms_norm_eps == ref.rms_norm_eps
     assert ours.max_position_embeddings == ref.max_position_embeddings
+
+
+def test_a_file_without_a_scaling_type_is_read_as_llama_cpp_reads_it(tmp_path: Path) -> None:
+    """A factor with no `rope.scaling.type` is linear scaling (llama.cpp's default type), and
+    the temperature's floor is the file's original context whatever the type: as
+    transformers runs the checkpoint (linear RoPE x16, beta 0.1 from 8 positions). It was
+    given Ministral3Config's YaRN and beta instead of what the file says."""
+    rope = {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 16.0,
+            "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.1}  # fmt: skip
+    folder = make_checkpoint(
+        tmp_path / "m", "ministral3", vocab_size=SPM_VOCABULARY, rope_parameters=rope
+    )
+    path = write_mistral3(folder, tmp_path / "m.gguf", quantize=False,
+                          keys={"rope.scaling.type": None})  # fmt: skip
+    config = load(path)[2].config
+    assert config.rope.kind == "linear" and config.query_scale == (pytest.approx(0.1), 8)
+    _check_parity(path, "mistral3-gguf-untyped", _hf_model(folder))
+
+
+def test_mistral_smalls_text_model_has_no_temperature(tmp_path: Path) -> None:
+    """transformers' Mistral (Mistral Small's text model) ignores `llama_4_scaling_beta`:
+    a wrapper whose text model is `mistral` runs without the temperature (it was applied,
+    0.83 off past the floor)."""
+    from tests.test_model_parity import check_mistral3_wrapper
+
+    rope = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+            "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.1}  # fmt: skip
+    check_mistral3_wrapper(tmp_path, "mistral", {"rope_parameters": rope})

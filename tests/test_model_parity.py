@@ -330,6 +330,12 @@ def test_a_mistral3_multimodal_checkpoint_runs_its_text_model(tmp_path: Path, te
     text model's config in `text_config` (model_type ministral3, or mistral for Mistral
     Small), its tensors under `model.language_model.`, a vision tower specd skips, and the
     head tied by the top level's `tie_word_embeddings` (transformers' rule)."""
+    check_mistral3_wrapper(tmp_path, text)
+
+
+def check_mistral3_wrapper(tmp_path: Path, text: str, options: dict | None = None) -> None:
+    """A tiny `Mistral3ForConditionalGeneration` around a `text` model (`options` over its
+    config), loaded by specd and run against transformers (tests/test_mistral3.py too)."""
     from transformers import (
         AutoConfig,
         Mistral3Config,
@@ -341,6 +347,7 @@ def test_a_mistral3_multimodal_checkpoint_runs_its_text_model(tmp_path: Path, te
 
     spec = dict(FAMILIES["ministral3" if text == "ministral3" else "mistral"])
     spec.pop("model_type")
+    spec.update(options or {})
     text_config = AutoConfig.for_model(
         text, vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -357,5 +364,5 @@ def test_a_mistral3_multimodal_checkpoint_runs_its_text_model(tmp_path: Path, te
     build_tokenizer(96).save(str(tmp_path / "tokenizer.json"))
     loaded = load(tmp_path)[2].config
     assert loaded.model_type == "mistral3" and loaded.tie_word_embeddings
-    assert (loaded.query_scale is not None) is (text == "ministral3")
+    assert (loaded.query_scale is not None) is (text == "ministral3")  # (Mistral: never)
     _check_parity(tmp_path, f"mistral3-{text}", reference)

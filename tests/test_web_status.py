@@ -166,6 +166,13 @@ def test_specd_status_prints_the_machine(
     # Without the key the health line still comes, and the details say why they do not.
     assert main(["status", "--port", port]) == 0
     assert "no machine details: /v1/specd/status answered 401" in capsys.readouterr().out
+    # `specd chat` takes the configured key as `status` does (it sent none: a 401).
+    once = ["chat", "--port", port, "--once", "Hi", "--max-tokens", "4"]
+    assert main([*once, "--config", str(config)]) == 0
+    assert main(once) == 1
+    assert "HTTP 401" in capsys.readouterr().err
+    assert main([*once, "--api-key-file", str(tmp_path / "missing")]) == 1
+    assert "--api-key-file" in capsys.readouterr().err
 
 
 def stream_events(server: BackgroundServer, body: dict) -> list[dict]:

@@ -27,7 +27,9 @@ from daemon.cli.chat_client import Answer, ChatError, ChatStream, ToolCall, daem
 from daemon.cli.serve import (
     add_address_args,
     add_tree_verification_arg,
+    configured_api_key,
     names_address,
+    read_api_key,
     settings_from_args,
 )
 from daemon.settings import daemon_url
@@ -184,8 +186,15 @@ def _default_url(args: argparse.Namespace) -> str:
     return daemon_url(settings.server.host, settings.server.port)
 
 
-def _api_key(path: str | None) -> str | None:
-    return Path(path).expanduser().read_text().strip() if path else None
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key-file's key, else the configuration's (`server.api_key_file`), as `status`
+    reads it."""
+    if args.api_key_file is None:
+        return configured_api_key(args)
+    try:
+        return read_api_key(args.api_key_file)
+    except (OSError, ValueError) as exc:
+        raise ChatError(f"--api-key-file {args.api_key_file}: {exc}") from None
 
 
 def _tools(path: str | None, choice: str | None) -> dict[str, Any]:
@@ -243,7 +252,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if args.tree_verification is not None:
             request["tree_verification"] = args.tree_verification
         request.update(_tools(args.tools, args.tool_choice))
-        options = ChatOptions(url, _api_key(args.api_key_file), request, args.stats)
+        options = ChatOptions(url, _api_key(args), request, args.stats)
     except ChatError as exc:
         print(f"specd: error: {exc}", file=sys.stderr)
         return 1

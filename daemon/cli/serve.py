@@ -28,6 +28,7 @@ from daemon.settings import (
     user_config_file,
 )
 from daemon.settings_loading import load_settings, render_effective, validate_file
+from daemon.small_files import MAX_KEY_BYTES, read_small
 
 # flag dest → settings key; a flag left at None does not override anything.
 FLAG_KEYS = {
@@ -68,6 +69,28 @@ def add_address_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None, help="config file (default: user config)")
     p.add_argument("--host", default=None, help="the address it listens on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="default 8716")
+
+
+def read_api_key(path: str | Path) -> str | None:
+    """The key in an API key file (a small regular file; ValueError or OSError if not)."""
+    return read_small(Path(path).expanduser(), MAX_KEY_BYTES).decode().strip() or None
+
+
+def configured_api_key(args: argparse.Namespace) -> str | None:
+    """The configuration's API key (`server.api_key_file`), if one can be read: best effort
+    for the commands that talk to a daemon (`status`, `chat`), which say what the daemon
+    answered. Read here rather than with `daemon.http.server.read_api_key` so that they
+    import neither aiohttp nor torch."""
+    try:
+        path = settings_from_args(args).server.api_key_file
+    except SettingsError:
+        return None  # (`status` shows the problems; `chat` meets them with its address)
+    if path is None:
+        return None
+    try:
+        return read_api_key(path)
+    except (OSError, ValueError):
+        return None
 
 
 def names_address(args: argparse.Namespace) -> bool:

@@ -11,12 +11,12 @@ from daemon import service, service_files
 from daemon.cli.serve import (
     add_address_args,
     add_settings_args,
+    configured_api_key,
     flag_argv,
     names_address,
     settings_from_args,
 )
 from daemon.settings import ServerSettings, Settings, SettingsError, daemon_url, listening_on
-from daemon.small_files import MAX_KEY_BYTES, read_small
 
 
 def _url(settings: Settings) -> str:
@@ -97,26 +97,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 3
 
 
-def _api_key(args: argparse.Namespace) -> str | None:
-    """The configured API key, if one can be read (best effort: `status` asks anyway, and
-    says what the daemon answered). Read here rather than with `daemon.http.server.read_api_key`
-    so that `status` imports neither aiohttp nor torch."""
-    try:
-        path = settings_from_args(args).server.api_key_file
-    except SettingsError:
-        return None  # (`cmd_status` has shown the problems)
-    if path is None:
-        return None
-    try:
-        return read_small(Path(path).expanduser(), MAX_KEY_BYTES).decode().strip() or None
-    except (OSError, ValueError):
-        return None
-
-
 def machine_report(url: str, args: argparse.Namespace) -> str:
     """What `GET /v1/specd/status` says about the models and the memory plan (the web
     chat's machine panel), or why it could not be asked."""
-    code, status = service.fetch_json(url + "/v1/specd/status", _api_key(args))
+    code, status = service.fetch_json(url + "/v1/specd/status", configured_api_key(args))
     if code != 200:
         reason = status.get("error", {}).get("message") if status else None
         return f"  (no machine details: /v1/specd/status answered {code or 'nothing'}: {reason})"

@@ -238,6 +238,8 @@ def _rope_scaling(
     if meta.get(factor_key) is None:
         factor_key = f"{arch}.rope.scale_linear"
     factor = meta.get(factor_key)
+    if kind is None and meta.get(f"{prefix}factor") is not None:
+        kind = "linear"  # (llama.cpp's default type where a factor is stated)
     if kind in (None, "none") and meta.get(f"{arch}.rope.scale_linear") is None:
         return {}
     if kind == "longrope":
@@ -280,10 +282,8 @@ def _rope_scaling(
         scaling[ours] = float(value)
     multiplier = meta.get(f"{prefix}yarn_log_multiplier")
     if log_multiplier and multiplier is not None:
-        if type(multiplier) not in (int, float) or not 0 <= multiplier < math.inf:
-            raise _malformed(
-                source, f"{prefix}yarn_log_multiplier", multiplier, "a finite number of at least 0"
-            )
+        if type(multiplier) not in (int, float) or not 0 <= multiplier <= 100:
+            raise _malformed(source, f"{prefix}yarn_log_multiplier", multiplier, "from 0 to 100")
         if multiplier:  # (llama.cpp: mscale 1 beside it, as transformers' ratio reads them)
             scaling["mscale"], scaling["mscale_all_dim"] = 1.0, float(multiplier)
     return {"rope_scaling": scaling}

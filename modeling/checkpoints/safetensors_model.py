@@ -63,8 +63,13 @@ def weight_files(path: Path) -> list[Path]:
         return [path / s for s in shards]
     files = sorted(path.glob("*.safetensors"))
     ours = [f for f in files if not f.name.startswith("consolidated")]
-    if ours:  # (Mistral's own format beside the Hugging Face one: hub_patterns.SKIPPED_FILES)
-        files = ours
+    if files and not ours:
+        raise CheckpointError(
+            f"{path}: only {', '.join(f.name for f in files[:3])}, Mistral's own format: specd "
+            "reads the Hugging Face files beside it (model*.safetensors and config.json); "
+            "download those"
+        )
+    files = ours  # (Mistral's own format beside them is not read: hub_patterns.SKIPPED_FILES)
     refuse_irregular(*files)
     if not files:
         bins = sorted(p.name for p in path.glob("*.bin"))

@@ -111,8 +111,12 @@ def _bounded(cfg: ModelConfig, source: str) -> ModelConfig:
         ("num_key_value_heads", cfg.num_kv_heads, MAX_HEADS),
         ("head_dim", cfg.head_dim, MAX_HEADS),
         ("max_position_embeddings", cfg.max_position_embeddings, MAX_CONTEXT),
+        ("original_max_position_embeddings", cfg.rope.original_max_position_embeddings,
+         MAX_CONTEXT),
         ("sliding_window", 1 if window is None else window, MAX_CONTEXT),
-    ):
+        ("the attention temperature's original context",
+         cfg.query_scale[1] if cfg.query_scale else 1, MAX_CONTEXT),
+    ):  # fmt: skip
         if value > most:
             raise UnsupportedModelError(
                 f"{source}: {key} is {short(value)}, past the {most} specd builds (no published "

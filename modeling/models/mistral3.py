@@ -55,6 +55,8 @@ _MULTIMODAL_ONLY = (
 )
 _TEXT_MODEL_TYPES = ("ministral3", "mistral")
 BETA = "llama_4_scaling_beta"
+# (beta, floor) as a GGUF file states them, passed from `gguf_config` to `config`
+GGUF_TEMPERATURE = "gguf attention temperature"
 # Ministral3Config's defaults for the keys a config may leave out (transformers 5), besides
 # eps and the context (`Mistral3.config`)
 _MINISTRAL3_HEAD_DIM = 128
@@ -98,16 +100,23 @@ def _text_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def _query_scale(raw: dict[str, Any], floor: int, source: str) -> tuple[float, int] | None:
-    """(beta, floor) of the attention temperature, from the RoPE block's
-    `llama_4_scaling_beta` (a GGUF file's `attention.temperature_scale`, read to the top
-    level); None where it is absent or 0."""
-    # The block `rope_config` reads: rope_scaling where it is given, else rope_parameters.
-    name = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
-    block = raw.get(name) or {}
-    where, label = (block, f"{name}.{BETA}") if block.get(BETA) is not None else (raw, BETA)
-    if where.get(BETA) is None:
+    """(beta, floor) of the attention temperature: a GGUF file's (`gguf_config`), else the
+    RoPE block's `llama_4_scaling_beta` (of the block `rope_config` reads: rope_scaling
+    where it is given, else rope_parameters) over `floor`, YaRN's original context; None
+    where there is none or it is 0. Only `ministral3` text models have one (transformers'
+    Mistral, Mistral Small's text model, ignores the key)."""
+    if raw["model_type"] != "ministral3":
         return None
-    beta = number(where, BETA, source, 0.0, label=label)
+    if isinstance(raw.get(GGUF_TEMPERATURE), tuple):  # (a JSON file holds no tuple)
+        beta, floor = raw[GGUF_TEMPERATURE]
+        label = "attention.temperature_scale"
+    else:
+        name = "rope_scaling" if raw.get("rope_scaling") else "rope_parameters"
+        block = raw.get(name) or {}
+        if block.get(BETA) is None:
+            return None
+        label = f"{name}.{BETA}"
+        beta = number(block, BETA, source, 0.0, label=label)
     if not 0 <= beta <= 10:
         raise UnsupportedModelError(f"{source}: {label} {beta} is not from 0 to 10")
     return (beta, floor) if beta else None
@@ -195,12 +204,23 @@ class Mistral3(Architecture):
         return unpermute_qk(cfg, name, rows, ne)  # (the converter's Llama permutation)
 
     def gguf_config(self, keys: GGUFKeys, tensors: Mapping[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if not keys.has("rope.scaling.factor") and not keys.has("rope.scale_linear"):
-            # Unscaled, as the file says (Mistral Small 3.x), not Ministral3Config's default
-            out["rope_parameters"] = {"rope_type": "default"}
+        # The file's RoPE is what it states (the YaRN of its scaling keys, else none), never
+        # Ministral3Config's defaults for a config.json that states none.
+        out: dict[str, Any] = {"rope_parameters": {"rope_type": "default"}}
+        head_dim = keys.count("attention.key_length", 1)
+        if keys.count("rope.dimension_count", head_dim) != head_dim:
+            raise UnsupportedModelError(
+                f"{keys.source}: mistral3.rope.dimension_count is not "
+                f"attention.key_length ({head_dim}): Mistral 3 turns whole heads"
+            )
         if keys.has("attention.temperature_scale"):
-            out[BETA] = keys.number("attention.temperature_scale")
+            # Its floor: YaRN's original context where the file states one, else the
+            # context (llama.cpp's n_ctx_orig_yarn)
+            floor = keys.count(
+                "rope.scaling.original_context_length", keys.count("context_length", 2048)
+            )
+            beta = keys.number("attention.temperature_scale")
+            out[GGUF_TEMPERATURE] = (beta, floor)
         return out
 
 
