@@ -182,10 +182,12 @@ def test_a_message_larger_than_the_context_keeps_the_chat_going(
 def test_reset_starts_over_and_keeps_the_system_prompt(
     daemon: FakeDaemon, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    typed(monkeypatch, "one", "/reset", "two", "/exit", "never sent")
+    typed(monkeypatch, "one", "/help", "/reset", "two", "/exit", "never sent")
     assert main(["chat", "--url", daemon.url, "--system", "S"]) == 0
+    # (/help shows the commands: it was sent to the model as a message)
     assert [roles(b) for b in daemon.bodies] == [["system", "user"], ["system", "user"]]
-    assert "[conversation reset]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[conversation reset]" in out and "/help shows this]" in out
 
 
 @pytest.mark.parametrize(

@@ -219,3 +219,6 @@ def test_chat_takes_text_not_ids(capsys, stories_target) -> None:
     code = main(["generate", "--model", str(stories_target), "--chat", "--prompt-ids", "1,2"])
     assert code == 2
     assert "--chat" in capsys.readouterr().err
+    # No text at all: an empty user message was sent (and answered).
+    assert main(["generate", "--model", str(stories_target), "--chat"]) == 2
+    assert "give --prompt" in capsys.readouterr().err

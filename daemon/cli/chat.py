@@ -36,7 +36,7 @@ from daemon.settings import daemon_url
 
 # The daemon's error code for a prompt longer than its context (daemon/admission.py).
 CONTEXT_FULL = "context_length_exceeded"
-COMMANDS = "/reset starts the conversation over, /exit (or Ctrl-D) quits"
+COMMANDS = "/reset starts the conversation over, /exit (or Ctrl-D) quits, /help shows this"
 
 
 class Conversation:
@@ -293,6 +293,9 @@ def _loop(options: ChatOptions, conversation: Conversation, screen: Screen) -> i
         text = line.strip()
         if text in ("/exit", "/quit"):
             return 0
+        if text in ("/help", "/?"):  # (it went to the model as a message)
+            screen.note(f"[{COMMANDS}]")
+            continue
         if text == "/reset":
             conversation.reset()
             screen.note("[conversation reset]")

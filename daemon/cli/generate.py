@@ -213,6 +213,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise RequestError(
             "--chat sends --prompt text as a user message; --prompt-ids are fed as they are"
         )
+    if args.chat and args.prompt is None:  # (an empty message was sent, and answered)
+        raise RequestError("--chat sends --prompt TEXT as a user message: give --prompt")
     with collector_paused():
         from daemon.admission import Ask, admit
         from daemon.compiling import print_progress
