@@ -243,6 +243,36 @@ GGUF_LAYERS: Mapping[str, str] = {
 }
 
 
+# A multimodal checkpoint (Gemma 3's, Mistral 3's): keys its top level states for its text
+# model too (`text_config` wins where it states them), and what its text model's tensors
+# are named under. The vision tower's tensors are not the decoder's.
+MULTIMODAL_TOP_LEVEL = (
+    "torch_dtype",
+    "dtype",
+    "quantization_config",
+    "eos_token_id",
+    "bos_token_id",
+)
+_MULTIMODAL_ONLY = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
+def multimodal_text_name(stored: str) -> str | None:
+    """A multimodal checkpoint's tensor name → its text model's name of ours (transformers
+    4's `language_model.model.` and 5's `model.language_model.` layouts, and a text-only
+    checkpoint's `model.`); None for the vision tower and the projector."""
+    if stored.startswith(_MULTIMODAL_ONLY):
+        return None
+    for prefix in ("model.language_model.", "language_model.model.", "language_model."):
+        if stored.startswith(prefix):
+            return stored.removeprefix(prefix)
+    return stored.removeprefix("model.")
+
+
 def unpermute_qk(
     cfg: ModelConfig, name: str, rows: torch.Tensor, ne: tuple[int, ...]
 ) -> torch.Tensor:

@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,9 +34,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from scripts.tiny_models import FAMILIES, make_checkpoint  # noqa: E402
+from scripts.tiny_models import make_checkpoint  # noqa: E402
 from tests.conftest import SHARED_MODELS  # noqa: E402
-from tests.test_model_parity import _check_parity  # noqa: E402
+from tests.test_model_parity import _check_parity, build_mistral3_wrapper  # noqa: E402
 
 TOKENIZER = SHARED_MODELS / "stories260k"  # a 512-piece SentencePiece vocabulary
 VOCAB = 512
@@ -63,32 +62,10 @@ def build(case: str, folder: Path) -> torch.nn.Module:
 
         _tokenizer(folder)
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    from transformers import (
-        AutoConfig,
-        Mistral3Config,
-        Mistral3ForConditionalGeneration,
-        PixtralVisionConfig,
-    )
-
-    text = case.split("-", 1)[1]
-    spec: dict[str, Any] = dict(FAMILIES[text])
-    spec.pop("model_type")
-    text_config = AutoConfig.for_model(
-        text, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.2, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6, **spec,
-    )  # fmt: skip
-    vision = PixtralVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        image_size=32, patch_size=8, head_dim=16,
-    )  # fmt: skip
-    torch.manual_seed(1)
-    config = Mistral3Config(vision_config=vision, text_config=text_config,
-                            image_token_index=10, tie_word_embeddings=False)  # fmt: skip
-    model = Mistral3ForConditionalGeneration(config).eval()
-    model.save_pretrained(folder)
+    reference = build_mistral3_wrapper(folder, case.split("-", 1)[1], VOCAB,
+                                       tie_word_embeddings=False)  # fmt: skip
     _tokenizer(folder)
-    return model
+    return reference
 
 
 def q8_rounded(folder: Path, out: Path) -> Path:

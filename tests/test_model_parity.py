@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -336,6 +337,22 @@ def test_a_mistral3_multimodal_checkpoint_runs_its_text_model(tmp_path: Path, te
 def check_mistral3_wrapper(tmp_path: Path, text: str, options: dict | None = None) -> None:
     """A tiny `Mistral3ForConditionalGeneration` around a `text` model (`options` over its
     config), loaded by specd and run against transformers (tests/test_mistral3.py too)."""
+    from scripts.tiny_models import build_tokenizer
+
+    reference = build_mistral3_wrapper(tmp_path, text, 96, options)
+    build_tokenizer(96).save(str(tmp_path / "tokenizer.json"))
+    loaded = load(tmp_path)[2].config
+    assert loaded.model_type == "mistral3" and loaded.tie_word_embeddings
+    assert (loaded.query_scale is not None) is (text == "ministral3")  # (Mistral: never)
+    _check_parity(tmp_path, f"mistral3-{text}", reference)
+
+
+def build_mistral3_wrapper(
+    folder: Path, text: str, vocab: int, options: dict | None = None, **top: Any
+) -> torch.nn.Module:
+    """A tiny random `Mistral3ForConditionalGeneration` (a one-layer Pixtral tower) around a
+    `text` model of scripts/tiny_models.py's family, saved to `folder`; transformers'
+    model of it (the reference). `top`: keys of the top level (tie_word_embeddings)."""
     from transformers import (
         AutoConfig,
         Mistral3Config,
@@ -343,13 +360,13 @@ def check_mistral3_wrapper(tmp_path: Path, text: str, options: dict | None = Non
         PixtralVisionConfig,
     )
 
-    from scripts.tiny_models import FAMILIES, build_tokenizer
+    from scripts.tiny_models import FAMILIES
 
     spec = dict(FAMILIES["ministral3" if text == "ministral3" else "mistral"])
     spec.pop("model_type")
     spec.update(options or {})
     text_config = AutoConfig.for_model(
-        text, vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        text, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         initializer_range=0.2, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6, **spec,
     )  # fmt: skip
@@ -358,11 +375,9 @@ def check_mistral3_wrapper(tmp_path: Path, text: str, options: dict | None = Non
         image_size=32, patch_size=8, head_dim=16,
     )  # fmt: skip
     torch.manual_seed(0)
-    config = Mistral3Config(vision_config=vision, text_config=text_config, image_token_index=10)
+    config = Mistral3Config(
+        vision_config=vision, text_config=text_config, image_token_index=10, **top
+    )
     reference = Mistral3ForConditionalGeneration(config).eval()
-    reference.save_pretrained(tmp_path)
-    build_tokenizer(96).save(str(tmp_path / "tokenizer.json"))
-    loaded = load(tmp_path)[2].config
-    assert loaded.model_type == "mistral3" and loaded.tie_word_embeddings
-    assert (loaded.query_scale is not None) is (text == "ministral3")  # (Mistral: never)
-    _check_parity(tmp_path, f"mistral3-{text}", reference)
+    reference.save_pretrained(folder)
+    return reference

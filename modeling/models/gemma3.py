@@ -31,7 +31,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from modeling.architecture import Architecture, GGUFKeys, LayerActivations
+from modeling.architecture import (
+    MULTIMODAL_TOP_LEVEL,
+    Architecture,
+    GGUFKeys,
+    LayerActivations,
+    multimodal_text_name,
+)
 from modeling.config import ModelConfig, UnsupportedModelError
 from modeling.config_readers import (
     attention_widths,
@@ -72,15 +78,7 @@ DEFAULTS: dict[str, Any] = {
     "rope_theta": 1_000_000.0,
     "rope_local_base_freq": 10_000.0,
 }
-# Keys a multimodal checkpoint states at its top level for its text part too.
-_TOP_LEVEL = ("torch_dtype", "dtype", "quantization_config", "eos_token_id", "bos_token_id")
 _LAYER_TYPES = ("full_attention", "sliding_attention")
-_MULTIMODAL_ONLY = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-)
 
 
 def _text_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
@@ -95,7 +93,7 @@ def _text_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
             "download the model again"
         )
     text = dict(text)
-    for key in _TOP_LEVEL:
+    for key in MULTIMODAL_TOP_LEVEL:
         if key in raw and key not in text:
             text[key] = raw[key]
     return {**DEFAULTS, **text, "model_type": "gemma3"}
@@ -255,12 +253,7 @@ class Gemma3(Architecture):
         return GemmaLayer(cfg, index)
 
     def hf_name(self, stored: str) -> str | None:
-        if stored.startswith(_MULTIMODAL_ONLY):
-            return None
-        for prefix in ("model.language_model.", "language_model.model.", "language_model."):
-            if stored.startswith(prefix):
-                return stored.removeprefix(prefix)
-        return stored.removeprefix("model.")
+        return multimodal_text_name(stored)
 
     def gguf_config(self, keys: GGUFKeys, tensors: Mapping[str, Any]) -> dict[str, Any]:
         hidden, heads = keys.count("embedding_length"), keys.count("attention.head_count")

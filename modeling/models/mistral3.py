@@ -26,9 +26,11 @@ from torch import nn
 
 from modeling.architecture import (
     GGUF_LAYERS,
+    MULTIMODAL_TOP_LEVEL,
     Architecture,
     GGUFKeys,
     LayerActivations,
+    multimodal_text_name,
     unpermute_qk,
 )
 from modeling.config import ModelConfig, UnsupportedModelError
@@ -45,14 +47,6 @@ from modeling.config_readers import (
 from modeling.layers.decoder_layer import DecoderLayer, layer_activations, layer_parameters
 from modeling.weights.quant import parse_quantization, short
 
-# Keys a multimodal checkpoint states at its top level for its text part too.
-_TOP_LEVEL = ("torch_dtype", "dtype", "quantization_config", "eos_token_id", "bos_token_id")
-_MULTIMODAL_ONLY = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-)
 _TEXT_MODEL_TYPES = ("ministral3", "mistral")
 BETA = "llama_4_scaling_beta"
 # (beta, floor) as a GGUF file states them, passed from `gguf_config` to `config`
@@ -91,7 +85,7 @@ def _text_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
             f"checkpoint (specd runs {', '.join(_TEXT_MODEL_TYPES)})"
         )
     merged = dict(text)
-    for key in _TOP_LEVEL:
+    for key in MULTIMODAL_TOP_LEVEL:
         if key in raw and key not in merged:
             merged[key] = raw[key]
     if "tie_word_embeddings" in raw:  # (transformers ties the head by the top level's)
@@ -191,12 +185,7 @@ class Mistral3(Architecture):
         return layer_activations(cfg, itemsize, copy)
 
     def hf_name(self, stored: str) -> str | None:
-        if stored.startswith(_MULTIMODAL_ONLY):
-            return None
-        for prefix in ("model.language_model.", "language_model.model.", "language_model."):
-            if stored.startswith(prefix):
-                return stored.removeprefix(prefix)
-        return stored.removeprefix("model.")
+        return multimodal_text_name(stored)
 
     def gguf_tensor(
         self, cfg: ModelConfig, name: str, rows: torch.Tensor, ne: tuple[int, ...]
