@@ -63,8 +63,14 @@ def test_a_log_multiplier_of_0_is_yarns_own_factor(tmp_path: Path) -> None:
     _check_parity(path, "mistral3-gguf-mscale-0", _hf_model(folder))
 
 
-def test_the_architecture_is_listed(folder: Path) -> None:
+def test_the_architecture_is_listed(folder: Path, tmp_path: Path) -> None:
     assert "mistral3" in SUPPORTED_GGUF_ARCHITECTURES
+    # A file stating no key_length (head_dim = hidden / heads) turns whole heads too.
+    plain = make_checkpoint(tmp_path / "p", "ministral3", vocab_size=SPM_VOCABULARY,
+                            head_dim=16)  # fmt: skip
+    keys = {"attention.key_length": None, "attention.value_length": None}
+    path = write_mistral3(plain, tmp_path / "p.gguf", quantize=False, keys=keys)
+    assert load(path)[2].config.head_dim == 16
 
 
 @pytest.mark.parametrize(

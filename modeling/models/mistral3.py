@@ -196,7 +196,8 @@ class Mistral3(Architecture):
         # The file's RoPE is what it states (the YaRN of its scaling keys, else none), never
         # Ministral3Config's defaults for a config.json that states none.
         out: dict[str, Any] = {"rope_parameters": {"rope_type": "default"}}
-        head_dim = keys.count("attention.key_length", 1)
+        widths = keys.count("embedding_length") // keys.count("attention.head_count")
+        head_dim = keys.count("attention.key_length", max(widths, 1))  # (gguf_config's)
         if keys.count("rope.dimension_count", head_dim) != head_dim:
             raise UnsupportedModelError(
                 f"{keys.source}: mistral3.rope.dimension_count is not "
