@@ -217,7 +217,7 @@ class CompiledPasses:
         model = self.model
         scale = query_scales(model.config.query_scale, positions, model.dtype)
         fixed = FixedSlots(int(tokens.shape[0]), k, v, write, mask, query_scale=scale)
-        return self.model.hidden_states(tokens, positions, [fixed])
+        return model.hidden_states(tokens, positions, [fixed])
 
     def _marked_step(self, inputs: StepInputs) -> torch.Tensor:
         # The graphs' fixed inputs are copies, made after the caller marked its own.

@@ -30,7 +30,7 @@ def parse_size(text: str | int, what: str = "size") -> int:
         return text
     said = f"{what} {text!r}" if what else repr(text)
     match = _SIZE.match(text.lower())
-    if not match or not match.group(2) or match.group(2) not in _UNITS:
+    if not match or match.group(2) not in _UNITS:  # (no unit: "" is not one)
         raise ValueError(
             f"{said} is not a size: write a number with a unit, e.g. 24GB, 512MiB, 1.5G"
         )

@@ -20,6 +20,7 @@ from daemon.runtime import Runtime
 from modeling.checkpoints.checkpoint import load, open_checkpoint
 from modeling.checkpoints.gguf_model import GGUFError, keeps_head_packed
 from modeling.models import layer_parameter_count
+from modeling.weights import cpu_kernels
 from modeling.weights.gguf_modules import GGUFEmbedding, GGUFLinear
 from offload.stream import LayerStreamer
 from speculative.generation import Generation
@@ -300,6 +301,10 @@ def test_a_plan_that_streams_a_gguf_from_disk_is_refused(
     assert main(["plan", *argv]) == 2
     assert "disk tier does not read GGUF files" in capsys.readouterr().err
     assert main(["plan", *argv[:-2]]) == 0  # from RAM it plans
+    # The packed size as stored (it was labelled "in float32"), and how its products run.
+    out = capsys.readouterr().out
+    assert "as stored, computed in" in out and " in float32\n" not in out.split("\n")[1]
+    assert ("computed from the blocks by the CPU kernels" in out) is cpu_kernels.available()
 
 
 def test_a_streamed_q4_k_m_target_moves_its_packed_bytes() -> None:

@@ -455,7 +455,7 @@ def test_100_continue_is_answered_and_then_the_request(server: BackgroundServer)
 
 @pytest.mark.parametrize("expect", [True, False], ids=["100-continue", "no-expect"])
 def test_an_oversized_body_is_refused_at_once_and_never_read(
-    server: BackgroundServer, expect: bool
+    server: BackgroundServer, expect: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A 1 GiB Content-Length on a kept-alive connection: a 413 before any body (with
     `Expect: 100-continue`, no interim 100 first), and the connection closed rather than
@@ -471,6 +471,8 @@ def test_an_oversized_body_is_refused_at_once_and_never_read(
             received += piece
     assert received.startswith(b"HTTP/1.1 413 "), received[:100]
     assert b"Connection: close" in received and b"request_too_large" in received
+    # Logged as every refusal is (the answer to an Expect header passes no middleware).
+    assert any("413 request_too_large" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity", "1e999", "-1e999"])

@@ -83,7 +83,11 @@ async def expect_handler(request: web.Request) -> web.StreamResponse | None:
         limit = request.app[CONFIG].max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             # The final answer instead of the interim one: the body is not wanted.
-            response = error_response(_too_large(limit))
+            # (No middleware sees this answer: logged and counted as the middleware does.)
+            err = _too_large(limit)
+            _log_refusal(request, err)
+            request.app[METRICS].count_request(_endpoint(request), err.status)
+            response = error_response(err)
             response.force_close()
             request.content.feed_eof()  # (nothing of it is read: no lingering for it)
             return response
@@ -139,8 +143,7 @@ def cors_headers(origin: str) -> dict[str, str]:
 async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Security checks, then the handler; every failure leaves in the OpenAI error shape."""
     config = request.app[CONFIG]
-    resource = request.match_info.route.resource
-    endpoint = resource.canonical if resource is not None else "other"
+    endpoint = _endpoint(request)
     refused: ApiError | None = None
     try:
         response = await _guarded(request, handler, config)
@@ -162,7 +165,8 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     except web.HTTPRequestEntityTooLarge:
         # The rest of the body is not read (aiohttp would drain it to reuse the connection:
         # a 1 GiB chunked body was taken in whole after the answer): the connection closes.
-        response = error_response(_too_large(config.max_body_bytes))
+        refused = _too_large(config.max_body_bytes)
+        response = error_response(refused)
         response.force_close()
         request.content.feed_eof()
     except web.HTTPException as exc:
@@ -187,6 +191,12 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     if origin and origin in config.cors_origins and not response.prepared:
         response.headers.update(cors_headers(origin))
     return response
+
+
+def _endpoint(request: web.Request) -> str:
+    """The route a request is counted under in the metrics."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "other"
 
 
 def _too_large(limit: int) -> ApiError:
