@@ -260,6 +260,33 @@ def test_tied_embedding_under_either_name(tiny_checkpoint, tmp_path: Path, store
     torch.testing.assert_close(_logits(model, [3, 9, 4, 1]), want, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("changed_row", [0, VOCAB - 1])
+def test_tied_config_beside_a_head_of_its_own_keeps_the_head(
+    tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, changed_row: int
+) -> None:
+    """A config that says tied next to a stored head with other values: transformers keeps
+    the stored head (and warns), and so does specd, in the plan's config and at load. The
+    rows are compared a few at a time, so a difference in the last block is found too."""
+    transformers = pytest.importorskip("transformers")
+    folder = _copy(tiny_checkpoint("llama", vocab_size=VOCAB), tmp_path / "both")
+
+    def head_like_the_embedding_but_one_row(t: dict[str, torch.Tensor]) -> None:
+        t["lm_head.weight"] = t["model.embed_tokens.weight"].clone()
+        t["lm_head.weight"][changed_row] += 0.5
+
+    _rewrite_weights(folder, head_like_the_embedding_but_one_row)
+    _edit_config(folder, tie_word_embeddings=True)
+    monkeypatch.setattr("modeling.checkpoints.safetensors_model._COMPARE_BYTES", 3 * 64 * 4)
+    assert not open_checkpoint(folder).config.tie_word_embeddings
+    model, _, _ = load(folder)
+    assert model.lm_head.weight is not model.embed_tokens.weight
+    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = [3, 9, 4, 1]
+    with torch.no_grad():
+        want = reference(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_logits(model, ids), want, atol=1e-4, rtol=1e-4)
+
+
 def test_untied_checkpoint_without_head_is_refused(tiny_checkpoint, tmp_path: Path) -> None:
     folder = _copy(tiny_checkpoint("qwen2", vocab_size=VOCAB), tmp_path / "nohead")
     _rewrite_weights(folder, lambda t: t.pop("lm_head.weight"))

@@ -33,7 +33,7 @@ from modeling.checkpoints.gguf_model import (
 )
 from modeling.checkpoints.hub_patterns import CHECKPOINT_FILES, CONFIG_FILES, SKIPPED_FILES
 from modeling.checkpoints.model_stores import resolve_store_ref
-from modeling.checkpoints.safetensors_model import load_model, weight_files
+from modeling.checkpoints.safetensors_model import load_model, stored_head_differs, weight_files
 from modeling.config import ModelConfig, UnsupportedModelError
 from modeling.decoder import Transformer
 from modeling.models import config_from_hf
@@ -182,6 +182,14 @@ def open_checkpoint(
                 f"({config.quantization.label}); it loads as it is, without --quantize"
             )
         config = replace(config, quantization=on_load_quantization(quantize))
+    if not config_only and stored_head_differs(path, config):
+        log.warning(
+            "%s: tie_word_embeddings is true, but the checkpoint stores an lm_head.weight of "
+            "its own with other values: the stored head is used (as transformers does); set "
+            "tie_word_embeddings to false to say so",
+            config_path,
+        )
+        config = replace(config, tie_word_embeddings=False)
     defaults = _generation_defaults(gen_path, config) if gen_path.is_file() else {}
     if verify:  # (its template compiles as loading compiles it: milliseconds)
         template, source = folder_chat_template(path, tokenizer_config(path))

@@ -49,6 +49,8 @@ _SAFETENSORS_NAMES = {
 }
 # Buffers some exporters store that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Rows of the head and the embedding compared at once (as float32) by stored_head_differs.
+_COMPARE_BYTES = 64 * 2**20
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -92,6 +94,42 @@ def _opened(file: Path) -> Iterator[Any]:
         raise CheckpointError(
             f"{file}: {err} (the file is damaged or incomplete: download it again)"
         ) from None
+
+
+def stored_head_differs(path: Path, config: ModelConfig) -> bool:
+    """Whether a config that ties the head to the embedding sits beside a checkpoint that
+    stores a head of its own with other values. transformers then keeps the stored head
+    (and warns), so specd does too: the caller unties the config. Compared row block by
+    row block (at most `_COMPARE_BYTES` of each at a time), stopping at the first
+    difference; a head of another shape is left to the loader, which names it."""
+    if not config.tie_word_embeddings:
+        return False
+    arch = architecture(config)
+    where: dict[str, tuple[Path, str]] = {}
+    for file in weight_files(path):
+        with _opened(file) as f:
+            for stored in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                name = arch.hf_name(stored)
+                if name in ("lm_head.weight", "embed_tokens.weight"):
+                    where[name] = (file, stored)
+    if len(where) < 2:
+        return False
+    (head_file, head_name), (embed_file, embed_name) = (
+        where["lm_head.weight"],
+        where["embed_tokens.weight"],
+    )
+    with _opened(head_file) as hf, _opened(embed_file) as ef:
+        head, embed = hf.get_slice(head_name), ef.get_slice(embed_name)
+        shape = tuple(head.get_shape())
+        if shape != tuple(embed.get_shape()) or len(shape) != 2 or 0 in shape:
+            return False
+        step = max(1, _COMPARE_BYTES // (shape[1] * 4))
+        for row in range(0, shape[0], step):
+            a = head[row : row + step].to(torch.float32)
+            b = embed[row : row + step].to(torch.float32)
+            if not torch.equal(a, b):
+                return True
+    return False
 
 
 def load_model(
