@@ -180,6 +180,15 @@ def fetch_health(url: str, timeout: float = 2.0) -> tuple[int, dict]:
     return fetch_json(url + "/health", timeout=timeout)
 
 
+def answers_at(record: DaemonRecord, url: str) -> bool:
+    """Whether the recorded daemon is the one at `url`: its own URL, or another name for it
+    (localhost for 127.0.0.1, the machine's name), known by the pid its /health reports."""
+    if record.url == url:
+        return True
+    status, body = fetch_health(url)
+    return status != 0 and body.get("pid") == record.pid
+
+
 def fetch_json(url: str, api_key: str | None = None, timeout: float = 2.0) -> tuple[int, dict]:
     """(status, body) of a GET that answers JSON; (0, {}) when nothing answers."""
     request = urllib.request.Request(url)

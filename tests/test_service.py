@@ -262,6 +262,17 @@ def test_stop_takes_the_address_status_takes(
     assert main(["stop", "--port", "9"]) == 0
     assert "specd (pid 4321) stopped" in capsys.readouterr().out
     assert stopped == [paths.pid_file]
+    # Another name of the same address: the daemon answering there reports the record's pid.
+    answering = {"http://localhost:9": 4321, "http://localhost:10": 999}
+    monkeypatch.setattr(
+        service,
+        "fetch_health",
+        lambda url: (200, {"pid": answering[url]}) if url in answering else (0, {}),
+    )
+    assert main(["stop", "--host", "localhost", "--port", "9"]) == 0
+    assert stopped == [paths.pid_file] * 2
+    assert main(["stop", "--host", "localhost", "--port", "10"]) == 1
+    assert stopped == [paths.pid_file] * 2
 
 
 def test_status_and_chat_ask_the_daemon_the_command_line_names(
@@ -286,6 +297,12 @@ def test_status_and_chat_ask_the_daemon_the_command_line_names(
     assert "models.dtype: 'fp8' is not allowed" in captured.err
     assert "asking" not in captured.err  # (the pid file's address was asked, not the flags')
     assert asked == ["http://127.0.0.1:10", "http://127.0.0.1:9"]
+    # The background daemon asked by another name of its address is still known by its pid.
+    monkeypatch.setattr(
+        service, "fetch_health", lambda url: (503, {"pid": 4321, "status": "loading"})
+    )
+    assert main(["status", "--host", "localhost", "--port", "9"]) == 1
+    assert "loading at http://localhost:9 (pid 4321)" in capsys.readouterr().out
     config.unlink()
     assert main(["chat", "--port", "10", "--once", "hi"]) == 1
     assert "127.0.0.1:10" in capsys.readouterr().err

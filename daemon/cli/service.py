@@ -59,7 +59,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         # An address names which daemon: the background one, if it is the one there.
         record = service.DaemonRecord.read(paths)
         wanted = _configured_url(args)
-        if record is not None and service.alive(record) and record.url != wanted:
+        if record is not None and service.alive(record) and not service.answers_at(record, wanted):
             print(
                 f"specd: the background daemon listens at {record.url}, not {wanted}; "
                 "left running (`specd stop` without an address stops it)",
@@ -80,10 +80,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         _configured_url(args, quiet=True)  # (shows a broken configuration's problems)
         url = record.url
-    if record is not None and record.url != url:
-        record = None  # the background daemon is another one
-    running = record is not None and service.alive(record)
     status, body = service.fetch_health(url)
+    if record is not None and record.url != url and body.get("pid") != record.pid:
+        record = None  # the background daemon is another one (same pid: another name of it)
+    running = record is not None and service.alive(record)
     pid = f"pid {record.pid}" if running and record is not None else "no pid file"
     if status == 200:
         print(f"specd: ready at {url} ({pid}), serving {body.get('model')}, "
