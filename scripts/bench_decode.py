@@ -17,7 +17,9 @@ llama.cpp runs that file too); eager and
 Decode tokens/s over `--max-tokens` after the prompt, and the weight bytes a decode step
 reads (layers and head; a rebuilt projection also writes and reads its float matrix).
 With `--llama-bench PATH` (llama.cpp's, built from the `llama-cpp-python` sdist's vendored
-source, never committed) the Q4_1 file runs there too, in the same loop.
+source, never committed) the Q4_1 file runs there too, in the same loop. `--busy N` keeps N
+other processes spinning throughout (a desktop's busy cores: a browser, a build), to see
+what each thread count does when fewer cores are free than it asks for.
 
     .venv/bin/python scripts/bench_decode.py --real [--llama-bench PATH] [--repeats 3]
 """
@@ -187,10 +189,7 @@ def llama_files(forms: str) -> list[str]:
 
 
 def real_main(args: argparse.Namespace) -> None:
-    import os
     import subprocess
-
-    from scripts.real_forms import SMOLLM2_GGUF
 
     configs = [
         (form, compiled, threads)
@@ -200,6 +199,26 @@ def real_main(args: argparse.Namespace) -> None:
     ]
     rows: dict[tuple, list[dict]] = {c: [] for c in configs}
     llama: dict[tuple[str, int], list[float]] = {}  # (GGUF file, threads) → tokens/s
+    spin = [sys.executable, "-c", "while True: pass"]
+    busy = [subprocess.Popen(spin) for _ in range(args.busy)]  # stopped below
+    try:
+        _real_runs(args, configs, rows, llama)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    _real_table(args, rows, llama)
+
+
+def _real_runs(
+    args: argparse.Namespace,
+    configs: list[tuple[str, bool, int]],
+    rows: dict[tuple, list[dict]],
+    llama: dict[tuple[str, int], list[float]],
+) -> None:
+    import os
+    import subprocess
+
     for repeat in range(args.repeats):
         order = configs if repeat % 2 == 0 else configs[::-1]
         for form, compiled, threads in order:
@@ -217,8 +236,19 @@ def real_main(args: argparse.Namespace) -> None:
                 for threads in (int(t) for t in args.threads_list.split(",")):
                     rate = run_llama_bench(args.llama_bench, path, threads, args.max_tokens)
                     llama.setdefault((path, threads), []).append(rate)
+
+
+def _real_table(
+    args: argparse.Namespace,
+    rows: dict[tuple, list[dict]],
+    llama: dict[tuple[str, int], list[float]],
+) -> None:
+    from scripts.real_forms import SMOLLM2_GGUF
+
+    configs = list(rows)
+    busy = f", {args.busy} other process(es) spinning throughout" if args.busy else ""
     print(f"SmolLM2-135M-Instruct, decode of {args.max_tokens} tokens after a chat prompt, "
-          f"median of {args.repeats} interleaved runs, {platform.machine()}")  # fmt: skip
+          f"median of {args.repeats} interleaved runs, {platform.machine()}{busy}")  # fmt: skip
     print(
         "| form | compiled | threads | tokens/s | x llama.cpp (its file, or Q4_1) | MB read per token |"
     )
@@ -264,6 +294,7 @@ def main() -> None:
     ap.add_argument("--threads-list", default="1,2")
     ap.add_argument("--compile", action="store_true", help="--real: also --compile on")
     ap.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench binary")
+    ap.add_argument("--busy", type=int, default=0, help="--real: N processes spinning meanwhile")
     ap.add_argument("--real-one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--real-compiled", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -218,6 +218,11 @@ def test_threads_split_rows_and_change_nothing() -> None:
         mine = [torch.equal(cpu_kernels.gemv(x, blocks, kind), alone) for _ in range(200)]
         side.join()
         assert all(mine) and all(results) and len(results) == 200
+        # Jobs of every size one after another: each cut into its own number of chunks and
+        # threads (the workers claim chunks of whichever job is current, never an old one's).
+        cpu_kernels.set_threads(3)
+        for rows in [*range(128, 385, 8)] * 4:
+            assert torch.equal(cpu_kernels.gemv(x, blocks[:rows], kind), alone[:, :rows]), rows
     finally:
         cpu_kernels.set_threads(1)
 

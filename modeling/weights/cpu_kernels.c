@@ -22,6 +22,7 @@
  */
 #include <immintrin.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <math.h>
@@ -726,38 +727,53 @@ int specd_type_count(void) { return TYPE_COUNT; }
 /* ---- threads ----
  * A product's rows n are split among `threads` threads: this one and up to
  * SPECD_MAX_THREADS - 1 workers of a pool kept between calls (started by
- * specd_set_threads, never stopped; a forked child computes alone). A worker spins for a short
+ * specd_set_threads, never stopped; a forked child computes alone). A job's items are cut
+ * into a few chunks per thread, which the threads claim one at a time, the caller too, so a
+ * worker that is not running (its core busy with another program, or asleep) costs nothing:
+ * the caller computes the chunks nobody else took, and waits only for a chunk a worker has
+ * begun. (A job split once, in equal parts, waited for its slowest thread: with one of two
+ * cores busy elsewhere, two threads decoded ~10x slower than one.) A worker spins for a short
  * while after each job (the next product comes within microseconds during a pass), then
  * sleeps on a condition variable (an idle daemon costs no CPU). Every row is computed the
  * same way whichever thread computes it: the result does not depend on the thread count. */
 #define SPECD_MAX_THREADS 16
 #define SPIN_ROUNDS 20000 /* pauses before a worker sleeps: tens of microseconds */
 #define MIN_PARALLEL_WEIGHTS (1 << 16) /* smaller products stay on one thread */
+#define CHUNKS_PER_THREAD 4
+#define WAIT_SPINS 256 /* pauses before the caller, waiting for a chunk, yields its core */
 
-/* A job: items [0, items) split into `parts` runs, run(ctx, start, end, part) each; `part`
- * is the thread's index, for its own scratch. */
+/* A job: items [0, items) in `chunks` runs, run(ctx, start, end, part) each; `part` is the
+ * index of the thread that computes it (< parts), for its own scratch. */
 typedef void (*task_fn)(const void *ctx, int64_t start, int64_t end, int part);
 
 typedef struct {
     task_fn run;
     const void *ctx;
     int64_t items;
-    int parts;
+    int chunks;
 } job_t;
+
+/* The ticket says what can be claimed: the job's sequence number (bits 40-63), the threads
+ * that may take part (32-39), its chunks (16-31) and the next unclaimed one (0-15). A thread
+ * claims chunk k by moving the ticket from exactly (job, k) to (job, k + 1), so a claim can
+ * only succeed on the job it read; and a claimed chunk keeps its job current (the caller
+ * publishes the next only after every chunk is done), so `pool.job` is read after a claim. */
+#define TICKET(seq, parts, chunks) (((seq) << 40) | ((uint64_t)(parts) << 32) | ((uint64_t)(chunks) << 16))
+#define TICKET_NEXT(t) ((int)((t) & 0xffff))
+#define TICKET_CHUNKS(t) ((int)(((t) >> 16) & 0xffff))
+#define TICKET_PARTS(t) ((int)(((t) >> 32) & 0xff))
 
 static struct {
     pthread_mutex_t lock;
     pthread_mutex_t busy; /* held by the one product that uses the workers */
     pthread_cond_t wake;
     pthread_t workers[SPECD_MAX_THREADS];
-    /* The generation each worker was started at: the jobs after it are its (read when it
-     * starts, which may be after the next job was published). */
-    unsigned long long born[SPECD_MAX_THREADS];
     int workers_started;
     int threads; /* this one and the workers a product uses */
+    uint64_t seq; /* jobs published (written by the thread holding `busy`) */
     job_t job;
-    atomic_ullong generation; /* bumped once a job is published */
-    atomic_int remaining;     /* workers that have not finished with the job yet */
+    _Atomic uint64_t ticket;
+    atomic_int done; /* chunks of the current job computed */
     atomic_int sleepers;
     atomic_int stop;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER,
@@ -765,9 +781,25 @@ static struct {
           .wake = PTHREAD_COND_INITIALIZER,
           .threads = 1};
 
-static void run_part(const job_t *job, int part) {
-    int64_t start = job->items * part / job->parts, end = job->items * (part + 1) / job->parts;
-    if (end > start) job->run(job->ctx, start, end, part);
+/* Whether thread `index` can claim a chunk under ticket t. */
+static int claimable(uint64_t t, int index) {
+    return index < TICKET_PARTS(t) && TICKET_NEXT(t) < TICKET_CHUNKS(t);
+}
+
+/* Claims and computes chunks of the current job until none is left for thread `index`. */
+static void take_chunks(int index) {
+    uint64_t t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    while (claimable(t, index)) {
+        if (!atomic_compare_exchange_weak_explicit(&pool.ticket, &t, t + 1, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue; /* t was reloaded: another thread claimed, or a new job came */
+        const job_t *job = &pool.job;
+        const int k = TICKET_NEXT(t);
+        const int64_t start = job->items * k / job->chunks, end = job->items * (k + 1) / job->chunks;
+        if (end > start) job->run(job->ctx, start, end, index);
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        t = atomic_load_explicit(&pool.ticket, memory_order_acquire);
+    }
 }
 
 /* Runs `run` over items [0, items) on up to `parts` threads (this one and the pool's
@@ -779,26 +811,36 @@ static void run_job(task_fn run, const void *ctx, int64_t items, int parts) {
         if (items > 0) run(ctx, 0, items, 0);
         return;
     }
-    pool.job = (job_t){run, ctx, items, parts};
-    atomic_store(&pool.remaining, pool.workers_started);
-    atomic_fetch_add(&pool.generation, 1); /* sequentially consistent with `sleepers` */
+    int64_t chunks = (int64_t)parts * CHUNKS_PER_THREAD;
+    if (chunks > items) chunks = items;
+    pool.job = (job_t){run, ctx, items, (int)chunks};
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    pool.seq = (pool.seq + 1) & 0xffffff;
+    /* sequentially consistent with `sleepers`: a worker going to sleep sees the job, or is
+     * counted and woken */
+    atomic_store(&pool.ticket, TICKET(pool.seq, parts, chunks));
     if (atomic_load(&pool.sleepers) > 0) {
         pthread_mutex_lock(&pool.lock);
         pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.lock);
     }
-    run_part(&pool.job, 0);
-    while (atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0) _mm_pause();
+    take_chunks(0);
+    for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < chunks;) {
+        if (++spins < WAIT_SPINS) {
+            _mm_pause();
+        } else {
+            sched_yield(); /* a worker mid-chunk may be waiting for this core */
+            spins = 0;
+        }
+    }
     pthread_mutex_unlock(&pool.busy);
 }
 
 static void *worker(void *arg) {
     const int index = (int)(intptr_t)arg; /* 1 .. SPECD_MAX_THREADS - 1 */
-    unsigned long long seen = pool.born[index];
     for (;;) {
-        unsigned long long now;
         int spins = 0;
-        while ((now = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen) {
+        while (!claimable(atomic_load_explicit(&pool.ticket, memory_order_acquire), index)) {
             if (atomic_load(&pool.stop)) return NULL;
             if (++spins < SPIN_ROUNDS) {
                 _mm_pause();
@@ -806,18 +848,13 @@ static void *worker(void *arg) {
             }
             pthread_mutex_lock(&pool.lock);
             atomic_fetch_add(&pool.sleepers, 1);
-            while (atomic_load(&pool.generation) == seen && !atomic_load(&pool.stop))
+            while (!claimable(atomic_load(&pool.ticket), index) && !atomic_load(&pool.stop))
                 pthread_cond_wait(&pool.wake, &pool.lock);
             atomic_fetch_sub(&pool.sleepers, 1);
             pthread_mutex_unlock(&pool.lock);
             spins = 0;
         }
-        seen = now;
-        /* Published before the generation (release/acquire), and not rewritten before every
-         * worker has said it is done with it: all of them answer every job. */
-        const job_t *job = &pool.job;
-        if (index < job->parts) run_part(job, index);
-        atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_acq_rel);
+        take_chunks(index);
     }
 }
 
@@ -838,7 +875,6 @@ int specd_set_threads(int threads) {
     pthread_mutex_lock(&pool.busy); /* no product is using the workers meanwhile */
     while (pool.workers_started < threads - 1) {
         int index = pool.workers_started + 1;
-        pool.born[index] = atomic_load(&pool.generation);
         if (pthread_create(&pool.workers[index], NULL, worker, (void *)(intptr_t)index) != 0) break;
         pool.workers_started++;
     }
