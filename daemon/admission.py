@@ -134,10 +134,15 @@ def settle(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Set
     # A tree bigger than the plan's largest pass would allocate past the memory budget (its
     # ancestor mask alone is budget² bytes).
     if ask.budget is not None and ask.budget > runtime.max_tree_budget:
-        most = runtime.max_tree_budget
+        most, configured = runtime.max_tree_budget, runtime.options.budget
+        source = (
+            f"auto's largest tree, speculation.budget being {configured}"
+            if configured == "auto"
+            else "speculation.budget"
+        )
         raise RequestError(
             f"budget {ask.budget} is above the largest tree this daemon planned memory for "
-            f"({most} nodes, from speculation.budget): ask for at most {most}",
+            f"({most} nodes: {source}): ask for at most {most}",
             "budget",
             "budget_too_large",
         )

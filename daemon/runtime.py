@@ -7,6 +7,7 @@ model pair behaves the same in a script and behind the REST endpoint.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -46,6 +47,8 @@ from speculative.session import Session
 from speculative.strategies.autoregressive import Autoregressive
 from speculative.strategies.linear import Linear
 from speculative.strategies.tree import TreeSpeculation
+
+log = logging.getLogger("specd.runtime")
 
 
 def cpu_threads(requested: int | str, layer_parameters: int) -> int:
@@ -163,6 +166,9 @@ class Runtime:
                 torch.set_num_threads(1)
             else:
                 torch.set_num_threads(self.threads)
+            if not cpu_kernels.available() and not cpu_kernels.status().startswith("turned off"):
+                # (the norms and attention of every model, and packed layers' products)
+                log.warning("the CPU kernels are unavailable: %s", cpu_kernels.status())
         self.checkpoint: Checkpoint = ckpt
 
         self.draft: Transformer | None = None

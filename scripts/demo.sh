@@ -53,9 +53,11 @@ stats = reply.model_extra.get("specd", {})
 print(
     f"speculation: draft {stats.get('draft_kind')} ({stats.get('strategy')}), "
     f"{stats.get('tokens_per_target_pass', 0):.2f} tokens per target pass, "
-    f"{stats.get('target_passes')} target passes"
+    f"{stats.get('target_passes')} target passes, "
+    f"{stats.get('forced_tokens', 0)} tokens forced by the schema's grammar"
 )
-# What `--budget auto` chose for this answer's rounds, and why: a plain step where it
-# predicts trees do not pay (it learns across runs: daemon/learned_store.py).
-print(f"tree budget: {stats.get('budget_reason')}")
+# What `--budget auto` chose for this answer's last round, and why: a plain step where it
+# predicts trees do not pay (it learns across runs: daemon/learned_store.py); the rounds
+# before it may have drawn trees, and tokens the grammar forces come without a pass.
+print(f"tree budget, last round: {stats.get('budget_reason')}")
 EOF

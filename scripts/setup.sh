@@ -12,6 +12,9 @@ fi
 stamp=.venv/.specd-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet "${SPECD_TORCH_SPEC:-torch==2.13.0}" -e ".[test]"
+    # (setuptools warns on every editable install that a folder named like a package
+    # could shadow it: here those folders are the packages themselves)
+    PYTHONWARNINGS="ignore:Editable installation" \
+        .venv/bin/python -m pip install --quiet "${SPECD_TORCH_SPEC:-torch==2.13.0}" -e ".[test]"
     touch "$stamp"
 fi

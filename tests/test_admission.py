@@ -86,3 +86,22 @@ def test_the_first_fault_is_the_one_reported(runtime: Runtime) -> None:
     for i, (param, _) in enumerate(faults):
         at_fault = {name: value for _, bad in faults[i:] for name, value in bad.items()}
         assert refusal(runtime, ask(**at_fault)).param == param
+
+
+def test_a_budget_past_the_plan_says_which_bound_and_why(runtime: Runtime) -> None:
+    """Any budget past the plan's largest tree is `budget_too_large`, naming that tree and
+    where it comes from (auto's largest here); the wire format checks only that it is a
+    positive integer, so 257 and 100,000 get the same answer."""
+    from daemon.http.openai_errors import ApiError
+    from daemon.http.openai_fields import WireLimits, generation_fields
+
+    limits = WireLimits(default_max_tokens=8, max_tokens=8)
+    for budget in (runtime.max_tree_budget + 1, 100_000, 10**30):
+        fields = generation_fields({"prompt": "hi", "budget": budget}, limits, chat=False)
+        error = refusal(runtime, ask(budget=fields["budget"]))
+        assert (error.param, error.code) == ("budget", "budget_too_large")
+        assert f"({runtime.max_tree_budget} nodes: auto's largest tree" in str(error)
+    for bad in (0, -3, 2.5, "64", True):
+        with pytest.raises(ApiError, match="budget must be a positive integer") as info:
+            generation_fields({"prompt": "hi", "budget": bad}, limits, chat=False)
+        assert info.value.param == "budget"

@@ -249,6 +249,35 @@ def test_a_runtime_gives_the_threads_to_the_kernels(shared_models) -> None:
         torch.set_num_threads(before)
 
 
+def test_a_runtime_says_when_the_kernels_are_unavailable(
+    shared_models, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without a C compiler every CPU model runs several times slower: the runtime says so
+    once, with the reason and what to install; turned off on purpose, it says nothing."""
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
+
+    reason = "no C compiler (cc, gcc or clang) to build them with: install one"
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "status", lambda: reason)
+    options = RuntimeOptions(model=str(shared_models / "stories260k"), device="cpu",
+                             threads=1, prefix_cache=0)  # fmt: skip
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level("WARNING", logger="specd.runtime"):
+            Runtime(options)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"the CPU kernels are unavailable: {reason}"
+        ]
+        caplog.clear()
+        monkeypatch.setattr(cpu_kernels, "status", lambda: "turned off by SPECD_CPU_KERNELS")
+        with caplog.at_level("WARNING", logger="specd.runtime"):
+            Runtime(options)
+        assert not caplog.records
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_kernels
 def test_a_projection_follows_its_blocks_when_a_slot_changes_layer() -> None:
     """A GGUFLinear checks its blocks once per tensor and type (`BlockProduct`): a streamed

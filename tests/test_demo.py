@@ -48,5 +48,6 @@ def test_the_demo_answers_on_the_real_model(tmp_path: Path) -> None:
     answer = json.loads(out.split("answer: ", 1)[1].splitlines()[0])
     assert set(answer) == {"country", "capital"} and answer["capital"] == "Paris"
     assert "speculation: draft ngram (tree), " in out and " tokens per target pass, " in out
-    assert "\ntree budget: auto: " in out  # (a tree, or plain decoding, and why)
+    assert " tokens forced by the schema's grammar\n" in out
+    assert "\ntree budget, last round: auto: " in out  # (a tree, or plain decoding, and why)
     assert "stopped" in out.splitlines()[-1]

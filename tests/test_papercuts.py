@@ -374,3 +374,4 @@ def test_the_status_names_the_draft_auto_chose(
     lines = format_machine(status).splitlines()
     assert lines[0] == f"  target {stories_target}, draft ngram"
     assert lines[1] == f"  {status['draft_reason']}"
+    assert lines[3].startswith("  plan: ") and lines[3].endswith(", nothing streamed a pass")

@@ -125,7 +125,11 @@ def test_config_show_and_validate_commands(
     assert "tree_verification: rejection  # --tree-verification" in out
     assert "port: 9100  # env SPECD_SERVER_PORT" in out
     assert "queue_size: 32  # default" in out
+    assert f"# user config file: {tmp_path / 'none' / 'specd' / 'specd.yaml'} (absent)\n" in out
     good = write(tmp_path, "limits:\n  queue_size: 4\n")
+    assert main(["config", "show", "--config", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"# config file: {good}\n") and "queue_size: 4  # " in out
     assert main(["config", "validate", str(good)]) == 0
     bad = tmp_path / "bad.yaml"
     bad.write_text("limits:\n  queue: 4\n")

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from daemon.cli.argtypes import DRAFT_HELP, MAX_THREADS, MODEL_HELP, count_or_auto
+from daemon.cli.argtypes import DRAFT_HELP, MAX_THREADS, MODEL_HELP, count, count_or_auto
 from daemon.cli.plan import (
     add_context_arg,
     add_offload_args,
@@ -44,6 +44,8 @@ FLAG_KEYS = {
     "compile": "runtime.compile",
     "strategy": "speculation.strategy",
     "budget": "speculation.budget",
+    "spec_length": "speculation.spec_length",
+    "max_depth": "speculation.max_depth",
     "tree_verification": "speculation.tree_verification",
     "prefix_cache": "speculation.prefix_cache",
     "offload": "offload.mode",
@@ -123,6 +125,15 @@ def add_settings_args(p: argparse.ArgumentParser) -> None:
         type=count_or_auto("--budget", 1),
         default=None,
         help="tree node budget or 'auto'",
+    )
+    p.add_argument(
+        "--spec-length",
+        type=count("--spec-length", 1),
+        default=None,
+        help="linear: tokens drafted per round",
+    )
+    p.add_argument(
+        "--max-depth", type=count("--max-depth", 1), default=None, help="tree: depth limit"
     )
     add_tree_verification_arg(p, default=None)
     add_context_arg(p, default=None)
@@ -224,7 +235,12 @@ def exit_now_if_compiling(status: int) -> None:
 
 def cmd_config_show(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
-    print(f"# user config file: {user_config_file()}")
+    given = getattr(args, "config", None)
+    if given is not None:  # (it replaces the user config file)
+        print(f"# config file: {given}")
+    else:
+        user = user_config_file()
+        print(f"# user config file: {user}" + ("" if user.is_file() else " (absent)"))
     sys.stdout.write(render_effective(settings))
     return 0
 

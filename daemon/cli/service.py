@@ -119,7 +119,13 @@ def format_machine(status: dict) -> str:
         f"context {status.get('context')} tokens",
         f"  plan: {plan.get('resident_layers')} resident / {plan.get('streamed_layers')} "
         f"streamed layers, {plan.get('slots')} slots, host tier {plan.get('host_tier') or '-'}, "
-        + (f"{seconds:.3g} s per pass expected" if isinstance(seconds, float) else "no estimate"),
+        + (
+            "nothing streamed a pass"
+            if not plan.get("streamed_layers")
+            else f"{seconds:.3g} s of streaming a pass expected"
+            if isinstance(seconds, float)
+            else "no estimate"
+        ),
         f"  streaming: {gbps:.2f} GB/s measured" if gbps else "  streaming: nothing streamed",
     ]
     pressure = status.get("memory_pressure") or {}

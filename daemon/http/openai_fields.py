@@ -66,6 +66,15 @@ def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
     return value
 
 
+def _budget(body: dict) -> int | None:
+    """specd's `budget`: a tree's node count. Its upper bound is the daemon's memory plan,
+    checked when the request is admitted (`budget_too_large`, naming the largest)."""
+    value = body.get("budget")
+    if value is not None and (not is_int(value) or value < 1):
+        raise bad_request(f"budget must be a positive integer (nodes), got {value!r}", "budget")
+    return value
+
+
 # More entries than any client sends (OpenAI allows 300), fewer than would make each
 # pass's bias step costly.
 MAX_LOGIT_BIAS = 1024
@@ -239,7 +248,7 @@ def generation_fields(body: dict, limits: WireLimits, chat: bool) -> dict[str, A
         stream=stream,
         include_usage=include_usage,
         strategy=strategy,
-        budget=_integer(body, "budget", 1, 65536),
+        budget=_budget(body),
         tree_verification=verification,
         ignore_eos=ignore_eos,
         trace=_specd_options(body),

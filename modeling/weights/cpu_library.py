@@ -145,7 +145,10 @@ def _compiler() -> str:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
-    raise _Unavailable("no C compiler (cc, gcc or clang) to build them with")
+    raise _Unavailable(
+        "no C compiler (cc, gcc or clang) to build them with: install one (Debian and "
+        "Ubuntu: sudo apt install gcc) and CPU decoding runs several times faster"
+    )
 
 
 def _cache_dir() -> Path:
