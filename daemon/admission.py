@@ -37,7 +37,7 @@ from typing import Any
 from daemon.jobs import GenerationRequest
 from daemon.runtime import Runtime, RuntimeSetupError
 from modeling.errors import RequestError
-from modeling.text.tokenizer import ChatTemplateError, Tokenizer
+from modeling.text.tokenizer import ChatTemplateError, Tokenizer, TokenizerFailure
 from speculative.grammar import Grammar
 from speculative.grammar_compiler import GrammarCompiler
 from speculative.harmony import harmony_call_grammar
@@ -200,10 +200,13 @@ def _prompt_ids(runtime: Runtime, ask: Ask) -> list[int]:
     if ask.messages is not None:
         try:
             ids = _encode_conversation(tok, ask.messages, ask.tools)
-        except ChatTemplateError as exc:
+        except (ChatTemplateError, TokenizerFailure) as exc:
             raise RequestError(str(exc), "messages") from None
     elif isinstance(ask.prompt, str):
-        ids = tok.encode(ask.prompt)
+        try:
+            ids = tok.encode(ask.prompt)
+        except TokenizerFailure as exc:
+            raise RequestError(str(exc), "prompt") from None
     else:
         assert ask.prompt is not None
         vocab = runtime.target.config.vocab_size

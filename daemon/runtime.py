@@ -166,9 +166,11 @@ class Runtime:
                 torch.set_num_threads(1)
             else:
                 torch.set_num_threads(self.threads)
-            if not cpu_kernels.available() and not cpu_kernels.status().startswith("turned off"):
-                # (the norms and attention of every model, and packed layers' products)
-                log.warning("the CPU kernels are unavailable: %s", cpu_kernels.status())
+            if not cpu_kernels.available():
+                # (the norms and attention of every model, and packed layers' products: a
+                # warning where installing a compiler would bring them)
+                level = logging.WARNING if cpu_kernels.fixable() else logging.INFO
+                log.log(level, "the CPU kernels are unavailable: %s", cpu_kernels.status())
         self.checkpoint: Checkpoint = ckpt
 
         self.draft: Transformer | None = None

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -180,13 +181,17 @@ def fetch_health(url: str, timeout: float = 2.0) -> tuple[int, dict]:
     return fetch_json(url + "/health", timeout=timeout)
 
 
-def answers_at(record: DaemonRecord, url: str) -> bool:
+def answers_at(record: DaemonRecord, url: str, health: dict | None = None) -> bool:
     """Whether the recorded daemon is the one at `url`: its own URL, or another name for it
-    (localhost for 127.0.0.1, the machine's name), known by the pid its /health reports."""
+    (localhost for 127.0.0.1, the machine's name) on its port, known by the pid its /health
+    reports (`health`: that body, where the caller has asked already)."""
     if record.url == url:
         return True
-    status, body = fetch_health(url)
-    return status != 0 and body.get("pid") == record.pid
+    if urllib.parse.urlsplit(record.url).port != urllib.parse.urlsplit(url).port:
+        return False  # (another machine's daemon may report the same pid)
+    if health is None:
+        health = fetch_health(url)[1]
+    return health.get("pid") == record.pid
 
 
 def fetch_json(url: str, api_key: str | None = None, timeout: float = 2.0) -> tuple[int, dict]:
@@ -196,12 +201,14 @@ def fetch_json(url: str, api_key: str | None = None, timeout: float = 2.0) -> tu
         request.add_header("Authorization", f"Bearer {api_key}")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"{}")
+            body = json.loads(resp.read() or b"{}")
+            return resp.status, body if isinstance(body, dict) else {}
     except urllib.error.HTTPError as err:
         try:
-            return err.code, json.loads(err.read() or b"{}")
+            body = json.loads(err.read() or b"{}")
         except ValueError:
             return err.code, {}
+        return err.code, body if isinstance(body, dict) else {}
     except (OSError, ValueError):
         return 0, {}
 

@@ -12,6 +12,7 @@ the file, `env VARIABLE` or the `--flag`.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
@@ -43,7 +44,54 @@ MAX_DEPTH = 32  # alias repeated 9 times 9 levels down is 387 million, in a 1 kB
 
 # libyaml's parser where PyYAML was built with it (5x faster than the pure-Python one, and
 # bounded in nesting itself); the same safe constructor and resolver either way.
-SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_BASE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class SafeLoader(_BASE_LOADER):  # type: ignore[misc,valid-type]
+    """PyYAML's safe loader with two YAML 1.1 surprises taken out: a key written twice is
+    an error (PyYAML keeps the last one silently), and numbers in base 60 are not numbers
+    (`port: 1:20` was port 80): integers and floats are PyYAML's other forms."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # (`<<:` may override a key)
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str | int | float | bool) or key is None:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping",
+                        node.start_mark,
+                        f"found {key!r} twice (a key is written once)",
+                        key_node.start_mark,
+                    )
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_NUMBERS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+SafeLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in _NUMBERS]
+    for first, resolvers in _BASE_LOADER.yaml_implicit_resolvers.items()
+}
+SafeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+SafeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?
+        |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+SAFE_LOADER = SafeLoader
 
 
 class NotYAML(SettingsError):
@@ -281,9 +329,32 @@ def build(values: Mapping[str, tuple[Any, str]], problems: Sequence[str] = ()) -
             sources[key] = source
         if not problems:
             sections[name] = cls(**kwargs)
+    if not problems:
+        problems += _between_keys(sections, sources)
     if problems:
         raise SettingsError(problems)
     return Settings(**{attribute(n): v for n, v in sections.items()}, sources=sources)
+
+
+def _between_keys(sections: Mapping[str, Any], sources: Mapping[str, str]) -> list[str]:
+    """Values each allowed alone that contradict one another."""
+    limits = sections["limits"]
+    default, cap = limits.default_max_tokens, limits.max_tokens
+    if default <= cap:
+        return []
+    # (a request that gave no max_tokens would run past the cap every other one has) The
+    # one of the two a user set is named: a cap lowered below the packaged default.
+    if sources["limits.default_max_tokens"] in ("default", "built-in"):
+        where = sources["limits.max_tokens"].removeprefix("file ")
+        return [
+            f"{where}: limits.max_tokens: {cap} is not allowed; expected at least "
+            f"limits.default_max_tokens ({default}), or lower that too"
+        ]
+    where = sources["limits.default_max_tokens"].removeprefix("file ")
+    return [
+        f"{where}: limits.default_max_tokens: {default} is not allowed; expected at most "
+        f"limits.max_tokens ({cap})"
+    ]
 
 
 def validate_file(path: Path) -> Settings:

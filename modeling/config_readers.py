@@ -179,9 +179,12 @@ def rope_config(raw: dict[str, Any], source: str) -> RopeConfig:
         theta = float(given)
     except (TypeError, ValueError):
         theta = math.nan
-    if not math.isfinite(theta) or theta <= 0:  # the frequencies would be inf or NaN
+    # Below 1 the frequencies 1 / theta^(2i/d) grow past 1 and, far enough below (1e-300),
+    # past float32: inf, then NaN in every logit. No model uses a base below 1 (10,000 to
+    # 1,000,000 and more).
+    if not math.isfinite(theta) or theta < 1:
         raise UnsupportedModelError(
-            f"{source}: rope_theta {str(given)[:40]!r} is not a number above 0"
+            f"{source}: rope_theta {str(given)[:40]!r} is not a number of at least 1"
         )
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in SUPPORTED_ROPE_TYPES:

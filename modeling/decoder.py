@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from modeling.config import ModelConfig, RopeConfig
+from modeling.errors import ModelOutputError
 from modeling.kv_cache import KVCache
 from modeling.layers.attention import SequenceSlots, Slots, full_mask, query_scales
 from modeling.layers.norms import RMSNorm
@@ -315,8 +316,17 @@ class Transformer(nn.Module):
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm and head over the rows that want logits: fp32 (R, vocab_width)."""
-        return self._to_vocab_width(self.lm_head(self.norm(x)))
+        """Final norm and head over the rows that want logits: fp32 (R, vocab_width).
+        Logits with a NaN or +inf (damaged weights: every draw would be token 0) are a
+        ModelOutputError; one sum finds them (-inf is an id past the model's rows)."""
+        logits = self._to_vocab_width(self.lm_head(self.norm(x)))
+        total = logits.sum()
+        if bool(torch.isnan(total) | (total == float("inf"))):
+            raise ModelOutputError(
+                "the model computed NaN or infinite logits: its weights hold NaN or inf (the file is damaged: download or convert it "
+                "again) or its configuration's values overflow"
+            )
+        return logits
 
     def _to_vocab_width(self, head: torch.Tensor) -> torch.Tensor:
         """The head's (T, rows) output in the model dtype → fp32 logits (T, vocab_width):

@@ -19,3 +19,10 @@ class RequestError(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class ModelOutputError(RuntimeError):
+    """The model computed NaN or infinite logits: its weights hold NaN or inf (a damaged
+    file), or its config's values overflow. Every token drawn from such logits would be
+    token 0 or garbage, so the generation stops with this instead (a 500 that says so; the
+    daemon keeps serving)."""

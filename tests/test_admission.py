@@ -105,3 +105,31 @@ def test_a_budget_past_the_plan_says_which_bound_and_why(runtime: Runtime) -> No
         with pytest.raises(ApiError, match="budget must be a positive integer") as info:
             generation_fields({"prompt": "hi", "budget": bad}, limits, chat=False)
         assert info.value.param == "budget"
+
+
+def test_a_tokenizer_that_panics_is_a_400_naming_the_text(
+    stories_target: Path, tmp_path: Path
+) -> None:
+    """A tokenizer.json whose pre-tokenizer regex backtracks past the engine's limit makes
+    the `tokenizers` library panic: a BaseException that `except Exception` let through,
+    closing the connection with no answer. It is the text's field that is refused."""
+    import json
+    import shutil
+
+    folder = tmp_path / "redos"
+    shutil.copytree(stories_target, folder)
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    split = {"type": "Split", "pattern": {"Regex": "(a|a)+$|(a+)+b"}, "behavior": "Isolated",
+             "invert": False}  # fmt: skip
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split, spec["pre_tokenizer"]]}
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    rt = Runtime(RuntimeOptions(model=str(folder), device="cpu", context=CONTEXT))
+    text = "a" * 30 + "c"
+    for fields, param in [
+        ({"prompt": text}, "prompt"),
+        ({"prompt": None, "messages": [{"role": "user", "content": text}]}, "messages"),
+    ]:
+        error = refusal(rt, ask(**fields))
+        assert error.param == param
+        assert str(error).startswith("the model's tokenizer could not tokenize this text (")
+    assert admit(rt, ask(prompt="Once upon a time")).prompt_ids  # other text still serves

@@ -107,14 +107,15 @@ def test_unsupported_rope_type_is_named(llama: Path, layout: str) -> None:
         open_checkpoint(llama)
 
 
-@pytest.mark.parametrize("theta", [0, -1.0, "abc", None, float("nan")])
+@pytest.mark.parametrize("theta", [0, -1.0, "abc", None, float("nan"), 1e-300, 0.5])
 def test_a_rope_theta_that_is_no_positive_number_is_named(llama: Path, theta: Any) -> None:
-    """0 made every RoPE frequency infinite (every answer token id 0, silently)."""
+    """0 made every RoPE frequency infinite (every answer token id 0, silently), and so did
+    1e-300 (each frequency past float32)."""
     raw = json.loads((llama / "config.json").read_text())
     raw.pop("rope_parameters", None)  # (whose rope_theta would win over the top level's)
     raw["rope_theta"] = theta
     (llama / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(UnsupportedModelError, match=r"rope_theta .* is not a number above 0"):
+    with pytest.raises(UnsupportedModelError, match=r"rope_theta .* is not a number of at least 1"):
         open_checkpoint(llama)
 
 
@@ -285,6 +286,39 @@ def test_tied_config_beside_a_head_of_its_own_keeps_the_head(
     with torch.no_grad():
         want = reference(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(_logits(model, ids), want, atol=1e-4, rtol=1e-4)
+
+
+def test_tied_config_beside_a_head_of_another_shape_names_it(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    """A stored head of another shape is no copy of the embedding: the config is untied,
+    so the loader reads the head and names its shape (tied, it was skipped unread when the
+    embedding came first)."""
+    folder = _copy(tiny_checkpoint("llama", vocab_size=VOCAB), tmp_path / "odd")
+    _rewrite_weights(folder, lambda t: t.update({"lm_head.weight": torch.zeros(VOCAB - 1, 64)}))
+    _edit_config(folder, tie_word_embeddings=True)
+    with pytest.raises(CheckpointError, match=r"wrongly shaped tensors: lm_head\.weight"):
+        load(folder)
+
+
+def test_nan_weights_stop_a_generation_with_a_line_that_says_so(
+    llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A NaN in a weight made every logit NaN and every answer token 0, silently: the pass
+    that computes such logits says the file is damaged (one line from the command line)."""
+    from daemon.cli.commands import main
+    from modeling.errors import ModelOutputError
+
+    def poison(t: dict[str, torch.Tensor]) -> None:
+        t["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+
+    _rewrite_weights(llama, poison)
+    model, _, _ = load(llama)
+    with pytest.raises(ModelOutputError, match="NaN or infinite logits"):
+        _logits(model, [3, 9, 4])
+    status = main(["generate", "--model", str(llama), "--prompt-ids", "3,9,4", "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and "computed NaN or infinite logits" in err
 
 
 def test_untied_checkpoint_without_head_is_refused(tiny_checkpoint, tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -228,6 +229,45 @@ def test_threads_split_rows_and_change_nothing() -> None:
 
 
 @needs_kernels
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_computes_with_threads_of_its_own() -> None:
+    """A child forked while the pool's workers sleep (or spin) starts with a pool of its
+    own: asking for threads again used to hang it at its first product, broadcasting to
+    the parent's sleepers under the parent's locks."""
+    import multiprocessing
+
+    kind = GGMLType.Q4_K
+    blocks = random_blocks(kind, 384, 512, seed=5)
+    blocks.view(384, -1, 144)[..., :4] = torch.tensor([0, 40, 0, 36], dtype=torch.uint8)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(4))
+    try:
+        cpu_kernels.set_threads(3)
+        alone = cpu_kernels.gemv(x, blocks, kind)  # the workers now spin, then sleep
+        deadline = time.monotonic() + 60
+        while cpu_kernels.sleeping_workers() < 2:  # (their spin is at most a millisecond)
+            assert time.monotonic() < deadline, "the workers never slept"
+        child = multiprocessing.get_context("fork").Process(
+            target=_products_in_a_child, args=(x, blocks, kind, alone)
+        )
+        child.start()
+        child.join(timeout=120)
+        if child.exitcode is None:
+            child.kill()
+        assert child.exitcode == 0, "the forked child hung or failed"
+    finally:
+        cpu_kernels.set_threads(1)
+
+
+def _products_in_a_child(
+    x: torch.Tensor, blocks: torch.Tensor, kind: int, want: torch.Tensor
+) -> None:
+    assert cpu_kernels.gemv(x, blocks, kind).equal(want)  # alone, as forked
+    assert cpu_kernels.set_threads(3) == 3
+    for _ in range(50):
+        assert cpu_kernels.gemv(x, blocks, kind).equal(want)
+
+
+@needs_kernels
 def test_a_runtime_gives_the_threads_to_the_kernels(shared_models) -> None:
     """A CPU runtime whose projections the kernels compute gives them its threads and keeps
     PyTorch's operators on one (both pools spinning on two cores was 4x slower), and says so
@@ -252,14 +292,16 @@ def test_a_runtime_gives_the_threads_to_the_kernels(shared_models) -> None:
 def test_a_runtime_says_when_the_kernels_are_unavailable(
     shared_models, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Without a C compiler every CPU model runs several times slower: the runtime says so
-    once, with the reason and what to install; turned off on purpose, it says nothing."""
+    """Without a C compiler every CPU model runs several times slower: the runtime warns
+    once, with the reason and what to install; turned off on purpose (or on a CPU without
+    AVX2) it does not warn."""
     from daemon.options import RuntimeOptions
     from daemon.runtime import Runtime
 
     reason = "no C compiler (cc, gcc or clang) to build them with: install one"
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     monkeypatch.setattr(cpu_kernels, "status", lambda: reason)
+    monkeypatch.setattr(cpu_kernels, "fixable", lambda: True)
     options = RuntimeOptions(model=str(shared_models / "stories260k"), device="cpu",
                              threads=1, prefix_cache=0)  # fmt: skip
     before = torch.get_num_threads()
@@ -271,6 +313,7 @@ def test_a_runtime_says_when_the_kernels_are_unavailable(
         ]
         caplog.clear()
         monkeypatch.setattr(cpu_kernels, "status", lambda: "turned off by SPECD_CPU_KERNELS")
+        monkeypatch.setattr(cpu_kernels, "fixable", lambda: False)
         with caplog.at_level("WARNING", logger="specd.runtime"):
             Runtime(options)
         assert not caplog.records

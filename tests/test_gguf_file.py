@@ -260,6 +260,14 @@ def test_malformed_tensor_infos(tmp_path: Path) -> None:
     assert "whole blocks of 32" in _refused(path, table(_tensor(b"t", (48,), 8)))
     assert "appears twice" in _refused(path, table(*[_tensor(b"t", (4,), 0)] * 2))
     assert "ends at byte" in _refused(path, table(_tensor(b"t", (2**40, 2**40), 0)))
+    # Data off the alignment, or two tensors on the same bytes (llama.cpp refuses both):
+    # read as they are, one tensor's bytes are another's weights, NaN scales and all.
+    misaligned = table(_tensor(b"t", (4,), 0, offset=8))
+    assert "t's offset 8 is not a multiple of general.alignment 32" in _refused(path, misaligned)
+    overlap = table(_tensor(b"a", (16,), 0, offset=0), _tensor(b"b", (16,), 0, offset=32))
+    assert "tensors a and b overlap" in _refused(path, overlap)  # (a: 64 bytes of F32)
+    path.write_bytes(table(_tensor(b"a", (8,), 0), _tensor(b"b", (8,), 0, 32)))  # (a: 32 bytes)
+    assert [t.name for t in read_gguf(path).tensors] == ["a", "b"]
 
 
 def test_flipped_header_bytes_never_raise_anything_else(tmp_path: Path) -> None:

@@ -185,6 +185,11 @@ MALFORMED: list[tuple[str, dict[str, tuple[Any, ...] | None], str]] = [
     ),
     ("architecture as a number", {"general.architecture": (5, T.UINT32)}, "architecture 5"),
     (
+        "experts stated, none stored",  # (a traceback from the plan's footprint)
+        {"llama.expert_count": (8, T.UINT32), "llama.expert_used_count": (2, T.UINT32)},
+        "llama.expert_count is 8, but the file holds no expert tensors",
+    ),
+    (
         "a template that does not compile",  # (plan said OK where generate refused)
         {"tokenizer.chat_template": ("{% if %}", T.STRING)},
         "tokenizer.chat_template, the model's chat template, does not compile",

@@ -539,6 +539,16 @@ def test_nesting_around_the_parser_s_limit_is_never_a_500(
             assert_openai_error(reply, 400)
 
 
+def _called(call_id: str = "c1", arguments: str = "{}") -> list[dict]:
+    """A conversation whose assistant called a tool and got its answer."""
+    call = {"id": call_id, "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": "ok"},
+    ]
+
+
 SURROGATES = {
     "content": (chat(messages=[{"role": "user", "content": "Hi \ud800"}]), "messages[0].content"),
     "second message": (
@@ -553,6 +563,16 @@ SURROGATES = {
     ),
     "prompt": (completion(prompt="Once \ud800 upon"), "prompt"),
     "stop": (completion(stop=["\ud800"]), "stop"),
+    # (the tools and earlier calls a chat template writes were not checked: a 200)
+    "tool description": (
+        chat(tools=[{"type": "function", "function": {"name": "f", "description": "x\ud800"}}]),
+        "tools[0].function.description",
+    ),
+    "tool call id": (chat(messages=_called(call_id="c\udfff")), "messages[1].tool_calls[0].id"),
+    "tool call arguments": (
+        chat(messages=_called(arguments='{"a": "\\ud800"}')),
+        "messages[1].tool_calls[0].function.arguments",
+    ),
 }  # fmt: skip
 
 

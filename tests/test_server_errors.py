@@ -164,6 +164,12 @@ def test_fields_that_cannot_be_honoured(server: BackgroundServer, field: str, va
     assert "not supported" in error["message"]
 
 
+@pytest.mark.parametrize("n", [0, -1])
+def test_no_choices_is_no_unsupported_feature(server: BackgroundServer, n: int) -> None:
+    error = assert_error(call(server, {**good(), "n": n}), 400, "n")
+    assert error["message"] == f"n must be 1 (specd returns one choice), got {n}"
+
+
 @pytest.mark.parametrize(
     ("extra", "field"),
     [

@@ -65,6 +65,17 @@ def test_user_config_dir_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         ("server:\n  allowed_hosts: [http://myhost]\n", ["server.allowed_hosts", "myhost.lan"]),
         ("server:\n  allowed_hosts: ['[::1].evil']\n", ["server.allowed_hosts", "not a host"]),
         ("server:\n  port: [\n", ["not valid YAML"]),
+        # YAML 1.1's surprises: a key written twice (the last one won, silently), a port
+        # in base 60 (1:20 was 80)
+        ("server:\n  port: 9000\n  port: 9001\n", ["line 3", "found 'port' twice"]),
+        ("server:\n  port: 1:20\n", ["server.port", "'1:20' is not allowed"]),
+        # A default past the cap (a request without max_tokens ran past it): the key the
+        # file set is the one named.
+        ("limits:\n  max_tokens: 10\n", ["limits.max_tokens: 10", "default_max_tokens (512)"]),
+        (
+            "limits:\n  max_tokens: 10\n  default_max_tokens: 20\n",
+            ["limits.default_max_tokens: 20", "at most limits.max_tokens (10)"],
+        ),
     ],
 )
 def test_errors_name_file_key_and_allowed_values(

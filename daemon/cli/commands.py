@@ -18,7 +18,7 @@ from daemon.cli.pull import PullError
 from daemon.options import RuntimeSetupError
 from daemon.service import ServiceError
 from daemon.settings import SettingsError
-from modeling.errors import RequestError
+from modeling.errors import ModelOutputError, RequestError
 
 # Errors a user can cause: reported as one line on stderr, exit status 2. Anything else is
 # a bug and keeps its traceback: a bare ValueError is not taken for the user's fault. The
@@ -27,6 +27,7 @@ from modeling.errors import RequestError
 # find out.
 USER_ERRORS: tuple[type[BaseException], ...] = (
     RequestError,
+    ModelOutputError,  # (a damaged file's NaN weights)
     SettingsError,
     FileNotFoundError,
     ServiceError,

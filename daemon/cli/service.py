@@ -81,8 +81,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         _configured_url(args, quiet=True)  # (shows a broken configuration's problems)
         url = record.url
     status, body = service.fetch_health(url)
-    if record is not None and record.url != url and body.get("pid") != record.pid:
-        record = None  # the background daemon is another one (same pid: another name of it)
+    if record is not None and not service.answers_at(record, url, body):
+        record = None  # the background daemon is another one
     running = record is not None and service.alive(record)
     pid = f"pid {record.pid}" if running and record is not None else "no pid file"
     if status == 200:
@@ -120,10 +120,10 @@ def format_machine(status: dict) -> str:
         f"  plan: {plan.get('resident_layers')} resident / {plan.get('streamed_layers')} "
         f"streamed layers, {plan.get('slots')} slots, host tier {plan.get('host_tier') or '-'}, "
         + (
-            "nothing streamed a pass"
-            if not plan.get("streamed_layers")
-            else f"{seconds:.3g} s of streaming a pass expected"
-            if isinstance(seconds, float)
+            f"{seconds:.3g} s of streaming a pass expected"
+            if isinstance(seconds, float) and plan.get("streamed_layers")
+            else "nothing streamed a pass"
+            if plan and not plan.get("streamed_layers")
             else "no estimate"
         ),
         f"  streaming: {gbps:.2f} GB/s measured" if gbps else "  streaming: nothing streamed",

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from daemon.http.openai_errors import bad_request
-from daemon.http.openai_fields import SCHEMA_NAME
+from daemon.http.openai_fields import SCHEMA_NAME, checked_text
 from speculative.schema_limits import SchemaLimits, check_schema, nesting
 from speculative.tool_calls import Tool
 
@@ -59,6 +59,7 @@ def parse_tools(body: dict, limits: SchemaLimits) -> tuple[list[Tool] | None, st
             raise bad_request(
                 f"{where}.function.description must be a string", f"{where}.function.description"
             )
+        checked_text(description, f"{where}.function.description")
         # No parameters: a function of no arguments (OpenAI's reading), {} as its arguments.
         parameters = fn.get("parameters", NO_ARGUMENTS)
         if not isinstance(parameters, dict):
@@ -101,6 +102,8 @@ def parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             raise bad_request(f"{at} must hold a function with a name", at)
         if not isinstance(call.get("id"), str):
             raise bad_request(f"{at}.id must be a string", f"{at}.id")
+        checked_text(call["id"], f"{at}.id")
+        checked_text(fn["name"], f"{at}.function.name")
         arguments = fn.get("arguments", "{}")
         param = f"{at}.function.arguments"
         try:
@@ -115,9 +118,10 @@ def parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             # The chat template writes them back with `tojson`, which recurses too.
             raise bad_request(f"{param} nests more than {MAX_ARGUMENT_DEPTH} levels deep", param)
         try:  # the template writes them back as JSON: an integer past 4,300 digits cannot be
-            json.dumps(parsed)
+            written = json.dumps(parsed, ensure_ascii=False)
         except (TypeError, ValueError):
             raise bad_request(f"{param} holds a number too long to read", param) from None
+        checked_text(written, param)  # (a lone surrogate in a key or a value)
         out.append(
             {"id": call["id"], "type": "function",
              "function": {"name": fn["name"], "arguments": parsed}}

@@ -94,6 +94,8 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad_request(
             f"n must be an integer (1: specd returns one choice), not a {type(n).__name__}", "n"
         )
+    if n is not None and n < 1:
+        raise bad_request(f"n must be 1 (specd returns one choice), got {n}", "n")
     if n is not None and n != 1:
         raise bad_request("n > 1 is not supported: specd returns one choice per request", "n")
     if body.get("functions"):

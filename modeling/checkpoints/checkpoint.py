@@ -182,7 +182,7 @@ def open_checkpoint(
                 f"({config.quantization.label}); it loads as it is, without --quantize"
             )
         config = replace(config, quantization=on_load_quantization(quantize))
-    if not config_only and stored_head_differs(path, config):
+    if stored_head_differs(path, config):  # (where the weights are here already)
         log.warning(
             "%s: tie_word_embeddings is true, but the checkpoint stores an lm_head.weight of "
             "its own with other values: the stored head is used (as transformers does); set "

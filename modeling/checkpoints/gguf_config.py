@@ -359,6 +359,11 @@ def _check_experts(
             f"{source}: {prefix}.expert_count is {experts}, but specd runs {prefix} files "
             "without experts only (mixtures of experts: qwen3moe, and Mixtral as llama)"
         )
+    if not stacked:
+        raise GGUFError(
+            f"{source}: {prefix}.expert_count is {experts}, but the file holds no expert "
+            f"tensors (blk.N.ffn_up_exps.weight and the like): {CORRUPT_FILE}"
+        )
     used = keys.count("expert_used_count")
     if used > experts:
         raise _malformed(source, f"{prefix}.expert_used_count", used,

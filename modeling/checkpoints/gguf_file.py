@@ -22,6 +22,7 @@ since a sparse file has all the bytes it claims at no cost to whoever made it. T
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 from dataclasses import dataclass, field
@@ -325,15 +326,35 @@ class _Reader:
         if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
             raise self.fail(f"general.alignment {alignment!r} is not a power of two")
         data_offset = -(-self.pos // alignment) * alignment
+        tensors = [self.tensor(name, *info, data_offset) for name, info in infos.items()]
+        self.check_layout(tensors, alignment, data_offset)
         return GGUFContents(
             path=self.path,
             version=version,
             metadata=metadata,
-            tensors=[self.tensor(name, *info, data_offset) for name, info in infos.items()],
+            tensors=tensors,
             alignment=alignment,
             data_offset=data_offset,
             data=self.data,
         )
+
+    def check_layout(self, tensors: list[TensorInfo], alignment: int, data_offset: int) -> None:
+        """Each tensor's data starts on the file's alignment and no two overlap, as
+        llama.cpp requires (it refuses any other layout): a misaligned offset reads blocks
+        out of step, and overlapping tensors read one another's bytes as weights, NaN
+        scales included, and the model answers token 0 forever."""
+        for info in tensors:
+            if (info.offset - data_offset) % alignment:
+                raise self.fail(
+                    f"tensor {info.name}'s offset {info.offset - data_offset} is not a multiple "
+                    f"of general.alignment {alignment}: {CORRUPT_FILE}"
+                )
+        ordered = sorted(tensors, key=lambda t: t.offset)
+        for before, after in itertools.pairwise(ordered):
+            if after.offset < before.offset + before.n_bytes:
+                raise self.fail(
+                    f"tensors {before.name} and {after.name} overlap in the file: {CORRUPT_FILE}"
+                )
 
     def tensor(
         self, name: str, ne: tuple[int, ...], ggml_type: int, offset: int, data_offset: int

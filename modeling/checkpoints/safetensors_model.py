@@ -98,15 +98,32 @@ def _opened(file: Path) -> Iterator[Any]:
 
 def stored_head_differs(path: Path, config: ModelConfig) -> bool:
     """Whether a config that ties the head to the embedding sits beside a checkpoint that
-    stores a head of its own with other values. transformers then keeps the stored head
-    (and warns), so specd does too: the caller unties the config. Compared row block by
-    row block (at most `_COMPARE_BYTES` of each at a time), stopping at the first
-    difference; a head of another shape is left to the loader, which names it."""
+    stores a head of its own with other values (or of another shape). transformers then
+    keeps the stored head (and warns), so specd does too: the caller unties the config,
+    and the loader reads the head (naming it where its shape is wrong). A folder without
+    its weights yet (a plan from the config alone) says no. The answer is kept per set of
+    files (their sizes and times): several commands open the same checkpoint."""
     if not config.tie_word_embeddings:
         return False
+    try:
+        files = weight_files(path)
+    except CheckpointError:
+        return False  # (loading says what is wrong with the folder)
+    key = (str(path), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+    if key not in _HEAD_DIFFERS:
+        if len(_HEAD_DIFFERS) >= 64:
+            _HEAD_DIFFERS.clear()
+        _HEAD_DIFFERS[key] = _head_differs(files, config)
+    return _HEAD_DIFFERS[key]
+
+
+_HEAD_DIFFERS: dict[tuple, bool] = {}
+
+
+def _head_differs(files: list[Path], config: ModelConfig) -> bool:
     arch = architecture(config)
     where: dict[str, tuple[Path, str]] = {}
-    for file in weight_files(path):
+    for file in files:
         with _opened(file) as f:
             for stored in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 name = arch.hf_name(stored)
@@ -121,15 +138,27 @@ def stored_head_differs(path: Path, config: ModelConfig) -> bool:
     with _opened(head_file) as hf, _opened(embed_file) as ef:
         head, embed = hf.get_slice(head_name), ef.get_slice(embed_name)
         shape = tuple(head.get_shape())
-        if shape != tuple(embed.get_shape()) or len(shape) != 2 or 0 in shape:
+        if shape != tuple(embed.get_shape()):
+            return True  # (untied, the loader names the head's wrong shape)
+        if len(shape) != 2 or 0 in shape:
             return False
         step = max(1, _COMPARE_BYTES // (shape[1] * 4))
+        same_dtype = head.get_dtype() == embed.get_dtype()
         for row in range(0, shape[0], step):
-            a = head[row : row + step].to(torch.float32)
-            b = embed[row : row + step].to(torch.float32)
+            a, b = head[row : row + step], embed[row : row + step]
+            if same_dtype:  # the stored bits (a NaN equals itself)
+                a, b = _bits(a), _bits(b)
+            else:
+                a, b = a.to(torch.float32), b.to(torch.float32)
             if not torch.equal(a, b):
                 return True
     return False
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s elements as integers of the same width (compared bit for bit)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.element_size()]) if t.is_floating_point() else t
 
 
 def load_model(

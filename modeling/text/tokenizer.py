@@ -236,7 +236,10 @@ class Tokenizer:
     def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
         # `encode_batch` releases the GIL while it works (`encode` holds it: 0.6 s for a
         # megabyte, with the event loop frozen meanwhile); same ids.
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        try:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except BaseException as err:
+            raise _failure(err, "tokenize this text") from None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for `text`; with `add_special_tokens`, BOS as the tokenizer config asks."""
@@ -252,7 +255,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         shown = self.shown_specials
         if not (skip_special_tokens and shown) or not any(i in shown for i in ids):
-            return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            try:
+                return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            except BaseException as err:
+                raise _failure(err, "decode these tokens") from None
         # Harmony's markers spelled out between the runs decoded as usual.
         parts: list[str] = []
         run: list[int] = []
@@ -323,3 +329,25 @@ class Tokenizer:
         if self.has_chat_template:
             return self.encode(text, add_special_tokens=False)  # the template writes BOS itself
         return self.encode(text, add_special_tokens=True)
+
+
+class TokenizerFailure(RequestError):
+    """The model's tokenizer (the `tokenizers` library, running the tokenizer.json's
+    normalizer and pre-tokenizer) failed on a text: a regex that backtracks past the
+    engine's limit panics in Rust, which reaches Python as a BaseException (pyo3's
+    PanicException) that `except Exception` handlers would let through, closing the
+    connection with no answer. Raised as the request's fault, the text's field named by
+    the caller."""
+
+
+def _failure(err: BaseException, what: str) -> BaseException:
+    """`err` as a TokenizerFailure where it is the library's panic; anything else
+    (KeyboardInterrupt, SystemExit, an ordinary error) as it is."""
+    if type(err).__name__ != "PanicException":
+        return err
+    reason = (str(err).splitlines() or ["a panic"])[0][:200]
+    return TokenizerFailure(
+        f"the model's tokenizer could not {what} ({reason}): its tokenizer.json's "
+        "normalizer or pre-tokenizer fails on it; send other text, or fix the model's "
+        "tokenizer"
+    )

@@ -737,7 +737,7 @@ int specd_type_count(void) { return TYPE_COUNT; }
  * sleeps on a condition variable (an idle daemon costs no CPU). Every row is computed the
  * same way whichever thread computes it: the result does not depend on the thread count. */
 #define SPECD_MAX_THREADS 16
-#define SPIN_ROUNDS 20000 /* pauses before a worker sleeps: tens of microseconds */
+#define SPIN_ROUNDS 20000 /* pauses before a worker sleeps: 0.1-1 ms, by the CPU's pause */
 #define MIN_PARALLEL_WEIGHTS (1 << 16) /* smaller products stay on one thread */
 #define CHUNKS_PER_THREAD 4
 #define WAIT_SPINS 256 /* pauses before the caller, waiting for a chunk, yields its core */
@@ -769,7 +769,7 @@ static struct {
     pthread_cond_t wake;
     pthread_t workers[SPECD_MAX_THREADS];
     int workers_started;
-    int threads; /* this one and the workers a product uses */
+    atomic_int threads; /* this one and the workers a product uses (read without `busy`) */
     uint64_t seq; /* jobs published (written by the thread holding `busy`) */
     job_t job;
     _Atomic uint64_t ticket;
@@ -805,7 +805,8 @@ static void take_chunks(int index) {
 /* Runs `run` over items [0, items) on up to `parts` threads (this one and the pool's
  * workers; parts <= 1, or the workers busy with another thread's job: this one alone). */
 static void run_job(task_fn run, const void *ctx, int64_t items, int parts) {
-    if (parts > pool.threads) parts = pool.threads;
+    const int threads = atomic_load_explicit(&pool.threads, memory_order_relaxed);
+    if (parts > threads) parts = threads;
     if (parts > items) parts = (int)items;
     if (parts <= 1 || pthread_mutex_trylock(&pool.busy) != 0) {
         if (items > 0) run(ctx, 0, items, 0);
@@ -859,13 +860,25 @@ static void *worker(void *arg) {
 }
 
 /* The threads products use from now on (1 .. SPECD_MAX_THREADS): workers are started as
- * needed and stay (idle ones sleep). Returns the count in effect. Not to be called while a
- * product runs (cpu_kernels.py holds a lock around both). */
+ * needed and stay (idle ones sleep). Returns the count in effect; a product running
+ * meanwhile uses the count it read. */
 static void forgotten_in_a_child(void) {
-    /* A forked child has none of the workers: it computes alone. */
+    /* A forked child has none of the workers: it computes alone until it asks for threads
+     * again, with the pool's state as new (the parent's locks may have been held at the
+     * fork, its condition variable counts waiters the child does not have, and its
+     * `sleepers` would make every job broadcast to them: the child hung). */
     pool.workers_started = 0;
-    pool.threads = 1;
+    atomic_store(&pool.threads, 1);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    atomic_store(&pool.sleepers, 0);
+    atomic_store(&pool.ticket, 0);
+    atomic_store(&pool.done, 0);
 }
+
+/* Workers asleep on the condition variable now (the tests fork while they sleep). */
+int specd_sleeping_workers(void) { return atomic_load(&pool.sleepers); }
 
 int specd_set_threads(int threads) {
     static int registered = 0;
@@ -878,9 +891,10 @@ int specd_set_threads(int threads) {
         if (pthread_create(&pool.workers[index], NULL, worker, (void *)(intptr_t)index) != 0) break;
         pool.workers_started++;
     }
-    pool.threads = pool.workers_started + 1 < threads ? pool.workers_started + 1 : threads;
+    const int in_effect = pool.workers_started + 1 < threads ? pool.workers_started + 1 : threads;
+    atomic_store(&pool.threads, in_effect);
     pthread_mutex_unlock(&pool.busy);
-    return pool.threads;
+    return in_effect;
 }
 
 /* One product on already summed groups (xsum), its rows split among the pool's threads. */

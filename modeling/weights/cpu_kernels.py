@@ -46,7 +46,15 @@ def loaded() -> bool:
 
 def status() -> str:
     """Why the kernels are used or not (after `available()`)."""
+    if sys.byteorder != "little":
+        return "this CPU is big-endian; the kernels read little-endian blocks"
     return _LIBRARY.reason
+
+
+def fixable() -> bool:
+    """Whether the kernels are unavailable for want of what the user can install (a C
+    compiler), not for this CPU or a setting (after `available()`)."""
+    return _LIBRARY.fixable
 
 
 def max_product_rows() -> int:
@@ -322,6 +330,11 @@ def set_threads(threads: int) -> int:
 
 def threads() -> int:
     return _LIBRARY.threads
+
+
+def sleeping_workers() -> int:
+    """The pool's workers asleep now (0 where the kernels are unavailable)."""
+    return int(_LIBRARY.sleeping_workers()) if available() else 0
 
 
 # An opaque operator for torch.compile: a traced pass calls it as one node instead of

@@ -74,10 +74,12 @@ class _Library:
         self.rms_norm: Any = None  # specd_rms_norm
         self.attention: Any = None  # specd_attention
         self.set_threads: Any = None
+        self.sleeping_workers: Any = None
         self.threads = 1
         self.max_rows = 0  # a norm's or an attention's rows
         self.max_product_rows = 0  # a product's rows
         self.reason = "not built yet"
+        self.fixable = False  # unavailable for a reason the user can remedy (a compiler)
 
     def load(self) -> bool:
         if self._tried:  # (every projection of every pass asks)
@@ -90,6 +92,7 @@ class _Library:
                     self.reason = "compiled for this CPU (AVX2, FMA)"
                 except _Unavailable as err:
                     self.reason = str(err)
+                    self.fixable = isinstance(err, _Fixable)
                     log.info("CPU kernels on GGUF blocks unavailable: %s", err)
             return bool(self.functions)
 
@@ -132,6 +135,8 @@ class _Library:
             lib.specd_set_threads.argtypes = [ctypes.c_int]
             self.gemv, self.products = gemv, products
             self.set_threads = lib.specd_set_threads
+            lib.specd_sleeping_workers.restype = ctypes.c_int
+            self.sleeping_workers = lib.specd_sleeping_workers
             self.functions = {kind: index for index, kind in enumerate(TYPES)}
         except (OSError, AttributeError) as err:
             raise _Unavailable(f"{path} could not be loaded: {err}") from None
@@ -141,11 +146,15 @@ class _Unavailable(RuntimeError):
     pass
 
 
+class _Fixable(_Unavailable):
+    """Unavailable for want of something the user can install (a C compiler that works)."""
+
+
 def _compiler() -> str:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
-    raise _Unavailable(
+    raise _Fixable(
         "no C compiler (cc, gcc or clang) to build them with: install one (Debian and "
         "Ubuntu: sudo apt install gcc) and CPU decoding runs several times faster"
     )
@@ -199,13 +208,13 @@ def _build() -> Path:
             )
             if done.returncode != 0:
                 last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                raise _Unavailable(f"{compiler} could not build {SOURCE.name}: {last}")
+                raise _Fixable(f"{compiler} could not build {SOURCE.name}: {last}")
             digest = target.with_name(target.name + ".sha256")
             (Path(scratch) / digest.name).write_text(_digest(built))
             os.replace(Path(scratch) / digest.name, digest)
             os.replace(built, target)
     except (OSError, subprocess.SubprocessError) as err:
-        raise _Unavailable(f"building {SOURCE.name} failed: {err}") from None
+        raise _Fixable(f"building {SOURCE.name} failed: {err}") from None
     log.info("built the CPU kernels on GGUF blocks: %s", target)
     return target
 
