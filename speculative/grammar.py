@@ -26,6 +26,7 @@ the token is emitted without a model pass (`take_forced`, counted as `forced_tok
 from __future__ import annotations
 
 import json
+import re
 import threading
 import weakref
 from collections.abc import Sequence
@@ -51,6 +52,10 @@ MAX_FORCED = 256
 ENGINE_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 # The most of an engine message a client is shown (a grammar error can quote the schema).
 MAX_ENGINE_MESSAGE = 300
+# A Lark grammar's compile error begins with where in the grammar it is, `at LINE(COLUMN): `,
+# and ends quoting the lines around it, `   5 | call_0: ...`: neither is the client's.
+_AT_LINE = re.compile(r"at (\d+)\(\d+\): ")
+_QUOTED_LINE = re.compile(r"^ *\d+ \| ", re.MULTILINE)
 
 
 class GrammarError(RequestError):
@@ -93,6 +98,12 @@ def engine_message(message: str) -> str:
             "as allOf over several anyOf makes)"
         )
     message = message.split("<backtrace>")[0].strip()
+    quoted = _QUOTED_LINE.search(message)
+    if quoted is not None:
+        message = message[: quoted.start()].strip()
+    at = _AT_LINE.match(message)
+    if at is not None:
+        message = message[at.end() :]
     if len(message) > MAX_ENGINE_MESSAGE:
         message = message[:MAX_ENGINE_MESSAGE] + " …"
     return message
@@ -155,6 +166,9 @@ class Grammar:
     text: str
     field: str
     description: str  # for logs and stats: "json_object", "json_schema:NAME"
+    # A Lark grammar's lines that embed a schema from another field (a tool's parameters):
+    # (line, counted from 1, and that field), so that an error in one names it.
+    schema_lines: tuple[tuple[int, str], ...] = ()
 
     @classmethod
     def json_schema(cls, schema: Any, field: str, name: str = "") -> Grammar:
@@ -168,6 +182,27 @@ class Grammar:
         except (ValueError, TypeError) as err:
             raise GrammarError(f"{field}: {engine_message(str(err))}", field) from None
         return cls(text, field, f"json_schema:{name}" if name else "json_schema")
+
+    @classmethod
+    def lark(
+        cls,
+        rules: Sequence[str],
+        schemas: Sequence[tuple[str, dict[str, Any], str]],
+        field: str,
+        description: str,
+    ) -> Grammar:
+        """A Lark grammar of `rules`, one a line, then for each `(name, schema, its field)`
+        of `schemas` the rule `name: %json schema`. The schema is that rule's root, as a
+        response_format's is its grammar's: its local `$ref`s ("#", "#/$defs/Point",
+        "#/definitions/...") resolve against it, never against a schema around it. An
+        error the engine finds in one names its field rather than `field`."""
+        embedded = [
+            f"{name}: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+            for name, schema, _ in schemas
+        ]
+        text = llguidance.LLMatcher.grammar_from_lark("\n".join([*rules, *embedded]))
+        lines = tuple((len(rules) + i + 1, where) for i, (_, _, where) in enumerate(schemas))
+        return cls(text, field, description, lines)
 
     @classmethod
     def regex(cls, pattern: str, field: str) -> Grammar:
@@ -187,12 +222,18 @@ class Grammar:
             self.text, vocab, limits=ENGINE_LIMITS
         )
         if failed:
-            said = engine_message("; ".join(messages))
-            raise GrammarError(
-                f"{self.field} cannot be used: {said}",
-                self.field,
-                "unsupported_grammar",
-            )
+            raise self.refused("; ".join(messages))
+
+    def refused(self, message: str) -> GrammarError:
+        """The request error for the engine's `message` on compiling this grammar, naming
+        the field whose schema it is about, without the grammar's text."""
+        field = self.field
+        at = _AT_LINE.match(message.lstrip())
+        if at is not None:
+            field = dict(self.schema_lines).get(int(at.group(1)), field)
+        return GrammarError(
+            f"{field} cannot be used: {engine_message(message)}", field, "unsupported_grammar"
+        )
 
     def check(self, tokenizer: Any) -> None:
         """`validate`, and that the grammar can be spelled with the tokenizer's pieces."""
@@ -200,8 +241,7 @@ class Grammar:
         self.validate(vocab)
         matcher = llguidance.LLMatcher(vocab, self.text, log_level=0, limits=ENGINE_LIMITS)
         if matcher.is_error():
-            said = engine_message(matcher.get_error())
-            raise GrammarError(f"{self.field}: {said}", self.field, "unsupported_grammar")
+            raise self.refused(matcher.get_error())
         words = torch.empty((vocab.vocab_size + 31) // 32, dtype=torch.int32)
         matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
         if matcher.is_error():
@@ -239,8 +279,7 @@ class Constraint:
             self.vocab, grammar.text, log_level=0, limits=ENGINE_LIMITS
         )
         if self.matcher.is_error():
-            said = engine_message(self.matcher.get_error())
-            raise GrammarError(f"{grammar.field}: {said}", grammar.field, "unsupported_grammar")
+            raise grammar.refused(self.matcher.get_error())
         self.width = width
         self.words_per_row = (self.vocab.vocab_size + 31) // 32
         self._explored: list[int] = []  # tokens consumed past the committed state

@@ -28,11 +28,9 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-import llguidance
-
 from modeling.errors import RequestError
 from modeling.text.harmony import CALL, CHANNEL, CONSTRAIN, END, MARKERS, MESSAGE, RETURN, START
-from speculative.grammar import JSON_OPTIONS, Grammar
+from speculative.grammar import Grammar
 from speculative.tool_calls import Tool, ToolCall
 
 MAX_HEADER = 512
@@ -176,7 +174,7 @@ def harmony_call_grammar(
     any text), then one call, `<|channel|>commentary to=functions.NAME <|constrain|>json
     <|message|>ARGUMENTS<|call|>`, its arguments generated under the function's parameter
     schema. The markers are the vocabulary's special tokens; `<|call|>` ends the turn."""
-    chosen = [t for t in tools if choice == "required" or t.name == choice]
+    chosen = [(i, t) for i, t in enumerate(tools) if choice == "required" or t.name == choice]
     needed = (START, CHANNEL, MESSAGE, END, CONSTRAIN, CALL)
     missing = [m for m in needed if m not in vocabulary]
     if missing:
@@ -186,21 +184,22 @@ def harmony_call_grammar(
             "tool_choice",
         )
     token = {m: f"<[{vocabulary[m]}]>" for m in needed}
-    schema = lambda t: {**t.parameters, "x-guidance": JSON_OPTIONS}  # noqa: E731
-    lark = "\n".join(
-        [
-            "start: analysis? call",
-            f'analysis: {token[CHANNEL]} "analysis" {token[MESSAGE]} REASONING {token[END]} '
-            f'{token[START]} "assistant"',
-            f'call: {token[CHANNEL]} "commentary to=functions." '
-            f"({' | '.join(f'call_{i}' for i in range(len(chosen)))})",
-            *(
-                f'call_{i}: {json.dumps(t.name + " ")} {token[CONSTRAIN]} "json" '
-                f"{token[MESSAGE]} arguments_{i} {token[CALL]}"
-                for i, t in enumerate(chosen)
-            ),
-            *(f"arguments_{i}: %json {json.dumps(schema(t))}" for i, t in enumerate(chosen)),
-            r"REASONING: /(.|\n)*/",
-        ]
-    )
-    return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), field, "tools")
+    rules = [
+        "start: analysis? call",
+        f'analysis: {token[CHANNEL]} "analysis" {token[MESSAGE]} REASONING {token[END]} '
+        f'{token[START]} "assistant"',
+        f'call: {token[CHANNEL]} "commentary to=functions." '
+        f"({' | '.join(f'call_{k}' for k in range(len(chosen)))})",
+        *(
+            f'call_{k}: {json.dumps(t.name + " ")} {token[CONSTRAIN]} "json" '
+            f"{token[MESSAGE]} arguments_{k} {token[CALL]}"
+            for k, (_, t) in enumerate(chosen)
+        ),
+        r"REASONING: /(.|\n)*/",
+    ]
+    # Each function's parameters are their own schema's root (their `$ref`s resolve in them).
+    schemas = [
+        (f"arguments_{k}", t.parameters, f"{field}[{i}].function.parameters")
+        for k, (i, t) in enumerate(chosen)
+    ]
+    return Grammar.lark(rules, schemas, field, "tools")

@@ -17,7 +17,8 @@ A template that renders `tools` and one of these formats gets the request's tool
 history as transformers would pass them; for any other model specd puts the tools and
 the Hermes format in a system message of its own and writes earlier calls and tool
 results in the same tags (`render_tool_messages`). The arguments are generated under the
-function's parameter schema, compact, so they always parse and validate.
+function's parameter schema, compact, so they always parse and validate; the parameters
+are their own schema's root, so their local `$ref`s mean what they do in a response_format.
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import llguidance
-
-from speculative.grammar import JSON_OPTIONS, Grammar
+from speculative.grammar import Grammar
 
 NAME = '{"name":'  # how every format's call object begins (compact JSON)
 
@@ -106,14 +105,9 @@ class Tool:
         return {"type": "function", "function": function}
 
 
-def _call_schema(tool: Tool, fmt: CallFormat) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": {"name": {"const": tool.name}, fmt.arguments: tool.parameters},
-        "required": ["name", fmt.arguments],
-        "additionalProperties": False,
-        "x-guidance": JSON_OPTIONS,
-    }
+def _call_head(tool: Tool, fmt: CallFormat) -> str:
+    """A call's object up to its arguments: `{"name":"f","arguments":` (compact JSON)."""
+    return f'{NAME}{json.dumps(tool.name)},"{fmt.arguments}":'
 
 
 def _sequence(*parts: str) -> str:
@@ -132,31 +126,50 @@ def tool_grammar(
     """What the answer may be, in `fmt`. `choice`: "auto" (text, or calls), "required"
     (calls), or a function's name (one call to it). Text may be anything that does not
     begin as a call does; calls are one or more (one unless `parallel` and the format has
-    room for several). `vocabulary` gives the id of the format's special token."""
-    chosen = [t for t in tools if choice in (None, "auto", "required") or t.name == choice]
-    rules = [f"call_{i}: %json {json.dumps(_call_schema(t, fmt))}" for i, t in enumerate(chosen)]
-    alternatives = " | ".join(f"call_{i}" for i in range(len(chosen)))
-    several = parallel and fmt.parallel and choice in ("auto", "required", None)
+    room for several). `vocabulary` gives the id of the format's special token.
+
+    A call is its opening and head as a literal, then the arguments under the function's
+    parameters as a schema of their own (`Grammar.lark`): pydantic's nested models refer
+    to `#/$defs/...`, which must mean the parameters' `$defs`, not those of a call object
+    around them. An error in the parameters names `tools[i].function.parameters`."""
+    chosen = [
+        (i, t)
+        for i, t in enumerate(tools)
+        if choice in (None, "auto", "required") or t.name == choice
+    ]
     literal = lambda text: json.dumps(text) if text else ""  # noqa: E731
+    # The opening and the head are one literal: the engine's lexer takes the longest match
+    # and never goes back, so with `auto` TEXT (alive up to the head's `:`) must end inside
+    # a call's literal, not after a shorter one (`<tool_call>\n`) has ended, or no call
+    # could follow.
+    calls = [
+        f"call_{k}: {literal(fmt.open + _call_head(t, fmt))} arguments_{k} "
+        f"{literal('}' + fmt.close)}"
+        for k, (_, t) in enumerate(chosen)
+    ]
+    schemas = [
+        (f"arguments_{k}", t.parameters, f"{field}[{i}].function.parameters")
+        for k, (i, t) in enumerate(chosen)
+    ]
+    alternatives = " | ".join(f"call_{k}" for k in range(len(chosen)))
+    several = parallel and fmt.parallel and choice in ("auto", "required", None)
     token = ""
     if fmt.token is not None:
         assert vocabulary is not None and fmt.token in vocabulary
         token = f"<[{vocabulary[fmt.token]}]>"
     repeat = f"({_sequence(literal(fmt.separator), 'call')})*" if several else ""
     start = "TEXT | calls" if choice in ("auto", None) else "calls"
-    lark = "\n".join(
-        [
-            f"start: {start}",
-            f"calls: {_sequence(token, literal(fmt.begin), 'call', repeat, literal(fmt.end))}",
-            f"call: {_sequence(literal(fmt.open), f'({alternatives})', literal(fmt.close))}",
-            rf"TEXT: /(.|\n)*/ & ~/{_regex(fmt.lead)}(.|\n)*/",
-            *rules,
-        ]
-    )
+    rules = [
+        f"start: {start}",
+        f"calls: {_sequence(token, literal(fmt.begin), 'call', repeat, literal(fmt.end))}",
+        f"call: {alternatives}",
+        rf"TEXT: /(.|\n)*/ & ~/{_regex(fmt.lead)}(.|\n)*/",
+        *calls,
+    ]
     # Compiled (and so checked) when the request's Constraint is made, by the engine on a
     # thread of speculative/grammar_compiler.py: each tool's schema was measured against
     # the limits before it got here.
-    return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), field, "tools")
+    return Grammar.lark(rules, schemas, field, "tools")
 
 
 def _regex(text: str) -> str:

@@ -448,7 +448,7 @@ def test_named_choice_auto_and_a_conversation_with_results(client: openai.OpenAI
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"not": {}}}}]},
-         "tools"),
+         "tools[0].function.parameters"),
         ({"messages": [{"role": "tool", "tool_call_id": "call_x", "content": "1"}]},
          "messages[0].tool_call_id"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
