@@ -208,6 +208,18 @@ def test_host_not_allowed(server: BackgroundServer, host: str) -> None:
     assert error["type"] == "permission_error" and "server.allowed_hosts" in error["message"]
 
 
+def test_a_refused_host_gets_nothing_more_on_its_connection(server: BackgroundServer) -> None:
+    """A body announced but not sent: the 403 comes and the connection closes at once (it
+    stayed open until the body's read timed out, 15 s later)."""
+    head = request("POST", "/v1/chat/completions", body=b"x" * 100, host="evil.example")
+    with socket.create_connection(("127.0.0.1", port(server)), timeout=5) as sock:
+        sock.sendall(head[: len(head) - 90])  # 10 of the 100 bytes
+        received = b""
+        while piece := sock.recv(65536):  # (a socket.timeout if it stays open)
+            received += piece
+    assert received.startswith(b"HTTP/1.1 403") and b"host_not_allowed" in received
+
+
 def test_latin1_host(server: BackgroundServer) -> None:
     assert_openai_error(exchange(port(server), request(host=b"localhost\xe9")), 403)
 

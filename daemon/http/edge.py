@@ -153,6 +153,11 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     except ApiError as err:
         refused = err
         response = error_response(err)
+        if err.code == "host_not_allowed":
+            # (a client that names a host this daemon does not serve, a DNS rebinding
+            # page's, gets nothing more on this connection: its body is not read either)
+            response.force_close()
+            request.content.feed_eof()
     except RequestError as err:  # a domain error that is the request's fault
         refused = bad_request(str(err), err.param, err.code)
         response = error_response(refused)
