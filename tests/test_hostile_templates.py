@@ -42,6 +42,8 @@ VALUE = "value of more than"
 WRITTEN = "wrote more than"
 BITS = "bits"
 DEEP = "deep"
+LOOKED_FOR = "characters to look for"
+CODEC = "written in Python"
 BIG = 2_000_000_000
 
 # (template, what the error says). Each would hang a thread or take gigabytes unlimited.
@@ -89,6 +91,46 @@ HOSTILE = [
     (f"{{{{ range(100000)|tojson(indent={BIG}) }}}}", VALUE),
     (f"{{{{ (1).to_bytes({BIG}, 'big') }}}}", VALUE),
     ("{{ 10 ** (10 ** 10) }}", BITS),
+    # Several pieces of one big string joined by `~`, a key in parentheses hiding a width.
+    ("{% set s = 'x' * 4000000 %}{{ " + " ~ ".join(["s"] * 100) + " }}", VALUE),
+    (f"{{{{ '%((a)){BIG}s' % {{'(a)': 1}} }}}}", VALUE),
+    # A list of a string's characters (an object each), refused from the string's length.
+    ("{{ ('\u4e00' * 4000000)|list }}", VALUE),
+    ("{% set _ = ('ba' * 2000000)|sort %}", VALUE),
+    ("{{ ('ab' * 2000000)|unique|list }}", VALUE),
+    ("{{ ('\u4e00' * 4000000)|slice(2)|list }}", VALUE),
+    (f"{{{{ ('a' * 4000000)|batch({BIG})|list }}}}", VALUE),
+    ("{{ ('ab' * 2000000)|groupby(0) }}", VALUE),
+    ("{{ ('\u4e00' * 4000000)|join }}", VALUE),
+    ("{{ '-'.join('\u4e00' * 4000000) }}", VALUE),
+    ("{{ ('x' * 1000000)|join(attribute='upper') }}", VALUE),
+    ("{{ ('\u4e00 ' * 2000000).split() }}", VALUE),
+    ("{{ ('\u4e00 ' * 2000000)|wordcount }}", VALUE),
+    # Growth by a constant factor, or through a table that is a list.
+    ("{{ ('\uffff' * 1000000)|urlencode }}", VALUE),
+    ("{{ ('\u4e00' * 1000000).encode('ascii', 'namereplace') }}", VALUE),
+    ("{% set t = range(97)|map('string')|list + ['x' * 4000000] %}{{ ('a' * 1000).translate(t) }}",
+     VALUE),
+    ("{{ strftime_now('%c' * 2000000) }}", VALUE),
+    # One C call that would hold the GIL for minutes, where no step is counted nor the clock
+    # read: the whole daemon would freeze (health, other requests, SIGTERM).
+    ("{{ 1|round(-1000000000) }}", BITS),
+    ("{{ 1|round(100000000, 'floor') }}", BITS),
+    ("{{ 1|round(precision=-1000000000, method='ceil') }}", BITS),
+    ("{% set c = 'b' * 2000000 ~ 'a' %}{{ ('a' * 2000000)|trim(c) }}", LOOKED_FOR),
+    ("{% set c = 'b' * 2000000 ~ 'a' %}{{ ('a' * 2000000).rstrip(c) }}", LOOKED_FOR),
+    ("{{ ('a' * 4000000).rfind('a' * 10000 ~ 'b' ~ 'a' * 10000) }}", LOOKED_FOR),
+    ("{{ ('a' * 400000).rsplit('a' * 10000 ~ 'b' ~ 'a' * 10000) }}", LOOKED_FOR),
+    ("{{ ('a' * 4000000).rpartition('a' * 10000 ~ 'b' ~ 'a' * 10000) }}", LOOKED_FOR),
+    # Python code run for every character with no step counted.
+    ("{{ ('\u00e9' * 1000000).encode('punycode') }}", CODEC),
+    ("{{ ('a.' * 200000).encode().decode('idna') }}", CODEC),
+    ("{{ ('&a' * 2000000)|striptags }}", STEPS),
+    ("{{ (('<>' * 2000000)|safe).striptags() }}", STEPS),
+    ("{{ ('%%' * 2000000) % () }}", STEPS),
+    ("{{ ('ab' * 600000)|unique|list }}", STEPS),
+    ("{{ ('ba' * 600000)|max }}", STEPS),
+    ("{{ ('a' * 1000000)|reject('string')|list }}", STEPS),
     # Doubling, in a namespace (the one value a template can change) or through a macro.
     ("{% set ns = namespace(x=3) %}{% for i in range(64) %}{% set ns.x = ns.x * ns.x %}"
      "{% endfor %}", BITS),
@@ -165,6 +207,12 @@ def test_the_errors_name_the_limit() -> None:
     assert f"its macros and calls nested more than {MAX_CALL_DEPTH} deep" in error(
         "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}"
     )
+    assert "the filter round would make an integer of more than 65,536 bits" in error(
+        "{{ 1|round(-1000000000) }}"
+    )
+    assert "rfind() was given 20,001 characters to look for, more than 64" in error(
+        "{{ 'a'.rfind('a' * 10000 ~ 'b' ~ 'a' * 10000) }}"
+    )
 
 
 @pytest.mark.parametrize(
@@ -210,6 +258,11 @@ def test_what_templates_do_still_renders_as_jinja_renders_it() -> None:
         "{{ {'a': [1]}.get('a') }}{{ {'a': 1}.items()|list }}{{ 2 ** 10 }}{{ 'ab' * 3 }}"
         "{{ messages|map(attribute='role')|join(',') }}{{ messages|selectattr('role', 'eq', 'user')"
         "|list|length }}{{ (messages|tojson(indent=1))[:9] }}"
+        "{{ 42.55|round(1, 'floor') }}{{ 1234|round(-2) }}{{ ' a '|trim }}{{ '<<a>>'.strip('<>') }}"
+        "{{ 'a</think>b</think>c'.rsplit('</think>', 1) }}{{ 'a-b'.rfind('-') }}{{ 'cab'|sort|join }}"
+        "{{ 'aab'|unique|list }}{{ 'abc'|list }}{{ 'ab'|join('-') }}{{ 'a b'.split() }}"
+        "{{ 'a ' ~ 1 ~ ' ' ~ [2] ~ none }}{{ '%((a))3s|%(b)s' % {'(a)': 1, 'b': 2} }}"
+        "{{ '<b>a &amp; b</b>'|striptags }}{{ 'a b'|urlencode }}{{ 'é'.encode('utf-8') }}"
         "{%- for x in tree recursive %}<{{ x.v }}{% if x.c %}{{ loop(x.c) }}{% endif %}>"
         "{%- endfor %}"
     )

@@ -18,7 +18,10 @@ render runs under limits, checked as it goes: a render that passes one stops its
 - Values: whatever the template makes (operators, literals, `~`, filters, calls) is measured
   as it is made (`Budget.measure`: about the length of its text, a part held twice counted
   twice, so doubling a list by nesting it is caught); what could make a huge value from small
-  ones (`*`, `**`, `%`, center, indent, join, replace, ...) is refused before it is allocated.
+  ones (`*`, `**`, `%`, `~` of many pieces, center, indent, join, replace, listing a string's
+  characters, ...) is refused before it is allocated, and what one C call would spend minutes
+  on while it holds the GIL (round's 10 ** precision, a long strip or search from the end) is
+  refused before it is called: no step is counted, nor the clock read, inside it.
 - Output: every piece written, into the prompt or into a captured block or macro, counts.
 
 The value and output limits grow with what the render is given (the conversation), so a
@@ -48,14 +51,14 @@ from datetime import datetime
 from typing import Any
 
 from jinja2 import Template, TemplateError, nodes
-from jinja2.compiler import CodeGenerator, Frame
+from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 from jinja2.exceptions import SecurityError, TemplateRuntimeError
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.runtime import Context, LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
 from jinja2.utils import Namespace
-from markupsafe import EscapeFormatter, Markup
+from markupsafe import EscapeFormatter, Markup, soft_str
 
 from modeling.text.template_budget import (
     BUDGET,
@@ -138,8 +141,21 @@ class _LimitedCodeGenerator(CodeGenerator):
         else:
             super().visit_Tuple(node, frame)
 
+    @optimizeconst
     def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
-        self._checked(super().visit_Concat, node, frame, "the operator ~")
+        # Jinja's, but each piece is counted as it is made text (`environment.pieces`), so
+        # that `s ~ s ~ ...` over a big string is refused before it is joined.
+        if frame.eval_ctx.volatile:
+            join = "(markup_join if context.eval_ctx.volatile else str_join)"
+        elif frame.eval_ctx.autoescape:
+            join = "markup_join"
+        else:
+            join = "str_join"
+        self.write(f"environment.checked({join}(environment.pieces((")
+        for piece in node.nodes:
+            self.visit(piece, frame)
+            self.write(", ")
+        self.write("))), 'the operator ~')")
 
     # Comparing or slicing two big values takes milliseconds, and needs no loop to be done
     # a hundred thousand times: each is a step, so that the clock is read.
@@ -246,6 +262,17 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
         budget = current_budget()
         budget.step()
         return budget.checked(value, what)
+
+    def pieces(self, pieces: tuple[Any, ...]) -> list[str]:
+        budget = current_budget()
+        texts: list[str] = []
+        size = 0
+        for piece in pieces:
+            text = soft_str(piece)  # a Markup stays one, for markup_join
+            size += len(text)
+            budget.allow(size, "the operator ~")
+            texts.append(text)
+        return texts
 
     def stepped(self, value: Any) -> Any:
         budget = current_budget()
@@ -379,6 +406,14 @@ class _GenerationBlock(Extension):
         return caller()
 
 
+def strftime_now(fmt: Any) -> str:
+    """transformers' strftime_now; a directive of two characters may write 30 (`%c`), and
+    strftime writes the whole format again each time it doubles its buffer."""
+    if isinstance(fmt, str):
+        current_budget().allow(16 * len(fmt), "strftime_now()")
+    return datetime.now().strftime(fmt)
+
+
 def compile_template(source: str) -> Template:
     # The environment transformers renders Hub templates in: loop controls ({% break %})
     # and the generation block are in real templates, which otherwise fail to compile.
@@ -389,7 +424,7 @@ def compile_template(source: str) -> Template:
         finalize=_write,
     )
     env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["strftime_now"] = strftime_now
     env.globals["namespace"] = _Namespace
     del env.globals["lipsum"]  # paragraphs of lorem ipsum by the million; no template uses it
     env.filters["tojson"] = _tojson
