@@ -107,13 +107,13 @@ def stored_head_differs(path: Path, config: ModelConfig) -> bool:
         return False
     try:
         files = weight_files(path)
-    except CheckpointError:
-        return False  # (loading says what is wrong with the folder)
-    key = (str(path), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
-    if key not in _HEAD_DIFFERS:
-        if len(_HEAD_DIFFERS) >= 64:
-            _HEAD_DIFFERS.clear()
-        _HEAD_DIFFERS[key] = _head_differs(files, config)
+        key = (str(path), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+        if key not in _HEAD_DIFFERS:
+            if len(_HEAD_DIFFERS) >= 64:
+                _HEAD_DIFFERS.clear()
+            _HEAD_DIFFERS[key] = _head_differs(files, config)
+    except (CheckpointError, OSError):
+        return False  # (a shard missing or cut short: loading says so, naming it)
     return _HEAD_DIFFERS[key]
 
 
