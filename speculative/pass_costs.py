@@ -19,6 +19,10 @@ from typing import Any
 MAX_SIZES = 256  # sizes a line read back from a file may hold (half-octaves need ~30)
 
 
+# How far a quicker-than-expected pass moves its estimate (see CostLine.observe).
+DOWN_RATE = 0.5
+
+
 @dataclass
 class CostLine:
     """seconds ≈ a + b·f(n), fitted through per-size running means (recent rounds weigh
@@ -50,8 +54,14 @@ class CostLine:
         key = n if key is None else key
         if key in self.means:
             # A shared machine stalls now and then: one stall must not move the estimate far.
-            seconds = min(seconds, 3.0 * self.means[key])
-            self.means[key] = self.decay * self.means[key] + (1 - self.decay) * seconds
+            # Its noise only ever adds time, so a pass quicker than the estimate shows what
+            # passes cost now (a cost learnt on a busy machine, or by a daemon under load
+            # and kept on disk, made trees look cheap long after): followed down by half at
+            # once, up by (1 - decay).
+            mean = self.means[key]
+            seconds = min(seconds, 3.0 * mean)
+            rate = DOWN_RATE if seconds < mean else 1 - self.decay
+            self.means[key] = mean + rate * (seconds - mean)
             self.sizes[key] = self.decay * self.sizes[key] + (1 - self.decay) * n
             self.weights[key] = min(self.weights[key] + 1.0, 20.0)
         else:

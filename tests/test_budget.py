@@ -100,6 +100,19 @@ def test_auto_learns_no_tree_on_cpu_and_rations_exploration():
     assert planner.explore_seconds <= 0.02 * planner.total_seconds + 2 * biggest
 
 
+def test_auto_unlearns_a_plain_cost_measured_under_load_within_a_few_refreshes():
+    """A daemon under load learnt plain steps at 4.4 ms and kept it on disk; on a quiet
+    machine they take 0.94 ms. The re-measuring plain steps (one in 16 rounds) bring it
+    back to plain decoding within about a hundred rounds: moved 10% a time toward a
+    quicker pass, the stale cost kept a slower tree chosen for hundreds."""
+    slow_plain = lambda n: 4.4e-3 if n == 1 else 1.4e-3 + 20e-6 * n  # noqa: E731
+    planner = _simulate(AutoBudget(), slow_plain, 1.0e-3, 0.6, 200)
+    assert planner.chosen.budget > 0, "under load a tree beat the slow plain steps"
+    quiet = lambda n: 0.94e-3 if n == 1 else 1.4e-3 + 20e-6 * n  # noqa: E731
+    _simulate(planner, quiet, 1.0e-3, 0.6, 100)
+    assert planner.chosen == TreeShape(0, 0), planner.reason
+
+
 def test_auto_learns_a_big_tree_for_a_streamed_target_within_a_few_rounds():
     # Each round is a 5 s streamed pass: exploring bigger trees costs nothing extra, so it
     # must not be rationed like exploring on a CPU.
