@@ -7,6 +7,7 @@ flags) is daemon/settings_loading.py."""
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -360,6 +361,24 @@ def daemon_url(host: str, port: int | None) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"http://{host}:{port}"
+
+
+def exposed_without_key(server: ServerSettings) -> str | None:
+    """A warning where the daemon answers other machines (any address but loopback) with
+    no API key: the Host check stops a browser's page, not a script that sends
+    `Host: localhost` (README: set host, allowed_hosts and api_key_file together)."""
+    host = server.host.strip("[]")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: this machine's, which other machines may reach
+        loopback = False
+    if loopback or server.api_key_file is not None:
+        return None
+    return (
+        f"server.host {server.host or '(every interface)'} answers other machines and "
+        "server.api_key_file is not set: anyone who reaches this port can use the model "
+        "(the Host check stops browsers only); set an API key (README: Security)"
+    )
 
 
 def listening_on(host: str, port: int | None) -> str:

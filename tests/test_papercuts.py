@@ -320,12 +320,20 @@ def test_start_on_every_interface_prints_what_it_listens_on(
 
     monkeypatch.setattr(service, "start", started)
     assert main(["start", "--model", "m", "--host", "0.0.0.0", "--port", "8716"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(
+    captured = capsys.readouterr()
+    assert captured.out.startswith(
         "specd is running (pid 4242), listening on 0.0.0.0:8716 (all interfaces); "
         "open http://127.0.0.1:8716; logs: "
     )
     assert asked == ["http://127.0.0.1:8716"]  # what `specd start` polls for /health
+    # Open to other machines with no API key: said (the Host check stops browsers only).
+    assert captured.err.startswith("specd: warning: server.host 0.0.0.0 answers other machines")
+    key = tmp_path / "key"
+    key.write_text("k" * 32)
+    assert main(["start", "--model", "m", "--host", "0.0.0.0", "--api-key-file", str(key)]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["start", "--model", "m", "--host", "::1"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 # ---- a reader of stdout that leaves early (`specd status | head -2`) ----

@@ -16,7 +16,14 @@ from daemon.cli.serve import (
     names_address,
     settings_from_args,
 )
-from daemon.settings import ServerSettings, Settings, SettingsError, daemon_url, listening_on
+from daemon.settings import (
+    ServerSettings,
+    Settings,
+    SettingsError,
+    daemon_url,
+    exposed_without_key,
+    listening_on,
+)
 
 
 def _url(settings: Settings) -> str:
@@ -50,6 +57,9 @@ def cmd_start(args: argparse.Namespace) -> int:
     # (Listening on every interface, it says so beside the loopback URL that opens it.)
     where = listening_on(settings.server.host, settings.server.port)
     print(f"specd is running (pid {record.pid}), {where}; logs: {paths.log_file}")
+    exposed = exposed_without_key(settings.server)
+    if exposed is not None:
+        print(f"specd: warning: {exposed}", file=sys.stderr)
     return 0
 
 

@@ -24,7 +24,13 @@ from daemon.options import RuntimeOptions
 from daemon.pressure import thresholds_from
 from daemon.runtime import Runtime
 from daemon.service import ListenError
-from daemon.settings import Settings, SettingsError, daemon_url, listening_on
+from daemon.settings import (
+    Settings,
+    SettingsError,
+    daemon_url,
+    exposed_without_key,
+    listening_on,
+)
 from daemon.small_files import MAX_KEY_BYTES, SmallFileError, read_small
 
 log = logging.getLogger("specd.server")
@@ -121,6 +127,9 @@ class Server:
             raise ListenError(host, port, exc) from None
         self.port = self.runner.addresses[0][1]
         log.info("%s", listening_on(host, self.port))
+        exposed = exposed_without_key(self.settings.server)
+        if exposed is not None:
+            log.warning("%s", exposed)
         self.engine.start()  # models load on the engine thread; /health says 503 until then
 
     async def stop(self) -> None:
