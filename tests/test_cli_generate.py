@@ -213,6 +213,14 @@ def test_chat_sends_the_prompt_through_the_chat_template(capsys, shared_models: 
     )  # fmt: skip
     assert record["text"] == "The capital of France is Paris."
     assert record["finish_reason"] == "stop"
+    # Without --chat the raw question ends at once: the terminal showed nothing, and
+    # nothing said why.
+    argv = ["generate", "--model", str(gguf), "--compile", "off", "--max-tokens", "8",
+            "--prompt", "What is the capital of France?"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "\n"
+    assert "it has a chat template: --chat sends --prompt as a user message" in captured.err
 
 
 def test_chat_takes_text_not_ids(capsys, stories_target) -> None:

@@ -85,6 +85,9 @@ def test_sigterm_ends_streams_with_an_error_event_and_exits_0(
             proc.send_signal(signal.SIGTERM)
             time.sleep(0.002)  # (a signal every 2 ms until the process has exited)
         assert proc.wait(timeout=30) == 0
+        log = proc.stderr.read().decode() if proc.stderr else ""
+        # (Ctrl-C again is a person's way to quit now; a SIGTERM's log does not offer it)
+        assert "stopping: ending in-flight requests\n" in log, log[-2000:]
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -69,6 +69,9 @@ def test_service_install_writes_the_unit(
     assert service.default_paths().log_file.parent.is_dir()  # systemd makes the file only
     assert main(["service", "install", "--platform", "darwin", "--print", "--model", "m"]) == 0
     assert "<plist" in capsys.readouterr().out
+    # No model configured: said at install, not by a unit restarting every few seconds.
+    assert main(["service", "install", "--platform", "linux", "--print"]) == 2
+    assert "no target model configured" in capsys.readouterr().err
 
 
 def test_pid_record_round_trip(dirs: Path) -> None:

@@ -281,7 +281,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         # A harmony model's (gpt-oss) turn: the answer on stdout, its reasoning on stderr.
         turn = HarmonyReader() if args.chat and runtime.tokenizer.harmony else None
+        wrote = False
         for chunk in gen:
+            wrote = wrote or bool(chunk.text)
             if turn is None:
                 sys.stdout.write(chunk.text)
             else:
@@ -292,6 +294,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for kind, text in turn.finish() if turn is not None else []:
             (sys.stdout if kind == "content" else sys.stderr).write(text)
         sys.stdout.write("\n")
+        if not wrote and not args.chat and runtime.tokenizer.has_chat_template:
+            # (an instruct model given a raw question often ends its text at once)
+            print(
+                "specd: the model ended its text at once; it has a chat template: "
+                "--chat sends --prompt as a user message",
+                file=sys.stderr,
+            )
     runtime.save_learned()
     return 0
 

@@ -179,7 +179,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_service_install(args: argparse.Namespace) -> int:
-    settings_from_args(args)  # the flags must make a valid configuration
+    # The flags must make a valid configuration, with a model: a unit without one would
+    # fail and be restarted every few seconds.
+    settings_from_args(args).require_target()
     paths = service.default_paths()
     spec = service_files.service_file(
         args.platform or sys.platform, flag_argv(args), Path.cwd(), Path.home(), paths

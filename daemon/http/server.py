@@ -145,8 +145,14 @@ async def serve(settings: Settings) -> int:
     server = Server(settings)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    received: list[int] = []
+
+    def stopping(sig: int) -> None:
+        received.append(sig)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, stopping, sig)
     await server.start()
     loaded: asyncio.Future[bool] = loop.run_in_executor(None, server.engine.loaded.wait)
     stopper: asyncio.Future[bool] = asyncio.ensure_future(stop.wait())
@@ -166,7 +172,8 @@ async def serve(settings: Settings) -> int:
     # exit status -15 after a clean stop). Another Ctrl-C is a person's "quit now".
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    log.info("stopping: ending in-flight requests (Ctrl-C again to quit at once)")
+    again = " (Ctrl-C again to quit at once)" if signal.SIGINT in received else ""
+    log.info("stopping: ending in-flight requests%s", again)
     await server.stop()
     log.info("stopped")
     return 0
