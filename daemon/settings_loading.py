@@ -11,6 +11,8 @@ the file, `env VARIABLE` or the `--flag`.
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -32,7 +34,12 @@ from daemon.small_files import SmallFileError, read_small
 
 PACKAGED_DEFAULT = Path(__file__).resolve().parents[1] / "config" / "specd.yaml"
 PROFILES_DIR = PACKAGED_DEFAULT.parent / "profiles"
+log = logging.getLogger("specd.settings")
+
 ENV_PREFIX = "SPECD_"
+# specd's variables that are no configuration key (its scripts' and tests'), one of them a
+# section's name misspelt to the eye of `env_layer`.
+SCRIPT_VARIABLES = frozenset({"SPECD_MODEL_CACHE"})
 
 
 # A configuration is a few dozen keys (the packaged one, commented, is 13 KB): a file past
@@ -236,6 +243,15 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict[str, tuple[Any, str]], l
         names = sorted([*SECTIONS, *SECTION_ALIASES], key=len, reverse=True)
         spelled = next((s for s in names if rest.startswith(attribute(s) + "_")), None)
         if spelled is None:
+            # Another tool's (SPECD_TORCH_SPEC), but one whose first word is a section's
+            # misspelt is said (SPECD_SERVR_PORT was ignored without a word).
+            first = rest.split("_", 1)[0]
+            near = difflib.get_close_matches(first, [attribute(n) for n in names], 1, 0.75)
+            if near and var not in SCRIPT_VARIABLES:
+                log.warning(
+                    "env %s: no section %r, so it is not read; did you mean %s%s_...?",
+                    var, first, ENV_PREFIX, near[0].upper(),
+                )  # fmt: skip
             continue
         section = SECTION_ALIASES.get(spelled, spelled)
         key = rest[len(attribute(spelled)) + 1 :]

@@ -97,6 +97,22 @@ def test_environment_errors_name_the_variable(tmp_path: Path) -> None:
         load_settings(write(tmp_path, ""), environ={"SPECD_LIMITS_QUEUE_SIZE": "-4"})
 
 
+def test_a_misspelt_section_in_a_variable_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SPECD_SERVR_PORT was ignored without a word (a misspelt key was an error already);
+    other tools' variables (SPECD_TORCH_SPEC) and specd's scripts' (SPECD_MODEL_CACHE) are
+    left alone."""
+    environ = {"SPECD_SERVR_PORT": "1", "SPECD_TORCH_SPEC": "torch", "SPECD_MODEL_CACHE": "/x"}
+    with caplog.at_level("WARNING", logger="specd.settings"):
+        settings = load_settings(write(tmp_path, ""), environ=environ)
+    assert settings.server.port == 8716
+    assert [r.getMessage() for r in caplog.records] == [
+        "env SPECD_SERVR_PORT: no section 'servr', so it is not read; did you mean "
+        "SPECD_SERVER_...?"
+    ]
+
+
 def test_no_model_is_a_clear_error(tmp_path: Path) -> None:
     s = load_settings(write(tmp_path, ""), environ={})
     with pytest.raises(SettingsError, match="--model"):
