@@ -368,6 +368,24 @@ def test_a_missing_path_is_refused_before_the_daemon_listens(
         assert "listening" not in err
 
 
+@pytest.mark.parametrize(
+    "reference", ["/tmp/" + "a" * 300, "a" * 300 + ".gguf", "ollama:" + "a" * 300]
+)
+def test_a_name_past_the_file_systems_length_is_one_line(
+    reference: str, quiet_home: Path, capsys: Any, tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A path with a name over 255 bytes: Python's path checks raise for this one error
+    (ENAMETOOLONG) where they answer "not there" for the others, and it was a traceback."""
+    store = tmp_path / "ollama"
+    (store / "manifests" / "registry.ollama.ai" / "library").mkdir(parents=True)
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    for command in ("serve", "plan", "generate"):
+        assert main([part.format(reference) for part in COMMANDS[command]]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("specd: error: "), err
+        assert "does not exist" in err or "not found" in err or "too long" in err, err
+
+
 def specd(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`specd ARGV` as a user runs it, in its own process, ended after TIMEOUT seconds."""
     return subprocess.run(

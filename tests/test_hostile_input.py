@@ -511,7 +511,8 @@ def test_nan_and_infinity_are_not_json(server: BackgroundServer, constant: str) 
     [({"n": True}, "n"), ({"n": "1"}, "n"), ({"n": 1.0}, "n"),
      ({"stream": True, "stream_options": {"include_usage": "false"}},
       "stream_options.include_usage"),
-     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage")],
+     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+     ({"stream_options": {"include_usage": True}}, "stream_options")],  # (not streamed)
 )  # fmt: skip
 def test_fields_of_the_wrong_type_that_python_would_take_are_a_400(
     server: BackgroundServer, fields: dict[str, Any], param: str

@@ -364,6 +364,29 @@ def test_listing_both_stores(home: Path) -> None:
             assert model is not None and model.path == found[name].path
 
 
+def test_names_no_one_can_ask_for_are_not_listed_and_none_is_printed_raw(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A manifest named with a terminal's escape sequences and a newline was listed as it
+    is: it cleared the screen and forged a line of `specd models`, for a model --model
+    cannot name. Such names are left out; an LM Studio folder's, which --model takes, is
+    printed with its control characters escaped."""
+    from daemon.cli.commands import main
+
+    models = home / ".ollama" / "models"
+    pull(models, "registry.ollama.ai/library/tiny/latest", Q4_0)
+    pull(models, "registry.ollama.ai/library/\x1b[2Jfake\nollama:evil/latest", Q4_0)
+    lmstudio(home / ".lmstudio" / "models", "pub/Odd\x1b]0;title\x07-GGUF", ("m.gguf", Q4_0))
+    assert [e.name for e in list_store_models()] == [
+        "lmstudio:pub/Odd\x1b]0;title\x07-GGUF/m.gguf",
+        "ollama:tiny:latest",
+    ]
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "lmstudio:pub/Odd\\x1b]0;title\\x07-GGUF/m.gguf" in out
+
+
 def test_listing_with_no_stores_is_empty(home: Path) -> None:
     assert list_store_models() == []
 

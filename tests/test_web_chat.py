@@ -230,6 +230,34 @@ def test_an_answer_streams_in_and_equals_the_api_greedy_answer(
     assert severe(browser) == []
 
 
+def test_a_full_browser_storage_still_shows_the_answer_and_says_so(
+    browser: Any, server: BackgroundServer
+) -> None:
+    """With the origin's storage full, saving threw: the answer stayed marked streaming,
+    with no stats and no notice, and "New chat" did nothing."""
+    open_page(browser, server.url)
+    settings(browser, temperature="0", max_tokens="20", budget="16")
+    filled = browser.execute_script(
+        """let i = 0;  // blocks of 1 MiB, then halves, down to one character: full
+        for (let size = 1 << 20; size >= 1; size >>= 1) {
+          const block = 'x'.repeat(size);
+          try { for (; i < 200; i++) localStorage.setItem('filler' + i, block); } catch (e) {}
+        }
+        return i;"""
+    )
+    assert filled < 200, "the browser's storage never filled"
+    try:
+        send(browser, PROMPT)
+        answer = answered(browser, 1)
+        assert float(stat(answer, "tokens/s")) > 0
+        notice = browser.find_element(By.ID, "notice-text")
+        assert notice.is_displayed() and "storage for this page is full" in notice.text
+    finally:
+        browser.execute_script(
+            "for (let i = 0; i < 200; i++) localStorage.removeItem('filler' + i)"
+        )
+
+
 def test_regenerate_reports_prefix_cache_hits(browser: Any, server: BackgroundServer) -> None:
     open_page(browser, server.url)
     settings(browser, temperature="0", max_tokens="30", budget="16")

@@ -7,6 +7,7 @@ pay for it (see tests/test_cli_startup.py)."""
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
@@ -106,6 +107,13 @@ def _main(argv: Sequence[str] | None) -> int:
     try:
         return int(args.func(args) or 0)
     except Exception as exc:
+        if isinstance(exc, OSError) and exc.errno == errno.ENAMETOOLONG:
+            # (a path given with a name past the file system's 255 bytes: Python's path
+            # checks let this one error through, wherever the path is first looked at)
+            name = str(exc.filename or "")
+            shown = name if len(name) <= 80 else name[:60] + "…" + name[-12:]
+            print(f"specd: error: {shown}: a name in this path is too long", file=sys.stderr)
+            return 2
         if not isinstance(exc, user_error_types()):
             raise
         print(f"specd: error: {exc}", file=sys.stderr)

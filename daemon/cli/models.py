@@ -102,9 +102,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         _checked(f) for f in sorted(store_models() + hub_models(), key=lambda f: (f.source, f.name))
     ]
     for f in found:
-        if f.note is not None:  # a store's file names are anyone's: no control characters
-            note = "".join(c if c.isprintable() else repr(c)[1:-1] for c in f.note)
-            print(f"specd: note: {f.name}: {note}", file=sys.stderr)
+        if f.note is not None:
+            print(f"specd: note: {_shown(f.name)}: {_shown(f.note)}", file=sys.stderr)
     if args.json:
         rows: list[dict[str, Any]] = [
             {"name": f.name, "type": f.kind, "bytes": f.size, "path": str(f.path),
@@ -120,14 +119,20 @@ def cmd_models(args: argparse.Namespace) -> int:
             "give --model a folder or a .gguf file, or `specd pull ORG/NAME`"
         )
         return 0
-    width = max(len(f.name) for f in found)
+    width = max(len(_shown(f.name)) for f in found)
     kinds = max(len(f.kind) for f in found)
     for f in found:
-        print(f"{f.name:<{width}}  {f.kind:<{kinds}}  {_size(f.size):>9}  {f.path}")
+        name, path = _shown(f.name), _shown(str(f.path))
+        print(f"{name:<{width}}  {f.kind:<{kinds}}  {_size(f.size):>9}  {path}")
         if f.why is not None:
-            why = "".join(c if c.isprintable() else repr(c)[1:-1] for c in f.why)
-            print(f"{'':<{width}}  specd cannot run it: {why}")
+            print(f"{'':<{width}}  specd cannot run it: {_shown(f.why)}")
     return 0
+
+
+def _shown(text: str) -> str:
+    """A store's file and folder names are anyone's: control characters (a terminal's
+    escape sequences, a newline that forges a line of the listing) written as escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

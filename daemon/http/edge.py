@@ -37,6 +37,7 @@ class ApiConfig:
     keepalive_seconds: float = 5.0
     idle_timeout_seconds: float = 15.0
     request_timeout_seconds: float = 60.0
+    send_timeout_seconds: float = 60.0
     min_body_bytes_per_second: int = 4096
     max_connections: int = 256
     grammar_compile_seconds: float = 5.0  # limits.grammar_compile_seconds

@@ -208,6 +208,8 @@ def generation_fields(body: dict, limits: WireLimits, chat: bool) -> dict[str, A
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
+    if options is not None and not stream:  # (as OpenAI and vLLM answer)
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     include_usage = (options or {}).get("include_usage", False)
     if include_usage is None:
         include_usage = False

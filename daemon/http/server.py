@@ -65,6 +65,7 @@ def api_config(settings: Settings) -> ApiConfig:
         keepalive_seconds=settings.server.keepalive_seconds,
         idle_timeout_seconds=settings.server.idle_timeout_seconds,
         request_timeout_seconds=settings.server.request_timeout_seconds,
+        send_timeout_seconds=settings.server.send_timeout_seconds,
         min_body_bytes_per_second=settings.server.min_body_bytes_per_second,
         max_connections=settings.server.max_connections,
         grammar_compile_seconds=settings.limits.grammar_compile_seconds,

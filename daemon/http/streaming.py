@@ -123,20 +123,35 @@ async def stream(
     if origin and origin in request.app[CONFIG].cors_origins:
         response.headers.update(cors_headers(origin))
     await response.prepare(request)
+    limit = request.app[CONFIG].send_timeout_seconds
+
+    async def send(data: bytes | None) -> None:
+        """`data` written (None: the body's end), or the connection dropped where the
+        client has read none of what is queued for `limit` seconds (a write waits once the
+        socket's buffers are full): a client that stops reading held its connection, and
+        megabytes, for good."""
+        try:
+            sent = response.write(data) if data is not None else response.write_eof()
+            await asyncio.wait_for(sent, limit)
+        except asyncio.TimeoutError:
+            if request.transport is not None:
+                request.transport.abort()  # (what is queued is dropped, not flushed)
+            raise ConnectionResetError(f"the client read nothing for {limit:g} s") from None
+
     first = True
     offset = 0  # characters of text sent so far (the completions' text_offset)
     calls_only = req.tool_choice not in (None, "auto")
     calls = CallStream(call_format, calls_only) if call_format is not None else None
     turn = HarmonyReader(harmony_calls) if harmony else None
-    if shape.chat:  # the role arrives before any text, as OpenAI's own stream does
-        await response.write(sse(shape.chunk("", first=True)))
-        first = False
     try:
+        if shape.chat:  # the role arrives before any text, as OpenAI's own stream does
+            await send(sse(shape.chunk("", first=True)))
+            first = False
         while True:
             event = await _next_event(job, request, keepalive)
             if event is None:
                 # SSE comment: keeps proxies and clients from timing out during a long pass.
-                await response.write(SSE_KEEPALIVE)
+                await send(SSE_KEEPALIVE)
                 continue
             # Take whatever else already arrived: when rounds outpace the client, one write
             # carries several rounds' text instead of one write per round.
@@ -144,7 +159,7 @@ async def stream(
             while not job.events.empty():
                 batch.append(job.events.get_nowait())
             for trace in (t for e in batch if isinstance(e, Chunk) for t in e.trace):
-                await response.write(sse(shape.trace_chunk(trace)))
+                await send(sse(shape.trace_chunk(trace)))
             text = "".join(e.text for e in batch if isinstance(e, Chunk))
             logprobs = [lp for e in batch if isinstance(e, Chunk) for lp in e.logprobs]
             reasoning = ""
@@ -156,7 +171,7 @@ async def stream(
                 reasoning = "".join(e[1] for e in read if e[0] == "reasoning")
                 deltas = [e for e in read if e[0] in ("call", "arguments")]
                 if deltas:
-                    await response.write(sse(shape.tool_chunk(deltas)))
+                    await send(sse(shape.tool_chunk(deltas)))
             if calls is not None:
                 events = calls.feed(text)
                 if isinstance(batch[-1], Finished):
@@ -164,7 +179,7 @@ async def stream(
                 text = "".join(e[1] for e in events if e[0] == "content")
                 deltas = [e for e in events if e[0] != "content"]
                 if deltas:
-                    await response.write(sse(shape.tool_chunk(deltas)))
+                    await send(sse(shape.tool_chunk(deltas)))
                 if calls.index >= 0:
                     logprobs = []  # a call's tokens are not content
             if text or logprobs or reasoning:
@@ -172,7 +187,7 @@ async def stream(
                     text, first=first, logprobs=logprobs, offset=offset, previous=previous,
                     reasoning=reasoning,
                 )  # fmt: skip
-                await response.write(sse(chunk))
+                await send(sse(chunk))
                 first = False
                 offset += len(text)
                 previous = logprobs[-1].token if logprobs else previous
@@ -182,17 +197,17 @@ async def stream(
                 called = (calls is not None and calls.index >= 0) or (turn and turn.calls)
                 if called and reason == "stop":
                     reason = "tool_calls"
-                await response.write(sse(shape.chunk("", finish_reason=reason, stats=event.stats)))
+                await send(sse(shape.chunk("", finish_reason=reason, stats=event.stats)))
                 if req.include_usage:
                     cached = int(event.stats.get("cached_prompt_tokens", 0))
                     u = usage(event.prompt_tokens, event.completion_tokens, cached)
-                    await response.write(sse(shape.usage_chunk(u, event.stats)))
+                    await send(sse(shape.usage_chunk(u, event.stats)))
                 break
             elif isinstance(event, Failed):
-                await response.write(sse(_failure(event.error).body()))
+                await send(sse(_failure(event.error).body()))
                 break
-        await response.write(SSE_DONE)
-        await response.write_eof()
+        await send(SSE_DONE)
+        await send(None)  # the end of the body
     except (ConnectionResetError, asyncio.CancelledError):
         # Normal operation (the client hung up): one debug line, the job cancelled.
         job.cancel()

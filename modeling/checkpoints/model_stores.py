@@ -98,6 +98,11 @@ def list_store_models() -> list[StoreEntry]:
         manifests = root / "manifests"
         for manifest in sorted(p for p in manifests.glob("*/*/*/*") if not p.is_dir()):
             host, namespace, model, tag = manifest.relative_to(manifests).parts
+            if not (
+                _HOST_PART.fullmatch(host)
+                and all(_NAME_PART.fullmatch(p) for p in (namespace, model, tag))
+            ):
+                continue  # not a name Ollama writes, nor one --model takes (escapes, newlines)
             # The shortest name that finds this manifest again, as Ollama shows it.
             if host.lower() != OLLAMA_HOST:
                 name = f"{host}/{namespace}/{model}:{tag}"

@@ -14,8 +14,15 @@ export const state = {
 };
 
 function save() {
-  localStorage.setItem(STORE.chats, JSON.stringify(state.chats));
-  if (state.currentId) localStorage.setItem(STORE.current, state.currentId);
+  // A full browser storage (about 5 M characters an origin) throws: the page goes on,
+  // the answer is still shown, and a notice says the conversations are not being kept.
+  try {
+    localStorage.setItem(STORE.chats, JSON.stringify(state.chats));
+    if (state.currentId) localStorage.setItem(STORE.current, state.currentId);
+  } catch (err) {
+    showNotice("The browser's storage for this page is full, so conversations are not " +
+      `being saved (${err.name}): delete old conversations to make room.`, false);
+  }
 }
 
 // ---- conversations ----
