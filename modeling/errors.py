@@ -5,7 +5,8 @@ differently would help: a prompt longer than the context, a tree budget above th
 sampling values out of range, a command-line value out of range. The HTTP layer answers
 it with a 400 in the OpenAI error shape, the command line with one line and a non-zero
 exit. Anything else that escapes is a bug of ours: a 500 (or a traceback) with the
-traceback in the log, never "your fault".
+traceback in the log, never "your fault". One more is neither: `ModelOutputError`, a
+model file whose weights compute NaN (a 500 that says so, one line from the command line).
 """
 
 from __future__ import annotations
