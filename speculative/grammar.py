@@ -26,7 +26,6 @@ the token is emitted without a model pass (`take_forced`, counted as `forced_tok
 from __future__ import annotations
 
 import json
-import re
 import threading
 import weakref
 from collections.abc import Sequence
@@ -36,7 +35,14 @@ from typing import Any
 import llguidance
 import torch
 
-from modeling.errors import RequestError
+from speculative.grammar_errors import (
+    LIMIT_PHRASES,
+    REFUSED_TOKEN,
+    GrammarError,
+    engine_line,
+    engine_message,
+    engine_stopped,
+)
 from speculative.grammar_masks import bit, expand, spellable
 
 # JSON output: compact separators and no free whitespace. A small model allowed free
@@ -50,65 +56,6 @@ MAX_FORCED = 256
 # its errors must not quote the grammar or the parser's state: they go back to the
 # client that sent the schema, and into the log.
 ENGINE_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
-# The most of an engine message a client is shown (a grammar error can quote the schema).
-MAX_ENGINE_MESSAGE = 300
-# A Lark grammar's compile error begins with where in the grammar it is, `at LINE(COLUMN): `,
-# and ends quoting the lines around it, `   5 | call_0: ...`: neither is the client's.
-_AT_LINE = re.compile(r"at (\d+)\(\d+\): ")
-_QUOTED_LINE = re.compile(r"^ *\d+ \| ", re.MULTILINE)
-
-
-class GrammarError(RequestError):
-    """A grammar the engine cannot compile or the vocabulary cannot spell: a 400 naming
-    the request field that carried it."""
-
-
-# What the engine says when it gives up on a grammar for one of its own limits (the
-# Earley items of one token's row, the lexer's fuel), as opposed to a token it refuses
-# (whose message quotes the token's text, which may hold any of these words).
-_LIMIT_PHRASES = ("items; max is", "fuel", "Too many items")
-_REFUSED_TOKEN = "doesn't satisfy the grammar"
-
-
-def engine_stopped(field: str, message: str) -> GrammarError:
-    """The request error for a matcher the engine stopped: a grammar no text can extend
-    (a schema matching no finite text, `{"$ref": "#"}`, says "NoExtensionBias") or one of
-    its limits, reached on this grammar."""
-    said = engine_message(message)
-    if said.startswith("NoExtensionBias"):
-        return GrammarError(
-            f"{field}: no text matches this grammar (it cannot be continued or completed "
-            "here: a schema that refers to itself with nothing else, say)",
-            field,
-            "unsupported_grammar",
-        )
-    return GrammarError(
-        f"{field}: the grammar engine stopped: {said}", field, "unsupported_grammar"
-    )
-
-
-def engine_message(message: str) -> str:
-    """What the engine said, as a client may be shown it: a panic (an internal limit of
-    the engine, such as its 65,535 grammar symbols, which `allOf` over many `anyOf`
-    multiplies out to) says so without the engine's backtrace, and no message is longer
-    than MAX_ENGINE_MESSAGE characters."""
-    if message.lstrip().startswith("panic"):
-        return (
-            "the grammar engine cannot build it (an internal limit: too many combinations, "
-            "as allOf over several anyOf makes)"
-        )
-    message = message.split("<backtrace>")[0].strip()
-    quoted = _QUOTED_LINE.search(message)
-    if quoted is not None:
-        message = message[: quoted.start()].strip()
-    at = _AT_LINE.match(message)
-    if at is not None:
-        message = message[at.end() :]
-    if len(message) > MAX_ENGINE_MESSAGE:
-        message = message[:MAX_ENGINE_MESSAGE] + " …"
-    return message
-
-
 _VOCABULARIES: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
 _VOCABULARY_LOCK = threading.Lock()
 
@@ -227,10 +174,7 @@ class Grammar:
     def refused(self, message: str) -> GrammarError:
         """The request error for the engine's `message` on compiling this grammar, naming
         the field whose schema it is about, without the grammar's text."""
-        field = self.field
-        at = _AT_LINE.match(message.lstrip())
-        if at is not None:
-            field = dict(self.schema_lines).get(int(at.group(1)), field)
+        field = dict(self.schema_lines).get(engine_line(message) or 0, self.field)
         return GrammarError(
             f"{field} cannot be used: {engine_message(message)}", field, "unsupported_grammar"
         )
@@ -337,8 +281,8 @@ class Constraint:
                 break
             if not self.matcher.consume_token(int(token)):
                 said = self.matcher.get_error()
-                limit = any(phrase in said for phrase in _LIMIT_PHRASES)
-                if limit and _REFUSED_TOKEN not in said:
+                limit = any(phrase in said for phrase in LIMIT_PHRASES)
+                if limit and REFUSED_TOKEN not in said:
                     # The mask allowed it, but taking it reaches one of the engine's limits
                     # (500 optional properties: a row of 2,007 items, where 2,000 is the
                     # most): this grammar is beyond the engine, which is the request's.
