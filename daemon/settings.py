@@ -173,7 +173,8 @@ class ServerSettings:
     # A request's body must arrive within this long of its head, and at least
     # min_body_bytes_per_second after the first second: else 408 and the connection closes.
     request_timeout_seconds: float = _key(60.0, number(0.05, 3600.0))
-    # A streamed answer the client reads none of for this long closes its connection.
+    # An answer (streamed or whole) the client reads none of for this long closes its
+    # connection.
     send_timeout_seconds: float = _key(60.0, number(0.05, 3600.0))
     min_body_bytes_per_second: int = _key(4096, integer(0, 1 << 30))
     # Open connections at most; one more is answered 503 (Retry-After) and closed.

@@ -272,3 +272,63 @@ def test_connections_past_the_cap_are_refused_cleanly(capped: BackgroundServer) 
         if status == 200 or time.monotonic() > deadline:
             break
     assert status == 200
+
+
+def test_a_client_that_reads_none_of_a_whole_answer_loses_its_connection() -> None:
+    """A non-streamed answer is written by the edge (`edge.deliver`) in pieces, each within
+    `server.send_timeout_seconds`: a client that reads none of it is dropped, as a stream's
+    is, over a real socket. Written by aiohttp after the handler returned, the answer waited
+    on the full socket for good and held its connection (and its body) with it. The answer
+    here is 32 MiB, more than the loopback's buffers hold with the client's kept at 4 KiB."""
+    import asyncio
+
+    from aiohttp import web
+
+    from daemon.http.edge import CONFIG, METRICS, ApiConfig, edge_middleware
+    from daemon.http.openai_fields import WireLimits
+    from daemon.metrics import Metrics
+
+    limit = 0.3
+
+    async def scenario() -> tuple[BaseException | None, float]:
+        ended: asyncio.Future[tuple[BaseException | None, float]] = asyncio.Future()
+
+        @web.middleware
+        async def watch(request: web.Request, handler: Any) -> web.StreamResponse:
+            start = time.monotonic()
+            try:
+                response = await handler(request)
+            except BaseException as exc:
+                ended.set_result((exc, time.monotonic() - start))
+                raise
+            ended.set_result((None, time.monotonic() - start))
+            return response
+
+        async def big(request: web.Request) -> web.Response:
+            return web.Response(body=b"x" * (32 << 20), content_type="application/octet-stream")
+
+        app = web.Application(middlewares=[watch, edge_middleware])
+        app[CONFIG] = ApiConfig("m", WireLimits(8, 8), 1024, send_timeout_seconds=limit)
+        app[METRICS] = Metrics()
+        app.router.add_get("/big", big)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.setblocking(False)
+        try:
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(client, ("127.0.0.1", port))
+            await loop.sock_sendall(client, b"GET /big HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            return await asyncio.wait_for(ended, 20)  # and the client reads nothing
+        finally:
+            client.close()
+            await runner.cleanup()
+
+    error, seconds = asyncio.run(scenario())
+    assert isinstance(error, ConnectionResetError), error
+    assert "read nothing for 0.3 s" in str(error)
+    assert seconds >= limit

@@ -196,7 +196,42 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     origin = request.headers.get("Origin")
     if origin and origin in config.cors_origins and not response.prepared:
         response.headers.update(cors_headers(origin))
+    if isinstance(response, web.Response) and not response.prepared:
+        return await deliver(request, response, config.send_timeout_seconds)
     return response
+
+
+# A whole body is written in pieces this size, each within the send timeout.
+DELIVER_PIECE_BYTES = 64 << 10
+
+
+async def deliver(request: web.Request, response: web.Response, limit: float) -> web.StreamResponse:
+    """`response` written here rather than by aiohttp after the handler returns, where a
+    client that reads none of it held its connection and the body for good (aiohttp waits
+    on a full socket without end; `max_connections` such clients locked everyone out): sent
+    in pieces, and the connection dropped once the client has read nothing for `limit`
+    seconds, as a stream's `send` does (daemon/http/streaming.py)."""
+    body = response.body
+    if request.method == "HEAD" or not isinstance(body, bytes) or not body:
+        return response  # nothing that can stall past the headers: aiohttp sends it
+    out = web.StreamResponse(status=response.status, reason=response.reason)
+    out.headers.update(response.headers)
+    out.content_length = len(body)
+    if response.keep_alive is False:
+        out.force_close()
+    try:
+        await asyncio.wait_for(out.prepare(request), limit)
+        for start in range(0, len(body), DELIVER_PIECE_BYTES):
+            await asyncio.wait_for(out.write(body[start : start + DELIVER_PIECE_BYTES]), limit)
+        await asyncio.wait_for(out.write_eof(), limit)
+    except asyncio.TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()  # (what is queued is dropped, not flushed)
+        log.info(
+            "dropped %s: the client read nothing of its answer for %g s", request.remote, limit
+        )
+        raise ConnectionResetError(f"the client read nothing for {limit:g} s") from None
+    return out
 
 
 def _endpoint(request: web.Request) -> str:
