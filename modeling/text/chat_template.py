@@ -28,33 +28,31 @@ The value and output limits grow with what the render is given (the conversation
 long conversation is never refused for its length.
 
 This module is the sandbox: the code generator, the formatter, the template and environment
-that charge every render, tojson and the generation block. The limits and the per-render
-budget (`Budget`, `Counted`, the measuring) are in modeling/text/template_budget.py; the checks
-of operators, calls, string formatting and filters that refuse a huge value before it is
-made are in modeling/text/template_checks.py. Imported only when a template is compiled
-(modeling/text/tokenizer.py), since Jinja costs tens of milliseconds of start-up. It stays
-one file at about 400 lines: the sandbox's code generator, formatter and environment each
-override the others' hooks, and read apart they would hide which hook charges what.
+that charge every render. The limits and the per-render budget (`Budget`, `Counted`, the
+measuring) are in modeling/text/template_budget.py; the checks of operators, calls, string
+formatting and filters that refuse a huge value before it is made are in
+modeling/text/template_checks.py; what transformers gives a template beyond Jinja (tojson,
+strftime_now, raise_exception, the generation block) is in modeling/text/template_globals.py.
+Imported only when a template is compiled (modeling/text/tokenizer.py), since Jinja costs tens
+of milliseconds of start-up. The sandbox stays one file: its code generator, formatter and
+environment each override the others' hooks, and read apart they would hide which hook
+charges what.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import json
-import operator
 import re
 import time
 import types
 from collections.abc import Callable, Iterable
-from datetime import datetime
 from typing import Any
 
 from jinja2 import Template, TemplateError, nodes
 from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 from jinja2.exceptions import SecurityError, TemplateRuntimeError
-from jinja2.ext import Extension, loopcontrols
-from jinja2.parser import Parser
+from jinja2.ext import loopcontrols
 from jinja2.runtime import Context, LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
 from jinja2.utils import Namespace
@@ -86,6 +84,7 @@ from modeling.text.template_checks import (
     limited_filter,
     sum_filter,
 )
+from modeling.text.template_globals import GenerationBlock, raise_exception, strftime_now, tojson
 
 # The limits are re-exported, so that what a render may do and the error it raises past that
 # are read from one module (the tests read them here).
@@ -96,10 +95,6 @@ __all__ = [
 ]  # fmt: skip
 
 _SMALL = 4096  # a string this short is joined by + with no step (nor a clock read)
-
-
-def _raise(message: str) -> None:
-    raise TemplateError(message)
 
 
 class _LimitedCodeGenerator(CodeGenerator):
@@ -358,76 +353,20 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
         return functools.update_wrapper(format, value)
 
 
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | str | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """transformers' tojson: plain json.dumps (Jinja's own escapes HTML characters). An indent
-    or separators of the template's own repeat on every item: encoded piece by piece then,
-    so that a huge result is refused before it is whole."""
-    encoder = json.JSONEncoder(
-        ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-    extra = 0 if separators is None else len(separators[0] + separators[1])
-    if indent is None and extra <= 4:
-        return encoder.encode(value)
-    budget = current_budget()
-    unit = len(indent) if isinstance(indent, str) else operator.index(indent or 0)
-    budget.allow(unit, "the filter tojson")
-    # A piece is one part of the value or one line's indent (`unit` times the depth): with
-    # short ones, checking every 256 pieces keeps as close to the limit as every one.
-    pieces = encoder.iterencode(value)
-    parts: list[str] = []
-    written = 0
-    while chunk := list(itertools.islice(pieces, 256 if unit <= 16 and extra <= 16 else 1)):
-        parts += chunk
-        written += sum(map(len, chunk))
-        budget.allow(written, "the filter tojson")
-    return "".join(parts)
-
-
-class _GenerationBlock(Extension):
-    """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's reply with
-    it (for training masks); rendering it is rendering its body."""
-
-    # jinja's Extension declares `tags` as a plain (instance-typed) attribute, so a ClassVar
-    # override conflicts with it; the set is never mutated.
-    tags: set[str] = {"generation"}  # noqa: RUF012
-
-    def parse(self, parser: Parser) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return caller()
-
-
-def strftime_now(fmt: Any) -> str:
-    """transformers' strftime_now; a directive of two characters may write 30 (`%c`), and
-    strftime writes the whole format again each time it doubles its buffer."""
-    if isinstance(fmt, str):
-        current_budget().allow(16 * len(fmt), "strftime_now()")
-    return datetime.now().strftime(fmt)
-
-
 def compile_template(source: str) -> Template:
     # The environment transformers renders Hub templates in: loop controls ({% break %})
     # and the generation block are in real templates, which otherwise fail to compile.
     env = _StrictSandbox(
         trim_blocks=True,
         lstrip_blocks=True,
-        extensions=[_GenerationBlock, loopcontrols],
+        extensions=[GenerationBlock, loopcontrols],
         finalize=_write,
     )
-    env.globals["raise_exception"] = _raise
+    env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["namespace"] = _Namespace
     del env.globals["lipsum"]  # paragraphs of lorem ipsum by the million; no template uses it
-    env.filters["tojson"] = _tojson
+    env.filters["tojson"] = tojson
     env.filters["sum"] = sum_filter
     env.filters = {name: limited_filter(name, f) for name, f in env.filters.items()}
     env.tests.update({name: counted_test(env.tests[name]) for name in COMPARING_TESTS})
