@@ -87,7 +87,9 @@ def find_draft_model(
         if _same_path(path, target.path):
             continue
         try:
-            config = open_checkpoint(path, config_only=True, verify=False).config
+            config = open_checkpoint(
+                path, config_only=True, verify=False, compare_head=False
+            ).config
         except (ValueError, OSError):
             continue  # `specd models` says why; it is no draft
         params = parameter_count(config)
@@ -97,7 +99,7 @@ def find_draft_model(
             sized.append((params, name, path))
     for params, name, path in sorted(sized, key=lambda s: -s[0])[:MAX_TOKENIZERS]:
         try:
-            ckpt = open_checkpoint(path)
+            ckpt = open_checkpoint(path, compare_head=False)  # (the one chosen: at its load)
             theirs = load_tokenizer(ckpt)
         except (ValueError, OSError):
             continue

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from modeling.checkpoints import safetensors_model
 from modeling.checkpoints.checkpoint import ModelNotFoundError, load, open_checkpoint, resolve
 from modeling.checkpoints.folder_files import CheckpointError
 from modeling.checkpoints.safetensors_model import weight_files
@@ -286,6 +287,33 @@ def test_tied_config_beside_a_head_of_its_own_keeps_the_head(
     with torch.no_grad():
         want = reference(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(_logits(model, ids), want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_scan_of_models_does_not_read_a_stored_head(
+    tiny_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Comparing a stored head with the embedding reads both (seconds at a 262k vocabulary,
+    for each model `specd models` lists and each draft candidate): only a plan or a load
+    compares them."""
+    from daemon.cli.models import cannot_run
+
+    folder = _copy(tiny_checkpoint("llama", vocab_size=VOCAB), tmp_path / "scan")
+    _rewrite_weights(
+        folder, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 0.5})
+    )
+    _edit_config(folder, tie_word_embeddings=True)
+    read: list[Path] = []
+    real = safetensors_model._head_differs
+    monkeypatch.setattr(
+        safetensors_model,
+        "_head_differs",
+        lambda files, cfg: read.append(files[0]) or real(files, cfg),
+    )
+    assert cannot_run(folder) is None
+    assert open_checkpoint(folder, compare_head=False).config.tie_word_embeddings
+    assert read == []
+    assert not open_checkpoint(folder).config.tie_word_embeddings  # a plan's or a load's
+    assert len(read) == 1
 
 
 def test_tied_config_beside_a_head_of_another_shape_names_it(

@@ -80,7 +80,7 @@ def cannot_run(path: Path) -> str | None:
     from modeling.checkpoints.checkpoint import open_checkpoint
 
     try:
-        open_checkpoint(path)
+        open_checkpoint(path, compare_head=False)  # (no plan follows: no weights read)
     except (ValueError, OSError) as err:  # every refusal of a model's files is one of these
         said = str(err).splitlines()[0] if str(err) else type(err).__name__
         return said.removeprefix(f"{path}: ").removeprefix(f"{path / 'config.json'}: ")

@@ -215,7 +215,7 @@ def check_local_models(options: RuntimeOptions) -> None:
         if ref is None or ref in ("ngram", "substitute", "auto"):
             continue
         if on_this_machine(ref):  # (or a path that is not there: a missing file)
-            open_checkpoint(ref, quantize)
+            open_checkpoint(ref, quantize, compare_head=False)  # (the load compares)
 
 
 def exit_now_if_compiling(status: int) -> None:

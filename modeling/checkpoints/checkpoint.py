@@ -155,6 +155,7 @@ def open_checkpoint(
     quantize: str | None = None,
     config_only: bool = False,
     verify: bool = True,
+    compare_head: bool = True,
 ) -> Checkpoint:
     """Resolve and read the metadata only (config and generation defaults): cheap enough for
     planning before anything is loaded. `quantize` ("int8" | "int4"): a full-precision
@@ -164,7 +165,10 @@ def open_checkpoint(
     `verify`: the chat template and (GGUF) the tensor infos are checked as loading would,
     so `specd plan` refuses what loading would; False where the model is about to load
     (which checks them as it goes) or for a scan of many candidates (a 128-expert
-    mixture's tensor infos take a second or two)."""
+    mixture's tensor infos take a second or two). `compare_head`: a config that ties the
+    head beside a checkpoint that stores one is checked against it (`stored_head_differs`
+    reads both: seconds at a 262k vocabulary); False where neither a plan nor a load
+    follows (`specd models`, a scan of draft candidates, a check before start-up)."""
     store = resolve_store_ref(str(ref))  # read its manifest once
     path = store.path if store is not None else resolve(ref, config_only)
     if is_gguf(path):
@@ -182,7 +186,7 @@ def open_checkpoint(
                 f"({config.quantization.label}); it loads as it is, without --quantize"
             )
         config = replace(config, quantization=on_load_quantization(quantize))
-    if stored_head_differs(path, config):  # (where the weights are here already)
+    if compare_head and stored_head_differs(path, config):  # (where the weights are here)
         log.warning(
             "%s: tie_word_embeddings is true, but the checkpoint stores an lm_head.weight of "
             "its own with other values: the stored head is used (as transformers does); set "
