@@ -44,6 +44,7 @@ BITS = "bits"
 DEEP = "deep"
 LOOKED_FOR = "characters to look for"
 CODEC = "written in Python"
+CUT = "would cut a word"
 BIG = 2_000_000_000
 
 # (template, what the error says). Each would hang a thread or take gigabytes unlimited.
@@ -123,6 +124,9 @@ HOSTILE = [
     ("{{ ('a' * 400000).rsplit('a' * 10000 ~ 'b' ~ 'a' * 10000) }}", LOOKED_FOR),
     ("{{ ('a' * 4000000).rpartition('a' * 10000 ~ 'b' ~ 'a' * 10000) }}", LOOKED_FOR),
     # Python code run for every character with no step counted.
+    # textwrap copies what is left of a long word for each line it cuts (quadratic).
+    ("{{ ('a' * 3980000)|wordwrap(40) }}", CUT),
+    ("{{ ('a' * 400000)|wordwrap(1, wrapstring='') }}", CUT),
     ("{{ ('\u00e9' * 1000000).encode('punycode') }}", CODEC),
     ("{{ ('a.' * 200000).encode().decode('idna') }}", CODEC),
     ("{{ ('&a' * 2000000)|striptags }}", STEPS),
@@ -254,7 +258,7 @@ def test_what_templates_do_still_renders_as_jinja_renders_it() -> None:
         "{% if not loop.last %},{% endif %}{% endfor %}|{{ ns.n }}{{ ns.seen|join('+') }}"
         "|{{ [3, 1, 2]|sort|join }}{{ {'b': 1, 'a': 2}|dictsort }}{{ range(5)|batch(2)|list }}"
         "{{ range(5)|slice(2)|list }}{{ [[1], [2]]|sum(start=[]) }}{{ 'a b c'|wordwrap(1) }}"
-        "{{ 'x'|center(5) }}{{ 'a\nb'|indent(2, true) }}{{ 'a-b'|replace('-', '+') }}"
+        "{{ ('ab' * 150)|wordwrap(7) }}{{ 'x'|center(5) }}{{ 'a\nb'|indent(2, true) }}{{ 'a-b'|replace('-', '+') }}"
         "{{ {'a': [1]}.get('a') }}{{ {'a': 1}.items()|list }}{{ 2 ** 10 }}{{ 'ab' * 3 }}"
         "{{ messages|map(attribute='role')|join(',') }}{{ messages|selectattr('role', 'eq', 'user')"
         "|list|length }}{{ (messages|tojson(indent=1))[:9] }}"
