@@ -56,8 +56,9 @@ _BASE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 class SafeLoader(_BASE_LOADER):  # type: ignore[misc,valid-type]
     """PyYAML's safe loader with two YAML 1.1 surprises taken out: a key written twice is
-    an error (PyYAML keeps the last one silently), and numbers in base 60 are not numbers
-    (`port: 1:20` was port 80): integers and floats are PyYAML's other forms."""
+    an error (PyYAML keeps the last one silently), and numbers are read as YAML 1.2 reads
+    them: none in base 60 (`port: 1:20` was port 80), a leading zero is no octal
+    (`_integer`), and `1e5` is a float."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set[Any] = set()
@@ -84,20 +85,32 @@ SafeLoader.yaml_implicit_resolvers = {
 }
 SafeLoader.add_implicit_resolver(
     "tag:yaml.org,2002:int",
-    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0o[0-7_]+|[-+]?[0-9][0-9_]*|[-+]?0x[0-9a-fA-F_]+)$"),
     list("-+0123456789"),
 )
 SafeLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?
-        |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
+        r"""^(?:[-+]?[0-9][0-9_]*(?:\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[eE][-+]?[0-9]+)
+        |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
         |[-+]?\.(?:inf|Inf|INF)
         |\.(?:nan|NaN|NAN))$""",
         re.X,
     ),
     list("-+0123456789."),
 )
+
+
+def _integer(loader: SafeLoader, node: yaml.ScalarNode) -> int:
+    """An integer as YAML 1.2 reads one: decimal even with leading zeros (`port: 08080` is
+    8080; YAML 1.1 read 0755 as octal, 493), 0o octal, 0x hex, 0b binary; `_` between
+    digits is allowed."""
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    prefixed = text.lstrip("+-")[:2].lower() in ("0b", "0o", "0x")
+    return int(text, 0) if prefixed else int(text, 10)
+
+
+SafeLoader.add_constructor("tag:yaml.org,2002:int", _integer)
 SAFE_LOADER = SafeLoader
 
 

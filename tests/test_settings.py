@@ -90,6 +90,19 @@ def test_errors_name_file_key_and_allowed_values(
         assert needle in message
 
 
+def test_numbers_are_read_as_yaml_1_2_reads_them(tmp_path: Path) -> None:
+    """A leading zero is no octal (YAML 1.1 read `port: 01234` as 668), 0o is; `1e1` is a
+    number (it was the text '1e1')."""
+    file = write(
+        tmp_path,
+        "server:\n  port: 01234\n  max_connections: 0o17\n"
+        "  send_timeout_seconds: 1e1\nlimits:\n  queue_size: 0x10\n",
+    )
+    s = load_settings(file, environ={})
+    assert (s.server.port, s.server.max_connections) == (1234, 15)
+    assert (s.server.send_timeout_seconds, s.limits.queue_size) == (10.0, 16)
+
+
 def test_environment_errors_name_the_variable(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match=r"env SPECD_SERVER_PROT: server\.prot: unknown key"):
         load_settings(write(tmp_path, ""), environ={"SPECD_SERVER_PROT": "1"})
