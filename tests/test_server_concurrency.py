@@ -245,6 +245,9 @@ def test_a_client_that_stops_reading_its_stream_loses_its_connection(
         app = web.Application()
         app[CONFIG] = ApiConfig("m", WireLimits(8, 8), 1024, send_timeout_seconds=0.2)
         transport = mock.Mock()
+        transport.get_write_buffer_size.return_value = 1 << 20  # and it never goes down
+        transport.get_extra_info.return_value = None
+        transport.is_closing.return_value = False
         request = make_mocked_request("POST", "/v1/chat/completions", app=app, transport=transport)
         job = Job(None, asyncio.get_running_loop())  # type: ignore[arg-type]
         req = SimpleNamespace(tool_choice=None, include_usage=False)
@@ -254,3 +257,44 @@ def test_a_client_that_stops_reading_its_stream_loses_its_connection(
 
     job, transport = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert job.cancelled and transport.abort.called
+
+
+def test_a_client_that_reads_slowly_keeps_its_connection() -> None:
+    """The send timeout starts again whenever the client takes some of what is queued: a
+    write that waits longer than `limit` for a client reading slowly is not dropped (a
+    write waits until 48 KiB have gone, so at the default 60 s a client taking less than
+    800 bytes a second was). One that takes nothing is, after `limit`."""
+    from unittest import mock
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from daemon.http.edge import send_within
+
+    limit = 0.05
+
+    async def scenario(taking: bool) -> tuple[bool, bool]:
+        queued = [1 << 20]
+
+        def size() -> int:  # each look finds less queued while the client reads
+            queued[0] -= 4096 if taking else 0
+            return queued[0]
+
+        transport = mock.Mock()
+        transport.get_write_buffer_size.side_effect = size
+        transport.get_extra_info.return_value = None
+        transport.is_closing.return_value = False
+        request = make_mocked_request(
+            "POST", "/v1/completions", app=web.Application(), transport=transport
+        )
+        written = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.call_later(6 * limit, written.set)  # the write ends after six limits
+        try:
+            await send_within(request, written.wait(), limit)
+        except ConnectionResetError:
+            return False, transport.abort.called
+        return True, transport.abort.called
+
+    assert asyncio.run(scenario(taking=True)) == (True, False)
+    assert asyncio.run(scenario(taking=False)) == (False, True)

@@ -11,7 +11,7 @@ import logging
 
 from aiohttp import web
 
-from daemon.http.edge import CONFIG, cors_headers
+from daemon.http.edge import CONFIG, cors_headers, send_within
 from daemon.http.openai_errors import ApiError, bad_request
 from daemon.http.openai_responses import SSE_DONE, SSE_KEEPALIVE, ResponseShape, sse, usage
 from daemon.http.openai_wire import CompletionRequest
@@ -127,16 +127,9 @@ async def stream(
 
     async def send(data: bytes | None) -> None:
         """`data` written (None: the body's end), or the connection dropped where the
-        client has read none of what is queued for `limit` seconds (a write waits once the
-        socket's buffers are full): a client that stops reading held its connection, and
-        megabytes, for good."""
-        try:
-            sent = response.write(data) if data is not None else response.write_eof()
-            await asyncio.wait_for(sent, limit)
-        except asyncio.TimeoutError:
-            if request.transport is not None:
-                request.transport.abort()  # (what is queued is dropped, not flushed)
-            raise ConnectionResetError(f"the client read nothing for {limit:g} s") from None
+        client has taken none of what is queued for `limit` seconds (`send_within`)."""
+        sent = response.write(data) if data is not None else response.write_eof()
+        await send_within(request, sent, limit)
 
     first = True
     offset = 0  # characters of text sent so far (the completions' text_offset)
