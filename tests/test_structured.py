@@ -441,6 +441,33 @@ def test_named_choice_auto_and_a_conversation_with_results(client: openai.OpenAI
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
 
 
+def test_a_call_cut_by_max_tokens_can_be_sent_back(client: openai.OpenAI) -> None:
+    """A call cut short keeps what was written of its arguments, which is no JSON: sent
+    back in the conversation (as a client does with any answer) it was a 400 naming them.
+    They go to the template as text, as OpenAI takes them."""
+    cut = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=40, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    choice = cut.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)  # cut: no JSON
+    history: list[ChatCompletionMessageParam] = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'},
+    ]  # fmt: skip
+    answer = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=5,
+        temperature=0,
+    )  # fmt: skip
+    assert answer.choices[0].message.content
+
+
 @pytest.mark.parametrize(
     ("change", "param"),
     [

@@ -91,7 +91,9 @@ def parse_tools(body: dict, limits: SchemaLimits) -> tuple[list[Tool] | None, st
 
 def parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     """An assistant message's earlier `tool_calls`, arguments as objects (what chat
-    templates write with `tojson`)."""
+    templates write with `tojson`). Arguments that are not JSON (a call cut short by
+    max_tokens, as specd itself returns it) stay text: templates write a string as it is,
+    or as a JSON string, and OpenAI takes such a message back too."""
     if not isinstance(calls, list):
         raise bad_request(f"{where} must be a list of calls", where)
     out = []
@@ -109,7 +111,7 @@ def parse_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
         try:
             parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
         except ValueError:
-            raise bad_request(f"{param} must be JSON text", param) from None
+            parsed = arguments  # (checked below as any text is)
         except RecursionError:  # json's decoder recurses once per level
             raise bad_request(
                 f"{param} nests more than {MAX_ARGUMENT_DEPTH} levels deep", param
