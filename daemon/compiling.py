@@ -218,6 +218,12 @@ class Compilation:
         for role in self._wanted:
             model, state = self.models[role], self.states[role]
             say = (lambda line, r=role: progress(f"{r}: {line}")) if progress else None
+            if progress is not None and model.device.type == "cpu":
+                # (a first compile on a CPU ran for minutes with nothing said of why)
+                progress(
+                    f"the {role}'s passes: minutes the first time on a CPU (C++ compilation), "
+                    f"less once they are in {self.cache_dir}"
+                )
             if precompile and role in self.folders and model.device.type == "cpu":
                 self._precompile(role)
             try:
@@ -246,6 +252,8 @@ class Compilation:
             state.state, state.passes = "ready", passes
             self.ready_count += 1
             log.info("the %s's passes are compiled (%.1f s)", role, state.warm_seconds)
+            if say is not None:
+                say(f"done in {state.warm_seconds:.1f} s")
 
     def _precompile(self, role: str) -> None:
         """Compile `role`'s graphs in a child process, into the disk cache the in-process

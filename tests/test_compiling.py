@@ -246,6 +246,9 @@ def test_generate_with_compile_on_warms_first_and_prints_the_same(
     captured = capsys.readouterr()
     assert json.loads(captured.out)["token_ids"] == eager["token_ids"]
     assert "specd: compiling target: compiling 1-token steps" in captured.err
+    # what a first compile costs on a CPU, and where it is kept, said before it runs
+    assert "specd: compiling the target's passes: minutes the first time on a CPU" in captured.err
+    assert "specd: compiling target: done in " in captured.err
 
 
 def _greedy(runtime: Runtime, prompt: list[int], n: int) -> list[int]:

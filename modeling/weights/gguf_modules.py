@@ -6,7 +6,6 @@ for."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -24,12 +23,6 @@ from modeling.weights.gguf_blocks import (
     supported_type,
 )
 from modeling.weights.packed import PackedLinear, _itemsize
-
-
-@functools.lru_cache(maxsize=256)
-def _row_bytes(kind: int, columns: int) -> int:
-    """`row_bytes`, remembered (every product asks for its projection's)."""
-    return row_bytes(kind, columns)
 
 
 class GGUFLinear(PackedLinear):
@@ -60,7 +53,10 @@ class GGUFLinear(PackedLinear):
         super().__init__(in_features, out_features, bias, bits=8 * size // elements)
         self.ggml_type = ggml_type
         self.kinds = tuple(supported_type(k) for k in {ggml_type, *kinds})
-        room = max(row_bytes(k, in_features) for k in self.kinds)
+        # Each kind's stored row (every product asks for its own kind's): a dict, not an
+        # lru_cache, which a compiled pass traces through with a warning that alarms.
+        self.row_widths = {k: row_bytes(k, in_features) for k in self.kinds}
+        room = max(self.row_widths.values())
         self.register_buffer("blocks", torch.zeros(out_features, room, dtype=torch.uint8))
         # The kernel's product for the blocks as they were last seen: (their address,
         # shape and type) → a BlockProduct, or None where no kernel takes them.
@@ -76,7 +72,7 @@ class GGUFLinear(PackedLinear):
 
     def stored(self) -> torch.Tensor:
         """This layer's rows as stored, (out, row_bytes) uint8."""
-        width = _row_bytes(self.ggml_type, self.in_features)
+        width = self.row_widths.get(self.ggml_type) or row_bytes(self.ggml_type, self.in_features)
         if width == self.blocks.shape[1]:
             return self.blocks
         return self.blocks.view(-1)[: self.out_features * width].view(self.out_features, width)
