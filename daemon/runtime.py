@@ -183,6 +183,14 @@ class Runtime:
             self.draft_kind = NGRAM
         elif placed.substitute is not None:
             self.draft, self.draft_kind = placed.substitute, SUBSTITUTE
+            if self.substitute_layers == 0:  # (the stats said substitute_bits, nothing more)
+                log.warning(
+                    "--draft substitute: every layer of the target is resident, so each is its "
+                    "own substitute and no %s-bit copy is made: the target drafts for itself, "
+                    "a draft pass at a target pass's cost (--offload stream streams layers; "
+                    "--draft ngram costs nothing)",
+                    self.substitute_bits,
+                )
         elif draft_ckpt is not None:
             self.draft, self.draft_checkpoint = load_draft_model(
                 asked, target, ckpt, tokenizer, self.dtype, self.device

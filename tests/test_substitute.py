@@ -410,13 +410,18 @@ def test_a_packed_target_shares_its_layers_at_equal_bits(shared_models: Path) ->
     assert drafting.substitute_bits == 4  # not 8: no more bits than the target has
 
 
-def test_a_resident_target_says_its_substitute_is_itself(stories_target: Path) -> None:
+def test_a_resident_target_says_its_substitute_is_itself(
+    stories_target: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Every layer resident (a CPU run): no layer has a low-bit copy, and the stats, the
-    status and the plan say so rather than only the bits asked for."""
-    rt = Runtime(
-        RuntimeOptions(model=str(stories_target), draft="substitute", substitute_bits=2,
-                       device="cpu", context=256)
-    )  # fmt: skip
+    status, the plan and the log (what `specd generate` shows) say so rather than only the
+    bits asked for."""
+    with caplog.at_level("WARNING", logger="specd"):
+        rt = Runtime(
+            RuntimeOptions(model=str(stories_target), draft="substitute", substitute_bits=2,
+                           device="cpu", context=256)
+        )  # fmt: skip
+    assert any("the target drafts for itself" in r.getMessage() for r in caplog.records)
     assert rt.draft_stats() == {
         "draft_kind": "substitute", "substitute_bits": 2, "substitute_layers": 0,
         "draft_reason": None,  # given, not chosen by `--draft auto`
