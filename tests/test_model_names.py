@@ -90,6 +90,21 @@ def test_generate_with_a_missing_gguf_file_is_one_line_and_exit_2(
     )
 
 
+def test_serve_with_a_relative_path_from_a_config_file_says_where_it_looked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative path in a YAML file is taken from the folder specd runs in, not the
+    file's: the one line says which file gave it and which folder it was looked for in."""
+    config = tmp_path / "cfg" / "specd.yaml"
+    config.parent.mkdir()
+    config.write_text("models:\n  target: models/x.gguf\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["serve", "--config", str(config), "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "model file models/x.gguf does not exist" in err
+    assert f"models.target in {config}" in err and f"runs in, {tmp_path};" in err
+
+
 # ---- the served id and the names a request may give ----
 
 

@@ -16,7 +16,6 @@ from daemon.cli.plan import (
     add_prefix_cache_arg,
     add_quantize_args,
 )
-from daemon.options import RuntimeOptions
 from daemon.settings import (
     COMPILE_CHOICES,
     DEVICE_CHOICES,
@@ -192,7 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from daemon.http.server import read_api_key, serve
 
     settings = settings_from_args(args)
-    check_local_models(settings.runtime_options())  # fail now, in one line, before listening
+    check_local_models(settings)  # fail now, in one line, before listening
     read_api_key(settings.server.api_key_file)
     setup_logging(settings.logging.level)
     status = asyncio.run(serve(settings))
@@ -200,22 +199,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return status
 
 
-def check_local_models(options: RuntimeOptions) -> None:
+def check_local_models(settings: Settings) -> None:
     """Read the metadata of each model that is on this machine (a folder, a GGUF file, a
     model store's, or a path, which no hub id is), as the engine thread will: a missing,
     malformed or hostile file is then one line on stderr and exit status 2 before the
     daemon listens, not a load failure in its log. A hub id is left to the engine:
-    resolving it may download."""
-    from modeling.checkpoints.checkpoint import on_this_machine, open_checkpoint
+    resolving it may download. A relative path a configuration file gave that is not
+    there says so, and which folder it was taken from."""
+    from modeling.checkpoints.checkpoint import ModelNotFoundError, on_this_machine, open_checkpoint
 
-    for ref, quantize in (
-        (options.model, options.quantize),
-        (options.draft, options.draft_quantize),
+    options = settings.runtime_options()
+    for key, ref, quantize in (
+        ("models.target", options.model, options.quantize),
+        ("models.draft", options.draft, options.draft_quantize),
     ):
         if ref is None or ref in ("ngram", "substitute", "auto"):
             continue
-        if on_this_machine(ref):  # (or a path that is not there: a missing file)
+        if not on_this_machine(ref):  # (a path that is not there is on this machine)
+            continue
+        try:
             open_checkpoint(ref, quantize, compare_head=False)  # (the load compares)
+        except ModelNotFoundError as exc:
+            source = settings.sources.get(key, "")
+            if not source.startswith("file ") or Path(ref).expanduser().is_absolute():
+                raise
+            raise ModelNotFoundError(
+                f"{exc} ({key} in {source.removeprefix('file ')}: a relative path is taken "
+                f"from the folder specd runs in, {Path.cwd()}; write it whole)"
+            ) from None
 
 
 def exit_now_if_compiling(status: int) -> None:
