@@ -110,3 +110,34 @@ def test_nothing_after_a_stop() -> None:
 def test_no_stops_passes_everything() -> None:
     out, tail, stopped = _run([], ["a", "b"])
     assert out == ["a", "b"] and tail == "" and not stopped
+
+
+def _reference(stops: list[str], pieces: list[str]) -> tuple[list[str], str, bool]:
+    """Stop strings by brute force: the earliest start of any stop in all the text, and
+    the longest tail that is a proper prefix of a stop held back."""
+    text, shown, out = "", 0, []
+    for piece in pieces:
+        text += piece
+        hits = [i for s in stops if (i := text.find(s)) >= 0]
+        if hits:
+            out.append(text[shown : min(hits)])
+            return out + [""] * (len(pieces) - len(out)), "", True
+        hold = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        out.append(text[shown : len(text) - hold])
+        shown = len(text) - hold
+    return out, text[shown:], False
+
+
+def test_stop_matching_equals_brute_force_on_random_text() -> None:
+    """Stops that overlap themselves and each other ('abab', 'aab', 'b'), over pieces of
+    random lengths: the same text shown, held and cut as the brute force gives."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        stops = ["".join(rng.choices("ab", k=rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        pieces = [
+            "".join(rng.choices("abc", k=rng.randint(0, 4))) for _ in range(rng.randint(1, 6))
+        ]
+        assert _run(stops, pieces) == _reference(stops, pieces), (stops, pieces)
+

@@ -9,6 +9,7 @@ is new, holding back while the window ends in an incomplete character (U+FFFD).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -53,10 +54,18 @@ class IncrementalDetokenizer:
 
 class StopMatcher:
     """Stop strings that may span tokens. `push` returns the text that is safe to show:
-    anything that could still be the start of a stop string is held back."""
+    anything that could still be the start of a stop string is held back.
+
+    Each stop string is followed by a Knuth-Morris-Pratt automaton over the characters as
+    they come (its state: the longest prefix of the stop that ends the text so far), so a
+    character costs the same whatever is held back. Looking for each stop's every prefix
+    at the end of what is held back cost a copy per prefix per token: sixteen stops of
+    59,000 characters made each token cost 0.89 s of the engine's time."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [s for s in stops if s]
+        self._fail = [_failure(s) for s in self.stops]
+        self._state = [0] * len(self.stops)  # per stop: how much of it ends the text
         self.pending = ""
         self.stopped = False
 
@@ -67,13 +76,25 @@ class StopMatcher:
         if not self.stops:
             out, self.pending = self.pending, ""
             return out
-        hits = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
-        if hits:
-            cut = min(i for i, _ in hits)
+        base = len(self.pending) - len(text)  # where `text` begins in `pending`
+        cut: int | None = None  # the earliest start of a stop found in this text
+        for k, (stop, fail) in enumerate(zip(self.stops, self._fail, strict=True)):
+            state, size = self._state[k], len(stop)
+            for at, char in enumerate(text):
+                while state and stop[state] != char:
+                    state = fail[state - 1]
+                if stop[state] == char:
+                    state += 1
+                if state == size:  # its first whole occurrence ends here
+                    start = base + at + 1 - size
+                    cut = start if cut is None else min(cut, start)
+                    break
+            self._state[k] = state
+        if cut is not None:
             self.stopped = True
             out, self.pending = self.pending[:cut], ""
             return out
-        hold = self._partial_suffix()
+        hold = max(self._state)  # the longest tail that may begin a stop (a proper prefix)
         out = self.pending[: len(self.pending) - hold]
         self.pending = self.pending[len(self.pending) - hold :]
         return out
@@ -82,12 +103,16 @@ class StopMatcher:
         out, self.pending = ("" if self.stopped else self.pending), ""
         return out
 
-    def _partial_suffix(self) -> int:
-        """Length of the longest tail of `pending` that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(self.pending)), best, -1):
-                if self.pending.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
+
+def _failure(stop: str) -> array[int]:
+    """KMP's table: for each prefix stop[: i + 1], the length of its longest proper prefix
+    that is also its suffix (4 bytes a character: a request's stops may be a megabyte)."""
+    fail = array("i", bytes(4 * len(stop)))
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fail[i] = k
+    return fail
