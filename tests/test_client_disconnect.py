@@ -23,6 +23,8 @@ def server(stories_target: Path) -> Iterator[BackgroundServer]:
         "models.target": (str(stories_target), "--model"),
         "runtime.compile": ("off", "test"),
         "server.port": (0, "--port"),
+        # (an answer asked again would be replayed from the cache, done before it is read)
+        "speculation.prefix_cache": (0, "test"),
     }
     with BackgroundServer(load_settings(overrides=overrides, environ={})) as srv:
         yield srv
@@ -63,3 +65,29 @@ def test_a_client_hanging_up_mid_stream_is_one_debug_line_with_the_request_id(
     stream_id = _hang_up_mid_stream(server)
     lines = [r for r in caplog.records if stream_id in r.getMessage()]
     assert [r.levelno for r in lines] == [logging.DEBUG]
+
+
+def test_a_client_hanging_up_while_its_stream_has_nothing_to_send_is_noticed(
+    server: BackgroundServer,
+) -> None:
+    """A stream whose text is all held back (every character so far may begin its stop
+    string) writes nothing, so no failed write tells it the client left: it ran on to
+    max_tokens. Its connection is looked at after every round's events."""
+    engine = server.server.engine
+    # the whole context's answer (512 tokens): its text + one more character is the stop
+    body = {"prompt": [1], "max_tokens": 511, "ignore_eos": True, "temperature": 0}
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body))
+    text = json.loads(conn.getresponse().read())["choices"][0]["text"]
+    conn.close()
+    cancelled = engine.metrics.cancelled.value
+    conn = http.client.HTTPConnection("127.0.0.1", server.server.port, timeout=30)
+    held = {**body, "stream": True, "stop": text + "\x01"}
+    conn.request("POST", "/v1/completions", json.dumps(held))
+    assert conn.getresponse().status == 200  # the headers, and nothing more to read
+    conn.sock.close()
+    conn.close()
+    deadline = time.monotonic() + 20
+    while engine.metrics.cancelled.value == cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)  # the handler looks between rounds
+    assert engine.metrics.cancelled.value == cancelled + 1

@@ -140,4 +140,3 @@ def test_stop_matching_equals_brute_force_on_random_text() -> None:
             "".join(rng.choices("abc", k=rng.randint(0, 4))) for _ in range(rng.randint(1, 6))
         ]
         assert _run(stops, pieces) == _reference(stops, pieces), (stops, pieces)
-

@@ -151,6 +151,10 @@ async def stream(
             batch = [event]
             while not job.events.empty():
                 batch.append(job.events.get_nowait())
+            if _client_gone(request):
+                # (a stream that has nothing to write, its text held back by a stop
+                # string's prefix, is told of a client that left by no failed write)
+                raise ConnectionResetError("client disconnected")
             for trace in (t for e in batch if isinstance(e, Chunk) for t in e.trace):
                 await send(sse(shape.trace_chunk(trace)))
             text = "".join(e.text for e in batch if isinstance(e, Chunk))
