@@ -552,6 +552,32 @@ def test_nesting_around_the_parser_s_limit_is_never_a_500(
             assert_openai_error(reply, 400)
 
 
+@pytest.mark.parametrize("role", [["user"], {"a": 1}, 1, None, True])
+def test_a_role_of_another_json_type_is_a_400_naming_it(
+    server: BackgroundServer, role: Any
+) -> None:
+    """A list or an object as a role was looked up in the roles' table: unhashable, a 500."""
+    raw = json.dumps(chat(messages=[{"role": role, "content": "Hi"}])).encode()
+    reply = exchange(port(server), request("POST", "/v1/chat/completions", body=raw))
+    error = assert_openai_error(reply, 400)
+    assert error["param"] == "messages[0].role"
+
+
+def test_an_error_quoting_a_huge_value_keeps_its_start_and_end(server: BackgroundServer) -> None:
+    """A message may quote what the request sent: a 1 MiB `model` was answered with a
+    2.9 MB message (held by a client that never reads it). Its middle is cut."""
+    messages = []
+    for name in ("m", "m" * 600_000):
+        raw = json.dumps(chat(model=name)).encode()
+        reply = exchange(port(server), request("POST", "/v1/chat/completions", body=raw))
+        assert reply.status == 404 and len(reply.body) < 4096, len(reply.body)
+        messages.append(json.loads(reply.body)["error"]["message"])
+    short, cut = messages
+    assert cut.startswith("model 'mmm") and "characters …]" in cut
+    advice = short.split("'m'", 1)[1]  # what follows the quoted name
+    assert cut.endswith(advice), (short, cut[-200:])
+
+
 def _called(call_id: str = "c1", arguments: str = "{}") -> list[dict]:
     """A conversation whose assistant called a tool and got its answer."""
     call = {"id": call_id, "type": "function", "function": {"name": "f", "arguments": arguments}}

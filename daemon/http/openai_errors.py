@@ -7,6 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+# The longest error message answered (characters; longer ones lose their middle).
+MAX_MESSAGE = 2000
+
 
 class ApiError(Exception):
     """An error answered as {"error": {"message", "type", "param", "code"}}."""
@@ -21,6 +24,12 @@ class ApiError(Exception):
         code: str | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        if len(message) > MAX_MESSAGE:
+            # A message may quote what the request sent (a 1 MiB `model` made a 2.9 MB
+            # answer): its middle is cut, the start and the advice at its end are kept.
+            cut = len(message) - MAX_MESSAGE
+            head = MAX_MESSAGE * 2 // 3
+            message = f"{message[:head]}[… {cut:,} characters …]{message[head + cut :]}"
         super().__init__(message)
         self.status = status
         self.message = message

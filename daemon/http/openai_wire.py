@@ -135,7 +135,7 @@ def parse_chat(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
         if not isinstance(msg, dict):
             raise bad_request(f"{where} must be an object with role and content", where)
         role = msg.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise bad_request(
                 f"{where}.role must be one of system, developer, user, assistant, tool; "
                 f"got {role!r}",
