@@ -18,6 +18,12 @@ from modeling.errors import RequestError
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 
 
+# The smallest repetition penalty: a seen token's positive logit is divided by it, and below
+# about 1e-37 that overflowed float32 (inf - inf: NaN in the softmax, a 500 at T > 0). At
+# 0.01 a logit grows a hundredfold, past any use.
+MIN_REPETITION_PENALTY = 0.01
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """An emitted token's log-probability under the target's next-token distribution at
@@ -71,7 +77,11 @@ class SamplingParams:
             ("top_k", self.top_k >= 0, "0 (off) or a positive integer"),
             ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "in (0, 10]"),
+            (
+                "repetition_penalty",
+                MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0,
+                f"in [{MIN_REPETITION_PENALTY}, 10]",
+            ),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**64, "a 64-bit integer"),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from speculative.sampling import (
+    MIN_REPETITION_PENALTY,
     PenaltyContext,
     SamplingParams,
     apply_penalties,
@@ -106,6 +107,20 @@ def test_repetition_penalty_exact_values() -> None:
     params = SamplingParams(repetition_penalty=2.0)
     got = apply_penalties(LOGITS, params, *_context().rows())
     torch.testing.assert_close(got, torch.tensor([[1.0, -2.0, 0.25, 3.0, 1.0]]))
+
+
+def test_the_smallest_repetition_penalty_keeps_the_distribution_finite() -> None:
+    """A seen token's positive logit divided by a penalty under ~1e-37 overflowed: two
+    infinities made a NaN distribution (a 500 from the linear strategy at T=1). The
+    smallest allowed penalty, with logits as large as a logit bias makes them, stays a
+    distribution at any temperature; a smaller one is refused, naming the field."""
+    logits = LOGITS * 50  # up to 150
+    for temperature in (1.0, 1e-3, 1e-30):
+        params = SamplingParams(temperature=temperature, repetition_penalty=MIN_REPETITION_PENALTY)
+        probs = probabilities(logits, params, _context().rows())
+        assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1.0) < 1e-5
+    with pytest.raises(ValueError, match="repetition_penalty=1e-38 is out of range"):
+        SamplingParams(repetition_penalty=1e-38)
 
 
 def test_frequency_and_presence_penalties_exact_values() -> None:

@@ -153,7 +153,9 @@ def test_negative_or_huge_max_tokens(server: BackgroundServer, value: int) -> No
 
 
 @pytest.mark.parametrize(("field", "value"), [("temperature", 2.5), ("temperature", -0.1),
-                                              ("top_p", 0), ("presence_penalty", 3)])  # fmt: skip
+                                              ("top_p", 0), ("presence_penalty", 3),
+                                              ("repetition_penalty", 1e-38),
+                                              ("repetition_penalty", 0.009)])  # fmt: skip
 def test_sampling_values_out_of_range(server: BackgroundServer, field: str, value: float) -> None:
     assert_error(call(server, {**good(), field: value}), 400, field)
 

@@ -16,7 +16,7 @@ from typing import Any
 from daemon.http.openai_errors import bad_request
 from daemon.settings import STRATEGY_CHOICES, TREE_VERIFICATION_CHOICES
 from speculative.grammar import Grammar
-from speculative.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from speculative.sampling import MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY, SamplingParams
 from speculative.schema_limits import SchemaLimits, check_schema
 
 MAX_STOP_STRINGS = 16
@@ -234,7 +234,7 @@ def generation_fields(body: dict, limits: WireLimits, chat: bool) -> dict[str, A
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, open_lo=True),
         top_k=top_k or 0,
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, open_lo=True),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, MIN_REPETITION_PENALTY, 10.0),
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         seed=seed,
