@@ -37,7 +37,7 @@ from typing import Any
 from daemon.jobs import GenerationRequest
 from daemon.runtime import Runtime, RuntimeSetupError
 from modeling.errors import RequestError
-from modeling.text.tokenizer import ChatTemplateError, Tokenizer, TokenizerFailure
+from modeling.text.tokenizer import ChatTemplateError, TextTooLong, Tokenizer, TokenizerFailure
 from speculative.grammar import Grammar
 from speculative.grammar_compiler import GrammarCompiler
 from speculative.harmony import harmony_call_grammar
@@ -197,17 +197,23 @@ def _prompt_ids(runtime: Runtime, ask: Ask) -> list[int]:
     tok = runtime.tokenizer
     param = "messages" if ask.messages is not None else "prompt"
     _refuse_what_cannot_fit(ask, param, runtime.context, tok.max_token_chars)
-    if ask.messages is not None:
-        try:
-            ids = _encode_conversation(tok, ask.messages, ask.tools)
-        except (ChatTemplateError, TokenizerFailure) as exc:
-            raise RequestError(str(exc), "messages") from None
-    elif isinstance(ask.prompt, str):
-        try:
-            ids = tok.encode(ask.prompt)
-        except TokenizerFailure as exc:
-            raise RequestError(str(exc), "prompt") from None
-    else:
+    room = runtime.context - 1  # (the prompt plus at least one new token)
+    try:
+        if ask.messages is not None:
+            ids = _encode_conversation(tok, ask.messages, ask.tools, room)
+        elif isinstance(ask.prompt, str):
+            ids = tok.encode(ask.prompt, at_most=room)
+    except TextTooLong as exc:
+        raise RequestError(
+            f"the prompt has at least {exc.tokens} tokens but the context holds "
+            f"{runtime.context} (prompt plus at least one new token must fit); shorten the "
+            "prompt or raise context.length",
+            param,
+            "context_length_exceeded",
+        ) from None
+    except (ChatTemplateError, TokenizerFailure) as exc:
+        raise RequestError(str(exc), param) from None
+    if ask.messages is None and not isinstance(ask.prompt, str):
         assert ask.prompt is not None
         vocab = runtime.target.config.vocab_size
         bad = [t for t in ask.prompt if not 0 <= t < vocab]
@@ -268,7 +274,7 @@ def _conversation_chars(ask: Ask) -> int:
 
 
 def _encode_conversation(
-    tok: Tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None
+    tok: Tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None, at_most: int
 ) -> list[int]:
     """A conversation's prompt ids: the tools, earlier calls and their results rendered by
     the model's template where it has a tool format (Qwen's, Llama 3's, Mistral's,
@@ -280,8 +286,8 @@ def _encode_conversation(
         ]
     if tok.harmony or native_format(tok.chat_template, tok.vocabulary) is not None:
         offered = [t.as_openai() for t in tools] if tools else None
-        return tok.encode_chat(messages, tools=offered)
-    return tok.encode_chat(render_tool_messages(messages, tools))
+        return tok.encode_chat(messages, tools=offered, at_most=at_most)
+    return tok.encode_chat(render_tool_messages(messages, tools), at_most=at_most)
 
 
 def _max_tokens(ask: Ask, prompt_tokens: int, context: int, clamp: bool) -> int:

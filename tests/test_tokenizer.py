@@ -241,3 +241,31 @@ def test_hub_template_features_render_as_transformers_does(template: str, expect
 def test_template_that_does_not_compile_is_a_chat_template_error() -> None:
     with pytest.raises(ChatTemplateError, match="does not compile"):
         _stub_tokenizer("{% for m in messages %}{{ m.content }}")
+
+
+def test_a_text_far_past_the_limit_is_refused_from_its_start(stories_target: Path) -> None:
+    """`at_most`: a megabyte of digits (a token each) took 3.3 s to tokenize before being
+    refused for the context. A text longer than PROBE_CHARS characters per token allowed
+    has its start counted first; past the limit, the rest is never tokenized."""
+    from modeling.text.tokenizer import PROBE_CHARS, TextTooLong
+
+    tok = _tokenizer(stories_target)
+    seen: list[int] = []
+    real = tok.backend
+
+    class Spy:  # the tokenizers library's object, each text's length noted
+        def encode_batch(self, texts: list[str], **kwargs: object) -> object:
+            seen.extend(len(t) for t in texts)
+            return real.encode_batch(texts, **kwargs)
+
+    tok.backend = Spy()  # type: ignore[assignment]
+    with pytest.raises(TextTooLong) as caught:
+        tok.encode("7" * 1_000_000, at_most=500)
+    assert caught.value.tokens > 500 and seen == [PROBE_CHARS * 500]
+    # Within the limit (or no limit), the ids are the whole text's, as before.
+    text = "Once upon a time there was a cat. " * 200
+    tok.backend = real
+    whole = tok.encode(text)
+    assert tok.encode(text, at_most=len(whole)) == whole
+    with pytest.raises(TextTooLong):
+        tok.encode(text, at_most=len(whole) // 4)

@@ -233,21 +233,33 @@ class Tokenizer:
         n / max_token_chars tokens, short of a normaliser contracting it."""
         return max(1, max((len(piece) for piece in self.vocabulary), default=1))
 
-    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _ids(self, text: str, add_special_tokens: bool, at_most: int | None = None) -> list[int]:
         # `encode_batch` releases the GIL while it works (`encode` holds it: 0.6 s for a
         # megabyte, with the event loop frozen meanwhile); same ids.
+        if at_most is not None and len(text) > PROBE_CHARS * at_most:
+            # A text that may be far longer than `at_most` tokens: its start is counted
+            # first (a megabyte of digits, a token each, took 3.3 s to tokenize before
+            # being refused for the context). Cut anywhere, a text's start has its
+            # tokens, give or take a few at the cut.
+            probe = self._ids(text[: PROBE_CHARS * at_most], add_special_tokens)
+            if len(probe) - PROBE_MARGIN > at_most:
+                raise TextTooLong(len(probe) - PROBE_MARGIN)
         try:
             return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         except BaseException as err:
             raise _failure(err, "tokenize this text") from None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids for `text`; with `add_special_tokens`, BOS as the tokenizer config asks."""
+    def encode(
+        self, text: str, add_special_tokens: bool = True, at_most: int | None = None
+    ) -> list[int]:
+        """Token ids for `text`; with `add_special_tokens`, BOS as the tokenizer config asks.
+        `at_most`: a text whose start alone has more tokens is refused (`TextTooLong`)
+        without tokenizing the rest; one of fewer may still have more."""
         if not add_special_tokens:
-            return self._ids(text, False)
+            return self._ids(text, False, at_most)
         if self.add_bos is None:
-            return self._ids(text, True)
-        ids = self._ids(text, False)
+            return self._ids(text, True, at_most)
+        ids = self._ids(text, False, at_most)
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id, *ids]
         return ids
@@ -321,14 +333,33 @@ class Tokenizer:
             raise ChatTemplateError(f"{self._whose_template()} failed: {exc}") from exc
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        at_most: int | None = None,
     ) -> list[int]:
         """Prompt ids for a conversation, ready for the assistant's turn; `tools` (OpenAI's
-        shape) go to a template that renders them (speculative/tool_calls.py)."""
+        shape) go to a template that renders them (speculative/tool_calls.py). `at_most`
+        as `encode`'s."""
         text = self.render_chat(messages, tools=tools)
-        if self.has_chat_template:
-            return self.encode(text, add_special_tokens=False)  # the template writes BOS itself
-        return self.encode(text, add_special_tokens=True)
+        # (a template writes BOS itself)
+        return self.encode(text, add_special_tokens=not self.has_chat_template, at_most=at_most)
+
+
+# A text longer than this many characters per token allowed has its start counted first
+# (`Tokenizer._ids`): 8 is twice an English token's, eight times a digit's; and the tokens a
+# cut may add to that count.
+PROBE_CHARS = 8
+PROBE_MARGIN = 16
+
+
+class TextTooLong(RequestError):
+    """A text whose start alone has more tokens than were allowed (`tokens` of them, at
+    least): the rest was not tokenized."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__(f"the text has at least {tokens} tokens", None, "context_length_exceeded")
+        self.tokens = tokens
 
 
 class TokenizerFailure(RequestError):
