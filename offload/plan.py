@@ -254,7 +254,9 @@ class MemoryPlan:
         if t.quantization:
             rebuild = f"one projection at a time, {format_size(t.dequant_bytes)} at most"
             how = (
-                "products computed from the blocks by the CPU kernels; a pass longer than "
+                "kept dequantized: there is room (see the note)"
+                if self.dequantized_resident
+                else "products computed from the blocks by the CPU kernels; a pass longer than "
                 f"theirs rebuilds {rebuild}"
                 if t.packed_kernels
                 else f"rebuilt for its matmul: {rebuild}"

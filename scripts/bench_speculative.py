@@ -142,7 +142,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=3, help=f"how many of {len(PROMPTS)} prompts")
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--linear-max", type=int, default=8)
-    ap.add_argument("--out", default=str(ROOT / "bench-results"))
+    ap.add_argument(
+        "--out",
+        default=str(ROOT / "bench-results"),
+        help="the folder the JSON record is written in",
+    )
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers' reference")
     ap.add_argument("--threads", type=int, default=1, help="1: less waiting on a busy machine")
     ap.add_argument("--pairs", type=int, default=5, help="interleaved auto/autoregressive pairs")

@@ -253,7 +253,7 @@ class AutoBudget:
         best_tree = max(trees, default=0.0)
         return (
             f"auto: plain decoding, predicted {plain:.0f} tokens/s; the best tree measured "
-            f"so far would give {best_tree:.0f} tokens/s (a draft pass costs "
+            f"so far would give {best_tree:.0f} tokens/s (a draft step, model or lookup, costs "
             f"{self.draft_unit_seconds * 1e3:.2f} ms here): speculation does not pay"
         )
 

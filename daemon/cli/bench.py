@@ -214,6 +214,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="compare strategies on the configured model pair")
     add_settings_args(bench)
+    for action in bench._actions:  # (a benchmark listens nowhere: the daemon's flags)
+        if action.dest in ("host", "port", "api_key_file"):
+            action.help = argparse.SUPPRESS
     bench.add_argument("--prompt", default="Once upon a time")
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--strategies", nargs="+", default=None, help="default: all that apply")
