@@ -274,7 +274,10 @@ def _conversation_chars(ask: Ask) -> int:
 
 
 def _encode_conversation(
-    tok: Tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None, at_most: int
+    tok: Tokenizer,
+    messages: list[dict[str, Any]],
+    tools: list[Tool] | None,
+    at_most: int | None = None,
 ) -> list[int]:
     """A conversation's prompt ids: the tools, earlier calls and their results rendered by
     the model's template where it has a tool format (Qwen's, Llama 3's, Mistral's,

@@ -109,6 +109,18 @@ def _first_added_id(value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return change
 
 
+def _part(part: str, value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda tok: {**tok, part: value}
+
+
+def _special_ids(ids: list[int]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def change(tok: dict[str, Any]) -> dict[str, Any]:
+        tok["post_processor"]["special_tokens"]["<s>"]["ids"] = ids
+        return tok
+
+    return change
+
+
 DEEP = "[" * 100_000
 TOKENIZER, TC = "tokenizer.json", "tokenizer_config.json"
 GEN, CONFIG = "generation_config.json", "config.json"
@@ -146,6 +158,39 @@ MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
         _edit(TOKENIZER, _vocab("<unk>", 700)),  # (as many tokens, one id past the rows)
         TOKENIZER,
         "ids up to 700 but the model has 512 embedding rows",
+    ),
+    # a normalizer, pre-tokenizer or decoder that writes megabytes for what it matches
+    # (a 12-space prompt became 36M tokens, 6.9 GB), a post-processor id past the rows
+    "tokenizer-normalizer-replace-bomb": (
+        _edit(
+            TOKENIZER,
+            _part(
+                "normalizer",
+                {"type": "Replace", "pattern": {"String": " "}, "content": "a" * 3_000_000},
+            ),
+        ),
+        TOKENIZER,
+        "normalizer writes 3,000,000 characters for a match (content)",
+    ),
+    "tokenizer-decoder-replace-bomb": (
+        _edit(
+            TOKENIZER,
+            _part(
+                "decoder", {"type": "Replace", "pattern": {"String": "a"}, "content": " " * 100_000}
+            ),
+        ),
+        TOKENIZER,
+        "decoder writes 100,000 characters",
+    ),
+    "tokenizer-prepend-bomb": (
+        _edit(TOKENIZER, _part("normalizer", {"type": "Prepend", "prepend": "x" * 1000})),
+        TOKENIZER,
+        "(prepend)",
+    ),
+    "tokenizer-special-id-past-the-embedding": (
+        _edit(TOKENIZER, _special_ids([4_000_000_000])),
+        TOKENIZER,
+        "ids up to 4,000,000,000 but the model has 512 embedding rows",
     ),
     # tokenizer_config.json
     "bos-token-a-number": (_edit(TC, _with("bos_token", 5)), TC, "bos_token is 5"),

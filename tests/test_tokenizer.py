@@ -269,3 +269,27 @@ def test_a_text_far_past_the_limit_is_refused_from_its_start(stories_target: Pat
     assert tok.encode(text, at_most=len(whole)) == whole
     with pytest.raises(TextTooLong):
         tok.encode(text, at_most=len(whole) // 4)
+
+
+def test_a_files_padding_and_truncation_are_not_applied(
+    stories_target: Path, tmp_path: Path
+) -> None:
+    """tokenizer.json's `padding` and `truncation` are a training pipeline's: padding to a
+    fixed 20,000,000 cost every prompt 16 s and 2.4 GB; truncation cut prompts silently."""
+    folder = tmp_path / "model"
+    shutil.copytree(stories_target, folder)
+    for file in [folder, *folder.iterdir()]:
+        file.chmod(0o755 if file.is_dir() else 0o644)
+    plain = _tokenizer(folder).encode("Once upon a time there was a cat")
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None,
+                      "pad_id": 0, "pad_type_id": 0, "pad_token": "<unk>"}  # fmt: skip
+    tok["truncation"] = {
+        "direction": "Right",
+        "max_length": 2,
+        "strategy": "LongestFirst",
+        "stride": 0,
+    }
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    assert _tokenizer(folder).encode("Once upon a time there was a cat") == plain
+    assert len(plain) > 2

@@ -11,6 +11,7 @@ template at load (so a broken one fails there), the fallback at its first use, s
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -98,10 +99,46 @@ def _backend(file: Path) -> HFTokenizer:
     (which bounds its own nesting)."""
     text = read_text(file, MAX_TOKENIZER_BYTES)
     try:
-        return HFTokenizer.from_str(text)
+        backend = HFTokenizer.from_str(text)
     except Exception as exc:
         said = library_refusal(exc)
         raise CheckpointError(f"{file}: not a tokenizer ({said}): {DAMAGED}") from None
+    # A file's padding and truncation are a training pipeline's: padding to a fixed length
+    # of 20,000,000 cost every prompt 16 s and 2.4 GB, truncation cut prompts silently.
+    backend.no_padding()
+    backend.no_truncation()
+    _check_replacements(backend, file)
+    return backend
+
+
+# The most characters a normalizer, pre-tokenizer or decoder step may write for what it
+# matches (real ones write one: "▁" for " ", " " for "▁").
+MAX_REPLACEMENT = 64
+
+
+def _check_replacements(backend: HFTokenizer, file: Path) -> None:
+    """Refuse a normalizer, pre-tokenizer or decoder that writes more than MAX_REPLACEMENT
+    characters for what it matches (`Replace`'s content, `Prepend`, a `Metaspace`
+    replacement): a Replace of " " by 3,000,000 characters made a 12-space prompt 36M
+    tokens (6.9 GB, then the allocator's abort), a decoder's made 40 tokens 115 MB."""
+    for part in ("normalizer", "pre_tokenizer", "decoder"):
+        component = getattr(backend, part)
+        if component is None:
+            continue
+        stack: list[Any] = [json.loads(component.__getstate__())]  # (nesting: the library's)
+        while stack:
+            value = stack.pop()
+            if isinstance(value, list):
+                stack.extend(value)
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    long = isinstance(item, str) and len(item) > MAX_REPLACEMENT
+                    if long and key in ("content", "prepend", "replacement"):
+                        raise CheckpointError(
+                            f"{file}: its {part} writes {len(item):,} characters for a match "
+                            f"({key}); at most {MAX_REPLACEMENT}: {DAMAGED}"
+                        )
+                    stack.append(item)
 
 
 def library_refusal(exc: Exception) -> str:
@@ -223,7 +260,9 @@ class Tokenizer:
     def id_limit(self) -> int:
         """One past the largest id the tokenizer can produce, added tokens included: the
         embedding rows a model needs (ids may have gaps, so not always `vocab_size`)."""
-        return max(self.vocabulary.values(), default=-1) + 1
+        # (a post-processor's special tokens are ids of their own: none past the model's)
+        special = self.backend.encode("", add_special_tokens=True).ids
+        return max(max(self.vocabulary.values(), default=-1), max(special, default=-1)) + 1
 
     @functools.cached_property
     def max_token_chars(self) -> int:
