@@ -198,6 +198,12 @@ MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
     "eos-token-a-list": (_edit(TC, _with("eos_token", ["</s>"])), TC, "eos_token is"),
     "add-bos-token-text": (_edit(TC, _with("add_bos_token", "yes")), TC, "add_bos_token is"),
     "tokenizer-config-garbage": (_write(TC, "{nope"), TC, "not JSON"),
+    # a template of 500 KB took 13.7 s and 1.2 GB to compile (and `plan` compiles it)
+    "chat-template-too-long": (
+        _edit(TC, _with("chat_template", "{{x}}" * 40_000)),
+        TC,
+        "is 200,000 characters",
+    ),
     "tokenizer-config-nested-deep": (_write(TC, DEEP), TC, "nested over"),
     # generation_config.json
     "eos-id-nested-list": (_edit(GEN, _with("eos_token_id", [[2]])), GEN, "eos_token_id is"),

@@ -70,11 +70,22 @@ def folder_chat_template(path: Path, tc: dict[str, Any]) -> tuple[str | None, st
     return template, source
 
 
+# The longest chat template compiled: a 500 KB one took 13.7 s and 1.2 GB to compile, and a
+# file may hold 32 MiB of them (GGUF metadata, 128 MiB).
+MAX_TEMPLATE_CHARS = 128 << 10
+
+
 def compile_chat_template(template: str, source: str) -> Template:
     """A model's chat template compiled (sandboxed: modeling/text/chat_template.py), or
     ChatTemplateError naming `source` (the file and key it came from; "" for specd's own)."""
     from modeling.text.chat_template import TemplateError, compile_template
 
+    if len(template) > MAX_TEMPLATE_CHARS:  # (compiling costs ~30 ms and 2.5 MB a KB)
+        whose = f"{source}, the model's chat template," if source else "the chat template"
+        raise ChatTemplateError(
+            f"{whose} is {len(template):,} characters; at most {MAX_TEMPLATE_CHARS:,} "
+            "(real ones are under 20,000)"
+        )
     try:
         return compile_template(template)
     except TemplateError as exc:
