@@ -51,21 +51,10 @@ class DraftChoice:
 def local_models() -> list[tuple[str, Path]]:
     """(name, path) of the models on this machine: the stores' GGUF files and the hub
     cache's snapshots (the newest revision of each)."""
-    from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
-
-    from modeling.checkpoints.model_stores import list_store_models
+    from modeling.checkpoints.model_stores import hub_snapshots, list_store_models
 
     found = [(e.name, e.path) for e in list_store_models() if e.note is None]
-    try:
-        cache = scan_cache_dir()
-    except CacheNotFound:
-        return found
-    for repo in cache.repos:
-        if repo.repo_type == "model" and repo.revisions:
-            newest = max(repo.revisions, key=lambda r: r.last_modified)
-            found.append((repo.repo_id, newest.snapshot_path))
-    return found
+    return found + [(snap.repo_id, snap.path) for snap in hub_snapshots()]
 
 
 def _same_path(a: Path, b: Path) -> bool:

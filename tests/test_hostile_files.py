@@ -498,14 +498,21 @@ def hostile_stores(tmp_path: Path) -> Iterator[dict[str, Path]]:
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc")
     os.mkfifo(repo / "snapshots" / "abc" / "config.json")
+    # refs the hub library's scan read whole: a FIFO (it hung), /dev/zero (memory filled)
+    for name, make in (("fiforef", os.mkfifo), ("zeroref", lambda p: p.symlink_to("/dev/zero"))):
+        repo = hub / f"models--someone--{name}"
+        (repo / "snapshots" / "abc").mkdir(parents=True)
+        (repo / "refs").mkdir()
+        make(repo / "refs" / "main")
     yield {"ollama": ollama, "lmstudio": lmstudio, "hub": hub}
 
 
 def test_models_lists_the_good_entries_and_a_note_for_each_bad_one(
     hostile_stores: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Before: a FIFO as a blob, as an LM Studio file or as a cached config.json hung
-    `specd models` forever, and one deeply nested manifest made it list nothing."""
+    """Before: a FIFO as a blob, as an LM Studio file, as a cached config.json or as a
+    cache's ref hung `specd models` forever, and one deeply nested manifest made it list
+    nothing."""
     home = str(tmp_path / "home")
     env = {
         "OLLAMA_MODELS": str(hostile_stores["ollama"]),
@@ -523,6 +530,8 @@ def test_models_lists_the_good_entries_and_a_note_for_each_bad_one(
         "lmstudio:someone/Tiny-GGUF/tiny-Q8_0.gguf": "Q8_0",
         "lmstudio:someone/Tiny-GGUF/pipe-Q4_0.gguf": "unreadable",
         "someone/piped": "no config.json",
+        "someone/fiforef": "no config.json",
+        "someone/zeroref": "no config.json",
     }
     notes = done.stderr.splitlines()
     assert len(notes) == 3 and all(line.startswith("specd: note: ") for line in notes)

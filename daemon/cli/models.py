@@ -29,23 +29,12 @@ class Found:
 
 def hub_models() -> list[Found]:
     """The hub cache's model snapshots (the newest revision of each)."""
-    from huggingface_hub import scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
+    from modeling.checkpoints.model_stores import hub_snapshots
 
-    try:
-        cache = scan_cache_dir()
-    except CacheNotFound:
-        return []
-    found = []
-    for repo in cache.repos:
-        if repo.repo_type != "model" or not repo.revisions:
-            continue
-        newest = max(repo.revisions, key=lambda r: r.last_modified)
-        found.append(
-            Found(repo.repo_id, _hub_kind(newest.snapshot_path), newest.size_on_disk,
-                  newest.snapshot_path, "hub")
-        )  # fmt: skip
-    return found
+    return [
+        Found(snap.repo_id, _hub_kind(snap.path), snap.size, snap.path, "hub")
+        for snap in hub_snapshots()
+    ]
 
 
 def _hub_kind(folder: Path) -> str:
