@@ -109,7 +109,7 @@ class SubstituteCache:
                 # substitute is built (the folder is replaced on the next complete build).
                 log.warning(
                     "substitute cache %s: %s does not read back (%s); building the "
-                    "substitute instead", self.path, name, str(err)[:200],
+                    "substitute instead", self.path, name, " ".join(str(err).split())[:200],
                 )  # fmt: skip
                 self.hit = False  # (`save` drops the folder: it was read in part)
         if self.routed_only:
@@ -139,8 +139,14 @@ class SubstituteCache:
             layer = empty_layer(self.config, index, self.device, self.dtype)
         own = self._own(layer)
         refuse_irregular(file)  # (a FIFO would wait forever)
+        expected = own.state_dict()
         with safe_open(file, framework="pt", device="cpu") as f:
-            stored = {key: f.get_tensor(key) for key in own.state_dict()}
+            for key, want in expected.items():  # before any is read: a sparse file may
+                # claim 2^30 values (46 s and 11.8 GB to read, then refused by its shape)
+                shape = f.get_slice(key).get_shape()
+                if list(shape) != list(want.shape):
+                    raise ValueError(f"{key} is stored as {shape}, not {list(want.shape)}")
+            stored = {key: f.get_tensor(key) for key in expected}
         bad = [k for k, v in stored.items() if v.is_floating_point() and not v.isfinite().all()]
         if bad:
             raise ValueError(f"{bad[0]} holds values that are not finite")

@@ -10,6 +10,7 @@ import logging
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -199,7 +200,9 @@ def test_a_second_start_reads_the_stored_substitute(
     assert len(list(tmp_path.glob("*/manifest.json"))) == 2
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "a wrong shape", "not finite", "fifo"])
+@pytest.mark.parametrize(
+    "damage", ["truncated", "garbage", "a wrong shape", "not finite", "fifo", "a sparse giant"]
+)
 def test_a_damaged_stored_substitute_is_built_again(
     damage: str,
     stories_target: Path,
@@ -226,6 +229,8 @@ def test_a_damaged_stored_substitute_is_built_again(
     elif damage == "fifo":
         layer.unlink()
         os.mkfifo(layer)
+    elif damage == "a sparse giant":  # a norm claiming 2^28 values (1 GiB, sparse on disk)
+        _claim_a_giant(layer, 1 << 28)
     else:
         tensors = load_file(layer)
         name = next(k for k, v in tensors.items() if v.is_floating_point() and v.ndim == 1)
@@ -235,6 +240,10 @@ def test_a_damaged_stored_substitute_is_built_again(
     with caplog.at_level(logging.WARNING, logger="specd.loading"):
         again = Runtime(options)
     assert "layer-2.safetensors does not read back" in caplog.text
+    said = [r.getMessage() for r in caplog.records if "does not read back" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0]
+    if damage == "a sparse giant":  # refused by its shape before it was read (46 s, 11.8 GB)
+        assert "is stored as [268435456]" in said[0]
     ids = again.tokenizer.encode(PROMPT)
     assert again.generation(ids, GREEDY, 120, ignore_eos=True).run().token_ids == reference
     assert not folder.exists()  # read in part: dropped, for the next start to build whole
@@ -429,3 +438,35 @@ def test_a_resident_target_says_its_substitute_is_itself(
     layers = rt.target.config.num_layers
     assert f"0 of {layers} layers are 2-bit copies" in rt.plan.render()
     assert "the substitute is the target itself" in rt.plan.render()
+
+
+def _claim_a_giant(layer: Path, values: int) -> None:
+    """`layer` rewritten with its first 1-D float tensor claiming `values` F32 values: the
+    file is sparse, a few KB on disk."""
+    import json as json_
+    import struct
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(layer)
+    giant = next(k for k, v in tensors.items() if v.is_floating_point() and v.ndim == 1)
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+             torch.int32: "I32", torch.uint8: "U8", torch.int8: "I8"}  # fmt: skip
+    header: dict[str, Any] = {}
+    blobs, offset = [], 0
+    for key in sorted(k for k in tensors if k != giant):
+        data = tensors[key].contiguous().view(torch.uint8).numpy().tobytes()
+        header[key] = {"dtype": names[tensors[key].dtype], "shape": list(tensors[key].shape),
+                       "data_offsets": [offset, offset + len(data)]}  # fmt: skip
+        blobs.append(data)
+        offset += len(data)
+    header[giant] = {
+        "dtype": "F32",
+        "shape": [values],
+        "data_offsets": [offset, offset + 4 * values],
+    }
+    head = json_.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    with layer.open("wb") as out:
+        out.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+        out.truncate(8 + len(head) + offset + 4 * values)
