@@ -15,8 +15,9 @@ best-first order over the whole forest (SpecExec's Dijkstra across trees): at ea
 the candidates of every tree are ranked together by their estimated probability of being
 reached by verification (calibrated per verification and temperature, so requests compare on
 one scale) and the best get the nodes, whichever request they belong to (`passes.allot`). A
-long prompt is prefilled one chunk per pass inside the same passes, so an arrival never
-stalls the streams in flight.
+long prompt is prefilled one chunk per pass inside the same passes, so on a streamed target
+(a pass costs its weights' transfer) an arrival never stalls the streams in flight; on a
+CPU (a pass costs its compute) they wait for each chunk.
 
 A pass that raises leaves every cache where it stood. One that ran out of memory is rerun
 once, after the driver freed some; a batched pass that still fails is rerun one generation at

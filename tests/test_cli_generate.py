@@ -230,3 +230,21 @@ def test_chat_takes_text_not_ids(capsys, stories_target) -> None:
     # No text at all: an empty user message was sent (and answered).
     assert main(["generate", "--model", str(stories_target), "--chat"]) == 2
     assert "give --prompt" in capsys.readouterr().err
+
+
+def test_a_schema_file_that_is_no_small_json_file_is_one_line(
+    stories_target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--json-schema FILE read as a request's body is: a FIFO hung, /dev/zero filled the
+    memory, 100,000 brackets were a RecursionError traceback."""
+    import os
+
+    fifo, deep = tmp_path / "fifo.json", tmp_path / "deep.json"
+    os.mkfifo(fifo)
+    deep.write_text("[" * 100_000)
+    args = ["generate", "--model", str(stories_target), "--prompt", "Once", "--max-tokens", "2"]
+    for schema, says in ((fifo, "not a regular file"), ("/dev/zero", "not a regular file"),
+                         (deep, "is not JSON")):  # fmt: skip
+        assert main([*args, "--json-schema", str(schema)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err and f"--json-schema {schema}" in err, err

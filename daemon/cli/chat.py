@@ -204,12 +204,18 @@ def _tools(path: str | None, choice: str | None) -> dict[str, Any]:
         if choice is not None:
             raise ChatError("--tool-choice needs --tools FILE")
         return {}
-    try:
-        tools = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    from daemon.cli.generate import MAX_ARGUMENT_FILE_BYTES
+    from daemon.small_files import SmallFileError, read_small
+
+    try:  # (a FIFO or /dev/zero named here hung, or filled the memory)
+        tools = json.loads(read_small(Path(path).expanduser(), MAX_ARGUMENT_FILE_BYTES))
+    except SmallFileError as exc:
+        raise ChatError(f"--tools {exc}") from None
     except OSError as exc:
         raise ChatError(f"--tools {path}: {exc.strerror}") from None
-    except ValueError as exc:
-        raise ChatError(f"--tools {path} is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        said = "nested too deep" if isinstance(exc, RecursionError) else str(exc)
+        raise ChatError(f"--tools {path} is not JSON: {said}") from None
     if not isinstance(tools, list):
         raise ChatError(f'--tools {path} must hold a JSON list: [{{"type": "function", ...}}]')
     if choice in (None, "auto", "required", "none"):

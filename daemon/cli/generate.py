@@ -305,6 +305,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# The most a file named on the command line for a request's field may hold (the daemon's
+# request bodies: limits.max_body_bytes' default).
+MAX_ARGUMENT_FILE_BYTES = 1 << 20
+
+
 def output_grammar(args: argparse.Namespace) -> Grammar | None:
     """--json-schema FILE / --json-object as a grammar (None: free text)."""
     from speculative.grammar import Grammar
@@ -314,12 +319,18 @@ def output_grammar(args: argparse.Namespace) -> Grammar | None:
         return Grammar.json_object("--json-object")
     if args.json_schema is None:
         return None
-    try:
-        schema = strict_json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+    from daemon.small_files import SmallFileError, read_small
+
+    try:  # (a FIFO or /dev/zero named here hung, or filled the memory)
+        text = read_small(Path(args.json_schema).expanduser(), MAX_ARGUMENT_FILE_BYTES)
+        schema = strict_json.loads(text.decode("utf-8"))
+    except SmallFileError as err:
+        raise RequestError(f"--json-schema {err}") from None
     except OSError as err:
         raise RequestError(f"--json-schema {args.json_schema}: {err.strerror}") from None
-    except (ValueError, UnicodeDecodeError) as err:
-        raise RequestError(f"--json-schema {args.json_schema} is not JSON: {err}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        said = "nested too deep" if isinstance(err, RecursionError) else str(err)
+        raise RequestError(f"--json-schema {args.json_schema} is not JSON: {said}") from None
     # Measured as the daemon measures a request's (limits.schema_*, at their defaults);
     # compiled when the request is admitted, on a grammar compiler's thread.
     field = f"--json-schema {args.json_schema}"
