@@ -434,6 +434,13 @@ class Engine:
             self._passes.step_alone(active)
             return
         self._active.rotate(-1)  # whoever waited behind the bound goes first next time
+        # On a CPU a pass costs its compute: a prefill's chunk there is kept short while
+        # others wait on its passes (speculative/prefill.py, `chunk_now`).
+        shared = (
+            len(self._active) > 1 and self.runtime is not None and self.runtime.device.type == "cpu"
+        )
+        for active in self._active:
+            active.session.prefill_shared = shared
         self._passes.step(self._active)
 
     def _rode(self, riders: list[_Active], tokens: int) -> None:

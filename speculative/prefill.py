@@ -16,6 +16,21 @@ from speculative.rounds import Round, RoundStats, RoundSteps
 from speculative.session import Session
 
 PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds activation memory
+# While other generations wait on its passes (`Session.prefill_shared`, which a CPU engine
+# sets: there a pass costs its compute), a prefill pass carries about this many seconds of
+# prompt, at its measured rate, and at least SHARED_CHUNK_MIN tokens.
+SHARED_PREFILL_SECONDS = 0.25
+SHARED_CHUNK_MIN = 32
+
+
+def chunk_now(session: Session, chunk: int) -> int:
+    """The prompt tokens this session's next prefill pass may carry: `chunk`, or while
+    others wait on its passes, what feeds in about SHARED_PREFILL_SECONDS (a 2,048-token
+    chunk of SmolLM2-135M on a busy 2-core CPU held another client's first token 20 s)."""
+    if not session.prefill_shared:
+        return chunk
+    fits = int(session.prefill_rate * SHARED_PREFILL_SECONDS)
+    return max(1, min(chunk, max(SHARED_CHUNK_MIN, fits)))
 
 
 def feed_steps(
@@ -62,8 +77,9 @@ def prefill(
     others and drops a cancelled job.
 
     The target stops `fold` tokens short of x_{L-1}: the caller's next pass carries them
-    with the root (and a tree's nodes), which saves a streamed pass. The draft stops
-    `chunk - 1` tokens short: its first drafting pass takes them with the root, so no
+    with the root (and a tree's nodes), which saves a streamed pass. Each pass carries
+    `chunk_now` tokens: `chunk`, or fewer while others wait on it (on a CPU). The draft stops
+    that many less one short: its first drafting pass takes them with the root, so no
     draft pass exceeds a chunk either. A step runs both models' chunks: the draft is
     resident and small, so its chunk costs a fraction of a streamed target chunk, and
     pairing them keeps the steps as few as the target's chunks (the draft alone only
@@ -75,25 +91,29 @@ def prefill(
     while True:
         stats = RoundStats()
         t0 = time.perf_counter()
+        step = chunk_now(session, chunk)
         end = max(len(sequence) - 1 - fold, 0)
         done = len(session.target_tokens)
-        todo = list(sequence[done : min(end, done + chunk)])
+        todo = list(sequence[done : min(end, done + step)])
         if todo:
             n = yield from feed_steps(
-                target, session.target_cache, session.target_tokens, todo, chunk
+                target, session.target_cache, session.target_tokens, todo, step
             )
             stats.prefill_passes = stats.target_passes = n
             stats.prefill_seconds = time.perf_counter() - t0
+            rate = len(todo) / max(stats.prefill_seconds, 1e-6)
+            last = session.prefill_rate
+            session.prefill_rate = rate if not last else 0.5 * (last + rate)
         draft_todo: list[int] = []
         if draft is not None and draft_cache is not None:
             t1 = time.perf_counter()
-            draft_end = max(len(sequence) - chunk, 0)
+            draft_end = max(len(sequence) - step, 0)
             fed_draft = len(session.draft_tokens)
-            draft_todo = list(sequence[fed_draft : min(draft_end, fed_draft + chunk)])
+            draft_todo = list(sequence[fed_draft : min(draft_end, fed_draft + step)])
             if draft_todo:
                 fed = session.draft_tokens
                 stats.draft_passes = yield from feed_steps(
-                    draft, draft_cache, fed, draft_todo, chunk
+                    draft, draft_cache, fed, draft_todo, step
                 )
                 stats.draft_seconds = time.perf_counter() - t1
         if not todo and not draft_todo:

@@ -20,6 +20,11 @@ class Session:
         self.target_tokens: list[int] = []
         self.draft_cache: KVCache | None = draft.new_cache(capacity) if draft is not None else None
         self.draft_tokens: list[int] = []
+        # Set by the driver between steps: others wait on this session's prefill passes,
+        # which are then kept short (speculative/prefill.py, `chunk_now`); and the prompt
+        # tokens a second its prefill passes have fed, measured (0: not yet).
+        self.prefill_shared = False
+        self.prefill_rate = 0.0
 
     def reuse_prefix(self, prompt_ids: Sequence[int]) -> int:
         """Roll both caches back to their longest common prefix with `prompt_ids`, keeping at

@@ -203,15 +203,15 @@ def tree_runtime(stories_target: Path, stories_draft: Path) -> Runtime:
 
 
 def small_chunk_engine(
-    runtime: Runtime, monkeypatch: pytest.MonkeyPatch, sessions: list[Session]
+    runtime: Runtime, monkeypatch: pytest.MonkeyPatch, sessions: list[Session], chunk: int = CHUNK
 ) -> Engine:
-    """An engine whose strategies prefill CHUNK tokens per step; `sessions` collects the
+    """An engine whose strategies prefill `chunk` tokens per step; `sessions` collects the
     sessions it creates, in admission order."""
     build_strategy, new_session = runtime.strategy, runtime.new_session
 
     def strategy(name: str | None = None, budget: int | None = None) -> Strategy:
         built = build_strategy(name, budget)
-        built.prefill_chunk = CHUNK
+        built.prefill_chunk = chunk
         return built
 
     def session(strategy: Strategy) -> Session:
@@ -298,6 +298,66 @@ def test_other_generations_share_the_passes_of_a_long_prompts_chunks(
         assert all(c.text or c.token_ids or c.finish_reason for c in chunks)
     assert [t for e in short_events if isinstance(e, Chunk) for t in e.token_ids]
     assert long_events[-1].completion_tokens == 3
+
+
+def test_on_a_cpu_a_prefill_is_cut_short_while_others_wait_on_its_passes(
+    plain_runtime: Runtime, monkeypatch: pytest.MonkeyPatch, engines: list[Engine]
+) -> None:
+    """On a CPU a pass costs its compute: a 2,048-token chunk of SmolLM2-135M on a busy
+    2-core machine held another client's first token for 20 s. While another generation
+    rides its passes, a prefill's pass carries what its measured rate feeds in
+    SHARED_PREFILL_SECONDS (made 0 here: SHARED_CHUNK_MIN tokens), its own chunk again
+    once it is alone. The answers are each one's alone."""
+    from speculative import prefill as prefill_module
+
+    monkeypatch.setattr(prefill_module, "SHARED_PREFILL_SECONDS", 0.0)
+    runtime, chunk, least = plain_runtime, 64, prefill_module.SHARED_CHUNK_MIN
+    sessions: list[Session] = []
+    engine = small_chunk_engine(runtime, monkeypatch, sessions, chunk)
+    engines.append(engine)
+    passes = Passes(runtime.target, monkeypatch)
+    long_text = " ".join([STORY] * 8)  # 433 tokens (the context holds 512)
+
+    async def run() -> tuple[list, list]:
+        loop = asyncio.get_running_loop()
+        jobs: list[Job] = []
+
+        def submit_short(n: int) -> None:  # during the long prompt's first chunk
+            if n == 1:
+                jobs.append(engine.submit(request(runtime, "Lily", 4), loop))
+
+        passes.on_pass = submit_short
+        long_job = engine.submit(request(runtime, long_text, 3), loop)
+        long_events = await events_until_finished(long_job)
+        return long_events, await events_until_finished(jobs[0])
+
+    long_events, short_events = asyncio.run(run())
+    long_session, short_session = sessions
+    # Each pass's (long prompt's tokens, whether the short one rode in it).
+    per_pass, at = [], 0
+    for count in passes.passes:
+        caches = passes.caches[at : at + count]
+        mine = [n for n, c in zip(passes.sizes[at : at + count], caches, strict=True)
+                if c is long_session.target_cache]  # fmt: skip
+        shared = any(c is short_session.target_cache for c in caches)
+        per_pass.append((mine[0] if mine else 0, shared))
+        at += count
+    assert per_pass[0] == (chunk, False)  # alone, its own chunk
+    shared_sizes = [n for n, shared in per_pass[2:] if shared and n]
+    assert shared_sizes and max(shared_sizes) == least  # cut short while the other rode
+    alone_after = [n for n, shared in per_pass if not shared and n][1:]
+    assert chunk in alone_after  # its own chunk again, alone
+    expected = [
+        Generation(s, runtime.new_session(s), runtime.tokenizer, req.prompt_ids, GREEDY,
+                   req.max_tokens, ignore_eos=True).run().token_ids
+        for s, req in ((runtime.strategy(), request(runtime, long_text, 3)),
+                       (runtime.strategy(), request(runtime, "Lily", 4)))
+    ]  # fmt: skip
+    got = [
+        [t for e in events if isinstance(e, Chunk) for t in e.token_ids]
+        for events in (long_events, short_events)
+    ]
+    assert got == expected
 
 
 @pytest.mark.parametrize("which", ["plain", "tree"])

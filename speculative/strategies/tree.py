@@ -36,7 +36,7 @@ from speculative.grammar import MAX_FORCED, Constraint
 from speculative.grammar_masks import forced_logprobs
 from speculative.ngram import ngram_tree
 from speculative.passes import Steps, feed_pass, forward
-from speculative.prefill import PREFILL_CHUNK, prefill
+from speculative.prefill import PREFILL_CHUNK, chunk_now, prefill
 from speculative.prefix_cache import PrefixCache
 from speculative.rounds import Round, RoundStats, RoundSteps
 from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams
@@ -175,7 +175,7 @@ class TreeSpeculation:
             # pass, max(chunk, budget + 1). The rest (a long prompt, a long walk through
             # the prefix cache) goes first, one plain chunk per step, with the draft's
             # catch-up when this round drafts with a model.
-            fold = max(self.prefill_chunk, budget + 1) - (budget + 1)
+            fold = max(chunk_now(session, self.prefill_chunk), budget + 1) - (budget + 1)
             draft = self.draft if budget else None
             if self.shared_cache and budget:
                 # The substitute drafts on the target's rows: they hold the committed
