@@ -440,3 +440,31 @@ def test_piped_messages_that_all_failed_end_with_status_1(
     assert "context holds 512" in capsys.readouterr().err
     typed(monkeypatch, "x" * (CONTEXT_CHARS + 1), "short")  # the last one answered: 0
     assert main(["chat", "--url", daemon.url]) == 0
+
+
+@pytest.mark.parametrize("kind", ["fifo", "huge"])
+def test_a_chat_history_that_is_no_small_file_is_not_read(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The history in the state folder is read as specd's other state files are: a FIFO
+    there hung `specd chat` on a terminal; a 3 GB file took 2.1 GB of memory."""
+    import os
+    import readline
+
+    from daemon.cli import chat as chat_module
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    history = tmp_path / "specd" / "chat_history"
+    history.parent.mkdir(parents=True)
+    if kind == "fifo":
+        os.mkfifo(history)
+    else:
+        with history.open("wb") as f:
+            f.truncate(chat_module.MAX_HISTORY_BYTES + 1)
+    monkeypatch.setattr(chat_module.sys.stdin, "isatty", lambda: True)
+    read: list[Path] = []
+    monkeypatch.setattr(readline, "read_history_file", lambda p: read.append(p))
+    monkeypatch.setattr(readline, "write_history_file", lambda p: None)
+    with chat_module.line_editing():
+        pass
+    assert read == []

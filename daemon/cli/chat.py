@@ -33,6 +33,7 @@ from daemon.cli.serve import (
     settings_from_args,
 )
 from daemon.settings import daemon_url
+from daemon.small_files import SmallFileError, read_small
 
 # The daemon's error code for a prompt longer than its context (daemon/admission.py).
 CONTEXT_FULL = "context_length_exceeded"
@@ -205,7 +206,6 @@ def _tools(path: str | None, choice: str | None) -> dict[str, Any]:
             raise ChatError("--tool-choice needs --tools FILE")
         return {}
     from daemon.cli.generate import MAX_ARGUMENT_FILE_BYTES
-    from daemon.small_files import SmallFileError, read_small
 
     try:  # (a FIFO or /dev/zero named here hung, or filled the memory)
         tools = json.loads(read_small(Path(path).expanduser(), MAX_ARGUMENT_FILE_BYTES))
@@ -236,7 +236,10 @@ def line_editing() -> Iterator[None]:
         yield
         return
     history = service.default_paths().state_dir / "chat_history"
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, ValueError):
+        # read as specd's other state files are: a regular file of a bounded size (a FIFO
+        # there hung `specd chat`, a 3 GB file took 2.1 GB of memory)
+        read_small(history, MAX_HISTORY_BYTES)
         readline.read_history_file(history)
     readline.set_history_length(1000)
     try:
@@ -245,6 +248,10 @@ def line_editing() -> Iterator[None]:
         with contextlib.suppress(OSError):
             history.parent.mkdir(parents=True, exist_ok=True)
             readline.write_history_file(history)
+
+
+# The most chat history read back (1,000 lines of input are kept).
+MAX_HISTORY_BYTES = 4 << 20
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
