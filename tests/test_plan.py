@@ -398,3 +398,18 @@ def test_slots_have_the_same_bounds_in_the_plan_and_the_configuration(
     assert f"--slots must be from 2 to 16 (got {slots})" in capsys.readouterr().err
     assert main(["config", "show", "--slots", slots]) == 2
     assert "expected an integer from 2 to 16" in capsys.readouterr().err
+
+
+def test_a_model_path_with_control_characters_is_shown_escaped(
+    stories_target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A folder's name is anyone's: an escape sequence in it reached the terminal."""
+    import shutil
+
+    from daemon.cli import main
+
+    folder = tmp_path / "odd\x1b[31mname"
+    shutil.copytree(stories_target, folder)
+    assert main(["plan", "--model", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "odd\\x1b[31mname" in out

@@ -92,7 +92,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     ]
     for f in found:
         if f.note is not None:
-            print(f"specd: note: {_shown(f.name)}: {_shown(f.note)}", file=sys.stderr)
+            print(f"specd: note: {printable(f.name)}: {printable(f.note)}", file=sys.stderr)
     if args.json:
         rows: list[dict[str, Any]] = [
             {"name": f.name, "type": f.kind, "bytes": f.size, "path": str(f.path),
@@ -108,19 +108,20 @@ def cmd_models(args: argparse.Namespace) -> int:
             "give --model a folder or a .gguf file, or `specd pull ORG/NAME`"
         )
         return 0
-    width = max(len(_shown(f.name)) for f in found)
+    width = max(len(printable(f.name)) for f in found)
     kinds = max(len(f.kind) for f in found)
     for f in found:
-        name, path = _shown(f.name), _shown(str(f.path))
+        name, path = printable(f.name), printable(str(f.path))
         print(f"{name:<{width}}  {f.kind:<{kinds}}  {_size(f.size):>9}  {path}")
         if f.why is not None:
-            print(f"{'':<{width}}  specd cannot run it: {_shown(f.why)}")
+            print(f"{'':<{width}}  specd cannot run it: {printable(f.why)}")
     return 0
 
 
-def _shown(text: str) -> str:
+def printable(text: str) -> str:
     """A store's file and folder names are anyone's: control characters (a terminal's
-    escape sequences, a newline that forges a line of the listing) written as escapes."""
+    escape sequences, a newline that forges a line of the listing) written as escapes
+    (`specd models`, `specd plan`)."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 

@@ -296,7 +296,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
-        print(plan.render())
+        from daemon.cli.models import (
+            printable,
+        )  # (a path is anyone's: escapes for control characters)
+
+        print("\n".join(printable(line) for line in plan.render().split("\n")))
     return 0
 
 
