@@ -61,6 +61,7 @@ from modeling.errors import RequestError
 from speculative.batching import PassScheduler
 from speculative.generation import Chunk, Generation
 from speculative.passes import Allot, Forward, PassRequest
+from speculative.prefill import ALONE_PREFILL, SHARED_PREFILL
 from speculative.rounds import GenerationStats, Strategy
 from speculative.session import Session
 
@@ -389,6 +390,10 @@ class Engine:
         strategy = self._strategy(req.strategy, req.budget, req.tree_verification)
         pool_key = strategy.name
         session = self._idle.take(pool_key, req.prompt_ids) or self.runtime.new_session(strategy)
+        if self.runtime.device.type == "cpu":
+            # A pass costs its compute there: a prefill's passes are kept shorter still
+            # while others wait on them (speculative/prefill.py, `chunk_now`).
+            session.pass_bound = self._prefill_bound
         gen = Generation(
             strategy,
             session,
@@ -402,6 +407,13 @@ class Engine:
             constraint=req.constraint,
         )
         return _Active(job, gen, gen.steps(), session, pool_key)
+
+    def _prefill_bound(self) -> tuple[float, int]:
+        """A CPU prefill pass's bound: shared while it serves (or holds up) more than one
+        generation, asked as the pass is cut, so a job queued during the last pass
+        counts already."""
+        shared = len(self._active) > 1 or not self._queue.empty()
+        return SHARED_PREFILL if shared else ALONE_PREFILL
 
     def _strategy(
         self, name: str | None, budget: int | None, verification: str | None = None
@@ -434,13 +446,6 @@ class Engine:
             self._passes.step_alone(active)
             return
         self._active.rotate(-1)  # whoever waited behind the bound goes first next time
-        # On a CPU a pass costs its compute: a prefill's chunk there is kept short while
-        # others wait on its passes (speculative/prefill.py, `chunk_now`).
-        shared = (
-            len(self._active) > 1 and self.runtime is not None and self.runtime.device.type == "cpu"
-        )
-        for active in self._active:
-            active.session.prefill_shared = shared
         self._passes.step(self._active)
 
     def _rode(self, riders: list[_Active], tokens: int) -> None:

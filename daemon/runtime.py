@@ -40,6 +40,7 @@ from speculative.budget import max_tree_budget
 from speculative.drafting import Drafter, ModelDrafter
 from speculative.generation import Generation
 from speculative.ngram import NgramDrafter
+from speculative.prefill import ALONE_PREFILL
 from speculative.prefix_cache import PrefixCache
 from speculative.rounds import Strategy
 from speculative.sampling import SamplingParams
@@ -108,6 +109,10 @@ STRATEGY_BUILDERS: dict[str, StrategyBuilder] = {
         )
     ),
 }
+
+
+def _alone_on_a_cpu() -> tuple[float, int]:
+    return ALONE_PREFILL
 
 
 class Runtime:
@@ -308,7 +313,10 @@ class Runtime:
         )
 
     def new_session(self, strategy: Strategy) -> Session:
-        return strategy.new_session(self.context)
+        session = strategy.new_session(self.context)
+        if self.device.type == "cpu":  # (a pass costs its compute: see `chunk_now`)
+            session.pass_bound = _alone_on_a_cpu
+        return session
 
     def generation(
         self,

@@ -17,8 +17,8 @@ reached by verification (calibrated per verification and temperature, so request
 one scale) and the best get the nodes, whichever request they belong to (`passes.allot`). A
 long prompt is prefilled one chunk per pass inside the same passes, so on a streamed target
 (a pass costs its weights' transfer) an arrival never stalls the streams in flight; on a
-CPU (a pass costs its compute) its chunks are cut to about a quarter of a second each while
-others ride its passes (speculative/prefill.py, `chunk_now`).
+CPU (a pass costs its compute) its chunks are cut to about a second's work, a quarter of one
+while others ride its passes (speculative/prefill.py, `chunk_now`).
 
 A pass that raises leaves every cache where it stood. One that ran out of memory is rerun
 once, after the driver freed some; a batched pass that still fails is rerun one generation at

@@ -16,21 +16,25 @@ from speculative.rounds import Round, RoundStats, RoundSteps
 from speculative.session import Session
 
 PREFILL_CHUNK = 2048  # prompt tokens per prefill pass: bounds activation memory
-# While other generations wait on its passes (`Session.prefill_shared`, which a CPU engine
-# sets: there a pass costs its compute), a prefill pass carries about this many seconds of
-# prompt, at its measured rate, and at least SHARED_CHUNK_MIN tokens.
-SHARED_PREFILL_SECONDS = 0.25
-SHARED_CHUNK_MIN = 32
+# How long a prefill pass may take, where the driver bounds it by time (a CPU: there a pass
+# costs its compute), and the fewest tokens it then carries: alone, about a second (on a
+# 2-core CPU SmolLM2-135M prefills 225 tokens a second in 256-token passes against 133 in
+# 2,048-token ones, and a request that arrives waits for the pass under way); while other
+# generations ride its passes, a quarter of one.
+ALONE_PREFILL = (1.0, 256)
+SHARED_PREFILL = (0.25, 32)
 
 
 def chunk_now(session: Session, chunk: int) -> int:
-    """The prompt tokens this session's next prefill pass may carry: `chunk`, or while
-    others wait on its passes, what feeds in about SHARED_PREFILL_SECONDS (a 2,048-token
-    chunk of SmolLM2-135M on a busy 2-core CPU held another client's first token 20 s)."""
-    if not session.prefill_shared:
+    """The prompt tokens this session's next prefill pass may carry: `chunk`, or where the
+    driver bounds its passes by time (`Session.pass_bound`), what its measured rate feeds
+    in that time, at least the bound's fewest and at most `chunk` (a 2,048-token chunk of
+    SmolLM2-135M on a busy 2-core CPU held another client's first token 20 s)."""
+    bound = session.pass_bound()
+    if bound is None:
         return chunk
-    fits = int(session.prefill_rate * SHARED_PREFILL_SECONDS)
-    return max(1, min(chunk, max(SHARED_CHUNK_MIN, fits)))
+    seconds, least = bound
+    return max(1, min(chunk, max(least, int(session.prefill_rate * seconds))))
 
 
 def feed_steps(
@@ -68,6 +72,7 @@ def prefill(
     draft: Model | None = None,
     *,
     fold: int = 0,
+    fold_reserve: int | None = None,
     chunk: int = PREFILL_CHUNK,
 ) -> RoundSteps:
     """Bring the caches up to the committed `sequence` x_1..x_L (reusing what they hold),
@@ -77,8 +82,10 @@ def prefill(
     others and drops a cancelled job.
 
     The target stops `fold` tokens short of x_{L-1}: the caller's next pass carries them
-    with the root (and a tree's nodes), which saves a streamed pass. Each pass carries
-    `chunk_now` tokens: `chunk`, or fewer while others wait on it (on a CPU). The draft stops
+    with the root (and a tree's nodes), which saves a streamed pass. With `fold_reserve`
+    (the tokens that pass carries besides them), at most as many as keep it within this
+    step's chunk, and `fold` at most: the fold follows the chunk as it shrinks. Each pass carries
+    `chunk_now` tokens: `chunk`, or fewer where the driver bounds a pass's time (a CPU). The draft stops
     that many less one short: its first drafting pass takes them with the root, so no
     draft pass exceeds a chunk either. A step runs both models' chunks: the draft is
     resident and small, so its chunk costs a fraction of a streamed target chunk, and
@@ -92,7 +99,8 @@ def prefill(
         stats = RoundStats()
         t0 = time.perf_counter()
         step = chunk_now(session, chunk)
-        end = max(len(sequence) - 1 - fold, 0)
+        folded = fold if fold_reserve is None else min(fold, max(step - fold_reserve, 0))
+        end = max(len(sequence) - 1 - folded, 0)
         done = len(session.target_tokens)
         todo = list(sequence[done : min(end, done + step)])
         if todo:
@@ -101,9 +109,10 @@ def prefill(
             )
             stats.prefill_passes = stats.target_passes = n
             stats.prefill_seconds = time.perf_counter() - t0
+            # (a pass shared with others took their work's time too: a rate measured
+            # there is low, so only a higher one is taken)
             rate = len(todo) / max(stats.prefill_seconds, 1e-6)
-            last = session.prefill_rate
-            session.prefill_rate = rate if not last else 0.5 * (last + rate)
+            session.prefill_rate = max(session.prefill_rate, rate)
         draft_todo: list[int] = []
         if draft is not None and draft_cache is not None:
             t1 = time.perf_counter()

@@ -3,7 +3,7 @@ conversation's requests."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from modeling.kv_cache import KVCache
 from modeling.protocol import Model
@@ -20,10 +20,11 @@ class Session:
         self.target_tokens: list[int] = []
         self.draft_cache: KVCache | None = draft.new_cache(capacity) if draft is not None else None
         self.draft_tokens: list[int] = []
-        # Set by the driver between steps: others wait on this session's prefill passes,
-        # which are then kept short (speculative/prefill.py, `chunk_now`); and the prompt
-        # tokens a second its prefill passes have fed, measured (0: not yet).
-        self.prefill_shared = False
+        # How long a prefill pass may take now, and its fewest tokens, asked as each is cut
+        # (speculative/prefill.py, `chunk_now`): None, its chunk whatever it costs. On a
+        # CPU the runtime bounds it, and the engine bounds it more while others wait on
+        # its passes. And the prompt tokens a second its prefill passes fed, measured.
+        self.pass_bound: Callable[[], tuple[float, int] | None] = _unbounded
         self.prefill_rate = 0.0
 
     def reuse_prefix(self, prompt_ids: Sequence[int]) -> int:
@@ -37,6 +38,10 @@ class Session:
             d = _rewind(self.draft_cache, common_prefix_len(self.draft_tokens, prompt_ids, limit))
             del self.draft_tokens[d:]
         return kept
+
+
+def _unbounded() -> tuple[float, int] | None:
+    return None
 
 
 def _rewind(cache: KVCache, n: int) -> int:

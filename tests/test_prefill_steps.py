@@ -306,12 +306,14 @@ def test_on_a_cpu_a_prefill_is_cut_short_while_others_wait_on_its_passes(
     """On a CPU a pass costs its compute: a 2,048-token chunk of SmolLM2-135M on a busy
     2-core machine held another client's first token for 20 s. While another generation
     rides its passes, a prefill's pass carries what its measured rate feeds in
-    SHARED_PREFILL_SECONDS (made 0 here: SHARED_CHUNK_MIN tokens), its own chunk again
-    once it is alone. The answers are each one's alone."""
-    from speculative import prefill as prefill_module
+    SHARED_PREFILL's seconds (made 0 here: its fewest tokens), its own chunk again once it
+    is alone. The answers are each one's alone."""
+    from daemon import engine as engine_module
 
-    monkeypatch.setattr(prefill_module, "SHARED_PREFILL_SECONDS", 0.0)
-    runtime, chunk, least = plain_runtime, 64, prefill_module.SHARED_CHUNK_MIN
+    least = 32
+    monkeypatch.setattr(engine_module, "SHARED_PREFILL", (0.0, least))
+    monkeypatch.setattr(engine_module, "ALONE_PREFILL", (0.0, 64))
+    runtime, chunk = plain_runtime, 64
     sessions: list[Session] = []
     engine = small_chunk_engine(runtime, monkeypatch, sessions, chunk)
     engines.append(engine)
@@ -343,7 +345,9 @@ def test_on_a_cpu_a_prefill_is_cut_short_while_others_wait_on_its_passes(
         per_pass.append((mine[0] if mine else 0, shared))
         at += count
     assert per_pass[0] == (chunk, False)  # alone, its own chunk
-    shared_sizes = [n for n, shared in per_pass[2:] if shared and n]
+    # The short one, queued during the first pass, counts as the next pass is cut.
+    assert per_pass[1] == (least, True)
+    shared_sizes = [n for n, shared in per_pass[1:] if shared and n]
     assert shared_sizes and max(shared_sizes) == least  # cut short while the other rode
     alone_after = [n for n, shared in per_pass if not shared and n][1:]
     assert chunk in alone_after  # its own chunk again, alone
@@ -402,3 +406,75 @@ def test_a_job_cancelled_while_prefilling_stops_within_one_chunk(
     assert jobs[0].events.empty()  # nothing was posted for the cancelled job
     assert engine.metrics.cancelled.value == 1
     assert follow_up_events[-1].completion_tokens == 3  # the engine keeps serving
+
+
+def test_a_bounded_prefill_pass_carries_what_its_measured_rate_feeds_in_time(
+    stories: tuple,
+) -> None:
+    """`chunk_now`: the strategy's chunk where nothing bounds a pass (a GPU); bounded (a
+    CPU), what the measured rate feeds in the bound's seconds, at least its fewest tokens
+    and at most the chunk."""
+    from speculative.prefill import ALONE_PREFILL, SHARED_PREFILL, chunk_now
+
+    target, _, _ = stories
+    session = Session(target, 64)
+    session.prefill_rate = 1000.0
+    assert chunk_now(session, 2048) == 2048  # unbounded
+    for bound in (ALONE_PREFILL, SHARED_PREFILL):
+        session.pass_bound = lambda b=bound: b  # type: ignore[misc]
+        seconds, least = bound
+        session.prefill_rate = 1000.0
+        assert chunk_now(session, 2048) == max(least, int(1000 * seconds))
+        session.prefill_rate = 0.0  # not measured yet
+        assert chunk_now(session, 2048) == least
+        session.prefill_rate = 1e9
+        assert chunk_now(session, 2048) == 2048
+        assert chunk_now(session, 4) == 4  # never past the strategy's own
+
+
+def test_a_trees_fold_follows_the_cut_chunk(
+    stories_target: Path,
+    stories_draft: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    engines: list[Engine],
+) -> None:
+    """A tree folds the prompt's last tokens into its first verification pass, as many as
+    keep that pass within a chunk: computed once for the round, the fold stayed the chunk
+    a prompt alone had (its verification pass carried 256 prompt tokens with another
+    generation riding it). It follows each step's chunk."""
+    from daemon import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "SHARED_PREFILL", (0.0, 32))
+    monkeypatch.setattr(engine_module, "ALONE_PREFILL", (0.0, 256))
+    runtime = Runtime(
+        RuntimeOptions(model=str(stories_target), draft=str(stories_draft), device="cpu",
+                       sequences=12, budget=8)
+    )  # fmt: skip
+    sessions: list[Session] = []
+    engine = small_chunk_engine(runtime, monkeypatch, sessions, 256)
+    engines.append(engine)
+    passes = Passes(runtime.target, monkeypatch)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        jobs: list[Job] = []
+
+        def submit_short(n: int) -> None:
+            if n == 1:
+                jobs.append(engine.submit(request(runtime, "Lily", 4), loop))
+
+        passes.on_pass = submit_short
+        await events_until_finished(engine.submit(request(runtime, " ".join([STORY] * 8), 3), loop))
+        await events_until_finished(jobs[0])
+
+    asyncio.run(run())
+    long_session, short_session = sessions
+    rode, at = [], 0
+    for count in passes.passes:
+        caches, sizes = passes.caches[at : at + count], passes.sizes[at : at + count]
+        if any(c is short_session.target_cache for c in caches):
+            rode += [
+                n for n, c in zip(sizes, caches, strict=True) if c is long_session.target_cache
+            ]
+        at += count
+    assert rode and max(rode) <= 32 + 8 + 1  # the shared chunk and the tree

@@ -36,7 +36,7 @@ from speculative.grammar import MAX_FORCED, Constraint
 from speculative.grammar_masks import forced_logprobs
 from speculative.ngram import ngram_tree
 from speculative.passes import Steps, feed_pass, forward
-from speculative.prefill import PREFILL_CHUNK, chunk_now, prefill
+from speculative.prefill import PREFILL_CHUNK, prefill
 from speculative.prefix_cache import PrefixCache
 from speculative.rounds import Round, RoundStats, RoundSteps
 from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams
@@ -175,17 +175,20 @@ class TreeSpeculation:
             # pass, max(chunk, budget + 1). The rest (a long prompt, a long walk through
             # the prefix cache) goes first, one plain chunk per step, with the draft's
             # catch-up when this round drafts with a model.
-            fold = max(chunk_now(session, self.prefill_chunk), budget + 1) - (budget + 1)
+            # (`prefill` keeps it within each step's chunk, which shrinks while others
+            # ride the passes on a CPU)
+            fold = self.prefill_chunk
             draft = self.draft if budget else None
             if self.shared_cache and budget:
                 # The substitute drafts on the target's rows: they hold the committed
                 # tokens but the last few (forced ones, prefix-cache walks, a short
                 # prompt), which its first draft pass takes with the root; a longer
                 # prompt goes first in plain target passes.
-                fold, draft = min(fold, SHARED_FOLD), None
+                fold, draft = SHARED_FOLD, None
             caught_up = prefill(
-                session, state.seq, self.target, draft, fold=fold, chunk=self.prefill_chunk
-            )
+                session, state.seq, self.target, draft,
+                fold=fold, fold_reserve=budget + 1, chunk=self.prefill_chunk,
+            )  # fmt: skip
             for step in caught_up:
                 if isinstance(step, Round):
                     prefilled += step.stats.prefill_passes
