@@ -498,12 +498,14 @@ def hostile_stores(tmp_path: Path) -> Iterator[dict[str, Path]]:
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc")
     os.mkfifo(repo / "snapshots" / "abc" / "config.json")
-    # refs the hub library's scan read whole: a FIFO (it hung), /dev/zero (memory filled)
+    # refs the hub library's scan read whole: a FIFO (it hung), /dev/zero (memory filled);
+    # and a dangling link among a repository's snapshots (it hid the repository)
     for name, make in (("fiforef", os.mkfifo), ("zeroref", lambda p: p.symlink_to("/dev/zero"))):
         repo = hub / f"models--someone--{name}"
         (repo / "snapshots" / "abc").mkdir(parents=True)
         (repo / "refs").mkdir()
         make(repo / "refs" / "main")
+    (hub / "models--someone--fiforef" / "snapshots" / "gone").symlink_to(tmp_path / "nowhere")
     yield {"ollama": ollama, "lmstudio": lmstudio, "hub": hub}
 
 

@@ -170,7 +170,7 @@ MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
             ),
         ),
         TOKENIZER,
-        "normalizer writes 3,000,000 characters for a match (content)",
+        "normalizer writes up to 3,000,000 characters for one it matches",
     ),
     "tokenizer-decoder-replace-bomb": (
         _edit(
@@ -180,12 +180,30 @@ MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
             ),
         ),
         TOKENIZER,
-        "decoder writes 100,000 characters",
+        "decoder writes up to 100,000 characters",
     ),
     "tokenizer-prepend-bomb": (
         _edit(TOKENIZER, _part("normalizer", {"type": "Prepend", "prepend": "x" * 1000})),
         TOKENIZER,
-        "(prepend)",
+        "writes up to 1,000 characters",
+    ),
+    # steps in sequence multiply: three Replaces of "a" by 60 made a character 216,000
+    "tokenizer-nested-replace-bomb": (
+        _edit(
+            TOKENIZER,
+            _part(
+                "normalizer",
+                {
+                    "type": "Sequence",
+                    "normalizers": [
+                        {"type": "Replace", "pattern": {"String": "a"}, "content": "a" * 60}
+                    ]
+                    * 3,
+                },
+            ),
+        ),
+        TOKENIZER,
+        "normalizer writes up to 226,980 characters",
     ),
     "tokenizer-special-id-past-the-embedding": (
         _edit(TOKENIZER, _special_ids([4_000_000_000])),

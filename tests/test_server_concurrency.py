@@ -263,7 +263,8 @@ def test_a_client_that_reads_slowly_keeps_its_connection() -> None:
     """The send timeout starts again whenever the client takes some of what is queued: a
     write that waits longer than `limit` for a client reading slowly is not dropped (a
     write waits until 48 KiB have gone, so at the default 60 s a client taking less than
-    800 bytes a second was). One that takes nothing is, after `limit`."""
+    800 bytes a second was), the piece the write queued counted before the clock starts.
+    One that takes nothing is, after `limit`."""
     from unittest import mock
 
     from aiohttp import web
@@ -290,8 +291,13 @@ def test_a_client_that_reads_slowly_keeps_its_connection() -> None:
         written = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.call_later(6 * limit, written.set)  # the write ends after six limits
+
+        async def write() -> None:  # queues its piece, then waits on the full socket
+            queued[0] += 64 << 10
+            await written.wait()
+
         try:
-            await send_within(request, written.wait(), limit)
+            await send_within(request, write(), limit)
         except ConnectionResetError:
             return False, transport.abort.called
         return True, transport.abort.called

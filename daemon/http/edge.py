@@ -234,8 +234,11 @@ async def send_within(request: web.Request, sending: Awaitable[Any], limit: floa
     800 bytes a second would have been)."""
     task = asyncio.ensure_future(sending)
     transport = request.transport
-    queued = _queued(transport) if transport is not None else 0
     try:
+        # The write runs until it waits on a full socket: what it queued is counted in the
+        # baseline (else the client had to take the whole piece in the first `limit`).
+        await asyncio.sleep(0)
+        queued = _queued(transport) if transport is not None else 0
         while True:
             done, _ = await asyncio.wait({task}, timeout=limit)
             if done:

@@ -24,6 +24,7 @@ bad entry is listed with a note saying why, never stopping the listing of the re
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -91,6 +92,7 @@ def resolve_store_ref(ref: str) -> StoreModel | None:
 
 # The most repositories of the hub cache listed, and files of a snapshot measured.
 MAX_HUB_REPOS = 4096
+MAX_SNAPSHOTS = 256  # revisions of one repository looked at
 MAX_SNAPSHOT_FILES = 4096
 
 
@@ -103,7 +105,8 @@ class HubSnapshot:
 
 def hub_snapshots() -> list[HubSnapshot]:
     """The hub cache's model repositories, each by its newest snapshot (the snapshot folder
-    written last), found by walking the cache's folders: the hub library's `scan_cache_dir`
+    written last: the hub's own scan took its newest file), found by walking the cache's
+    folders: the hub library's `scan_cache_dir`
     reads every `refs/` file whole, and a FIFO there hung `specd models` (and every command
     whose draft is `auto`), a link to /dev/zero filled the memory."""
     from huggingface_hub import constants
@@ -117,10 +120,14 @@ def hub_snapshots() -> list[HubSnapshot]:
     found = []
     for repo in repos:
         try:
-            snapshots = [(p.stat().st_mtime, p) for p in (repo / "snapshots").iterdir()]
+            entries = list(itertools.islice((repo / "snapshots").iterdir(), MAX_SNAPSHOTS))
         except OSError:
             continue
-        folders = [(t, p) for t, p in snapshots[:MAX_HUB_REPOS] if p.is_dir()]
+        folders = []
+        for path in entries:
+            with contextlib.suppress(OSError):  # (a dangling link hides only itself)
+                if path.is_dir():
+                    folders.append((path.stat().st_mtime, path))
         if folders:
             newest = max(folders)[1]
             repo_id = repo.name.removeprefix("models--").replace("--", "/")

@@ -125,31 +125,38 @@ def _backend(file: Path) -> HFTokenizer:
 # The most characters a normalizer, pre-tokenizer or decoder step may write for what it
 # matches (real ones write one: "▁" for " ", " " for "▁").
 MAX_REPLACEMENT = 64
+_WRITERS = frozenset({"Replace", "Prepend", "Metaspace"})
 
 
 def _check_replacements(backend: HFTokenizer, file: Path) -> None:
-    """Refuse a normalizer, pre-tokenizer or decoder that writes more than MAX_REPLACEMENT
-    characters for what it matches (`Replace`'s content, `Prepend`, a `Metaspace`
-    replacement): a Replace of " " by 3,000,000 characters made a 12-space prompt 36M
-    tokens (6.9 GB, then the allocator's abort), a decoder's made 40 tokens 115 MB."""
-    for part in ("normalizer", "pre_tokenizer", "decoder"):
-        component = getattr(backend, part)
-        if component is None:
-            continue
-        stack: list[Any] = [json.loads(component.__getstate__())]  # (nesting: the library's)
-        while stack:
-            value = stack.pop()
-            if isinstance(value, list):
-                stack.extend(value)
-            elif isinstance(value, dict):
-                for key, item in value.items():
-                    long = isinstance(item, str) and len(item) > MAX_REPLACEMENT
-                    if long and key in ("content", "prepend", "replacement"):
-                        raise CheckpointError(
-                            f"{file}: its {part} writes {len(item):,} characters for a match "
-                            f"({key}); at most {MAX_REPLACEMENT}: {DAMAGED}"
-                        )
-                    stack.append(item)
+    """Refuse a normalizer and pre-tokenizer, or a decoder, whose steps write more than
+    MAX_REPLACEMENT characters for one they match (`Replace`'s content, `Prepend`, a
+    `Metaspace` replacement; steps in sequence multiply, each writing 1 + its text for
+    a character): a Replace of " " by 3,000,000 characters made a 12-space prompt 36M
+    tokens (6.9 GB, then the allocator's abort), three Replaces of "a" by 60 made one
+    character 216,000, a decoder's made 40 tokens 115 MB."""
+    for parts in (("normalizer", "pre_tokenizer"), ("decoder",)):
+        growth = 1
+        for part in parts:
+            component = getattr(backend, part)
+            if component is None:
+                continue
+            stack: list[Any] = [json.loads(component.__getstate__())]  # (nesting: the library's)
+            while stack:
+                value = stack.pop()
+                if isinstance(value, list):
+                    stack.extend(value)
+                elif isinstance(value, dict):
+                    for key in ("content", "prepend", "replacement"):
+                        written = value.get(key)
+                        if value.get("type") in _WRITERS and isinstance(written, str):
+                            growth *= 1 + len(written)
+                    stack.extend(value.values())
+            if growth > MAX_REPLACEMENT + 1:
+                raise CheckpointError(
+                    f"{file}: its {part} writes up to {growth - 1:,} characters for one it "
+                    f"matches; at most {MAX_REPLACEMENT}: {DAMAGED}"
+                )
 
 
 def library_refusal(exc: Exception) -> str:
