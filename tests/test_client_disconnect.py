@@ -40,13 +40,22 @@ def _hang_up_mid_stream(server: BackgroundServer) -> str:
     response = conn.getresponse()
     assert response.status == 200
     first = json.loads(response.readline().decode().removeprefix("data: "))
+    hang_up_and_see_it_cancelled(conn, server, cancelled)
+    return first["id"]
+
+
+def hang_up_and_see_it_cancelled(
+    conn: http.client.HTTPConnection, server: BackgroundServer, cancelled: float
+) -> None:
+    """Close the client's socket; the engine cancels one more job within 20 s (it looks
+    between passes, the handler between rounds)."""
     conn.sock.close()
     conn.close()
+    engine = server.server.engine
     deadline = time.monotonic() + 20
     while engine.metrics.cancelled.value == cancelled and time.monotonic() < deadline:
-        time.sleep(0.01)  # the engine notices between passes
+        time.sleep(0.01)
     assert engine.metrics.cancelled.value == cancelled + 1
-    return first["id"]
 
 
 def test_a_client_hanging_up_mid_stream_logs_no_error(
@@ -85,9 +94,4 @@ def test_a_client_hanging_up_while_its_stream_has_nothing_to_send_is_noticed(
     held = {**body, "stream": True, "stop": text + "\x01"}
     conn.request("POST", "/v1/completions", json.dumps(held))
     assert conn.getresponse().status == 200  # the headers, and nothing more to read
-    conn.sock.close()
-    conn.close()
-    deadline = time.monotonic() + 20
-    while engine.metrics.cancelled.value == cancelled and time.monotonic() < deadline:
-        time.sleep(0.01)  # the handler looks between rounds
-    assert engine.metrics.cancelled.value == cancelled + 1
+    hang_up_and_see_it_cancelled(conn, server, cancelled)

@@ -67,6 +67,17 @@ class Passes:
 
         monkeypatch.setattr(model, "forward_batch", forward_batch)
 
+    def beside(self, long: Session, short: Session) -> list[tuple[int, bool]]:
+        """Each pass's (tokens of `long`'s target cache in it, whether `short` rode it)."""
+        out, at = [], 0
+        for count in self.passes:
+            caches = self.caches[at : at + count]
+            mine = [n for n, c in zip(self.sizes[at : at + count], caches, strict=True)
+                    if c is long.target_cache]  # fmt: skip
+            out.append((mine[0] if mine else 0, any(c is short.target_cache for c in caches)))
+            at += count
+        return out
+
     def of(self, session: Session) -> list[int]:
         """Sizes of the passes that wrote this session's target or draft cache."""
         mine = (session.target_cache, session.draft_cache)
@@ -247,6 +258,31 @@ async def events_until_finished(job: Job) -> list:
     return events
 
 
+def long_then_short(
+    engine: Engine,
+    runtime: Runtime,
+    passes: Passes,
+    long: GenerationRequest,
+    short: GenerationRequest,
+) -> tuple[list, list]:
+    """`long` submitted, and `short` during its first pass (on the worker: both are then
+    active); each one's events to the end."""
+
+    async def run() -> tuple[list, list]:
+        loop = asyncio.get_running_loop()
+        jobs: list[Job] = []
+
+        def submit_short(n: int) -> None:
+            if n == 1:
+                jobs.append(engine.submit(short, loop))
+
+        passes.on_pass = submit_short
+        long_events = await events_until_finished(engine.submit(long, loop))
+        return long_events, await events_until_finished(jobs[0])
+
+    return asyncio.run(run())
+
+
 @pytest.fixture
 def engines() -> Iterator[list[Engine]]:
     started: list[Engine] = []
@@ -265,21 +301,9 @@ def test_other_generations_share_the_passes_of_a_long_prompts_chunks(
     passes = Passes(runtime.target, monkeypatch)
     short_tokens = 5
 
-    async def run() -> tuple[list, list]:
-        loop = asyncio.get_running_loop()
-        jobs: list[Job] = []
-
-        def submit_short(n: int) -> None:
-            # On the worker, during the long prompt's first chunk: both are then active.
-            if n == 1:
-                jobs.append(engine.submit(request(runtime, "Lily", short_tokens), loop))
-
-        passes.on_pass = submit_short
-        long_job = engine.submit(request(runtime, STORY, 3), loop)
-        long_events = await events_until_finished(long_job)
-        return long_events, await events_until_finished(jobs[0])
-
-    long_events, short_events = asyncio.run(run())
+    long_events, short_events = long_then_short(
+        engine, runtime, passes, request(runtime, STORY, 3), request(runtime, "Lily", short_tokens)
+    )
     long_session, _ = sessions
     owner = ["long" if c is long_session.target_cache else "short" for c in passes.caches]
     assert "short" in owner and set(owner) == {"long", "short"}
@@ -320,30 +344,10 @@ def test_on_a_cpu_a_prefill_is_cut_short_while_others_wait_on_its_passes(
     passes = Passes(runtime.target, monkeypatch)
     long_text = " ".join([STORY] * 8)  # 433 tokens (the context holds 512)
 
-    async def run() -> tuple[list, list]:
-        loop = asyncio.get_running_loop()
-        jobs: list[Job] = []
-
-        def submit_short(n: int) -> None:  # during the long prompt's first chunk
-            if n == 1:
-                jobs.append(engine.submit(request(runtime, "Lily", 4), loop))
-
-        passes.on_pass = submit_short
-        long_job = engine.submit(request(runtime, long_text, 3), loop)
-        long_events = await events_until_finished(long_job)
-        return long_events, await events_until_finished(jobs[0])
-
-    long_events, short_events = asyncio.run(run())
-    long_session, short_session = sessions
-    # Each pass's (long prompt's tokens, whether the short one rode in it).
-    per_pass, at = [], 0
-    for count in passes.passes:
-        caches = passes.caches[at : at + count]
-        mine = [n for n, c in zip(passes.sizes[at : at + count], caches, strict=True)
-                if c is long_session.target_cache]  # fmt: skip
-        shared = any(c is short_session.target_cache for c in caches)
-        per_pass.append((mine[0] if mine else 0, shared))
-        at += count
+    long_events, short_events = long_then_short(
+        engine, runtime, passes, request(runtime, long_text, 3), request(runtime, "Lily", 4)
+    )
+    per_pass = passes.beside(*sessions)  # (long prompt's tokens, the short one rode)
     assert per_pass[0] == (chunk, False)  # alone, its own chunk
     # The short one, queued during the first pass, counts as the next pass is cut.
     assert per_pass[1] == (least, True)
@@ -455,26 +459,9 @@ def test_a_trees_fold_follows_the_cut_chunk(
     engines.append(engine)
     passes = Passes(runtime.target, monkeypatch)
 
-    async def run() -> None:
-        loop = asyncio.get_running_loop()
-        jobs: list[Job] = []
-
-        def submit_short(n: int) -> None:
-            if n == 1:
-                jobs.append(engine.submit(request(runtime, "Lily", 4), loop))
-
-        passes.on_pass = submit_short
-        await events_until_finished(engine.submit(request(runtime, " ".join([STORY] * 8), 3), loop))
-        await events_until_finished(jobs[0])
-
-    asyncio.run(run())
-    long_session, short_session = sessions
-    rode, at = [], 0
-    for count in passes.passes:
-        caches, sizes = passes.caches[at : at + count], passes.sizes[at : at + count]
-        if any(c is short_session.target_cache for c in caches):
-            rode += [
-                n for n, c in zip(sizes, caches, strict=True) if c is long_session.target_cache
-            ]
-        at += count
+    long_text = " ".join([STORY] * 8)
+    long_then_short(
+        engine, runtime, passes, request(runtime, long_text, 3), request(runtime, "Lily", 4)
+    )
+    rode = [n for n, shared in passes.beside(*sessions) if shared and n]
     assert rode and max(rode) <= 32 + 8 + 1  # the shared chunk and the tree
