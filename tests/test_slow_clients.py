@@ -289,6 +289,7 @@ def test_a_client_that_reads_none_of_a_whole_answer_loses_its_connection() -> No
     from daemon.metrics import Metrics
 
     limit = 0.3
+    metrics = Metrics()
 
     async def scenario() -> tuple[BaseException | None, float]:
         ended: asyncio.Future[tuple[BaseException | None, float]] = asyncio.Future()
@@ -309,7 +310,7 @@ def test_a_client_that_reads_none_of_a_whole_answer_loses_its_connection() -> No
 
         app = web.Application(middlewares=[watch, edge_middleware])
         app[CONFIG] = ApiConfig("m", WireLimits(8, 8), 1024, send_timeout_seconds=limit)
-        app[METRICS] = Metrics()
+        app[METRICS] = metrics
         app.router.add_get("/big", big)
         runner = web.AppRunner(app)
         await runner.setup()
@@ -332,3 +333,5 @@ def test_a_client_that_reads_none_of_a_whole_answer_loses_its_connection() -> No
     assert isinstance(error, ConnectionResetError), error
     assert "read nothing for 0.3 s" in str(error)
     assert seconds >= limit
+    counted = {"endpoint": "/big", "status": "499"}  # (a client that left, not a 200)
+    assert metrics.registry.get_sample_value("specd_requests_total", counted) == 1

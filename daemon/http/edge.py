@@ -195,12 +195,16 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
         request.content.feed_eof()
     if refused is not None and refused.status < 500:
         _log_refusal(request, refused)
-    request.app[METRICS].count_request(endpoint, response.status)
     origin = request.headers.get("Origin")
     if origin and origin in config.cors_origins and not response.prepared:
         response.headers.update(cors_headers(origin))
     if isinstance(response, web.Response) and not response.prepared:
-        return await deliver(request, response, config.send_timeout_seconds)
+        try:
+            response = await deliver(request, response, config.send_timeout_seconds)
+        except ConnectionResetError:  # the client read none of it: dropped
+            request.app[METRICS].count_request(endpoint, 499)
+            raise
+    request.app[METRICS].count_request(endpoint, response.status)
     return response
 
 
