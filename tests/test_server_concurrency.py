@@ -270,7 +270,7 @@ def test_a_client_that_reads_slowly_keeps_its_connection() -> None:
     from aiohttp import web
     from aiohttp.test_utils import make_mocked_request
 
-    from daemon.http.edge import send_within
+    from daemon.http.sending import send_within
 
     limit = 0.05
 

@@ -275,7 +275,7 @@ def test_connections_past_the_cap_are_refused_cleanly(capped: BackgroundServer) 
 
 
 def test_a_client_that_reads_none_of_a_whole_answer_loses_its_connection() -> None:
-    """A non-streamed answer is written by the edge (`edge.deliver`) in pieces, each within
+    """A non-streamed answer is written by the edge (`sending.deliver`) in pieces, each within
     `server.send_timeout_seconds`: a client that reads none of it is dropped, as a stream's
     is, over a real socket. Written by aiohttp after the handler returned, the answer waited
     on the full socket for good and held its connection (and its body) with it. The answer

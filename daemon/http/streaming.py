@@ -11,10 +11,11 @@ import logging
 
 from aiohttp import web
 
-from daemon.http.edge import CONFIG, cors_headers, send_within
+from daemon.http.edge import CONFIG, cors_headers
 from daemon.http.openai_errors import ApiError, bad_request
 from daemon.http.openai_responses import SSE_DONE, SSE_KEEPALIVE, ResponseShape, sse, usage
 from daemon.http.openai_wire import CompletionRequest
+from daemon.http.sending import send_within
 from daemon.jobs import Failed, Finished, Job, ServerShuttingDown
 from modeling.errors import RequestError
 from speculative.generation import Chunk
