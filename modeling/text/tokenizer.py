@@ -136,7 +136,9 @@ def _check_replacements(backend: HFTokenizer, file: Path) -> None:
     tokens (6.9 GB, then the allocator's abort), three Replaces of "a" by 60 made one
     character 216,000, a decoder's made 40 tokens 115 MB."""
     for parts in (("normalizer", "pre_tokenizer"), ("decoder",)):
-        growth = 1
+        # (a float: a million steps of one character each make no integer of a million
+        # bits, they make inf)
+        growth = 1.0
         for part in parts:
             component = getattr(backend, part)
             if component is None:
@@ -154,7 +156,7 @@ def _check_replacements(backend: HFTokenizer, file: Path) -> None:
                     stack.extend(value.values())
             if growth > MAX_REPLACEMENT + 1:
                 raise CheckpointError(
-                    f"{file}: its {part} writes up to {growth - 1:,} characters for one it "
+                    f"{file}: its {part} writes up to {growth - 1:,.0f} characters for one it "
                     f"matches; at most {MAX_REPLACEMENT}: {DAMAGED}"
                 )
 
