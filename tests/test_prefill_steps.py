@@ -465,3 +465,22 @@ def test_a_trees_fold_follows_the_cut_chunk(
     )
     rode = [n for n, shared in passes.beside(*sessions) if shared and n]
     assert rode and max(rode) <= 32 + 8 + 1  # the shared chunk and the tree
+
+
+def test_a_trees_folded_prompt_pass_counts_as_prefill_under_a_cpus_bound(
+    tree_runtime: Runtime,
+) -> None:
+    """On a CPU a prefill pass is bounded (256 tokens until its rate is measured): a tree
+    that fed a 300-token prompt in one such pass and folded the rest into its first
+    verification pass spent as many prompt passes as plain decoding, and that pass counts
+    as prefill (it was counted against 2,048-token chunks: one decode pass too many)."""
+    prompt = tree_runtime.tokenizer.encode(" ".join([STORY] * 6))[:300]
+    counts = {}
+    for name in ("autoregressive", "tree"):
+        strategy = tree_runtime.strategy(name, 8)
+        session = tree_runtime.new_session(strategy)
+        gen = Generation(
+            strategy, session, tree_runtime.tokenizer, prompt, GREEDY, 8, ignore_eos=True
+        )
+        counts[name] = gen.run().stats.prefill_passes
+    assert counts["tree"] == counts["autoregressive"] == 2, counts

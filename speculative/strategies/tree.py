@@ -36,7 +36,7 @@ from speculative.grammar import MAX_FORCED, Constraint
 from speculative.grammar_masks import forced_logprobs
 from speculative.ngram import ngram_tree
 from speculative.passes import Steps, feed_pass, forward
-from speculative.prefill import PREFILL_CHUNK, prefill
+from speculative.prefill import PREFILL_CHUNK, chunk_now, prefill
 from speculative.prefix_cache import PrefixCache
 from speculative.rounds import Round, RoundStats, RoundSteps
 from speculative.sampling import PenaltyContext, PositionNoise, SamplingParams
@@ -143,7 +143,8 @@ class TreeSpeculation:
         # where a chain spends a prefill pass and a round: counted as a round, the fold
         # made the tree look a pass worse than the chain it beat by one).
         prompt_rest = max(len(prompt_ids) - 1 - len(session.target_tokens), 0)
-        prefill_due = -(-prompt_rest // self.prefill_chunk)
+        # (in the chunks plain decoding's passes would have now: a CPU's are time-bounded)
+        prefill_due = -(-prompt_rest // chunk_now(session, self.prefill_chunk))
         prefilled = 0
         while state.emitted < max_new_tokens:
             t_round = time.perf_counter()
