@@ -17,7 +17,8 @@ from daemon import service
 from daemon.cli import main
 from daemon.http.server import read_api_key
 from daemon.settings import SettingsError
-from daemon.settings_loading import MAX_CONFIG_BYTES, MAX_VALUES, load_settings, read_yaml
+from daemon.settings_loading import load_settings, read_yaml
+from daemon.settings_yaml import MAX_CONFIG_BYTES, MAX_VALUES
 from daemon.small_files import SmallFileError, read_small
 from tests.conftest import ROOT
 
