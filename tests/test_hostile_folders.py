@@ -113,6 +113,10 @@ def _part(part: str, value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return lambda tok: {**tok, part: value}
 
 
+def _split(regex: str) -> dict[str, Any]:
+    return {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+
+
 def _special_ids(ids: list[int]) -> Callable[[dict[str, Any]], dict[str, Any]]:
     def change(tok: dict[str, Any]) -> dict[str, Any]:
         tok["post_processor"]["special_tokens"]["<s>"]["ids"] = ids
@@ -204,6 +208,24 @@ MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
         ),
         TOKENIZER,
         "normalizer writes up to 226,980 characters",
+    ),
+    # A `Split` regex that backtracks: quadratic in a run of letters (62 s projected for a
+    # 131,072-character prompt), cubic in a run of spaces, past the regex engine's retry
+    # limit (a Rust panic) on one
+    "tokenizer-quadratic-split": (
+        _edit(TOKENIZER, _part("pre_tokenizer", _split(r"(?:a|\s)*b|\s+"))),
+        TOKENIZER,
+        "(a run of 'a'",
+    ),
+    "tokenizer-cubic-split": (
+        _edit(TOKENIZER, _part("pre_tokenizer", _split(r"(\s*\s*\s*)x|\s"))),
+        TOKENIZER,
+        "(a run of ' '",
+    ),
+    "tokenizer-split-past-the-retry-limit": (
+        _edit(TOKENIZER, _part("pre_tokenizer", _split(r"(a|a)*b|\s|a"))),
+        TOKENIZER,
+        "fails on ordinary text (Onig: Regex search error: retry-limit-in-match over)",
     ),
     "tokenizer-special-id-past-the-embedding": (
         _edit(TOKENIZER, _special_ids([4_000_000_000])),

@@ -42,7 +42,8 @@ from modeling.checkpoints.gguf_file import CORRUPT_FILE, MAX_ARRAY_LENGTH, short
 from modeling.text.gguf_merges import TooManyMergesError
 from modeling.text.gguf_pretokenizers import NOT_BYTE_LEVEL, PRE_TOKENIZERS
 from modeling.text.gguf_spm import sentencepiece, spelled_pieces
-from modeling.text.tokenizer import Tokenizer, library_refusal
+from modeling.text.tokenizer import Tokenizer
+from modeling.text.tokenizer_file import library_refusal
 
 # tokenizer.ggml.token_type values
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4

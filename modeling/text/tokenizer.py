@@ -11,7 +11,6 @@ template at load (so a broken one fails there), the fallback at its first use, s
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,6 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from modeling.checkpoints.folder_files import (
     DAMAGED,
-    MAX_TOKENIZER_BYTES,
     CheckpointError,
     read_json_object,
     read_text,
@@ -29,6 +27,7 @@ from modeling.checkpoints.gguf_file import short_repr
 from modeling.config import ModelConfig
 from modeling.errors import RequestError
 from modeling.text import harmony
+from modeling.text.tokenizer_file import read_backend
 
 if TYPE_CHECKING:
     from jinja2 import Template
@@ -37,11 +36,6 @@ if TYPE_CHECKING:
 class ChatTemplateError(RequestError):
     """The chat template failed to render the given messages, or went past a limit of a
     render (modeling/text/chat_template.py)."""
-
-
-# Characters of the `tokenizers` library's refusal quoted in ours: it quotes the file,
-# which may be megabytes on one line.
-MAX_MESSAGE = 200
 
 
 def tokenizer_config(path: Path) -> dict[str, Any]:
@@ -104,73 +98,6 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
-def _backend(file: Path) -> HFTokenizer:
-    """tokenizer.json as the `tokenizers` library reads it, or CheckpointError naming the
-    file: past MAX_TOKENIZER_BYTES (checked before it is parsed), or refused by the library
-    (which bounds its own nesting)."""
-    text = read_text(file, MAX_TOKENIZER_BYTES)
-    try:
-        backend = HFTokenizer.from_str(text)
-    except Exception as exc:
-        said = library_refusal(exc)
-        raise CheckpointError(f"{file}: not a tokenizer ({said}): {DAMAGED}") from None
-    # A file's padding and truncation are a training pipeline's: padding to a fixed length
-    # of 20,000,000 cost every prompt 16 s and 2.4 GB, truncation cut prompts silently.
-    backend.no_padding()
-    backend.no_truncation()
-    _check_replacements(backend, file)
-    return backend
-
-
-# The most characters a normalizer, pre-tokenizer or decoder step may write for what it
-# matches (real ones write one: "▁" for " ", " " for "▁").
-MAX_REPLACEMENT = 64
-_WRITERS = frozenset({"Replace", "Prepend", "Metaspace"})
-
-
-def _check_replacements(backend: HFTokenizer, file: Path) -> None:
-    """Refuse a normalizer and pre-tokenizer, or a decoder, whose steps write more than
-    MAX_REPLACEMENT characters for one they match (`Replace`'s content, `Prepend`, a
-    `Metaspace` replacement; steps in sequence multiply, each writing 1 + its text for
-    a character): a Replace of " " by 3,000,000 characters made a 12-space prompt 36M
-    tokens (6.9 GB, then the allocator's abort), three Replaces of "a" by 60 made one
-    character 216,000, a decoder's made 40 tokens 115 MB."""
-    for parts in (("normalizer", "pre_tokenizer"), ("decoder",)):
-        # (a float: a million steps of one character each make no integer of a million
-        # bits, they make inf)
-        growth = 1.0
-        for part in parts:
-            component = getattr(backend, part)
-            if component is None:
-                continue
-            stack: list[Any] = [json.loads(component.__getstate__())]  # (nesting: the library's)
-            while stack:
-                value = stack.pop()
-                if isinstance(value, list):
-                    stack.extend(value)
-                elif isinstance(value, dict):
-                    for key in ("content", "prepend", "replacement"):
-                        written = value.get(key)
-                        if value.get("type") in _WRITERS and isinstance(written, str):
-                            growth *= 1 + len(written)
-                    stack.extend(value.values())
-            if growth > MAX_REPLACEMENT + 1:
-                raise CheckpointError(
-                    f"{file}: its {part} writes up to {growth - 1:,.0f} characters for one it "
-                    f"matches; at most {MAX_REPLACEMENT}: {DAMAGED}"
-                )
-
-
-def library_refusal(exc: Exception) -> str:
-    """What the `tokenizers` library said refusing a file, cut to MAX_MESSAGE characters (it
-    quotes the file's text, which may be megabytes); any other exception is re-raised (the
-    library refuses with a bare Exception: anything else is a bug)."""
-    if type(exc) is not Exception:
-        raise exc
-    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return first if len(first) <= MAX_MESSAGE else first[:MAX_MESSAGE] + " …"
-
-
 def _token_text(tc: dict[str, Any], key: str, file: Path) -> str | None:
     """tokenizer_config.json's `key` (bos_token, eos_token): a token's text, or an object
     with its text as `content` (an AddedToken as transformers writes it), or none."""
@@ -230,7 +157,7 @@ class Tokenizer:
             raise FileNotFoundError(
                 f"{path} has no tokenizer.json (specd reads tokenizers in the `tokenizers` format)"
             )
-        backend = _backend(file)
+        backend = read_backend(file)
         tc = tokenizer_config(path)
         tc_file = path / "tokenizer_config.json"
         bos = _token_text(tc, "bos_token", tc_file)
