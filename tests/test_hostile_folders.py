@@ -215,12 +215,12 @@ MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
     "tokenizer-quadratic-split": (
         _edit(TOKENIZER, _part("pre_tokenizer", _split(r"(?:a|\s)*b|\s+"))),
         TOKENIZER,
-        "(a run of 'a'",
+        "(a run of letters",
     ),
     "tokenizer-cubic-split": (
         _edit(TOKENIZER, _part("pre_tokenizer", _split(r"(\s*\s*\s*)x|\s"))),
         TOKENIZER,
-        "(a run of ' '",
+        "(a run of spaces",
     ),
     "tokenizer-split-past-the-retry-limit": (
         _edit(TOKENIZER, _part("pre_tokenizer", _split(r"(a|a)*b|\s|a"))),

@@ -58,9 +58,9 @@ def test_a_file_is_paced_once_a_process(
     timed: list[str] = []
     real = tokenizer_file._timed
 
-    def spy(backend: Any, probe: str, limit: float, file: Path, tries: int = 2) -> float:
+    def spy(backend: Any, probe: str, file: Path, tries: int = 1) -> float:
         timed.append(probe)
-        return real(backend, probe, limit, file, tries)
+        return real(backend, probe, file, tries)
 
     monkeypatch.setattr(tokenizer_file, "_timed", spy)
     tokenizer_file.read_backend(file)
