@@ -159,10 +159,15 @@ def build_tokenizer(vocab_size: int):  # type: ignore[no-untyped-def]
             show_progress=False,
         )
         tok.train_from_iterator([_CORPUS], trainer=trainer)
-        # Pad with unused tokens if the corpus is too small to reach the size.
+        # Pad with unused tokens if the corpus is too small to reach the size: in the BPE's
+        # own vocabulary, as a real one holds them (added tokens, matched whole in any text,
+        # are a few hundred in real files, and bounded: modeling/text/tokenizer_file.py).
         missing = vocab_size - tok.get_vocab_size()
         if missing > 0:
-            tok.add_tokens([f"<extra_{i}>" for i in range(missing)])
+            spec = json.loads(tok.to_str())
+            first = tok.get_vocab_size()
+            spec["model"]["vocab"].update({f"<extra_{i}>": first + i for i in range(missing)})
+            tok = Tokenizer.from_str(json.dumps(spec))
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
     return tok

@@ -474,6 +474,8 @@ def test_the_vocabulary_and_its_merges_are_bounded(monkeypatch: pytest.MonkeyPat
         ("MAX_VOCABULARY_TEXT", 1000, "tokenizer.ggml.tokens holds 2,"),
         ("MAX_MERGES", 100, "tokenizer.ggml.tokens give over 100 merges"),
         ("MAX_MERGES_TEXT", 400, "tokenizer.ggml.tokens give over .* or 400 characters"),
+        # its control tokens, matched whole in any text (<unk>, <s>, </s>: 10 bytes)
+        ("MAX_ADDED_BYTES", 9, "tokenizer.ggml.token_type makes 3 tokens control or user-def"),
     ]:
         with monkeypatch.context() as patch:
             patch.setattr(gguf_tokenizer, bound, value)

@@ -8,6 +8,7 @@ own: tests/test_hostile_files.py)."""
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import time
@@ -88,6 +89,15 @@ def _added(token: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return change
 
 
+def _added_many(count: int, content: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def change(tok: dict[str, Any]) -> dict[str, Any]:
+        first = tok["added_tokens"][0]
+        tok["added_tokens"] += [{**first, "content": f"{i}{content}"} for i in range(count)]
+        return tok
+
+    return change
+
+
 def _merge(merge: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
     def change(tok: dict[str, Any]) -> dict[str, Any]:
         tok["model"]["merges"].append(merge)
@@ -111,6 +121,26 @@ def _first_added_id(value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
 
 def _part(part: str, value: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
     return lambda tok: {**tok, part: value}
+
+
+def _sequence(normalizers: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "Sequence", "normalizers": normalizers}
+
+
+def _precompiled(char: str, written: str) -> dict[str, Any]:
+    """A SentencePiece charsmap (tokenizers' `Precompiled` normalizer) that writes `written`
+    for the one-byte `char`: a 4-byte trie size, a darts-clone double array holding the one
+    key (root -> its node at 1 ^ byte, labelled, with a leaf next to it whose value is the
+    offset 0), then the NUL-terminated strings."""
+    byte = char.encode()[0]
+    units = [0] * 256
+    units[0] = 1 << 10  # the root: children at offset 1
+    node = 1 ^ byte
+    units[node] = byte | 1 << 8 | 1 << 10  # its label, a leaf below, at offset 1
+    units[node ^ 1] = 1 << 31  # the leaf: value 0, where `written` starts
+    trie = b"".join(unit.to_bytes(4, "little") for unit in units)
+    blob = len(trie).to_bytes(4, "little") + trie + written.encode() + b"\0"
+    return {"type": "Precompiled", "precompiled_charsmap": base64.b64encode(blob).decode()}
 
 
 def _split(regex: str) -> dict[str, Any]:
@@ -189,7 +219,7 @@ MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
     "tokenizer-prepend-bomb": (
         _edit(TOKENIZER, _part("normalizer", {"type": "Prepend", "prepend": "x" * 1000})),
         TOKENIZER,
-        "writes up to 1,000 characters",
+        "writes up to 1,001 characters",
     ),
     # steps in sequence multiply: three Replaces of "a" by 60 made a character 216,000
     "tokenizer-nested-replace-bomb": (
@@ -207,7 +237,43 @@ MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
             ),
         ),
         TOKENIZER,
-        "normalizer writes up to 226,980 characters",
+        "normalizer writes up to 216,000 characters",
+    ),
+    # a SentencePiece charsmap writing a million characters for "A" (1M tokens a letter);
+    # ByteLevel normalizers in a chain, each spelling a character's bytes (22 took 11.8 GB
+    # for 64 characters); a thousand steps that write nothing (900 took 10 s to load)
+    "tokenizer-precompiled-bomb": (
+        _edit(TOKENIZER, _part("normalizer", _precompiled("A", " x" * 500_000))),
+        TOKENIZER,
+        "normalizer writes up to 1,000,000 characters",
+    ),
+    "tokenizer-bytelevel-chain": (
+        _edit(TOKENIZER, _part("normalizer", _sequence([{"type": "ByteLevel"}] * 4))),
+        TOKENIZER,
+        "normalizer writes up to 256 characters",
+    ),
+    "tokenizer-a-thousand-steps": (
+        _edit(TOKENIZER, _part("normalizer", _sequence([{"type": "Lowercase"}] * 1000))),
+        TOKENIZER,
+        "steps; at most 64 (real ones have a dozen)",
+    ),
+    # what the library builds at load, bounded before it does: added tokens matched whole
+    # (20,000 of 1,000 CJK characters took 81 s and 4.5 GB), a token of any length (a
+    # Unigram of 20,000 pieces of 1,000 characters: 21 s, 7 GB)
+    "tokenizer-added-tokens-past-their-bytes": (
+        _edit(TOKENIZER, _added_many(1_100, "東" * 1_000)),
+        TOKENIZER,
+        "tokens of 3,30",
+    ),
+    "tokenizer-added-token-too-long": (
+        _edit(TOKENIZER, _added({"content": "x" * 1_025, "id": 511})),
+        TOKENIZER,
+        "added_tokens has a token of 1,025 characters ('xxxxx",
+    ),
+    "tokenizer-piece-too-long": (
+        _edit(TOKENIZER, _vocab("▁" + "y" * 2_000, 510)),
+        TOKENIZER,
+        "model.vocab has a token of 2,001 characters",
     ),
     # A `Split` regex that backtracks: quadratic in a run of letters (62 s projected for a
     # 131,072-character prompt), cubic in a run of spaces, past the regex engine's retry
@@ -283,6 +349,51 @@ def test_each_mutation_is_one_line_naming_the_file_and_key(
         assert err.count("\n") == 1 and err.startswith(f"specd: error: {folder / name}: "), err
         assert says in err and len(err) < 400, (command, err)
         assert time.perf_counter() - start < 10, command  # refused at a bound, not past it
+
+
+@pytest.mark.parametrize(
+    ("normalizer", "pre_tokenizer"),
+    [
+        # T5's and ALBERT's: a charsmap (NFKC's longest, 18 characters for U+FDFA; here for
+        # "A"), runs of spaces made one; Metaspace
+        (
+            _sequence(
+                [
+                    _precompiled("A", "x" * 18),
+                    {"type": "Replace", "pattern": {"Regex": " {2,}"}, "content": " "},
+                ]
+            ),
+            None,
+        ),
+        # Llama 2's and Mistral's as transformers writes them
+        (
+            _sequence(
+                [
+                    {"type": "Prepend", "prepend": "▁"},
+                    {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+                ]
+            ),
+            {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious"},
+        ),
+        # GPT-2's and Qwen's
+        (
+            {"type": "NFC"},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True},
+        ),
+    ],
+)
+def test_real_tokenizer_steps_pass_the_bounds(
+    normalizer: dict[str, Any], pre_tokenizer: dict[str, Any] | None, tmp_path: Path
+) -> None:
+    def change(tok: dict[str, Any]) -> dict[str, Any]:
+        tok["normalizer"] = normalizer
+        if pre_tokenizer is not None:
+            tok["pre_tokenizer"] = {**pre_tokenizer, "invert": False}
+        return tok
+
+    folder = hostile_copy(tmp_path, _edit(TOKENIZER, change))
+    tokenizer = checkpoint.load_tokenizer(checkpoint.open_checkpoint(folder))
+    assert tokenizer.encode("Once  upon a time", add_special_tokens=False)
 
 
 @pytest.mark.usefixtures("quiet_home")

@@ -38,24 +38,24 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from modeling.checkpoints.gguf_file import CORRUPT_FILE, MAX_ARRAY_LENGTH, short_repr
+from modeling.checkpoints.gguf_file import CORRUPT_FILE, short_repr
 from modeling.text.gguf_merges import TooManyMergesError
 from modeling.text.gguf_pretokenizers import NOT_BYTE_LEVEL, PRE_TOKENIZERS
 from modeling.text.gguf_spm import sentencepiece, spelled_pieces
 from modeling.text.tokenizer import Tokenizer
-from modeling.text.tokenizer_file import library_refusal
+from modeling.text.tokenizer_file import (
+    MAX_ADDED_BYTES,
+    MAX_MERGES,
+    MAX_MERGES_TEXT,
+    MAX_PIECE_LENGTH,
+    MAX_VOCABULARY,
+    MAX_VOCABULARY_TEXT,
+    library_refusal,
+)
 
 # tokenizer.ggml.token_type values
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
 
-# Bounds on what a file's vocabulary may make us build (docs/models.md, "Hostile model
-# files"). Real vocabularies: at most 262,144 tokens (Gemma 3) and a few million characters,
-# 280,147 merges (Llama 3), tokens of a few hundred characters (SmolLM2's longest: 81).
-MAX_VOCABULARY = MAX_ARRAY_LENGTH  # tokens: 2**22, what one GGUF array may hold
-MAX_PIECE_LENGTH = 1024  # characters in one token
-MAX_VOCABULARY_TEXT = 2**23  # characters in all the tokens together
-MAX_MERGES = 2**21  # a `gpt2` file's, or those a `llama` file's scores give
-MAX_MERGES_TEXT = 2**24  # characters in all the merges together, both sides
 
 # Tokens llama.cpp ends a generation at by their text alone (llama-vocab.cpp, "EOG").
 END_OF_TURN_TOKENS = frozenset(
@@ -114,6 +114,13 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
     user_defined = [
         i for i, kind in enumerate(types) if kind == USER_DEFINED and tokens[i] == read.tokens[i]
     ]
+    added = sum(len(tokens[i].encode()) for i in special | set(user_defined))
+    if added > MAX_ADDED_BYTES:  # (matched whole: the library builds an automaton of them)
+        raise GGUFTokenizerError(
+            f"{source}: tokenizer.ggml.token_type makes {len(special | set(user_defined)):,} "
+            f"tokens control or user-defined, {added:,} bytes of them; specd reads at most "
+            f"{MAX_ADDED_BYTES:,} (real ones: some 100 KB): {CORRUPT_FILE}"
+        )
     try:
         if read.model == "llama":
             backend = _sentencepiece(read, tokens, source)
@@ -129,9 +136,10 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
     backend.add_special_tokens(
         [AddedToken(tokens[i], normalized=False, special=True) for i in sorted(special)]
     )
-    backend.add_tokens(
-        [AddedToken(tokens[i], normalized=False, special=False) for i in user_defined]
-    )
+    if user_defined:  # (adding none builds the automaton again)
+        backend.add_tokens(
+            [AddedToken(tokens[i], normalized=False, special=False) for i in user_defined]
+        )
 
     bos = tokens[ids["bos"]] if ids["bos"] is not None else None
     eos = tokens[ids["eos"]] if ids["eos"] is not None else None

@@ -5,6 +5,7 @@ modeling/text/tokenizer.py builds the Tokenizer around what this returns."""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import time
@@ -19,6 +20,7 @@ from modeling.checkpoints.folder_files import (
     CheckpointError,
     read_text,
 )
+from modeling.checkpoints.gguf_file import short_repr
 
 # Characters of the `tokenizers` library's refusal quoted in ours: it quotes the file,
 # which may be megabytes on one line.
@@ -31,6 +33,12 @@ def read_backend(file: Path) -> HFTokenizer:
     (which bounds its own nesting), writing past MAX_REPLACEMENT, or too slow on ordinary
     text (`check_pace`)."""
     text = read_text(file, MAX_TOKENIZER_BYTES)
+    try:
+        spec = json.loads(text)
+    except (ValueError, RecursionError):
+        spec = None  # (the library says what is wrong with it)
+    if isinstance(spec, dict):
+        check_vocabulary(spec, file)
     try:
         backend = HFTokenizer.from_str(text)
     except Exception as exc:
@@ -45,6 +53,77 @@ def read_backend(file: Path) -> HFTokenizer:
     return backend
 
 
+# Bounds on what a tokenizer's vocabulary may make us build, a GGUF file's or a
+# tokenizer.json's (docs/models.md, "Hostile model files"). Real vocabularies: at most
+# 262,144 tokens (Gemma 3) and a few million characters, 280,147 merges (Llama 3), tokens of
+# a few hundred characters (SmolLM2's longest: 81), added tokens of some 100 KB in all.
+MAX_VOCABULARY = 2**22  # tokens
+MAX_PIECE_LENGTH = 1024  # characters in one token
+MAX_VOCABULARY_TEXT = 2**23  # characters in all the tokens together
+MAX_MERGES = 2**21
+MAX_MERGES_TEXT = 2**24  # characters in all the merges together, both sides
+# UTF-8 bytes of the added tokens (special, control, user-defined) together: the library
+# builds one matching automaton over them, 1.3 µs and 75 bytes a byte (1,000-character
+# tokens of CJK: 20,000 took 81 s and 4.5 GB).
+MAX_ADDED_BYTES = 2**20
+
+
+def check_vocabulary(spec: dict[str, Any], file: Path) -> None:
+    """Refuse a tokenizer.json whose vocabulary, merges or added tokens pass the bounds
+    above, before the library builds them (a Unigram of 20,000 pieces of 1,000 characters
+    took it 21 s and 7 GB). Values of the wrong type are left for the library to refuse."""
+    model = spec.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    merges = model.get("merges") if isinstance(model, dict) else None
+    added = spec.get("added_tokens")
+    pieces: list[str] = []
+    if isinstance(vocab, dict):
+        pieces = list(vocab)
+    elif isinstance(vocab, list):  # (Unigram: [piece, score] pairs)
+        pieces = [p[0] for p in vocab if isinstance(p, list) and p and isinstance(p[0], str)]
+    tokens: list[Any] = added if isinstance(added, list) else []
+    contents: list[str] = [
+        t["content"] for t in tokens if isinstance(t, dict) and isinstance(t.get("content"), str)
+    ]
+    where = {"model.vocab": pieces, "added_tokens": contents}
+    for key, texts in where.items():
+        longest = max(texts, key=len, default="")
+        if len(longest) > MAX_PIECE_LENGTH:
+            raise CheckpointError(
+                f"{file}: {key} has a token of {len(longest):,} characters "
+                f"({short_repr(longest[:40])}…); specd reads tokens of at most "
+                f"{MAX_PIECE_LENGTH:,} (a real vocabulary's longest are a few hundred): {DAMAGED}"
+            )
+    total = sum(map(len, pieces))
+    if len(pieces) > MAX_VOCABULARY or total > MAX_VOCABULARY_TEXT:
+        raise CheckpointError(
+            f"{file}: model.vocab holds {len(pieces):,} tokens of {total:,} characters; specd "
+            f"reads vocabularies of at most {MAX_VOCABULARY:,} tokens and {MAX_VOCABULARY_TEXT:,} "
+            f"characters (the largest real one has 262,144 tokens): {DAMAGED}"
+        )
+    added_bytes = sum(len(c.encode()) for c in contents)
+    if added_bytes > MAX_ADDED_BYTES:
+        raise CheckpointError(
+            f"{file}: added_tokens hold {len(contents):,} tokens of {added_bytes:,} bytes; specd "
+            f"reads at most {MAX_ADDED_BYTES:,} bytes of them (real ones: some 100 KB): {DAMAGED}"
+        )
+    if isinstance(merges, list):
+        merged = sum(_merge_length(m) for m in merges)
+        if len(merges) > MAX_MERGES or merged > MAX_MERGES_TEXT:
+            raise CheckpointError(
+                f"{file}: model.merges holds {len(merges):,} merges of {merged:,} characters; "
+                f"specd reads at most {MAX_MERGES:,} of {MAX_MERGES_TEXT:,} (Llama 3 has "
+                f"280,147): {DAMAGED}"
+            )
+
+
+def _merge_length(merge: Any) -> int:
+    """A merge's characters: "a b", or ["a", "b"] as newer files write it."""
+    if isinstance(merge, str):
+        return len(merge)
+    return sum(len(x) for x in merge if isinstance(x, str)) if isinstance(merge, list) else 0
+
+
 def library_refusal(exc: Exception) -> str:
     """What the `tokenizers` library said refusing a file, cut to MAX_MESSAGE characters (it
     quotes the file's text, which may be megabytes); any other exception is re-raised (the
@@ -56,18 +135,25 @@ def library_refusal(exc: Exception) -> str:
 
 
 # The most characters a normalizer, pre-tokenizer or decoder step may write for what it
-# matches (real ones write one: "▁" for " ", " " for "▁").
+# matches, its steps in sequence multiplied (real ones: 36 at most, T5's: a Precompiled
+# charsmap's 18 for U+FDFA, times Metaspace's "▁" before a one-character piece).
 MAX_REPLACEMENT = 64
-_WRITERS = frozenset({"Replace", "Prepend", "Metaspace"})
+MAX_STEPS = 64  # steps in all (real ones: a dozen at most; 900 Lowercase took 10 s to load)
+# What a regex needs to match an empty string (a quantifier that allows none, alternation,
+# an anchor or lookaround): a pattern without any of these takes a character at least.
+_EMPTY_MATCHERS = ("*", "?", "{0", "{,", "|", "(?", "()", "\\b", "\\B", "^", "$", "\\A", "\\z",
+    "\\Z", "\\G", "\\K")  # fmt: skip
 
 
 def check_replacements(backend: HFTokenizer, file: Path) -> None:
     """Refuse a normalizer and pre-tokenizer, or a decoder, whose steps write more than
-    MAX_REPLACEMENT characters for one they match (`Replace`'s content, `Prepend`, a
-    `Metaspace` replacement; steps in sequence multiply, each writing 1 + its text for
-    a character): a Replace of " " by 3,000,000 characters made a 12-space prompt 36M
-    tokens (6.9 GB, then the allocator's abort), three Replaces of "a" by 60 made one
-    character 216,000, a decoder's made 40 tokens 115 MB."""
+    MAX_REPLACEMENT characters for one they match (`_growth`; steps in sequence multiply),
+    or that have more than MAX_STEPS steps: a Replace of " " by 3,000,000 characters made
+    a 12-space prompt 36M tokens (6.9 GB, then the allocator's abort), three Replaces of
+    "a" by 60 made one character 216,000, a decoder's made 40 tokens 115 MB, a Precompiled
+    charsmap writing a million characters for "A" 1M tokens a letter, 22 ByteLevel
+    normalizers 11.8 GB for a 64-character text."""
+    steps = 0
     for parts in (("normalizer", "pre_tokenizer"), ("decoder",)):
         # (a float: a million steps of one character each make no integer of a million
         # bits, they make inf)
@@ -82,16 +168,59 @@ def check_replacements(backend: HFTokenizer, file: Path) -> None:
                 if isinstance(value, list):
                     stack.extend(value)
                 elif isinstance(value, dict):
-                    for key in ("content", "prepend", "replacement"):
-                        written = value.get(key)
-                        if value.get("type") in _WRITERS and isinstance(written, str):
-                            growth *= 1 + len(written)
+                    if isinstance(value.get("type"), str):
+                        steps += 1
+                        growth *= _growth(value, decoding=part == "decoder")
                     stack.extend(value.values())
-            if growth > MAX_REPLACEMENT + 1:
+            if growth > MAX_REPLACEMENT:
                 raise CheckpointError(
-                    f"{file}: its {part} writes up to {growth - 1:,.0f} characters for one it "
+                    f"{file}: its {part} writes up to {growth:,.0f} characters for one it "
                     f"matches; at most {MAX_REPLACEMENT}: {DAMAGED}"
                 )
+    if steps > MAX_STEPS:
+        raise CheckpointError(
+            f"{file}: its normalizer, pre-tokenizer and decoder have {steps:,} steps; at most "
+            f"{MAX_STEPS} (real ones have a dozen): {DAMAGED}"
+        )
+
+
+def _growth(step: dict[str, Any], decoding: bool) -> float:
+    """The most characters `step` writes for one character it reads (1 for the steps that
+    write none of their own). `Replace` writes its content for a match of one character at
+    least, or also between characters where its pattern may match nothing; `Prepend` and
+    `Metaspace` write theirs before a piece (of one character, at worst); `ByteLevel`
+    spells a character's UTF-8 bytes (4 at most) as characters; `Precompiled` writes the
+    longest string of its charsmap."""
+    kind = step.get("type")
+    if kind == "Replace" and isinstance(content := step.get("content"), str):
+        pattern = step.get("pattern")
+        regex = pattern.get("Regex") if isinstance(pattern, dict) else None
+        string = pattern.get("String") if isinstance(pattern, dict) else None
+        takes_one = (
+            bool(string)
+            if regex is None
+            else bool(regex) and not any(marker in regex for marker in _EMPTY_MATCHERS)
+        )
+        return max(1, len(content)) if takes_one else 1 + len(content)
+    if kind in ("Prepend", "Metaspace"):
+        written = step.get("prepend" if kind == "Prepend" else "replacement")
+        return 1 + len(written) if isinstance(written, str) else 1
+    if kind == "ByteLevel" and not decoding:
+        return 4
+    if kind == "Precompiled" and isinstance(charsmap := step.get("precompiled_charsmap"), str):
+        return _longest_normalized(charsmap)
+    return 1
+
+
+def _longest_normalized(charsmap: str) -> int:
+    """The longest string (in characters) a SentencePiece charsmap writes: the blob (base64)
+    is a 4-byte little-endian trie size, the trie, then NUL-terminated UTF-8 strings."""
+    try:
+        blob = base64.b64decode(charsmap)
+    except ValueError:
+        return 1  # (not one the library read: it refused the file before this)
+    strings = blob[4 + int.from_bytes(blob[:4], "little") :].split(b"\0")
+    return max(1, max(len(text.decode("utf-8", "replace")) for text in strings))
 
 
 # The pace check. A regex engine backtracks: `Split` patterns that are quadratic or cubic
