@@ -57,7 +57,7 @@ from daemon.pools import SessionPool, StrategyPool
 from daemon.pressure import PressureMonitor, PressureThresholds, cuda_probe, host_probe, settled
 from daemon.relief import Relief, relief_steps
 from daemon.runtime import Runtime
-from modeling.errors import RequestError
+from modeling.errors import RequestError, rust_panic
 from speculative.batching import PassScheduler
 from speculative.generation import Chunk, Generation
 from speculative.passes import Allot, Forward, PassRequest
@@ -307,7 +307,9 @@ class Engine:
                 continue
             try:
                 self._step()
-            except Exception as exc:  # a bug outside any one generation: never stop serving
+            except BaseException as exc:  # a bug outside any one generation: never stop serving
+                if not isinstance(exc, Exception) and not rust_panic(exc):
+                    raise
                 log.error("an engine step failed; its generations fail with it", exc_info=exc)
                 for active in list(self._active):
                     self._fail(active, exc)
@@ -379,7 +381,9 @@ class Engine:
                 continue
             try:
                 self._active.append(self._begin(job))
-            except Exception as exc:  # a bad request that got past validation, or a bug
+            except BaseException as exc:  # a bad request that got past validation, or a bug
+                if not isinstance(exc, Exception) and not rust_panic(exc):
+                    raise
                 if not isinstance(exc, RequestError):
                     log.error("starting a generation failed", exc_info=exc)
                 self._end(job, Failed(exc))
@@ -479,7 +483,9 @@ class Engine:
                     return
                 if self._take(active, item):
                     return
-        except Exception as exc:
+        except BaseException as exc:  # (a library's panic too: this job fails, not the thread)
+            if not isinstance(exc, Exception) and not rust_panic(exc):
+                raise
             self._fail(active, exc)
 
     def _take(self, active: _Active, chunk: Chunk) -> bool:

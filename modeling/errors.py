@@ -27,3 +27,11 @@ class ModelOutputError(RuntimeError):
     file), or its config's values overflow. Every token drawn from such logits would be
     token 0 or garbage, so the generation stops with this instead (a 500 that says so; the
     daemon keeps serving)."""
+
+
+def rust_panic(exc: BaseException) -> bool:
+    """Whether `exc` is a panic of a Rust library (tokenizers, llguidance): pyo3 raises
+    it as a BaseException, which `except Exception` handlers let through (a request's
+    connection closed unanswered, an engine thread ended). It is one library call's
+    failure: handled as an Exception is."""
+    return type(exc).__name__ == "PanicException"

@@ -26,8 +26,6 @@ the token is emitted without a model pass (`take_forced`, counted as `forced_tok
 from __future__ import annotations
 
 import json
-import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +42,7 @@ from speculative.grammar_errors import (
     engine_stopped,
 )
 from speculative.grammar_masks import bit, expand, spellable
+from speculative.grammar_vocabulary import vocabulary
 
 # JSON output: compact separators and no free whitespace. A small model allowed free
 # whitespace between tokens can emit newlines until max_tokens (docs/structured-output.md);
@@ -56,53 +55,6 @@ MAX_FORCED = 256
 # its errors must not quote the grammar or the parser's state: they go back to the
 # client that sent the schema, and into the log.
 ENGINE_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
-_VOCABULARIES: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
-_VOCABULARY_LOCK = threading.Lock()
-
-
-def vocabulary(tokenizer: Any) -> llguidance.LLTokenizer:
-    """The engine's view of `tokenizer` (modeling/text/tokenizer.py), built once per
-    tokenizer (about a second at 128k entries) and kept while the tokenizer lives. Its
-    end-of-sequence tokens are the tokenizer's (a finished grammar allows only those)."""
-    with _VOCABULARY_LOCK:
-        known = _VOCABULARIES.get(tokenizer)
-        if known is None:
-            eos = list(tokenizer.eos_token_ids) or None
-            try:
-                known = llguidance.LLTokenizer(tokenizer.backend.to_str(), eos_token=eos)
-            except ValueError:
-                # A tokenizer whose decoder the engine does not read (a word-level one
-                # joins words with spaces): its pieces as they are spelled in its vocabulary.
-                known = llguidance.LLTokenizer(
-                    llguidance.TokenizerWrapper(_Pieces(tokenizer)), eos_token=eos
-                )
-            _VOCABULARIES[tokenizer] = known
-        return known
-
-
-class _Pieces:
-    """What llguidance's TokenizerWrapper reads: each id's piece as bytes, the special ids,
-    and the encoder."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        backend = tokenizer.backend
-        size = backend.get_vocab_size(with_added_tokens=True)
-        self.tokens = [(backend.id_to_token(i) or "").encode() for i in range(size)]
-        special = {i for i, added in backend.get_added_tokens_decoder().items() if added.special}
-        # The unknown, begin and end tokens are markers, not text, even where the tokenizer
-        # does not declare them as added special tokens (a word-level vocabulary).
-        unk = getattr(backend.model, "unk_token", None)
-        markers = [backend.token_to_id(unk) if unk else None, tokenizer.bos_id]
-        special |= {i for i in [*markers, *tokenizer.eos_token_ids] if i is not None}
-        self.special_token_ids = sorted(special)
-        self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
-        self.bos_token_id = tokenizer.bos_id
-        self._backend = backend
-
-    def __call__(self, text: str | bytes) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", errors="replace")
-        return list(self._backend.encode(text, add_special_tokens=False).ids)
 
 
 @dataclass(frozen=True)
@@ -181,7 +133,7 @@ class Grammar:
 
     def check(self, tokenizer: Any) -> None:
         """`validate`, and that the grammar can be spelled with the tokenizer's pieces."""
-        vocab = vocabulary(tokenizer)
+        vocab = vocabulary(tokenizer, self.field)
         self.validate(vocab)
         matcher = llguidance.LLMatcher(vocab, self.text, log_level=0, limits=ENGINE_LIMITS)
         if matcher.is_error():
@@ -217,7 +169,7 @@ class Constraint:
         there: speculative/grammar_compiler.py, on a thread whose stack the engine's
         recursion cannot overflow, within a time limit."""
         self.grammar = grammar
-        self.vocab = vocabulary(tokenizer)
+        self.vocab = vocabulary(tokenizer, grammar.field)
         grammar.validate(self.vocab)
         self.matcher = llguidance.LLMatcher(
             self.vocab, grammar.text, log_level=0, limits=ENGINE_LIMITS

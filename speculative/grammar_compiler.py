@@ -196,7 +196,7 @@ class GrammarCompiler:
             try:
                 # The engine's view of the vocabulary, made once per model (seconds at a
                 # 128k vocabulary): not the request's doing, so not on its clock.
-                vocabulary(job.tokenizer)
+                vocabulary(job.tokenizer, job.grammar.field)
                 job.started = time.monotonic()
                 result = Constraint(job.grammar, job.tokenizer, job.width)
             except BaseException as exc:  # handed to the caller, who reports it

@@ -484,6 +484,52 @@ def test_an_internal_value_error_is_a_500_with_its_traceback_logged(
     assert logged_tracebacks(specd_log, "an invariant broke before the first pass")
 
 
+def _rust_panic() -> BaseException:
+    """A real panic of a Rust library (pyo3's PanicException, a BaseException): the
+    tokenizers library's regex engine past its retry limit."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("(a|a)*b|a"), "isolated")
+    try:
+        backend.encode("a" * 64)
+    except BaseException as exc:
+        return exc
+    raise AssertionError("no panic")
+
+
+def test_a_library_panic_is_a_500_and_the_daemon_serves_on(
+    server: BackgroundServer,
+    monkeypatch: pytest.MonkeyPatch,
+    specd_log: pytest.LogCaptureFixture,
+) -> None:
+    """A Rust library's panic is no Exception: in a pass it ended the engine's thread (no
+    generation ran again), in a handler it closed the connection unanswered. Each is one
+    request's 500 now, with the traceback logged, and the next request is answered."""
+    panic = _rust_panic()
+    assert not isinstance(panic, Exception)
+
+    def panicking(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise panic
+
+    for module, name in ((batching, "execute"), (engine_module, "Generation")):
+        monkeypatch.setattr(module, name, panicking)
+        for stream in (False, True):
+            body = {**good(), "stream": stream}
+            if stream:
+                status, text = call_raw(server, body)
+                assert status == 200 and '"server_error"' in text, text
+            else:
+                assert assert_error(call(server, body), 500)["type"] == "server_error"
+        monkeypatch.undo()
+        assert call(server, good())[0] == 200  # the engine serves on
+    monkeypatch.setattr(completions_module, "settle", panicking)
+    assert assert_error(call(server, good()), 500)["type"] == "server_error"
+    monkeypatch.undo()
+    assert call(server, good())[0] == 200
+    assert logged_tracebacks(specd_log, "retry-limit")
+
+
 def test_a_request_error_from_the_engine_is_still_a_400(
     server: BackgroundServer,
     monkeypatch: pytest.MonkeyPatch,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -682,3 +683,69 @@ def test_forbidden_tokens_are_no_logprob_alternatives() -> None:
     found = token_logprob(logits, 2, top=5)
     assert [t for t, _ in found.top] == [2, 5]
     assert all(math.isfinite(lp) for _, lp in found.top) and math.isfinite(found.logprob)
+
+
+def _pair(merge: str | list[str]) -> list[str]:
+    return merge.split(" ") if isinstance(merge, str) else merge
+
+
+def test_a_vocabulary_the_engine_cannot_read_is_a_400_and_remembered(
+    stories_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token of over 1,023 bytes (342 CJK characters: under the 1,024-character bound
+    on a token) panics the grammar engine: every json_object request had its connection
+    closed unanswered, each after seconds of rebuilding the engine's vocabulary. Now a 400
+    naming the field, the engine tried once, the daemon serving on."""
+    from speculative import grammar_vocabulary
+
+    folder = tmp_path / "model"
+    shutil.copytree(stories_target, folder)
+    tokenizer_file = folder / "tokenizer.json"
+    tokenizer_file.chmod(0o644)
+    spec = json.loads(tokenizer_file.read_text())
+    vocab = spec["model"]["vocab"]
+    last = next(piece for piece, i in vocab.items() if i == 511)  # (the last merge's piece)
+    vocab["東" * 342] = vocab.pop(last)
+    merges = spec["model"]["merges"]
+    spec["model"]["merges"] = [m for m in merges if last not in (*_pair(m), "".join(_pair(m)))]
+    tokenizer_file.write_text(json.dumps(spec))
+    built: list[object] = []
+    engine_vocabulary = grammar_vocabulary._engine_vocabulary
+    monkeypatch.setattr(
+        grammar_vocabulary,
+        "_engine_vocabulary",
+        lambda tokenizer: built.append(tokenizer) or engine_vocabulary(tokenizer),
+    )
+    settings = load_settings(
+        environ={},
+        overrides={"models.target": (str(folder), "test"), "server.port": (0, "test")},
+    )
+    body = {
+        "model": "model", "messages": MESSAGES, "max_tokens": 4, "response_format": JSON_OBJECT,
+    }  # fmt: skip
+    with BackgroundServer(settings) as srv:
+        for _ in range(2):
+            request = urllib.request.Request(
+                srv.url + "/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with pytest.raises(urllib.error.HTTPError) as answer:
+                urllib.request.urlopen(request, timeout=60)
+            assert answer.value.code == 400
+            error = json.loads(answer.value.read())["error"]
+            assert error["param"] == "response_format"
+            assert error["message"].startswith(
+                "response_format cannot be used with this model: its vocabulary holds a token "
+                "of 1,026 bytes (id 511); the grammar engine reads tokens of at most 1,023"
+            )
+        plain = {**body, "response_format": None}
+        del plain["response_format"]
+        request = urllib.request.Request(
+            srv.url + "/v1/chat/completions",
+            data=json.dumps(plain).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            assert json.loads(answer.read())["choices"][0]["message"]["content"] is not None
+    assert len(built) == 1  # tried once, its failure remembered

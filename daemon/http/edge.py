@@ -25,7 +25,7 @@ from daemon.http.openai_errors import ApiError, bad_request
 from daemon.http.openai_fields import WireLimits
 from daemon.http.sending import deliver
 from daemon.metrics import Metrics
-from modeling.errors import RequestError
+from modeling.errors import RequestError, rust_panic
 
 log = logging.getLogger("specd.api")
 
@@ -182,7 +182,9 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
         response = error_response(
             ApiError(exc.status, exc.reason, type="invalid_request_error", code=str(exc.status))
         )
-    except Exception:
+    except BaseException as exc:  # (a library's panic too: answered, not a closed connection)
+        if not isinstance(exc, Exception) and not rust_panic(exc):
+            raise
         log.exception("internal error on %s", request.path)
         response = error_response(
             ApiError(500, "internal server error (see the daemon's log)", type="server_error")

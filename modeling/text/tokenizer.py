@@ -25,7 +25,7 @@ from modeling.checkpoints.folder_files import (
 )
 from modeling.checkpoints.gguf_file import short_repr
 from modeling.config import ModelConfig
-from modeling.errors import RequestError
+from modeling.errors import RequestError, rust_panic
 from modeling.text import harmony
 from modeling.text.tokenizer_file import read_backend
 
@@ -360,7 +360,7 @@ class TokenizerFailure(RequestError):
 def _failure(err: BaseException, what: str) -> BaseException:
     """`err` as a TokenizerFailure where it is the library's panic; anything else
     (KeyboardInterrupt, SystemExit, an ordinary error) as it is."""
-    if type(err).__name__ != "PanicException":
+    if not rust_panic(err):
         return err
     reason = (str(err).splitlines() or ["a panic"])[0][:200]
     return TokenizerFailure(

@@ -21,6 +21,7 @@ from modeling.checkpoints.folder_files import (
     read_text,
 )
 from modeling.checkpoints.gguf_file import short_repr
+from modeling.errors import rust_panic
 
 # Characters of the `tokenizers` library's refusal quoted in ours: it quotes the file,
 # which may be megabytes on one line.
@@ -319,7 +320,7 @@ def _timed(backend: HFTokenizer, probe: str, file: Path, tries: int = 1) -> floa
         try:
             backend.encode(probe, add_special_tokens=False)
         except BaseException as err:  # (the regex engine's retry limit: a Rust panic)
-            if type(err).__name__ != "PanicException":
+            if not rust_panic(err):
                 raise
             raise CheckpointError(
                 f"{file}: its normalizer or pre-tokenizer fails on ordinary text "
