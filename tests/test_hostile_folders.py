@@ -288,6 +288,22 @@ MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
         TOKENIZER,
         "(a run of spaces",
     ),
+    # cubic only where "e" and "t" come within 40 characters, and only in runs of letters,
+    # spaces and ".,;" (text without a tab, "=", "*" or "%")
+    "tokenizer-split-slow-on-plain-prose": (
+        _edit(
+            TOKENIZER,
+            _part(
+                "pre_tokenizer",
+                _split(
+                    r"(?=[^e\t]{0,40}e)(?=[^t\t]{0,40}t)[\p{L} \n.,;]+[\p{L} \n.,;]+@"
+                    r"|\p{L}+|\s+|[^\s\p{L}]+"
+                ),
+            ),
+        ),
+        TOKENIZER,
+        "(plain English paragraphs",
+    ),
     "tokenizer-split-past-the-retry-limit": (
         _edit(TOKENIZER, _part("pre_tokenizer", _split(r"(a|a)*b|\s|a"))),
         TOKENIZER,

@@ -234,7 +234,7 @@ def _longest_normalized(charsmap: str) -> int:
 # Real ones (GPT-2's, Llama 3's, Qwen's, GPT-4o's, Tekken's, DeepSeek's, BLOOM's regexes)
 # tokenize a 16,384-character probe in 3-15 ms of CPU on this 2-core machine, projected
 # under 0.6 s; a quadratic regex whose 16,384 characters take 100 ms projects to 6.4 s.
-RUNGS = (64, 512, 4_096, 16_384)
+RUNGS = (64, 256, 1_024, 4_096, 16_384)
 RUNG_SECONDS = 0.5  # at the last rung; earlier rungs in proportion, at least RUNG_FLOOR
 RUNG_FLOOR = 0.002
 # Seconds a probe takes before its growth is projected: below, a call's own cost and a busy
@@ -246,6 +246,13 @@ _PROSE = (
     "The quick brown fox, aged 42, jumped over 3 lazy dogs!\n\tIt's naïve to say: "
     '"x = y*2 + 1;" (or 0.5e-3 %) — 東京は大きい。 Ünïcödé, ĳ, ﬁ, 한국어 ok? '
 )
+# Letters, spaces and a little punctuation only: a regex may be slow on text that holds
+# none of the rarer characters of _PROSE (a tab, "=", "*", "%" ended its slow runs).
+_PLAIN = (
+    "This program is free software, and you can redistribute it or modify it under the "
+    "terms of the license as published by the foundation; either version three of the "
+    "license, or any later version. It is distributed in the hope that it will be useful.\n\n"
+)
 _RUNS = {
     "spaces": " ", "letters": "a", "digits": "7", "newlines": "\n", "punctuation": "!",
     "mixed whitespace": " \n\t", "short words": "ab ", "CJK": "東",
@@ -256,7 +263,11 @@ _paced: set[object] = set()  # the tokenizer.json texts already paced
 
 def _probes(length: int) -> list[tuple[str, str]]:
     """(what it is, the text) for each probe of `length` characters."""
-    units = {"English text": _PROSE, **{f"a run of {kind}": unit for kind, unit in _RUNS.items()}}
+    units = {
+        "English text": _PROSE,
+        "plain English paragraphs": _PLAIN,
+        **{f"a run of {kind}": unit for kind, unit in _RUNS.items()},
+    }
     return [(what, (unit * (length // len(unit) + 1))[:length]) for what, unit in units.items()]
 
 
