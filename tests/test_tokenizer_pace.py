@@ -72,3 +72,13 @@ def test_a_file_is_paced_once_a_process(
     file.write_text(file.read_text().replace("|zz", "|zy"))
     tokenizer_file.read_backend(file)
     assert len(timed) > again  # another text is
+
+
+def test_the_same_text_read_twice_is_built_once(byte_level: dict[str, Any], tmp_path: Path) -> None:
+    """A start reads the target's tokenizer.json twice (`--draft auto`, then the load): the
+    second read of the same text returns what the first built; another text is built."""
+    file = _with_regex(byte_level, gguf_pretokenizers.GPT2, tmp_path)
+    first = tokenizer_file.read_backend(file)
+    assert tokenizer_file.read_backend(file) is first
+    file.write_text(file.read_text().replace('"use_regex": false', '"use_regex": true'))
+    assert tokenizer_file.read_backend(file) is not first
