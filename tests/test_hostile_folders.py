@@ -268,12 +268,12 @@ MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
     "tokenizer-added-token-too-long": (
         _edit(TOKENIZER, _added({"content": "x" * 1_025, "id": 511})),
         TOKENIZER,
-        "added_tokens has a token of 1,025 characters ('xxxxx",
+        "added_tokens[3] is 1,025 characters long ('xxxxx",
     ),
     "tokenizer-piece-too-long": (
         _edit(TOKENIZER, _vocab("▁" + "y" * 2_000, 510)),
         TOKENIZER,
-        "model.vocab has a token of 2,001 characters",
+        "model.vocab[512] is 2,001 characters long",
     ),
     # A `Split` regex that backtracks: quadratic in a run of letters (62 s projected for a
     # 131,072-character prompt), cubic in a run of spaces, past the regex engine's retry

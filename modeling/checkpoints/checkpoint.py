@@ -37,17 +37,14 @@ from modeling.checkpoints.safetensors_model import load_model, stored_head_diffe
 from modeling.config import ModelConfig, UnsupportedModelError
 from modeling.decoder import Transformer
 from modeling.models import config_from_hf
-from modeling.text.gguf_tokenizer import (
-    MAX_VOCABULARY,
-    check_tokenizer_metadata,
-    tokenizer_from_gguf,
-)
+from modeling.text.gguf_tokenizer import check_tokenizer_metadata, tokenizer_from_gguf
 from modeling.text.tokenizer import (
     Tokenizer,
     compile_chat_template,
     folder_chat_template,
     tokenizer_config,
 )
+from modeling.text.tokenizer_file import MAX_VOCABULARY
 from modeling.weights.quant import (
     UnsupportedQuantizationError,
     laid_out_for,

@@ -48,9 +48,8 @@ from modeling.text.tokenizer_file import (
     MAX_MERGES,
     MAX_MERGES_TEXT,
     MAX_PIECE_LENGTH,
-    MAX_VOCABULARY,
-    MAX_VOCABULARY_TEXT,
     library_refusal,
+    token_problem,
 )
 
 # tokenizer.ggml.token_type values
@@ -273,26 +272,12 @@ def _read(fields: Mapping[str, Any], source: str) -> _Fields:
 def _tokens(fields: Mapping[str, Any], source: str) -> list[str]:
     key = "tokenizer.ggml.tokens"
     tokens = _strings(fields, key, source)
-    if len(tokens) > MAX_VOCABULARY:
+    if not any(tokens):  # (a text would then be no tokens at all)
         raise GGUFTokenizerError(
-            f"{source}: {key} has {len(tokens):,} tokens; specd reads vocabularies of at most "
-            f"{MAX_VOCABULARY:,} (the largest real one has 262,144): {CORRUPT_FILE}"
+            f"{source}: {key} holds no token but empty strings: {CORRUPT_FILE}"
         )
-    longest = max(tokens, key=len)
-    if not longest:  # (a text would then be no tokens at all)
-        raise GGUFTokenizerError(f"{source}: {key} are all empty strings: {CORRUPT_FILE}")
-    if len(longest) > MAX_PIECE_LENGTH:
-        raise GGUFTokenizerError(
-            f"{source}: {key}[{tokens.index(longest)}] is {len(longest):,} characters long; "
-            f"specd reads tokens of at most {MAX_PIECE_LENGTH:,} (a real vocabulary's "
-            f"longest are a few hundred): {CORRUPT_FILE}"
-        )
-    text = sum(map(len, tokens))
-    if text > MAX_VOCABULARY_TEXT:
-        raise GGUFTokenizerError(
-            f"{source}: {key} holds {text:,} characters in all; specd reads vocabularies of "
-            f"at most {MAX_VOCABULARY_TEXT:,} (a real one has a few million): {CORRUPT_FILE}"
-        )
+    if (problem := token_problem(tokens, key)) is not None:
+        raise GGUFTokenizerError(f"{source}: {problem}: {CORRUPT_FILE}")
     return tokens
 
 

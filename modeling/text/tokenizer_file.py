@@ -99,22 +99,9 @@ def check_vocabulary(spec: dict[str, Any], file: Path) -> None:
     contents: list[str] = [
         t["content"] for t in tokens if isinstance(t, dict) and isinstance(t.get("content"), str)
     ]
-    where = {"model.vocab": pieces, "added_tokens": contents}
-    for key, texts in where.items():
-        longest = max(texts, key=len, default="")
-        if len(longest) > MAX_PIECE_LENGTH:
-            raise CheckpointError(
-                f"{file}: {key} has a token of {len(longest):,} characters "
-                f"({short_repr(longest[:40])}…); specd reads tokens of at most "
-                f"{MAX_PIECE_LENGTH:,} (a real vocabulary's longest are a few hundred): {DAMAGED}"
-            )
-    total = sum(map(len, pieces))
-    if len(pieces) > MAX_VOCABULARY or total > MAX_VOCABULARY_TEXT:
-        raise CheckpointError(
-            f"{file}: model.vocab holds {len(pieces):,} tokens of {total:,} characters; specd "
-            f"reads vocabularies of at most {MAX_VOCABULARY:,} tokens and {MAX_VOCABULARY_TEXT:,} "
-            f"characters (the largest real one has 262,144 tokens): {DAMAGED}"
-        )
+    for key, texts in (("model.vocab", pieces), ("added_tokens", contents)):
+        if (problem := token_problem(texts, key)) is not None:
+            raise CheckpointError(f"{file}: {problem}: {DAMAGED}")
     added_bytes = sum(len(c.encode()) for c in contents)
     if added_bytes > MAX_ADDED_BYTES:
         raise CheckpointError(
@@ -129,6 +116,30 @@ def check_vocabulary(spec: dict[str, Any], file: Path) -> None:
                 f"specd reads at most {MAX_MERGES:,} of {MAX_MERGES_TEXT:,} (Llama 3 has "
                 f"280,147): {DAMAGED}"
             )
+
+
+def token_problem(tokens: list[str], key: str) -> str | None:
+    """What is past the bounds in a vocabulary's `tokens` (a GGUF file's or a
+    tokenizer.json's, read from `key`), or None."""
+    if len(tokens) > MAX_VOCABULARY:
+        return (
+            f"{key} has {len(tokens):,} tokens; specd reads vocabularies of at most "
+            f"{MAX_VOCABULARY:,} (the largest real one has 262,144)"
+        )
+    longest = max(tokens, key=len, default="")
+    if len(longest) > MAX_PIECE_LENGTH:
+        return (
+            f"{key}[{tokens.index(longest)}] is {len(longest):,} characters long "
+            f"({short_repr(longest[:40])}…); specd reads tokens of at most "
+            f"{MAX_PIECE_LENGTH:,} (a real vocabulary's longest are a few hundred)"
+        )
+    total = sum(map(len, tokens))
+    if total > MAX_VOCABULARY_TEXT:
+        return (
+            f"{key} holds {total:,} characters in all; specd reads vocabularies of at most "
+            f"{MAX_VOCABULARY_TEXT:,} (a real one has a few million)"
+        )
+    return None
 
 
 def _merge_length(merge: Any) -> int:
