@@ -19,12 +19,6 @@ class Decoder(Protocol):
 
 
 REPLACEMENT = "\ufffd"
-# Held tokens decoded again at every step: a character of real text is held for 3 tokens at
-# most, a few steps of several tokens each. Past it the held window (a stray byte token
-# repeated, which never completes a character) is decoded again only once it has doubled:
-# decoding it at every step cost the engine 8 s for 8,000 such tokens. The text is the
-# same, only shown later.
-HELD_EACH_STEP = 16
 
 
 class IncrementalDetokenizer:
@@ -37,12 +31,9 @@ class IncrementalDetokenizer:
         # ids[prefix:read] were already emitted; they are the decoder's context for the rest.
         self.prefix = 0
         self.read = len(self.ids)
-        self._next_look = 0  # held tokens at which the held window is decoded again
 
     def push(self, token_ids: Sequence[int]) -> str:
         self.ids.extend(token_ids)
-        if len(self.ids) - self.read < self._next_look:
-            return ""  # (held past HELD_EACH_STEP: looked at again once it has doubled)
         return self._delta(final=False)
 
     def flush(self) -> str:
@@ -54,13 +45,10 @@ class IncrementalDetokenizer:
         done = self.tokenizer.decode(self.ids[self.prefix : self.read])
         full = self.tokenizer.decode(self.ids[self.prefix :])
         if len(full) <= len(done) or (full.endswith(REPLACEMENT) and not final):
-            held = len(self.ids) - self.read
-            self._next_look = 2 * held if held > HELD_EACH_STEP else 0
             return ""
         # The window's context decodes to `done` as before, so what follows it is new.
         new = full[len(done) :]
         self.prefix, self.read = self.read, len(self.ids)
-        self._next_look = 0
         return new
 
 
