@@ -247,6 +247,25 @@ MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
         TOKENIZER,
         "normalizer writes up to 1,000,000 characters",
     ),
+    # a Replace of "ل" by "ﷺ" (one character), then NFKC (18 characters, five "ل"): 5x a
+    # round, where the content alone counted one
+    "tokenizer-nfkc-replace-chain": (
+        _edit(
+            TOKENIZER,
+            _part(
+                "normalizer",
+                _sequence(
+                    [
+                        {"type": "Replace", "pattern": {"String": "ل"}, "content": "ﷺ"},
+                        {"type": "NFKC"},
+                    ]
+                    * 2
+                ),
+            ),
+        ),
+        TOKENIZER,
+        "normalizer writes up to 324 characters",
+    ),
     "tokenizer-bytelevel-chain": (
         _edit(TOKENIZER, _part("normalizer", _sequence([{"type": "ByteLevel"}] * 4))),
         TOKENIZER,
@@ -261,9 +280,16 @@ MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
     # (20,000 of 1,000 CJK characters took 81 s and 4.5 GB), a token of any length (a
     # Unigram of 20,000 pieces of 1,000 characters: 21 s, 7 GB)
     "tokenizer-added-tokens-past-their-bytes": (
-        _edit(TOKENIZER, _added_many(1_100, "東" * 1_000)),
+        _edit(TOKENIZER, _added_many(1_500, "東" * 1_000)),
         TOKENIZER,
-        "tokens of 3,30",
+        "tokens of 4,50",
+    ),
+    # every encode with special tokens writes the template's ids: 2.5 million made each
+    # prompt 2.5 million tokens
+    "tokenizer-post-processor-bomb": (
+        _edit(TOKENIZER, _special_ids([1] * 100_000)),
+        TOKENIZER,
+        "post_processor holds 100,0",
     ),
     "tokenizer-added-token-too-long": (
         _edit(TOKENIZER, _added({"content": "x" * 1_025, "id": 511})),

@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
+from modeling.checkpoints.folder_files import CheckpointError
 from modeling.checkpoints.gguf_file import read_gguf
-from modeling.text import gguf_pretokenizers, tokenizer_file
+from modeling.text import gguf_pretokenizers, tokenizer_file, tokenizer_pace
+from modeling.text.gguf_pretokenizers import GROUPS, PRE_TOKENIZERS
 from modeling.text.gguf_tokenizer import tokenizer_from_gguf
 from tests.conftest import SHARED_MODELS
 
@@ -56,16 +58,16 @@ def test_a_file_is_paced_once_a_process(
 ) -> None:
     file = _with_regex(byte_level, gguf_pretokenizers.LLAMA3 + "|zz", tmp_path)
     timed: list[str] = []
-    real = tokenizer_file._timed
+    real = tokenizer_pace._timed
 
     def spy(backend: Any, probe: str, file: Path, tries: int = 1) -> float:
         timed.append(probe)
         return real(backend, probe, file, tries)
 
-    monkeypatch.setattr(tokenizer_file, "_timed", spy)
+    monkeypatch.setattr(tokenizer_pace, "_timed", spy)
     tokenizer_file.read_backend(file)
-    probes = len(tokenizer_file._probes(64))
-    assert len(timed) >= probes * len(tokenizer_file.RUNGS)
+    probes = len(tokenizer_pace._probes(64))
+    assert len(timed) >= probes * len(tokenizer_pace.RUNGS)
     again = len(timed)
     tokenizer_file.read_backend(file)
     assert len(timed) == again  # the same text: not paced again
@@ -82,3 +84,57 @@ def test_the_same_text_read_twice_is_built_once(byte_level: dict[str, Any], tmp_
     assert tokenizer_file.read_backend(file) is first
     file.write_text(file.read_text().replace('"use_regex": false', '"use_regex": true'))
     assert tokenizer_file.read_backend(file) is not first
+
+
+def test_a_model_that_refuses_unknown_words_is_paced_and_loads(tmp_path: Path) -> None:
+    """A WordLevel vocabulary without its unknown token refuses the probes' words (a plain
+    Exception from the library): as before the pace check, the file loads and only a text
+    holding such a word fails. The normalizer and pre-tokenizer that ran are timed."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    words = ["the", "quick", "brown", "fox", "jumped", "over", "lazy", "dogs"]
+    built = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    built.pre_tokenizer = pre_tokenizers.Whitespace()
+    file = tmp_path / "tokenizer.json"
+    file.write_text(built.to_str())
+    assert tokenizer_file.read_backend(file).encode("the lazy fox").ids == [0, 6, 3]
+
+
+@pytest.mark.parametrize(
+    ("name", "group"),
+    [("afmoe", "afmoe"), ("superbpe", "superbpe"), ("tiny_aya", "digit groups, then gpt-4o")],
+)
+def test_a_digit_grouping_regex_in_a_tokenizer_json_runs_linear(
+    name: str, group: str, byte_level: dict[str, Any], tmp_path: Path
+) -> None:
+    """llama.cpp's quadratic digit groupings written in a tokenizer.json (as the models'
+    own files have them) run in their linear forms: the pace check passes them (superbpe's
+    projected 52 s as written), and they cut as the GGUF pre-tokenizer does."""
+    splits = [
+        {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False}
+        for r in GROUPS[group][0]
+    ]
+    byte_level_step = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
+    pre = {"type": "Sequence", "pretokenizers": [*splits, {**byte_level_step, "use_regex": False}]}
+    file = tmp_path / "tokenizer.json"
+    file.write_text(json.dumps({**byte_level, "pre_tokenizer": pre}))
+    backend = tokenizer_file.read_backend(file)
+    text = "In 1234567 ways, 89 x" + "7" * 20
+    ours = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+    assert ours == [p for p, _ in PRE_TOKENIZERS[name].pre_tokenizer().pre_tokenize_str(text)]
+
+
+def test_a_file_of_too_many_values_is_refused_before_it_is_parsed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python's JSON parser takes some 60 bytes a value: 64 MB of "[]," took 2 GB before the
+    library refused the file. Values are counted by commas and brackets first."""
+    file = tmp_path / "tokenizer.json"
+    file.write_text("[" + "[]," * 1_000 + "[]]")
+    monkeypatch.setattr(tokenizer_file, "MAX_JSON_VALUES", 1_500)
+    parsed: list[str] = []
+    monkeypatch.setattr(tokenizer_file.json, "loads", parsed.append)
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json: holds about 2,002 values; specd"):
+        tokenizer_file.read_backend(file)
+    assert not parsed

@@ -113,13 +113,6 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
     user_defined = [
         i for i, kind in enumerate(types) if kind == USER_DEFINED and tokens[i] == read.tokens[i]
     ]
-    added = sum(len(tokens[i].encode()) for i in special | set(user_defined))
-    if added > MAX_ADDED_BYTES:  # (matched whole: the library builds an automaton of them)
-        raise GGUFTokenizerError(
-            f"{source}: tokenizer.ggml.token_type makes {len(special | set(user_defined)):,} "
-            f"tokens control or user-defined, {added:,} bytes of them; specd reads at most "
-            f"{MAX_ADDED_BYTES:,} (real ones: some 100 KB): {CORRUPT_FILE}"
-        )
     try:
         if read.model == "llama":
             backend = _sentencepiece(read, tokens, source)
@@ -266,6 +259,17 @@ def _read(fields: Mapping[str, Any], source: str) -> _Fields:
     types = [1] * len(tokens) if types is None else types
     architecture = fields.get("general.architecture")
     architecture = architecture if isinstance(architecture, str) else None
+    # Matched whole in any text (the library builds an automaton of them): bounded here, so
+    # that `specd plan` says so too.
+    whole = {i for i, kind in enumerate(types) if kind in (UNKNOWN, CONTROL, USER_DEFINED)}
+    whole |= {i for i in ids.values() if i is not None}
+    added = sum(len(tokens[i].encode()) for i in whole)
+    if added > MAX_ADDED_BYTES:
+        raise GGUFTokenizerError(
+            f"{source}: tokenizer.ggml.token_type makes {len(whole):,} tokens control or "
+            f"user-defined, {added:,} bytes of them; specd reads at most {MAX_ADDED_BYTES:,} "
+            f"(real ones: up to about 1 MB): {CORRUPT_FILE}"
+        )
     return _Fields(model, architecture, tokens, types, ids, scores, merges, pre, flags, template)
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import base64
 import json
-import math
-import time
+import unicodedata
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -21,37 +21,53 @@ from modeling.checkpoints.folder_files import (
     read_text,
 )
 from modeling.checkpoints.gguf_file import short_repr
-from modeling.errors import rust_panic
+from modeling.text.gguf_pretokenizers import LINEAR_FORMS
+from modeling.text.tokenizer_pace import check_pace
 
 # Characters of the `tokenizers` library's refusal quoted in ours: it quotes the file,
 # which may be megabytes on one line.
 MAX_MESSAGE = 200
 
 
-# The last text read and what it built: a start reads the target's tokenizer.json twice
-# (`--draft auto` looks for a draft with its vocabulary, then the target loads), and the
-# same text builds the same tokenizer (seconds at Gemma 3's 33 MB). Nothing changes a
-# backend built from a tokenizer.json once it is returned.
-_last_read: tuple[tuple[int, int], HFTokenizer] | None = None
+# The last texts read and what they built: a start reads the target's tokenizer.json twice
+# (`--draft auto` looks for a draft with its vocabulary, reading a few candidates', then
+# the target loads), and the same text builds the same tokenizer (seconds at Gemma 3's
+# 33 MB). Nothing changes a backend built from a tokenizer.json once it is returned.
+_READ: OrderedDict[tuple[int, int], HFTokenizer] = OrderedDict()
+KEEP_READ = 4
+# Values a tokenizer.json may hold, counted by its commas and brackets before it is parsed:
+# Python's parser takes some 60 bytes a value (64 MB of "[]," took 2 GB). Gemma 3's file
+# (262,144 tokens, 514,906 merges as pairs) holds about 2 million.
+MAX_JSON_VALUES = 2**23
 
 
 def read_backend(file: Path) -> HFTokenizer:
     """tokenizer.json as the `tokenizers` library reads it, or CheckpointError naming the
-    file: past MAX_TOKENIZER_BYTES (checked before it is parsed), refused by the library
-    (which bounds its own nesting), writing past MAX_REPLACEMENT, or too slow on ordinary
-    text (`check_pace`)."""
+    file: past MAX_TOKENIZER_BYTES (checked before it is parsed) or MAX_JSON_VALUES, past
+    the vocabulary's bounds (`check_vocabulary`), refused by the library (which bounds its
+    own nesting), writing past MAX_REPLACEMENT, or too slow on ordinary text
+    (`check_pace`). A digit-grouping `Split` that llama.cpp's table holds runs in its
+    linear form (gguf_pretokenizers.LINEAR_FORMS)."""
     text = read_text(file, MAX_TOKENIZER_BYTES)
     key = (len(text), hash(text))
-    global _last_read
-    last = _last_read
-    if last is not None and last[0] == key:
-        return last[1]
+    if (known := _READ.get(key)) is not None:
+        _READ.move_to_end(key)
+        return known
+    values = text.count(",") + text.count("[") + text.count("{")
+    if values > MAX_JSON_VALUES:
+        raise CheckpointError(
+            f"{file}: holds about {values:,} values; specd reads at most {MAX_JSON_VALUES:,} "
+            f"(Gemma 3's has about 2 million): {DAMAGED}"
+        )
     try:
         spec = json.loads(text)
     except (ValueError, RecursionError):
         spec = None  # (the library says what is wrong with it)
     if isinstance(spec, dict):
         check_vocabulary(spec, file)
+        if linear_splits(spec):
+            text = json.dumps(spec)
+    del spec  # (hundreds of MB for a large vocabulary: not kept through the build)
     try:
         backend = HFTokenizer.from_str(text)
     except Exception as exc:
@@ -63,14 +79,49 @@ def read_backend(file: Path) -> HFTokenizer:
     backend.no_truncation()
     check_replacements(backend, file)
     check_pace(backend, file, key=key)
-    _last_read = (key, backend)
+    _READ[key] = backend
+    while len(_READ) > KEEP_READ:
+        _READ.popitem(last=False)
     return backend
+
+
+def linear_splits(spec: dict[str, Any]) -> bool:
+    """Replace, in `spec`'s pre-tokenizer, each isolating `Split` whose regex is one of
+    llama.cpp's quadratic digit groupings (afmoe's, superbpe's, tiny_aya's: 131,072 digits
+    cost 18-120 s) by its linear form, the same pieces; whether any was."""
+    replaced = False
+    stack: list[Any] = [spec.get("pre_tokenizer")]
+    while stack:
+        step = stack.pop()
+        if isinstance(step, list):
+            stack.extend(step)
+        if not isinstance(step, dict):
+            continue
+        stack.extend(step.values())
+        pattern = step.get("pattern")
+        regex = pattern.get("Regex") if isinstance(pattern, dict) else None
+        form = LINEAR_FORMS.get(regex) if isinstance(regex, str) else None
+        if step.get("type") != "Split" or form is None or step.get("invert") is not False:
+            continue
+        if step.get("behavior") != "Isolated":
+            continue
+        splits = [
+            {"type": "Split", "pattern": {"Regex": r}, "behavior": _BEHAVIORS[b], "invert": False}
+            for r, b in form
+        ]
+        step.clear()
+        step.update({"type": "Sequence", "pretokenizers": splits})
+        replaced = True
+    return replaced
+
+
+_BEHAVIORS = {"isolated": "Isolated", "merged_with_next": "MergedWithNext"}
 
 
 # Bounds on what a tokenizer's vocabulary may make us build, a GGUF file's or a
 # tokenizer.json's (docs/models.md, "Hostile model files"). Real vocabularies: at most
 # 262,144 tokens (Gemma 3) and a few million characters, 280,147 merges (Llama 3), tokens of
-# a few hundred characters (SmolLM2's longest: 81), added tokens of some 100 KB in all.
+# a few hundred characters (SmolLM2's longest: 81), added tokens of up to about 1 MB.
 MAX_VOCABULARY = 2**22  # tokens
 MAX_PIECE_LENGTH = 1024  # characters in one token
 MAX_VOCABULARY_TEXT = 2**23  # characters in all the tokens together
@@ -78,8 +129,10 @@ MAX_MERGES = 2**21
 MAX_MERGES_TEXT = 2**24  # characters in all the merges together, both sides
 # UTF-8 bytes of the added tokens (special, control, user-defined) together: the library
 # builds one matching automaton over them, 1.3 µs and 75 bytes a byte (1,000-character
-# tokens of CJK: 20,000 took 81 s and 4.5 GB).
-MAX_ADDED_BYTES = 2**20
+# tokens of CJK: 20,000 took 81 s and 4.5 GB). Real ones: up to about 1 MB (NeuTTS's 65,536
+# speech tokens); 262,144 short ones (4.3 MB) build in 0.8 s.
+MAX_ADDED_BYTES = 2**22
+MAX_POST_PROCESSOR_ITEMS = 1024  # see _post_processor_items
 
 
 def check_vocabulary(spec: dict[str, Any], file: Path) -> None:
@@ -106,7 +159,14 @@ def check_vocabulary(spec: dict[str, Any], file: Path) -> None:
     if added_bytes > MAX_ADDED_BYTES:
         raise CheckpointError(
             f"{file}: added_tokens hold {len(contents):,} tokens of {added_bytes:,} bytes; specd "
-            f"reads at most {MAX_ADDED_BYTES:,} bytes of them (real ones: some 100 KB): {DAMAGED}"
+            f"reads at most {MAX_ADDED_BYTES:,} bytes of them (real ones: up to about 1 MB): {DAMAGED}"
+        )
+    post = _post_processor_items(spec.get("post_processor"))
+    if post > MAX_POST_PROCESSOR_ITEMS:
+        raise CheckpointError(
+            f"{file}: post_processor holds {post:,} ids, tokens and template items; specd "
+            f"reads at most {MAX_POST_PROCESSOR_ITEMS:,} (real ones: a few, BOS and EOS): "
+            f"{DAMAGED}"
         )
     if isinstance(merges, list):
         merged = sum(_merge_length(m) for m in merges)
@@ -140,6 +200,19 @@ def token_problem(tokens: list[str], key: str) -> str | None:
             f"{MAX_VOCABULARY_TEXT:,} (a real one has a few million)"
         )
     return None
+
+
+def _post_processor_items(processor: Any) -> int:
+    """The ids, tokens and template items a post-processor holds (every encode with special
+    tokens writes those of its template: 2.5 million ids made each prompt 2.5 million
+    tokens)."""
+    items, stack = 0, [processor]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, list | dict):
+            items += len(value)
+            stack.extend(v for v in (value.values() if isinstance(value, dict) else value))
+    return items
 
 
 def _merge_length(merge: Any) -> int:
@@ -215,7 +288,10 @@ def _growth(step: dict[str, Any], decoding: bool) -> float:
     least, or also between characters where its pattern may match nothing; `Prepend` and
     `Metaspace` write theirs before a piece (of one character, at worst); `ByteLevel`
     spells a character's UTF-8 bytes (4 at most) as characters; `Precompiled` writes the
-    longest string of its charsmap."""
+    longest string of its charsmap; `BertNormalizer` puts spaces around a CJK character.
+    What a step writes is counted as long as a later NFKC, NFKD or case step may make it
+    (`_widest`): a Replace of "ل" by "ﷺ" (one character) then NFKC (18, five of them "ل")
+    grew five-fold a round, counted as none."""
     kind = step.get("type")
     if kind == "Replace" and isinstance(content := step.get("content"), str):
         pattern = step.get("pattern")
@@ -226,140 +302,35 @@ def _growth(step: dict[str, Any], decoding: bool) -> float:
             if regex is None
             else bool(regex) and not any(marker in regex for marker in _EMPTY_MATCHERS)
         )
-        return max(1, len(content)) if takes_one else 1 + len(content)
+        return max(1, _widest(content)) if takes_one else 1 + _widest(content)
     if kind in ("Prepend", "Metaspace"):
         written = step.get("prepend" if kind == "Prepend" else "replacement")
-        return 1 + len(written) if isinstance(written, str) else 1
+        return 1 + _widest(written) if isinstance(written, str) else 1
     if kind == "ByteLevel" and not decoding:
         return 4
     if kind == "Precompiled" and isinstance(charsmap := step.get("precompiled_charsmap"), str):
         return _longest_normalized(charsmap)
+    if kind == "BertNormalizer" and step.get("handle_chinese_chars") is not False:
+        return 3
     return 1
 
 
+def _widest(text: str) -> int:
+    """`text`'s length at its longest after the normalizations and case mappings a later
+    step may apply (NFKD's is 18 characters for one: U+FDFA)."""
+    forms = [text, text.lower(), text.upper()]
+    forms += [unicodedata.normalize(form, f) for f in forms for form in ("NFKD", "NFKC")]
+    forms += [f.lower() for f in forms]
+    return max(map(len, forms))
+
+
 def _longest_normalized(charsmap: str) -> int:
-    """The longest string (in characters) a SentencePiece charsmap writes: the blob (base64)
-    is a 4-byte little-endian trie size, the trie, then NUL-terminated UTF-8 strings."""
+    """The longest string (in characters, `_widest`) a SentencePiece charsmap writes: the
+    blob (base64) is a 4-byte little-endian trie size, the trie, then NUL-terminated UTF-8
+    strings."""
     try:
         blob = base64.b64decode(charsmap)
     except ValueError:
         return 1  # (not one the library read: it refused the file before this)
     strings = blob[4 + int.from_bytes(blob[:4], "little") :].split(b"\0")
-    return max(1, max(len(text.decode("utf-8", "replace")) for text in strings))
-
-
-# The pace check. A regex engine backtracks: `Split` patterns that are quadratic or cubic
-# in a run of one kind of character cost seconds for a prompt that real ones tokenize in
-# milliseconds (a cubic one: 49 s for 2,000 characters), while staying under the engine's
-# own retry limit. The file's tokenizer runs on probes of ordinary text and of long runs
-# of one kind, at RUNGS characters each; a probe over its rung's share of RUNG_SECONDS
-# refuses the file at once, and each probe's time is projected to PACE_TEXT characters
-# from how it grew since the rung before (at least linearly): over PACE_SECONDS, refused.
-# Real ones (GPT-2's, Llama 3's, Qwen's, GPT-4o's, Tekken's, DeepSeek's, BLOOM's regexes)
-# tokenize a 16,384-character probe in 3-15 ms of CPU on this 2-core machine, projected
-# under 0.6 s; a quadratic regex whose 16,384 characters take 100 ms projects to 6.4 s.
-RUNGS = (64, 256, 1_024, 4_096, 16_384)
-RUNG_SECONDS = 0.5  # at the last rung; earlier rungs in proportion, at least RUNG_FLOOR
-RUNG_FLOOR = 0.002
-# Seconds a probe takes before its growth is projected: below, a call's own cost and a busy
-# machine's effects on a thread's CPU time (its caches) are much of it.
-PROJECT_FROM = 0.010
-PACE_TEXT = 131_072  # characters: a 32k-token prompt of English
-PACE_SECONDS = 10.0
-_PROSE = (
-    "The quick brown fox, aged 42, jumped over 3 lazy dogs!\n\tIt's naïve to say: "
-    '"x = y*2 + 1;" (or 0.5e-3 %) — 東京は大きい。 Ünïcödé, ĳ, ﬁ, 한국어 ok? '
-)
-# Letters, spaces and a little punctuation only: a regex may be slow on text that holds
-# none of the rarer characters of _PROSE (a tab, "=", "*", "%" ended its slow runs).
-_PLAIN = (
-    "This program is free software, and you can redistribute it or modify it under the "
-    "terms of the license as published by the foundation; either version three of the "
-    "license, or any later version. It is distributed in the hope that it will be useful.\n\n"
-)
-_RUNS = {
-    "spaces": " ", "letters": "a", "digits": "7", "newlines": "\n", "punctuation": "!",
-    "mixed whitespace": " \n\t", "short words": "ab ", "CJK": "東",
-    "lines of 63 spaces": " " * 63 + "\n", "contractions": "'s", "CRLF line ends": "\r\n",
-}  # fmt: skip
-_paced: set[object] = set()  # the tokenizer.json texts already paced
-
-
-def _probes(length: int) -> list[tuple[str, str]]:
-    """(what it is, the text) for each probe of `length` characters."""
-    units = {
-        "English text": _PROSE,
-        "plain English paragraphs": _PLAIN,
-        **{f"a run of {kind}": unit for kind, unit in _RUNS.items()},
-    }
-    return [(what, (unit * (length // len(unit) + 1))[:length]) for what, unit in units.items()]
-
-
-def check_pace(backend: HFTokenizer, file: Path, key: object = None) -> None:
-    """Refuse a tokenizer too slow on ordinary text (see RUNGS). `key`: the file's text (its
-    length and hash); a text paced before in this process is not paced again."""
-    if key is not None and key in _paced:
-        return
-    before: list[tuple[str, float]] = []
-    for rung, length in enumerate(RUNGS):
-        limit = max(RUNG_FLOOR, RUNG_SECONDS * length / RUNGS[-1])
-        took: list[tuple[str, float]] = []
-        for i, (what, probe) in enumerate(_probes(length)):
-            now = _timed(backend, probe, file)
-            if limit / 10 < now <= 3 * limit:  # (a pause, or slow: timed again to be sure)
-                now = min(now, _timed(backend, probe, file))
-            took.append((probe, now))
-            if now > limit:
-                raise CheckpointError(
-                    f"{file}: its normalizer or pre-tokenizer took {now * 1e3:,.1f} ms of CPU for "
-                    f"{length:,} characters ({what}), where a real one takes under "
-                    f"{limit * 1e3:,.1f} ms: a prompt would take minutes (a backtracking "
-                    f"`Split` regex?): {DAMAGED}"
-                )
-            if not before or now < PROJECT_FROM:
-                continue
-            shorter, then = before[i]
-            projected = _projected(then, now, length / RUNGS[rung - 1], length)
-            if projected > PACE_SECONDS:  # (timed again, the best of three, to be sure)
-                then = min(_timed(backend, shorter, file, tries=3), then)
-                now = min(_timed(backend, probe, file, tries=3), now)
-                projected = _projected(then, now, length / RUNGS[rung - 1], length)
-            if projected > PACE_SECONDS:
-                raise CheckpointError(
-                    f"{file}: its normalizer or pre-tokenizer slows as text grows ({what}: "
-                    f"{then * 1e3:.1f} ms for {RUNGS[rung - 1]:,} characters, "
-                    f"{now * 1e3:.1f} ms for {length:,}), so a {PACE_TEXT:,}-character "
-                    f"prompt would take about {projected:,.0f} s (a backtracking `Split` "
-                    f"regex?): {DAMAGED}"
-                )
-        before = took
-    if key is not None:
-        _paced.add(key)
-
-
-def _projected(then: float, now: float, grown: float, length: int) -> float:
-    """Seconds for PACE_TEXT characters from `now` for `length` and `then` for `length /
-    grown`: growing as it grew, at least linearly."""
-    power = max(1.0, math.log(max(now, 1e-9) / max(then, 1e-9)) / math.log(grown))
-    return now * (PACE_TEXT / length) ** power
-
-
-def _timed(backend: HFTokenizer, probe: str, file: Path, tries: int = 1) -> float:
-    """CPU seconds this thread spends tokenizing `probe`, the best of `tries` (`encode`
-    works in the calling thread; CPU time, not the clock, so that a machine busy with other
-    work does not make a real tokenizer look slow: under three busy processes on 2 cores a
-    65,536-character probe took 185 ms by the clock and 31 ms of CPU, as idle)."""
-    best = math.inf
-    for _ in range(tries):
-        start = time.thread_time()
-        try:
-            backend.encode(probe, add_special_tokens=False)
-        except BaseException as err:  # (the regex engine's retry limit: a Rust panic)
-            if not rust_panic(err):
-                raise
-            raise CheckpointError(
-                f"{file}: its normalizer or pre-tokenizer fails on ordinary text "
-                f"({(str(err).splitlines() or ['a panic'])[0][:MAX_MESSAGE]}): {DAMAGED}"
-            ) from None
-        best = min(best, time.thread_time() - start)
-    return best
+    return max(1, max(_widest(text.decode("utf-8", "replace")) for text in strings))
