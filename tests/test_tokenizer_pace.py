@@ -138,3 +138,44 @@ def test_a_file_of_too_many_values_is_refused_before_it_is_parsed(
     with pytest.raises(CheckpointError, match=r"tokenizer\.json: holds about 2,002 values; specd"):
         tokenizer_file.read_backend(file)
     assert not parsed
+
+
+def test_a_wordpiece_model_splits_words_of_at_most_256_characters(tmp_path: Path) -> None:
+    """WordPiece's greedy longest match costs a word's length cubed (8,192 characters of
+    one word took 11 s); real files split words of up to 100 and call longer ones unknown."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    for longest, refused in ((100, False), (256, False), (10**9, True)):
+        vocab = {"[UNK]": 0, "b": 1, "##b": 2}
+        built = HFTokenizer(models.WordPiece(vocab, max_input_chars_per_word=longest))
+        built.pre_tokenizer = pre_tokenizers.Whitespace()
+        file = tmp_path / f"{longest}" / "tokenizer.json"
+        file.parent.mkdir()
+        file.write_text(built.to_str())
+        if refused:
+            with pytest.raises(CheckpointError, match="max_input_chars_per_word is 1,000,000,000"):
+                tokenizer_file.read_backend(file)
+        else:
+            assert tokenizer_file.read_backend(file).encode("bbb").ids == [1, 2, 2]
+
+
+@pytest.mark.parametrize("behavior", ["Isolated", "MergedWithPrevious", "Removed"])
+def test_superbpes_zero_width_split_runs_linear_whatever_its_behavior(
+    behavior: str, byte_level: dict[str, Any], tmp_path: Path
+) -> None:
+    """A regex that matches only a place to cut cuts the same pieces whatever the split's
+    behavior: superbpe's in any of them runs in its linear form (it was refused)."""
+    first, cut = GROUPS["superbpe"][0]
+    splits = [
+        {"type": "Split", "pattern": {"Regex": first}, "behavior": "Isolated", "invert": False},
+        {"type": "Split", "pattern": {"Regex": cut}, "behavior": behavior, "invert": False},
+    ]
+    byte_level_step = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
+    pre = {"type": "Sequence", "pretokenizers": [*splits, {**byte_level_step, "use_regex": False}]}
+    file = tmp_path / "tokenizer.json"
+    file.write_text(json.dumps({**byte_level, "pre_tokenizer": pre}))
+    backend = tokenizer_file.read_backend(file)
+    text = "In 1234567 ways, 89 x" + "7" * 20
+    ours = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+    assert ours == [p for p, _ in PRE_TOKENIZERS["superbpe"].pre_tokenizer().pre_tokenize_str(text)]

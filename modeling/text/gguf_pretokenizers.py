@@ -136,6 +136,10 @@ LINEAR_FORMS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 
+# Those of LINEAR_FORMS that match nothing but a place to cut: every split behavior cuts
+# the same pieces with them.
+ZERO_WIDTH = frozenset({r"(?=(\d{3})+(?!\d))"})
+
 # group -> (its regexes, the names llama.cpp writes for it)
 GROUPS: dict[str, tuple[tuple[str, ...], str]] = {
     "gpt-2": (

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import unicodedata
 from collections import OrderedDict
 from pathlib import Path
@@ -21,7 +22,7 @@ from modeling.checkpoints.folder_files import (
     read_text,
 )
 from modeling.checkpoints.gguf_file import short_repr
-from modeling.text.gguf_pretokenizers import LINEAR_FORMS
+from modeling.text.gguf_pretokenizers import LINEAR_FORMS, ZERO_WIDTH
 from modeling.text.tokenizer_pace import check_pace
 
 # Characters of the `tokenizers` library's refusal quoted in ours: it quotes the file,
@@ -35,6 +36,7 @@ MAX_MESSAGE = 200
 # 33 MB). Nothing changes a backend built from a tokenizer.json once it is returned.
 _READ: OrderedDict[tuple[int, int], HFTokenizer] = OrderedDict()
 KEEP_READ = 4
+_READ_LOCK = threading.Lock()
 # Values a tokenizer.json may hold, counted by its commas and brackets before it is parsed:
 # Python's parser takes some 60 bytes a value (64 MB of "[]," took 2 GB). Gemma 3's file
 # (262,144 tokens, 514,906 merges as pairs) holds about 2 million.
@@ -50,9 +52,10 @@ def read_backend(file: Path) -> HFTokenizer:
     linear form (gguf_pretokenizers.LINEAR_FORMS)."""
     text = read_text(file, MAX_TOKENIZER_BYTES)
     key = (len(text), hash(text))
-    if (known := _READ.get(key)) is not None:
-        _READ.move_to_end(key)
-        return known
+    with _READ_LOCK:
+        if (known := _READ.pop(key, None)) is not None:
+            _READ[key] = known  # (the most recent last)
+            return known
     values = text.count(",") + text.count("[") + text.count("{")
     if values > MAX_JSON_VALUES:
         raise CheckpointError(
@@ -79,9 +82,10 @@ def read_backend(file: Path) -> HFTokenizer:
     backend.no_truncation()
     check_replacements(backend, file)
     check_pace(backend, file, key=key)
-    _READ[key] = backend
-    while len(_READ) > KEEP_READ:
-        _READ.popitem(last=False)
+    with _READ_LOCK:
+        _READ[key] = backend
+        while len(_READ) > KEEP_READ:
+            _READ.popitem(last=False)
     return backend
 
 
@@ -103,8 +107,8 @@ def linear_splits(spec: dict[str, Any]) -> bool:
         form = LINEAR_FORMS.get(regex) if isinstance(regex, str) else None
         if step.get("type") != "Split" or form is None or step.get("invert") is not False:
             continue
-        if step.get("behavior") != "Isolated":
-            continue
+        if step.get("behavior") != "Isolated" and regex not in ZERO_WIDTH:
+            continue  # (a zero-width regex cuts the same pieces whatever the behavior)
         splits = [
             {"type": "Split", "pattern": {"Regex": r}, "behavior": _BEHAVIORS[b], "invert": False}
             for r, b in form
@@ -133,6 +137,7 @@ MAX_MERGES_TEXT = 2**24  # characters in all the merges together, both sides
 # speech tokens); 262,144 short ones (4.3 MB) build in 0.8 s.
 MAX_ADDED_BYTES = 2**22
 MAX_POST_PROCESSOR_ITEMS = 1024  # see _post_processor_items
+MAX_WORDPIECE_WORD = 256  # a word's characters a WordPiece model splits (longer: unknown)
 
 
 def check_vocabulary(spec: dict[str, Any], file: Path) -> None:
@@ -160,6 +165,13 @@ def check_vocabulary(spec: dict[str, Any], file: Path) -> None:
         raise CheckpointError(
             f"{file}: added_tokens hold {len(contents):,} tokens of {added_bytes:,} bytes; specd "
             f"reads at most {MAX_ADDED_BYTES:,} bytes of them (real ones: up to about 1 MB): {DAMAGED}"
+        )
+    longest_word = model.get("max_input_chars_per_word") if isinstance(model, dict) else None
+    if isinstance(longest_word, int) and longest_word > MAX_WORDPIECE_WORD:
+        raise CheckpointError(
+            f"{file}: model.max_input_chars_per_word is {longest_word:,}; specd reads at most "
+            f"{MAX_WORDPIECE_WORD} (real ones: 100; WordPiece's greedy match costs a word's "
+            f"length cubed: 8,192 characters took 11 s): {DAMAGED}"
         )
     post = _post_processor_items(spec.get("post_processor"))
     if post > MAX_POST_PROCESSOR_ITEMS:

@@ -121,9 +121,10 @@ def _timed(backend: HFTokenizer, probe: str, file: Path, tries: int = 1) -> floa
     for _ in range(tries):
         start = time.thread_time()
         try:
-            backend.encode(probe, add_special_tokens=False)
-        except Exception:  # (the model's own refusal: a WordLevel without its
-            pass  # unknown token; its normalizer and pre-tokenizer ran first, and are timed)
+            try:
+                backend.encode(probe, add_special_tokens=False)
+            except Exception:  # (the model refuses a piece: a WordLevel without its unknown
+                _piece_by_piece(backend, probe)  # token; the rest is timed all the same)
         except BaseException as err:  # (the regex engine's retry limit: a Rust panic)
             if not rust_panic(err):
                 raise
@@ -133,3 +134,15 @@ def _timed(backend: HFTokenizer, probe: str, file: Path, tries: int = 1) -> floa
             ) from None
         best = min(best, time.thread_time() - start)
     return best
+
+
+def _piece_by_piece(backend: HFTokenizer, probe: str) -> None:
+    """What `encode` does with `probe`, each piece the model refuses skipped, so that a
+    model failing fast on one piece does not hide its time on the others."""
+    text = backend.normalizer.normalize_str(probe) if backend.normalizer else probe
+    pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer else [(text, 0)]
+    for piece, _ in pieces:
+        try:
+            backend.model.tokenize(piece)
+        except Exception:
+            continue
