@@ -101,6 +101,27 @@ def test_a_model_that_refuses_unknown_words_is_paced_and_loads(tmp_path: Path) -
     assert tokenizer_file.read_backend(file).encode("the lazy fox").ids == [0, 6, 3]
 
 
+def _cuts_as_the_gguf_pre_tokenizer(
+    spec: dict[str, Any], splits: list[tuple[str, str]], name: str, folder: Path
+) -> None:
+    """A tokenizer.json of `spec` whose pre-tokenizer is `splits` (regex, behavior) then
+    ByteLevel loads, and cuts digits as the GGUF pre-tokenizer `name` does."""
+    steps: list[dict[str, Any]] = [
+        {"type": "Split", "pattern": {"Regex": r}, "behavior": b, "invert": False}
+        for r, b in splits
+    ]
+    steps.append({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True})
+    steps[-1]["use_regex"] = False
+    file = folder / "tokenizer.json"
+    file.write_text(
+        json.dumps({**spec, "pre_tokenizer": {"type": "Sequence", "pretokenizers": steps}})
+    )
+    backend = tokenizer_file.read_backend(file)
+    text = "In 1234567 ways, 89 x" + "7" * 20
+    ours = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
+    assert ours == [p for p, _ in PRE_TOKENIZERS[name].pre_tokenizer().pre_tokenize_str(text)]
+
+
 @pytest.mark.parametrize(
     ("name", "group"),
     [("afmoe", "afmoe"), ("superbpe", "superbpe"), ("tiny_aya", "digit groups, then gpt-4o")],
@@ -111,18 +132,8 @@ def test_a_digit_grouping_regex_in_a_tokenizer_json_runs_linear(
     """llama.cpp's quadratic digit groupings written in a tokenizer.json (as the models'
     own files have them) run in their linear forms: the pace check passes them (superbpe's
     projected 52 s as written), and they cut as the GGUF pre-tokenizer does."""
-    splits = [
-        {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False}
-        for r in GROUPS[group][0]
-    ]
-    byte_level_step = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
-    pre = {"type": "Sequence", "pretokenizers": [*splits, {**byte_level_step, "use_regex": False}]}
-    file = tmp_path / "tokenizer.json"
-    file.write_text(json.dumps({**byte_level, "pre_tokenizer": pre}))
-    backend = tokenizer_file.read_backend(file)
-    text = "In 1234567 ways, 89 x" + "7" * 20
-    ours = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
-    assert ours == [p for p, _ in PRE_TOKENIZERS[name].pre_tokenizer().pre_tokenize_str(text)]
+    splits = [(r, "Isolated") for r in GROUPS[group][0]]
+    _cuts_as_the_gguf_pre_tokenizer(byte_level, splits, name, tmp_path)
 
 
 def test_a_file_of_too_many_values_is_refused_before_it_is_parsed(
@@ -167,15 +178,5 @@ def test_superbpes_zero_width_split_runs_linear_whatever_its_behavior(
     """A regex that matches only a place to cut cuts the same pieces whatever the split's
     behavior: superbpe's in any of them runs in its linear form (it was refused)."""
     first, cut = GROUPS["superbpe"][0]
-    splits = [
-        {"type": "Split", "pattern": {"Regex": first}, "behavior": "Isolated", "invert": False},
-        {"type": "Split", "pattern": {"Regex": cut}, "behavior": behavior, "invert": False},
-    ]
-    byte_level_step = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
-    pre = {"type": "Sequence", "pretokenizers": [*splits, {**byte_level_step, "use_regex": False}]}
-    file = tmp_path / "tokenizer.json"
-    file.write_text(json.dumps({**byte_level, "pre_tokenizer": pre}))
-    backend = tokenizer_file.read_backend(file)
-    text = "In 1234567 ways, 89 x" + "7" * 20
-    ours = [p for p, _ in backend.pre_tokenizer.pre_tokenize_str(text)]
-    assert ours == [p for p, _ in PRE_TOKENIZERS["superbpe"].pre_tokenizer().pre_tokenize_str(text)]
+    splits = [(first, "Isolated"), (cut, behavior)]
+    _cuts_as_the_gguf_pre_tokenizer(byte_level, splits, "superbpe", tmp_path)
