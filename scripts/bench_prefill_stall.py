@@ -21,6 +21,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.daemon_process import wait_ready  # noqa: E402
+
 MODEL = ROOT.parent / "shared/models/smollm2-135m-instruct/smollm2-135m-instruct-q4_1.gguf"
 
 
@@ -31,21 +35,6 @@ def ask(port: int, body: dict) -> float:
     conn.request("POST", "/v1/completions", json.dumps(body))
     conn.getresponse().read()
     return time.monotonic() - start
-
-
-def wait_ready(port: int, server: subprocess.Popen) -> None:
-    for _ in range(600):
-        if server.poll() is not None:
-            sys.exit(f"the daemon exited ({server.returncode})")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    sys.exit("the daemon did not become ready")
 
 
 def main() -> None:
@@ -69,7 +58,7 @@ def main() -> None:
         command, cwd=args.root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        wait_ready(args.port, server)
+        wait_ready(args.port, server, timeout=120)
         alone = ask(args.port, {"prompt": "Lily", "max_tokens": 1, "temperature": 0})
         long_prompt = "the quick brown fox jumps over the lazy dog " * 700
         took: dict[str, float] = {}

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from scripts.daemon_process import wait_ready
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -22,21 +24,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)  # polling a child process's start-up
-    raise TimeoutError("specd serve did not become ready")
 
 
 @pytest.mark.parametrize("signals", ["one", "repeated"])
