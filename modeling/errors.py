@@ -35,3 +35,9 @@ def rust_panic(exc: BaseException) -> bool:
     connection closed unanswered, an engine thread ended). It is one library call's
     failure: handled as an Exception is."""
     return type(exc).__name__ == "PanicException"
+
+
+def panic_said(exc: BaseException) -> str:
+    """What a Rust library's panic says, its first line cut to 200 characters (the rest is
+    a backtrace, and a regex's or a file's text may be quoted in it)."""
+    return (str(exc).splitlines() or ["a panic"])[0][:200]

@@ -11,7 +11,7 @@ from typing import Any
 
 import llguidance
 
-from modeling.errors import rust_panic
+from modeling.errors import panic_said, rust_panic
 from speculative.grammar_errors import GrammarError
 
 log = logging.getLogger("specd.grammar")
@@ -68,9 +68,7 @@ def _unreadable(tokenizer: Any, panic: BaseException) -> str:
         f"its vocabulary holds a token of {size:,} bytes (id {tokenizer.vocabulary[longest]}); "
         f"the grammar engine reads tokens of at most {MAX_ENGINE_TOKEN_BYTES:,}"
         if size > MAX_ENGINE_TOKEN_BYTES
-        else "the grammar engine cannot read its vocabulary ("
-        + (str(panic).splitlines() or ["a panic"])[0][:200]
-        + ")"
+        else "the grammar engine cannot read its vocabulary (" + panic_said(panic) + ")"
     )
     log.warning("structured output is unavailable with this model: %s", why)
     return why

@@ -25,7 +25,7 @@ from modeling.checkpoints.folder_files import (
 )
 from modeling.checkpoints.gguf_file import short_repr
 from modeling.config import ModelConfig
-from modeling.errors import RequestError, rust_panic
+from modeling.errors import RequestError, panic_said, rust_panic
 from modeling.text import harmony
 from modeling.text.tokenizer_file import read_backend
 
@@ -362,7 +362,7 @@ def _failure(err: BaseException, what: str) -> BaseException:
     (KeyboardInterrupt, SystemExit, an ordinary error) as it is."""
     if not rust_panic(err):
         return err
-    reason = (str(err).splitlines() or ["a panic"])[0][:200]
+    reason = panic_said(err)
     return TokenizerFailure(
         f"the model's tokenizer could not {what} ({reason}): its tokenizer.json's "
         "normalizer or pre-tokenizer fails on it; send other text, or fix the model's "

@@ -11,10 +11,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 from modeling.checkpoints.folder_files import DAMAGED, CheckpointError
-from modeling.errors import rust_panic
-
-# Characters of a library's panic quoted in a refusal.
-MAX_MESSAGE = 200
+from modeling.errors import panic_said, rust_panic
 
 # The pace check. A regex engine backtracks: `Split` patterns that are quadratic or cubic
 # in a run of one kind of character cost seconds for a prompt that real ones tokenize in
@@ -130,7 +127,7 @@ def _timed(backend: HFTokenizer, probe: str, file: Path, tries: int = 1) -> floa
                 raise
             raise CheckpointError(
                 f"{file}: its normalizer or pre-tokenizer fails on ordinary text "
-                f"({(str(err).splitlines() or ['a panic'])[0][:MAX_MESSAGE]}): {DAMAGED}"
+                f"({panic_said(err)}): {DAMAGED}"
             ) from None
         best = min(best, time.thread_time() - start)
     return best
