@@ -263,6 +263,36 @@ def test_auto_keeps_rejection_that_accepts_and_otherwise_measures_both(stories) 
     assert kind_of(SamplingParams(temperature=0.0))[0] == "walk"
 
 
+def test_a_generation_that_walked_walks_on(stories) -> None:
+    """A walk round's tree at T > 0 is drawn by the noise of positions past where the
+    walk stops, so within one generation `auto` never goes from the walk to rejection
+    (rejection would draw those positions afresh exactly where the walk stopped short: a
+    biased law). Here the tables make `auto` try the walk, then prefer rejection: the
+    generation walks to its end, and the next generation starts with rejection again."""
+    target, draft, tok = stories
+    strategy = TreeSpeculation(target, draft, budget=8, prefix_cache=PrefixCache(0))
+    reject_t = strategy.acceptance.table("rejection", T1)
+    for _ in range(REJECTION_FIRST):  # rejection had its rounds, its first children failing
+        reject_t.observe(torch.tensor([1]), torch.tensor([0.5]), torch.tensor([False]))
+        reject_t.note_round(100)  # but many tokens a round: preferred once the walk is seen
+    assert choose_verification("auto", strategy.acceptance, T1, ngram=False)[0] == "walk"
+
+    def kinds() -> list[str | None]:
+        ids = tok.encode("The little dog")
+        steps = strategy.steps(
+            strategy.new_session(256), ids, T1, 48, torch.Generator().manual_seed(5)
+        )
+        return [rnd.stats.tree_verification for rnd in alone(steps)]
+
+    first = kinds()
+    assert first[:EXPLORE_ROUNDS] == ["walk"] * EXPLORE_ROUNDS
+    # The walk's rounds were explored, and rejection's 100 tokens a round win from here...
+    assert choose_verification("auto", strategy.acceptance, T1, ngram=False)[0] == "rejection"
+    # ...but not within the generation that walked.
+    assert len(first) > EXPLORE_ROUNDS and set(first) <= {"walk", None}
+    assert kinds()[0] == "rejection"  # a new generation may start with either
+
+
 def test_stats_say_how_trees_were_verified(stories) -> None:
     target, draft, tok = stories
     strategy = TreeSpeculation(

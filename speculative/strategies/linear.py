@@ -75,10 +75,12 @@ class Linear:
         if k:
             rows = torch.arange(k, device=p.device)
             tokens = torch.tensor(list(drafted), dtype=torch.long, device=p.device)
-            ratio = p[rows, tokens] / q[rows, tokens]  # (k,) q > 0: each t_i was drawn from q_i
+            pt, qt = p[rows, tokens], q[rows, tokens]  # (k,)
             u = torch.rand(k, generator=generator, device=p.device)  # (k,)
-            # u < ratio holds with probability min(1, ratio); strict, so p(t) = 0 never passes.
-            rejected = torch.nonzero(u >= ratio)
+            # u < p/q holds with probability min(1, p/q); strict, so p(t) = 0 never passes.
+            # Each t_i was drawn from q_i, so q_i(t_i) > 0; a token drawn where q_i is 0 (a
+            # sampler's fault) is rejected, not let through by p/0 = inf or 0/0 = nan.
+            rejected = torch.nonzero(~((u * qt < pt) & (qt > 0)))
             if len(rejected):
                 accepted = int(rejected[0, 0])
         if accepted < k:

@@ -215,9 +215,11 @@ class TreeSpeculation:
             else:
                 self.target.prefetch()  # a streamed target's first layers copy meanwhile
                 kind, table = choose_verification(
-                    self.verification, self.acceptance, params, ngram=self.draft is None
-                )
+                    self.verification, self.acceptance, params, ngram=self.draft is None,
+                    walked=state.coupled,
+                )  # fmt: skip
                 stats.tree_verification = kind
+                state.coupled |= kind == "walk" and not params.greedy
                 stats.acceptance_estimate = table.expected_tokens(budget)
                 rows = DraftRows() if kind == "rejection" else None
                 drafted_with = state.penalties.copy() if state.penalties is not None else None

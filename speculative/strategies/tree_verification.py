@@ -80,6 +80,9 @@ class Walker:
     generator: torch.Generator  # rejection verification's draws
     constraint: Constraint | None = None  # the request's grammar, at the committed tokens
     emitted: int = 0
+    # A tree drawn by the noise was walked (T > 0): every later round walks, as the noise
+    # of positions past the walk shaped where it stopped (`choose_verification`).
+    coupled: bool = False
 
     # The round's emitted tokens' log-probabilities, when the request asked for them.
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -119,15 +122,28 @@ class Walker:
 
 
 def choose_verification(
-    setting: str, model: AcceptanceModel, params: SamplingParams, ngram: bool
+    setting: str,
+    model: AcceptanceModel,
+    params: SamplingParams,
+    ngram: bool,
+    walked: bool = False,
 ) -> tuple[str, AcceptanceTable]:
     """This round's verification and the acceptance statistics it grows by: the walk
     for greedy rounds and n-gram trees; else the configured one, or with `auto` the
     one that yields more tokens per round (see EXPLORE_ROUNDS). `auto` walks a
     request with a seed: the walk's text is autoregressive decoding's for that seed
     whatever the tree, while rejection's depends on the tree's shape, which changes
-    as acceptance is learned."""
-    walks = setting == "walk" or (setting == "auto" and params.seed is not None)
+    as acceptance is learned.
+
+    `walked`: this generation has walked a tree at T > 0 (`Walker.coupled`); it walks on.
+    Such a tree's children were drawn by the noise of positions the walk has not reached
+    yet (the depth-d children by position d's, competing for one budget across depths),
+    so where the walk stopped depends on that noise. Walking on, each position is still
+    the draw its own noise makes; a rejection round would draw those positions afresh
+    on exactly the outcomes where the walk stopped short, and their law would no longer
+    be the target's (a reviewer measured P = 0.217 for a token of probability 0.25).
+    Rejection rounds use no noise, so the walk may follow them."""
+    walks = setting == "walk" or (setting == "auto" and (params.seed is not None or walked))
     if ngram or params.greedy or walks:
         return "walk", model.table("walk", params)
     if setting == "rejection":
