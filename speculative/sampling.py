@@ -293,14 +293,37 @@ def draw(
     return sample(probs, noise)
 
 
+# The most likely entries top-p first looks at: a model's row mostly holds top_p's mass in
+# far fewer, and sorting a whole row of 262,144 took 23 ms on one core against 1-2 ms for
+# its largest 1,024 (scripts/bench_sampling.py). Where they hold less than half of top_p
+# the row is flat and the whole row is sorted at once; else eight times as many are
+# looked at, until they hold it.
+TOP_P_PREFIX = 1024
+
+
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches `top_p` (always at
-    least the top token), renormalised."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    keep_sorted = mass_before < top_p
-    keep_sorted[..., 0] = True
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    least the top token), renormalised. Only the largest entries are sorted: once the
+    `k` largest of every row hold `top_p`'s mass, every entry after them has at least
+    that much mass before it and is dropped, as a sort of the whole row would drop it."""
+    vocab = probs.shape[-1]
+    k = min(vocab, TOP_P_PREFIX)
+    while True:
+        if 8 * k > vocab:
+            k = vocab
+        largest, order = (
+            probs.sort(dim=-1, descending=True) if k == vocab else probs.topk(k, dim=-1)
+        )  # (N, k) descending
+        mass = largest.cumsum(-1)
+        held = mass[..., -1]
+        if k == vocab or bool((held >= top_p).all()):
+            break
+        k = vocab if bool((held < top_p / 2).any()) else 8 * k
+        del largest, order, mass, held
+    keep_largest = (mass - largest) < top_p  # the mass before each
+    keep_largest[..., 0] = True
+    keep = torch.zeros(probs.shape, dtype=torch.bool, device=probs.device)
+    keep.scatter_(-1, order, keep_largest)
     probs = probs * keep
     return probs / probs.sum(-1, keepdim=True)
 

@@ -48,6 +48,26 @@ def test_top_p_keeps_the_smallest_set_reaching_p(top_p: float, kept: list[int]) 
     torch.testing.assert_close(got, _renormalised(kept))
 
 
+@pytest.mark.parametrize("scale", [8.0, 0.5, 0.01])  # peaked rows to nearly flat ones
+def test_top_p_over_the_largest_entries_keeps_what_a_whole_sort_keeps(scale: float) -> None:
+    """top_p_filter sorts only a row's largest entries (TOP_P_PREFIX, four times as many
+    while they hold less than top_p's mass): at vocabulary 262,144 it keeps exactly the
+    entries a sort of the whole row keeps, in a batch whose rows need prefixes of every
+    size, the whole row included."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 262_144, generator=gen, dtype=torch.float64) * scale
+    logits[1] *= 4  # a peaked row beside flat ones: the prefix grows for the flattest
+    probs = torch.softmax(logits, -1).float()
+    for top_p in (0.5, 0.9, 0.999):
+        got = top_p_filter(probs, top_p)
+        ordered, order = probs.sort(-1, descending=True)
+        keep_sorted = (ordered.cumsum(-1) - ordered) < top_p
+        keep_sorted[:, 0] = True
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        assert torch.equal(got > 0, keep)
+        torch.testing.assert_close(got, probs * keep / (probs * keep).sum(-1, keepdim=True))
+
+
 def test_top_p_does_not_depend_on_token_order() -> None:
     perm = torch.tensor([2, 0, 3, 1])
     got = top_p_filter(BASE[:, perm], 0.8)
