@@ -23,9 +23,11 @@ class GrammarError(RequestError):
 
 
 # What the engine says when it gives up on a grammar for one of its own limits (the
-# Earley items of one token's row, the lexer's fuel), as opposed to a token it refuses
-# (whose message quotes the token's text, which may hold any of these words).
-LIMIT_PHRASES = ("items; max is", "fuel", "Too many items")
+# Earley items of one token's row, the lexer's fuel, the expressions its lexer may build:
+# a pattern `^(a{1000}){1000}$` passes compiling and stops at the answer's first token),
+# as opposed to a token it refuses (whose message quotes the token's text, which may hold
+# any of these words).
+LIMIT_PHRASES = ("items; max is", "fuel", "Too many items", "too many expressions")
 REFUSED_TOKEN = "doesn't satisfy the grammar"
 
 

@@ -187,6 +187,21 @@ def test_an_engine_limit_reached_while_generating_is_the_requests_error(runtime:
     assert (err.value.param, err.value.code) == (field, "unsupported_grammar")
 
 
+def test_a_pattern_past_the_lexers_limit_is_the_requests_error(runtime: Runtime) -> None:
+    """`^(a{1000}){1000}$` compiles, and its mask allows the opening quote, but taking it
+    makes the engine's lexer build too many expressions: a 400 naming the field (it was a
+    500 mid-answer, an attacker found; the same pattern in a tool's parameters already
+    stopped at the mask)."""
+    field = "response_format.json_schema.schema"
+    grammar = Grammar.json_schema({"type": "string", "pattern": "^(a{1000}){1000}$"}, field)
+    grammar.check(runtime.tokenizer)
+    constraint = Constraint(grammar, runtime.tokenizer, runtime.target.vocab_width)
+    allowed = expand(constraint.words(), constraint.width).nonzero().flatten().tolist()
+    with pytest.raises(GrammarError, match="too many expressions") as err:
+        constraint.commit([allowed[0]])
+    assert (err.value.param, err.value.code) == (field, "unsupported_grammar")
+
+
 def test_a_refused_token_whose_text_names_a_limit_is_still_a_bug(runtime: Runtime) -> None:
     """The engine's refusal of a drawn token quotes the token's text: words such as
     "limit" there must not turn the mask/draw disagreement (a bug: a 500) into the
@@ -210,6 +225,7 @@ def test_a_refused_token_whose_text_names_a_limit_is_still_a_bug(runtime: Runtim
     for said, error in [
         ('Parser Error: token "max is fuel limit" doesn\'t satisfy the grammar', RuntimeError),
         ("Parser Error: Current row has 2007 items; max is 2000", GrammarError),
+        ("lexer error: too many expressions constructed\n<non-verbose/>", GrammarError),
     ]:
         constraint = Constraint(grammar, runtime.tokenizer, runtime.target.vocab_width)
         constraint.matcher = Refusing(said)  # type: ignore[assignment]
