@@ -409,6 +409,7 @@ class Engine:
             ignore_eos=req.ignore_eos,
             trace=req.trace,
             constraint=req.constraint,
+            call_lead=req.calls.lead if req.calls is not None else None,
         )
         return _Active(job, gen, gen.steps(), session, pool_key)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from modeling.checkpoints.checkpoint import open_checkpoint
-from modeling.text.detok import REPLACEMENT, IncrementalDetokenizer, StopMatcher
+from modeling.text.detok import REPLACEMENT, IncrementalDetokenizer, StopMatcher, StopsOutsideCalls
 from modeling.text.tokenizer import Tokenizer
 
 TEXTS = [
@@ -155,3 +155,29 @@ def test_real_text_is_shown_as_soon_as_it_is_whole(tokenizer: Tokenizer, step: i
         so_far = tokenizer.decode(ids[:end])
         if not so_far.endswith(REPLACEMENT):
             assert shown == so_far
+
+
+LEAD = '<tool_call>\n{"name":'  # the Hermes format's
+
+
+def _through(stops: StopsOutsideCalls, pieces: list[str]) -> str:
+    out = ""
+    for piece in pieces:
+        out += stops.push(piece)
+        if stops.stopped:
+            return out
+    return out + stops.flush()
+
+
+def test_stop_strings_never_cut_a_tool_call_but_cut_a_text_answer() -> None:
+    """An answer that begins as a call (its lead) is generated under the grammar: no stop
+    string cuts it (a stop of "}" cut the arguments, "\n" the whole call). A text answer
+    is cut as ever, also one that began like a call's lead."""
+    call = ["<tool_", "call>\n", '{"name":"f",', '"arguments":{"a":"}"}}', "\n</tool_call>"]
+    for stops in (["}"], ["\n"], ['"'], ["call"]):
+        assert _through(StopsOutsideCalls(stops, LEAD), call) == "".join(call)
+    assert _through(StopsOutsideCalls(["}"], LEAD), ["It is ", "{warm}", " today"]) == "It is {warm"
+    # a prefix of the lead, then text: held while it could be a call, then cut as text
+    assert _through(StopsOutsideCalls(["call"], LEAD), ["<tool_", "calls are"]) == "<tool_"
+    assert _through(StopsOutsideCalls(["x"], LEAD), ["<tool"]) == "<tool"  # ended undecided
+    assert _through(StopsOutsideCalls([], LEAD), ["plain"]) == "plain"

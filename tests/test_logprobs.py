@@ -93,6 +93,11 @@ def test_streamed_chat_logprobs_equal_the_whole_answers(stories_target: Path) ->
     with BackgroundServer(settings) as server:
         whole = json.loads(post(request))
         streamed = post({**request, "stream": True})
+        # An answer of no tokens (the end of sequence first, as a model may give): its empty
+        # list of log-probabilities (it was a 500)
+        empty = json.loads(post({**request, "logit_bias": {"2": 100}}))
+    assert empty["choices"][0]["message"]["content"] == ""
+    assert empty["choices"][0]["logprobs"] == {"content": []}
     content = whole["choices"][0]["logprobs"]["content"]
     events = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
     parts = [c["logprobs"]["content"] for e in events for c in e["choices"] if c.get("logprobs")]

@@ -431,6 +431,48 @@ def test_required_tool_call_validates_and_streams_the_same(
     ]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_do_not_cut_a_required_call(client: openai.OpenAI, stream: bool) -> None:
+    """A call generated under its grammar is never cut by a stop string: "}" cut its
+    arguments mid-object (still reported as tool_calls) and "\n", the Hermes format's own,
+    left an empty message with finish_reason stop (an attacker found)."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        ask = dict(
+            model=MODEL, messages=ASK, tools=[WEATHER], tool_choice=choice,
+            parallel_tool_calls=False, max_tokens=100, temperature=0, stop=["}", "\n", '"'],
+        )  # fmt: skip
+        if not stream:
+            answer = client.chat.completions.create(**ask)  # type: ignore[call-overload]
+            calls, reason = answer.choices[0].message.tool_calls, answer.choices[0].finish_reason
+            assert calls and weather_arguments_valid(calls[0].function.arguments)
+        else:
+            arguments, reason = "", None
+            for chunk in client.chat.completions.create(**ask, stream=True):  # type: ignore[call-overload]
+                if chunk.choices:
+                    reason = chunk.choices[0].finish_reason or reason
+                    for delta in chunk.choices[0].delta.tool_calls or []:
+                        arguments += delta.function.arguments or ""
+            assert weather_arguments_valid(arguments)
+        assert reason == "tool_calls"
+
+
+def test_a_calls_log_probabilities_are_left_out_streamed_or_not(client: openai.OpenAI) -> None:
+    """A call's tokens are not content: neither answer gives their log-probabilities (the
+    whole answer gave 27 entries spelling the call's markup, the stream none)."""
+    ask = dict(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=100,
+        parallel_tool_calls=False, temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    whole = client.chat.completions.create(**ask).choices[0]  # type: ignore[call-overload]
+    assert whole.message.tool_calls
+    assert whole.logprobs is None or not whole.logprobs.content
+    entries = 0
+    for chunk in client.chat.completions.create(**ask, stream=True):  # type: ignore[call-overload]
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            entries += len(chunk.choices[0].logprobs.content or [])
+    assert entries == 0
+
+
 def test_named_choice_auto_and_a_conversation_with_results(client: openai.OpenAI) -> None:
     named = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], max_tokens=100, temperature=0,

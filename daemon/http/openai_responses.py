@@ -98,7 +98,7 @@ class ResponseShape:
         if self.piece is None:
             return None
         piece = self.piece
-        befores = [previous, *(e.token for e in entries[:-1])]
+        befores = [previous, *(e.token for e in entries)][: len(entries)]
         if self.chat:
 
             def item(before: int, token: int, logprob: float) -> dict[str, Any]:

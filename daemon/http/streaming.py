@@ -92,6 +92,8 @@ async def collect(
             if calls:  # read as a stream of it is read: the two always agree
                 answer, made = read_answer(answer, calls, calls_only)
             reason = "tool_calls" if made and event.finish_reason == "stop" else event.finish_reason
+            if calls and made:
+                logprobs = []  # a call's tokens are not content (as a stream leaves them out)
             body = shape.full(
                 answer, reason, u, event.stats, logprobs, previous,
                 tool_calls=[c.as_openai() for c in made] if made else None,
@@ -136,6 +138,7 @@ async def stream(
     offset = 0  # characters of text sent so far (the completions' text_offset)
     calls_only = req.tool_choice not in (None, "auto")
     calls = CallStream(call_format, calls_only) if call_format is not None else None
+    held: list[TokenLogprob] = []  # log-probabilities of text that may still be a call's
     turn = HarmonyReader(harmony_calls) if harmony else None
     try:
         if shape.chat:  # the role arrives before any text, as OpenAI's own stream does
@@ -179,7 +182,11 @@ async def stream(
                 if deltas:
                     await send(sse(shape.tool_chunk(deltas)))
                 if calls.index >= 0:
-                    logprobs = []  # a call's tokens are not content
+                    logprobs = held = []  # a call's tokens are not content
+                elif calls.state == "undecided":  # its text is held: so are they
+                    logprobs, held = [], held + logprobs
+                else:
+                    logprobs, held = held + logprobs, []
             if text or logprobs or reasoning:
                 chunk = shape.chunk(
                     text, first=first, logprobs=logprobs, offset=offset, previous=previous,

@@ -104,6 +104,41 @@ class StopMatcher:
         return out
 
 
+class StopsOutsideCalls:
+    """Stop strings for an answer that may be tool calls: a call's markup and arguments are
+    generated under the request's grammar and are never cut (a stop of "}" or "\n" cut the
+    arguments mid-object, or the whole required call, the Hermes format's newline); the
+    stops apply once the answer is text. An answer is a call when it begins with `lead`
+    (speculative/tool_calls.py `CallFormat.lead`; it can only begin there), so while it is
+    still a prefix of `lead` its text is held."""
+
+    def __init__(self, stops: Sequence[str], lead: str) -> None:
+        self.matcher = StopMatcher(stops)
+        self.lead = lead
+        self.head = ""  # the answer's text while it may still become a call
+        self.decided = False
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher.stopped
+
+    def push(self, text: str) -> str:
+        if self.decided:
+            return self.matcher.push(text)
+        self.head += text
+        if self.head.startswith(self.lead):
+            self.matcher = StopMatcher(())  # calls: no stop string applies
+        elif self.lead.startswith(self.head):
+            return ""
+        self.decided = True
+        head, self.head = self.head, ""
+        return self.matcher.push(head)
+
+    def flush(self) -> str:
+        head, self.head = self.head, ""
+        return self.matcher.push(head) + self.matcher.flush()
+
+
 def _failure(stop: str) -> array[int]:
     """KMP's table: for each prefix stop[: i + 1], the length of its longest proper prefix
     that is also its suffix (4 bytes a character: a request's stops may be a megabyte)."""
