@@ -22,9 +22,38 @@ slot sits at each index is arithmetic (`ring_slots`): the latest one written the
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from modeling.config import ModelConfig
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A cache's storage, zero (the masked slots a pass attends over must be finite). On a
+    CPU it is an anonymous mapping of its own, whose pages are the system's zero page until
+    written: a cache that doubles holds in memory what was written, not its whole
+    allocation, so while it grows the old copy and the new one's written half are the
+    full size, not 1.5 times it (torch.zeros writes every page). Its pages are kept small:
+    a transparent huge page at the edge of each written half would commit up to 2 MiB
+    more per layer and head."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = 1
+    for size in shape:
+        count *= size
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    region = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def stages_through_host(device: torch.device) -> bool:
+    """Whether a growing cache copies its entries through host memory (`KVCache._grow`)."""
+    return device.type != "cpu"
 
 
 class CacheFullError(RuntimeError):
@@ -78,18 +107,16 @@ class KVCache:
         slots = min(capacity, max(initial, 1))
         heads, hd = config.num_kv_heads, config.head_dim
         shape = (len(full), heads, slots, hd)
-        self.k = torch.zeros(
-            shape, dtype=dtype, device=device
-        )  # (full layers, kv_heads, slots, hd)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = zeros(shape, dtype, device)  # (full layers, kv_heads, slots, hd)
+        self.v = zeros(shape, dtype, device)
         # (window layers, kv_heads, A, hd); None when no layer has a window
         self.ring_k: torch.Tensor | None = None
         self.ring_v: torch.Tensor | None = None
         self.written = -1  # the highest slot written to the ring
         if windowed:
             ring = (len(windowed), heads, min(slots, self.ring_target(1)), hd)
-            self.ring_k = torch.zeros(ring, dtype=dtype, device=device)
-            self.ring_v = torch.zeros(ring, dtype=dtype, device=device)
+            self.ring_k = zeros(ring, dtype, device)
+            self.ring_v = zeros(ring, dtype, device)
         # (slots,) each slot's position, for window layers; None when no layer has a window
         self.positions: torch.Tensor | None = (
             torch.zeros(slots, dtype=torch.long, device=device) if positions else None
@@ -158,8 +185,8 @@ class KVCache:
         assert self.ring_k is not None and self.ring_v is not None
         old_k, old_v, old = self.ring_k, self.ring_v, self.ring_size
         shape = (*old_k.shape[:2], size, old_k.shape[3])
-        self.ring_k = torch.zeros(shape, dtype=old_k.dtype, device=old_k.device)
-        self.ring_v = torch.zeros(shape, dtype=old_v.dtype, device=old_v.device)
+        self.ring_k = zeros(shape, old_k.dtype, old_k.device)
+        self.ring_v = zeros(shape, old_v.dtype, old_v.device)
         first = max(0, self.written - old + 1)  # the oldest slot still held
         held = torch.arange(first, self.length, device=old_k.device)
         if held.numel():
@@ -172,12 +199,30 @@ class KVCache:
         # The model grows the cache inside its inference-mode forward; tensors made there
         # are inference tensors, which `keep` (called outside, by the strategies) may not
         # update in place. The cache's storage is always made as a normal tensor.
+        # On a GPU the entries go through host memory: the old storage is freed before the
+        # new one is allocated, so the device never holds both (at the last doubling that
+        # was 1.5 times the full cache, which the memory plan counts once). On a CPU the
+        # new storage's unwritten pages cost nothing (`zeros`).
         slots = min(self.capacity, max(needed, 2 * self.allocated))
         shape = (*self.k.shape[:2], slots, self.k.shape[3])
-        k = torch.zeros(shape, dtype=self.k.dtype, device=self.k.device)
-        v = torch.zeros(shape, dtype=self.v.dtype, device=self.v.device)
-        k[:, :, : self.length] = self.k[:, :, : self.length]
-        v[:, :, : self.length] = self.v[:, :, : self.length]
+        dtype, device, n = self.k.dtype, self.k.device, self.length
+        old_shape, staged = self.k.shape, stages_through_host(device)
+        old_k, old_v = self.k[:, :, :n], self.v[:, :, :n]
+        if staged:
+            # (a pass reserves its slots before it takes any view of the storage)
+            old_k, old_v = old_k.to("cpu"), old_v.to("cpu")
+            del self.k, self.v
+        try:
+            k, v = zeros(shape, dtype, device), zeros(shape, dtype, device)
+        except BaseException:
+            if staged:  # out of device memory: the cache as it was (its room just freed)
+                self.k, self.v = zeros(old_shape, dtype, device), zeros(old_shape, dtype, device)
+                self.k[:, :, :n].copy_(old_k)
+                self.v[:, :, :n].copy_(old_v)
+            raise
+        k[:, :, :n].copy_(old_k)
+        v[:, :, :n].copy_(old_v)
+        del old_k, old_v
         self.k, self.v = k, v
         if self.positions is not None:
             positions = torch.zeros(slots, dtype=torch.long, device=self.positions.device)
