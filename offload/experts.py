@@ -15,6 +15,7 @@ This module sees an expert as an nn.Module and its tensors; it imports no model 
 from __future__ import annotations
 
 import copy
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -121,6 +122,11 @@ class ExpertCache:
         self.where: dict[tuple[int, int], int] = {}
         self.count: dict[tuple[int, int], float] = {}  # layer passes each expert was routed in
         self.worth = [-1.0] * self.slots  # each slot's expert's count (-1: empty)
+        # The slots by worth, least first, for the victim of a miss: (worth, slot) entries,
+        # an entry stale once its slot's worth changed (pushed again then). A miss scanned
+        # every slot in Python: 33 ms per one-token layer pass over 1,383 slots, 0.6 s for
+        # a tree's (a real-shape audit, 48 layers of 128 experts).
+        self._by_worth = [(-1.0, s) for s in range(self.slots)]
         self.bypass = self.slots - 1 if self.slots > 1 else None
         self.pinned: set[int] = set()  # slots this layer pass still needs
         self.requests = 0
@@ -138,7 +144,7 @@ class ExpertCache:
             self.count[key] = self.count.get(key, 0.0) + 1.0
             slot = self.where.get(key)
             if slot is not None:
-                self.worth[slot] = self.count[key]
+                self._set_worth(slot, self.count[key])
                 if len(self.pinned) < self.slots - 2:
                     self.pinned.add(slot)
         self.requests += len(wanted)
@@ -146,12 +152,36 @@ class ExpertCache:
             self.requests = 0
             self.count = {k: v / 2 for k, v in self.count.items() if v >= 0.5}
             self.worth = [w / 2 if w > 0 else w for w in self.worth]
+            self._by_worth = [(w, s) for s, w in enumerate(self.worth)]
+            heapq.heapify(self._by_worth)
+
+    def _set_worth(self, slot: int, worth: float) -> None:
+        if self.worth[slot] != worth:
+            self.worth[slot] = worth
+            heapq.heappush(self._by_worth, (worth, slot))
+            if len(self._by_worth) > 4 * self.slots:  # mostly stale entries: rebuilt
+                self._by_worth = [(w, s) for s, w in enumerate(self.worth)]
+                heapq.heapify(self._by_worth)
 
     def _victim(self, key: tuple[int, int]) -> int:
-        free = [s for s in range(self.slots) if s not in self.pinned and s != self.bypass]
-        if not free:
+        """The least worth slot this layer pass does not need, the lowest of equals (the
+        bypass slot where the expert is rarer than it, or where no other is free)."""
+        heap, skipped = self._by_worth, []
+        victim = None
+        while heap:
+            worth, slot = heap[0]
+            if worth != self.worth[slot]:
+                heapq.heappop(heap)  # stale (the slot's current entry is further on)
+                continue
+            if slot in self.pinned or slot == self.bypass:
+                skipped.append(heapq.heappop(heap))
+                continue
+            victim = slot
+            break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        if victim is None:
             return self.bypass if self.bypass is not None else 0
-        victim = min(free, key=self.worth.__getitem__)
         if self.bypass is not None and self.worth[victim] > self.count.get(key, 0.0):
             return self.bypass  # rarer than what it would push out
         return victim
@@ -174,7 +204,7 @@ class ExpertCache:
             self.where[key] = slot
             self.stats.copies += 1
             self.stats.bytes_copied += self.expert_bytes
-        self.worth[slot] = self.count.get(key, 0.0)
+        self._set_worth(slot, self.count.get(key, 0.0))
         self.pinned.discard(slot)  # used now: an expert is asked for once per layer pass
         return self.modules[slot]
 

@@ -225,6 +225,40 @@ def test_a_pass_copies_only_the_routed_experts_the_cache_lacks(tiny_checkpoint) 
     assert small.stats.hits == 5 and torch.equal(expert.gate_up_proj.weight, originals[0][0])
 
 
+def test_the_cache_evicts_as_a_scan_of_every_slot_would() -> None:
+    """The victim of a miss comes from a heap of the slots by worth, not a scan of every
+    slot per miss (0.6 s per tree pass over 2,293 slots): on skewed random routing over 6
+    layers of 16 experts, with aging, its choices are a scan's, slot for slot."""
+    from offload.experts import ExpertCache
+
+    class Scanning(ExpertCache):  # the former rule: the least worth free slot, lowest first
+        def _victim(self, key: tuple[int, int]) -> int:
+            free = [s for s in range(self.slots) if s not in self.pinned and s != self.bypass]
+            if not free:
+                return self.bypass if self.bypass is not None else 0
+            victim = min(free, key=self.worth.__getitem__)
+            if self.bypass is not None and self.worth[victim] > self.count.get(key, 0.0):
+                return self.bypass
+            return victim
+
+    layers = [[nn.Linear(4, 4, bias=False) for _ in range(16)] for _ in range(6)]
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.rand(16, generator=gen) ** 4  # a few experts routed far more often
+    for slots in (3, 20, 60):
+        heap, scan = ExpertCache(layers, "cpu", slots), Scanning(layers, "cpu", slots)
+        heap.AGE_EVERY = scan.AGE_EVERY = 1  # ages every 96 requests: often
+        for _ in range(400):
+            layer = int(torch.randint(6, (), generator=gen))
+            wanted = torch.multinomial(weights, int(torch.randint(1, 9, (), generator=gen)),
+                                       generator=gen).tolist()  # fmt: skip
+            for cache in (heap, scan):
+                cache.prepare(layer, wanted)
+                for e in wanted:
+                    cache.expert(layer, e)
+            assert heap.holder == scan.holder
+        assert heap.stats.copies == scan.stats.copies and heap.stats.hits > 0
+
+
 @pytest.mark.parametrize("budget", ["8GiB", "12GiB", "16GiB", "24GiB"])
 def test_the_plan_of_qwen3_30b_a3b_by_routing(tmp_path: Path, budget: str) -> None:
     """A Qwen3-30B-A3B shape on a desktop card: attention, norms and routers resident, the
