@@ -56,7 +56,9 @@ def per_pass(cache: ExpertCache, woken: int, seed: int) -> float:
 def main() -> None:
     torch.set_num_threads(1)
     layers = [[nn.Linear(4, 4, bias=False) for _ in range(EXPERTS)] for _ in range(LAYERS)]
-    print("| device slots | experts woken a layer | ms per pass, scanning | heap | ratio | copies |")
+    print(
+        "| device slots | experts woken a layer | ms per pass, scanning | heap | ratio | copies |"
+    )
     print("|---|---|---|---|---|---|")
     for slots in (1383, 2293):
         heap, scan = ExpertCache(layers, "cpu", slots), Scanning(layers, "cpu", slots)
@@ -65,6 +67,7 @@ def main() -> None:
             assert heap.holder == scan.holder and heap.stats.copies == scan.stats.copies
             print(f"| {slots:,} | {woken} | {old * 1e3:.1f} | {new * 1e3:.1f} | "
                   f"{old / new:.0f}x | {heap.stats.copies:,} |")  # fmt: skip
+
 
 if __name__ == "__main__":
     main()
