@@ -59,6 +59,17 @@ def test_routing_is_the_references(tiny_checkpoint, family: str) -> None:
     assert set(chosen.unique().tolist()) == set(range(ours.config.moe.experts))
     with torch.no_grad():
         torch.testing.assert_close(block(x), ref_out, atol=1e-5, rtol=0)
+        # Grouped by one sort, the sums are those of a search per expert, bit for bit.
+        by_search = torch.zeros_like(x)
+        w = weights.to(x.dtype) if block.weights_in_model_dtype else weights
+        for e in chosen.unique().tolist():
+            tokens, slots = torch.where(chosen == e)
+            y = block.experts[e](x[tokens]) * w[tokens, slots, None]
+            by_search.index_add_(0, tokens, y.to(x.dtype))
+        if block.shared_expert is not None and block.shared_expert_gate is not None:
+            gate = torch.sigmoid(block.shared_expert_gate(x))
+            by_search = by_search + gate * block.shared_expert(x)
+        assert torch.equal(block(x), by_search)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -141,12 +141,24 @@ class SparseMoE(nn.Module):
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
         out = torch.zeros_like(x)  # (T, hidden)
-        wanted = torch.unique(chosen).tolist()  # ascending, as the reference adds them
+        # The (token, slot) picks grouped by expert with one sort, in the order a search of
+        # `chosen` for each expert gives them, and the group sizes read in one host sync
+        # (a sync per expert woken was 129 a layer, 6,200 a tree pass at 48 layers).
+        k = chosen.shape[-1]
+        picks = chosen.flatten()  # (T * k,)
+        order = torch.argsort(picks, stable=True)  # (T * k,) by expert, then token, slot
+        sizes = torch.bincount(picks, minlength=len(self.experts)).tolist()
+        wanted = [e for e, n in enumerate(sizes) if n]  # ascending, as the reference adds
         source = self.source
         if source is not None:
             source.prepare(self.layer, wanted)
-        for e in wanted:
-            tokens, slots = torch.where(chosen == e)  # (n,) each: a token picks e once
+        start = 0
+        for e, n in enumerate(sizes):
+            if not n:
+                continue
+            group = order[start : start + n]  # (n,): a token picks e once
+            start += n
+            tokens, slots = group // k, group % k
             expert = self.experts[e] if source is None else source.expert(self.layer, e)
             rows = x[tokens]  # (n, hidden)
             where = _device_of(expert)
