@@ -58,7 +58,8 @@ def engine_message(message: str) -> str:
             "the grammar engine cannot build it (an internal limit: too many combinations, "
             "as allOf over several anyOf makes)"
         )
-    message = message.split("<backtrace>")[0].strip()
+    # (`<non-verbose/>`: where the engine's verbose errors, off, would have said more)
+    message = message.split("<backtrace>")[0].replace("<non-verbose/>", "").strip()
     quoted = QUOTED_LINE.search(message)
     if quoted is not None:
         message = message[: quoted.start()].strip()

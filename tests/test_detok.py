@@ -157,6 +157,40 @@ def test_real_text_is_shown_as_soon_as_it_is_whole(tokenizer: Tokenizer, step: i
             assert shown == so_far
 
 
+def test_a_real_replacement_character_is_shown_at_once(tokenizer: Tokenizer) -> None:
+    """A U+FFFD that is text (its bytes EF BF BD) is shown as it comes: no later byte can
+    change it (an attacker's schema const of 300 streamed nothing until the end, and a
+    stop string after them was found 300 tokens late)."""
+    assert tokenizer.byte_tokens is not None
+    ids = tokenizer.encode("ab\ufffdc\ufffd", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    shown = [detok.push([i]) for i in ids]
+    assert "".join(shown) == "ab\ufffdc\ufffd"  # all of it before any flush
+    assert detok.flush() == ""
+
+
+@pytest.mark.parametrize("byte", [0x80, 0xE2, 0xF0])  # a stray tail byte; leads, forever
+def test_bytes_no_character_completes_are_shown_as_they_come(tokenizer: Tokenizer, byte) -> None:
+    """A run of one byte token (a logit_bias can force it): shown as it comes, never
+    more than one token held, so each step decodes a short window (the held window grew
+    by a token a step and was decoded again each time: 8,000 tokens took 8 s); the text is
+    the full decode's."""
+    assert tokenizer.byte_tokens is not None
+    token = tokenizer.byte_tokens.get(byte) or tokenizer.backend.token_to_id(f"<0x{byte:02X}>")
+    if token is None:  # (the probes' bytes are always there; F0 in byte-level vocabularies)
+        from modeling.text.tokenizer import BYTE_LEVEL
+
+        token = tokenizer.backend.token_to_id(BYTE_LEVEL[byte])
+    ids = [token] * 200
+    detok = IncrementalDetokenizer(tokenizer)
+    shown = ""
+    for i, t in enumerate(ids, 1):
+        shown += detok.push([t])
+        assert detok.read >= i - 1 and len(shown) >= i - 1
+    shown += detok.flush()
+    assert shown == tokenizer.decode(ids)
+
+
 LEAD = '<tool_call>\n{"name":'  # the Hermes format's
 
 

@@ -4,7 +4,12 @@ Decoding token by token is wrong for byte-fallback and byte-level tokenizers: a 
 character may span tokens, and SentencePiece-style decoders strip the leading space of the
 first token they see. So each step decodes a small window that starts a few tokens back
 (the context makes the decoder treat the first new token as mid-text) and emits only what
-is new, holding back while the window ends in an incomplete character (U+FFFD).
+is new, holding back while the window ends in a character later bytes may still complete.
+A window that ends in U+FFFD is decoded again with a few lone continuation bytes after it
+(`_stable`): what they change may still change, what they leave is shown (a real U+FFFD,
+bytes no character can continue). The deltas are the full decode's text wherever the
+model's bytes are UTF-8; in a run of bytes that is not, decoded all or nothing (byte
+fallback), how many U+FFFD it shows may differ from a decode of the whole run.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from typing import Protocol
+
+from modeling.text.tokenizer import PROBE_BYTES
 
 
 class Decoder(Protocol):
@@ -23,7 +30,8 @@ REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     """Feed generated ids, get text deltas. The deltas concatenate to exactly
-    `decode(context + generated)[len(decode(context)):]` (with no context: `decode(generated)`)."""
+    `decode(context + generated)[len(decode(context)):]` (with no context: `decode(generated)`)
+    where the bytes are UTF-8 (see the module)."""
 
     def __init__(self, tokenizer: Decoder, context_ids: Sequence[int] = (), context: int = 6):
         self.tokenizer = tokenizer
@@ -31,6 +39,11 @@ class IncrementalDetokenizer:
         # ids[prefix:read] were already emitted; they are the decoder's context for the rest.
         self.prefix = 0
         self.read = len(self.ids)
+        byte_tokens = getattr(tokenizer, "byte_tokens", None)
+        # The lone continuation bytes a held character is probed with (None: no probing).
+        self.probes = (
+            [byte_tokens[b] for b in PROBE_BYTES] if isinstance(byte_tokens, dict) else None
+        )
 
     def push(self, token_ids: Sequence[int]) -> str:
         self.ids.extend(token_ids)
@@ -44,12 +57,50 @@ class IncrementalDetokenizer:
     def _delta(self, final: bool) -> str:
         done = self.tokenizer.decode(self.ids[self.prefix : self.read])
         full = self.tokenizer.decode(self.ids[self.prefix :])
-        if len(full) <= len(done) or (full.endswith(REPLACEMENT) and not final):
+        if len(full) <= len(done):
             return ""
+        if full.endswith(REPLACEMENT) and not final:
+            stable = self._stable(full)
+            if stable < len(full):
+                return self._all_but_last(done, full, stable)
         # The window's context decodes to `done` as before, so what follows it is new.
         new = full[len(done) :]
         self.prefix, self.read = self.read, len(self.ids)
         return new
+
+    def _stable(self, full: str) -> int:
+        """How much of `full` (the window's text, ending in U+FFFD) no later token can change:
+        the window is decoded again with one to three of each probe byte after it, and the
+        text they leave alone is stable. Every incomplete character is completed by one of
+        them (or, decoded all or nothing as byte fallback does, its whole run of bytes);
+        a U+FFFD they leave alone is final: a real U+FFFD in the text, or bytes no UTF-8
+        can continue (a stray byte token). Without probe tokens nothing is stable."""
+        if self.probes is None:
+            return 0
+        window = self.ids[self.prefix :]
+        stable = len(full)
+        for probe in self.probes:
+            for n in (1, 2, 3):
+                probed = self.tokenizer.decode([*window, *[probe] * n])
+                same = 0
+                for a, b in zip(full, probed, strict=False):
+                    if a != b:
+                        break
+                    same += 1
+                stable = min(stable, same)
+        return stable
+
+    def _all_but_last(self, done: str, full: str, stable: int) -> str:
+        """The window's text but its last token's, where all of it is stable: emitted, the
+        last token held alone (a run of lead bytes no character completes held a growing
+        window, decoded again at every step: quadratic). Else nothing."""
+        if len(self.ids) - self.read < 2:
+            return ""
+        part = self.tokenizer.decode(self.ids[self.prefix : -1])
+        if not (len(done) < len(part) <= stable and full.startswith(part)):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids) - 1
+        return part[len(done) :]
 
 
 class StopMatcher:

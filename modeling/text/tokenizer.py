@@ -111,6 +111,27 @@ def _token_text(tc: dict[str, Any], key: str, file: Path) -> str | None:
     return text
 
 
+# Continuation bytes the detokenizer probes a held character with: every lead byte of
+# UTF-8 takes one of them next (E0 needs A0-BF, ED 80-9F, F0 90-BF, F4 80-8F).
+PROBE_BYTES = (0x80, 0x90, 0xA0)
+
+
+def _byte_level() -> list[str]:
+    """GPT-2's byte-level alphabet: the character each byte is written as in a token."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+BYTE_LEVEL = _byte_level()
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -202,6 +223,32 @@ class Tokenizer:
         """Every token string → its id, added tokens included. Read once: at a vocabulary of
         128k, building the dict takes ~0.1 s."""
         return self.backend.get_vocab(with_added_tokens=True)
+
+    @functools.cached_property
+    def byte_tokens(self) -> dict[int, int] | None:
+        """Byte value → the id of the token of that lone byte, for the bytes the detokenizer
+        probes with (modeling/text/detok.py: continuation bytes, and the lead and tail of
+        one character to check them with): a byte-fallback `<0xNN>` piece or a byte-level
+        token (GPT-2's alphabet). None where the vocabulary has no such tokens or they do
+        not decode as bytes (a tokenizer that never splits a character)."""
+        wanted = (*PROBE_BYTES, 0xE2, 0x82, 0xAC)
+        found: dict[int, int] = {}
+        for value in wanted:
+            for piece in (f"<0x{value:02X}>", BYTE_LEVEL[value]):
+                token = self.backend.token_to_id(piece)
+                if token is not None:
+                    found[value] = token
+                    break
+            else:
+                return None
+        try:
+            euro = self.backend.decode([found[0xE2], found[0x82], found[0xAC]])
+            lone = [self.backend.decode([found[b]]) for b in PROBE_BYTES]
+        except BaseException:
+            return None
+        if euro != "\u20ac" or any(text != "\ufffd" for text in lone):
+            return None
+        return found
 
     @property
     def id_limit(self) -> int:
