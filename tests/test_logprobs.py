@@ -96,6 +96,10 @@ def test_streamed_chat_logprobs_equal_the_whole_answers(stories_target: Path) ->
         # An answer of no tokens (the end of sequence first, as a model may give): its empty
         # list of log-probabilities (it was a 500)
         empty = json.loads(post({**request, "logit_bias": {"2": 100}}))
+        # A byte the answer is made of (<0xF0>, id 243: a character's first byte) reads
+        # U+FFFD as text, and its bytes are its own
+        lead = json.loads(post({**request, "logit_bias": {"243": 100}, "max_tokens": 3}))
+    assert [x["bytes"] for x in lead["choices"][0]["logprobs"]["content"]] == [[0xF0]] * 3
     assert empty["choices"][0]["message"]["content"] == ""
     assert empty["choices"][0]["logprobs"] == {"content": []}
     content = whole["choices"][0]["logprobs"]["content"]
@@ -103,3 +107,25 @@ def test_streamed_chat_logprobs_equal_the_whole_answers(stories_target: Path) ->
     parts = [c["logprobs"]["content"] for e in events for c in e["choices"] if c.get("logprobs")]
     assert [x for p in parts for x in p] == content
     assert "".join(x["token"] for x in content) == whole["choices"][0]["message"]["content"]
+
+
+def test_a_piece_of_a_character_gives_its_own_bytes(stories_target: Path) -> None:
+    """A token that is part of a character reads U+FFFD as text, and its `bytes` are its
+    own (they were U+FFFD's, so the pieces' bytes did not spell the answer), as OpenAI's
+    field is meant for: joined, they are the answer's UTF-8."""
+    from daemon.http.openai_responses import ResponseShape
+    from modeling.checkpoints.checkpoint import open_checkpoint
+    from modeling.text.tokenizer import Tokenizer
+
+    ckpt = open_checkpoint(stories_target)
+    tok = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
+    text = "a🌍é🌍"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert sum("\ufffd" in tok.piece(i) for i in ids) >= 4  # the emoji are spelled in bytes
+    entries = [TokenLogprob(i, -0.5, [(i, -0.5)]) for i in ids]
+    shape = ResponseShape(chat=True, model="m", piece=tok.piece, raw_bytes=tok.raw_bytes)
+    body = shape.logprobs(entries, previous=ids[0])
+    assert body is not None
+    joined = b"".join(bytes(item["bytes"]) for item in body["content"])
+    assert joined.decode().strip() == text
+    assert all(item["top_logprobs"][0]["bytes"] == item["bytes"] for item in body["content"])

@@ -133,10 +133,11 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         raise
     finally:
         engine.release(seat)  # a no-op once the job holds its place
-    piece = None
+    piece = raw_bytes = None
     if req.params.logprobs is not None and engine.runtime is not None:
         piece = engine.runtime.tokenizer.piece  # log-probabilities name tokens as text
-    shape = ResponseShape(chat=chat, model=config.model_name, piece=piece)
+        raw_bytes = engine.runtime.tokenizer.raw_bytes
+    shape = ResponseShape(chat=chat, model=config.model_name, piece=piece, raw_bytes=raw_bytes)
     harmony = chat and engine.runtime is not None and engine.runtime.tokenizer.harmony
     harmony_calls = req.tools is not None and req.tool_choice != "none"
     try:

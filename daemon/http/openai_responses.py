@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from modeling.text.detok import REPLACEMENT
 from speculative.sampling import TokenLogprob
 
 
@@ -77,6 +78,9 @@ class ResponseShape:
     # A token's text after the token before it (`piece(token, previous)`: the tokenizer's
     # `Tokenizer.piece`), when the request asked for log-probabilities (else None).
     piece: Callable[[int, int], str] | None = None
+    # A token's own bytes (`Tokenizer.raw_bytes`): chat's `bytes` of a piece that reads
+    # U+FFFD (part of a character) are these, as OpenAI gives them.
+    raw_bytes: Callable[[int], bytes | None] | None = None
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id("chatcmpl" if self.chat else "cmpl")
@@ -103,7 +107,10 @@ class ResponseShape:
 
             def item(before: int, token: int, logprob: float) -> dict[str, Any]:
                 text = piece(token, before)
-                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+                raw = None
+                if REPLACEMENT in text and self.raw_bytes is not None:
+                    raw = self.raw_bytes(token)  # a piece of a character: its own bytes
+                return {"token": text, "logprob": logprob, "bytes": list(raw or text.encode())}
 
             return {
                 "content": [

@@ -130,6 +130,7 @@ def _byte_level() -> list[str]:
 
 
 BYTE_LEVEL = _byte_level()
+BYTE_LEVEL_INDEX = {c: b for b, c in enumerate(BYTE_LEVEL)}
 
 
 class Tokenizer:
@@ -234,13 +235,10 @@ class Tokenizer:
         wanted = (*PROBE_BYTES, 0xE2, 0x82, 0xAC)
         found: dict[int, int] = {}
         for value in wanted:
-            for piece in (f"<0x{value:02X}>", BYTE_LEVEL[value]):
-                token = self.backend.token_to_id(piece)
-                if token is not None:
-                    found[value] = token
-                    break
-            else:
+            token = self.backend.token_to_id(self._byte_piece(value))
+            if token is None:
                 return None
+            found[value] = token
         try:
             euro = self.backend.decode([found[0xE2], found[0x82], found[0xAC]])
             lone = [self.backend.decode([found[b]]) for b in PROBE_BYTES]
@@ -249,6 +247,35 @@ class Tokenizer:
         if euro != "\u20ac" or any(text != "\ufffd" for text in lone):
             return None
         return found
+
+    @functools.cached_property
+    def _byte_fallback(self) -> bool:
+        """Whether lone bytes are `<0xNN>` pieces (SentencePiece's byte fallback), not
+        characters of GPT-2's byte-level alphabet."""
+        return self.backend.token_to_id("<0x80>") is not None
+
+    def _byte_piece(self, value: int) -> str:
+        return f"<0x{value:02X}>" if self._byte_fallback else BYTE_LEVEL[value]
+
+    def raw_bytes(self, token: int) -> bytes | None:
+        """The bytes a token stands for, where its piece spells them (a byte-level token, a
+        byte-fallback `<0xNN>` piece, a SentencePiece piece with `▁` for a space); None for
+        a tokenizer with no byte tokens or a piece outside them (a special token). What a
+        piece of a character is, where its text alone reads U+FFFD."""
+        piece = self.backend.id_to_token(token)
+        if piece is None or self.byte_tokens is None:
+            return None
+        if self._byte_fallback:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    return None
+            return piece.replace("\u2581", " ").encode()
+        try:
+            return bytes(BYTE_LEVEL_INDEX[c] for c in piece)
+        except KeyError:
+            return None
 
     @property
     def id_limit(self) -> int:
