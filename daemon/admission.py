@@ -146,15 +146,17 @@ def settle(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Set
             "budget",
             "budget_too_large",
         )
-    grammar, calls = ask.grammar, None
+    grammar, calls, stop = ask.grammar, None, ask.stop
     if ask.tools is not None and runtime.tokenizer.harmony:
         # A harmony model (gpt-oss) names the function in a message's header and writes its
         # arguments as the body: read back from its text (speculative/harmony.py); a call
-        # required (or one named) is generated under a grammar of that format.
+        # required (or one named) is generated under a grammar of that format, a turn with
+        # no content for a stop string to end (it cut the call's arguments).
         if ask.tool_choice not in (None, "auto", "none"):
             grammar = harmony_call_grammar(
                 ask.tools, ask.tool_choice, runtime.tokenizer.vocabulary, "tools"
             )
+            stop = []
     elif ask.tools is not None:
         calls = call_format(runtime.tokenizer)
         vocabulary = runtime.tokenizer.vocabulary
@@ -164,7 +166,7 @@ def settle(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Set
         prompt_ids=prompt_ids,
         params=ask.params,
         max_tokens=max_tokens,
-        stop=ask.stop,
+        stop=stop,
         strategy=strategy,
         budget=ask.budget,
         tree_verification=ask.tree_verification,

@@ -182,17 +182,19 @@ def test_a_harmony_model_answers_and_makes_a_required_call(harmony_server) -> No
         assert message["role"] == "assistant" and "<|" not in (message["content"] or "")
     named = {"type": "function", "function": {"name": "count"}}
     for choice, names in (("required", {"f", "count"}), (named, {"count"})):
-        body = {"model": "model", "messages": messages, "max_tokens": 96, "tools": tools,
-                "tool_choice": choice, "seed": 1}  # fmt: skip
-        status, answer = _chat(harmony_server, body)
-        assert status == 200, answer
-        choice0 = answer["choices"][0]
-        (call,) = choice0["message"]["tool_calls"]
-        assert choice0["finish_reason"] == "tool_calls" and call["function"]["name"] in names
-        arguments = json.loads(call["function"]["arguments"])
-        assert isinstance(arguments, dict)
-        if call["function"]["name"] == "count":
-            assert set(arguments) == {"n"} and isinstance(arguments["n"], int)
+        # (stop strings end no call: "}" cut a named call's arguments, a reviewer found)
+        for stop in (None, ["}", '"']):
+            body = {"model": "model", "messages": messages, "max_tokens": 96, "tools": tools,
+                    "tool_choice": choice, "seed": 1, "stop": stop}  # fmt: skip
+            status, answer = _chat(harmony_server, body)
+            assert status == 200, answer
+            choice0 = answer["choices"][0]
+            (call,) = choice0["message"]["tool_calls"]
+            assert choice0["finish_reason"] == "tool_calls" and call["function"]["name"] in names
+            arguments = json.loads(call["function"]["arguments"])
+            assert isinstance(arguments, dict)
+            if call["function"]["name"] == "count":
+                assert set(arguments) == {"n"} and isinstance(arguments["n"], int)
 
 
 def test_a_call_without_content_renders_in_a_harmony_conversation(

@@ -181,10 +181,13 @@ async def stream(
                 deltas = [e for e in events if e[0] != "content"]
                 if deltas:
                     await send(sse(shape.tool_chunk(deltas)))
-                if calls.index >= 0:
-                    logprobs = held = []  # a call's tokens are not content
-                elif calls.state == "undecided":  # its text is held: so are they
+                ended = isinstance(batch[-1], Finished)
+                if calls.state not in ("undecided", "text"):
+                    logprobs = held = []  # a call begun: its tokens are not content
+                elif calls.state == "undecided" and not ended:  # its text is held: so are they
                     logprobs, held = [], held + logprobs
+                elif calls.calls_only:  # (ended before a call began: no content either)
+                    logprobs = held = []
                 else:
                     logprobs, held = held + logprobs, []
             if text or logprobs or reasoning:
