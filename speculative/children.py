@@ -260,14 +260,14 @@ def _ordered_draw(q: torch.Tensor, k: int, generator: torch.Generator) -> torch.
     same law: a token of q = 0 is never drawn); if it holds fewer than k tokens, tokens of
     q = 0 follow, the lowest ids (children verification skips). Drawing over a whole row
     of 262,144 cost 10 ms a node, most of a rejection tree's round under top_p."""
-    support = (q > 0).nonzero().squeeze(-1)  # (S,)
-    whole = 4 * support.numel() > q.numel()
-    drawn = q if whole else q[support]
+    whole = 4 * int((q > 0).sum()) > q.numel()
+    support = None if whole else (q > 0).nonzero().squeeze(-1)  # (S,)
+    drawn = q if support is None else q[support]
     e = torch.empty(drawn.shape, dtype=torch.float64, device=q.device)
     keys = drawn.double().log() - e.exponential_(generator=generator).log()
     del e, drawn
     top = torch.topk(keys, min(k, keys.numel())).indices
-    chosen = top if whole else support[top]
+    chosen = top if support is None else support[top]
     if chosen.numel() < k:  # q's support is smaller than the branch
         zeros = (q == 0).nonzero().squeeze(-1)[: k - chosen.numel()]
         chosen = torch.cat((chosen, zeros))

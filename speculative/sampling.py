@@ -303,9 +303,13 @@ TOP_P_PREFIX = 1024
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches `top_p` (always at
-    least the top token), renormalised. Only the largest entries are sorted: once the
-    `k` largest of every row hold `top_p`'s mass, every entry after them has at least
-    that much mass before it and is dropped, as a sort of the whole row would drop it."""
+    least the top token) and every token as likely as its least likely one, renormalised.
+    Only the largest entries are sorted: once the `k` largest of every row hold `top_p`'s
+    mass, every entry after them has at least that much mass before it and is dropped, as
+    a sort of the whole row would drop it. Ties at the edge are all kept: which of equal
+    entries a sort puts first differs between a sort and a top-k, so a row's kept set
+    depended on its batch's (bf16 logits tie often), and a chain's rows, verified in one
+    batch, could keep other tokens than decoding them one by one."""
     vocab = probs.shape[-1]
     k = min(vocab, TOP_P_PREFIX)
     while True:
@@ -320,11 +324,12 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
             break
         k = vocab if bool((held < top_p / 2).any()) else 8 * k
         del largest, order, mass, held
-    keep_largest = (mass - largest) < top_p  # the mass before each
+    keep_largest = (mass - largest) < top_p  # the mass before each: a prefix of the order
     keep_largest[..., 0] = True
-    keep = torch.zeros(probs.shape, dtype=torch.bool, device=probs.device)
-    keep.scatter_(-1, order, keep_largest)
-    probs = probs * keep
+    last = keep_largest.sum(-1, keepdim=True) - 1  # (N, 1) the least likely kept
+    edge = largest.gather(-1, last)  # (N, 1)
+    del largest, order, mass, keep_largest
+    probs = probs * (probs >= edge)
     return probs / probs.sum(-1, keepdim=True)
 
 

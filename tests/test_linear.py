@@ -9,6 +9,7 @@ import json
 from collections.abc import Sequence
 
 import pytest
+import torch
 
 from daemon.cli import main
 from daemon.options import RuntimeOptions
@@ -299,3 +300,19 @@ def test_cli_samples_prints_one_json_line_per_seed(stories_target, stories_draft
     assert len({tuple(r["token_ids"]) for r in records}) > 1  # independent seeds differ
     assert main([*common, "--samples", "0"]) == 2
     assert "--samples" in capsys.readouterr().err
+
+
+def test_a_token_drawn_where_the_draft_gave_it_nothing_is_rejected() -> None:
+    """Each drafted token was drawn from q, so q of it is positive; one where q is 0 (a
+    sampler's fault) is rejected, not let through by p/0 = inf (or 0/0 = nan, which no
+    comparison fails): the position's residual is drawn instead."""
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [0.1, 0.1, 0.8]])
+    q = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])  # the second token, 1, had q = 0
+    linear = Linear.__new__(Linear)  # (verify needs nothing of the models)
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        accepted, token = linear.verify(p, q, [0, 1], gen)
+        assert accepted == 1 and token in (1, 2)  # token 0 (p = q) stays; the residual's
+    p0 = torch.tensor([[0.0, 1.0], [0.5, 0.5]])
+    q0 = torch.tensor([[0.0, 1.0]])  # token 0: p = q = 0 (nan)
+    assert Linear.__new__(Linear).verify(p0, q0, [0], torch.Generator())[0] == 0

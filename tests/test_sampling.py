@@ -48,9 +48,10 @@ def test_top_p_keeps_the_smallest_set_reaching_p(top_p: float, kept: list[int]) 
     torch.testing.assert_close(got, _renormalised(kept))
 
 
-@pytest.mark.parametrize("scale", [8.0, 0.5, 0.01])  # peaked rows to nearly flat ones
+# peaked rows to nearly flat ones (4 and 3: the largest 8,192, then 65,536, at top_p 0.9)
+@pytest.mark.parametrize("scale", [8.0, 4.0, 3.0, 0.5, 0.01])
 def test_top_p_over_the_largest_entries_keeps_what_a_whole_sort_keeps(scale: float) -> None:
-    """top_p_filter sorts only a row's largest entries (TOP_P_PREFIX, four times as many
+    """top_p_filter sorts only a row's largest entries (TOP_P_PREFIX, eight times as many
     while they hold less than top_p's mass): at vocabulary 262,144 it keeps exactly the
     entries a sort of the whole row keeps, in a batch whose rows need prefixes of every
     size, the whole row included."""
@@ -66,6 +67,24 @@ def test_top_p_over_the_largest_entries_keeps_what_a_whole_sort_keeps(scale: flo
         keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
         assert torch.equal(got > 0, keep)
         torch.testing.assert_close(got, probs * keep / (probs * keep).sum(-1, keepdim=True))
+
+
+def test_top_p_keeps_ties_at_its_edge_whatever_the_batch() -> None:
+    """Rows of bf16-rounded probabilities tie often: every token as likely as the least
+    likely one kept is kept, the same set alone or beside a flat row (whose prefix grows
+    to a whole sort: which tied entries a sort or a top-k put first differed, and a row's
+    kept set with them)."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        logits = (torch.randn(262_144, generator=gen) * 5).to(torch.bfloat16).float()
+        p = torch.softmax(logits, -1)
+        flat = torch.softmax(torch.randn(262_144, generator=gen) * 0.01, -1)
+        alone = top_p_filter(p[None], 0.9)[0] > 0
+        batched = top_p_filter(torch.stack([p, flat]), 0.9)[0] > 0
+        assert torch.equal(alone, batched)
+        ordered = p.sort(descending=True).values
+        count = int(((ordered.cumsum(-1) - ordered) < 0.9).sum())
+        assert torch.equal(alone, p >= ordered[count - 1])  # the smallest set, and its ties
 
 
 def test_top_p_does_not_depend_on_token_order() -> None:

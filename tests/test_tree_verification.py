@@ -263,30 +263,34 @@ def test_auto_keeps_rejection_that_accepts_and_otherwise_measures_both(stories) 
     assert kind_of(SamplingParams(temperature=0.0))[0] == "walk"
 
 
-@pytest.mark.parametrize("support", [3, 64])  # drawn over its support alone, or the row
+# drawn over a support smaller than the branch, over one larger, or over the whole row
+@pytest.mark.parametrize("support", [3, 12, 64])
 def test_children_are_an_ordered_draw_without_replacement_from_q(support: int) -> None:
     """The first two children of a node have the law of two ordered draws without
-    replacement from q, whether q's support is small (top-p/top-k left a few tokens: only
-    they get noise) or the whole row; past a small support come tokens of q = 0."""
+    replacement from q, whether q's support is small (top-p/top-k left a few tokens,
+    scattered over the row: only they get noise) or the whole row; past a support smaller
+    than the branch come tokens of q = 0."""
     vocab, trials = 64, 6000
     gen = torch.Generator().manual_seed(2)
+    ids = torch.randperm(vocab, generator=gen)[:support]  # scattered ids
     q = torch.zeros(vocab)
-    q[:support] = torch.rand(support, generator=gen) + 0.2
-    q[7 % support] *= 4  # an uneven law
+    q[ids] = torch.rand(support, generator=gen) + 0.2
+    q[ids[0]] *= 4  # an uneven law
     q /= q.sum()
     counts = torch.zeros(vocab, vocab, dtype=torch.float64)
     for _ in range(trials):
         chosen = _ordered_draw(q, 5, gen)
         assert len(set(chosen.tolist())) == 5
         if support < 5:  # the support first, then tokens of q = 0
-            assert set(chosen[:support].tolist()) == set(range(support))
+            assert set(chosen[:support].tolist()) == set(ids.tolist())
             assert not bool(q[chosen[support:]].any())
+        else:
+            assert bool((q[chosen] > 0).all())
         counts[chosen[0], chosen[1]] += 1
     qd = q.double()
     exact = qd[:, None] * qd[None, :] / (1 - qd[:, None])  # P(first i) P(second j | i)
     exact.fill_diagonal_(0)
-    if support < 5:  # the second child of a 3-token support is within it, as drawn
-        assert float(counts[:, support:].sum()) == 0
+    assert float(counts[:, q == 0].sum()) == 0  # the second child too is of the support
     cells = exact > 0
     expected = 0.5 * float(torch.sqrt(exact * (1 - exact) / trials)[cells].sum())
     tv = 0.5 * float((counts / trials - exact).abs().sum())
