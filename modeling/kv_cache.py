@@ -22,6 +22,7 @@ slot sits at each index is arithmetic (`ring_slots`): the latest one written the
 
 from __future__ import annotations
 
+import errno
 import mmap
 
 import torch
@@ -45,7 +46,13 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    region = mmap.mmap(-1, nbytes)
+    try:
+        # Private: a shared anonymous mapping is shared memory, whose pages a read commits.
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as err:
+        if err.errno == errno.ENOMEM:  # as out of memory as torch's own (batching.py)
+            raise MemoryError(f"no memory for a KV cache of {nbytes:,} bytes") from err
+        raise
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         region.madvise(mmap.MADV_NOHUGEPAGE)
     return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
@@ -199,35 +206,50 @@ class KVCache:
         # The model grows the cache inside its inference-mode forward; tensors made there
         # are inference tensors, which `keep` (called outside, by the strategies) may not
         # update in place. The cache's storage is always made as a normal tensor.
-        # On a GPU the entries go through host memory: the old storage is freed before the
-        # new one is allocated, so the device never holds both (at the last doubling that
-        # was 1.5 times the full cache, which the memory plan counts once). On a CPU the
-        # new storage's unwritten pages cost nothing (`zeros`).
+        # On a CPU the new storage's unwritten pages cost nothing (`zeros`), so the old
+        # storage and the new one's written half are the full cache. On a GPU the new one
+        # is allocated beside the old where it fits; where it does not, the entries go
+        # through host memory and the old storage is freed first, so the device never
+        # needs both (at the last doubling that was 1.5 times the full cache, which the
+        # memory plan counts once).
         slots = min(self.capacity, max(needed, 2 * self.allocated))
         shape = (*self.k.shape[:2], slots, self.k.shape[3])
         dtype, device, n = self.k.dtype, self.k.device, self.length
-        old_shape, staged = self.k.shape, stages_through_host(device)
-        old_k, old_v = self.k[:, :, :n], self.v[:, :, :n]
-        if staged:
-            # (a pass reserves its slots before it takes any view of the storage)
-            old_k, old_v = old_k.to("cpu"), old_v.to("cpu")
-            del self.k, self.v
         try:
             k, v = zeros(shape, dtype, device), zeros(shape, dtype, device)
-        except BaseException:
-            if staged:  # out of device memory: the cache as it was (its room just freed)
-                self.k, self.v = zeros(old_shape, dtype, device), zeros(old_shape, dtype, device)
-                self.k[:, :, :n].copy_(old_k)
-                self.v[:, :, :n].copy_(old_v)
-            raise
-        k[:, :, :n].copy_(old_k)
-        v[:, :, :n].copy_(old_v)
-        del old_k, old_v
+            k[:, :, :n].copy_(self.k[:, :, :n])
+            v[:, :, :n].copy_(self.v[:, :, :n])
+        except torch.OutOfMemoryError:
+            if not stages_through_host(device):
+                raise
+            k = v = torch.empty(0)  # (the half made goes before the old storage does)
+            k, v = self._through_host(shape)
         self.k, self.v = k, v
         if self.positions is not None:
             positions = torch.zeros(slots, dtype=torch.long, device=self.positions.device)
             positions[: self.length] = self.positions[: self.length]
             self.positions = positions
+
+    def _through_host(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """New storage of `shape` holding the entries, where the device has no room for it
+        beside the old: the entries copied to host memory, the old storage freed, the new
+        one made and filled. If even that fails the cache is left as it was and the error
+        raised."""
+        dtype, device, old_shape, n = self.k.dtype, self.k.device, self.k.shape, self.length
+        host_k, host_v = self.k[:, :, :n].to("cpu"), self.v[:, :, :n].to("cpu")
+        # (a pass reserves its slots before it takes any view of the storage; a captured
+        # CUDA graph may still hold it, and then this frees nothing and fails as before)
+        del self.k, self.v
+        try:
+            k, v = zeros(shape, dtype, device), zeros(shape, dtype, device)
+        except BaseException:
+            self.k, self.v = zeros(old_shape, dtype, device), zeros(old_shape, dtype, device)
+            self.k[:, :, :n].copy_(host_k)
+            self.v[:, :, :n].copy_(host_v)
+            raise
+        k[:, :, :n].copy_(host_k)
+        v[:, :, :n].copy_(host_v)
+        return k, v
 
     def reserve(self, n: int) -> int:
         """Check room for `n` new entries and return the first slot they will occupy.
