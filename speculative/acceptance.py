@@ -168,6 +168,7 @@ class AcceptanceTable:
     rounds: int = 0  # verified rounds observed
     tokens: float = 0.0  # tokens those rounds yielded
     recent: float = 0.0  # tokens per round, a running mean favouring recent rounds
+    starts: int = 0  # generations that chose at their first tree round (not stored)
 
     def __post_init__(self) -> None:
         self.shape = _prior_shape(self.kind)

@@ -21,6 +21,7 @@ from speculative.prefix_cache import PrefixCache
 from speculative.sampling import SamplingParams
 from speculative.strategies.tree import TreeSpeculation
 from speculative.strategies.tree_verification import (
+    EXPLORE_GENERATIONS,
     EXPLORE_ROUNDS,
     REJECTION_FIRST,
     REJECTION_STAYS,
@@ -251,7 +252,7 @@ def test_auto_keeps_rejection_that_accepts_and_otherwise_measures_both(stories) 
         tried.append(kind)
         table.note_round(12)  # the walk yields more tokens per round than rejection's 9
     assert tried == ["walk"] * EXPLORE_ROUNDS
-    walk_t.note_round(12)  # (not a multiple of EXPLORE_EVERY rounds: no exploring now)
+    walk_t.note_round(12)  # (one of the first EXPLORE_GENERATIONS starts: no exploring now)
     # 12 against 9 in 5 rounds is within noise (the walk needs 9 x (1 + 1/sqrt 5) = 13)
     assert kind_of(T1)[0] == "rejection"
     for _ in range(3):
@@ -325,6 +326,32 @@ def test_a_generation_that_walked_walks_on(stories) -> None:
     # ...but not within the generation that walked.
     assert len(first) > EXPLORE_ROUNDS and set(first) <= {"walk", None}
     assert kinds()[0] == "rejection"  # a new generation may start with either
+
+
+def test_auto_tries_and_explores_the_walk_only_as_a_generation_starts(stories) -> None:
+    """A generation that walked walks on, so the walk is tried (its first EXPLORE_ROUNDS)
+    and explored (one generation in EXPLORE_GENERATIONS) only at a generation's first tree
+    round: explored mid-generation, it held the rest of it, however much better rejection
+    yielded (a reviewer found)."""
+    target, draft, _ = stories
+    strategy = TreeSpeculation(target, draft, budget=16, prefix_cache=PrefixCache(0))
+    walk_t = strategy.acceptance.table("walk", T1)
+    reject_t = strategy.acceptance.table("rejection", T1)
+    for _ in range(REJECTION_FIRST):
+        reject_t.observe(torch.tensor([1]), torch.tensor([0.5]), torch.tensor([False]))
+        reject_t.note_round(9)
+
+    def kind(first: bool) -> str:
+        return choose_verification("auto", strategy.acceptance, T1, ngram=False, first=first)[0]
+
+    assert kind(first=False) == "rejection" and kind(first=True) == "walk"
+    for _ in range(EXPLORE_ROUNDS):
+        walk_t.note_round(5)  # tried: it yields less
+    assert [kind(first=False) for _ in range(3 * EXPLORE_GENERATIONS)] == ["rejection"] * (
+        3 * EXPLORE_GENERATIONS
+    )
+    starts = [kind(first=True) for _ in range(EXPLORE_GENERATIONS)]
+    assert starts.count("walk") == 1 and starts.count("rejection") == EXPLORE_GENERATIONS - 1
 
 
 def test_stats_say_how_trees_were_verified(stories) -> None:

@@ -216,8 +216,9 @@ class TreeSpeculation:
                 self.target.prefetch()  # a streamed target's first layers copy meanwhile
                 kind, table = choose_verification(
                     self.verification, self.acceptance, params, ngram=self.draft is None,
-                    walked=state.coupled,
+                    walked=state.coupled, first=state.trees == 0,
                 )  # fmt: skip
+                state.trees += 1
                 stats.tree_verification = kind
                 state.coupled |= kind == "walk" and not params.greedy
                 stats.acceptance_estimate = table.expected_tokens(budget)

@@ -45,8 +45,11 @@ from speculative.verification import Verified, rejection_walk, walk
 # come first. Where its first children are accepted REJECTION_STAYS of the time, it stays:
 # one sampled child accepted with probability 1 - TV(p, q) is the best any coupling of two
 # draws can do, which bounds the walk's first child too. Below it, the walk is tried for
-# EXPLORE_ROUNDS rounds, then the one with more tokens per round is used, and one round in
-# EXPLORE_EVERY the other, so that a change in the text is noticed. A round's yield at
+# EXPLORE_ROUNDS rounds, then the one with more tokens per round is used, and one
+# generation in EXPLORE_GENERATIONS starts with the other, so that a change in the text is
+# noticed. The walk is tried, or explored, only as a generation starts: a generation that
+# walked walks on (`choose_verification`), so a walk explored mid-generation kept it for
+# the rest of its rounds, however much better rejection was. A round's yield at
 # T > 0 varies about as much as its mean, so the walk must beat rejection by 1/sqrt(its
 # rounds) of rejection's mean before it is used (45% after its first 5 rounds, 10% after
 # 100): rejection, whose rounds a chain's cannot beat, is kept unless the walk is seen to
@@ -59,7 +62,7 @@ from speculative.verification import Verified, rejection_walk, walk
 EXPLORE_ROUNDS = 4
 REJECTION_FIRST = 16
 REJECTION_STAYS = 0.9
-EXPLORE_EVERY = 32
+EXPLORE_GENERATIONS = 8
 # Greedy trees rank and calibrate children by the draft's distribution sharpened at this
 # temperature: a small draft's flat distributions crowd into two or three probability bins
 # at T=1, sharpened they spread over more and calibration tells them apart (the stories
@@ -83,6 +86,7 @@ class Walker:
     # A tree drawn by the noise was walked (T > 0): every later round walks, as the noise
     # of positions past the walk shaped where it stopped (`choose_verification`).
     coupled: bool = False
+    trees: int = 0  # tree rounds so far (the first chooses its verification afresh)
 
     # The round's emitted tokens' log-probabilities, when the request asked for them.
     logprobs: list[TokenLogprob] = field(default_factory=list)
@@ -127,6 +131,7 @@ def choose_verification(
     params: SamplingParams,
     ngram: bool,
     walked: bool = False,
+    first: bool = True,
 ) -> tuple[str, AcceptanceTable]:
     """This round's verification and the acceptance statistics it grows by: the walk
     for greedy rounds and n-gram trees; else the configured one, or with `auto` the
@@ -142,7 +147,9 @@ def choose_verification(
     the draw its own noise makes; a rejection round would draw those positions afresh
     on exactly the outcomes where the walk stopped short, and their law would no longer
     be the target's (a reviewer measured P = 0.217 for a token of probability 0.25).
-    Rejection rounds use no noise, so the walk may follow them."""
+    Rejection rounds use no noise, so the walk may follow them. `first`: the generation's
+    first tree round, where the walk is tried or explored (see EXPLORE_ROUNDS); later
+    rounds move to the walk only where it yields clearly more."""
     walks = setting == "walk" or (setting == "auto" and (params.seed is not None or walked))
     if ngram or params.greedy or walks:
         return "walk", model.table("walk", params)
@@ -152,11 +159,13 @@ def choose_verification(
     if reject_t.rounds < REJECTION_FIRST or reject_t.marginal()[0] >= REJECTION_STAYS:
         return "rejection", reject_t
     if walk_t.rounds < EXPLORE_ROUNDS:
-        return "walk", walk_t
+        return ("walk", walk_t) if first else ("rejection", reject_t)
     margin = 1.0 + 1.0 / math.sqrt(walk_t.rounds)
     chosen = "walk" if walk_t.recent > reject_t.recent * margin else "rejection"
-    if (walk_t.rounds + reject_t.rounds) % EXPLORE_EVERY == 0:
-        chosen = "rejection" if chosen == "walk" else "walk"
+    if first:
+        reject_t.starts += 1
+        if reject_t.starts % EXPLORE_GENERATIONS == 0:
+            chosen = "rejection" if chosen == "walk" else "walk"
     return chosen, walk_t if chosen == "walk" else reject_t
 
 
