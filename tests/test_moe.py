@@ -241,16 +241,7 @@ def test_the_cache_evicts_as_a_scan_of_every_slot_would() -> None:
     slot per miss (0.6 s per tree pass over 2,293 slots): on skewed random routing over 6
     layers of 16 experts, with aging, its choices are a scan's, slot for slot."""
     from offload.experts import ExpertCache
-
-    class Scanning(ExpertCache):  # the former rule: the least worth free slot, lowest first
-        def _victim(self, key: tuple[int, int]) -> int:
-            free = [s for s in range(self.slots) if s not in self.pinned and s != self.bypass]
-            if not free:
-                return self.bypass if self.bypass is not None else 0
-            victim = min(free, key=self.worth.__getitem__)
-            if self.bypass is not None and self.worth[victim] > self.count.get(key, 0.0):
-                return self.bypass
-            return victim
+    from scripts.bench_expert_cache import Scanning  # the former rule
 
     layers = [[nn.Linear(4, 4, bias=False) for _ in range(16)] for _ in range(6)]
     gen = torch.Generator().manual_seed(0)
