@@ -183,6 +183,9 @@ def measure_pass(
         for _ in range(sequences):
             cache = model.new_cache(start + each)
             cache.reserve(start + each)  # allocate every slot now, not during the pass
+            for store in (cache.k, cache.v, cache.ring_k, cache.ring_v):
+                if store is not None:  # its pages committed now: the plan counts them as KV
+                    store.zero_()
             cache.commit_append(start)  # a pre-filled context (contents do not matter)
             segments.append(Segment(tokens, positions, cache, mask, 0 if is_tree else each - 1))
         with PeakMemory("cpu") as peak:
