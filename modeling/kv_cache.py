@@ -67,6 +67,11 @@ class CacheFullError(RuntimeError):
     """An append would write past the cache's capacity (the context length)."""
 
 
+class CacheLostError(RuntimeError):
+    """The cache's entries were lost (its storage could be neither grown nor restored): its
+    sequence cannot go on, and is not retried as a pass out of memory would be."""
+
+
 INITIAL_SLOTS = 512  # slots allocated up front; more are allocated (doubling) as needed
 # The largest pass a window layer's ring is sized for unless told more: a prefill chunk
 # (2,048 tokens), and a tree of up to 2,047 nodes.
@@ -102,6 +107,7 @@ class KVCache:
         memory for them is allocated as the sequence grows, `initial` slots at first and
         then doubling, so a 128k-token context costs nothing until it is used."""
         self.capacity = capacity
+        self.lost = False  # its entries lost to a failed growth (`_through_host`)
         self.pass_tokens = pass_tokens  # the largest pass the ring is sized for (0: the room)
         self.length = 0  # slots [0, length) hold valid entries
         windows = [config.layer_window(i) for i in range(config.num_layers)]
@@ -243,7 +249,16 @@ class KVCache:
         try:
             k, v = zeros(shape, dtype, device), zeros(shape, dtype, device)
         except BaseException:
-            self.k, self.v = zeros(old_shape, dtype, device), zeros(old_shape, dtype, device)
+            try:
+                self.k, self.v = zeros(old_shape, dtype, device), zeros(old_shape, dtype, device)
+            except BaseException as again:  # its room taken meanwhile: the entries are lost
+                empty = (*old_shape[:2], 0, old_shape[3])
+                self.k = self.v = torch.empty(empty, dtype=dtype, device=device)
+                self.length, self.lost = 0, True
+                raise CacheLostError(
+                    "the KV cache lost its entries: out of device memory while it grew, and "
+                    "again while it was restored"
+                ) from again
             self.k[:, :, :n].copy_(host_k)
             self.v[:, :, :n].copy_(host_v)
             raise
@@ -254,6 +269,8 @@ class KVCache:
     def reserve(self, n: int) -> int:
         """Check room for `n` new entries and return the first slot they will occupy.
         The model writes them layer by layer, then calls `commit_append(n)`."""
+        if self.lost:
+            raise CacheLostError("the KV cache lost its entries to an out-of-memory error")
         if self.length + n > self.capacity:
             raise CacheFullError(
                 f"KV cache full: {self.length} + {n} entries exceed the capacity of {self.capacity}"

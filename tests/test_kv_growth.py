@@ -15,6 +15,7 @@ import torch
 import modeling.kv_cache as kv_cache
 from modeling.config import ModelConfig
 from modeling.kv_cache import KVCache
+from speculative.batching import is_out_of_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = dict(
@@ -29,6 +30,7 @@ import sys, torch
 sys.path.insert(0, {root!r})
 from modeling.config import ModelConfig
 from modeling.kv_cache import KVCache
+from speculative.batching import is_out_of_memory
 
 def status(field):
     with open("/proc/self/status") as f:
@@ -109,6 +111,16 @@ def test_growing_through_host_memory_keeps_every_entry(monkeypatch) -> None:
         cache.reserve(1000)
     assert cache.allocated == 2048 and cache.length == 1100
     assert torch.equal(cache.k[0, 0, :1100, 0], expected)
+
+    def none_at_all(shape, dtype, device):  # type: ignore[no-untyped-def]
+        raise torch.OutOfMemoryError("no room")  # (another took the room meanwhile)
+
+    monkeypatch.setattr(kv_cache, "zeros", none_at_all)
+    with pytest.raises(kv_cache.CacheLostError) as lost:
+        cache.reserve(1000)
+    assert not is_out_of_memory(lost.value)  # its sequence ends; no pass is run again
+    with pytest.raises(kv_cache.CacheLostError):  # (it had no storage: an AttributeError)
+        cache.reserve(1)
 
 
 def test_no_memory_for_a_cpu_cache_is_a_memory_error(monkeypatch) -> None:

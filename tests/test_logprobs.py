@@ -109,19 +109,24 @@ def test_streamed_chat_logprobs_equal_the_whole_answers(stories_target: Path) ->
     assert "".join(x["token"] for x in content) == whole["choices"][0]["message"]["content"]
 
 
-def test_a_piece_of_a_character_gives_its_own_bytes(stories_target: Path) -> None:
-    """A token that is part of a character reads U+FFFD as text, and its `bytes` are its
-    own (they were U+FFFD's, so the pieces' bytes did not spell the answer), as OpenAI's
-    field is meant for: joined, they are the answer's UTF-8."""
+@pytest.mark.parametrize("kind", ["byte-fallback", "byte-level"])
+def test_a_piece_of_a_character_gives_its_own_bytes(
+    stories_target: Path, tiny_checkpoint, kind: str
+) -> None:
+    """A token that is part of a character reads U+FFFD as text (or nothing, where a
+    byte-level decode puts one U+FFFD for a run of bytes), and its `bytes` are its own
+    (they were U+FFFD's, or none), as OpenAI's field is meant for: joined, they are the
+    answer's UTF-8."""
     from daemon.http.openai_responses import ResponseShape
     from modeling.checkpoints.checkpoint import open_checkpoint
     from modeling.text.tokenizer import Tokenizer
 
-    ckpt = open_checkpoint(stories_target)
+    folder = stories_target if kind == "byte-fallback" else tiny_checkpoint("llama", vocab_size=320)
+    ckpt = open_checkpoint(folder)
     tok = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
-    text = "a🌍é🌍"
+    text = "a🌍é🌍日本"
     ids = tok.encode(text, add_special_tokens=False)
-    assert sum("\ufffd" in tok.piece(i) for i in ids) >= 4  # the emoji are spelled in bytes
+    assert sum(tok.piece(i) in ("\ufffd", "") for i in ids) >= 4  # spelled in bytes
     entries = [TokenLogprob(i, -0.5, [(i, -0.5)]) for i in ids]
     shape = ResponseShape(chat=True, model="m", piece=tok.piece, raw_bytes=tok.raw_bytes)
     body = shape.logprobs(entries, previous=ids[0])

@@ -484,6 +484,8 @@ def test_a_calls_log_probabilities_are_left_out_streamed_or_not(
         top_logprobs=2,
     )  # fmt: skip
     assert _logprob_entries(client, ask)[:2] == (0, 0)
+    for cut in (2, 6, 10):  # a call cut in its head: no call, no content, no entries
+        assert _logprob_entries(client, {**ask, "max_tokens": cut})[:2] == (0, 0)
     lt = runtime.tokenizer.encode("<")[-1]
     undecided = {**ask, "tool_choice": "auto", "max_tokens": 1, "logit_bias": {str(lt): 100}}
     assert _logprob_entries(client, undecided) == (1, 1, "<", "<")

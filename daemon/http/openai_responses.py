@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from modeling.text.detok import REPLACEMENT
 from speculative.sampling import TokenLogprob
 
 
@@ -107,9 +106,11 @@ class ResponseShape:
 
             def item(before: int, token: int, logprob: float) -> dict[str, Any]:
                 text = piece(token, before)
-                raw = None
-                if REPLACEMENT in text and self.raw_bytes is not None:
-                    raw = self.raw_bytes(token)  # a piece of a character: its own bytes
+                raw = self.raw_bytes(token) if self.raw_bytes is not None else None
+                if raw is not None and _whole_characters(raw):
+                    raw = None  # its text's own (a word's space as it reads in context)
+                # A piece of a character (its text U+FFFD, or nothing where a byte-level
+                # decode put one U+FFFD for a run of them): the token's own bytes.
                 return {"token": text, "logprob": logprob, "bytes": list(raw or text.encode())}
 
             return {
@@ -243,3 +244,11 @@ def sse(payload: dict[str, Any] | str) -> bytes:
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_KEEPALIVE = b": keep-alive\n\n"
+
+
+def _whole_characters(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True

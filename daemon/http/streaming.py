@@ -90,10 +90,11 @@ async def collect(
             if harmony:  # its answer, reasoning and calls, read back from its text
                 answer, reasoning, made = read_turn(answer, harmony_calls)
             if calls:  # read as a stream of it is read: the two always agree
+                began = calls_only or answer.startswith(calls.lead)
                 answer, made = read_answer(answer, calls, calls_only)
+                if began:  # a call's tokens, even one cut in its head, are not content
+                    logprobs = []
             reason = "tool_calls" if made and event.finish_reason == "stop" else event.finish_reason
-            if calls and made:
-                logprobs = []  # a call's tokens are not content (as a stream leaves them out)
             body = shape.full(
                 answer, reason, u, event.stats, logprobs, previous,
                 tool_calls=[c.as_openai() for c in made] if made else None,

@@ -7,9 +7,12 @@ first token they see. So each step decodes a small window that starts a few toke
 is new, holding back while the window ends in a character later bytes may still complete.
 A window that ends in U+FFFD is decoded again with a few lone continuation bytes after it
 (`_stable`): what they change may still change, what they leave is shown (a real U+FFFD,
-bytes no character can continue). The deltas are the full decode's text wherever the
-model's bytes are UTF-8; in a run of bytes that is not, decoded all or nothing (byte
-fallback), how many U+FFFD it shows may differ from a decode of the whole run.
+bytes no character can continue); a tokenizer without lone byte tokens is not probed, and
+its text is held while it ends in U+FFFD. The deltas are the full decode's text wherever
+the model's bytes are UTF-8. In a run of byte tokens that is not, byte fallback decodes
+the whole run as U+FFFD, and a stray byte late in a run turns characters already shown
+into U+FFFD in a decode of the whole: the deltas keep what they showed (a streamed text
+cannot take it back), so they may read characters where such a decode reads U+FFFD.
 """
 
 from __future__ import annotations
