@@ -23,6 +23,7 @@ slot sits at each index is arithmetic (`ring_slots`): the latest one written the
 from __future__ import annotations
 
 import errno
+import math
 import mmap
 
 import torch
@@ -40,10 +41,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     more per layer and head."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     try:
@@ -240,7 +238,8 @@ class KVCache:
         """New storage of `shape` holding the entries, where the device has no room for it
         beside the old: the entries copied to host memory, the old storage freed, the new
         one made and filled. If even that fails the cache is left as it was and the error
-        raised."""
+        raised; if then the old storage cannot be made again, the entries are lost
+        (`CacheLostError`, and every later `reserve` says so)."""
         dtype, device, old_shape, n = self.k.dtype, self.k.device, self.k.shape, self.length
         host_k, host_v = self.k[:, :, :n].to("cpu"), self.v[:, :, :n].to("cpu")
         # (a pass reserves its slots before it takes any view of the storage; a captured
