@@ -177,8 +177,15 @@ class ServerSettings:
     # connection.
     send_timeout_seconds: float = _key(60.0, number(0.05, 3600.0))
     min_body_bytes_per_second: int = _key(4096, integer(0, 1 << 30))
+    # While an answer waits on a client with its buffers full, the client must take this
+    # many bytes a second on average, counted from send_timeout_seconds on (0: no floor),
+    # else its connection is dropped.
+    min_send_bytes_per_second: int = _key(1024, integer(0, 1 << 30))
     # Open connections at most; one more is answered 503 (Retry-After) and closed.
     max_connections: int = _key(256, integer(1, 1 << 20))
+    # Open connections from one client (an IPv4 address, an IPv6 /64) at most; one more
+    # is answered 503 and closed.
+    max_connections_per_client: int = _key(64, integer(1, 1 << 20))
 
 
 @dataclass

@@ -421,9 +421,9 @@ def test_non_ascii_bytes_elsewhere_in_the_head(server: BackgroundServer) -> None
 def test_a_request_side_parser_error_without_detail_is_not_called_internal() -> None:
     from aiohttp.web_protocol import RequestPayloadError
 
-    from daemon.http.edge import _parser_error
+    from daemon.http.connections import parser_error
 
-    err = _parser_error(400, RequestPayloadError("the body ended early"))
+    err = parser_error(400, RequestPayloadError("the body ended early"))
     assert err.status == 400 and err.body()["error"]["code"] == "malformed_request"
     assert "internal" not in err.body()["error"]["message"]
 

@@ -202,7 +202,8 @@ def test_validate_reports_every_problem_at_once_in_one_format(
         f"{bad}: server.prot: unknown key; server keys are host, port, api_key_file, "
         "cors_origins, allowed_hosts, keepalive_seconds, stream_interval_ms, "
         "idle_timeout_seconds, request_timeout_seconds, send_timeout_seconds, "
-        "min_body_bytes_per_second, max_connections",
+        "min_body_bytes_per_second, min_send_bytes_per_second, max_connections, "
+        "max_connections_per_client",
         f"{bad}: limits: a number is not a section; a section is a mapping of keys",
         f"{bad}: models.dtype: 'fp8' is not allowed; expected one of auto, fp32, bf16, fp16",
         f"{bad}: server.port: 'high' is not allowed; expected an integer from 0 to 65535",

@@ -10,7 +10,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -274,12 +274,91 @@ def test_connections_past_the_cap_are_refused_cleanly(capped: BackgroundServer) 
     assert status == 200
 
 
-def test_a_client_that_reads_none_of_a_whole_answer_loses_its_connection() -> None:
-    """A non-streamed answer is written by the edge (`sending.deliver`) in pieces, each within
-    `server.send_timeout_seconds`: a client that reads none of it is dropped, as a stream's
-    is, over a real socket. Written by aiohttp after the handler returned, the answer waited
-    on the full socket for good and held its connection (and its body) with it. The answer
-    here is 32 MiB, more than the loopback's buffers hold with the client's kept at 4 KiB."""
+@pytest.fixture(scope="module")
+def shared(
+    stories_target: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BackgroundServer]:
+    yield from keyed_server(
+        stories_target, tmp_path_factory, KEY,
+        {
+            "server.max_connections": 8,
+            "server.max_connections_per_client": 2,
+            "server.idle_timeout_seconds": 60.0,
+        },
+    )  # fmt: skip
+
+
+def connection_from(server: BackgroundServer, address: str) -> socket.socket:
+    """A connection to the daemon from `address` (any of 127.0.0.0/8 is this host's)."""
+    return socket.create_connection(
+        ("127.0.0.1", server.server.port), timeout=10, source_address=(address, 0)
+    )
+
+
+def healthy(sock: socket.socket) -> bool:
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    sock.settimeout(10)
+    return sock.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_one_client_cannot_hold_every_connection(shared: BackgroundServer) -> None:
+    """`server.max_connections_per_client`: a client at its share is refused (503, before
+    anything is read) while another address still gets in; its connections closed, it
+    gets in again. One stranger reconnecting as fast as its stalled connections timed out
+    held all of `server.max_connections`."""
+    held = [connection_from(shared, "127.0.0.1") for _ in range(2)]
+    other = connection_from(shared, "127.0.0.2")
+    try:
+        assert all(healthy(sock) for sock in held)
+        got, _ = closed_within(connection_from(shared, "127.0.0.1"), 10)
+        assert got.startswith(b"HTTP/1.1 503") and b"too_many_connections" in got
+        assert b"server.max_connections_per_client" in got and b"Retry-After: 1" in got
+        assert healthy(other)  # another client is served meanwhile
+    finally:
+        for sock in [*held, other]:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while True:  # (the daemon sees the closes a moment later)
+        again = connection_from(shared, "127.0.0.1")
+        try:
+            if healthy(again) or time.monotonic() > deadline:
+                break
+        except OSError:
+            pass
+        finally:
+            again.close()
+    assert time.monotonic() <= deadline
+
+
+@pytest.mark.parametrize(
+    ("peer", "client"),
+    [
+        (("10.1.2.3", 5000), "10.1.2.3"),
+        (("::ffff:10.1.2.3", 5000, 0, 0), "10.1.2.3"),
+        (("2001:db8:1:2:aaaa::1", 5000, 0, 0), "2001:db8:1:2::/64"),
+        (("2001:db8:1:2:bbbb::9", 5001, 0, 0), "2001:db8:1:2::/64"),
+        (("fe80::1%eth0", 5000, 0, 2), "fe80::/64"),
+        ("/run/specd.sock", None),
+        (None, None),
+        (("not an address", 1), None),
+    ],
+)
+def test_connections_are_counted_per_address_or_ipv6_64(peer: Any, client: str | None) -> None:
+    from daemon.http.connections import client_of
+
+    assert client_of(peer) == client
+
+
+BIG_ANSWER = 32 << 20  # more than the loopback's buffers hold with the client's at 4 KiB
+
+
+def whole_answer_to(
+    reader: Callable[[socket.socket], Awaitable[None]], limit: float, min_rate: int = 0
+) -> tuple[BaseException | None, float, float | None]:
+    """A 32 MiB non-streamed answer written by the edge (`sending.deliver`) to a client over
+    a real socket (its receive buffer 4 KiB) that `reader` plays after sending its request:
+    how the handler's answer ended (None: written whole, or the exception) and when, and
+    the 499s the metrics counted."""
     import asyncio
 
     from aiohttp import web
@@ -288,7 +367,6 @@ def test_a_client_that_reads_none_of_a_whole_answer_loses_its_connection() -> No
     from daemon.http.openai_fields import WireLimits
     from daemon.metrics import Metrics
 
-    limit = 0.3
     metrics = Metrics()
 
     async def scenario() -> tuple[BaseException | None, float]:
@@ -306,10 +384,16 @@ def test_a_client_that_reads_none_of_a_whole_answer_loses_its_connection() -> No
             return response
 
         async def big(request: web.Request) -> web.Response:
-            return web.Response(body=b"x" * (32 << 20), content_type="application/octet-stream")
+            return web.Response(body=b"x" * BIG_ANSWER, content_type="application/octet-stream")
 
         app = web.Application(middlewares=[watch, edge_middleware])
-        app[CONFIG] = ApiConfig("m", WireLimits(8, 8), 1024, send_timeout_seconds=limit)
+        app[CONFIG] = ApiConfig(
+            "m",
+            WireLimits(8, 8),
+            1024,
+            send_timeout_seconds=limit,
+            min_send_bytes_per_second=min_rate,
+        )
         app[METRICS] = metrics
         app.router.add_get("/big", big)
         runner = web.AppRunner(app)
@@ -320,18 +404,63 @@ def test_a_client_that_reads_none_of_a_whole_answer_loses_its_connection() -> No
         client = socket.socket()
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         client.setblocking(False)
+        playing: asyncio.Task[None] | None = None
         try:
             loop = asyncio.get_running_loop()
             await loop.sock_connect(client, ("127.0.0.1", port))
             await loop.sock_sendall(client, b"GET /big HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            return await asyncio.wait_for(ended, 20)  # and the client reads nothing
+            playing = asyncio.ensure_future(reader(client))
+            return await asyncio.wait_for(ended, 30)
         finally:
+            if playing is not None:
+                playing.cancel()
             client.close()
             await runner.cleanup()
 
     error, seconds = asyncio.run(scenario())
+    counted = {"endpoint": "/big", "status": "499"}  # (a client that left, not a 200)
+    return error, seconds, metrics.registry.get_sample_value("specd_requests_total", counted)
+
+
+async def reads_nothing(client: socket.socket) -> None:
+    pass
+
+
+def test_a_client_that_reads_none_of_a_whole_answer_loses_its_connection() -> None:
+    """A non-streamed answer is written by the edge (`sending.deliver`) in pieces, each within
+    `server.send_timeout_seconds`: a client that reads none of it is dropped, as a stream's
+    is, over a real socket. Written by aiohttp after the handler returned, the answer waited
+    on the full socket for good and held its connection (and its body) with it."""
+    error, seconds, dropped = whole_answer_to(reads_nothing, 0.3)
     assert isinstance(error, ConnectionResetError), error
     assert "read nothing for 0.3 s" in str(error)
-    assert seconds >= limit
-    counted = {"endpoint": "/big", "status": "499"}  # (a client that left, not a 200)
-    assert metrics.registry.get_sample_value("specd_requests_total", counted) == 1
+    assert seconds >= 0.3 and dropped == 1
+
+
+def reading(every: float, size: int) -> Callable[[socket.socket], Awaitable[None]]:
+    """A client that reads `size` bytes every `every` seconds, for ever."""
+    import asyncio
+
+    async def read(client: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(every)
+            if not await loop.sock_recv(client, size):
+                return
+
+    return read
+
+
+def test_a_client_reading_below_the_minimum_rate_loses_its_connection() -> None:
+    """`server.min_send_bytes_per_second`: a client that takes a little of its answer now
+    and then (4 KiB every 0.1 s, 40 KB/s, here against a floor of 1 MiB/s) never goes
+    `limit` without taking something, and held its connection for as long as it liked (a
+    byte a minute would have, at the default 60 s). It is dropped once its average since
+    the write began to wait falls below the floor, counted from `limit` on; a client
+    reading as fast as it can takes the whole answer."""
+    slow, seconds, dropped = whole_answer_to(reading(0.1, 4096), 0.3, min_rate=1 << 20)
+    assert isinstance(slow, ConnectionResetError), slow
+    assert "server.min_send_bytes_per_second 1048576" in str(slow)
+    assert 0.3 <= seconds < 10 and dropped == 1
+    fast, _, dropped = whole_answer_to(reading(0, 256 << 10), 0.3, min_rate=1 << 20)
+    assert fast is None and dropped is None

@@ -1,26 +1,25 @@
 """The edge of the HTTP layer: the checks every request passes before a handler runs
 (Host header and request target against DNS rebinding, CORS origins, the API key, the body
-size), and the mapping of every failure to the OpenAI error shape, including the requests
-aiohttp's HTTP parser refuses before the application sees them (`AppRunner`)."""
+size), and the mapping of every failure to the OpenAI error shape. The requests aiohttp's
+HTTP parser refuses before the application sees them, and the caps on open connections,
+are daemon/http/connections.py's."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
 from urllib.parse import urlsplit
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
-from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
-from aiohttp.web_request import BaseRequest
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from daemon.engine import Engine
 from daemon.hostname import allowed_host_names, host_name
+from daemon.http.connections import parser_error
 from daemon.http.openai_errors import ApiError, bad_request
 from daemon.http.openai_fields import WireLimits
 from daemon.http.sending import deliver
@@ -40,6 +39,7 @@ class ApiConfig:
     request_timeout_seconds: float = 60.0
     send_timeout_seconds: float = 60.0
     min_body_bytes_per_second: int = 4096
+    min_send_bytes_per_second: int = 1024
     max_connections: int = 256
     grammar_compile_seconds: float = 5.0  # limits.grammar_compile_seconds
     api_key: str | None = None
@@ -166,7 +166,7 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     except (HttpProcessingError, RequestPayloadError) as exc:
         # The body could not be read: a bad chunk after the headers, a Content-Encoding
         # that does not decode. The request's fault; the connection cannot be reused.
-        response = error_response(_parser_error(400, exc))
+        response = error_response(parser_error(400, exc))
         response.force_close()
         request.content.feed_eof()  # nothing more will be read: aiohttp need not drain it
     except web.HTTPRequestEntityTooLarge:
@@ -200,7 +200,9 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
         response.headers.update(cors_headers(origin))
     if isinstance(response, web.Response) and not response.prepared:
         try:
-            response = await deliver(request, response, config.send_timeout_seconds)
+            response = await deliver(
+                request, response, config.send_timeout_seconds, config.min_send_bytes_per_second
+            )
         except ConnectionResetError:  # the client read none of it: dropped
             request.app[METRICS].count_request(endpoint, 499)
             raise
@@ -273,124 +275,3 @@ async def _guarded(request: web.Request, handler: Handler, config: ApiConfig) ->
             max_size=config.max_body_bytes, actual_size=request.content_length
         )
     return await handler(request)
-
-
-# ---- requests the HTTP parser refuses ----
-
-
-def _parser_error(status: int, exc: BaseException | None) -> ApiError:
-    if isinstance(exc, RequestPayloadError) and exc.__cause__ is not None:
-        exc = exc.__cause__  # aiohttp's wrapper around a body's decoding error
-    if isinstance(exc, HttpProcessingError):
-        # aiohttp's message, first line only (the rest is a caret under the bad byte).
-        detail = exc.message.strip().splitlines()
-        reason = detail[0].rstrip(":") if detail else type(exc).__name__
-        code = {BadHttpMethod: "invalid_method", LineTooLong: "line_too_long"}.get(
-            type(exc), "malformed_request"
-        )
-        return ApiError(status, f"malformed HTTP request: {reason}", code=code)
-    if status == 504:
-        return ApiError(504, "the request timed out", type="server_error")
-    if status < 500:  # the request's fault, whatever aiohttp wrapped it in
-        return ApiError(status, "malformed HTTP request", code="malformed_request")
-    return ApiError(status, "internal server error (see the daemon's log)", type="server_error")
-
-
-class OpenAIErrorRequestHandler(RequestHandler):
-    """aiohttp's connection protocol, with `handle_error` answering in the OpenAI error shape.
-
-    aiohttp calls `handle_error` for what happens outside the application: a request its
-    parser refused (bad method, over-long request line or header, too many headers,
-    Content-Length with Transfer-Encoding, a bad chunk size while the headers are being
-    read) and an exception escaping the application (which `edge_middleware` prevents).
-    No middleware sees these; the status stays aiohttp's (400 for parser errors) and the
-    connection is closed, as aiohttp does."""
-
-    __slots__ = ()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        manager = self._manager
-        limit = getattr(manager, "max_connections", None)
-        if limit is not None and manager is not None and len(manager.connections) > limit:
-            # One connection too many: a clean refusal before anything is read, so that
-            # stalled clients cannot hold every socket the daemon has.
-            log.warning("refused a connection: %d are open (server.max_connections)", limit)
-            err = ApiError(
-                503,
-                f"the daemon has {limit} connections open (server.max_connections); retry",
-                type="service_unavailable",
-                code="too_many_connections",
-                headers={"Retry-After": "1"},
-            )
-            body = json.dumps(err.body()).encode()
-            head = (
-                "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n"
-            )
-            cast(asyncio.Transport, transport).write(head.encode() + body)
-            self.force_close()
-
-    def handle_error(
-        self,
-        request: BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if request.writer.output_size > 0:
-            # A response was already started: there is no sending another (aiohttp's rule).
-            raise ConnectionError("a response was already sent; cannot send the error")
-        if isinstance(exc, HttpProcessingError):
-            # Routine on any port a stranger can reach: one line, no traceback.
-            log.info("refused a malformed HTTP request from %s: %s", request.remote, exc.message)
-        elif isinstance(exc, ConnectionError):  # the client left mid-request: nobody to tell
-            log.debug("client %s disconnected: %s", request.remote, exc)
-        else:
-            log.error("error handling a request from %s", request.remote, exc_info=exc)
-        err = _parser_error(status, exc)
-        response = web.json_response(err.body(), status=status, headers=err.headers)
-        response.force_close()
-        return response
-
-    def data_received(self, data: bytes) -> None:
-        # (aiohttp internals: the parsed-message queue, the request being handled and the
-        # record of a parse error; tests/test_hostile_input.py checks this on upgrades.)
-        queued = len(self._messages)
-        super().data_received(data)
-        # A parse error in the body of a request the application is already reading (a bad
-        # chunk size after the headers) is queued by aiohttp as the *next* request, and the
-        # body being read never ends: the handler would wait until the client hangs up.
-        # End that body with the error instead, so that the handler answers a 400.
-        request = self._current_request
-        if request is None or len(self._messages) <= queued:
-            return
-        error = self._messages[-1][0]
-        if isinstance(error, _ErrInfo) and not request.content.is_eof():
-            request.content.set_exception(error.exc)
-
-
-class _OpenAIErrorServer(web.Server):
-    max_connections: int | None = None  # set by AppRunner
-
-    def __call__(self) -> RequestHandler:
-        return OpenAIErrorRequestHandler(self, loop=self._loop, **self._kwargs)
-
-
-class AppRunner(web.AppRunner):
-    """`web.AppRunner` whose connections answer parser errors in the OpenAI error shape,
-    at most `max_connections` of them open (one more is refused with a 503)."""
-
-    def __init__(
-        self, app: web.Application, *, max_connections: int | None = None, **kwargs: Any
-    ) -> None:
-        super().__init__(app, **kwargs)
-        self.max_connections = max_connections
-
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        # aiohttp has no option for the protocol class; the server it built for the app
-        # (handler, request factory, settings) stays as it is and only makes our protocol.
-        server.__class__ = _OpenAIErrorServer
-        cast(_OpenAIErrorServer, server).max_connections = self.max_connections
-        return server

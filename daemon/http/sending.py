@@ -1,8 +1,9 @@
-"""An answer written to a client within the send timeout (`server.send_timeout_seconds`):
-a stream's writes (daemon/http/streaming.py) and a whole answer's pieces (`deliver`, called
-by the edge for every answer it returns) each wait on the client for as long as it takes
-any of what is queued, and the connection is dropped once it has taken nothing for the
-timeout. A client that stops reading held its connection and megabytes for good, and
+"""An answer written to a client within the send timeout (`server.send_timeout_seconds`)
+and at the minimum rate (`server.min_send_bytes_per_second`): a stream's writes
+(daemon/http/streaming.py) and a whole answer's pieces (`deliver`, called by the edge for
+every answer it returns) each wait on the client while it keeps taking what is queued, and
+the connection is dropped once it has taken nothing for the timeout or too little for the
+rate. A client that stops reading held its connection and megabytes for good, and
 `server.max_connections` of them locked everyone out."""
 
 from __future__ import annotations
@@ -41,41 +42,64 @@ def _queued(transport: asyncio.BaseTransport) -> int:
     return size
 
 
-async def send_within(request: web.Request, sending: Awaitable[Any], limit: float) -> None:
-    """`sending` (a write of the answer) awaited for as long as the client takes any of what
-    is queued for it: once it has taken nothing for `limit` seconds, the connection is
-    dropped (what is queued with it) and ConnectionResetError raised. A client that stops
-    reading held its connection, and megabytes, for good; one that reads slowly is not
-    dropped (a write waits until 48 KiB have gone: at 60 s, a client taking less than
-    800 bytes a second would have been)."""
+# How often a write waiting on a client looks at what it has taken.
+SEND_CHECK_SECONDS = 0.25
+
+
+async def send_within(
+    request: web.Request, sending: Awaitable[Any], limit: float, min_rate: int = 0
+) -> None:
+    """`sending` (a write of the answer) awaited while the client keeps taking what is
+    queued for it: the connection is dropped (what is queued with it) and
+    ConnectionResetError raised once it has taken nothing for `limit` seconds, or (with
+    `min_rate`) less than `min_rate` bytes a second on average since the write began to
+    wait, counted from `limit` seconds on (a client may pause for as long as it may take
+    nothing). A client that stops reading held its connection, and megabytes, for good;
+    one that reads a little now and then (a byte a minute, a segment every 50 s) held it
+    as long as it liked. A client that reads at all normally never waits here: its
+    buffers take what is written."""
     task = asyncio.ensure_future(sending)
     transport = request.transport
+    loop = asyncio.get_running_loop()
+    why = f"read nothing for {limit:g} s"
     try:
         # The write runs until it waits on a full socket: what it queued is counted in the
         # baseline (else the client had to take the whole piece in the first `limit`).
         await asyncio.sleep(0)
-        queued = _queued(transport) if transport is not None else 0
+        queued = first = _queued(transport) if transport is not None else 0
+        start = taken_at = loop.time()
+        tick = min(limit, SEND_CHECK_SECONDS) if min_rate else limit
         while True:
-            done, _ = await asyncio.wait({task}, timeout=limit)
+            done, _ = await asyncio.wait({task}, timeout=tick)
             if done:
                 task.result()  # (its exception, if it failed)
                 return
             if transport is None or transport.is_closing():
                 break
-            now = _queued(transport)
-            if now >= queued:
+            now, left = loop.time(), _queued(transport)
+            if left < queued:
+                queued, taken_at = left, now  # it took some: the clock starts again
+            elif now - taken_at >= limit - 1e-3:  # (a timer may fire a hair early)
                 break
-            queued = now  # it took some: the clock starts again
+            waited = now - start
+            if min_rate and first - queued < (waited - limit) * min_rate:
+                why = (
+                    f"took {first - queued} bytes in {waited:.1f} s "
+                    f"(server.min_send_bytes_per_second {min_rate})"
+                )
+                break
     finally:
         if not task.done():
             task.cancel()
     if transport is not None:
         transport.abort()  # (what is queued is dropped, not flushed)
-    log.info("dropped %s: the client read nothing of its answer for %g s", request.remote, limit)
-    raise ConnectionResetError(f"the client read nothing for {limit:g} s")
+    log.info("dropped %s: the client %s of its answer", request.remote, why)
+    raise ConnectionResetError(f"the client {why}")
 
 
-async def deliver(request: web.Request, response: web.Response, limit: float) -> web.StreamResponse:
+async def deliver(
+    request: web.Request, response: web.Response, limit: float, min_rate: int = 0
+) -> web.StreamResponse:
     """`response` written here rather than by aiohttp after the handler returns, where a
     client that reads none of it held its connection and the body for good (aiohttp waits
     on a full socket without end; `max_connections` such clients locked everyone out): sent
@@ -88,8 +112,9 @@ async def deliver(request: web.Request, response: web.Response, limit: float) ->
     out.content_length = len(body)
     if response.keep_alive is False:
         out.force_close()
-    await send_within(request, out.prepare(request), limit)
+    await send_within(request, out.prepare(request), limit, min_rate)
     for start in range(0, len(body), DELIVER_PIECE_BYTES):
-        await send_within(request, out.write(body[start : start + DELIVER_PIECE_BYTES]), limit)
-    await send_within(request, out.write_eof(), limit)
+        piece = body[start : start + DELIVER_PIECE_BYTES]
+        await send_within(request, out.write(piece), limit, min_rate)
+    await send_within(request, out.write_eof(), limit, min_rate)
     return out

@@ -17,7 +17,8 @@ from aiohttp import web
 from daemon.engine import Engine, EngineLimits
 from daemon.http import webchat
 from daemon.http.api import create_app
-from daemon.http.edge import DRAINING, ApiConfig, AppRunner
+from daemon.http.connections import AppRunner
+from daemon.http.edge import DRAINING, ApiConfig
 from daemon.http.openai_fields import WireLimits
 from daemon.metrics import Metrics
 from daemon.options import RuntimeOptions
@@ -67,6 +68,7 @@ def api_config(settings: Settings) -> ApiConfig:
         request_timeout_seconds=settings.server.request_timeout_seconds,
         send_timeout_seconds=settings.server.send_timeout_seconds,
         min_body_bytes_per_second=settings.server.min_body_bytes_per_second,
+        min_send_bytes_per_second=settings.server.min_send_bytes_per_second,
         max_connections=settings.server.max_connections,
         grammar_compile_seconds=settings.limits.grammar_compile_seconds,
         api_key=read_api_key(settings.server.api_key_file),
@@ -117,6 +119,7 @@ class Server:
             # between requests, or half of one sent): its own default is an hour.
             keepalive_timeout=self.settings.server.idle_timeout_seconds,
             max_connections=self.settings.server.max_connections,
+            max_connections_per_client=self.settings.server.max_connections_per_client,
         )
         await self.runner.setup()
         host, port = self.settings.server.host, self.settings.server.port

@@ -128,12 +128,14 @@ async def stream(
         response.headers.update(cors_headers(origin))
     await response.prepare(request)
     limit = request.app[CONFIG].send_timeout_seconds
+    min_rate = request.app[CONFIG].min_send_bytes_per_second
 
     async def send(data: bytes | None) -> None:
         """`data` written (None: the body's end), or the connection dropped where the
-        client has taken none of what is queued for `limit` seconds (`send_within`)."""
+        client has taken none of what is queued for `limit` seconds, or too little of it
+        (`send_within`)."""
         sent = response.write(data) if data is not None else response.write_eof()
-        await send_within(request, sent, limit)
+        await send_within(request, sent, limit, min_rate)
 
     first = True
     offset = 0  # characters of text sent so far (the completions' text_offset)
