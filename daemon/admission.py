@@ -79,6 +79,9 @@ class Ask:
     # The answer may call `tools` (tool_choice not none): "auto", "required" or a name.
     tool_choice: str | None = None
     parallel_tool_calls: bool = True
+    # More variables for the chat template (chat_template_kwargs, reasoning_effort): Qwen3's
+    # `enable_thinking`, gpt-oss's `reasoning_effort`; names specd sets are refused earlier.
+    template_vars: dict[str, Any] = field(default_factory=dict)
 
 
 def admit(
@@ -202,7 +205,7 @@ def _prompt_ids(runtime: Runtime, ask: Ask) -> list[int]:
     room = runtime.context - 1  # (the prompt plus at least one new token)
     try:
         if ask.messages is not None:
-            ids = _encode_conversation(tok, ask.messages, ask.tools, room)
+            ids = _encode_conversation(tok, ask.messages, ask.tools, room, ask.template_vars)
         elif isinstance(ask.prompt, str):
             ids = tok.encode(ask.prompt, at_most=room)
     except TextTooLong as exc:
@@ -258,11 +261,12 @@ def _refuse_what_cannot_fit(ask: Ask, param: str, context: int, max_token_chars:
 
 
 def _conversation_chars(ask: Ask) -> int:
-    """Characters of every string (and key) in the messages and the tools offered, walked
-    without recursion (the wire format bounded how deep they nest)."""
+    """Characters of every string (and key) in the messages, the tools offered and the
+    template's own variables, walked without recursion (the wire format bounded how deep
+    they nest)."""
     tools = [t.as_openai() for t in ask.tools or []]
     chars = 0
-    stack: list[Any] = [ask.messages or [], tools]
+    stack: list[Any] = [ask.messages or [], tools, ask.template_vars]
     while stack:
         value = stack.pop()
         if isinstance(value, str):
@@ -280,19 +284,22 @@ def _encode_conversation(
     messages: list[dict[str, Any]],
     tools: list[Tool] | None,
     at_most: int | None = None,
+    variables: dict[str, Any] | None = None,
 ) -> list[int]:
     """A conversation's prompt ids: the tools, earlier calls and their results rendered by
     the model's template where it has a tool format (Qwen's, Llama 3's, Mistral's,
-    harmony's), else
-    in specd's fallback format (speculative/tool_calls.py)."""
+    harmony's), else in specd's fallback format (speculative/tool_calls.py); `variables`
+    are the template's besides (`Ask.template_vars`)."""
     if tok.harmony:  # its template tests `"..." in message.content`: a call's None is absent
         messages = [
             {k: v for k, v in m.items() if not (k == "content" and v is None)} for m in messages
         ]
     if tok.harmony or native_format(tok.chat_template, tok.vocabulary) is not None:
         offered = [t.as_openai() for t in tools] if tools else None
-        return tok.encode_chat(messages, tools=offered, at_most=at_most)
-    return tok.encode_chat(render_tool_messages(messages, tools), at_most=at_most)
+        return tok.encode_chat(messages, tools=offered, at_most=at_most, variables=variables)
+    return tok.encode_chat(
+        render_tool_messages(messages, tools), at_most=at_most, variables=variables
+    )
 
 
 def _max_tokens(ask: Ask, prompt_tokens: int, context: int, clamp: bool) -> int:

@@ -13,6 +13,7 @@ here touches HTTP or the models: what depends on the models is admission's
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,9 @@ from daemon import strict_json
 from daemon.admission import Ask
 from daemon.http.openai_errors import bad_request
 from daemon.http.openai_fields import WireLimits, checked_text, generation_fields, is_int
-from daemon.http.openai_tools import parse_tool_calls, parse_tools
+from daemon.http.openai_tools import MAX_ARGUMENT_DEPTH, parse_tool_calls, parse_tools
+from modeling.text.tokenizer import TEMPLATE_NAMES
+from speculative.schema_limits import nesting
 
 CHAT_ROLES = {
     "system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -170,8 +173,66 @@ def parse_chat(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
         tools=tools if calls else None,
         tool_choice=choice if calls else None,
         parallel_tool_calls=parallel,
+        template_vars=_template_vars(body),
         **common,
     )
+
+
+MAX_TEMPLATE_VARS = 64
+_TEMPLATE_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# OpenAI's values; gpt-oss's template writes the one given into its system message.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+def _template_vars(body: dict[str, Any]) -> dict[str, Any]:
+    """More variables for the chat template: `chat_template_kwargs` (vLLM's and llama.cpp's
+    field: `{"enable_thinking": false}` for Qwen3) and `reasoning_effort` (OpenAI's, which
+    gpt-oss's template reads). Names are identifiers other than those specd sets; values are
+    JSON nested at most MAX_ARGUMENT_DEPTH deep, whose text counts toward the prompt's."""
+    given = body.get("chat_template_kwargs")
+    if given is None:
+        given = {}
+    if not isinstance(given, dict):
+        raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+    if len(given) > MAX_TEMPLATE_VARS:
+        raise bad_request(
+            f"chat_template_kwargs holds {len(given)} names; at most {MAX_TEMPLATE_VARS}",
+            "chat_template_kwargs",
+        )
+    out: dict[str, Any] = {}
+    for name, value in given.items():
+        if not _TEMPLATE_VAR.fullmatch(name):
+            raise bad_request(
+                f"chat_template_kwargs names must be identifiers of at most 64 characters "
+                f"(letters, digits, _); got {name[:64]!r}",
+                "chat_template_kwargs",
+            )
+        where = f"chat_template_kwargs.{name}"
+        if name in TEMPLATE_NAMES:
+            raise bad_request(f"{where} is a name specd gives the chat template itself", where)
+        if nesting(value, MAX_ARGUMENT_DEPTH) > MAX_ARGUMENT_DEPTH:
+            raise bad_request(f"{where} nests more than {MAX_ARGUMENT_DEPTH} levels deep", where)
+        try:  # (an integer past 4,300 digits, kept as its size only, is no JSON value)
+            written = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError):
+            raise bad_request(f"{where} must be a JSON value", where) from None
+        checked_text(written, where)  # (a lone surrogate in a key or a value)
+        out[name] = value
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad_request(
+                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; got "
+                f"{str(effort)[:64]!r}",
+                "reasoning_effort",
+            )
+        if out.get("reasoning_effort", effort) != effort:
+            raise bad_request(
+                "reasoning_effort and chat_template_kwargs.reasoning_effort differ",
+                "reasoning_effort",
+            )
+        out["reasoning_effort"] = effort
+    return out
 
 
 def _refuse_unsupported_completion(body: dict) -> None:
@@ -187,6 +248,11 @@ def _refuse_unsupported_completion(body: dict) -> None:
     best_of = body.get("best_of")
     if best_of is not None and not (is_int(best_of) and best_of == 1):
         raise bad_request("best_of other than 1 is not supported by specd", "best_of")
+    for name in ("chat_template_kwargs", "reasoning_effort"):
+        if body.get(name) is not None:  # (a text prompt is rendered by no template)
+            raise bad_request(
+                f"{name} is for chat completions: a text prompt has no template", name
+            )
 
 
 def parse_completion(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:

@@ -133,6 +133,16 @@ BYTE_LEVEL = _byte_level()
 BYTE_LEVEL_INDEX = {c: b for b, c in enumerate(BYTE_LEVEL)}
 
 
+# The names a chat template's render has from specd (`Tokenizer.render_chat`'s variables and
+# the environment's globals, modeling/text/chat_template.py): a request's variables may not
+# set them (tests/test_template_vars.py holds the globals to the environment's own).
+TEMPLATE_NAMES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "documents", "bos_token", "eos_token"}
+    | {"range", "dict", "cycler", "joiner", "lipsum", "namespace", "raise_exception"}
+    | {"strftime_now"}
+)
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -371,12 +381,16 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> str:
+        """The conversation as the chat template renders it; `variables` are more of the
+        template's (Qwen3's `enable_thinking`, gpt-oss's `reasoning_effort`), never one of
+        the names set here (those win)."""
         from modeling.text.chat_template import TemplateError, TemplateLimitError
 
         template = self._compiled_template()
         try:
-            return template.render(
+            own = dict(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 # As transformers renders: defined but None (`tools is not none` is False).
@@ -385,6 +399,7 @@ class Tokenizer:
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
+            return template.render({**(variables or {}), **own})
         except TemplateLimitError as exc:
             # A template is code from the model file; one that loops or grows without end
             # is stopped (modeling/text/chat_template.py), and the request says so.
@@ -397,11 +412,12 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         at_most: int | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> list[int]:
         """Prompt ids for a conversation, ready for the assistant's turn; `tools` (OpenAI's
         shape) go to a template that renders them (speculative/tool_calls.py). `at_most`
-        as `encode`'s."""
-        text = self.render_chat(messages, tools=tools)
+        as `encode`'s, `variables` as `render_chat`'s."""
+        text = self.render_chat(messages, tools=tools, variables=variables)
         # (a template writes BOS itself)
         return self.encode(text, add_special_tokens=not self.has_chat_template, at_most=at_most)
 
