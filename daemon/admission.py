@@ -37,11 +37,13 @@ from typing import Any
 from daemon.jobs import GenerationRequest
 from daemon.runtime import Runtime, RuntimeSetupError
 from modeling.errors import RequestError
+from modeling.text.thinking import CLOSE, OPEN, Thinking, opened
 from modeling.text.tokenizer import ChatTemplateError, TextTooLong, Tokenizer, TokenizerFailure
 from speculative.grammar import Grammar
 from speculative.grammar_compiler import GrammarCompiler
 from speculative.harmony import harmony_call_grammar
 from speculative.sampling import SamplingParams
+from speculative.thinking import thinking_first
 from speculative.tool_calls import (
     HERMES,
     CallFormat,
@@ -149,7 +151,10 @@ def settle(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Set
             "budget",
             "budget_too_large",
         )
+    thinking = _thinking(runtime.tokenizer, ask, prompt_ids)
     grammar, calls, stop = ask.grammar, None, ask.stop
+    if grammar is not None:
+        grammar = thinking_first(grammar, thinking)
     if ask.tools is not None and runtime.tokenizer.harmony:
         # A harmony model (gpt-oss) names the function in a message's header and writes its
         # arguments as the body: read back from its text (speculative/harmony.py); a call
@@ -164,7 +169,9 @@ def settle(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Set
         calls = call_format(runtime.tokenizer)
         vocabulary = runtime.tokenizer.vocabulary
         choice, parallel = ask.tool_choice, ask.parallel_tool_calls
-        grammar = tool_grammar(calls, ask.tools, choice, parallel, "tools", vocabulary)
+        grammar = tool_grammar(
+            calls, ask.tools, choice, parallel, "tools", vocabulary, thinking=thinking
+        )
     request = GenerationRequest(
         prompt_ids=prompt_ids,
         params=ask.params,
@@ -176,8 +183,23 @@ def settle(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Set
         ignore_eos=ask.ignore_eos,
         trace=ask.trace,
         calls=calls,
+        thinking=thinking,
     )
     return Settled(request, grammar)
+
+
+def _thinking(tok: Tokenizer, ask: Ask, prompt_ids: list[int]) -> Thinking | None:
+    """How a conversation's turn may think (modeling/text/thinking.py), where the model
+    writes think blocks: inside one already where the prompt opened it. None for a text
+    prompt, and where the tags are special tokens under a grammar, which can then not
+    spell them (its answer comes at once: nothing of it is reasoning)."""
+    if ask.messages is None or not tok.thinks:
+        return None
+    constrained = ask.grammar is not None or ask.tools is not None
+    if constrained and any(t in (OPEN, CLOSE) for t in tok.shown_specials.values()):
+        return None
+    tail = tok.decode(prompt_ids[-8:], skip_special_tokens=False)
+    return Thinking(started=opened(tail))
 
 
 def call_format(tok: Tokenizer) -> CallFormat:

@@ -410,6 +410,7 @@ class Engine:
             trace=req.trace,
             constraint=req.constraint,
             call_lead=req.calls.lead if req.calls is not None else None,
+            thinking=req.thinking,
         )
         return _Active(job, gen, gen.steps(), session, pool_key)
 

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from modeling.text.thinking import Thinking
 from speculative.generation import Chunk
 from speculative.grammar import Constraint
 from speculative.sampling import SamplingParams
@@ -55,6 +56,9 @@ class GenerationRequest:
     # Tools offered: the format the answer's calls are read back in (by the HTTP layer;
     # the generation itself only follows the constraint).
     calls: CallFormat | None = None
+    # A reasoning model's turn (modeling/text/thinking.py): its think block is read apart,
+    # and stop strings apply after it.
+    thinking: Thinking | None = None
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import Any
 
 from modeling.errors import RequestError
 from modeling.text.detok import IncrementalDetokenizer, StopMatcher, StopsOutsideCalls
+from modeling.text.thinking import Stops, Thinking, ThinkingStops
 from modeling.text.tokenizer import Tokenizer
 from speculative.grammar import Constraint
 from speculative.passes import Allot, Forward, PassRequest, alone
@@ -87,11 +88,13 @@ class Generation:
         trace: bool = False,
         constraint: Constraint | None = None,
         call_lead: str | None = None,
+        thinking: Thinking | None = None,
     ) -> None:
         """`constraint`: the request's grammar (speculative/grammar.py); its end of
         sequence always stops the generation, `ignore_eos` or not. `call_lead`: how an
         answer that calls tools begins, where it may (`stop` then applies to text answers
-        only: `StopsOutsideCalls`)."""
+        only: `StopsOutsideCalls`). `thinking`: a reasoning model's turn, whose stops
+        apply after its think block (`ThinkingStops`)."""
         # The daemon admits every request before it gets here (daemon/admission.py: the
         # prompt not empty and within the context, naming the field). This guards the
         # session's caches for every caller that builds a Generation directly, on a
@@ -110,6 +113,7 @@ class Generation:
         self.max_tokens = min(max_tokens, room)
         self.stop = list(stop)
         self.call_lead = call_lead
+        self.thinking = thinking
         eos = tuple(stop_token_ids) if stop_token_ids is not None else tokenizer.eos_token_ids
         self.stop_token_ids = set() if ignore_eos else set(eos)
         self.constraint = constraint
@@ -141,11 +145,13 @@ class Generation:
         t0 = time.perf_counter()
         self.stats.cached_prompt_tokens = self.session.reuse_prefix(self.prompt_ids)
         detok = IncrementalDetokenizer(self.tokenizer, self.prompt_ids)
-        stops = (
+        stops: Stops = (
             StopMatcher(self.stop)
             if self.call_lead is None
             else StopsOutsideCalls(self.stop, self.call_lead)
         )
+        if self.thinking is not None:
+            stops = ThinkingStops(stops, self.thinking)
         generator = make_generator(self.params.seed, self.strategy.target.device)
         rounds = (
             self.strategy.steps(

@@ -25,6 +25,7 @@ the token is emitted without a model pass (`take_forced`, counted as `forced_tok
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,6 +69,9 @@ class Grammar:
     # A Lark grammar's lines that embed a schema from another field (a tool's parameters):
     # (line, counted from 1, and that field), so that an error in one names it.
     schema_lines: tuple[tuple[int, str], ...] = ()
+    # The JSON Schema a response_format's grammar was made from (speculative/thinking.py
+    # embeds it after a think block); None for other grammars.
+    schema: Any = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def json_schema(cls, schema: Any, field: str, name: str = "") -> Grammar:
@@ -80,7 +84,7 @@ class Grammar:
             )
         except (ValueError, TypeError) as err:
             raise GrammarError(f"{field}: {engine_message(str(err))}", field) from None
-        return cls(text, field, f"json_schema:{name}" if name else "json_schema")
+        return cls(text, field, f"json_schema:{name}" if name else "json_schema", schema=schema)
 
     @classmethod
     def lark(
@@ -112,7 +116,7 @@ class Grammar:
     def json_object(cls, field: str) -> Grammar:
         """Any JSON object (OpenAI's `json_object` mode)."""
         grammar = cls.json_schema({"type": "object"}, field)
-        return cls(grammar.text, field, "json_object")
+        return cls(grammar.text, field, "json_object", schema=grammar.schema)
 
     def validate(self, vocab: llguidance.LLTokenizer | None = None) -> None:
         """Raise GrammarError (naming the field) unless the grammar compiles and uses only

@@ -51,13 +51,26 @@ def vocabulary(tokenizer: Any, field: str = "response_format") -> llguidance.LLT
 def _engine_vocabulary(tokenizer: Any) -> llguidance.LLTokenizer:
     eos = list(tokenizer.eos_token_ids) or None
     try:
-        return llguidance.LLTokenizer(tokenizer.backend.to_str(), eos_token=eos)
+        read = llguidance.LLTokenizer(tokenizer.backend.to_str(), eos_token=eos)
     except ValueError:
         # A tokenizer whose decoder the engine does not read (a word-level one joins words
         # with spaces): its pieces as they are spelled in its vocabulary.
         return llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(_Pieces(tokenizer)), eos_token=eos
         )
+    backend = tokenizer.backend
+    added = backend.get_added_tokens_decoder()
+    misread = [i for i, t in added.items() if not t.special and read.is_special_token(i)]
+    if not misread:
+        return read
+    # The engine reads every added token spelled `<...>` as a special token, which text
+    # cannot match, whatever tokenizer.json says: Qwen's `<tool_call>` and `<think>` are
+    # text there, and a grammar's "<tool_call>" had to be spelled from the bytes `<`,
+    # `tool`, ... with the model's own token masked. Read again with the tokenizer's own
+    # special tokens only, each token's bytes as the engine first read them.
+    return llguidance.LLTokenizer(
+        llguidance.TokenizerWrapper(_AsDeclared(tokenizer, read)), eos_token=eos
+    )
 
 
 def _unreadable(tokenizer: Any, panic: BaseException) -> str:
@@ -97,3 +110,26 @@ class _Pieces:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return list(self._backend.encode(text, add_special_tokens=False).ids)
+
+
+class _AsDeclared:
+    """What llguidance's TokenizerWrapper reads: each token's bytes as the engine read them
+    from tokenizer.json (`read`), and as special only the tokens the tokenizer declares
+    special (and its end and begin markers)."""
+
+    def __init__(self, tokenizer: Any, read: llguidance.LLTokenizer) -> None:
+        backend = tokenizer.backend
+        size = read.vocab_size
+        self.tokens = [read.decode_bytes([i]) for i in range(size)]
+        special = {i for i, added in backend.get_added_tokens_decoder().items() if added.special}
+        markers = [tokenizer.bos_id, *tokenizer.eos_token_ids]
+        special |= {i for i in markers if i is not None and i < size}
+        self.special_token_ids = sorted(i for i in special if i < size)
+        self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+        self.bos_token_id = tokenizer.bos_id
+        self._read = read
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, str):
+            text = text.encode()
+        return list(self._read.tokenize_bytes(text))

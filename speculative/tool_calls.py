@@ -31,7 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from modeling.text.thinking import Thinking
 from speculative.grammar import Grammar
+from speculative.thinking import NOT_A_BLOCK, think_rules
 
 NAME = '{"name":'  # how every format's call object begins (compact JSON)
 
@@ -122,8 +124,10 @@ def tool_grammar(
     parallel: bool,
     field: str,
     vocabulary: dict[str, int] | None = None,
+    thinking: Thinking | None = None,
 ) -> Grammar:
-    """What the answer may be, in `fmt`. `choice`: "auto" (text, or calls), "required"
+    """What the answer may be, in `fmt`, after a think block where the model writes one
+    (`thinking`: speculative/thinking.py). `choice`: "auto" (text, or calls), "required"
     (calls), or a function's name (one call to it). Text may be anything that does not
     begin as a call does; calls are one or more (one unless `parallel` and the format has
     room for several). `vocabulary` gives the id of the format's special token.
@@ -158,12 +162,14 @@ def tool_grammar(
         assert vocabulary is not None and fmt.token in vocabulary
         token = f"<[{vocabulary[fmt.token]}]>"
     repeat = f"({_sequence(literal(fmt.separator), 'call')})*" if several else ""
-    start = "TEXT | calls" if choice in ("auto", None) else "calls"
+    answer = "(TEXT | calls)" if choice in ("auto", None) else "calls"
+    # (text that opens a think block is the block, where one may open)
+    block = f" & {NOT_A_BLOCK}" if thinking is not None and not thinking.started else ""
     rules = [
-        f"start: {start}",
+        *think_rules(thinking, answer),
         f"calls: {_sequence(token, literal(fmt.begin), 'call', repeat, literal(fmt.end))}",
         f"call: {alternatives}",
-        rf"TEXT: /(.|\n)*/ & ~/{_regex(fmt.lead)}(.|\n)*/",
+        rf"TEXT: /(.|\n)*/ & ~/{_regex(fmt.lead)}(.|\n)*/{block}",
         *calls,
     ]
     # Compiled (and so checked) when the request's Constraint is made, by the engine on a

@@ -257,6 +257,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             stop=request.stop,
             ignore_eos=request.ignore_eos,
             constraint=request.constraint,
+            thinking=request.thinking,
         )
 
     if args.samples > 1:
@@ -278,9 +279,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(json.dumps(generation_record(gen)))
     else:
         from speculative.harmony import HarmonyReader
+        from speculative.thinking import ThinkReader
 
-        # A harmony model's (gpt-oss) turn: the answer on stdout, its reasoning on stderr.
-        turn = HarmonyReader() if args.chat and runtime.tokenizer.harmony else None
+        # A harmony model's (gpt-oss) turn, or a reasoning model's (Qwen3): the answer on
+        # stdout, its reasoning on stderr.
+        turn: HarmonyReader | ThinkReader | None = None
+        if args.chat and runtime.tokenizer.harmony:
+            turn = HarmonyReader()
+        elif request.thinking is not None:
+            turn = ThinkReader(request.thinking)
         wrote = False
         for chunk in gen:
             wrote = wrote or bool(chunk.text)

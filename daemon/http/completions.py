@@ -145,12 +145,13 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         if req.stream:
             return await stream(
                 request, job, shape, req, config.keepalive_seconds, previous, admitted.calls,
-                harmony, harmony_calls,
+                harmony, harmony_calls, admitted.thinking,
             )  # fmt: skip
         calls_only = req.tool_choice not in (None, "auto")
         return await collect(
-            request, job, shape, previous, admitted.calls, calls_only, harmony, harmony_calls
-        )
+            request, job, shape, previous, admitted.calls, calls_only, harmony, harmony_calls,
+            admitted.thinking,
+        )  # fmt: skip
     finally:
         if not job.done:
             job.cancel()  # the client went away (or we failed): free the engine's slot

@@ -146,6 +146,15 @@ def parse_chat(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
             )
         content = _message_text(msg.get("content"), f"{where}.content")
         entry: dict[str, Any] = {"role": CHAT_ROLES[role], "content": content}
+        reasoning = msg.get("reasoning_content")
+        if role == "assistant" and reasoning is not None:
+            # An earlier turn's reasoning, as the answer gave it: a reasoning model's
+            # template (Qwen3's) reads it back, or leaves it out of the history.
+            if not isinstance(reasoning, str):
+                raise bad_request(
+                    f"{where}.reasoning_content must be a string", f"{where}.reasoning_content"
+                )
+            entry["reasoning_content"] = checked_text(reasoning, f"{where}.reasoning_content")
         if role == "assistant" and msg.get("tool_calls"):
             entry["tool_calls"] = parse_tool_calls(msg["tool_calls"], f"{where}.tool_calls")
             called.update(c["id"] for c in entry["tool_calls"])

@@ -18,9 +18,11 @@ from daemon.http.openai_wire import CompletionRequest
 from daemon.http.sending import send_within
 from daemon.jobs import Failed, Finished, Job, ServerShuttingDown
 from modeling.errors import RequestError
+from modeling.text.thinking import Thinking
 from speculative.generation import Chunk
 from speculative.harmony import HarmonyReader, read_turn
 from speculative.sampling import TokenLogprob
+from speculative.thinking import ThinkReader, read_thinking
 from speculative.tool_calls import CallFormat, CallStream, read_answer
 
 log = logging.getLogger("specd.api")
@@ -66,6 +68,7 @@ async def collect(
     calls_only: bool = False,  # tool_choice required or named
     harmony: bool = False,  # a harmony model's turn: its answer and reasoning read apart
     harmony_calls: bool = False,  # ... and its calls (tools offered, tool_choice not none)
+    thinking: Thinking | None = None,  # a reasoning model's turn: its think block read apart
 ) -> web.Response:
     """The whole answer in one body. Nothing is written before the end, so a client that
     left is not noticed by a failed write as a stream's is: its connection is looked at
@@ -89,6 +92,8 @@ async def collect(
             answer, made, reasoning = "".join(text), None, ""
             if harmony:  # its answer, reasoning and calls, read back from its text
                 answer, reasoning, made = read_turn(answer, harmony_calls)
+            elif thinking is not None:  # its reasoning apart; the calls after it
+                answer, reasoning = read_thinking(answer, thinking)
             if calls:  # read as a stream of it is read: the two always agree
                 began = calls_only or answer.startswith(calls.lead)
                 answer, made = read_answer(answer, calls, calls_only)
@@ -115,6 +120,7 @@ async def stream(
     call_format: CallFormat | None = None,  # the answer is read as tool calls in this format
     harmony: bool = False,  # a harmony model's turn: its answer and reasoning read apart
     harmony_calls: bool = False,  # ... and its calls (tools offered, tool_choice not none)
+    thinking: Thinking | None = None,  # a reasoning model's turn: its think block read apart
 ) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={
@@ -142,7 +148,11 @@ async def stream(
     calls_only = req.tool_choice not in (None, "auto")
     calls = CallStream(call_format, calls_only) if call_format is not None else None
     held: list[TokenLogprob] = []  # log-probabilities of text that may still be a call's
-    turn = HarmonyReader(harmony_calls) if harmony else None
+    turn: HarmonyReader | ThinkReader | None = None
+    if harmony:
+        turn = HarmonyReader(harmony_calls)
+    elif thinking is not None:
+        turn = ThinkReader(thinking)
     try:
         if shape.chat:  # the role arrives before any text, as OpenAI's own stream does
             await send(sse(shape.chunk("", first=True)))

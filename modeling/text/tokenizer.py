@@ -26,7 +26,7 @@ from modeling.checkpoints.folder_files import (
 from modeling.checkpoints.gguf_file import short_repr
 from modeling.config import ModelConfig
 from modeling.errors import RequestError, panic_said, rust_panic
-from modeling.text import harmony
+from modeling.text import harmony, thinking
 from modeling.text.tokenizer_file import read_backend
 
 if TYPE_CHECKING:
@@ -174,6 +174,18 @@ class Tokenizer:
             stops = [i for m in harmony.STOPS if (i := markers[m]) is not None]
             eos_token_ids = [*eos_token_ids, *stops]
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        # A reasoning model's think blocks (modeling/text/thinking.py): its tags stay in the
+        # decoded text, special tokens or not, for the reasoning to be read from it.
+        tags = {t: tokenizer.token_to_id(t) for t in (thinking.OPEN, thinking.CLOSE)}
+        self.thinks = (
+            not self.harmony
+            and chat_template is not None
+            and thinking.CLOSE in chat_template
+            and None not in tags.values()
+        )
+        if self.thinks:
+            special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+            self.shown_specials.update({i: t for t, i in tags.items() if i in special})
         self.chat_template = chat_template
         self.has_chat_template = chat_template is not None
         self._template: Template | None = None  # compiled by _compiled_template
