@@ -296,3 +296,20 @@ def test_grammars_allow_the_models_own_tag_tokens(tiny_checkpoint, tmp_path: Pat
         allowed = {i for i in range(320) if (int(words[i // 32]) >> (i % 32)) & 1}
         assert (think in allowed, call in allowed) == (not special, not special)
         assert tok.encode("<", add_special_tokens=False)[0] in allowed
+
+
+def test_specd_chat_shows_the_reasoning_apart(thinking_server: Any) -> None:
+    """`specd chat` streams the reasoning dim on a terminal and to stderr when piped, so
+    that stdout holds the answer alone; the turn keeps it for the next request."""
+    import io
+
+    from daemon.cli.chat import ChatOptions, Conversation, Screen, ask
+
+    out, aside = io.StringIO(), io.StringIO()
+    request = {"max_tokens": 12, "temperature": 0, "chat_template_kwargs": {"open_think": True}}
+    options = ChatOptions(thinking_server.url, "k", request)
+    conversation = Conversation(None)
+    answer = ask(options, conversation, "hello", Screen(out, aside))
+    assert answer.reasoning and aside.getvalue() == answer.reasoning
+    assert answer.reasoning not in out.getvalue()
+    assert conversation.messages("next")[1]["reasoning_content"] == answer.reasoning

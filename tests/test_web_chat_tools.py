@@ -265,3 +265,51 @@ def test_the_daemon_calls_a_tool_from_the_tools_setting(
         if whole(c["function"]["arguments"])
     ]
     assert severe(browser) == []
+
+
+def test_reasoning_streams_apart_folds_when_the_answer_begins_and_goes_back(
+    browser: Any, server: BackgroundServer
+) -> None:
+    """A reasoning model's `reasoning_content` (a Qwen3 think block, a harmony model's
+    analysis): shown open above the answer while it streams, folded once the answer
+    begins, kept over a reload and sent back with the next turn."""
+    open_page(browser, server.url)
+    browser.execute_script(SCRIPTED_STREAM)
+    send(browser, "Is 7 prime?")
+    answered(browser, 1, state="streaming")
+    push(browser, {"role": "assistant", "content": ""})
+    push(browser, {"reasoning_content": "Divisors of 7:"})
+    push(browser, {"reasoning_content": " only 1 and 7."})
+
+    def reasoning(d: Any) -> Any:
+        found = last_answer(d).find_elements(By.CSS_SELECTOR, ".reasoning")
+        return found[0] if found else None
+
+    wait(browser, lambda d: reasoning(d) is not None
+         and reasoning(d).get_attribute("open") is not None
+         and "only 1 and 7." in reasoning(d).text)  # fmt: skip
+    push(browser, {"content": "Yes."})
+    wait(browser, lambda d: last_answer(d).find_element(By.CSS_SELECTOR, ".content").text == "Yes.")
+    assert reasoning(browser).get_attribute("open") is None  # folded under the answer
+    push(browser, {}, finish="stop")
+    browser.execute_script("window.__end()")
+    answer = answered(browser, 1)
+    text = answer.find_element(By.CSS_SELECTOR, ".reasoning-text").get_attribute("textContent")
+    assert text == "Divisors of 7: only 1 and 7."
+
+    send(browser, "And 9?")
+    answered(browser, 2, state="streaming")
+    push(browser, {"content": "No."})
+    push(browser, {}, finish="stop")
+    browser.execute_script("window.__end()")
+    answered(browser, 2)
+    sent = browser.execute_script("return window.__sent")
+    assert sent[1]["messages"][1] == {
+        "role": "assistant", "content": "Yes.", "reasoning_content": "Divisors of 7: only 1 and 7.",
+    }  # fmt: skip
+    browser.refresh()
+    answered(browser, 2)
+    first = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant")[0]
+    shown = first.find_element(By.CSS_SELECTOR, ".reasoning-text").get_attribute("textContent")
+    assert shown == "Divisors of 7: only 1 and 7."
+    assert severe(browser) == []

@@ -23,7 +23,15 @@ from typing import Any, TextIO
 
 from daemon import service
 from daemon.cli.argtypes import temperature
-from daemon.cli.chat_client import Answer, ChatError, ChatStream, ToolCall, daemon_address, probe
+from daemon.cli.chat_client import (
+    Answer,
+    ChatError,
+    ChatStream,
+    Thought,
+    ToolCall,
+    daemon_address,
+    probe,
+)
 from daemon.cli.serve import (
     add_address_args,
     add_tree_verification_arg,
@@ -70,16 +78,34 @@ class Screen:
     whether the cursor is at the start of a line, so that nothing (a note, the next prompt,
     the shell's prompt after exit) is glued to the end of an answer."""
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, aside: TextIO | None = None) -> None:
         self.out = out
+        self.aside = aside  # where reasoning goes when `out` is no terminal (none: dropped)
         self.at_line_start = True
         self.styled = out.isatty()
+        self.thinking = False  # the last thing written was reasoning
 
     def write(self, text: str) -> None:
         if text:
+            if self.thinking:  # the answer begins on a line of its own
+                self.thinking = False
+                self.end_line()
             self.out.write(text)
             self.out.flush()
             self.at_line_start = text.endswith("\n")
+
+    def thought(self, text: str) -> None:
+        """A piece of the answer's reasoning: dim on a terminal, else on `aside` (stderr),
+        so that what is piped is the answer alone."""
+        if not self.styled:
+            if self.aside is not None:
+                self.aside.write(text)
+                self.aside.flush()
+            return
+        self.out.write(self._dim(text))
+        self.out.flush()
+        self.at_line_start = text.endswith("\n")
+        self.thinking = True
 
     def end_line(self) -> None:
         if not self.at_line_start:
@@ -133,6 +159,8 @@ def ask(options: ChatOptions, conversation: Conversation, user_text: str, screen
                 if isinstance(piece, ToolCall):
                     _end_call(screen, answer.tool_calls[:-1])
                     screen.begin_call(piece)
+                elif isinstance(piece, Thought):
+                    screen.thought(piece)
                 else:
                     screen.write(piece)
         except KeyboardInterrupt:
@@ -255,7 +283,7 @@ MAX_HISTORY_BYTES = 4 << 20
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    screen = Screen(sys.stdout)
+    screen = Screen(sys.stdout, sys.stderr)
     try:
         url = args.url or _default_url(args)
         daemon_address(url)  # a bad --url fails now, not after the first message is typed

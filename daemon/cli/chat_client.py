@@ -42,11 +42,17 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": function}
 
 
+class Thought(str):
+    """A piece of the answer's reasoning (`reasoning_content`: a reasoning model's think
+    block, a harmony model's analysis), as it streams."""
+
+
 @dataclass
 class Answer:
     """One streamed answer as far as it arrived."""
 
     text: str = ""
+    reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str | None = None  # stop | length | tool_calls; None while streaming
     completion_tokens: int | None = None
@@ -57,15 +63,18 @@ class Answer:
         """The answer as the conversation sends it back: with its calls, less one that was
         stopped or cut mid-arguments (the daemon refuses arguments that are not JSON)."""
         calls = [call.as_openai() for call in self.tool_calls if call.whole()]
-        if not calls:
-            return {"role": "assistant", "content": self.text}
-        return {"role": "assistant", "content": self.text or None, "tool_calls": calls}
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if calls:
+            message = {"role": "assistant", "content": self.text or None, "tool_calls": calls}
+        if self.reasoning:  # (a reasoning model's template reads it back, or leaves it out)
+            message["reasoning_content"] = self.reasoning
+        return message
 
 
 class ChatStream:
     """POST /v1/chat/completions with stream=true. Iterating yields what arrives and fills
-    `answer`: text deltas, and for a tool call its ToolCall when it begins (its name known)
-    and then its arguments' fragments as text. `close()` drops the connection, and with it
+    `answer`: text deltas, reasoning deltas as `Thought`s, and for a tool call its ToolCall
+    when it begins (its name known) and then its arguments' fragments as text. `close()` drops the connection, and with it
     the generation."""
 
     def __init__(
@@ -117,6 +126,10 @@ class ChatStream:
         for choice in event.get("choices", []):
             self.answer.finish_reason = choice.get("finish_reason") or self.answer.finish_reason
             delta = choice.get("delta", {})
+            thought = delta.get("reasoning_content")
+            if thought:
+                self.answer.reasoning += thought
+                yield Thought(thought)
             text = delta.get("content")
             if text:
                 self.answer.text += text

@@ -138,8 +138,11 @@ function argumentsOf(call) {
 // not JSON.
 function sentBack(m) {
   const calls = (m.tool_calls || []).filter((c) => c && argumentsOf(c) !== undefined);
-  if (!calls.length) return { role: "assistant", content: m.content };
-  return { role: "assistant", content: m.content || null, tool_calls: calls };
+  const back = calls.length
+    ? { role: "assistant", content: m.content || null, tool_calls: calls }
+    : { role: "assistant", content: m.content };
+  if (m.reasoning) back.reasoning_content = m.reasoning; // (a reasoning model's template reads it)
+  return back;
 }
 
 function requestBody(chat, user) {
@@ -211,8 +214,9 @@ async function answer(chat, text) {
       if (event.error) throw new ApiError(500, event.error);
       const choice = event.choices && event.choices[0];
       const delta = (choice && choice.delta) || {};
-      if (delta.content || delta.tool_calls) {
+      if (delta.content || delta.tool_calls || delta.reasoning_content) {
         if (firstAt === null) firstAt = performance.now();
+        reply.reasoning = (reply.reasoning || "") + (delta.reasoning_content || "");
         reply.content += delta.content || "";
         for (const part of delta.tool_calls || []) addToCall(reply.tool_calls, part);
         updateReply(reply);
@@ -343,6 +347,7 @@ function messageNode(m, index, chat) {
   const node = el("div", { class: `msg ${m.role}`, "data-index": String(index) });
   if (m.role === "assistant") node.dataset.state = m.state || "done";
   node.append(el("div", { class: "role", text: m.role === "user" ? "You" : "specd" }));
+  if (m.reasoning) node.append(reasoningView(m));
   node.append(el("div", { class: "content", text: m.content }));
   if (m.tool_calls && m.tool_calls.length) node.append(callsView(m.tool_calls));
   if (m.role !== "assistant" || m.state === "streaming") return node;
@@ -369,10 +374,28 @@ async function copy(text, button) {
   setTimeout(() => { button.textContent = "Copy"; }, 1500);
 }
 
+// A reasoning model's reasoning (`reasoning_content`): open while it streams, folded once
+// the answer has begun.
+function reasoningView(m) {
+  const view = el("details", { class: "reasoning" },
+    el("summary", { text: "Reasoning" }), el("div", { class: "reasoning-text", text: m.reasoning }));
+  view.open = m.state === "streaming" && !m.content;
+  return view;
+}
+
 function updateReply(reply) {
   const nodes = $("messages").querySelectorAll(".msg.assistant");
   const node = nodes[nodes.length - 1];
   if (node) {
+    if (reply.reasoning) {
+      const shown = node.querySelector(".reasoning");
+      if (shown) {
+        shown.querySelector(".reasoning-text").textContent = reply.reasoning;
+        if (reply.content) shown.open = false;
+      } else {
+        node.querySelector(".content").before(reasoningView(reply));
+      }
+    }
     node.querySelector(".content").textContent = reply.content;
     const calls = node.querySelector(".calls");
     if (calls) calls.replaceWith(callsView(reply.tool_calls));
