@@ -313,15 +313,24 @@ def _encode_conversation(
     harmony's), else in specd's fallback format (speculative/tool_calls.py); `variables`
     are the template's besides (`Ask.template_vars`)."""
     if tok.harmony:  # its template tests `"..." in message.content`: a call's None is absent
-        messages = [
-            {k: v for k, v in m.items() if not (k == "content" and v is None)} for m in messages
-        ]
+        messages = [_harmony_message(m) for m in messages]
     if tok.harmony or native_format(tok.chat_template, tok.vocabulary) is not None:
         offered = [t.as_openai() for t in tools] if tools else None
         return tok.encode_chat(messages, tools=offered, at_most=at_most, variables=variables)
     return tok.encode_chat(
         render_tool_messages(messages, tools), at_most=at_most, variables=variables
     )
+
+
+def _harmony_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as gpt-oss's template reads it: without a None content (it tests `"..." in
+    message.content`), and an assistant's `reasoning_content` as its `thinking`, which the
+    template writes back as the analysis before that turn's calls (harmony asks for the
+    reasoning of the turn that called to be kept)."""
+    out = {k: v for k, v in message.items() if not (k == "content" and v is None)}
+    if "reasoning_content" in out and "thinking" not in out:
+        out["thinking"] = out.pop("reasoning_content")
+    return out
 
 
 def _max_tokens(ask: Ask, prompt_tokens: int, context: int, clamp: bool) -> int:

@@ -230,3 +230,35 @@ def test_a_required_call_needs_every_harmony_marker() -> None:
     with pytest.raises(RequestError, match="lacks harmony's <\\|constrain\\|>") as err:
         harmony_call_grammar([Tool("f", "", {"type": "object"})], "required", vocabulary, "tools")
     assert err.value.param == "tool_choice"
+
+
+def test_an_earlier_turns_reasoning_is_the_harmony_templates_thinking(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    """An assistant message's `reasoning_content` (as specd answered it) reaches gpt-oss's
+    template as `thinking`, the key it writes back as the analysis before that turn's
+    calls."""
+    from daemon.admission import _encode_conversation
+
+    base = tiny_checkpoint("llama", vocab_size=96, tokenizer_size=80)
+    backend = HFTokenizer.from_file(str(_harmony_tokenizer(tmp_path, base)))
+    template = (
+        "{% for m in messages %}{{ m.role }}:{% if m.thinking is defined %}[{{ m.thinking }}]"
+        "{% endif %}{{ m.content or '' }};{% endfor %}"
+    )
+    tok = Tokenizer(backend, eos_token_ids=[2], chat_template=template)
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello", "reasoning_content": "greet"},
+        {"role": "user", "content": "more"},
+    ]
+    rendered: list[str] = []
+    render = tok.render_chat
+
+    def encode_chat(messages: list[dict], **options: object) -> list[int]:
+        rendered.append(render(messages, add_generation_prompt=False))
+        return [1]
+
+    tok.encode_chat = encode_chat  # type: ignore[method-assign]  # (80 tokens spell little)
+    _encode_conversation(tok, messages, None)
+    assert rendered == ["user:hi;assistant:[greet]hello;user:more;"]
