@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import shutil
 import threading
 import time
 import tracemalloc
@@ -33,6 +32,7 @@ from modeling.text.chat_template import (
     compile_template,
 )
 from modeling.text.tokenizer import FALLBACK_CHAT_TEMPLATE, ChatTemplateError, Tokenizer
+from tests.templated import templated_copy
 from tests.test_tool_formats import LLAMA3_TEMPLATE, MISTRAL_TEMPLATE
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -385,12 +385,9 @@ SERVED_TEMPLATE = (
 def server(
     stories_target: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[BackgroundServer]:
-    folder = tmp_path_factory.mktemp("hostile") / "model"
-    shutil.copytree(stories_target, folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = SERVED_TEMPLATE
-    config_path.write_text(json.dumps(config))
+    folder = templated_copy(
+        stories_target, tmp_path_factory.mktemp("hostile") / "model", SERVED_TEMPLATE
+    )
     settings = load_settings(
         environ={},
         overrides={

@@ -5,8 +5,6 @@ checked at the wire, each refusal a 400 naming the field."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from daemon.http.openai_wire import parse_chat, parse_completion
 from daemon.http.server import BackgroundServer
 from daemon.settings_loading import load_settings
 from modeling.text.tokenizer import TEMPLATE_NAMES
+from tests.templated import templated_copy
 
 # The parts of Qwen3's and gpt-oss's templates that read these variables, as they read them.
 TEMPLATE = (
@@ -103,13 +102,8 @@ def test_every_name_the_template_environment_gives_is_reserved() -> None:
 @pytest.fixture(scope="module")
 def templated(stories_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The stories model with TEMPLATE as its chat template."""
-    folder = tmp_path_factory.mktemp("templated") / "stories260k"
-    shutil.copytree(stories_target, folder)
-    config_file = folder / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = TEMPLATE
-    config_file.write_text(json.dumps(config))
-    return folder
+    return templated_copy(stories_target, tmp_path_factory.mktemp("templated") / "stories260k",
+                          TEMPLATE)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from modeling.text.tokenizer import Tokenizer
 from speculative.grammar import Grammar
 from speculative.thinking import ThinkReader, read_thinking, thinking_first
 from speculative.tool_calls import HERMES, Tool, tool_grammar
+from tests.templated import templated_copy
 from tests.test_tool_schema_refs import accepts
 
 MAY = Thinking(started=False)
@@ -162,14 +162,10 @@ TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 def thinking_folder(base: Path, folder: Path, special: bool = False) -> Path:
     """`base` (a byte-level tiny checkpoint) with the tags as tokens and TEMPLATE."""
-    shutil.copytree(base, folder)
+    templated_copy(base, folder, TEMPLATE)
     backend = HFTokenizer.from_file(str(base / "tokenizer.json"))
     backend.add_tokens([AddedToken(t, special=special) for t in TAGS])
     backend.save(str(folder / "tokenizer.json"))
-    config_file = folder / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
-    config["chat_template"] = TEMPLATE
-    config_file.write_text(json.dumps(config))
     return folder
 
 
