@@ -192,6 +192,17 @@ class Constraint:
             self._end[eos // 32] |= bit(eos % 32)
         self.words()  # the start state: spellable, and its mask ready for the first draw
 
+    def twin(self) -> Constraint:
+        """Another state of the same grammar, where this one is committed (another choice
+        of the same request, `n` > 1): the engine's state copied, nothing compiled again."""
+        self._home()
+        twin = object.__new__(Constraint)
+        twin.__dict__.update(self.__dict__)
+        twin.matcher = self.matcher.deep_copy()
+        twin._explored = []
+        twin._committed_words = None
+        return twin
+
     # -- the committed state -------------------------------------------------------------
 
     def _home(self) -> None:

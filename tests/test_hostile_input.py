@@ -312,7 +312,7 @@ def test_a_5000_digit_integer_is_a_400_naming_the_field(
         raw = request("POST", path, body=big_int_body(field, sign=sign, chat_=chat_))
         error = assert_openai_error(exchange(port(server), raw), 400, param=field)
         assert field in error["message"]
-        if field != "n":  # (n says that only 1 is supported)
+        if field != "n":  # (n says its range)
             assert "5000 digits" in error["message"]
 
 

@@ -252,7 +252,7 @@ def test_a_client_that_stops_reading_its_stream_loses_its_connection(
         job = Job(None, asyncio.get_running_loop())  # type: ignore[arg-type]
         req = SimpleNamespace(tool_choice=None, include_usage=False)
         with pytest.raises(ConnectionResetError, match=r"read nothing for 0\.2 s"):
-            await streaming.stream(request, job, ResponseShape(chat=True, model="m"), req, 5.0, 0)  # type: ignore[arg-type]
+            await streaming.stream(request, [job], ResponseShape(chat=True, model="m"), req, 5.0, 0)  # type: ignore[arg-type]
         return job, transport
 
     job, transport = asyncio.run(asyncio.wait_for(scenario(), 30))

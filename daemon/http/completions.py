@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from functools import partial
 from typing import TypeVar
 
@@ -30,7 +31,7 @@ from daemon.http.openai_wire import (
     parse_json_object,
 )
 from daemon.http.streaming import collect, stream
-from daemon.jobs import EngineNotReady, MemoryPressureError, QueueFullError
+from daemon.jobs import EngineNotReady, GenerationRequest, MemoryPressureError, QueueFullError
 from speculative.grammar_compiler import CompilerBusy, GrammarCompiler
 
 # Requests prepared (parsed, admitted: tokenized and checked) at once; the others wait
@@ -115,7 +116,17 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             admitted.constraint = await _unless_gone(
                 request, asyncio.wrap_future(compiling.future), partial(compiler.check, compiling)
             )
-        job = engine.submit(admitted, loop, seat)
+        # The other choices (n > 1) made before the first starts: each its own generation,
+        # seeded after the first, its grammar's state a copy of the first's.
+        others = [_choice(admitted, i) for i in range(1, req.n)]
+        jobs = [engine.submit(admitted, loop, seat)]
+        try:
+            for other in others:
+                jobs.append(engine.submit(other, loop))
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            raise
     except QueueFullError as exc:
         raise _queue_full(exc) from None
     except MemoryPressureError as exc:
@@ -144,17 +155,28 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         previous = admitted.prompt_ids[-1]
         if req.stream:
             return await stream(
-                request, job, shape, req, config.keepalive_seconds, previous, admitted.calls,
+                request, jobs, shape, req, config.keepalive_seconds, previous, admitted.calls,
                 harmony, harmony_calls, admitted.thinking,
             )  # fmt: skip
         calls_only = req.tool_choice not in (None, "auto")
         return await collect(
-            request, job, shape, previous, admitted.calls, calls_only, harmony, harmony_calls,
+            request, jobs, shape, previous, admitted.calls, calls_only, harmony, harmony_calls,
             admitted.thinking,
         )  # fmt: skip
     finally:
-        if not job.done:
-            job.cancel()  # the client went away (or we failed): free the engine's slot
+        for job in jobs:
+            if not job.done:
+                job.cancel()  # the client went away (or we failed): free the engine's slot
+
+
+def _choice(first: GenerationRequest, index: int) -> GenerationRequest:
+    """Choice `index` of a request whose first choice is `first`: seeded `index` after it
+    (a seed past 2**64 - 1 wraps to 0), its grammar's state a copy of the first's."""
+    seed = first.params.seed
+    if seed is not None:
+        seed = seed + index if seed + index < 2**64 else seed + index - 2**64
+    constraint = first.constraint.twin() if first.constraint is not None else None
+    return replace(first, params=replace(first.params, seed=seed), constraint=constraint)
 
 
 # The body's first second is not held to the minimum rate (a connection's slow start).

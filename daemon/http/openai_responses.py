@@ -80,6 +80,8 @@ class ResponseShape:
     # A token's own bytes (`Tokenizer.raw_bytes`): chat's `bytes` of a piece that reads
     # U+FFFD (part of a character) are these, as OpenAI gives them.
     raw_bytes: Callable[[int], bytes | None] | None = None
+    # Which choice this shape writes (a request's `n` > 1: one shape each, the same id).
+    index: int = 0
 
     def __post_init__(self) -> None:
         self.id = self.id or new_id("chatcmpl" if self.chat else "cmpl")
@@ -158,13 +160,14 @@ class ResponseShape:
             if reasoning:
                 message["reasoning_content"] = reasoning
             choice = {
-                "index": 0,
+                "index": self.index,
                 "message": message,
                 "finish_reason": finish_reason,
                 "logprobs": lp,
             }
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": lp}
+            choice = {"index": self.index, "text": text, "finish_reason": finish_reason,
+                      "logprobs": lp}  # fmt: skip
         return {
             **self._envelope(stream=False),
             "choices": [choice],
@@ -191,9 +194,11 @@ class ResponseShape:
                 delta["content"] = text
             if reasoning:
                 delta["reasoning_content"] = reasoning
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": lp}
+            choice = {"index": self.index, "delta": delta, "finish_reason": finish_reason,
+                      "logprobs": lp}  # fmt: skip
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": lp}
+            choice = {"index": self.index, "text": text, "finish_reason": finish_reason,
+                      "logprobs": lp}  # fmt: skip
         out = {**self._envelope(stream=True), "choices": [choice]}
         if stats is not None:
             out["specd"] = specd_stats(stats)
@@ -216,7 +221,7 @@ class ResponseShape:
                 _, index, fragment = event
                 deltas.append({"index": index, "function": {"arguments": fragment}})
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": {"tool_calls": deltas},
             "finish_reason": None,
             "logprobs": None,

@@ -40,6 +40,7 @@ class CompletionRequest(Ask):
     model: str | None = None
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices, each its own generation (seeded ones at seed, seed + 1, ...)
 
 
 # No field of the API needs an integer longer than this (seeds are 20 digits). A body is
@@ -90,17 +91,25 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
+# The most choices one request may ask for (`n`): each is a generation of its own, holding
+# a place among limits.max_concurrent + limits.queue_size.
+MAX_CHOICES = 16
+
+
+def _choices(body: dict) -> int:
+    """`n`: how many choices to generate, 1 to MAX_CHOICES."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if type(n) is not int:  # (true == 1 in Python)
+        raise bad_request(f"n must be an integer, not a {type(n).__name__}", "n")
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be from 1 to {MAX_CHOICES}, got {n}", "n")
+    return n
+
+
 def _refuse_unsupported(body: dict) -> None:
     """Fields whose meaning specd cannot honour are refused rather than silently ignored."""
-    n = body.get("n")
-    if n is not None and type(n) is not int:  # (true == 1 in Python)
-        raise bad_request(
-            f"n must be an integer (1: specd returns one choice), not a {type(n).__name__}", "n"
-        )
-    if n is not None and n < 1:
-        raise bad_request(f"n must be 1 (specd returns one choice), got {n}", "n")
-    if n is not None and n != 1:
-        raise bad_request("n > 1 is not supported: specd returns one choice per request", "n")
     if body.get("functions"):
         raise bad_request("functions is not supported by specd (use tools)", "functions")
     if body.get("function_call") not in (None, "none"):
@@ -183,6 +192,7 @@ def parse_chat(body: dict[str, Any], limits: WireLimits) -> CompletionRequest:
         tool_choice=choice if calls else None,
         parallel_tool_calls=parallel,
         template_vars=_template_vars(body),
+        n=_choices(body),
         **common,
     )
 
@@ -255,8 +265,11 @@ def _refuse_unsupported_completion(body: dict) -> None:
     if body.get("suffix") not in (None, ""):
         raise bad_request("suffix is not supported by specd (no insertion)", "suffix")
     best_of = body.get("best_of")
-    if best_of is not None and not (is_int(best_of) and best_of == 1):
-        raise bad_request("best_of other than 1 is not supported by specd", "best_of")
+    if best_of is not None and not (is_int(best_of) and best_of == _choices(body)):
+        raise bad_request(
+            "best_of other than n is not supported by specd (it returns every choice it generates)",
+            "best_of",
+        )
     for name in ("chat_template_kwargs", "reasoning_effort"):
         if body.get(name) is not None:  # (a text prompt is rendered by no template)
             raise bad_request(
@@ -281,4 +294,5 @@ def parse_completion(body: dict[str, Any], limits: WireLimits) -> CompletionRequ
         raise bad_request(
             "prompt must be a string or a list of token ids (one prompt per request)", "prompt"
         )
-    return CompletionRequest(messages=None, prompt=prompt, **generation_fields(body, limits, False))
+    fields = generation_fields(body, limits, False)
+    return CompletionRequest(messages=None, prompt=prompt, n=_choices(body), **fields)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
 
 from aiohttp import web
 
@@ -61,7 +64,7 @@ def _client_gone(request: web.Request) -> bool:
 
 async def collect(
     request: web.Request,
-    job: Job,
+    jobs: list[Job],
     shape: ResponseShape,
     previous: int,
     calls: CallFormat | None = None,  # the answer is read as tool calls in this format
@@ -70,9 +73,44 @@ async def collect(
     harmony_calls: bool = False,  # ... and its calls (tools offered, tool_choice not none)
     thinking: Thinking | None = None,  # a reasoning model's turn: its think block read apart
 ) -> web.Response:
-    """The whole answer in one body. Nothing is written before the end, so a client that
-    left is not noticed by a failed write as a stream's is: its connection is looked at
-    after every event and every `DISCONNECT_POLL_SECONDS`, and the job cancelled."""
+    """The whole answer in one body, a choice per job (`n` > 1: their tokens summed in
+    the usage, the first's figures in `specd`). Nothing is written before the end, so a
+    client that left is not noticed by a failed write as a stream's is: its connection is
+    looked at after every event and every `DISCONNECT_POLL_SECONDS`, and the jobs
+    cancelled."""
+    tasks = []
+    for i, job in enumerate(jobs):
+        answer = _collect_choice(
+            request, job, replace(shape, index=i), previous, calls, calls_only, harmony,
+            harmony_calls, thinking,
+        )  # fmt: skip
+        tasks.append(asyncio.ensure_future(answer))
+    try:
+        bodies = await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+    body = bodies[0]
+    if len(bodies) > 1:
+        body["choices"] = [b["choices"][0] for b in bodies]
+        made = sum(b["usage"]["completion_tokens"] for b in bodies)
+        body["usage"]["completion_tokens"] = made
+        body["usage"]["total_tokens"] = body["usage"]["prompt_tokens"] + made
+    return web.json_response(body)
+
+
+async def _collect_choice(
+    request: web.Request,
+    job: Job,
+    shape: ResponseShape,
+    previous: int,
+    calls: CallFormat | None,
+    calls_only: bool,
+    harmony: bool,
+    harmony_calls: bool,
+    thinking: Thinking | None,
+) -> dict[str, Any]:
+    """One job's whole answer, as the body of a response with one choice."""
     text: list[str] = []
     logprobs: list[TokenLogprob] = []
     while True:
@@ -100,19 +138,25 @@ async def collect(
                 if began:  # a call's tokens, even one cut in its head, are not content
                     logprobs = []
             reason = "tool_calls" if made and event.finish_reason == "stop" else event.finish_reason
-            body = shape.full(
+            return shape.full(
                 answer, reason, u, event.stats, logprobs, previous,
                 tool_calls=[c.as_openai() for c in made] if made else None,
                 reasoning=reasoning,
             )  # fmt: skip
-            return web.json_response(body)
         elif isinstance(event, Failed):
             raise _failure(event.error)
 
 
+Send = Callable[[bytes | None], Awaitable[None]]
+
+
+class _ChoiceFailed(Exception):
+    """A choice's generation failed; its error event was sent."""
+
+
 async def stream(
     request: web.Request,
-    job: Job,
+    jobs: list[Job],
     shape: ResponseShape,
     req: CompletionRequest,
     keepalive: float,
@@ -122,6 +166,10 @@ async def stream(
     harmony_calls: bool = False,  # ... and its calls (tools offered, tool_choice not none)
     thinking: Thinking | None = None,  # a reasoning model's turn: its think block read apart
 ) -> web.StreamResponse:
+    """The jobs' answers as one SSE stream, each under its choice's index (`n` > 1: the
+    choices' chunks interleave as they come), then the usage (all choices' tokens) and
+    [DONE]. A choice that fails sends its error and ends the stream, the others
+    cancelled."""
     response = web.StreamResponse(
         headers={
             "Content-Type": "text/event-stream",
@@ -135,14 +183,65 @@ async def stream(
     await response.prepare(request)
     limit = request.app[CONFIG].send_timeout_seconds
     min_rate = request.app[CONFIG].min_send_bytes_per_second
+    writing = asyncio.Lock()  # (one write at a time: the choices' chunks never interleave)
 
     async def send(data: bytes | None) -> None:
         """`data` written (None: the body's end), or the connection dropped where the
         client has taken none of what is queued for `limit` seconds, or too little of it
         (`send_within`)."""
-        sent = response.write(data) if data is not None else response.write_eof()
-        await send_within(request, sent, limit, min_rate)
+        async with writing:
+            sent = response.write(data) if data is not None else response.write_eof()
+            await send_within(request, sent, limit, min_rate)
 
+    tasks = []
+    for i, job in enumerate(jobs):
+        choice = _stream_choice(
+            request, job, replace(shape, index=i), req, keepalive, previous, send,
+            call_format, harmony, harmony_calls, thinking,
+        )  # fmt: skip
+        tasks.append(asyncio.ensure_future(choice))
+    try:
+        try:
+            ends: list[Finished] | None = list(await asyncio.gather(*tasks))
+        except _ChoiceFailed:
+            ends = None
+        finally:
+            for task in tasks:
+                task.cancel()
+        if ends is None:
+            for job in jobs:
+                job.cancel()
+        elif req.include_usage:
+            cached = int(ends[0].stats.get("cached_prompt_tokens", 0))
+            made = sum(e.completion_tokens for e in ends)
+            u = usage(ends[0].prompt_tokens, made, cached)
+            await send(sse(shape.usage_chunk(u, ends[0].stats)))
+        await send(SSE_DONE)
+        await send(None)  # the end of the body
+    except (ConnectionResetError, asyncio.CancelledError):
+        # Normal operation (the client hung up): one debug line, the jobs cancelled.
+        for job in jobs:
+            job.cancel()
+        log.debug("%s: the client disconnected mid-stream; generation cancelled", shape.id)
+        raise
+    return response
+
+
+async def _stream_choice(
+    request: web.Request,
+    job: Job,
+    shape: ResponseShape,  # this choice's (its index)
+    req: CompletionRequest,
+    keepalive: float,
+    previous: int,
+    send: Send,
+    call_format: CallFormat | None,
+    harmony: bool,
+    harmony_calls: bool,
+    thinking: Thinking | None,
+) -> Finished:
+    """One choice's chunks, sent as its job's events come, up to its finish chunk; its
+    Finished event. A failure is sent as the stream's error (`_ChoiceFailed`)."""
     first = True
     offset = 0  # characters of text sent so far (the completions' text_offset)
     calls_only = req.tool_choice not in (None, "auto")
@@ -153,85 +252,72 @@ async def stream(
         turn = HarmonyReader(harmony_calls)
     elif thinking is not None:
         turn = ThinkReader(thinking)
-    try:
-        if shape.chat:  # the role arrives before any text, as OpenAI's own stream does
-            await send(sse(shape.chunk("", first=True)))
+    if shape.chat:  # the role arrives before any text, as OpenAI's own stream does
+        await send(sse(shape.chunk("", first=True)))
+        first = False
+    while True:
+        event = await _next_event(job, request, keepalive)
+        if event is None:
+            # SSE comment: keeps proxies and clients from timing out during a long pass.
+            await send(SSE_KEEPALIVE)
+            continue
+        # Take whatever else already arrived: when rounds outpace the client, one write
+        # carries several rounds' text instead of one write per round.
+        batch = [event]
+        while not job.events.empty():
+            batch.append(job.events.get_nowait())
+        if _client_gone(request):
+            # (a stream that has nothing to write, its text held back by a stop string's
+            # prefix, is told of a client that left by no failed write)
+            raise ConnectionResetError("client disconnected")
+        for trace in (t for e in batch if isinstance(e, Chunk) for t in e.trace):
+            await send(sse(shape.trace_chunk(trace)))
+        text = "".join(e.text for e in batch if isinstance(e, Chunk))
+        logprobs = [lp for e in batch if isinstance(e, Chunk) for lp in e.logprobs]
+        reasoning = ""
+        if turn is not None:
+            read = turn.feed(text)
+            if isinstance(batch[-1], Finished):
+                read += turn.finish()
+            text = "".join(e[1] for e in read if e[0] == "content")
+            reasoning = "".join(e[1] for e in read if e[0] == "reasoning")
+            deltas = [e for e in read if e[0] in ("call", "arguments")]
+            if deltas:
+                await send(sse(shape.tool_chunk(deltas)))
+        if calls is not None:
+            events = calls.feed(text)
+            if isinstance(batch[-1], Finished):
+                events += calls.finish()
+            text = "".join(e[1] for e in events if e[0] == "content")
+            deltas = [e for e in events if e[0] != "content"]
+            if deltas:
+                await send(sse(shape.tool_chunk(deltas)))
+            ended = isinstance(batch[-1], Finished)
+            if calls.state not in ("undecided", "text"):
+                logprobs = held = []  # a call begun: its tokens are not content
+            elif calls.state == "undecided" and not ended:  # its text is held: so are they
+                logprobs, held = [], held + logprobs
+            elif calls.calls_only:  # (ended before a call began: no content either)
+                logprobs = held = []
+            else:
+                logprobs, held = held + logprobs, []
+        if text or logprobs or reasoning:
+            chunk = shape.chunk(
+                text, first=first, logprobs=logprobs, offset=offset, previous=previous,
+                reasoning=reasoning,
+            )  # fmt: skip
+            await send(sse(chunk))
             first = False
-        while True:
-            event = await _next_event(job, request, keepalive)
-            if event is None:
-                # SSE comment: keeps proxies and clients from timing out during a long pass.
-                await send(SSE_KEEPALIVE)
-                continue
-            # Take whatever else already arrived: when rounds outpace the client, one write
-            # carries several rounds' text instead of one write per round.
-            batch = [event]
-            while not job.events.empty():
-                batch.append(job.events.get_nowait())
-            if _client_gone(request):
-                # (a stream that has nothing to write, its text held back by a stop
-                # string's prefix, is told of a client that left by no failed write)
-                raise ConnectionResetError("client disconnected")
-            for trace in (t for e in batch if isinstance(e, Chunk) for t in e.trace):
-                await send(sse(shape.trace_chunk(trace)))
-            text = "".join(e.text for e in batch if isinstance(e, Chunk))
-            logprobs = [lp for e in batch if isinstance(e, Chunk) for lp in e.logprobs]
-            reasoning = ""
-            if turn is not None:
-                read = turn.feed(text)
-                if isinstance(batch[-1], Finished):
-                    read += turn.finish()
-                text = "".join(e[1] for e in read if e[0] == "content")
-                reasoning = "".join(e[1] for e in read if e[0] == "reasoning")
-                deltas = [e for e in read if e[0] in ("call", "arguments")]
-                if deltas:
-                    await send(sse(shape.tool_chunk(deltas)))
-            if calls is not None:
-                events = calls.feed(text)
-                if isinstance(batch[-1], Finished):
-                    events += calls.finish()
-                text = "".join(e[1] for e in events if e[0] == "content")
-                deltas = [e for e in events if e[0] != "content"]
-                if deltas:
-                    await send(sse(shape.tool_chunk(deltas)))
-                ended = isinstance(batch[-1], Finished)
-                if calls.state not in ("undecided", "text"):
-                    logprobs = held = []  # a call begun: its tokens are not content
-                elif calls.state == "undecided" and not ended:  # its text is held: so are they
-                    logprobs, held = [], held + logprobs
-                elif calls.calls_only:  # (ended before a call began: no content either)
-                    logprobs = held = []
-                else:
-                    logprobs, held = held + logprobs, []
-            if text or logprobs or reasoning:
-                chunk = shape.chunk(
-                    text, first=first, logprobs=logprobs, offset=offset, previous=previous,
-                    reasoning=reasoning,
-                )  # fmt: skip
-                await send(sse(chunk))
-                first = False
-                offset += len(text)
-                previous = logprobs[-1].token if logprobs else previous
-            event = batch[-1]
-            if isinstance(event, Finished):
-                reason = event.finish_reason
-                called = (calls is not None and calls.index >= 0) or (turn and turn.calls)
-                if called and reason == "stop":
-                    reason = "tool_calls"
-                await send(sse(shape.chunk("", finish_reason=reason, stats=event.stats)))
-                if req.include_usage:
-                    cached = int(event.stats.get("cached_prompt_tokens", 0))
-                    u = usage(event.prompt_tokens, event.completion_tokens, cached)
-                    await send(sse(shape.usage_chunk(u, event.stats)))
-                break
-            elif isinstance(event, Failed):
-                await send(sse(_failure(event.error).body()))
-                break
-        await send(SSE_DONE)
-        await send(None)  # the end of the body
-    except (ConnectionResetError, asyncio.CancelledError):
-        # Normal operation (the client hung up): one debug line, the job cancelled.
-        job.cancel()
-        log.debug("%s: the client disconnected mid-stream; generation cancelled", shape.id)
-        raise
-    return response
+            offset += len(text)
+            previous = logprobs[-1].token if logprobs else previous
+        event = batch[-1]
+        if isinstance(event, Finished):
+            reason = event.finish_reason
+            called = (calls is not None and calls.index >= 0) or (turn and turn.calls)
+            if called and reason == "stop":
+                reason = "tool_calls"
+            await send(sse(shape.chunk("", finish_reason=reason, stats=event.stats)))
+            return event
+        if isinstance(event, Failed):
+            await send(sse(_failure(event.error).body()))
+            raise _ChoiceFailed
