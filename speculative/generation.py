@@ -33,7 +33,9 @@ class Chunk:
     finish_reason: str | None = None
     # With Generation(trace=True): one entry per round that drafted a tree (`trace_round`).
     trace: list[dict[str, Any]] = field(default_factory=list)
-    # With params.logprobs set: one entry per token of `token_ids`.
+    # With params.logprobs set: one entry per emitted token whose text is out, in order (a
+    # token whose text a stop string's prefix holds comes with that text; one inside the
+    # stop string, never), so they spell the answer's text as it streams.
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
@@ -163,6 +165,10 @@ class Generation:
                 self.constraint,
             )
         )  # fmt: skip
+        # Emitted tokens' log-probabilities not given yet, with where each one's text
+        # begins among the characters decoded so far (`decoded`).
+        held: list[tuple[int, TokenLogprob]] = []
+        decoded = 0
         try:
             for item in rounds:
                 if isinstance(item, Forward | Allot):
@@ -174,12 +180,17 @@ class Generation:
                     self.stats.first_token_seconds = time.perf_counter() - t0
                 taken: list[int] = []
                 text = ""
+                scores = rnd.logprobs or []
                 for tok in rnd.tokens:
                     if tok in self.stop_token_ids:
                         self.finish_reason, self.stopped_by_token = "stop", True
                         break
+                    if len(taken) < len(scores):  # (where its text begins in the decoded)
+                        held.append((decoded, scores[len(taken)]))
                     taken.append(tok)
-                    text += stops.push(detok.push([tok]))
+                    piece = detok.push([tok])
+                    decoded += len(piece)
+                    text += stops.push(piece)
                     if stops.stopped:
                         self.finish_reason = "stop"
                         break
@@ -200,8 +211,14 @@ class Generation:
                     trace.append(trace_round(self.traced_rounds, rnd, tree, self.tokenizer))
                 # A round with no tokens (a prefill step) still yields an empty chunk: the
                 # caller gets control back between chunks of a long prompt.
-                # The emitted tokens' log-probabilities, as many as were taken.
-                logprobs = (rnd.logprobs or [])[: len(taken)]
+                # The log-probabilities of the tokens whose text is out (a token's text held
+                # back by a stop string's prefix keeps its own back; one inside the stop
+                # string is never given), every one at an end that no stop string made.
+                cut = stops.stopped or self.finish_reason is None
+                out = len(self.text)
+                given = sum(1 for start, _ in held if start < out) if cut else len(held)
+                logprobs = [lp for _, lp in held[:given]]
+                held = [] if self.finish_reason is not None else held[given:]
                 yield Chunk(text, taken, self.finish_reason, trace, logprobs)
                 if self.finish_reason is not None:
                     return
@@ -209,7 +226,7 @@ class Generation:
             self.finish_reason = "length"
             tail = stops.push(detok.flush()) + stops.flush()
             self.text += tail
-            yield Chunk(tail, [], self.finish_reason)
+            yield Chunk(tail, [], self.finish_reason, logprobs=[lp for _, lp in held])
         finally:
             rounds.close()
             self.stats.total_seconds = time.perf_counter() - t0

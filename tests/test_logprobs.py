@@ -58,6 +58,44 @@ def test_every_strategy_reports_the_targets_logprobs(runtime: Runtime, temperatu
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
 
 
+@pytest.mark.parametrize("name", ["autoregressive", "tree"])
+def test_logprobs_spell_the_text_a_stop_string_leaves(runtime: Runtime, name: str) -> None:
+    """A stop string cuts the log-probabilities with the text: no entry for a token inside
+    the stop string (" a great" made the text " is" and gave the tokens " is", " a",
+    " great"), and none for a token whose text a stop's prefix holds before that text is
+    given (a stream gave them ahead of their text)."""
+    strategy = runtime.strategy(name)
+    ids = runtime.tokenizer.encode(PROMPT)
+    greedy = SamplingParams(temperature=0.0, logprobs=0)
+
+    def run(stop: list[str]) -> tuple[Generation, list]:
+        session = runtime.new_session(strategy)
+        gen = Generation(strategy, session, runtime.tokenizer, ids, greedy, 24, stop=stop)
+        return gen, list(gen)
+
+    whole = run([])[0]
+    words = whole.token_ids
+    # The answer's text up to each token (a decode alone drops a leading space).
+    lead = len(whole.text) - len(runtime.tokenizer.decode(words))
+    ends = [len(runtime.tokenizer.decode(words[: k + 1])) + lead for k in range(len(words))]
+    pieces = [whole.text[:end] for end in ends]
+    # The text of two tokens, from the third on, found nowhere before it.
+    k = next(
+        k for k in range(2, len(words) - 2)
+        if pieces[k + 2].find(pieces[k + 2][len(pieces[k]) :]) == len(pieces[k])
+        and pieces[k + 2].startswith(pieces[k]) and len(pieces[k + 2]) > len(pieces[k])
+    )  # fmt: skip
+    stop = pieces[k + 2][len(pieces[k]) :]
+    gen, chunks = run([stop])
+    assert gen.text == pieces[k] and gen.finish_reason == "stop"
+    assert [lp.token for c in chunks for lp in c.logprobs] == words[: k + 1]
+    text, given = "", 0
+    for chunk in chunks:  # as it streams: never a token ahead of its text
+        text += chunk.text
+        given += len(chunk.logprobs)
+        assert not given or len(pieces[given - 1]) <= len(text)
+
+
 def test_token_logprob_is_the_log_softmax_row() -> None:
     logits = torch.tensor([2.0, 0.5, -1.0, 3.0])
     lp = token_logprob(logits, 1, 2)
