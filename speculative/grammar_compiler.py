@@ -17,8 +17,9 @@ runs longer is answered with a 400 at once. Native code cannot be stopped midway
 its thread finishes the compile in the background and drops the result (the schema
 limits and the engine's own fuel limits bound how long that is). A compile whose caller has gone before
 it started is skipped. Waiting compiles are taken in turn per client (round robin over
-the keys callers give, first come first served within one), so one client's many
-schemas delay another's by at most one compile each. A compile that has not started
+the clients' addresses, then over the users each names, first come first served within
+one), so one client's many schemas, under as many user names as it likes, delay
+another's by at most one compile each. A compile that has not started
 within `limits.grammar_compile_seconds` of being asked for (the thread is still busy with
 one past its limit) is refused as load (`CompilerBusy`, a 503), so no request holds its
 place in the house longer than two compiles' time.
@@ -60,52 +61,88 @@ class CompileJob:
         self.future.cancel()
 
 
-class _FairQueue:
-    """Jobs waiting, taken round robin over their clients' keys."""
+class _Turns:
+    """Items taken round robin over their keys, first in first out within one."""
 
     def __init__(self) -> None:
-        self._by_client: dict[str, deque[CompileJob]] = {}
-        self._turns: deque[str] = deque()
+        self.by_key: dict[str, deque[Any]] = {}
+        self.turns: deque[str] = deque()
+
+    def put(self, key: str, item: Any) -> None:
+        if key not in self.by_key:
+            self.by_key[key] = deque()
+            self.turns.append(key)
+        self.by_key[key].append(item)
+
+    def take(self) -> Any:
+        """The next key's oldest item (there is one: `bool(self)`)."""
+        key = self.turns.popleft()
+        items = self.by_key[key]
+        item = items.popleft()
+        if items:
+            self.turns.append(key)
+        else:
+            del self.by_key[key]
+        return item
+
+    def __bool__(self) -> bool:
+        return bool(self.turns)
+
+
+class _FairQueue:
+    """Jobs waiting, taken round robin over their clients (a connection's address), and
+    within a client round robin over the users it names (OpenAI's `user` field): a client
+    that names a new user with every request still has one turn in each round (users were
+    clients of their own, and eight of them held every other client's compile past its
+    time)."""
+
+    def __init__(self) -> None:
+        self._users: dict[str, _Turns] = {}  # per client with jobs waiting: its users'
+        self._turns: deque[str] = deque()  # those clients, in turn
         self._ready = threading.Condition()
         self._closed = False
 
-    def put(self, client: str, job: CompileJob) -> None:
+    def put(self, client: str, user: str, job: CompileJob) -> None:
         with self._ready:
-            if client not in self._by_client:
-                self._by_client[client] = deque()
+            users = self._users.get(client)
+            if users is None:
+                users = self._users[client] = _Turns()
                 self._turns.append(client)
-            self._by_client[client].append(job)
+            users.put(user, job)
             self._ready.notify()
 
     def get(self) -> CompileJob | None:
-        """The next client's oldest job; None once closed."""
+        """The next client's next user's oldest job; None once closed."""
         with self._ready:
             while not self._turns and not self._closed:
                 self._ready.wait()
             if self._closed:
                 return None
             client = self._turns.popleft()
-            jobs = self._by_client[client]
-            job = jobs.popleft()
-            if jobs:
+            users = self._users[client]
+            job: CompileJob = users.take()
+            if users:
                 self._turns.append(client)
             else:
-                del self._by_client[client]
+                del self._users[client]
             return job
+
+    def _jobs(self) -> list[CompileJob]:
+        return [job for users in self._users.values() for jobs in users.by_key.values()
+                for job in jobs]  # fmt: skip
 
     def close(self) -> None:
         with self._ready:
             self._closed = True
-            for jobs in self._by_client.values():
-                for job in jobs:
-                    job.cancel()
-            self._by_client.clear()
+            for job in self._jobs():
+                job.cancel()
+            self._users.clear()
             self._turns.clear()
             self._ready.notify_all()
 
     def __len__(self) -> int:
         with self._ready:
-            return sum(len(jobs) for jobs in self._by_client.values())
+            return len(self._jobs())
 
 
 # threading.stack_size is process-wide for threads started after it: set, start, restore.
@@ -135,10 +172,13 @@ class GrammarCompiler:
             finally:
                 threading.stack_size(previous)
 
-    def submit(self, grammar: Grammar, tokenizer: Any, width: int, client: str = "") -> CompileJob:
-        """Queue the compile of `grammar` against `tokenizer` (logit rows `width`)."""
+    def submit(
+        self, grammar: Grammar, tokenizer: Any, width: int, client: str = "", user: str = ""
+    ) -> CompileJob:
+        """Queue the compile of `grammar` against `tokenizer` (logit rows `width`), in the
+        turn of `client` (its address) and `user` (the user it names)."""
         job = CompileJob(grammar, tokenizer, width)
-        self._queue.put(client, job)
+        self._queue.put(client, user, job)
         return job
 
     def constraint(self, grammar: Grammar, tokenizer: Any, width: int) -> Constraint:

@@ -580,3 +580,32 @@ def test_a_compile_stuck_ahead_is_load_not_the_request_s_fault(roomy: Background
     wait_for_idle(roomy)
     status, body = post(port, small)
     assert status == 200, body
+
+
+def test_the_compile_lane_goes_round_addresses_then_their_users() -> None:
+    """One client naming a new `user` with every request still has one turn a round: eight
+    users of one address held another client's compile past its time (an attacker's 503
+    `grammar_compiler_busy` after 5 s), each having been a client of its own."""
+    from speculative.grammar_compiler import CompileJob, _FairQueue
+
+    queue = _FairQueue()
+    made: dict[int, str] = {}
+    for i in range(8):
+        job = CompileJob(None, None, 0)  # type: ignore[arg-type]
+        made[id(job)] = f"attacker/u{i}"
+        queue.put("10.0.0.1", f"u{i}", job)
+    for who, user in (("victim", ""), ("victim2", "a"), ("victim2", "b")):
+        job = CompileJob(None, None, 0)  # type: ignore[arg-type]
+        made[id(job)] = f"{who}/{user}"
+        queue.put({"victim": "10.0.0.2", "victim2": "10.0.0.3"}[who], user, job)
+    order = []
+    while len(queue):
+        job = queue.get()
+        assert job is not None
+        order.append(made[id(job)])
+    assert order[:6] == [
+        "attacker/u0", "victim/", "victim2/a", "attacker/u1", "victim2/b", "attacker/u2",
+    ]  # fmt: skip
+    assert order[6:] == [f"attacker/u{i}" for i in range(3, 8)]
+    queue.close()
+    assert queue.get() is None

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from daemon.admission import Settled, settle
 from daemon.engine import Engine
+from daemon.http.connections import client_of
 from daemon.http.edge import CONFIG, DRAINING, ENGINE, ApiConfig
 from daemon.http.openai_errors import ApiError
 from daemon.http.openai_responses import ResponseShape
@@ -100,10 +101,8 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         # loop, on a few threads (the others wait in the executor's queue), so /health and
         # the streams in flight keep flowing meanwhile. A request whose client leaves
         # while it waits there is dropped.
-        work = loop.run_in_executor(
-            app[PREPARERS], partial(_prepare, app, raw, chat, request.remote or "")
-        )
-        engine, req, settled, client = await _unless_gone(request, work)
+        work = loop.run_in_executor(app[PREPARERS], partial(_prepare, app, raw, chat))
+        engine, req, settled, user = await _unless_gone(request, work)
         admitted = settled.request
         if settled.grammar is not None:
             # Its own lane: requests without a grammar never wait behind a compile.
@@ -111,7 +110,14 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             assert runtime is not None
             compiler = app[GRAMMARS]
             width = runtime.target.vocab_width
-            compiling = compiler.submit(settled.grammar, runtime.tokenizer, width, client)
+            peer = (
+                client_of(request.transport.get_extra_info("peername"))
+                if request.transport
+                else None
+            )
+            compiling = compiler.submit(
+                settled.grammar, runtime.tokenizer, width, peer or request.remote or "", user
+            )
             # Cancelling the awaited future cancels the job: skipped if it has not started.
             admitted.constraint = await _unless_gone(
                 request, asyncio.wrap_future(compiling.future), partial(compiler.check, compiling)
@@ -255,13 +261,13 @@ class ClientGone(ConnectionResetError):
 
 
 def _prepare(
-    app: web.Application, raw: bytes, chat: bool, peer: str
+    app: web.Application, raw: bytes, chat: bool
 ) -> tuple[Engine, CompletionRequest, Settled, str]:
     """A request body → the engine, the validated request, what the engine is to serve
     (`settle`: its prompt ids, the grammar still to compile, the format its answer's tool
-    calls are read in) and the client's key for the grammar compiler's fair order (its
-    address and OpenAI's `user` field), or the error that refuses it. Runs on a preparing
-    thread."""
+    calls are read in) and the user it names (OpenAI's `user` field: the grammar
+    compiler's turns go round the clients' addresses, then round each one's users), or
+    the error that refuses it. Runs on a preparing thread."""
     config = app[CONFIG]
     body = parse_json_object(raw)
     req = parse_chat(body, config.limits) if chat else parse_completion(body, config.limits)
@@ -277,5 +283,9 @@ def _prepare(
     assert engine.runtime is not None
     clamp = config.limits.clamp_max_tokens
     user = body.get("user")
-    client = f"{peer}/{user if isinstance(user, str) else ''}"
-    return engine, req, settle(engine.runtime, req, clamp_max_tokens=clamp), client
+    return (
+        engine,
+        req,
+        settle(engine.runtime, req, clamp_max_tokens=clamp),
+        user if isinstance(user, str) else "",
+    )
