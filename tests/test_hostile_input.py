@@ -633,3 +633,16 @@ def test_a_surrogate_pair_is_a_character(server: BackgroundServer) -> None:
     assert b"\\ud83d\\ude00" in raw
     reply = exchange(port(server), request("POST", "/v1/chat/completions", body=raw))
     assert reply.status == 200, reply.body
+
+
+def test_a_refused_request_cannot_forge_a_line_of_the_log(
+    server: BackgroundServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The refusal's log line writes a client's path with its control characters escaped:
+    a percent-encoded CR LF wrote a line of the attacker's into the log, NUL a NUL."""
+    forged = "/%0d%0a2026-12-07%2016:00:00,000%20INFO%20specd.server:%20fake%00%1b[2J"
+    with caplog.at_level("WARNING", logger="specd.api"):
+        exchange(port(server), request("GET", forged, key=None))
+    (line,) = [r.getMessage() for r in caplog.records if "refused GET" in r.getMessage()]
+    assert not any(c in line for c in "\r\n\x00\x1b")
+    assert "/\\x0d\\x0a2026-12-07 16:00:00,000 INFO specd.server: fake\\x00\\x1b[2J" in line

@@ -17,7 +17,7 @@ from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooL
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
-from daemon.http.openai_errors import ApiError
+from daemon.http.openai_errors import ApiError, loggable
 
 log = logging.getLogger("specd.api")
 
@@ -148,7 +148,8 @@ class OpenAIErrorRequestHandler(RequestHandler):
             raise ConnectionError("a response was already sent; cannot send the error")
         if isinstance(exc, HttpProcessingError):
             # Routine on any port a stranger can reach: one line, no traceback.
-            log.info("refused a malformed HTTP request from %s: %s", request.remote, exc.message)
+            reason = loggable(str(exc.message))
+            log.info("refused a malformed HTTP request from %s: %s", request.remote, reason)
         elif isinstance(exc, ConnectionError):  # the client left mid-request: nobody to tell
             log.debug("client %s disconnected: %s", request.remote, exc)
         else:

@@ -20,7 +20,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from daemon.engine import Engine
 from daemon.hostname import allowed_host_names, host_name
 from daemon.http.connections import parser_error
-from daemon.http.openai_errors import ApiError, bad_request
+from daemon.http.openai_errors import ApiError, bad_request, loggable
 from daemon.http.openai_fields import WireLimits
 from daemon.http.sending import deliver
 from daemon.metrics import Metrics
@@ -185,7 +185,7 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     except BaseException as exc:  # (a library's panic too: answered, not a closed connection)
         if not isinstance(exc, Exception) and not rust_panic(exc):
             raise
-        log.exception("internal error on %s", request.path)
+        log.exception("internal error on %s", loggable(request.path))
         response = error_response(
             ApiError(500, "internal server error (see the daemon's log)", type="server_error")
         )
@@ -234,8 +234,8 @@ def _log_refusal(request: web.Request, err: ApiError) -> None:
     message = err.message if len(err.message) <= LOGGED_MESSAGE else err.message[:LOGGED_MESSAGE]
     log.warning(
         "refused %s %s from %s: %d %s (param %s): %s",
-        request.method, request.path[:100], request.remote, err.status, err.code or err.type,
-        err.param, message.replace("\n", " "),
+        loggable(request.method), loggable(request.path[:100]), request.remote, err.status,
+        err.code or err.type, loggable(str(err.param)), loggable(message),
     )  # fmt: skip
 
 

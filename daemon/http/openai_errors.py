@@ -4,6 +4,7 @@ raised anywhere in the HTTP layer and written by the edge (daemon/http/edge.py),
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,3 +55,14 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def loggable(text: str) -> str:
+    """`text` from a client as one log line: control characters (CR, LF, NUL, the escape
+    that starts a terminal sequence, the Unicode line separators) written as `\\xNN`, so
+    that no client can end a line of the log and forge the next one (a percent-encoded
+    CR LF in a refused request's path did)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
