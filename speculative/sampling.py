@@ -348,8 +348,22 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     if seed is None:
         gen.seed()
     else:
-        gen.manual_seed(seed)
+        gen.manual_seed(generator_seed(seed))
     return gen
+
+
+def generator_seed(seed: int) -> int:
+    """A request's 64-bit seed as the generator's: the CPU generator reads only a seed's low
+    32 bits (5, 5 + 2**32 and 5 + 2**40 drew the same text, an attacker found), so a seed
+    from 0 to 2**32 - 1 is itself, and any other (negative ones as their 64-bit two's
+    complement) is mixed down to 32 bits (splitmix64's finaliser): distinct seeds then
+    share a stream only by the chance of a 32-bit collision."""
+    if 0 <= seed < 1 << 32:
+        return seed
+    x = seed & (1 << 64) - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (1 << 64) - 1
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (1 << 64) - 1
+    return (x ^ (x >> 31)) & (1 << 32) - 1
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -258,3 +258,21 @@ def test_position_noise_depends_on_the_position_only_and_is_shared_per_position(
     assert torch.equal(rows[0], rows[2]) and torch.equal(rows[1], rows[4])
     assert not torch.equal(rows[0], rows[1])
     assert torch.equal(noise.gumbel([9])[0], rows[3])  # the same draw, whatever the batch
+
+
+def test_every_bit_of_a_seed_counts() -> None:
+    """The CPU generator reads a seed's low 32 bits: 5, 5 + 2**32 and 5 + 2**40 drew the
+    same text. Seeds below 2**32 keep their streams; wider and negative ones are mixed
+    down, so neighbours 2**32 apart (and -1 against 2**64 - 1) draw apart."""
+    from speculative.sampling import generator_seed, make_generator
+
+    def draws(seed: int) -> list[float]:
+        return torch.rand(4, generator=make_generator(seed)).tolist()
+
+    assert generator_seed(5) == 5 and generator_seed(2**32 - 1) == 2**32 - 1
+    assert draws(5) == torch.rand(4, generator=torch.Generator().manual_seed(5)).tolist()
+    family = [5, 5 + 2**32, 5 + 2**40, 2**63 + 5, 0, 2**63, 4, 2**64 - 1, 2**64 - 2**32]
+    assert len({tuple(draws(s)) for s in family}) == len(family)
+    # (a negative seed is its 64-bit two's complement: the range is 1.5 times 2**64 wide)
+    assert draws(-1) == draws(2**64 - 1) and draws(-(2**63)) == draws(2**63)
+    assert all(0 <= generator_seed(s) < 2**32 for s in family)
