@@ -70,6 +70,7 @@ class Ask:
     params: SamplingParams
     max_tokens: int
     max_tokens_given: bool = True  # False: a default, cut to the room left without a word
+    max_tokens_field: str = "max_tokens"  # the field that gave it (max_completion_tokens)
     stop: list[str] = field(default_factory=list)
     strategy: str | None = None  # None: the runtime's default
     budget: int | None = None  # tree budget for this request only
@@ -339,11 +340,12 @@ def _max_tokens(ask: Ask, prompt_tokens: int, context: int, clamp: bool) -> int:
     to the room left."""
     room = context - prompt_tokens
     if ask.max_tokens > room and ask.max_tokens_given and not clamp:
+        name = ask.max_tokens_field
         raise RequestError(
-            f"max_tokens is {ask.max_tokens} but the prompt has {prompt_tokens} tokens and "
-            f"the context holds {context}: at most {room} new tokens fit; lower max_tokens "
+            f"{name} is {ask.max_tokens} but the prompt has {prompt_tokens} tokens and "
+            f"the context holds {context}: at most {room} new tokens fit; lower {name} "
             f"to {room} or less, shorten the prompt, or raise context.length",
-            "max_tokens",
+            name,
             "context_length_exceeded",
         )
     return min(ask.max_tokens, room)

@@ -534,7 +534,8 @@ class Engine:
         gen = active.generation
         stats: GenerationStats = gen.stats
         assert self.runtime is not None
-        stats.extra["batch_size"] = active.pass_generations / max(active.target_passes, 1)
+        passes = active.target_passes
+        stats.extra["batch_size"] = active.pass_generations / passes if passes else None
         stats.extra["shared_passes"] = active.shared_passes
         # The streamer counts since its last report; with interleaved generations the
         # figures are shared among them, but the totals in /metrics stay exact.

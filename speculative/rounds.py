@@ -126,7 +126,11 @@ class GenerationStats:
         extra = d.pop("extra")
         decode_seconds = self.total_seconds - self.prefill_seconds
         d.update(
-            tokens_per_target_pass=self.generated_tokens / max(self.decode_passes, 1),
+            # (None where no decode pass ran: every token replayed from the prefix cache, or
+            # forced by a grammar; its tokens were no pass's)
+            tokens_per_target_pass=self.generated_tokens / self.decode_passes
+            if self.decode_passes > 0
+            else None,
             acceptance_rate=(self.accepted / self.drafted) if self.drafted else None,
             tree_nodes=(self.tree_nodes_total / self.rounds) if self.tree_nodes_total else 0.0,
             tokens_per_second=self.generated_tokens / decode_seconds

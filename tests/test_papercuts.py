@@ -158,6 +158,8 @@ def test_a_replayed_answer_says_so_instead_of_a_speed(server: BackgroundServer) 
     again = greedy_stats(server, prompt)  # greedy: every token is in the prefix cache now
     assert first["target_passes"] > 0 and again["target_passes"] == 0
     assert again["prefix_cache_hits"] > 0
+    # (no pass: no tokens per pass and no batch, where they read 8.0 and 0.0)
+    assert again["tokens_per_target_pass"] is None and again["batch_size"] is None
     assert "tokens/s" in stats_line(first)
     hits = again["prefix_cache_hits"]
     assert stats_line(again) == f"[replayed from the prefix cache: {hits} tokens, no target pass]"

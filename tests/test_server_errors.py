@@ -610,3 +610,83 @@ def test_a_non_streaming_client_that_disconnects_is_cancelled(
     assert engine.active_count == 0
     assert len(passes) < max_tokens // 2  # stopped early, not run to the end for nobody
     assert engine.metrics.completion_tokens.value == completed
+
+
+# ---- an attacker's findings of 2026-12-07 ------------------------------------------------
+
+
+def test_a_lone_surrogate_in_a_tools_parameters_names_them(server: BackgroundServer) -> None:
+    """It reached the grammar engine, whose refusal named `tools` ("unexpected end of hex
+    escape", code unsupported_grammar)."""
+    raw = json.dumps({**good(), "tools": [{"type": "function", "function": {"name": "f",
+        "parameters": {"type": "object", "properties": {"a": {"type": "string",
+        "description": "SURROGATE"}}}}}]}).replace("SURROGATE", "\\ud800").encode()  # fmt: skip
+    error = assert_error(call(server, raw), 400, "tools[0].function.parameters")
+    assert error["code"] == "invalid_unicode"
+    raw = json.dumps({**good(), "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "description": "SURROGATE"}}}})  # fmt: skip
+    error = assert_error(call(server, raw.replace("SURROGATE", "\\udc00").encode()), 400)
+    assert error["param"] == "response_format.json_schema.schema"
+
+
+def test_max_tokens_and_max_completion_tokens_are_each_checked(server: BackgroundServer) -> None:
+    """`max_tokens` was never looked at beside `max_completion_tokens` ("garbage" passed),
+    and a limit past the context named `max_tokens`, a field the client had not sent."""
+    assert_error(call(server, {**good(), "max_completion_tokens": 2, "max_tokens": "x"}), 400,
+                 "max_tokens")  # fmt: skip
+    error = assert_error(call(server, {**good(), "max_completion_tokens": 2, "max_tokens": 3}), 400,
+                         "max_tokens")  # fmt: skip
+    assert "differ" in error["message"]
+    status, _, body = call(server, {**good(), "max_completion_tokens": 2, "max_tokens": 2})
+    assert status == 200 and body["usage"]["completion_tokens"] <= 2
+    alone = {k: v for k, v in good().items() if k != "max_tokens"}
+    error = assert_error(call(server, {**alone, "max_completion_tokens": 900}), 400,
+                         "max_completion_tokens")  # fmt: skip
+    assert error["code"] == "context_length_exceeded"
+    assert error["message"].startswith("max_completion_tokens is 900")
+
+
+def test_a_wrong_method_says_which_methods_the_path_takes(server: BackgroundServer) -> None:
+    error = assert_error(call(server, None, "/health", method="PUT"), 405)
+    _, headers, _ = call(server, None, "/health", method="PUT")
+    assert "GET" in headers["allow"] and error["code"] == "method_not_allowed"
+    assert assert_error(call(server, None, "/nowhere", method="GET"), 404)["code"] == "not_found"
+
+
+def test_a_model_is_retrieved_by_its_id(server: BackgroundServer) -> None:
+    """GET /v1/models/{id}: the official client's `models.retrieve`."""
+    status, _, body = call(server, None, f"/v1/models/{MODEL}", method="GET")
+    assert status == 200 and body == {"id": MODEL, "object": "model", "created": 0,
+                                      "owned_by": "specd"}  # fmt: skip
+    error = assert_error(call(server, None, "/v1/models/other/model", method="GET"), 404, "model")
+    assert error["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    ("header", "value", "status", "code"),
+    [("Content-Encoding", "x-unknown", 415, "unsupported_content_encoding"),
+     ("Content-Encoding", "gzip, gzip", 415, "unsupported_content_encoding"),
+     ("Content-Encoding", "br", 415, "unsupported_content_encoding"),
+     ("Transfer-Encoding", "gzip, chunked", 400, "unsupported_transfer_encoding")],
+)  # fmt: skip
+def test_a_body_in_an_encoding_specd_cannot_read_is_refused(
+    server: BackgroundServer, header: str, value: str, status: int, code: str
+) -> None:
+    """aiohttp read an unknown Content-Encoding as plain bytes, and for br and zstd told the
+    client which package to install."""
+    sock = socket.create_connection(("127.0.0.1", server.server.port), timeout=30)
+    body = json.dumps(good()).encode()
+    length = f"Content-Length: {len(body)}\r\n" if header == "Content-Encoding" else ""
+    if header == "Transfer-Encoding":
+        body = f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+            f"{KEY}\r\nContent-Type: application/json\r\n{header}: {value}\r\n{length}\r\n")  # fmt: skip
+    sock.sendall(head.encode() + body)
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    sock.close()
+    # (br is refused by aiohttp's parser, whose status line says HTTP/1.0)
+    assert got.split(b"\r\n")[0].split(b" ")[1] == str(status).encode(), got[:200]
+    answer = json.loads(got.split(b"\r\n\r\n", 1)[1])
+    assert answer["error"]["code"] == code and "install" not in answer["error"]["message"]

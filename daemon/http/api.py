@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from aiohttp import web
 
@@ -32,6 +33,7 @@ from daemon.http.edge import (
     edge_middleware,
     expect_handler,
 )
+from daemon.http.openai_errors import ApiError
 from daemon.metrics import Metrics
 from speculative.grammar_compiler import GrammarCompiler
 
@@ -72,14 +74,29 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
+def _model_object(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "specd"}
+
+
 async def models(request: web.Request) -> web.Response:
     name = request.app[CONFIG].model_name
-    return web.json_response(
-        {
-            "object": "list",
-            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "specd"}],
-        }
-    )
+    return web.json_response({"object": "list", "data": [_model_object(name)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id} (the official client's `models.retrieve`): the model served here
+    under any of its names, or a 404 `model_not_found`."""
+    config = request.app[CONFIG]
+    asked = request.match_info["model"]
+    if not config.serves(asked):
+        raise ApiError(
+            404,
+            f"model {asked[:200]!r} is not served here; this daemon serves {config.model_name!r}",
+            type="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+    return web.json_response(_model_object(config.model_name))
 
 
 def create_app(engine: Engine, metrics_: Metrics, config: ApiConfig) -> web.Application:
@@ -99,6 +116,8 @@ def create_app(engine: Engine, metrics_: Metrics, config: ApiConfig) -> web.Appl
     app.router.add_get("/health", health, expect_handler=expect_handler)
     app.router.add_get("/metrics", metrics, expect_handler=expect_handler)
     app.router.add_get("/v1/models", models, expect_handler=expect_handler)
+    # (a model's id may hold slashes: a hub id, an Ollama name, a GGUF file's path)
+    app.router.add_get("/v1/models/{model:.+}", model, expect_handler=expect_handler)
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_handler)
     app.router.add_post("/v1/completions", completions, expect_handler=expect_handler)
     # CORS preflights (OPTIONS with an allowed Origin) are answered by the middleware.

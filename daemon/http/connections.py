@@ -13,7 +13,12 @@ from collections import Counter
 from typing import Any, cast
 
 from aiohttp import web
-from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import (
+    BadHttpMethod,
+    ContentEncodingError,
+    HttpProcessingError,
+    LineTooLong,
+)
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError, _ErrInfo
 from aiohttp.web_request import BaseRequest
 
@@ -25,6 +30,14 @@ log = logging.getLogger("specd.api")
 def parser_error(status: int, exc: BaseException | None) -> ApiError:
     if isinstance(exc, RequestPayloadError) and exc.__cause__ is not None:
         exc = exc.__cause__  # aiohttp's wrapper around a body's decoding error
+    if isinstance(exc, ContentEncodingError) and "install" in str(exc.message):
+        # An encoding aiohttp has no library for (br, zstd): its message said which
+        # package to install. (A gzip body that does not decode is a 400 as below.)
+        return ApiError(
+            415,
+            "the body's Content-Encoding is not supported: send it as is, or gzip or deflate it",
+            code="unsupported_content_encoding",
+        )
     if isinstance(exc, HttpProcessingError):
         # aiohttp's message, first line only (the rest is a caret under the bad byte).
         detail = exc.message.strip().splitlines()
@@ -155,7 +168,7 @@ class OpenAIErrorRequestHandler(RequestHandler):
         else:
             log.error("error handling a request from %s", request.remote, exc_info=exc)
         err = parser_error(status, exc)
-        response = web.json_response(err.body(), status=status, headers=err.headers)
+        response = web.json_response(err.body(), status=err.status, headers=err.headers)
         response.force_close()
         return response
 

@@ -141,6 +141,14 @@ def cors_headers(origin: str) -> dict[str, str]:
     }
 
 
+# Refusals after which the connection closes, its body unread.
+UNREAD_BODY_CODES = frozenset(
+    {"host_not_allowed", "unsupported_content_encoding", "unsupported_transfer_encoding"}
+)
+# The `code` of an aiohttp refusal that names none of its own.
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
 @web.middleware
 async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Security checks, then the handler; every failure leaves in the OpenAI error shape."""
@@ -155,9 +163,10 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     except ApiError as err:
         refused = err
         response = error_response(err)
-        if err.code == "host_not_allowed":
+        if err.code in UNREAD_BODY_CODES:
             # (a client that names a host this daemon does not serve, a DNS rebinding
-            # page's, gets nothing more on this connection: its body is not read either)
+            # page's, gets nothing more on this connection: its body is not read either;
+            # nor is a body in an encoding specd cannot read)
             response.force_close()
             request.content.feed_eof()
     except RequestError as err:  # a domain error that is the request's fault
@@ -179,9 +188,13 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        # (a 405 says which methods the path takes, as RFC 9110 asks)
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        code = HTTP_CODES.get(exc.status, str(exc.status))
         response = error_response(
-            ApiError(exc.status, exc.reason, type="invalid_request_error", code=str(exc.status))
-        )
+            ApiError(exc.status, exc.reason, type="invalid_request_error", code=code,
+                     headers=allow)
+        )  # fmt: skip
     except BaseException as exc:  # (a library's panic too: answered, not a closed connection)
         if not isinstance(exc, Exception) and not rust_panic(exc):
             raise
@@ -239,6 +252,33 @@ def _log_refusal(request: web.Request, err: ApiError) -> None:
     )  # fmt: skip
 
 
+# What a request body may be sent in: aiohttp decodes these itself. It read any other
+# Content-Encoding (`x-unknown`, `gzip, gzip`) as plain bytes, and one it lacks a library
+# for (br, zstd) as an error telling the client which package to install.
+BODY_ENCODINGS = frozenset({"identity", "gzip", "x-gzip", "deflate"})
+
+
+def _check_encodings(request: web.Request) -> None:
+    """A body's Content-Encoding is one that is decoded (a 415 otherwise), and its
+    Transfer-Encoding, if any, chunked alone (a 400: `gzip, chunked` was read as chunked)."""
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding and encoding not in BODY_ENCODINGS:
+        raise ApiError(
+            415,
+            f"Content-Encoding {encoding[:40]!r} is not supported: send the body as is, or "
+            "gzip or deflate it",
+            type="invalid_request_error",
+            code="unsupported_content_encoding",
+        )
+    transfer = request.headers.get("Transfer-Encoding", "").strip().lower()
+    if transfer and transfer != "chunked":
+        raise ApiError(
+            400,
+            f"Transfer-Encoding {transfer[:40]!r} is not supported: only chunked",
+            code="unsupported_transfer_encoding",
+        )
+
+
 async def _guarded(request: web.Request, handler: Handler, config: ApiConfig) -> web.StreamResponse:
     # (aiohttp's parser refuses an HTTP/1.1 request with no Host header or with two.)
     _check_host(request.headers.get("Host", ""), "Host header", config)
@@ -270,6 +310,7 @@ async def _guarded(request: web.Request, handler: Handler, config: ApiConfig) ->
                 type="authentication_error",
                 code="invalid_api_key",
             )
+    _check_encodings(request)
     if request.content_length is not None and request.content_length > config.max_body_bytes:
         raise web.HTTPRequestEntityTooLarge(
             max_size=config.max_body_bytes, actual_size=request.content_length

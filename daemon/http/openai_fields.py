@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,7 +148,19 @@ def _response_format(body: dict, limits: WireLimits) -> Grammar | None:
     # Measured before the engine converts it (its recursion, its time); compiled, on a
     # thread of the grammar compiler's, when the request is admitted.
     check_schema(schema, f"{where}.schema", limits.schemas)
+    checked_schema_text(schema, f"{where}.schema")
     return Grammar.json_schema(schema, f"{where}.schema", name)
+
+
+def checked_schema_text(schema: dict, where: str) -> None:
+    """A schema's strings and keys are text (`checked_text`): a lone surrogate in a tool's
+    parameters reached the grammar engine, whose refusal named no field ("unexpected end
+    of hex escape")."""
+    try:
+        written = json.dumps(schema, ensure_ascii=False)
+    except (TypeError, ValueError):  # (check_schema refuses what cannot be written)
+        return
+    checked_text(written, where)
 
 
 def _stop(body: dict) -> list[str]:
@@ -189,9 +202,18 @@ def generation_fields(body: dict, limits: WireLimits, chat: bool) -> dict[str, A
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", "model")
-    max_tokens = _integer(body, "max_completion_tokens", 1, limits.max_tokens)
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1, limits.max_tokens)
+    # OpenAI's new name and its old one: each checked; where both are given they agree.
+    max_tokens, field_name = _integer(body, "max_completion_tokens", 1, limits.max_tokens), ""
+    old_name = _integer(body, "max_tokens", 1, limits.max_tokens)
+    if max_tokens is not None and old_name is not None and old_name != max_tokens:
+        raise bad_request(
+            f"max_tokens ({old_name}) and max_completion_tokens ({max_tokens}) differ; send one",
+            "max_tokens",
+        )
+    if max_tokens is not None:
+        field_name = "max_completion_tokens"
+    else:
+        max_tokens, field_name = old_name, "max_tokens"
     top_k = body.get("top_k")
     if top_k == -1:  # vLLM's spelling of "off"
         top_k = 0
@@ -246,6 +268,7 @@ def generation_fields(body: dict, limits: WireLimits, chat: bool) -> dict[str, A
         params=params,
         max_tokens=max_tokens if max_tokens is not None else limits.default_max_tokens,
         max_tokens_given=max_tokens is not None,
+        max_tokens_field=field_name,
         stop=_stop(body),
         stream=stream,
         include_usage=include_usage,

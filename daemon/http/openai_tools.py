@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from daemon.http.openai_errors import bad_request
-from daemon.http.openai_fields import SCHEMA_NAME, checked_text
+from daemon.http.openai_fields import SCHEMA_NAME, checked_schema_text, checked_text
 from speculative.schema_limits import SchemaLimits, check_schema, nesting
 from speculative.tool_calls import Tool
 
@@ -68,6 +68,7 @@ def parse_tools(body: dict, limits: SchemaLimits) -> tuple[list[Tool] | None, st
                 f"{where}.function.parameters",
             )
         check_schema(parameters, f"{where}.function.parameters", limits)
+        checked_schema_text(parameters, f"{where}.function.parameters")
         parsed.append(Tool(name, description, parameters))
     if isinstance(choice, dict):
         fn = choice.get("function")
