@@ -211,6 +211,7 @@ class LimitsSettings:
     schema_max_members: int = _key(2000, integer(1, 100_000))
     schema_max_bytes: int = _key(256 << 10, integer(64, 1 << 30))
     schema_max_pattern_properties: int = _key(64, integer(0, 100_000))
+    schema_max_repetition: int = _key(100_000, integer(1, 1 << 30))
     grammar_compile_seconds: float = _key(5.0, number(0.1, 600.0))
 
     def schemas(self) -> SchemaLimits:
@@ -220,6 +221,7 @@ class LimitsSettings:
             max_members=self.schema_max_members,
             max_bytes=self.schema_max_bytes,
             max_pattern_properties=self.schema_max_pattern_properties,
+            max_repetition=self.schema_max_repetition,
         )
 
 

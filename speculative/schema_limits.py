@@ -26,6 +26,7 @@ time in proportion to the schema's size, whatever its references.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,9 @@ class SchemaLimits:
     # patternProperties' keys are the engine's costliest member: its time grows about
     # eight-fold for each doubling (64: 0.01 s, 128: 0.09 s, 320: 7 s, 640: minutes).
     max_pattern_properties: int = 64
+    # A `pattern`'s repetitions multiplied along their nesting (`(a{1000}){1000}`: a
+    # million): the engine builds about that many states, a second and 160 MiB a million.
+    max_repetition: int = 100_000
 
 
 class SchemaTooComplex(RequestError):
@@ -180,6 +184,15 @@ class _SchemaSize:
                 self.limits.max_pattern_properties,
             )
 
+    def check_pattern(self, pattern: str) -> None:
+        most = repetition(pattern, self.limits.max_repetition)
+        if most > self.limits.max_repetition:
+            self.refuse(
+                f"has a pattern whose nested repetitions multiply to {most:,} or more",
+                "limits.schema_max_repetition",
+                self.limits.max_repetition,
+            )
+
     def children(self, node: dict) -> list[Child]:
         """A schema's subschemas `(schema, 0, 0)`, the schemas its `$ref` names
         `(schema, 1, 0)`, and its data values `(None, 0, levels)`. Its members are counted
@@ -191,6 +204,8 @@ class _SchemaSize:
                     self.count(len(value))
                 if key == "patternProperties":
                     self.count_patterns(len(value))
+                    for pattern in value:
+                        self.check_pattern(pattern)
                 out += [(v, 0, 0) for v in value.values() if isinstance(v, dict)]
             elif key in SCHEMA_LISTS and isinstance(value, list):
                 self.count(len(value))
@@ -205,6 +220,8 @@ class _SchemaSize:
             else:
                 if key == "enum" and isinstance(value, list):
                     self.count(len(value))
+                if key == "pattern" and isinstance(value, str):
+                    self.check_pattern(value)
                 levels = self.data_levels(value)
                 if levels:
                     out.append((None, 0, levels))
@@ -252,3 +269,42 @@ def nesting(value: Any, limit: int) -> int:
             inner = item.values() if isinstance(item, dict) else item
             stack.extend((v, level + 1) for v in inner if isinstance(v, dict | list))
     return deepest
+
+
+_COUNT = re.compile(r"\{(\d+)(,(\d*))?\}")
+
+
+def repetition(pattern: str, limit: int) -> int:
+    """The most times one piece of a regular expression is repeated: the product of the
+    counts (`{n}`, `{n,m}`: m; `{n,}`: n) of the repetitions it nests in; counting stops
+    past `limit`. One pass, no recursion: a group's deepest product is kept on a stack."""
+    stack = [1]  # per open group: the deepest product inside it so far
+    last = 1  # the product of the piece just read (what a count after it multiplies)
+    i, size = 0, len(pattern)
+    while i < size and stack[0] <= limit:
+        c = pattern[i]
+        if c == "\\":
+            i, last = i + 2, 1
+        elif c == "[":  # a class: one piece, whatever it holds
+            i += 2 if pattern[i + 1 : i + 2] == "]" else 1
+            while i < size and pattern[i] != "]":
+                i += 2 if pattern[i] == "\\" else 1
+            i, last = i + 1, 1
+        elif c == "(":
+            stack.append(1)
+            i += 1
+            continue
+        elif c == ")" and len(stack) > 1:
+            last = stack.pop()
+            i += 1
+        elif c == "{" and (count := _COUNT.match(pattern, i)):
+            most = count.group(3) or count.group(1)
+            # (a count of over 18 digits is past any limit: not converted, 4,300 digits
+            # would raise)
+            last *= limit + 1 if len(most) > 18 else max(int(most), 1)
+            i = count.end()
+        else:
+            last = 1 if c not in "*+?|" else last
+            i += 1
+        stack[-1] = max(stack[-1], last)
+    return max(stack)

@@ -251,12 +251,36 @@ def test_the_limits_name_their_keys(server: BackgroundServer) -> None:
             "type": "object",
             "patternProperties": {f"^p{j}[a-z]*$": {"type": "integer"} for j in range(1999)},
         },
+        "limits.schema_max_repetition": {"type": "string", "pattern": "^((a{1000}){1000}){1000}$"},
     }
     for key, schema in cases.items():
         assert key in refused(post(port, with_schema(schema)), FIELD, "schema_too_complex")
     # Within every limit: served.
     status, body = post(port, with_schema(ref_chain(30)))
     assert status == 200, body
+
+
+@pytest.mark.parametrize(
+    ("pattern", "most"),
+    [("^a{100000}$", 100_000), ("^(a{1000}){1000}$", 1_000_000), (r"^\d{3}-\d{4}$", 4),
+     (r"^([a-z]{1,10}\.){1,5}[a-z]{2,6}$", 50), ("[{]{5}", 5), (r"\{9}{2}", 2),
+     ("(a|b{3}){2}*", 6), ("x{3,}", 3), ("(a{10}){10}{10}", 1000), ("((", 1), ("))a{5}", 5),
+     ("x{" + "9" * 5000 + "}", 100_001)],
+)  # fmt: skip
+def test_a_patterns_repetitions_multiply_along_their_nesting(pattern: str, most: int) -> None:
+    """`(a{1000}){1000}` builds a million of the engine's states (a second and 160 MiB of
+    the grammar lane a request, an attacker found); one count alone is as the engine
+    takes it. Counting stops past the limit (a count of 5,000 digits is never converted)."""
+    from speculative.schema_limits import repetition
+
+    assert repetition(pattern, 100_000) == most
+    limits = SchemaLimits()
+    schema = {"type": "object", "patternProperties": {pattern: {"type": "integer"}}}
+    if most > limits.max_repetition:
+        with pytest.raises(SchemaTooComplex, match=r"limits\.schema_max_repetition"):
+            check_schema(schema, "f", limits)
+    else:
+        check_schema(schema, "f", limits)
 
 
 def test_recursive_schemas_are_not_chains() -> None:

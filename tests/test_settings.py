@@ -182,7 +182,7 @@ LIMITS_KEYS = (
     "max_body_bytes, queue_size, max_concurrent, cached_sessions, default_max_tokens, "
     "max_tokens, clamp_max_tokens, batch_passes, max_pass_tokens, schema_max_depth, "
     "schema_max_ref_chain, schema_max_members, schema_max_bytes, "
-    "schema_max_pattern_properties, grammar_compile_seconds"
+    "schema_max_pattern_properties, schema_max_repetition, grammar_compile_seconds"
 )
 
 
