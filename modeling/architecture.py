@@ -31,7 +31,7 @@ from torch import nn
 
 from modeling.config import ModelConfig
 
-_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GGUF_LAYER = re.compile(r"blk\.(0|[1-9][0-9]*)\.(\w+)\.(weight|bias)")
 _GGUF_OUTER = re.compile(r"(\w+)\.weight")
 
 # llama.cpp's stacked expert tensors (after `blk.N.`; ne = [columns, rows, experts]) → the

@@ -11,6 +11,11 @@ model file whose weights compute NaN (a 500 that says so, one line from the comm
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
 
 class RequestError(ValueError):
     """The request's fault. `param` names the offending field when one is to blame (the
@@ -41,3 +46,31 @@ def panic_said(exc: BaseException) -> str:
     """What a Rust library's panic says, its first line cut to 200 characters (the rest is
     a backtrace, and a regex's or a file's text may be quoted in it)."""
     return (str(exc).splitlines() or ["a panic"])[0][:200]
+
+
+@contextlib.contextmanager
+def rust_quiet() -> Iterator[None]:
+    """The process's stderr (fd 2) closed to a Rust library's panic hook while a call runs
+    that a file's content may make panic (reading a tokenizer): the hook writes its message
+    and a backtrace note there before the panic reaches Python, where it becomes one line
+    naming the file. While this runs nothing else is written to stderr (a few milliseconds
+    of a model's load); RUST_BACKTRACE set keeps the hook's output."""
+    if os.environ.get("RUST_BACKTRACE", "0") != "0":
+        yield
+        return
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # (no fd 2 to save: nothing to quiet)
+        yield
+        return
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 2)
+        finally:
+            os.close(null)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -38,12 +38,12 @@ TIMEOUT = 60  # seconds for one real process: each answers in about 2
 def rewrite(
     path: Path,
     changes: dict[str, tuple[Any, ...] | None] | None = None,
-    tensors: dict[str, np.ndarray] | None = None,
+    tensors: dict[str, Any] | None = None,
     drop: tuple[str, ...] = (),
 ) -> Path:
     """SOURCE written again by gguf-py's writer: `changes` maps a key to (value, type) or
     (value, ARRAY, item type), or to None to leave it out; `tensors` are added, those
-    named in `drop` left out."""
+    named in `drop` left out (an array, or raw blocks and their ggml type)."""
     changes = changes or {}
     source, reader = read_gguf(SOURCE), gguf.GGUFReader(SOURCE)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -69,7 +69,10 @@ def rewrite(
                 info.name, stored, raw_dtype=gguf.GGMLQuantizationType(info.ggml_type)
             )
     for name, array in (tensors or {}).items():
-        writer.add_tensor(name, array)
+        if isinstance(array, tuple):  # (raw blocks, their ggml type)
+            writer.add_tensor(name, array[0], raw_dtype=array[1])
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -208,6 +211,16 @@ def malformed_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple
     }
     stray = {"blk.99.attn_norm.weight": np.ones(64, dtype=np.float32)}
     files["a stray layer"] = (rewrite(folder / "stray.gguf", tensors=stray), "blk.99")
+    # (`blk.01` was read as layer 1 and crashed the quantized loader with a traceback; a
+    # Unicode digit too)
+    for label, name in (("layer 01", "blk.01.attn_q.weight"), ("layer ١", "blk.١.attn_q.weight")):
+        q = read_gguf(SOURCE)
+        named = q.tensor_bytes(q.tensors_by_name["blk.1.attn_q.weight"]).copy()
+        odd = {name: (named, gguf.GGMLQuantizationType.Q8_0)}
+        files[f"a {label}"] = (
+            rewrite(folder / f"{label}.gguf", tensors=odd),
+            f"unexpected tensor {name}",
+        )
     # (plan said OK: only loading looked at the tensors, now their infos are checked first)
     files["a missing tensor"] = (
         rewrite(folder / "missing.gguf", drop=("blk.1.attn_q.weight",)),
@@ -225,6 +238,21 @@ def malformed_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple
             {"tokenizer.ggml.tokens": (long_piece, T.ARRAY, T.STRING)},
         ),
         f"tokenizer.ggml.tokens[{BROKEN}] is 300,000 characters long",
+    )
+    # (a token list shorter than the embedding loaded, and the model's writing past it read
+    # as nothing: empty answers, no error)
+    meta = read_gguf(SOURCE).metadata
+    cut = {
+        key: (meta[key][:259], T.ARRAY, kind)
+        for key, kind in (
+            ("tokenizer.ggml.tokens", T.STRING),
+            ("tokenizer.ggml.scores", T.FLOAT32),
+            ("tokenizer.ggml.token_type", T.INT32),
+        )
+    }
+    files["a short token list"] = (
+        rewrite(folder / "short-vocab.gguf", cut),
+        "tokenizer.ggml.tokens holds 259 tokens but token_embd.weight has 512 rows",
     )
     files["67M empty strings"] = (
         sparse_array(folder / "sparse.gguf", "tokenizer.ggml.tokens", 2**26),
@@ -547,3 +575,31 @@ def test_models_lists_the_good_entries_and_a_note_for_each_bad_one(
     failed = specd("plan", "--model", "ollama:fifo", env=env)
     assert failed.returncode == 2 and failed.stderr.count("\n") == 1, failed.stderr
     assert "not a regular file" in failed.stderr
+
+
+def test_an_error_line_is_cut_to_a_readable_length(
+    tmp_path: Path, quiet_home: Path, capsys: Any
+) -> None:
+    """A message holding what a file made it hold (400,000 unexpected tensor names were a
+    3.5 MB line) is one line of at most MAX_ERROR_CHARS and the words it was cut by."""
+    from daemon.cli.commands import MAX_ERROR_CHARS, one_line
+
+    assert one_line("a\nb") == "a b" and one_line("x" * 10) == "x" * 10
+    long = one_line("head " + "n" * 100_000 + " tail")
+    assert long.startswith("head ") and long.endswith(" tail") and "characters left out" in long
+    assert len(long) < MAX_ERROR_CHARS + 60
+    import safetensors.torch
+    import torch
+
+    folder = tmp_path / "model"
+    shutil.copytree(SHARED_MODELS / "stories260k", folder)
+    weights = folder / "model.safetensors"
+    weights.chmod(0o644)
+    tensors = safetensors.torch.load_file(weights)
+    tensors.update({f"x{i}": torch.zeros(1) for i in range(3000)})
+    safetensors.torch.save_file(tensors, weights)
+    argv = ["generate", "--model", str(folder), "--draft", "none", "--max-tokens", "1"]
+    assert main([*argv, "--prompt", "Once"]) == 2
+    err = capsys.readouterr().err
+    assert "unexpected tensors" in err and "characters left out" in err, err[:300]
+    assert err.count("\n") == 1 and len(err) < MAX_ERROR_CHARS + 80, len(err)

@@ -514,3 +514,70 @@ def test_json_nesting_is_bounded_at_max_json_depth(
             checkpoint.open_checkpoint(folder)
     else:
         assert checkpoint.open_checkpoint(folder).config.vocab_size == 512
+
+
+@pytest.mark.parametrize("name", ["config.json", "generation_config.json", "tokenizer_config.json"])
+def test_a_folders_json_files_are_counted_before_they_are_parsed(name: str, tmp_path: Path) -> None:
+    """32 MB of `[],` in config.json cost 11 s and 1.2 GB to parse, and four such files 37 s
+    and 1.9 GB, before anything was refused (an attacker found): a file holding more values
+    than MAX_FOLDER_JSON_VALUES is refused from its commas and brackets, quickly."""
+    from modeling.checkpoints.folder_files import MAX_FOLDER_JSON_VALUES
+
+    def mutate(folder: Path) -> None:
+        file = folder / name
+        head = file.read_text().rstrip().removesuffix("}")
+        file.write_text(head + ', "x": [' + ",".join(["[]"] * MAX_FOLDER_JSON_VALUES) + "]}")
+
+    folder = hostile_copy(tmp_path, mutate)
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError, match=rf"{name}: holds about [\d,]+ values; specd reads"):
+        checkpoint.load_tokenizer(checkpoint.open_checkpoint(folder))
+    assert time.perf_counter() - start < 5
+
+
+def test_an_index_of_too_many_shards_is_refused(tmp_path: Path) -> None:
+    """An index naming 1.5 million shards took minutes at every open (each looked at three
+    times) and ended in a 12 MB line; past MAX_SHARDS it is one short line, and missing
+    shards are named eight at most."""
+    from modeling.checkpoints.folder_files import MAX_SHARDS
+
+    def index_of(count: int) -> Mutation:
+        def mutate(folder: Path) -> None:
+            shards = {f"t{i}": f"s{i}.safetensors" for i in range(count)}
+            (folder / INDEX).write_text(json.dumps({"weight_map": shards}))
+
+        return mutate
+
+    folder = hostile_copy(tmp_path / "many", index_of(MAX_SHARDS + 1))
+    with pytest.raises(CheckpointError, match=r"weight_map names 4,097 shard files; specd reads"):
+        weight_files(folder)
+    folder = hostile_copy(tmp_path / "missing", index_of(20))
+    with pytest.raises(CheckpointError) as caught:
+        weight_files(folder)
+    assert (
+        str(caught.value).endswith("s15.safetensors and 12 more") and len(str(caught.value)) < 400
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda t: {**t, "model": {**t["model"], "continuing_subword_prefix": "##"}},
+        lambda t: {**t, "normalizer": {"type": "Precompiled", "precompiled_charsmap": "/////w=="}},
+    ],
+    ids=["subword-prefix", "charsmap"],
+)
+@pytest.mark.usefixtures("quiet_home")
+def test_a_tokenizer_the_library_panics_on_is_one_line(
+    change: Callable[[Any], Any], tmp_path: Path
+) -> None:
+    """The `tokenizers` library panics on these (a Rust panic is no Exception): a traceback
+    and exit 1, after the panic hook's own lines on stderr. Now one line naming the file,
+    exit 2, in a real process (the hook's lines held back unless RUST_BACKTRACE asks)."""
+    from tests.test_hostile_files import specd
+
+    folder = hostile_copy(tmp_path, _edit(TOKENIZER, change))
+    done = specd("plan", "--model", str(folder), env={"RUST_BACKTRACE": "0"})
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"specd: error: {folder / TOKENIZER}: not a tokenizer (")

@@ -100,6 +100,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + signal.SIGPIPE
 
 
+# The longest error line printed: what a file or a flag makes a message hold (a list of
+# 400,000 unexpected tensor names, a template's raise_exception of 100 KB) is cut.
+MAX_ERROR_CHARS = 2000
+
+
+def one_line(message: str) -> str:
+    """`message` on one line, its middle cut where it runs past MAX_ERROR_CHARS."""
+    message = message.replace("\r", " ").replace("\n", " ")
+    if len(message) <= MAX_ERROR_CHARS:
+        return message
+    cut = len(message) - MAX_ERROR_CHARS
+    half = MAX_ERROR_CHARS // 2
+    return f"{message[:half]} … ({cut:,} characters left out) … {message[-half:]}"
+
+
 def _main(argv: Sequence[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(_command(argv))
@@ -116,7 +131,7 @@ def _main(argv: Sequence[str] | None) -> int:
             return 2
         if not isinstance(exc, user_error_types()):
             raise
-        print(f"specd: error: {exc}", file=sys.stderr)
+        print(f"specd: error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

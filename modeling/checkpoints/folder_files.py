@@ -71,11 +71,25 @@ def read_text(file: Path, limit: int = MAX_TEXT_BYTES) -> str:
         raise CheckpointError(f"{file}: not UTF-8 text (byte {exc.start:,}): {DAMAGED}") from None
 
 
+# Values a folder's JSON file may hold (config.json, generation_config.json,
+# tokenizer_config.json, ...), counted by its commas and brackets before it is parsed:
+# Python's parser takes some 60 bytes a value, and 32 MB of "[]," cost 11 s and 1.2 GB
+# (four such files 37 s and 1.9 GB, an attacker found). tokenizer.json has its own bound.
+MAX_FOLDER_JSON_VALUES = 2**20
+
+
 def read_json_object(file: Path) -> dict[str, Any]:
     """A model folder's JSON file (config.json, generation_config.json, ...) as an object,
-    or a CheckpointError naming it: past MAX_TEXT_BYTES, not JSON, not an object, or
-    nested past MAX_JSON_DEPTH (Python's parser stops at its recursion limit, ~1,000)."""
+    or a CheckpointError naming it: past MAX_TEXT_BYTES or MAX_FOLDER_JSON_VALUES, not
+    JSON, not an object, or nested past MAX_JSON_DEPTH (Python's parser stops at its recursion limit, ~1,000)."""
     text = read_text(file)
+    values = text.count(",") + text.count("[") + text.count("{")
+    if values > MAX_FOLDER_JSON_VALUES:
+        raise CheckpointError(
+            f"{file}: holds about {values:,} values; specd reads at most "
+            f"{MAX_FOLDER_JSON_VALUES:,} in such a file (Gemma 3's tokenizer_config.json "
+            f"has about 50,000): {DAMAGED}"
+        )
     too_deep = f"{file}: nested over {MAX_JSON_DEPTH} deep, more than any real one: {DAMAGED}"
     try:
         value = json.loads(text)
@@ -127,7 +141,18 @@ def indexed_shards(path: Path) -> list[str] | None:
                 f"{index}: weight_map[{short_repr(name)}] is {short_repr(shard)}; a shard "
                 f"is named by a file name in the model's folder (no folder, no '..'): {DAMAGED}"
             )
-    return sorted(set(weight_map.values()))
+    shards = set(weight_map.values())
+    if len(shards) > MAX_SHARDS:
+        raise CheckpointError(
+            f"{index}: weight_map names {len(shards):,} shard files; specd reads at most "
+            f"{MAX_SHARDS:,} (DeepSeek-V3's 671B has 163): {DAMAGED}"
+        )
+    return sorted(shards)
+
+
+# Shard files one index may name: each is looked at (regular, present) at every open, and a
+# million of them took minutes and a 12 MB error line.
+MAX_SHARDS = 4096
 
 
 def _plain_file_name(name: str) -> bool:

@@ -30,7 +30,7 @@ from modeling.weights.gguf_blocks import (
 )
 from modeling.weights.quant import EMBEDDING, QuantizationSpec
 
-_BLOCK = re.compile(r"blk\.(\d+)\.")
+_BLOCK = re.compile(r"blk\.(0|[1-9][0-9]*)\.")  # (canonical numbers: `blk.01` is not layer 1)
 
 
 def _projection(name: str) -> bool:
@@ -186,7 +186,17 @@ def _vocab_size(
     if value is None and isinstance(tokens, list) and tokens:
         value = len(tokens)
     embedding = tensors["token_embd.weight"].ne
-    return value if value is not None else embedding[-1]
+    rows = embedding[-1]
+    if isinstance(tokens, list) and 0 < len(tokens) < rows:
+        # llama.cpp takes the vocabulary's size from the token list, and its converter pads
+        # the list to the embedding's rows: a shorter one leaves ids the model may write
+        # without text (such a file ran and answered nothing, an attacker found).
+        raise GGUFError(
+            f"{source}: tokenizer.ggml.tokens holds {len(tokens):,} tokens but "
+            f"token_embd.weight has {rows:,} rows: ids past the list would be written as "
+            f"nothing; {CORRUPT_FILE}"
+        )
+    return value if value is not None else rows
 
 
 def _token_id(meta: dict[str, Any], key: str, vocab: int, source: str) -> int | None:

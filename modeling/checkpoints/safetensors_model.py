@@ -62,7 +62,9 @@ def weight_files(path: Path) -> list[Path]:
         refuse_irregular(*(path / s for s in shards))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
-            raise CheckpointError(f"{path / INDEX}: shard files missing: {', '.join(missing)}")
+            more = f" and {len(missing) - 8:,} more" if len(missing) > 8 else ""
+            named = ", ".join(s[:100] for s in missing[:8])
+            raise CheckpointError(f"{path / INDEX}: shard files missing: {named}{more}")
         return [path / s for s in shards]
     files = sorted(path.glob("*.safetensors"))
     ours = [f for f in files if not f.name.startswith("consolidated")]

@@ -39,6 +39,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from modeling.checkpoints.gguf_file import CORRUPT_FILE, short_repr
+from modeling.errors import rust_quiet
 from modeling.text.gguf_merges import TooManyMergesError
 from modeling.text.gguf_pretokenizers import NOT_BYTE_LEVEL, PRE_TOKENIZERS
 from modeling.text.gguf_spm import sentencepiece, spelled_pieces
@@ -114,13 +115,14 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
         i for i, kind in enumerate(types) if kind == USER_DEFINED and tokens[i] == read.tokens[i]
     ]
     try:
-        if read.model == "llama":
-            backend = _sentencepiece(read, tokens, source)
-            add_bos_default = True
-        else:
-            backend = _byte_level(read, special | set(user_defined))
-            add_bos_default = PRE_TOKENIZERS[read.pre].add_bos
-    except Exception as exc:
+        with rust_quiet():  # (a panic is said in one line below)
+            if read.model == "llama":
+                backend = _sentencepiece(read, tokens, source)
+                add_bos_default = True
+            else:
+                backend = _byte_level(read, special | set(user_defined))
+                add_bos_default = PRE_TOKENIZERS[read.pre].add_bos
+    except BaseException as exc:  # (a Rust panic is no Exception)
         said = library_refusal(exc)
         raise GGUFTokenizerError(
             f"{source}: the tokenizer.ggml.* keys do not make a tokenizer ({said}): {CORRUPT_FILE}"

@@ -22,6 +22,7 @@ from modeling.checkpoints.folder_files import (
     read_text,
 )
 from modeling.checkpoints.gguf_file import short_repr
+from modeling.errors import panic_said, rust_panic, rust_quiet
 from modeling.text.gguf_pretokenizers import LINEAR_FORMS, ZERO_WIDTH
 from modeling.text.tokenizer_pace import check_pace
 
@@ -72,8 +73,9 @@ def read_backend(file: Path) -> HFTokenizer:
             text = json.dumps(spec)
     del spec  # (hundreds of MB for a large vocabulary: not kept through the build)
     try:
-        backend = HFTokenizer.from_str(text)
-    except Exception as exc:
+        with rust_quiet():  # (a panic is said in one line below)
+            backend = HFTokenizer.from_str(text)
+    except BaseException as exc:  # (a Rust panic is no Exception)
         said = library_refusal(exc)
         raise CheckpointError(f"{file}: not a tokenizer ({said}): {DAMAGED}") from None
     # A file's padding and truncation are a training pipeline's: padding to a fixed length
@@ -234,10 +236,14 @@ def _merge_length(merge: Any) -> int:
     return sum(len(x) for x in merge if isinstance(x, str)) if isinstance(merge, list) else 0
 
 
-def library_refusal(exc: Exception) -> str:
+def library_refusal(exc: BaseException) -> str:
     """What the `tokenizers` library said refusing a file, cut to MAX_MESSAGE characters (it
-    quotes the file's text, which may be megabytes); any other exception is re-raised (the
-    library refuses with a bare Exception: anything else is a bug)."""
+    quotes the file's text, which may be megabytes), or where it panicked on it (a BPE
+    `continuing_subword_prefix` longer than a token, a Precompiled charsmap that does not
+    parse: a traceback, exit 1); any other exception is re-raised (the library refuses
+    with a bare Exception: anything else is a bug)."""
+    if rust_panic(exc):
+        return f"the tokenizers library failed on it: {panic_said(exc)}"
     if type(exc) is not Exception:
         raise exc
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
