@@ -254,6 +254,12 @@ def malformed_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple
         rewrite(folder / "short-vocab.gguf", cut),
         "tokenizer.ggml.tokens holds 259 tokens but token_embd.weight has 512 rows",
     )
+    for label, value in (("zero", 0.0), ("NaN", float("nan"))):  # (Llama 3.1's divisors)
+        divisors = {"rope_freqs.weight": np.full(4, value, dtype=np.float32)}
+        files[f"{label} RoPE divisors"] = (
+            rewrite(folder / f"rope-{label}.gguf", tensors=divisors),
+            "rope_freqs.weight: holds a value that is not a finite number above 0",
+        )
     files["67M empty strings"] = (
         sparse_array(folder / "sparse.gguf", "tokenizer.ggml.tokens", 2**26),
         "tokenizer.ggml.tokens claims 67,108,864 items",
@@ -603,3 +609,26 @@ def test_an_error_line_is_cut_to_a_readable_length(
     err = capsys.readouterr().err
     assert "unexpected tensors" in err and "characters left out" in err, err[:300]
     assert err.count("\n") == 1 and len(err) < MAX_ERROR_CHARS + 80, len(err)
+
+
+def test_rope_divisors_of_one_change_nothing(tmp_path: Path, quiet_home: Path) -> None:
+    """Llama 3.1's `rope_freqs` divisors are read at open (checked: finite, above 0) and
+    applied: divisors of one give the file's own greedy answer, of four another."""
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
+    from speculative.sampling import SamplingParams
+
+    ones = {"rope_freqs.weight": np.ones(4, dtype=np.float32)}
+    fours = {"rope_freqs.weight": np.full(4, 4.0, dtype=np.float32)}
+    texts = []
+    for path in (
+        SOURCE,
+        rewrite(tmp_path / "ones.gguf", tensors=ones),
+        rewrite(tmp_path / "fours.gguf", tensors=fours),
+    ):
+        runtime = Runtime(RuntimeOptions(model=str(path), device="cpu"))
+        ids = runtime.tokenizer.encode("Once upon a time")
+        greedy = SamplingParams(temperature=0.0)
+        texts.append(runtime.generation(ids, greedy, 12, strategy="autoregressive").run().text)
+    assert texts[0] == texts[1] and texts[0]
+    assert texts[2] != texts[0]  # (and they are applied: slower rotations, another text)

@@ -157,10 +157,15 @@ def _tensors(
             if info.ggml_type != 0 or info.ne != ((cfg.head_dim + 1) // 2,):
                 problems.append(f"{info.name}: {info.ne} of type {info.ggml_type}, not F32 [hd/2]")
                 continue
+            # (a few dozen floats, read at open: zero or NaN divisors made every logit NaN
+            # at the first pass, which named neither the file nor the tensor)
+            values = contents.tensor_bytes(info).view(np.float32)
+            if not (np.isfinite(values).all() and (values > 0).all()):
+                problems.append(f"{info.name}: holds a value that is not a finite number above 0")
+                continue
             if check_only:
                 continue
-            factors = torch.from_numpy(contents.tensor_bytes(info).copy().view(np.float32))
-            factors = factors.reshape(-1)  # (hd/2,)
+            factors = torch.from_numpy(values.copy()).reshape(-1)  # (hd/2,)
             continue
         if info.name in arch.gguf_config_tensors:
             continue  # read into the config (modeling/checkpoints/gguf_config.py)
