@@ -119,6 +119,17 @@ MALFORMED: list[tuple[str, dict[str, tuple[Any, ...] | None], str]] = [
         "llama.attention.head_count_kv",
     ),
     ("zero width", {"llama.embedding_length": (0, T.UINT32)}, "llama.embedding_length"),
+    # (each ignored: the whole head turned, the values read as wide as the keys)
+    (
+        "half a head turned",
+        {"llama.rope.dimension_count": (4, T.UINT32)},
+        "llama.rope.dimension_count is 4, not llama.attention.key_length (8)",
+    ),
+    (
+        "wider values",
+        {"llama.attention.value_length": (16, T.UINT32)},
+        "llama.attention.value_length is 16, not llama.attention.key_length (8)",
+    ),
     ("a wrong width", {"llama.embedding_length": (65, T.UINT32)}, "llama.embedding_length"),
     (
         "epsilon as text",

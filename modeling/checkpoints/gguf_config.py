@@ -110,6 +110,19 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
         **_rope_scaling(meta, arch, source, module.gguf_yarn_log_multiplier),
         **module.gguf_config(keys, tensors),
     }
+    # What the file states and specd would otherwise not read: the rotated width (only an
+    # architecture that reads it, Phi-3's, turns part of a head; llama.cpp refuses other
+    # widths for the rest) and the values' width (every architecture here: the keys').
+    if "partial_rotary_factor" not in raw and count("rope.dimension_count", head_dim) != head_dim:
+        raise _malformed(
+            source, f"{arch}.rope.dimension_count", meta[f"{arch}.rope.dimension_count"],
+            f"{arch}.attention.key_length ({head_dim}): this architecture turns whole heads",
+        )  # fmt: skip
+    if count("attention.value_length", head_dim) != head_dim:
+        raise _malformed(
+            source, f"{arch}.attention.value_length", meta[f"{arch}.attention.value_length"],
+            f"{arch}.attention.key_length ({head_dim}): specd's models read values as wide",
+        )  # fmt: skip
     return replace(config_from_hf(raw, source), quantization=quantization)
 
 
