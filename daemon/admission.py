@@ -325,12 +325,16 @@ def _encode_conversation(
 
 def _harmony_message(message: dict[str, Any]) -> dict[str, Any]:
     """A message as gpt-oss's template reads it: without a None content (it tests `"..." in
-    message.content`), and an assistant's `reasoning_content` as its `thinking`, which the
-    template writes back as the analysis before that turn's calls (harmony asks for the
-    reasoning of the turn that called to be kept)."""
+    message.content`), and the `reasoning_content` of an assistant's turn that called and
+    said nothing as its `thinking`, which the template writes back as the analysis before
+    the calls (harmony asks for the reasoning of the turn that called to be kept). A turn
+    that called and said something (a preamble) has its content written as that analysis,
+    and the template refuses both ("Cannot pass both content and thinking"): its
+    reasoning is left out, as it is for turns that did not call (the template keeps none)."""
     out = {k: v for k, v in message.items() if not (k == "content" and v is None)}
-    if "reasoning_content" in out and "thinking" not in out:
-        out["thinking"] = out.pop("reasoning_content")
+    reasoning = out.pop("reasoning_content", None)
+    if reasoning and out.get("tool_calls") and not out.get("content") and "thinking" not in out:
+        out["thinking"] = reasoning
     return out
 
 

@@ -108,10 +108,12 @@ def read_thinking(text: str, thinking: Thinking) -> tuple[str, str]:
 # longest match and never goes back: a text lexeme that ran on into `</think>` could not be
 # cut there.)
 THOUGHT = r"/(.|\n)*/ & ~/(.|\n)*<\/think>(.|\n)*/"
-THINK_BLOCK = rf'"{OPEN}" THOUGHT "{CLOSE}" /\n*/'
+# (whitespace may come before the tag, as the readers take it: a block after a newline was
+# text under `auto`, and a call after it was read back unchecked, a reviewer found)
+THINK_BLOCK = rf'/[ \t\r\n]*/ "{OPEN}" THOUGHT "{CLOSE}" /\n*/'
 THINK_END = rf'THOUGHT "{CLOSE}" /\n*/'
 # What an answer's free text may not begin with where a block may open before it.
-NOT_A_BLOCK = rf"~/{OPEN}(.|\n)*/"
+NOT_A_BLOCK = rf"~/[ \t\r\n]*{OPEN}(.|\n)*/"
 
 
 def think_rules(thinking: Thinking | None, answer: str) -> list[str]:

@@ -235,23 +235,33 @@ def test_a_required_call_needs_every_harmony_marker() -> None:
 def test_an_earlier_turns_reasoning_is_the_harmony_templates_thinking(
     tiny_checkpoint, tmp_path: Path
 ) -> None:
-    """An assistant message's `reasoning_content` (as specd answered it) reaches gpt-oss's
-    template as `thinking`, the key it writes back as the analysis before that turn's
-    calls."""
+    """An assistant turn that called and said nothing has its `reasoning_content` (as specd
+    answered it) reach gpt-oss's template as `thinking`, written back as the analysis
+    before its calls. A turn that called with a preamble has that as its analysis, and the
+    template refuses both (a reviewer found every such conversation's next request a 400);
+    a turn that did not call keeps no reasoning, as the template keeps none."""
     from daemon.admission import _encode_conversation
 
     base = tiny_checkpoint("llama", vocab_size=96, tokenizer_size=80)
     backend = HFTokenizer.from_file(str(_harmony_tokenizer(tmp_path, base)))
-    template = (
-        "{% for m in messages %}{{ m.role }}:{% if m.thinking is defined %}[{{ m.thinking }}]"
-        "{% endif %}{{ m.content or '' }};{% endfor %}"
+    template = (  # (gpt-oss's own clause, then what it writes)
+        "{% for m in messages %}{% if m.tool_calls and m.content and m.thinking %}"
+        "{{ raise_exception('Cannot pass both content and thinking in an assistant message "
+        "with tool calls!') }}{% endif %}{{ m.role }}:{% if m.thinking is defined %}"
+        "[{{ m.thinking }}]{% endif %}{{ m.content or '' }};{% endfor %}"
     )
     tok = Tokenizer(backend, eos_token_ids=[2], chat_template=template)
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": {}}}
     messages = [
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "hello", "reasoning_content": "greet"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "f"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "1"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [{**call, "id": "call_2"}],
+         "reasoning_content": "again"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "2"},
+        {"role": "assistant", "content": "Done.", "reasoning_content": "answer"},
         {"role": "user", "content": "more"},
-    ]
+    ]  # fmt: skip
     rendered: list[str] = []
     render = tok.render_chat
 
@@ -261,4 +271,6 @@ def test_an_earlier_turns_reasoning_is_the_harmony_templates_thinking(
 
     tok.encode_chat = encode_chat  # type: ignore[method-assign]  # (80 tokens spell little)
     _encode_conversation(tok, messages, None)
-    assert rendered == ["user:hi;assistant:[greet]hello;user:more;"]
+    assert rendered == [
+        "user:hi;assistant:[f];tool:1;assistant:Checking.;tool:2;assistant:Done.;user:more;"
+    ]

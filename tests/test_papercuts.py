@@ -385,3 +385,14 @@ def test_the_status_names_the_draft_auto_chose(
     assert lines[0] == f"  target {stories_target}, draft ngram"
     assert lines[1] == f"  {status['draft_reason']}"
     assert lines[3].startswith("  plan: ") and lines[3].endswith(", nothing streamed a pass")
+
+
+def test_specd_bench_shows_a_replayed_row_without_a_speed_per_pass() -> None:
+    """A row replayed from the prefix cache has no tokens per pass (None, where it read a
+    made-up 8.0): `specd bench` printed it with `:.2f` and crashed, a reviewer found."""
+    from daemon.cli.bench import per_pass, row_sentence
+
+    row = {"target_passes": 0, "prefill_passes": 0, "generated_tokens": 32,
+           "tokens_per_target_pass": None, "drafted": 0}  # fmt: skip
+    assert per_pass(row) == "-" and row_sentence(row) == "32 tokens in 0 target passes"
+    assert per_pass({**row, "tokens_per_target_pass": 2.5}) == "2.50"

@@ -304,3 +304,37 @@ def test_a_client_that_reads_slowly_keeps_its_connection() -> None:
 
     assert asyncio.run(scenario(taking=True)) == (True, False)
     assert asyncio.run(scenario(taking=False)) == (False, True)
+
+
+def test_a_connection_lost_in_a_write_is_the_clients_leaving_not_a_500() -> None:
+    """aiohttp's drain raises the base ConnectionError ("Connection lost"), which neither the
+    stream nor the edge caught as a client that left: a traceback as an internal error, and
+    a 500 in the metrics, a reviewer found. Now a 499, and the stream's jobs cancelled."""
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from daemon.http.edge import CONFIG, METRICS, ApiConfig, edge_middleware
+    from daemon.http.openai_fields import WireLimits
+    from daemon.metrics import Metrics
+
+    metrics = Metrics()
+    app = web.Application()
+    app[CONFIG] = ApiConfig("m", WireLimits(8, 8), 1024)
+    app[METRICS] = metrics
+
+    async def lost(request: web.Request) -> web.StreamResponse:
+        raise ConnectionError("Connection lost")
+
+    async def scenario() -> None:
+        request = make_mocked_request("GET", "/health", app=app, headers={"Host": "127.0.0.1"})
+        with pytest.raises(ConnectionError):
+            await edge_middleware(request, lost)
+
+    asyncio.run(scenario())
+    counted = {
+        (s.labels["status"], s.value)
+        for m in metrics.registry.collect()
+        for s in m.samples
+        if s.name == "specd_requests_total"
+    }
+    assert counted == {("499", 1.0)}

@@ -410,16 +410,45 @@ def whole_answer_to(
             await loop.sock_connect(client, ("127.0.0.1", port))
             await loop.sock_sendall(client, b"GET /big HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             playing = asyncio.ensure_future(reader(client))
-            return await asyncio.wait_for(ended, 30)
+            outcome = await asyncio.wait_for(ended, 30)
+            playing.cancel()
+            after.append(await _after_the_answer(client))
+            return outcome
         finally:
             if playing is not None:
                 playing.cancel()
             client.close()
             await runner.cleanup()
 
+    after: list[str] = []
     error, seconds = asyncio.run(scenario())
     counted = {"endpoint": "/big", "status": "499"}  # (a client that left, not a 200)
+    AFTER.append(after[0] if after else "")
     return error, seconds, metrics.registry.get_sample_value("specd_requests_total", counted)
+
+
+# What the last `whole_answer_to`'s client met once the handler had ended, reading on for
+# up to 2 s: "reset" or "end" (the connection closed in order) or "silence", after how
+# many bytes ("reset 4096").
+AFTER: list[str] = []
+
+
+async def _after_the_answer(client: socket.socket) -> str:
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    taken, deadline = 0, loop.time() + 2
+    try:
+        while loop.time() < deadline:
+            got = await asyncio.wait_for(loop.sock_recv(client, 65536), deadline - loop.time())
+            if not got:
+                return f"end {taken}"
+            taken += len(got)
+    except ConnectionResetError:
+        return f"reset {taken}"
+    except TimeoutError:
+        pass
+    return f"silence {taken}"
 
 
 async def reads_nothing(client: socket.socket) -> None:
@@ -435,6 +464,10 @@ def test_a_client_that_reads_none_of_a_whole_answer_loses_its_connection() -> No
     assert isinstance(error, ConnectionResetError), error
     assert "read nothing for 0.3 s" in str(error)
     assert seconds >= 0.3 and dropped == 1
+    # Reset, what was queued dropped: `abort` alone left the kernel's send queue (MBs) to
+    # reach the client in the background, outside every connection cap.
+    how, taken = AFTER[-1].split()
+    assert how == "reset" and int(taken) <= 1 << 20, AFTER[-1]
 
 
 def reading(every: float, size: int) -> Callable[[socket.socket], Awaitable[None]]:

@@ -122,6 +122,10 @@ def test_a_call_may_come_after_a_think_block(choice: str) -> None:
     # (text after a block may hold anything, a call's markup too: under auto it is text)
     assert accepts(grammar, [f"<think>a</think>b</think>{CALL}"]) == (choice == "auto")
     assert accepts(grammar, ["<think>a</think>b"]) == (choice == "auto")
+    # Whitespace before the tag, as the readers take it: the block, and its call checked.
+    assert accepts(grammar, [f"\n <think>\nx\n</think>\n\n{CALL}"])
+    bad = '\n<think>x</think>\n\n<tool_call>\n{"name":"rm","arguments":{"n":[1,}}\n</tool_call>'
+    assert not accepts(grammar, [bad])
     inside = tool_grammar(HERMES, TOOLS, choice, False, "tools", {}, thinking=INSIDE)
     assert accepts(inside, [f"Let me call f.\n</think>\n\n{CALL}"])
     assert not accepts(inside, [CALL])  # (its reasoning ends first)

@@ -50,13 +50,18 @@ def run_strategy(runtime: Runtime, request: GenerationRequest) -> dict:
     return {"strategy": request.strategy, "token_ids": gen.token_ids, **gen.stats.to_dict()}
 
 
+def per_pass(r: dict) -> str:
+    """A row's tokens per target pass, "-" where no pass ran (every token replayed)."""
+    value = r["tokens_per_target_pass"]
+    return "-" if value is None else f"{value:.2f}"
+
+
 def row_sentence(r: dict) -> str:
     """What a row of the table means, in words (the budget's reason when a tree ran)."""
     passes = r["target_passes"] - r["prefill_passes"]
-    said = (
-        f"{r['generated_tokens']} tokens in {passes} target passes "
-        f"({r['tokens_per_target_pass']:.2f} a pass)"
-    )
+    said = f"{r['generated_tokens']} tokens in {passes} target passes"
+    if r["tokens_per_target_pass"] is not None:  # (None: every token replayed or forced)
+        said += f" ({r['tokens_per_target_pass']:.2f} a pass)"
     if r["drafted"]:
         said += f", {r['accepted']} of {r['drafted']} drafted tokens accepted"
     if r.get("budget_reason"):
@@ -183,7 +188,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         hits = "-" if hit_rate is None else f"{hit_rate:.0%}"
         print(
             f"{r['strategy']:<16}{tps:>10.1f}{'-' if ratio is None else f'{ratio:.2f}':>8}"
-            f"{r['tokens_per_target_pass']:>10.2f}{accept:>8}{hits:>13}  {same}"
+            f"{per_pass(r):>10}{accept:>8}{hits:>13}  {same}"
         )
     for r in rows:
         print(f"  {r['strategy']}: {row_sentence(r)}")

@@ -157,7 +157,7 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     refused: ApiError | None = None
     try:
         response = await _guarded(request, handler, config)
-    except (ConnectionResetError, asyncio.CancelledError):
+    except (ConnectionError, asyncio.CancelledError):  # (aiohttp: "Connection lost")
         request.app[METRICS].count_request(endpoint, 499)  # the client closed the connection
         raise
     except ApiError as err:

@@ -218,7 +218,7 @@ async def stream(
             await send(sse(shape.usage_chunk(u, ends[0].stats)))
         await send(SSE_DONE)
         await send(None)  # the end of the body
-    except (ConnectionResetError, asyncio.CancelledError):
+    except (ConnectionError, asyncio.CancelledError):  # (a drain: "Connection lost")
         # Normal operation (the client hung up): one debug line, the jobs cancelled.
         for job in jobs:
             job.cancel()
