@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 
 
@@ -50,11 +51,12 @@ def panic_said(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def rust_quiet() -> Iterator[None]:
-    """The process's stderr (fd 2) closed to a Rust library's panic hook while a call runs
-    that a file's content may make panic (reading a tokenizer): the hook writes its message
-    and a backtrace note there before the panic reaches Python, where it becomes one line
-    naming the file. While this runs nothing else is written to stderr (a few milliseconds
-    of a model's load); RUST_BACKTRACE set keeps the hook's output."""
+    """A Rust library's panic hook kept off the process's stderr (fd 2) while a call runs
+    that a file's content may make panic (building a tokenizer): the hook writes its
+    message and a note there before the panic reaches Python, where it becomes one line
+    naming the file. What else reaches fd 2 meanwhile (another thread's log lines) is held
+    and written after the call, less the hook's lines. RUST_BACKTRACE set (not 0) keeps
+    the hook's output as it is."""
     if os.environ.get("RUST_BACKTRACE", "0") != "0":
         yield
         return
@@ -64,13 +66,34 @@ def rust_quiet() -> Iterator[None]:
     except (OSError, ValueError):  # (no fd 2 to save: nothing to quiet)
         yield
         return
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
+    with tempfile.TemporaryFile() as held:
         try:
-            os.dup2(null, 2)
+            os.dup2(held.fileno(), 2)
+            yield
         finally:
-            os.close(null)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            others = _without_panics(held.read())
+            if others:
+                with contextlib.suppress(OSError):
+                    os.write(2, others)
+
+
+def _without_panics(written: bytes) -> bytes:
+    """`written` less the blocks a Rust panic hook writes: an empty line, its `thread '…'
+    panicked at …` line, up to its `note: run with RUST_BACKTRACE…` line."""
+    kept: list[bytes] = []
+    inside = False
+    for line in written.splitlines(keepends=True):
+        if line.startswith(b"thread '") and b"panicked at" in line:
+            inside = True
+            if kept and kept[-1] == b"\n":  # (the hook begins with an empty line)
+                kept.pop()
+        elif inside and line.startswith(b"note: run with `RUST_BACKTRACE"):
+            inside = False
+        elif not inside:
+            kept.append(line)
+    return b"".join(kept)

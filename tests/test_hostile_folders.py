@@ -581,3 +581,17 @@ def test_a_tokenizer_the_library_panics_on_is_one_line(
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith(f"specd: error: {folder / TOKENIZER}: not a tokenizer (")
+
+
+def test_what_else_reaches_stderr_while_a_tokenizer_builds_is_kept() -> None:
+    """The panic hook's lines are kept off stderr while a tokenizer builds; another
+    thread's lines written meanwhile (a daemon's log) are written after, in order."""
+    from modeling.errors import _without_panics
+
+    written = (
+        b"INFO one\n\nthread '<unnamed>' (6565) panicked at src/models/bpe/model.rs:267:23:\n"
+        b"slice index starts at 3 but ends at 2\n"
+        b"note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace\n"
+        b"INFO two\n"
+    )
+    assert _without_panics(written) == b"INFO one\nINFO two\n"
