@@ -199,13 +199,20 @@ class _Reader:
             self.scalar(_UINT64, what), item_bytes, what, MAX_ARRAY_LENGTH,
             "items (a real model's largest array, its vocabulary, has at most 262,144)",
         )  # fmt: skip
-        self.items += n
-        if self.items > MAX_ARRAY_ITEMS:
-            raise self.fail(
-                f"{what} brings the items of the file's arrays to {self.items:,}; specd reads "
-                f"at most {MAX_ARRAY_ITEMS:,} (a real model has under a million): {CORRUPT_FILE}"
-            )
+        self.items = self.tally(
+            self.items + n, MAX_ARRAY_ITEMS, what, "the items of the file's arrays",
+            "a real model has under a million",
+        )  # fmt: skip
         return n
+
+    def tally(self, total: int, bound: int, what: str, counted: str, real: str) -> int:
+        """`total`, what `what` brings the file's `counted` to, refused past `bound`."""
+        if total > bound:
+            raise self.fail(
+                f"{what} brings {counted} to {total:,}; specd reads at most {bound:,} "
+                f"({real}): {CORRUPT_FILE}"
+            )
+        return total
 
     def value(self, value_type: int, what: str, depth: int = 0) -> Any:
         if value_type in _STRUCTS:
@@ -232,12 +239,10 @@ class _Reader:
     def nested_length(self, what: str) -> int:
         """The length of an array of arrays, counted against MAX_NESTED_ARRAYS."""
         n = self.array_length(what, 12)  # 12: an empty array's bytes
-        self.nested += n
-        if self.nested > MAX_NESTED_ARRAYS:
-            raise self.fail(
-                f"{what} brings the arrays held in arrays to {self.nested:,}; specd reads at "
-                f"most {MAX_NESTED_ARRAYS:,} (a real model has none): {CORRUPT_FILE}"
-            )
+        self.nested = self.tally(
+            self.nested + n, MAX_NESTED_ARRAYS, what, "the arrays held in arrays",
+            "a real model has none",
+        )  # fmt: skip
         return n
 
     def skip(self, value_type: int, what: str, depth: int = 0) -> None:
