@@ -211,7 +211,7 @@ class LimitsSettings:
     schema_max_members: int = _key(2000, integer(1, 100_000))
     schema_max_bytes: int = _key(256 << 10, integer(64, 1 << 30))
     schema_max_pattern_properties: int = _key(64, integer(0, 100_000))
-    schema_max_repetition: int = _key(100_000, integer(1, 1 << 30))
+    schema_max_repetition: int = _key(200_000, integer(1, 1 << 30))
     grammar_compile_seconds: float = _key(5.0, number(0.1, 600.0))
 
     def schemas(self) -> SchemaLimits:

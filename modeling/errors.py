@@ -15,6 +15,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 
 
@@ -54,12 +55,21 @@ def rust_quiet() -> Iterator[None]:
     """A Rust library's panic hook kept off the process's stderr (fd 2) while a call runs
     that a file's content may make panic (building a tokenizer): the hook writes its
     message and a note there before the panic reaches Python, where it becomes one line
-    naming the file. What else reaches fd 2 meanwhile (another thread's log lines) is held
-    and written after the call, less the hook's lines. RUST_BACKTRACE set (not 0) keeps
-    the hook's output as it is."""
+    naming the file. What else reaches fd 2 meanwhile (another thread's log lines, for the
+    0.2-1.7 s a large tokenizer takes) is held and written after the call, less the hook's
+    lines. RUST_BACKTRACE set (not 0) keeps the hook's output as it is."""
     if os.environ.get("RUST_BACKTRACE", "0") != "0":
         yield
         return
+    with _QUIETING:  # (fd 2 is the process's: one window at a time, or one saved another's)
+        yield from _held_stderr()
+
+
+# Windows of `rust_quiet`, one at a time (re-entered by the thread that holds it).
+_QUIETING = threading.RLock()
+
+
+def _held_stderr() -> Iterator[None]:
     try:
         sys.stderr.flush()
         saved = os.dup(2)

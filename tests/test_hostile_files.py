@@ -602,6 +602,7 @@ def test_an_error_line_is_cut_to_a_readable_length(
     from daemon.cli.commands import MAX_ERROR_CHARS, one_line
 
     assert one_line("a\nb") == "a b" and one_line("x" * 10) == "x" * 10
+    assert one_line("a\x1b[2Jb") == "a\\x1b[2Jb"  # (a terminal sequence from a file)
     long = one_line("head " + "n" * 100_000 + " tail")
     assert long.startswith("head ") and long.endswith(" tail") and "characters left out" in long
     assert len(long) < MAX_ERROR_CHARS + 60

@@ -595,3 +595,34 @@ def test_what_else_reaches_stderr_while_a_tokenizer_builds_is_kept() -> None:
         b"INFO two\n"
     )
     assert _without_panics(written) == b"INFO one\nINFO two\n"
+
+
+def test_overlapping_quiet_windows_give_stderr_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fd 2 is the process's: two threads' windows overlapping once left stderr pointed at
+    /dev/null for good (the second saved the first's). One window at a time now."""
+    import os
+    import threading
+
+    from modeling.errors import rust_quiet
+
+    monkeypatch.setenv("RUST_BACKTRACE", "0")  # (set, the windows swap nothing)
+    before = os.fstat(2)
+    inside = threading.Event()
+
+    def first() -> None:
+        with rust_quiet():
+            inside.set()
+            time.sleep(0.1)
+
+    def second() -> None:  # (opens while the first is open, closes after it)
+        inside.wait(10)
+        with rust_quiet():
+            time.sleep(0.3)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    after = os.fstat(2)
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)

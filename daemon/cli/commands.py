@@ -106,8 +106,11 @@ MAX_ERROR_CHARS = 2000
 
 
 def one_line(message: str) -> str:
-    """`message` on one line, its middle cut where it runs past MAX_ERROR_CHARS."""
-    message = message.replace("\r", " ").replace("\n", " ")
+    """`message` on one line, its middle cut where it runs past MAX_ERROR_CHARS, other
+    control characters escaped (a terminal sequence quoted from a file's text)."""
+    from daemon.http.openai_errors import loggable
+
+    message = loggable(message.replace("\r", " ").replace("\n", " "))
     if len(message) <= MAX_ERROR_CHARS:
         return message
     cut = len(message) - MAX_ERROR_CHARS

@@ -115,14 +115,13 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
         i for i, kind in enumerate(types) if kind == USER_DEFINED and tokens[i] == read.tokens[i]
     ]
     try:
-        with rust_quiet():  # (a panic is said in one line below)
-            if read.model == "llama":
-                backend = _sentencepiece(read, tokens, source)
-                add_bos_default = True
-            else:
-                backend = _byte_level(read, special | set(user_defined))
-                add_bos_default = PRE_TOKENIZERS[read.pre].add_bos
-    except BaseException as exc:  # (a Rust panic is no Exception)
+        if read.model == "llama":
+            backend = _sentencepiece(read, tokens, source)
+            add_bos_default = True
+        else:
+            backend = _byte_level(read, special | set(user_defined))
+            add_bos_default = PRE_TOKENIZERS[read.pre].add_bos
+    except BaseException as exc:  # (a Rust panic is no Exception: one line below)
         said = library_refusal(exc)
         raise GGUFTokenizerError(
             f"{source}: the tokenizer.ggml.* keys do not make a tokenizer ({said}): {CORRUPT_FILE}"
@@ -194,7 +193,8 @@ def _byte_level(read: _Fields, keep: set[int]) -> HFTokenizer:
             token = "".join(spelling[b] for b in token.encode("utf-8"))
         vocab[token] = i
     split = PRE_TOKENIZERS[pre]
-    backend = HFTokenizer(models.BPE(vocab, merges, ignore_merges=split.ignore_merges))
+    with rust_quiet():  # (the library's own work, where it may panic: a panic is one line)
+        backend = HFTokenizer(models.BPE(vocab, merges, ignore_merges=split.ignore_merges))
     backend.pre_tokenizer = split.pre_tokenizer()
     backend.decoder = decoders.ByteLevel()
     return backend
