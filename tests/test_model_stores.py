@@ -522,3 +522,17 @@ def test_file_type_of_hostile_files_is_unreadable_at_once(tmp_path: Path) -> Non
         start = time.perf_counter()
         assert gguf_file_type(path) == "unreadable", name
         assert time.perf_counter() - start < 1, name
+
+
+@pytest.mark.parametrize(
+    "stop", [{"a": [1, 2]}, None, [1], [""], ["x" * 1001], [f"s{i}" for i in range(65)]]
+)
+def test_ollama_stop_strings_are_strings(home: Path, stop: Any) -> None:
+    """A params layer's `stop` of a dict or null became the stop strings "{'a': [1, 2]}" and
+    "None", and 100,000 of them a megabyte warning at every start (an attacker found): a
+    string or a list of up to 64 strings, else one line naming the file."""
+    pull(home / ".ollama" / "models", params=json.dumps({"stop": stop}))
+    with pytest.raises(StoreError, match=r"Ollama params' stop is .*; it must be a string"):
+        resolve_store_ref("ollama:llama3.1")
+    pull(home / ".ollama" / "models", params=json.dumps({"stop": "<|end|>"}))
+    assert resolve_store_ref("ollama:llama3.1").stop == ["<|end|>"]

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from modeling.checkpoints.gguf_file import read_file_type
+from modeling.checkpoints.gguf_file import read_file_type, short_repr
 from modeling.checkpoints.regular import open_regular
 
 OLLAMA_HOST, OLLAMA_NAMESPACE, OLLAMA_TAG = "registry.ollama.ai", "library", "latest"
@@ -239,15 +239,31 @@ def _resolve_ollama(name: str) -> StoreModel:
         if not isinstance(params, dict):
             raise StoreError(f"{layers[_PARAMS][1]}: Ollama params are not a JSON object")
     stop = params.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and len(stop) <= MAX_STOPS and all(
+        isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop
+    )):  # fmt: skip
+        # (a dict was stringified into a stop string, null into "None"; 100,000 of them
+        # made a megabyte warning at every start, an attacker found)
+        raise StoreError(
+            f"{layers[_PARAMS][1]}: Ollama params' stop is {short_repr(stop)}; it must be a "
+            f"string or a list of up to {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS:,} "
+            "characters: pull the model again"
+        )
     return StoreModel(
         path=_gguf(_blob(layers[_MODEL], name)),
         store="ollama",
         name=name,
         template_text=template,
         params=params,
-        stop=[str(s) for s in (stop if isinstance(stop, list) else [stop])],
+        stop=list(stop),
         system=_text(layers[_SYSTEM], name) if _SYSTEM in layers else None,
     )
+
+
+# An Ollama model's own stop strings (its params layer): a few end-of-turn markers.
+MAX_STOPS = 64
+MAX_STOP_CHARS = 1000
 
 
 def _ollama_name(name: str) -> tuple[str, str, str, str]:
