@@ -128,6 +128,15 @@ def settle(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Set
     """Every check of `admit` but the grammar's compile (the grammar itself is made: the
     tools' in the model's own call format)."""
     strategy = _strategy(runtime, ask.strategy)
+    effort = ask.template_vars.get("reasoning_effort")
+    if runtime.tokenizer.harmony and effort in ("none", "minimal"):
+        # (OpenAI's newer efforts: gpt-oss's template would write "Reasoning: minimal" into
+        # its system message, an effort the model was never trained on)
+        raise RequestError(
+            f"reasoning_effort {effort!r}: this model (OpenAI's harmony format, gpt-oss) "
+            "reasons at low, medium or high",
+            "reasoning_effort",
+        )
     prompt_ids = _prompt_ids(runtime, ask)
     max_tokens = _max_tokens(ask, len(prompt_ids), runtime.context, clamp_max_tokens)
     width = runtime.target.vocab_width

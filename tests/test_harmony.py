@@ -197,6 +197,17 @@ def test_a_harmony_model_answers_and_makes_a_required_call(harmony_server) -> No
                 assert set(arguments) == {"n"} and isinstance(arguments["n"], int)
 
 
+def test_a_harmony_model_reasons_at_low_medium_or_high(harmony_server) -> None:  # type: ignore[no-untyped-def]
+    """OpenAI's newer efforts (`none`, `minimal`) would reach gpt-oss's template, which
+    writes the effort into its system message: a 400 naming the field; its own are taken."""
+    base = {"model": "model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for effort in ("none", "minimal"):
+        status, answer = _chat(harmony_server, {**base, "reasoning_effort": effort})
+        assert status == 400 and answer["error"]["param"] == "reasoning_effort", answer
+    status, answer = _chat(harmony_server, {**base, "reasoning_effort": "low"})
+    assert status == 200, answer
+
+
 def test_a_call_without_content_renders_in_a_harmony_conversation(
     tiny_checkpoint, tmp_path: Path
 ) -> None:
