@@ -547,3 +547,17 @@ def test_mistrals_own_format_beside_the_checkpoint_is_neither_downloaded_nor_rea
     assert main(["pull", "mistralai/Model"]) == 0
     assert [c["ignore_patterns"] for c in calls] == [["consolidated*.safetensors"]] * 2
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.float8_e4m3fn])
+def test_a_float_weight_stored_as_another_dtype_is_refused_by_name(
+    tiny_checkpoint, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """Integers, booleans or FP8 values where a float weight belongs (a damaged file, or an
+    FP8 export whose scales the config does not declare) are named with their dtype,
+    never cast into weights that load without a word and answer nonsense."""
+    folder = _copy(tiny_checkpoint("llama", vocab_size=VOCAB), tmp_path / "ints")
+    name = "model.layers.0.mlp.down_proj.weight"
+    _rewrite_weights(folder, lambda t: t.update({name: t[name].to(dtype)}))
+    with pytest.raises(CheckpointError, match=rf"another dtype: {name} \w+ \(expected F32"):
+        load(folder)

@@ -361,6 +361,11 @@ def test_gpt_oss_checkpoints_it_cannot_run_are_refused_by_name(tiny_checkpoint, 
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"experts\.down_proj \(3, 128, 64\)"):
         load(bad)
+    # Stacked experts stored as integers: each expert is named, never cast to floats.
+    tensors[name] = torch.ones(4, 128, 64, dtype=torch.int16)
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"down_proj: .*torch\.int16 \(expected a float\)"):
+        load(bad)
 
 
 def _mxfp4_release(folder: Path, out: Path, reference: Path) -> None:

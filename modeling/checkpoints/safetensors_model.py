@@ -48,6 +48,11 @@ _SAFETENSORS_NAMES = {
     torch.bfloat16: "BF16",
     torch.float32: "F32",
 }
+# The dtypes a float parameter may be stored in (cast to the compute dtype as it is read).
+# Integers, booleans or FP8 where a float weight belongs are a damaged file or a format
+# whose scales live elsewhere: casting them would load wrong weights without a word.
+_FLOAT_NAMES = {"F64", "F32", "F16", "BF16"}
+_FLOAT_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
 # Buffers some exporters store that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Rows of the head and the embedding compared at once (as float32) by stored_head_differs.
@@ -259,6 +264,9 @@ def load_model(
                         if one not in expected or tuple(value.shape) != tuple(expected[one]):
                             wrong_shape.append(f"{hf_name}: {one} {tuple(value.shape)}")
                             continue
+                        if one not in stored and value.dtype not in _FLOAT_DTYPES:
+                            wrong_dtype.append(f"{hf_name}: {one} {value.dtype} (expected a float)")
+                            continue
                         seen.add(one)
                         if one in stored:  # packed blocks: their bytes as they are
                             _assign(model, one, value.to(device=device))
@@ -296,6 +304,9 @@ def load_model(
                 want = stored[name].dtype if name in stored else dtype
                 if name in stored and sl.get_dtype() != _SAFETENSORS_NAMES.get(want):
                     wrong_dtype.append(f"{hf_name} {sl.get_dtype()} (expected {want})")
+                    continue
+                if name not in stored and sl.get_dtype() not in _FLOAT_NAMES:
+                    wrong_dtype.append(f"{hf_name} {sl.get_dtype()} (expected F32, F16 or BF16)")
                     continue
                 seen.add(name)
                 if name in quantized_on_load:
@@ -338,7 +349,7 @@ def load_model(
     if wrong_shape:
         problems.append("wrongly shaped tensors: " + "; ".join(wrong_shape))
     if wrong_dtype:
-        problems.append("packed tensors of another dtype: " + "; ".join(wrong_dtype))
+        problems.append("tensors of another dtype: " + "; ".join(wrong_dtype))
     if problems:
         raise CheckpointError(f"{path}: " + "; ".join(problems))
     if tied:
