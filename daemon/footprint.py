@@ -107,7 +107,7 @@ def footprint(
 
 def _larger_of_each_projection(block: nn.Module, stored: ModelConfig) -> list[PackedLinear]:
     """A checkpoint to be laid out as blocks on this CPU loads as stored where its values
-    turn out to have no exact block form (`safetensors_model._to_blocks`), so each
+    turn out to have no exact block form (`packed_layers.to_blocks`), so each
     projection of `block` (layer 0, which the layer's bytes are measured on) is planned at
     the larger of its two forms (blocks are larger at real widths; GPTQ's per-input group
     index makes the stored form larger on a toy). Returns the stored forms, whose rebuild

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from modeling.checkpoints import safetensors_model
+from modeling.checkpoints import tied_head
 from modeling.checkpoints.checkpoint import ModelNotFoundError, load, open_checkpoint, resolve
 from modeling.checkpoints.folder_files import CheckpointError
 from modeling.checkpoints.safetensors_model import weight_files
@@ -278,7 +278,7 @@ def test_tied_config_beside_a_head_of_its_own_keeps_the_head(
 
     _rewrite_weights(folder, head_like_the_embedding_but_one_row)
     _edit_config(folder, tie_word_embeddings=True)
-    monkeypatch.setattr("modeling.checkpoints.safetensors_model._COMPARE_BYTES", 3 * 64 * 4)
+    monkeypatch.setattr("modeling.checkpoints.tied_head._COMPARE_BYTES", 3 * 64 * 4)
     assert not open_checkpoint(folder).config.tie_word_embeddings
     model, _, _ = load(folder)
     assert model.lm_head.weight is not model.embed_tokens.weight
@@ -303,9 +303,9 @@ def test_a_scan_of_models_does_not_read_a_stored_head(
     )
     _edit_config(folder, tie_word_embeddings=True)
     read: list[Path] = []
-    real = safetensors_model._head_differs
+    real = tied_head._head_differs
     monkeypatch.setattr(
-        safetensors_model,
+        tied_head,
         "_head_differs",
         lambda files, cfg: read.append(files[0]) or real(files, cfg),
     )

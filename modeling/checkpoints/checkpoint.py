@@ -33,7 +33,8 @@ from modeling.checkpoints.gguf_model import (
 )
 from modeling.checkpoints.hub_patterns import CHECKPOINT_FILES, CONFIG_FILES, SKIPPED_FILES
 from modeling.checkpoints.model_stores import resolve_store_ref
-from modeling.checkpoints.safetensors_model import load_model, stored_head_differs, weight_files
+from modeling.checkpoints.safetensors_model import load_model, weight_files
+from modeling.checkpoints.tied_head import stored_head_differs
 from modeling.config import ModelConfig, UnsupportedModelError
 from modeling.decoder import Transformer
 from modeling.models import config_from_hf

@@ -10,7 +10,6 @@ opens checkpoints; a GGUF file's weights are read by modeling/checkpoints/gguf_m
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import sys
 import time
@@ -30,13 +29,13 @@ from modeling.checkpoints.folder_files import (
     refuse_irregular,
 )
 from modeling.checkpoints.gguf_model import is_gguf
+from modeling.checkpoints.packed_layers import check_group_index, check_packed_layers, to_blocks
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
 from modeling.models import architecture
 from modeling.weights.block_layout import BlockQuantizedLinear
-from modeling.weights.packed import AWQLinear, CompressedLinear, GPTQLinear, PackedLinear
+from modeling.weights.packed import CompressedLinear, PackedLinear
 from modeling.weights.projections import fused_parts
-from modeling.weights.quant import QuantizationSpec
 
 log = logging.getLogger("specd.checkpoint")
 
@@ -55,8 +54,6 @@ _FLOAT_NAMES = {"F64", "F32", "F16", "BF16"}
 _FLOAT_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
 # Buffers some exporters store that are recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-# Rows of the head and the embedding compared at once (as float32) by stored_head_differs.
-_COMPARE_BYTES = 64 * 2**20
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -92,7 +89,7 @@ def weight_files(path: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def _opened(file: Path) -> Iterator[Any]:
+def opened(file: Path) -> Iterator[Any]:
     """A safetensors file open for reading; one that is damaged or cut short (a download
     that stopped) is a CheckpointError naming it, wherever safetensors finds out."""
     try:
@@ -102,75 +99,6 @@ def _opened(file: Path) -> Iterator[Any]:
         raise CheckpointError(
             f"{file}: {err} (the file is damaged or incomplete: download it again)"
         ) from None
-
-
-def stored_head_differs(path: Path, config: ModelConfig) -> bool:
-    """Whether a config that ties the head to the embedding sits beside a checkpoint that
-    stores a head of its own with other values (or of another shape). transformers then
-    keeps the stored head (and warns), so specd does too: the caller unties the config,
-    and the loader reads the head (naming it where its shape is wrong). A folder without
-    its weights yet (a plan from the config alone) says no. The answer is kept per set of
-    files (their sizes and times): several commands open the same checkpoint."""
-    if not config.tie_word_embeddings:
-        return False
-    try:
-        files = weight_files(path)
-        key = (str(path), tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
-        if key not in _HEAD_DIFFERS:
-            if len(_HEAD_DIFFERS) >= 64:
-                _HEAD_DIFFERS.clear()
-            _HEAD_DIFFERS[key] = _head_differs(files, config)
-    except (CheckpointError, OSError):
-        return False  # (a shard missing or cut short: loading says so, naming it)
-    return _HEAD_DIFFERS[key]
-
-
-_HEAD_DIFFERS: dict[tuple, bool] = {}
-_SAMPLE_ROWS = 64  # rows compared before the whole matrix
-
-
-def _head_differs(files: list[Path], config: ModelConfig) -> bool:
-    arch = architecture(config)
-    where: dict[str, tuple[Path, str]] = {}
-    for file in files:
-        with _opened(file) as f:
-            for stored in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                name = arch.hf_name(stored)
-                if name in ("lm_head.weight", "embed_tokens.weight"):
-                    where[name] = (file, stored)
-    if len(where) < 2:
-        return False
-    (head_file, head_name), (embed_file, embed_name) = (
-        where["lm_head.weight"],
-        where["embed_tokens.weight"],
-    )
-    with _opened(head_file) as hf, _opened(embed_file) as ef:
-        head, embed = hf.get_slice(head_name), ef.get_slice(embed_name)
-        shape = tuple(head.get_shape())
-        if shape != tuple(embed.get_shape()):
-            return True  # (untied, the loader names the head's wrong shape)
-        if len(shape) != 2 or 0 in shape:
-            return False
-        step = max(1, _COMPARE_BYTES // (shape[1] * 4))
-        same_dtype = head.get_dtype() == embed.get_dtype()
-        # A few rows spread over the matrix first: a head trained apart differs almost
-        # everywhere, and is told in milliseconds; only a copy is read through to the end.
-        sample = [(r, r + 1) for r in range(0, shape[0], max(1, shape[0] // _SAMPLE_ROWS))]
-        for row, end in itertools.chain(sample, ((r, r + step) for r in range(0, shape[0], step))):
-            a, b = head[row:end], embed[row:end]
-            if same_dtype:  # the stored bits (a NaN equals itself)
-                a, b = _bits(a), _bits(b)
-            else:
-                a, b = a.to(torch.float32), b.to(torch.float32)
-            if not torch.equal(a, b):
-                return True
-    return False
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s elements as integers of the same width (compared bit for bit)."""
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.view(ints[t.element_size()]) if t.is_floating_point() else t
 
 
 def load_model(
@@ -237,7 +165,7 @@ def load_model(
     wrong_shape: list[str] = []
     wrong_dtype: list[str] = []
     for file in files:
-        with _opened(file) as f:
+        with opened(file) as f:
             for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 stack = arch.hf_stack_shape(config, hf_name)
                 if stack is not None:  # every expert of a layer in one tensor: split
@@ -331,7 +259,7 @@ def load_model(
                     continue
                 if skip is not None and skip(name):
                     if name.endswith(".g_idx"):  # a few KB: checked as a loaded layer's is
-                        _check_group_index(model, name, f.get_tensor(hf_name), path)
+                        check_group_index(model, name, f.get_tensor(hf_name), path)
                     _assign(model, name, torch.empty(shape, dtype=want, device="meta"))
                     continue
                 tensor = f.get_tensor(hf_name).to(device=device, dtype=want)
@@ -354,73 +282,12 @@ def load_model(
         raise CheckpointError(f"{path}: " + "; ".join(problems))
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
-    _check_group_indices(model, path)
+    check_packed_layers(model, path)
     if relayout and skip is None:
         assert spec is not None
-        _to_blocks(model, path, spec)
+        to_blocks(model, path, spec)
     model.set_rope(device)
     return model.eval()
-
-
-def _check_group_indices(model: Transformer, path: Path) -> None:
-    """GPTQ's g_idx names each input's group: one outside 0 .. G-1 (a damaged or hostile
-    file) would index past the scales at the first pass, or wrap to the last group, so it
-    is refused at load, naming the tensor (the disk tier's layers are checked as they are
-    read, `_check_group_index`). And a packed layer's scales must be numbers: one NaN or
-    infinite scale makes every logit NaN, and greedy decoding then repeats token 0."""
-    for owner, module in model.named_modules():
-        if isinstance(module, GPTQLinear) and not module.g_idx.is_meta:
-            _check_group_index(model, f"{owner}.g_idx", module.g_idx, path)
-        for name in ("scales", "weight_scale"):
-            scale = getattr(module, name, None)
-            if not isinstance(module, PackedLinear) or not isinstance(scale, torch.Tensor):
-                continue
-            if not scale.is_meta and not bool(torch.isfinite(scale).all()):
-                raise CheckpointError(
-                    f"{path}: {owner}.{name} holds NaN or infinite scales (the file is "
-                    "damaged: download or quantize it again)"
-                )
-
-
-def _check_group_index(model: Transformer, name: str, g_idx: torch.Tensor, path: Path) -> None:
-    module = model.get_submodule(name.rsplit(".", 1)[0])
-    assert isinstance(module, GPTQLinear)
-    groups = module.qzeros.shape[0]
-    if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
-        raise CheckpointError(
-            f"{path}: {name} names groups outside 0..{groups - 1} (the file is damaged: "
-            "download or quantize it again)"
-        )
-
-
-def _to_blocks(model: Transformer, path: Path, spec: QuantizationSpec) -> None:
-    """Every packed projection replaced by its block form (one projection's two forms at
-    a time), or none where one has no exact block form against what config.json says
-    (zero points other than 2^(b-1) under `sym`, groups of unequal sizes): then the model
-    loads as stored, all its layers alike (a streamer needs one layout), and the plan,
-    which counts each projection at the larger of its forms, holds it."""
-    packed = [
-        (owner, module)
-        for owner, module in model.named_modules()
-        if isinstance(module, GPTQLinear | AWQLinear | CompressedLinear)
-    ]
-    symmetric, act_order = spec.symmetric, spec.act_order
-    odd = next(
-        (o for o, m in packed if not BlockQuantizedLinear.has_block_form(m, symmetric, act_order)),
-        None,
-    )
-    if odd is not None:
-        log.warning(
-            "%s: %s has no exact block form (its zero points, groups or scales are not what "
-            "quantization_config says): the packed layers are rebuilt for each product",
-            path, odd,
-        )  # fmt: skip
-        return
-    for owner, module in packed:
-        blocks = BlockQuantizedLinear.from_packed(module, symmetric, act_order)
-        assert blocks is not None
-        parent_name, _, attr = owner.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, blocks)
 
 
 def _load_part(
