@@ -37,8 +37,9 @@ from typing import Any
 from daemon.jobs import GenerationRequest
 from daemon.runtime import Runtime, RuntimeSetupError
 from modeling.errors import RequestError
+from modeling.text.model_template import ChatTemplateError
 from modeling.text.thinking import CLOSE, OPEN, Thinking, opened
-from modeling.text.tokenizer import ChatTemplateError, TextTooLong, Tokenizer, TokenizerFailure
+from modeling.text.tokenizer import TextTooLong, Tokenizer, TokenizerFailure
 from speculative.grammar import Grammar
 from speculative.grammar_compiler import GrammarCompiler
 from speculative.harmony import harmony_call_grammar

@@ -130,7 +130,7 @@ def test_a_folders_broken_template_is_refused_when_it_is_opened(
     llama: Path, template: Any, says: str
 ) -> None:
     """As a GGUF file's: `specd plan` refuses it as loading does, naming the file."""
-    from modeling.text.tokenizer import ChatTemplateError
+    from modeling.text.model_template import ChatTemplateError
 
     file = llama / "tokenizer_config.json"
     tc = json.loads(file.read_text()) if file.is_file() else {}

@@ -178,7 +178,7 @@ def test_bytes_no_character_completes_are_shown_as_they_come(tokenizer: Tokenize
     assert tokenizer.byte_tokens is not None
     token = tokenizer.byte_tokens.get(byte) or tokenizer.backend.token_to_id(f"<0x{byte:02X}>")
     if token is None:  # (the probes' bytes are always there; F0 in byte-level vocabularies)
-        from modeling.text.tokenizer import BYTE_LEVEL
+        from modeling.text.byte_level import BYTE_LEVEL
 
         token = tokenizer.backend.token_to_id(BYTE_LEVEL[byte])
     ids = [token] * 200

@@ -493,7 +493,7 @@ def test_the_vocabulary_and_its_merges_are_bounded(monkeypatch: pytest.MonkeyPat
 
 
 def test_a_template_that_does_not_compile_names_the_file_and_the_key() -> None:
-    from modeling.text.tokenizer import ChatTemplateError
+    from modeling.text.model_template import ChatTemplateError
 
     _, fields = _spm("stories260k-F16.gguf")
     broken = {**fields, "tokenizer.chat_template": "{% if %}"}

@@ -31,7 +31,8 @@ from modeling.text.chat_template import (
     TemplateLimitError,
     compile_template,
 )
-from modeling.text.tokenizer import FALLBACK_CHAT_TEMPLATE, ChatTemplateError, Tokenizer
+from modeling.text.model_template import FALLBACK_CHAT_TEMPLATE, ChatTemplateError
+from modeling.text.tokenizer import Tokenizer
 from tests.templated import templated_copy
 from tests.test_tool_formats import LLAMA3_TEMPLATE, MISTRAL_TEMPLATE
 

@@ -17,7 +17,7 @@ from daemon.http.openai_fields import WireLimits
 from daemon.http.openai_wire import parse_chat, parse_completion
 from daemon.http.server import BackgroundServer
 from daemon.settings_loading import load_settings
-from modeling.text.tokenizer import TEMPLATE_NAMES
+from modeling.text.model_template import TEMPLATE_NAMES
 from tests.templated import templated_copy
 
 # The parts of Qwen3's and gpt-oss's templates that read these variables, as they read them.

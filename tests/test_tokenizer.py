@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from modeling.checkpoints.checkpoint import open_checkpoint
-from modeling.text.tokenizer import FALLBACK_CHAT_TEMPLATE, ChatTemplateError, Tokenizer
+from modeling.text.model_template import FALLBACK_CHAT_TEMPLATE, ChatTemplateError
+from modeling.text.tokenizer import Tokenizer
 
 TEXTS = ["Once upon a time", "  two  spaces", "café 😀 naïve", "line\nbreak", ""]
 

@@ -22,7 +22,7 @@ from daemon.admission import Ask
 from daemon.http.openai_errors import bad_request
 from daemon.http.openai_fields import WireLimits, checked_text, generation_fields, is_int
 from daemon.http.openai_tools import MAX_ARGUMENT_DEPTH, parse_tool_calls, parse_tools
-from modeling.text.tokenizer import TEMPLATE_NAMES
+from modeling.text.model_template import TEMPLATE_NAMES
 from speculative.schema_limits import nesting
 
 CHAT_ROLES = {

@@ -39,12 +39,12 @@ from modeling.config import ModelConfig, UnsupportedModelError
 from modeling.decoder import Transformer
 from modeling.models import config_from_hf
 from modeling.text.gguf_tokenizer import check_tokenizer_metadata, tokenizer_from_gguf
-from modeling.text.tokenizer import (
-    Tokenizer,
+from modeling.text.model_template import (
     compile_chat_template,
     folder_chat_template,
     tokenizer_config,
 )
+from modeling.text.tokenizer import Tokenizer
 from modeling.text.tokenizer_file import MAX_VOCABULARY
 from modeling.weights.quant import (
     UnsupportedQuantizationError,

@@ -21,7 +21,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Protocol
 
-from modeling.text.tokenizer import PROBE_BYTES
+from modeling.text.byte_level import PROBE_BYTES
 
 
 class Decoder(Protocol):

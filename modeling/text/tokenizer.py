@@ -1,7 +1,7 @@
 """Tokenizer (`tokenizer.json` via `tokenizers`), BOS/EOS policy and chat templates.
 
-Chat templates come from the checkpoint (`tokenizer_config.json` or `chat_template.jinja`)
-and are rendered in a sandboxed Jinja environment (modeling/text/chat_template.py): a template
+Chat templates come from the checkpoint (`tokenizer_config.json` or `chat_template.jinja`:
+modeling/text/model_template.py) and are rendered in a sandboxed Jinja environment (modeling/text/chat_template.py): a template
 is code shipped by whoever published the model, so it may not touch attributes or call
 anything unsafe. Jinja is imported only when a template is compiled: a checkpoint's own
 template at load (so a broken one fails there), the fallback at its first use, so that
@@ -20,82 +20,23 @@ from tokenizers import Tokenizer as HFTokenizer
 from modeling.checkpoints.folder_files import (
     DAMAGED,
     CheckpointError,
-    read_json_object,
-    read_text,
 )
 from modeling.checkpoints.gguf_file import short_repr
 from modeling.config import ModelConfig
 from modeling.errors import RequestError, panic_said, rust_panic
 from modeling.text import harmony, thinking
+from modeling.text.byte_level import BYTE_LEVEL, BYTE_LEVEL_INDEX, PROBE_BYTES
+from modeling.text.model_template import (
+    FALLBACK_CHAT_TEMPLATE,
+    ChatTemplateError,
+    compile_chat_template,
+    folder_chat_template,
+    tokenizer_config,
+)
 from modeling.text.tokenizer_file import read_backend
 
 if TYPE_CHECKING:
     from jinja2 import Template
-
-
-class ChatTemplateError(RequestError):
-    """The chat template failed to render the given messages, or went past a limit of a
-    render (modeling/text/chat_template.py)."""
-
-
-def tokenizer_config(path: Path) -> dict[str, Any]:
-    """A model folder's tokenizer_config.json ({} where there is none), or CheckpointError
-    naming the file where it is no JSON object (read_json_object)."""
-    file = path / "tokenizer_config.json"
-    return read_json_object(file) if file.is_file() else {}
-
-
-def folder_chat_template(path: Path, tc: dict[str, Any]) -> tuple[str | None, str]:
-    """A model folder's chat template and where it came from: tokenizer_config.json's
-    `chat_template` (a text, or named ones: the default's), else chat_template.jinja.
-    ChatTemplateError naming the file and key for one of another type."""
-    source = f"{path / 'tokenizer_config.json'}: chat_template"
-    template = tc.get("chat_template")
-    if isinstance(template, list):  # named templates: use the default one
-        if not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template):
-            raise ChatTemplateError(f"{source} is a list, but not of named templates")
-        named = {t.get("name"): t["template"] for t in template}
-        template = named.get("default") or next(iter(named.values()), None)
-    if template is not None and not isinstance(template, str):
-        raise ChatTemplateError(f"{source} is a {type(template).__name__}, not a template")
-    jinja_file = path / "chat_template.jinja"
-    if template is None and jinja_file.is_file():
-        template, source = read_text(jinja_file), str(jinja_file)
-    return template, source
-
-
-# The longest chat template compiled: a 500 KB one took 13.7 s and 1.2 GB to compile, and a
-# file may hold 32 MiB of them (GGUF metadata, 128 MiB).
-MAX_TEMPLATE_CHARS = 128 << 10
-
-
-def compile_chat_template(template: str, source: str) -> Template:
-    """A model's chat template compiled (sandboxed: modeling/text/chat_template.py), or
-    ChatTemplateError naming `source` (the file and key it came from; "" for specd's own)."""
-    from modeling.text.chat_template import TemplateError, compile_template
-
-    if len(template) > MAX_TEMPLATE_CHARS:  # (compiling costs ~30 ms and 2.5 MB a KB)
-        whose = f"{source}, the model's chat template," if source else "the chat template"
-        raise ChatTemplateError(
-            f"{whose} is {len(template):,} characters; at most {MAX_TEMPLATE_CHARS:,} "
-            "(real ones are under 20,000)"
-        )
-    try:
-        return compile_template(template)
-    except TemplateError as exc:
-        whose = f"{source}, the model's chat template," if source else "the chat template"
-        raise ChatTemplateError(f"{whose} does not compile: {exc}") from exc
-
-
-# For base models without a template: a plain transcript the model can continue.
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'system' %}{{ m['content'] }}\n\n"
-    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
-    "{% else %}Assistant: {{ m['content'] }}\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
 
 
 def _token_text(tc: dict[str, Any], key: str, file: Path) -> str | None:
@@ -109,38 +50,6 @@ def _token_text(tc: dict[str, Any], key: str, file: Path) -> str | None:
             f"with it as `content`: {DAMAGED}"
         )
     return text
-
-
-# Continuation bytes the detokenizer probes a held character with: every lead byte of
-# UTF-8 takes one of them next (E0 needs A0-BF, ED 80-9F, F0 90-BF, F4 80-8F).
-PROBE_BYTES = (0x80, 0x90, 0xA0)
-
-
-def _byte_level() -> list[str]:
-    """GPT-2's byte-level alphabet: the character each byte is written as in a token."""
-    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
-BYTE_LEVEL = _byte_level()
-BYTE_LEVEL_INDEX = {c: b for b, c in enumerate(BYTE_LEVEL)}
-
-
-# The names a chat template's render has from specd (`Tokenizer.render_chat`'s variables and
-# the environment's globals, modeling/text/chat_template.py): a request's variables may not
-# set them (tests/test_template_vars.py holds the globals to the environment's own).
-TEMPLATE_NAMES = frozenset(
-    {"messages", "tools", "add_generation_prompt", "documents", "bos_token", "eos_token"}
-    | {"range", "dict", "cycler", "joiner", "lipsum", "namespace", "raise_exception"}
-    | {"strftime_now"}
-)
 
 
 class Tokenizer:
