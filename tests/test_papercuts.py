@@ -23,12 +23,12 @@ import psutil
 import pytest
 
 from daemon import service
+from daemon.addresses import daemon_url, listening_on
 from daemon.cli import main
 from daemon.cli.chat import stats_line
 from daemon.http.openai_fields import DEFAULT_TEMPERATURE, WireLimits, generation_fields
 from daemon.http.server import BackgroundServer
 from daemon.http.webchat import STATIC
-from daemon.settings import daemon_url, listening_on
 from daemon.settings_loading import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]

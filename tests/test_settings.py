@@ -241,7 +241,7 @@ def test_a_file_that_cannot_be_read_is_one_line(tmp_path: Path, text: str, needl
 
 
 def test_daemon_url_brackets_ipv6_and_reaches_wildcards_through_loopback():
-    from daemon.settings import daemon_url
+    from daemon.addresses import daemon_url
 
     assert daemon_url("127.0.0.1", 8716) == "http://127.0.0.1:8716"
     assert daemon_url("::1", 8716) == "http://[::1]:8716"

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from daemon import service
+from daemon.addresses import daemon_url
 from daemon.cli.argtypes import temperature
 from daemon.cli.chat_client import (
     Answer,
@@ -40,7 +41,6 @@ from daemon.cli.serve import (
     read_api_key,
     settings_from_args,
 )
-from daemon.settings import daemon_url
 from daemon.small_files import SmallFileError, read_small
 
 # The daemon's error code for a prompt longer than its context (daemon/admission.py).

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from daemon import service, service_files
+from daemon.addresses import daemon_url, exposed_without_key, listening_on
 from daemon.cli.serve import (
     add_address_args,
     add_settings_args,
@@ -16,14 +17,7 @@ from daemon.cli.serve import (
     names_address,
     settings_from_args,
 )
-from daemon.settings import (
-    ServerSettings,
-    Settings,
-    SettingsError,
-    daemon_url,
-    exposed_without_key,
-    listening_on,
-)
+from daemon.settings import ServerSettings, Settings, SettingsError
 
 
 def _url(settings: Settings) -> str:

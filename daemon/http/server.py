@@ -14,6 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from daemon.addresses import daemon_url, exposed_without_key, listening_on
 from daemon.engine import Engine, EngineLimits
 from daemon.http import webchat
 from daemon.http.api import create_app
@@ -25,13 +26,7 @@ from daemon.options import RuntimeOptions
 from daemon.pressure import thresholds_from
 from daemon.runtime import Runtime
 from daemon.service import ListenError
-from daemon.settings import (
-    Settings,
-    SettingsError,
-    daemon_url,
-    exposed_without_key,
-    listening_on,
-)
+from daemon.settings import Settings, SettingsError
 from daemon.small_files import MAX_KEY_BYTES, SmallFileError, read_small
 
 log = logging.getLogger("specd.server")
