@@ -51,7 +51,8 @@ class DraftChoice:
 def local_models() -> list[tuple[str, Path]]:
     """(name, path) of the models on this machine: the stores' GGUF files and the hub
     cache's snapshots (the newest revision of each)."""
-    from modeling.checkpoints.model_stores import hub_snapshots, list_store_models
+    from modeling.checkpoints.hub_cache import hub_snapshots
+    from modeling.checkpoints.model_stores import list_store_models
 
     found = [(e.name, e.path) for e in list_store_models() if e.note is None]
     return found + [(snap.repo_id, snap.path) for snap in hub_snapshots()]

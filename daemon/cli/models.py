@@ -29,7 +29,7 @@ class Found:
 
 def hub_models() -> list[Found]:
     """The hub cache's model snapshots (the newest revision of each)."""
-    from modeling.checkpoints.model_stores import hub_snapshots
+    from modeling.checkpoints.hub_cache import hub_snapshots
 
     return [
         Found(snap.repo_id, _hub_kind(snap.path), snap.size, snap.path, "hub")
