@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from daemon.memory_plan import OffloadOptions, choose_plan, plan_dtype
 from daemon.options import RuntimeOptions
 from modeling.checkpoints.checkpoint import DTYPES, Checkpoint
-from modeling.checkpoints.gguf_model import is_gguf
 from modeling.config import ModelConfig
 from modeling.substitute import (
     SUBSTITUTE,
@@ -219,18 +218,4 @@ def plan_pair(
         options.context, device_type, offload_options(options), budget,
         planned_tree_budget(options),
     )  # fmt: skip
-    refuse_disk_for_gguf(plan, target)
     return plan, drafting
-
-
-def refuse_disk_for_gguf(plan: MemoryPlan, checkpoint: Checkpoint) -> None:
-    """The disk tier reads safetensors files; a GGUF target's streamed layers stay in RAM
-    (its file is memory-mapped): a plan that streams them from disk is refused here, where
-    `specd plan` and loading both see it."""
-    streams_from_disk = plan.streamed_layers and plan.host_tier == "disk"
-    if streams_from_disk and (checkpoint.gguf is not None or is_gguf(checkpoint.path)):
-        raise PlanError(
-            f"{checkpoint.path}: the plan streams the GGUF's layers from disk "
-            f"({plan.host_tier_reason}), but the disk tier does not read GGUF files yet: "
-            "give more --ram-budget (or --host-tier ram) so that they stream from RAM"
-        )

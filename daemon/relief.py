@@ -25,7 +25,6 @@ from daemon.pools import SessionPool, StrategyPool
 from daemon.pressure import PressureThresholds
 from daemon.target_loading import disk_sources
 from modeling.checkpoints.folder_files import CheckpointError
-from modeling.checkpoints.gguf_model import is_gguf
 from modeling.compiled import CompiledPasses
 from offload.layout import FlatLayout
 from offload.storage import DiskStorage, RamStorage
@@ -323,8 +322,6 @@ class HostTier:
             return "no target layers stream from RAM"
         if runtime.options.quantize is not None:
             return f"the layers were quantized at load (--quantize {runtime.options.quantize})"
-        if runtime.checkpoint.gguf is not None or is_gguf(runtime.checkpoint.path):
-            return "the disk tier does not read GGUF files"
         return None
 
     def to_disk(self) -> str:
@@ -340,7 +337,7 @@ class HostTier:
         layers = streamer.tier_layers
         names = [e.name for e in streamer.layout.tensors]
         try:
-            sources = disk_sources(self.runtime.checkpoint, layers, names)
+            sources = disk_sources(self.runtime.checkpoint, layers, names, self.runtime.dtype)
             disk = DiskStorage(streamer.layout, sources)
         except (CheckpointError, ValueError) as e:
             return f"nothing moved: {e}"

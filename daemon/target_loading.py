@@ -20,8 +20,10 @@ from daemon.memory_plan import plan_dtype
 from daemon.options import RuntimeOptions
 from daemon.pair_plan import DraftPlan, plan_pair
 from daemon.substitute_cache import SubstituteCache
-from modeling.checkpoints.checkpoint import Checkpoint, load, open_checkpoint
+from modeling.checkpoints.checkpoint import DTYPES, Checkpoint, load, open_checkpoint
 from modeling.checkpoints.folder_files import CheckpointError
+from modeling.checkpoints.gguf_disk import gguf_disk_sources
+from modeling.checkpoints.gguf_model import is_gguf, open_gguf
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
 from modeling.layers.moe import SparseMoE
@@ -49,9 +51,14 @@ log = logging.getLogger("specd.loading")
 
 
 def disk_sources(
-    checkpoint: Checkpoint, layers: list[int], layer_names: list[str]
+    checkpoint: Checkpoint, layers: list[int], layer_names: list[str], dtype: str
 ) -> TensorSources:
-    """For the disk tier: which file and key hold each streamed layer's tensors."""
+    """For the disk tier: which file and key hold each streamed layer's tensors (a GGUF
+    file's: readers that convert its rows to `dtype` as loading does)."""
+    if checkpoint.gguf is not None or is_gguf(checkpoint.path):
+        contents = checkpoint.gguf or open_gguf(checkpoint.path)
+        config = checkpoint.config
+        return gguf_disk_sources(contents, config, DTYPES[dtype], layers, layer_names)
     where = tensor_files(checkpoint.weight_files())
     # Our names → the checkpoint's, by its architecture's name map (`hf_name`).
     arch = architecture(checkpoint.config)
@@ -90,7 +97,7 @@ def place_target(
     if plan.host_tier == "disk":
         # Every tensor the streamer moves, packed projections' buffers included.
         names = [entry.name for entry in FlatLayout.of(layers[0]).tensors]
-        sources = disk_sources(checkpoint, streamed, names)
+        sources = disk_sources(checkpoint, streamed, names, plan_dtype(plan))
     streamer = build_streamer(
         layers, resident, device, plan.slots, plan.host_tier or "ram", sources
     )

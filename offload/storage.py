@@ -21,11 +21,11 @@ import mmap
 import struct
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 from torch import nn
@@ -116,10 +116,32 @@ class RamStorage:
         self.buffers.clear()
 
 
+class TensorReader(Protocol):
+    """A tensor whose stored form is not the layer's (a GGUF file's: rows reordered,
+    blocks in a room, float tensors decoded; modeling/checkpoints/gguf_disk.py): it reads
+    its bytes through `read` and converts them itself."""
+
+    @property
+    def path(self) -> Path: ...
+    @property
+    def key(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...  # in the layout tensor's dtype
+    @property
+    def start(self) -> int: ...  # the file's bytes it reads
+    @property
+    def end(self) -> int: ...
+
+    def read_into(self, dest: torch.Tensor, read: Callable[[Path, int, memoryview], None]) -> None:
+        """Fill `dest` (its view of the staging buffer: `shape`, the layout's dtype)."""
+        ...
+
+
 # Where one tensor of a layer is stored: a (safetensors file, key), or a list of them whose
 # tensors are stacked along the first dimension (a model may hold as one tensor what a
-# checkpoint stores as several: their bytes are consecutive in the layout's tensor).
-TensorSource = tuple[Path, str] | list[tuple[Path, str]]
+# checkpoint stores as several: their bytes are consecutive in the layout's tensor), or
+# readers that convert what they read (stacked the same way).
+TensorSource = tuple[Path, str] | list[tuple[Path, str]] | Sequence[TensorReader]
 # layer index → {tensor name in the layer (as in the layout) → its source}
 TensorSources = Mapping[int, Mapping[str, TensorSource]]
 
@@ -195,14 +217,18 @@ class DiskStorage:
                 )
         headers: dict[Path, dict[str, FileTensor]] = {}
         # Per layer: each layout tensor with the file tensors stacked into it, in order.
-        self.plan: dict[int, list[tuple[TensorSlot, list[FileTensor]]]] = {}
+        self.plan: dict[int, list[tuple[TensorSlot, list[FileTensor | TensorReader]]]] = {}
         for index, names in sources.items():
             reads = []
             for entry in layout.tensors:
                 source = names[entry.name]
-                parts = source if isinstance(source, list) else [source]
-                srcs = []
-                for path, key in parts:
+                parts: Sequence[Any] = source if isinstance(source, list) else [source]
+                srcs: list[FileTensor | TensorReader] = []
+                for part in parts:
+                    if not isinstance(part, tuple):  # a reader: no header to look in
+                        srcs.append(part)
+                        continue
+                    path, key = part
                     if path not in headers:
                         headers[path] = read_header(path)
                     src = headers[path].get(key)
@@ -259,9 +285,13 @@ class DiskStorage:
             self.read_log.append(layer)
         return staging
 
-    def _read_tensor(self, src: FileTensor, dest: torch.Tensor, entry: TensorSlot) -> None:
+    def _read_tensor(
+        self, src: FileTensor | TensorReader, dest: torch.Tensor, entry: TensorSlot
+    ) -> None:
         """Read `src` into `dest` (its bytes of the layout tensor `entry`)."""
-        if src.dtype == entry.dtype:
+        if not isinstance(src, FileTensor):
+            src.read_into(dest.view(entry.dtype).view(src.shape), self._read_bytes)
+        elif src.dtype == entry.dtype:
             # Same dtype: the file's bytes are the layout's bytes. readinto a view of the
             # staging tensor: the kernel copies from the page cache straight into staging,
             # the only host copy of each byte.
@@ -275,6 +305,9 @@ class DiskStorage:
                 self._map(src.path), dtype=src.dtype, count=count, offset=src.start
             )
             dest.view(entry.dtype).view(src.shape).copy_(mapped.view(src.shape))
+
+    def _read_bytes(self, path: Path, start: int, into: memoryview) -> None:
+        _read_exactly(self._file(path), start, into)
 
     def _file(self, path: Path) -> BinaryIO:
         f = self._files.get(path)

@@ -1,6 +1,7 @@
 """A check the architecture tests share: speculation over a tiny checkpoint of a family
-gives the target's own greedy output, whatever runs it (a streamed target alone, an n-gram
-tree, a substitute built from the architecture's own blocks)."""
+gives the target's own greedy output, whatever runs it (a streamed target alone, from RAM
+or read from its files at every pass, an n-gram tree, a substitute built from the
+architecture's own blocks)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ RUNS = [
     ("ngram", "tree", {}),
     ("substitute", "tree", {**STREAMED, "substitute_bits": 4}),
     ("substitute", "linear", {**STREAMED, "substitute_bits": 4}),
+    (None, "autoregressive", {**STREAMED, "host_tier": "disk", "slots": 2}),  # read per pass
 ]
-RUN_IDS = ["streamed", "ngram", "substitute", "substitute-linear"]
+RUN_IDS = ["streamed", "ngram", "substitute", "substitute-linear", "disk"]
 
 
 def speculation_runtime(

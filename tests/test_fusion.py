@@ -115,7 +115,7 @@ def test_streamed_stacked_layers_compute_the_same_logits(stories_target: Path, t
     if tier == "disk":
         names = [e.name for e in FlatLayout.of(layers[0]).tensors]
         assert "self_attn.qkv_proj.weight" in names and "mlp.gate_up_proj.weight" in names
-        sources = disk_sources(ckpt, streamed, names)
+        sources = disk_sources(ckpt, streamed, names, "fp32")
     streamer = build_streamer(layers, [0], "cpu", 2, tier, sources)
     model.set_layers(streamer)
     got, got_tokens = logits_and_greedy(model, 10)
@@ -135,7 +135,7 @@ def test_the_disk_tier_reads_stacked_parts_into_the_packed_layer_bytes(
     packed = HostArena(layout.nbytes, 1).view(0)
     packed.zero_()
     layout.pack(layer, packed)
-    storage = DiskStorage(layout, disk_sources(ckpt, [2], [e.name for e in layout.tensors]))
+    storage = DiskStorage(layout, disk_sources(ckpt, [2], [e.name for e in layout.tensors], "fp32"))
     staging = HostArena(layout.nbytes, 1).view(0)
     staging.zero_()
     storage.read(2, staging)
@@ -146,7 +146,7 @@ def test_the_disk_tier_reads_stacked_parts_into_the_packed_layer_bytes(
 def test_the_disk_tier_refuses_parts_that_do_not_stack(stories_target: Path) -> None:
     model, _, ckpt = load(stories_target, "fp32")
     layout = FlatLayout.of(model.layers[0])  # type: ignore[index]
-    sources = disk_sources(ckpt, [0], [e.name for e in layout.tensors])
+    sources = disk_sources(ckpt, [0], [e.name for e in layout.tensors], "fp32")
     bad = {name: list(parts) for name, parts in sources[0].items()}  # type: ignore[arg-type]
     bad["self_attn.qkv_proj.weight"] = bad["self_attn.qkv_proj.weight"][:2]  # no v_proj
     with pytest.raises(ValueError, match=r"q_proj\.weight with shape \[64, 64\] \+ "):

@@ -293,18 +293,42 @@ def test_yarn_is_read_as_its_config_json_would_be(tmp_path: Path) -> None:
         open_checkpoint(with_metadata(tmp_path, missing))
 
 
-def test_a_plan_that_streams_a_gguf_from_disk_is_refused(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
+def test_a_plan_streams_a_gguf_from_disk(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--model", str(GGUF / "llama-rand-256-Q4_K_M.gguf"), "--offload", "stream"]
     argv += ["--resident-layers", "0", "--host-tier", "disk"]
-    assert main(["plan", *argv]) == 2
-    assert "disk tier does not read GGUF files" in capsys.readouterr().err
-    assert main(["plan", *argv[:-2]]) == 0  # from RAM it plans
+    assert main(["plan", *argv]) == 0
+    assert "disk" in capsys.readouterr().out
+    assert main(["plan", *argv[:-2]]) == 0  # from RAM too
     # The packed size as stored (it was labelled "in float32"), and how its products run.
     out = capsys.readouterr().out
     assert "as stored, computed in" in out and " in float32\n" not in out.split("\n")[1]
     assert ("computed from the blocks by the CPU kernels" in out) is cpu_kernels.available()
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [("llama-rand-256-Q4_K_M", "fp32"), ("llama-rand-256-Q8_0", "bf16"),
+     ("stories260k-F16", "fp32")],
+)  # fmt: skip
+def test_a_gguf_streamed_from_disk_computes_what_it_does_in_ram(name: str, dtype: str) -> None:
+    """The disk tier reads a GGUF's layers from the file at every pass, converted as
+    loading converts them (q/k rows put back in order, Q4_K and Q6_K layers in one room,
+    float norms decoded to the run's dtype): the same logits as the model in RAM, bit for
+    bit, and none of the streamed layers' bytes held in RAM."""
+    base = {"model": str(GGUF / f"{name}.gguf"), "device": "cpu", "dtype": dtype, "context": 64}
+    disk = Runtime(
+        RuntimeOptions(**base, offload="stream", resident_layers=0, host_tier="disk", slots=2)
+    )
+    streamer = disk.streamer
+    assert streamer is not None and streamer.storage.tier == "disk"
+    assert streamer.storage.host_bytes == 0
+    plain = Runtime(RuntimeOptions(**base, offload="none"))
+    tokens = torch.randint(3, 200, (9,), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        a = disk.target(tokens, torch.arange(9), disk.target.new_cache(16))
+        b = plain.target(tokens, torch.arange(9), plain.target.new_cache(16))
+    assert torch.equal(a, b)
+    assert streamer.counters.passes >= 1
 
 
 def test_a_streamed_q4_k_m_target_moves_its_packed_bytes() -> None:
@@ -344,3 +368,32 @@ def test_a_part_of_a_split_model_is_refused(tmp_path: Path) -> None:
     shutil.copy(GGUF / "stories260k-Q8_0.gguf", renamed)
     with pytest.raises(GGUFError, match="llama-gguf-split --merge"):
         open_checkpoint(renamed)
+
+
+def test_a_gguf_cut_short_under_the_disk_tier_is_an_error_naming_it(tmp_path: Path) -> None:
+    """The disk tier reads a GGUF's layers with positioned reads, never through the
+    loader's memory map: a file cut short while the model runs is an error naming the
+    layer and the file on the pass that needed it (through a map it was a SIGBUS that
+    killed the daemon), and once the file is whole again the next pass reads afresh."""
+    from offload.storage import LayerReadError
+
+    path = tmp_path / "model.gguf"
+    shutil.copy(GGUF / "stories260k-Q8_0.gguf", path)
+    runtime = Runtime(
+        RuntimeOptions(model=str(path), device="cpu", dtype="fp32", context=64,
+                       offload="stream", resident_layers=0, host_tier="disk", slots=2)
+    )  # fmt: skip
+    intact = path.read_bytes()
+    tokens = torch.tensor([5, 17, 40])
+
+    def logits() -> torch.Tensor:
+        with torch.inference_mode():
+            return runtime.target(tokens, torch.arange(3), runtime.target.new_cache(8))
+
+    want = logits()
+    path.write_bytes(intact[: len(intact) // 2])
+    with pytest.raises(LayerReadError, match=r"layer \d+ .*model\.gguf") as err:
+        logits()
+    assert isinstance(err.value.__cause__, EOFError)
+    path.write_bytes(intact)
+    assert torch.equal(logits(), want)

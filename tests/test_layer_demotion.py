@@ -114,8 +114,9 @@ def runtime_of(
 ) -> Any:
     """What the relief steps read of a daemon's Runtime."""
     return SimpleNamespace(
-        target=model, draft=None, draft_kind=draft, streamer=streamer, device=torch.device("cpu")
-    )
+        target=model, draft=None, draft_kind=draft, streamer=streamer,
+        device=torch.device("cpu"), dtype="fp32",
+    )  # fmt: skip
 
 
 def test_the_step_demotes_half_of_a_streamers_resident_layers(stories_target: Path) -> None:
@@ -214,7 +215,7 @@ def test_the_ram_tier_gives_way_to_the_disk_tier_and_is_read_back(stories_target
     names = [e.name for e in streamer.layout.tensors]
 
     def to_disk() -> None:
-        disk = DiskStorage(streamer.layout, disk_sources(ckpt, streamer.order, names))
+        disk = DiskStorage(streamer.layout, disk_sources(ckpt, streamer.order, names, "fp32"))
         assert streamer.to_disk(disk) == arena
 
     got = steps(model, model.new_cache(64), to_disk)
@@ -234,7 +235,7 @@ def test_the_ram_tier_gives_way_to_the_disk_tier_and_is_read_back(stories_target
     # Pressure back before the read-back finished: it is cancelled, the disk tier stays.
     to_disk()
     streamer.to_ram()
-    to_disk_again = DiskStorage(streamer.layout, disk_sources(ckpt, streamer.order, names))
+    to_disk_again = DiskStorage(streamer.layout, disk_sources(ckpt, streamer.order, names, "fp32"))
     assert streamer.to_disk(to_disk_again) == 0 and streamer._refill is None
     got = steps(model, model.new_cache(64))
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
@@ -244,7 +245,6 @@ def test_the_ram_tier_gives_way_to_the_disk_tier_and_is_read_back(stories_target
 
 def test_the_disk_tier_step_says_why_it_cannot_move_layers(stories_target: Path) -> None:
     from daemon.relief import HostTier
-    from tests.test_gguf_model import GGUF
 
     model, streamer, _ = streamed_model(stories_target, [0], 2)
     _, _, ckpt = load(stories_target, "fp32", "cpu")
@@ -254,13 +254,35 @@ def test_the_disk_tier_step_says_why_it_cannot_move_layers(stories_target: Path)
     runtime.options.quantize = "int4"
     assert HostTier(runtime).possible() == "the layers were quantized at load (--quantize int4)"
     runtime.options.quantize = None
-    runtime.checkpoint = SimpleNamespace(gguf=None, path=GGUF / "stories260k-Q8_0.gguf")
-    assert HostTier(runtime).possible() == "the disk tier does not read GGUF files"
     runtime.streamer = None
     assert HostTier(runtime).possible() == "no target layers stream from RAM"
     undo = HostTier(runtime)
     assert undo.to_disk().startswith("nothing moved:")
     undo.to_ram()  # nothing was moved: nothing to read back
+
+
+def test_a_gguf_targets_ram_tier_gives_way_to_its_file() -> None:
+    """The `disk_tier` step on a GGUF target (Q4_K_M: Q4_K, Q5_0 and Q8_0 layers in one
+    room): its streamed layers are then read from the file at every pass, converted as
+    loading converts them, and greedy decoding keeps the ids of transformers' GGUF loader,
+    before and after the layers are read back into RAM."""
+    from daemon.options import RuntimeOptions
+    from daemon.relief import HostTier
+    from daemon.runtime import Runtime
+    from tests.test_gguf_model import GGUF, assert_greedy_ids_match
+
+    name = "stories260k-Q4_K_M"
+    runtime = Runtime(
+        RuntimeOptions(model=str(GGUF / f"{name}.gguf"), device="cpu", dtype="fp32",
+                       offload="stream", resident_layers=0, slots=2)
+    )  # fmt: skip
+    step = HostTier(runtime)  # type: ignore[arg-type]
+    assert step.possible() is None
+    assert "streamed layers read from disk" in step.to_disk()
+    assert runtime.streamer is not None and runtime.streamer.storage.tier == "disk"
+    assert_greedy_ids_match(runtime, name)
+    step.to_ram()
+    assert_greedy_ids_match(runtime, name)
 
 
 def test_the_disk_tier_step_cancels_a_read_back_when_pressure_returns(

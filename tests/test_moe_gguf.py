@@ -98,6 +98,12 @@ def test_experts_by_routing_from_a_file_decode_alike(files, family: str) -> None
                                         substitute_bits=4, budget=8))  # fmt: skip
             assert rt.plan.expert_mode == mode
             runs[(mode, draft)] = rt.generation(prompt, greedy, 20, ignore_eos=True).run().token_ids
+    # Whole layers, every expert with them, read from the file at every pass (each expert's
+    # rows of the stacked `ffn_*_exps` tensors).
+    rt = Runtime(RuntimeOptions(model=str(path), device="cpu", experts="device", context=96,
+                                offload="stream", resident_layers=0, host_tier="disk", slots=2))  # fmt: skip
+    assert rt.streamer is not None and rt.streamer.storage.tier == "disk"
+    runs[("disk", None)] = rt.generation(prompt, greedy, 20, ignore_eos=True).run().token_ids
     assert len({tuple(ids) for ids in runs.values()}) == 1, runs
 
 
@@ -195,6 +201,11 @@ def test_a_gpt_oss_file_speculates_and_streams_its_experts(gpt_oss_files) -> Non
         rt = Runtime(RuntimeOptions(model=str(path), device="cpu", experts=mode,
                                     expert_slots=slots, context=96, draft=draft))  # fmt: skip
         runs[(mode, draft)] = rt.generation(prompt, greedy, 20, ignore_eos=True).run().token_ids
+    # Whole layers read from the file at every pass: each expert's MXFP4 rows and biases.
+    rt = Runtime(RuntimeOptions(model=str(path), device="cpu", context=96, offload="stream",
+                                resident_layers=0, host_tier="disk", slots=2))  # fmt: skip
+    assert rt.streamer is not None and rt.streamer.storage.tier == "disk"
+    runs[("disk", None)] = rt.generation(prompt, greedy, 20, ignore_eos=True).run().token_ids
     assert len({tuple(ids) for ids in runs.values()}) == 1, runs
 
 

@@ -48,7 +48,7 @@ def test_streamed_logits_on_gpu_equal_resident(
     layers = list(model.layers)
     streamed = [i for i in range(len(layers)) if i not in resident]
     names = [n for n, _ in layers[0].named_parameters()]
-    sources = disk_sources(ckpt, streamed, names) if tier == "disk" else None
+    sources = disk_sources(ckpt, streamed, names, "fp32") if tier == "disk" else None
     streamer = build_streamer(layers, resident, "cuda", slots, tier, sources)
     model.set_layers(streamer)
     model.to("cuda")
@@ -109,7 +109,7 @@ def test_stream_dependencies_hold_when_one_stream_lags(
     layers = list(model.layers)
     streamed = list(range(len(layers)))
     names = [n for n, _ in layers[0].named_parameters()]
-    sources = disk_sources(ckpt, streamed, names) if tier == "disk" else None
+    sources = disk_sources(ckpt, streamed, names, "fp32") if tier == "disk" else None
     streamer = build_streamer(layers, [], "cuda", 2, tier, sources)
     if slow == "compute":
         model.set_layers(SlowCompute(streamer))
@@ -154,7 +154,7 @@ def test_timing_events_stay_bounded_over_many_passes(stories_target: Path, tier:
     layers = list(model.layers)
     streamed = list(range(len(layers)))
     names = [n for n, _ in layers[0].named_parameters()]
-    sources = disk_sources(ckpt, streamed, names) if tier == "disk" else None
+    sources = disk_sources(ckpt, streamed, names, "fp32") if tier == "disk" else None
     streamer = build_streamer(layers, [], "cuda", 2, tier, sources)
     model.set_layers(streamer)
     model.to("cuda")

@@ -35,7 +35,7 @@ def streamed_model(
     if tier == "disk":
         streamed = [i for i in range(len(layers)) if i not in resident]
         names = [n for n, _ in layers[0].named_parameters()]
-        sources = disk_sources(ckpt, streamed, names)
+        sources = disk_sources(ckpt, streamed, names, "fp32")
     streamer = build_streamer(layers, resident, "cpu", slots, tier, sources)
     model.set_layers(streamer)
     return model, streamer, layers

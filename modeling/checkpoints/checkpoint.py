@@ -323,14 +323,9 @@ def load(
     else:
         ckpt = open_checkpoint(ref, quantize)
     if is_gguf(ckpt.path):
-        if skip is not None:
-            raise CheckpointError(
-                f"{ckpt.path}: the disk tier does not read GGUF files yet; give the layers "
-                "room in RAM (--ram-budget)"
-            )
         contents = ckpt.gguf or open_gguf(ckpt.path)
         tokenizer = load_tokenizer(ckpt)
-        return load_gguf_model(contents, ckpt.config, dtype, device), tokenizer, ckpt
+        return load_gguf_model(contents, ckpt.config, dtype, device, skip), tokenizer, ckpt
     tokenizer = load_tokenizer(ckpt)
     spec = laid_out_for(ckpt.config.quantization, dtype, computes_on or device)
     config = replace(ckpt.config, quantization=spec)

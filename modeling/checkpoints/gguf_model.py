@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from math import prod
 from pathlib import Path
 
@@ -121,12 +122,18 @@ def check_gguf_tensors(contents: GGUFContents, cfg: ModelConfig) -> None:
 
 
 def load_gguf_model(
-    contents: GGUFContents, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
+    contents: GGUFContents,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    skip: Callable[[str], bool] | None = None,
 ) -> Transformer:
     """The decoder of `cfg` with every tensor of the GGUF file at `path` in place: float
     tensors in `dtype`, quantized projections as their blocks. Missing or unexpected
-    tensors, or a shape that does not match the metadata, are a GGUFError."""
-    return _tensors(contents, cfg, dtype, device)
+    tensors, or a shape that does not match the metadata, are a GGUFError. A tensor
+    `skip(name)` names (ours; a layer the disk tier reads, `gguf_disk_sources`) is checked
+    and left on the meta device in its shape and dtype, its bytes unread."""
+    return _tensors(contents, cfg, dtype, device, skip=skip)
 
 
 def _tensors(
@@ -135,6 +142,7 @@ def _tensors(
     dtype: torch.dtype,
     device: torch.device | str,
     check_only: bool = False,
+    skip: Callable[[str], bool] | None = None,
 ) -> Transformer:
     """`load_gguf_model`; `check_only`: its checks alone (the model stays on meta)."""
     path = contents.path
@@ -191,36 +199,25 @@ def _tensors(
             elif (shape := _parameter_shape(model, name, parts)) != tuple(reversed(ne)):
                 problems.append(f"{name}: shape {tuple(reversed(ne))}, not {shape}")
                 continue
-            if check_only:
+            if check_only or (skip is not None and skip(name)):
+                if not check_only and module is None:  # read by the disk tier: its shape here
+                    shape = _parameter_shape(model, name, parts)
+                    _place(model, name, torch.empty(shape or (), dtype=dtype, device="meta"),
+                           parts, problems)  # fmt: skip
                 seen.add(packed if module is not None else name)
                 continue
             rows = arch.gguf_tensor(cfg, name, torch.from_numpy(stored.copy()), ne)
-            columns = ne[0]
             head = name == "lm_head.weight" or (name == EMBEDDING and cfg.tie_word_embeddings)
             if module is None and head and packed_head and kind == spec.head_type:  # type: ignore[union-attr]
                 # (a head whose type is not the one recorded is decoded: the file lied)
                 pack_head(model, rows.to(device), kind, cfg)
                 seen.add(name)
                 continue
+            value = held(cfg, name, rows, kind, ne, module, dtype, device)
             if module is not None:
-                if rows.shape[1] != module.blocks.shape[1]:  # room for another layer's type
-                    room = torch.zeros(module.blocks.shape, dtype=torch.uint8)
-                    room.view(-1)[: rows.numel()].copy_(rows.view(-1))
-                    rows = room
-                module._buffers["blocks"] = rows.to(device)
+                module._buffers["blocks"] = value
                 seen.add(packed)
                 continue
-            # Decoded a chunk at a time in fp32 and rounded once to `dtype`: no fp32 copy of a
-            # whole embedding (4.2 GB for a 70B's).
-            offset = arch.gguf_offset(cfg, name)
-            if offset:  # taken off before the value is rounded to `dtype`
-                value = (dequantize(rows.to(device), kind, columns, torch.float32) - offset).to(
-                    dtype
-                )
-            else:
-                value = dequantize(rows.to(device), kind, columns, dtype)
-            if len(ne) == 1:
-                value = value.view(-1)
             _place(model, name, value, parts, problems)
             seen.add(name)
     missing = sorted(expected - seen - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
@@ -234,6 +231,36 @@ def _tensors(
         model.lm_head.weight = model.embed_tokens.weight
     model.set_rope(device, factors)  # llama.cpp divides each frequency by its factor
     return model.eval()
+
+
+def held(
+    cfg: ModelConfig,
+    name: str,
+    rows: torch.Tensor,
+    kind: int,
+    ne: tuple[int, ...],
+    module: nn.Module | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """A GGUF tensor's rows (`arch.gguf_tensor`'s order) as the model holds them: a packed
+    `module`'s blocks (in the room its widest layer's type needs), or a float tensor
+    decoded to `dtype`. The loader's and the disk tier's one conversion."""
+    if module is not None:
+        blocks = module.get_buffer("blocks")
+        if rows.shape[1] != blocks.shape[1]:  # room for another layer's type
+            room = torch.zeros(blocks.shape, dtype=torch.uint8)
+            room.view(-1)[: rows.numel()].copy_(rows.reshape(-1))
+            rows = room
+        return rows.to(device)
+    # Decoded a chunk at a time in fp32 and rounded once to `dtype`: no fp32 copy of a
+    # whole embedding (4.2 GB for a 70B's).
+    offset = architecture(cfg).gguf_offset(cfg, name)
+    if offset:  # taken off before the value is rounded to `dtype`
+        value = (dequantize(rows.to(device), kind, ne[0], torch.float32) - offset).to(dtype)
+    else:
+        value = dequantize(rows.to(device), kind, ne[0], dtype)
+    return value.view(-1) if len(ne) == 1 else value
 
 
 def keeps_head_packed(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> bool:
