@@ -36,9 +36,15 @@ class GGUFTensorReader:
     start: int  # the bytes of the file read (absolute offsets)
     end: int
     convert: Callable[[torch.Tensor], torch.Tensor]  # the stored rows → the layer's tensor
+    direct: bool  # the stored bytes are the layer's: read straight into the staging buffer
 
     def read_into(self, dest: torch.Tensor, read: ReadBytes) -> None:
-        """Fill `dest` (this tensor's view of a staging buffer, `shape` in `dtype`)."""
+        """Fill `dest` (this tensor's view of a staging buffer, `shape` in `dtype`). Blocks
+        as stored are read in place; otherwise the stored bytes and their conversion are
+        held for the moment: at most twice the layer's largest such tensor."""
+        if self.direct:
+            read(self.path, self.start, dest.view(-1).numpy().data)
+            return
         raw = torch.empty(self.end - self.start, dtype=torch.uint8)
         read(self.path, self.start, raw.numpy().data)
         dest.copy_(self.convert(raw).view(self.shape))
@@ -83,9 +89,17 @@ def gguf_disk_sources(
             rows = arch.gguf_tensor(cfg, name, raw.view(end - first, row_bytes), ne)
             return held(cfg, name, rows, info.ggml_type, ne, module, dtype, "cpu")
 
+        # Blocks that fill their room and that the architecture leaves in the stored order
+        # (it returns the very rows it was given) need no conversion.
+        probe = torch.empty(end - first, row_bytes, dtype=torch.uint8, device="meta")
+        direct = (
+            module is not None
+            and shape == (end - first, row_bytes)
+            and arch.gguf_tensor(cfg, name, probe, ne) is probe
+        )
         return GGUFTensorReader(
             contents.path, info.name, shape, held_dtype, info.offset + first * row_bytes,
-            info.offset + end * row_bytes, convert,
+            info.offset + end * row_bytes, convert, direct,
         )  # fmt: skip
 
     by_row = sorted(parts.items(), key=lambda item: item[1][1])
