@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Generator as PyGenerator
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from modeling.errors import RequestError
@@ -186,7 +186,8 @@ class Generation:
                         self.finish_reason, self.stopped_by_token = "stop", True
                         break
                     if len(taken) < len(scores):  # (where its text begins in the decoded)
-                        held.append((decoded, scores[len(taken)]))
+                        start = decoded + detok.held_chars()
+                        held.append((start, replace(scores[len(taken)], start=start)))
                     taken.append(tok)
                     piece = detok.push([tok])
                     decoded += len(piece)

@@ -104,9 +104,12 @@ class HarmonyReader:
                 return False  # a marker's first characters: wait for the rest
             self.state = "plain"  # not a harmony message
             return True
-        at = text.find(MESSAGE)
+        # A header is at most MAX_HEADER characters, wherever the text was cut into pieces:
+        # a `<|message|>` further on is not looked for (a whole turn read it as a message
+        # and the same turn streamed as text, by how its rounds happened to batch).
+        at = text.find(MESSAGE, 0, MAX_HEADER + len(MESSAGE))
         if at < 0:
-            if len(text) > MAX_HEADER:  # no message is coming: read it as the answer
+            if len(text) >= MAX_HEADER + len(MESSAGE):  # no message is coming: the answer
                 self.state = "plain"
                 return True
             return False

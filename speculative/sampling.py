@@ -33,6 +33,9 @@ class TokenLogprob:
     token: int
     logprob: float
     top: list[tuple[int, float]]  # (token, log-probability), most likely first
+    # Where the token's text begins in the generation's text, in characters (set by
+    # speculative/generation.py; None before): the completions' `text_offset`.
+    start: int | None = None
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

@@ -126,8 +126,10 @@ class ResponseShape:
             }
         tokens = [piece(e.token, b) for b, e in zip(befores, entries, strict=True)]
         offsets = []
-        for text in tokens:
-            offsets.append(offset)
+        for text, e in zip(tokens, entries, strict=True):
+            # Where the token's text begins in the answer (a token's piece is not always
+            # its text there: a byte of a character reads U+FFFD, a first word its space).
+            offsets.append(e.start if e.start is not None else offset)
             offset += len(text)
         return {
             "tokens": tokens,

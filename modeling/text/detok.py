@@ -9,10 +9,12 @@ A window that ends in U+FFFD is decoded again with a few lone continuation bytes
 (`_stable`): what they change may still change, what they leave is shown (a real U+FFFD,
 bytes no character can continue); a tokenizer without lone byte tokens is not probed, and
 its text is held while it ends in U+FFFD. The deltas are the full decode's text wherever
-the model's bytes are UTF-8. In a run of byte tokens that is not, byte fallback decodes
-the whole run as U+FFFD, and a stray byte late in a run turns characters already shown
-into U+FFFD in a decode of the whole: the deltas keep what they showed (a streamed text
-cannot take it back), so they may read characters where such a decode reads U+FFFD.
+the model's bytes are UTF-8. Byte fallback decodes a run of `<0xNN>` pieces all or nothing:
+one stray byte makes the whole run U+FFFD, the characters in it included. So bytes already
+shown are never the context of new ones (`_window` leaves them out, putting the
+tokenizer's `anchor` in front where nothing else is left): each character is shown once,
+whole or as U+FFFD, where a decode of the whole may read U+FFFD for every byte of the run
+(a streamed text cannot take back what it showed).
 """
 
 from __future__ import annotations
@@ -42,11 +44,14 @@ class IncrementalDetokenizer:
         # ids[prefix:read] were already emitted; they are the decoder's context for the rest.
         self.prefix = 0
         self.read = len(self.ids)
+        self._context = 0  # how many of the last window's ids were its context
         byte_tokens = getattr(tokenizer, "byte_tokens", None)
         # The lone continuation bytes a held character is probed with (None: no probing).
         self.probes = (
             [byte_tokens[b] for b in PROBE_BYTES] if isinstance(byte_tokens, dict) else None
         )
+        self.fallback_bytes: frozenset[int] = getattr(tokenizer, "fallback_bytes", frozenset())
+        self.anchor: int | None = getattr(tokenizer, "anchor", None)
 
     def push(self, token_ids: Sequence[int]) -> str:
         self.ids.extend(token_ids)
@@ -57,21 +62,46 @@ class IncrementalDetokenizer:
         full decode would)."""
         return self._delta(final=True)
 
+    def held_chars(self) -> int:
+        """The whole characters of the tokens pushed but not shown yet (before a character
+        they leave incomplete): where the next token's text begins, past what was shown. A
+        space held with the first bytes of an emoji is before the emoji's last byte."""
+        if self.read == len(self.ids):
+            return 0
+        window = self._window()
+        done = self.tokenizer.decode(window[: self._context])
+        return max(0, len(self.tokenizer.decode(window).rstrip(REPLACEMENT)) - len(done))
+
+    def _window(self) -> list[int]:
+        """The ids decoded this step: the context (the shown tokens ids[prefix:read], less
+        byte fallback's bytes, with the anchor where only bytes were shown) and the tokens
+        not shown yet. A shown character's bytes never join new ones: their run would decode
+        all or nothing (a stray byte after "é" read both as U+FFFD, and "é" was lost)."""
+        context = self.ids[self.prefix : self.read]
+        if self.fallback_bytes and any(t in self.fallback_bytes for t in context):
+            kept = [t for t in context if t not in self.fallback_bytes]
+            if self.anchor is not None and not self.tokenizer.decode(kept):
+                kept = [self.anchor, *kept]
+            context = kept
+        self._context = len(context)
+        return [*context, *self.ids[self.read :]]
+
     def _delta(self, final: bool) -> str:
-        done = self.tokenizer.decode(self.ids[self.prefix : self.read])
-        full = self.tokenizer.decode(self.ids[self.prefix :])
+        window = self._window()
+        done = self.tokenizer.decode(window[: self._context])
+        full = self.tokenizer.decode(window)
         if len(full) <= len(done):
             return ""
         if full.endswith(REPLACEMENT) and not final:
-            stable = self._stable(full)
+            stable = self._stable(window, full)
             if stable < len(full):
-                return self._all_but_last(done, full, stable)
+                return self._all_but_last(window, done, full, stable)
         # The window's context decodes to `done` as before, so what follows it is new.
         new = full[len(done) :]
         self.prefix, self.read = self.read, len(self.ids)
         return new
 
-    def _stable(self, full: str) -> int:
+    def _stable(self, window: list[int], full: str) -> int:
         """How much of `full` (the window's text, ending in U+FFFD) no later token can change:
         the window is decoded again with one to three of each probe byte after it, and the
         text they leave alone is stable. Every incomplete character is completed by one of
@@ -80,7 +110,6 @@ class IncrementalDetokenizer:
         can continue (a stray byte token). Without probe tokens nothing is stable."""
         if self.probes is None:
             return 0
-        window = self.ids[self.prefix :]
         stable = len(full)
         for probe in self.probes:
             for n in (1, 2, 3):
@@ -93,13 +122,13 @@ class IncrementalDetokenizer:
                 stable = min(stable, same)
         return stable
 
-    def _all_but_last(self, done: str, full: str, stable: int) -> str:
+    def _all_but_last(self, window: list[int], done: str, full: str, stable: int) -> str:
         """The window's text but its last token's, where all of it is stable: emitted, the
         last token held alone (a run of lead bytes no character completes held a growing
         window, decoded again at every step: quadratic). Else nothing."""
         if len(self.ids) - self.read < 2:
             return ""
-        part = self.tokenizer.decode(self.ids[self.prefix : -1])
+        part = self.tokenizer.decode(window[:-1])
         if not (len(done) < len(part) <= stable and full.startswith(part)):
             return ""
         self.prefix, self.read = self.read, len(self.ids) - 1

@@ -185,6 +185,24 @@ class Tokenizer:
         characters of GPT-2's byte-level alphabet."""
         return self.backend.token_to_id("<0x80>") is not None
 
+    @functools.cached_property
+    def fallback_bytes(self) -> frozenset[int]:
+        """The ids of byte fallback's 256 `<0xNN>` pieces (empty for other tokenizers): a
+        run of them decodes all or nothing, so the detokenizer never decodes bytes it has
+        shown together with new ones (modeling/text/detok.py)."""
+        if self.byte_tokens is None or not self._byte_fallback:
+            return frozenset()
+        found = (self.backend.token_to_id(f"<0x{b:02X}>") for b in range(256))
+        return frozenset(t for t in found if t is not None)
+
+    @functools.cached_property
+    def anchor(self) -> int | None:
+        """A token that decodes to text of its own (a letter), put before new tokens where
+        the text already shown is all bytes: what follows it reads as mid-text (a
+        SentencePiece word keeps its space)."""
+        ids = self._ids("a", False)
+        return ids[-1] if ids and self.backend.decode(ids[-1:]) else None
+
     def _byte_piece(self, value: int) -> str:
         return f"<0x{value:02X}>" if self._byte_fallback else BYTE_LEVEL[value]
 
