@@ -10,7 +10,7 @@ the newlines after `</think>`."""
 
 from __future__ import annotations
 
-from modeling.text.thinking import CLOSE, OPEN, Thinking
+from modeling.text.thinking import CLOSE, LEAD_SPACE, OPEN, Thinking
 from speculative.grammar import Grammar
 
 Event = tuple[str, str]
@@ -48,7 +48,7 @@ class ThinkReader:
         """One move; False when more text is needed."""
         b = self.buffer
         if self.state == "lead":
-            start = b.lstrip()
+            start = b.lstrip(LEAD_SPACE)
             if start.startswith(OPEN):
                 self.buffer, self.state = start[len(OPEN) :], "reasoning"
                 return True
@@ -108,12 +108,13 @@ def read_thinking(text: str, thinking: Thinking) -> tuple[str, str]:
 # longest match and never goes back: a text lexeme that ran on into `</think>` could not be
 # cut there.)
 THOUGHT = r"/(.|\n)*/ & ~/(.|\n)*<\/think>(.|\n)*/"
-# (whitespace may come before the tag, as the readers take it: a block after a newline was
+# (whitespace may come before the tag, the readers' LEAD_SPACE: a block after a newline was
 # text under `auto`, and a call after it was read back unchecked, a reviewer found)
-THINK_BLOCK = rf'/[ \t\r\n]*/ "{OPEN}" THOUGHT "{CLOSE}" /\n*/'
+_LEAD = "[" + LEAD_SPACE.encode("unicode_escape").decode() + "]*"
+THINK_BLOCK = rf'/{_LEAD}/ "{OPEN}" THOUGHT "{CLOSE}" /\n*/'
 THINK_END = rf'THOUGHT "{CLOSE}" /\n*/'
 # What an answer's free text may not begin with where a block may open before it.
-NOT_A_BLOCK = rf"~/[ \t\r\n]*{OPEN}(.|\n)*/"
+NOT_A_BLOCK = rf"~/{_LEAD}{OPEN}(.|\n)*/"
 
 
 def think_rules(thinking: Thinking | None, answer: str) -> list[str]:

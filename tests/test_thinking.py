@@ -22,7 +22,7 @@ from modeling.text.thinking import Thinking, ThinkingStops, opened
 from modeling.text.tokenizer import Tokenizer
 from speculative.grammar import Grammar
 from speculative.thinking import ThinkReader, read_thinking, thinking_first
-from speculative.tool_calls import HERMES, Tool, tool_grammar
+from speculative.tool_calls import HERMES, Tool, read_answer, tool_grammar
 from tests.templated import templated_copy
 from tests.test_tool_schema_refs import accepts
 
@@ -126,6 +126,17 @@ def test_a_call_may_come_after_a_think_block(choice: str) -> None:
     assert accepts(grammar, [f"\n <think>\nx\n</think>\n\n{CALL}"])
     bad = '\n<think>x</think>\n\n<tool_call>\n{"name":"rm","arguments":{"n":[1,}}\n</tool_call>'
     assert not accepts(grammar, [bad])
+    # Any other space before the tag (a form feed, U+00A0, U+3000) begins a text answer,
+    # for the grammar and the readers alike: a call after it was read back unchecked
+    # under `auto`, where the readers took every Unicode space as the block's lead.
+    rm = '<tool_call>\n{"name":"rm","arguments":{"path":"/"}}\n</tool_call>'
+    for lead in ("\x0c", "\x0b", "\x1c", "\xa0", "\u2028", "\u3000"):
+        text = f"{lead}<think>x</think>\n\n{rm}"
+        assert read_thinking(text, MAY) == (text, "")
+        assert push_all(ThinkingStops(StopMatcher([]), MAY), [text[:2], text[2:]]) == text
+        assert not accepts(grammar, [text]) or choice == "auto" and read_answer(
+            text, HERMES, False
+        )[1] == [], lead
     inside = tool_grammar(HERMES, TOOLS, choice, False, "tools", {}, thinking=INSIDE)
     assert accepts(inside, [f"Let me call f.\n</think>\n\n{CALL}"])
     assert not accepts(inside, [CALL])  # (its reasoning ends first)

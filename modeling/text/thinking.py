@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 OPEN, CLOSE = "<think>", "</think>"
+# The whitespace a turn may begin with before its block: the readers strip these and no
+# other, as the grammars allow (`str.lstrip()`'s every Unicode space let a form feed before
+# the tag skip the call grammar under `auto`, and the call after it came back unchecked).
+LEAD_SPACE = " \t\r\n"
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class ThinkingStops:
         out = ""
         if self.state == "lead":
             self.held += text
-            start = self.held.lstrip()
+            start = self.held.lstrip(LEAD_SPACE)
             if OPEN.startswith(start) and len(start) < len(OPEN):
                 return ""  # (whitespace, or the tag's first characters)
             text, self.held = self.held, ""
