@@ -36,8 +36,13 @@ class ThinkReader:
         self.state = "reasoning" if thinking.started else "lead"
         self.buffer = ""
         self.fresh = True  # nothing of the reasoning shown yet: its leading newlines go
+        self.fed = 0  # characters fed so far
+        # Where the answer begins among the characters fed (None: not yet): the tokens
+        # before it are the think block's (their log-probabilities stay when it calls).
+        self.answer_at: int | None = None
 
     def feed(self, text: str) -> list[Event]:
+        self.fed += len(text)
         self.buffer += text
         out: list[Event] = []
         while self._step(out):
@@ -54,7 +59,7 @@ class ThinkReader:
                 return True
             if OPEN.startswith(start):
                 return False  # (whitespace, or the tag's first characters)
-            self.state = "content"
+            self.state, self.answer_at = "content", self.fed - len(b)
             return True
         if self.state == "reasoning":
             at = b.find(CLOSE)
@@ -72,6 +77,7 @@ class ThinkReader:
                 self.buffer = ""
                 return False
             self.buffer, self.state = rest, "content"
+            self.answer_at = self.fed - len(rest)
             return True
         out.append(("content", b))
         self.buffer = ""
@@ -90,6 +96,8 @@ class ThinkReader:
         if self.state == "reasoning":
             self._reason(out, self.buffer.rstrip("\n"))
         elif self.state in ("lead", "content"):
+            if self.answer_at is None:
+                self.answer_at = self.fed - len(self.buffer)
             out.append(("content", self.buffer))
         self.buffer = ""
         return [e for e in out if e[1]]

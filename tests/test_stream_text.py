@@ -284,8 +284,10 @@ def test_readers_read_a_turn_alike_however_it_is_split() -> None:
         assert through(_pieces(text, rng)) == through([text]), (text, stops)
 
 
-def _serve(chunks: list[Chunk], thinking: Thinking | None, calls, harmony: bool):  # type: ignore[no-untyped-def]
-    shape = ResponseShape(chat=True, model="m")
+def _serve(chunks: list[Chunk], thinking: Thinking | None, calls, harmony: bool, together=False):  # type: ignore[no-untyped-def]
+    """The chunks through `_collect_choice` and `_stream_choice`: the whole body and the
+    stream's events, each chunk arriving on its own (`together`: all in one batch)."""
+    shape = ResponseShape(chat=True, model="m", piece=lambda token, before: f"t{token}")
     request = types.SimpleNamespace(transport=types.SimpleNamespace(is_closing=lambda: False))
     finished = Finished("stop", 3, len(chunks), {})
 
@@ -317,7 +319,7 @@ def _serve(chunks: list[Chunk], thinking: Thinking | None, calls, harmony: bool)
         )
         for e in [*chunks, finished]:
             stream_job.events.put_nowait(e)
-            for _ in range(5):
+            for _ in range(0 if together else 5):
                 await asyncio.sleep(0)
         await task
         import json
@@ -348,3 +350,25 @@ def test_daemon_streams_a_thinking_turn_as_it_collects_it() -> None:
         )
         args = "".join(t["function"]["arguments"] for d in deltas for t in d.get("tool_calls", []))
         assert args == "".join(t["function"]["arguments"] for t in message.get("tool_calls") or [])
+
+
+def test_a_call_after_a_think_block_streams_after_its_reasoning_with_its_logprobs() -> None:
+    """A think block and a Hermes call in one batch (several tokens accepted at once, or a
+    slow client): the reasoning is sent before the call's deltas (the call came first),
+    and the block's tokens (the newlines after it too) keep their log-probabilities while
+    the call's are left out, streamed and whole alike (every one was dropped)."""
+    call = '<tool_call>\n{"name":"f","arguments":{"a":1}}\n</tool_call>'
+    pieces = ["<think>", "\nI think.", "\n</think>", "\n\n", call]
+    chunks, at = [], 0
+    for token, piece in enumerate(pieces):
+        chunks.append(Chunk(piece, [token], logprobs=[TokenLogprob(token, -1.0, [], start=at)]))
+        at += len(piece)
+    whole, events = _serve(chunks, Thinking(), HERMES, False, together=True)
+    choice = whole["choices"][0]
+    assert choice["message"]["reasoning_content"] == "I think."
+    assert [e["token"] for e in choice["logprobs"]["content"]] == ["t0", "t1", "t2", "t3"]
+    deltas = [c for e in events for c in e["choices"]]
+    kinds = [k for d in deltas for k in ("reasoning_content", "tool_calls") if d["delta"].get(k)]
+    assert kinds == ["reasoning_content", "tool_calls"], kinds
+    streamed = [e["token"] for d in deltas for e in (d.get("logprobs") or {}).get("content", [])]
+    assert streamed == ["t0", "t1", "t2", "t3"]

@@ -134,9 +134,8 @@ def test_a_call_may_come_after_a_think_block(choice: str) -> None:
         text = f"{lead}<think>x</think>\n\n{rm}"
         assert read_thinking(text, MAY) == (text, "")
         assert push_all(ThinkingStops(StopMatcher([]), MAY), [text[:2], text[2:]]) == text
-        assert not accepts(grammar, [text]) or choice == "auto" and read_answer(
-            text, HERMES, False
-        )[1] == [], lead
+        assert read_answer(text, HERMES, False)[1] == [], lead
+        assert choice == "auto" or not accepts(grammar, [text]), lead
     inside = tool_grammar(HERMES, TOOLS, choice, False, "tools", {}, thinking=INSIDE)
     assert accepts(inside, [f"Let me call f.\n</think>\n\n{CALL}"])
     assert not accepts(inside, [CALL])  # (its reasoning ends first)
@@ -274,6 +273,18 @@ def test_a_call_after_a_think_block_is_a_call(thinking_server: Any) -> None:
     assert not "".join(
         e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]
     )
+    # The think block's tokens keep their log-probabilities (the call's are not content),
+    # streamed and whole alike; and its reasoning is sent before the call.
+    status, whole = chat(thinking_server, {**body, "logprobs": True})
+    given = [e["token"] for e in whole["choices"][0]["logprobs"]["content"]]
+    assert given and given[0] == "<think>" and "</think>" in given, given
+    status, events = chat(thinking_server, {**body, "logprobs": True, "stream": True})
+    deltas = [e["choices"][0] for e in events if e["choices"]]
+    assert [
+        e["token"] for d in deltas for e in (d.get("logprobs") or {}).get("content") or []
+    ] == given
+    kinds = [k for d in deltas for k in ("reasoning_content", "tool_calls") if d["delta"].get(k)]
+    assert "reasoning_content" not in kinds[kinds.index("tool_calls") :], kinds
 
 
 def test_an_earlier_turns_reasoning_reaches_the_template(thinking_server: Any) -> None:

@@ -25,7 +25,7 @@ from modeling.text.thinking import Thinking
 from speculative.generation import Chunk
 from speculative.harmony import HarmonyReader, read_turn
 from speculative.sampling import TokenLogprob
-from speculative.thinking import ThinkReader, read_thinking
+from speculative.thinking import ThinkReader
 from speculative.tool_calls import CallFormat, CallStream, read_answer
 
 log = logging.getLogger("specd.api")
@@ -130,13 +130,17 @@ async def _collect_choice(
             answer, made, reasoning = "".join(text), None, ""
             if harmony:  # its answer, reasoning and calls, read back from its text
                 answer, reasoning, made = read_turn(answer, harmony_calls)
-            elif thinking is not None:  # its reasoning apart; the calls after it
-                answer, reasoning = read_thinking(answer, thinking)
+            reader = None
+            if thinking is not None:  # its reasoning apart; the calls after it
+                reader = ThinkReader(thinking)
+                read = reader.feed(answer) + reader.finish()
+                answer = "".join(e[1] for e in read if e[0] == "content")
+                reasoning = "".join(e[1] for e in read if e[0] == "reasoning")
             if calls:  # read as a stream of it is read: the two always agree
                 began = calls_only or answer.startswith(calls.lead)
                 answer, made = read_answer(answer, calls, calls_only)
                 if began:  # a call's tokens, even one cut in its head, are not content
-                    logprobs = []
+                    logprobs = _before_answer(logprobs, reader)
             reason = "tool_calls" if made and event.finish_reason == "stop" else event.finish_reason
             return shape.full(
                 answer, reason, u, event.stats, logprobs, previous,
@@ -145,6 +149,18 @@ async def _collect_choice(
             )  # fmt: skip
         elif isinstance(event, Failed):
             raise _failure(event.error)
+
+
+def _before_answer(logprobs: list[TokenLogprob], reader: ThinkReader | None) -> list[TokenLogprob]:
+    """Of an answer that calls, the log-probabilities of its think block's tokens (those
+    whose text begins before the answer): the call's own are not content, the reasoning's
+    are given as a turn without calls gives them."""
+    if reader is None:
+        return []
+    if reader.answer_at is None:  # (the answer has not begun: all of it is reasoning)
+        return list(logprobs)
+    at = reader.answer_at
+    return [lp for lp in logprobs if lp.start is not None and lp.start < at]
 
 
 Send = Callable[[bytes | None], Awaitable[None]]
@@ -281,24 +297,25 @@ async def _stream_choice(
                 read += turn.finish()
             text = "".join(e[1] for e in read if e[0] == "content")
             reasoning = "".join(e[1] for e in read if e[0] == "reasoning")
-            deltas = [e for e in read if e[0] in ("call", "arguments")]
-            if deltas:
-                await send(sse(shape.tool_chunk(deltas)))
+            call_deltas = [e for e in read if e[0] in ("call", "arguments")]
+        else:
+            call_deltas = []
         if calls is not None:
             events = calls.feed(text)
             if isinstance(batch[-1], Finished):
                 events += calls.finish()
             text = "".join(e[1] for e in events if e[0] == "content")
-            deltas = [e for e in events if e[0] != "content"]
-            if deltas:
-                await send(sse(shape.tool_chunk(deltas)))
+            call_deltas += [e for e in events if e[0] != "content"]
             ended = isinstance(batch[-1], Finished)
+            thought = turn if isinstance(turn, ThinkReader) else None
             if calls.state not in ("undecided", "text"):
-                logprobs = held = []  # a call begun: its tokens are not content
+                # A call begun: its tokens are not content (the think block's before it
+                # keep theirs).
+                logprobs, held = _before_answer(held + logprobs, thought), []
             elif calls.state == "undecided" and not ended:  # its text is held: so are they
                 logprobs, held = [], held + logprobs
             elif calls.calls_only:  # (ended before a call began: no content either)
-                logprobs = held = []
+                logprobs, held = _before_answer(held + logprobs, thought), []
             else:
                 logprobs, held = held + logprobs, []
         if text or logprobs or reasoning:
@@ -310,6 +327,8 @@ async def _stream_choice(
             first = False
             offset += len(text)
             previous = logprobs[-1].token if logprobs else previous
+        if call_deltas:  # after the reasoning and text that came before them
+            await send(sse(shape.tool_chunk(call_deltas)))
         event = batch[-1]
         if isinstance(event, Finished):
             reason = event.finish_reason
