@@ -38,6 +38,9 @@ os.environ["SPECD_RUNTIME_COMPILE"] = "off"
 # What the daemon keeps between runs (built substitute drafts, pid files) goes to a
 # folder of this test session's, never the user's state directory.
 os.environ.setdefault("XDG_STATE_HOME", tempfile.mkdtemp(prefix="specd-test-state-"))
+# Nor is the user's config file read: `specd plan` and the daemon read it when no --config
+# is given, and a developer's own would change what the tests plan.
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="specd-test-config-")
 # The CPU kernels on GGUF blocks are built once per test session, beside it.
 os.environ.setdefault("SPECD_KERNEL_CACHE", tempfile.mkdtemp(prefix="specd-test-kernels-"))
 

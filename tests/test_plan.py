@@ -413,3 +413,31 @@ def test_a_model_path_with_control_characters_is_shown_escaped(
     assert main(["plan", "--model", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "\x1b" not in out and "odd\\x1b[31mname" in out
+
+
+def test_plan_reads_the_settings_a_daemon_starts_with(
+    stories_target: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`specd plan` without --config reads what `specd start` reads: the user config file
+    and SPECD_* variables under its flags (it read only --config's file, and showed
+    another plan than the daemon ran); the config's target stands for --model."""
+    config = tmp_path / "config" / "specd"
+    config.mkdir(parents=True)
+    (config / "specd.yaml").write_text(
+        f"models: {{target: {json.dumps(str(stories_target))}, device: cpu}}\n"
+        "context: {length: 256}\n"
+    )
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    assert cli.main(["plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 256
+    monkeypatch.setenv("SPECD_CONTEXT_LENGTH", "128")
+    assert cli.main(["plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["context"] == 128
+    assert cli.main(["plan", "--json", "--context", "64"]) == 0  # a flag over both
+    assert json.loads(capsys.readouterr().out)["context"] == 64
+    (config / "specd.yaml").write_text("context: {length: 256}\n")
+    assert cli.main(["plan"]) == 2
+    assert "specd plan needs --model MODEL" in capsys.readouterr().err

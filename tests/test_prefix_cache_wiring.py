@@ -211,11 +211,16 @@ def test_without_a_draft_the_plan_holds_no_prefix_cache_and_no_tree(
     stories_target: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Only autoregressive decoding runs without a draft: no prefix cache to reserve, and
-    the largest pass is a prefill chunk with one logit row. `--draft ngram` grows trees."""
+    the largest pass is a prefill chunk with one logit row a sequence (the daemon's
+    `limits.max_concurrent` + `limits.cached_sessions`). `--draft ngram` grows trees."""
+    from daemon.settings import LimitsSettings
+
     argv = ["plan", "--model", str(stories_target), "--device", "cpu", "--json", "--draft", "none"]
     assert main(argv) == 0
     plain = json.loads(capsys.readouterr().out)
-    assert "prefix cache" not in plain["device_parts"] and plain["logit_rows"] == 1
+    limits = LimitsSettings()
+    sequences = limits.max_concurrent + limits.cached_sessions
+    assert "prefix cache" not in plain["device_parts"] and plain["logit_rows"] == sequences
     assert main([*argv[:-1], "ngram"]) == 0
     ngram = json.loads(capsys.readouterr().out)
     assert ngram["device_parts"]["prefix cache"] == DEFAULT_MAX_BYTES

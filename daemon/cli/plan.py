@@ -204,16 +204,18 @@ def register(subparsers: Any) -> None:
 
 
 def plan_options(args: argparse.Namespace) -> RuntimeOptions:
-    """Flags over the config file over built-in defaults."""
-    if args.config is not None:
-        from daemon.settings_loading import load_settings  # only needed with --config
+    """Flags over the settings a daemon would start with (`--config FILE`, else the user
+    config file; `SPECD_*` variables; built-in defaults): the plan of what `specd start`
+    with the same flags runs."""
+    from daemon.settings_loading import load_settings
 
-        overrides = {"models.target": (args.model, "--model")} if args.model else None
-        options = load_settings(config_file=args.config, overrides=overrides).runtime_options()
-    elif args.model:
-        options = RuntimeOptions(model=args.model, draft="auto")  # as a run would draft
-    else:
-        raise RequestError("specd plan needs --model MODEL or --config FILE")
+    overrides = {"models.target": (args.model, "--model")} if args.model else None
+    settings = load_settings(config_file=args.config, overrides=overrides)
+    if not settings.models.target:
+        raise RequestError(
+            "specd plan needs --model MODEL (or models.target in the config file, --config FILE)"
+        )
+    options = settings.runtime_options()
     for name in (
         "model",
         "draft",
