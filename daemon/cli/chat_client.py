@@ -6,6 +6,7 @@ drops the connection, which is how the daemon learns to cancel the generation.""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import urllib.parse
@@ -109,6 +110,11 @@ class ChatStream:
                     continue  # blank separators and ": keep-alive" comments
                 data = line[len("data: ") :]
                 if data == "[DONE]":
+                    # The body's end read too, so the daemon sees the stream delivered
+                    # (closed here at once, it could count a 499) and the connection ends
+                    # cleanly.
+                    with contextlib.suppress(OSError, http.client.HTTPException):
+                        self._response.read()
                     return
                 yield from self._event(json.loads(data))
         except OSError as exc:

@@ -233,7 +233,12 @@ async def stream(
             u = usage(ends[0].prompt_tokens, made, cached)
             await send(sse(shape.usage_chunk(u, ends[0].stats)))
         await send(SSE_DONE)
-        await send(None)  # the end of the body
+        try:
+            await send(None)  # the end of the body
+        except ConnectionError:
+            # An SSE client stops reading at [DONE] and may close before the body's last
+            # bytes: it had the whole answer (a 200; it was counted a 499, a newcomer saw).
+            log.debug("%s: the client closed after [DONE]", shape.id)
     except (ConnectionError, asyncio.CancelledError):  # (a drain: "Connection lost")
         # Normal operation (the client hung up): one debug line, the jobs cancelled.
         for job in jobs:
