@@ -134,8 +134,8 @@ def settle(runtime: Runtime, ask: Ask, *, clamp_max_tokens: bool = False) -> Set
         # (OpenAI's newer efforts: gpt-oss's template would write "Reasoning: minimal" into
         # its system message, an effort the model was never trained on)
         raise RequestError(
-            f"reasoning_effort {effort!r}: this model (OpenAI's harmony format, gpt-oss) "
-            "reasons at low, medium or high",
+            f"reasoning_effort {effort!r} (the field or chat_template_kwargs'): this model "
+            "(OpenAI's harmony format, gpt-oss) reasons at low, medium or high",
             "reasoning_effort",
         )
     prompt_ids = _prompt_ids(runtime, ask)
@@ -245,7 +245,7 @@ def _prompt_ids(runtime: Runtime, ask: Ask) -> list[int]:
         raise RequestError(
             f"the prompt has at least {exc.tokens} tokens but the context holds "
             f"{runtime.context} (prompt plus at least one new token must fit); shorten the "
-            "prompt or raise context.length",
+            f"prompt or {RAISE_CONTEXT}",
             param,
             "context_length_exceeded",
         ) from None
@@ -265,8 +265,8 @@ def _prompt_ids(runtime: Runtime, ask: Ask) -> list[int]:
     if len(ids) + 1 > runtime.context:
         raise RequestError(
             f"the prompt has {len(ids)} tokens but the context holds {runtime.context} "
-            "(prompt plus at least one new token must fit); shorten the prompt or raise "
-            "context.length",
+            f"(prompt plus at least one new token must fit); shorten the prompt or "
+            f"{RAISE_CONTEXT}",
             param,
             "context_length_exceeded",
         )
@@ -280,36 +280,54 @@ def _refuse_what_cannot_fit(ask: Ask, param: str, context: int, max_token_chars:
     arguments, and the tools offered (names, descriptions, parameters)."""
     if isinstance(ask.prompt, list):
         tokens = len(ask.prompt)
+    elif isinstance(ask.prompt, str):
+        tokens = len(ask.prompt) // (max_token_chars * CONTRACTION)
     else:
-        chars = len(ask.prompt) if isinstance(ask.prompt, str) else _conversation_chars(ask)
-        tokens = chars // (max_token_chars * CONTRACTION)
+        parts = _conversation_chars(ask)
+        tokens = sum(parts.values()) // (max_token_chars * CONTRACTION)
+        if tokens + 1 > context:
+            # (what the template may render, not what it will: named by its largest part)
+            param = max(parts, key=lambda part: parts[part])
+            raise RequestError(
+                f"the messages, tools and template variables hold "
+                f"{sum(parts.values()):,} characters, which a template may render as "
+                f"{tokens} tokens or more, but the context holds {context}; shorten the "
+                f"{param} or {RAISE_CONTEXT}",
+                param,
+                "context_length_exceeded",
+            )
     if tokens + 1 > context:
         raise RequestError(
             f"the prompt has at least {tokens} tokens but the context holds {context} "
-            "(prompt plus at least one new token must fit); shorten the prompt or raise "
-            "context.length",
+            f"(prompt plus at least one new token must fit); shorten the prompt or "
+            f"{RAISE_CONTEXT}",
             param,
             "context_length_exceeded",
         )
 
 
-def _conversation_chars(ask: Ask) -> int:
+def _conversation_chars(ask: Ask) -> dict[str, int]:
     """Characters of every string (and key) in the messages, the tools offered and the
-    template's own variables, walked without recursion (the wire format bounded how deep
-    they nest)."""
+    template's own variables, by the field that holds them, walked without recursion (the
+    wire format bounded how deep they nest)."""
     tools = [t.as_openai() for t in ask.tools or []]
-    chars = 0
-    stack: list[Any] = [ask.messages or [], tools, ask.template_vars]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, str):
-            chars += len(value)
-        elif isinstance(value, dict):
-            chars += sum(len(k) for k in value if isinstance(k, str))
-            stack.extend(value.values())
-        elif isinstance(value, list):
-            stack.extend(value)
-    return chars
+    parts = {"messages": ask.messages or [], "tools": tools,
+             "chat_template_kwargs": ask.template_vars}  # fmt: skip
+    out = {}
+    for part, held in parts.items():
+        chars = 0
+        stack: list[Any] = [held]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, str):
+                chars += len(value)
+            elif isinstance(value, dict):
+                chars += sum(len(k) for k in value if isinstance(k, str))
+                stack.extend(value.values())
+            elif isinstance(value, list):
+                stack.extend(value)
+        out[part] = chars
+    return out
 
 
 def _encode_conversation(
@@ -348,6 +366,10 @@ def _harmony_message(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# How a prompt that does not fit may: the daemon's key, `specd generate`'s flag.
+RAISE_CONTEXT = "raise the context (context.length; --context)"
+
+
 def _max_tokens(ask: Ask, prompt_tokens: int, context: int, clamp: bool) -> int:
     """`max_tokens` within the room the context leaves after the prompt. One that does not
     fit is refused (OpenAI's and vLLM's answer), unless `clamp` cuts it; a default is cut
@@ -358,7 +380,7 @@ def _max_tokens(ask: Ask, prompt_tokens: int, context: int, clamp: bool) -> int:
         raise RequestError(
             f"{name} is {ask.max_tokens} but the prompt has {prompt_tokens} tokens and "
             f"the context holds {context}: at most {room} new tokens fit; lower {name} "
-            f"to {room} or less, shorten the prompt, or raise context.length",
+            f"to {room} or less, shorten the prompt, or {RAISE_CONTEXT}",
             name,
             "context_length_exceeded",
         )

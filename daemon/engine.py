@@ -202,9 +202,10 @@ class Engine:
             self._in_flight = {j for j in self._in_flight if not j.cancelled}
         if len(self._in_flight) >= most:
             raise QueueFullError(
-                f"{most} requests are already in flight ({self.limits.max_concurrent} "
-                f"decoding and {self.limits.queue_size} waiting or being prepared: "
-                "limits.max_concurrent and limits.queue_size); retry shortly"
+                f"{most} generations are already in flight (a request's `n` choices each "
+                f"count; {self.limits.max_concurrent} decoding and {self.limits.queue_size} "
+                "waiting or being prepared: limits.max_concurrent and limits.queue_size); "
+                "retry shortly"
             )
         self._in_flight.add(entry)
 

@@ -63,6 +63,17 @@ def test_what_admission_settles(runtime: Runtime) -> None:
         ({"prompt": list(range(3, 3 + CONTEXT))}, "prompt", "context_length_exceeded"),
         ({"prompt": "the dog ran " * 40}, "prompt", "context_length_exceeded"),
         ({"prompt": None, "messages": LONG_CONVERSATION}, "messages", "context_length_exceeded"),
+        # (a variable too long for any context, which the template may not even render: the
+        # field named is the variables', not the messages')
+        (
+            {
+                "prompt": None,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "template_vars": {"unused": "A" * 10**6},
+            },
+            "chat_template_kwargs",
+            "context_length_exceeded",
+        ),
         ({"params": SamplingParams(logit_bias=((10**6, 1.0),))}, "logit_bias", None),
         ({"budget": 10**6}, "budget", "budget_too_large"),
     ],

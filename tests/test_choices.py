@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +130,16 @@ def test_choices_past_the_engines_places_are_a_503_that_leaves_none(
     assert status == 503 and answer["error"]["code"] == "queue_full", answer
     status, answer = post(small, "/v1/chat/completions", {**CHAT, "n": 3})
     assert status == 200 and len(answer["choices"]) == 3  # (every place given back)
+
+
+def test_a_trace_chunk_names_its_choice() -> None:
+    """With `n` > 1 every choice grows its own trees: each trace chunk says whose (the
+    chunks of two choices' first rounds read alike, an attacker saw)."""
+    from daemon.http.openai_responses import ResponseShape
+
+    shape = ResponseShape(chat=True, model="m")
+    traced = [replace(shape, index=i).trace_chunk({"round": 1}) for i in (0, 2)]
+    assert [t["specd"]["trace"] for t in traced] == [
+        {"round": 1, "index": 0}, {"round": 1, "index": 2},
+    ]  # fmt: skip
+    assert all(t["choices"] == [] for t in traced)

@@ -83,7 +83,7 @@ def test_admission_is_exact_while_the_worker_is_busy(
     try:
         request = GenerationRequest([1, 2, 3], SamplingParams(), 4)
         jobs = [engine.submit(request, loop) for _ in range(6)]
-        with pytest.raises(QueueFullError, match="6 requests are already in flight"):
+        with pytest.raises(QueueFullError, match="6 generations are already in flight"):
             engine.submit(request, loop)
         engine._end(jobs[0], Finished("stop", 3, 1, {}))
         engine.submit(request, loop)  # its slot is free again

@@ -73,6 +73,11 @@ def deep(levels: int) -> Any:
         ({"reasoning_effort": ["low"]}, "reasoning_effort", "must be one of"),
         ({"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
          "reasoning_effort", "differ"),
+        # (the same variable given the template: held to the field's values)
+        ({"chat_template_kwargs": {"reasoning_effort": "extreme"}},
+         "chat_template_kwargs.reasoning_effort", "must be one of"),
+        ({"chat_template_kwargs": {"reasoning_effort": ["none"]}},
+         "chat_template_kwargs.reasoning_effort", "must be one of"),
     ],
 )  # fmt: skip
 def test_what_the_variables_may_not_be(fields: dict[str, Any], param: str, says: str) -> None:

@@ -232,8 +232,10 @@ class ResponseShape:
 
     def trace_chunk(self, trace: dict[str, Any]) -> dict[str, Any]:
         """One round's draft tree: a chunk with no choices (clients skip it, as they skip
-        the usage chunk) and the tree in the `specd` extension field."""
-        return {**self._envelope(stream=True), "choices": [], "specd": {"trace": trace}}
+        the usage chunk) and the tree in the `specd` extension field, under its choice's
+        index (`n` > 1: every choice grows its own trees)."""
+        traced = {**trace, "index": self.index}
+        return {**self._envelope(stream=True), "choices": [], "specd": {"trace": traced}}
 
     def usage_chunk(self, usage_: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
         return {

@@ -236,6 +236,12 @@ def _template_vars(body: dict[str, Any]) -> dict[str, Any]:
         except (TypeError, ValueError):
             raise bad_request(f"{where} must be a JSON value", where) from None
         checked_text(written, where)  # (a lone surrogate in a key or a value)
+        if name == "reasoning_effort" and value not in REASONING_EFFORTS:
+            # (the same variable as the field: held to the same values, not a way round them)
+            raise bad_request(
+                f"{where} must be one of {', '.join(REASONING_EFFORTS)}; got {str(value)[:64]!r}",
+                where,
+            )
         out[name] = value
     effort = body.get("reasoning_effort")
     if effort is not None:
