@@ -143,3 +143,20 @@ def test_a_trace_chunk_names_its_choice() -> None:
         {"round": 1, "index": 0}, {"round": 1, "index": 2},
     ]  # fmt: skip
     assert all(t["choices"] == [] for t in traced)
+
+
+def test_a_command_without_the_daemons_key_is_told_how_to_give_it(
+    server: BackgroundServer, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A daemon started with a config's key file, asked by `specd chat` (or `status`)
+    without it: the 401 says how to give the key (it said only that one is required)."""
+    from daemon.cli import main
+
+    url = f"http://127.0.0.1:{server.server.port}"
+    assert main(["chat", "--url", url, "--once", "hi", "--max-tokens", "2"]) != 0
+    err = capsys.readouterr().err
+    assert "HTTP 401" in err and "--api-key-file FILE" in err and "--config FILE" in err
+    key = tmp_path / "key"
+    key.write_text(KEY)
+    argv = ["chat", "--url", url, "--once", "hi", "--max-tokens", "2", "--api-key-file", str(key)]
+    assert main(argv) == 0

@@ -195,10 +195,16 @@ def not_specd(url: str, status: int) -> ChatError:
     )
 
 
+# What a 401 tells a command that found the daemon but not its key (a daemon started with
+# --config whose server.api_key_file the command was not given).
+KEY_HINT = "give its key: --api-key-file FILE, or --config FILE naming server.api_key_file"
+
+
 def _http_error(status: int, raw: bytes, url: str) -> ChatError:
     try:
         error = json.loads(raw)["error"]
-        return ChatError(f"HTTP {status}: {error['message']}", error.get("code"))
+        hint = f" ({KEY_HINT})" if status == 401 else ""
+        return ChatError(f"HTTP {status}: {error['message']}{hint}", error.get("code"))
     except (ValueError, KeyError, TypeError):
         return not_specd(url, status)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from daemon import service, service_files
 from daemon.addresses import daemon_url, exposed_without_key, listening_on
+from daemon.cli.chat_client import KEY_HINT
 from daemon.cli.serve import (
     add_address_args,
     add_settings_args,
@@ -107,7 +108,11 @@ def machine_report(url: str, args: argparse.Namespace) -> str:
     code, status = service.fetch_json(url + "/v1/specd/status", configured_api_key(args))
     if code != 200:
         reason = status.get("error", {}).get("message") if status else None
-        return f"  (no machine details: /v1/specd/status answered {code or 'nothing'}: {reason})"
+        hint = f"; {KEY_HINT}" if code == 401 else ""
+        return (
+            f"  (no machine details: /v1/specd/status answered {code or 'nothing'}: "
+            f"{reason}{hint})"
+        )
     return format_machine(status)
 
 
