@@ -299,9 +299,10 @@ def _start(
         if proc.poll() is not None:
             if DaemonRecord.read(paths) == record:  # (only the record this start wrote)
                 paths.pid_file.unlink(missing_ok=True)
+            why = start_failure(tail(paths.log_file, 15, start=this_run))
             raise ServiceError(
-                f"specd exited during start-up (status {proc.returncode}); its log:\n"
-                + tail(paths.log_file, 15, start=this_run)
+                f"specd exited during start-up (status {proc.returncode}): {why} (its log: "
+                f"{paths.log_file})"
             )
         status, body = fetch_health(url, timeout=1.0)
         if status == 200 and body.get("pid") == proc.pid:  # (ours, not another at the URL)
@@ -358,6 +359,24 @@ def _reap(pid: int) -> None:
 
 
 TAIL_BYTES = 1 << 20  # what is read of a log's end for its last lines
+
+
+# A log line's level and logger, before its message ("... ERROR specd.server: MESSAGE").
+_LOGGED = re.compile(r".*? (?:ERROR|CRITICAL) [\w.]+: ")
+
+
+def start_failure(log: str) -> str:
+    """Why a daemon exited as it started, from what this run logged: its last error's
+    message (the CLI's `specd: error: ...` line, or a logged ERROR), else the last line.
+    (The whole tail, several timestamped lines joined, read as one long line.)"""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("specd: error: "):
+            return line.removeprefix("specd: error: ")
+        logged = _LOGGED.match(line)
+        if logged is not None:
+            return line[logged.end() :]
+    return lines[-1] if lines else "it wrote nothing"
 
 
 def tail(file: Path, lines: int, start: int = 0) -> str:

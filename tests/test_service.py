@@ -149,9 +149,23 @@ def test_a_failed_start_shows_only_its_own_log_lines(
     with pytest.raises(service.ServiceError) as info:
         service.start(paths, [], "http://127.0.0.1:9", wait_seconds=60)
     message = str(info.value)
-    assert "exited during start-up (status 2)" in message
-    assert "this attempt" in message and "previous attempt" not in message
+    assert message == (
+        f"specd exited during start-up (status 2): this attempt (its log: {paths.log_file})"
+    )
     assert "previous attempt" in paths.log_file.read_text()  # the log itself keeps both
+
+
+def test_a_failed_start_says_its_last_error_once() -> None:
+    """The daemon's own log lines (timestamped, the same failure logged twice): the last
+    error's message alone, not the tail joined into one long line."""
+    log = (
+        "2026-12-07 18:36:55,001 INFO specd.server: listening on http://127.0.0.1:8716\n"
+        "2026-12-07 18:36:55,412 ERROR specd.engine: loading the models failed: no cuda\n"
+        "2026-12-07 18:36:55,413 ERROR specd.server: specd cannot serve: no cuda\n"
+    )
+    assert service.start_failure(log) == "specd cannot serve: no cuda"
+    assert service.start_failure("Traceback...\nKeyError: 'x'\n") == "KeyError: 'x'"
+    assert service.start_failure("") == "it wrote nothing"
 
 
 def test_a_broken_user_config_does_not_stop_stop_or_status(
