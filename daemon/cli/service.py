@@ -110,8 +110,7 @@ def machine_report(url: str, args: argparse.Namespace) -> str:
         reason = status.get("error", {}).get("message") if status else None
         hint = f"; {KEY_HINT}" if code == 401 else ""
         return (
-            f"  (no machine details: /v1/specd/status answered {code or 'nothing'}: "
-            f"{reason}{hint})"
+            f"  (no machine details: /v1/specd/status answered {code or 'nothing'}: {reason}{hint})"
         )
     return format_machine(status)
 
