@@ -95,7 +95,10 @@ def flatten(data: Mapping[str, Any], origin: str) -> tuple[dict[str, Any], list[
     for spelled, body in _sections(data):
         section = SECTION_ALIASES.get(spelled, spelled)
         if section not in SECTIONS:
-            problems.append(f"{origin}: {spelled}: unknown section; sections are {_names()}")
+            problems.append(
+                f"{origin}: {spelled}: unknown section{_near(spelled, [*SECTIONS])}; sections "
+                f"are {_names()}"
+            )
             continue
         if body is None:
             continue
@@ -109,11 +112,19 @@ def flatten(data: Mapping[str, Any], origin: str) -> tuple[dict[str, Any], list[
         for key, value in body.items():
             if key not in known:
                 problems.append(
-                    f"{origin}: {spelled}.{key}: unknown key; {spelled} keys are {', '.join(known)}"
+                    f"{origin}: {spelled}.{key}: unknown key{_near(key, known)}; {spelled} keys "
+                    f"are {', '.join(known)}"
                 )
                 continue
             flat[f"{section}.{key}"] = value
     return flat, problems
+
+
+def _near(name: Any, known: list[str]) -> str:
+    """ " (did you mean NAME?)" for the known name closest to a misspelt one, as the
+    command line's flags say it; "" where none is close."""
+    near = difflib.get_close_matches(str(name)[:100], known, 1, 0.6)
+    return f" (did you mean {near[0]}?)" if near else ""
 
 
 def _sections(data: Mapping[str, Any]) -> list[tuple[str, Any]]:
@@ -159,7 +170,8 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict[str, tuple[Any, str]], l
         known = [f.name for f in fields(SECTIONS[section])]
         if key not in known:
             problems.append(
-                f"env {var}: {section}.{key}: unknown key; {section} keys are {', '.join(known)}"
+                f"env {var}: {section}.{key}: unknown key{_near(key, known)}; {section} keys "
+                f"are {', '.join(known)}"
             )
             continue
         try:

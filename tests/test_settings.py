@@ -175,7 +175,10 @@ def test_config_show_and_validate_commands(
     bad.write_text("limits:\n  queue: 4\n")
     assert main(["config", "validate", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert err == f"{bad}: limits.queue: unknown key; limits keys are {LIMITS_KEYS}\n"
+    assert err == (
+        f"{bad}: limits.queue: unknown key (did you mean queue_size?); limits keys are "
+        f"{LIMITS_KEYS}\n"
+    )
 
 
 LIMITS_KEYS = (
@@ -197,9 +200,10 @@ def test_validate_reports_every_problem_at_once_in_one_format(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.splitlines() == [
-        f"{bad}: servr: unknown section; sections are models, runtime, speculation, offload, context, "
-        "server, limits, logging, memory.pressure",
-        f"{bad}: server.prot: unknown key; server keys are host, port, api_key_file, "
+        f"{bad}: servr: unknown section (did you mean server?); sections are models, runtime, "
+        "speculation, offload, context, server, limits, logging, memory.pressure",
+        f"{bad}: server.prot: unknown key (did you mean port?); server keys are host, port, "
+        "api_key_file, "
         "cors_origins, allowed_hosts, keepalive_seconds, stream_interval_ms, "
         "idle_timeout_seconds, request_timeout_seconds, send_timeout_seconds, "
         "min_body_bytes_per_second, min_send_bytes_per_second, max_connections, "
