@@ -94,9 +94,14 @@ def test_text_output_streams_the_story(capsys, stories_target, stories_reference
     item = _reference(stories_reference, "Once upon a time")
     argv = ["generate", "--model", str(stories_target), "--prompt", "Once upon a time"]
     assert main([*argv, "--max-tokens", "16"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert item["full_text"].startswith("Once upon a time" + out.rstrip("\n"))
     assert len(out) > 20
+    # A cut answer says so, as `specd chat` marks it (JSON under a schema, cut, read as a
+    # finished answer); at the context's end too.
+    assert err == "specd: [cut at --max-tokens 16]\n"
+    assert main([*argv, "--max-tokens", "200", "--context", "24"]) == 0
+    assert capsys.readouterr().err == "specd: [cut: the context is full]\n"
 
 
 @pytest.mark.parametrize(

@@ -174,10 +174,12 @@ def test_70b_with_a_1b_draft_on_a_24gb_card_plans_a_long_context_in_bf16(
     limits = LimitsSettings()
     assert out["logit_rows"] == AUTO_MAX_BUDGET + limits.max_concurrent + limits.cached_sessions
     # Longest: a context one token longer does not fit even with nothing resident.
+    sequences = limits.max_concurrent + limits.cached_sessions
     longer = plan_request(
         footprint(config("Llama-3.1-70B"), torch.bfloat16, "70B"),
         footprint(config("Llama-3.2-1B"), torch.bfloat16, "1B"),
-        out["context"] + 1, OffloadOptions(offload="stream", resident_layers=0),
+        out["context"] + 1,
+        OffloadOptions(offload="stream", resident_layers=0, sequences=sequences),
     )  # fmt: skip
     with pytest.raises(PlanError):
         make_plan(longer, gpu(24e9, 160e9))

@@ -301,6 +301,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for kind, text in turn.finish() if turn is not None else []:
             (sys.stdout if kind == "content" else sys.stderr).write(text)
         sys.stdout.write("\n")
+        if gen.finish_reason == "length":
+            # (as `specd chat` marks it: a cut answer, JSON under a schema most of all, read
+            # as a finished one)
+            full = len(gen.token_ids) < args.max_tokens
+            cut = "cut: the context is full" if full else f"cut at --max-tokens {args.max_tokens}"
+            print(f"specd: [{cut}]", file=sys.stderr)
         if not wrote and not args.chat and runtime.tokenizer.has_chat_template:
             # (an instruct model given a raw question often ends its text at once)
             print(
