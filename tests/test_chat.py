@@ -323,7 +323,7 @@ def test_unusable_tools_fail_before_anything_is_sent(
     (tmp_path / "not_json.json").write_text("[{")
     paths = {name: str(tmp_path / f"{name}.json") for name in ("nowhere", "not_a_list", "not_json")}
     argv = [arg.format(**paths) for arg in argv]
-    assert main(["chat", "--url", daemon.url, "--once", "hi", *argv]) == 1
+    assert main(["chat", "--url", daemon.url, "--once", "hi", *argv]) == 2  # (a user's mistake)
     assert error in capsys.readouterr().err
     assert daemon.bodies == []
 
@@ -367,7 +367,7 @@ def test_chat_with_a_bad_url_fails_before_any_input(
         url="localhost:8716", api_key_file=None, system=None, max_tokens=8, temperature=0.0,
         seed=None, once=None, tree_verification=None, tools=None, tool_choice=None,
     )  # fmt: skip
-    assert chat_cmd.cmd_chat(args) == 1
+    assert chat_cmd.cmd_chat(args) == 2
     err = capsys.readouterr().err
     assert "cannot use daemon URL 'localhost:8716'" in err and "http://HOST:PORT" in err
 

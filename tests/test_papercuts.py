@@ -396,3 +396,13 @@ def test_specd_bench_shows_a_replayed_row_without_a_speed_per_pass() -> None:
            "tokens_per_target_pass": None, "drafted": 0}  # fmt: skip
     assert per_pass(row) == "-" and row_sentence(row) == "32 tokens in 0 target passes"
     assert per_pass({**row, "tokens_per_target_pass": 2.5}) == "2.50"
+
+
+def test_specd_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """`specd --version` prints the installed version (it said a command is required)."""
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"specd {version('specd')}\n"

@@ -294,9 +294,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             request["tree_verification"] = args.tree_verification
         request.update(_tools(args.tools, args.tool_choice))
         options = ChatOptions(url, _api_key(args), request, args.stats)
-    except ChatError as exc:
+    except ChatError as exc:  # (a flag that cannot be used: a user's mistake, as argparse's)
         print(f"specd: error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     conversation = Conversation(args.system)
     if args.once is not None:
         try:

@@ -60,6 +60,20 @@ def user_error_types() -> tuple[type[BaseException], ...]:
 BENCH_HELP = "compare strategies on the configured model pair"
 
 
+class Version(argparse.Action):
+    """`specd --version`: the installed package's version, looked up only when asked (its
+    metadata costs a start-up that never prints it)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"specd {version('specd')}")
+        except PackageNotFoundError:
+            print("specd (not installed: run from a checkout)")
+        parser.exit()
+
+
 def build_parser(command: str | None = "bench") -> argparse.ArgumentParser:
     """The whole command line. `specd bench`'s module imports torch when it is imported, so
     its flags are registered only when `command` is bench; otherwise a placeholder lists it."""
@@ -67,6 +81,7 @@ def build_parser(command: str | None = "bench") -> argparse.ArgumentParser:
         prog="specd",
         description="Local OpenAI-compatible inference with lossless tree speculation.",
     )
+    parser.add_argument("--version", action=Version, nargs=0, help="print specd's version")
     sub = parser.add_subparsers(dest="command", required=True)
     for commands in (generate, serve, service, chat, pull, models):
         commands.register(sub)
