@@ -201,6 +201,8 @@ class Generation:
                 self.token_ids += taken
                 if self.finish_reason is not None:
                     text += stops.push(detok.flush()) + stops.flush()
+                    if stops.stopped:  # (the held text's end made a stop string)
+                        self.finish_reason = "stop"
                 self.text += text
                 self.stats.generated_tokens = self.completion_tokens
                 self.stats.total_seconds = time.perf_counter() - t0
@@ -227,6 +229,9 @@ class Generation:
             self.finish_reason = "length"
             tail = stops.push(detok.flush()) + stops.flush()
             self.text += tail
+            if stops.stopped:  # (the held text's end made a stop string: cut there)
+                self.finish_reason = "stop"
+                held = [(start, lp) for start, lp in held if start < len(self.text)]
             yield Chunk(tail, [], self.finish_reason, logprobs=[lp for _, lp in held])
         finally:
             rounds.close()

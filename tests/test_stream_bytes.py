@@ -301,3 +301,27 @@ def test_completions_text_offset_streamed_equals_whole(spm: Tokenizer, case: str
     assert streamed_offsets == whole_lp["text_offset"]
     want = [0, 0, 0, 0, 1, 3] if case == "emoji-bytes" else [0, 4, 9, 11]
     assert whole_lp["text_offset"] == want, text
+
+
+def test_a_stop_string_found_in_the_held_text_at_the_end_is_a_stop(shared_models: Path) -> None:
+    """An answer under `tool_choice: auto` holds its text while it may begin a call; cut by
+    max_tokens there, the held `<tool_` is let out at the end and a stop of `_` cuts it:
+    the finish is "stop" and the stop string's token has no log-probability (the finish
+    stayed "length" and every held token's log-probability was given)."""
+    from modeling.checkpoints.gguf_file import read_gguf
+    from modeling.text.gguf_tokenizer import tokenizer_from_gguf
+    from speculative.tool_calls import HERMES
+
+    path = shared_models / "smollm2-135m-instruct" / "smollm2-135m-instruct-q4_1.gguf"
+    tok = tokenizer_from_gguf(read_gguf(path).metadata, path.name)
+    ids = tok.encode("<tool_", add_special_tokens=False)
+    assert "".join(tok.decode([i]) for i in ids) == "<tool_" and len(ids) >= 2
+    params = SamplingParams(temperature=0.0, logprobs=0)
+    gen = Generation(
+        _Scripted(ids), _Session(), tok, tok.encode("Hello"), params, len(ids), stop=["_"],
+        call_lead=HERMES.lead,
+    )  # fmt: skip
+    chunks = list(gen)
+    assert gen.text == "<tool" and gen.finish_reason == "stop"
+    given = [lp.token for c in chunks for lp in c.logprobs]
+    assert given == [i for i in ids if "_" not in tok.decode([i])]
