@@ -54,7 +54,8 @@ class CompileState:
     role: str  # "target" or "draft"
     state: str
     reason: str
-    warm_seconds: float | None = None
+    warm_seconds: float | None = None  # compiling (or loading from the cache) in process
+    precompile_seconds: float | None = None  # a child process's compile before it, on a CPU
     passes: CompiledPasses | None = None  # once ready
     step_ms: tuple[float, float] | None = None  # auto's measurement: (eager, compiled)
 
@@ -64,6 +65,8 @@ class CompileState:
             "reason": self.reason,
             "warm_seconds": self.warm_seconds,
         }
+        if self.precompile_seconds is not None:
+            out["precompile_seconds"] = self.precompile_seconds
         if self.step_ms is not None:
             out["step_ms"] = {"eager": self.step_ms[0], "compiled": self.step_ms[1]}
         graphs = self.passes.graphs if self.passes is not None else None
@@ -225,7 +228,9 @@ class Compilation:
                     f"less once they are in {self.cache_dir}"
                 )
             if precompile and role in self.folders and model.device.type == "cpu":
+                began = time.monotonic()
                 self._precompile(role)
+                state.precompile_seconds = round(time.monotonic() - began, 1)
             try:
                 passes = CompiledPasses(model)
                 state.warm_seconds = passes.warm(say)
@@ -251,7 +256,9 @@ class Compilation:
             model.compiled = passes  # from now on its passes run compiled
             state.state, state.passes = "ready", passes
             self.ready_count += 1
-            log.info("the %s's passes are compiled (%.1f s)", role, state.warm_seconds)
+            before = state.precompile_seconds
+            child = f"{before:.1f} s in a child process, then " if before is not None else ""
+            log.info("the %s's passes are compiled (%s%.1f s)", role, child, state.warm_seconds)
             if say is not None:
                 say(f"done in {state.warm_seconds:.1f} s")
 

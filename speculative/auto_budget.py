@@ -254,7 +254,8 @@ class AutoBudget:
         return (
             f"auto: plain decoding, predicted {plain:.0f} tokens/s; the best tree measured "
             f"so far would give {best_tree:.0f} tokens/s (a draft step, model or lookup, costs "
-            f"{self.draft_unit_seconds * 1e3:.2f} ms here): speculation does not pay"
+            f"{self.draft_unit_seconds * 1e3:.2f} ms here, averaged over its last "
+            f"{self._draft_samples} steps, earlier runs' kept): speculation does not pay"
         )
 
     def predicted_rate(self, shape: TreeShape) -> float:
