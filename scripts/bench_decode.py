@@ -94,13 +94,31 @@ def run_transformers(model, prompt_ids: list[int], n: int) -> tuple[float, list[
 REAL_FORMS = ("q4_1", "q4_1-no-kernels", "f32", "int8", "int4", "int8-no-kernels")
 
 
+# A form's suffix for where its layers live: every layer streamed through two slots from
+# the RAM tier, or read from the file at every pass (the disk tier).
+STREAMED = {
+    "-streamed": {"offload": "stream", "resident_layers": 0, "slots": 2},
+    "-disk": {"offload": "stream", "resident_layers": 0, "slots": 2, "host_tier": "disk"},
+}
+
+
+def form_offload(form: str) -> tuple[str, dict[str, object]]:
+    """`form` without its `-streamed` or `-disk` suffix, and that suffix's options."""
+    for suffix, options in STREAMED.items():
+        if form.endswith(suffix):
+            return form.removesuffix(suffix), options
+    return form, {}
+
+
 def real_form(form: str) -> tuple[str, str | None, dict[str, str]]:
     """(model path, --quantize, environment) of one form of SmolLM2: the Q4_1 file, its F32
-    form, that form `--quantize int8|int4`; `-no-kernels`: with SPECD_CPU_KERNELS=off."""
+    form, that form `--quantize int8|int4`; `-no-kernels`: with SPECD_CPU_KERNELS=off (a
+    `-streamed` or `-disk` suffix after it: `form_offload`)."""
     from scripts.real_forms import SMOLLM2_GGUF, smollm2_f32
 
-    base = form.removesuffix("-no-kernels")
-    env = {"SPECD_CPU_KERNELS": "off"} if base != form else {}
+    bare = form_offload(form)[0]
+    base = bare.removesuffix("-no-kernels")
+    env = {"SPECD_CPU_KERNELS": "off"} if base != bare else {}
     if base == "q4_1":
         return str(SMOLLM2_GGUF), None, env
     if base.startswith("file:"):  # another GGUF of SmolLM2 (llama-quantize's Q4_K_M of it)
@@ -141,7 +159,7 @@ def measure_real(form: str, compiled: bool, threads: int, n: int) -> dict:
     torch.set_num_threads(threads)
     options = RuntimeOptions(
         model=path, quantize=quantize, device="cpu", threads=threads, draft=None,
-        compile="on" if compiled else "off", prefix_cache=0,
+        compile="on" if compiled else "off", prefix_cache=0, **form_offload(form)[1],  # type: ignore[arg-type]
     )  # fmt: skip
     rt = Runtime(options)
     if compiled:
@@ -165,8 +183,11 @@ def measure_real(form: str, compiled: bool, threads: int, n: int) -> dict:
 
     decode(16)  # warm-up: first calls allocate, pick kernels (and compile)
     rate, ids = decode(n)
-    return {"tokens_per_second": rate, "bytes_per_token": step_bytes(rt.target, rt.target.dtype),
-            "ids": ids}  # fmt: skip
+    streamer = rt.streamer
+    read = step_bytes(rt.target, rt.target.dtype)
+    if streamer is not None:  # (its layers are not modules of the model: the stream's bytes)
+        read += streamer.layout.nbytes * len(streamer.order)
+    return {"tokens_per_second": rate, "bytes_per_token": read, "ids": ids}
 
 
 def run_llama_bench(binary: str, model: str, threads: int, n: int) -> float:
@@ -259,6 +280,7 @@ def _real_table(
         rate = statistics.median(r["tokens_per_second"] for r in runs)
         path = real_form(form)[0] if form.startswith("file:") else str(SMOLLM2_GGUF)
         ref = statistics.median(llama[path, threads]) if (path, threads) in llama else None
+        ref = None if form_offload(form)[1] else ref  # (llama.cpp keeps every layer in RAM)
         ratio = f"{rate / ref:.2f}" if ref else "-"
         same = "" if runs[0]["ids"] == reference else " (other tokens)"
         mb = runs[0]["bytes_per_token"] / 1e6
