@@ -169,3 +169,23 @@ def test_timing_events_stay_bounded_over_many_passes(stories_target: Path, tier:
     assert streamer.timed_copies_pending() == 0
     assert streamer.counters.copies == passes * len(streamed) + 2
     assert stats["stream_seconds"] > 0
+
+
+def test_a_gguf_read_from_the_disk_tier_on_gpu_computes_what_it_does_in_ram() -> None:
+    """A GGUF's layers read from its file at every pass into page-locked staging (their
+    q/k rows and norms converted on the way, the other blocks read in place) and copied to
+    the GPU: the logits of the same file with every layer on the GPU, bit for bit."""
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
+    from tests.test_gguf_model import GGUF
+
+    base = {"model": str(GGUF / "llama-rand-256-Q4_K_M.gguf"), "device": "cuda",
+            "dtype": "fp32", "context": 64}  # fmt: skip
+    disk = Runtime(
+        RuntimeOptions(**base, offload="stream", resident_layers=0, host_tier="disk", slots=2)
+    )
+    assert disk.streamer is not None and disk.streamer.storage.tier == "disk"
+    assert all(s.staging is not None and s.staging.is_pinned() for s in disk.streamer.slots)
+    plain = Runtime(RuntimeOptions(**base, offload="none"))
+    for want, got in zip(logits(plain.target), logits(disk.target), strict=True):
+        assert torch.equal(want, got)
