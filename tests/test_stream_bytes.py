@@ -7,7 +7,6 @@ stories260k (a few seconds)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import types
@@ -16,8 +15,6 @@ from pathlib import Path
 import pytest
 
 from daemon.http.openai_responses import ResponseShape
-from daemon.http.streaming import _collect_choice, _stream_choice
-from daemon.jobs import Finished
 from modeling.checkpoints.checkpoint import open_checkpoint
 from modeling.text.detok import IncrementalDetokenizer
 from modeling.text.tokenizer import Tokenizer
@@ -25,6 +22,7 @@ from speculative.generation import Chunk, Generation
 from speculative.harmony import HarmonyReader, read_turn
 from speculative.rounds import Round, RoundStats
 from speculative.sampling import SamplingParams, TokenLogprob
+from tests.served_choice import serve_choice
 
 R = "\ufffd"
 
@@ -230,47 +228,9 @@ def _chunks(tok: Tokenizer, prompt: list[int], tokens: list[int]) -> list[Chunk]
 
 
 def _serve(tok: Tokenizer, chunks: list[Chunk], previous: int) -> tuple[dict, list[dict]]:
-    """The same chunks through the daemon's own code: `_collect_choice` (the whole body)
-    and `_stream_choice` (the SSE events), each chunk arriving as the engine posts it."""
+    """The same chunks through the daemon's own code, as a completion cut at its length."""
     shape = ResponseShape(chat=False, model="m", piece=tok.piece, raw_bytes=tok.raw_bytes)
-    request = types.SimpleNamespace(transport=types.SimpleNamespace(is_closing=lambda: False))
-    finished = Finished("length", 3, len(chunks), {})
-
-    class _Job:
-        def __init__(self) -> None:
-            self.events: asyncio.Queue = asyncio.Queue()
-
-        def cancel(self) -> None:
-            pass
-
-    async def run() -> tuple[dict, list[dict]]:
-        whole_job, stream_job = _Job(), _Job()
-        for event in [*chunks, finished]:
-            whole_job.events.put_nowait(event)
-        whole = await _collect_choice(
-            request, whole_job, shape, previous, None, False, False, False, None
-        )
-        sent: list[bytes] = []
-
-        async def send(data: bytes | None) -> None:
-            if data is not None:
-                sent.append(data)
-
-        req = types.SimpleNamespace(tool_choice=None, include_usage=False)
-        task = asyncio.ensure_future(
-            _stream_choice(
-                request, stream_job, shape, req, 5.0, previous, send, None, False, False, None
-            )
-        )
-        for event in [*chunks, finished]:
-            stream_job.events.put_nowait(event)
-            for _ in range(5):
-                await asyncio.sleep(0)  # the stream writes it before the next arrives
-        await task
-        events = [json.loads(s[6:]) for s in sent if s.startswith(b"data: {")]
-        return whole, events
-
-    return asyncio.run(run())
+    return serve_choice(chunks, shape, finish="length", previous=previous)
 
 
 @pytest.mark.parametrize("case", ["emoji-bytes", "first-word-after-bos"])

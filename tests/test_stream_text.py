@@ -10,7 +10,6 @@ calls, log-probabilities and their text offsets). Real tokenizers: stories260k
 
 from __future__ import annotations
 
-import asyncio
 import codecs
 import random
 import types
@@ -20,8 +19,6 @@ from pathlib import Path
 import pytest
 
 from daemon.http.openai_responses import ResponseShape
-from daemon.http.streaming import _collect_choice, _stream_choice
-from daemon.jobs import Finished
 from modeling.checkpoints.checkpoint import open_checkpoint
 from modeling.checkpoints.gguf_file import read_gguf
 from modeling.text.detok import IncrementalDetokenizer, StopMatcher, StopsOutsideCalls
@@ -34,6 +31,7 @@ from speculative.rounds import Round, RoundStats
 from speculative.sampling import SamplingParams, TokenLogprob
 from speculative.thinking import ThinkReader
 from speculative.tool_calls import HERMES, LLAMA3, MISTRAL, CallStream
+from tests.served_choice import serve_choice
 
 SEEDS = range(3)
 TEXTS = ["ab", " é", "€", "😀", "你好", "\n", " cd", "x", " ", "\ufffd", " \ufffd😀"]
@@ -285,48 +283,11 @@ def test_readers_read_a_turn_alike_however_it_is_split() -> None:
 
 
 def _serve(chunks: list[Chunk], thinking: Thinking | None, calls, harmony: bool, together=False):  # type: ignore[no-untyped-def]
-    """The chunks through `_collect_choice` and `_stream_choice`: the whole body and the
-    stream's events, each chunk arriving on its own (`together`: all in one batch)."""
+    """The chunks through `_collect_choice` and `_stream_choice` (tests/served_choice.py)."""
     shape = ResponseShape(chat=True, model="m", piece=lambda token, before: f"t{token}")
-    request = types.SimpleNamespace(transport=types.SimpleNamespace(is_closing=lambda: False))
-    finished = Finished("stop", 3, len(chunks), {})
-
-    class _Job:
-        def __init__(self) -> None:
-            self.events: asyncio.Queue = asyncio.Queue()
-
-        def cancel(self) -> None:
-            pass
-
-    async def run():  # type: ignore[no-untyped-def]
-        whole_job, stream_job = _Job(), _Job()
-        for e in [*chunks, finished]:
-            whole_job.events.put_nowait(e)
-        whole = await _collect_choice(
-            request, whole_job, shape, 0, calls, False, harmony, harmony, thinking
-        )
-        sent: list[bytes] = []
-
-        async def send(data: bytes | None) -> None:
-            if data is not None:
-                sent.append(data)
-
-        req = types.SimpleNamespace(tool_choice=None, include_usage=False)
-        task = asyncio.ensure_future(
-            _stream_choice(
-                request, stream_job, shape, req, 5.0, 0, send, calls, harmony, harmony, thinking
-            )
-        )
-        for e in [*chunks, finished]:
-            stream_job.events.put_nowait(e)
-            for _ in range(0 if together else 5):
-                await asyncio.sleep(0)
-        await task
-        import json
-
-        return whole, [json.loads(s[6:]) for s in sent if s.startswith(b"data: {")]
-
-    return asyncio.run(run())
+    return serve_choice(
+        chunks, shape, calls=calls, harmony=harmony, thinking=thinking, together=together
+    )
 
 
 def test_daemon_streams_a_thinking_turn_as_it_collects_it() -> None:
