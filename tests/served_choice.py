@@ -39,28 +39,30 @@ def serve_choice(
     """(the whole body, the stream's events) of `chunks` and a finish of `finish`: each
     chunk arriving on its own, written before the next comes (`together`: all in one
     batch, as when rounds outpace the client)."""
-    request = types.SimpleNamespace(transport=types.SimpleNamespace(is_closing=lambda: False))
+    # (stand-ins for the aiohttp request, the engine's jobs and the parsed request)
+    request: Any = types.SimpleNamespace(transport=types.SimpleNamespace(is_closing=lambda: False))
     finished = Finished(finish, 3, len(chunks), {})
 
     async def run() -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        whole_job, stream_job = _Job(), _Job()
+        whole_job: Any = _Job()
+        stream_job: Any = _Job()
         for event in [*chunks, finished]:
             whole_job.events.put_nowait(event)
         whole = await _collect_choice(
             request, whole_job, shape, previous, calls, False, harmony, harmony, thinking
-        )  # type: ignore[arg-type]
+        )
         sent: list[bytes] = []
 
         async def send(data: bytes | None) -> None:
             if data is not None:
                 sent.append(data)
 
-        req = types.SimpleNamespace(tool_choice=None, include_usage=False)
+        req: Any = types.SimpleNamespace(tool_choice=None, include_usage=False)
         task = asyncio.ensure_future(
             _stream_choice(
                 request, stream_job, shape, req, 5.0, previous, send, calls, harmony, harmony,
                 thinking,
-            )  # type: ignore[arg-type]
+            )
         )  # fmt: skip
         for event in [*chunks, finished]:
             stream_job.events.put_nowait(event)
