@@ -163,6 +163,7 @@ def plan_with_draft(
             plan = _substitute_plan(
                 target, bits, name, dtype, context, device_type, options, budget, tree_budget
             )
+            substitute_needs_ram(plan)
         except PlanError as exc:
             failure = exc
             continue
@@ -198,6 +199,19 @@ def plan_with_draft(
         "with a small model of the family (--draft MODEL) or prompt lookup (--draft ngram), "
         "or give more --gpu-budget"
     ) from None
+
+
+def substitute_needs_ram(plan: MemoryPlan) -> None:
+    """PlanError where the plan streams the target's layers from disk: the substitute is
+    built from their copies in RAM (refused here, where `specd plan` and `--draft auto` see
+    it, as loading refuses it: `auto` chose it for a GGUF larger than RAM, and the daemon
+    then could not start)."""
+    if plan.streamed_layers and plan.host_tier == "disk":
+        raise PlanError(
+            "--draft substitute is built from the target's streamed layers in RAM, but the "
+            f"plan streams them from disk ({plan.host_tier_reason}): give more --ram-budget "
+            "(or --host-tier ram), or draft with a model"
+        )
 
 
 def plan_pair(

@@ -18,7 +18,7 @@ from torch import nn
 
 from daemon.memory_plan import plan_dtype
 from daemon.options import RuntimeOptions
-from daemon.pair_plan import DraftPlan, plan_pair
+from daemon.pair_plan import DraftPlan, plan_pair, substitute_needs_ram
 from daemon.substitute_cache import SubstituteCache
 from modeling.checkpoints.checkpoint import DTYPES, Checkpoint, load, open_checkpoint
 from modeling.checkpoints.folder_files import CheckpointError
@@ -257,12 +257,7 @@ def substitute_from(
     layers quantized from their copies in RAM, one at a time, onto `device` (or read from
     the file `cache` keeps of an earlier build: daemon/substitute_cache.py); its resident
     layers shared. The disk tier keeps streamed layers out of RAM: refused, saying why."""
-    if plan.streamed_layers and plan.host_tier == "disk":
-        raise PlanError(
-            "--draft substitute is built from the target's streamed layers in RAM, but the "
-            f"plan streams them from disk ({plan.host_tier_reason}): give more --ram-budget "
-            "(or --host-tier ram), or draft with a model"
-        )
+    substitute_needs_ram(plan)
     layers = list(cast(nn.ModuleList, model.layers))
     # A mixture whose routed experts live in RAM: every layer is resident but its experts,
     # so every layer gets low-bit copies of its experts (and shares the rest).

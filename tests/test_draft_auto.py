@@ -119,3 +119,25 @@ def test_plan_says_what_auto_chose(
     assert main(["plan", "--model", str(models["target"]), "--draft", "auto"]) == 0
     out = capsys.readouterr().out
     assert "draft auto: small" in out and "draft weights" in out
+
+
+def test_a_target_streamed_from_disk_is_not_given_the_substitute(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The substitute is built from the streamed layers' copies in RAM: where the plan
+    reads them from disk (a GGUF larger than the RAM left, the case the disk tier now
+    serves), `auto` drafts by prompt lookup, and `--draft substitute` is refused by the
+    plan as loading refuses it (`auto` chose the substitute, and the daemon could not
+    start)."""
+    from tests.test_gguf_model import GGUF
+
+    monkeypatch.setattr(draft_choice, "local_models", lambda: [])
+    argv = ["plan", "--model", str(GGUF / "llama-rand-256-Q4_K_M.gguf"), "--device", "cuda",
+            "--gpu-budget", "17MB", "--ram-budget", "4MB", "--bandwidth", "10GB",
+            "--prefix-cache", "0", "--context", "512", "--offload", "stream",
+            "--resident-layers", "0", "--host-tier", "disk"]  # fmt: skip
+    assert main([*argv, "--draft", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "draft auto: prompt lookup" in out and "streams them from disk" in out, out
+    assert main([*argv, "--draft", "substitute"]) == 2
+    assert "streams them from disk" in capsys.readouterr().err
