@@ -7,6 +7,7 @@ and per logit row. daemon/memory_plan.py plans with these sizes."""
 from __future__ import annotations
 
 from dataclasses import replace
+from math import prod
 from typing import cast
 
 import torch
@@ -26,6 +27,7 @@ from modeling.models import (
 )
 from modeling.weights import cpu_kernels
 from modeling.weights.gguf_blocks import FLOAT_TYPES, row_bytes
+from modeling.weights.gguf_modules import GGUFLinear
 from modeling.weights.packed import PackedLinear
 from modeling.weights.quant import EMBEDDING, laid_out_for
 from offload.activations import ActivationFootprint
@@ -79,8 +81,12 @@ def footprint(
     expert_bytes = 0
     if config.moe is not None:  # one routed expert as the expert cache lays one out
         expert_bytes = FlatLayout.of(block.get_submodule("mlp.experts.0")).nbytes
+    # A GGUF layer read from the disk tier: what converting one tensor holds (no other
+    # checkpoint's reads hold anything besides the staging buffer).
+    scratch = disk_scratch_bytes(config, block, dtype) if config.gguf else 0
     return ModelFootprint(
         name=name,
+        disk_scratch_bytes=scratch,
         dtype=str(dtype).removeprefix("torch."),
         resident_bytes=outside_layers,
         layer_bytes=layer,
@@ -141,6 +147,37 @@ def packed_kernels(
         return False
     kinds = {kind for name, kind in spec.tensor_types if name != EMBEDDING}
     return all(kind in FLOAT_TYPES or cpu_kernels.supports(kind) for kind in kinds)
+
+
+def disk_scratch_bytes(cfg: ModelConfig, layer: nn.Module, dtype: torch.dtype) -> int:
+    """A GGUF layer's most that one tensor's read holds besides the staging buffer, on
+    the disk tier (modeling/checkpoints/gguf_disk.py `GGUFTensorReader`),
+    from a layer's shapes alone (the meta device): blocks whose rows the architecture
+    reorders (Llama's q and k), their bytes and the reordered copy; a float tensor, at
+    most its stored bytes (F32 at worst), a reordered copy, fp32 values and an offset taken
+    off them, and the result in `dtype`. Blocks in order, in place or in a room, hold
+    nothing; a float tensor in order with no offset, at most its stored bytes and result."""
+    arch = architecture(cfg)
+    most = 0
+    for entry in FlatLayout.of(layer).tensors:
+        name = f"layers.0.{entry.name}"
+        if name.endswith(".blocks"):
+            owner = cast(GGUFLinear, layer.get_submodule(entry.name.removesuffix(".blocks")))
+            shape: tuple[int, ...] = (owner.in_features, owner.out_features)
+            probe = torch.empty(entry.shape, dtype=torch.uint8, device="meta")
+            weight = name.removesuffix(".blocks") + ".weight"
+            if arch.gguf_tensor(cfg, weight, probe, shape) is not probe:
+                most = max(most, 2 * entry.nbytes)
+            continue
+        numel = prod(entry.shape)
+        rows = entry.shape[0] if len(entry.shape) > 1 else 1
+        probe = torch.empty(rows, 4 * numel // rows, dtype=torch.uint8, device="meta")
+        shape = tuple(reversed(entry.shape))  # (as the file lists it)
+        in_order = arch.gguf_tensor(cfg, name, probe, shape) is probe
+        plain = in_order and not arch.gguf_offset(cfg, name)
+        per_value = 4 + dtype.itemsize if plain else 4 + 4 + 4 + 4 + dtype.itemsize
+        most = max(most, numel * per_value)
+    return most
 
 
 def activation_footprint(

@@ -115,6 +115,9 @@ class ModelConfig:
     quantization: QuantizationSpec | None = None
     # Every layer's MLP is a mixture of experts (Qwen3-MoE, Mixtral); None: dense MLPs
     moe: MoEConfig | None = None
+    # Read from a GGUF file (its tensors as llama.cpp's converter wrote them: the disk tier
+    # converts some as it reads them, modeling/checkpoints/gguf_disk.py)
+    gguf: bool = False
 
     def layer_window(self, index: int) -> int | None:
         """Layer `index`'s sliding window in positions, None for full attention."""

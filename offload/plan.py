@@ -49,6 +49,9 @@ class ModelFootprint:
     num_layers: int
     kv_bytes_per_token: int  # K and V of the full-attention layers for one cached token
     activations: ActivationFootprint  # what a pass allocates, by its shape
+    # A layer read from the disk tier: what a read holds besides the staging buffer while it
+    # converts one tensor (a GGUF's reordered q/k rows, its float tensors; 0: none)
+    disk_scratch_bytes: int = 0
     # Packed weights (modeling/weights/packed.py): the format, one layer's bytes if it were
     # dequantized, and the most a projection's rebuild holds at once (the plan reserves it:
     # one projection is rebuilt at a time, for its matmul only).

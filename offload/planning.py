@@ -155,7 +155,8 @@ def _host_tier(
     if budget.device == "cpu":
         ram -= device_bytes  # one pool: the "device" parts live in the same RAM
     in_ram = host_tier_bytes(layer, streamed)
-    staging = host_tier_bytes(layer, r.slots)
+    # (and one tensor's conversion at a time, on the reader thread: a GGUF's q/k rows)
+    staging = host_tier_bytes(layer, r.slots) + r.target.disk_scratch_bytes
     if r.host_tier == "ram":
         if in_ram > ram:
             raise PlanError(

@@ -397,3 +397,75 @@ def test_a_gguf_cut_short_under_the_disk_tier_is_an_error_naming_it(tmp_path: Pa
     assert isinstance(err.value.__cause__, EOFError)
     path.write_bytes(intact)
     assert torch.equal(logits(), want)
+
+
+def test_layers_dequantized_at_load_are_not_read_from_the_file() -> None:
+    """A GGUF whose layers were kept dequantized (a plan with room for them on a GPU) holds
+    dense weights the file does not: asked for disk-tier readers (memory pressure's
+    `disk_tier` step, after its layers were demoted into a stream), it is a GGUFError
+    saying so, which the step reports as "nothing moved" (it was an AttributeError, logged
+    with a traceback at every try)."""
+    from daemon.target_loading import disk_sources
+    from offload.layout import FlatLayout
+
+    model, _, ckpt = load(GGUF / "stories260k-Q4_0.gguf", "fp32")
+    model.dequantize_layers()
+    names = [e.name for e in FlatLayout.of(model.layers[0]).tensors]
+    with pytest.raises(GGUFError, match=r"o_proj\.weight.*dequantized at load"):
+        disk_sources(ckpt, [3, 4], names, "fp32")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "name",
+    ["llama-rand-256-Q2_K", "llama-rand-256-Q4_K_M", "llama-rand-256-Q6_K",
+     "llama-rand-256-F16", "stories260k-Q4_0", "stories260k-Q4_K_M", "stories260k-F32"],
+)  # fmt: skip
+def test_the_disk_tier_reads_each_layer_byte_for_byte_as_loaded(name: str, dtype: str) -> None:
+    """Every layer read through the disk tier's readers (in place, in a wider type's room
+    with zeros after, or converted: q/k rows reordered, floats of another dtype) is the
+    layer loaded into RAM, byte for byte, in the streamer's layout."""
+    from daemon.target_loading import disk_sources
+    from offload.layout import FlatLayout
+    from offload.storage import DiskStorage
+
+    model, _, ckpt = load(GGUF / f"{name}.gguf", dtype)
+    layers = list(model.layers)
+    layout = FlatLayout.of(layers[0])
+    names = [e.name for e in layout.tensors]
+    storage = DiskStorage(layout, disk_sources(ckpt, list(range(len(layers))), names, dtype))
+    for i, layer in enumerate(layers):
+        want = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        layout.pack(layer, want)
+        got = storage.read(i, torch.full((layout.nbytes,), 0xAB, dtype=torch.uint8))
+        theirs, ours = layout.views(want), layout.views(got)  # (the padding between is not read)
+        for entry in layout.tensors:
+            a, b = theirs[entry.name].view(torch.uint8), ours[entry.name].view(torch.uint8)
+            assert torch.equal(a, b), (name, dtype, i, entry.name)
+    storage.close()
+
+
+def test_the_plan_holds_the_disk_tiers_conversion_scratch(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A GGUF layer's q/k rows are reordered as they are read from the disk tier: their
+    bytes and the reordered copy are held besides the staging buffers, and the plan's
+    host RAM counts them (a safetensors read holds nothing more)."""
+    import json
+
+    from daemon.footprint import footprint
+    from offload.planning import host_tier_bytes
+
+    path = GGUF / "llama-rand-256-Q4_K_M.gguf"
+    ckpt = open_checkpoint(path)
+    fp = footprint(ckpt.config, torch.float32, "t", device_type="cpu")
+    q_proj = ckpt.config.num_heads * ckpt.config.head_dim // 256 * 144  # (Q4_K: 144 B / 256)
+    assert fp.disk_scratch_bytes == 2 * ckpt.config.hidden_size * q_proj
+    argv = ["plan", "--model", str(path), "--offload", "stream", "--resident-layers", "0",
+            "--host-tier", "disk", "--device", "cpu", "--dtype", "fp32", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    staging = host_tier_bytes(fp.layer_bytes, plan["slots"])
+    assert plan["host_bytes"] == staging + fp.disk_scratch_bytes
+    plain = footprint(open_checkpoint(SHARED_MODELS / "stories260k").config, torch.float32, "t")
+    assert plain.disk_scratch_bytes == 0

@@ -123,7 +123,7 @@ def config_from_gguf(contents: GGUFContents) -> ModelConfig:
             source, f"{arch}.attention.value_length", meta[f"{arch}.attention.value_length"],
             f"{arch}.attention.key_length ({head_dim}): specd's models read values as wide",
         )  # fmt: skip
-    return replace(config_from_hf(raw, source), quantization=quantization)
+    return replace(config_from_hf(raw, source), quantization=quantization, gguf=True)
 
 
 class _Keys:

@@ -19,6 +19,7 @@ from modeling.checkpoints.gguf_model import GGUFError, gguf_parts, held
 from modeling.config import ModelConfig
 from modeling.decoder import Transformer
 from modeling.models import architecture
+from modeling.weights.gguf_blocks import FLOAT_TYPES, block_type
 from modeling.weights.projections import fused_parts
 
 # Reads `len(buffer)` bytes of the file at `path` from byte `start` into `buffer`.
@@ -36,14 +37,19 @@ class GGUFTensorReader:
     start: int  # the bytes of the file read (absolute offsets)
     end: int
     convert: Callable[[torch.Tensor], torch.Tensor]  # the stored rows → the layer's tensor
-    direct: bool  # the stored bytes are the layer's: read straight into the staging buffer
+    # The stored bytes are the layer's, at its start (blocks in a wider room: the rest is
+    # zeros): read straight into the staging buffer.
+    direct: bool
 
     def read_into(self, dest: torch.Tensor, read: ReadBytes) -> None:
-        """Fill `dest` (this tensor's view of a staging buffer, `shape` in `dtype`). Blocks
-        as stored are read in place; otherwise the stored bytes and their conversion are
-        held for the moment: at most twice the layer's largest such tensor."""
+        """Fill `dest` (this tensor's view of a staging buffer, `shape` in `dtype`). Bytes
+        as stored are read in place; others (rows reordered, a float tensor of another
+        dtype) through a scratch copy and their conversion (`disk_scratch_bytes`)."""
         if self.direct:
-            read(self.path, self.start, dest.view(-1).numpy().data)
+            flat = dest.view(-1).view(torch.uint8)
+            n = self.end - self.start
+            read(self.path, self.start, flat[:n].numpy().data)
+            flat[n:].zero_()
             return
         raw = torch.empty(self.end - self.start, dtype=torch.uint8)
         read(self.path, self.start, raw.numpy().data)
@@ -89,14 +95,14 @@ def gguf_disk_sources(
             rows = arch.gguf_tensor(cfg, name, raw.view(end - first, row_bytes), ne)
             return held(cfg, name, rows, info.ggml_type, ne, module, dtype, "cpu")
 
-        # Blocks that fill their room and that the architecture leaves in the stored order
-        # (it returns the very rows it was given) need no conversion.
+        # Rows the architecture leaves in the stored order (it returns the very rows it was
+        # given) need no conversion where they are blocks, or floats in the run's dtype.
         probe = torch.empty(end - first, row_bytes, dtype=torch.uint8, device="meta")
-        direct = (
-            module is not None
-            and shape == (end - first, row_bytes)
-            and arch.gguf_tensor(cfg, name, probe, ne) is probe
-        )
+        in_order = arch.gguf_tensor(cfg, name, probe, ne) is probe
+        kind = block_type(info.ggml_type)
+        stored_float = FLOAT_TYPES.get(kind) if kind is not None else None
+        as_held = module is not None or (stored_float == dtype and not arch.gguf_offset(cfg, name))
+        direct = in_order and as_held
         return GGUFTensorReader(
             contents.path, info.name, shape, held_dtype, info.offset + first * row_bytes,
             info.offset + end * row_bytes, convert, direct,
@@ -108,12 +114,19 @@ def gguf_disk_sources(
         sources[i] = {}
         for entry in layer_names:
             full = f"layers.{i}.{entry}"
-            if full.endswith(".blocks"):
-                owner = full.removesuffix(".blocks")
-                readers = [reader(f"{owner}.weight", model.get_submodule(owner))]
-            elif any(fused == full for fused, _, _ in parts.values()):
-                readers = [reader(part, None) for part, (fused, _, _) in by_row if fused == full]
-            else:
-                readers = [reader(full, None)]
+            try:
+                if full.endswith(".blocks"):
+                    owner = full.removesuffix(".blocks")
+                    readers = [reader(f"{owner}.weight", model.get_submodule(owner))]
+                elif any(fused == full for fused, _, _ in parts.values()):
+                    readers = [reader(p, None) for p, (fused, _, _) in by_row if fused == full]
+                else:
+                    readers = [reader(full, None)]
+            except AttributeError:  # (layers held otherwise: dequantized at load)
+                raise GGUFError(
+                    f"{contents.path}: the streamed layers hold {entry}, which the file's layers "
+                    "do not (they were dequantized at load): the disk tier reads the file's own "
+                    "blocks"
+                ) from None
             sources[i][entry] = readers
     return sources
