@@ -373,6 +373,8 @@ def start_failure(log: str) -> str:
     for line in reversed(lines):
         if line.startswith("specd: error: "):
             return line.removeprefix("specd: error: ")
+        if line.startswith("Traceback (most recent call last)"):
+            return lines[-1]  # (an exception that ended it: its own line, the traceback's last)
         logged = _LOGGED.match(line)
         if logged is not None:
             return line[logged.end() :]

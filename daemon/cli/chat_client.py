@@ -112,9 +112,11 @@ class ChatStream:
                 if data == "[DONE]":
                     # The body's end read too, so the daemon sees the stream delivered
                     # (closed here at once, it could count a 499) and the connection ends
-                    # cleanly.
+                    # cleanly; briefly (another server at --url may never end its body).
                     with contextlib.suppress(OSError, http.client.HTTPException):
-                        self._response.read()
+                        if self._conn.sock is not None:
+                            self._conn.sock.settimeout(DRAIN_SECONDS)
+                        self._response.read(1 << 16)
                     return
                 yield from self._event(json.loads(data))
         except OSError as exc:
@@ -179,6 +181,10 @@ def daemon_address(url: str) -> tuple[str, int]:
     except ValueError as exc:  # a port that is not a number or out of range
         raise ChatError(f"cannot use daemon URL {url!r}: {exc}") from None
     return parts.hostname, port
+
+
+# How long a finished stream's end is waited for (specd sends it with [DONE]).
+DRAIN_SECONDS = 2.0
 
 
 def unreachable(url: str, exc: OSError) -> ChatError:
