@@ -171,7 +171,7 @@ def test_specd_status_prints_the_machine(
     assert main([*once, "--config", str(config)]) == 0
     assert main(once) == 1
     assert "HTTP 401" in capsys.readouterr().err
-    assert main([*once, "--api-key-file", str(tmp_path / "missing")]) == 1
+    assert main([*once, "--api-key-file", str(tmp_path / "missing")]) == 2  # (a bad flag)
     assert "--api-key-file" in capsys.readouterr().err
 
 
