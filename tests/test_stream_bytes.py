@@ -285,3 +285,22 @@ def test_a_stop_string_found_in_the_held_text_at_the_end_is_a_stop(shared_models
     assert gen.text == "<tool" and gen.finish_reason == "stop"
     given = [lp.token for c in chunks for lp in c.logprobs]
     assert given == [i for i in ids if "_" not in tok.decode([i])]
+
+
+@pytest.mark.parametrize(
+    ("values", "shown"),
+    [
+        ((0xC3, 0xC3, 0xA9), R + "é"),  # a lead byte cut short, then é
+        ((0xE2, 0x82, 0xC3, 0xA9), R + R + "é"),  # (one U+FFFD a byte, as byte fallback's)
+        ((0xF0, 0x9F, 0xC3, 0xA9, 0xE4, 0xBD, 0xA0), R + R + "é你"),
+    ],
+)
+def test_a_character_after_a_cut_one_is_shown(spm: Tokenizer, values: tuple, shown: str) -> None:
+    """A character begun and cut short before another, all in byte tokens: the run decodes
+    all or nothing, so the cut one made the next one's lead byte read U+FFFD for good and
+    the character was lost. Held only while UTF-8 may still go on, it is shown."""
+    ids = _bytes(spm, *values)
+    assert _streamed(spm, ids) == shown
+    # Special tokens inside the run (skipped in the text) change nothing.
+    eos = spm.eos_token_ids[0]
+    assert _streamed(spm, [ids[0], eos, *ids[1:]]) == shown

@@ -12,13 +12,19 @@ its text is held while it ends in U+FFFD. The deltas are the full decode's text 
 the model's bytes are UTF-8. Byte fallback decodes a run of `<0xNN>` pieces all or nothing:
 one stray byte makes the whole run U+FFFD, the characters in it included. So bytes already
 shown are never the context of new ones (`_window` leaves them out, putting the
-tokenizer's `anchor` in front where nothing else is left): each character is shown once,
+tokenizer's `anchor` in front where nothing else is left), and a run of bytes is held only
+while Python's UTF-8 decoder would hold it (`_incomplete_bytes`: a lead byte cut short is
+final at once, not taken with the character after it): each character is shown once,
 whole or as U+FFFD, where a decode of the whole may read U+FFFD for every byte of the run
-(a streamed text cannot take back what it showed).
+(a streamed text cannot take back what it showed). One case is still read as the whole
+decode reads it: bytes that are not UTF-8 and a byte-spelled character right after them
+that arrive before either is shown (`<0xF0><0x9F><0x98>` then `<0x0A>`: four U+FFFD, the
+newline among them).
 """
 
 from __future__ import annotations
 
+import codecs
 from array import array
 from collections.abc import Sequence
 from typing import Protocol
@@ -45,6 +51,7 @@ class IncrementalDetokenizer:
         self.prefix = 0
         self.read = len(self.ids)
         self._context = 0  # how many of the last window's ids were its context
+        self._silence: dict[int, bool] = {}  # token → it decodes to no text
         byte_tokens = getattr(tokenizer, "byte_tokens", None)
         # The lone continuation bytes a held character is probed with (None: no probing).
         self.probes = (
@@ -93,13 +100,64 @@ class IncrementalDetokenizer:
         if len(full) <= len(done):
             return ""
         if full.endswith(REPLACEMENT) and not final:
-            stable = self._stable(window, full)
-            if stable < len(full):
-                return self._all_but_last(window, done, full, stable)
+            tail = self._incomplete_bytes(window)
+            if tail is not None:  # byte fallback's run: held only where UTF-8 may go on
+                if tail:
+                    return self._all_but(window, done, tail)
+            else:
+                stable = self._stable(window, full)
+                if stable < len(full):
+                    return self._all_but_last(window, done, full, stable)
         # The window's context decodes to `done` as before, so what follows it is new.
         new = full[len(done) :]
         self.prefix, self.read = self.read, len(self.ids)
         return new
+
+    def _incomplete_bytes(self, window: list[int]) -> int | None:
+        """Of a window that ends in byte fallback's `<0xNN>` pieces (None: it does not), how
+        many of its last ones are a character begun and not yet invalid, which later bytes
+        may complete (Python's UTF-8 decoder holds exactly those). What comes before them is
+        final: probing could not tell, since the run decodes all or nothing, and a byte
+        that could never complete made the lead byte of a valid character after it read
+        as U+FFFD for good (`<0xC3><0xC3><0xA9>` showed three, é lost)."""
+        run: list[int] = []
+        for token in reversed(window[self._context :]):
+            if token not in self.fallback_bytes:
+                if self._silent(token):  # (a special token the text leaves out: the run
+                    continue  # goes on through it, as the decode's does)
+                break
+            raw = self.tokenizer.raw_bytes(token)  # type: ignore[attr-defined]
+            if raw is None:
+                return None
+            run.append(raw[0])
+        if not run:
+            return None
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(bytes(reversed(run)))
+        held = len(decoder.getstate()[0])
+        # (as tokens: the held bytes' own, and the silent ones among and after them)
+        tokens = 0
+        for token in reversed(window):
+            if not held:
+                break
+            tokens += 1
+            held -= token in self.fallback_bytes
+        return tokens
+
+    def _silent(self, token: int) -> bool:
+        """Whether `token` decodes to no text (a special token that is skipped)."""
+        silent = self._silence.get(token)
+        if silent is None:
+            silent = self._silence[token] = not self.tokenizer.decode([token])
+        return silent
+
+    def _all_but(self, window: list[int], done: str, held: int) -> str:
+        """The window's text but its last `held` tokens', shown; they are held alone."""
+        part = self.tokenizer.decode(window[:-held])
+        if len(part) <= len(done):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids) - held
+        return part[len(done) :]
 
     def _stable(self, window: list[int], full: str) -> int:
         """How much of `full` (the window's text, ending in U+FFFD) no later token can change:
