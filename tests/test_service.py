@@ -168,7 +168,7 @@ def test_a_failed_start_says_its_last_error_once() -> None:
     # An exception after an earlier, unrelated error: the exception ended the run.
     crashed = (
         "2026-12-07 18:36:55,412 ERROR specd.compile: a background compile failed\n"
-        "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+        'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n'
         "torch.OutOfMemoryError: CUDA out of memory\n"
     )
     assert service.start_failure(crashed) == "torch.OutOfMemoryError: CUDA out of memory"
