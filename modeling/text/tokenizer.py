@@ -199,9 +199,12 @@ class Tokenizer:
     def anchor(self) -> int | None:
         """A token that decodes to text of its own (a letter), put before new tokens where
         the text already shown is all bytes: what follows it reads as mid-text (a
-        SentencePiece word keeps its space)."""
+        SentencePiece word keeps its space). Never a byte piece (a vocabulary without
+        "a" spells it `<0x61>`, which would join the new bytes' run)."""
         ids = self._ids("a", False)
-        return ids[-1] if ids and self.backend.decode(ids[-1:]) else None
+        if not ids or ids[-1] in self.fallback_bytes:
+            return None
+        return ids[-1] if self.backend.decode(ids[-1:]) else None
 
     def _byte_piece(self, value: int) -> str:
         return f"<0x{value:02X}>" if self._byte_fallback else BYTE_LEVEL[value]
