@@ -63,7 +63,7 @@ from speculative.generation import Chunk, Generation
 from speculative.passes import Allot, Forward, PassRequest
 from speculative.prefill import ALONE_PREFILL, SHARED_PREFILL
 from speculative.rounds import GenerationStats, Strategy
-from speculative.session import Session
+from speculative.session import Session, common_prefix_len
 
 log = logging.getLogger("specd.engine")
 
@@ -147,6 +147,7 @@ class Engine:
         self.max_pass_tokens = limits.max_pass_tokens or 0
         self.max_pass_rows = 0
         self._active: deque[_Active] = deque()
+        self._waiting: list[Job] = []  # choices waiting for their first one's prompt
         self._passes: PassScheduler[_Active]  # made once the models are loaded
         self._idle = SessionPool(limits.cached_sessions)
         self._strategies = StrategyPool()
@@ -370,31 +371,61 @@ class Engine:
             torch.cuda.empty_cache()
 
     def _admit(self) -> None:
-        while len(self._active) < self.limits.max_concurrent:
+        waiting, self._waiting = self._waiting, []
+        for job in waiting:  # (the choices whose first one was still reading their prompt)
+            self._start(job)
+        while len(self._active) + len(self._waiting) < self.limits.max_concurrent:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
             self.metrics.queue_depth.set(self._queue.qsize())
-            if job.cancelled:
-                self.metrics.cancelled.inc()
-                self._leave(job)
-                continue
-            try:
-                self._active.append(self._begin(job))
-            except BaseException as exc:  # a bad request that got past validation, or a bug
-                if not isinstance(exc, Exception) and not rust_panic(exc):
-                    raise
-                if not isinstance(exc, RequestError):
-                    log.error("starting a generation failed", exc_info=exc)
-                self._end(job, Failed(exc))
+            self._start(job)
+
+    def _start(self, job: Job) -> None:
+        """Begin `job`, or keep it waiting for its request's first choice's prompt."""
+        if job.cancelled:
+            self.metrics.cancelled.inc()
+            self._leave(job)
+            return
+        if self._waits(job):
+            self._waiting.append(job)
+            return
+        try:
+            self._active.append(self._begin(job))
+        except BaseException as exc:  # a bad request that got past validation, or a bug
+            if not isinstance(exc, Exception) and not rust_panic(exc):
+                raise
+            if not isinstance(exc, RequestError):
+                log.error("starting a generation failed", exc_info=exc)
+            self._end(job, Failed(exc))
+
+    def _sibling(self, request: GenerationRequest) -> _Active | None:
+        """The active generation of another choice of `request`'s (its first), if any."""
+        group = request.prompt_group
+        if group is None:
+            return None
+        return next((a for a in self._active if a.job.request.prompt_group is group), None)
+
+    def _waits(self, job: Job) -> bool:
+        """Whether `job` waits for the first choice of its request to have fed their prompt:
+        then it starts from a copy of that one's caches, and the prompt is prefilled once
+        (it was once a choice: 16 choices of a long prompt, 16 prefills)."""
+        first = self._sibling(job.request)
+        prompt = job.request.prompt_ids
+        fed = common_prefix_len(first.session.target_tokens, prompt) if first else 0
+        return first is not None and fed < len(prompt) - 1
 
     def _begin(self, job: Job) -> _Active:
         assert self.runtime is not None
         req = job.request
         strategy = self._strategy(req.strategy, req.budget, req.tree_verification)
         pool_key = strategy.name
-        session = self._idle.take(pool_key, req.prompt_ids) or self.runtime.new_session(strategy)
+        session = (
+            self._idle.take(pool_key, req.prompt_ids)
+            or self._fork(req, pool_key)
+            or self.runtime.new_session(strategy)
+        )
         if self.runtime.device.type == "cpu":
             # A pass costs its compute there: a prefill's passes are kept shorter still
             # while others wait on them (speculative/prefill.py, `chunk_now`).
@@ -414,6 +445,14 @@ class Engine:
             thinking=req.thinking,
         )
         return _Active(job, gen, gen.steps(), session, pool_key)
+
+    def _fork(self, request: GenerationRequest, pool_key: str) -> Session | None:
+        """A copy of the session of a choice of the same request that has fed its prompt
+        (`_waits`), None where there is none."""
+        first = self._sibling(request)
+        if first is None or first.pool_key != pool_key:
+            return None
+        return first.session.fork()
 
     def _prefill_bound(self) -> tuple[float, int]:
         """A CPU prefill pass's bound: shared while it serves (or holds up) more than one
@@ -570,6 +609,9 @@ class Engine:
     def _fail_everything(self, error: BaseException) -> None:
         while self._active:
             self._end(self._active.popleft().job, Failed(error))
+        waiting, self._waiting = self._waiting, []
+        for job in waiting:
+            self._end(job, Failed(error))
         while True:
             try:
                 self._end(self._queue.get_nowait(), Failed(error))

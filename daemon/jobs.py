@@ -59,6 +59,9 @@ class GenerationRequest:
     # A reasoning model's turn (modeling/text/thinking.py): its think block is read apart,
     # and stop strings apply after it.
     thinking: Thinking | None = None
+    # The choices of one request (`n` > 1) share one: the others wait for the first one's
+    # prompt and start from a copy of its KV caches (daemon/engine.py `_waits`, `_fork`).
+    prompt_group: object | None = None
 
 
 @dataclass

@@ -27,6 +27,18 @@ class Session:
         self.pass_bound: Callable[[], tuple[float, int] | None] = _unbounded
         self.prefill_rate = 0.0
 
+    def fork(self) -> Session:
+        """An independent session holding the same entries (each cache copied, its tokens
+        with it): another sequence that starts from what this one has fed."""
+        copy = Session.__new__(Session)
+        copy.__dict__.update(self.__dict__)
+        copy.target_cache = self.target_cache.clone()
+        copy.target_tokens = list(self.target_tokens)
+        copy.draft_cache = self.draft_cache.clone() if self.draft_cache is not None else None
+        copy.draft_tokens = list(self.draft_tokens)
+        copy.prefill_rate = 0.0
+        return copy
+
     def reuse_prefix(self, prompt_ids: Sequence[int]) -> int:
         """Roll both caches back to their longest common prefix with `prompt_ids`, keeping at
         least the last prompt token unfed (it is the first round's root). Returns how many

@@ -649,3 +649,37 @@ def test_lowered_pass_rows_bound_every_tree(
     rows = list(passes.rows)  # (before the reference run below adds its own)
     assert rows and max(rows) <= 6, rows
     assert_same(got[0], alone(runtime, spec, GREEDY))
+
+
+@pytest.mark.parametrize("strategy", ["tree", "autoregressive"])
+def test_the_choices_of_one_request_prefill_their_prompt_once(
+    strategy: str, runtime: Runtime, make_engine: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`n` choices (one prompt group): the others wait for the first one's prompt, then
+    start from a copy of its caches (the model draft's too), so the prompt's tokens go
+    through the target once, where each choice prefilled them (16 choices of a long
+    prompt: 16 prefills). Each choice is still exactly its seed's answer alone."""
+    from dataclasses import replace
+
+    spec = Spec(strategy, STORY, 12)
+    seeds = [SamplingParams(temperature=1.0, seed=7 + i) for i in range(3)]
+    expected = [alone(runtime, spec, p) for p in seeds]
+    engine, sessions = make_engine(chunk=CHUNK)
+    passes = Passes(runtime.target, monkeypatch)
+    group = object()
+    requests = [replace(request(runtime, spec, p), prompt_group=group) for p in seeds]
+    loop = asyncio.new_event_loop()
+
+    async def run() -> list[Outcome]:
+        jobs = [engine.submit(r, asyncio.get_running_loop()) for r in requests]
+        return [await outcome(job) for job in jobs]
+
+    got = loop.run_until_complete(run())
+    loop.close()
+    for g, e in zip(got, expected, strict=True):
+        assert_same(g, e)
+    prompt = len(runtime.tokenizer.encode(STORY))
+    assert [g.stats["cached_prompt_tokens"] for g in got] == [0, prompt - 1, prompt - 1]
+    assert len(sessions) == 1  # the others are copies of the first's, not new sessions
+    # Every pass after the first choice's prompt carries the three choices side by side.
+    assert max(len(p) for p in passes.caches) == 3

@@ -124,6 +124,8 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
             )
         # The other choices (n > 1) made before the first starts: each its own generation,
         # seeded after the first, its grammar's state a copy of the first's.
+        if req.n > 1:  # (their prompt prefilled once, by the first)
+            admitted.prompt_group = object()
         others = [_choice(admitted, i) for i in range(1, req.n)]
         jobs = [engine.submit(admitted, loop, seat)]
         try:
