@@ -651,7 +651,7 @@ def test_lowered_pass_rows_bound_every_tree(
     assert_same(got[0], alone(runtime, spec, GREEDY))
 
 
-@pytest.mark.parametrize("strategy", ["tree", "autoregressive"])
+@pytest.mark.parametrize("strategy", ["tree", "tree-ngram", "linear", "autoregressive"])
 def test_the_choices_of_one_request_prefill_their_prompt_once(
     strategy: str, runtime: Runtime, make_engine: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
