@@ -304,3 +304,36 @@ def test_a_character_after_a_cut_one_is_shown(spm: Tokenizer, values: tuple, sho
     # Special tokens inside the run (skipped in the text) change nothing.
     eos = spm.eos_token_ids[0]
     assert _streamed(spm, [ids[0], eos, *ids[1:]]) == shown
+
+
+def _per_byte(err: UnicodeDecodeError) -> tuple[str, int]:
+    return "\ufffd" * (err.end - err.start), err.end
+
+
+def test_bytes_stream_as_utf8_reads_them_one_replacement_a_byte(spm: Tokenizer) -> None:
+    """Property: runs of byte tokens (characters, characters cut short, stray bytes, a
+    byte-spelled newline), pushed a token or a few at a time, with special tokens inside:
+    the streamed text is the bytes read as UTF-8, each byte that is not one U+FFFD (byte
+    fallback's count), whatever the split. A character cut short and a newline after it
+    read as four U+FFFD when they arrived before either was shown."""
+    import codecs
+
+    codecs.register_error("specd-test-per-byte", _per_byte)
+    rng = random.Random(5)
+    eos = spm.eos_token_ids[0]
+    for _ in range(400):
+        data = b""
+        for _ in range(rng.randint(1, 6)):
+            char = rng.choice(["é", "€", "😀", "你", "a", "\n"]).encode()
+            data += rng.choice(
+                [char, char, char[:-1] or char, bytes([rng.choice([0x80, 0xC3, 0xF0])])]
+            )
+        ids = _bytes(spm, *data)
+        if rng.random() < 0.3:
+            ids.insert(rng.randrange(len(ids) + 1), eos)
+        steps, n = [], len(ids)
+        while n:
+            steps.append(min(n, rng.choice([1, 1, 2, 3])))
+            n -= steps[-1]
+        want = data.decode("utf-8", "specd-test-per-byte")
+        assert _streamed(spm, ids, steps) == want, (data, steps)

@@ -14,12 +14,11 @@ one stray byte makes the whole run U+FFFD, the characters in it included. So byt
 shown are never the context of new ones (`_window` leaves them out, putting the
 tokenizer's `anchor` in front where nothing else is left), and a run of bytes is held only
 while Python's UTF-8 decoder would hold it (`_incomplete_bytes`: a lead byte cut short is
-final at once, not taken with the character after it): each character is shown once,
-whole or as U+FFFD, where a decode of the whole may read U+FFFD for every byte of the run
-(a streamed text cannot take back what it showed). One case is still read as the whole
-decode reads it: bytes that are not UTF-8 and a byte-spelled character right after them
-that arrive before either is shown (`<0xF0><0x9F><0x98>` then `<0x0A>`: four U+FFFD, the
-newline among them).
+final at once, not taken with the character after it), and bytes that are not UTF-8
+among those not shown yet are shown apart from the text on each side (`_not_utf8`): the
+stream reads the bytes as UTF-8 with one U+FFFD for each byte that is not, whatever the
+split, where a decode of the whole reads U+FFFD for every byte of such a run (the newline
+in `<0xF0><0x9F><0x98><0x0A>` too). A streamed text cannot take back what it showed.
 """
 
 from __future__ import annotations
@@ -94,6 +93,47 @@ class IncrementalDetokenizer:
         return [*context, *self.ids[self.read :]]
 
     def _delta(self, final: bool) -> str:
+        out = ""
+        if self.fallback_bytes:
+            # Bytes that are not UTF-8 among those not shown: shown apart from the text on
+            # each side, which byte fallback's all-or-nothing run would turn to U+FFFD too.
+            while (cut := self._not_utf8()) is not None:
+                out += self._through(cut)
+        return out + self._delta_once(final)
+
+    def _not_utf8(self) -> int | None:
+        """How many of the tokens not shown yet to show as one piece where bytes among them
+        are not UTF-8 (Python's decoder's first error): those before the error, or the
+        error's own bytes where it comes first; None where every run may still be UTF-8."""
+        unshown = self.ids[self.read :]
+        run: list[tuple[int, int]] = []  # (token index in `unshown`, byte)
+        for at, token in enumerate([*unshown, None]):
+            if token is not None and token in self.fallback_bytes:
+                raw = self.tokenizer.raw_bytes(token)  # type: ignore[attr-defined]
+                run.append((at, raw[0]))
+                continue
+            if token is not None and self._silent(token):
+                continue  # (a skipped special token: the run goes on through it)
+            if run:
+                try:
+                    bytes(b for _, b in run).decode("utf-8")
+                except UnicodeDecodeError as err:
+                    cut_short = err.reason == "unexpected end of data"
+                    if not (cut_short and token is None):  # (held: later bytes may end it)
+                        first = run[err.start][0]
+                        return first if first > 0 else run[err.end - 1][0] + 1
+                run = []
+        return None
+
+    def _through(self, count: int) -> str:
+        """The text of the next `count` tokens not shown yet, shown (on their own)."""
+        window = self._window()
+        done = self.tokenizer.decode(window[: self._context])
+        part = self.tokenizer.decode(window[: self._context + count])
+        self.prefix, self.read = self.read, self.read + count
+        return part[len(done) :]
+
+    def _delta_once(self, final: bool) -> str:
         window = self._window()
         done = self.tokenizer.decode(window[: self._context])
         full = self.tokenizer.decode(window)
