@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
+import stat
 import struct
 import threading
 from collections import deque
@@ -174,12 +176,19 @@ class FileTensor:
     end: int
 
 
+# The longest safetensors header read (the safetensors library's own bound).
+MAX_HEADER_BYTES = 100_000_000
+
+
 def read_header(path: Path) -> dict[str, FileTensor]:
     """A safetensors file's tensor index: an 8-byte little-endian header length, then a JSON
     header of {key: {dtype, shape, data_offsets}} with offsets relative to the data that
-    follows the header."""
-    with open(path, "rb") as f:
+    follows the header. A file that is no regular file, or whose header is longer than
+    safetensors' own bound, is a ValueError naming it."""
+    with _open_regular(path) as f:
         (length,) = struct.unpack("<Q", f.read(8))
+        if length > MAX_HEADER_BYTES:
+            raise ValueError(f"{path}: a header of {length:,} bytes (at most {MAX_HEADER_BYTES:,})")
         header = json.loads(f.read(length))
     base = 8 + length
     out: dict[str, FileTensor] = {}
@@ -250,6 +259,16 @@ class DiskStorage:
         self._files: dict[Path, BinaryIO] = {}
         self._maps: dict[Path, mmap.mmap] = {}
         self._lock = threading.Lock()  # `read` may also be called directly (tests, tools)
+        # Every file is opened now, as the tier is made: the files read are the ones whose
+        # headers were read, whatever is put at their paths later (opened at the first
+        # read, a file renamed over one read wrong offsets for good, and a FIFO hung the
+        # engine, SIGTERM and all).
+        try:
+            for path in {part.path for reads in self.plan.values() for _, s in reads for part in s}:
+                self._file(path)
+        except BaseException:
+            self.close()
+            raise
         self.read_threads: set[int] = set()  # idents of the threads that did reads
         self.read_log: deque[int] = deque(maxlen=4096)  # layers in the order they were read
 
@@ -312,8 +331,7 @@ class DiskStorage:
     def _file(self, path: Path) -> BinaryIO:
         f = self._files.get(path)
         if f is None:
-            f = open(path, "rb", buffering=0)  # noqa: SIM115 - kept open, closed in close()
-            self._files[path] = f
+            f = self._files[path] = _open_regular(path)
         return f
 
     def _map(self, path: Path) -> mmap.mmap:
@@ -338,6 +356,20 @@ class DiskStorage:
                 f.close()
             self._maps.clear()
             self._files.clear()
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading, refused unless it is a regular file: opened without
+    blocking (a FIFO put where a weight file was would wait for a writer for good, with
+    the engine waiting on it) and checked once open (ValueError naming it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"disk tier: {path} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb", buffering=0)
 
 
 def _read_exactly(f: BinaryIO, offset: int, into: memoryview) -> None:

@@ -469,3 +469,45 @@ def test_the_plan_holds_the_disk_tiers_conversion_scratch(
     assert plan["host_bytes"] == staging + fp.disk_scratch_bytes
     plain = footprint(open_checkpoint(SHARED_MODELS / "stories260k").config, torch.float32, "t")
     assert plain.disk_scratch_bytes == 0
+
+
+def test_the_disk_tier_reads_the_file_it_was_made_from(tmp_path: Path) -> None:
+    """The disk tier opens its files as it is made: a file renamed over the model's, or a
+    FIFO put there, later changes nothing (the file was opened at the first read: a FIFO
+    hung the engine for good, SIGTERM and all, and a renamed-in file was read at the
+    loaded file's offsets forever); a tier made where a FIFO is refuses it by name."""
+    import os
+
+    from daemon.target_loading import disk_sources
+    from offload.layout import FlatLayout
+    from offload.storage import DiskStorage
+
+    path = tmp_path / "model.gguf"
+    shutil.copy(GGUF / "stories260k-Q8_0.gguf", path)
+    runtime = Runtime(
+        RuntimeOptions(model=str(path), device="cpu", dtype="fp32", context=64,
+                       offload="stream", resident_layers=0, host_tier="disk", slots=2)
+    )  # fmt: skip
+    tokens = torch.tensor([5, 17, 40])
+
+    def logits() -> torch.Tensor:
+        with torch.inference_mode():
+            return runtime.target(tokens, torch.arange(3), runtime.target.new_cache(8))
+
+    plain = Runtime(RuntimeOptions(model=str(GGUF / "stories260k-Q8_0.gguf"), device="cpu",
+                                   dtype="fp32", context=64))  # fmt: skip
+    with torch.inference_mode():
+        want = plain.target(tokens, torch.arange(3), plain.target.new_cache(8))
+    other = tmp_path / "other.gguf"
+    shutil.copy(GGUF / "llama-rand-256-Q8_0.gguf", other)
+    os.replace(other, path)  # another model renamed over it before the first pass
+    assert torch.equal(logits(), want)
+    path.unlink()
+    os.mkfifo(path)
+    assert torch.equal(logits(), want)
+    streamer = runtime.streamer
+    assert streamer is not None
+    names = [e.name for e in streamer.layout.tensors]
+    layout = FlatLayout(streamer.layout.tensors, streamer.layout.nbytes)
+    with pytest.raises(ValueError, match="is not a regular file"):
+        DiskStorage(layout, disk_sources(runtime.checkpoint, streamer.order, names, "fp32"))

@@ -262,3 +262,15 @@ def test_streamer_bookkeeping_stays_bounded_over_many_passes(stories_target: Pat
         assert streamer.timed_copies_pending() <= len(streamer.slots) * MAX_TIMED_COPIES
     assert streamer.counters.copies == 200 * 5 + 2
     assert streamer.counters.copy_seconds > 0
+
+
+def test_a_weight_file_that_cannot_be_read_is_a_503_naming_it() -> None:
+    """A streamed layer the disk tier cannot read (the file cut short, made unreadable,
+    under a running daemon) fails its generation as a 503 naming the file, not the 500
+    of a bug; the daemon serves on, and once the file is whole a request succeeds."""
+    from daemon.http.streaming import _failure
+
+    error = LayerReadError("disk tier: reading layer 3 (mlp.up_proj.blocks) from /m.gguf failed")
+    answer = _failure(error)
+    assert (answer.status, answer.code) == (503, "model_file_unreadable")
+    assert "/m.gguf" in answer.message and "layer 3" in answer.message

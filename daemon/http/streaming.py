@@ -22,6 +22,7 @@ from daemon.http.sending import send_within
 from daemon.jobs import Failed, Finished, Job, ServerShuttingDown
 from modeling.errors import RequestError
 from modeling.text.thinking import Thinking
+from offload.storage import LayerReadError
 from speculative.generation import Chunk
 from speculative.harmony import HarmonyReader, read_turn
 from speculative.sampling import TokenLogprob
@@ -50,6 +51,11 @@ def _failure(error: BaseException) -> ApiError:
         return ApiError(503, str(error), type="service_unavailable", code="shutting_down")
     if isinstance(error, RequestError):
         return bad_request(str(error), error.param, error.code)
+    if isinstance(error, LayerReadError):  # (the weight file changed or went: not our bug)
+        return ApiError(
+            503, f"the model's weights could not be read: {error}",
+            type="service_unavailable", code="model_file_unreadable",
+        )  # fmt: skip
     return ApiError(
         500,
         f"generation failed: {type(error).__name__}: {error} (see the daemon's log)",
