@@ -6,7 +6,9 @@
 - `DiskStorage` (tier "disk"): nothing kept in RAM; each time a layer is needed its bytes are
   read from the safetensors files into the slot's staging buffer, on a reader thread of its
   own, straight from the file at the offsets the file's header gives (one copy per byte; a
-  cast when the file's dtype is not the run's). Slower (bounded by the disk), but RAM holds
+  cast when the file's dtype is not the run's, read in pieces of CAST_CHUNK_BYTES), by
+  positioned reads of files opened as the tier is made (never a memory map: a file cut
+  short is an error, not a SIGBUS). Slower (bounded by the disk), but RAM holds
   only the staging buffers.
 
 Both hand the streamer a `Future` of the layer's flat host bytes laid out by the same
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import stat
 import struct
@@ -176,6 +177,8 @@ class FileTensor:
     end: int
 
 
+# A cast read's piece (a file's tensor in another dtype than the run's): its scratch.
+CAST_CHUNK_BYTES = 16 << 20
 # The longest safetensors header read (the safetensors library's own bound).
 MAX_HEADER_BYTES = 100_000_000
 
@@ -257,7 +260,6 @@ class DiskStorage:
         # a staging buffer's reads land in the order they were asked for.
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="specd-disk-read")
         self._files: dict[Path, BinaryIO] = {}
-        self._maps: dict[Path, mmap.mmap] = {}
         self._lock = threading.Lock()  # `read` may also be called directly (tests, tools)
         # Every file is opened now, as the tier is made: the files read are the ones whose
         # headers were read, whatever is put at their paths later (opened at the first
@@ -318,12 +320,20 @@ class DiskStorage:
                 raise ValueError(f"{src.end - src.start} bytes in the file for {dest.numel()}")
             _read_exactly(self._file(src.path), src.start, dest.numpy().data)
         else:
-            # A cast is unavoidable: one copy_ from the mapped file bytes, casting on the way.
-            count = (src.end - src.start) // torch.empty((), dtype=src.dtype).element_size()
-            mapped = torch.frombuffer(
-                self._map(src.path), dtype=src.dtype, count=count, offset=src.start
-            )
-            dest.view(entry.dtype).view(src.shape).copy_(mapped.view(src.shape))
+            # A cast is unavoidable: read in pieces of CAST_CHUNK_BYTES (positioned reads: a
+            # memory map of a file cut short under the daemon was a SIGBUS), each cast into
+            # its place by one copy_.
+            item = src.dtype.itemsize
+            values = dest.view(entry.dtype).view(-1)  # (the tensor's values, in order)
+            if (src.end - src.start) != values.numel() * item:
+                raise ValueError(f"{src.end - src.start} bytes in the file for {values.numel()}")
+            step = max(1, CAST_CHUNK_BYTES // item)
+            piece = torch.empty(min(step, values.numel()) * item, dtype=torch.uint8)
+            for first in range(0, values.numel(), step):
+                n = min(step, values.numel() - first)
+                raw = piece[: n * item]
+                _read_exactly(self._file(src.path), src.start + first * item, raw.numpy().data)
+                values[first : first + n].copy_(raw.view(src.dtype))
 
     def _read_bytes(self, path: Path, start: int, into: memoryview) -> None:
         _read_exactly(self._file(path), start, into)
@@ -334,14 +344,6 @@ class DiskStorage:
             f = self._files[path] = _open_regular(path)
         return f
 
-    def _map(self, path: Path) -> mmap.mmap:
-        m = self._maps.get(path)
-        if m is None:
-            # Copy-on-write so torch sees a writable buffer (no warning); never written.
-            m = mmap.mmap(self._file(path).fileno(), 0, access=mmap.ACCESS_COPY)
-            self._maps[path] = m
-        return m
-
     @property
     def host_bytes(self) -> int:
         return 0
@@ -350,11 +352,8 @@ class DiskStorage:
         """Finish queued reads and release the files."""
         self._reader.shutdown(wait=True)
         with self._lock:
-            for m in self._maps.values():
-                m.close()
             for f in self._files.values():
                 f.close()
-            self._maps.clear()
             self._files.clear()
 
 

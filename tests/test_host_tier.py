@@ -203,7 +203,15 @@ def test_disk_read_is_one_copy_from_the_header_offsets(tmp_path: Path) -> None:
     storage.close()
 
 
-def test_disk_read_casts_when_the_file_dtype_differs(tmp_path: Path) -> None:
+def test_disk_read_casts_when_the_file_dtype_differs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file's tensors in another dtype than the run's are read in pieces and cast into
+    place (a bounded scratch), with positioned reads: a file cut short under the tier is an
+    error naming it (read through a memory map, it was a SIGBUS that killed the daemon)."""
+    from offload import storage as storage_module
+
+    monkeypatch.setattr(storage_module, "CAST_CHUNK_BYTES", 5000)  # (pieces not whole rows)
     path, tensors = wide_checkpoint(tmp_path, torch.bfloat16)
     layout = FlatLayout.of(Wide(torch.float32).to("meta"))
     names = [e.name for e in layout.tensors]
@@ -212,6 +220,10 @@ def test_disk_read_casts_when_the_file_dtype_differs(tmp_path: Path) -> None:
     storage.fetch(0, staging).result()
     for name, view in layout.views(staging).items():
         assert torch.equal(view, tensors[f"model.layers.0.{name}"].float())
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    with pytest.raises(LayerReadError, match=r"wide\.safetensors"):
+        storage.fetch(0, staging).result()
     storage.close()
 
 
