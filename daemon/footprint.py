@@ -34,6 +34,7 @@ from offload.activations import ActivationFootprint
 from offload.layout import FlatLayout
 from offload.machine import gemm_copies_output
 from offload.plan import ModelFootprint, module_bytes
+from offload.storage import CAST_CHUNK_BYTES
 from speculative.sampling import DRAW_BYTES_PER_ENTRY
 
 
@@ -81,9 +82,11 @@ def footprint(
     expert_bytes = 0
     if config.moe is not None:  # one routed expert as the expert cache lays one out
         expert_bytes = FlatLayout.of(block.get_submodule("mlp.experts.0")).nbytes
-    # A GGUF layer read from the disk tier: what converting one tensor holds (no other
-    # checkpoint's reads hold anything besides the staging buffer).
-    scratch = disk_scratch_bytes(config, block, dtype) if config.gguf else 0
+    # A layer read from the disk tier: what converting one tensor holds besides the staging
+    # buffer (a GGUF's; a safetensors file's, at most a cast's piece).
+    scratch = (
+        disk_scratch_bytes(config, block, dtype) if config.gguf else min(CAST_CHUNK_BYTES, layer)
+    )
     return ModelFootprint(
         name=name,
         disk_scratch_bytes=scratch,

@@ -450,11 +450,12 @@ def test_the_plan_holds_the_disk_tiers_conversion_scratch(
 ) -> None:
     """A GGUF layer's q/k rows are reordered as they are read from the disk tier: their
     bytes and the reordered copy are held besides the staging buffers, and the plan's
-    host RAM counts them (a safetensors read holds nothing more)."""
+    host RAM counts them (a safetensors read, at most one piece of a cast)."""
     import json
 
     from daemon.footprint import footprint
     from offload.planning import host_tier_bytes
+    from offload.storage import CAST_CHUNK_BYTES
 
     path = GGUF / "llama-rand-256-Q4_K_M.gguf"
     ckpt = open_checkpoint(path)
@@ -468,7 +469,7 @@ def test_the_plan_holds_the_disk_tiers_conversion_scratch(
     staging = host_tier_bytes(fp.layer_bytes, plan["slots"])
     assert plan["host_bytes"] == staging + fp.disk_scratch_bytes
     plain = footprint(open_checkpoint(SHARED_MODELS / "stories260k").config, torch.float32, "t")
-    assert plain.disk_scratch_bytes == 0
+    assert plain.disk_scratch_bytes == min(CAST_CHUNK_BYTES, plain.layer_bytes)  # (a cast's)
 
 
 def test_the_disk_tier_reads_the_file_it_was_made_from(tmp_path: Path) -> None:

@@ -136,7 +136,8 @@ def test_70b_on_a_24gb_card_streams_from_disk_when_ram_is_short() -> None:
     assert p.streamed_layers > 60 and p.slots == 2
     assert p.device_bytes <= 24e9 < p.device_bytes + layer  # as many resident as fit
     assert p.host_tier == "disk"  # ~120 GB of streamed layers do not fit in 64 GB
-    assert p.host_bytes == host_tier_bytes(layer, 2)  # staging only
+    # Staging, and one piece of a cast where the file's dtype is not the run's
+    assert p.host_bytes == host_tier_bytes(layer, 2) + fp("Llama-3.1-70B").disk_scratch_bytes
     assert p.streamed_bytes_per_pass == p.streamed_layers * layer
     assert p.seconds_per_pass == pytest.approx(p.streamed_layers * layer / 25e9)
     roomy = plan("Llama-3.1-70B", gpu=24e9, ram=256e9)
