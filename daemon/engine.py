@@ -239,7 +239,7 @@ class Engine:
         if self._stopping.is_set():  # shutdown drained the queue meanwhile: not served
             self._leave(job)
             raise EngineNotReady(f"the engine is {self.state}")
-        self.metrics.queue_depth.set(self._queue.qsize())
+        self.metrics.queue_depth.set(self.queued)
         with self._wake:
             self._wake.notify()
         return job
@@ -269,7 +269,8 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        """Generations not begun: queued, and choices waiting for their first's prompt."""
+        return self._queue.qsize() + len(self._waiting)
 
     # ---- the worker thread ----
 
@@ -379,8 +380,8 @@ class Engine:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
-            self.metrics.queue_depth.set(self._queue.qsize())
             self._start(job)
+        self.metrics.queue_depth.set(self.queued)
 
     def _start(self, job: Job) -> None:
         """Begin `job`, or keep it waiting for its request's first choice's prompt."""
@@ -421,9 +422,11 @@ class Engine:
         req = job.request
         strategy = self._strategy(req.strategy, req.budget, req.tree_verification)
         pool_key = strategy.name
+        # (a choice's first sibling holds the whole prompt: before any idle session, which
+        # may share none of it and was taken first, a whole prefill again)
         session = (
-            self._idle.take(pool_key, req.prompt_ids)
-            or self._fork(req, pool_key)
+            self._fork(req, pool_key)
+            or self._idle.take(pool_key, req.prompt_ids)
             or self.runtime.new_session(strategy)
         )
         if self.runtime.device.type == "cpu":

@@ -223,7 +223,10 @@ def make_engine(
     started: list[Engine] = []
 
     def make(
-        chunk: int = PREFILL_CHUNK, batch_passes: bool = True, max_pass_tokens: int | None = None
+        chunk: int = PREFILL_CHUNK,
+        batch_passes: bool = True,
+        max_pass_tokens: int | None = None,
+        cached_sessions: int = 0,
     ) -> tuple[Engine, list[Session]]:
         sessions: list[Session] = []
         new_session = runtime.new_session
@@ -239,7 +242,7 @@ def make_engine(
         monkeypatch.setattr(runtime, "new_session", session)
         limits = EngineLimits(
             stream_interval=0.0,
-            cached_sessions=0,
+            cached_sessions=cached_sessions,
             max_concurrent=10,
             batch_passes=batch_passes,
             max_pass_tokens=max_pass_tokens,
@@ -664,22 +667,29 @@ def test_the_choices_of_one_request_prefill_their_prompt_once(
     spec = Spec(strategy, STORY, 12)
     seeds = [SamplingParams(temperature=1.0, seed=7 + i) for i in range(3)]
     expected = [alone(runtime, spec, p) for p in seeds]
-    engine, sessions = make_engine(chunk=CHUNK)
-    passes = Passes(runtime.target, monkeypatch)
+    engine, sessions = make_engine(chunk=CHUNK, cached_sessions=4)
     group = object()
     requests = [replace(request(runtime, spec, p), prompt_group=group) for p in seeds]
+    # Two other conversations first, whose sessions stay idle: a choice took one of those
+    # (sharing nothing of the prompt) before its sibling's copy, and prefilled it all.
+    others = [request(runtime, Spec(strategy, text, 4), GREEDY) for text in ("Lily", "Tom")]
     loop = asyncio.new_event_loop()
 
     async def run() -> list[Outcome]:
+        running = [engine.submit(other, asyncio.get_running_loop()) for other in others]
+        for job in running:  # (side by side: a session each, both idle after)
+            await outcome(job)
         jobs = [engine.submit(r, asyncio.get_running_loop()) for r in requests]
         return [await outcome(job) for job in jobs]
 
+    passes = Passes(runtime.target, monkeypatch)
     got = loop.run_until_complete(run())
     loop.close()
     for g, e in zip(got, expected, strict=True):
         assert_same(g, e)
     prompt = len(runtime.tokenizer.encode(STORY))
-    assert [g.stats["cached_prompt_tokens"] for g in got] == [0, prompt - 1, prompt - 1]
-    assert len(sessions) == 1  # the others are copies of the first's, not new sessions
+    cached = [g.stats["cached_prompt_tokens"] for g in got]
+    assert cached[1:] == [prompt - 1, prompt - 1], cached
+    assert len(sessions) == 2  # (the two others'; the choices' are an idle one and copies)
     # Every pass after the first choice's prompt carries the three choices side by side.
     assert max(len(p) for p in passes.caches) == 3

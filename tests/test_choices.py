@@ -126,8 +126,19 @@ def small(
 def test_choices_past_the_engines_places_are_a_503_that_leaves_none(
     small: BackgroundServer,
 ) -> None:
+    """Choices that do not all find a place (others hold some) are a 503 that leaves none
+    running; more choices than the daemon ever holds are a 400 naming `n` (a 503 on an
+    idle daemon, which clients retry for good)."""
+    engine = small.server.engine
     status, answer = post(small, "/v1/chat/completions", {**CHAT, "n": 4})
-    assert status == 503 and answer["error"]["code"] == "queue_full", answer
+    assert status == 400 and answer["error"]["param"] == "n", answer
+    assert "at most 3 generations" in answer["error"]["message"]
+    held = engine.reserve()  # (another request's place)
+    try:
+        status, answer = post(small, "/v1/chat/completions", {**CHAT, "n": 3})
+        assert status == 503 and answer["error"]["code"] == "queue_full", answer
+    finally:
+        engine.release(held)
     status, answer = post(small, "/v1/chat/completions", {**CHAT, "n": 3})
     assert status == 200 and len(answer["choices"]) == 3  # (every place given back)
 

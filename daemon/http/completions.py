@@ -23,7 +23,7 @@ from daemon.admission import Settled, settle
 from daemon.engine import Engine
 from daemon.http.connections import client_of
 from daemon.http.edge import CONFIG, DRAINING, ENGINE, ApiConfig
-from daemon.http.openai_errors import ApiError
+from daemon.http.openai_errors import ApiError, bad_request
 from daemon.http.openai_responses import ResponseShape
 from daemon.http.openai_wire import (
     CompletionRequest,
@@ -103,6 +103,13 @@ async def _complete(request: web.Request, *, chat: bool) -> web.StreamResponse:
         # while it waits there is dropped.
         work = loop.run_in_executor(app[PREPARERS], partial(_prepare, app, raw, chat))
         engine, req, settled, user = await _unless_gone(request, work)
+        most = engine.limits.max_concurrent + engine.limits.queue_size
+        if req.n > most:  # (a 503 would be retried for good: no wait lets it fit)
+            raise bad_request(
+                f"n is {req.n}, but this daemon holds at most {most} generations at once "
+                "(limits.max_concurrent + limits.queue_size): ask for fewer choices",
+                "n",
+            )
         admitted = settled.request
         if settled.grammar is not None:
             # Its own lane: requests without a grammar never wait behind a compile.
