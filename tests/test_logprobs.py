@@ -172,3 +172,22 @@ def test_a_piece_of_a_character_gives_its_own_bytes(
     joined = b"".join(bytes(item["bytes"]) for item in body["content"])
     assert joined.decode().strip() == text
     assert all(item["top_logprobs"][0]["bytes"] == item["bytes"] for item in body["content"])
+
+
+def test_a_whole_byte_after_bytes_that_are_not_utf8_gives_its_own_bytes(
+    stories_target: Path,
+) -> None:
+    """Byte fallback reads a run all or nothing: a space spelled `<0x20>` after a stray
+    byte reads U+FFFD in context, and its `bytes` were U+FFFD's; they are its own byte."""
+    from daemon.http.openai_responses import ResponseShape
+    from modeling.checkpoints.checkpoint import open_checkpoint
+    from modeling.text.tokenizer import Tokenizer
+
+    ckpt = open_checkpoint(stories_target)
+    tok = Tokenizer.from_folder(ckpt.path, ckpt.config, ckpt.generation_defaults)
+    ids = [tok.backend.token_to_id(f"<0x{b:02X}>") for b in (0xAF, 0x20, 0xAF)]
+    entries = [TokenLogprob(i, -0.5, []) for i in ids]
+    shape = ResponseShape(chat=True, model="m", piece=tok.piece, raw_bytes=tok.raw_bytes)
+    body = shape.logprobs(entries, previous=ids[0])
+    assert body is not None
+    assert [item["bytes"] for item in body["content"]] == [[0xAF], [0x20], [0xAF]]

@@ -109,8 +109,11 @@ class ResponseShape:
             def item(before: int, token: int, logprob: float) -> dict[str, Any]:
                 text = piece(token, before)
                 raw = self.raw_bytes(token) if self.raw_bytes is not None else None
-                if raw is not None and _whole_characters(raw):
-                    raw = None  # its text's own (a word's space as it reads in context)
+                if raw is not None and _whole_characters(raw) and "\ufffd" not in text:
+                    # its text's own (a word's space as it reads in context), unless the
+                    # text lost it: a byte after bytes that are not UTF-8 reads U+FFFD in
+                    # context, where its own byte (a space) is whole
+                    raw = None
                 # A piece of a character (its text U+FFFD, or nothing where a byte-level
                 # decode put one U+FFFD for a run of them): the token's own bytes.
                 return {"token": text, "logprob": logprob, "bytes": list(raw or text.encode())}
