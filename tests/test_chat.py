@@ -312,6 +312,17 @@ def test_a_call_cut_mid_arguments_is_not_sent_back() -> None:
         (["--tools", "{not_json}"], "is not JSON"),
     ],
 )
+def test_a_max_tokens_below_one_is_a_usage_error(
+    daemon: FakeDaemon, capsys: pytest.CaptureFixture
+) -> None:
+    """Refused as the flag is read, exit 2 (it went to the daemon, whose 400 exited 1)."""
+    with pytest.raises(SystemExit) as done:
+        main(["chat", "--url", daemon.url, "--once", "hi", "--max-tokens", "0"])
+    assert done.value.code == 2
+    assert "--max-tokens must be at least 1" in capsys.readouterr().err
+    assert daemon.bodies == []
+
+
 def test_unusable_tools_fail_before_anything_is_sent(
     daemon: FakeDaemon,
     tmp_path: Path,

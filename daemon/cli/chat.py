@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 from daemon import service
 from daemon.addresses import daemon_url
-from daemon.cli.argtypes import temperature
+from daemon.cli.argtypes import count, temperature
 from daemon.cli.chat_client import (
     Answer,
     ChatError,
@@ -360,7 +360,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     chat.add_argument("--api-key-file", default=None, help="file holding the daemon's API key")
     chat.add_argument("--once", default=None, help="send one message, print the answer, exit")
     chat.add_argument("--system", default=None, help="system prompt (kept when turns are dropped)")
-    chat.add_argument("--max-tokens", type=int, default=256, help="per answer (default 256)")
+    chat.add_argument(
+        "--max-tokens", type=count("--max-tokens", 1), default=256, help="per answer (default 256)"
+    )
     chat.add_argument(
         "--temperature", type=temperature, default=0.0, help="0 = greedy (default), up to 2"
     )
