@@ -303,15 +303,6 @@ def test_a_call_cut_mid_arguments_is_not_sent_back() -> None:
     assert answer.message() == {"role": "assistant", "content": ""}
 
 
-@pytest.mark.parametrize(
-    ("argv", "error"),
-    [
-        (["--tool-choice", "required"], "--tool-choice needs --tools FILE"),
-        (["--tools", "{nowhere}"], "No such file"),
-        (["--tools", "{not_a_list}"], "must hold a JSON list"),
-        (["--tools", "{not_json}"], "is not JSON"),
-    ],
-)
 def test_a_max_tokens_below_one_is_a_usage_error(
     daemon: FakeDaemon, capsys: pytest.CaptureFixture
 ) -> None:
@@ -323,6 +314,15 @@ def test_a_max_tokens_below_one_is_a_usage_error(
     assert daemon.bodies == []
 
 
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--tool-choice", "required"], "--tool-choice needs --tools FILE"),
+        (["--tools", "{nowhere}"], "No such file"),
+        (["--tools", "{not_a_list}"], "must hold a JSON list"),
+        (["--tools", "{not_json}"], "is not JSON"),
+    ],
+)
 def test_unusable_tools_fail_before_anything_is_sent(
     daemon: FakeDaemon,
     tmp_path: Path,
