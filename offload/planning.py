@@ -41,10 +41,14 @@ def make_plan(request: PlanRequest, budget: MemoryBudget) -> MemoryPlan:
     if r.host_tier not in TIER_CHOICES:
         raise PlanError(f"host tier {r.host_tier!r} is not one of {', '.join(TIER_CHOICES)}")
     if not MIN_SLOTS <= r.slots <= MAX_SLOTS:
-        raise PlanError(f"--slots must be from {MIN_SLOTS} to {MAX_SLOTS} (got {r.slots})")
+        raise PlanError(
+            f"--slots (offload.slots) must be from {MIN_SLOTS} to {MAX_SLOTS} (got {r.slots})"
+        )
     n, layer = t.num_layers, t.layer_bytes
     if r.resident_layers is not None and not 0 <= r.resident_layers <= n:
-        raise PlanError(f"--resident-layers {r.resident_layers} is outside 0..{n}")
+        raise PlanError(
+            f"--resident-layers (offload.resident_layers) {r.resident_layers} is outside 0..{n}"
+        )
     fixed = fixed_parts(r, budget.device)
     host_cache = host_cache_bytes(r, budget)
     if host_cache > budget.ram_bytes:
@@ -164,7 +168,7 @@ def _host_tier(
                 f"RAM but {format_size(max(ram, 0))} is available: use --host-tier disk "
                 "(read from the weight files), or keep more layers resident"
             )
-        return "ram", "--host-tier ram", in_ram
+        return "ram", "asked for: --host-tier ram (offload.host_tier)", in_ram
     if r.host_tier == "auto" and in_ram <= ram:
         return "ram", "the streamed layers fit in RAM (pinned)", in_ram
     if staging > ram:
@@ -173,7 +177,7 @@ def _host_tier(
             f"buffers but {format_size(max(ram, 0))} is available: free RAM or use --slots 2"
         )
     if r.host_tier == "disk":
-        return "disk", "--host-tier disk", staging
+        return "disk", "asked for: --host-tier disk (offload.host_tier)", staging
     return (
         "disk",
         f"the streamed layers need {format_size(in_ram)} but RAM has {format_size(max(ram, 0))}",

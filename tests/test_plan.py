@@ -396,7 +396,7 @@ def test_slots_have_the_same_bounds_in_the_plan_and_the_configuration(
     from daemon.cli import main
 
     assert main(["plan", "--model", str(stories_target), "--slots", slots]) == 2
-    assert f"--slots must be from 2 to 16 (got {slots})" in capsys.readouterr().err
+    assert f"--slots (offload.slots) must be from 2 to 16 (got {slots})" in capsys.readouterr().err
     assert main(["config", "show", "--slots", slots]) == 2
     assert "expected an integer from 2 to 16" in capsys.readouterr().err
 
