@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -370,6 +371,23 @@ def test_a_part_of_a_split_model_is_refused(tmp_path: Path) -> None:
         open_checkpoint(renamed)
 
 
+def _from_disk_copy(path: Path) -> tuple[Runtime, Callable[[], torch.Tensor]]:
+    """stories260k's Q8_0 file copied to `path`, its layers read from there at every pass,
+    and its logits for three tokens."""
+    shutil.copy(GGUF / "stories260k-Q8_0.gguf", path)
+    runtime = Runtime(
+        RuntimeOptions(model=str(path), device="cpu", dtype="fp32", context=64,
+                       offload="stream", resident_layers=0, host_tier="disk", slots=2)
+    )  # fmt: skip
+    tokens = torch.tensor([5, 17, 40])
+
+    def logits() -> torch.Tensor:
+        with torch.inference_mode():
+            return runtime.target(tokens, torch.arange(3), runtime.target.new_cache(8))
+
+    return runtime, logits
+
+
 def test_a_gguf_cut_short_under_the_disk_tier_is_an_error_naming_it(tmp_path: Path) -> None:
     """The disk tier reads a GGUF's layers with positioned reads, never through the
     loader's memory map: a file cut short while the model runs is an error naming the
@@ -378,17 +396,8 @@ def test_a_gguf_cut_short_under_the_disk_tier_is_an_error_naming_it(tmp_path: Pa
     from offload.storage import LayerReadError
 
     path = tmp_path / "model.gguf"
-    shutil.copy(GGUF / "stories260k-Q8_0.gguf", path)
-    runtime = Runtime(
-        RuntimeOptions(model=str(path), device="cpu", dtype="fp32", context=64,
-                       offload="stream", resident_layers=0, host_tier="disk", slots=2)
-    )  # fmt: skip
+    _, logits = _from_disk_copy(path)
     intact = path.read_bytes()
-    tokens = torch.tensor([5, 17, 40])
-
-    def logits() -> torch.Tensor:
-        with torch.inference_mode():
-            return runtime.target(tokens, torch.arange(3), runtime.target.new_cache(8))
 
     want = logits()
     path.write_bytes(intact[: len(intact) // 2])
@@ -484,16 +493,8 @@ def test_the_disk_tier_reads_the_file_it_was_made_from(tmp_path: Path) -> None:
     from offload.storage import DiskStorage
 
     path = tmp_path / "model.gguf"
-    shutil.copy(GGUF / "stories260k-Q8_0.gguf", path)
-    runtime = Runtime(
-        RuntimeOptions(model=str(path), device="cpu", dtype="fp32", context=64,
-                       offload="stream", resident_layers=0, host_tier="disk", slots=2)
-    )  # fmt: skip
+    runtime, logits = _from_disk_copy(path)
     tokens = torch.tensor([5, 17, 40])
-
-    def logits() -> torch.Tensor:
-        with torch.inference_mode():
-            return runtime.target(tokens, torch.arange(3), runtime.target.new_cache(8))
 
     plain = Runtime(RuntimeOptions(model=str(GGUF / "stories260k-Q8_0.gguf"), device="cpu",
                                    dtype="fp32", context=64))  # fmt: skip
