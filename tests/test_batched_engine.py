@@ -693,3 +693,15 @@ def test_the_choices_of_one_request_prefill_their_prompt_once(
     assert len(sessions) == 2  # (the two others'; the choices' are an idle one and copies)
     # Every pass after the first choice's prompt carries the three choices side by side.
     assert max(len(p) for p in passes.caches) == 3
+
+
+def test_choices_waiting_for_their_first_count_as_queued(make_engine: Callable) -> None:
+    """/health's `queued` and the queue-depth metric count the choices that wait for their
+    first one's prompt (they showed as neither active nor queued)."""
+    engine, _ = make_engine()
+    assert engine.queued == 0
+    engine._waiting.append(object())  # (a choice waiting: the worker keeps such a list)
+    try:
+        assert engine.queued == 1
+    finally:
+        engine._waiting.clear()
