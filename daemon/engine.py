@@ -413,9 +413,11 @@ class Engine:
         then it starts from a copy of that one's caches, and the prompt is prefilled once
         (it was once a choice: 16 choices of a long prompt, 16 prefills)."""
         first = self._sibling(job.request)
-        prompt = job.request.prompt_ids
-        fed = common_prefix_len(first.session.target_tokens, prompt) if first else 0
-        return first is not None and fed < len(prompt) - 1
+        if first is None:
+            return False
+        prompt, fed = job.request.prompt_ids, first.session.target_tokens
+        # (the length first: the prefix is compared once, not at every step of a 32k prompt)
+        return len(fed) < len(prompt) - 1 or common_prefix_len(fed, prompt) < len(prompt) - 1
 
     def _begin(self, job: Job) -> _Active:
         assert self.runtime is not None

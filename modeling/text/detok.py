@@ -112,7 +112,7 @@ class IncrementalDetokenizer:
                 raw = self.tokenizer.raw_bytes(token)  # type: ignore[attr-defined]
                 run.append((at, raw[0]))
                 continue
-            if token is not None and self._silent(token):
+            if run and token is not None and self._silent(token):
                 continue  # (a skipped special token: the run goes on through it)
             if run:
                 try:
