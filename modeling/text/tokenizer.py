@@ -26,6 +26,7 @@ from modeling.config import ModelConfig
 from modeling.errors import RequestError, panic_said, rust_panic
 from modeling.text import harmony, thinking
 from modeling.text.byte_level import BYTE_LEVEL, BYTE_LEVEL_INDEX, PROBE_BYTES
+from modeling.text.control_text import ControlTokens
 from modeling.text.model_template import (
     FALLBACK_CHAT_TEMPLATE,
     ChatTemplateError,
@@ -359,9 +360,24 @@ class Tokenizer:
         """Prompt ids for a conversation, ready for the assistant's turn; `tools` (OpenAI's
         shape) go to a template that renders them (speculative/tool_calls.py). `at_most`
         as `encode`'s, `variables` as `render_chat`'s."""
-        text = self.render_chat(messages, tools=tools, variables=variables)
         # (a template writes BOS itself)
-        return self.encode(text, add_special_tokens=not self.has_chat_template, at_most=at_most)
+        bos = not self.has_chat_template
+        guarded = self._controls.guard((messages, tools, variables))
+        if guarded is None:
+            text = self.render_chat(messages, tools=tools, variables=variables)
+            return self.encode(text, add_special_tokens=bos, at_most=at_most)
+        # Control tokens spelled in the request's text are read as that text
+        # (modeling/text/control_text.py).
+        messages, tools, variables = guarded.values
+        text = self.render_chat(messages, tools=tools, variables=variables)
+        return self._controls.encode(self, guarded.pieces(text), bos, at_most)
+
+    @functools.cached_property
+    def _controls(self) -> ControlTokens:
+        """The control tokens a request's text may not write (`encode_chat`): the special
+        added tokens, a reasoning model's think tags aside."""
+        tags = (thinking.OPEN, thinking.CLOSE) if self.thinks else ()
+        return ControlTokens(self.backend, tags)
 
 
 # A text longer than this many characters per token allowed has its start counted first
