@@ -2,9 +2,9 @@
 bounded queue and read results from a per-job asyncio queue.
 
 A job's life: `submit` queues a request that admission settled (daemon/admission.py), or
-refuses it for load (memory pressure, a full house); between steps the worker relieves
-memory pressure (`_relieve`), lets queued jobs in (`_admit`, `_begin`: a strategy, a
-session, a `Generation`) and runs a step.
+refuses it for load (memory pressure, a full house); between steps the worker follows
+memory pressure (`MemoryWatch.follow`), lets queued jobs in (`_admit`, `_begin`: a
+strategy, a session, a `Generation`) and runs a step.
 A generation is a step-wise generator (`Generation.steps`): the engine runs it on to its next
 pass request (`_advance`), posting the chunks it makes on the way (`_take`, coalesced for
 `stream_interval`), and the `PassScheduler` (speculative/batching.py) answers the requests of
@@ -20,10 +20,11 @@ Conversation reuse: finished sessions are kept in a small LRU pool; a new reques
 idle session holding the longest common prefix with its prompt, so only the new suffix is
 prefilled (`Generation` reports it as `stats.cached_prompt_tokens`).
 
-Past ~400 lines, knowingly: this is one idea, a job's life on the worker thread, whose
-pass scheduling is speculative/batching.py and whose relief steps are daemon/relief.py;
-what is left here of memory pressure (`_watch_memory`, `_relieve`) is the wiring of
-those into the loop, and could move into a watcher object of its own.
+What the job's life leans on lives apart: the count of requests in flight (`InFlight`,
+daemon/jobs.py), the record of a running job and the choices of one request that share
+their prompt (`ActiveJob`, daemon/active_jobs.py), memory pressure (`MemoryWatch`,
+daemon/memory_watch.py, with the relief steps of daemon/relief.py) and the pass
+scheduling (speculative/batching.py).
 """
 
 from __future__ import annotations
@@ -36,65 +37,36 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from collections.abc import Generator as PyGenerator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
+from daemon.active_jobs import ActiveJob, prompt_fork, waits_for_prompt
 from daemon.jobs import (
     EngineNotReady,
     Failed,
     Finished,
     GenerationRequest,
+    InFlight,
     Job,
     MemoryPressureError,
-    QueueFullError,
     Seat,
     ServerShuttingDown,
     merge_chunks,
 )
+from daemon.memory_watch import MemoryWatch
 from daemon.metrics import Metrics
 from daemon.options import RuntimeOptions
 from daemon.pools import SessionPool, StrategyPool
-from daemon.pressure import PressureMonitor, PressureThresholds, cuda_probe, host_probe, settled
-from daemon.relief import Relief, relief_steps
+from daemon.pressure import PressureMonitor, PressureThresholds
+from daemon.relief import Relief
 from daemon.runtime import Runtime
 from modeling.errors import RequestError, rust_panic
 from speculative.batching import PassScheduler
-from speculative.generation import Chunk, Generation
-from speculative.passes import Allot, Forward, PassRequest
+from speculative.generation import Chunk
+from speculative.passes import Allot, Forward
 from speculative.prefill import ALONE_PREFILL, SHARED_PREFILL
 from speculative.rounds import GenerationStats, Strategy
-from speculative.session import Session, common_prefix_len
 
 log = logging.getLogger("specd.engine")
-
-
-@dataclass(eq=False)
-class _Active:
-    """An active job: its generation, and what the pass scheduler reads and keeps of it
-    (speculative.batching.Scheduled)."""
-
-    job: Job
-    generation: Generation
-    steps: PyGenerator[Chunk | PassRequest, None, None]
-    session: Session
-    pool_key: str
-    first_token_seen: bool = False
-    held: list[Chunk] = field(default_factory=list)  # coalesced, not yet posted
-    last_post: float = 0.0
-    pass_request: PassRequest | None = None  # the pass (or the tree nodes) it waits for
-    chunks: int = 0  # chunks taken (rounds and prefill steps)
-    target_passes: int = 0  # target passes it rode in
-    pass_generations: int = 0  # generations in those passes, summed
-    shared_passes: int = 0  # those that also carried another generation's work
-    grown: int = 0  # tree nodes granted to this round so far (rows of the coming pass)
-
-    @property
-    def pass_rows(self) -> int:
-        return self.generation.strategy.pass_rows
-
-    @property
-    def cancelled(self) -> bool:
-        return self.job.cancelled
 
 
 @dataclass
@@ -134,21 +106,14 @@ class Engine:
         self._runtime_factory = runtime_factory
         self.runtime: Runtime | None = None
         self.load_error: BaseException | None = None
-        # Jobs waiting for a slot. Admission is counted, not left to the queue's bound: the
-        # worker drains the queue only between steps, so a bound on it alone refused
-        # requests while decode slots were free (three bursts of 48 with 8 + 32 allowed
-        # admitted 40, 40 and 34). `_in_flight` counts every request from `reserve` (its
-        # preparation) or `submit` until it leaves (given back, finished, failed or
-        # cancelled); at most max_concurrent + queue_size.
-        self._queue: queue.Queue[Job] = queue.Queue()
-        self._in_flight: set[Job | Seat] = set()
-        self._admission = threading.Lock()
+        self._queue: queue.Queue[Job] = queue.Queue()  # jobs waiting for a slot
+        self._in_flight = InFlight(limits.max_concurrent, limits.queue_size)
         # A pass's bounds (set once the runtime's plan is known): tokens, and logit rows.
         self.max_pass_tokens = limits.max_pass_tokens or 0
         self.max_pass_rows = 0
-        self._active: deque[_Active] = deque()
+        self._active: deque[ActiveJob] = deque()
         self._waiting: list[Job] = []  # choices waiting for their first one's prompt
-        self._passes: PassScheduler[_Active]  # made once the models are loaded
+        self._passes: PassScheduler[ActiveJob]  # made once the models are loaded
         self._idle = SessionPool(limits.cached_sessions)
         self._strategies = StrategyPool()
         self._compiled_seen = 0  # compiled models ready when the strategies were built
@@ -157,11 +122,8 @@ class Engine:
         self.loading_note: str | None = None  # what loading is doing, while it takes long
         self._wake = threading.Condition()
         self._thread = threading.Thread(target=self._work, name="specd-engine", daemon=True)
-        self._pressure_thresholds = pressure
+        self._memory = MemoryWatch(pressure, metrics)
         self.device_probe = device_probe  # set before start() to replace CUDA's count
-        self.pressure: PressureMonitor | None = None  # watching once the models are loaded
-        self.relief = Relief([])
-        self._pressure_recorded: tuple[object, int] | None = None
 
     # ---- called from the event loop ----
 
@@ -185,30 +147,10 @@ class Engine:
         tokenized, its grammar compiled): preparing is admitted work, counted from here,
         so a burst of slow preparations cannot pile up beyond the limits. `submit` turns
         it into the job; `release` gives it back if the request never gets there."""
-        seat = Seat()
-        with self._admission:
-            self._take_place(seat)
-        return seat
+        return self._in_flight.reserve()
 
     def release(self, seat: Seat) -> None:
-        with self._admission:
-            self._in_flight.discard(seat)
-
-    def _take_place(self, entry: Job | Seat) -> None:
-        """Count `entry` in flight, or raise QueueFullError (under `_admission`)."""
-        most = self.limits.max_concurrent + self.limits.queue_size
-        if len(self._in_flight) >= most:
-            # A client that gave up (its job cancelled while it waited) holds no slot:
-            # the worker drops such a job when it reaches it.
-            self._in_flight = {j for j in self._in_flight if not j.cancelled}
-        if len(self._in_flight) >= most:
-            raise QueueFullError(
-                f"{most} generations are already in flight (a request's `n` choices each "
-                f"count; {self.limits.max_concurrent} decoding and {self.limits.queue_size} "
-                "waiting or being prepared: limits.max_concurrent and limits.queue_size); "
-                "retry shortly"
-            )
-        self._in_flight.add(entry)
+        self._in_flight.leave(seat)
 
     def submit(
         self, request: GenerationRequest, loop: asyncio.AbstractEventLoop, seat: Seat | None = None
@@ -220,24 +162,19 @@ class Engine:
         try:
             if not self.ready:
                 raise EngineNotReady(f"the engine is {self.state}")
-            if self.pressure is not None and self.pressure.level == "critical":
+            if self._memory.critical:
                 raise MemoryPressureError(
                     "free memory is below the critical line (memory.pressure): requests in "
                     "flight finish, new ones are refused until it is back; retry shortly"
                 )
             job = Job(request, loop)
-            with self._admission:
-                if seat is not None and seat in self._in_flight:
-                    self._in_flight.discard(seat)
-                    self._in_flight.add(job)
-                else:
-                    self._take_place(job)
-                self._queue.put_nowait(job)
+            self._in_flight.enter(job, seat)
+            self._queue.put_nowait(job)
         finally:
             if seat is not None:
                 self.release(seat)
         if self._stopping.is_set():  # shutdown drained the queue meanwhile: not served
-            self._leave(job)
+            self._in_flight.leave(job)
             raise EngineNotReady(f"the engine is {self.state}")
         self.metrics.queue_depth.set(self.queued)
         with self._wake:
@@ -251,13 +188,22 @@ class Engine:
             self._wake.notify()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if self.pressure is not None:
-            self.pressure.stop()
+        self._memory.stop()
 
     def _loading(self, note: str) -> None:
         self.loading_note = note
 
     # ---- introspection (tests, /health) ----
+
+    @property
+    def pressure(self) -> PressureMonitor | None:
+        """The memory monitor, once the models are loaded; None: memory is not watched."""
+        return self._memory.monitor
+
+    @property
+    def relief(self) -> Relief:
+        """The relief steps memory pressure can take, and those in force."""
+        return self._memory.relief
 
     @property
     def active_count(self) -> int:
@@ -285,7 +231,7 @@ class Engine:
                 advance=self._advance,
                 fail=self._fail,
                 rode=self._rode,
-                out_of_memory=self._out_of_memory,
+                out_of_memory=self._memory.out_of_memory,
             )
             log.info("models loaded: %s", self.options.model)
             self.metrics.set_draft(self.runtime.draft_kind, self.runtime.substitute_bits)
@@ -293,7 +239,7 @@ class Engine:
             # runtime whose owner decided already (`specd bench`) keeps its choice.
             if self.runtime.compilation is None:
                 self.runtime.compile(serving=True).warm_in_background()
-            self._watch_memory()
+            self._memory.start(self.runtime, self._idle, self._strategies, self, self.device_probe)
         except BaseException as exc:  # reported by /health and every request
             self.load_error = exc
             log.error("loading the models failed: %s", exc)
@@ -301,7 +247,7 @@ class Engine:
         finally:
             self.loaded.set()
         while not self._stopping.is_set():
-            self._relieve()
+            self._memory.follow()
             self._admit()
             if not self._active:
                 with self._wake:
@@ -319,58 +265,6 @@ class Engine:
         self._fail_everything(ServerShuttingDown("the server is shutting down"))
         self.runtime.save_learned()  # for the next start (daemon/learned_store.py)
 
-    def _watch_memory(self) -> None:
-        """Start the memory monitor, its auto lines settled from what is available now the
-        models are loaded and from the margin the plan left on the device."""
-        thresholds = self._pressure_thresholds
-        if thresholds is None or not thresholds.enabled:
-            return
-        assert self.runtime is not None
-        gpu = self.runtime.device.type == "cuda"
-        probe = self.device_probe
-        if probe is None and gpu:
-            probe = cuda_probe(self.runtime.device)
-        plan = self.runtime.plan
-        margin = plan.budget.device_bytes - plan.device_bytes if probe is not None else None
-        thresholds = settled(thresholds, host_probe()[0], margin)
-        steps = relief_steps(
-            self.runtime,
-            self._idle,
-            self._strategies,
-            self,
-            device_watched=probe is not None,
-            host_floor=thresholds.tight_host_free or 0,
-        )
-        self.relief = Relief(steps)
-        self.pressure = PressureMonitor(thresholds, device_free=probe)
-        self.pressure.start()
-
-    def _relieve(self) -> None:
-        """Follow the memory monitor's level with the relief steps (between passes, on
-        this thread: the steps free what the passes use). A step that fails is logged and
-        the engine serves on."""
-        if self.pressure is None:
-            return
-        taken = self.relief.taken
-        try:
-            self.relief.follow(self.pressure.level, self.pressure.thresholds, self.pressure.short)
-            if self.relief.taken > taken:
-                self._return_device_memory()
-        except Exception as exc:
-            log.error("a memory relief step failed; serving on without it", exc_info=exc)
-        seen = (self.pressure.sample, self.relief.taken)
-        if seen != self._pressure_recorded:  # a new sample or step, not every pass
-            self._pressure_recorded = seen
-            self.metrics.record_pressure(self.pressure, self.relief)
-
-    def _return_device_memory(self) -> None:
-        """Hand what the steps freed back to the driver: PyTorch's allocator keeps freed
-        blocks for reuse, where neither the monitor nor other programs see them."""
-        if self.runtime is not None and self.runtime.device.type == "cuda":
-            import torch
-
-            torch.cuda.empty_cache()
-
     def _admit(self) -> None:
         waiting, self._waiting = self._waiting, []
         for job in waiting:  # (the choices whose first one was still reading their prompt)
@@ -387,9 +281,9 @@ class Engine:
         """Begin `job`, or keep it waiting for its request's first choice's prompt."""
         if job.cancelled:
             self.metrics.cancelled.inc()
-            self._leave(job)
+            self._in_flight.leave(job)
             return
-        if self._waits(job):
+        if waits_for_prompt(job.request, self._active):
             self._waiting.append(job)
             return
         try:
@@ -401,25 +295,7 @@ class Engine:
                 log.error("starting a generation failed", exc_info=exc)
             self._end(job, Failed(exc))
 
-    def _sibling(self, request: GenerationRequest) -> _Active | None:
-        """The active generation of another choice of `request`'s (its first), if any."""
-        group = request.prompt_group
-        if group is None:
-            return None
-        return next((a for a in self._active if a.job.request.prompt_group is group), None)
-
-    def _waits(self, job: Job) -> bool:
-        """Whether `job` waits for the first choice of its request to have fed their prompt:
-        then it starts from a copy of that one's caches, and the prompt is prefilled once
-        (it was once a choice: 16 choices of a long prompt, 16 prefills)."""
-        first = self._sibling(job.request)
-        if first is None:
-            return False
-        prompt, fed = job.request.prompt_ids, first.session.target_tokens
-        # (the length first: the prefix is compared once, not at every step of a 32k prompt)
-        return len(fed) < len(prompt) - 1 or common_prefix_len(fed, prompt) < len(prompt) - 1
-
-    def _begin(self, job: Job) -> _Active:
+    def _begin(self, job: Job) -> ActiveJob:
         assert self.runtime is not None
         req = job.request
         strategy = self._strategy(req.strategy, req.budget, req.tree_verification)
@@ -427,7 +303,7 @@ class Engine:
         # (a choice's first sibling holds the whole prompt: before any idle session, which
         # may share none of it and was taken first, a whole prefill again)
         session = (
-            self._fork(req, pool_key)
+            prompt_fork(req, pool_key, self._active)
             or self._idle.take(pool_key, req.prompt_ids)
             or self.runtime.new_session(strategy)
         )
@@ -435,29 +311,7 @@ class Engine:
             # A pass costs its compute there: a prefill's passes are kept shorter still
             # while others wait on them (speculative/prefill.py, `chunk_now`).
             session.pass_bound = self._prefill_bound
-        gen = Generation(
-            strategy,
-            session,
-            self.runtime.tokenizer,
-            req.prompt_ids,
-            req.params,
-            max_tokens=req.max_tokens,
-            stop=req.stop,
-            ignore_eos=req.ignore_eos,
-            trace=req.trace,
-            constraint=req.constraint,
-            call_lead=req.calls.lead if req.calls is not None else None,
-            thinking=req.thinking,
-        )
-        return _Active(job, gen, gen.steps(), session, pool_key)
-
-    def _fork(self, request: GenerationRequest, pool_key: str) -> Session | None:
-        """A copy of the session of a choice of the same request that has fed its prompt
-        (`_waits`), None where there is none."""
-        first = self._sibling(request)
-        if first is None or first.pool_key != pool_key:
-            return None
-        return first.session.fork()
+        return ActiveJob.begin(job, strategy, session, self.runtime.tokenizer)
 
     def _prefill_bound(self) -> tuple[float, int]:
         """A CPU prefill pass's bound: shared while it serves (or holds up) more than one
@@ -488,7 +342,7 @@ class Engine:
                 with contextlib.suppress(Exception):  # the session and its KV cache go too
                     active.steps.close()
                 self.metrics.cancelled.inc()
-                self._leave(active.job)
+                self._in_flight.leave(active.job)
         if not self._active:
             return
         if not self.limits.batch_passes:
@@ -499,23 +353,14 @@ class Engine:
         self._active.rotate(-1)  # whoever waited behind the bound goes first next time
         self._passes.step(self._active)
 
-    def _rode(self, riders: list[_Active], tokens: int) -> None:
+    def _rode(self, riders: list[ActiveJob], tokens: int) -> None:
         """They rode one target pass of `tokens` tokens together: the metrics, and each
         one's batching figures."""
         self.metrics.record_pass(len(riders), tokens)
         for active in riders:
-            active.target_passes += 1
-            active.pass_generations += len(riders)
-            active.shared_passes += int(len(riders) > 1)
+            active.rode(len(riders))
 
-    def _out_of_memory(self) -> None:
-        """A pass ran out of memory (and was rolled back): the next relief step that frees
-        the memory that ran out, before it runs again."""
-        gpu = self.runtime is not None and self.runtime.device.type == "cuda"
-        self.relief.climb("out of memory in a pass", frozenset({"device" if gpu else "host"}))
-        self._return_device_memory()
-
-    def _advance(self, active: _Active) -> None:
+    def _advance(self, active: ActiveJob) -> None:
         """Run a generation on to its next pass request, posting the chunks it makes on the
         way. Whatever fails fails this job only: the worker keeps serving the others."""
         try:
@@ -535,7 +380,7 @@ class Engine:
                 raise
             self._fail(active, exc)
 
-    def _take(self, active: _Active, chunk: Chunk) -> bool:
+    def _take(self, active: ActiveJob, chunk: Chunk) -> bool:
         """Post (or hold) a chunk; True when it ended the generation."""
         job = active.job
         active.chunks += 1
@@ -558,7 +403,7 @@ class Engine:
             return True
         return False
 
-    def _fail(self, active: _Active, exc: BaseException) -> None:
+    def _fail(self, active: ActiveJob, exc: BaseException) -> None:
         if isinstance(exc, RequestError):
             # The request's fault found while it ran (a grammar the vocabulary cannot
             # spell further on): one line, as the edge logs a refusal.
@@ -572,16 +417,14 @@ class Engine:
             active.steps.close()
         self._end(active.job, Failed(exc))
 
-    def _finish(self, active: _Active) -> None:
+    def _finish(self, active: ActiveJob) -> None:
         if active in self._active:
             self._active.remove(active)
         active.steps.close()
         gen = active.generation
         stats: GenerationStats = gen.stats
         assert self.runtime is not None
-        passes = active.target_passes
-        stats.extra["batch_size"] = active.pass_generations / passes if passes else None
-        stats.extra["shared_passes"] = active.shared_passes
+        stats.extra.update(active.batching())
         # The streamer counts since its last report; with interleaved generations the
         # figures are shared among them, but the totals in /metrics stay exact.
         stats.extra.update(self.runtime.offload_stats())
@@ -604,12 +447,7 @@ class Engine:
         try:
             job.post(event)
         finally:
-            self._leave(job)
-
-    def _leave(self, job: Job) -> None:
-        """A job no longer counts against admission (finished, failed or cancelled)."""
-        with self._admission:
-            self._in_flight.discard(job)
+            self._in_flight.leave(job)
 
     def _fail_everything(self, error: BaseException) -> None:
         while self._active:

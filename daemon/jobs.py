@@ -1,8 +1,9 @@
 """A generation request as it crosses between the event loop and the engine's worker
 thread: what is asked (`GenerationRequest`, made by `admit`, daemon/admission.py), the
 events the worker posts back (`Chunk`s, then `Finished` or `Failed`), the `Job` that
-carries them, and the refusals `submit` can raise before a job is queued (load, never the
-request: admission refused what the request got wrong)."""
+carries them, the count of those in flight (`InFlight`), and the refusals `submit` can
+raise before a job is queued (load, never the request: admission refused what the request
+got wrong)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ class GenerationRequest:
     # and stop strings apply after it.
     thinking: Thinking | None = None
     # The choices of one request (`n` > 1) share one: the others wait for the first one's
-    # prompt and start from a copy of its KV caches (daemon/engine.py `_waits`, `_fork`).
+    # prompt and start from a copy of its KV caches (daemon/active_jobs.py).
     prompt_group: object | None = None
 
 
@@ -114,6 +115,62 @@ class Job:
         # A closed event loop raises RuntimeError: nobody is listening any more.
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class InFlight:
+    """The generations in flight, counted against the house's limit: each request from
+    `reserve` (its preparation) or `enter` (its job) until it leaves (given back, finished,
+    failed or cancelled); at most max_concurrent + queue_size, a request's `n` choices each
+    counting. Admission is counted, not left to the bound of the engine's queue: the worker
+    drains that only between steps, so a bound on it alone refused requests while decode
+    slots were free (three bursts of 48 with 8 + 32 allowed admitted 40, 40 and 34). Used
+    from the event loop and the worker thread alike."""
+
+    def __init__(self, max_concurrent: int, queue_size: int) -> None:
+        self.max_concurrent = max_concurrent
+        self.queue_size = queue_size
+        self._entries: set[Job | Seat] = set()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def reserve(self) -> Seat:
+        """A place for a request about to be prepared, or QueueFullError."""
+        seat = Seat()
+        with self._lock:
+            self._take(seat)
+        return seat
+
+    def enter(self, job: Job, seat: Seat | None = None) -> None:
+        """Count `job`: in the place `seat` still holds, else in a new one (or raise
+        QueueFullError)."""
+        with self._lock:
+            if seat is not None and seat in self._entries:
+                self._entries.discard(seat)
+                self._entries.add(job)
+            else:
+                self._take(job)
+
+    def leave(self, entry: Job | Seat) -> None:
+        """`entry` no longer counts: a seat given back, a job finished, failed or cancelled."""
+        with self._lock:
+            self._entries.discard(entry)
+
+    def _take(self, entry: Job | Seat) -> None:
+        """Count `entry`, or raise QueueFullError (under the lock)."""
+        most = self.max_concurrent + self.queue_size
+        if len(self._entries) >= most:
+            # A client that gave up (its job cancelled while it waited) holds no place:
+            # the worker drops such a job when it reaches it.
+            self._entries = {j for j in self._entries if not j.cancelled}
+        if len(self._entries) >= most:
+            raise QueueFullError(
+                f"{most} generations are already in flight (a request's `n` choices each "
+                f"count; {self.max_concurrent} decoding and {self.queue_size} waiting or "
+                "being prepared: limits.max_concurrent and limits.queue_size); retry shortly"
+            )
+        self._entries.add(entry)
 
 
 def merge_chunks(chunks: list[Chunk]) -> Chunk:

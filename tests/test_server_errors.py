@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from daemon import engine as engine_module
+from daemon import active_jobs as active_jobs_module
 from daemon.http import completions as completions_module
 from daemon.http.server import BackgroundServer, Server
 from daemon.settings_loading import load_settings
@@ -478,7 +478,7 @@ def test_an_internal_value_error_is_a_500_with_its_traceback_logged(
     def broken_start(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise ValueError("an invariant broke before the first pass")
 
-    monkeypatch.setattr(engine_module, "Generation", broken_start)
+    monkeypatch.setattr(active_jobs_module, "Generation", broken_start)
     error = assert_error(call(server, good()), 500)
     assert error["type"] == "server_error"
     assert logged_tracebacks(specd_log, "an invariant broke before the first pass")
@@ -512,7 +512,7 @@ def test_a_library_panic_is_a_500_and_the_daemon_serves_on(
     def panicking(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise panic
 
-    for module, name in ((batching, "execute"), (engine_module, "Generation")):
+    for module, name in ((batching, "execute"), (active_jobs_module, "Generation")):
         monkeypatch.setattr(module, name, panicking)
         for stream in (False, True):
             body = {**good(), "stream": stream}
@@ -538,7 +538,7 @@ def test_a_request_error_from_the_engine_is_still_a_400(
     def too_long(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise ContextFullError("the prompt has 70 tokens but the context holds 64")
 
-    monkeypatch.setattr(engine_module, "Generation", too_long)
+    monkeypatch.setattr(active_jobs_module, "Generation", too_long)
     error = assert_error(call(server, good()), 400)
     assert "context holds 64" in error["message"]
     assert not logged_tracebacks(specd_log, "context holds 64")  # the client's, not a bug
