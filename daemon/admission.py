@@ -36,10 +36,10 @@ from typing import Any
 
 from daemon.jobs import GenerationRequest
 from daemon.runtime import Runtime, RuntimeSetupError
-from modeling.errors import RequestError
+from modeling.errors import RequestError, TokenizerFailure
 from modeling.text.model_template import ChatTemplateError
 from modeling.text.thinking import CLOSE, OPEN, Thinking, opened
-from modeling.text.tokenizer import TextTooLong, Tokenizer, TokenizerFailure
+from modeling.text.tokenizer import TextTooLong, Tokenizer
 from speculative.grammar import Grammar
 from speculative.grammar_compiler import GrammarCompiler
 from speculative.harmony import harmony_call_grammar

@@ -107,3 +107,25 @@ def _without_panics(written: bytes) -> bytes:
         elif not inside:
             kept.append(line)
     return b"".join(kept)
+
+
+class TokenizerFailure(RequestError):
+    """The model's tokenizer (the `tokenizers` library, running the tokenizer.json's
+    normalizer and pre-tokenizer) failed on a text: a regex that backtracks past the
+    engine's limit panics in Rust, which reaches Python as a BaseException (pyo3's
+    PanicException) that `except Exception` handlers would let through, closing the
+    connection with no answer. Raised as the request's fault, the text's field named by
+    the caller."""
+
+
+def tokenizer_failure(err: BaseException, what: str) -> BaseException:
+    """`err` as a TokenizerFailure where it is the library's panic; anything else
+    (KeyboardInterrupt, SystemExit, an ordinary error) as it is."""
+    if not rust_panic(err):
+        return err
+    reason = panic_said(err)
+    return TokenizerFailure(
+        f"the model's tokenizer could not {what} ({reason}): its tokenizer.json's "
+        "normalizer or pre-tokenizer fails on it; send other text, or fix the model's "
+        "tokenizer"
+    )

@@ -111,8 +111,12 @@ def tokenizer_from_gguf(fields: Mapping[str, Any], source: str) -> Tokenizer:
     # Matched whole in any text: control and unknown tokens, and the ids the file names.
     special = {i for i, kind in enumerate(types) if kind in (UNKNOWN, CONTROL)}
     special |= {i for i in ids.values() if i is not None}
+    # (a named id typed user-defined stays special: added again as not special, it was no
+    # longer a control token, and a request could spell the EOS)
     user_defined = [
-        i for i, kind in enumerate(types) if kind == USER_DEFINED and tokens[i] == read.tokens[i]
+        i
+        for i, kind in enumerate(types)
+        if kind == USER_DEFINED and tokens[i] == read.tokens[i] and i not in special
     ]
     try:
         if read.model == "llama":

@@ -23,7 +23,7 @@ from modeling.checkpoints.folder_files import (
 )
 from modeling.checkpoints.gguf_file import short_repr
 from modeling.config import ModelConfig
-from modeling.errors import RequestError, panic_said, rust_panic
+from modeling.errors import RequestError, tokenizer_failure
 from modeling.text import harmony, thinking
 from modeling.text.byte_level import BYTE_LEVEL, BYTE_LEVEL_INDEX, PROBE_BYTES
 from modeling.text.control_text import ControlTokens
@@ -96,6 +96,11 @@ class Tokenizer:
         if self.thinks:
             special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
             self.shown_specials.update({i: t for t, i in tags.items() if i in special})
+        # The control tokens a request's text may not write (`encode_chat`): the special
+        # added tokens, a reasoning model's think tags aside.
+        self._controls = ControlTokens(
+            tokenizer, (thinking.OPEN, thinking.CLOSE) if self.thinks else ()
+        )
         self.chat_template = chat_template
         self.has_chat_template = chat_template is not None
         self._template: Template | None = None  # compiled by _compiled_template
@@ -247,8 +252,15 @@ class Tokenizer:
         return max(1, max((len(piece) for piece in self.vocabulary), default=1))
 
     def _ids(self, text: str, add_special_tokens: bool, at_most: int | None = None) -> list[int]:
-        # `encode_batch` releases the GIL while it works (`encode` holds it: 0.6 s for a
-        # megabyte, with the event loop frozen meanwhile); same ids.
+        self._probe(text, at_most, add_special_tokens)
+        try:
+            # `encode_batch` releases the GIL while it works (`encode` holds it: 0.6 s for
+            # a megabyte, with the event loop frozen meanwhile); same ids.
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except BaseException as err:
+            raise tokenizer_failure(err, "tokenize this text") from None
+
+    def _probe(self, text: str, at_most: int | None, add_special_tokens: bool = False) -> None:
         if at_most is not None and len(text) > PROBE_CHARS * at_most:
             # A text that may be far longer than `at_most` tokens: its start is counted
             # first (a megabyte of digits, a token each, took 3.3 s to tokenize before
@@ -257,10 +269,6 @@ class Tokenizer:
             probe = self._ids(text[: PROBE_CHARS * at_most], add_special_tokens)
             if len(probe) - PROBE_MARGIN > at_most:
                 raise TextTooLong(len(probe) - PROBE_MARGIN)
-        try:
-            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        except BaseException as err:
-            raise _failure(err, "tokenize this text") from None
 
     def encode(
         self, text: str, add_special_tokens: bool = True, at_most: int | None = None
@@ -283,7 +291,7 @@ class Tokenizer:
             try:
                 return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
             except BaseException as err:
-                raise _failure(err, "decode these tokens") from None
+                raise tokenizer_failure(err, "decode these tokens") from None
         # Harmony's markers spelled out between the runs decoded as usual.
         parts: list[str] = []
         run: list[int] = []
@@ -370,14 +378,28 @@ class Tokenizer:
         # (modeling/text/control_text.py).
         messages, tools, variables = guarded.values
         text = self.render_chat(messages, tools=tools, variables=variables)
-        return self._controls.encode(self, guarded.pieces(text), bos, at_most)
+        self._probe(text, at_most)
+        ids = self._controls.encode(text, guarded)
+        return self._framed(ids) if bos else ids
+
+    def _framed(self, ids: list[int]) -> list[int]:
+        """`ids` with what `encode` adds with `add_special_tokens` (BOS, or what the
+        post-processor writes around a text)."""
+        if self.add_bos is None:
+            head, tail = self._post_frame
+            return [*head, *ids, *tail]
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            return [self.bos_id, *ids]
+        return ids
 
     @functools.cached_property
-    def _controls(self) -> ControlTokens:
-        """The control tokens a request's text may not write (`encode_chat`): the special
-        added tokens, a reasoning model's think tags aside."""
-        tags = (thinking.OPEN, thinking.CLOSE) if self.thinks else ()
-        return ControlTokens(self.backend, tags)
+    def _post_frame(self) -> tuple[list[int], list[int]]:
+        """The ids the post-processor writes before and after a text."""
+        bare, framed = self._ids("a", False), self._ids("a", True)
+        for i in range(len(framed) - len(bare) + 1):
+            if framed[i : i + len(bare)] == bare:
+                return framed[:i], framed[i + len(bare) :]
+        return [], []
 
 
 # A text longer than this many characters per token allowed has its start counted first
@@ -394,25 +416,3 @@ class TextTooLong(RequestError):
     def __init__(self, tokens: int) -> None:
         super().__init__(f"the text has at least {tokens} tokens", None, "context_length_exceeded")
         self.tokens = tokens
-
-
-class TokenizerFailure(RequestError):
-    """The model's tokenizer (the `tokenizers` library, running the tokenizer.json's
-    normalizer and pre-tokenizer) failed on a text: a regex that backtracks past the
-    engine's limit panics in Rust, which reaches Python as a BaseException (pyo3's
-    PanicException) that `except Exception` handlers would let through, closing the
-    connection with no answer. Raised as the request's fault, the text's field named by
-    the caller."""
-
-
-def _failure(err: BaseException, what: str) -> BaseException:
-    """`err` as a TokenizerFailure where it is the library's panic; anything else
-    (KeyboardInterrupt, SystemExit, an ordinary error) as it is."""
-    if not rust_panic(err):
-        return err
-    reason = panic_said(err)
-    return TokenizerFailure(
-        f"the model's tokenizer could not {what} ({reason}): its tokenizer.json's "
-        "normalizer or pre-tokenizer fails on it; send other text, or fix the model's "
-        "tokenizer"
-    )
