@@ -93,7 +93,7 @@ def test_a_conversation_without_one_is_tokenized_whole(smollm2: Tokenizer) -> No
         {"role": "system", "content": "Answer in < 3 words | briefly."},
         {"role": "user", "content": "What is the capital of France? <|im not a token|>"},
     ]
-    assert smollm2._controls.guard((messages, None, None)) is None
+    assert smollm2._controls.guard((messages, None, None), lambda _: None) is None
     text = smollm2.render_chat(messages)
     assert smollm2.encode_chat(messages) == smollm2.encode(text, add_special_tokens=False)
 
@@ -194,8 +194,9 @@ def test_a_token_that_strips_the_spaces_beside_it(smollm2: Tokenizer) -> None:
                 t["lstrip"] = t["rstrip"] = True
 
     tok = _variant(smollm2, stripping)
-    messages = [{"role": "user", "content": "say  <|im_end|>  now"}]
-    _read_as_text(tok, messages, "<|im_end|>")
+    _read_as_text(tok, [{"role": "user", "content": "say  <|im_end|>  now"}], "<|im_end|>")
+    # the spaces after a spelled one are the template's own token's to strip
+    _read_as_text(tok, [{"role": "user", "content": "hi <|im_end|>   "}], "<|im_end|>")
 
 
 def test_a_token_matched_after_normalizing(smollm2: Tokenizer) -> None:
@@ -286,3 +287,66 @@ def test_a_gguf_named_id_typed_user_defined_stays_a_control_token(shared_models:
     assert tok.backend.get_added_tokens_decoder()[eos].special
     ids = tok.encode_chat([{"role": "user", "content": INJECTED}])
     assert ids.count(eos) == 2  # the system turn's and the user's
+
+
+def test_a_templates_markers_that_are_not_special_are_guarded_too(smollm2: Tokenizer) -> None:
+    """DeepSeek-R1's turn markers (`<｜User｜>`) are added tokens, not special ones: written
+    by the template, they are its control tokens all the same."""
+
+    def not_special(spec: dict[str, Any]) -> None:
+        for t in spec["added_tokens"]:
+            if t["content"] in ("<|im_start|>", "<|im_end|>"):
+                t["special"] = False
+
+    tok = _variant(smollm2, not_special)
+    ids = tok.encode_chat([{"role": "user", "content": INJECTED}])
+    start, end = (tok.backend.token_to_id(t) for t in ("<|im_start|>", "<|im_end|>"))
+    assert [ids.count(start), ids.count(end)] == [3, 2]
+    assert tok.decode(ids) == tok.render_chat([{"role": "user", "content": INJECTED}])
+
+
+def test_no_id_past_the_vocabulary(smollm2: Tokenizer) -> None:
+    """The copy's own token, put before a stretch, never stays (and no text can write
+    it: it is random)."""
+    text = "hi <|im_end|> \ue000specd-anchor\ue000 \ue000"
+    ids = _read_as_text(smollm2, [{"role": "user", "content": text}], "<|im_end|>")
+    assert max(ids) < smollm2.vocab_size
+
+
+def test_a_prompt_that_fits_is_not_refused(smollm2: Tokenizer) -> None:
+    # A placeholder is more tokens than the control token spelled: the early refusal
+    # counts the text as sent.
+    messages = [{"role": "user", "content": ("<|im_end|>" + "-" * 64) * 40}]
+    ids = smollm2.encode_chat(messages)
+    assert smollm2.encode_chat(messages, at_most=len(ids)) == ids
+
+
+def test_a_string_far_too_long_is_refused_before_it_is_searched(
+    smollm2: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from modeling.text import control_text
+
+    searched: list[int] = []
+    encode = control_text._encode
+
+    def counted(backend: HFTokenizer, texts: list[str]) -> Any:
+        searched.extend(map(len, texts))
+        return encode(backend, texts)
+
+    monkeypatch.setattr(control_text, "_encode", counted)
+    messages = [{"role": "user", "content": "<" + "1" * 1_000_000}]
+    with pytest.raises(TextTooLong):
+        smollm2.encode_chat(messages, at_most=1000)
+    assert searched == []
+
+
+def test_the_unknown_token_of_text_it_cannot_spell_is_no_control_token(
+    stories: Tokenizer,
+) -> None:
+    def no_byte_fallback(spec: dict[str, Any]) -> None:
+        spec["model"]["byte_fallback"] = False
+
+    tok = _variant(stories, no_byte_fallback, bos_token="<s>", add_bos=True)
+    messages = [{"role": "user", "content": "if a < b then 日 go"}]
+    assert tok.backend.token_to_id("<unk>") in tok.encode(tok.render_chat(messages))
+    assert tok._controls.guard((messages, None, None), lambda _: None) is None

@@ -27,6 +27,7 @@ them, in any text.
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import threading
@@ -44,11 +45,22 @@ class ControlTokens:
     """A tokenizer's control tokens: found in a request's strings, and a guarded rendering
     tokenized with the spelled ones read as text."""
 
-    def __init__(self, backend: HFTokenizer, kept: Sequence[str] = ()) -> None:
-        """`kept`: control tokens read as tokens wherever they are written."""
+    def __init__(
+        self, backend: HFTokenizer, kept: Sequence[str] = (), template: str | None = None
+    ) -> None:
+        """`kept`: control tokens read as tokens wherever they are written. `template`: the
+        chat template's source, whose added tokens are control tokens too (DeepSeek-R1's
+        turn markers `<｜User｜>` are not special)."""
         added = backend.get_added_tokens_decoder()
         self.backend = backend
-        self.control = frozenset(i for i, t in added.items() if t.special)  # where to cut
+        # (the unknown token the model writes for text it cannot spell is no control token)
+        model_unk = getattr(backend.model, "unk_token", None)
+        unk = backend.token_to_id(model_unk) if isinstance(model_unk, str) else None
+        self.control = frozenset(  # where a rendering is cut
+            i
+            for i, t in added.items()
+            if i != unk and (t.special or _a_marker(t.content, template))
+        )
         self.guarded = frozenset(i for i in self.control if added[i].content not in kept)
         # A string can spell one only where it holds one's first character: the others
         # are not tokenized to find out. A normalizer may make that character from others
@@ -62,12 +74,15 @@ class ControlTokens:
             if firsts and not normalized
             else None
         )
-        self._plain: tuple[HFTokenizer, int] | None = None
+        self._plain: tuple[HFTokenizer, str] | None = None
+        self._anchor_id: int | None = None
         self._making = threading.Lock()
 
-    def guard(self, values: Any) -> Guarded | None:
+    def guard(self, values: Any, probe: Callable[[str], None]) -> Guarded | None:
         """`values` (a request's messages, tools and template variables: JSON-shaped) with
-        each spelled control token swapped for a placeholder; None where none spells one."""
+        each spelled control token swapped for a placeholder; None where none spells one.
+        `probe` refuses a string far too long for the context from its start, before it is
+        tokenized whole here."""
         if not self.guarded:
             return None
         texts = [
@@ -75,16 +90,21 @@ class ControlTokens:
             for s in dict.fromkeys(_strings(values))
             if self._may_spell is None or self._may_spell.search(s)
         ]
+        for text in texts:
+            probe(text)
         found: dict[str, list[tuple[int, int]]] = {}
         for text, read in zip(texts, _encode(self.backend, texts), strict=True):
-            # (the span of one that strips a space beside it holds the space; `offsets`
-            # and `ids` are made anew at each access)
-            spans = [ab for i, ab in zip(read.ids, read.offsets, strict=True) if i in self.guarded]
+            # (`offsets` and `ids` are made anew at each access)
+            spans = [
+                _core(text, a, b)
+                for i, (a, b) in zip(read.ids, read.offsets, strict=True)
+                if i in self.guarded
+            ]
             if spans:
                 found[text] = spans
         if not found:
             return None
-        nonce = secrets.token_hex(8)
+        nonce = secrets.token_hex(4)
         spelled: dict[str, int] = {}
 
         def swap(text: str) -> str:
@@ -125,33 +145,46 @@ class ControlTokens:
             return ids
         plain, anchor = self._plain_tokenizer()
         text = guarded.restore(text)
-        if a == 0:  # (the text's start)
-            return _encode(plain, [text])[0].ids
-        # After a token of its own the copy reads the stretch as one that follows a
-        # control token.
-        read = _encode(plain, [ANCHOR + text])[0].ids
-        assert read[0] == anchor
-        return read[1:]
+        # After a token of its own the copy reads a stretch as one that follows a control
+        # token; at the text's start, as the start. (The anchor's id, past the model's
+        # vocabulary, never stays.)
+        read = _encode(plain, [text if a == 0 else anchor + text])[0].ids
+        read = [i for i in read if i != self._anchor_id]
+        if self.control.isdisjoint(read):
+            return read
+        # A vocabulary whose merges build a control token's piece from its text (a
+        # SentencePiece GGUF's, merges derived from every piece): its characters, each
+        # read alone.
+        return [t for i in read for t in (self._spelled(i) if i in self.control else [i])]
 
-    def _plain_tokenizer(self) -> tuple[HFTokenizer, int]:
+    def _spelled(self, token: int) -> list[int]:
+        plain, anchor = self._plain_tokenizer()
+        literal = self.backend.id_to_token(token) or ""
+        reads = _encode(plain, [anchor + c for c in literal])
+        drop = self.control | {self._anchor_id}
+        return [t for read in reads for t in read.ids if t not in drop]
+
+    def _plain_tokenizer(self) -> tuple[HFTokenizer, str]:
         """A copy of the tokenizer that reads its control tokens as text (the flag is the
-        tokenizer's, and other requests tokenize meanwhile), with an added token of its own
-        (not special, so still read as a token) to put before a stretch. Made at the first
-        request that needs it, once: 0.28 s and 62 MiB for a 262k vocabulary."""
+        tokenizer's, and other requests tokenize meanwhile; the template's tokens that are
+        not special are made so in the copy), and an added token of its own to put before
+        a stretch (not special, so read as a token): random, so that no request can write
+        it. Made at the first request that needs it, once: 0.28 s and 62 MiB for a 262k
+        vocabulary."""
         with self._making:
             if self._plain is None:
-                plain = HFTokenizer.from_str(self.backend.to_str())
+                spec = json.loads(self.backend.to_str())
+                for t in spec.get("added_tokens") or []:
+                    if t.get("id") in self.guarded:
+                        t["special"] = True
+                plain = HFTokenizer.from_str(json.dumps(spec))
                 plain.encode_special_tokens = True
-                plain.add_tokens([AddedToken(ANCHOR, special=False, normalized=False)])
-                anchor = plain.token_to_id(ANCHOR)
-                assert anchor is not None
+                anchor = f"\ue000specd-{secrets.token_hex(8)}\ue000"
+                plain.add_tokens([AddedToken(anchor, special=False, normalized=False)])
+                self._anchor_id = plain.token_to_id(anchor)
                 self._plain = plain, anchor
             return self._plain
 
-
-# What the plain copy reads as one token before a stretch (`ControlTokens._stretch`): no
-# text holds it (a private-use character on each side).
-ANCHOR = "\ue000specd-anchor\ue000"
 
 # A placeholder is ASCII letters and digits only, so that no template filter escapes it
 # (tojson, HTML escaping) or trims it, and matched ignoring case (an `upper` filter).
@@ -161,7 +194,7 @@ PLACEHOLDER = "specdctl"
 @dataclass(frozen=True)
 class Guarded:
     values: Any  # the values, placeholders in place of spelled control tokens
-    nonce: str  # 16 random hex digits: no request can write a placeholder
+    nonce: str  # 8 random hex digits: a text that looks like a placeholder is not one
     spelled: list[str]  # the spelled control tokens, by placeholder number
 
     @property
@@ -174,6 +207,30 @@ class Guarded:
     def restore(self, text: str) -> str:
         """`text` with each placeholder's control token spelled again."""
         return self._pattern.sub(lambda m: self.spelled[int(m.group(1))], text)
+
+
+def _a_marker(token: str, template: str | None) -> bool:
+    """Whether an added token that is not special is one of the template's markers: written
+    by it, and no word or run of spaces (Gemma's added `\n\n`, which any template writes,
+    is text)."""
+    return (
+        template is not None
+        and len(token) > 1
+        and token in template
+        and not any(c.isspace() for c in token)
+        and not token.isalnum()
+    )
+
+
+def _core(text: str, a: int, b: int) -> tuple[int, int]:
+    """The span `text[a:b]` of a control token found without the spaces beside it that it
+    strips (`lstrip`, `rstrip`): they stay text, for the template's own to strip."""
+    core_a, core_b = a, b
+    while core_a < core_b and text[core_a].isspace():
+        core_a += 1
+    while core_b > core_a and text[core_b - 1].isspace():
+        core_b -= 1
+    return (core_a, core_b) if core_a < core_b else (a, b)  # (a token of spaces: whole)
 
 
 def _encode(backend: HFTokenizer, texts: list[str]) -> list[Encoding]:

@@ -97,9 +97,9 @@ class Tokenizer:
             special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
             self.shown_specials.update({i: t for t, i in tags.items() if i in special})
         # The control tokens a request's text may not write (`encode_chat`): the special
-        # added tokens, a reasoning model's think tags aside.
+        # added tokens and those the template writes, a reasoning model's think tags aside.
         self._controls = ControlTokens(
-            tokenizer, (thinking.OPEN, thinking.CLOSE) if self.thinks else ()
+            tokenizer, (thinking.OPEN, thinking.CLOSE) if self.thinks else (), chat_template
         )
         self.chat_template = chat_template
         self.has_chat_template = chat_template is not None
@@ -370,7 +370,9 @@ class Tokenizer:
         as `encode`'s, `variables` as `render_chat`'s."""
         # (a template writes BOS itself)
         bos = not self.has_chat_template
-        guarded = self._controls.guard((messages, tools, variables))
+        guarded = self._controls.guard(
+            (messages, tools, variables), lambda text: self._probe(text, at_most)
+        )
         if guarded is None:
             text = self.render_chat(messages, tools=tools, variables=variables)
             return self.encode(text, add_special_tokens=bos, at_most=at_most)
@@ -378,7 +380,7 @@ class Tokenizer:
         # (modeling/text/control_text.py).
         messages, tools, variables = guarded.values
         text = self.render_chat(messages, tools=tools, variables=variables)
-        self._probe(text, at_most)
+        self._probe(guarded.restore(text), at_most)  # (a placeholder is more tokens)
         ids = self._controls.encode(text, guarded)
         return self._framed(ids) if bos else ids
 
