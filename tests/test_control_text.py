@@ -321,20 +321,36 @@ def test_a_prompt_that_fits_is_not_refused(smollm2: Tokenizer) -> None:
     assert smollm2.encode_chat(messages, at_most=len(ids)) == ids
 
 
-def test_a_string_far_too_long_is_refused_before_it_is_searched(
-    smollm2: Tokenizer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def searched(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The lengths of the texts control_text tokenizes."""
     from modeling.text import control_text
 
-    searched: list[int] = []
+    lengths: list[int] = []
     encode = control_text._encode
 
     def counted(backend: HFTokenizer, texts: list[str]) -> Any:
-        searched.extend(map(len, texts))
+        lengths.extend(map(len, texts))
         return encode(backend, texts)
 
     monkeypatch.setattr(control_text, "_encode", counted)
-    messages = [{"role": "user", "content": "<" + "1" * 1_000_000}]
+    return lengths
+
+
+def test_code_full_of_angle_brackets_is_not_searched(
+    smollm2: Tokenizer, searched: list[int]
+) -> None:
+    messages = [{"role": "user", "content": "for (i = 0; i < n; i++) x = f<T>(a[i]) <| >;"}]
+    assert smollm2.encode_chat(messages) == smollm2.encode(
+        smollm2.render_chat(messages), add_special_tokens=False
+    )
+    assert searched == []
+
+
+def test_a_string_far_too_long_is_refused_before_it_is_searched(
+    smollm2: Tokenizer, searched: list[int]
+) -> None:
+    messages = [{"role": "user", "content": "<|" + "1" * 1_000_000}]
     with pytest.raises(TextTooLong):
         smollm2.encode_chat(messages, at_most=1000)
     assert searched == []
