@@ -343,11 +343,14 @@ def _encode_conversation(
     are the template's besides (`Ask.template_vars`)."""
     if tok.harmony:  # its template tests `"..." in message.content`: a call's None is absent
         messages = [_harmony_message(m) for m in messages]
-    if tok.harmony or native_format(tok.chat_template, tok.vocabulary) is not None:
-        offered = [t.as_openai() for t in tools] if tools else None
-        return tok.encode_chat(messages, tools=offered, at_most=at_most, variables=variables)
+    offered = [t.as_openai() for t in tools] if tools else None
+    native = tok.harmony or native_format(tok.chat_template, tok.vocabulary) is not None
     return tok.encode_chat(
-        render_tool_messages(messages, tools), at_most=at_most, variables=variables
+        messages,
+        tools=offered,
+        at_most=at_most,
+        variables=variables,
+        arrange=None if native else render_tool_messages,
     )
 
 

@@ -335,11 +335,12 @@ FALLBACK_INSTRUCTIONS = (
 
 
 def render_tool_messages(
-    messages: list[dict[str, Any]], tools: Sequence[Tool] | None
+    messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
 ) -> list[dict[str, Any]]:
-    """`messages` for a template without a tool format: the tools and the call format in a
-    system message (joined to the first system message if there is one), earlier calls as
-    the assistant's tagged text, tool results as user messages in <tool_response> tags."""
+    """`messages` for a template without a tool format: the tools (OpenAI's shape,
+    `Tool.as_openai`) and the call format in a system message (joined to the first system
+    message if there is one), earlier calls as the assistant's tagged text, tool results as
+    user messages in <tool_response> tags."""
     out: list[dict[str, Any]] = []
     for msg in messages:
         if msg["role"] == "assistant" and msg.get("tool_calls"):
@@ -360,9 +361,7 @@ def render_tool_messages(
         else:
             out.append({"role": msg["role"], "content": msg.get("content") or ""})
     if tools:
-        listing = "\n".join(
-            json.dumps(t.as_openai()["function"], separators=(",", ":")) for t in tools
-        )
+        listing = "\n".join(json.dumps(t["function"], separators=(",", ":")) for t in tools)
         system = FALLBACK_INSTRUCTIONS + listing
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}

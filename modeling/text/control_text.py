@@ -85,20 +85,19 @@ class ControlTokens:
         self._anchor_id: int | None = None
         self._making = threading.Lock()
 
-    def guard(self, values: Any, probe: Callable[[str], None]) -> Guarded | None:
+    def guard(self, values: Any, too_long: Callable[[str], bool]) -> Guarded | None:
         """`values` (a request's messages, tools and template variables: JSON-shaped) with
         each spelled control token swapped for a placeholder; None where none spells one.
-        `probe` refuses a string far too long for the context from its start, before it is
-        tokenized whole here."""
+        A string `too_long` (its start alone past the context) is not searched: a prompt
+        that renders it is refused, and one whose template drops it (an earlier turn's
+        reasoning) does not read it."""
         if not self.guarded:
             return None
         texts = [
             s
             for s in dict.fromkeys(_strings(values))
-            if self._may_spell is None or self._may_spell.search(s)
+            if (self._may_spell is None or self._may_spell.search(s)) and not too_long(s)
         ]
-        for text in texts:
-            probe(text)
         found: dict[str, list[tuple[int, int]]] = {}
         for text, read in zip(texts, _encode(self.backend, texts), strict=True):
             # (`offsets` and `ids` are made anew at each access)

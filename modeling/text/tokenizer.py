@@ -11,7 +11,7 @@ template at load (so a broken one fails there), the fallback at its first use, s
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,9 @@ from modeling.text.tokenizer_file import read_backend
 
 if TYPE_CHECKING:
     from jinja2 import Template
+
+# specd's own writing of a request's tools into its messages (`Tokenizer.encode_chat`).
+Arrange = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], list[dict[str, Any]]]
 
 
 def _token_text(tc: dict[str, Any], key: str, file: Path) -> str | None:
@@ -261,14 +264,21 @@ class Tokenizer:
             raise tokenizer_failure(err, "tokenize this text") from None
 
     def _probe(self, text: str, at_most: int | None, add_special_tokens: bool = False) -> None:
-        if at_most is not None and len(text) > PROBE_CHARS * at_most:
-            # A text that may be far longer than `at_most` tokens: its start is counted
-            # first (a megabyte of digits, a token each, took 3.3 s to tokenize before
-            # being refused for the context). Cut anywhere, a text's start has its
-            # tokens, give or take a few at the cut.
-            probe = self._ids(text[: PROBE_CHARS * at_most], add_special_tokens)
-            if len(probe) - PROBE_MARGIN > at_most:
-                raise TextTooLong(len(probe) - PROBE_MARGIN)
+        if tokens := self._start_tokens(text, at_most, add_special_tokens):
+            raise TextTooLong(tokens)
+
+    def _start_tokens(
+        self, text: str, at_most: int | None, add_special_tokens: bool = False
+    ) -> int:
+        """The tokens (at least) of `text`'s start where they alone are more than
+        `at_most`, else 0. A text that may be far longer than `at_most` tokens has its
+        start counted first (a megabyte of digits, a token each, took 3.3 s to tokenize
+        before being refused for the context). Cut anywhere, a text's start has its tokens,
+        give or take a few at the cut."""
+        if at_most is None or len(text) <= PROBE_CHARS * at_most:
+            return 0
+        probe = self._ids(text[: PROBE_CHARS * at_most], add_special_tokens)
+        return max(len(probe) - PROBE_MARGIN, 0) if len(probe) - PROBE_MARGIN > at_most else 0
 
     def encode(
         self, text: str, add_special_tokens: bool = True, at_most: int | None = None
@@ -364,22 +374,28 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         at_most: int | None = None,
         variables: dict[str, Any] | None = None,
+        arrange: Arrange | None = None,
     ) -> list[int]:
         """Prompt ids for a conversation, ready for the assistant's turn; `tools` (OpenAI's
-        shape) go to a template that renders them (speculative/tool_calls.py). `at_most`
-        as `encode`'s, `variables` as `render_chat`'s."""
+        shape) go to a template that renders them (speculative/tool_calls.py), or to
+        `arrange`, specd's own writing of them into the messages for a template that does
+        not (its markup is not the request's: it comes after the request's spelled control
+        tokens are found). `at_most` as `encode`'s, `variables` as `render_chat`'s."""
         # (a template writes BOS itself)
         bos = not self.has_chat_template
-        guarded = self._controls.guard(
-            (messages, tools, variables), lambda text: self._probe(text, at_most)
-        )
-        if guarded is None:
-            text = self.render_chat(messages, tools=tools, variables=variables)
-            return self.encode(text, add_special_tokens=bos, at_most=at_most)
         # Control tokens spelled in the request's text are read as that text
-        # (modeling/text/control_text.py).
-        messages, tools, variables = guarded.values
+        # (modeling/text/control_text.py). A string whose start alone is past `at_most`
+        # is not searched: a prompt that renders it is refused for its length.
+        guarded = self._controls.guard(
+            (messages, tools, variables), lambda text: self._start_tokens(text, at_most) > 0
+        )
+        if guarded is not None:
+            messages, tools, variables = guarded.values
+        if arrange is not None:
+            messages, tools = arrange(messages, tools), None
         text = self.render_chat(messages, tools=tools, variables=variables)
+        if guarded is None:
+            return self.encode(text, add_special_tokens=bos, at_most=at_most)
         self._probe(guarded.restore(text), at_most)  # (a placeholder is more tokens)
         ids = self._controls.encode(text, guarded)
         return self._framed(ids) if bos else ids
