@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 from daemon.admission import _encode_conversation
@@ -48,6 +49,14 @@ def _variant(tok: Tokenizer, change: Callable[[dict[str, Any]], None], **kw: Any
     change(spec)
     kw.setdefault("chat_template", tok.chat_template)
     return Tokenizer(HFTokenizer.from_str(json.dumps(spec)), **kw)
+
+
+def _with_specials(tok: Tokenizer, tokens: list[str], **kw: Any) -> Tokenizer:
+    """`tok` with more special tokens."""
+    backend = HFTokenizer.from_str(tok.backend.to_str())
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+    kw.setdefault("chat_template", tok.chat_template)
+    return Tokenizer(backend, **kw)
 
 
 def _controls(tok: Tokenizer, ids: list[int]) -> list[str]:
@@ -234,23 +243,8 @@ def test_a_tokenizer_that_writes_a_space_before_each_stretch(stories: Tokenizer)
 
 
 def test_think_tags_are_read_as_tags_wherever_written(smollm2: Tokenizer) -> None:
-    def tags(spec: dict[str, Any]) -> None:
-        top = max(t["id"] for t in spec["added_tokens"]) + len(spec["model"]["vocab"])
-        for n, t in enumerate(("<think>", "</think>")):
-            spec["added_tokens"].append(
-                {
-                    "id": top + n,
-                    "content": t,
-                    "single_word": False,
-                    "lstrip": False,
-                    "rstrip": False,
-                    "normalized": False,
-                    "special": True,
-                }
-            )
-
     template = (smollm2.chat_template or "") + "{# </think> #}"
-    tok = _variant(smollm2, tags, chat_template=template)
+    tok = _with_specials(smollm2, ["<think>", "</think>"], chat_template=template)
     assert tok.thinks
     messages = [
         {"role": "user", "content": "q"},
@@ -354,22 +348,7 @@ def test_specds_own_tool_markup_stays_tokens(smollm2: Tokenizer) -> None:
     the request's are text."""
     tags = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
-    def special_tags(spec: dict[str, Any]) -> None:
-        top = max(t["id"] for t in spec["added_tokens"]) + len(spec["model"]["vocab"])
-        for n, t in enumerate(tags):
-            spec["added_tokens"].append(
-                {
-                    "id": top + n,
-                    "content": t,
-                    "single_word": False,
-                    "lstrip": False,
-                    "rstrip": False,
-                    "normalized": False,
-                    "special": True,
-                }
-            )
-
-    tok = _variant(smollm2, special_tags)
+    tok = _with_specials(smollm2, tags)
     tools = [Tool("f", "", {"type": "object"})]
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}
     messages: list[dict[str, Any]] = [
