@@ -88,17 +88,22 @@ class ControlTokens:
     def guard(self, values: Any, too_long: Callable[[str], bool]) -> Guarded | None:
         """`values` (a request's messages, tools and template variables: JSON-shaped) with
         each spelled control token swapped for a placeholder; None where none spells one.
-        A string `too_long` (its start alone past the context) is not searched: a prompt
-        that renders it is refused, and one whose template drops it (an earlier turn's
-        reasoning) does not read it."""
+        A string `too_long` (its start alone past the context) is not searched but
+        swapped whole, read as text wherever the template puts it: a prompt that renders
+        it is refused for its length, and one whose template drops it (an earlier turn's
+        reasoning) does not pay for its search."""
         if not self.guarded:
             return None
         texts = [
             s
             for s in dict.fromkeys(_strings(values))
-            if (self._may_spell is None or self._may_spell.search(s)) and not too_long(s)
+            if self._may_spell is None or self._may_spell.search(s)
         ]
         found: dict[str, list[tuple[int, int]]] = {}
+        for text in texts:
+            if too_long(text):
+                found[text] = [(0, len(text))]
+        texts = [text for text in texts if text not in found]
         for text, read in zip(texts, _encode(self.backend, texts), strict=True):
             # (`offsets` and `ids` are made anew at each access)
             spans = [

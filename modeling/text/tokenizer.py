@@ -384,8 +384,7 @@ class Tokenizer:
         # (a template writes BOS itself)
         bos = not self.has_chat_template
         # Control tokens spelled in the request's text are read as that text
-        # (modeling/text/control_text.py). A string whose start alone is past `at_most`
-        # is not searched: a prompt that renders it is refused for its length.
+        # (modeling/text/control_text.py).
         guarded = self._controls.guard(
             (messages, tools, variables), lambda text: self._start_tokens(text, at_most) > 0
         )
