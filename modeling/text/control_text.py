@@ -85,13 +85,12 @@ class ControlTokens:
         self._anchor_id: int | None = None
         self._making = threading.Lock()
 
-    def guard(self, values: Any, too_long: Callable[[str], bool]) -> Guarded | None:
+    def guard(self, values: Any) -> Guarded | None:
         """`values` (a request's messages, tools and template variables: JSON-shaped) with
         each spelled control token swapped for a placeholder; None where none spells one.
-        A string `too_long` (its start alone past the context) is not searched but
-        swapped whole, read as text wherever the template puts it: a prompt that renders
-        it is refused for its length, and one whose template drops it (an earlier turn's
-        reasoning) does not pay for its search."""
+        Every string is searched whole, however long: a template may render a part of
+        one (`| trim`, `[:n]`, Qwen3's text after `</think>`), so a string too long for
+        the context may still put its tokens in a prompt that fits."""
         if not self.guarded:
             return None
         texts = [
@@ -100,10 +99,6 @@ class ControlTokens:
             if self._may_spell is None or self._may_spell.search(s)
         ]
         found: dict[str, list[tuple[int, int]]] = {}
-        for text in texts:
-            if too_long(text):
-                found[text] = [(0, len(text))]
-        texts = [text for text in texts if text not in found]
         for text, read in zip(texts, _encode(self.backend, texts), strict=True):
             # (`offsets` and `ids` are made anew at each access)
             spans = [

@@ -264,21 +264,14 @@ class Tokenizer:
             raise tokenizer_failure(err, "tokenize this text") from None
 
     def _probe(self, text: str, at_most: int | None, add_special_tokens: bool = False) -> None:
-        if tokens := self._start_tokens(text, at_most, add_special_tokens):
-            raise TextTooLong(tokens)
-
-    def _start_tokens(
-        self, text: str, at_most: int | None, add_special_tokens: bool = False
-    ) -> int:
-        """The tokens (at least) of `text`'s start where they alone are more than
-        `at_most`, else 0. A text that may be far longer than `at_most` tokens has its
-        start counted first (a megabyte of digits, a token each, took 3.3 s to tokenize
-        before being refused for the context). Cut anywhere, a text's start has its tokens,
-        give or take a few at the cut."""
-        if at_most is None or len(text) <= PROBE_CHARS * at_most:
-            return 0
-        probe = self._ids(text[: PROBE_CHARS * at_most], add_special_tokens)
-        return max(len(probe) - PROBE_MARGIN, 0) if len(probe) - PROBE_MARGIN > at_most else 0
+        if at_most is not None and len(text) > PROBE_CHARS * at_most:
+            # A text that may be far longer than `at_most` tokens: its start is counted
+            # first (a megabyte of digits, a token each, took 3.3 s to tokenize before
+            # being refused for the context). Cut anywhere, a text's start has its
+            # tokens, give or take a few at the cut.
+            probe = self._ids(text[: PROBE_CHARS * at_most], add_special_tokens)
+            if len(probe) - PROBE_MARGIN > at_most:
+                raise TextTooLong(len(probe) - PROBE_MARGIN)
 
     def encode(
         self, text: str, add_special_tokens: bool = True, at_most: int | None = None
@@ -385,9 +378,7 @@ class Tokenizer:
         bos = not self.has_chat_template
         # Control tokens spelled in the request's text are read as that text
         # (modeling/text/control_text.py).
-        guarded = self._controls.guard(
-            (messages, tools, variables), lambda text: self._start_tokens(text, at_most) > 0
-        )
+        guarded = self._controls.guard((messages, tools, variables))
         if guarded is not None:
             messages, tools, variables = guarded.values
         if arrange is not None:
