@@ -18,11 +18,12 @@ llama.cpp read the token):
    control token (SentencePiece's leading `▁` only at the text's start).
 
 A conversation without one (nearly all) is rendered and tokenized whole, as before.
-Control tokens are the tokenizer's special added tokens (GGUF's control and unknown types,
-and the ids it names); a reasoning model's think tags are read as tags wherever they are
-written (an earlier answer sent back holds its reasoning between them). Added tokens that
-are not special (Qwen's `<tool_call>`, Gemma's `<table>`) are read as the tokenizer reads
-them, in any text.
+Control tokens are the tokenizer's special added tokens (GGUF's control type, and the ids
+it names) and the added tokens the chat template writes as markers (Qwen's `<tool_call>`,
+DeepSeek-R1's `<｜User｜>`, not special); a reasoning model's think tags are read as tags
+wherever they are written (an earlier answer sent back holds its reasoning between them),
+and the unknown token the model writes for text it cannot spell is none. Other added
+tokens (Gemma's `<table>`) are read as the tokenizer reads them, in any text.
 """
 
 from __future__ import annotations
