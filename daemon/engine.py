@@ -214,6 +214,11 @@ class Engine:
         return len(self._idle)
 
     @property
+    def in_flight(self) -> dict[str, int]:
+        """The places taken against limits.max_concurrent + limits.queue_size (`InFlight`)."""
+        return self._in_flight.figures()
+
+    @property
     def queued(self) -> int:
         """Generations not begun: queued, and choices waiting for their first's prompt."""
         return self._queue.qsize() + len(self._waiting)

@@ -135,6 +135,19 @@ class InFlight:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def figures(self) -> dict[str, int]:
+        """What /health shows: the places taken, those of requests still being prepared
+        among them, and the limit (a house full of slow preparations refuses requests
+        while no generation is active or queued)."""
+        with self._lock:
+            preparing = sum(isinstance(e, Seat) for e in self._entries)
+            taken = len(self._entries)
+        return {
+            "taken": taken,
+            "preparing": preparing,
+            "limit": self.max_concurrent + self.queue_size,
+        }
+
     def reserve(self) -> Seat:
         """A place for a request about to be prepared, or QueueFullError."""
         seat = Seat()

@@ -9,6 +9,7 @@ import http.client
 import json
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -338,3 +339,25 @@ def test_a_connection_lost_in_a_write_is_the_clients_leaving_not_a_500() -> None
         if s.name == "specd_requests_total"
     }
     assert counted == {("499", 1.0)}
+
+
+def test_health_shows_the_places_held_by_requests_being_prepared(
+    server: BackgroundServer,
+) -> None:
+    """A house full of slow preparations refuses requests while no generation is active or
+    queued: /health and /v1/specd/status say why (`in_flight`)."""
+    engine = server.server.engine
+    limits = server.server.settings.limits
+    most = limits.max_concurrent + limits.queue_size
+    seats = [engine.reserve() for _ in range(3)]
+    try:
+        for path in ("/health", "/v1/specd/status"):
+            with urllib.request.urlopen(server.url + path) as resp:
+                body = json.loads(resp.read())
+            assert body["in_flight"] == {"taken": 3, "preparing": 3, "limit": most}
+            assert body["active"] == body["queued"] == 0
+    finally:
+        for seat in seats:
+            engine.release(seat)
+    with urllib.request.urlopen(server.url + "/health") as resp:
+        assert json.loads(resp.read())["in_flight"]["taken"] == 0

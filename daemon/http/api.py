@@ -46,6 +46,7 @@ async def health(request: web.Request) -> web.Response:
         "model": request.app[CONFIG].model_name,
         "active": engine.active_count,
         "queued": engine.queued,
+        "in_flight": engine.in_flight,  # places taken of the limit, being prepared included
         # ok | tight | critical (off: not watched); at critical new requests get 503.
         "memory_pressure": engine.pressure.level if engine.pressure is not None else "off",
         "pid": os.getpid(),  # (`specd start` checks that the daemon answering is its own)

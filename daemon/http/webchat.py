@@ -68,6 +68,7 @@ async def specd_status(request: web.Request) -> web.Response:
         "model": app[CONFIG].model_name,
         "active": engine.active_count,
         "queued": engine.queued,
+        "in_flight": engine.in_flight,  # places taken of the limit, being prepared included
         "target": engine.options.model,
         "draft": engine.options.draft,
         # The tree budget configured: a node count, or "auto" (chosen each round, up to
