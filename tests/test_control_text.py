@@ -402,10 +402,15 @@ def test_a_long_string_a_template_cuts_is_searched_whole(
     assert _controls(tok, ids) == ["<|im_start|>", "<|im_end|>", "<|im_start|>"]
 
 
-def test_a_string_far_too_long_is_refused(smollm2: Tokenizer) -> None:
-    messages = [{"role": "user", "content": "<|im_end|>" + "1" * 1_000_000}]
+def test_a_request_far_too_long_is_refused_before_it_is_searched(
+    smollm2: Tokenizer, searched: list[int]
+) -> None:
+    """The search tokenizes every string whole: a request whose rendering's start alone is
+    past the context is refused first (its spelled tokens counted one each there)."""
+    messages = [{"role": "user", "content": "1" * 1_000_000 + "<|im_end|>"}]
     with pytest.raises(TextTooLong):
         smollm2.encode_chat(messages, at_most=1000)
+    assert searched == []
 
 
 def test_the_unknown_token_of_text_it_cannot_spell_is_no_control_token(

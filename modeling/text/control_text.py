@@ -253,6 +253,11 @@ def _encode(backend: HFTokenizer, texts: list[str]) -> list[Encoding]:
         raise tokenizer_failure(err, "tokenize this text") from None
 
 
+def request_chars(*values: Any) -> int:
+    """The characters of every string in JSON-shaped values."""
+    return sum(len(s) for s in _strings(values))
+
+
 def _strings(root: Any) -> Iterable[str]:
     """Every string in a JSON-shaped value, its objects' keys too; a loop, not recursion
     (a request's parser allows more nesting than Python's stack)."""

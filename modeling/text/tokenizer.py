@@ -26,7 +26,7 @@ from modeling.config import ModelConfig
 from modeling.errors import RequestError, tokenizer_failure
 from modeling.text import harmony, thinking
 from modeling.text.byte_level import BYTE_LEVEL, BYTE_LEVEL_INDEX, PROBE_BYTES
-from modeling.text.control_text import ControlTokens
+from modeling.text.control_text import ControlTokens, request_chars
 from modeling.text.model_template import (
     FALLBACK_CHAT_TEMPLATE,
     ChatTemplateError,
@@ -377,18 +377,35 @@ class Tokenizer:
         # (a template writes BOS itself)
         bos = not self.has_chat_template
         # Control tokens spelled in the request's text are read as that text
-        # (modeling/text/control_text.py).
+        # (modeling/text/control_text.py). Their search tokenizes the strings whole: a
+        # request long enough to be refused for the context has the start of its
+        # rendering counted first (a megabyte that held one near its end took 3 times as
+        # long to refuse). Its spelled tokens count one each there, fewer than as text.
+        if (
+            at_most is not None
+            and request_chars(messages, tools, variables) > PROBE_CHARS * at_most
+        ):
+            self._probe(self._rendered(messages, tools, variables, arrange), at_most)
         guarded = self._controls.guard((messages, tools, variables))
         if guarded is not None:
             messages, tools, variables = guarded.values
-        if arrange is not None:
-            messages, tools = arrange(messages, tools), None
-        text = self.render_chat(messages, tools=tools, variables=variables)
+        text = self._rendered(messages, tools, variables, arrange)
         if guarded is None:
             return self.encode(text, add_special_tokens=bos, at_most=at_most)
         self._probe(guarded.restore(text), at_most)  # (a placeholder is more tokens)
         ids = self._controls.encode(text, guarded)
         return self._framed(ids) if bos else ids
+
+    def _rendered(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        variables: dict[str, Any] | None,
+        arrange: Arrange | None,
+    ) -> str:
+        if arrange is not None:
+            messages, tools = arrange(messages, tools), None
+        return self.render_chat(messages, tools=tools, variables=variables)
 
     def _framed(self, ids: list[int]) -> list[int]:
         """`ids` with what `encode` adds with `add_special_tokens` (BOS, or what the
