@@ -124,7 +124,8 @@ class ControlTokens:
             out.append(text[at:])
             return "".join(out)
 
-        return Guarded(_swapped(values, swap), nonce, list(spelled))
+        placeholder = re.compile(f"{PLACEHOLDER}{nonce}n(\\d+)z", re.IGNORECASE)
+        return Guarded(_swapped(values, swap), placeholder, list(spelled))
 
     def encode(self, rendered: str, guarded: Guarded) -> list[int]:
         """The ids of the template's rendering of `guarded.values` (no BOS): its control
@@ -206,19 +207,17 @@ PLACEHOLDER = "specdctl"
 @dataclass(frozen=True)
 class Guarded:
     values: Any  # the values, placeholders in place of spelled control tokens
-    nonce: str  # 8 random hex digits: a text that looks like a placeholder is not one
+    # A placeholder, its number captured: its nonce (8 random hex digits) makes a text that
+    # looks like one not one.
+    placeholder: re.Pattern[str]
     spelled: list[str]  # the spelled control tokens, by placeholder number
 
-    @property
-    def _pattern(self) -> re.Pattern[str]:
-        return re.compile(f"{PLACEHOLDER}{self.nonce}n(\\d+)z", re.IGNORECASE)
-
     def holds(self, text: str) -> bool:
-        return self._pattern.search(text) is not None
+        return self.placeholder.search(text) is not None
 
     def restore(self, text: str) -> str:
         """`text` with each placeholder's control token spelled again."""
-        return self._pattern.sub(lambda m: self.spelled[int(m.group(1))], text)
+        return self.placeholder.sub(lambda m: self.spelled[int(m.group(1))], text)
 
 
 def _a_marker(token: str, template: str | None) -> bool:
