@@ -92,11 +92,13 @@ def default_paths() -> ServicePaths:
 class DaemonRecord:
     """What `specd start` leaves in the pid file for `stop` and `status`: the pid, and
     what tells the daemon's process apart from a later one the system gave the same pid
-    (its start time, as the kernel records it)."""
+    (its start time, as the kernel records it), and the API key file it serves with, whose
+    key `status` and `chat` send it (a `--config` given to `start` alone may name one)."""
 
     pid: int
     url: str
     created: float | None = None  # psutil's create_time of the daemon's process
+    key_file: str | None = None  # an absolute path
 
     @classmethod
     def read(cls, paths: ServicePaths) -> DaemonRecord | None:
@@ -109,6 +111,7 @@ class DaemonRecord:
         if not isinstance(data, dict):
             return None
         pid, url, created = data.get("pid"), data.get("url"), data.get("created")
+        key_file = data.get("key_file")
         if type(pid) is not int or not 0 < pid < MAX_PID:
             return None
         if not (isinstance(url, str) and URL.fullmatch(url)):
@@ -117,15 +120,25 @@ class DaemonRecord:
             isinstance(created, (int, float)) and 0 < created < 1e11  # (seconds since 1970)
         ):
             return None
-        return cls(pid, url, None if created is None else float(created))
+        if key_file is not None and not (
+            isinstance(key_file, str)
+            and 0 < len(key_file) <= MAX_PATH_CHARS
+            and "\0" not in key_file
+            and Path(key_file).is_absolute()
+        ):
+            return None
+        return cls(pid, url, None if created is None else float(created), key_file)
 
     def write(self, paths: ServicePaths) -> None:
         paths.state_dir.mkdir(parents=True, exist_ok=True)
-        body = {"pid": self.pid, "url": self.url, "created": self.created}
+        body: dict[str, object] = {"pid": self.pid, "url": self.url, "created": self.created}
+        if self.key_file is not None:
+            body["key_file"] = self.key_file
         paths.pid_file.write_text(json.dumps(body))
 
 
 PID_FILE_BYTES = 4096
+MAX_PATH_CHARS = 1024  # a recorded key file's path (the pid file holds at most PID_FILE_BYTES)
 MAX_PID = 1 << 22  # Linux's pid_max limit (macOS's is lower)
 URL = re.compile(r"http://[A-Za-z0-9.:\[\]%-]{1,300}")  # what `daemon_url` makes
 
@@ -223,14 +236,16 @@ def start(
     url: str,
     wait_seconds: float,
     listen: tuple[str, int] | None = None,
+    key_file: str | None = None,
 ) -> DaemonRecord:
     """Start `specd serve` detached, logging to the log file; wait until /health says ready.
+    `key_file`: the API key file it serves with, recorded for `status` and `chat`.
     `listen` (host, port) is checked first, so a taken port is one line, not a failed start.
     One start at a time (`_start_lock`): two at once each spawned a daemon, and the pid
     file could name the one that lost the port while the other served, out of `stop`'s
     reach."""
     with _start_lock(paths):
-        return _start(paths, flags, url, wait_seconds, listen)
+        return _start(paths, flags, url, wait_seconds, listen, key_file)
 
 
 @contextlib.contextmanager
@@ -269,6 +284,7 @@ def _start(
     url: str,
     wait_seconds: float,
     listen: tuple[str, int] | None,
+    key_file: str | None = None,
 ) -> DaemonRecord:
     record = DaemonRecord.read(paths)
     if record is not None and alive(record):
@@ -292,7 +308,7 @@ def _start(
             start_new_session=True,  # survives the terminal that started it
             cwd=os.getcwd(),
         )
-    record = DaemonRecord(proc.pid, url, _created(proc.pid))
+    record = DaemonRecord(proc.pid, url, _created(proc.pid), key_file)
     record.write(paths)
     deadline = time.monotonic() + wait_seconds
     while time.monotonic() < deadline:

@@ -367,3 +367,57 @@ def test_a_start_is_ready_only_when_its_own_daemon_answers(
     with pytest.raises(service.ServiceError, match=r"exited during start-up \(status 1"):
         service.start(paths, [], "http://127.0.0.1:9", 10.0)
     assert not paths.pid_file.exists()
+
+
+def test_status_and_chat_send_the_key_the_background_daemon_was_started_with(
+    dirs: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`specd start --config FILE` whose file names `server.api_key_file` (the user config
+    names none): a plain `status` and `chat` send that key (they sent none, and were
+    answered 401); one naming an address sends the configuration's."""
+    import daemon.cli.chat as chat_cli
+
+    monkeypatch.chdir(dirs)
+    (dirs / "key.txt").write_text("s3cret\n")
+    config = dirs / "key.yaml"
+    config.write_text(
+        "models:\n  target: ../models/x.gguf\nserver:\n  port: 9\n  api_key_file: key.txt\n"
+    )
+    started: list[str | None] = []
+
+    def fake_start(paths, flags, url, wait, listen, key_file=None):  # type: ignore[no-untyped-def]
+        started.append(key_file)
+        record = service.DaemonRecord(4321, url, None, key_file)
+        record.write(paths)
+        return record
+
+    monkeypatch.setattr(service, "start", fake_start)
+    assert main(["start", "--config", str(config)]) == 0
+    assert started == [str(dirs / "key.txt")]
+    assert service.DaemonRecord.read(service.default_paths()).key_file == str(dirs / "key.txt")
+    monkeypatch.setattr(service, "alive", lambda record: True)
+    monkeypatch.setattr(service, "fetch_health", lambda url, timeout=2.0: (200, {"pid": 4321}))
+    sent: list[str | None] = []
+    monkeypatch.setattr(
+        service,
+        "fetch_json",
+        lambda url, api_key=None, timeout=2.0: (sent.append(api_key), (0, {}))[1],
+    )
+    assert main(["status"]) == 0
+    asked: list[tuple[str, str | None]] = []
+    monkeypatch.setattr(
+        chat_cli,
+        "ask",
+        lambda options, conversation, text, screen: (
+            asked.append((options.url, options.api_key)) or type("Answer", (), {"stopped": False})()
+        ),
+    )
+    assert main(["chat", "--once", "hi"]) == 0
+    assert sent == ["s3cret"] and asked == [("http://127.0.0.1:9", "s3cret")]
+    # Naming an address asks that daemon with the configuration's key (none here).
+    assert main(["status", "--port", "9"]) == 0
+    assert sent == ["s3cret", None]
+    # A record that is not one specd wrote (a relative key path) is no record.
+    paths = service.default_paths()
+    paths.pid_file.write_text('{"pid": 4321, "url": "http://127.0.0.1:9", "key_file": "k"}')
+    assert service.DaemonRecord.read(paths) is None

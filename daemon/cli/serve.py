@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from daemon import service
 from daemon.cli.argtypes import DRAFT_HELP, MAX_THREADS, MODEL_HELP, count, count_or_auto
 from daemon.cli.plan import (
     add_context_arg,
@@ -78,10 +79,19 @@ def read_api_key(path: str | Path) -> str | None:
 
 
 def configured_api_key(args: argparse.Namespace) -> str | None:
-    """The configuration's API key (`server.api_key_file`), if one can be read: best effort
-    for the commands that talk to a daemon (`status`, `chat`), which say what the daemon
-    answered. Read here rather than with `daemon.http.server.read_api_key` so that they
-    import neither aiohttp nor torch."""
+    """The API key of the daemon a command talks to (`status`, `chat`), if one can be read:
+    the background daemon's own (the key file `specd start` recorded, which a `--config`
+    given to `start` alone may name) where the command names no daemon, else the
+    configuration's (`server.api_key_file`). Best effort: those commands say what the
+    daemon answered. Read here rather than with `daemon.http.server.read_api_key` so that
+    they import neither aiohttp nor torch."""
+    if not names_address(args):
+        record = service.DaemonRecord.read(service.default_paths())
+        if record is not None and record.key_file is not None and service.alive(record):
+            try:
+                return read_api_key(record.key_file)
+            except (OSError, ValueError):
+                pass  # (moved or emptied since: the configuration's, if any)
     try:
         path = settings_from_args(args).server.api_key_file
     except SettingsError:

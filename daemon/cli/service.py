@@ -48,7 +48,9 @@ def cmd_start(args: argparse.Namespace) -> int:
     settings.require_target()  # no model configured: say so before forking anything
     paths = service.default_paths()
     listen = (settings.server.host, settings.server.port)
-    record = service.start(paths, flag_argv(args), _url(settings), args.wait, listen)
+    key = settings.server.api_key_file
+    key_file = None if key is None else str(Path(key).expanduser().absolute())
+    record = service.start(paths, flag_argv(args), _url(settings), args.wait, listen, key_file)
     # (Listening on every interface, it says so beside the loopback URL that opens it.)
     where = listening_on(settings.server.host, settings.server.port)
     print(f"specd is running (pid {record.pid}), {where}; logs: {paths.log_file}")
