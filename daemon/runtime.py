@@ -23,7 +23,7 @@ from daemon.learned_store import LearnedStore, pair_key
 from daemon.memory_plan import plan_dtype
 from daemon.options import RuntimeOptions, RuntimeSetupError
 from daemon.target_loading import expert_source, load_placed_target
-from modeling.checkpoints.checkpoint import DTYPE_CHOICES, Checkpoint
+from modeling.checkpoints.checkpoint import DTYPE_CHOICES, Checkpoint, NotCachedError
 from modeling.decoder import Transformer
 from modeling.models import layer_parameter_count
 from modeling.substitute import SUBSTITUTE
@@ -127,11 +127,14 @@ class Runtime:
             raise RuntimeSetupError(
                 f"context must be a token count or 'auto', got {options.context!r}"
             )
-        asked = settle_draft(options, self.device)
-        options = self.options = asked.options
+        try:
+            asked = settle_draft(options, self.device)
+            options = self.options = asked.options
+            placed = load_placed_target(options, self.device, asked.checkpoint)
+        except NotCachedError as exc:  # (the draft is opened first)
+            raise exc.naming_also([options.model, options.draft]) from None
         self.draft_reason: str | None = asked.reason  # why `--draft auto` chose what it did
         draft_ckpt = asked.checkpoint
-        placed = load_placed_target(options, self.device, draft_ckpt)
         target, tokenizer, ckpt = placed.model, placed.tokenizer, placed.checkpoint
         self.plan: MemoryPlan = placed.plan
         self.streamer: LayerStreamer | None = placed.streamer

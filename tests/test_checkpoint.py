@@ -436,6 +436,30 @@ def test_hub_id_not_in_the_cache(offline_hub: Path) -> None:
     assert "specd pull nobody/not-cached" in message
 
 
+def test_every_model_missing_from_the_cache_is_named_at_once(
+    offline_hub: Path, llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A profile's target and draft both missing offline were named one at a time, and
+    `plan` (the target first) and `start` (the draft first) named different ones."""
+    from daemon.cli import main
+    from daemon.options import RuntimeOptions
+    from daemon.runtime import Runtime
+
+    assert main(["plan", "--model", "org/target", "--draft", "org/draft"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "'org/target' is not in the local Hugging Face cache" in err
+    assert "nor is 'org/draft' (`specd pull --config-only org/draft`)" in err
+    with pytest.raises(ModelNotFoundError) as info:
+        Runtime(RuntimeOptions(model="org/target", draft="org/draft", device="cpu"))
+    assert "'org/draft' is not in the local Hugging Face cache" in str(info.value)
+    assert "nor is 'org/target' (`specd pull org/target`)" in str(info.value)
+    # One that is there is not named.
+    _hub_cache(offline_hub, "org/target", llama)
+    with pytest.raises(ModelNotFoundError) as info:
+        Runtime(RuntimeOptions(model="org/target", draft="org/draft", device="cpu"))
+    assert "'org/draft' is not in" in str(info.value) and "nor is" not in str(info.value)
+
+
 def test_skipped_parameters_stay_on_meta_and_the_rest_loads(tiny_checkpoint):
     """The disk offload tier loads a target without its streamed layers: they must take no
     memory (meta) yet keep their dtype and shape so the streamer can lay them out."""

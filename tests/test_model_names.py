@@ -90,19 +90,32 @@ def test_generate_with_a_missing_gguf_file_is_one_line_and_exit_2(
     )
 
 
-def test_serve_with_a_relative_path_from_a_config_file_says_where_it_looked(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("command", [["serve", "--port", "1"], ["plan"]])
+def test_a_relative_path_from_a_config_file_says_where_it_looked(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: list[str],
 ) -> None:
     """A relative path in a YAML file is taken from the folder specd runs in, not the
-    file's: the one line says which file gave it and which folder it was looked for in."""
+    file's: the one line says which file gave it and which folder it was looked for in
+    (`plan` said only that the file did not exist)."""
     config = tmp_path / "cfg" / "specd.yaml"
     config.parent.mkdir()
     config.write_text("models:\n  target: models/x.gguf\n")
     monkeypatch.chdir(tmp_path)
-    assert main(["serve", "--config", str(config), "--port", "1"]) == 2
+    assert main([*command, "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "model file models/x.gguf does not exist" in err
     assert f"models.target in {config}" in err and f"runs in, {tmp_path};" in err
+    # The draft's too; a path given by a flag is the user's own, said as it is.
+    config.write_text(f"models:\n  target: {Q8_0}\n  draft: models/d.gguf\n")
+    assert main([*command, "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model file models/d.gguf does not exist" in err and "models.draft in" in err
+    assert main([*command, "--config", str(config), "--draft", "models/e.gguf"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model file models/e.gguf does not exist" in err and "in, " not in err
 
 
 # ---- the served id and the names a request may give ----

@@ -33,6 +33,7 @@ from daemon.settings import (
     DTYPE_CHOICES,
     QUANTIZE_CHOICES,
     SUBSTITUTE_BITS_CHOICES,
+    Settings,
     no_draft,
 )
 from daemon.settings_checks import size_bytes
@@ -41,6 +42,8 @@ from offload.units import parse_rate, parse_size
 
 if TYPE_CHECKING:  # torch: only `specd plan` itself needs it
     import torch
+
+    from modeling.checkpoints.checkpoint import ModelNotFoundError
 
 
 def _size_or_auto(text: str) -> str:
@@ -203,10 +206,10 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_plan)
 
 
-def plan_options(args: argparse.Namespace) -> RuntimeOptions:
+def plan_options(args: argparse.Namespace) -> tuple[Settings, RuntimeOptions]:
     """Flags over the settings a daemon would start with (`--config FILE`, else the user
     config file; `SPECD_*` variables; built-in defaults): the plan of what `specd start`
-    with the same flags runs."""
+    with the same flags runs. The settings too, which say where each value came from."""
     from daemon.settings_loading import load_settings
 
     overrides = {"models.target": (args.model, "--model")} if args.model else None
@@ -233,7 +236,26 @@ def plan_options(args: argparse.Namespace) -> RuntimeOptions:
             if name == "draft":
                 value = no_draft(value)
             options = dataclasses.replace(options, **{name: value})
-    return apply_offload_args(options, args)
+    return settings, apply_offload_args(options, args)
+
+
+def blame_config_file(
+    exc: ModelNotFoundError, settings: Settings, key: str, ref: str | None
+) -> ModelNotFoundError:
+    """`exc` (the model at `ref` not found), saying so where `ref` is a relative path the
+    configuration file gave as `key`: which file, and the folder it was taken from."""
+    from modeling.checkpoints.checkpoint import ModelNotFoundError, on_this_machine
+
+    source = settings.sources.get(key, "")
+    given = settings.models.target if key == "models.target" else settings.models.draft
+    if ref is None or ref != given or not source.startswith("file "):
+        return exc
+    if Path(ref).expanduser().is_absolute() or not on_this_machine(ref):
+        return exc
+    return ModelNotFoundError(
+        f"{exc} ({key} in {source.removeprefix('file ')}: a relative path is taken from the "
+        f"folder specd runs in, {Path.cwd()}; write it whole)"
+    )
 
 
 def _plan_device(options: RuntimeOptions) -> torch.device:
@@ -256,24 +278,37 @@ def _plan_device(options: RuntimeOptions) -> torch.device:
 def cmd_plan(args: argparse.Namespace) -> int:
     from daemon.draft_choice import AUTO, resolve_auto
     from daemon.pair_plan import plan_pair
-    from modeling.checkpoints.checkpoint import has_tokenizer, load_tokenizer, open_checkpoint
+    from modeling.checkpoints.checkpoint import (
+        ModelNotFoundError,
+        NotCachedError,
+        has_tokenizer,
+        load_tokenizer,
+        open_checkpoint,
+    )
     from offload.machine import detect_budget
 
-    options = plan_options(args)
+    settings, options = plan_options(args)
     device = _plan_device(options)
     # A plan needs config.json only: a hub id's weights need not be downloaded yet. Each
     # model is checked as loading checks it (its chat template, a GGUF file's tensor
     # infos), and its tokenizer, where at hand, is built as loading builds it (a merge
     # outside the vocabulary), so that a plan refuses what a run would (0.3 s for SmolLM2's
-    # 49k tokens).
-    target = open_checkpoint(options.model, options.quantize, config_only=True)
-    tokenizer = load_tokenizer(target) if has_tokenizer(target) else None
-    draft = None
-    if options.draft and options.draft not in ("ngram", "substitute", AUTO):
-        opened = open_checkpoint(options.draft, options.draft_quantize, config_only=True)
-        if has_tokenizer(opened):
-            load_tokenizer(opened)
-        draft = opened.config
+    # 49k tokens). Every model missing from the cache is named at once.
+    key, ref = "models.target", options.model
+    try:
+        target = open_checkpoint(ref, options.quantize, config_only=True)
+        tokenizer = load_tokenizer(target) if has_tokenizer(target) else None
+        draft = None
+        if options.draft and options.draft not in ("ngram", "substitute", AUTO):
+            key, ref = "models.draft", options.draft
+            opened = open_checkpoint(ref, options.draft_quantize, config_only=True)
+            if has_tokenizer(opened):
+                load_tokenizer(opened)
+            draft = opened.config
+    except NotCachedError as exc:
+        raise exc.naming_also([options.model, options.draft]) from None
+    except ModelNotFoundError as exc:
+        raise blame_config_file(exc, settings, key, str(ref)) from None
     # Measuring this machine's bus only makes sense when planning for this machine.
     this_machine = options.gpu_budget == "auto"
     budget = detect_budget(

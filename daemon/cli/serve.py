@@ -16,6 +16,7 @@ from daemon.cli.plan import (
     add_offload_args,
     add_prefix_cache_arg,
     add_quantize_args,
+    blame_config_file,
 )
 from daemon.settings import (
     COMPILE_CHOICES,
@@ -230,13 +231,7 @@ def check_local_models(settings: Settings) -> None:
         try:
             open_checkpoint(ref, quantize, compare_head=False)  # (the load compares)
         except ModelNotFoundError as exc:
-            source = settings.sources.get(key, "")
-            if not source.startswith("file ") or Path(ref).expanduser().is_absolute():
-                raise
-            raise ModelNotFoundError(
-                f"{exc} ({key} in {source.removeprefix('file ')}: a relative path is taken "
-                f"from the folder specd runs in, {Path.cwd()}; write it whole)"
-            ) from None
+            raise blame_config_file(exc, settings, key, ref) from None
 
 
 def exit_now_if_compiling(status: int) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,34 @@ class ModelNotFoundError(FileNotFoundError):
     """A model reference that is neither a usable folder nor a reachable hub id."""
 
 
+class NotCachedError(ModelNotFoundError):
+    """A hub id (`ref`) that is not in the local Hugging Face cache and cannot be downloaded
+    now."""
+
+    def __init__(self, message: str, ref: str, config_only: bool) -> None:
+        super().__init__(message)
+        self.ref = ref
+        self.config_only = config_only
+
+    def naming_also(self, refs: Iterable[str | os.PathLike[str] | None]) -> NotCachedError:
+        """This error, naming the others of `refs` (a target and its draft) that are not in
+        the cache either: a profile's target and draft, both missing offline, were named
+        one at a time (and `plan` and `start` named different ones first)."""
+        others = [
+            text
+            for ref in dict.fromkeys(refs)
+            if ref is not None
+            and (text := str(ref)) != self.ref
+            and not on_this_machine(text)
+            and not in_hub_cache(text)
+        ]
+        if not others:
+            return self
+        flag = "--config-only " if self.config_only else ""
+        pulls = "; ".join(f"nor is {ref!r} (`specd pull {flag}{ref}`)" for ref in others)
+        return NotCachedError(f"{self}; {pulls}", self.ref, self.config_only)
+
+
 @dataclass
 class Checkpoint:
     path: Path
@@ -118,16 +146,33 @@ def resolve(ref: str | os.PathLike[str], config_only: bool = False) -> Path:
         )
     except LocalEntryNotFoundError as exc:
         pull = f"specd pull --config-only {text}" if config_only else f"specd pull {text}"
-        raise ModelNotFoundError(
+        raise NotCachedError(
             f"model {text!r} is not in the local Hugging Face cache and cannot be downloaded "
             f"now (offline, or the hub is unreachable): run `{pull}` where the hub "
-            f"is reachable, or point --model at a local folder"
+            f"is reachable, or point --model at a local folder",
+            text,
+            config_only,
         ) from exc
     except (HfHubHTTPError, OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelNotFoundError(
             f"model {text!r} could not be fetched from the hub: {first}"
         ) from exc
+
+
+def in_hub_cache(ref: str) -> bool:
+    """Whether the hub id `ref` has a snapshot in the local Hugging Face cache (nothing is
+    downloaded to find out)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        snapshot_download(repo_id=ref, allow_patterns=CONFIG_FILES, local_files_only=True)
+    except LocalEntryNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True  # (not known to be missing: the error `resolve` gives says what is wrong)
+    return True
 
 
 def on_this_machine(ref: str | os.PathLike[str]) -> bool:
