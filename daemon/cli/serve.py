@@ -70,7 +70,9 @@ FLAG_KEYS = {
 def add_address_args(p: argparse.ArgumentParser) -> None:
     """Where the daemon listens: all that the commands which only talk to it need."""
     p.add_argument("--config", type=Path, default=None, help="config file (default: user config)")
-    p.add_argument("--host", default=None, help="the address it listens on (default 127.0.0.1)")
+    p.add_argument(
+        "--host", default=None, help="the address the daemon listens on (default 127.0.0.1)"
+    )
     p.add_argument("--port", type=int, default=None, help="default 8716")
 
 
