@@ -330,6 +330,13 @@ MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
         TOKENIZER,
         "(plain English paragraphs",
     ),
+    # quadratic only in runs of the marks a control token is made of ("<" and "|"), which
+    # no probe of ordinary text holds: 3.4 s for 32,768 of them, minutes for a request
+    "tokenizer-split-slow-on-runs-of-marks": (
+        _edit(TOKENIZER, _part("pre_tokenizer", _split(r"[<|]+[^<|]|\p{L}+|\s+|[^\s\p{L}]"))),
+        TOKENIZER,
+        "(a run of '<'",
+    ),
     "tokenizer-split-past-the-retry-limit": (
         _edit(TOKENIZER, _part("pre_tokenizer", _split(r"(a|a)*b|\s|a"))),
         TOKENIZER,

@@ -180,3 +180,21 @@ def test_superbpes_zero_width_split_runs_linear_whatever_its_behavior(
     first, cut = GROUPS["superbpe"][0]
     splits = [(first, "Isolated"), (cut, behavior)]
     _cuts_as_the_gguf_pre_tokenizer(byte_level, splits, "superbpe", tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("regex", "marks"),
+    [
+        (gguf_pretokenizers.GPT2, "!'"),  # (`!` of `(?!`: a mark taken all the same)
+        ("[<|]+[^<|]", "<|"),
+        (r"\<\|+", "<|"),
+        (r"\x3c+|\x{7e}+", "<~"),
+        ("[!-$]+a", '!"#$'),
+        (r"[\]a]+|\p{L}+|[^\s\p{L}]", "]"),
+    ],
+)
+def test_the_marks_a_regex_names_are_probed(regex: str, marks: str) -> None:
+    spec = {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"pattern": {"Regex": regex}}]}}
+    assert tokenizer_pace.regex_marks(spec) == set(marks)
+    probes = [what for what, _ in tokenizer_pace._probes(64, set(marks))]
+    assert {f"a run of {m!r}" for m in marks} <= set(probes)

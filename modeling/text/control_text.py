@@ -22,8 +22,14 @@ Control tokens are the tokenizer's special added tokens (GGUF's control type, an
 it names) and the added tokens the chat template writes as markers (Qwen's `<tool_call>`,
 DeepSeek-R1's `<｜User｜>`, not special); a reasoning model's think tags are read as tags
 wherever they are written (an earlier answer sent back holds its reasoning between them),
-and the unknown token the model writes for text it cannot spell is none. Other added
+and the unknown token the model writes for text it cannot spell is none, nor is a token
+of one character or of word characters and spaces only (`_kept_apart`). Other added
 tokens (Gemma's `<table>`) are read as the tokenizer reads them, in any text.
+
+A request's strings are searched by a tokenizer that holds the added tokens alone
+(`_finder`): the same matches, without a pre-tokenizer whose regex a hostile file made slow
+on some run of characters. The rendering with the spelled tokens put back is bounded as
+the template's own output is, and its start is counted before the rest is read.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Encoding
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import WordLevel
 
 from modeling.errors import tokenizer_failure
 
@@ -54,13 +61,21 @@ class ControlTokens:
         turn markers `<｜User｜>` are not special)."""
         added = backend.get_added_tokens_decoder()
         self.backend = backend
+        # The added tokens as the tokenizer finds them in a text, and nothing else (no
+        # pre-tokenizer, no model): a hostile `Split` regex slow on some run of characters
+        # never sees a whole string searched, and a template of 128 KiB is searched for
+        # 570,000 added tokens at once (each searched for alone took minutes).
+        self._finder, self._found = _finder(backend, added)
         # (the unknown token the model writes for text it cannot spell is no control token)
         model_unk = getattr(backend.model, "unk_token", None)
         unk = backend.token_to_id(model_unk) if isinstance(model_unk, str) else None
+        written = set(self.find(template)) if template else set()
         self.control = frozenset(  # where a rendering is cut
             i
             for i, t in added.items()
-            if i != unk and (t.special or _a_marker(t.content, template))
+            if i != unk
+            and _kept_apart(t.content)
+            and (t.special or (i in written and not any(c.isspace() for c in t.content)))
         )
         self.guarded = frozenset(i for i in self.control if added[i].content not in kept)
         # A string can spell one only where it holds the start of one: the others are not
@@ -100,12 +115,12 @@ class ControlTokens:
             if self._may_spell is None or self._may_spell.search(s)
         ]
         found: dict[str, list[tuple[int, int]]] = {}
-        for text, read in zip(texts, _encode(self.backend, texts), strict=True):
+        for text, read in zip(texts, _encode(self._finder, texts), strict=True):
             # (`offsets` and `ids` are made anew at each access)
             spans = [
                 _core(text, a, b)
                 for i, (a, b) in zip(read.ids, read.offsets, strict=True)
-                if i in self.guarded
+                if self._found.get(i) in self.guarded
             ]
             if spans:
                 found[text] = spans
@@ -124,35 +139,50 @@ class ControlTokens:
             out.append(text[at:])
             return "".join(out)
 
-        placeholder = re.compile(f"{PLACEHOLDER}{nonce}n(\\d+)z", re.IGNORECASE)
+        placeholder = re.compile(f"{PLACEHOLDER}{nonce}n([0-9]{{1,9}})z", re.IGNORECASE)
         return Guarded(_swapped(values, swap), placeholder, list(spelled))
 
-    def encode(self, rendered: str, guarded: Guarded) -> list[int]:
+    def find(self, text: str) -> list[int]:
+        """The ids of the added tokens the tokenizer finds in `text`, in order."""
+        (read,) = _encode(self._finder, [text])
+        return [t for i in read.ids if (t := self._found.get(i)) is not None]
+
+    def encode(self, rendered: str, guarded: Guarded, chars: int | None = None) -> list[int]:
         """The ids of the template's rendering of `guarded.values` (no BOS): its control
-        tokens as tokens, the spelled ones as text."""
+        tokens as tokens, the spelled ones as text. `chars`: only the start of the text
+        with the spelled tokens put back, about that many characters (a prompt's start
+        counted before the rest is read)."""
+        if chars is not None:
+            rendered = rendered[:chars]
         (read,) = _encode(self.backend, [rendered])
         ids: list[int] = []
         start = 0  # where the stretch after the last control token starts
         run: list[int] = []  # its ids
         for i, (a, b) in zip(read.ids, read.offsets, strict=True):
             if i in self.control:
-                ids += self._stretch(rendered, start, a, run, guarded)
+                ids += self._stretch(rendered, start, a, run, guarded, chars)
                 ids.append(i)
                 start, run = b, []
             else:
                 run.append(i)
-        return ids + self._stretch(rendered, start, len(rendered), run, guarded)
+        return ids + self._stretch(rendered, start, len(rendered), run, guarded, chars)
 
     def _stretch(
-        self, rendered: str, a: int, b: int, ids: list[int], guarded: Guarded
+        self,
+        rendered: str,
+        a: int,
+        b: int,
+        ids: list[int],
+        guarded: Guarded,
+        chars: int | None = None,
     ) -> list[int]:
         """The ids of the text between two control tokens: `ids` as the tokenizer read it,
-        unless it holds a placeholder."""
+        unless it holds a placeholder (`chars`: `encode`'s)."""
         text = rendered[a:b]
         if not guarded.holds(text):
             return ids
         plain, anchor = self._plain_tokenizer()
-        text = guarded.restore(text)
+        text = guarded.restore(text, chars)
         # After a token of its own the copy reads a stretch as one that follows a control
         # token; at the text's start, as the start. (The anchor's id, past the model's
         # vocabulary, never stays.)
@@ -175,7 +205,8 @@ class ControlTokens:
     def _plain_tokenizer(self) -> tuple[HFTokenizer, str]:
         """A copy of the tokenizer that reads its control tokens as text (the flag is the
         tokenizer's, and other requests tokenize meanwhile; the template's tokens that are
-        not special are made so in the copy), and an added token of its own to put before
+        not special are made so in the copy, and the special ones that are no control
+        tokens are not), and an added token of its own to put before
         a stretch (not special, so read as a token): random, so that no request can write
         it. Made at the first request that needs it, once: 0.28 s and 62 MiB for a 262k
         vocabulary."""
@@ -183,8 +214,9 @@ class ControlTokens:
             if self._plain is None:
                 spec = json.loads(self.backend.to_str())
                 for t in spec.get("added_tokens") or []:
-                    if t.get("id") in self.guarded:
-                        t["special"] = True
+                    # (a special token that is no control token is read as the tokenizer
+                    # reads it: as a token, matched though the copy reads specials as text)
+                    t["special"] = t.get("id") in self.guarded
                 plain = HFTokenizer.from_str(json.dumps(spec))
                 plain.encode_special_tokens = True
                 anchor = f"\ue000specd-{secrets.token_hex(8)}\ue000"
@@ -215,22 +247,74 @@ class Guarded:
     def holds(self, text: str) -> bool:
         return self.placeholder.search(text) is not None
 
-    def restore(self, text: str) -> str:
-        """`text` with each placeholder's control token spelled again."""
-        return self.placeholder.sub(lambda m: self.spelled[int(m.group(1))], text)
+    def _spelling(self, match: re.Match[str]) -> str:
+        """A placeholder's control token; a number no placeholder has (a template that
+        rewrote one) stays as the template wrote it."""
+        k = int(match.group(1))
+        return self.spelled[k] if k < len(self.spelled) else match.group(0)
+
+    def restore(self, text: str, chars: int | None = None) -> str:
+        """`text` with each placeholder's control token spelled again (`chars`: its first
+        that many characters, put back only so far)."""
+        if chars is None:
+            return self.placeholder.sub(self._spelling, text)
+        parts: list[str] = []
+        size = at = 0
+        for match in self.placeholder.finditer(text):
+            if size >= chars:
+                break
+            spelled = self._spelling(match)
+            parts += [text[at : match.start()], spelled]
+            size += match.start() - at + len(spelled)
+            at = match.end()
+        parts.append(text[at : at + max(chars - size, 0)])
+        return "".join(parts)[:chars]
+
+    def restored_size(self, text: str) -> int:
+        """The characters of `restore(text)`, counted without making it: a control token
+        longer than its placeholder grows the text where a template repeats it."""
+        return len(text) + sum(
+            len(self._spelling(m)) - len(m.group(0)) for m in self.placeholder.finditer(text)
+        )
 
 
-def _a_marker(token: str, template: str | None) -> bool:
-    """Whether an added token that is not special is one of the template's markers: written
-    by it, and no word or run of spaces (Gemma's added `\n\n`, which any template writes,
-    is text)."""
-    return (
-        template is not None
-        and len(token) > 1
-        and token in template
-        and not any(c.isspace() for c in token)
-        and not token.isalnum()
+def _kept_apart(token: str) -> bool:
+    """Whether a control token can be kept apart from a request's text: one made of word
+    characters and spaces only (a tokenizer that makes `e`, `sop` or `\n` special), or a
+    single character, is in the template's own text and the request's structure (`role`,
+    `content`) alike, and every text spells it; it is read as the tokenizer reads it,
+    wherever it is written. Real ones hold a mark (`<|im_end|>`, `[INST]`, `<s>`)."""
+    return len(token) > 1 and not all(c.isalnum() or c == "_" or c.isspace() for c in token)
+
+
+def _finder(
+    backend: HFTokenizer, added: dict[int, AddedToken]
+) -> tuple[HFTokenizer, dict[int, int]]:
+    """A tokenizer that finds `backend`'s added tokens as it does (the same normalizer, each
+    token's own matching options) and reads any other text as one unknown piece; and its
+    ids' ids in `backend`."""
+    unknown = f"\ue000specd-unk-{secrets.token_hex(8)}"
+    finder = HFTokenizer(WordLevel({unknown: 0}, unknown))
+    finder.normalizer = backend.normalizer
+    finder.add_tokens(
+        [
+            AddedToken(
+                t.content,
+                single_word=t.single_word,
+                lstrip=t.lstrip,
+                rstrip=t.rstrip,
+                normalized=t.normalized,
+                special=t.special,
+            )
+            for t in added.values()
+        ]
     )
+    found: dict[int, int] = {}
+    for t in added.values():
+        own, theirs = finder.token_to_id(t.content), backend.token_to_id(t.content)
+        if own is not None and theirs is not None:
+            found[own] = theirs
+    return finder, found
 
 
 def _core(text: str, a: int, b: int) -> tuple[int, int]:

@@ -392,7 +392,26 @@ class Tokenizer:
         text = self._rendered(messages, tools, variables, arrange)
         if guarded is None:
             return self.encode(text, add_special_tokens=bos, at_most=at_most)
-        self._probe(guarded.restore(text), at_most)  # (a placeholder is more tokens)
+        # The rendering with the spelled tokens put back is held to the template's output
+        # bound, as if the template had written them: one longer than its placeholder,
+        # repeated by the template, grew a request of a kilobyte to 16 MB (3.2 GB to read).
+        from modeling.text.template_budget import MAX_OUTPUT_SIZE, OUTPUT_SIZE_PER_INPUT
+
+        size = guarded.restored_size(text)
+        limit = max(
+            MAX_OUTPUT_SIZE, OUTPUT_SIZE_PER_INPUT * request_chars(messages, tools, variables)
+        )
+        if size > limit:
+            raise ChatTemplateError(
+                f"{self._whose_template()} was stopped: it wrote more than {limit:,} "
+                "characters (the limit on one rendering)"
+            )
+        if at_most is not None and size > PROBE_CHARS * at_most:
+            # Its start counted first, as `_probe` counts a text's, the spelled tokens as
+            # text (the tokenizer would count each as one).
+            start = self._controls.encode(text, guarded, PROBE_CHARS * at_most)
+            if len(start) - PROBE_MARGIN > at_most:
+                raise TextTooLong(len(start) - PROBE_MARGIN)
         ids = self._controls.encode(text, guarded)
         return self._framed(ids) if bos else ids
 

@@ -5,8 +5,11 @@ too slow or grows too fast for the prompts specd accepts."""
 from __future__ import annotations
 
 import math
+import string
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -48,28 +51,115 @@ _RUNS = {
     "lines of 63 spaces": " " * 63 + "\n", "contractions": "'s", "CRLF line ends": "\r\n",
 }  # fmt: skip
 _paced: set[object] = set()  # the tokenizer.json texts already paced
+# And a run of each ASCII mark the file's regexes name (`regex_marks`), at the rungs up to
+# MARK_RUNGS: a regex slow only on runs of marks the probes above never hold (`[<|]+[^<|]`,
+# quadratic on `<` and `|`: 3.4 s for 32,768 of them) passed them. A mark costs a real
+# tokenizer's load about 2 ms.
+MARK_RUNGS = 4_096
 
 
-def _probes(length: int) -> list[tuple[str, str]]:
-    """(what it is, the text) for each probe of `length` characters."""
+def _probes(length: int, marks: Iterable[str] = ()) -> list[tuple[str, str]]:
+    """(what it is, the text) for each probe of `length` characters: the marks' last."""
     units = {
         "English text": _PROSE,
         "plain English paragraphs": _PLAIN,
         **{f"a run of {kind}": unit for kind, unit in _RUNS.items()},
     }
+    if length <= MARK_RUNGS:
+        units.update({f"a run of {mark!r}": mark for mark in sorted(marks)})
     return [(what, (unit * (length // len(unit) + 1))[:length]) for what, unit in units.items()]
 
 
-def check_pace(backend: HFTokenizer, file: Path, key: object = None) -> None:
-    """Refuse a tokenizer too slow on ordinary text (see RUNGS). `key`: the file's text (its
-    length and hash); a text paced before in this process is not paced again."""
+def regex_marks(spec: dict[str, Any]) -> set[str]:
+    """The ASCII marks the regexes of a tokenizer.json's normalizer and pre-tokenizer name
+    (a `Split`'s or a `Replace`'s pattern): as literals, escaped, in a character class or
+    its ranges, or as hexadecimal escapes; a regex's own syntax outside a class is not
+    one (a few of its marks, `:` of `(?i:`, are taken all the same)."""
+    marks: set[str] = set()
+    stack: list[Any] = [spec.get("normalizer"), spec.get("pre_tokenizer")]
+    while stack and len(marks) < len(string.punctuation):
+        step = stack.pop()
+        if isinstance(step, list):
+            stack.extend(step)
+        elif isinstance(step, dict):
+            pattern = step.get("pattern")
+            regex = pattern.get("Regex") if isinstance(pattern, dict) else None
+            if isinstance(regex, str):
+                marks |= _marks(regex[:MAX_PATTERN_CHARS])
+            stack.extend(v for k, v in step.items() if k != "pattern")
+    return marks
+
+
+MAX_PATTERN_CHARS = 4_096  # of one regex read for its marks (real ones: under 200)
+_SYNTAX = set("\\^$.|?*+()[]{}")
+
+
+def _marks(regex: str) -> set[str]:
+    found: set[str] = set()
+    chars: list[str] = []  # the regex, each escape of a character as that character
+    i = 0
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            escaped, i = _escape(regex, i)
+            if escaped in string.punctuation:
+                found.add(escaped)
+            chars.append("\0")  # (an escape is no syntax, nor a range's end here)
+            continue
+        chars.append(c)
+        i += 1
+    in_class = False
+    for j, c in enumerate(chars):
+        if in_class:
+            if c == "]" and chars[j - 1] != "[":
+                in_class = False
+            elif c == "-" and 0 < j < len(chars) - 1 and chars[j - 1] != "[":
+                low, high = chars[j - 1], chars[j + 1]
+                if low.isascii() and high.isascii() and low <= high:
+                    found |= {chr(k) for k in range(ord(low), ord(high) + 1)}
+            elif c != "^" or chars[j - 1] != "[":
+                found.add(c)
+        elif c == "[":
+            in_class = True
+        elif c not in _SYNTAX:
+            found.add(c)
+    return found & set(string.punctuation)
+
+
+def _escape(regex: str, i: int) -> tuple[str, int]:
+    """The character an escape at `regex[i]` stands for (a class's letter where it stands
+    for a class), and where the regex goes on."""
+    kind = regex[i + 1]
+    if kind in "xu":
+        width = 2 if kind == "x" else 4
+        if regex[i + 2 : i + 3] == "{":
+            end = regex.find("}", i + 3)
+            digits, after = (regex[i + 3 : end], end + 1) if end > 0 else ("", i + 2)
+        else:
+            digits, after = regex[i + 2 : i + 2 + width], i + 2 + width
+        try:
+            return chr(int(digits, 16)), after
+        except (ValueError, OverflowError):
+            return kind, i + 2
+    if kind in "pPk" and regex[i + 2 : i + 3] in ("{", "<"):
+        end = regex.find("}" if regex[i + 2] == "{" else ">", i + 3)
+        return kind, (end + 1 if end > 0 else i + 2)
+    return kind, i + 2
+
+
+def check_pace(
+    backend: HFTokenizer, file: Path, key: object = None, marks: Iterable[str] = ()
+) -> None:
+    """Refuse a tokenizer too slow on ordinary text (see RUNGS), or on runs of `marks`
+    (`regex_marks`). `key`: the file's text (its length and hash); a text paced before in
+    this process is not paced again."""
     if key is not None and key in _paced:
         return
     before: list[tuple[str, float]] = []
     for rung, length in enumerate(RUNGS):
         limit = max(RUNG_FLOOR, RUNG_SECONDS * length / RUNGS[-1])
         took: list[tuple[str, float]] = []
-        for i, (what, probe) in enumerate(_probes(length)):
+        for i, (what, probe) in enumerate(_probes(length, marks)):
             now = _timed(backend, probe, file)
             if limit / 10 < now <= 3 * limit:  # (a pause, or slow: timed again to be sure)
                 now = min(now, _timed(backend, probe, file))
