@@ -220,8 +220,12 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        """Generations not begun: queued, and choices waiting for their first's prompt."""
-        return self._queue.qsize() + len(self._waiting)
+        """Generations not begun: queued, and choices waiting for their first's prompt; a
+        job whose client gave up is none, though the worker drops it only as it reaches it
+        (which a busy engine does only when a slot frees)."""
+        with self._queue.mutex:
+            queued = sum(not job.cancelled for job in self._queue.queue)
+        return queued + sum(not job.cancelled for job in list(self._waiting))
 
     # ---- the worker thread ----
 

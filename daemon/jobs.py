@@ -138,13 +138,13 @@ class InFlight:
     def figures(self) -> dict[str, int]:
         """What /health shows: the places taken, those of requests still being prepared
         among them, and the limit (a house full of slow preparations refuses requests
-        while no generation is active or queued)."""
+        while no generation is active or queued). A job whose client gave up takes none
+        (`_take` drops it when the places run out)."""
         with self._lock:
-            preparing = sum(isinstance(e, Seat) for e in self._entries)
-            taken = len(self._entries)
+            live = [e for e in self._entries if not e.cancelled]
         return {
-            "taken": taken,
-            "preparing": preparing,
+            "taken": len(live),
+            "preparing": sum(isinstance(e, Seat) for e in live),
             "limit": self.max_concurrent + self.queue_size,
         }
 

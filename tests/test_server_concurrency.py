@@ -361,3 +361,33 @@ def test_health_shows_the_places_held_by_requests_being_prepared(
             engine.release(seat)
     with urllib.request.urlopen(server.url + "/health") as resp:
         assert json.loads(resp.read())["in_flight"]["taken"] == 0
+
+
+def test_a_job_whose_client_gave_up_is_neither_taken_nor_queued() -> None:
+    """With every decode slot busy, jobs whose clients left (and the choices an `n` request
+    queued before it was refused, cancelled) stayed in /health's `taken` and `queued` until
+    a slot freed, though admission already gave their places to others."""
+    import queue
+    import types
+
+    from daemon.engine import Engine
+    from daemon.jobs import InFlight, Job
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        jobs = [Job(None, loop) for _ in range(4)]  # type: ignore[arg-type]
+        in_flight = InFlight(1, 3)
+        for job in jobs:
+            in_flight.enter(job)
+        waiting: queue.Queue[Job] = queue.Queue()
+        for job in jobs[:3]:
+            waiting.put_nowait(job)
+        engine = types.SimpleNamespace(_queue=waiting, _waiting=[jobs[3]])
+        assert in_flight.figures()["taken"] == 4 and Engine.queued.fget(engine) == 4  # type: ignore[attr-defined]
+        jobs[0].cancel()
+        jobs[3].cancel()
+        assert in_flight.figures() == {"taken": 2, "preparing": 0, "limit": 4}
+        assert Engine.queued.fget(engine) == 2  # type: ignore[attr-defined]
+        in_flight.enter(Job(None, loop))  # type: ignore[arg-type]  # (their places are free)
+
+    asyncio.run(scenario())
