@@ -96,6 +96,35 @@ def test_logprobs_spell_the_text_a_stop_string_leaves(runtime: Runtime, name: st
         assert not given or len(pieces[given - 1]) <= len(text)
 
 
+def test_a_token_a_stop_string_begins_inside_is_given_whole(runtime: Runtime) -> None:
+    """The answer ends where the stop string begins, inside a token's text: that token's
+    entry is given whole, as it was generated (docs/api.md), and none after it."""
+    strategy = runtime.strategy("autoregressive")
+    ids = runtime.tokenizer.encode(PROMPT)
+    greedy = SamplingParams(temperature=0.0, logprobs=0)
+
+    def run(stop: list[str]) -> tuple[Generation, list]:
+        gen = Generation(
+            strategy, runtime.new_session(strategy), runtime.tokenizer, ids, greedy, 24, stop=stop
+        )
+        return gen, [lp for c in gen for lp in c.logprobs]
+
+    whole = run([])[0]
+    words = whole.token_ids
+    lead = len(whole.text) - len(runtime.tokenizer.decode(words))
+    ends = [len(runtime.tokenizer.decode(words[: k + 1])) + lead for k in range(len(words))]
+    # A token of two characters or more whose end and the next token's text are found
+    # nowhere before: the stop string begins after its first character.
+    k = next(
+        k for k in range(1, len(words) - 1)
+        if ends[k] - ends[k - 1] >= 2
+        and whole.text.find(whole.text[ends[k - 1] + 1 : ends[k + 1]]) == ends[k - 1] + 1
+    )  # fmt: skip
+    gen, logprobs = run([whole.text[ends[k - 1] + 1 : ends[k + 1]]])
+    assert gen.text == whole.text[: ends[k - 1] + 1] and gen.finish_reason == "stop"
+    assert [lp.token for lp in logprobs] == words[: k + 1]
+
+
 def test_token_logprob_is_the_log_softmax_row() -> None:
     logits = torch.tensor([2.0, 0.5, -1.0, 3.0])
     lp = token_logprob(logits, 1, 2)
