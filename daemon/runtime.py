@@ -127,6 +127,13 @@ class Runtime:
             raise RuntimeSetupError(
                 f"context must be a token count or 'auto', got {options.context!r}"
             )
+        if self.device.type == "cpu" and cpu_kernels.will_build():
+            # (before the models load, whose layers would build them unannounced)
+            note = "building the CPU kernels for this machine (once: a few seconds)"
+            log.info(note)
+            if options.on_progress is not None:
+                options.on_progress(note)
+            cpu_kernels.available()
         try:
             asked = settle_draft(options, self.device)
             options = self.options = asked.options

@@ -24,6 +24,7 @@ for _store in ("OLLAMA_MODELS", "LMSTUDIO_MODELS", "HF_HUB_CACHE"):
 
 sys.path.insert(0, str(ROOT))  # scripts/ (the tiny model factory) is not an installed package
 
+from modeling.weights import cpu_kernels  # noqa: E402
 from scripts.tiny_models import make_checkpoint  # noqa: E402
 
 SHARED_MODELS = Path(os.environ.get("SPECD_SHARED_MODELS", ROOT.parent / "shared" / "models"))
@@ -43,6 +44,9 @@ os.environ.setdefault("XDG_STATE_HOME", tempfile.mkdtemp(prefix="specd-test-stat
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="specd-test-config-")
 # The CPU kernels on GGUF blocks are built once per test session, beside it.
 os.environ.setdefault("SPECD_KERNEL_CACHE", tempfile.mkdtemp(prefix="specd-test-kernels-"))
+# Built now: a first build is announced on stderr ("building the CPU kernels"), which no
+# test's output should owe to the order tests run in.
+cpu_kernels.available()
 
 # Tiny models gain nothing from threads, and spinning OpenMP threads stall badly when the
 # two cores are busy; tests run single-threaded.

@@ -253,3 +253,22 @@ def test_a_schema_file_that_is_no_small_json_file_is_one_line(
         assert main([*args, "--json-schema", str(schema)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and says in err and f"--json-schema {schema}" in err, err
+
+
+def test_a_first_build_of_the_cpu_kernels_and_a_substitutes_layers_are_announced(
+    capsys, stories_target, monkeypatch, tmp_path
+) -> None:
+    """The first command on a machine built the CPU kernels for seconds, and a substitute
+    draft its layers for minutes on a CPU, saying nothing; each says so on stderr once
+    (the substitute's layers at most every few seconds)."""
+    from modeling.weights import cpu_library
+
+    monkeypatch.setattr(cpu_library._LIBRARY, "will_build", lambda: True)
+    argv = ["generate", "--model", str(stories_target), "--prompt", "Once", "--max-tokens", "2"]
+    assert (
+        main([*argv, "--draft", "substitute", "--substitute-bits", "4", "--offload", "stream"]) == 0
+    )
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "specd: building the CPU kernels for this machine (once: a few seconds)"
+    assert err[1].startswith("specd: building the 4-bit substitute draft: 1 of ")
+    assert not any("substitute draft" in line for line in err[2:])  # (within seconds)

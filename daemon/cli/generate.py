@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -167,6 +169,25 @@ def runtime_options(args: argparse.Namespace) -> RuntimeOptions:
     return plan.apply_offload_args(_base_runtime_options(args), args)
 
 
+class LoadingNotes:
+    """What loading is doing while it takes long (the CPU kernels' first build, the
+    substitute draft's layers), on stderr: a note of a new kind at once, the same kind's
+    next at most every NOTE_SECONDS (a substitute of 30 layers is not 30 lines)."""
+
+    def __init__(self) -> None:
+        self._kind: str | None = None
+        self._shown = 0.0
+
+    def __call__(self, note: str) -> None:
+        kind, now = note.split(":")[0], time.monotonic()
+        if kind != self._kind or now - self._shown >= NOTE_SECONDS:
+            print(f"specd: {note}", file=sys.stderr, flush=True)
+            self._kind, self._shown = kind, now
+
+
+NOTE_SECONDS = 5.0
+
+
 def _base_runtime_options(args: argparse.Namespace) -> RuntimeOptions:
     return RuntimeOptions(
         model=args.model,
@@ -221,7 +242,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from daemon.runtime import Runtime
         from speculative.generation import Generation
 
-        runtime = Runtime(runtime_options(args))
+        runtime = Runtime(replace(runtime_options(args), on_progress=LoadingNotes()))
     runtime.compile(serving=False).warm(print_progress)  # --compile on: before the first token
     prompt = list(args.prompt_ids) if args.prompt_ids is not None else args.prompt or ""
     # --chat: an instruct model given a raw question often ends its text at once.

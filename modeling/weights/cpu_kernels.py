@@ -38,6 +38,11 @@ def available() -> bool:
     return sys.byteorder == "little" and _LIBRARY.load()
 
 
+def will_build() -> bool:
+    """Whether `available()` would build the kernels now: once per machine, a few seconds."""
+    return sys.byteorder == "little" and _LIBRARY.will_build()
+
+
 def loaded() -> bool:
     """Whether the kernels were built and loaded (without building them: a traced pass
     asks, where taking the build's lock cannot be traced)."""

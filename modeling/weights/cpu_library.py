@@ -96,14 +96,19 @@ class _Library:
                     log.info("CPU kernels on GGUF blocks unavailable: %s", err)
             return bool(self.functions)
 
+    def will_build(self) -> bool:
+        """Whether loading would build the library now (its first use on this machine, or
+        a new source): a few seconds a command says it spends."""
+        if self._tried:
+            return False
+        try:
+            _check_usable()
+            return not _intact(_target()[0])
+        except _Unavailable:
+            return False
+
     def _load(self) -> None:
-        if os.environ.get("SPECD_CPU_KERNELS", "").lower() in ("off", "0", "false", "no"):
-            raise _Unavailable("turned off by SPECD_CPU_KERNELS")
-        if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-            raise _Unavailable(
-                f"this CPU's vector unit ({torch.backends.cpu.get_cpu_capability()}) is not "
-                "AVX2 with FMA; projections are rebuilt for each product"
-            )
+        _check_usable()
         path = _build()
         try:
             lib = ctypes.CDLL(str(path))
@@ -146,6 +151,16 @@ class _Unavailable(RuntimeError):
     pass
 
 
+def _check_usable() -> None:
+    if os.environ.get("SPECD_CPU_KERNELS", "").lower() in ("off", "0", "false", "no"):
+        raise _Unavailable("turned off by SPECD_CPU_KERNELS")
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        raise _Unavailable(
+            f"this CPU's vector unit ({torch.backends.cpu.get_cpu_capability()}) is not "
+            "AVX2 with FMA; projections are rebuilt for each product"
+        )
+
+
 class _Fixable(_Unavailable):
     """Unavailable for want of something the user can install (a C compiler that works)."""
 
@@ -183,17 +198,20 @@ def _intact(target: Path) -> bool:
         return False
 
 
+def _target() -> tuple[Path, str]:
+    """Where the library for this source, compiler and flags is kept, and the compiler."""
+    compiler = _compiler()
+    flags = " ".join((compiler, *FLAGS, *LIBRARIES)).encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + flags).hexdigest()[:16]
+    return _cache_dir() / f"specd-cpu-kernels-{key}.so", compiler
+
+
 def _build() -> Path:
     """The shared library for this source and these flags: built into the cache once
     (into a temporary name, then renamed, so that two processes never load half a file),
     with its digest beside it (`_intact`)."""
-    source = SOURCE.read_bytes()
-    compiler = _compiler()
-    key = hashlib.sha256(source + " ".join((compiler, *FLAGS, *LIBRARIES)).encode()).hexdigest()[
-        :16
-    ]
-    folder = _cache_dir()
-    target = folder / f"specd-cpu-kernels-{key}.so"
+    target, compiler = _target()
+    folder = target.parent
     if _intact(target):
         return target
     try:
