@@ -495,3 +495,27 @@ def test_a_long_control_token_repeated_by_the_template_is_bounded(smollm2: Token
         )
         with pytest.raises(refusal):
             tok.encode_chat(messages, at_most=2_048)
+
+
+def test_a_single_word_token_the_merges_build_inside_a_word() -> None:
+    """A `single_word` control token spelled inside a word (`x<|a|>`): the matcher passes
+    it there, but the model's merges build its piece from the text; a search by the
+    matcher alone let it into the prompt as a control token."""
+    chars = list("<|a>xhi ")
+    vocab = {c: i for i, c in enumerate(chars)}
+    merges = [("<", "|"), ("<|", "a"), ("<|a", "|"), ("<|a|", ">")]
+    for left, right in merges:
+        vocab.setdefault(left + right, len(vocab))
+    token = {"content": "<|a|>", "single_word": True, "lstrip": False, "rstrip": False}
+    spec = {
+        "version": "1.0",
+        "added_tokens": [{"id": vocab["<|a|>"], **token, "normalized": False, "special": True}],
+        "model": {"type": "BPE", "vocab": vocab, "merges": [f"{a} {b}" for a, b in merges]},
+    }
+    backend = HFTokenizer.from_str(json.dumps(spec))
+    assert backend.encode("x<|a|>", add_special_tokens=False).ids == [4, vocab["<|a|>"]]
+    template = "{% for m in messages %}<|a|> {{ m.content }} {% endfor %}"
+    tok = Tokenizer(backend, chat_template=template)
+    ids = tok.encode_chat([{"role": "user", "content": "x<|a|>"}])
+    assert ids.count(vocab["<|a|>"]) == 1  # the template's own
+    assert ids == [vocab[c] for c in ["<|a|>", " ", "x", "<", "|", "a", "|", ">", " "]]

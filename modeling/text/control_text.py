@@ -292,7 +292,9 @@ def _finder(
 ) -> tuple[HFTokenizer, dict[int, int]]:
     """A tokenizer that finds `backend`'s added tokens as it does (the same normalizer, each
     token's own matching options) and reads any other text as one unknown piece; and its
-    ids' ids in `backend`."""
+    ids' ids in `backend`. A `single_word` token is found inside a word too: the matcher
+    passes it there, but the model's merges may still build its piece from the text
+    (`x<|a|>` read as `x`, `<|a|>`), which a search that ran the model found."""
     unknown = f"\ue000specd-unk-{secrets.token_hex(8)}"
     finder = HFTokenizer(WordLevel({unknown: 0}, unknown))
     finder.normalizer = backend.normalizer
@@ -300,7 +302,7 @@ def _finder(
         [
             AddedToken(
                 t.content,
-                single_word=t.single_word,
+                single_word=False,
                 lstrip=t.lstrip,
                 rstrip=t.rstrip,
                 normalized=t.normalized,
