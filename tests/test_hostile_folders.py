@@ -337,6 +337,14 @@ MUTATIONS: dict[str, tuple[Mutation, str, str]] = {
         TOKENIZER,
         "(a run of '<'",
     ),
+    # the same, its marks named by an octal escape and a wide character
+    "tokenizer-split-slow-on-runs-of-marks-escaped": (
+        _edit(
+            TOKENIZER, _part("pre_tokenizer", _split(r"[\074＜]+[^\074＜]|\p{L}+|\s+|[^\s\p{L}]"))
+        ),
+        TOKENIZER,
+        "(a run of",
+    ),
     "tokenizer-split-past-the-retry-limit": (
         _edit(TOKENIZER, _part("pre_tokenizer", _split(r"(a|a)*b|\s|a"))),
         TOKENIZER,

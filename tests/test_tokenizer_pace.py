@@ -6,6 +6,7 @@ tests/test_hostile_folders.py."""
 from __future__ import annotations
 
 import json
+import string
 from pathlib import Path
 from typing import Any
 
@@ -183,18 +184,28 @@ def test_superbpes_zero_width_split_runs_linear_whatever_its_behavior(
 
 
 @pytest.mark.parametrize(
-    ("regex", "marks"),
+    ("regex", "units"),
     [
-        (gguf_pretokenizers.GPT2, "!'"),  # (`!` of `(?!`: a mark taken all the same)
-        ("[<|]+[^<|]", "<|"),
-        (r"\<\|+", "<|"),
-        (r"\x3c+|\x{7e}+", "<~"),
-        ("[!-$]+a", '!"#$'),
-        (r"[\]a]+|\p{L}+|[^\s\p{L}]", "]"),
+        (gguf_pretokenizers.GPT2, ["'", "'s", "'t", "'re", "'ve", "'m", "'ll", "'d"]),
+        ("[<|]+[^<|]", ["<", "|"]),
+        (r"\<\|+", ["<", "|", "<|"]),
+        (r"\x3c+|\x{7e}+|\074+\o{76}", ["<", "~", ">"]),
+        ("[!-$]+a", ["!", "-", "$"]),  # (a range's ends: a run of either is in its class)
+        (r"(?:<\|)+>|(?:ab)+c|a{2,3}=", ["<", "|", "<|", ">", "ab", "="]),
+        ("＜+＞", ["＜", "＞"]),
+        (r"\p{Sm}+[^\p{Sm}]", list(string.punctuation)),
     ],
 )
-def test_the_marks_a_regex_names_are_probed(regex: str, marks: str) -> None:
+def test_what_a_regex_names_is_probed(regex: str, units: list[str]) -> None:
     spec = {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"pattern": {"Regex": regex}}]}}
-    assert tokenizer_pace.regex_marks(spec) == set(marks)
-    probes = [what for what, _ in tokenizer_pace._probes(64, set(marks))]
-    assert {f"a run of {m!r}" for m in marks} <= set(probes)
+    assert tokenizer_pace.regex_units(spec) == set(units)
+    probes = [what for what, _, _ in tokenizer_pace._probes(64, set(units))]
+    assert {f"a run of {u!r}" for u in units} <= set(probes)
+
+
+def test_a_regex_too_long_to_read_is_refused(byte_level: dict[str, Any], tmp_path: Path) -> None:
+    """A unit past the part of a regex read would not be probed: a regex longer than that
+    (real ones are under 200 characters) is refused."""
+    file = _with_regex(byte_level, "a{0}" * 20_000 + "<+>", tmp_path)
+    with pytest.raises(CheckpointError, match="is 80,003 characters long; specd reads at most"):
+        tokenizer_file.read_backend(file)

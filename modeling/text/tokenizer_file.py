@@ -24,7 +24,7 @@ from modeling.checkpoints.folder_files import (
 from modeling.checkpoints.gguf_file import short_repr
 from modeling.errors import panic_said, rust_panic, rust_quiet
 from modeling.text.gguf_pretokenizers import LINEAR_FORMS, ZERO_WIDTH
-from modeling.text.tokenizer_pace import check_pace, regex_marks
+from modeling.text.tokenizer_pace import PatternTooLong, check_pace, regex_units
 
 # Characters of the `tokenizers` library's refusal quoted in ours: it quotes the file,
 # which may be megabytes on one line.
@@ -67,12 +67,15 @@ def read_backend(file: Path) -> HFTokenizer:
         spec = json.loads(text)
     except (ValueError, RecursionError):
         spec = None  # (the library says what is wrong with it)
-    marks: set[str] = set()
+    units: set[str] = set()
     if isinstance(spec, dict):
         check_vocabulary(spec, file)
         if linear_splits(spec):
             text = json.dumps(spec)
-        marks = regex_marks(spec)
+        try:
+            units = regex_units(spec)
+        except PatternTooLong as exc:
+            raise CheckpointError(f"{file}: {exc}: {DAMAGED}") from None
     del spec  # (hundreds of MB for a large vocabulary: not kept through the build)
     try:
         with rust_quiet():  # (a panic is said in one line below)
@@ -85,7 +88,7 @@ def read_backend(file: Path) -> HFTokenizer:
     backend.no_padding()
     backend.no_truncation()
     check_replacements(backend, file)
-    check_pace(backend, file, key=key, marks=marks)
+    check_pace(backend, file, key=key, units=units)
     with _READ_LOCK:
         _READ[key] = backend
         while len(_READ) > KEEP_READ:

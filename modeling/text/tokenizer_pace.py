@@ -5,6 +5,7 @@ too slow or grows too fast for the prompts specd accepts."""
 from __future__ import annotations
 
 import math
+import re
 import string
 import time
 from collections.abc import Iterable
@@ -51,33 +52,50 @@ _RUNS = {
     "lines of 63 spaces": " " * 63 + "\n", "contractions": "'s", "CRLF line ends": "\r\n",
 }  # fmt: skip
 _paced: set[object] = set()  # the tokenizer.json texts already paced
-# And a run of each ASCII mark the file's regexes name (`regex_marks`), at the rungs up to
-# MARK_RUNGS: a regex slow only on runs of marks the probes above never hold (`[<|]+[^<|]`,
-# quadratic on `<` and `|`: 3.4 s for 32,768 of them) passed them. A mark costs a real
-# tokenizer's load about 2 ms.
-MARK_RUNGS = 4_096
+# And a run of each unit the file's regexes name (`regex_units`), at the rungs up to
+# UNIT_RUNGS: a regex slow only on text the probes above never hold passed them (`[<|]+[^<|]`
+# is quadratic only on runs of `<` and `|`, the marks of control tokens: 3.4 s for 32,768).
+# A unit costs a real tokenizer's load about 3 ms. Their growth is projected from
+# UNIT_PROJECT_FROM: a real tokenizer takes about 2 ms for 4,096 characters and projects
+# under 10 s unless its time grew 6-fold for 4 times the text; `[<|]+[^<|]` takes 48 ms and
+# projects to 40 s. This is a net, not a proof: `(?:<\|)+>`, 13 s for 131,072 characters of
+# `<|`, takes 15 ms for 4,096 and projects to 7 s, and passes (README, Known limits).
+UNIT_RUNGS = 4_096
+UNIT_PROJECT_FROM = 0.003
 
 
-def _probes(length: int, marks: Iterable[str] = ()) -> list[tuple[str, str]]:
-    """(what it is, the text) for each probe of `length` characters: the marks' last."""
-    units = {
+def _probes(length: int, units: Iterable[str] = ()) -> list[tuple[str, str, float]]:
+    """(what it is, the text, the seconds from which its growth is projected) for each
+    probe of `length` characters: the units' last."""
+    kinds = {
         "English text": _PROSE,
         "plain English paragraphs": _PLAIN,
         **{f"a run of {kind}": unit for kind, unit in _RUNS.items()},
     }
-    if length <= MARK_RUNGS:
-        units.update({f"a run of {mark!r}": mark for mark in sorted(marks)})
-    return [(what, (unit * (length // len(unit) + 1))[:length]) for what, unit in units.items()]
+    probes = [(what, _run(unit, length), PROJECT_FROM) for what, unit in kinds.items()]
+    if length <= UNIT_RUNGS:
+        probes += [(f"a run of {u!r}", _run(u, length), UNIT_PROJECT_FROM) for u in sorted(units)]
+    return probes
 
 
-def regex_marks(spec: dict[str, Any]) -> set[str]:
-    """The ASCII marks the regexes of a tokenizer.json's normalizer and pre-tokenizer name
-    (a `Split`'s or a `Replace`'s pattern): as literals, escaped, in a character class or
-    its ranges, or as hexadecimal escapes; a regex's own syntax outside a class is not
-    one (a few of its marks, `:` of `(?i:`, are taken all the same)."""
-    marks: set[str] = set()
+def _run(unit: str, length: int) -> str:
+    return (unit * (length // len(unit) + 1))[:length]
+
+
+def regex_units(spec: dict[str, Any]) -> set[str]:
+    """What the regexes of a tokenizer.json's normalizer and pre-tokenizer (a `Split`'s or
+    a `Replace`'s pattern) name, each to be probed as a run: every mark (a character not
+    a letter, digit or space) written as a literal, escaped (`\\<`, `\x3c`, `\074`), in
+    a class or as a range's end; every run of two to eight literal characters (`<|`,
+    `'re`); and every ASCII mark where a class of symbols or punctuation is named
+    (`\\p{Sm}`, `[[:punct:]]`). A regex's own syntax outside a class is not read as a mark
+    (a few of its marks are all the same: `:` of `(?i:`). At most MAX_PATTERNS regexes
+    (a file with more is refused for its steps) of MAX_PATTERN_CHARS characters each (one
+    longer is refused), and MAX_UNITS units."""
+    units: dict[str, None] = {}
+    patterns = 0
     stack: list[Any] = [spec.get("normalizer"), spec.get("pre_tokenizer")]
-    while stack and len(marks) < len(string.punctuation):
+    while stack and patterns < MAX_PATTERNS:
         step = stack.pop()
         if isinstance(step, list):
             stack.extend(step)
@@ -85,73 +103,111 @@ def regex_marks(spec: dict[str, Any]) -> set[str]:
             pattern = step.get("pattern")
             regex = pattern.get("Regex") if isinstance(pattern, dict) else None
             if isinstance(regex, str):
-                marks |= _marks(regex[:MAX_PATTERN_CHARS])
+                patterns += 1
+                if len(regex) > MAX_PATTERN_CHARS:
+                    raise PatternTooLong(len(regex))
+                units.update(dict.fromkeys(_units(regex)))
             stack.extend(v for k, v in step.items() if k != "pattern")
-    return marks
+    return set(list(units)[:MAX_UNITS])
 
 
-MAX_PATTERN_CHARS = 4_096  # of one regex read for its marks (real ones: under 200)
+class PatternTooLong(ValueError):
+    def __init__(self, length: int) -> None:
+        super().__init__(
+            f"a regex of its normalizer or pre-tokenizer is {length:,} characters long; specd "
+            f"reads at most {MAX_PATTERN_CHARS:,} (real ones: under 200)"
+        )
+
+
+MAX_PATTERNS = 64  # regexes read (as many steps as a tokenizer may have)
+MAX_PATTERN_CHARS = 65_536
+MAX_UNITS = 64
 _SYNTAX = set("\\^$.|?*+()[]{}")
+_GROUP = re.compile(r"\(\?(?:[a-zA-Z-]*[:)]|<?[=!]|P?<[A-Za-z_][A-Za-z0-9_]*>|>)")
+_OCTAL = re.compile("[0-7]{1,3}")
+_COUNT = re.compile(r"\{[0-9]*,?[0-9]*\}")
+_CLASSES = ("\\p{S", "\\p{P", "\\P{L", "\\P{N", "[:punct:]")
 
 
-def _marks(regex: str) -> set[str]:
-    found: set[str] = set()
-    chars: list[str] = []  # the regex, each escape of a character as that character
+def _units(regex: str) -> list[str]:
+    found: list[str] = []
+    if any(name in regex for name in _CLASSES):
+        found += list(string.punctuation)
+    items: list[tuple[str, bool]] = []  # (a character, whether it is written as a literal)
     i = 0
     while i < len(regex):
-        c = regex[i]
-        if c == "\\" and i + 1 < len(regex):
+        if regex[i] == "\\" and i + 1 < len(regex):
             escaped, i = _escape(regex, i)
-            if escaped in string.punctuation:
-                found.add(escaped)
-            chars.append("\0")  # (an escape is no syntax, nor a range's end here)
+            items.append((escaped, len(escaped) == 1))
             continue
-        chars.append(c)
+        # A group's opening (`(?i:`, `(?<name>`, `(?<=`) and a counted repetition (`{1,3}`)
+        # are syntax, whatever their characters.
+        syntax = _GROUP.match(regex, i) or _COUNT.match(regex, i)
+        if syntax is not None and syntax.end() > i + 1:
+            items += [(c, False) for c in syntax.group(0)]
+            i = syntax.end()
+            continue
+        items.append((regex[i], regex[i] not in _SYNTAX))
         i += 1
     in_class = False
-    for j, c in enumerate(chars):
+    run: list[str] = []
+    for j, (c, literal) in enumerate(items):
         if in_class:
-            if c == "]" and chars[j - 1] != "[":
+            if c == "]" and not literal and items[j - 1][0] != "[":
                 in_class = False
-            elif c == "-" and 0 < j < len(chars) - 1 and chars[j - 1] != "[":
-                low, high = chars[j - 1], chars[j + 1]
-                if low.isascii() and high.isascii() and low <= high:
-                    found |= {chr(k) for k in range(ord(low), ord(high) + 1)}
-            elif c != "^" or chars[j - 1] != "[":
-                found.add(c)
-        elif c == "[":
+            elif not (c == "^" and items[j - 1] == ("[", False)) and len(c) == 1:
+                found.append(c)  # (a range's ends; `-` itself, a mark)
+            continue
+        if c == "[" and not literal:
             in_class = True
-        elif c not in _SYNTAX:
-            found.add(c)
-    return found & set(string.punctuation)
+        if literal and len(c) == 1:
+            found.append(c)
+            run.append(c)
+            continue
+        if 2 <= len(run) <= 8:
+            found.append("".join(run))
+        run = []
+    if 2 <= len(run) <= 8:
+        found.append("".join(run))
+    return [u for u in found if len(u) > 1 or not (u.isalnum() or u.isspace())]
 
 
 def _escape(regex: str, i: int) -> tuple[str, int]:
-    """The character an escape at `regex[i]` stands for (a class's letter where it stands
-    for a class), and where the regex goes on."""
+    """The character an escape at `regex[i]` stands for (the escape's letter, as more
+    than one character, where it stands for a class: `\\p`), and where the regex goes on."""
     kind = regex[i + 1]
-    if kind in "xu":
-        width = 2 if kind == "x" else 4
+    if kind in "xuo":
+        width = {"x": 2, "u": 4, "o": 3}[kind]
+        base = 8 if kind == "o" else 16
         if regex[i + 2 : i + 3] == "{":
             end = regex.find("}", i + 3)
             digits, after = (regex[i + 3 : end], end + 1) if end > 0 else ("", i + 2)
         else:
             digits, after = regex[i + 2 : i + 2 + width], i + 2 + width
         try:
-            return chr(int(digits, 16)), after
+            return chr(int(digits, base)), after
         except (ValueError, OverflowError):
-            return kind, i + 2
+            return "\\" + kind, i + 2
+    if kind.isdigit() and kind in "01234567":  # octal (\074) or a back-reference
+        octal = _OCTAL.match(regex, i + 1)
+        assert octal is not None
+        value = int(octal.group(0), 8)
+        if kind == "0" or value >= 0o40:
+            return chr(value), octal.end()
+        return "\\" + kind, i + 2
     if kind in "pPk" and regex[i + 2 : i + 3] in ("{", "<"):
         end = regex.find("}" if regex[i + 2] == "{" else ">", i + 3)
-        return kind, (end + 1 if end > 0 else i + 2)
+        return "\\" + kind, (end + 1 if end > 0 else i + 2)
+    if kind.isalnum():
+        return "\\" + kind, i + 2  # (a class, an anchor, a control character)
     return kind, i + 2
 
 
 def check_pace(
-    backend: HFTokenizer, file: Path, key: object = None, marks: Iterable[str] = ()
+    backend: HFTokenizer, file: Path, key: object = None, units: Iterable[str] = ()
 ) -> None:
-    """Refuse a tokenizer too slow on ordinary text (see RUNGS), or on runs of `marks`
-    (`regex_marks`). `key`: the file's text (its length and hash); a text paced before in
+    """Refuse a tokenizer too slow on ordinary text (see RUNGS), or on runs of `units`
+    (`regex_units`). `key`: the file's text (its length and hash); a text paced before in
     this process is not paced again."""
     if key is not None and key in _paced:
         return
@@ -159,7 +215,7 @@ def check_pace(
     for rung, length in enumerate(RUNGS):
         limit = max(RUNG_FLOOR, RUNG_SECONDS * length / RUNGS[-1])
         took: list[tuple[str, float]] = []
-        for i, (what, probe) in enumerate(_probes(length, marks)):
+        for i, (what, probe, project_from) in enumerate(_probes(length, units)):
             now = _timed(backend, probe, file)
             if limit / 10 < now <= 3 * limit:  # (a pause, or slow: timed again to be sure)
                 now = min(now, _timed(backend, probe, file))
@@ -171,7 +227,7 @@ def check_pace(
                     f"{limit * 1e3:,.1f} ms: a prompt would take minutes (a backtracking "
                     f"`Split` regex?): {DAMAGED}"
                 )
-            if not before or now < PROJECT_FROM:
+            if not before or now < project_from:
                 continue
             shorter, then = before[i]
             projected = _projected(then, now, length / RUNGS[rung - 1], length)
