@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
 
 from modeling.checkpoints.folder_files import CheckpointError
 from modeling.checkpoints.gguf_file import read_gguf
@@ -197,10 +198,34 @@ def test_superbpes_zero_width_split_runs_linear_whatever_its_behavior(
     ],
 )
 def test_what_a_regex_names_is_probed(regex: str, units: list[str]) -> None:
-    spec = {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"pattern": {"Regex": regex}}]}}
-    assert tokenizer_pace.regex_units(spec) == set(units)
+    assert tokenizer_pace.regex_units(_split_only(regex)) == set(units)
     probes = [what for what, _, _ in tokenizer_pace._probes(64, set(units))]
     assert {f"a run of {u!r}" for u in units} <= set(probes)
+
+
+def _split_only(regex: str, **more: Any) -> HFTokenizer:
+    """A tokenizer whose pre-tokenizer is one `Split` by `regex` (`more`: keys of its own)."""
+    split = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated"}
+    spec = {
+        "version": "1.0",
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{**split, "invert": False}]},
+        "model": {"type": "WordLevel", "vocab": {"x": 0}, "unk_token": "x"},
+    }
+    spec["pre_tokenizer"].update(more)
+    return HFTokenizer.from_str(json.dumps(spec))
+
+
+def test_units_are_read_from_the_steps_the_library_built() -> None:
+    """Regexes under keys the library ignores are not read (64 of them pushed the slow
+    regex's marks past what was read), a surrogate escape names no unit (its run cannot
+    be encoded: a traceback at load), and regexes naming more than can be timed are
+    refused, not cut."""
+    decoys = [{"pattern": {"Regex": f"q{i}"}} for i in range(200)]
+    assert tokenizer_pace.regex_units(_split_only("[<|]+[^<|]", decoy=decoys)) == {"<", "|"}
+    assert tokenizer_pace.regex_units(_split_only(r"(?#\uD800\x{DC00})<")) == {"#", "<"}
+    many = "|".join(f"q{chr(97 + i // 26)}{chr(97 + i % 26)}" for i in range(130))
+    with pytest.raises(tokenizer_pace.UnitsTooMany, match="name 130 marks and runs"):
+        tokenizer_pace.regex_units(_split_only(many))
 
 
 def test_a_regex_too_long_to_read_is_refused(byte_level: dict[str, Any], tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from modeling.checkpoints.folder_files import (
 from modeling.checkpoints.gguf_file import short_repr
 from modeling.errors import panic_said, rust_panic, rust_quiet
 from modeling.text.gguf_pretokenizers import LINEAR_FORMS, ZERO_WIDTH
-from modeling.text.tokenizer_pace import PatternTooLong, check_pace, regex_units
+from modeling.text.tokenizer_pace import UnitsTooMany, check_pace, regex_units
 
 # Characters of the `tokenizers` library's refusal quoted in ours: it quotes the file,
 # which may be megabytes on one line.
@@ -67,15 +67,10 @@ def read_backend(file: Path) -> HFTokenizer:
         spec = json.loads(text)
     except (ValueError, RecursionError):
         spec = None  # (the library says what is wrong with it)
-    units: set[str] = set()
     if isinstance(spec, dict):
         check_vocabulary(spec, file)
         if linear_splits(spec):
             text = json.dumps(spec)
-        try:
-            units = regex_units(spec)
-        except PatternTooLong as exc:
-            raise CheckpointError(f"{file}: {exc}: {DAMAGED}") from None
     del spec  # (hundreds of MB for a large vocabulary: not kept through the build)
     try:
         with rust_quiet():  # (a panic is said in one line below)
@@ -88,6 +83,10 @@ def read_backend(file: Path) -> HFTokenizer:
     backend.no_padding()
     backend.no_truncation()
     check_replacements(backend, file)
+    try:
+        units = regex_units(backend)
+    except UnitsTooMany as exc:
+        raise CheckpointError(f"{file}: {exc}: {DAMAGED}") from None
     check_pace(backend, file, key=key, units=units)
     with _READ_LOCK:
         _READ[key] = backend

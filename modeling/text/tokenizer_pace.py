@@ -4,6 +4,7 @@ too slow or grows too fast for the prompts specd accepts."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import string
@@ -57,7 +58,7 @@ _paced: set[object] = set()  # the tokenizer.json texts already paced
 # is quadratic only on runs of `<` and `|`, the marks of control tokens: 3.4 s for 32,768).
 # A unit costs a real tokenizer's load about 3 ms. Their growth is projected from
 # UNIT_PROJECT_FROM: a real tokenizer takes about 2 ms for 4,096 characters and projects
-# under 10 s unless its time grew 6-fold for 4 times the text; `[<|]+[^<|]` takes 48 ms and
+# under 10 s unless its time grew 30-fold for 4 times the text; `[<|]+[^<|]` takes 48 ms and
 # projects to 40 s. This is a net, not a proof: `(?:<\|)+>`, 13 s for 131,072 characters of
 # `<|`, takes 15 ms for 4,096 and projects to 7 s, and passes (README, Known limits).
 UNIT_RUNGS = 4_096
@@ -82,20 +83,24 @@ def _run(unit: str, length: int) -> str:
     return (unit * (length // len(unit) + 1))[:length]
 
 
-def regex_units(spec: dict[str, Any]) -> set[str]:
-    """What the regexes of a tokenizer.json's normalizer and pre-tokenizer (a `Split`'s or
-    a `Replace`'s pattern) name, each to be probed as a run: every mark (a character not
-    a letter, digit or space) written as a literal, escaped (`\\<`, `\x3c`, `\074`), in
-    a class or as a range's end; every run of two to eight literal characters (`<|`,
-    `'re`); and every ASCII mark where a class of symbols or punctuation is named
-    (`\\p{Sm}`, `[[:punct:]]`). A regex's own syntax outside a class is not read as a mark
-    (a few of its marks are all the same: `:` of `(?i:`). At most MAX_PATTERNS regexes
-    (a file with more is refused for its steps) of MAX_PATTERN_CHARS characters each (one
-    longer is refused), and MAX_UNITS units."""
+def regex_units(backend: HFTokenizer) -> set[str]:
+    """What the regexes of a tokenizer's normalizer and pre-tokenizer (a `Split`'s or a
+    `Replace`'s pattern) name, each to be probed as a run: every mark (a character not a
+    letter, digit or space) written as a literal, escaped (`\\<`, `\x3c`, `\074`), in a
+    class or as a range's end; every run of two to eight literal characters (`<|`, `'re`);
+    and every ASCII mark where a class of symbols or punctuation is named (`\\p{Sm}`,
+    `[[:punct:]]`). A regex's own syntax outside a class is not read as a mark (a few of its
+    marks are all the same: `:` of `(?i:`). Read from the steps the library built (after
+    their number is bounded), not from the file, whose other keys the library ignores.
+    UnitsTooMany where a regex is longer than MAX_PATTERN_CHARS or they name more than
+    MAX_UNITS units (real ones: at most 33), which would not all be probed."""
     units: dict[str, None] = {}
-    patterns = 0
-    stack: list[Any] = [spec.get("normalizer"), spec.get("pre_tokenizer")]
-    while stack and patterns < MAX_PATTERNS:
+    stack: list[Any] = [
+        json.loads(part.__getstate__())
+        for part in (backend.normalizer, backend.pre_tokenizer)
+        if part is not None
+    ]
+    while stack:
         step = stack.pop()
         if isinstance(step, list):
             stack.extend(step)
@@ -103,25 +108,28 @@ def regex_units(spec: dict[str, Any]) -> set[str]:
             pattern = step.get("pattern")
             regex = pattern.get("Regex") if isinstance(pattern, dict) else None
             if isinstance(regex, str):
-                patterns += 1
                 if len(regex) > MAX_PATTERN_CHARS:
-                    raise PatternTooLong(len(regex))
+                    raise UnitsTooMany(
+                        f"a regex of its normalizer or pre-tokenizer is {len(regex):,} "
+                        f"characters long; specd reads at most {MAX_PATTERN_CHARS:,} (real "
+                        "ones: under 200)"
+                    )
                 units.update(dict.fromkeys(_units(regex)))
             stack.extend(v for k, v in step.items() if k != "pattern")
-    return set(list(units)[:MAX_UNITS])
-
-
-class PatternTooLong(ValueError):
-    def __init__(self, length: int) -> None:
-        super().__init__(
-            f"a regex of its normalizer or pre-tokenizer is {length:,} characters long; specd "
-            f"reads at most {MAX_PATTERN_CHARS:,} (real ones: under 200)"
+    if len(units) > MAX_UNITS:
+        raise UnitsTooMany(
+            f"the regexes of its normalizer and pre-tokenizer name {len(units):,} marks and "
+            f"runs of literals to time; specd times at most {MAX_UNITS} (real ones: 33)"
         )
+    return set(units)
 
 
-MAX_PATTERNS = 64  # regexes read (as many steps as a tokenizer may have)
+class UnitsTooMany(ValueError):
+    """Regexes that name more than can be timed (`regex_units`)."""
+
+
 MAX_PATTERN_CHARS = 65_536
-MAX_UNITS = 64
+MAX_UNITS = 128
 _SYNTAX = set("\\^$.|?*+()[]{}")
 _GROUP = re.compile(r"\(\?(?:[a-zA-Z-]*[:)]|<?[=!]|P?<[A-Za-z_][A-Za-z0-9_]*>|>)")
 _OCTAL = re.compile("[0-7]{1,3}")
@@ -169,7 +177,12 @@ def _units(regex: str) -> list[str]:
         run = []
     if 2 <= len(run) <= 8:
         found.append("".join(run))
-    return [u for u in found if len(u) > 1 or not (u.isalnum() or u.isspace())]
+    return [
+        u
+        for u in found
+        if (len(u) > 1 or not (u.isalnum() or u.isspace()))
+        and not any(0xD800 <= ord(c) <= 0xDFFF for c in u)
+    ]
 
 
 def _escape(regex: str, i: int) -> tuple[str, int]:
@@ -185,9 +198,11 @@ def _escape(regex: str, i: int) -> tuple[str, int]:
         else:
             digits, after = regex[i + 2 : i + 2 + width], i + 2 + width
         try:
-            return chr(int(digits, base)), after
+            char = chr(int(digits, base))
         except (ValueError, OverflowError):
             return "\\" + kind, i + 2
+        # (a surrogate is no character a text can hold: no run of it can be timed)
+        return (char, after) if not 0xD800 <= ord(char) <= 0xDFFF else ("\\" + kind, after)
     if kind.isdigit() and kind in "01234567":  # octal (\074) or a back-reference
         octal = _OCTAL.match(regex, i + 1)
         assert octal is not None
@@ -231,10 +246,12 @@ def check_pace(
                 continue
             shorter, then = before[i]
             projected = _projected(then, now, length / RUNGS[rung - 1], length)
-            if projected > PACE_SECONDS:  # (timed again, the best of three, to be sure)
-                then = min(_timed(backend, shorter, file, tries=3), then)
-                now = min(_timed(backend, probe, file, tries=3), now)
-                projected = _projected(then, now, length / RUNGS[rung - 1], length)
+            for _ in range(2):  # (timed again, the best of three, twice, to be sure: a
+                # busy machine once made a real one project to 10 s)
+                if projected > PACE_SECONDS:
+                    then = min(_timed(backend, shorter, file, tries=3), then)
+                    now = min(_timed(backend, probe, file, tries=3), now)
+                    projected = _projected(then, now, length / RUNGS[rung - 1], length)
             if projected > PACE_SECONDS:
                 raise CheckpointError(
                     f"{file}: its normalizer or pre-tokenizer slows as text grows ({what}: "
