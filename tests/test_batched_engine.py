@@ -701,5 +701,8 @@ def test_choices_waiting_for_their_first_count_as_queued(runtime: Runtime) -> No
     no worker takes the list meanwhile.)"""
     engine = Engine(runtime.options, EngineLimits(), Metrics(), runtime_factory=lambda _: runtime)
     assert engine.queued == 0
-    engine._waiting.append(object())  # type: ignore[arg-type]  # (a choice waiting)
+    waiting = Job(None, None)  # type: ignore[arg-type]  # (a choice waiting)
+    engine._waiting.append(waiting)
     assert engine.queued == 1
+    waiting.cancel()  # (its client left: it holds no place)
+    assert engine.queued == 0
